@@ -1,0 +1,135 @@
+"""Message structs and their msgpack codec.
+
+Versioning: every top-level message carries `schema_version`. A receiver that sees a version it
+does not know fails loudly (`decode` raises) instead of guessing at fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class Sample(msgspec.Struct, kw_only=True):
+    """One generated response to a prompt.
+
+    Sent by the rollout router (inside a `SampleGroup`), received by the trainer.
+    `response_ids`/`response_logprobs` are exactly the engine's `output_token_logprobs`; the
+    trainer trains on these ids. `loss_mask` has one entry per response token (1 = train on it;
+    0 = a token the policy did not produce, e.g. an environment's reply in a multi-turn episode).
+    `token_versions` is the weight version that produced each response token; it differs from
+    `weight_version` only when a partial rollout was continued on newer weights.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    loss_mask: list[int]
+    reward: float
+    weight_version: int
+    token_versions: list[int] = []
+    finish_reason: str = "stop"
+    response_text: str = ""
+
+
+class SampleGroup(msgspec.Struct, kw_only=True):
+    """All samples of one prompt (GRPO's group). Router -> Redis stream -> trainer.
+
+    `weight_version` is the oldest version among the samples; the trainer's staleness filter
+    compares it with its own version.
+    """
+
+    group_id: str
+    prompt: str
+    label: str
+    samples: list[Sample]
+    weight_version: int
+    created_at: float
+    schema_version: int = SCHEMA_VERSION
+
+
+class DropRecord(msgspec.Struct, kw_only=True):
+    """A group or sample that will not be trained on, and why. Any service -> Redis."""
+
+    source: str
+    reason: str
+    count: int
+    group_id: str = ""
+    detail: str = ""
+    weight_version: int = -1
+    created_at: float = 0.0
+    schema_version: int = SCHEMA_VERSION
+
+
+class MetricsRecord(msgspec.Struct, kw_only=True):
+    """Metrics of one step, keyed as paths (`train/loss`, `eval/accuracy`).
+
+    Sent by the trainer (per optimizer step) and the router (per rollout and per evaluation)
+    into the metrics stream; read by `tandem up`, which prints progress and writes
+    `metrics.jsonl`. `step` is the trainer step (= weight version) the values belong to.
+    """
+
+    source: str
+    step: int
+    values: dict[str, float]
+    time: float
+    schema_version: int = SCHEMA_VERSION
+
+
+class TensorMeta(msgspec.Struct, array_like=True):
+    """Name (Hugging Face checkpoint name), dtype (torch name, e.g. "bfloat16") and shape of one
+    tensor whose raw little-endian bytes follow its header as one frame."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class WeightBucketHeader(msgspec.Struct, kw_only=True):
+    """First frame of a weight bucket; one raw frame per tensor follows, in `tensors` order.
+
+    Trainer -> broker (ZMQ PUSH) and broker -> engine (ZMQ ROUTER reply). A version is complete
+    when buckets 0..num_buckets-1 have arrived. `mac` is an HMAC-SHA256 over the header (with
+    `mac` empty) and every frame, keyed by the shared secret; empty when no secret is set.
+    """
+
+    version: int
+    bucket_index: int
+    num_buckets: int
+    tensors: list[TensorMeta]
+    mac: bytes = b""
+    schema_version: int = SCHEMA_VERSION
+
+
+class WeightRequest(msgspec.Struct, kw_only=True):
+    """Engine -> broker (ZMQ DEALER): "send me every bucket of version `version`"."""
+
+    version: int
+    schema_version: int = SCHEMA_VERSION
+
+
+_encoder = msgspec.msgpack.Encoder()
+T = TypeVar("T")
+
+
+def encode(message: Any) -> bytes:
+    """msgpack bytes of a message struct."""
+    return _encoder.encode(message)
+
+
+def decode(data: bytes, message_type: type[T]) -> T:
+    """Decode and check `schema_version`; raises `ValueError` naming the message type."""
+    try:
+        message = msgspec.msgpack.decode(data, type=message_type)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"malformed {message_type.__name__}: {exc}") from exc
+    version = getattr(message, "schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise ValueError(
+            f"{message_type.__name__} has schema_version {version}; this build speaks "
+            f"{SCHEMA_VERSION}. Run the same Tandem version in every service."
+        )
+    return message

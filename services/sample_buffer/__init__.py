@@ -1,0 +1,6 @@
+"""Redis-streams buffer between the rollout router (producer) and the trainer (consumer)."""
+
+from services.sample_buffer.buffer import BufferConfig, BufferFullError, SampleBuffer
+from services.sample_buffer.server import RedisServer, find_server_binary
+
+__all__ = ["BufferConfig", "BufferFullError", "SampleBuffer", "RedisServer", "find_server_binary"]

@@ -1,0 +1,197 @@
+"""SampleBuffer: sample groups, drops, versions and metrics of one run, kept in Redis.
+
+Keys (all under `tandem:{run_id}:`):
+- `samples`   stream of `SampleGroup`, consumer group `trainer`. The router XADDs; the trainer
+              XREADGROUPs, and after training XACKs and XDELs, so the stream length is the number
+              of groups produced but not yet trained. The producer blocks while that length is at
+              `max_groups` (backpressure): the buffer never grows without bound and nothing is
+              trimmed away unseen.
+- `drops`     hash reason -> count; `drop_log` stream of `DropRecord` (capped at `drop_log_len`,
+              the counters are exact).
+- `version:{role}`  integer weight version last reported by a role (trainer, engines).
+- `metrics`   stream of `MetricsRecord` (capped at `metrics_len`).
+
+A group read but not acked (trainer died mid-step) stays pending in the consumer group;
+`read_groups(pending_first=True)` hands it out again, so no group is lost on restart.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from proto import DropRecord, MetricsRecord, SampleGroup, decode, encode
+
+
+class BufferFullError(RuntimeError):
+    """The stream stayed full for longer than the producer's timeout."""
+
+
+@dataclass
+class BufferConfig:
+    """Where the buffer lives and how big it may get."""
+
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis URL."})
+    run_id: str = field(default="default", metadata={"help": "Key prefix: one run per id."})
+    max_groups: int = field(
+        default=1024,
+        metadata={"help": "Most untrained groups held; producers wait beyond this."},
+    )
+    # Logs are for humans; exact counts live in the `drops` hash.
+    drop_log_len: int = field(default=10_000, metadata={"help": "Drop records kept."})
+    metrics_len: int = field(default=100_000, metadata={"help": "Metrics records kept."})
+
+
+CONSUMER_GROUP = "trainer"
+
+
+class SampleBuffer:
+    """Typed access to one run's keys. Thread-safe as far as redis-py clients are."""
+
+    def __init__(self, config: BufferConfig, client: redis.Redis | None = None) -> None:
+        self.config = config
+        self.redis = client or redis.Redis.from_url(config.redis_url)
+        prefix = f"tandem:{config.run_id}:"
+        self.samples_key = prefix + "samples"
+        self.drops_key = prefix + "drops"
+        self.drop_log_key = prefix + "drop_log"
+        self.metrics_key = prefix + "metrics"
+        self.version_prefix = prefix + "version:"
+
+    # --- connection -------------------------------------------------------------------------
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Ping until the server answers; raise naming the URL if it never does."""
+        deadline = time.monotonic() + timeout_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                self.redis.ping()
+                return
+            except redis.ConnectionError as exc:
+                last = exc
+                time.sleep(0.1)
+        raise ConnectionError(
+            f"no Redis server answered at {self.config.redis_url} within {timeout_s:.0f}s "
+            f"(last error: {last}); check --redis-url or REDIS_URL"
+        )
+
+    # --- samples ------------------------------------------------------------------------------
+
+    def ensure_consumer_group(self) -> None:
+        try:
+            self.redis.xgroup_create(self.samples_key, CONSUMER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def depth(self) -> int:
+        """Groups produced and not yet trained (acked)."""
+        return int(self.redis.xlen(self.samples_key))
+
+    def put_group(self, group: SampleGroup, timeout_s: float = 600.0) -> str:
+        """Append a group, waiting while the buffer is full. Returns the stream id."""
+        deadline = time.monotonic() + timeout_s
+        while self.depth() >= self.config.max_groups:
+            if time.monotonic() > deadline:
+                raise BufferFullError(
+                    f"{self.samples_key} held {self.config.max_groups} untrained groups for "
+                    f"{timeout_s:.0f}s: is the trainer running? (raise --max-groups to buffer more)"
+                )
+            time.sleep(0.05)
+        entry_id = self.redis.xadd(self.samples_key, {"d": encode(group)})
+        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+    def read_groups(
+        self, consumer: str, count: int, block_ms: int = 1000, pending_first: bool = False
+    ) -> list[tuple[str, SampleGroup]]:
+        """Up to `count` groups for `consumer`. With `pending_first`, groups this consumer read
+        earlier but never acked come first (resume after a crash)."""
+        self.ensure_consumer_group()
+        out: list[tuple[str, SampleGroup]] = []
+        if pending_first:
+            out += self._read(consumer, count, "0", None)
+            count -= len(out)
+        if count > 0:
+            out += self._read(consumer, count, ">", block_ms)
+        return out
+
+    def _read(
+        self, consumer: str, count: int, start: str, block_ms: int | None
+    ) -> list[tuple[str, SampleGroup]]:
+        reply = self.redis.xreadgroup(
+            CONSUMER_GROUP, consumer, {self.samples_key: start}, count=count, block=block_ms
+        )
+        out = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                if not fields:  # pending entry deleted meanwhile
+                    continue
+                key = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                out.append((key, decode(fields[b"d"], SampleGroup)))
+        return out
+
+    def ack(self, entry_ids: list[str]) -> None:
+        """Mark groups as trained and delete them (this is what frees buffer space)."""
+        if not entry_ids:
+            return
+        pipe = self.redis.pipeline()
+        pipe.xack(self.samples_key, CONSUMER_GROUP, *entry_ids)
+        pipe.xdel(self.samples_key, *entry_ids)
+        pipe.execute()
+
+    # --- drops --------------------------------------------------------------------------------
+
+    def record_drop(self, record: DropRecord) -> None:
+        if not record.created_at:
+            record.created_at = time.time()
+        pipe = self.redis.pipeline()
+        pipe.hincrby(self.drops_key, record.reason, record.count)
+        pipe.xadd(
+            self.drop_log_key,
+            {"d": encode(record)},
+            maxlen=self.config.drop_log_len,
+            approximate=True,
+        )
+        pipe.execute()
+
+    def drop_counts(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self.redis.hgetall(self.drops_key).items()}
+
+    def drop_log(self, count: int = 100) -> list[DropRecord]:
+        entries = self.redis.xrevrange(self.drop_log_key, count=count)
+        return [decode(fields[b"d"], DropRecord) for _id, fields in entries]
+
+    # --- versions -----------------------------------------------------------------------------
+
+    def set_version(self, role: str, version: int) -> None:
+        self.redis.set(self.version_prefix + role, version)
+
+    def get_version(self, role: str, default: int = -1) -> int:
+        value = self.redis.get(self.version_prefix + role)
+        return int(value) if value is not None else default
+
+    # --- metrics ------------------------------------------------------------------------------
+
+    def publish_metrics(self, source: str, step: int, values: dict[str, float]) -> None:
+        record = MetricsRecord(source=source, step=step, values=values, time=time.time())
+        self.redis.xadd(
+            self.metrics_key,
+            {"d": encode(record)},
+            maxlen=self.config.metrics_len,
+            approximate=True,
+        )
+
+    def read_metrics(
+        self, after_id: str = "0", block_ms: int | None = None
+    ) -> list[tuple[str, MetricsRecord]]:
+        """Records after `after_id` (exclusive), oldest first."""
+        reply = self.redis.xread({self.metrics_key: after_id}, block=block_ms)
+        out = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                key = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                out.append((key, decode(fields[b"d"], MetricsRecord)))
+        return out

@@ -1,0 +1,132 @@
+"""Weight buckets on the wire: a msgpack `WeightBucketHeader` frame, then one raw frame per tensor.
+
+Used on both ZMQ hops: trainer -> broker (PUSH/PULL) and broker -> engine (DEALER/ROUTER).
+Tensors travel as their raw little-endian bytes, Hugging Face names in the header; no pickle.
+
+Authentication: with a shared secret (env `TANDEM_WEIGHT_SECRET`), each header carries an
+HMAC-SHA256 over the header (with an empty `mac`) and every tensor frame. A receiver holding the
+secret rejects a bucket whose MAC is missing or wrong (`AuthenticationError`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from proto import TensorMeta, WeightBucketHeader, decode, encode
+
+if TYPE_CHECKING:
+    import torch
+
+SECRET_ENV = "TANDEM_WEIGHT_SECRET"
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+
+Frame = Any  # bytes, memoryview or zmq.Frame: anything exposing the buffer protocol
+
+
+class AuthenticationError(ValueError):
+    """A bucket's MAC did not verify: it was not sent by a holder of the shared secret."""
+
+
+def secret_from_env() -> bytes | None:
+    value = os.environ.get(SECRET_ENV, "")
+    return value.encode() if value else None
+
+
+def _mac(secret: bytes, header: WeightBucketHeader, frames: Sequence[Frame]) -> bytes:
+    unsigned = WeightBucketHeader(
+        version=header.version,
+        bucket_index=header.bucket_index,
+        num_buckets=header.num_buckets,
+        tensors=header.tensors,
+    )
+    digest = hmac.new(secret, encode(unsigned), hashlib.sha256)
+    for frame in frames:
+        digest.update(memoryview(getattr(frame, "buffer", frame)))
+    return digest.digest()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(__import__("torch").uint8).numpy())
+
+
+def make_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    version: int,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    secret: bytes | None = None,
+) -> list[list[Frame]]:
+    """Group tensors into buckets of at most `bucket_bytes` (a larger tensor gets its own) and
+    return each bucket as a ZMQ multipart message `[header, frame, frame, ...]`."""
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, tensor.detach().cpu()))
+        size += nbytes
+    messages = []
+    for index, group in enumerate(groups):
+        frames = [tensor_bytes(t) for _, t in group]
+        header = WeightBucketHeader(
+            version=version,
+            bucket_index=index,
+            num_buckets=len(groups),
+            tensors=[
+                TensorMeta(name, str(t.dtype).removeprefix("torch."), list(t.shape))
+                for name, t in group
+            ],
+        )
+        if secret:
+            header.mac = _mac(secret, header, frames)
+        messages.append([encode(header), *frames])
+    return messages
+
+
+def parse_bucket(
+    message: Sequence[Frame], secret: bytes | None = None
+) -> tuple[WeightBucketHeader, list[Frame]]:
+    """Split and check one multipart bucket. Raises `ValueError` on a malformed bucket and
+    `AuthenticationError` on a bad MAC."""
+    if not message:
+        raise ValueError("empty weight bucket")
+    raw_header = message[0]
+    header = decode(bytes(getattr(raw_header, "buffer", raw_header)), WeightBucketHeader)
+    frames = list(message[1:])
+    if len(frames) != len(header.tensors):
+        raise ValueError(
+            f"weight bucket {header.bucket_index} of version {header.version} names "
+            f"{len(header.tensors)} tensors but carries {len(frames)} frames"
+        )
+    if secret is not None:
+        if not header.mac or not hmac.compare_digest(header.mac, _mac(secret, header, frames)):
+            raise AuthenticationError(
+                f"weight bucket {header.bucket_index} of version {header.version} failed its "
+                f"HMAC check (is {SECRET_ENV} the same for trainer, broker and engines?)"
+            )
+    return header, frames
+
+
+def bucket_tensors(header: WeightBucketHeader, frames: Sequence[Frame]) -> list[tuple[str, torch.Tensor]]:
+    """Tensors of a parsed bucket. They share memory with the frames (no copy)."""
+    import torch
+
+    out = []
+    for meta, frame in zip(header.tensors, frames, strict=True):
+        dtype = getattr(torch, meta.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"tensor {meta.name!r} has unknown dtype {meta.dtype!r}")
+        buffer = memoryview(getattr(frame, "buffer", frame))
+        if buffer.nbytes == 0:
+            tensor = torch.empty(meta.shape, dtype=dtype)
+        else:
+            tensor = torch.frombuffer(buffer, dtype=dtype).reshape(meta.shape)
+        out.append((meta.name, tensor))
+    return out
