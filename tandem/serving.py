@@ -1,0 +1,71 @@
+"""Run a FastAPI app under uvicorn on a socket we bind ourselves.
+
+Binding first means: `--port 0` lets the OS pick a free port with no race between choosing and
+listening, and a port that is taken fails at once with a message naming it and the flag. Once the
+server is accepting connections, the bound address is written to `ready_file` (JSON with `url`,
+`host`, `port`, `pid`) so a launcher knows where the service is without guessing.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+
+class PortInUseError(RuntimeError):
+    pass
+
+
+def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A listening-ready TCP socket on (host, port); port 0 picks a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(
+                f"port {port} on {host} is already in use; pick another with {flag} "
+                f"(or {flag} 0 for any free port)"
+            ) from exc
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def write_ready_file(path: str | Path, **info: Any) -> None:
+    """Atomically write the ready file (readers never see a half-written one)."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps({**info, "pid": os.getpid()}))
+    tmp.replace(path)
+
+
+def serve(app: Any, host: str, port: int, ready_file: str | None = None, flag: str = "--port") -> None:
+    """Serve `app` until SIGINT/SIGTERM; raise `PortInUseError` if the port is taken."""
+    sock = bind_socket(host, port, flag)
+    bound_port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    server = uvicorn.Server(config)
+    url_host = f"[{host}]" if ":" in host else host
+
+    if ready_file:
+        original_startup = server.startup
+
+        async def startup(sockets: list[socket.socket] | None = None) -> None:
+            await original_startup(sockets=sockets)
+            if server.started:
+                write_ready_file(
+                    ready_file, url=f"http://{url_host}:{bound_port}", host=host, port=bound_port
+                )
+
+        server.startup = startup  # type: ignore[method-assign]
+    server.run(sockets=[sock])

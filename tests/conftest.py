@@ -1,0 +1,103 @@
+"""Shared fixtures: a real Valkey/Redis server process, the toy model, and service processes.
+
+Service processes are started through the real CLI (`python -m tandem.cli <service> ...`) with
+`--port 0 --ready-file F`, and killed by process group at teardown, so no test leaves orphans.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from tandem.toy_model import write_toy_model
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer(log_dir=tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture
+def buffer(redis_server: RedisServer, request: pytest.FixtureRequest) -> SampleBuffer:
+    """A buffer on the shared server, under a run id unique to this test."""
+    run_id = request.node.name.replace("[", "_").replace("]", "_")
+    buf = SampleBuffer(BufferConfig(redis_url=redis_server.url, run_id=run_id))
+    for key in buf.redis.scan_iter(f"tandem:{run_id}:*"):
+        buf.redis.delete(key)
+    return buf
+
+
+@pytest.fixture(scope="session")
+def toy_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_toy_model(tmp_path_factory.mktemp("toy") / "model", seed=0)
+
+
+class ServiceProcess:
+    """A `tandem <service>` subprocess; `url` is read from its ready file."""
+
+    def __init__(self, args: list[str], workdir: Path, name: str, timeout_s: float = 120.0):
+        self.ready_file = workdir / f"{name}.ready.json"
+        self.log_path = workdir / f"{name}.log"
+        self.ready_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "tandem.cli", *args]
+        if "--ready-file" not in args:
+            cmd += ["--ready-file", str(self.ready_file)]
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.info: dict = {}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                self.info = json.loads(self.ready_file.read_text())
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"{name} did not become ready:\n{self.log()[-4000:]}")
+
+    @property
+    def url(self) -> str:
+        return self.info["url"]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture
+def start_service(tmp_path: Path) -> Iterator:
+    """`start_service(name, args)` -> ServiceProcess; all are stopped after the test."""
+    started: list[ServiceProcess] = []
+
+    def _start(name: str, args: list[str], timeout_s: float = 120.0) -> ServiceProcess:
+        service = ServiceProcess(args, tmp_path, name, timeout_s)
+        started.append(service)
+        return service
+
+    yield _start
+    for service in reversed(started):
+        service.stop()
