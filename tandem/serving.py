@@ -49,8 +49,18 @@ def write_ready_file(path: str | Path, **info: Any) -> None:
     tmp.replace(path)
 
 
-def serve(app: Any, host: str, port: int, ready_file: str | None = None, flag: str = "--port") -> None:
-    """Serve `app` until SIGINT/SIGTERM; raise `PortInUseError` if the port is taken."""
+def serve(
+    app: Any,
+    host: str,
+    port: int,
+    ready_file: str | None = None,
+    flag: str = "--port",
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Serve `app` until SIGINT/SIGTERM; raise `PortInUseError` if the port is taken.
+
+    `extra` entries are added to the ready file (e.g. other endpoints the service bound); a
+    callable value is called once the app has started (its lifespan ran)."""
     sock = bind_socket(host, port, flag)
     bound_port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
@@ -63,8 +73,13 @@ def serve(app: Any, host: str, port: int, ready_file: str | None = None, flag: s
         async def startup(sockets: list[socket.socket] | None = None) -> None:
             await original_startup(sockets=sockets)
             if server.started:
+                resolved = {k: v() if callable(v) else v for k, v in (extra or {}).items()}
                 write_ready_file(
-                    ready_file, url=f"http://{url_host}:{bound_port}", host=host, port=bound_port
+                    ready_file,
+                    url=f"http://{url_host}:{bound_port}",
+                    host=host,
+                    port=bound_port,
+                    **resolved,
                 )
 
         server.startup = startup  # type: ignore[method-assign]

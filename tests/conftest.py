@@ -47,11 +47,19 @@ def toy_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class ServiceProcess:
     """A `tandem <service>` subprocess; `url` is read from its ready file."""
 
-    def __init__(self, args: list[str], workdir: Path, name: str, timeout_s: float = 120.0):
+    def __init__(
+        self,
+        args: list[str],
+        workdir: Path,
+        name: str,
+        timeout_s: float = 120.0,
+        program: list[str] | None = None,
+    ):
+        """Run `tandem ARGS` (or `PROGRAM ARGS`) and wait for its ready file."""
         self.ready_file = workdir / f"{name}.ready.json"
         self.log_path = workdir / f"{name}.log"
         self.ready_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "tandem.cli", *args]
+        cmd = [*(program or [sys.executable, "-m", "tandem.cli"]), *args]
         if "--ready-file" not in args:
             cmd += ["--ready-file", str(self.ready_file)]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -93,8 +101,10 @@ def start_service(tmp_path: Path) -> Iterator:
     """`start_service(name, args)` -> ServiceProcess; all are stopped after the test."""
     started: list[ServiceProcess] = []
 
-    def _start(name: str, args: list[str], timeout_s: float = 120.0) -> ServiceProcess:
-        service = ServiceProcess(args, tmp_path, name, timeout_s)
+    def _start(
+        name: str, args: list[str], timeout_s: float = 120.0, program: list[str] | None = None
+    ) -> ServiceProcess:
+        service = ServiceProcess(args, tmp_path, name, timeout_s, program)
         started.append(service)
         return service
 

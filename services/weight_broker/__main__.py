@@ -1,0 +1,52 @@
+"""`tandem broker`: receive weight versions from the trainer and sync every engine to them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tandem.config_cli import add_config_args, config_from_args
+from tandem.serving import PortInUseError, serve
+
+DESCRIPTION = """\
+Weight broker. The trainer pushes each new weight version here over ZMQ (--intake-endpoint);
+the broker then has every engine (--engine-urls) fetch it (--serve-endpoint) and reports the
+version all engines serve to Redis (--redis-url) for the router's staleness gate. State at
+GET /state, Prometheus metrics at GET /metrics. Frames are HMAC-checked when
+TANDEM_WEIGHT_SECRET is set (same value for trainer, broker and engines).
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.weight_broker.config import BrokerConfig
+    from services.weight_broker.server import create_app
+
+    parser = argparse.ArgumentParser(prog="tandem broker", description=DESCRIPTION)
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind host (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8300, help="HTTP port; 0 = any free port")
+    parser.add_argument("--ready-file", help="write {url, endpoints, pid} here once serving")
+    add_config_args(parser, BrokerConfig)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[broker] %(asctime)s %(message)s")
+    config = config_from_args(BrokerConfig, args)
+    try:
+        app = create_app(config)
+    except Exception as exc:  # zmq bind errors name the endpoint; translate for the user
+        print(f"tandem broker: cannot bind ZMQ sockets: {exc} "
+              "(check --intake-endpoint / --serve-endpoint)", file=sys.stderr)  # fmt: skip
+        return 1
+    broker = app.state.broker
+    try:
+        serve(
+            app, args.host, args.port, args.ready_file,
+            extra={"intake_endpoint": broker.intake_endpoint, "serve_endpoint": broker.serve_endpoint},
+        )  # fmt: skip
+    except PortInUseError as exc:
+        print(f"tandem broker: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""WeightBroker: brings every inference engine to the trainer's newest weight version.
+
+Ordering contract (each arrow is checked by tests/test_broker_*.py):
+  1. The trainer finishes optimizer step N and pushes version N, bucket by bucket (ZMQ PUSH ->
+     our PULL `intake_endpoint`). Versions only increase; a bucket that fails its HMAC or is
+     malformed is dropped and counted, never applied.
+  2. When all buckets of N have arrived the version is complete; older incomplete versions are
+     discarded (latest wins: an engine never gets a version older than one it could get).
+  3. For each engine not yet on N (concurrently): POST `/update_weights_from_zmq` naming our
+     `serve_endpoint` and N. The engine pauses its generation between batches (requests that
+     arrive meanwhile wait), fetches N's buckets (ZMQ DEALER -> our ROUTER), checks every name
+     and shape before copying any tensor, flushes its cache, resumes, and from then on reports
+     `weight_version` N in every response. No response mixes weights of two versions.
+  4. Once an engine acknowledged N, its version is N here; `version:engines` in Redis is set to
+     the minimum version over engines in rotation, which the router uses as its staleness gate.
+  5. An engine that fails or exceeds `sync_timeout_s` is taken out of rotation (reported in
+     `/state` and metrics) and retried with backoff; the others complete regardless.
+
+Threads and loops: the intake thread owns the PULL socket and waits on it; the serve thread owns
+the ROUTER socket and answers fetch requests one at a time; the asyncio sync loop (in the HTTP
+server's event loop) waits for new complete versions or lagging engines and issues HTTP calls.
+Memory is bounded by `keep_versions` complete versions (VersionStore).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import zmq
+
+from proto import WeightRequest, decode
+from services.sample_buffer import BufferConfig, SampleBuffer
+from services.weight_broker.config import BrokerConfig
+from services.weight_broker.store import VersionStore
+from services.weight_broker.wire import AuthenticationError, parse_bucket, secret_from_env
+from services.weight_broker.zmq_transport import ERROR_FRAME
+
+log = logging.getLogger("tandem.broker")
+POLL_MS = 200
+RETRY_BACKOFF_S = 5.0
+
+
+@dataclass
+class EngineState:
+    url: str
+    version: int = -1
+    in_rotation: bool = True
+    syncing: bool = False
+    last_error: str = ""
+    last_sync_s: float = 0.0
+    last_sync_at: float = 0.0
+    last_bytes_per_s: float = 0.0
+    failures: int = 0
+    retry_at: float = 0.0
+
+
+class WeightBroker:
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.secret = secret_from_env()
+        self.store = VersionStore(config.keep_versions)
+        self.engines: dict[str, EngineState] = {u: EngineState(u) for u in config.engine_urls}
+        self.buffer = (
+            SampleBuffer(BufferConfig(redis_url=config.redis_url, run_id=config.run_id))
+            if config.redis_url
+            else None
+        )
+        self.counters = {"buckets_rejected": 0, "versions_received": 0, "syncs_failed": 0}
+        self._ctx = zmq.Context.instance()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.intake_endpoint = ""
+        self.serve_endpoint = ""
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start_sockets(self) -> None:
+        """Bind both ZMQ sockets and start their threads; endpoints are then resolved."""
+        intake = self._ctx.socket(zmq.PULL)
+        intake.bind(self.config.intake_endpoint)
+        self.intake_endpoint = intake.getsockopt_string(zmq.LAST_ENDPOINT)
+        serve = self._ctx.socket(zmq.ROUTER)
+        serve.setsockopt(zmq.LINGER, 0)
+        serve.bind(self.config.serve_endpoint)
+        self.serve_endpoint = serve.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.config.advertise_host and self.serve_endpoint.startswith("tcp://"):
+            port = self.serve_endpoint.rsplit(":", 1)[1]
+            self.serve_endpoint = f"tcp://{self.config.advertise_host}:{port}"
+        for target, sock in ((self._intake_loop, intake), (self._serve_loop, serve)):
+            thread = threading.Thread(target=target, args=(sock,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info("intake %s, serving %s", self.intake_endpoint, self.serve_endpoint)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=2)
+
+    # --- intake: trainer -> broker ------------------------------------------------------------
+
+    def _intake_loop(self, sock: zmq.Socket) -> None:
+        while not self._stop.is_set():
+            if not sock.poll(POLL_MS):
+                continue
+            message = sock.recv_multipart(copy=False)
+            try:
+                header, _frames = parse_bucket(message, self.secret)
+                done = self.store.add_bucket(header, message)
+            except (ValueError, AuthenticationError) as exc:
+                self.counters["buckets_rejected"] += 1
+                log.error("dropped a weight bucket: %s", exc)
+                continue
+            if done is not None:
+                self.counters["versions_received"] += 1
+                log.info("version %d complete (%.1f MB)", done.version, done.nbytes / 1e6)
+                self._notify()
+        sock.close()
+
+    def _notify(self) -> None:
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    # --- serve: engine fetches ----------------------------------------------------------------
+
+    def _serve_loop(self, sock: zmq.Socket) -> None:
+        while not self._stop.is_set():
+            if not sock.poll(POLL_MS):
+                continue
+            identity, payload = sock.recv_multipart()
+            try:
+                request = decode(payload, WeightRequest)
+            except ValueError as exc:
+                sock.send_multipart([identity, ERROR_FRAME, str(exc).encode()])
+                continue
+            entry = self.store.get(request.version)
+            if entry is None:
+                msg = f"broker holds no weight version {request.version} (latest {self.store.latest})"
+                sock.send_multipart([identity, ERROR_FRAME, msg.encode()])
+                continue
+            for message in entry.messages():
+                sock.send_multipart([identity, *message], copy=False)
+        sock.close()
+
+    # --- sync loop: broker -> engines ---------------------------------------------------------
+
+    async def run_sync_loop(self) -> None:
+        """Keep every engine on the newest version until cancelled."""
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        timeout = aiohttp.ClientTimeout(total=self.config.sync_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await asyncio.gather(*(self._probe(session, e) for e in self.engines.values()))
+            self._publish_version()
+            while True:
+                target = self.store.latest
+                lagging = [
+                    e
+                    for e in self.engines.values()
+                    if target >= 0 and e.version != target and not e.syncing
+                    and time.monotonic() >= e.retry_at
+                ]  # fmt: skip
+                if lagging:
+                    await asyncio.gather(*(self._sync(session, e, target) for e in lagging))
+                    self._publish_version()
+                    continue
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                except TimeoutError:
+                    pass
+
+    async def _probe(self, session: aiohttp.ClientSession, engine: EngineState) -> None:
+        """Learn an engine's current version (a freshly started engine serves its load dir)."""
+        try:
+            async with session.get(f"{engine.url}/get_weight_version") as resp:
+                resp.raise_for_status()
+                engine.version = int((await resp.json())["weight_version"])
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
+            engine.last_error = f"probe failed: {exc!r}"
+            log.warning("engine %s: %s", engine.url, engine.last_error)
+
+    async def _sync(self, session: aiohttp.ClientSession, engine: EngineState, version: int) -> None:
+        entry = self.store.get(version)
+        if entry is None:
+            return
+        engine.syncing = True
+        start = time.monotonic()
+        body = {"endpoint": self.serve_endpoint, "weight_version": str(version), "flush_cache": True}
+        try:
+            async with session.post(f"{engine.url}/update_weights_from_zmq", json=body) as resp:
+                reply = await resp.json(content_type=None)
+                if resp.status != 200 or not reply.get("success", False):
+                    raise RuntimeError(f"HTTP {resp.status}: {reply.get('message', reply)}")
+        except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
+            engine.in_rotation = False
+            engine.failures += 1
+            engine.last_error = f"update to version {version} failed: {exc!r}"
+            engine.retry_at = time.monotonic() + RETRY_BACKOFF_S
+            self.counters["syncs_failed"] += 1
+            log.error("engine %s out of rotation: %s", engine.url, engine.last_error)
+        else:
+            elapsed = time.monotonic() - start
+            engine.version = version
+            engine.in_rotation = True
+            engine.last_error = ""
+            engine.last_sync_s = elapsed
+            engine.last_sync_at = time.time()
+            engine.last_bytes_per_s = entry.nbytes / elapsed if elapsed > 0 else 0.0
+            log.info("engine %s on version %d in %.3fs", engine.url, version, elapsed)
+        finally:
+            engine.syncing = False
+
+    def _publish_version(self) -> None:
+        versions = [e.version for e in self.engines.values() if e.in_rotation and e.version >= 0]
+        if self.buffer is not None and versions:
+            self.buffer.set_version("engines", min(versions))
+
+    # --- engines and state --------------------------------------------------------------------
+
+    def add_engine(self, url: str) -> EngineState:
+        """Register an engine (late joiner or restart); it is synced to the newest version."""
+        url = url.rstrip("/")
+        engine = self.engines.setdefault(url, EngineState(url))
+        engine.version = -1  # unknown until it acknowledges a version
+        engine.retry_at = 0.0
+        self._notify()
+        return engine
+
+    def remove_engine(self, url: str) -> bool:
+        removed = self.engines.pop(url.rstrip("/"), None) is not None
+        self._publish_version()
+        return removed
+
+    def state(self) -> dict:
+        return {
+            "version": self.store.latest,
+            "intake_endpoint": self.intake_endpoint,
+            "serve_endpoint": self.serve_endpoint,
+            "counters": dict(self.counters),
+            "engines": [vars(e).copy() for e in self.engines.values()],
+        }

@@ -1,0 +1,38 @@
+"""Configuration of the weight broker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BrokerConfig:
+    """Where weights come in, where engines fetch them, and which engines to keep in sync."""
+
+    intake_endpoint: str = field(
+        default="tcp://127.0.0.1:*",
+        metadata={"help": "ZMQ endpoint the trainer pushes versions to (bind; '*' = free port)."},
+    )
+    serve_endpoint: str = field(
+        default="tcp://127.0.0.1:*",
+        metadata={"help": "ZMQ endpoint engines fetch versions from (bind; '*' = free port)."},
+    )
+    advertise_host: str = field(
+        default="",
+        metadata={"help": "Host engines should use to reach serve_endpoint (default: its bind host)."},
+    )
+    engine_urls: list[str] = field(
+        default_factory=list, metadata={"help": "HTTP URLs of the engines to keep in sync."}
+    )
+    redis_url: str = field(
+        default="", metadata={"help": "Redis URL; when set, the synced version is published there."}
+    )
+    run_id: str = field(default="default", metadata={"help": "Run id (Redis key prefix)."})
+    sync_timeout_s: float = field(
+        default=60.0,
+        metadata={"help": "Longest one engine may take to load a version before it is taken out."},
+    )
+    keep_versions: int = field(
+        default=2,
+        metadata={"help": "Complete versions held in memory (the newest is what engines get)."},
+    )

@@ -1,0 +1,82 @@
+"""HTTP face of the weight broker: state, Prometheus metrics, engine registration."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+
+from services.weight_broker.broker import WeightBroker
+from services.weight_broker.config import BrokerConfig
+
+
+class EngineRequest(BaseModel):
+    url: str
+
+
+def create_app(config: BrokerConfig) -> FastAPI:
+    broker = WeightBroker(config)
+    broker.start_sockets()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(broker.run_sync_loop())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        broker.stop()
+
+    app = FastAPI(title="Tandem weight broker", lifespan=lifespan)
+    app.state.broker = broker
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "version": broker.store.latest}
+
+    @app.get("/state")
+    async def state() -> dict:
+        return broker.state()
+
+    @app.post("/engines")
+    async def add_engine(req: EngineRequest) -> dict:
+        return vars(broker.add_engine(req.url)).copy()
+
+    @app.delete("/engines")
+    async def remove_engine(url: str) -> dict:
+        if not broker.remove_engine(url):
+            raise HTTPException(404, f"no engine {url!r} registered")
+        return {"removed": url}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> str:
+        return prometheus_text(broker)
+
+    return app
+
+
+def prometheus_text(broker: WeightBroker) -> str:
+    lines = [
+        "# TYPE tandem_broker_version gauge",
+        f"tandem_broker_version {broker.store.latest}",
+    ]
+    for name, value in broker.counters.items():
+        lines += [f"# TYPE tandem_broker_{name}_total counter", f"tandem_broker_{name}_total {value}"]
+    gauges = {
+        "engine_version": "version",
+        "engine_in_rotation": "in_rotation",
+        "engine_last_sync_seconds": "last_sync_s",
+        "engine_last_sync_bytes_per_second": "last_bytes_per_s",
+        "engine_sync_failures": "failures",
+    }
+    for metric, attr in gauges.items():
+        lines.append(f"# TYPE tandem_broker_{metric} gauge")
+        for engine in broker.engines.values():
+            lines.append(
+                f'tandem_broker_{metric}{{engine="{engine.url}"}} {float(getattr(engine, attr))}'
+            )
+    return "\n".join(lines) + "\n"

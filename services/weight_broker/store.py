@@ -1,0 +1,78 @@
+"""VersionStore: assembles buckets into complete versions and keeps the newest few.
+
+Thread-safe: the intake thread adds buckets, the serve thread reads versions, the sync loop
+waits for new ones. Memory is bounded by `keep_versions` complete versions plus at most one
+version being assembled per sender (a newer version evicts older incomplete ones).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from proto import WeightBucketHeader
+from services.weight_broker.wire import Frame
+
+
+@dataclass
+class Version:
+    version: int
+    num_buckets: int
+    buckets: dict[int, list[Frame]] = field(default_factory=dict)
+    nbytes: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return len(self.buckets) == self.num_buckets
+
+    def messages(self) -> list[list[Frame]]:
+        return [self.buckets[i] for i in range(self.num_buckets)]
+
+
+class VersionStore:
+    def __init__(self, keep_versions: int = 2) -> None:
+        self.keep_versions = max(1, keep_versions)
+        self._partial: dict[int, Version] = {}
+        self._complete: dict[int, Version] = {}
+        self._cond = threading.Condition()
+        self.latest = -1
+
+    def add_bucket(self, header: WeightBucketHeader, message: list[Frame]) -> Version | None:
+        """Store one bucket; return the version if this bucket completed it."""
+        with self._cond:
+            if header.version <= self.latest:
+                raise ValueError(
+                    f"weight version {header.version} arrived after version {self.latest}: "
+                    "versions must increase (was the trainer restarted without --load?)"
+                )
+            entry = self._partial.setdefault(
+                header.version, Version(header.version, header.num_buckets)
+            )
+            if header.num_buckets != entry.num_buckets:
+                raise ValueError(
+                    f"version {header.version}: bucket {header.bucket_index} says "
+                    f"{header.num_buckets} buckets, earlier ones said {entry.num_buckets}"
+                )
+            entry.buckets[header.bucket_index] = message
+            entry.nbytes += sum(memoryview(getattr(f, "buffer", f)).nbytes for f in message[1:])
+            if not entry.complete:
+                return None
+            del self._partial[header.version]
+            for older in [v for v in self._partial if v < header.version]:
+                del self._partial[older]  # superseded before it was complete
+            self._complete[header.version] = entry
+            for old in sorted(self._complete)[: -self.keep_versions]:
+                del self._complete[old]
+            self.latest = header.version
+            self._cond.notify_all()
+            return entry
+
+    def get(self, version: int) -> Version | None:
+        with self._cond:
+            return self._complete.get(version)
+
+    def wait_newer(self, than: int, timeout_s: float) -> int:
+        """Block until a version newer than `than` is complete (or timeout); return latest."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.latest > than, timeout=timeout_s)
+            return self.latest

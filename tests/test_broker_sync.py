@@ -1,0 +1,151 @@
+"""The weight broker as a process, with a real trainer-side sender and real HTTP engines.
+
+The engines are stand-ins at the far edge (`tests/fake_engine.py`: real HTTP server, real ZMQ
+fetch through `fetch_weights`, no model), so each arrow of the broker's ordering contract can
+be observed: version pushed -> complete -> every engine fetched it -> Redis version updated.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from services.sample_buffer import SampleBuffer
+from services.weight_broker.zmq_transport import ZmqWeightSender
+
+FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
+
+
+def weights(step: int) -> list[tuple[str, torch.Tensor]]:
+    return [
+        ("model.embed_tokens.weight", torch.full((16, 8), float(step))),
+        ("model.layers.0.self_attn.q_proj.weight", torch.full((8, 8), 2.0 * step, dtype=torch.bfloat16)),
+        ("lm_head.weight", torch.arange(128, dtype=torch.float32).reshape(16, 8) + step),
+    ]
+
+
+def expected_sums(step: int) -> dict[str, float]:
+    return {name: float(t.double().sum()) for name, t in weights(step)}
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def fake_engine(start_service):
+    """`fake_engine(name, *flags)`: a stand-in engine process (see tests/fake_engine.py)."""
+
+    def _start(name: str, *flags: str):
+        return start_service(name, list(flags), program=[sys.executable, FAKE_ENGINE])
+
+    return _start
+
+
+def test_every_engine_gets_each_version_and_redis_reports_it(
+    start_service, fake_engine, buffer: SampleBuffer
+) -> None:
+    engines = [fake_engine("e1"), fake_engine("e2")]
+    broker = start_service("broker", [
+        "broker", "--port", "0", "--redis-url", buffer.config.redis_url,
+        "--run-id", buffer.config.run_id, "--engine-urls", *[e.url for e in engines],
+    ])  # fmt: skip
+    # Freshly started engines serve version 0; the broker publishes that before any push.
+    wait_for(lambda: buffer.get_version("engines") == 0, what="version 0 published")
+
+    sender = ZmqWeightSender(broker.info["intake_endpoint"], bucket_bytes=600)
+    for step in (1, 2):
+        sent = sender.send(step, weights(step))
+        assert sent == sum(t.numel() * t.element_size() for _, t in weights(step))
+        wait_for(lambda s=step: buffer.get_version("engines") == s, what=f"engines on {step}")
+        for engine in engines:
+            got = httpx.get(f"{engine.url}/checksums").json()
+            assert got["version"] == str(step)
+            assert got["sums"] == expected_sums(step)
+
+    state = httpx.get(f"{broker.url}/state").json()
+    assert state["version"] == 2
+    assert all(e["version"] == 2 and e["in_rotation"] for e in state["engines"])
+    assert all(e["last_bytes_per_s"] > 0 for e in state["engines"])
+    metrics = httpx.get(f"{broker.url}/metrics").text
+    assert "tandem_broker_version 2" in metrics
+    sender.close()
+
+
+def test_a_failing_engine_is_taken_out_and_the_others_still_advance(
+    start_service, fake_engine, buffer: SampleBuffer
+) -> None:
+    good = fake_engine("good")
+    bad = fake_engine("bad", "--fail")
+    broker = start_service("broker", [
+        "broker", "--port", "0", "--redis-url", buffer.config.redis_url,
+        "--run-id", buffer.config.run_id, "--engine-urls", good.url, bad.url,
+    ])  # fmt: skip
+    sender = ZmqWeightSender(broker.info["intake_endpoint"])
+    sender.send(1, weights(1))
+    wait_for(lambda: buffer.get_version("engines") == 1, what="good engine on version 1")
+    state = httpx.get(f"{broker.url}/state").json()
+    by_url = {e["url"]: e for e in state["engines"]}
+    assert by_url[good.url]["version"] == 1
+    assert by_url[bad.url]["in_rotation"] is False
+    assert "told to fail" in by_url[bad.url]["last_error"]
+    sender.close()
+
+
+def test_a_hung_engine_is_timed_out_and_reported(start_service, fake_engine, buffer) -> None:
+    hung = fake_engine("hung", "--hang-s", "30")
+    broker = start_service("broker", [
+        "broker", "--port", "0", "--engine-urls", hung.url, "--sync-timeout-s", "1",
+    ])  # fmt: skip
+    sender = ZmqWeightSender(broker.info["intake_endpoint"])
+    sender.send(1, weights(1))
+
+    def out_of_rotation():
+        engines = httpx.get(f"{broker.url}/state").json()["engines"]
+        return engines[0]["in_rotation"] is False and engines[0]["last_error"]
+
+    error = wait_for(out_of_rotation, timeout_s=15, what="hung engine taken out")
+    assert "version 1" in error
+    sender.close()
+
+
+def test_a_late_engine_is_brought_to_the_current_version(start_service, fake_engine, buffer) -> None:
+    broker = start_service("broker", ["broker", "--port", "0"])
+    sender = ZmqWeightSender(broker.info["intake_endpoint"])
+    sender.send(3, weights(3))
+    wait_for(lambda: httpx.get(f"{broker.url}/state").json()["version"] == 3, what="version 3")
+    late = fake_engine("late")
+    httpx.post(f"{broker.url}/engines", json={"url": late.url}).raise_for_status()
+    wait_for(lambda: httpx.get(f"{late.url}/checksums").json()["version"] == "3", what="late on 3")
+    assert httpx.get(f"{late.url}/checksums").json()["sums"] == expected_sums(3)
+    sender.close()
+
+
+def test_a_bucket_with_a_bad_hmac_is_dropped_and_counted(start_service, fake_engine, monkeypatch) -> None:
+    monkeypatch.setenv("TANDEM_WEIGHT_SECRET", "right-secret")
+    engine = fake_engine("e")
+    broker = start_service("broker", ["broker", "--port", "0", "--engine-urls", engine.url])
+    forged = ZmqWeightSender(broker.info["intake_endpoint"], secret=b"wrong-secret")
+    forged.send(1, weights(1))
+    unsigned = ZmqWeightSender(broker.info["intake_endpoint"], secret=None)
+    unsigned.send(1, weights(1))
+    wait_for(
+        lambda: httpx.get(f"{broker.url}/state").json()["counters"]["buckets_rejected"] == 2,
+        what="both forged buckets rejected",
+    )
+    signed = ZmqWeightSender(broker.info["intake_endpoint"], secret=b"right-secret")
+    signed.send(1, weights(1))
+    wait_for(lambda: httpx.get(f"{engine.url}/checksums").json()["version"] == "1", what="signed")
+    for s in (forged, unsigned, signed):
+        s.close()

@@ -1,0 +1,100 @@
+"""SampleBuffer against a real Valkey server process."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from proto import DropRecord, Sample, SampleGroup
+from services.sample_buffer import BufferConfig, BufferFullError, SampleBuffer
+
+
+def make_group(group_id: str, version: int = 0) -> SampleGroup:
+    sample = Sample(
+        prompt_ids=[1, 4, 5],
+        response_ids=[6, 2],
+        response_logprobs=[-0.5, -0.1],
+        loss_mask=[1, 1],
+        reward=1.0,
+        weight_version=version,
+    )
+    return SampleGroup(
+        group_id=group_id, prompt="01>", label="10", samples=[sample], weight_version=version,
+        created_at=time.time(),
+    )  # fmt: skip
+
+
+def test_groups_come_out_in_order_with_their_contents(buffer: SampleBuffer) -> None:
+    for i in range(3):
+        buffer.put_group(make_group(f"g{i}", version=i))
+    got = buffer.read_groups("t0", count=10, block_ms=100)
+    assert [g.group_id for _, g in got] == ["g0", "g1", "g2"]
+    assert got[1][1].samples[0].response_logprobs == [-0.5, -0.1]
+    assert got[2][1].weight_version == 2
+
+
+def test_acked_groups_free_space_and_unacked_ones_are_handed_out_again(buffer: SampleBuffer) -> None:
+    for i in range(4):
+        buffer.put_group(make_group(f"g{i}"))
+    first = buffer.read_groups("t0", count=2, block_ms=100)
+    buffer.ack([first[0][0]])
+    assert buffer.depth() == 3
+    # A restarted consumer gets its unacked group back before new ones: nothing is lost.
+    again = buffer.read_groups("t0", count=3, block_ms=100, pending_first=True)
+    assert [g.group_id for _, g in again] == ["g1", "g2", "g3"]
+
+
+def test_a_full_buffer_makes_the_producer_wait_until_the_consumer_acks(
+    buffer: SampleBuffer,
+) -> None:
+    small = SampleBuffer(BufferConfig(redis_url=buffer.config.redis_url, run_id=buffer.config.run_id, max_groups=2))
+    small.put_group(make_group("a"))
+    small.put_group(make_group("b"))
+    done = threading.Event()
+
+    def produce() -> None:
+        small.put_group(make_group("c"), timeout_s=30)
+        done.set()
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    assert not done.wait(0.5), "producer should block while the buffer is full"
+    entries = small.read_groups("t0", count=1, block_ms=100)
+    small.ack([entries[0][0]])
+    thread.join(timeout=10)
+    assert done.is_set()
+    assert small.depth() == 2
+
+
+def test_a_buffer_that_stays_full_raises_an_error_naming_the_flag(buffer: SampleBuffer) -> None:
+    small = SampleBuffer(BufferConfig(redis_url=buffer.config.redis_url, run_id=buffer.config.run_id, max_groups=1))
+    small.put_group(make_group("a"))
+    with pytest.raises(BufferFullError, match="--max-groups"):
+        small.put_group(make_group("b"), timeout_s=0.2)
+
+
+def test_drops_are_counted_by_reason_and_logged(buffer: SampleBuffer) -> None:
+    buffer.record_drop(DropRecord(source="trainer", reason="stale", count=8, group_id="g1"))
+    buffer.record_drop(DropRecord(source="trainer", reason="stale", count=8, group_id="g2"))
+    buffer.record_drop(DropRecord(source="router", reason="engine_error", count=1))
+    assert buffer.drop_counts() == {"stale": 16, "engine_error": 1}
+    assert [r.group_id for r in buffer.drop_log()][:2] == ["", "g2"]
+
+
+def test_versions_and_metrics_round_trip(buffer: SampleBuffer) -> None:
+    assert buffer.get_version("engines") == -1
+    buffer.set_version("engines", 7)
+    assert buffer.get_version("engines") == 7
+    buffer.publish_metrics("trainer", 3, {"train/loss": 0.25})
+    records = buffer.read_metrics()
+    assert records[-1][1].values == {"train/loss": 0.25}
+    assert records[-1][1].step == 3
+    assert buffer.read_metrics(after_id=records[-1][0]) == []
+
+
+def test_an_unreachable_server_is_named_in_the_error() -> None:
+    dead = SampleBuffer(BufferConfig(redis_url="redis://127.0.0.1:1/0"))
+    with pytest.raises(ConnectionError, match="127.0.0.1:1"):
+        dead.wait_ready(timeout_s=0.3)
