@@ -26,10 +26,10 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str | Non
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         if dataclasses.is_dataclass(kind):
-            add_config_args(parser, kind, f"{kind.__name__} ({f.name})")  # type: ignore[arg-type]
+            add_config_args(parser, kind, f"{kind.__name__} ({f.name})")  # type: ignore[arg-type,union-attr]
             continue
         default = (
-            f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
         )
         help_text = f.metadata.get("help", "")
         choices = f.metadata.get("choices")
@@ -37,7 +37,10 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str | Non
         args = typing.get_args(kind)
         if kind is bool:
             group.add_argument(
-                _flag(f.name), action=argparse.BooleanOptionalAction, default=default, help=help_text
+                _flag(f.name),
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_text,
             )
         elif origin is list:
             group.add_argument(
@@ -59,7 +62,7 @@ def config_from_args(cls: type[T], ns: argparse.Namespace) -> T:
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         kind = hints[f.name]
         if dataclasses.is_dataclass(kind):
-            kwargs[f.name] = config_from_args(kind, ns)  # type: ignore[type-var]
+            kwargs[f.name] = config_from_args(kind, ns)  # type: ignore[type-var,arg-type]
         else:
             kwargs[f.name] = getattr(ns, f.name)
     return cls(**kwargs)

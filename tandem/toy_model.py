@@ -59,12 +59,12 @@ def write_toy_model(
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=64,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

@@ -24,7 +24,10 @@ FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
 def weights(step: int) -> list[tuple[str, torch.Tensor]]:
     return [
         ("model.embed_tokens.weight", torch.full((16, 8), float(step))),
-        ("model.layers.0.self_attn.q_proj.weight", torch.full((8, 8), 2.0 * step, dtype=torch.bfloat16)),
+        (
+            "model.layers.0.self_attn.q_proj.weight",
+            torch.full((8, 8), 2.0 * step, dtype=torch.bfloat16),
+        ),
         ("lm_head.weight", torch.arange(128, dtype=torch.float32).reshape(16, 8) + step),
     ]
 
@@ -120,7 +123,9 @@ def test_a_hung_engine_is_timed_out_and_reported(start_service, fake_engine, buf
     sender.close()
 
 
-def test_a_late_engine_is_brought_to_the_current_version(start_service, fake_engine, buffer) -> None:
+def test_a_late_engine_is_brought_to_the_current_version(
+    start_service, fake_engine, buffer
+) -> None:
     broker = start_service("broker", ["broker", "--port", "0"])
     sender = ZmqWeightSender(broker.info["intake_endpoint"])
     sender.send(3, weights(3))
@@ -132,7 +137,9 @@ def test_a_late_engine_is_brought_to_the_current_version(start_service, fake_eng
     sender.close()
 
 
-def test_a_bucket_with_a_bad_hmac_is_dropped_and_counted(start_service, fake_engine, monkeypatch) -> None:
+def test_a_bucket_with_a_bad_hmac_is_dropped_and_counted(
+    start_service, fake_engine, monkeypatch
+) -> None:
     monkeypatch.setenv("TANDEM_WEIGHT_SECRET", "right-secret")
     engine = fake_engine("e")
     broker = start_service("broker", ["broker", "--port", "0", "--engine-urls", engine.url])
@@ -149,3 +156,39 @@ def test_a_bucket_with_a_bad_hmac_is_dropped_and_counted(start_service, fake_eng
     wait_for(lambda: httpx.get(f"{engine.url}/checksums").json()["version"] == "1", what="signed")
     for s in (forged, unsigned, signed):
         s.close()
+
+
+def test_the_disk_transport_writes_a_loadable_hf_directory_once_per_version(
+    start_service, fake_engine, toy_model_dir, tmp_path
+) -> None:
+    engines = [fake_engine("d1"), fake_engine("d2")]
+    disk = tmp_path / "versions"
+    broker = start_service("broker", [
+        "broker", "--port", "0", "--transport", "disk", "--disk-dir", str(disk),
+        "--model-dir", str(toy_model_dir), "--keep-versions", "1",
+        "--engine-urls", *[e.url for e in engines],
+    ])  # fmt: skip
+    sender = ZmqWeightSender(broker.info["intake_endpoint"])
+    for step in (1, 2):
+        sender.send(step, weights(step))
+        for engine in engines:
+            wait_for(lambda e=engine, s=step: httpx.get(f"{e.url}/checksums").json()["version"] == str(s),
+                     what=f"{engine.url} on {step}")  # fmt: skip
+            assert httpx.get(f"{engine.url}/checksums").json()["sums"] == expected_sums(step)
+    # The tokenizer and config travel with the weights; older version dirs are cleaned up.
+    assert (disk / "v2" / "tokenizer.json").exists()
+    assert (disk / "v2" / "config.json").exists()
+    assert not (disk / "v1").exists()
+    sender.close()
+
+
+def test_the_disk_transport_without_a_model_dir_is_refused_naming_the_flag(tmp_path) -> None:
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "broker", "--port", "0", "--transport", "disk",
+         "--disk-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "--model-dir" in result.stderr

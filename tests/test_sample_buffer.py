@@ -35,7 +35,9 @@ def test_groups_come_out_in_order_with_their_contents(buffer: SampleBuffer) -> N
     assert got[2][1].weight_version == 2
 
 
-def test_acked_groups_free_space_and_unacked_ones_are_handed_out_again(buffer: SampleBuffer) -> None:
+def test_acked_groups_free_space_and_unacked_ones_are_handed_out_again(
+    buffer: SampleBuffer,
+) -> None:
     for i in range(4):
         buffer.put_group(make_group(f"g{i}"))
     first = buffer.read_groups("t0", count=2, block_ms=100)
@@ -49,7 +51,9 @@ def test_acked_groups_free_space_and_unacked_ones_are_handed_out_again(buffer: S
 def test_a_full_buffer_makes_the_producer_wait_until_the_consumer_acks(
     buffer: SampleBuffer,
 ) -> None:
-    small = SampleBuffer(BufferConfig(redis_url=buffer.config.redis_url, run_id=buffer.config.run_id, max_groups=2))
+    small = SampleBuffer(
+        BufferConfig(redis_url=buffer.config.redis_url, run_id=buffer.config.run_id, max_groups=2)
+    )
     small.put_group(make_group("a"))
     small.put_group(make_group("b"))
     done = threading.Event()
@@ -69,7 +73,9 @@ def test_a_full_buffer_makes_the_producer_wait_until_the_consumer_acks(
 
 
 def test_a_buffer_that_stays_full_raises_an_error_naming_the_flag(buffer: SampleBuffer) -> None:
-    small = SampleBuffer(BufferConfig(redis_url=buffer.config.redis_url, run_id=buffer.config.run_id, max_groups=1))
+    small = SampleBuffer(
+        BufferConfig(redis_url=buffer.config.redis_url, run_id=buffer.config.run_id, max_groups=1)
+    )
     small.put_group(make_group("a"))
     with pytest.raises(BufferFullError, match="--max-groups"):
         small.put_group(make_group("b"), timeout_s=0.2)

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -46,7 +47,15 @@ class RedisServer:
     window between probing and binding), the start is retried on a fresh port.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, log_dir: Path | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_dir: Path | None = None,
+        preexec_fn: Callable[[], None] | None = None,
+    ):
+        """`preexec_fn` runs in the child before exec (e.g. to die with the parent)."""
+        self.preexec_fn = preexec_fn
         self.host = host
         self.requested_port = port
         self.port = port
@@ -72,7 +81,13 @@ class RedisServer:
                 binary, "--port", str(self.port), "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", str(self.log_dir), "--logfile", str(log_path),
             ]  # fmt: skip
-            self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(
+                cmd,
+                stdout=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a terminal's Ctrl-C goes to our owner, not to Redis
+                preexec_fn=self.preexec_fn,
+            )
             if self._wait_ready(timeout_s):
                 return self
             log = log_path.read_text(errors="replace") if log_path.exists() else ""
@@ -112,7 +127,10 @@ class RedisServer:
         return self.start()
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.stop()
         if self._tmp is not None:

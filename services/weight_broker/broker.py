@@ -25,6 +25,7 @@ Memory is bounded by `keep_versions` complete versions (VersionStore).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -37,6 +38,7 @@ from proto import WeightRequest, decode
 from services.sample_buffer import BufferConfig, SampleBuffer
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.store import VersionStore
+from services.weight_broker.transports import DiskTransport, WeightTransport, ZmqTransport
 from services.weight_broker.wire import AuthenticationError, parse_bucket, secret_from_env
 from services.weight_broker.zmq_transport import ERROR_FRAME
 
@@ -78,6 +80,7 @@ class WeightBroker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.intake_endpoint = ""
         self.serve_endpoint = ""
+        self._prepared = -1
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -93,6 +96,12 @@ class WeightBroker:
         if self.config.advertise_host and self.serve_endpoint.startswith("tcp://"):
             port = self.serve_endpoint.rsplit(":", 1)[1]
             self.serve_endpoint = f"tcp://{self.config.advertise_host}:{port}"
+        if self.config.transport == "disk":
+            self.transport: WeightTransport = DiskTransport(
+                self.config.disk_dir, self.config.model_dir, self.config.keep_versions
+            )
+        else:
+            self.transport = ZmqTransport(self.serve_endpoint)
         for target, sock in ((self._intake_loop, intake), (self._serve_loop, serve)):
             thread = threading.Thread(target=target, args=(sock,), daemon=True)
             thread.start()
@@ -142,7 +151,9 @@ class WeightBroker:
                 continue
             entry = self.store.get(request.version)
             if entry is None:
-                msg = f"broker holds no weight version {request.version} (latest {self.store.latest})"
+                msg = (
+                    f"broker holds no weight version {request.version} (latest {self.store.latest})"
+                )
                 sock.send_multipart([identity, ERROR_FRAME, msg.encode()])
                 continue
             for message in entry.messages():
@@ -168,14 +179,20 @@ class WeightBroker:
                     and time.monotonic() >= e.retry_at
                 ]  # fmt: skip
                 if lagging:
+                    # Prepared once per version (e.g. the disk copy), before any engine loads it.
+                    await asyncio.to_thread(self._prepare, target)
                     await asyncio.gather(*(self._sync(session, e, target) for e in lagging))
                     self._publish_version()
                     continue
                 self._wake.clear()
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-                except TimeoutError:
-                    pass
+
+    def _prepare(self, version: int) -> None:
+        entry = self.store.get(version)
+        if entry is not None and self._prepared != version:
+            self.transport.prepare(entry)
+            self._prepared = version
 
     async def _probe(self, session: aiohttp.ClientSession, engine: EngineState) -> None:
         """Learn an engine's current version (a freshly started engine serves its load dir)."""
@@ -187,18 +204,16 @@ class WeightBroker:
             engine.last_error = f"probe failed: {exc!r}"
             log.warning("engine %s: %s", engine.url, engine.last_error)
 
-    async def _sync(self, session: aiohttp.ClientSession, engine: EngineState, version: int) -> None:
+    async def _sync(
+        self, session: aiohttp.ClientSession, engine: EngineState, version: int
+    ) -> None:
         entry = self.store.get(version)
-        if entry is None:
+        if entry is None or self._prepared != version:
             return
         engine.syncing = True
         start = time.monotonic()
-        body = {"endpoint": self.serve_endpoint, "weight_version": str(version), "flush_cache": True}
         try:
-            async with session.post(f"{engine.url}/update_weights_from_zmq", json=body) as resp:
-                reply = await resp.json(content_type=None)
-                if resp.status != 200 or not reply.get("success", False):
-                    raise RuntimeError(f"HTTP {resp.status}: {reply.get('message', reply)}")
+            await self.transport.update(session, engine.url, version)
         except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
             engine.in_rotation = False
             engine.failures += 1

@@ -19,7 +19,9 @@ class BrokerConfig:
     )
     advertise_host: str = field(
         default="",
-        metadata={"help": "Host engines should use to reach serve_endpoint (default: its bind host)."},
+        metadata={
+            "help": "Host engines should use to reach serve_endpoint (default: its bind host)."
+        },
     )
     engine_urls: list[str] = field(
         default_factory=list, metadata={"help": "HTTP URLs of the engines to keep in sync."}
@@ -31,6 +33,21 @@ class BrokerConfig:
     sync_timeout_s: float = field(
         default=60.0,
         metadata={"help": "Longest one engine may take to load a version before it is taken out."},
+    )
+    transport: str = field(
+        default="zmq",
+        metadata={
+            "help": "How engines get weights: zmq (fetch from the broker) or disk (HF dir + "
+            "/update_weights_from_disk, works with SGLang).",
+            "choices": ["zmq", "disk"],
+        },
+    )
+    disk_dir: str = field(
+        default="", metadata={"help": "disk transport: folder for version dirs, engine-visible."}
+    )
+    model_dir: str = field(
+        default="",
+        metadata={"help": "disk transport: HF dir whose config/tokenizer files to copy."},
     )
     keep_versions: int = field(
         default=2,

@@ -65,7 +65,10 @@ def prometheus_text(broker: WeightBroker) -> str:
         f"tandem_broker_version {broker.store.latest}",
     ]
     for name, value in broker.counters.items():
-        lines += [f"# TYPE tandem_broker_{name}_total counter", f"tandem_broker_{name}_total {value}"]
+        lines += [
+            f"# TYPE tandem_broker_{name}_total counter",
+            f"tandem_broker_{name}_total {value}",
+        ]
     gauges = {
         "engine_version": "version",
         "engine_in_rotation": "in_rotation",

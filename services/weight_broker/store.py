@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 from proto import WeightBucketHeader
-from services.weight_broker.wire import Frame
+from services.weight_broker.wire import Frame, frame_view
 
 
 @dataclass
@@ -54,7 +54,7 @@ class VersionStore:
                     f"{header.num_buckets} buckets, earlier ones said {entry.num_buckets}"
                 )
             entry.buckets[header.bucket_index] = message
-            entry.nbytes += sum(memoryview(getattr(f, "buffer", f)).nbytes for f in message[1:])
+            entry.nbytes += sum(frame_view(f).nbytes for f in message[1:])
             if not entry.complete:
                 return None
             del self._partial[header.version]

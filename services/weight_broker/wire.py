@@ -36,6 +36,12 @@ def secret_from_env() -> bytes | None:
     return value.encode() if value else None
 
 
+def frame_view(frame: Frame) -> memoryview:
+    """Byte view of a frame, whether bytes, memoryview or a `zmq.Frame`."""
+    buffer: Any = frame.buffer if hasattr(frame, "buffer") else frame
+    return memoryview(buffer)
+
+
 def _mac(secret: bytes, header: WeightBucketHeader, frames: Sequence[Frame]) -> bytes:
     unsigned = WeightBucketHeader(
         version=header.version,
@@ -45,7 +51,7 @@ def _mac(secret: bytes, header: WeightBucketHeader, frames: Sequence[Frame]) -> 
     )
     digest = hmac.new(secret, encode(unsigned), hashlib.sha256)
     for frame in frames:
-        digest.update(memoryview(getattr(frame, "buffer", frame)))
+        digest.update(frame_view(frame))
     return digest.digest()
 
 
@@ -98,23 +104,26 @@ def parse_bucket(
     if not message:
         raise ValueError("empty weight bucket")
     raw_header = message[0]
-    header = decode(bytes(getattr(raw_header, "buffer", raw_header)), WeightBucketHeader)
+    header = decode(bytes(frame_view(raw_header)), WeightBucketHeader)
     frames = list(message[1:])
     if len(frames) != len(header.tensors):
         raise ValueError(
             f"weight bucket {header.bucket_index} of version {header.version} names "
             f"{len(header.tensors)} tensors but carries {len(frames)} frames"
         )
-    if secret is not None:
-        if not header.mac or not hmac.compare_digest(header.mac, _mac(secret, header, frames)):
-            raise AuthenticationError(
-                f"weight bucket {header.bucket_index} of version {header.version} failed its "
-                f"HMAC check (is {SECRET_ENV} the same for trainer, broker and engines?)"
-            )
+    if secret is not None and not (
+        header.mac and hmac.compare_digest(header.mac, _mac(secret, header, frames))
+    ):
+        raise AuthenticationError(
+            f"weight bucket {header.bucket_index} of version {header.version} failed its "
+            f"HMAC check (is {SECRET_ENV} the same for trainer, broker and engines?)"
+        )
     return header, frames
 
 
-def bucket_tensors(header: WeightBucketHeader, frames: Sequence[Frame]) -> list[tuple[str, torch.Tensor]]:
+def bucket_tensors(
+    header: WeightBucketHeader, frames: Sequence[Frame]
+) -> list[tuple[str, torch.Tensor]]:
     """Tensors of a parsed bucket. They share memory with the frames (no copy)."""
     import torch
 
@@ -123,7 +132,7 @@ def bucket_tensors(header: WeightBucketHeader, frames: Sequence[Frame]) -> list[
         dtype = getattr(torch, meta.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"tensor {meta.name!r} has unknown dtype {meta.dtype!r}")
-        buffer = memoryview(getattr(frame, "buffer", frame))
+        buffer = frame_view(frame)
         if buffer.nbytes == 0:
             tensor = torch.empty(meta.shape, dtype=dtype)
         else:

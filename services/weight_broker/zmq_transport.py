@@ -23,6 +23,7 @@ from services.weight_broker.wire import (
     DEFAULT_BUCKET_BYTES,
     Frame,
     bucket_tensors,
+    frame_view,
     make_buckets,
     parse_bucket,
 )
@@ -68,7 +69,7 @@ class ZmqWeightSender:
                         f"{self.timeout_s:.0f}s (is `tandem broker` running there?)"
                     )
             self._socket.send_multipart(message, copy=False)
-            total += sum(memoryview(f).nbytes for f in message[1:])
+            total += sum(frame_view(f).nbytes for f in message[1:])
         return total
 
     def close(self) -> None:
@@ -101,8 +102,8 @@ def fetch_weights(
                     f"weight broker at {endpoint} sent nothing for {timeout_s:.0f}s "
                     f"while fetching version {version}"
                 ) from exc
-            if bytes(message[0].buffer) == ERROR_FRAME:
-                raise LookupError(bytes(message[1].buffer).decode(errors="replace"))
+            if bytes(frame_view(message[0])) == ERROR_FRAME:
+                raise LookupError(bytes(frame_view(message[1])).decode(errors="replace"))
             header, frames = parse_bucket(message, secret)
             if header.version != version:
                 raise ValueError(f"asked for weight version {version}, got {header.version}")

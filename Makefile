@@ -1,0 +1,33 @@
+# Two entry points: `make demo` (the whole async RL loop on this machine) and `make test`.
+# Both create ./.venv on first use; torch is pinned first so pip takes the CPU wheel.
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.tandem-installed
+TORCH  ?= torch==2.13.0
+ARGS   ?=
+
+.PHONY: demo test lint install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tandem up $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: lint
+	$(PY) -m pytest -q -ra $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

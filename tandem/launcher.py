@@ -1,0 +1,146 @@
+"""`tandem up`: the whole asynchronous RL loop on one machine, every service its own process.
+
+Start order: Redis (unless --redis-url/REDIS_URL) -> engines -> weight broker -> router ->
+trainer. The launcher then only watches: it reads the metrics stream from Redis, prints one line
+per trainer step, appends every record to `RUN_DIR/metrics.jsonl`, and stops everything when the
+held-out accuracy reaches --stop-accuracy, the trainer finishes --max-steps, --time-limit-s
+passes, a child dies, or Ctrl-C. Exit code: 0 when the run reached its goal, 1 otherwise,
+130 on Ctrl-C. Services talk only over HTTP, Redis and ZMQ, exactly as in a multi-host setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.config_cli import add_config_args, config_from_args
+
+
+@dataclass
+class UpConfig:
+    """What `tandem up` runs. Defaults train the built-in toy task to >= 90% in minutes."""
+
+    run_dir: str = field(
+        default="", metadata={"help": "Run folder (default: runs/<time>-seed<S>)."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed for the model init, data and sampling."})
+    model: str = field(
+        default="", metadata={"help": "HF model directory (default: the toy model, made fresh)."}
+    )
+    num_engines: int = field(default=2, metadata={"help": "Reference engines to start."})
+    redis_url: str = field(
+        default_factory=lambda: os.environ.get("REDIS_URL", ""),
+        metadata={"help": "Use this Redis instead of starting one (env REDIS_URL)."},
+    )
+    max_steps: int = field(default=300, metadata={"help": "Trainer steps at most."})
+    stop_accuracy: float = field(
+        default=0.9,
+        metadata={"help": "Stop once held-out greedy accuracy reaches this (0 = never)."},
+    )
+    time_limit_s: float = field(default=900.0, metadata={"help": "Wall-clock limit of the run."})
+    startup_timeout_s: float = field(
+        default=180.0, metadata={"help": "Longest any service may take to start."}
+    )
+    rollout_batch_size: int = field(default=64, metadata={"help": "Prompts per rollout batch."})
+    n_samples_per_prompt: int = field(default=8, metadata={"help": "Samples per prompt (group)."})
+    lr: float = field(default=1e-3, metadata={"help": "Trainer learning rate."})
+    max_staleness: int = field(
+        default=1, metadata={"help": "Versions a sample may lag the trainer before it is dropped."}
+    )
+    trainer_args: str = field(
+        default="", metadata={"help": "Extra flags for `tandem trainer`, one quoted string."}
+    )
+    router_args: str = field(
+        default="", metadata={"help": "Extra flags for `tandem router`, one quoted string."}
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tandem up",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(parser, UpConfig)
+    config = config_from_args(UpConfig, parser.parse_args(argv))
+    problems = validate(config)
+    if problems:
+        for problem in problems:
+            print(f"tandem up: {problem}", file=sys.stderr)
+        return 2
+    from tandem.up_run import UpRun
+
+    return UpRun(config).run()
+
+
+def validate(config: UpConfig) -> list[str]:
+    problems = []
+    if config.num_engines < 1:
+        problems.append("--num-engines must be at least 1")
+    if config.model and not (Path(config.model) / "config.json").exists():
+        problems.append(f"--model {config.model}: no config.json there (expected a HF directory)")
+    if not 0 <= config.stop_accuracy <= 1:
+        problems.append("--stop-accuracy must be within [0, 1]")
+    if config.max_steps < 1:
+        problems.append("--max-steps must be at least 1")
+    return problems
+
+
+def service_args(
+    config: UpConfig, run_id: str, model: Path, redis_url: str
+) -> dict[str, list[str]]:
+    """Command lines of the services (without engine/broker addresses, known only later)."""
+    common = ["--redis-url", redis_url, "--run-id", run_id]
+    batch = [
+        "--rollout-batch-size", str(config.rollout_batch_size),
+        "--n-samples-per-prompt", str(config.n_samples_per_prompt),
+        "--max-staleness", str(config.max_staleness),
+    ]  # fmt: skip
+    return {
+        "engine": ["engine", "--model", str(model), "--host", "127.0.0.1", "--port", "0"],
+        "broker": ["broker", "--port", "0", *common],
+        "router": [
+            "router", "--model", str(model), "--port", "0", "--seed", str(config.seed),
+            *common, *batch, *shlex.split(config.router_args),
+        ],
+        "trainer": [
+            "trainer", "--model", str(model), "--seed", str(config.seed), "--lr", str(config.lr),
+            "--max-steps", str(config.max_steps), *common, *batch,
+            *shlex.split(config.trainer_args),
+        ],
+    }  # fmt: skip
+
+
+def default_run_dir(seed: int) -> Path:
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-seed{seed}"
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    def clean(value: object) -> object:
+        return None if isinstance(value, float) and math.isnan(value) else value
+
+    (run_dir / "summary.json").write_text(
+        json.dumps({k: clean(v) for k, v in summary.items()}, indent=2)
+    )
+
+
+def install_interrupt_handler(flag: list[bool]) -> None:
+    """Ctrl-C / SIGTERM set a flag the monitor loop checks (children are stopped there)."""
+
+    def handler(signum: int, _frame: object) -> None:
+        flag.append(True)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Progress of a run: metrics records in, console lines, `metrics.jsonl` and a PNG plot out."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proto import MetricsRecord
+
+
+@dataclass
+class RunProgress:
+    """Folds the metrics stream into what the console and the summary show."""
+
+    run_dir: Path
+    started_at: float = field(default_factory=time.monotonic)
+    step: int = 0
+    reward: float = math.nan
+    accuracy: float = math.nan
+    accuracy_version: int = -1
+    first_accuracy: float = math.nan
+    best_accuracy: float = math.nan
+    samples_per_s: float = math.nan
+    staleness: float = math.nan
+    step_time_s: float = math.nan
+    logprob_diff_step0: float = math.nan
+    samples_trained: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+
+    def add(self, record: MetricsRecord) -> str | None:
+        """Record one metrics message; return a console line when a trainer step completed."""
+        row = {"source": record.source, "step": record.step, "time": record.time, **record.values}
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        self.history.append(row)
+        values = record.values
+        if "eval/accuracy" in values:
+            self.accuracy = values["eval/accuracy"]
+            self.accuracy_version = record.step
+            if math.isnan(self.first_accuracy):
+                self.first_accuracy = self.accuracy
+            self.best_accuracy = max(
+                self.accuracy, 0.0 if math.isnan(self.best_accuracy) else self.best_accuracy
+            )
+        if "rollout/samples_per_s" in values:
+            self.samples_per_s = values["rollout/samples_per_s"]
+        if record.source != "trainer":
+            return None
+        self.step = record.step
+        self.reward = values.get("train/reward_mean", self.reward)
+        self.staleness = values.get("train/staleness_mean", self.staleness)
+        self.step_time_s = values.get("train/step_time_s", self.step_time_s)
+        self.samples_trained += int(values.get("train/samples", 0))
+        if record.step == 1:
+            self.logprob_diff_step0 = values.get("train/logprob_abs_diff_max", math.nan)
+        return self.line()
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self.started_at
+        return (
+            f"step {self.step:4d} | reward {self.reward:.3f} | held-out acc {self.accuracy:.2f} "
+            f"(v{self.accuracy_version}) | {self.samples_per_s:6.0f} samples/s | "
+            f"staleness {self.staleness:.2f} | {self.step_time_s:.2f} s/step | "
+            f"{int(elapsed // 60)}:{int(elapsed % 60):02d}"
+        )
+
+    def close(self) -> None:
+        self.jsonl.close()
+
+    def plot(self, path: Path) -> Path:
+        """Reward and held-out accuracy per step, as a PNG."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        train = [
+            (r["step"], r["train/reward_mean"]) for r in self.history if "train/reward_mean" in r
+        ]
+        evals = [(r["step"], r["eval/accuracy"]) for r in self.history if "eval/accuracy" in r]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if train:
+            ax.plot(*zip(*train, strict=True), label="train reward (mean)")
+        if evals:
+            ax.plot(*zip(*evals, strict=True), label="held-out greedy accuracy", marker=".")
+        ax.set_xlabel("trainer step (weight version)")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        ax.set_title(f"Tandem run {self.run_dir.name}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path

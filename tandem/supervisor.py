@@ -1,0 +1,118 @@
+"""Supervisor: start service processes, wait for them to be ready, stop them all.
+
+Every child runs in its own process group (so a terminal's Ctrl-C reaches only the launcher,
+which then stops children in reverse order) and is asked by the kernel to die with SIGTERM if
+the launcher itself dies (PR_SET_PDEATHSIG), so nothing is left running in any case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """preexec_fn: ask Linux to SIGTERM this child when its parent exits."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the launcher's own cleanup still runs
+        pass
+
+
+class ChildFailedError(RuntimeError):
+    """A child exited (or never became ready); the message carries its log tail."""
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    ready_file: Path | None
+    info: dict
+
+    def log_tail(self, chars: int = 3000) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return text[-chars:]
+
+
+class Supervisor:
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: list[Child] = []
+
+    def start(self, name: str, args: list[str], ready: bool = True) -> Child:
+        """Start `tandem ARGS` as `name`; with `ready`, add `--port 0 --ready-file`."""
+        log_path = self.log_dir / f"{name}.log"
+        ready_file = self.log_dir / f"{name}.ready.json" if ready else None
+        cmd = [sys.executable, "-m", "tandem.cli", *args]
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
+            cmd += ["--ready-file", str(ready_file)]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        child = Child(name, proc, log_path, ready_file, {})
+        self.children.append(child)
+        return child
+
+    def wait_ready(self, children: list[Child], timeout_s: float) -> None:
+        """Wait until each child wrote its ready file; raise ChildFailedError naming the first
+        child that exited or timed out, with its log tail."""
+        deadline = time.monotonic() + timeout_s
+        for child in children:
+            assert child.ready_file is not None
+            while not child.ready_file.exists():
+                if child.proc.poll() is not None:
+                    raise ChildFailedError(
+                        f"{child.name} exited with code {child.proc.returncode} during start-up "
+                        f"(log: {child.log_path}):\n{child.log_tail()}"
+                    )
+                if time.monotonic() > deadline:
+                    raise ChildFailedError(
+                        f"{child.name} was not ready after {timeout_s:.0f}s "
+                        f"(log: {child.log_path}):\n{child.log_tail()}"
+                    )
+                time.sleep(0.1)
+            child.info = json.loads(child.ready_file.read_text())
+
+    def exited(self) -> Child | None:
+        """The first child that has exited, if any."""
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every child (newest first), then SIGKILL what is left after `timeout_s`."""
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                _signal_group(child.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in reversed(self.children):
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(child.proc.pid, signal.SIGKILL)
+                child.proc.wait()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)

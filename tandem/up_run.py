@@ -1,0 +1,172 @@
+"""UpRun: one `tandem up` run, from start-up to summary (see tandem/launcher.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.request
+from pathlib import Path
+
+from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from tandem.launcher import (
+    UpConfig,
+    default_run_dir,
+    install_interrupt_handler,
+    service_args,
+    write_summary,
+)
+from tandem.progress import RunProgress
+from tandem.supervisor import ChildFailedError, Supervisor, die_with_parent
+
+
+def say(message: str) -> None:
+    print(f"[up] {message}", flush=True)
+
+
+class UpRun:
+    def __init__(self, config: UpConfig) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.seed)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = f"up-{self.run_dir.name}"
+        self.supervisor = Supervisor(self.run_dir / "logs")
+        self.redis: RedisServer | None = None
+        self.interrupted: list[bool] = []
+        self.outcome = "running"
+
+    def run(self) -> int:
+        install_interrupt_handler(self.interrupted)
+        started = time.monotonic()
+        progress: RunProgress | None = None
+        try:
+            buffer, urls = self.start_services()
+            say(f"all services up in {time.monotonic() - started:.1f}s; training "
+                f"(stop at held-out accuracy >= {self.config.stop_accuracy}, "
+                f"at most {self.config.max_steps} steps)")  # fmt: skip
+            progress = RunProgress(self.run_dir)
+            code = self.monitor(buffer, progress)
+            engine_versions = self.engine_versions(urls)
+        except ChildFailedError as exc:
+            say(f"FAILED: {exc}")
+            self.outcome, code, engine_versions = "child_failed", 1, []
+        finally:
+            self.supervisor.stop_all()
+            if self.redis is not None:
+                self.redis.stop()
+        if progress is not None:
+            progress.close()
+            self.finish(progress, engine_versions, time.monotonic() - started)
+        return 130 if self.interrupted else code
+
+    # --- start-up -----------------------------------------------------------------------------
+
+    def start_services(self) -> tuple[SampleBuffer, list[str]]:
+        config = self.config
+        redis_url = config.redis_url
+        if not redis_url:
+            self.redis = RedisServer(log_dir=self.run_dir / "logs", preexec_fn=die_with_parent)
+            redis_url = self.redis.start().url
+            say(f"redis at {redis_url} (pid {self.redis.process.pid})")  # type: ignore[union-attr]
+        buffer = SampleBuffer(BufferConfig(redis_url=redis_url, run_id=self.run_id))
+        buffer.wait_ready()
+        model = Path(config.model) if config.model else self.write_model()
+        args = service_args(config, self.run_id, model, redis_url)
+        engines = [
+            self.supervisor.start(f"engine{i}", args["engine"]) for i in range(config.num_engines)
+        ]
+        self.supervisor.wait_ready(engines, config.startup_timeout_s)
+        urls = [e.info["url"] for e in engines]
+        say(f"engines at {' '.join(urls)}")
+        broker = self.supervisor.start("broker", [*args["broker"], "--engine-urls", *urls])
+        router = self.supervisor.start("router", [*args["router"], "--engine-urls", *urls])
+        self.supervisor.wait_ready([broker, router], config.startup_timeout_s)
+        say(f"broker at {broker.info['url']} (weights in at {broker.info['intake_endpoint']}), "
+            f"router at {router.info['url']}")  # fmt: skip
+        trainer_args = [*args["trainer"], "--weights-endpoint", broker.info["intake_endpoint"]]
+        self.supervisor.start("trainer", trainer_args, ready=False)
+        say(f"logs in {self.supervisor.log_dir}")
+        return buffer, urls
+
+    def write_model(self) -> Path:
+        from tandem.toy_model import write_toy_model
+
+        path = write_toy_model(self.run_dir / "model", seed=self.config.seed)
+        say(f"toy model (seed {self.config.seed}) written to {path}")
+        return path
+
+    # --- watching -----------------------------------------------------------------------------
+
+    def monitor(self, buffer: SampleBuffer, progress: RunProgress) -> int:
+        config = self.config
+        deadline = time.monotonic() + config.time_limit_s
+        last_id = "0"
+        while True:
+            for entry_id, record in buffer.read_metrics(after_id=last_id, block_ms=500):
+                last_id = entry_id
+                line = progress.add(record)
+                if line:
+                    print(line, flush=True)
+            if config.stop_accuracy and progress.accuracy >= config.stop_accuracy:
+                self.outcome = "reached_accuracy"
+                return 0
+            if self.interrupted:
+                self.outcome = "interrupted"
+                return 130
+            child = self.supervisor.exited()
+            if child is not None:
+                return self.child_exited(child)
+            if time.monotonic() > deadline:
+                self.outcome = "time_limit"
+                say(f"time limit of {config.time_limit_s:.0f}s reached")
+                return 1
+
+    def child_exited(self, child) -> int:  # type: ignore[no-untyped-def]
+        if child.name == "trainer" and child.proc.returncode == 0:
+            reached = self.config.stop_accuracy == 0
+            self.outcome = "max_steps" if reached else "max_steps_without_accuracy"
+            say(f"trainer finished {self.config.max_steps} steps")
+            return 0 if reached else 1
+        self.outcome = "child_failed"
+        say(f"FAILED: {child.name} exited with code {child.proc.returncode} "
+            f"(log: {child.log_path}):\n{child.log_tail()}")  # fmt: skip
+        return 1
+
+    def engine_versions(self, urls: list[str]) -> list[str]:
+        """Weight version each engine serves now (proof the weights moved)."""
+        versions = []
+        for url in urls:
+            try:
+                with urllib.request.urlopen(f"{url}/get_weight_version", timeout=5) as resp:
+                    versions.append(str(json.load(resp)["weight_version"]))
+            except OSError as exc:
+                versions.append(f"unreachable: {exc}")
+        return versions
+
+    # --- summary ------------------------------------------------------------------------------
+
+    def finish(self, progress: RunProgress, engine_versions: list[str], wall_s: float) -> None:
+        plot = progress.plot(self.run_dir / "metrics.png") if progress.history else None
+        summary = {
+            "outcome": self.outcome,
+            "seed": self.config.seed,
+            "steps": progress.step,
+            "wall_s": round(wall_s, 1),
+            "accuracy_first": progress.first_accuracy,
+            "accuracy_last": progress.accuracy,
+            "accuracy_best": progress.best_accuracy,
+            "accuracy_version": progress.accuracy_version,
+            "samples_trained": progress.samples_trained,
+            "logprob_abs_diff_max_step0": progress.logprob_diff_step0,
+            "engine_weight_versions": engine_versions,
+            "run_dir": str(self.run_dir),
+        }
+        write_summary(self.run_dir, summary)
+        acc = f"{progress.first_accuracy:.2f} -> {progress.accuracy:.2f}"
+        say(f"{self.outcome}: {progress.step} steps in {wall_s / 60:.1f} min, held-out accuracy "
+            f"{acc} (best {progress.best_accuracy:.2f}), {progress.samples_trained} samples "
+            f"trained, engines on versions {', '.join(engine_versions) or '?'}")  # fmt: skip
+        if not math.isnan(progress.logprob_diff_step0):
+            say(f"step-0 trainer/engine log-prob max abs diff: {progress.logprob_diff_step0:.2e}")
+        say(f"run folder: {self.run_dir} (metrics.jsonl, summary.json"
+            f"{', metrics.png' if plot else ''}, logs/)")  # fmt: skip
