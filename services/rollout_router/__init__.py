@@ -1,0 +1,1 @@
+"""Rollout router: balances SGLang-compatible engines and runs rollouts into Redis."""

@@ -1,0 +1,87 @@
+"""`tandem router`: command-line entry of the rollout router."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from services.rollout_router.config import RouterConfig, WorkerPoolConfig
+from services.rollout_router.workers import EngineStartupError, WorkerPool
+from tandem.config_cli import add_config_args, config_from_args
+
+DESCRIPTION = """\
+Rollout router. Fronts SGLang-compatible engines (balancing, health checks, retries; the router
+answers /generate and /v1/* like one engine), and runs the rollout loop: prompts -> engines ->
+samples -> rewards -> Redis stream, never more than --max-staleness weight versions ahead of the
+trainer. Control API and OpenAPI docs at /docs."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem router", description=DESCRIPTION)
+    add_config_args(parser, RouterConfig)
+    parser.add_argument("--host", default="127.0.0.1", help="Bind address (default: 127.0.0.1).")
+    parser.add_argument("--port", type=int, default=30000, help="Port (0 = any free port).")
+    parser.add_argument(
+        "--ready-file", default=None, help="Write {url,host,port,pid} here once up."
+    )
+    parser.add_argument("--log-level", default="INFO", help="Python log level.")
+    return parser
+
+
+async def wait_for_engines(config: WorkerPoolConfig) -> None:
+    pool = WorkerPool(config)
+    await pool.start()
+    try:
+        await pool.add_all(config.engine_urls, config.engine_wait_timeout_s)
+    finally:
+        await pool.close()
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    config = config_from_args(RouterConfig, args)
+    config.api_token = config.api_token or os.environ.get("TANDEM_ROUTER_TOKEN", "")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+
+    from services.rollout_router.app import create_app
+    from tandem.serving import PortInUseError, serve
+
+    try:
+        app = create_app(config)
+    except ValueError as exc:
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return 2
+    try:
+        # Waiting here, before serving, turns a missing engine into one clear line and no
+        # ready file; the lifespan then admits the (now answering) engines at once.
+        asyncio.run(wait_for_engines(config.workers))
+    except EngineStartupError as exc:
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return 1
+    try:
+        serve(app, args.host, args.port, args.ready_file)
+    except PortInUseError as exc:
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return 1
+    except SystemExit as exc:  # uvicorn exits 3 when the lifespan fails
+        print(f"tandem router: start-up failed: {app.state.startup_error}", file=sys.stderr)
+        return int(exc.code or 1)
+    if app.state.startup_error:
+        print(f"tandem router: start-up failed: {app.state.startup_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

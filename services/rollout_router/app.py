@@ -1,0 +1,100 @@
+"""The router's HTTP app: `create_app(config)` wires the worker pool, the rollout loop and routes.
+
+Lifespan: start the shared HTTP session, admit every `--engine-urls` engine (waiting with
+backoff; an engine that never answers fails start-up naming its URL), connect to Redis, load the
+tokenizer once, then start the health-check task and, unless `--no-rollout`, the rollout and
+evaluation tasks. Shutdown cancels those tasks and closes the session.
+
+Routes are thin: engine-compatible routes (`/generate`, `/v1/*`, `/get_model_info`, fan-out
+control) live in `routes_engine.py`; worker registry and rollout control in `routes_control.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from services.rollout_router.config import RouterConfig
+from services.rollout_router.rollout import RolloutLoop
+from services.rollout_router.routes_control import router as control_router
+from services.rollout_router.routes_engine import router as engine_router
+from services.rollout_router.tasks import toy_reverse_digits
+from services.rollout_router.workers import WorkerPool
+from services.sample_buffer import SampleBuffer
+
+log = logging.getLogger("tandem.router")
+
+
+def load_tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def stop_ids(tokenizer: Any) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        log.warning(
+            "the tokenizer of --model has no end-of-sequence token and no stop token ids are set: "
+            "every rollout will run to --rollout-max-response-len"
+        )
+        return []
+    return [int(eos)]
+
+
+async def build_rollout(
+    config: RouterConfig, pool: WorkerPool, buffer: SampleBuffer
+) -> RolloutLoop:
+    tokenizer = await asyncio.to_thread(load_tokenizer, config.rollout.model)
+    task = toy_reverse_digits(tokenizer, config.rollout.task_seed)
+    return RolloutLoop(config.rollout, pool, buffer, task, stop_ids(tokenizer))
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    config: RouterConfig = app.state.config
+    pool = WorkerPool(config.workers)
+    await pool.start()
+    tasks: list[asyncio.Task] = []
+    try:
+        await pool.add_all(config.workers.engine_urls, config.workers.engine_wait_timeout_s)
+        buffer = SampleBuffer(config.buffer)
+        await asyncio.to_thread(buffer.wait_ready, 30.0)
+        app.state.pool, app.state.buffer = pool, buffer
+        pool.start_health_checks()
+        app.state.rollout = None
+        if config.rollout.rollout:
+            rollout = await build_rollout(config, pool, buffer)
+            app.state.rollout = rollout
+            tasks.append(asyncio.create_task(rollout.run(), name="rollout"))
+            tasks.append(asyncio.create_task(rollout.run_evaluations(), name="eval"))
+        app.state.tasks = tasks
+        yield
+    except Exception as exc:
+        app.state.startup_error = str(exc)
+        raise
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await pool.close()
+        log.info("router stopped: tasks cancelled, engine session closed")
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    config.validate()
+    app = FastAPI(
+        title="Tandem rollout router",
+        description="Balances SGLang-compatible engines and runs RL rollouts into Redis.",
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    app.state.startup_error = ""
+    app.include_router(engine_router)
+    app.include_router(control_router)
+    return app

@@ -1,0 +1,186 @@
+"""A stand-in SGLang engine for router tests and the overhead benchmark (not for training).
+
+It answers the SGLang HTTP contract instantly (or after `--delay-ms`) with deterministic output:
+for a toy-task prompt `<bos> a b >` sample k of n answers `b a <eos>` when k is even (the exact
+answer) and `a b b b...` otherwise; greedy requests (temperature 0) always get the exact answer.
+Other prompts get `4 5 <eos>`. Output is cut at `max_new_tokens` (finish "length").
+`--fail-generate` makes `/generate` answer 500 (model info still answers), to test retries.
+`POST /update_weights_from_disk {"weight_version": "3"}` sets the reported weight version.
+
+Run: `python -m services.rollout_router.fake_engine --port 0 --ready-file F [--model-path DIR]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from tandem.serving import bind_socket, write_ready_file
+from tandem.toy_model import VOCAB
+
+BOS, EOS, ARROW = 1, 2, 14
+
+
+def answer_ids(input_ids: list[int], k: int, greedy: bool) -> list[int]:
+    if len(input_ids) == 4 and input_ids[0] == BOS and input_ids[3] == ARROW:
+        a, b = input_ids[1], input_ids[2]
+        return [b, a, EOS] if greedy or k % 2 == 0 else [a, b, b]
+    return [4, 5, EOS]
+
+
+def one_output(state: dict[str, Any], input_ids: list[int], params: dict[str, Any], k: int) -> dict:
+    ids = answer_ids(input_ids, k, float(params.get("temperature", 1.0)) == 0.0)
+    limit = int(params.get("max_new_tokens", 128))
+    stop_ids = set(params.get("stop_token_ids") or []) | {EOS}
+    out: list[int] = []
+    finish: dict[str, Any] = {"type": "length", "length": limit}
+    # Without a stop token the answer's last token repeats until max_new_tokens, as a model
+    # that never emits EOS would.
+    for tok in (ids + [ids[-1]] * limit)[:limit]:
+        out.append(tok)
+        if tok in stop_ids:
+            finish = {"type": "stop", "matched": tok}
+            break
+    state["rid"] += 1
+    return {
+        "text": "".join(VOCAB[t] for t in out if t > 3),
+        "output_ids": out,
+        "meta_info": {
+            "id": f"rid-{state['rid']}",
+            "prompt_tokens": len(input_ids),
+            "completion_tokens": len(out),
+            "cached_tokens": 0,
+            "finish_reason": finish,
+            "weight_version": str(state["version"]),
+            "output_token_logprobs": [[-0.1 * (i + 1), t, None] for i, t in enumerate(out)],
+        },
+    }
+
+
+def build_app(
+    model_path: str, version: int, fail_generate: bool, delay_ms: float
+) -> web.Application:
+    state: dict[str, Any] = {"version": version, "rid": 0, "requests": 0}
+
+    def js(obj: Any, status: int = 200) -> web.Response:
+        return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        state["requests"] += 1
+        if fail_generate:
+            return js({"error": "injected failure"}, 500)
+        body = orjson.loads(await request.read())
+        if delay_ms:
+            await asyncio.sleep(delay_ms / 1000)
+        params = body.get("sampling_params") or {}
+        n = int(params.get("n", 1))
+        outs = [one_output(state, body["input_ids"], params, k) for k in range(n)]
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for out in outs:
+                await resp.write(b"data: " + orjson.dumps(out) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        return js(outs if n > 1 else outs[0])
+
+    async def model_info(_request: web.Request) -> web.Response:
+        return js({
+            "model_path": model_path, "tokenizer_path": model_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": str(state["version"]),
+        })  # fmt: skip
+
+    async def update_weights(request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        state["version"] = int(body.get("weight_version", state["version"] + 1))
+        return js({"success": True, "message": "ok"})
+
+    async def ok(_request: web.Request) -> web.Response:
+        return js({"success": True, "requests": state["requests"]})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    for path in ("/get_model_info", "/model_info"):
+        app.router.add_get(path, model_info)
+    app.router.add_post("/update_weights_from_disk", update_weights)
+    for path in ("/health", "/health_generate", "/get_server_info", "/server_info", "/get_load"):
+        app.router.add_get(path, ok)
+    for path in ("/flush_cache", "/pause_generation", "/continue_generation", "/abort_request"):
+        app.router.add_post(path, ok)
+    return app
+
+
+class FakeEngineProcess:
+    """The fake engine as a subprocess (own session; `stop()` kills it by process group)."""
+
+    def __init__(self, workdir: Path, name: str, *flags: str, timeout_s: float = 30.0) -> None:
+        self.ready_file = Path(workdir) / f"{name}.ready.json"
+        self.ready_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "services.rollout_router.fake_engine", "--ready-file",
+               str(self.ready_file), *flags]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while not self.ready_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"fake engine {name} did not start ({cmd})")
+            time.sleep(0.02)
+        self.url: str = json.loads(self.ready_file.read_text())["url"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fake_engine", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--ready-file", default=None)
+    parser.add_argument("--model-path", default="/nonexistent/fake-model")
+    parser.add_argument("--weight-version", type=int, default=0)
+    parser.add_argument("--fail-generate", action="store_true")
+    parser.add_argument("--delay-ms", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    app = build_app(args.model_path, args.weight_version, args.fail_generate, args.delay_ms)
+    sock = bind_socket(args.host, args.port)
+    port = sock.getsockname()[1]
+
+    async def serve_forever() -> None:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        if args.ready_file:
+            url = f"http://{args.host}:{port}"
+            write_ready_file(args.ready_file, url=url, host=args.host, port=port)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with contextlib.suppress(KeyboardInterrupt, SystemExit):
+        asyncio.run(serve_forever())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,113 @@
+"""Control routes: the worker registry and the rollout control API.
+
+Mutating routes require `Authorization: Bearer <token>` when the router was started with
+`--api-token` (or `TANDEM_ROUTER_TOKEN`); read-only routes never do.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from pydantic import BaseModel
+
+from services.rollout_router.workers import EngineStartupError, WorkerPool
+
+router = APIRouter()
+
+
+def require_token(request: Request) -> None:
+    token = request.app.state.config.api_token
+    if not token:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        raise HTTPException(401, "missing or wrong bearer token (see --api-token)")
+
+
+def pool_of(request: Request) -> WorkerPool:
+    return request.app.state.pool
+
+
+class WorkerIn(BaseModel):
+    url: str
+
+
+# --- workers (sglang-router style, plus the legacy query-string API) ------------------------
+
+
+@router.get("/workers", tags=["workers"])
+async def list_workers(request: Request) -> dict[str, Any]:
+    """Every registered worker with health, load and weight version."""
+    return {"workers": [w.to_json() for w in pool_of(request).workers.values()]}
+
+
+async def _add(request: Request, url: str) -> dict[str, Any]:
+    pool = pool_of(request)
+    try:
+        worker = await pool.add(url, request.app.state.config.workers.health_timeout_s)
+    except EngineStartupError as exc:
+        raise HTTPException(502, str(exc)) from exc
+    return worker.to_json()
+
+
+@router.post("/workers", tags=["workers"], dependencies=[Depends(require_token)])
+async def add_worker(request: Request, body: WorkerIn) -> dict[str, Any]:
+    """Admit a worker once its `/get_model_info` answers."""
+    return await _add(request, body.url)
+
+
+@router.delete("/workers/{worker_id}", tags=["workers"], dependencies=[Depends(require_token)])
+async def delete_worker(request: Request, worker_id: str) -> dict[str, Any]:
+    """Remove a worker by id (from `GET /workers`)."""
+    try:
+        return pool_of(request).remove(worker_id).to_json()
+    except KeyError as exc:
+        raise HTTPException(404, str(exc)) from exc
+
+
+@router.post("/add_worker", tags=["workers"], dependencies=[Depends(require_token)])
+async def add_worker_legacy(request: Request, url: str) -> dict[str, Any]:
+    """Legacy form of `POST /workers`."""
+    return await _add(request, url)
+
+
+@router.post("/remove_worker", tags=["workers"], dependencies=[Depends(require_token)])
+async def remove_worker_legacy(request: Request, url: str) -> dict[str, Any]:
+    """Legacy form of `DELETE /workers/{id}`, by URL."""
+    try:
+        return pool_of(request).remove(url).to_json()
+    except KeyError as exc:
+        raise HTTPException(404, str(exc)) from exc
+
+
+@router.get("/list_workers", tags=["workers"])
+async def list_workers_legacy(request: Request) -> dict[str, Any]:
+    """Legacy: the worker URLs."""
+    return {"urls": [w.url for w in pool_of(request).workers.values()]}
+
+
+# --- rollout control -----------------------------------------------------------------------
+
+
+def rollout_of(request: Request) -> Any:
+    rollout = request.app.state.rollout
+    if rollout is None:
+        raise HTTPException(409, "this router runs without rollouts (--no-rollout)")
+    return rollout
+
+
+@router.get("/rollout/status", tags=["rollout"])
+async def rollout_status(request: Request) -> dict[str, Any]:
+    """State, batch index, versions, in-flight requests, samples/s, buffer depth, drops."""
+    pool = pool_of(request)
+    base = {
+        "workers": len(pool.admitted()),
+        "retries": pool.retries,
+        "engines_min_version": pool.min_version(),
+    }
+    rollout = request.app.state.rollout
+    if rollout is None:
+        return {**base, "state": "disabled"}
+    return {**base, **rollout.status()}

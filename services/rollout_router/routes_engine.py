@@ -1,0 +1,113 @@
+"""Engine-compatible routes: the router answers like one SGLang engine backed by many.
+
+`/generate`, `/v1/completions` and `/v1/chat/completions` go to one worker chosen by the pool's
+policy (the `X-Session-Id` header, when present, feeds session affinity) and are retried on
+another on failure; a streamed request streams through without retry once bytes flow.
+`/flush_cache`, `/pause_generation`, `/continue_generation` and `/abort_request` go to every
+worker. Bodies are forwarded as bytes; only `stream` is looked at.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
+
+router = APIRouter()
+
+SESSION_HEADER = "x-session-id"
+
+
+def wants_stream(body: bytes) -> bool:
+    if b'"stream"' not in body:
+        return False
+    try:
+        return bool(orjson.loads(body).get("stream"))
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+
+
+async def forward(request: Request, path: str) -> Response:
+    pool: WorkerPool = request.app.state.pool
+    body = await request.body()
+    session_id = request.headers.get(SESSION_HEADER)
+    try:
+        if wants_stream(body):
+            status, chunks = await pool.stream(path, body, session_id)
+            return StreamingResponse(chunks, status_code=status, media_type="text/event-stream")
+        status, data, _worker = await pool.post(path, body, session_id)
+    except NoWorkerError as exc:
+        return JSONResponse({"error": "no_available_workers", "detail": str(exc)}, 503)
+    except EngineRequestError as exc:
+        return JSONResponse({"error": "engine_error", "detail": str(exc)}, 502)
+    return Response(data, status_code=status, media_type="application/json")
+
+
+@router.post("/generate", tags=["engine"])
+async def generate(request: Request) -> Response:
+    """SGLang `/generate`, forwarded to one engine (streaming supported)."""
+    return await forward(request, "/generate")
+
+
+@router.post("/v1/completions", tags=["engine"])
+async def completions(request: Request) -> Response:
+    """OpenAI completions, forwarded to one engine."""
+    return await forward(request, "/v1/completions")
+
+
+@router.post("/v1/chat/completions", tags=["engine"])
+async def chat_completions(request: Request) -> Response:
+    """OpenAI chat completions, forwarded to one engine."""
+    return await forward(request, "/v1/chat/completions")
+
+
+@router.get("/health", tags=["engine"])
+async def health(request: Request) -> dict[str, Any]:
+    """200 while the router runs; `workers` counts the admitted engines."""
+    return {"status": "ok", "workers": len(request.app.state.pool.admitted())}
+
+
+@router.get("/get_model_info", tags=["engine"])
+@router.get("/model_info", tags=["engine"], include_in_schema=False)
+async def model_info(request: Request) -> Response:
+    """The first admitted engine's model info, with the lowest weight version of all."""
+    pool: WorkerPool = request.app.state.pool
+    admitted = pool.admitted()
+    if not admitted:
+        return JSONResponse({"error": "no_available_workers"}, 503)
+    info = dict(admitted[0].model_info)
+    info["weight_version"] = str(pool.min_version())
+    return JSONResponse(info)
+
+
+async def fan_out(request: Request, path: str) -> dict[str, Any]:
+    body = await request.body()
+    return await request.app.state.pool.fan_out(request.method, path, body)
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"], tags=["engine control"])
+async def flush_cache(request: Request) -> dict[str, Any]:
+    """Sent to every engine; per-URL status."""
+    return await fan_out(request, "/flush_cache")
+
+
+@router.post("/pause_generation", tags=["engine control"])
+async def pause_generation(request: Request) -> dict[str, Any]:
+    """Sent to every engine; per-URL status."""
+    return await fan_out(request, "/pause_generation")
+
+
+@router.post("/continue_generation", tags=["engine control"])
+async def continue_generation(request: Request) -> dict[str, Any]:
+    """Sent to every engine; per-URL status."""
+    return await fan_out(request, "/continue_generation")
+
+
+@router.post("/abort_request", tags=["engine control"])
+async def abort_request(request: Request) -> dict[str, Any]:
+    """Sent to every engine; per-URL status."""
+    return await fan_out(request, "/abort_request")

@@ -1,0 +1,329 @@
+"""Engine workers: registry, health, choice of worker per request, and retried forwarding.
+
+Knows: the engines' URLs, their health and reported weight versions, requests in flight to each.
+Does not know: what is being generated or why (the rollout loop and the HTTP routes decide that).
+
+Concurrency: one aiohttp session (one connection pool) for every request to every worker, created
+and closed by `start()`/`close()` inside the serving event loop. The health loop
+(`run_health_checks`) polls `GET /get_model_info` of every worker every `health_interval_s`;
+`health_failures` consecutive failures evict a worker from the rotation, and a worker that
+answers again is re-admitted only once it reports at least the weight version the pool has
+reached (so it never serves stale weights into a newer batch). A request that fails with a
+connection error or a 5xx is retried on another admitted worker, at most `max_retries` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from services.rollout_router.config import WorkerPoolConfig
+
+log = logging.getLogger("tandem.router.workers")
+
+
+class NoWorkerError(RuntimeError):
+    """No admitted worker can take the request."""
+
+
+class EngineStartupError(RuntimeError):
+    """An engine never answered during start-up."""
+
+
+class EngineRequestError(RuntimeError):
+    """A request failed on every attempt; `status` is the last HTTP status (0 = no answer)."""
+
+    def __init__(self, message: str, status: int = 0, body: bytes = b"") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+@dataclass
+class Worker:
+    """One engine as the pool sees it."""
+
+    url: str
+    worker_id: str
+    healthy: bool = True
+    outstanding: int = 0
+    weight_version: int = -1
+    failures: int = 0
+    requests: int = 0
+    errors: int = 0
+    last_error: str = ""
+    model_info: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.worker_id,
+            "url": self.url,
+            "healthy": self.healthy,
+            "outstanding": self.outstanding,
+            "weight_version": self.weight_version,
+            "requests": self.requests,
+            "errors": self.errors,
+            "last_error": self.last_error,
+        }
+
+
+def worker_id_for(url: str) -> str:
+    return f"w{zlib.crc32(url.encode()):08x}"
+
+
+def parse_version(value: Any) -> int:
+    """SGLang reports weight_version as a string ("3"); non-integers count as unknown (-1)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return -1
+
+
+class WorkerPool:
+    """Registered engines and the forwarding of requests to them."""
+
+    def __init__(self, config: WorkerPoolConfig) -> None:
+        self.config = config
+        self.workers: dict[str, Worker] = {}
+        self.session: aiohttp.ClientSession | None = None
+        self.retries = 0
+        self._rr = itertools.count()
+        self._health_task: asyncio.Task | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        # limit=0: no client-side cap on connections; callers bound their own concurrency.
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
+        self.session = aiohttp.ClientSession(
+            connector=connector, timeout=timeout, json_serialize=lambda o: orjson.dumps(o).decode()
+        )
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    def start_health_checks(self) -> None:
+        self._health_task = asyncio.create_task(self.run_health_checks(), name="health")
+
+    # --- registry ------------------------------------------------------------------------------
+
+    async def add(self, url: str, wait_s: float = 0.0) -> Worker:
+        """Admit `url` once `/get_model_info` answers, waiting up to `wait_s` with backoff."""
+        url = url.rstrip("/")
+        info = await self._wait_model_info(url, wait_s)
+        worker = self.workers.get(worker_id_for(url)) or Worker(url, worker_id_for(url))
+        worker.model_info = info
+        worker.weight_version = max(
+            worker.weight_version, parse_version(info.get("weight_version"))
+        )
+        worker.healthy, worker.failures = True, 0
+        self.workers[worker.worker_id] = worker
+        log.info("admitted %s (weight version %d)", url, worker.weight_version)
+        return worker
+
+    async def add_all(self, urls: list[str], wait_s: float) -> None:
+        """Admit every URL concurrently; the first that never answers raises."""
+        await asyncio.gather(*(self.add(u, wait_s) for u in urls))
+
+    def remove(self, key: str) -> Worker:
+        """Remove by id or URL; raises KeyError naming it when unknown."""
+        worker = self.workers.pop(key, None) or self.workers.pop(
+            worker_id_for(key.rstrip("/")), None
+        )
+        if worker is None:
+            raise KeyError(f"no worker {key!r}")
+        return worker
+
+    def admitted(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.healthy]
+
+    def min_version(self) -> int:
+        """Lowest weight version any admitted worker has reported (-1 when none)."""
+        versions = [w.weight_version for w in self.admitted()]
+        return min(versions) if versions else -1
+
+    async def _wait_model_info(self, url: str, wait_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + wait_s
+        delay, last = 0.05, "no attempt made"
+        while True:
+            try:
+                return await self.get_json(url, "/get_model_info", self.config.health_timeout_s)
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+                last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if time.monotonic() + delay > deadline:
+                raise EngineStartupError(
+                    f"engine {url} did not answer GET /get_model_info within {wait_s:.0f}s "
+                    f"(last failure: {last}); check --engine-urls and that the engine is running"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    # --- choice --------------------------------------------------------------------------------
+
+    def pick(self, exclude: set[str] = frozenset(), session_id: str | None = None) -> Worker:  # type: ignore[assignment]
+        """The worker for the next request, by policy, avoiding `exclude` when possible."""
+        pool = self.admitted()
+        if not pool:
+            raise NoWorkerError("no healthy engine is registered (see GET /workers)")
+        fresh = [w for w in pool if w.url not in exclude] or pool
+        if session_id is not None and self.config.policy == "session_affinity":
+            return rendezvous(fresh, session_id)
+        if self.config.policy == "round_robin":
+            return fresh[next(self._rr) % len(fresh)]
+        return min(fresh, key=lambda w: w.outstanding)
+
+    # --- forwarding ----------------------------------------------------------------------------
+
+    async def get_json(self, url: str, path: str, timeout_s: float) -> dict[str, Any]:
+        assert self.session is not None, "WorkerPool.start() was not called"
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self.session.get(url + path, timeout=timeout) as resp:
+            body = await resp.read()
+            if resp.status != 200:
+                raise ValueError(f"HTTP {resp.status}: {body[:200]!r}")
+            return orjson.loads(body)
+
+    async def post(
+        self, path: str, body: bytes, session_id: str | None = None
+    ) -> tuple[int, bytes, Worker]:
+        """POST raw JSON `body` to a chosen worker, retrying elsewhere on 5xx or no answer.
+
+        Returns (status, response body, worker) of the first answer that is not retried
+        (a 4xx is the caller's mistake and is returned as is).
+        """
+        assert self.session is not None, "WorkerPool.start() was not called"
+        tried: set[str] = set()
+        last = "no attempt made"
+        for attempt in range(self.config.max_retries + 1):
+            worker = self.pick(tried, session_id)
+            tried.add(worker.url)
+            if attempt:
+                self.retries += 1
+            worker.outstanding += 1
+            worker.requests += 1
+            try:
+                async with self.session.post(
+                    worker.url + path, data=body, headers={"Content-Type": "application/json"}
+                ) as resp:
+                    data = await resp.read()
+                    if resp.status < 500:
+                        return resp.status, data, worker
+                    last = f"{worker.url}{path}: HTTP {resp.status} {data[:200]!r}"
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                last = f"{worker.url}{path}: {type(exc).__name__}: {exc}"
+                if isinstance(exc, aiohttp.ClientConnectionError):
+                    self._mark_failed(worker, last)
+            finally:
+                worker.outstanding -= 1
+            worker.errors += 1
+            worker.last_error = last
+            log.warning("attempt %d failed: %s", attempt + 1, last)
+        raise EngineRequestError(f"{path} failed after {len(tried)} engine(s); last: {last}")
+
+    async def post_json(self, path: str, payload: dict[str, Any]) -> tuple[Any, Worker]:
+        """POST `payload` and return the decoded 200 answer; raise EngineRequestError otherwise."""
+        status, data, worker = await self.post(path, orjson.dumps(payload))
+        if status != 200:
+            raise EngineRequestError(
+                f"{worker.url}{path}: HTTP {status} {data[:200]!r}", status, data
+            )
+        return orjson.loads(data), worker
+
+    async def stream(
+        self, path: str, body: bytes, session_id: str | None = None
+    ) -> tuple[int, AsyncIterator[bytes]]:
+        """Open a streamed POST on one worker (no retry once bytes flow); returns (status, chunks)."""
+        assert self.session is not None
+        worker = self.pick(set(), session_id)
+        worker.outstanding += 1
+        worker.requests += 1
+        try:
+            resp = await self.session.post(
+                worker.url + path, data=body, headers={"Content-Type": "application/json"}
+            )
+        except BaseException:
+            worker.outstanding -= 1
+            raise
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.content.iter_any():
+                    yield chunk
+            finally:
+                worker.outstanding -= 1
+                resp.release()
+
+        return resp.status, chunks()
+
+    async def fan_out(self, method: str, path: str, body: bytes) -> dict[str, Any]:
+        """Send the same request to every registered worker; per-URL status and body."""
+        assert self.session is not None
+
+        async def one(worker: Worker) -> tuple[str, Any]:
+            try:
+                async with self.session.request(  # type: ignore[union-attr]
+                    method, worker.url + path, data=body or None,
+                    headers={"Content-Type": "application/json"},
+                ) as resp:  # fmt: skip
+                    return worker.url, {"status": resp.status, "body": (await resp.text())[:2000]}
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                return worker.url, {"status": 0, "error": f"{type(exc).__name__}: {exc}"}
+
+        results = await asyncio.gather(*(one(w) for w in list(self.workers.values())))
+        return dict(results)
+
+    # --- health --------------------------------------------------------------------------------
+
+    def _mark_failed(self, worker: Worker, reason: str) -> None:
+        worker.failures += 1
+        worker.last_error = reason
+        if worker.healthy and worker.failures >= self.config.health_failures:
+            worker.healthy = False
+            log.warning("evicted %s after %d failures: %s", worker.url, worker.failures, reason)
+
+    async def check_once(self) -> None:
+        """One health round over every registered worker (concurrently)."""
+        target = max((w.weight_version for w in self.admitted()), default=-1)
+
+        async def check(worker: Worker) -> None:
+            try:
+                info = await self.get_json(
+                    worker.url, "/get_model_info", self.config.health_timeout_s
+                )
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+                self._mark_failed(worker, f"health check: {type(exc).__name__}: {exc}")
+                return
+            worker.failures = 0
+            worker.weight_version = max(
+                worker.weight_version, parse_version(info.get("weight_version"))
+            )
+            if not worker.healthy and worker.weight_version >= target:
+                worker.healthy = True
+                log.info("re-admitted %s at weight version %d", worker.url, worker.weight_version)
+
+        await asyncio.gather(*(check(w) for w in list(self.workers.values())))
+
+    async def run_health_checks(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self.check_once()
+
+
+def rendezvous(workers: list[Worker], key: str) -> Worker:
+    """Highest-random-weight hashing: a session keeps its worker while that worker stays up, and
+    only the sessions of a removed worker move."""
+    return max(workers, key=lambda w: zlib.crc32(f"{w.url}|{key}".encode()))

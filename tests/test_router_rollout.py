@@ -1,0 +1,216 @@
+"""The router process (real CLI) against two fake SGLang engines and a real Valkey server."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proto import SampleGroup
+from services.rollout_router.fake_engine import FakeEngineProcess
+from services.rollout_router.toy_task import reverse_digits_reward
+from services.sample_buffer import SampleBuffer
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[Callable[..., FakeEngineProcess]]:
+    started: list[FakeEngineProcess] = []
+
+    def _start(*flags: str) -> FakeEngineProcess:
+        engine = FakeEngineProcess(tmp_path, f"engine{len(started)}", *flags)
+        started.append(engine)
+        return engine
+
+    yield _start
+    for engine in started:
+        engine.stop()
+
+
+def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
+    return [
+        "router", "--engine-urls", *urls, "--model", str(model),
+        "--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id,
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+        "--rollout-max-response-len", "4", "--max-groups", "1000", *extra,
+    ]  # fmt: skip
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def post_json(url: str, body: dict) -> Any:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def all_groups(buffer: SampleBuffer) -> list[SampleGroup]:
+    out = []
+    while batch := buffer.read_groups("test", 1000, block_ms=None):
+        out += [g for _id, g in batch]
+    return out
+
+
+def test_groups_arrive_in_redis_with_exact_tokens_and_rewards(
+    buffer, toy_model_dir, start_service, engines
+):
+    urls = [engines().url, engines().url]
+    router = start_service("router", router_args(buffer, toy_model_dir, urls))
+    wait_until(lambda: buffer.depth() >= 8, "two batches of groups")
+    groups = all_groups(buffer)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(toy_model_dir))
+    assert {g.group_id for g in groups} >= {f"b{b}-p{i}" for b in (0, 1) for i in range(4)}
+    for group in groups:
+        assert len(group.samples) == 4
+        assert group.weight_version == 0
+        for s in group.samples:
+            assert s.prompt_ids == tokenizer(group.prompt)["input_ids"]
+            assert len(s.response_ids) == len(s.response_logprobs) == len(s.loss_mask)
+            assert s.loss_mask == [1] * len(s.response_ids)
+            assert s.token_versions == [0] * len(s.response_ids)
+            assert s.response_text == tokenizer.decode(s.response_ids, skip_special_tokens=True)
+            stopped = s.finish_reason == "stop"
+            assert s.reward == pytest.approx(
+                reverse_digits_reward(s.response_text, group.label, stopped)
+            )
+        # The fake engine answers exactly on even samples and wrongly (no EOS) on odd ones.
+        assert [s.reward for s in group.samples] == [1.0, 0.0, 1.0, 0.0]
+    workers = get_json(router.url + "/workers")["workers"]
+    assert all(w["requests"] > 0 for w in workers), "least-outstanding used both engines"
+
+
+def test_staleness_gate_holds_the_next_batch_until_engines_version_is_high_enough(
+    buffer, toy_model_dir, start_service, engines
+):
+    urls = [engines().url, engines().url]
+    router = start_service(
+        "router", router_args(buffer, toy_model_dir, urls, "--max-staleness", "1")
+    )
+    status = wait_until(
+        lambda: (
+            (s := get_json(router.url + "/rollout/status"))["state"] == "waiting_for_weights" and s
+        ),
+        "the gate to close",
+    )
+    assert status["batch"] == 2, "engines at version 0 allow batches 0 and 1 only"
+    assert not any(g.group_id.startswith("b2-") for g in all_groups(buffer))
+    buffer.set_version("engines", 1)
+    groups = wait_until(lambda: [g for g in all_groups(buffer) if g.group_id.startswith("b2-")],
+                        "batch 2 after version:engines=1")  # fmt: skip
+    assert len(groups) == 4
+    status = wait_until(
+        lambda: (
+            (s := get_json(router.url + "/rollout/status"))["state"] == "waiting_for_weights" and s
+        ),
+        "the gate to close again",
+    )
+    assert status["batch"] == 3
+    assert status["engines_version"] == 1
+
+
+def test_eval_and_rollout_metrics_are_published(buffer, toy_model_dir, start_service, engines):
+    urls = [engines().url, engines().url]
+    start_service("router", router_args(buffer, toy_model_dir, urls))
+
+    def metrics() -> dict[str, tuple[int, dict]]:
+        found = {}
+        for _id, record in buffer.read_metrics():
+            for key in record.values:
+                found.setdefault(key, (record.step, record.values))
+        return found
+
+    found = wait_until(lambda: (m := metrics()) and "eval/accuracy" in m
+                       and "rollout/reward_mean" in m and m, "eval and rollout metrics")  # fmt: skip
+    step, values = found["eval/accuracy"]
+    assert step == 0
+    assert values["eval/accuracy"] == 1.0, "the fake engine answers greedy prompts exactly"
+    assert values["eval/num_prompts"] == 20.0
+    _step, rollout = found["rollout/reward_mean"]
+    assert rollout["rollout/reward_mean"] == pytest.approx(0.5, abs=0.01)
+    assert rollout["rollout/batch"] == 0.0
+    assert rollout["rollout/samples_per_s"] > 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_an_engine_that_never_comes_up_fails_startup_naming_its_url(buffer, toy_model_dir, engines):
+    dead = f"http://127.0.0.1:{free_port()}"
+    args = router_args(buffer, toy_model_dir, [engines().url, dead], "--engine-wait-timeout-s", "1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", *args, "--port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert dead in last_line and "get_model_info" in last_line
+
+
+def test_requests_to_a_failing_engine_are_retried_on_the_other(
+    buffer, toy_model_dir, start_service, engines
+):
+    urls = [engines("--fail-generate").url, engines().url]
+    router = start_service(
+        "router", router_args(buffer, toy_model_dir, urls, "--policy", "round_robin")
+    )
+    wait_until(lambda: buffer.depth() >= 8, "two batches despite the failing engine")
+    status = get_json(router.url + "/rollout/status")
+    assert status["retries"] > 0
+    assert status["drops"] == {}
+    assert len(all_groups(buffer)) >= 8
+
+
+def test_a_group_that_fails_on_every_engine_is_counted_as_a_drop(
+    buffer, toy_model_dir, start_service, engines
+):
+    urls = [engines("--fail-generate").url, engines("--fail-generate").url]
+    router = start_service("router", router_args(buffer, toy_model_dir, urls, "--max-retries", "1"))
+    wait_until(lambda: buffer.drop_counts().get("engine_error", 0) >= 4, "drops of batch 0")
+    assert buffer.depth() == 0
+    assert get_json(router.url + "/rollout/status")["drops"]["engine_error"] >= 4
+    assert any(d.group_id == "b0-p0" and "HTTP 500" in d.detail for d in buffer.drop_log(1000))
+
+
+def test_router_answers_generate_like_an_engine_and_stops_cleanly_on_sigterm(
+    buffer, toy_model_dir, start_service, engines
+):
+    urls = [engines().url, engines().url]
+    router = start_service("router", router_args(buffer, toy_model_dir, urls, "--no-rollout"))
+    body = {"input_ids": [1, 4, 5, 14], "sampling_params": {"n": 3, "max_new_tokens": 4}}
+    outs = post_json(router.url + "/generate", body)
+    assert [o["output_ids"] for o in outs] == [[5, 4, 2], [4, 5, 5, 5], [5, 4, 2]]
+    assert get_json(router.url + "/get_model_info")["weight_version"] == "0"
+    assert get_json(router.url + "/rollout/status")["state"] == "disabled"
+    router.stop()
+    # uvicorn re-raises SIGTERM after its graceful shutdown, so -SIGTERM is a clean exit too.
+    assert router.proc.returncode in (0, -signal.SIGTERM)
+    assert "router stopped: tasks cancelled" in router.log()
+    assert "Traceback" not in router.log()

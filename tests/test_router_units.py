@@ -1,0 +1,89 @@
+"""Pure logic of the router: worker choice, seeds, batches, sample building."""
+
+from __future__ import annotations
+
+from services.rollout_router.config import WorkerPoolConfig
+from services.rollout_router.rollout import batch_items, build_sample, sampling_seed
+from services.rollout_router.tasks import Item, Task
+from services.rollout_router.toy_task import is_exact, reverse_digits_reward
+from services.rollout_router.workers import WorkerPool, rendezvous, worker_id_for
+
+
+def pool_with(urls: list[str], policy: str = "least_outstanding") -> WorkerPool:
+    pool = WorkerPool(WorkerPoolConfig(policy=policy))
+    for url in urls:
+        from services.rollout_router.workers import Worker
+
+        pool.workers[worker_id_for(url)] = Worker(url, worker_id_for(url))
+    return pool
+
+
+def test_least_outstanding_picks_the_idlest_worker_and_skips_excluded_ones():
+    pool = pool_with(["http://a", "http://b", "http://c"])
+    load = {"http://a": 3, "http://b": 1, "http://c": 2}
+    for w in pool.workers.values():
+        w.outstanding = load[w.url]
+    assert pool.pick().url == "http://b"
+    assert pool.pick({"http://b"}).url == "http://c"
+    assert pool.pick({"http://a", "http://b", "http://c"}).url == "http://b", "all tried: reuse"
+
+
+def test_round_robin_cycles_through_healthy_workers_only():
+    pool = pool_with(["http://a", "http://b", "http://c"], "round_robin")
+    pool.workers[worker_id_for("http://b")].healthy = False
+    assert [pool.pick().url for _ in range(4)] == ["http://a", "http://c"] * 2
+
+
+def test_session_affinity_keeps_a_session_on_its_worker_and_moves_only_a_removed_workers_sessions():
+    pool = pool_with([f"http://w{i}" for i in range(4)], "session_affinity")
+    before = {s: pool.pick(session_id=s).url for s in map(str, range(200))}
+    assert all(pool.pick(session_id=s).url == u for s, u in before.items())
+    assert len(set(before.values())) == 4
+    removed = "http://w2"
+    pool.remove(removed)
+    after = {s: pool.pick(session_id=s).url for s in before}
+    moved = {s for s in before if before[s] != after[s]}
+    assert moved == {s for s, u in before.items() if u == removed}
+
+
+def test_rendezvous_is_deterministic():
+    pool = pool_with(["http://a", "http://b"])
+    workers = list(pool.workers.values())
+    assert rendezvous(workers, "s1") is rendezvous(list(reversed(workers)), "s1")
+
+
+def test_sampling_seeds_are_stable_and_distinct_per_prompt_and_batch():
+    seeds = {sampling_seed(7, b, i) for b in range(10) for i in range(64)}
+    assert len(seeds) == 640
+    assert sampling_seed(7, 3, 5) == sampling_seed(7, 3, 5)
+    assert all(0 <= s < 2**31 for s in seeds)
+
+
+def test_batch_items_are_seeded_and_without_replacement_when_possible():
+    items = [Item(str(i), str(i), (i,)) for i in range(80)]
+    b0 = batch_items(items, 0, 64, seed=1)
+    assert b0 == batch_items(items, 0, 64, seed=1)
+    assert len(set(b0)) == 64
+    assert b0 != batch_items(items, 1, 64, seed=1)
+    assert len(batch_items(items, 0, 100, seed=1)) == 100
+
+
+def test_build_sample_takes_tokens_and_logprobs_from_output_token_logprobs():
+    task = Task("t", [], [], reverse_digits_reward, is_exact)
+    item = Item("12>", "21", (1, 5, 6, 14))
+    out = {
+        "text": "21",
+        "output_ids": [6, 5, 2],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 2},
+            "weight_version": "3",
+            "output_token_logprobs": [[-0.5, 6, None], [-0.25, 5, None], [-0.1, 2, None]],
+        },
+    }
+    s = build_sample(item, out, task)
+    assert s.prompt_ids == [1, 5, 6, 14]
+    assert s.response_ids == [6, 5, 2]
+    assert s.response_logprobs == [-0.5, -0.25, -0.1]
+    assert s.loss_mask == [1, 1, 1]
+    assert s.token_versions == [3, 3, 3]
+    assert (s.weight_version, s.finish_reason, s.reward) == (3, "stop", 1.0)
