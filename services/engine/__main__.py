@@ -1,0 +1,50 @@
+"""`tandem engine`: serve a Hugging Face model over SGLang's HTTP API (the reference engine)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from services.engine.config import EngineConfig
+from tandem.config_cli import add_config_args, config_from_args
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tandem engine",
+        description=(
+            "Reference inference engine: loads a Hugging Face Llama/Qwen2-family model with "
+            "transformers and serves SGLang's HTTP API (/generate, health and info, pause/abort, "
+            "weight updates from the weight broker, disk or torch.distributed, OpenAI /v1/*), "
+            "batching concurrent requests with a KV cache. Runs on CPU or CUDA."
+        ),
+    )
+    add_config_args(parser, EngineConfig)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=30000, help="port to listen on (0 = any free)")
+    parser.add_argument(
+        "--ready-file", default=None, help="write {url,host,port,pid} here once listening"
+    )
+    ns = parser.parse_args(argv)
+    config = config_from_args(EngineConfig, ns)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    try:
+        config.validate()
+        from services.engine.server import create_app
+        from tandem.serving import PortInUseError, serve
+
+        app = create_app(config)
+    except (ValueError, FileNotFoundError, OSError, RuntimeError) as exc:
+        print(f"tandem engine: {exc}", file=sys.stderr)
+        return 2
+    try:
+        serve(app, ns.host, ns.port, ns.ready_file)
+    except PortInUseError as exc:
+        print(f"tandem engine: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,204 @@
+"""SGLang's `/generate` request and response shapes, translated to and from scheduler jobs.
+
+Knows the JSON field names and their SGLang semantics; knows nothing about HTTP or threads.
+Field sources (SGLang v0.5 `io_struct.GenerateReqInput`, `tokenizer_manager`): `text` xor
+`input_ids` (a list of them = a batch), `sampling_params` (one object, or one per prompt),
+`rid` (str, or one per prompt), `return_logprob`, `logprob_start_len`, `top_logprobs_num`,
+`return_text_in_logprobs`, `stream`. A batch or `n > 1` answers a flat list, prompt-major.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from services.engine.sampling import RequestError, SamplingParams, derive_seed
+from services.engine.scheduler import Job, Sequence, new_rid
+
+# Request fields we accept and ignore (routing hints, multimodal absent, logging options).
+_IGNORED_FIELDS = {
+    "logprob_start_len", "log_metrics", "modalities", "lora_path", "session_params",
+    "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "data_parallel_rank", "routed_dp_rank", "priority", "return_hidden_states",
+    "background", "extra_key", "routing_key", "no_logs", "request_id",
+}  # fmt: skip
+_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream",
+           "top_logprobs_num", "return_text_in_logprobs", "image_data", "audio_data",
+           "video_data", "input_embeds"}  # fmt: skip
+
+
+@dataclass
+class GenerateInput:
+    """A parsed `/generate` body: one entry per prompt in `prompts`, `params`, `rids`."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    rids: list[str]
+    batch: bool
+    return_logprob: bool
+    text_in_logprobs: bool
+    stream: bool
+    max_new_tokens_given: list[bool]
+
+    @property
+    def flat_list(self) -> bool:
+        """SGLang answers a list when the input was a batch or asked for n > 1."""
+        return self.batch or any(p.n > 1 for p in self.params)
+
+
+def parse_generate(
+    body: Any, tokenizer: Any, vocab_size: int, context_length: int
+) -> GenerateInput:
+    """Validate a `/generate` body; raise `RequestError` naming the offending field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    unknown = set(body) - _FIELDS - _IGNORED_FIELDS
+    if unknown:
+        raise RequestError(f"unknown field(s) {sorted(unknown)} in /generate request")
+    for media in ("image_data", "audio_data", "video_data", "input_embeds"):
+        if body.get(media) is not None:
+            raise RequestError(f"{media} is not supported by the reference engine (text only)")
+    if body.get("top_logprobs_num"):
+        raise RequestError("top_logprobs_num > 0 is not supported by the reference engine")
+    prompts, batch = _prompts(body, tokenizer, vocab_size)
+    raw_params = body.get("sampling_params") or {}
+    if isinstance(raw_params, list):
+        if len(raw_params) != len(prompts):
+            raise RequestError(
+                f"sampling_params has {len(raw_params)} entries for {len(prompts)} prompts"
+            )
+    else:
+        raw_params = [raw_params] * len(prompts)
+    params = [SamplingParams.from_json(p) for p in raw_params]
+    given = [isinstance(p, dict) and p.get("max_new_tokens") is not None for p in raw_params]
+    for prompt, p, explicit in zip(prompts, params, given, strict=True):
+        _check_context(prompt, p, explicit, context_length)
+    rids = _rids(body.get("rid"), len(prompts), batch)
+    return GenerateInput(
+        prompts=prompts, params=params, rids=rids, batch=batch,
+        return_logprob=_flag(body, "return_logprob"),
+        text_in_logprobs=_flag(body, "return_text_in_logprobs"),
+        stream=_flag(body, "stream"), max_new_tokens_given=given,
+    )  # fmt: skip
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _prompts(body: dict, tokenizer: Any, vocab_size: int) -> tuple[list[list[int]], bool]:
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise RequestError("give exactly one of text or input_ids")
+    if text is not None:
+        if isinstance(text, str):
+            return [tokenizer.encode(text)], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [tokenizer.encode(t) for t in text], True
+        raise RequestError("text must be a string or a non-empty list of strings")
+    if isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
+        prompts, batch = ids, True
+    else:
+        prompts, batch = [ids], False
+    for prompt in prompts:
+        if not isinstance(prompt, list) or not prompt:
+            raise RequestError(
+                "input_ids must be a non-empty list of token ids (or a list of them)"
+            )
+        for token in prompt:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+                raise RequestError(
+                    f"input_ids contains {token!r}, not a token id in [0, {vocab_size})"
+                )
+    return prompts, batch
+
+
+def _check_context(prompt: list[int], params: SamplingParams, explicit: bool, context: int) -> None:
+    # SGLang refuses a prompt that fills the context, and an explicit max_new_tokens that would
+    # overflow it; an absent max_new_tokens is clipped at the context instead.
+    if len(prompt) >= context:
+        raise RequestError(
+            f"The input ({len(prompt)} tokens) is longer than the model's context length "
+            f"({context} tokens)."
+        )
+    if explicit and len(prompt) + params.max_new_tokens > context:
+        raise RequestError(
+            f"Requested token count exceeds the model's maximum context length of {context} "
+            f"tokens. You requested a total of {len(prompt) + params.max_new_tokens} tokens: "
+            f"{len(prompt)} tokens from the input messages and {params.max_new_tokens} tokens "
+            "for the completion (sampling_params.max_new_tokens). Please reduce the number of "
+            "tokens in the input messages or the completion to fit within the limit."
+        )
+
+
+def _rids(rid: Any, count: int, batch: bool) -> list[str]:
+    if rid is None:
+        return [new_rid() for _ in range(count)]
+    if isinstance(rid, str) and not batch:
+        return [rid]
+    if isinstance(rid, list) and len(rid) == count and all(isinstance(r, str) for r in rid):
+        return rid
+    raise RequestError("rid must be a string (one prompt) or a list of strings, one per prompt")
+
+
+def make_jobs(inp: GenerateInput, notify: Callable[[Job, bool], None]) -> list[Job]:
+    """One job per prompt with its `n` sequences; sample i of n seeds from (sampling_seed, i)."""
+    jobs = []
+    for prompt, params, rid in zip(inp.prompts, inp.params, inp.rids, strict=True):
+        job = Job(rid=rid, sequences=[], notify=notify, stream=inp.stream)
+        for i in range(params.n):
+            seq_id = rid if params.n == 1 else f"{rid}-{i}"
+            seed = derive_seed(params.sampling_seed, i)
+            job.sequences.append(Sequence(seq_id, prompt, params, seed, job))
+        jobs.append(job)
+    return jobs
+
+
+def sequence_json(seq: Sequence, inp: GenerateInput, tokenizer: Any, done: bool = True) -> dict:
+    """One SGLang result: `text`, `output_ids`, `meta_info` (cumulative if still running)."""
+    count = min(len(seq.output_ids), len(seq.logprobs))
+    output_ids = seq.output_ids[:count]
+    reason = seq.finish_reason if done else None
+    meta: dict[str, Any] = {
+        "id": seq.id,
+        "finish_reason": reason,
+        "prompt_tokens": len(seq.prompt),
+        "completion_tokens": count,
+        "cached_tokens": seq.cached_tokens,
+        "weight_version": seq.weight_version,
+        "e2e_latency": time.monotonic() - seq.job.created_s,
+    }
+    if inp.return_logprob:
+        texts = [tokenizer.decode([t]) for t in output_ids] if inp.text_in_logprobs else None
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = [
+            [lp, tok, texts[i] if texts else None]
+            for i, (lp, tok) in enumerate(zip(seq.logprobs[:count], output_ids, strict=True))
+        ]
+    return {"text": output_text(seq, output_ids, tokenizer, reason), "output_ids": output_ids,
+            "meta_info": meta}  # fmt: skip
+
+
+def output_text(seq: Sequence, output_ids: list[int], tokenizer: Any, reason: dict | None) -> str:
+    """Decoded output; a matched stop token or string is trimmed unless `no_stop_trim`."""
+    params = seq.params
+    matched = (reason or {}).get("matched")
+    trim = not params.no_stop_trim and matched is not None
+    if trim and isinstance(matched, int) and output_ids:
+        output_ids = output_ids[:-1]
+    text = tokenizer.decode(output_ids, skip_special_tokens=params.skip_special_tokens)
+    if trim and isinstance(matched, str) and matched in text:
+        text = text[: text.find(matched)]
+    return text
+
+
+def response_json(jobs: list[Job], inp: GenerateInput, tokenizer: Any) -> Any:
+    results = [sequence_json(s, inp, tokenizer) for job in jobs for s in job.sequences]
+    return results if inp.flat_list else results[0]

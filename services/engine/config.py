@@ -1,0 +1,67 @@
+"""Configuration of the reference engine (`tandem engine`): one dataclass, one flag per field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    """Everything `tandem engine` needs besides `--host/--port/--ready-file`."""
+
+    model: str = field(
+        default="", metadata={"help": "Hugging Face Llama/Qwen2-family model directory to serve"}
+    )
+    tokenizer: str = field(
+        default="", metadata={"help": "tokenizer directory (default: the model directory)"}
+    )
+    device: str = field(
+        default="cpu", metadata={"help": "torch device to run on", "choices": ["cpu", "cuda"]}
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "weight/activation dtype; auto = float32 on CPU, bfloat16 on CUDA",
+            "choices": ["auto", "float32", "bfloat16", "float16"],
+        },
+    )
+    weight_version: str = field(
+        default="0", metadata={"help": "weight version reported until the first weight update"}
+    )
+    max_batch_size: int = field(
+        default=1024, metadata={"help": "most sequences decoded together in one forward pass"}
+    )
+    max_prefill_tokens: int = field(
+        default=16384,
+        metadata={"help": "most (padded) prompt tokens prefilled in one forward pass"},
+    )
+    max_queued_requests: int = field(
+        default=4096,
+        metadata={"help": "requests waiting to start before /generate answers 503 (back-pressure)"},
+    )
+    context_length: int = field(
+        default=0,
+        metadata={
+            "help": "longest prompt+output in tokens (0 = the model's max_position_embeddings)"
+        },
+    )
+    num_threads: int = field(
+        default=1, metadata={"help": "torch CPU threads (several services share the cores)"}
+    )
+    update_timeout_s: float = field(
+        default=120.0,
+        metadata={"help": "limit for fetching weights and for waiting on in-flight requests"},
+    )
+    served_model_name: str = field(
+        default="", metadata={"help": "model name in /v1/models (default: the model directory)"}
+    )
+
+    def validate(self) -> None:
+        """Raise `ValueError` naming the flag to fix."""
+        if not self.model:
+            raise ValueError("--model is required (a Hugging Face model directory)")
+        for name in ("max_batch_size", "max_prefill_tokens", "max_queued_requests", "num_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.context_length < 0:
+            raise ValueError("--context-length must be 0 (model default) or positive")

@@ -1,0 +1,186 @@
+"""The engine behind the HTTP routes: model runner + scheduler + weight updates, as async calls.
+
+Each public coroutine is what one route does. Generation work happens on the scheduler's
+generation thread; this class only parses, submits, and waits for the scheduler's callbacks
+(delivered into the event loop with `call_soon_threadsafe`). Blocking work that is not
+generation (fetching weights over ZMQ, reading a checkpoint, joining a process group) runs in a
+worker thread so the event loop keeps answering `/health` meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from services.engine import api
+from services.engine.config import EngineConfig
+from services.engine.model_runner import ModelRunner
+from services.engine.sampling import RequestError
+from services.engine.scheduler import Job, Scheduler
+from services.engine.weights import WeightUpdater
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Owns the model, the scheduler and the weight updater for one server."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import torch
+
+        config.validate()
+        torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.runner = ModelRunner(config.model, config.tokenizer, config.device, config.dtype)
+        context = config.context_length or self.runner.max_position
+        self.context_length = min(context, self.runner.max_position)
+        self.scheduler = Scheduler(
+            self.runner, config.max_batch_size, config.max_prefill_tokens,
+            config.max_queued_requests, self.context_length, config.weight_version,
+        )  # fmt: skip
+        self.weights = WeightUpdater(self.runner, self.scheduler, config.update_timeout_s)
+        self.paused = False
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.weights.close()
+        self.scheduler.stop()
+
+    @property
+    def weight_version(self) -> str:
+        return self.scheduler.weight_version
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def parse(self, body: Any) -> api.GenerateInput:
+        tok = self.runner.tokenizer
+        return api.parse_generate(body, tok, self.runner.vocab_size, self.context_length)
+
+    async def generate(self, inp: api.GenerateInput) -> Any:
+        """Run a parsed request to completion; the SGLang-shaped response body."""
+        loop = asyncio.get_running_loop()
+        finished = loop.create_future()
+        pending = [len(inp.prompts)]
+
+        def on_job_done() -> None:
+            pending[0] -= 1
+            if pending[0] == 0 and not finished.done():
+                finished.set_result(None)
+
+        def notify(_job: Job, done: bool) -> None:
+            if done:
+                loop.call_soon_threadsafe(on_job_done)
+
+        jobs = api.make_jobs(inp, notify)
+        self.scheduler.submit(jobs)
+        try:
+            await finished
+        except asyncio.CancelledError:  # client went away: stop spending compute on it
+            for job in jobs:
+                self.scheduler.abort(job.rid, "client disconnected")
+            raise
+        return api.response_json(jobs, inp, self.runner.tokenizer)
+
+    async def stream(self, inp: api.GenerateInput) -> AsyncIterator[Any]:
+        """Cumulative snapshots of each sequence as it grows; the last one has finish_reason.
+        Several sequences (batch or n > 1) are told apart by `index`."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        jobs = api.make_jobs(inp, lambda _job, _done: loop.call_soon_threadsafe(wake.set))
+        seqs = [s for job in jobs for s in job.sequences]
+        sent = [-1] * len(seqs)
+        self.scheduler.submit(jobs)
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                for index, seq in enumerate(seqs):
+                    done = seq.done
+                    count = len(seq.logprobs)
+                    if count == sent[index] and not done:
+                        continue
+                    if sent[index] == -2:
+                        continue
+                    chunk = api.sequence_json(seq, inp, self.runner.tokenizer, done)
+                    if len(seqs) > 1:
+                        chunk["index"] = index
+                    sent[index] = -2 if done else count
+                    yield chunk
+                if all(s == -2 for s in sent):
+                    return
+        finally:
+            if not all(s.done for s in seqs):
+                for job in jobs:
+                    self.scheduler.abort(job.rid, "client disconnected")
+
+    async def health_generate(self, timeout_s: float = 20.0) -> bool:
+        """Generate one token end to end (what SGLang's /health_generate does)."""
+        inp = self.parse(
+            {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        )
+        try:
+            await asyncio.wait_for(self.generate(inp), timeout_s)
+        except (TimeoutError, RequestError):
+            return False
+        return True
+
+    # ---- control ------------------------------------------------------------------------------
+
+    async def pause(self, mode: str) -> None:
+        if mode not in ("abort", "retract", "in_place"):
+            raise RequestError(f"mode must be abort, retract or in_place, got {mode!r}")
+        await asyncio.wrap_future(self.scheduler.pause(mode))
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        self.scheduler.resume()
+
+    def abort(self, rid: str | None) -> None:
+        self.scheduler.abort(rid)
+
+    def flush_cache(self) -> bool:
+        """SGLang only flushes an idle server. No prefix outlives its request here, so an idle
+        server has nothing cached; the call reports whether it was idle."""
+        return self.scheduler.idle
+
+    # ---- info ---------------------------------------------------------------------------------
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.config.model,
+            "tokenizer_path": self.config.tokenizer or self.config.model,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(self.runner.config, "model_type", None),
+            "architectures": getattr(self.runner.config, "architectures", None),
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        info = {
+            "model_path": self.config.model,
+            "tokenizer_path": self.config.tokenizer or self.config.model,
+            "served_model_name": self.served_model_name,
+            "context_length": self.context_length,
+            "device": self.config.device,
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "max_running_requests": self.config.max_batch_size,
+            "max_total_num_tokens": self.config.max_batch_size * self.context_length,
+            "tp_size": 1,
+            "dp_size": 1,
+            "weight_version": self.weight_version,
+            "version": "tandem-reference-engine",
+        }
+        info["internal_states"] = [{**self.scheduler.load(), **self.scheduler.stats}]
+        return info
+
+    @property
+    def served_model_name(self) -> str:
+        return self.config.served_model_name or self.config.model

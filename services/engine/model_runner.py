@@ -1,0 +1,257 @@
+"""The model: a Hugging Face Llama/Qwen2-family checkpoint run with our own batched KV cache.
+
+`transformers` loads the checkpoint and provides every layer module; this file only drives them
+(the same modules, the same order of operations as the Hugging Face forward) so that rows can
+join and leave a running batch, which Hugging Face's own cache does not allow. Prefill takes
+right-padded prompts; decode appends one token per row at that row's own position.
+
+Knows nothing about requests, sampling or HTTP. Not thread-safe: one caller (the scheduler's
+generation thread) at a time; weight loads are serialized with generation by the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightError(ValueError):
+    """A weight update names an unknown parameter or carries a wrong shape; nothing was changed."""
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the running rows, per layer `[rows, kv_heads, capacity, head_dim]`,
+    and `lengths[r]`: how many positions of row r are filled."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    lengths: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys[0].shape[2]) if self.keys else 0
+
+    def select(self, rows: torch.Tensor) -> KVCache:
+        """The cache of `rows` only (a copy), in that order; a row may repeat."""
+        return KVCache(
+            [k.index_select(0, rows) for k in self.keys],
+            [v.index_select(0, rows) for v in self.values],
+            self.lengths.index_select(0, rows),
+        )
+
+    def grow(self, capacity: int) -> None:
+        """Make room for `capacity` positions per row (doubling, to amortize the copies)."""
+        if capacity <= self.capacity:
+            return
+        new_cap = max(capacity, 2 * self.capacity)
+        self.keys = [_pad_capacity(k, new_cap) for k in self.keys]
+        self.values = [_pad_capacity(v, new_cap) for v in self.values]
+
+    @staticmethod
+    def concat(caches: Sequence[KVCache]) -> KVCache:
+        caches = [c for c in caches if c.rows]
+        if len(caches) == 1:
+            return caches[0]
+        cap = max(c.capacity for c in caches)
+        layers = range(len(caches[0].keys))
+        return KVCache(
+            [torch.cat([_pad_capacity(c.keys[i], cap) for c in caches]) for i in layers],
+            [torch.cat([_pad_capacity(c.values[i], cap) for c in caches]) for i in layers],
+            torch.cat([c.lengths for c in caches]),
+        )
+
+
+def _pad_capacity(t: torch.Tensor, capacity: int) -> torch.Tensor:
+    if t.shape[2] >= capacity:
+        return t
+    out = t.new_zeros((t.shape[0], t.shape[1], capacity, t.shape[3]))
+    out[:, :, : t.shape[2]] = t
+    return out
+
+
+class ModelRunner:
+    """Owns the model and tokenizer; runs prefill and decode forwards over a `KVCache`."""
+
+    def __init__(self, model_path: str, tokenizer_path: str, device: str, dtype: str) -> None:
+        from transformers import AutoTokenizer
+
+        if not Path(model_path, "config.json").exists():
+            raise FileNotFoundError(f"--model {model_path}: no config.json there")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: torch sees no CUDA device")
+        if dtype == "auto":
+            dtype = "float32" if device == "cpu" else "bfloat16"
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+        self.model = self._load(model_path)
+        self.config = self.model.config
+        inner = self.model.model
+        self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = self.model.lm_head
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.num_kv_heads = self.config.num_key_value_heads
+        self.qk_norm = hasattr(attn, "q_norm")
+        self.eos_token_ids = self._eos_ids()
+        self.max_position = int(getattr(self.config, "max_position_embeddings", 4096))
+
+    def _load(self, path: str) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=self.dtype, attn_implementation="sdpa"
+        )
+        inner = getattr(model, "model", None)
+        attn = getattr(getattr(inner, "layers", [None])[0], "self_attn", None)
+        needed = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if (
+            attn is None
+            or not all(hasattr(attn, n) for n in needed)
+            or not hasattr(inner, "rotary_emb")
+        ):
+            raise ValueError(
+                f"--model {path}: {type(model).__name__} is not a Llama/Qwen2-family model "
+                "(needs model.layers[i].self_attn.{q,k,v,o}_proj and model.rotary_emb)"
+            )
+        model.to(self.device).eval().requires_grad_(False)
+        return model
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.config, "eos_token_id", None)):
+            gen = getattr(self.model, "generation_config", None)
+            for value in (source, getattr(gen, "eos_token_id", None)):
+                if isinstance(value, int):
+                    ids.add(value)
+                elif isinstance(value, (list, tuple)):
+                    ids.update(int(v) for v in value)
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.weight.shape[0])
+
+    # ---- forward passes -------------------------------------------------------------------
+
+    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        cos, sin = self.rotary(hidden, positions)
+        batch, steps, _ = hidden.shape
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(batch, steps, -1, self.head_dim)
+            k = attn.k_proj(x).view(batch, steps, -1, self.head_dim)
+            v = attn.v_proj(x).view(batch, steps, -1, self.head_dim).transpose(1, 2)
+            if self.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            out = attend(index, q, k, v).transpose(1, 2).reshape(batch, steps, -1)
+            hidden = hidden + attn.o_proj(out)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.norm(hidden)
+
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=k.shape[1] != q.shape[1]
+        )
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, KVCache]:
+        """Run whole prompts; return the next-token logits `[rows, vocab]` (fp32) and their cache."""
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        steps = int(lengths.max())
+        ids = torch.zeros((len(prompts), steps), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
+        ids, lengths_dev = ids.to(self.device), lengths.to(self.device)
+        arange = torch.arange(steps, device=self.device)
+        positions = arange.expand(len(prompts), steps)
+        # query i sees key j when j <= i and j is a real prompt token of that row
+        mask = (arange[None, :] <= arange[:, None])[None] & (
+            arange[None, None, :] < lengths_dev[:, None, None]
+        )
+        mask = mask[:, None]
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+
+        def attend(_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys.append(k)
+            values.append(v)
+            return self._sdpa(q, k, v, mask)
+
+        hidden = self._layers(self.embed(ids), positions, attend)
+        last = hidden[torch.arange(len(prompts), device=self.device), lengths_dev - 1]
+        return self._logits(last), KVCache(keys, values, lengths_dev)
+
+    @torch.inference_mode()
+    def decode(self, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
+        """Append `tokens[r]` to row r of `cache` (in place); return next-token logits (fp32)."""
+        positions = cache.lengths
+        cache.grow(int(positions.max()) + 1)
+        rows = torch.arange(cache.rows, device=self.device)
+        span = int(positions.max()) + 1
+        mask = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[
+            :, None, None
+        ]
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.keys[index][rows, :, positions] = k[:, :, 0]
+            cache.values[index][rows, :, positions] = v[:, :, 0]
+            return self._sdpa(
+                q, cache.keys[index][:, :, :span], cache.values[index][:, :, :span], mask
+            )
+
+        hidden = self._layers(
+            self.embed(tokens.to(self.device)[:, None]), positions[:, None], attend
+        )
+        cache.lengths = positions + 1
+        return self._logits(hidden[:, 0])
+
+    # ---- weights --------------------------------------------------------------------------
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(p.shape) for name, p in self.model.state_dict().items()}
+
+    def check_weights(self, named: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Raise `WeightError` if any name is unknown or any shape differs (checks all first)."""
+        shapes = self.parameter_shapes()
+        problems = []
+        for name, shape in named:
+            if name not in shapes:
+                problems.append(f"unknown parameter {name!r}")
+            elif tuple(shape) != shapes[name]:
+                problems.append(f"{name!r} has shape {list(shape)}, model has {list(shapes[name])}")
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise WeightError("; ".join(problems[:3]) + more)
+
+    @torch.inference_mode()
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy already-checked tensors into the model; returns how many were copied."""
+        state = self.model.state_dict()
+        count = 0
+        for name, tensor in named:
+            state[name].copy_(tensor.to(device=state[name].device, dtype=state[name].dtype))
+            count += 1
+        return count

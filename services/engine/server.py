@@ -1,0 +1,196 @@
+"""HTTP routes of the reference engine: SGLang's native API plus Tandem's ZMQ weight path.
+
+Routes only parse, call one `Engine` method and shape the answer. Bodies are read and written
+with orjson directly (no pydantic models) because `/generate` is the hot path: `tandem up`
+sends hundreds of small requests per step. Errors: a malformed request is 400 with a message
+naming the field; overload is 503; weight-update failures answer `{"success": false, ...}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.openai_api import add_openai_routes
+from services.engine.sampling import RequestError
+from services.engine.scheduler import QueueFullError
+from services.engine.weights import UpdateError
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def error_response(message: str, status: int = 400) -> Response:
+    return json_response(
+        {"error": {"message": message, "code": status}, "message": message}, status
+    )
+
+
+async def read_json(request: Request) -> Any:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+
+
+def create_app(config: EngineConfig, engine: Engine | None = None) -> FastAPI:
+    """The engine's FastAPI app; loads the model now (unless `engine` is given)."""
+    engine = engine or Engine(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="Tandem reference engine", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(RequestError)
+    async def bad_request(_request: Request, exc: RequestError) -> Response:
+        return error_response(str(exc), 400)
+
+    @app.exception_handler(QueueFullError)
+    async def overloaded(_request: Request, exc: QueueFullError) -> Response:
+        return error_response(str(exc), 503)
+
+    @app.exception_handler(UpdateError)
+    async def update_failed(_request: Request, exc: UpdateError) -> Response:
+        return json_response({"success": False, "message": str(exc)}, exc.status)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        inp = engine.parse(await read_json(request))
+        if inp.stream:
+            return StreamingResponse(_sse(engine, inp), media_type="text/event-stream")
+        return json_response(await engine.generate(inp))
+
+    _add_info_routes(app, engine)
+    _add_control_routes(app, engine)
+    _add_weight_routes(app, engine)
+    add_openai_routes(app, engine)
+    return app
+
+
+async def _sse(engine: Engine, inp: Any) -> AsyncIterator[bytes]:
+    async for chunk in engine.stream(inp):
+        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _add_info_routes(app: FastAPI, engine: Engine) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        ok = await engine.health_generate()
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info() -> Response:
+        return json_response(engine.model_info())
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info() -> Response:
+        return json_response(engine.server_info())
+
+    @app.get("/get_weight_version")
+    async def weight_version() -> Response:
+        return json_response({"weight_version": engine.weight_version})
+
+    @app.get("/get_load")
+    async def load() -> Response:
+        return json_response([{"dp_rank": 0, **engine.scheduler.load()}])
+
+
+def _add_control_routes(app: FastAPI, engine: Engine) -> None:
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        if not engine.flush_cache():
+            return Response(
+                "Cache not flushed: requests are running; retry when idle.", status_code=400
+            )
+        return Response("Cache flushed.", status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        body = await read_json(request)
+        await engine.pause(str(body.get("mode", "abort")))
+        return json_response({"success": True, "message": "Generation paused."})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Response:
+        engine.resume()
+        return json_response({"success": True, "message": "Generation continued."})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await read_json(request)
+        if body.get("abort_all"):
+            engine.abort(None)
+        elif isinstance(body.get("rid"), str) and body["rid"]:
+            engine.abort(body["rid"])
+        else:
+            raise RequestError("give rid (a string) or abort_all: true")
+        return Response(status_code=200)
+
+
+def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
+    def ok(version: str, what: str) -> Response:
+        return json_response({"success": True, "message": what, "weight_version": version})
+
+    @app.post("/update_weights_from_zmq")
+    async def update_from_zmq(request: Request) -> Response:
+        body = await read_json(request)
+        endpoint, version = body.get("endpoint"), body.get("weight_version")
+        if not isinstance(endpoint, str) or version is None:
+            raise RequestError("give endpoint (a ZMQ address) and weight_version")
+        timeout_s = body.get("timeout_s")
+        new = await engine.weights.from_zmq(endpoint, str(version), timeout_s)
+        return ok(new, f"Updated weights to version {new} from {endpoint}.")
+
+    @app.post("/update_weights_from_disk")
+    async def update_from_disk(request: Request) -> Response:
+        body = await read_json(request)
+        if not isinstance(body.get("model_path"), str):
+            raise RequestError("give model_path (a Hugging Face model directory)")
+        version = body.get("weight_version")
+        new = await engine.weights.from_disk(
+            body["model_path"], None if version is None else str(version)
+        )
+        return ok(new, f"Loaded weights from {body['model_path']}.")
+
+    @app.post("/init_weights_update_group")
+    async def init_group(request: Request) -> Response:
+        body = await read_json(request)
+        missing = [k for k in ("master_address", "master_port", "world_size") if k not in body]
+        if missing:
+            raise RequestError(f"missing field(s) {missing}")
+        await engine.weights.init_group(body)
+        return json_response({"success": True, "message": "Joined the weight update group."})
+
+    @app.post("/update_weights_from_distributed")
+    async def update_from_distributed(request: Request) -> Response:
+        body = await read_json(request)
+        missing = [k for k in ("names", "dtypes", "shapes") if k not in body]
+        if missing:
+            raise RequestError(f"missing field(s) {missing}")
+        if body.get("weight_version") is not None:
+            body["weight_version"] = str(body["weight_version"])
+        new = await engine.weights.from_distributed(body)
+        return ok(new, "Updated weights from the distributed group.")

@@ -1,0 +1,216 @@
+"""Weight updates: from the weight broker (ZMQ), from disk, and by torch.distributed broadcast.
+
+Every path has the same two phases:
+1. receive the new tensors into fresh memory (a worker thread; generation keeps running) and
+   check every name and shape against the model; anything wrong refuses the whole update and
+   the model is untouched;
+2. apply: a draining scheduler command (no sequence runs, none starts, arrivals wait), copies
+   the tensors in, sets `weight_version` and drops any cache built with the old weights.
+Both phases are bounded by `update_timeout_s`; a timeout answers an error, never a hang.
+
+Distributed path: the engine joins a process group named by the request at
+`rank_offset` (the trainer is rank 0) through a TCP rendezvous on `master_address:master_port`,
+with keys under the group name, as SGLang does. The backend follows the device (gloo on CPU,
+NCCL on CUDA); the receiving code is the same for both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.engine.model_runner import ModelRunner, WeightError
+from services.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class UpdateError(RuntimeError):
+    """A weight update failed; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class WeightUpdater:
+    """Runs the receive-check-apply sequence for each update path; one update at a time."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, timeout_s: float) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.timeout_s = timeout_s
+        self._lock = asyncio.Lock()
+        self._group: Any = None
+        self._group_name = ""
+        # one dedicated thread: receives (ZMQ, disk, broadcast) never queue behind other work
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-weights")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _in_thread(self, fn: Callable[[], Any], what: str) -> Any:
+        future = asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        try:
+            return await asyncio.wait_for(future, self.timeout_s)
+        except TimeoutError as exc:
+            raise UpdateError(f"{what} took longer than {self.timeout_s:.0f}s", 504) from exc
+
+    async def _apply(self, tensors: NamedTensors, version: str | None) -> str:
+        """Check, then copy in while the scheduler is drained; returns the new version."""
+        try:
+            self.runner.check_weights((n, t.shape) for n, t in tensors)
+        except WeightError as exc:
+            raise UpdateError(f"weights refused, model unchanged: {exc}", 400) from exc
+
+        def apply() -> str:
+            self.runner.load_weights(tensors)
+            if version is not None:
+                self.scheduler.weight_version = str(version)
+            return self.scheduler.weight_version
+
+        future = self.scheduler.run_exclusive(apply, drain=True)
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(future)), self.timeout_s
+            )
+        except TimeoutError as exc:
+            if self.scheduler.cancel(future):
+                raise UpdateError(
+                    f"running requests did not finish within {self.timeout_s:.0f}s; weights "
+                    "unchanged (pause_generation first, or raise --update-timeout-s)",
+                    504,
+                ) from exc
+            return await asyncio.wrap_future(future)  # already copying: a short wait
+
+    # ---- the three sources --------------------------------------------------------------------
+
+    async def from_zmq(self, endpoint: str, version: str, timeout_s: float | None = None) -> str:
+        """Fetch `version` from the weight broker at `endpoint` and apply it."""
+        from services.weight_broker.wire import AuthenticationError, secret_from_env
+        from services.weight_broker.zmq_transport import fetch_weights
+
+        try:
+            number = int(version)
+        except ValueError as exc:
+            raise UpdateError(f"weight_version {version!r} is not an integer", 400) from exc
+        wait_s = min(timeout_s or self.timeout_s, self.timeout_s)
+        async with self._lock:
+            try:
+                tensors = await self._in_thread(
+                    lambda: fetch_weights(endpoint, number, secret_from_env(), wait_s),
+                    f"fetching weights from {endpoint}",
+                )
+            except (LookupError, AuthenticationError, ValueError) as exc:
+                raise UpdateError(f"weight broker at {endpoint}: {exc}", 400) from exc
+            except TimeoutError as exc:
+                raise UpdateError(str(exc), 504) from exc
+            return await self._apply(tensors, version)
+
+    async def from_disk(self, model_path: str, version: str | None) -> str:
+        """Reload every tensor found in an HF directory's safetensors (or .bin) files."""
+        async with self._lock:
+            try:
+                tensors = await self._in_thread(
+                    lambda: read_checkpoint(model_path), "reading weights"
+                )
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise UpdateError(f"could not load weights from {model_path}: {exc}", 400) from exc
+            return await self._apply(tensors, version)
+
+    async def init_group(self, body: dict[str, Any]) -> None:
+        """Join the trainer's weight-update group (blocks until every rank joined)."""
+        async with self._lock:
+            backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
+            await self._in_thread(lambda: self._join(body, backend), "joining the process group")
+
+    def _join(self, body: dict[str, Any], backend: str) -> None:
+        if self._group is not None:
+            torch.distributed.destroy_process_group(self._group)
+            self._group = None
+        self._group = join_group(
+            body["master_address"], int(body["master_port"]), int(body.get("rank_offset", 1)),
+            int(body["world_size"]), body.get("group_name", "weight_update_group"), backend,
+            timedelta(seconds=self.timeout_s),
+        )  # fmt: skip
+        self._group_name = body.get("group_name", "weight_update_group")
+
+    async def from_distributed(self, body: dict[str, Any]) -> str:
+        """Receive `names` by broadcast from rank 0 in the listed order, then apply."""
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise UpdateError("names, dtypes and shapes must have the same length", 400)
+        if self._group is None:
+            raise UpdateError("no weight update group: call /init_weights_update_group first", 400)
+        group_name = body.get("group_name", self._group_name)
+        if group_name != self._group_name:
+            raise UpdateError(
+                f"group_name {group_name!r} is not the joined group {self._group_name!r}", 400
+            )
+        async with self._lock:
+            tensors = await self._in_thread(
+                lambda: self._receive(names, dtypes, shapes), "receiving broadcast weights"
+            )
+            return await self._apply(tensors, body.get("weight_version"))
+
+    def _receive(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> NamedTensors:
+        # Receive everything even when a name is wrong: the sender broadcasts the whole list,
+        # and leaving the collective early would hang it. The check comes afterwards.
+        out = []
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            torch_dtype = getattr(torch, str(dtype).removeprefix("torch."), None)
+            if not isinstance(torch_dtype, torch.dtype):
+                torch_dtype = torch.float32
+            tensor = torch.empty(shape, dtype=torch_dtype, device=self.runner.device)
+            torch.distributed.broadcast(tensor, src=0, group=self._group)
+            out.append((name, tensor))
+        return out
+
+
+def join_group(master_address: str, master_port: int, rank: int, world_size: int,
+               group_name: str, backend: str, timeout: timedelta) -> Any:  # fmt: skip
+    """A process group of `world_size` ranks outside the default group, rendezvous through a
+    TCP store at the master with keys prefixed by `group_name` (so trainer and engine processes
+    can each keep their own default group). Both sides of a weight update call this."""
+    from torch.distributed import distributed_c10d as c10d
+
+    init_method = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
+    )
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def read_checkpoint(model_path: str) -> NamedTensors:
+    """Every tensor in an HF directory's `*.safetensors` (else `*.bin`) files, by HF name."""
+    path = Path(model_path)
+    if not path.is_dir():
+        raise ValueError(f"{model_path} is not a directory")
+    files = sorted(path.glob("*.safetensors"))
+    tensors: NamedTensors = []
+    if files:
+        from safetensors.torch import load_file
+
+        for file in files:
+            tensors.extend(load_file(str(file)).items())
+    else:
+        for file in sorted(path.glob("*.bin")):
+            tensors.extend(torch.load(file, map_location="cpu", weights_only=True).items())
+    if not tensors:
+        raise ValueError(f"no *.safetensors or *.bin weight files in {model_path}")
+    return tensors

@@ -1,0 +1,196 @@
+"""Weight updates of a real `tandem engine` process.
+
+The far edge (the weight broker) is a small ZMQ ROUTER in this test that answers a
+`WeightRequest` with buckets from `services.weight_broker.wire.make_buckets`, the broker's real
+wire format. Checks: the new version is reported and logprobs follow the new weights; a bad
+name or shape is refused with the old weights kept; an update waits for the request in flight,
+which is answered wholly by the old weights.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import zmq
+
+from proto import WeightRequest, decode
+from services.weight_broker.wire import make_buckets, secret_from_env
+
+PROMPT = [1, 4, 5, 14]
+
+
+class FakeBroker:
+    """Answers each `WeightRequest` with the buckets of the version it holds (or ERR)."""
+
+    def __init__(self) -> None:
+        self.versions: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self.requests: list[int] = []
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(50):
+                continue
+            identity, raw = self._sock.recv_multipart()
+            version = decode(raw, WeightRequest).version
+            self.requests.append(version)
+            if version not in self.versions:
+                self._sock.send_multipart([identity, b"ERR", b"no such version"])
+                continue
+            for bucket in make_buckets(self.versions[version], version, 4096, secret_from_env()):
+                self._sock.send_multipart([identity, *bucket])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(0)
+        self._ctx.term()
+
+
+@pytest.fixture
+def broker() -> Iterator[FakeBroker]:
+    fake = FakeBroker()
+    yield fake
+    fake.close()
+
+
+def load_model(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def perturbed(model: torch.nn.Module, scale: float) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (name, t + scale * torch.randn(t.shape, generator=gen))
+        for name, t in model.state_dict().items()
+    ]
+
+
+def teacher_forced(model: torch.nn.Module, output: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + output])).logits[0, len(PROMPT) - 1 : -1]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
+def sample(url: str, max_new_tokens: int = 12) -> dict:
+    resp = httpx.post(f"{url}/generate", timeout=120, json={
+        "input_ids": PROMPT, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True},
+    })  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def logprob_error(model: torch.nn.Module, result: dict) -> float:
+    got = torch.tensor([e[0] for e in result["meta_info"]["output_token_logprobs"]])
+    return float((got - teacher_forced(model, result["output_ids"])).abs().max())
+
+
+def update(url: str, endpoint: str, version: str) -> httpx.Response:
+    body = {"endpoint": endpoint, "weight_version": version, "flush_cache": True}
+    return httpx.post(f"{url}/update_weights_from_zmq", json=body, timeout=120)
+
+
+def test_zmq_update_sets_the_version_and_logprobs_follow_the_new_weights(
+    start_service, toy_model_dir: Path, broker: FakeBroker
+) -> None:
+    engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
+    old = load_model(toy_model_dir)
+    new = load_model(toy_model_dir)
+    new.load_state_dict(dict(perturbed(old, 0.5)))
+    broker.versions[3] = list(new.state_dict().items())
+
+    before = sample(engine.url)
+    assert before["meta_info"]["weight_version"] == "0"
+    assert logprob_error(old, before) < 1e-4
+
+    resp = update(engine.url, broker.endpoint, "3")
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["success"] is True
+    assert resp.json()["weight_version"] == "3"
+    assert broker.requests == [3]
+
+    after = sample(engine.url)
+    assert after["meta_info"]["weight_version"] == "3"
+    assert logprob_error(new, after) < 1e-4
+    assert logprob_error(old, after) > 1e-3  # really the new weights, not the old ones
+    assert httpx.get(f"{engine.url}/get_weight_version").json() == {"weight_version": "3"}
+
+
+@pytest.mark.parametrize("defect", ["unknown_name", "wrong_shape"])
+def test_a_bad_name_or_shape_is_refused_and_the_old_weights_stay(
+    start_service, toy_model_dir: Path, broker: FakeBroker, defect: str
+) -> None:
+    engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
+    old = load_model(toy_model_dir)
+    tensors = perturbed(old, 0.5)
+    if defect == "unknown_name":
+        tensors.append(("model.layers.9.mlp.up_proj.weight", torch.zeros(3, 3)))
+    else:
+        name, t = tensors[-1]
+        tensors[-1] = (name, torch.zeros(t.shape[0] + 1, *t.shape[1:]))
+    broker.versions[1] = tensors
+
+    resp = update(engine.url, broker.endpoint, "1")
+    assert resp.status_code == 400
+    assert resp.json()["success"] is False
+    assert "model.layers" in resp.json()["message"] or "lm_head" in resp.json()["message"]
+
+    after = sample(engine.url)
+    assert after["meta_info"]["weight_version"] == "0"
+    assert logprob_error(old, after) < 1e-4
+
+
+def test_an_unknown_version_or_silent_broker_fails_without_hanging(
+    start_service, toy_model_dir: Path, broker: FakeBroker
+) -> None:
+    engine = start_service(
+        "engine",
+        ["engine", "--model", str(toy_model_dir), "--port", "0", "--update-timeout-s", "2"],
+    )
+    resp = update(engine.url, broker.endpoint, "42")  # the broker does not hold it
+    assert resp.status_code == 400 and resp.json()["success"] is False
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        resp = update(engine.url, f"tcp://127.0.0.1:{port}", "5")
+        assert resp.status_code == 504 and resp.json()["success"] is False
+    finally:
+        silent.close(0)
+    assert httpx.get(f"{engine.url}/get_weight_version").json() == {"weight_version": "0"}
+
+
+def test_update_waits_for_the_request_in_flight_which_is_answered_by_old_weights(
+    start_service, toy_model_dir: Path, broker: FakeBroker
+) -> None:
+    engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
+    old = load_model(toy_model_dir)
+    new = load_model(toy_model_dir)
+    new.load_state_dict(dict(perturbed(old, 0.5)))
+    broker.versions[1] = list(new.state_dict().items())
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        long_running = [pool.submit(sample, engine.url, 50) for _ in range(3)]
+        time.sleep(0.05)
+        updating = pool.submit(update, engine.url, broker.endpoint, "1")
+        results = [f.result() for f in long_running]
+        assert updating.result().status_code == 200
+    for result in results:
+        version = result["meta_info"]["weight_version"]
+        model = {"0": old, "1": new}[version]
+        assert logprob_error(model, result) < 1e-4  # every token from one set of weights
+    assert sample(engine.url)["meta_info"]["weight_version"] == "1"
