@@ -1,0 +1,62 @@
+"""`tandem trainer`: command line of the RL trainer (also the torchrun entry point)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from tandem.config_cli import add_config_args, config_from_args
+
+DESCRIPTION = """\
+megatron-core RL trainer (GRPO family). Reads sample groups from the Redis sample buffer, drops
+(and records) groups more than --max-staleness versions old, trains one or more optimizer steps
+per rollout of --rollout-batch-size groups with a clipped policy-gradient loss, and after each
+step sends the new weights (Hugging Face names) to the weight broker at --weights-endpoint and
+publishes the version and train/* metrics to Redis. Version 0 is the --model weights.
+Multi-process: torchrun --nproc-per-node N -m services.trainer ... (TP x DP = N)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from services.trainer.config import TrainerConfig
+
+    parser = argparse.ArgumentParser(prog="tandem trainer", description=DESCRIPTION)
+    add_config_args(parser, TrainerConfig)
+    parser.add_argument(
+        "--ready-file", default="", help="Write {pid, version} as JSON here once training starts."
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from services.trainer.config import TrainerConfig
+
+    cfg = config_from_args(TrainerConfig, args)
+    try:
+        cfg.validate()
+        if not (Path(cfg.model) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{Path(cfg.model) / 'config.json'} not found: --model must be a Hugging Face model directory"
+            )
+        os.environ.setdefault("OMP_NUM_THREADS", str(cfg.num_threads))
+        from services.trainer.trainer import Trainer
+
+        trainer = Trainer(cfg)
+    except (ValueError, FileNotFoundError, ConnectionError, KeyError) as exc:
+        print(f"tandem trainer: error: {exc}", file=sys.stderr)
+        return 2
+    trainer.install_signal_handlers()
+    if args.ready_file:
+        Path(args.ready_file).write_text(
+            json.dumps({"pid": os.getpid(), "version": trainer.version})
+        )
+    steps = trainer.train()
+    print(f"[trainer] stopped after {steps} steps at version {trainer.version}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

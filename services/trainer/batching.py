@@ -1,0 +1,212 @@
+"""From sample groups to micro-batch tensors: staleness filter, advantages, packing.
+
+Pure logic over `proto` structs and torch tensors; knows nothing of Redis or megatron. A
+micro-batch is either one packed sequence `[1, T]` of whole samples (THD, `cu_seqlens`) whose
+length stays under the token budget, or a right-padded `[b, S]` block. Either way token j of a
+row predicts token j+1: inputs are `seq[:-1]`, targets `seq[1:]`, and only targets that are
+response tokens with `loss_mask` 1 carry loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from proto import SampleGroup
+from services.trainer import losses
+
+
+class SampleTooLongError(ValueError):
+    """One sample does not fit the per-micro-batch token budget."""
+
+
+@dataclass
+class TrainSample:
+    """One sample flattened for training. `advantages` has one value per response token."""
+
+    tokens: list[int]  # prompt + response
+    prompt_len: int
+    behaviour_logp: list[float]
+    loss_mask: list[int]
+    advantages: list[float]
+    weight_version: int
+    reward: float
+
+    @property
+    def input_len(self) -> int:
+        return len(self.tokens) - 1
+
+
+def split_stale(
+    groups: list[tuple[str, SampleGroup]], version: int, max_staleness: int
+) -> tuple[list[tuple[str, SampleGroup]], list[tuple[str, SampleGroup]]]:
+    """(fresh, stale): stale when `version - group.weight_version > max_staleness`."""
+    fresh = [g for g in groups if version - g[1].weight_version <= max_staleness]
+    stale = [g for g in groups if version - g[1].weight_version > max_staleness]
+    return fresh, stale
+
+
+def compute_advantages(
+    groups: list[SampleGroup], estimator: str, normalize_std: bool, eps: float, gamma: float = 1.0
+) -> list[list[list[float]]]:
+    """Per group, per sample, per response token advantages (outcome reward on the last token).
+
+    grpo: (r - mean) / (std + eps) (std optional); dr_grpo: r - mean; reinforce_plus_plus[_baseline]:
+    batch-whitened (group-baselined) returns, discounted by `gamma` from the last token.
+    """
+    rewards = [torch.tensor([s.reward for s in g.samples], dtype=torch.float64) for g in groups]
+    if estimator in ("grpo", "dr_grpo"):
+        std = normalize_std and estimator == "grpo"
+        per_sample = [losses.grpo_advantages(r, std, eps) for r in rewards]
+    elif estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        per_sample = losses.reinforce_pp_advantages(rewards, estimator.endswith("baseline"), eps)
+    else:
+        raise ValueError(f"advantage_estimator {estimator!r} needs a critic or is unknown")
+    out = []
+    for g, adv in zip(groups, per_sample, strict=True):
+        rows = []
+        for s, a in zip(g.samples, adv.tolist(), strict=True):
+            n = len(s.response_ids)
+            if gamma == 1.0 or n == 0:
+                rows.append([a] * n)
+            else:
+                rows.append([a * gamma ** (n - 1 - t) for t in range(n)])
+        out.append(rows)
+    return out
+
+
+def flatten(groups: list[SampleGroup], advantages: list[list[list[float]]]) -> list[TrainSample]:
+    """TrainSamples in group order; samples with no response token are left out."""
+    out = []
+    for g, group_adv in zip(groups, advantages, strict=True):
+        for s, adv in zip(g.samples, group_adv, strict=True):
+            if not s.response_ids:
+                continue
+            out.append(
+                TrainSample(
+                    tokens=list(s.prompt_ids) + list(s.response_ids),
+                    prompt_len=len(s.prompt_ids),
+                    behaviour_logp=list(s.response_logprobs),
+                    loss_mask=list(s.loss_mask) or [1] * len(s.response_ids),
+                    advantages=adv,
+                    weight_version=s.weight_version,
+                    reward=s.reward,
+                )
+            )
+    return out
+
+
+def pack_first_fit(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices grouped into bins of total length <= budget: first-fit decreasing.
+
+    Raises `SampleTooLongError` for an item longer than the budget.
+    """
+    too_long = [n for n in lengths if n > budget]
+    if too_long:
+        raise SampleTooLongError(
+            f"a sample of {max(too_long)} tokens exceeds --max-tokens-per-gpu {budget}: raise "
+            "--max-tokens-per-gpu (or use context parallelism), or cap the response length"
+        )
+    bins: list[list[int]] = []
+    space: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, free in enumerate(space):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                space[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            space.append(budget - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+@dataclass
+class MicroBatch:
+    """Tensors of one micro-batch; every per-token tensor is `[rows, S]`."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    behaviour_logp: torch.Tensor
+    advantages: torch.Tensor
+    seq_ids: torch.Tensor  # sample index within this micro-batch
+    sample_index: list[int]  # index of each sample in the step's sample list
+    packed_seq_params: PackedSeqParams | None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # proximal/ref log-probs
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.sample_index)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) input tokens."""
+        return int((self.seq_ids >= 0).sum())
+
+
+def _sample_rows(s: TrainSample, i: int) -> dict[str, list]:
+    """Per-position lists of one sample over its input positions (length input_len)."""
+    n_in, p = s.input_len, s.prompt_len
+    pad = [0.0] * (p - 1)
+    return {
+        "input_ids": s.tokens[:-1],
+        "position_ids": list(range(n_in)),
+        "targets": s.tokens[1:],
+        "loss_mask": pad + [float(m) for m in s.loss_mask],
+        "behaviour_logp": pad + s.behaviour_logp,
+        "advantages": pad + s.advantages,
+        "seq_ids": [i] * n_in,
+    }
+
+
+_DTYPES = {
+    "input_ids": torch.long,
+    "position_ids": torch.long,
+    "targets": torch.long,
+    "seq_ids": torch.long,
+}
+
+
+def build_micro_batch(samples: list[TrainSample], indices: list[int], packed: bool) -> MicroBatch:
+    """Packed `[1, sum(len)]` with cu_seqlens, or right-padded `[len(indices), max(len)]`."""
+    rows = [_sample_rows(samples[j], k) for k, j in enumerate(indices)]
+    keys = list(rows[0])
+    if packed:
+        cols = {k: [[v for r in rows for v in r[k]]] for k in keys}
+        lengths = [samples[j].input_len for j in indices]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=max(lengths),
+            max_seqlen_kv=max(lengths),
+        )
+    else:
+        width = max(len(r["input_ids"]) for r in rows)
+        pad_value = {"seq_ids": -1}
+        cols = {k: [r[k] + [pad_value.get(k, 0)] * (width - len(r[k])) for r in rows] for k in keys}
+        params = None
+    t = {k: torch.tensor(v, dtype=_DTYPES.get(k, torch.float32)) for k, v in cols.items()}
+    return MicroBatch(sample_index=list(indices), packed_seq_params=params, **t)
+
+
+def make_micro_batches(
+    samples: list[TrainSample], packed: bool, max_tokens: int, micro_batch_size: int
+) -> list[MicroBatch]:
+    """Packed under the token budget (first-fit decreasing), or fixed-size padded chunks."""
+    if packed:
+        bins = pack_first_fit([s.input_len for s in samples], max_tokens)
+    else:
+        too_long = [s.input_len for s in samples if s.input_len > max_tokens]
+        if too_long:
+            pack_first_fit(too_long, max_tokens)  # raises the same actionable error
+        bins = [
+            list(range(i, min(i + micro_batch_size, len(samples))))
+            for i in range(0, len(samples), micro_batch_size)
+        ]
+    return [build_micro_batch(samples, b, packed) for b in bins]

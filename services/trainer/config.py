@@ -1,0 +1,168 @@
+"""`TrainerConfig`: every choice the trainer makes, one field each (slime's names where the
+concept is the same), and the start-up validation of the batch arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _f(default, help_text: str, **meta):  # type: ignore[no-untyped-def]
+    return field(default=default, metadata={"help": help_text, **meta})
+
+
+@dataclass
+class TrainerConfig:
+    """Configuration of `tandem trainer`."""
+
+    # --- where things are ------------------------------------------------------------------
+    model: str = _f("", "Hugging Face model directory (config.json + *.safetensors) to start from.")
+    redis_url: str = _f("redis://127.0.0.1:6379/0", "Redis URL of the sample buffer.")
+    run_id: str = _f("default", "Run id: key prefix of this run in Redis.")
+    weights_endpoint: str = _f(
+        "", "ZMQ endpoint of the weight broker's intake (tcp://host:port); empty = do not send."
+    )
+    consumer: str = _f("trainer-0", "Consumer name in the Redis consumer group.")
+
+    # --- batch arithmetic ------------------------------------------------------------------
+    rollout_batch_size: int = _f(
+        64, "Prompts (groups) per rollout; one rollout feeds num_steps_per_rollout steps."
+    )
+    n_samples_per_prompt: int = _f(8, "Samples per prompt (the GRPO group size).")
+    num_steps_per_rollout: int = _f(
+        1, "Optimizer steps per rollout (global batch = rollout samples / this)."
+    )
+    max_tokens_per_gpu: int = _f(
+        8192,
+        "Token budget of one packed micro-batch (dynamic batch size); a longer sample is an error.",
+    )
+    use_dynamic_batch_size: bool = _f(
+        True,
+        "Pack samples into micro-batches of at most max_tokens_per_gpu tokens (THD); "
+        "off = right-padded micro-batches of micro_batch_size samples.",
+    )
+    micro_batch_size: int = _f(
+        64, "Samples per padded micro-batch (only without dynamic batch size)."
+    )
+    max_steps: int = _f(0, "Stop after this many optimizer steps (0 = run until SIGTERM).")
+    max_staleness: int = _f(
+        1, "Drop (and count) a group whose weight version is more than this behind the trainer's."
+    )
+    read_block_ms: int = _f(1000, "How long one Redis read waits for new groups.")
+
+    # --- optimizer -------------------------------------------------------------------------
+    lr: float = _f(1e-3, "Peak learning rate (AdamW).")
+    min_lr: float = _f(0.0, "Learning rate at the end of the decay.")
+    lr_decay_style: str = _f(
+        "constant", "Schedule after warm-up.", choices=["constant", "linear", "cosine"]
+    )
+    lr_warmup_iters: int = _f(0, "Linear warm-up steps.")
+    lr_decay_iters: int = _f(0, "Steps of decay (0 = max_steps, which then must be > 0 for decay).")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.98, "AdamW beta2.")
+    adam_eps: float = _f(1e-8, "AdamW epsilon.")
+    clip_grad: float = _f(1.0, "Gradient clipping by global norm (0 = off).")
+    seed: int = _f(1234, "Seed of the trainer's RNGs.")
+
+    # --- advantages and loss ---------------------------------------------------------------
+    advantage_estimator: str = _f(
+        "grpo",
+        "How rewards become advantages.",
+        choices=["grpo", "dr_grpo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "gae"],
+    )
+    normalize_advantage_std: bool = _f(
+        True, "GRPO: divide by the group's reward std (off = Dr.GRPO style mean-only)."
+    )
+    advantage_eps: float = _f(1e-6, "Added to the std before dividing.")
+    eps_clip: float = _f(0.2, "PPO clip: ratio lower bound is 1 - eps_clip.")
+    eps_clip_high: float = _f(0.2, "PPO clip-higher: ratio upper bound is 1 + eps_clip_high.")
+    eps_clip_c: float = _f(
+        0.0, "Dual-clip constant c (> 1 enables dual clip for negative advantages)."
+    )
+    policy_loss_type: str = _f(
+        "ppo",
+        "ppo = token-level ratios; gspo = sequence-level (geometric mean) ratios.",
+        choices=["ppo", "gspo"],
+    )
+    loss_aggregation: str = _f(
+        "token_mean",
+        "token_mean over all tokens of the step, or seq_mean_token_mean (mean per "
+        "sample, then over samples), or seq_mean_token_sum_norm (Dr.GRPO: sum / max length).",
+        choices=["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"],
+    )
+    entropy_coef: float = _f(0.0, "Entropy bonus coefficient (loss -= coef * entropy).")
+    kl_coef: float = _f(0.0, "KL-to-reference coefficient in the loss (needs --ref-load).")
+    kl_loss_type: str = _f(
+        "low_var_kl",
+        "KL estimator: k1, k2 or k3 (= low_var_kl).",
+        choices=["k1", "k2", "k3", "low_var_kl"],
+    )
+    use_kl_loss: bool = _f(True, "KL as a loss term (on) or as a reward penalty (off).")
+    ref_load: str = _f("", "HF directory of the frozen reference model for KL (empty = none).")
+    use_tis: bool = _f(
+        False,
+        "Truncated importance sampling: weight token losses by "
+        "min(pi_trainer_old / pi_engine, tis_clip).",
+    )
+    tis_clip: float = _f(2.0, "Upper bound of the TIS weight.")
+    tis_clip_low: float = _f(0.0, "Lower bound of the TIS weight.")
+    decoupled_ppo: bool = _f(
+        False,
+        "Decoupled PPO: clip against the trainer's recomputed (proximal) log-probs and "
+        "weight by proximal/behaviour (engine) importance ratio; off = clip against the engine's.",
+    )
+    gamma: float = _f(1.0, "Discount for REINFORCE++ returns and GAE.")
+    lambd: float = _f(1.0, "GAE lambda.")
+    on_nonfinite: str = _f(
+        "skip",
+        "NaN/Inf loss or gradient: skip the update (and count it) or fail.",
+        choices=["skip", "fail"],
+    )
+
+    # --- model / parallelism ---------------------------------------------------------------
+    tensor_model_parallel_size: int = _f(1, "Tensor-parallel size (torchrun world = TP x DP).")
+    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this x TP.")
+    bf16: bool = _f(False, "Train in bf16 (fp32 master weights); default fp32.")
+    num_threads: int = _f(1, "torch.set_num_threads for this process.")
+
+    # --- checkpoints -----------------------------------------------------------------------
+    save: str = _f("", "Directory for megatron dist checkpoints (empty = never save).")
+    save_interval: int = _f(0, "Save every N steps (0 = only at exit when --save is set).")
+    load: str = _f("", "Resume from this checkpoint directory (latest_checkpointed_iteration.txt).")
+    ckpt_step: int = _f(-1, "Iteration to load (-1 = the tracker's latest).")
+
+    def validate(self, dp_size: int = 1) -> None:
+        """Raise ValueError with what to change when the numbers do not fit together."""
+        if not self.model:
+            raise ValueError("--model is required (a Hugging Face model directory)")
+        for name in ("rollout_batch_size", "n_samples_per_prompt", "num_steps_per_rollout"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        samples = self.rollout_batch_size * self.n_samples_per_prompt
+        if samples % self.num_steps_per_rollout:
+            raise ValueError(
+                f"one rollout has rollout_batch_size x n_samples_per_prompt = {samples} samples, "
+                f"which --num-steps-per-rollout {self.num_steps_per_rollout} does not divide"
+            )
+        gbs = samples // self.num_steps_per_rollout
+        if gbs % dp_size:
+            raise ValueError(
+                f"global batch {gbs} samples does not divide by data-parallel size {dp_size}: "
+                "change --rollout-batch-size, --n-samples-per-prompt or the number of processes"
+            )
+        if not self.use_dynamic_batch_size and (gbs // dp_size) % self.micro_batch_size:
+            raise ValueError(
+                f"per-rank batch {gbs // dp_size} samples does not divide by --micro-batch-size "
+                f"{self.micro_batch_size}"
+            )
+        if self.lr_decay_style != "constant" and max(self.lr_decay_iters, self.max_steps) < 1:
+            raise ValueError("--lr-decay-style needs --lr-decay-iters or --max-steps >= 1")
+        if self.kl_coef and not self.ref_load:
+            raise ValueError("--kl-coef > 0 needs --ref-load (the frozen reference model)")
+        if self.eps_clip_c and self.eps_clip_c <= 1.0:
+            raise ValueError("--eps-clip-c must be > 1 (or 0 to disable dual clip)")
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step."""
+        return self.rollout_batch_size * self.n_samples_per_prompt // self.num_steps_per_rollout

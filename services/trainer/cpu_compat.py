@@ -1,0 +1,75 @@
+"""Run megatron-core 0.16.1 on a machine without CUDA. A no-op when CUDA is available.
+
+megatron-core assumes a GPU in a few places. Each reason, and what `install()` does about it:
+
+1. `rotary_pos_embedding` places `inv_freq` on `torch.cuda.current_device()`; the dist
+   checkpoint savers build flag tensors there too.
+   -> `torch.cuda.current_device` returns 0, and a device index given to a tensor factory or
+   `Tensor.to` is mapped to CPU by the function mode below.
+2. The CUDA RNG tracker (`tensor_parallel.random`) forks CUDA RNG states.
+   -> not patched: callers use `model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True,
+   force_reset_rng=True)`, the official option whose tracker `fork()` is a no-op
+   (`seed_model_parallel` in `megatron_setup.py`).
+3. `fused_softmax.get_default_causal_mask`, `forward_backward_no_pipelining` (token counter),
+   `FP32Optimizer` / `MixedPrecisionOptimizer` (found-inf flag, loss scale) and `clip_grads`
+   (norm buffers) create tensors with `device="cuda"`.
+   -> a `TorchFunctionMode`, pushed once for the process, rewrites a CUDA `device` argument
+   of any torch function or tensor method to CPU.
+4. `clip_grads.clip_grad_by_total_norm_fp32` asserts `param.grad.type() ==
+   'torch.cuda.FloatTensor'`, and the bf16 optimizer checks `param.type()` for CUDA names.
+   -> the same mode answers the no-argument `Tensor.type()` with the CUDA spelling of a CPU
+   tensor's type.
+5. `dist_checkpointing` calls `torch.cuda.synchronize()` around saves.
+   -> `torch.cuda.synchronize` becomes a no-op.
+
+What this module does not do: make anything fast, or emulate CUDA semantics beyond placing
+tensors on CPU. Import order does not matter: megatron reads these at call time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # a bare index means a CUDA ordinal
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Reasons 1, 3, 4: device arguments that name CUDA go to CPU; `Tensor.type()` says cuda."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if func in (torch.Tensor.to, torch.Tensor.cuda) and args:
+            if func is torch.Tensor.cuda:
+                return args[0]
+            args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def install() -> bool:
+    """Apply the cures above once per process; returns True when they were needed."""
+    global _installed
+    if torch.cuda.is_available():
+        return False
+    if not _installed:
+        torch.cuda.current_device = lambda: 0  # reason 1
+        torch.cuda.synchronize = lambda device=None: None  # reason 5
+        # Pushed for the rest of the process: megatron creates CUDA tensors at arbitrary times.
+        _CudaToCpuMode().__enter__()
+        _installed = True
+    return True

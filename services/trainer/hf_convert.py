@@ -1,0 +1,309 @@
+"""Hugging Face Llama/Qwen2 <-> megatron-core `GPTModel`: architecture and weights.
+
+Knows: the HF `config.json` fields of the Llama family (Llama, Qwen2 with its qkv bias, tied or
+untied embeddings), megatron's local-spec parameter names, the per-query-group interleave of
+`linear_qkv` (`[ng, (nh/ng + 2) * hn, hidden]`, each group = its q heads | k | v), `linear_fc1`
+= `[gate; up]`, vocabulary padding, and how tensor-parallel shards split (embedding,
+output_layer, qkv, fc1 on dim 0; proj, fc2 on dim 1; norms replicated).
+
+Does not know: checkpoints on disk beyond `model.safetensors` shards, training, or the wire.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from services.trainer.packed_attention import gpt_layer_spec
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class HfArch:
+    """The architecture facts of a HF checkpoint the converter and trainer need."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    def padded_vocab_size(self, divisible_by: int, tp_size: int) -> int:
+        """Vocab rounded up so each TP rank holds an equal slice of `divisible_by` multiples."""
+        multiple = divisible_by * tp_size
+        return -(-self.vocab_size // multiple) * multiple
+
+
+def read_hf_arch(model_dir: str | Path) -> HfArch:
+    """Parse `config.json` of a HF model directory; errors name the file and the field."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: --model must be a Hugging Face model directory")
+    cfg = json.loads(path.read_text())
+    model_type = cfg.get("model_type", "")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{path}: model_type {model_type!r} unsupported; use one of {SUPPORTED_MODEL_TYPES}"
+        )
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise ValueError(f"{path}: rope scaling {rope!r} is not supported by the converter")
+    heads = cfg["num_attention_heads"]
+    return HfArch(
+        model_type=model_type,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+    )
+
+
+def transformer_config(arch: HfArch, tp_size: int = 1, bf16: bool = False) -> TransformerConfig:
+    """megatron TransformerConfig equal to the HF architecture (no dropout, unfused kernels)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp_size,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=bf16,
+        pipeline_dtype=dtype,
+    )
+
+
+def build_gpt_model(arch: HfArch, config: TransformerConfig, vocab_divisible_by: int) -> GPTModel:
+    """An un-initialised (random) GPTModel shaped like `arch`, with the packed-attention spec."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_layer_spec(),
+        vocab_size=arch.padded_vocab_size(vocab_divisible_by, config.tensor_model_parallel_size),
+        max_sequence_length=arch.max_position_embeddings,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+    )
+
+
+# --- weights -----------------------------------------------------------------------------------
+
+
+def _tp() -> tuple[int, int]:
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
+
+
+def _interleave_qkv(
+    arch: HfArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """HF q, k, v (rows = heads * head_dim) -> megatron's per-group [q heads | k | v] rows."""
+    ng, hn = arch.num_kv_heads, arch.head_dim
+    per = arch.num_heads // ng
+    tail = q.shape[1:]
+    q = q.reshape(ng, per * hn, *tail)
+    k = k.reshape(ng, hn, *tail)
+    v = v.reshape(ng, hn, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def _split_qkv(arch: HfArch, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `_interleave_qkv` on the full (TP-gathered) tensor."""
+    ng, hn = arch.num_kv_heads, arch.head_dim
+    per = arch.num_heads // ng
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(ng, (per + 2) * hn, *tail)
+    q, k, v = torch.split(grouped, [per * hn, hn, hn], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def _pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
+    return F.pad(weight, (0, 0, 0, padded - weight.shape[0]))
+
+
+def hf_to_megatron_full(
+    arch: HfArch, hf: dict[str, torch.Tensor], padded_vocab: int
+) -> dict[str, torch.Tensor]:
+    """Full (unsharded) megatron state dict from HF tensors."""
+    out = {
+        "embedding.word_embeddings.weight": _pad_vocab(
+            hf["model.embed_tokens.weight"], padded_vocab
+        )
+    }
+    for i in range(arch.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        att = h + "self_attn."
+        out[m + "self_attention.linear_qkv.weight"] = _interleave_qkv(
+            arch, hf[att + "q_proj.weight"], hf[att + "k_proj.weight"], hf[att + "v_proj.weight"]
+        )
+        if arch.qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = _interleave_qkv(
+                arch, hf[att + "q_proj.bias"], hf[att + "k_proj.bias"], hf[att + "v_proj.bias"]
+            )
+        out[m + "self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        mlp = h + "mlp."
+        out[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]
+        )
+        out[m + "mlp.linear_fc2.weight"] = hf[mlp + "down_proj.weight"]
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    if not arch.tie_word_embeddings:
+        out["output_layer.weight"] = _pad_vocab(hf["lm_head.weight"], padded_vocab)
+    return out
+
+
+def megatron_full_to_hf(
+    arch: HfArch, full: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors from a full megatron state dict (vocab padding removed)."""
+    vocab = arch.vocab_size
+    yield "model.embed_tokens.weight", full["embedding.word_embeddings.weight"][:vocab]
+    for i in range(arch.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        yield h + "input_layernorm.weight", full[m + "input_layernorm.weight"]
+        q, k, v = _split_qkv(arch, full[m + "self_attention.linear_qkv.weight"])
+        yield from (
+            (h + f"self_attn.{n}_proj.weight", t) for n, t in zip("qkv", (q, k, v), strict=True)
+        )
+        if arch.qkv_bias:
+            qb, kb, vb = _split_qkv(arch, full[m + "self_attention.linear_qkv.bias"])
+            yield from (
+                (h + f"self_attn.{n}_proj.bias", t)
+                for n, t in zip("qkv", (qb, kb, vb), strict=True)
+            )
+        yield h + "self_attn.o_proj.weight", full[m + "self_attention.linear_proj.weight"]
+        yield h + "post_attention_layernorm.weight", full[m + "pre_mlp_layernorm.weight"]
+        gate, up = full[m + "mlp.linear_fc1.weight"].chunk(2)
+        yield h + "mlp.gate_proj.weight", gate
+        yield h + "mlp.up_proj.weight", up
+        yield h + "mlp.down_proj.weight", full[m + "mlp.linear_fc2.weight"]
+    yield "model.norm.weight", full["decoder.final_layernorm.weight"]
+    if not arch.tie_word_embeddings:
+        yield "lm_head.weight", full["output_layer.weight"][:vocab]
+
+
+def _shard_dim(name: str) -> int | None:
+    """TP split dim of a megatron parameter; None = replicated."""
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    if "layernorm" in name:
+        return None
+    return 0
+
+
+def shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This rank's TP slice. fc1 holds `[gate_shard; up_shard]`; qkv splits whole query groups."""
+    dim = _shard_dim(name)
+    if size == 1 or dim is None:
+        return full
+    if name.endswith("linear_fc1.weight"):
+        gate, up = full.chunk(2)
+        return torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]])
+    return full.chunk(size, dim=dim)[rank]
+
+
+def unshard(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of `shard` given every rank's slice in rank order."""
+    dim = _shard_dim(name)
+    if len(pieces) == 1 or dim is None:
+        return pieces[0]
+    if name.endswith("linear_fc1.weight"):
+        halves = [p.chunk(2) for p in pieces]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(pieces, dim=dim)
+
+
+def load_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the `*.safetensors` files of a HF directory, as fp32 CPU tensors."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors in {model_dir}: --model needs HF safetensors weights"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def load_hf_into_model(model: GPTModel, arch: HfArch, hf: dict[str, torch.Tensor]) -> None:
+    """Copy HF weights into this rank's shard of `model` (any TP size); checks every name."""
+    rank, size = _tp()
+    padded = model.vocab_size
+    full = hf_to_megatron_full(arch, hf, padded)
+    params = dict(model.named_parameters())
+    missing = set(params) - set(full)
+    if missing:
+        raise KeyError(f"HF checkpoint lacks tensors for {sorted(missing)[:5]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(shard(name, full[name], rank, size).to(param.dtype))
+
+
+def export_hf(
+    model: GPTModel, arch: HfArch, dtype: torch.dtype | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """HF-named full tensors of `model`, gathered over TP (every TP rank returns the same)."""
+    _, size = _tp()
+    full: dict[str, torch.Tensor] = {}
+    group = parallel_state.get_tensor_model_parallel_group() if size > 1 else None
+    for name, param in model.named_parameters():
+        local = param.detach()
+        if size > 1 and _shard_dim(name) is not None:
+            pieces = [torch.empty_like(local) for _ in range(size)]
+            torch.distributed.all_gather(pieces, local.contiguous(), group=group)
+            local = unshard(name, pieces)
+        full[name] = local
+    return [
+        (n, t.to(dtype or t.dtype).contiguous().clone()) for n, t in megatron_full_to_hf(arch, full)
+    ]

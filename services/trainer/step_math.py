@@ -1,0 +1,142 @@
+"""What one training step computes on micro-batch tensors: the loss function handed to megatron,
+the engine/trainer mismatch statistics, and the step's `train/*` metrics.
+
+Pure tensor code over `batching.MicroBatch`; megatron calls `LossFunction` once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from services.trainer import losses
+from services.trainer.batching import MicroBatch, TrainSample
+from services.trainer.config import TrainerConfig
+from services.trainer.stats import StepStats
+
+
+class LossFunction:
+    """(micro-batch, log-probs, entropy) -> (loss numerator, integer denominator, {}).
+
+    Megatron sums numerators and denominators over micro-batches and data-parallel ranks and
+    divides the gradients once, so the step's loss is exactly the configured aggregation.
+    """
+
+    def __init__(
+        self, cfg: TrainerConfig, loss_cfg: losses.PolicyLossConfig, max_len: int, stats: StepStats
+    ) -> None:
+        self.cfg, self.loss_cfg, self.max_len, self.stats = cfg, loss_cfg, max_len, stats
+
+    def __call__(
+        self, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        dev = logp.device
+        mask = mb.loss_mask.to(dev).flatten()
+        seq = mb.seq_ids.clamp(min=0).to(dev).flatten()
+        lp = logp.flatten()
+        proximal = mb.extra["proximal_logp"].to(dev).flatten()
+        token_loss, tstats = losses.policy_loss(
+            self.loss_cfg,
+            lp,
+            mb.behaviour_logp.to(dev).flatten(),
+            mb.advantages.to(dev).flatten(),
+            mask,
+            seq,
+            mb.num_seqs,
+            proximal_logp=proximal,
+        )
+        if self.cfg.entropy_coef and entropy is not None:
+            token_loss = token_loss - self.cfg.entropy_coef * entropy.flatten()
+        if self.cfg.kl_coef and self.cfg.use_kl_loss and "ref_logp" in mb.extra:
+            kl = losses.kl_estimate(
+                lp, mb.extra["ref_logp"].to(dev).flatten(), self.cfg.kl_loss_type
+            )
+            token_loss = token_loss + self.cfg.kl_coef * kl
+            self.stats.add("kl_ref", (kl.detach() * mask).sum(), mask.sum())
+        num, den = losses.aggregate(
+            token_loss, mask, seq, mb.num_seqs, self.cfg.loss_aggregation, self.max_len
+        )
+        s = self.stats
+        s.count("loss_num", num.detach())
+        s.count("loss_den", den)
+        s.add("clipfrac", (tstats["clipfrac"] * mask).sum(), mask.sum())
+        s.add("approx_kl", (tstats["approx_kl"] * mask).sum(), mask.sum())
+        if "is_weight" in tstats:
+            w = tstats["is_weight"][mask > 0]
+            s.add("is_weight", w.sum(), w.numel())
+            if w.numel():
+                s.peak("is_weight_max", w.max())
+                s.peak("is_weight_neg_min", -w.min())
+        if not torch.isfinite(num.detach()):
+            s.count("nonfinite_loss")
+        return num, den.round().to(torch.int), {}
+
+
+def mismatch_stats(
+    mbs: list[MicroBatch], samples: list[TrainSample], version: int, stats: StepStats
+) -> None:
+    """|engine - trainer| log-prob max over same-version samples; mismatch KL; entropy."""
+    stats.peak("lp_diff", -math.inf)
+    for mb in mbs:
+        mask = mb.loss_mask
+        seq = mb.seq_ids.clamp(min=0)
+        same = torch.tensor([samples[i].weight_version == version for i in mb.sample_index])[seq]
+        prox, beh = mb.extra["proximal_logp"], mb.behaviour_logp
+        sel = (mask > 0) & same
+        if sel.any():
+            stats.peak("lp_diff", (prox - beh).abs()[sel].max())
+        r = (prox - beh)[mask > 0]
+        # KL(engine || trainer) from engine samples, k3 estimator: exp(r) - 1 - r, r = log pt/pe.
+        stats.add("mismatch_kl", (torch.exp(r) - 1 - r).sum(), r.numel())
+        stats.add("entropy", (mb.extra["entropy"] * mask).sum(), mask.sum())
+
+
+def apply_kl_reward_penalty(mbs: list[MicroBatch], kl_coef: float, kind: str) -> None:
+    """KL as a reward penalty: per-token advantages -= kl_coef * KL(trainer || ref)."""
+    for mb in mbs:
+        kl = losses.kl_estimate(mb.extra["proximal_logp"], mb.extra["ref_logp"], kind)
+        mb.advantages = mb.advantages - kl_coef * kl * mb.loss_mask
+
+
+def batch_stats(
+    mbs: list[MicroBatch], samples: list[TrainSample], budget: int, stats: StepStats
+) -> None:
+    """Token counts and packing efficiency (real tokens / tokens the micro-batches occupy)."""
+    real = sum(mb.num_tokens for mb in mbs)
+    stats.count("tokens", real)
+    stats.count("response_tokens", sum(float(mb.loss_mask.sum()) for mb in mbs))
+    packed = bool(mbs) and mbs[0].packed_seq_params is not None
+    occupied = len(mbs) * budget if packed else sum(mb.input_ids.numel() for mb in mbs)
+    stats.count("occupied_tokens", occupied)
+    stats.count("micro_batches", len(mbs))
+
+
+def metrics_from(stats: StepStats, samples: list[TrainSample], version: int) -> dict[str, float]:
+    """`train/*` metrics of one step. `samples` is the whole step (all ranks)."""
+    ages = [version - s.weight_version for s in samples] or [0]
+    s = stats.sums
+    metrics = {
+        "train/loss": s["loss_num"] / s["loss_den"] if s.get("loss_den") else math.nan,
+        "train/reward_mean": sum(x.reward for x in samples) / max(len(samples), 1),
+        "train/staleness_mean": sum(ages) / len(ages),
+        "train/staleness_max": float(max(ages)),
+        "train/logprob_abs_diff_max": stats.max("lp_diff"),
+        "train/samples": float(len(samples)),
+        "train/tokens": s.get("tokens", 0.0),
+        "train/response_tokens": s.get("response_tokens", 0.0),
+        "train/micro_batches": s.get("micro_batches", 0.0),
+        "train/packing_efficiency": s.get("tokens", 0.0) / max(s.get("occupied_tokens", 0.0), 1.0),
+        "train/clipfrac": stats.mean("clipfrac"),
+        "train/approx_kl": stats.mean("approx_kl"),
+        "train/mismatch_kl": stats.mean("mismatch_kl"),
+        "train/entropy": stats.mean("entropy"),
+        "train/nonfinite_loss": s.get("nonfinite_loss", 0.0),
+    }
+    if "is_weight:count" in s:
+        metrics["train/is_weight_mean"] = stats.mean("is_weight")
+        metrics["train/is_weight_max"] = stats.max("is_weight_max")
+        metrics["train/is_weight_min"] = -stats.max("is_weight_neg_min")
+    if "kl_ref:count" in s:
+        metrics["train/kl_ref"] = stats.mean("kl_ref")
+    return metrics

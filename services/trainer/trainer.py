@@ -1,0 +1,278 @@
+"""The RL training loop: pull a rollout from Redis, train, publish the new weight version.
+
+Loop (rank 0 talks to Redis and the broker; every rank computes):
+  pull     read groups until `rollout_batch_size` are in hand; a group older than
+           `max_staleness` versions is recorded as a drop, acked and not trained on.
+  train    per optimizer step: advantages -> micro-batches -> forward-only recompute of the
+           trainer's log-probs -> forward+backward with the RL loss -> optimizer step.
+  publish  version V += 1; HF-named weights to the broker (`ZmqWeightSender`), then
+           `set_version("trainer", V)`, so a reader of the version can fetch it.
+  ack      the trained groups leave the stream only now: a crash before this point leaves them
+           pending, and the next start trains them (`pending_first`).
+  log      metrics to Redis (`train/*`) and one line to stdout.
+Waits for: Redis (blocking reads of at most `read_block_ms`, so SIGTERM is seen within it).
+Bounded by: the buffer's `max_groups` (producers wait), the sender's HWM and timeout.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from proto import DropRecord, SampleGroup
+from services.sample_buffer import BufferConfig, SampleBuffer
+from services.trainer import batching, losses
+from services.trainer.batching import MicroBatch, TrainSample
+from services.trainer.config import TrainerConfig
+from services.trainer.policy import Policy, init_distributed
+from services.trainer.stats import StepStats
+
+
+@dataclass
+class Rollout:
+    """Groups to train on (with their stream ids) and how many samples were dropped stale."""
+
+    entry_ids: list[str]
+    groups: list[SampleGroup]
+    dropped_stale: int
+    staleness_counts: dict[int, int]
+
+
+class Trainer:
+    """One process of the trainer; `train()` runs until max_steps or a stop signal."""
+
+    def __init__(self, cfg: TrainerConfig) -> None:
+        self.cfg = cfg
+        torch.set_num_threads(cfg.num_threads)
+        init_distributed(cfg.tensor_model_parallel_size, cfg.seed)
+        cfg.validate(parallel_state.get_data_parallel_world_size())
+        self.is_main = dist.get_rank() == 0
+        self.buffer: SampleBuffer | None = None
+        self.sender = None
+        if self.is_main:
+            self.buffer = SampleBuffer(BufferConfig(redis_url=cfg.redis_url, run_id=cfg.run_id))
+            self.buffer.wait_ready(timeout_s=10.0)
+        self.policy = Policy(cfg, cfg.model)
+        self.ref = Policy(cfg, cfg.ref_load, train=False) if cfg.ref_load else None
+        self.loss_cfg = losses.PolicyLossConfig(
+            **{
+                k: v
+                for k, v in asdict(cfg).items()
+                if k in losses.PolicyLossConfig.__dataclass_fields__
+            }
+        )
+        self.version = 0
+        self.pending_first = True  # after a (re)start, groups read but never acked come first
+        self.skipped_updates = 0
+        self.stop_requested = False
+        from services.trainer import checkpoint
+
+        self.checkpointer = checkpoint.Checkpointer(cfg, self.policy)
+        if cfg.load:
+            self.version = self.checkpointer.load()
+        if self.is_main and cfg.weights_endpoint:
+            from services.weight_broker.wire import secret_from_env
+            from services.weight_broker.zmq_transport import ZmqWeightSender
+
+            self.sender = ZmqWeightSender(cfg.weights_endpoint, secret=secret_from_env())
+        if self.buffer is not None:
+            self.buffer.set_version("trainer", self.version)
+
+    def request_stop(self, signum: int = 0, frame: object = None) -> None:
+        """Signal handler: finish the current step, then leave `train()`."""
+        self.stop_requested = True
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def train(self) -> int:
+        """Run until `max_steps` optimizer steps are done or a stop is requested; returns steps."""
+        start_version = self.version
+        while not self._done():
+            rollout = self.pull_rollout()
+            if rollout is None:  # stop requested while waiting for samples
+                break
+            samples = self.prepare_samples(rollout)
+            for step_samples in self.split_steps(samples, rollout):
+                t0 = time.perf_counter()
+                metrics = self.train_step(step_samples)
+                self.publish_weights()
+                metrics["train/step_time_s"] = time.perf_counter() - t0
+                self.log_step(metrics, rollout)
+            self.ack(rollout)
+            self.checkpointer.maybe_save(self.version, final=False)
+        self.checkpointer.maybe_save(self.version, final=True)
+        return self.version - start_version
+
+    def _done(self) -> bool:
+        stop = torch.tensor([float(self.stop_requested)])
+        if dist.get_world_size() > 1:  # every rank leaves together
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        steps_done = self.cfg.max_steps and self.version >= self.cfg.max_steps
+        return bool(stop.item()) or bool(steps_done)
+
+    # --- pull ---------------------------------------------------------------------------------
+
+    def pull_rollout(self) -> Rollout | None:
+        """Rank 0 reads from Redis; every rank receives the same Rollout (or None on stop)."""
+        rollout = self._read_rollout() if self.is_main else None
+        if dist.get_world_size() > 1:
+            box = [rollout]
+            dist.broadcast_object_list(box, src=0)
+            rollout = box[0]
+        return rollout
+
+    def _read_rollout(self) -> Rollout | None:
+        assert self.buffer is not None
+        rollout = Rollout([], [], 0, {})
+        while len(rollout.groups) < self.cfg.rollout_batch_size:
+            if self.stop_requested:
+                return None
+            need = self.cfg.rollout_batch_size - len(rollout.groups)
+            read = self.buffer.read_groups(
+                self.cfg.consumer, need, self.cfg.read_block_ms, pending_first=self.pending_first
+            )
+            self.pending_first = False
+            fresh, stale = batching.split_stale(read, self.version, self.cfg.max_staleness)
+            for entry_id, group in stale:
+                self._drop_stale(entry_id, group)
+                rollout.dropped_stale += len(group.samples)
+            for entry_id, group in fresh:
+                rollout.entry_ids.append(entry_id)
+                rollout.groups.append(group)
+        return rollout
+
+    def _drop_stale(self, entry_id: str, group: SampleGroup) -> None:
+        assert self.buffer is not None
+        self.buffer.record_drop(
+            DropRecord(
+                source="trainer",
+                reason="stale",
+                count=len(group.samples),
+                group_id=group.group_id,
+                weight_version=group.weight_version,
+                detail=f"trainer at version {self.version}, max_staleness {self.cfg.max_staleness}",
+            )
+        )
+        self.buffer.ack([entry_id])
+
+    def prepare_samples(self, rollout: Rollout) -> list[TrainSample]:
+        """Advantages per group, then one TrainSample per sample (in group order)."""
+        adv = batching.compute_advantages(
+            rollout.groups,
+            self.cfg.advantage_estimator,
+            self.cfg.normalize_advantage_std,
+            self.cfg.advantage_eps,
+            self.cfg.gamma,
+        )
+        for g in rollout.groups:
+            for s in g.samples:
+                age = self.version - s.weight_version
+                rollout.staleness_counts[age] = rollout.staleness_counts.get(age, 0) + 1
+        return batching.flatten(rollout.groups, adv)
+
+    def split_steps(self, samples: list[TrainSample], rollout: Rollout) -> list[list[TrainSample]]:
+        """`num_steps_per_rollout` consecutive chunks of the rollout's samples."""
+        n = self.cfg.num_steps_per_rollout
+        size = math.ceil(len(samples) / n) if samples else 0
+        return [
+            samples[i * size : (i + 1) * size]
+            for i in range(n)
+            if samples[i * size : (i + 1) * size]
+        ]
+
+    # --- train --------------------------------------------------------------------------------
+
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """Recompute, train, step; returns the step's metrics (reduced over ranks)."""
+        from services.trainer import step_math
+
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        mine = samples[dp_rank::dp_size]
+        stats = StepStats()
+        mbs = batching.make_micro_batches(
+            mine,
+            self.cfg.use_dynamic_batch_size,
+            self.cfg.max_tokens_per_gpu,
+            self.cfg.micro_batch_size,
+        )
+        self._recompute(mbs, mine, stats)
+        loss_fn = step_math.LossFunction(self.cfg, self.loss_cfg, max_response_len(samples), stats)
+        _, applied, grad_norm = self.policy.train_step(mbs, loss_fn, self.cfg.entropy_coef != 0)
+        if not applied:
+            self.skipped_updates += 1
+            if self.cfg.on_nonfinite == "fail":
+                raise FloatingPointError(
+                    f"non-finite gradient at step {self.version + 1} (grad norm {grad_norm})"
+                )
+        step_math.batch_stats(mbs, mine, self.cfg.max_tokens_per_gpu, stats)
+        stats.reduce()
+        metrics = step_math.metrics_from(stats, samples, self.version)
+        metrics["train/grad_norm"] = grad_norm
+        metrics["train/skipped_updates"] = float(self.skipped_updates)
+        metrics["train/lr"] = float(self.policy.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    def _recompute(
+        self, mbs: list[MicroBatch], samples: list[TrainSample], stats: StepStats
+    ) -> None:
+        """Trainer log-probs before the update (proximal policy), reference log-probs, mismatch."""
+        from services.trainer import step_math
+
+        outs = self.policy.logprobs(mbs, with_entropy=True)
+        for mb, out in zip(mbs, outs, strict=True):
+            mb.extra["proximal_logp"] = out["logp"].cpu()
+            mb.extra["entropy"] = out["entropy"].cpu()
+        if self.ref is not None:
+            for mb, out in zip(mbs, self.ref.logprobs(mbs), strict=True):
+                mb.extra["ref_logp"] = out["logp"].cpu()
+            if not self.cfg.use_kl_loss:
+                step_math.apply_kl_reward_penalty(mbs, self.cfg.kl_coef, self.cfg.kl_loss_type)
+        step_math.mismatch_stats(mbs, samples, self.version, stats)
+
+    # --- publish, ack, log --------------------------------------------------------------------
+
+    def publish_weights(self) -> None:
+        """V += 1; send V's HF-named weights; then announce V in Redis."""
+        self.version += 1
+        tensors = self.policy.export_hf()  # collective at TP > 1: every rank takes part
+        if self.sender is not None:
+            self.sender.send(self.version, tensors)
+        if self.buffer is not None:
+            self.buffer.set_version("trainer", self.version)
+
+    def ack(self, rollout: Rollout) -> None:
+        if self.buffer is not None:
+            self.buffer.ack(rollout.entry_ids)
+
+    def log_step(self, metrics: dict[str, float], rollout: Rollout) -> None:
+        metrics["train/dropped_stale"] = float(rollout.dropped_stale)
+        for age, n in sorted(rollout.staleness_counts.items()):
+            metrics[f"train/staleness_hist/{age}"] = float(n)
+        if self.buffer is None:
+            return
+        self.buffer.publish_metrics("trainer", self.version, metrics)
+        m = metrics
+        print(
+            f"[trainer] step {self.version} loss {m['train/loss']:.4f} "
+            f"reward {m['train/reward_mean']:.3f} stale {m['train/staleness_mean']:.2f}/"
+            f"{m['train/staleness_max']:.0f} lp_diff {m['train/logprob_abs_diff_max']:.1e} "
+            f"grad {m['train/grad_norm']:.3f} samples {m['train/samples']:.0f} "
+            f"tokens {m['train/tokens']:.0f} dropped {m['train/dropped_stale']:.0f} "
+            f"{m['train/step_time_s']:.2f}s",
+            flush=True,
+        )
+
+
+def max_response_len(samples: list[TrainSample]) -> int:
+    return max((len(s.advantages) for s in samples), default=1)

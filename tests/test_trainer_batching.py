@@ -1,0 +1,100 @@
+"""Unit tests of the trainer's data path: staleness filter, advantages per token, packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from proto import Sample, SampleGroup
+from services.trainer import batching
+from services.trainer.config import TrainerConfig
+
+
+def group(version: int, rewards: list[float], response_len: int = 2, gid: str = "g") -> SampleGroup:
+    samples = [
+        Sample(
+            prompt_ids=[1, 5, 6, 14],
+            response_ids=[7] * response_len,
+            response_logprobs=[-0.5] * response_len,
+            loss_mask=[1] * response_len,
+            reward=r,
+            weight_version=version,
+        )
+        for r in rewards
+    ]
+    return SampleGroup(
+        group_id=gid,
+        prompt="12>",
+        label="21",
+        samples=samples,
+        weight_version=version,
+        created_at=0.0,
+    )
+
+
+def test_a_group_more_than_max_staleness_versions_old_is_stale() -> None:
+    groups = [("a", group(5, [0.0])), ("b", group(4, [0.0])), ("c", group(3, [0.0]))]
+    fresh, stale = batching.split_stale(groups, version=5, max_staleness=1)
+    assert [g[0] for g in fresh] == ["a", "b"]
+    assert [g[0] for g in stale] == ["c"]
+    fresh, stale = batching.split_stale(groups, version=5, max_staleness=0)
+    assert [g[0] for g in stale] == ["b", "c"]
+
+
+def test_grpo_advantages_are_broadcast_to_every_response_token() -> None:
+    adv = batching.compute_advantages([group(0, [1.0, 0.0], response_len=3)], "grpo", True, 0.0)
+    std = torch.tensor([1.0, 0.0], dtype=torch.float64).std().item()
+    assert adv == [[[pytest.approx(0.5 / std)] * 3, [pytest.approx(-0.5 / std)] * 3]]
+    dr = batching.compute_advantages([group(0, [1.0, 0.0])], "dr_grpo", True, 0.0)
+    assert dr == [[[0.5, 0.5], [-0.5, -0.5]]]
+
+
+def test_first_fit_decreasing_respects_the_budget_and_keeps_every_sample() -> None:
+    lengths = [7, 3, 5, 2, 8, 1, 4]
+    bins = batching.pack_first_fit(lengths, budget=10)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
+    assert len(bins) == 3  # 30 tokens, budget 10: optimal
+
+
+def test_a_sample_longer_than_the_budget_names_the_flag_to_raise() -> None:
+    with pytest.raises(batching.SampleTooLongError, match="--max-tokens-per-gpu 8"):
+        batching.pack_first_fit([3, 9], budget=8)
+
+
+def test_packed_micro_batch_has_cu_seqlens_and_loss_only_on_response_tokens() -> None:
+    groups = [group(0, [1.0, 0.0], response_len=2), group(0, [0.5], response_len=3)]
+    samples = batching.flatten(groups, batching.compute_advantages(groups, "dr_grpo", False, 0.0))
+    mb = batching.build_micro_batch(samples, [0, 2], packed=True)
+    # sample 0: 4 prompt + 2 response -> 5 inputs; sample 2: 4 + 3 -> 6 inputs
+    assert mb.packed_seq_params is not None
+    assert mb.packed_seq_params.cu_seqlens_q.tolist() == [0, 5, 11]
+    assert mb.input_ids.shape == (1, 11)
+    assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5]
+    assert mb.loss_mask[0].tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1]
+    assert mb.targets[0, 3].item() == 7 and mb.input_ids[0, 3].item() == 14
+
+
+def test_padded_micro_batch_marks_padding_with_sequence_id_minus_one() -> None:
+    groups = [group(0, [1.0], response_len=1), group(0, [0.0], response_len=3)]
+    samples = batching.flatten(groups, batching.compute_advantages(groups, "grpo", True, 0.0))
+    mb = batching.build_micro_batch(samples, [0, 1], packed=False)
+    assert mb.input_ids.shape == (2, 6)
+    assert mb.seq_ids[0].tolist() == [0, 0, 0, 0, -1, -1]
+    assert mb.loss_mask[0].tolist() == [0, 0, 0, 1, 0, 0]
+    assert mb.num_tokens == 10
+
+
+def test_batch_arithmetic_is_validated_with_the_flags_to_change() -> None:
+    cfg = TrainerConfig(
+        model="m", rollout_batch_size=4, n_samples_per_prompt=3, num_steps_per_rollout=5
+    )
+    with pytest.raises(ValueError, match="--num-steps-per-rollout 5"):
+        cfg.validate()
+    cfg = TrainerConfig(model="m", rollout_batch_size=3, n_samples_per_prompt=1)
+    with pytest.raises(ValueError, match="data-parallel size 2"):
+        cfg.validate(dp_size=2)
+    cfg = TrainerConfig(model="m", lr_decay_style="cosine")
+    with pytest.raises(ValueError, match="--lr-decay-iters"):
+        cfg.validate()
+    assert TrainerConfig(model="m", num_steps_per_rollout=2).global_batch_size == 256

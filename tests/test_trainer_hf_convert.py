@@ -1,0 +1,147 @@
+"""HF <-> megatron conversion: logits equal `transformers`, export round-trips, packed = unpacked.
+
+These tests build megatron models in the pytest process (gloo world of one); the CPU
+compatibility mode of `services.trainer.cpu_compat` stays installed for the rest of the session.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.trainer import batching, hf_convert
+from services.trainer.config import TrainerConfig
+from services.trainer.policy import Policy, init_distributed
+
+IDS = torch.tensor([[1, 5, 6, 14, 6, 5, 2, 7, 8, 9, 3]])
+
+
+@pytest.fixture(scope="module")
+def megatron_world() -> None:
+    torch.set_num_threads(1)
+    init_distributed(tp_size=1, seed=0)
+
+
+@pytest.fixture(scope="module")
+def qwen2_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 (qkv bias, tied embeddings, vocab not a multiple of 128)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=37,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+    )
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # random biases, so a wrong bias layout shows in the logits
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_()
+    out = tmp_path_factory.mktemp("qwen2") / "model"
+    model.save_pretrained(out)
+    return out
+
+
+def hf_logits(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def megatron_logits(policy: Policy, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = policy.model(
+            input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], attention_mask=None
+        )
+    return out[..., : policy.arch.vocab_size]
+
+
+@pytest.mark.parametrize("which", ["toy_llama", "qwen2_tied_bias"])
+def test_megatron_logits_equal_transformers_logits_on_the_same_weights(
+    megatron_world: None, toy_model_dir: Path, qwen2_tied_dir: Path, which: str
+) -> None:
+    model_dir = toy_model_dir if which == "toy_llama" else qwen2_tied_dir
+    policy = Policy(TrainerConfig(model=str(model_dir)), str(model_dir), train=False)
+    ids = IDS.clamp(max=policy.arch.vocab_size - 1)
+    diff = (megatron_logits(policy, ids) - hf_logits(model_dir, ids)).abs().max().item()
+    assert diff < 1e-5
+
+
+@pytest.mark.parametrize("which", ["toy_llama", "qwen2_tied_bias"])
+def test_export_to_hf_names_round_trips_exactly(
+    megatron_world: None, toy_model_dir: Path, qwen2_tied_dir: Path, which: str
+) -> None:
+    model_dir = toy_model_dir if which == "toy_llama" else qwen2_tied_dir
+    policy = Policy(TrainerConfig(model=str(model_dir)), str(model_dir), train=False)
+    original = hf_convert.load_hf_state(model_dir)
+    exported = dict(policy.export_hf())
+    expected = {
+        k: v
+        for k, v in original.items()
+        if not (policy.arch.tie_word_embeddings and k == "lm_head.weight")
+    }
+    assert set(exported) == set(expected)
+    assert all(torch.equal(exported[k], expected[k]) for k in expected)
+
+
+def test_a_naive_qkv_split_would_be_wrong_so_the_interleave_matters(toy_model_dir: Path) -> None:
+    arch = hf_convert.read_hf_arch(toy_model_dir)
+    q, k, v = (
+        torch.randn(n * arch.head_dim, 4)
+        for n in (arch.num_heads, arch.num_kv_heads, arch.num_kv_heads)
+    )
+    qkv = hf_convert._interleave_qkv(arch, q, k, v)
+    assert not torch.equal(qkv, torch.cat([q, k, v]))
+    back = hf_convert._split_qkv(arch, qkv)
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v), strict=True))
+
+
+def test_tp_shards_of_fc1_hold_their_own_gate_and_up_halves() -> None:
+    full = torch.arange(8.0).reshape(8, 1)  # gate = 0..3, up = 4..7
+    shards = [
+        hf_convert.shard("decoder.layers.0.mlp.linear_fc1.weight", full, r, 2) for r in range(2)
+    ]
+    assert shards[0].flatten().tolist() == [0, 1, 4, 5]
+    assert torch.equal(hf_convert.unshard("decoder.layers.0.mlp.linear_fc1.weight", shards), full)
+
+
+def test_packed_logprobs_equal_padded_logprobs(megatron_world: None, toy_model_dir: Path) -> None:
+    from proto import Sample, SampleGroup
+
+    samples_in = [
+        Sample(
+            prompt_ids=[1, 4 + a, 4 + b, 14],
+            response_ids=[4 + b, 4 + a, 2][: 1 + (a % 3)],
+            response_logprobs=[0.0] * (1 + a % 3),
+            loss_mask=[1] * (1 + a % 3),
+            reward=0.0,
+            weight_version=0,
+        )
+        for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]
+    ]
+    groups = [
+        SampleGroup(
+            group_id="g", prompt="", label="", samples=samples_in, weight_version=0, created_at=0.0
+        )
+    ]
+    samples = batching.flatten(groups, batching.compute_advantages(groups, "grpo", True, 1e-6))
+    policy = Policy(TrainerConfig(model=str(toy_model_dir)), str(toy_model_dir), train=False)
+    packed = batching.make_micro_batches(samples, True, 64, 4)
+    padded = batching.make_micro_batches(samples, False, 64, 4)
+    assert len(packed) == 1 and packed[0].input_ids.shape[0] == 1
+    lp_packed = policy.logprobs(packed)[0]["logp"][packed[0].loss_mask > 0]
+    lp_padded = policy.logprobs(padded)[0]["logp"][padded[0].loss_mask > 0]
+    assert lp_packed.numel() == sum(len(s.response_ids) for s in samples_in)
+    assert (lp_packed - lp_padded).abs().max().item() < 1e-5
