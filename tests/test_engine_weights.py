@@ -194,3 +194,73 @@ def test_update_waits_for_the_request_in_flight_which_is_answered_by_old_weights
         model = {"0": old, "1": new}[version]
         assert logprob_error(model, result) < 1e-4  # every token from one set of weights
     assert sample(engine.url)["meta_info"]["weight_version"] == "1"
+
+
+def test_update_from_disk_loads_new_weights_and_a_bad_directory_keeps_the_old(
+    start_service, toy_model_dir: Path, tmp_path: Path
+) -> None:
+    engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
+    old = load_model(toy_model_dir)
+    new = load_model(toy_model_dir)
+    new.load_state_dict(dict(perturbed(old, 0.5)))
+    new.save_pretrained(tmp_path / "v2")
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    resp = httpx.post(f"{engine.url}/update_weights_from_disk", timeout=60,
+                      json={"model_path": str(broken), "weight_version": "9"})  # fmt: skip
+    assert resp.status_code == 400 and resp.json()["success"] is False
+    assert sample(engine.url)["meta_info"]["weight_version"] == "0"
+    assert logprob_error(old, sample(engine.url)) < 1e-4
+
+    resp = httpx.post(f"{engine.url}/update_weights_from_disk", timeout=60,
+                      json={"model_path": str(tmp_path / "v2"), "weight_version": "2"})  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["success"] is True
+    after = sample(engine.url)
+    assert after["meta_info"]["weight_version"] == "2"
+    assert logprob_error(new, after) < 1e-4
+
+
+def test_distributed_update_receives_broadcasts_in_order_over_gloo(
+    start_service, toy_model_dir: Path
+) -> None:
+    """The test process is the trainer (rank 0); the engine joins at rank_offset 1."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from services.engine.weights import join_group
+    from tandem.serving import bind_socket
+
+    engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
+    old = load_model(toy_model_dir)
+    new_tensors = perturbed(old, 0.5)
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        joined = pool.submit(httpx.post, f"{engine.url}/init_weights_update_group", timeout=60, json={
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "weight_update_group", "backend": "gloo",
+        })  # fmt: skip
+        group = join_group(
+            "127.0.0.1", port, 0, 2, "weight_update_group", "gloo", timedelta(seconds=60)
+        )
+        assert joined.result().status_code == 200, joined.result().text
+        updated = pool.submit(httpx.post, f"{engine.url}/update_weights_from_distributed", timeout=60, json={
+            "names": [n for n, _ in new_tensors], "dtypes": ["float32"] * len(new_tensors),
+            "shapes": [list(t.shape) for _, t in new_tensors], "group_name": "weight_update_group",
+            "flush_cache": True, "weight_version": "7",
+        })  # fmt: skip
+        for _, tensor in new_tensors:
+            dist.broadcast(tensor.contiguous(), src=0, group=group)
+        resp = updated.result()
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["weight_version"] == "7"
+    new = load_model(toy_model_dir)
+    new.load_state_dict(dict(new_tensors))
+    after = sample(engine.url)
+    assert after["meta_info"]["weight_version"] == "7"
+    assert logprob_error(new, after) < 1e-4
+    dist.destroy_process_group(group)

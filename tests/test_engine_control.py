@@ -1,0 +1,152 @@
+"""Pause, continue, abort, flush and streaming against a real `tandem engine` process.
+
+The toy model is copied with a long `max_position_embeddings` so that a request can run for
+thousands of tokens: long enough to be caught in flight without any timing assumption (each test
+polls `/get_load` until the request runs, then acts).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import json
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+PROMPT = [1, 4, 5, 14]
+LONG = 30000
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("long") / "model"
+    shutil.copytree(toy_model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = LONG + 100
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from conftest import ServiceProcess
+
+    service = ServiceProcess(
+        ["engine", "--model", str(long_model_dir), "--port", "0"],
+        tmp_path_factory.mktemp("engine"), "engine",
+    )  # fmt: skip
+    yield service
+    service.stop()
+
+
+def post(url: str, path: str, body: dict | None = None, timeout: float = 120) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body or {}, timeout=timeout)
+
+
+def long_request(url: str, rid: str, max_new_tokens: int = LONG) -> dict:
+    resp = post(url, "/generate", {
+        "input_ids": PROMPT, "rid": rid, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+    })  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def wait_until(predicate, what: str, timeout_s: float = 60) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def running(url: str) -> int:
+    return httpx.get(f"{url}/get_load").json()[0]["num_running_reqs"]
+
+
+def assert_partial_abort(result: dict) -> None:
+    meta = result["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert isinstance(meta["finish_reason"]["message"], str)
+    assert 0 < meta["completion_tokens"] < LONG
+    assert len(result["output_ids"]) == meta["completion_tokens"]
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+
+
+def test_abort_request_by_rid_returns_200_with_the_partial_output(engine) -> None:  # type: ignore[no-untyped-def]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        victim = pool.submit(long_request, engine.url, "victim")
+        wait_until(lambda: running(engine.url) > 0, "the request to run")
+        assert post(engine.url, "/abort_request", {"rid": "victim"}).status_code == 200
+        assert_partial_abort(victim.result())
+
+
+def test_abort_all_ends_every_running_request(engine) -> None:  # type: ignore[no-untyped-def]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(long_request, engine.url, f"all-{i}") for i in range(3)]
+        wait_until(lambda: running(engine.url) == 3, "three requests to run")
+        assert post(engine.url, "/abort_request", {"abort_all": True}).status_code == 200
+        for future in futures:
+            assert_partial_abort(future.result())
+
+
+def test_pause_in_abort_mode_aborts_and_new_requests_wait_until_continue(engine) -> None:  # type: ignore[no-untyped-def]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        victim = pool.submit(long_request, engine.url, "paused-victim")
+        wait_until(lambda: running(engine.url) > 0, "the request to run")
+        assert post(engine.url, "/pause_generation", {"mode": "abort"}).status_code == 200
+        assert_partial_abort(victim.result())
+        waiting = pool.submit(long_request, engine.url, "latecomer", 5)
+        wait_until(lambda: httpx.get(f"{engine.url}/get_load").json()[0]["num_waiting_reqs"] == 1,
+                   "the new request to queue")  # fmt: skip
+        assert not waiting.done()
+        assert post(engine.url, "/continue_generation").status_code == 200
+        assert waiting.result()["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+
+def test_pause_in_place_keeps_the_request_which_completes_after_continue(engine) -> None:  # type: ignore[no-untyped-def]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        kept = pool.submit(long_request, engine.url, "kept", 1000)
+        wait_until(lambda: running(engine.url) > 0, "the request to run")
+        assert post(engine.url, "/pause_generation", {"mode": "in_place"}).status_code == 200
+        load = httpx.get(f"{engine.url}/get_load").json()[0]
+        assert load["paused"] == 1 and load["num_running_reqs"] == 1
+        assert not kept.done()
+        assert post(engine.url, "/continue_generation").status_code == 200
+        result = kept.result()
+    assert result["meta_info"]["finish_reason"] == {"type": "length", "length": 1000}
+
+
+def test_flush_cache_is_refused_while_a_request_runs(engine) -> None:  # type: ignore[no-untyped-def]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        victim = pool.submit(long_request, engine.url, "flush-victim")
+        wait_until(lambda: running(engine.url) > 0, "the request to run")
+        assert post(engine.url, "/flush_cache").status_code == 400
+        post(engine.url, "/abort_request", {"rid": "flush-victim"})
+        victim.result()
+    assert post(engine.url, "/flush_cache").status_code == 200
+
+
+def test_streaming_sends_cumulative_events_and_done(engine) -> None:  # type: ignore[no-untyped-def]
+    body = {"input_ids": PROMPT, "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}}  # fmt: skip
+    events = []
+    with httpx.stream("POST", f"{engine.url}/generate", json=body, timeout=60) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    lengths = [len(c["output_ids"]) for c in chunks]
+    assert lengths == sorted(lengths) and lengths[-1] == 6
+    for earlier, later in itertools.pairwise(chunks):
+        assert later["output_ids"][: len(earlier["output_ids"])] == earlier["output_ids"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    plain = post(engine.url, "/generate", {**body, "stream": False}).json()
+    assert chunks[-1]["output_ids"] == plain["output_ids"]
+    assert chunks[-1]["text"] == plain["text"]
