@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -210,7 +209,6 @@ def test_router_answers_generate_like_an_engine_and_stops_cleanly_on_sigterm(
     assert get_json(router.url + "/get_model_info")["weight_version"] == "0"
     assert get_json(router.url + "/rollout/status")["state"] == "disabled"
     router.stop()
-    # uvicorn re-raises SIGTERM after its graceful shutdown, so -SIGTERM is a clean exit too.
-    assert router.proc.returncode in (0, -signal.SIGTERM)
+    assert router.proc.returncode == 0
     assert "router stopped: tasks cancelled" in router.log()
     assert "Traceback" not in router.log()

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 
 from services.rollout_router.config import RouterConfig, WorkerPoolConfig
@@ -47,12 +48,9 @@ def main(argv: list[str]) -> int:
     )
     config = config_from_args(RouterConfig, args)
     config.api_token = config.api_token or os.environ.get("TANDEM_ROUTER_TOKEN", "")
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-    except ImportError:
-        pass
+    # The router needs no torch; keep any library that spins up thread pools to one thread,
+    # since several services share the CPU.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     from services.rollout_router.app import create_app
     from tandem.serving import PortInUseError, serve
@@ -69,6 +67,9 @@ def main(argv: list[str]) -> int:
     except EngineStartupError as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 1
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the handler that
+    # was installed before it: a no-op one makes a clean stop exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         serve(app, args.host, args.port, args.ready_file)
     except PortInUseError as exc:

@@ -124,7 +124,17 @@ class WorkerPool:
     async def add(self, url: str, wait_s: float = 0.0) -> Worker:
         """Admit `url` once `/get_model_info` answers, waiting up to `wait_s` with backoff."""
         url = url.rstrip("/")
-        info = await self._wait_model_info(url, wait_s)
+        return self._register(url, await self._wait_model_info(url, wait_s))
+
+    async def add_all(self, urls: list[str], wait_s: float) -> None:
+        """Wait for every URL concurrently, then admit them in the order given (so round robin
+        starts with the first); the first that never answers raises."""
+        urls = [u.rstrip("/") for u in urls]
+        infos = await asyncio.gather(*(self._wait_model_info(u, wait_s) for u in urls))
+        for url, info in zip(urls, infos, strict=True):
+            self._register(url, info)
+
+    def _register(self, url: str, info: dict[str, Any]) -> Worker:
         worker = self.workers.get(worker_id_for(url)) or Worker(url, worker_id_for(url))
         worker.model_info = info
         worker.weight_version = max(
@@ -134,10 +144,6 @@ class WorkerPool:
         self.workers[worker.worker_id] = worker
         log.info("admitted %s (weight version %d)", url, worker.weight_version)
         return worker
-
-    async def add_all(self, urls: list[str], wait_s: float) -> None:
-        """Admit every URL concurrently; the first that never answers raises."""
-        await asyncio.gather(*(self.add(u, wait_s) for u in urls))
 
     def remove(self, key: str) -> Worker:
         """Remove by id or URL; raises KeyError naming it when unknown."""

@@ -1,0 +1,159 @@
+"""Balancing and health through the router process (real CLI, `--no-rollout`) and fake engines."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services.rollout_router.fake_engine import FakeEngineProcess
+
+GEN = {"input_ids": [1, 4, 5, 14], "sampling_params": {"n": 2, "max_new_tokens": 4}}
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[Callable[..., FakeEngineProcess]]:
+    started: list[FakeEngineProcess] = []
+
+    def _start(*flags: str) -> FakeEngineProcess:
+        engine = FakeEngineProcess(tmp_path, f"engine{len(started)}", *flags)
+        started.append(engine)
+        return engine
+
+    yield _start
+    for engine in started:
+        engine.stop()
+
+
+@pytest.fixture
+def free_port_factory() -> Callable[[], int]:
+    def _free() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    return _free
+
+
+def start_router(start_service, buffer, urls: list[str], *extra: str):
+    args = ["router", "--no-rollout", "--redis-url", buffer.config.redis_url,
+            "--run-id", buffer.config.run_id, "--health-interval-s", "0.2", *extra]  # fmt: skip
+    if urls:
+        args += ["--engine-urls", *urls]
+    return start_service("router", args)
+
+
+def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def workers_by_url(router) -> dict[str, dict]:
+    return {w["url"]: w for w in httpx.get(router.url + "/workers").json()["workers"]}
+
+
+def test_workers_are_added_listed_and_removed_through_both_apis(buffer, start_service, engines):
+    a, b = engines(), engines()
+    router = start_router(start_service, buffer, [])
+    assert httpx.get(router.url + "/workers").json() == {"workers": []}
+    assert httpx.post(router.url + "/generate", json=GEN).status_code == 503
+    added = httpx.post(router.url + "/workers", json={"url": a.url}).json()
+    assert added["url"] == a.url and added["healthy"]
+    assert httpx.post(router.url + "/add_worker", params={"url": b.url}).status_code == 200
+    assert set(httpx.get(router.url + "/list_workers").json()["urls"]) == {a.url, b.url}
+    assert httpx.post(router.url + "/generate", json=GEN).status_code == 200
+    assert httpx.delete(f"{router.url}/workers/{added['id']}").status_code == 200
+    assert httpx.post(router.url + "/remove_worker", params={"url": b.url}).status_code == 200
+    assert httpx.get(router.url + "/list_workers").json()["urls"] == []
+    assert httpx.delete(f"{router.url}/workers/{added['id']}").status_code == 404
+    dead = httpx.post(router.url + "/workers", json={"url": "http://127.0.0.1:9"})
+    assert dead.status_code == 502 and "http://127.0.0.1:9" in dead.json()["detail"]
+
+
+def test_mutating_routes_need_the_bearer_token_when_one_is_set(buffer, start_service, engines):
+    a = engines()
+    router = start_router(start_service, buffer, [], "--api-token", "s3cret")
+    assert httpx.post(router.url + "/workers", json={"url": a.url}).status_code == 401
+    bad = {"Authorization": "Bearer nope"}
+    assert httpx.post(router.url + "/workers", json={"url": a.url}, headers=bad).status_code == 401
+    good = {"Authorization": "Bearer s3cret"}
+    assert httpx.post(router.url + "/workers", json={"url": a.url}, headers=good).status_code == 200
+    assert httpx.get(router.url + "/workers").status_code == 200, "reads need no token"
+
+
+def test_a_dead_worker_is_evicted_and_readmitted_only_at_the_current_weight_version(
+    buffer, start_service, engines, free_port_factory
+):
+    port = free_port_factory()
+    a, b = engines("--port", str(port)), engines()
+    router = start_router(start_service, buffer, [a.url, b.url], "--health-failures", "2")
+    a.stop()
+    wait_until(lambda: not workers_by_url(router)[a.url]["healthy"], "eviction of the dead worker")
+    for _ in range(4):
+        assert httpx.post(router.url + "/generate", json=GEN).status_code == 200
+    httpx.post(b.url + "/update_weights_from_disk", json={"weight_version": "2"})
+    wait_until(lambda: workers_by_url(router)[b.url]["weight_version"] == 2, "b at version 2")
+    a2 = engines("--port", str(port), "--weight-version", "1")
+    wait_until(lambda: workers_by_url(router)[a.url]["weight_version"] == 1, "a seen at version 1")
+    assert not workers_by_url(router)[a.url]["healthy"], "version 1 < 2: not re-admitted"
+    httpx.post(a2.url + "/update_weights_from_disk", json={"weight_version": "2"})
+    wait_until(lambda: workers_by_url(router)[a.url]["healthy"], "re-admission at version 2")
+
+
+def test_an_in_flight_request_to_a_worker_that_dies_is_retried_on_another(
+    buffer, start_service, engines
+):
+    slow, fast = engines("--delay-ms", "5000"), engines()
+    router = start_router(start_service, buffer, [slow.url, fast.url], "--policy", "round_robin")
+    result: dict[str, httpx.Response] = {}
+    thread = threading.Thread(
+        target=lambda: result.update(r=httpx.post(router.url + "/generate", json=GEN, timeout=30))
+    )
+    thread.start()
+    wait_until(lambda: workers_by_url(router)[slow.url]["outstanding"] == 1, "request on slow")
+    slow.stop()
+    thread.join(30)
+    assert result["r"].status_code == 200
+    assert [o["output_ids"] for o in result["r"].json()] == [[5, 4, 2], [4, 5, 5, 5]]
+    assert workers_by_url(router)[slow.url]["errors"] == 1
+    assert httpx.get(router.url + "/rollout/status").json()["retries"] == 1
+
+
+def test_session_affinity_sends_a_session_to_the_same_worker(buffer, start_service, engines):
+    urls = [engines().url, engines().url, engines().url]
+    router = start_router(start_service, buffer, urls, "--policy", "session_affinity")
+    for session in ("alice", "bob", "carol", "dave"):
+        before = {u: w["requests"] for u, w in workers_by_url(router).items()}
+        for _ in range(3):
+            r = httpx.post(router.url + "/generate", json=GEN, headers={"X-Session-Id": session})
+            assert r.status_code == 200
+        after = {u: w["requests"] for u, w in workers_by_url(router).items()}
+        assert sorted(after[u] - before[u] for u in urls) == [0, 0, 3]
+
+
+def test_streaming_generate_is_forwarded_as_server_sent_events(buffer, start_service, engines):
+    router = start_router(start_service, buffer, [engines().url])
+    with httpx.stream("POST", router.url + "/generate", json={**GEN, "stream": True}) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert len(events) == 3
+
+
+def test_control_calls_fan_out_to_every_worker(buffer, start_service, engines):
+    urls = [engines().url, engines().url]
+    router = start_router(start_service, buffer, urls)
+    for path in ("/pause_generation", "/continue_generation", "/flush_cache", "/abort_request"):
+        result = httpx.post(router.url + path, json={}).json()
+        assert set(result) == set(urls)
+        assert all(r["status"] == 200 for r in result.values())
