@@ -59,7 +59,7 @@ class TrainerConfig:
     lr_decay_iters: int = _f(0, "Steps of decay (0 = max_steps, which then must be > 0 for decay).")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     adam_beta1: float = _f(0.9, "AdamW beta1.")
-    adam_beta2: float = _f(0.98, "AdamW beta2.")
+    adam_beta2: float = _f(0.999, "AdamW beta2.")
     adam_eps: float = _f(1e-8, "AdamW epsilon.")
     clip_grad: float = _f(1.0, "Gradient clipping by global norm (0 = off).")
     seed: int = _f(1234, "Seed of the trainer's RNGs.")
