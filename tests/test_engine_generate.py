@@ -198,3 +198,27 @@ def test_info_routes_report_model_and_weight_version(engine, toy_model_dir) -> N
     assert httpx.get(f"{engine.url}/get_weight_version").json() == {"weight_version": "0"}
     for method in ("GET", "POST"):
         assert httpx.request(method, f"{engine.url}/flush_cache").status_code == 200
+
+
+def test_stop_string_is_reported_and_trimmed_unless_no_stop_trim(engine) -> None:  # type: ignore[no-untyped-def]
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    full = generate(engine.url, {"input_ids": PROMPT, "sampling_params": params})["text"]
+    stop = full[3]
+    cut = generate(engine.url, {"input_ids": PROMPT, "sampling_params": {**params, "stop": stop}})
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert cut["text"] == full[: full.find(stop)]
+    kept = generate(
+        engine.url,
+        {"input_ids": PROMPT, "sampling_params": {**params, "stop": [stop], "no_stop_trim": True}},
+    )
+    assert kept["text"] == full[: full.find(stop) + 1]
+    assert kept["output_ids"] == cut["output_ids"]
+
+
+def test_min_new_tokens_holds_back_eos(engine) -> None:  # type: ignore[no-untyped-def]
+    stops = list(range(4, 16))  # every token but <pad>, <bos>, <eos>, <unk>
+    for seed in range(5):
+        out = generate(engine.url, {"input_ids": PROMPT, "sampling_params": {
+            "max_new_tokens": 8, "min_new_tokens": 3, "stop_token_ids": stops, "sampling_seed": seed}})  # fmt: skip
+        assert len(out["output_ids"]) >= 4
+        assert all(t in (0, 1, 3) for t in out["output_ids"][:3])

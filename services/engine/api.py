@@ -17,16 +17,26 @@ from typing import Any
 from services.engine.sampling import RequestError, SamplingParams, derive_seed
 from services.engine.scheduler import Job, Sequence, new_rid
 
-# Request fields we accept and ignore (routing hints, multimodal absent, logging options).
-_IGNORED_FIELDS = {
-    "logprob_start_len", "log_metrics", "modalities", "lora_path", "session_params",
-    "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-    "data_parallel_rank", "routed_dp_rank", "priority", "return_hidden_states",
-    "background", "extra_key", "routing_key", "no_logs", "request_id",
-}  # fmt: skip
+# Fields of SGLang's GenerateReqInput that we implement.
 _FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream",
-           "top_logprobs_num", "return_text_in_logprobs", "image_data", "audio_data",
-           "video_data", "input_embeds"}  # fmt: skip
+           "top_logprobs_num", "return_text_in_logprobs", "return_prompt_token_ids"}  # fmt: skip
+# Fields that would change what is generated or returned: refused unless unset/false.
+_UNSUPPORTED = {
+    "input_embeds", "image_data", "video_data", "audio_data", "token_ids_logprob",
+    "return_hidden_states", "return_routed_experts", "return_sampling_mask", "session_params",
+    "lora_path", "lora_id", "custom_logit_processor", "return_entropy", "return_indexer_topk",
+    "return_bytes", "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs",
+}  # fmt: skip
+# Fields accepted and ignored: routing hints, logging and bookkeeping that do not change output.
+_IGNORED = {
+    "logprob_start_len", "log_metrics", "modalities", "bootstrap_host", "bootstrap_port",
+    "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "data_parallel_rank",
+    "routed_dp_rank", "disagg_prefill_dp_rank", "priority", "background", "extra_key",
+    "routing_key", "conversation_id", "no_logs", "custom_labels", "external_trace_header",
+    "session_id", "mm_hashes", "mm_content_hashes", "use_audio_in_video", "video_config",
+    "watermark", "sampling_logprobs_mode", "routed_experts_start_len", "require_reasoning",
+    "max_thinking_tokens", "http_worker_ipc", "positional_embed_overrides",
+}  # fmt: skip
 
 
 @dataclass
@@ -41,6 +51,8 @@ class GenerateInput:
     text_in_logprobs: bool
     stream: bool
     max_new_tokens_given: list[bool]
+    top_logprobs_num: int = 0
+    return_prompt_token_ids: bool = False
 
     @property
     def flat_list(self) -> bool:
@@ -54,14 +66,15 @@ def parse_generate(
     """Validate a `/generate` body; raise `RequestError` naming the offending field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    unknown = set(body) - _FIELDS - _IGNORED_FIELDS
+    unknown = set(body) - _FIELDS - _UNSUPPORTED - _IGNORED
     if unknown:
         raise RequestError(f"unknown field(s) {sorted(unknown)} in /generate request")
-    for media in ("image_data", "audio_data", "video_data", "input_embeds"):
-        if body.get(media) is not None:
-            raise RequestError(f"{media} is not supported by the reference engine (text only)")
-    if body.get("top_logprobs_num"):
-        raise RequestError("top_logprobs_num > 0 is not supported by the reference engine")
+    for name in _UNSUPPORTED:
+        if body.get(name):
+            raise RequestError(f"{name} is not supported by the reference engine")
+    top_n = body.get("top_logprobs_num") or 0
+    if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
+        raise RequestError(f"top_logprobs_num must be a non-negative integer, got {top_n!r}")
     prompts, batch = _prompts(body, tokenizer, vocab_size)
     raw_params = body.get("sampling_params") or {}
     if isinstance(raw_params, list):
@@ -81,6 +94,8 @@ def parse_generate(
         return_logprob=_flag(body, "return_logprob"),
         text_in_logprobs=_flag(body, "return_text_in_logprobs"),
         stream=_flag(body, "stream"), max_new_tokens_given=given,
+        top_logprobs_num=min(top_n, vocab_size),
+        return_prompt_token_ids=_flag(body, "return_prompt_token_ids"),
     )  # fmt: skip
 
 
@@ -156,7 +171,9 @@ def make_jobs(inp: GenerateInput, notify: Callable[[Job, bool], None]) -> list[J
         for i in range(params.n):
             seq_id = rid if params.n == 1 else f"{rid}-{i}"
             seed = derive_seed(params.sampling_seed, i)
-            job.sequences.append(Sequence(seq_id, prompt, params, seed, job))
+            seq = Sequence(seq_id, prompt, params, seed, job)
+            seq.top_logprobs_num = inp.top_logprobs_num if inp.return_logprob else 0
+            job.sequences.append(seq)
         jobs.append(job)
     return jobs
 
@@ -172,18 +189,34 @@ def sequence_json(seq: Sequence, inp: GenerateInput, tokenizer: Any, done: bool 
         "prompt_tokens": len(seq.prompt),
         "completion_tokens": count,
         "cached_tokens": seq.cached_tokens,
+        "reasoning_tokens": 0,
+        "num_retractions": seq.retractions,
         "weight_version": seq.weight_version,
         "e2e_latency": time.monotonic() - seq.job.created_s,
     }
     if inp.return_logprob:
-        texts = [tokenizer.decode([t]) for t in output_ids] if inp.text_in_logprobs else None
+        text = _token_text(tokenizer, inp.text_in_logprobs)
         meta["input_token_logprobs"] = []
         meta["output_token_logprobs"] = [
-            [lp, tok, texts[i] if texts else None]
-            for i, (lp, tok) in enumerate(zip(seq.logprobs[:count], output_ids, strict=True))
+            [lp, tok, text(tok)] for lp, tok in zip(seq.logprobs[:count], output_ids, strict=True)
         ]
-    return {"text": output_text(seq, output_ids, tokenizer, reason), "output_ids": output_ids,
-            "meta_info": meta}  # fmt: skip
+        meta["output_token_logprobs_length"] = count
+        if inp.top_logprobs_num:
+            meta["input_top_logprobs"] = []
+            meta["output_top_logprobs"] = [
+                [[lp, tok, text(tok)] for lp, tok in step] for step in seq.top_logprobs[:count]
+            ]
+    result = {"text": output_text(seq, output_ids, tokenizer, reason), "output_ids": output_ids,
+              "meta_info": meta}  # fmt: skip
+    if inp.return_prompt_token_ids:
+        result["prompt_token_ids"] = seq.prompt
+    return result
+
+
+def _token_text(tokenizer: Any, enabled: bool) -> Callable[[int], str | None]:
+    if not enabled:
+        return lambda _token: None
+    return lambda token: tokenizer.decode([token])
 
 
 def output_text(seq: Sequence, output_ids: list[int], tokenizer: Any, reason: dict | None) -> str:

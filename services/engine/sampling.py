@@ -206,14 +206,17 @@ def row_params(params: list[SamplingParams], seeds: list[int], steps: list[int],
     )
 
 
-def sample(logits: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; return `(tokens, logprobs)` (logprob of each picked token under
-    the distribution it was drawn from). `logits` is `[rows, vocab]` float32 on any device."""
+def sample(
+    logits: torch.Tensor, rows: RowParams, top_n: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Pick one token per row; return `(tokens, logprobs, top)`: the logprob of each picked
+    token under the distribution it was drawn from and, if `top_n`, the `top_n` most likely
+    tokens of that distribution `(logprobs, ids)`. `logits` is `[rows, vocab]`, any device."""
     logits = logits.float().cpu()
     if any(rows.banned):
         logits = logits.clone()
         for r, ids in enumerate(rows.banned):
-            if ids:
+            if ids and len(ids) < logits.shape[1]:  # banning every token would leave nothing
                 logits[r, ids] = float("-inf")
     scaled = logits / rows.temperature[:, None]
     if rows.needs_filter:
@@ -223,7 +226,8 @@ def sample(logits: torch.Tensor, rows: RowParams) -> tuple[torch.Tensor, torch.T
     u = uniforms(rows.seeds, rows.steps)[:, None] * cdf[:, -1:]
     sampled = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
     tokens = torch.where(rows.greedy, logits.argmax(-1), sampled)
-    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+    top = logprobs.topk(min(top_n, logprobs.shape[1]), dim=-1) if top_n else None
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0], top
 
 
 def _filter(scaled: torch.Tensor, rows: RowParams) -> torch.Tensor:

@@ -58,6 +58,9 @@ class Sequence:
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
     weight_version: str = ""
+    top_logprobs_num: int = 0
+    retractions: int = 0
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -247,6 +250,8 @@ class Scheduler:
     def _retract_running(self) -> None:
         """Drop the running batch's cache; its sequences go back to the queue front and are
         re-prefilled (prompt + output so far) when they next run."""
+        for seq in self._running:
+            seq.retractions += 1
         with self._cond:
             self._waiting.extendleft(reversed(self._running))
             self._running, self._cache = [], None
@@ -336,8 +341,17 @@ class Scheduler:
             [s.params for s in seqs], [s.seed for s in seqs],
             [len(s.output_ids) for s in seqs], banned, logits.shape[1],
         )  # fmt: skip
-        tokens, logprobs = sample(logits, rows)
-        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
+        top_n = max(s.top_logprobs_num for s in seqs)
+        tokens, logprobs, top = sample(logits, rows, top_n)
+        top_lists = (top[0].tolist(), top[1].tolist()) if top is not None else None
+        for i, (seq, token, logprob) in enumerate(
+            zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True)
+        ):
+            if top_lists is not None and seq.top_logprobs_num:
+                n = seq.top_logprobs_num
+                seq.top_logprobs.append(
+                    list(zip(top_lists[0][i][:n], top_lists[1][i][:n], strict=True))
+                )
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
             reason = self._stop_reason(seq, token)
