@@ -1,22 +1,139 @@
-"""Checkpoints of the trainer (megatron dist_checkpointing). Filled in after milestone 1."""
+"""Trainer checkpoints: megatron `dist_checkpointing`, resumable exactly, reshardable across TP.
+
+Layout under `--save DIR`:
+  DIR/iter_0000012/          one `dist_checkpointing` directory per saved step (= weight version)
+      (sharded)  model, optimizer (Adam moments keyed by the model's global tensor names)
+      (common)   scheduler, version, trained_entry_ids
+      rng_rank{r}.pt         torch / python / numpy (/ cuda) RNG state of each rank
+  DIR/latest_checkpointed_iteration.txt   the newest complete iteration; written last, so a save
+                                         cut short is never the one `--load` picks.
+
+Buffer position: with `--save`, the trainer acks a rollout's groups only after a checkpoint
+that contains their update is written (`trained_entry_ids`). A crash before the save leaves
+them pending and they are trained again from the older weights; a crash between the save and
+the ack leaves them pending too, and `load` returns their ids so the trainer acks them
+without training. So no group is lost or trained twice. The cost: up to `save_interval`
+rollouts of groups stay in the stream, which must fit the buffer's `max_groups`.
+"""
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
 
 from services.trainer.config import TrainerConfig
 
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def resolve_iteration(root: str | Path, ckpt_step: int = -1) -> Path:
+    """The checkpoint directory to load; errors say what was expected and what is there."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"--load {root}: no such directory")
+    if ckpt_step < 0:
+        tracker = root / TRACKER
+        if not tracker.is_file():
+            raise FileNotFoundError(
+                f"--load {root}: expected {TRACKER} (written by --save) naming the iteration; "
+                f"found {sorted(p.name for p in root.iterdir())[:10] or 'nothing'}. "
+                "Pass --ckpt-step N to pick iter_000000N/ explicitly."
+            )
+        ckpt_step = int(tracker.read_text().strip())
+    path = iteration_dir(root, ckpt_step)
+    if not (path / "metadata.json").is_file():
+        have = sorted(p.name for p in root.glob("iter_*"))
+        raise FileNotFoundError(
+            f"--load {root}: iteration {ckpt_step} has no checkpoint at {path} "
+            f"(available: {have or 'none'})"
+        )
+    return path
+
 
 class Checkpointer:
-    """Saves every `save_interval` steps and resumes from `load`."""
+    """Saves every `save_interval` steps (and at exit) and resumes from `load`."""
 
     def __init__(self, cfg: TrainerConfig, policy: Any) -> None:
         self.cfg = cfg
         self.policy = policy
+        self.last_saved = -1
 
-    def maybe_save(self, version: int, final: bool) -> None:
-        if self.cfg.save:
-            raise NotImplementedError("--save is not implemented yet")
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cfg.save)
 
-    def load(self) -> int:
-        raise NotImplementedError("--load is not implemented yet")
+    def due(self, version: int, final: bool) -> bool:
+        if not self.enabled or version == self.last_saved:
+            return False
+        return final or bool(self.cfg.save_interval and version % self.cfg.save_interval == 0)
+
+    def _sharded_state(self, is_loading: bool) -> dict[str, Any]:
+        model_state = self.policy.model.sharded_state_dict()
+        optimizer = self.policy.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+        return {"model": model_state, "optimizer": optimizer}
+
+    def save(self, version: int, trained_entry_ids: list[str]) -> Path:
+        from megatron.core import dist_checkpointing
+
+        path = iteration_dir(self.cfg.save, version)
+        if dist.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        state = self._sharded_state(is_loading=False)
+        state.update(
+            scheduler=self.policy.scheduler.state_dict(),
+            version=version,
+            trained_entry_ids=list(trained_entry_ids),
+        )
+        dist_checkpointing.save(state, str(path))
+        torch.save(_rng_state(), path / f"rng_rank{dist.get_rank()}.pt")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            tmp = Path(self.cfg.save) / (TRACKER + ".tmp")
+            tmp.write_text(str(version))
+            tmp.replace(Path(self.cfg.save) / TRACKER)
+        self.last_saved = version
+        return path
+
+    def load(self) -> tuple[int, list[str]]:
+        """Restore model, optimizer, scheduler and RNG; returns (version, trained_entry_ids)."""
+        from megatron.core import dist_checkpointing
+
+        path = resolve_iteration(self.cfg.load, self.cfg.ckpt_step)
+        loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(path))
+        self.policy.model.load_state_dict(loaded["model"])
+        self.policy.optimizer.load_state_dict(loaded["optimizer"])
+        self.policy.scheduler.load_state_dict(loaded["scheduler"])
+        rng_file = path / f"rng_rank{dist.get_rank()}.pt"
+        if rng_file.is_file():  # absent when resuming on more ranks than saved
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+        self.last_saved = int(loaded["version"])
+        return int(loaded["version"]), list(loaded.get("trained_entry_ids", []))
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

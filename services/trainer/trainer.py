@@ -7,8 +7,9 @@ Loop (rank 0 talks to Redis and the broker; every rank computes):
            trainer's log-probs -> forward+backward with the RL loss -> optimizer step.
   publish  version V += 1; HF-named weights to the broker (`ZmqWeightSender`), then
            `set_version("trainer", V)`, so a reader of the version can fetch it.
-  ack      the trained groups leave the stream only now: a crash before this point leaves them
-           pending, and the next start trains them (`pending_first`).
+  commit   the trained groups leave the stream (ack) only now, and with --save only once a
+           checkpoint holds their update: a crash before leaves them pending, and the next
+           start trains them (`pending_first`); see `checkpoint.py` for the exact contract.
   log      metrics to Redis (`train/*`) and one line to stdout.
 Waits for: Redis (blocking reads of at most `read_block_ms`, so SIGTERM is seen within it).
 Bounded by: the buffer's `max_groups` (producers wait), the sender's HWM and timeout.
@@ -53,6 +54,10 @@ class Trainer:
         init_distributed(cfg.tensor_model_parallel_size, cfg.seed)
         cfg.validate(parallel_state.get_data_parallel_world_size())
         self.is_main = dist.get_rank() == 0
+        if cfg.load:  # fail on a bad --load before spending time on anything else
+            from services.trainer.checkpoint import resolve_iteration
+
+            resolve_iteration(cfg.load, cfg.ckpt_step)
         self.buffer: SampleBuffer | None = None
         self.sender = None
         if self.is_main:
@@ -74,8 +79,11 @@ class Trainer:
         from services.trainer import checkpoint
 
         self.checkpointer = checkpoint.Checkpointer(cfg, self.policy)
+        self.unacked: list[str] = []  # trained, waiting for a checkpoint (only with --save)
+        self.already_trained: set[str] = set()  # pending ids a loaded checkpoint already holds
         if cfg.load:
-            self.version = self.checkpointer.load()
+            self.version, trained = self.checkpointer.load()
+            self.already_trained = set(trained)
         if self.is_main and cfg.weights_endpoint:
             from services.weight_broker.wire import secret_from_env
             from services.weight_broker.zmq_transport import ZmqWeightSender
@@ -108,9 +116,8 @@ class Trainer:
                 self.publish_weights()
                 metrics["train/step_time_s"] = time.perf_counter() - t0
                 self.log_step(metrics, rollout)
-            self.ack(rollout)
-            self.checkpointer.maybe_save(self.version, final=False)
-        self.checkpointer.maybe_save(self.version, final=True)
+            self.commit(rollout.entry_ids, final=False)
+        self.commit([], final=True)
         return self.version - start_version
 
     def _done(self) -> bool:
@@ -142,6 +149,12 @@ class Trainer:
                 self.cfg.consumer, need, self.cfg.read_block_ms, pending_first=self.pending_first
             )
             self.pending_first = False
+            if self.already_trained:
+                done = [entry_id for entry_id, _ in read if entry_id in self.already_trained]
+                self.buffer.ack(done)
+                read = [
+                    (entry_id, g) for entry_id, g in read if entry_id not in self.already_trained
+                ]
             fresh, stale = batching.split_stale(read, self.version, self.cfg.max_staleness)
             for entry_id, group in stale:
                 self._drop_stale(entry_id, group)
@@ -251,9 +264,16 @@ class Trainer:
         if self.buffer is not None:
             self.buffer.set_version("trainer", self.version)
 
-    def ack(self, rollout: Rollout) -> None:
+    def commit(self, entry_ids: list[str], final: bool) -> None:
+        """Ack trained groups; with --save only once a checkpoint holds their update."""
+        self.unacked += entry_ids
+        if self.checkpointer.enabled:
+            if not self.checkpointer.due(self.version, final):
+                return
+            self.checkpointer.save(self.version, self.unacked)
         if self.buffer is not None:
-            self.buffer.ack(rollout.entry_ids)
+            self.buffer.ack(self.unacked)
+        self.unacked = []
 
     def log_step(self, metrics: dict[str, float], rollout: Rollout) -> None:
         metrics["train/dropped_stale"] = float(rollout.dropped_stale)

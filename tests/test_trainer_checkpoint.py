@@ -1,0 +1,106 @@
+"""Checkpoints: save + resume reproduces an uninterrupted run exactly; load errors are actionable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.trainer.checkpoint import TRACKER, resolve_iteration
+from tests.test_trainer_process import bind_pull, receive_version, run_trainer, sample_groups
+
+
+def trainer_args(toy_model_dir: Path, buffer, endpoint: str) -> list[str]:  # type: ignore[no-untyped-def]
+    return [
+        "--model", str(toy_model_dir), "--redis-url", buffer.config.redis_url,
+        "--run-id", buffer.config.run_id, "--weights-endpoint", endpoint,
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--read-block-ms", "200",
+        "--max-staleness", "10", "--lr", "1e-2",
+    ]  # fmt: skip
+
+
+def final_weights(buffer, toy_model_dir: Path, runs: list[list[str]]) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Run the trainer processes in order; return the last version received."""
+    sock, endpoint = bind_pull()
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        for extra in runs:
+            done = run_trainer([*trainer_args(toy_model_dir, buffer, endpoint), *extra])
+            assert done.returncode == 0, done.stderr[-3000:]
+            while True:
+                try:
+                    _, tensors = receive_version(sock)
+                except Exception:  # noqa: BLE001 - no more versions queued
+                    break
+    finally:
+        sock.close(linger=0)
+    return tensors
+
+
+@pytest.mark.slow
+def test_save_and_resume_reproduce_an_uninterrupted_run_exactly(
+    buffer, toy_model_dir: Path, tmp_path: Path
+) -> None:
+    groups = sample_groups(toy_model_dir, 6, 4, seed=3)
+    for g in groups:
+        buffer.put_group(g)
+    straight = final_weights(buffer, toy_model_dir, [["--max-steps", "3"]])
+    assert buffer.depth() == 0
+
+    buffer.redis.delete(*buffer.redis.keys(f"tandem:{buffer.config.run_id}:*"))
+    for g in groups:
+        buffer.put_group(g)
+    ckpt = tmp_path / "ckpt"
+    resumed = final_weights(
+        buffer,
+        toy_model_dir,
+        [
+            ["--max-steps", "2", "--save", str(ckpt), "--save-interval", "1"],
+            ["--max-steps", "3", "--load", str(ckpt)],
+        ],
+    )
+    assert (ckpt / TRACKER).read_text().strip() == "2"
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000001", "iter_0000002"]
+    assert buffer.depth() == 0 and buffer.drop_counts() == {}
+    assert set(resumed) == set(straight)
+    assert all(torch.equal(resumed[n], straight[n]) for n in straight)
+    steps = [r.step for _, r in buffer.read_metrics() if r.source == "trainer"]
+    assert steps == [1, 2, 3]
+
+
+def test_loading_a_directory_without_a_tracker_says_what_it_expected(tmp_path: Path) -> None:
+    (tmp_path / "something_else").mkdir()
+    with pytest.raises(FileNotFoundError, match=TRACKER):
+        resolve_iteration(tmp_path)
+    (tmp_path / TRACKER).write_text("7")
+    with pytest.raises(FileNotFoundError, match="iteration 7 has no checkpoint"):
+        resolve_iteration(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        resolve_iteration(tmp_path / "missing")
+
+
+def test_ckpt_step_picks_an_iteration_over_the_tracker(tmp_path: Path) -> None:
+    for it in (3, 5):
+        (tmp_path / f"iter_{it:07d}").mkdir()
+        (tmp_path / f"iter_{it:07d}" / "metadata.json").write_text("{}")
+    (tmp_path / TRACKER).write_text("5")
+    assert resolve_iteration(tmp_path).name == "iter_0000005"
+    assert resolve_iteration(tmp_path, ckpt_step=3).name == "iter_0000003"
+
+
+def test_the_trainer_cli_refuses_a_load_directory_without_a_checkpoint(
+    toy_model_dir: Path, tmp_path: Path
+) -> None:
+    done = run_trainer(
+        [
+            "--model",
+            str(toy_model_dir),
+            "--load",
+            str(tmp_path),
+            "--redis-url",
+            "redis://127.0.0.1:1/0",
+        ]
+    )
+    assert done.returncode != 0
+    assert TRACKER in done.stderr and "--load" in done.stderr
