@@ -31,7 +31,7 @@ def final_weights(buffer, toy_model_dir: Path, runs: list[list[str]]) -> dict[st
             while True:
                 try:
                     _, tensors = receive_version(sock)
-                except Exception:  # noqa: BLE001 - no more versions queued
+                except Exception:
                     break
     finally:
         sock.close(linger=0)
