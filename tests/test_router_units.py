@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from services.rollout_router.config import WorkerPoolConfig
-from services.rollout_router.rollout import batch_items, build_sample, sampling_seed
-from services.rollout_router.tasks import Item, Task
-from services.rollout_router.toy_task import is_exact, reverse_digits_reward
-from services.rollout_router.workers import WorkerPool, rendezvous, worker_id_for
+from services.rollout_router.rollout import batch_items
+from services.rollout_router.samples import Partial, sampling_seed
+from services.rollout_router.tasks import Item
+from services.rollout_router.workers import Worker, WorkerPool, rendezvous, worker_id_for
 
 
 def pool_with(urls: list[str], policy: str = "least_outstanding") -> WorkerPool:
     pool = WorkerPool(WorkerPoolConfig(policy=policy))
     for url in urls:
-        from services.rollout_router.workers import Worker
-
         pool.workers[worker_id_for(url)] = Worker(url, worker_id_for(url))
     return pool
 
@@ -68,22 +66,33 @@ def test_batch_items_are_seeded_and_without_replacement_when_possible():
     assert len(batch_items(items, 0, 100, seed=1)) == 100
 
 
-def test_build_sample_takes_tokens_and_logprobs_from_output_token_logprobs():
-    task = Task("t", [], [], reverse_digits_reward, is_exact)
-    item = Item("12>", "21", (1, 5, 6, 14))
-    out = {
-        "text": "21",
-        "output_ids": [6, 5, 2],
+def output(ids: list[int], version: int, finish: str, text: str = "") -> dict:
+    return {
+        "text": text,
+        "output_ids": ids,
         "meta_info": {
-            "finish_reason": {"type": "stop", "matched": 2},
-            "weight_version": "3",
-            "output_token_logprobs": [[-0.5, 6, None], [-0.25, 5, None], [-0.1, 2, None]],
+            "finish_reason": {"type": finish},
+            "weight_version": str(version),
+            "output_token_logprobs": [[-0.5 * (i + 1), t, None] for i, t in enumerate(ids)],
         },
     }
-    s = build_sample(item, out, task)
+
+
+def test_a_sample_takes_tokens_and_logprobs_from_output_token_logprobs():
+    s = Partial.of(output([6, 5, 2], 3, "stop", "21")).to_sample([1, 5, 6, 14], reward=1.0)
     assert s.prompt_ids == [1, 5, 6, 14]
     assert s.response_ids == [6, 5, 2]
-    assert s.response_logprobs == [-0.5, -0.25, -0.1]
+    assert s.response_logprobs == [-0.5, -1.0, -1.5]
     assert s.loss_mask == [1, 1, 1]
     assert s.token_versions == [3, 3, 3]
-    assert (s.weight_version, s.finish_reason, s.reward) == (3, "stop", 1.0)
+    assert (s.weight_version, s.finish_reason, s.reward, s.response_text) == (3, "stop", 1.0, "21")
+
+
+def test_a_continued_sample_keeps_each_tokens_weight_version_and_the_oldest_as_its_own():
+    partial = Partial.of(output([6], 3, "abort", "2"))
+    partial.extend(output([5, 2], 4, "stop", "1"))
+    s = partial.to_sample([1], reward=0.5)
+    assert s.response_ids == [6, 5, 2]
+    assert s.token_versions == [3, 4, 4]
+    assert s.weight_version == 3
+    assert (s.finish_reason, s.response_text) == ("stop", "21")

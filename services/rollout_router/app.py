@@ -19,11 +19,12 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from services.rollout_router.config import RouterConfig
+from services.rollout_router.config import RouterConfig, SamplingConfig
+from services.rollout_router.rewards import make_reward
 from services.rollout_router.rollout import RolloutLoop
 from services.rollout_router.routes_control import router as control_router
 from services.rollout_router.routes_engine import router as engine_router
-from services.rollout_router.tasks import toy_reverse_digits
+from services.rollout_router.tasks import Task, dataset_task, toy_reverse_digits
 from services.rollout_router.workers import WorkerPool
 from services.sample_buffer import SampleBuffer
 
@@ -36,23 +37,45 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(model)
 
 
-def stop_ids(tokenizer: Any) -> list[int]:
+def stop_ids(tokenizer: Any, sampling: SamplingConfig) -> list[int]:
+    """Configured stop token ids plus the tokenizer's EOS; warns when nothing would stop."""
+    ids = list(sampling.rollout_stop_token_ids)
     eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
+    if eos is not None and eos not in ids:
+        ids.append(int(eos))
+    if not ids and not sampling.rollout_stop:
         log.warning(
-            "the tokenizer of --model has no end-of-sequence token and no stop token ids are set: "
-            "every rollout will run to --rollout-max-response-len"
+            "the tokenizer of --model has no end-of-sequence token and neither "
+            "--rollout-stop nor --rollout-stop-token-ids is set: every rollout will run to "
+            "--rollout-max-response-len"
         )
-        return []
-    return [int(eos)]
+    return ids
+
+
+def build_task(config: RouterConfig, tokenizer: Any) -> Task:
+    data = config.data
+    if not data.prompt_data:
+        return toy_reverse_digits(tokenizer, data.task_seed)
+    return dataset_task(
+        tokenizer, data.prompt_data, data.eval_prompt_data, data.input_key, data.label_key,
+        data.apply_chat_template,
+    )  # fmt: skip
 
 
 async def build_rollout(
     config: RouterConfig, pool: WorkerPool, buffer: SampleBuffer
 ) -> RolloutLoop:
+    """Tokenizer, task and reward, loaded once; the rollout loop over them."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.rollout.model)
-    task = toy_reverse_digits(tokenizer, config.rollout.task_seed)
-    return RolloutLoop(config.rollout, pool, buffer, task, stop_ids(tokenizer))
+    task = await asyncio.to_thread(build_task, config, tokenizer)
+    r = config.reward
+    reward = make_reward(
+        r.rm_type, r.custom_rm_path, r.rm_url, r.rm_timeout_s, r.rm_retries, pool.session
+    )
+    return RolloutLoop(
+        config.rollout, config.sampling, pool, buffer, task, reward,
+        stop_ids(tokenizer, config.sampling),
+    )  # fmt: skip
 
 
 @asynccontextmanager

@@ -9,6 +9,7 @@ Flag names follow slime where the concept is the same (`--rollout-batch-size`,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from services.sample_buffer import BufferConfig
 
@@ -58,7 +59,7 @@ class WorkerPoolConfig:
 
 @dataclass
 class RolloutConfig:
-    """What the rollout loop generates, how, and how far ahead of the trainer it may run."""
+    """How many samples the rollout loop makes per batch and how far ahead of the trainer."""
 
     rollout: bool = field(
         default=True, metadata={"help": "Run the rollout loop (--no-rollout: only route)."}
@@ -77,24 +78,37 @@ class RolloutConfig:
         default=1,
         metadata={"help": "Batch b is generated with weights of version >= b - max_staleness."},
     )
-    rollout_max_response_len: int = field(
-        default=4, metadata={"help": "max_new_tokens of each rollout sample."}
+    rollout_max_concurrency: int = field(
+        default=0,
+        metadata={"help": "Most /generate requests the rollout keeps in flight (0 = a batch)."},
     )
-    rollout_temperature: float = field(
-        default=1.0, metadata={"help": "Sampling temperature of rollouts."}
-    )
-    rollout_top_p: float = field(default=1.0, metadata={"help": "top_p of rollouts."})
-    rollout_top_k: int = field(default=-1, metadata={"help": "top_k of rollouts (-1 = all)."})
     seed: int = field(
         default=1234,
         metadata={"help": "Seed of prompt sampling and of each request's sampling_seed."},
     )
-    task_seed: int = field(
-        default=1234, metadata={"help": "Seed of the toy task's train/held-out split."}
-    )
     eval_interval: int = field(
         default=1,
         metadata={"help": "Evaluate held-out prompts every this many versions (0 = never)."},
+    )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={"help": "Drop groups whose rewards are all equal and over-sample (DAPO)."},
+    )
+    over_sampling_batch_size: int = field(
+        default=0,
+        metadata={"help": "Prompts per extra round under dynamic sampling (0 = batch size)."},
+    )
+    max_sampling_rounds: int = field(
+        default=8,
+        metadata={"help": "Rounds per batch under dynamic sampling before it is cut short."},
+    )
+    partial_rollout: bool = field(
+        default=False,
+        metadata={"help": "Continue aborted samples from their partial tokens on new weights."},
+    )
+    max_continues: int = field(
+        default=4,
+        metadata={"help": "Times one sample may be aborted and continued (or restarted)."},
     )
     version_poll_s: float = field(
         default=0.05,
@@ -104,12 +118,81 @@ class RolloutConfig:
     def validate(self) -> None:
         if self.rollout and not self.model:
             raise ValueError("--model is required for rollouts (or pass --no-rollout)")
+        if self.rollout and not Path(self.model).is_dir():
+            raise ValueError(f"--model {self.model}: not a directory (expected a HF model dir)")
         if self.rollout_batch_size < 1 or self.n_samples_per_prompt < 1:
             raise ValueError("--rollout-batch-size and --n-samples-per-prompt must be >= 1")
         if self.max_staleness < 0:
             raise ValueError("--max-staleness must be >= 0")
+        if self.rollout_max_concurrency < 0 or self.max_sampling_rounds < 1:
+            raise ValueError("--rollout-max-concurrency must be >= 0, --max-sampling-rounds >= 1")
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling parameters of rollout requests (evaluation is greedy)."""
+
+    rollout_max_response_len: int = field(
+        default=4, metadata={"help": "max_new_tokens of each rollout sample."}
+    )
+    rollout_temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature of rollouts."}
+    )
+    rollout_top_p: float = field(default=1.0, metadata={"help": "top_p of rollouts."})
+    rollout_top_k: int = field(default=-1, metadata={"help": "top_k of rollouts (-1 = all)."})
+    rollout_stop: list[str] = field(
+        default_factory=list, metadata={"help": "Stop strings of rollouts."}
+    )
+    rollout_stop_token_ids: list[int] = field(
+        default_factory=list,
+        metadata={"help": "Stop token ids of rollouts (the tokenizer's EOS is always added)."},
+    )
+
+    def validate(self) -> None:
         if self.rollout_max_response_len < 1:
             raise ValueError("--rollout-max-response-len must be >= 1")
+        if self.rollout_temperature < 0 or not 0 < self.rollout_top_p <= 1:
+            raise ValueError("--rollout-temperature must be >= 0 and --rollout-top-p in (0, 1]")
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from (the built-in toy task when --prompt-data is empty)."""
+
+    prompt_data: str = field(
+        default="", metadata={"help": "Training prompts: .jsonl or .parquet (empty = toy task)."}
+    )
+    eval_prompt_data: str = field(
+        default="", metadata={"help": "Held-out prompts for evaluation: .jsonl or .parquet."}
+    )
+    input_key: str = field(default="prompt", metadata={"help": "Field holding the prompt."})
+    label_key: str = field(default="label", metadata={"help": "Field holding the label."})
+    apply_chat_template: bool = field(
+        default=False,
+        metadata={"help": "Wrap text prompts in the chat template (message lists always are)."},
+    )
+    task_seed: int = field(
+        default=1234, metadata={"help": "Seed of the toy task's train/held-out split."}
+    )
+
+
+@dataclass
+class RewardConfig:
+    """How a response is scored: --rm-url, else --custom-rm-path, else --rm-type."""
+
+    rm_type: str = field(
+        default="reverse_digits",
+        metadata={
+            "help": "Built-in verifier.",
+            "choices": ("reverse_digits", "exact_match", "last_number", "boxed"),
+        },
+    )
+    custom_rm_path: str = field(
+        default="", metadata={"help": "Reward function `module:fn(text, label, stopped)`."}
+    )
+    rm_url: str = field(default="", metadata={"help": "Remote reward service URL (POST)."})
+    rm_timeout_s: float = field(default=30.0, metadata={"help": "Timeout of one remote call."})
+    rm_retries: int = field(default=2, metadata={"help": "Retries of a failed remote call."})
 
 
 @dataclass
@@ -118,6 +201,9 @@ class RouterConfig:
 
     workers: WorkerPoolConfig = field(default_factory=WorkerPoolConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     api_token: str = field(
         default="",
@@ -127,3 +213,4 @@ class RouterConfig:
     def validate(self) -> None:
         self.workers.validate()
         self.rollout.validate()
+        self.sampling.validate()

@@ -33,22 +33,39 @@ from tandem.toy_model import VOCAB
 BOS, EOS, ARROW = 1, 2, 14
 
 
-def answer_ids(input_ids: list[int], k: int, greedy: bool) -> list[int]:
-    if len(input_ids) == 4 and input_ids[0] == BOS and input_ids[3] == ARROW:
-        a, b = input_ids[1], input_ids[2]
-        return [b, a, EOS] if greedy or k % 2 == 0 else [a, b, b]
-    return [4, 5, EOS]
+def answer_ids(prompt: list[int], k: int, greedy: bool) -> list[int]:
+    """The full answer to a prompt; without EOS the last token repeats, as a model that never
+    stops would."""
+    if len(prompt) == 4 and prompt[0] == BOS and prompt[3] == ARROW:
+        a, b = prompt[1], prompt[2]
+        ids = [b, a, EOS] if greedy or k % 2 == 0 else [a, b, b]
+    else:
+        ids = [4, 5, EOS]
+    return ids + [ids[-1]] * 4096
 
 
-def one_output(state: dict[str, Any], input_ids: list[int], params: dict[str, Any], k: int) -> dict:
-    ids = answer_ids(input_ids, k, float(params.get("temperature", 1.0)) == 0.0)
+def split_prompt(input_ids: list[int]) -> tuple[list[int], list[int]]:
+    """(prompt, tokens already generated): a toy prompt followed by more tokens is a partial
+    rollout's continuation request."""
+    if len(input_ids) > 4 and input_ids[0] == BOS and input_ids[3] == ARROW:
+        return input_ids[:4], input_ids[4:]
+    return input_ids, []
+
+
+def one_output(
+    state: dict[str, Any], input_ids: list[int], params: dict[str, Any], k: int, cut: int | None
+) -> dict:
+    """Output k of a request; `cut` = tokens produced before an abort (None: not aborted)."""
+    prompt, done = split_prompt(input_ids)
+    full = answer_ids(prompt, k, float(params.get("temperature", 1.0)) == 0.0)[len(done) :]
     limit = int(params.get("max_new_tokens", 128))
     stop_ids = set(params.get("stop_token_ids") or []) | {EOS}
     out: list[int] = []
     finish: dict[str, Any] = {"type": "length", "length": limit}
-    # Without a stop token the answer's last token repeats until max_new_tokens, as a model
-    # that never emits EOS would.
-    for tok in (ids + [ids[-1]] * limit)[:limit]:
+    for tok in full[:limit]:
+        if cut is not None and len(out) >= cut:
+            finish = {"type": "abort", "message": "aborted"}
+            break
         out.append(tok)
         if tok in stop_ids:
             finish = {"type": "stop", "matched": tok}
@@ -70,23 +87,39 @@ def one_output(state: dict[str, Any], input_ids: list[int], params: dict[str, An
 
 
 def build_app(
-    model_path: str, version: int, fail_generate: bool, delay_ms: float
+    model_path: str, version: int, fail_generate: bool, delay_ms: float, token_delay_ms: float
 ) -> web.Application:
-    state: dict[str, Any] = {"version": version, "rid": 0, "requests": 0}
+    """`token_delay_ms` > 0 makes generation take that long per token, so that a request can be
+    aborted midway (`/abort_request`, `/pause_generation`) and return its partial output."""
+    running = asyncio.Event()
+    running.set()
+    state: dict[str, Any] = {"version": version, "rid": 0, "requests": 0, "abort_epoch": 0}
 
     def js(obj: Any, status: int = 200) -> web.Response:
         return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+    async def produced_before_abort(limit: int) -> int | None:
+        """Sleep token by token; the number of tokens made when an abort came, else None."""
+        epoch = state["abort_epoch"]
+        for step in range(limit):
+            await asyncio.sleep(token_delay_ms / 1000)
+            if state["abort_epoch"] != epoch:
+                return step + 1
+        return None
 
     async def generate(request: web.Request) -> web.StreamResponse:
         state["requests"] += 1
         if fail_generate:
             return js({"error": "injected failure"}, 500)
         body = orjson.loads(await request.read())
+        await running.wait()  # while paused, new requests wait (SGLang does the same)
         if delay_ms:
             await asyncio.sleep(delay_ms / 1000)
         params = body.get("sampling_params") or {}
         n = int(params.get("n", 1))
-        outs = [one_output(state, body["input_ids"], params, k) for k in range(n)]
+        limit = int(params.get("max_new_tokens", 128))
+        cut = await produced_before_abort(limit) if token_delay_ms else None
+        outs = [one_output(state, body["input_ids"], params, k, cut) for k in range(n)]
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -96,6 +129,21 @@ def build_app(
             await resp.write_eof()
             return resp
         return js(outs if n > 1 else outs[0])
+
+    async def abort(_request: web.Request) -> web.Response:
+        state["abort_epoch"] += 1
+        return js({"success": True})
+
+    async def pause(request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read() or b"{}")
+        if body.get("mode", "abort") == "abort":
+            state["abort_epoch"] += 1
+        running.clear()
+        return js({"success": True})
+
+    async def resume(_request: web.Request) -> web.Response:
+        running.set()
+        return js({"success": True})
 
     async def model_info(_request: web.Request) -> web.Response:
         return js({
@@ -118,8 +166,10 @@ def build_app(
     app.router.add_post("/update_weights_from_disk", update_weights)
     for path in ("/health", "/health_generate", "/get_server_info", "/server_info", "/get_load"):
         app.router.add_get(path, ok)
-    for path in ("/flush_cache", "/pause_generation", "/continue_generation", "/abort_request"):
-        app.router.add_post(path, ok)
+    app.router.add_post("/flush_cache", ok)
+    app.router.add_post("/abort_request", abort)
+    app.router.add_post("/pause_generation", pause)
+    app.router.add_post("/continue_generation", resume)
     return app
 
 
@@ -159,8 +209,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--weight-version", type=int, default=0)
     parser.add_argument("--fail-generate", action="store_true")
     parser.add_argument("--delay-ms", type=float, default=0.0)
+    parser.add_argument("--token-delay-ms", type=float, default=0.0)
     args = parser.parse_args(argv)
-    app = build_app(args.model_path, args.weight_version, args.fail_generate, args.delay_ms)
+    app = build_app(
+        args.model_path, args.weight_version, args.fail_generate, args.delay_ms, args.token_delay_ms
+    )
     sock = bind_socket(args.host, args.port)
     port = sock.getsockname()[1]
 

@@ -1,83 +1,80 @@
 """The rollout loop: prompts -> engines -> samples -> rewards -> Redis.
 
 Two asyncio tasks, both started by the app's lifespan:
-- `run()` produces batches b = 0, 1, 2, ... Before batch b it waits until the engines' weight
-  version is at least `b - max_staleness` (the trainer trains batch b at version b, so nothing
-  it receives is staler than that), and while the loop is paused. A batch sends one
-  `/generate` per prompt with `n = n_samples_per_prompt`, all prompts at once, and puts each
-  group into the buffer as soon as it is complete. Puts are serialized and wait (asynchronously)
-  while the buffer holds `max_groups` untrained groups, so rollout never outruns the trainer by
-  more than the buffer. Batch b+1 starts after every group of batch b is in Redis or dropped.
+- `run()` produces batches b = 0, 1, 2, ... Before batch b it waits while the loop is paused
+  and until the engines' weight version is at least `b - max_staleness` (the trainer trains
+  batch b at version b, so nothing it receives is staler than that). A batch sends one
+  `/generate` per prompt with `n = n_samples_per_prompt`, all prompts at once (at most
+  `rollout_max_concurrency` requests in flight when set), and puts each group into the buffer
+  as soon as it is complete. Puts are serialized and wait, in the event loop, while the buffer
+  holds `max_groups` untrained groups: rollout never outruns the trainer by more than that.
+  Batch b+1 starts once each group of batch b is in Redis or recorded as dropped.
 - `run_evaluations()` polls the engines' version and, at start and whenever the version reaches
   a new multiple of `eval_interval`, runs every held-out prompt greedily and publishes
   `eval/accuracy` and `eval/reward_mean` at that version.
 
 The engines' version is `max(version:engines in Redis, lowest version any admitted engine
-reported)`: the broker sets the Redis key once every engine has loaded a version, and engines
+reported)`: the broker sets the Redis key once every engine has loaded a version; engines
 report theirs in `/get_model_info` and in each response's `meta_info.weight_version`.
-A group that fails on every engine is recorded as a drop (`reason="engine_error"`), never lost.
+
+Dynamic sampling (DAPO): a group whose rewards are all equal carries no GRPO signal; it is
+dropped (`all_rewards_equal`) and further rounds of prompts refill the batch, up to
+`max_sampling_rounds`; groups finishing after the batch is full are dropped as `surplus`.
+Every group that is not put is recorded with its reason (`engine_error`, `aborted`,
+`reward_error`, ...); none is lost silently.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import dataclasses
 import logging
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from proto import DropRecord, Sample, SampleGroup
-from services.rollout_router.config import RolloutConfig
+from proto import DropRecord, SampleGroup
+from services.rollout_router.config import RolloutConfig, SamplingConfig
+from services.rollout_router.limiter import Limiter
+from services.rollout_router.rewards import Reward, RewardError
+from services.rollout_router.samples import Partial, as_list, parse_version, sampling_seed
 from services.rollout_router.tasks import Item, Task
-from services.rollout_router.workers import (
-    EngineRequestError,
-    NoWorkerError,
-    WorkerPool,
-    parse_version,
-)
+from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
 from services.sample_buffer import SampleBuffer
 
 log = logging.getLogger("tandem.router.rollout")
 
 
-def sampling_seed(seed: int, batch: int, index: int) -> int:
-    """A stable 31-bit seed per (run seed, batch, prompt index)."""
-    digest = hashlib.blake2b(f"{seed}/{batch}/{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
-
-
-def batch_items(items: list[Item], batch: int, size: int, seed: int) -> list[Item]:
-    """The prompts of batch `batch`: without replacement when the set is large enough."""
-    rng = random.Random(f"{seed}:{batch}")
+def batch_items(items: list[Item], batch: int, size: int, seed: int, round_: int = 0) -> list[Item]:
+    """The prompts of one round of one batch: without replacement when the set is large enough."""
+    rng = random.Random(f"{seed}:{batch}:{round_}")
     return rng.sample(items, size) if size <= len(items) else rng.choices(items, k=size)
 
 
-def as_list(data: Any) -> list[dict[str, Any]]:
-    """SGLang answers a single object for n=1 and a list for n>1."""
-    return data if isinstance(data, list) else [data]
+class GroupDropped(Exception):
+    """A group will not be trained on; `reason` is its drop counter."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
-def build_sample(item: Item, out: dict[str, Any], task: Task) -> Sample:
-    """One `Sample` from one engine output, with exact token ids and its reward."""
-    meta = out.get("meta_info", {})
-    token_logprobs = meta.get("output_token_logprobs") or []
-    ids = [int(t[1]) for t in token_logprobs]
-    logprobs = [float(t[0]) for t in token_logprobs]
-    finish = (meta.get("finish_reason") or {}).get("type", "length")
-    version = parse_version(meta.get("weight_version"))
-    text = out.get("text", "")
-    return Sample(
-        prompt_ids=list(item.input_ids),
-        response_ids=ids,
-        response_logprobs=logprobs,
-        loss_mask=[1] * len(ids),
-        reward=task.reward(text, item.label, finish == "stop"),
-        weight_version=version,
-        token_versions=[version] * len(ids),
-        finish_reason=finish,
-        response_text=text,
-    )
+@dataclass
+class BatchState:
+    """Groups put so far for one batch, against its target."""
+
+    index: int
+    target: int
+    kept: int = 0
+    samples: int = 0
+    reward_sum: float = 0.0
+    length_sum: int = 0
+    min_version: int | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.kept >= self.target
 
 
 class RolloutLoop:
@@ -86,15 +83,15 @@ class RolloutLoop:
     def __init__(
         self,
         config: RolloutConfig,
+        sampling: SamplingConfig,
         pool: WorkerPool,
         buffer: SampleBuffer,
         task: Task,
+        reward: Reward,
         stop_token_ids: list[int],
     ) -> None:
-        self.config = config
-        self.pool = pool
-        self.buffer = buffer
-        self.task = task
+        self.config, self.sampling = config, sampling
+        self.pool, self.buffer, self.task, self.reward = pool, buffer, task, reward
         self.stop_token_ids = stop_token_ids
         self.state = "idle"
         self.batch = 0
@@ -104,11 +101,12 @@ class RolloutLoop:
         self.last_eval: dict[str, float] = {}
         self.last_eval_version = -1
         self.error = ""
+        self.limiter = Limiter(config.rollout_max_concurrency)
         self._resume = asyncio.Event()
         self._resume.set()
         self._put_lock = asyncio.Lock()
 
-    # --- versions ----------------------------------------------------------------------------
+    # --- versions and control ------------------------------------------------------------------
 
     def engines_version(self) -> int:
         return max(self.buffer.get_version("engines"), self.pool.min_version())
@@ -118,9 +116,8 @@ class RolloutLoop:
             self.state = "waiting_for_weights"
             await asyncio.sleep(self.config.version_poll_s)
 
-    # --- control -------------------------------------------------------------------------------
-
     def pause(self) -> None:
+        """Finish the current batch, then wait for `resume()`."""
         self._resume.clear()
 
     def resume(self) -> None:
@@ -129,6 +126,15 @@ class RolloutLoop:
     @property
     def paused(self) -> bool:
         return not self._resume.is_set()
+
+    def update(self, rollout: dict[str, Any], sampling: dict[str, Any]) -> None:
+        """Apply validated field changes; they take effect from the next request."""
+        new_rollout = dataclasses.replace(self.config, **rollout)
+        new_sampling = dataclasses.replace(self.sampling, **sampling)
+        new_rollout.validate()
+        new_sampling.validate()
+        self.config, self.sampling = new_rollout, new_sampling
+        self.limiter.set_limit(new_rollout.rollout_max_concurrency)
 
     # --- rollout -------------------------------------------------------------------------------
 
@@ -150,81 +156,126 @@ class RolloutLoop:
             log.exception("rollout loop failed")
             raise
 
-    async def run_batch(self, batch: int) -> list[SampleGroup]:
+    async def run_batch(self, index: int) -> BatchState:
+        """Rounds of prompts until `rollout_batch_size` groups are put (one round without
+        dynamic sampling), then the batch's metrics."""
         self.state = "generating"
         cfg = self.config
-        items = batch_items(self.task.train, batch, cfg.rollout_batch_size, cfg.seed)
-        start = time.monotonic()
-        results = await asyncio.gather(
-            *(self.run_group(batch, i, item) for i, item in enumerate(items))
-        )
-        elapsed = max(time.monotonic() - start, 1e-9)
-        groups = [g for g in results if g is not None]
-        samples = [s for g in groups for s in g.samples]
-        self.samples_per_s = len(samples) / elapsed
-        if groups:
-            version_used = min(g.weight_version for g in groups)
-            values = {
-                "rollout/batch": float(batch),
-                "rollout/reward_mean": sum(s.reward for s in samples) / len(samples),
-                "rollout/samples_per_s": self.samples_per_s,
-                "rollout/response_len_mean": sum(len(s.response_ids) for s in samples)
-                / len(samples),
-                "rollout/groups": float(len(groups)),
-                "rollout/groups_dropped": float(len(items) - len(groups)),
-                "rollout/batch_time_s": elapsed,
-                "rollout/engines_version": float(self.engines_version()),
-            }
-            await asyncio.to_thread(self.buffer.publish_metrics, "router", version_used, values)
-        return groups
+        batch = BatchState(index, cfg.rollout_batch_size)
+        start, next_prompt = time.monotonic(), 0
+        for round_ in range(cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
+            if batch.full:
+                break
+            size = (
+                (cfg.over_sampling_batch_size or cfg.rollout_batch_size) if round_ else batch.target
+            )
+            items = batch_items(self.task.train, index, size, cfg.seed, round_)
+            await asyncio.gather(
+                *(self.run_group(batch, next_prompt + i, item) for i, item in enumerate(items))
+            )
+            next_prompt += size
+        if not batch.full:
+            log.warning("batch %d ended with %d of %d groups", index, batch.kept, batch.target)
+        await self._publish_batch(batch, max(time.monotonic() - start, 1e-9), next_prompt)
+        return batch
 
-    def _payload(self, item: Item, n: int, temperature: float, seed: int) -> dict[str, Any]:
-        cfg = self.config
+    async def _publish_batch(self, batch: BatchState, elapsed: float, prompts: int) -> None:
+        self.samples_per_s = batch.samples / elapsed
+        if not batch.kept:
+            return
+        values = {
+            "rollout/batch": float(batch.index),
+            "rollout/reward_mean": batch.reward_sum / batch.samples,
+            "rollout/samples_per_s": self.samples_per_s,
+            "rollout/response_len_mean": batch.length_sum / batch.samples,
+            "rollout/groups": float(batch.kept),
+            "rollout/prompts_generated": float(prompts),
+            "rollout/batch_time_s": elapsed,
+            "rollout/engines_version": float(self.engines_version()),
+        }
+        step = batch.min_version if batch.min_version is not None else 0
+        await asyncio.to_thread(self.buffer.publish_metrics, "router", step, values)
+
+    def payload(self, input_ids: list[int], n: int, max_new: int, greedy: bool, seed: int) -> dict:
+        s = self.sampling
         return {
-            "input_ids": list(item.input_ids),
+            "input_ids": input_ids,
             "sampling_params": {
-                "max_new_tokens": cfg.rollout_max_response_len,
-                "temperature": temperature,
-                "top_p": cfg.rollout_top_p,
-                "top_k": cfg.rollout_top_k,
+                "max_new_tokens": max_new,
+                "temperature": 0.0 if greedy else s.rollout_temperature,
+                "top_p": s.rollout_top_p,
+                "top_k": s.rollout_top_k,
                 "n": n,
                 "stop_token_ids": self.stop_token_ids,
                 "sampling_seed": seed,
-                "no_stop_trim": False,
                 "skip_special_tokens": True,
+                **({"stop": s.rollout_stop} if s.rollout_stop else {}),
             },
             "return_logprob": True,
         }
 
     async def generate(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
         """One /generate (retried across engines by the pool); notes the reported versions."""
-        self.in_flight += 1
-        try:
-            data, worker = await self.pool.post_json("/generate", payload)
-        finally:
-            self.in_flight -= 1
+        async with self.limiter:
+            self.in_flight += 1
+            try:
+                data, worker = await self.pool.post_json("/generate", payload)
+            finally:
+                self.in_flight -= 1
         outs = as_list(data)
         for out in outs:
             v = parse_version(out.get("meta_info", {}).get("weight_version"))
             worker.weight_version = max(worker.weight_version, v)
         return outs
 
-    async def run_group(self, batch: int, index: int, item: Item) -> SampleGroup | None:
-        cfg = self.config
-        group_id = f"b{batch}-p{index}"
-        seed = sampling_seed(cfg.seed, batch, index)
-        payload = self._payload(item, cfg.n_samples_per_prompt, cfg.rollout_temperature, seed)
+    async def run_group(self, batch: BatchState, index: int, item: Item) -> None:
+        group_id = f"b{batch.index}-p{index}"
         try:
-            outs = await self.generate(payload)
-            if len(outs) != cfg.n_samples_per_prompt:
-                raise EngineRequestError(
-                    f"engine returned {len(outs)} samples, asked for {cfg.n_samples_per_prompt}"
+            group = await self.make_group(batch.index, index, item, group_id)
+            if self.config.dynamic_sampling and len({s.reward for s in group.samples}) == 1:
+                raise GroupDropped(
+                    "all_rewards_equal", f"every reward is {group.samples[0].reward}"
                 )
-        except (EngineRequestError, NoWorkerError, ValueError) as exc:
-            await self._drop(group_id, "engine_error", str(exc))
-            return None
-        samples = [build_sample(item, out, self.task) for out in outs]
-        group = SampleGroup(
+            if batch.full:
+                raise GroupDropped("surplus", "the batch was already full")
+            batch.kept += 1  # reserve the slot before awaiting the put
+            await self.put(group)
+        except GroupDropped as exc:
+            await self._drop(group_id, exc.reason, str(exc))
+            return
+        batch.samples += len(group.samples)
+        batch.reward_sum += sum(s.reward for s in group.samples)
+        batch.length_sum += sum(len(s.response_ids) for s in group.samples)
+        v = group.weight_version
+        batch.min_version = v if batch.min_version is None else min(batch.min_version, v)
+
+    async def make_group(self, batch: int, index: int, item: Item, group_id: str) -> SampleGroup:
+        """Generate, complete aborted samples, and reward one prompt's group."""
+        n, max_new = self.config.n_samples_per_prompt, self.sampling.rollout_max_response_len
+        prompt_ids = list(item.input_ids)
+        seed = sampling_seed(self.config.seed, batch, index)
+        try:
+            outs = await self.generate(self.payload(prompt_ids, n, max_new, False, seed))
+            if len(outs) != n:
+                raise EngineRequestError(f"engine returned {len(outs)} samples, asked for {n}")
+            partials = await asyncio.gather(
+                *(
+                    self.complete(prompt_ids, Partial.of(out), seed + k)
+                    for k, out in enumerate(outs)
+                )
+            )
+        except (EngineRequestError, NoWorkerError) as exc:
+            raise GroupDropped("engine_error", str(exc)) from exc
+        if any(p.finish == "abort" for p in partials):
+            raise GroupDropped("aborted", f"still aborted after {self.config.max_continues} tries")
+        try:
+            rewards = await asyncio.gather(
+                *(self.reward.score(item.prompt, p.text, item.label, p.finish) for p in partials)
+            )
+        except RewardError as exc:
+            raise GroupDropped("reward_error", str(exc)) from exc
+        samples = [p.to_sample(prompt_ids, r) for p, r in zip(partials, rewards, strict=True)]
+        return SampleGroup(
             group_id=group_id,
             prompt=item.prompt,
             label=item.label,
@@ -232,21 +283,39 @@ class RolloutLoop:
             weight_version=min(s.weight_version for s in samples),
             created_at=time.time(),
         )
-        await self.put(group)
-        return group
+
+    async def complete(self, prompt_ids: list[int], partial: Partial, seed: int) -> Partial:
+        """Continue (partial rollout) or restart an aborted sample, at most `max_continues`
+        times. A continuation sends prompt + the tokens so far and asks for the rest."""
+        max_new = self.sampling.rollout_max_response_len
+        while partial.finish == "abort" and partial.continues < self.config.max_continues:
+            partial.continues += 1
+            seed = sampling_seed(seed, partial.continues)
+            if not self.config.partial_rollout:  # start over; the aborted tokens are discarded
+                out = await self.generate(self.payload(prompt_ids, 1, max_new, False, seed))
+                partial = dataclasses.replace(Partial.of(out[0]), continues=partial.continues)
+                continue
+            left = max_new - len(partial.ids)
+            if left <= 0:
+                partial.finish = "length"
+                break
+            out = await self.generate(self.payload(prompt_ids + partial.ids, 1, left, False, seed))
+            partial.extend(out[0])
+        return partial
 
     async def put(self, group: SampleGroup) -> None:
         """Serialized put that waits in the event loop (not a thread) while the buffer is full,
-        so cancellation at shutdown is immediate."""
+        so that cancellation at shutdown is immediate."""
         async with self._put_lock:
             while await asyncio.to_thread(self.buffer.depth) >= self.buffer.config.max_groups:
                 self.state = "waiting_for_buffer"
                 await asyncio.sleep(0.05)
             await asyncio.to_thread(self.buffer.put_group, group)
             self.groups_put += 1
+            self.state = "generating"
 
     async def _drop(self, group_id: str, reason: str, detail: str) -> None:
-        log.warning("dropping group %s: %s (%s)", group_id, reason, detail)
+        log.warning("dropping group %s: %s (%s)", group_id, reason, detail[:300])
         record = DropRecord(
             source="router", reason=reason, count=1, group_id=group_id, detail=detail[:500]
         )
@@ -257,31 +326,37 @@ class RolloutLoop:
     async def run_evaluations(self) -> None:
         """Evaluate at start, then at each new multiple of `eval_interval`, until cancelled."""
         interval = self.config.eval_interval
-        if interval <= 0:
+        if interval <= 0 or not self.task.heldout:
             return
         last_bucket: int | None = None
         while True:
             version = max(self.engines_version(), 0)
             if last_bucket is None or version // interval > last_bucket:
                 last_bucket = version // interval
-                await self.evaluate(version)
+                try:
+                    await self.evaluate(version)
+                except (EngineRequestError, NoWorkerError, RewardError) as exc:
+                    log.warning("evaluation at version %d failed: %s", version, exc)
             await asyncio.sleep(self.config.version_poll_s * 4)
 
     async def evaluate(self, version: int) -> dict[str, float]:
         """Every held-out prompt once, greedily; publishes eval metrics at `version`."""
-        items = self.task.heldout
+        items, max_new = self.task.heldout, self.sampling.rollout_max_response_len
         outs = await asyncio.gather(
-            *(self.generate(self._payload(it, 1, 0.0, 0)) for it in items), return_exceptions=True
+            *(self.generate(self.payload(list(it.input_ids), 1, max_new, True, 0)) for it in items),
+            return_exceptions=True,
         )
         rewards, exact, failed = [], [], 0
         for item, out in zip(items, outs, strict=True):
             if isinstance(out, BaseException):
                 failed += 1
                 continue
-            text = out[0].get("text", "")
-            stopped = (out[0].get("meta_info", {}).get("finish_reason") or {}).get("type") == "stop"
-            rewards.append(self.task.reward(text, item.label, stopped))
-            exact.append(self.task.exact(text, item.label, stopped))
+            partial = Partial.of(out[0])
+            reward = await self.reward.score(item.prompt, partial.text, item.label, partial.finish)
+            stopped = partial.finish == "stop"
+            rewards.append(reward)
+            judge = self.task.exact
+            exact.append(judge(partial.text, item.label, stopped) if judge else reward >= 1.0)
         values = {
             "eval/accuracy": sum(exact) / len(exact) if exact else 0.0,
             "eval/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
@@ -296,6 +371,7 @@ class RolloutLoop:
     def status(self) -> dict[str, Any]:
         return {
             "state": self.state,
+            "paused": self.paused,
             "error": self.error,
             "batch": self.batch,
             "engines_version": self.engines_version(),
@@ -307,4 +383,5 @@ class RolloutLoop:
             "drops": self.buffer.drop_counts(),
             "last_eval_version": self.last_eval_version,
             "last_eval": self.last_eval,
+            "config": {**dataclasses.asdict(self.config), **dataclasses.asdict(self.sampling)},
         }

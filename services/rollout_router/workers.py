@@ -27,6 +27,7 @@ import aiohttp
 import orjson
 
 from services.rollout_router.config import WorkerPoolConfig
+from services.rollout_router.samples import parse_version
 
 log = logging.getLogger("tandem.router.workers")
 
@@ -78,14 +79,6 @@ class Worker:
 
 def worker_id_for(url: str) -> str:
     return f"w{zlib.crc32(url.encode()):08x}"
-
-
-def parse_version(value: Any) -> int:
-    """SGLang reports weight_version as a string ("3"); non-integers count as unknown (-1)."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return -1
 
 
 class WorkerPool:

@@ -1,0 +1,149 @@
+"""Rewards: built-in verifiers, a Python function by dotted path, or a remote reward service.
+
+Every reward is `async score(prompt, response_text, label, finish_reason) -> float`.
+A built-in or dotted-path function has the signature `fn(response_text, label, stopped) -> float`
+(`stopped` = generation ended on a stop token, not the length limit); it may be `async`.
+The remote service gets `POST rm_url {"prompt", "response", "label", "finish_reason"}` and
+answers `{"reward": float}`; each call has a timeout and is retried with backoff, and a reward
+that still fails raises `RewardError` (the rollout loop drops that group with reason
+`reward_error`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import re
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from services.rollout_router.toy_task import reverse_digits_reward
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+class RewardError(RuntimeError):
+    """A reward could not be computed (remote service down, bad answer)."""
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return abs(float(a.replace(",", "")) - float(b.replace(",", ""))) < 1e-6
+    except ValueError:
+        return a.strip() == b.strip()
+
+
+def exact_match(text: str, label: str, stopped: bool) -> float:
+    """1 when the response, stripped, equals the label."""
+    return float(text.strip() == label.strip())
+
+
+def last_number(text: str, label: str, stopped: bool) -> float:
+    """1 when the last number in the response equals the label numerically (GSM8K style)."""
+    numbers = NUMBER.findall(text)
+    return float(bool(numbers) and _same_number(numbers[-1], label))
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}`, braces balanced; None when there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None
+
+
+def boxed(text: str, label: str, stopped: bool) -> float:
+    """1 when the last `\\boxed{}` answer equals the label (spaces and `$` ignored, numbers
+    compared numerically)."""
+    answer = last_boxed(text)
+    if answer is None:
+        return 0.0
+
+    def norm(s: str) -> str:
+        return s.replace(" ", "").replace("$", "").strip()
+
+    a, b = norm(answer), norm(label)
+    return float(a == b or _same_number(a, b))
+
+
+BUILTIN: dict[str, Callable[[str, str, bool], float]] = {
+    "reverse_digits": reverse_digits_reward,
+    "exact_match": exact_match,
+    "last_number": last_number,
+    "boxed": boxed,
+}
+
+
+def load_function(path: str) -> Callable[..., Any]:
+    """`package.module:function` or `package.module.function`; error names the path."""
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"--custom-rm-path {path!r}: cannot import it ({exc})") from exc
+    if not callable(fn):
+        raise ValueError(f"--custom-rm-path {path!r} is not callable")
+    return fn
+
+
+class Reward:
+    """One of: a local function (built-in or dotted path) or a remote service."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any] | None = None,
+        url: str = "",
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        if (fn is None) == (not url):
+            raise ValueError("a Reward needs exactly one of a function or a URL")
+        self.fn, self.url, self.timeout_s, self.retries = fn, url, timeout_s, retries
+        self.session = session
+
+    async def score(self, prompt: Any, text: str, label: str, finish_reason: str) -> float:
+        if self.fn is not None:
+            value = self.fn(text, label, finish_reason == "stop")
+            if inspect.isawaitable(value):
+                value = await value
+            return float(value)
+        return await self._remote(prompt, text, label, finish_reason)
+
+    async def _remote(self, prompt: Any, text: str, label: str, finish_reason: str) -> float:
+        assert self.session is not None, "a remote Reward needs the router's HTTP session"
+        body = {"prompt": prompt, "response": text, "label": label, "finish_reason": finish_reason}
+        last = ""
+        for attempt in range(self.retries + 1):
+            try:
+                timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+                async with self.session.post(self.url, json=body, timeout=timeout) as resp:
+                    if resp.status == 200:
+                        return float((await resp.json())["reward"])
+                    last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
+        raise RewardError(f"reward service {self.url} failed {self.retries + 1} times: {last}")
+
+
+def make_reward(
+    rm_type: str, custom_rm_path: str, rm_url: str, timeout_s: float, retries: int,
+    session: aiohttp.ClientSession | None,
+) -> Reward:  # fmt: skip
+    """The reward the flags ask for: `--rm-url` over `--custom-rm-path` over `--rm-type`."""
+    if rm_url:
+        return Reward(url=rm_url, timeout_s=timeout_s, retries=retries, session=session)
+    if custom_rm_path:
+        return Reward(load_function(custom_rm_path))
+    if rm_type not in BUILTIN:
+        raise ValueError(f"--rm-type {rm_type!r}: choose one of {', '.join(BUILTIN)}")
+    return Reward(BUILTIN[rm_type])

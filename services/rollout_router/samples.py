@@ -1,0 +1,88 @@
+"""From engine outputs to `Sample`s: exact tokens, log-probs, and per-token weight versions.
+
+Knows: the SGLang `/generate` response shape and how an aborted output is continued.
+Does not know: HTTP, Redis, rewards.
+
+A response may arrive in segments: when an engine aborts generation for a weight update, the
+output so far comes back with finish reason "abort"; partial rollout sends prompt + those tokens
+again (on the new weights) and appends what follows. `Partial.token_versions` keeps the weight
+version of every token, so the trainer can mask or correct the off-policy prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from proto import Sample
+
+
+def parse_version(value: Any) -> int:
+    """SGLang reports weight_version as a string ("3"); non-integers count as unknown (-1)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return -1
+
+
+def sampling_seed(seed: int, *parts: int) -> int:
+    """A stable 31-bit seed per (run seed, batch, prompt index, ...)."""
+    key = "/".join(map(str, (seed, *parts))).encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def as_list(data: Any) -> list[dict[str, Any]]:
+    """SGLang answers a single object for n=1 and a list for n>1."""
+    return data if isinstance(data, list) else [data]
+
+
+def finish_type(out: dict[str, Any]) -> str:
+    return (out.get("meta_info", {}).get("finish_reason") or {}).get("type", "length")
+
+
+@dataclass
+class Partial:
+    """One response being assembled from one or more engine outputs."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    text: str = ""
+    finish: str = "length"
+    continues: int = 0
+    segment_versions: list[int] = field(default_factory=list)
+
+    def extend(self, out: dict[str, Any]) -> None:
+        """Append one engine output (the whole response, or the continuation of an abort)."""
+        meta = out.get("meta_info", {})
+        token_logprobs = meta.get("output_token_logprobs") or []
+        version = parse_version(meta.get("weight_version"))
+        self.ids += [int(t[1]) for t in token_logprobs]
+        self.logprobs += [float(t[0]) for t in token_logprobs]
+        self.token_versions += [version] * len(token_logprobs)
+        self.segment_versions.append(version)
+        self.text += out.get("text", "")
+        self.finish = finish_type(out)
+
+    @classmethod
+    def of(cls, out: dict[str, Any]) -> Partial:
+        partial = cls()
+        partial.extend(out)
+        return partial
+
+    def to_sample(self, prompt_ids: list[int], reward: float) -> Sample:
+        # The sample's version is its oldest segment's: the staleness filter must see the prefix.
+        version = min(self.segment_versions, default=-1)
+        return Sample(
+            prompt_ids=prompt_ids,
+            response_ids=self.ids,
+            response_logprobs=self.logprobs,
+            loss_mask=[1] * len(self.ids),
+            reward=reward,
+            weight_version=version,
+            token_versions=self.token_versions,
+            finish_reason=self.finish,
+            response_text=self.text,
+        )
