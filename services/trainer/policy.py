@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,10 +38,15 @@ def init_distributed(tp_size: int, seed: int) -> None:
     cpu_compat.install()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # Ranks > 0 wait in a broadcast while rank 0 waits for samples from Redis, which may take
+        # long (rollouts stalled, router restarting): a generous timeout, not gloo's 30 min.
+        timeout = timedelta(hours=24)
         if "RANK" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timeout)
         else:  # single process: an in-memory store, no port to pick
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not parallel_state.model_parallel_is_initialized():

@@ -229,7 +229,7 @@ class Trainer:
                     f"non-finite gradient at step {self.version + 1} (grad norm {grad_norm})"
                 )
         step_math.batch_stats(mbs, mine, self.cfg.max_tokens_per_gpu, stats)
-        stats.reduce()
+        stats.reduce(parallel_state.get_data_parallel_group())  # TP ranks hold the same samples
         metrics = step_math.metrics_from(stats, samples, self.version)
         metrics["train/grad_norm"] = grad_norm
         metrics["train/skipped_updates"] = float(self.skipped_updates)

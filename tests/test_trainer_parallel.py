@@ -1,0 +1,106 @@
+"""torchrun (gloo) tensor and data parallelism reproduce the single-process run; checkpoints
+reshard between TP=1 and TP=2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_trainer_checkpoint import trainer_args
+from tests.test_trainer_process import TIMEOUT_S, bind_pull, receive_version, sample_groups
+
+pytestmark = pytest.mark.slow
+
+
+def run(buffer, toy_model_dir: Path, nproc: int, extra: list[str]) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = [sys.executable, "-m", "tandem.cli", "trainer"]
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={nproc}", "-m", "services.trainer"]  # fmt: skip
+    return subprocess.run(
+        [*launcher, *extra], capture_output=True, text=True, timeout=TIMEOUT_S, env=env
+    )
+
+
+def fresh_run(buffer, groups) -> None:  # type: ignore[no-untyped-def]
+    keys = buffer.redis.keys(f"tandem:{buffer.config.run_id}:*")
+    if keys:
+        buffer.redis.delete(*keys)
+    for g in groups:
+        buffer.put_group(g)
+
+
+def train(buffer, toy_model_dir: Path, groups, runs: list[tuple[int, list[str]]]):  # type: ignore[no-untyped-def]
+    """(losses per step, final weights) of a sequence of trainer runs on `groups`."""
+    fresh_run(buffer, groups)
+    sock, endpoint = bind_pull()
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        for nproc, extra in runs:
+            done = run(
+                buffer,
+                toy_model_dir,
+                nproc,
+                [*trainer_args(toy_model_dir, buffer, endpoint), *extra],
+            )
+            assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+            while True:
+                try:
+                    _, tensors = receive_version(sock)
+                except Exception:
+                    break
+    finally:
+        sock.close(linger=0)
+    losses = [r.values["train/loss"] for _, r in buffer.read_metrics() if r.source == "trainer"]
+    return losses, tensors
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Equal up to float summation order. Adam divides by sqrt(v): a gradient entry near zero
+    turns a 1e-9 reduction-order difference into up to ~lr-sized steps, so the bound is 1% of
+    the test's learning rate (1e-2) per step, while the losses above agree to 1e-5 relative."""
+    assert set(a) == set(b) and a
+    worst = max(((a[n] - b[n]).abs().max().item(), n) for n in a)
+    assert worst[0] < 2e-4, worst
+
+
+def test_tp2_and_dp2_reproduce_single_process_losses_and_weights(
+    buffer, toy_model_dir: Path
+) -> None:
+    groups = sample_groups(toy_model_dir, 4, 4, seed=5)
+    ref_losses, ref_w = train(buffer, toy_model_dir, groups, [(1, ["--max-steps", "2"])])
+    tp_losses, tp_w = train(buffer, toy_model_dir, groups,
+                            [(2, ["--max-steps", "2", "--tensor-model-parallel-size", "2"])])  # fmt: skip
+    dp_losses, dp_w = train(buffer, toy_model_dir, groups, [(2, ["--max-steps", "2"])])
+    assert len(ref_losses) == 2
+    assert tp_losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)
+    assert dp_losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)
+    assert_same(tp_w, ref_w)
+    assert_same(dp_w, ref_w)
+
+
+@pytest.mark.parametrize(("save_tp", "load_tp"), [(1, 2), (2, 1)])
+def test_a_checkpoint_saved_at_one_tp_size_resumes_at_another(
+    buffer, toy_model_dir: Path, tmp_path: Path, save_tp: int, load_tp: int
+) -> None:
+    groups = sample_groups(toy_model_dir, 4, 4, seed=6)
+    _, straight = train(buffer, toy_model_dir, groups, [(1, ["--max-steps", "2"])])
+    ckpt = str(tmp_path / "ckpt")
+    runs = [
+        (
+            save_tp,
+            ["--max-steps", "1", "--save", ckpt, "--tensor-model-parallel-size", str(save_tp)],
+        ),
+        (
+            load_tp,
+            ["--max-steps", "2", "--load", ckpt, "--tensor-model-parallel-size", str(load_tp)],
+        ),
+    ]
+    _, resumed = train(buffer, toy_model_dir, groups, runs)
+    assert_same(resumed, straight)
