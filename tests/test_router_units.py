@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from services.rollout_router.config import WorkerPoolConfig
+from services.rollout_router.limiter import Limiter
+from services.rollout_router.rewards import boxed, exact_match, last_number, load_function
 from services.rollout_router.rollout import batch_items
 from services.rollout_router.samples import Partial, sampling_seed
 from services.rollout_router.tasks import Item
@@ -96,3 +102,45 @@ def test_a_continued_sample_keeps_each_tokens_weight_version_and_the_oldest_as_i
     assert s.token_versions == [3, 4, 4]
     assert s.weight_version == 3
     assert (s.finish_reason, s.response_text) == ("stop", "21")
+
+
+def test_builtin_verifiers_judge_answers():
+    assert exact_match(" 42\n", "42", True) == 1.0
+    assert exact_match("42.", "42", True) == 0.0
+    assert last_number("so 3 apples and 1,200 pears", "1200", True) == 1.0
+    assert last_number("it is 7 not 8", "7", True) == 0.0
+    assert last_number("no digits", "7", True) == 0.0
+    assert last_number("x = -2.50", "-2.5", True) == 1.0
+    assert boxed("thus \\boxed{\\frac{1}{2}} and", "\\frac{1}{2}", True) == 1.0
+    assert boxed("\\boxed{3} then \\boxed{ 4 }", "4", True) == 1.0
+    assert boxed("\\boxed{4.0}", "4", True) == 1.0
+    assert boxed("4", "4", True) == 0.0
+    assert boxed("\\boxed{4", "4", True) == 0.0
+
+
+def test_a_reward_function_loads_by_dotted_path_or_fails_naming_it():
+    assert load_function("services.rollout_router.rewards:boxed") is boxed
+    assert load_function("services.rollout_router.rewards.boxed") is boxed
+    with pytest.raises(ValueError, match="no_such_module:f"):
+        load_function("no_such_module:f")
+
+
+async def test_the_limiter_admits_at_most_its_limit_and_can_be_raised_while_tasks_wait():
+    limiter = Limiter(2)
+    peak, release = 0, asyncio.Event()
+
+    async def hold() -> None:
+        nonlocal peak
+        async with limiter:
+            peak = max(peak, limiter.holders)
+            await release.wait()
+
+    tasks = [asyncio.create_task(hold()) for _ in range(5)]
+    await asyncio.sleep(0.05)
+    assert limiter.holders == 2
+    limiter.set_limit(4)
+    await asyncio.sleep(0.05)
+    assert limiter.holders == 4
+    release.set()
+    await asyncio.gather(*tasks)
+    assert peak == 4 and limiter.holders == 0

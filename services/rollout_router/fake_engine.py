@@ -53,9 +53,15 @@ def split_prompt(input_ids: list[int]) -> tuple[list[int], list[int]]:
 
 
 def one_output(
-    state: dict[str, Any], input_ids: list[int], params: dict[str, Any], k: int, cut: int | None
+    state: dict[str, Any],
+    input_ids: list[int],
+    params: dict[str, Any],
+    k: int,
+    cut: int | None,
+    version: int,
 ) -> dict:
-    """Output k of a request; `cut` = tokens produced before an abort (None: not aborted)."""
+    """Output k of a request; `cut` = tokens produced before an abort (None: not aborted);
+    `version` = the weights the tokens came from (weights never change mid-request)."""
     prompt, done = split_prompt(input_ids)
     full = answer_ids(prompt, k, float(params.get("temperature", 1.0)) == 0.0)[len(done) :]
     limit = int(params.get("max_new_tokens", 128))
@@ -80,7 +86,7 @@ def one_output(
             "completion_tokens": len(out),
             "cached_tokens": 0,
             "finish_reason": finish,
-            "weight_version": str(state["version"]),
+            "weight_version": str(version),
             "output_token_logprobs": [[-0.1 * (i + 1), t, None] for i, t in enumerate(out)],
         },
     }
@@ -118,8 +124,9 @@ def build_app(
         params = body.get("sampling_params") or {}
         n = int(params.get("n", 1))
         limit = int(params.get("max_new_tokens", 128))
+        version = state["version"]
         cut = await produced_before_abort(limit) if token_delay_ms else None
-        outs = [one_output(state, body["input_ids"], params, k, cut) for k in range(n)]
+        outs = [one_output(state, body["input_ids"], params, k, cut, version) for k in range(n)]
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)

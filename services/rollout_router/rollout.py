@@ -52,7 +52,7 @@ def batch_items(items: list[Item], batch: int, size: int, seed: int, round_: int
     return rng.sample(items, size) if size <= len(items) else rng.choices(items, k=size)
 
 
-class GroupDropped(Exception):
+class GroupDroppedError(Exception):
     """A group will not be trained on; `reason` is its drop counter."""
 
     def __init__(self, reason: str, detail: str) -> None:
@@ -233,14 +233,14 @@ class RolloutLoop:
         try:
             group = await self.make_group(batch.index, index, item, group_id)
             if self.config.dynamic_sampling and len({s.reward for s in group.samples}) == 1:
-                raise GroupDropped(
+                raise GroupDroppedError(
                     "all_rewards_equal", f"every reward is {group.samples[0].reward}"
                 )
             if batch.full:
-                raise GroupDropped("surplus", "the batch was already full")
+                raise GroupDroppedError("surplus", "the batch was already full")
             batch.kept += 1  # reserve the slot before awaiting the put
             await self.put(group)
-        except GroupDropped as exc:
+        except GroupDroppedError as exc:
             await self._drop(group_id, exc.reason, str(exc))
             return
         batch.samples += len(group.samples)
@@ -265,15 +265,17 @@ class RolloutLoop:
                 )
             )
         except (EngineRequestError, NoWorkerError) as exc:
-            raise GroupDropped("engine_error", str(exc)) from exc
+            raise GroupDroppedError("engine_error", str(exc)) from exc
         if any(p.finish == "abort" for p in partials):
-            raise GroupDropped("aborted", f"still aborted after {self.config.max_continues} tries")
+            raise GroupDroppedError(
+                "aborted", f"still aborted after {self.config.max_continues} tries"
+            )
         try:
             rewards = await asyncio.gather(
                 *(self.reward.score(item.prompt, p.text, item.label, p.finish) for p in partials)
             )
         except RewardError as exc:
-            raise GroupDropped("reward_error", str(exc)) from exc
+            raise GroupDroppedError("reward_error", str(exc)) from exc
         samples = [p.to_sample(prompt_ids, r) for p, r in zip(partials, rewards, strict=True)]
         return SampleGroup(
             group_id=group_id,

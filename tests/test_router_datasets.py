@@ -1,0 +1,266 @@
+"""Rollout inputs and scoring through the router process: datasets, chat template, rewards,
+dynamic sampling and partial rollout (fake engines, real Valkey)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proto import SampleGroup
+from services.rollout_router.fake_engine import FakeEngineProcess
+from services.sample_buffer import SampleBuffer
+
+CHAT_TEMPLATE = (
+    "<bos>{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}>{% endif %}"
+)
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[Callable[..., FakeEngineProcess]]:
+    started: list[FakeEngineProcess] = []
+
+    def _start(*flags: str) -> FakeEngineProcess:
+        engine = FakeEngineProcess(tmp_path, f"engine{len(started)}", *flags)
+        started.append(engine)
+        return engine
+
+    yield _start
+    for engine in started:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The toy model with a chat template that renders `12` as `<bos>12>`."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(toy_model_dir, out)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
+    return [
+        "router", "--engine-urls", *urls, "--model", str(model),
+        "--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id,
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+        "--rollout-max-response-len", "4", "--max-groups", "1000", *extra,
+    ]  # fmt: skip
+
+
+def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def read_all(buffer: SampleBuffer) -> list[SampleGroup]:
+    out = []
+    while batch := buffer.read_groups("test", 1000, block_ms=None):
+        out += [g for _id, g in batch]
+    return out
+
+
+def metric(buffer: SampleBuffer, key: str) -> tuple[int, dict] | None:
+    for _id, record in buffer.read_metrics():
+        if key in record.values:
+            return record.step, record.values
+    return None
+
+
+def test_jsonl_chat_prompts_use_the_chat_template_and_exact_match_rewards(
+    buffer, chat_model_dir, start_service, engines, tmp_path
+):
+    rows = [{"prompt": [{"role": "user", "content": f"{a}{b}"}], "label": f"{b}{a}"}
+            for a in range(3) for b in range(3)]  # fmt: skip
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(json.dumps(r) for r in rows))
+    args = router_args(buffer, chat_model_dir, [engines().url], "--prompt-data", str(train),
+                       "--eval-prompt-data", str(train), "--rm-type", "exact_match")  # fmt: skip
+    start_service("router", args)
+    wait_until(lambda: buffer.depth() >= 4, "a batch")
+    for group in read_all(buffer):
+        a, b = json.loads(group.prompt)[0]["content"]
+        assert group.samples[0].prompt_ids == [1, 4 + int(a), 4 + int(b), 14]
+        assert [s.reward for s in group.samples] == [1.0, 0.0]
+    _step, values = wait_until(lambda: metric(buffer, "eval/accuracy"), "eval")
+    assert values["eval/accuracy"] == 1.0 and values["eval/num_prompts"] == 9
+
+
+def test_parquet_text_prompts_with_the_last_number_verifier(
+    buffer, toy_model_dir, start_service, engines, tmp_path
+):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"question": ["12>", "34>", "56>", "78>"], "answer": [21, 43, 65, 87]})
+    pq.write_table(table, tmp_path / "train.parquet")
+    args = router_args(buffer, toy_model_dir, [engines().url],
+                       "--prompt-data", str(tmp_path / "train.parquet"), "--input-key", "question",
+                       "--label-key", "answer", "--rm-type", "last_number")  # fmt: skip
+    start_service("router", args)
+    wait_until(lambda: buffer.depth() >= 4, "a batch")
+    groups = read_all(buffer)
+    assert {g.label for g in groups} <= {"21", "43", "65", "87"}
+    assert all([s.reward for s in g.samples] == [1.0, 0.0] for g in groups)
+
+
+def test_a_bad_dataset_row_fails_startup_naming_the_file(
+    buffer, toy_model_dir, start_service, engines, tmp_path
+):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "12>", "label": "21"}\n{not json\n')
+    with pytest.raises(RuntimeError, match=r"bad.jsonl:2: not JSON"):
+        start_service("router", router_args(buffer, toy_model_dir, [engines().url],
+                                            "--prompt-data", str(bad)))  # fmt: skip
+
+
+REWARD_MODULE = '''
+def only_high_labels(text, label, stopped):
+    """Constant reward for labels starting with 0-4: such groups carry no signal."""
+    return 0.5 if label[0] in "01234" else float(stopped and text == label)
+'''
+
+
+def test_dynamic_sampling_drops_equal_reward_groups_and_refills_the_batch(
+    buffer, toy_model_dir, start_service, engines, tmp_path, monkeypatch
+):
+    (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    args = router_args(buffer, toy_model_dir, [engines().url, engines().url],
+                       "--custom-rm-path", "my_rewards:only_high_labels", "--dynamic-sampling",
+                       "--max-staleness", "0")  # fmt: skip
+    router = start_service("router", args)
+    wait_until(lambda: httpx.get(router.url + "/rollout/status").json()["state"]
+               == "waiting_for_weights", "batch 0 done")  # fmt: skip
+    groups = read_all(buffer)
+    assert len(groups) == 4, "exactly rollout_batch_size groups for batch 0"
+    assert all(len({s.reward for s in g.samples}) == 2 for g in groups)
+    drops = buffer.drop_counts()
+    assert drops.get("all_rewards_equal", 0) > 0
+    _step, values = metric(buffer, "rollout/groups")
+    assert values["rollout/groups"] == 4 and values["rollout/prompts_generated"] > 4
+    dropped = drops.get("all_rewards_equal", 0) + drops.get("surplus", 0)
+    assert values["rollout/prompts_generated"] == 4 + dropped, "every prompt is accounted for"
+
+
+class RewardHandler(BaseHTTPRequestHandler):
+    fail = False
+    calls = 0
+
+    def do_POST(self) -> None:
+        type(self).calls += 1
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.fail:
+            self.send_response(500)
+            self.end_headers()
+            return
+        reward = 1.0 if body["response"] == body["label"] else 0.25
+        data = json.dumps({"reward": reward}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def reward_server() -> Iterator[Callable[[bool], str]]:
+    servers = []
+
+    def _start(fail: bool) -> str:
+        handler = type("Handler", (RewardHandler,), {"fail": fail, "calls": 0})
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}/score"
+
+    yield _start
+    for server in servers:
+        server.shutdown()
+
+
+def test_a_remote_reward_service_scores_samples(
+    buffer, toy_model_dir, start_service, engines, reward_server
+):
+    url = reward_server(False)
+    start_service("router", router_args(buffer, toy_model_dir, [engines().url], "--rm-url", url))
+    wait_until(lambda: buffer.depth() >= 4, "a batch")
+    assert all([s.reward for s in g.samples] == [1.0, 0.25] for g in read_all(buffer))
+
+
+def test_a_failing_reward_service_drops_groups_as_reward_errors(
+    buffer, toy_model_dir, start_service, engines, reward_server
+):
+    url = reward_server(True)
+    args = router_args(buffer, toy_model_dir, [engines().url], "--rm-url", url,
+                       "--rm-retries", "1", "--rm-timeout-s", "2")  # fmt: skip
+    start_service("router", args)
+    wait_until(lambda: buffer.drop_counts().get("reward_error", 0) >= 4, "reward drops")
+    assert buffer.depth() == 0
+    assert any(url in d.detail for d in buffer.drop_log(10))
+
+
+def test_partial_rollout_continues_aborted_samples_and_keeps_token_versions(
+    buffer, toy_model_dir, start_service, engines
+):
+    urls = [engines("--token-delay-ms", "300").url, engines("--token-delay-ms", "300").url]
+    args = router_args(buffer, toy_model_dir, urls, "--partial-rollout", "--max-staleness", "0",
+                       "--rollout-batch-size", "2", "--eval-interval", "0")  # fmt: skip
+    router = start_service("router", args)
+    wait_until(lambda: httpx.get(router.url + "/rollout/status").json()["in_flight"] == 2,
+               "batch 0 in flight")  # fmt: skip
+    httpx.post(router.url + "/pause_generation", json={"mode": "abort"})
+    for url in urls:
+        httpx.post(url + "/update_weights_from_disk", json={"weight_version": "1"})
+    httpx.post(router.url + "/continue_generation", json={})
+    wait_until(lambda: buffer.depth() >= 2, "batch 0 groups")
+    groups = [g for g in read_all(buffer) if g.group_id.startswith("b0-")]
+    samples = [s for g in groups for s in g.samples]
+    assert len(samples) == 4
+    for s in samples:
+        assert s.finish_reason != "abort"
+        assert len(s.token_versions) == len(s.response_ids) == len(s.response_logprobs)
+        assert s.token_versions[0] == 0 and s.token_versions[-1] == 1, "old prefix, new suffix"
+        assert s.token_versions == sorted(s.token_versions)
+        assert s.weight_version == 0, "a sample is as old as its oldest token"
+    assert all(g.weight_version == 0 for g in groups)
+    assert buffer.drop_counts() == {}
+
+
+def test_without_partial_rollout_aborted_samples_restart_on_the_new_weights(
+    buffer, toy_model_dir, start_service, engines
+):
+    urls = [engines("--token-delay-ms", "200").url]
+    args = router_args(buffer, toy_model_dir, urls, "--max-staleness", "0",
+                       "--rollout-batch-size", "2", "--eval-interval", "0")  # fmt: skip
+    router = start_service("router", args)
+    wait_until(lambda: httpx.get(router.url + "/rollout/status").json()["in_flight"] == 2,
+               "batch 0 in flight")  # fmt: skip
+    httpx.post(router.url + "/pause_generation", json={"mode": "abort"})
+    httpx.post(urls[0] + "/update_weights_from_disk", json={"weight_version": "1"})
+    httpx.post(router.url + "/continue_generation", json={})
+    wait_until(lambda: buffer.depth() >= 2, "batch 0 groups")
+    samples = [s for g in read_all(buffer) if g.group_id.startswith("b0-") for s in g.samples]
+    assert len(samples) == 4
+    assert all(set(s.token_versions) == {1} and s.weight_version == 1 for s in samples)
+    assert all(s.finish_reason != "abort" for s in samples)
