@@ -18,17 +18,17 @@ from services.engine.sampling import RequestError, SamplingParams, derive_seed
 from services.engine.scheduler import Job, Sequence, new_rid
 
 # Fields of SGLang's GenerateReqInput that we implement.
-_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream",
+IMPLEMENTED_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream",
            "top_logprobs_num", "return_text_in_logprobs", "return_prompt_token_ids"}  # fmt: skip
 # Fields that would change what is generated or returned: refused unless unset/false.
-_UNSUPPORTED = {
+UNSUPPORTED_FIELDS = {
     "input_embeds", "image_data", "video_data", "audio_data", "token_ids_logprob",
     "return_hidden_states", "return_routed_experts", "return_sampling_mask", "session_params",
     "lora_path", "lora_id", "custom_logit_processor", "return_entropy", "return_indexer_topk",
     "return_bytes", "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs",
 }  # fmt: skip
-# Fields accepted and ignored: routing hints, logging and bookkeeping that do not change output.
-_IGNORED = {
+# SGLang fields accepted and ignored: routing hints, logging, bookkeeping (output unchanged).
+IGNORED_FIELDS = {
     "logprob_start_len", "log_metrics", "modalities", "bootstrap_host", "bootstrap_port",
     "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "data_parallel_rank",
     "routed_dp_rank", "disagg_prefill_dp_rank", "priority", "background", "extra_key",
@@ -66,10 +66,8 @@ def parse_generate(
     """Validate a `/generate` body; raise `RequestError` naming the offending field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    unknown = set(body) - _FIELDS - _UNSUPPORTED - _IGNORED
-    if unknown:
-        raise RequestError(f"unknown field(s) {sorted(unknown)} in /generate request")
-    for name in _UNSUPPORTED:
+    # Other top-level fields are ignored, as SGLang does (sglang-router adds `model`, for one).
+    for name in UNSUPPORTED_FIELDS:
         if body.get(name):
             raise RequestError(f"{name} is not supported by the reference engine")
     top_n = body.get("top_logprobs_num") or 0

@@ -148,6 +148,15 @@ class Engine:
         server has nothing cached; the call reports whether it was idle."""
         return self.scheduler.idle
 
+    def weights_by_name(self, name: Any, truncate_size: Any) -> list:
+        """The first `truncate_size` rows of parameter `name` (SGLang's /get_weights_by_name)."""
+        params = self.runner.model.state_dict()
+        if name not in params:
+            raise RequestError(f"name {name!r} is not a parameter of the model")
+        if not isinstance(truncate_size, int) or truncate_size < 1:
+            raise RequestError("truncate_size must be a positive integer")
+        return params[name][:truncate_size].float().cpu().tolist()
+
     # ---- info ---------------------------------------------------------------------------------
 
     def model_info(self) -> dict[str, Any]:

@@ -36,7 +36,7 @@ NEUTRAL_PARAMS: dict[str, Any] = {
     "stop_regex": None,
 }
 # Accepted and ignored: they only shape text formatting or streaming cadence here.
-IGNORED_PARAMS = {"spaces_between_special_tokens", "stream_interval", "lora_path"}
+IGNORED_PARAMS = {"spaces_between_special_tokens", "stream_interval", "watermark"}
 
 
 class RequestError(ValueError):

@@ -287,11 +287,11 @@ class Scheduler:
         for seq in waiting:
             message = matches(seq)
             if message is not None:
-                self._finish(seq, {"type": "abort", "message": message})
+                self._finish(seq, abort_reason(message))
         for seq in self._running:
             message = matches(seq)
             if message is not None:
-                self._finish(seq, {"type": "abort", "message": message})
+                self._finish(seq, abort_reason(message))
         self._drop_finished()
 
     def _admit(self, seqs: list[Sequence]) -> None:
@@ -405,10 +405,15 @@ class Scheduler:
             self._queued_jobs = 0
             commands, self._commands = list(self._commands), deque()
         for seq in seqs:
-            self._finish(seq, {"type": "abort", "message": message})
+            self._finish(seq, abort_reason(message))
         for command in commands:
             if command.future.set_running_or_notify_cancel():
                 command.future.set_exception(RuntimeError(message))
+
+
+def abort_reason(message: str) -> dict[str, Any]:
+    """SGLang's FINISH_ABORT.to_json()."""
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
 
 _ids = itertools.count()

@@ -161,7 +161,8 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
         if not isinstance(endpoint, str) or version is None:
             raise RequestError("give endpoint (a ZMQ address) and weight_version")
         timeout_s = body.get("timeout_s")
-        new = await engine.weights.from_zmq(endpoint, str(version), timeout_s)
+        abort_all = bool(body.get("abort_all_requests"))
+        new = await engine.weights.from_zmq(endpoint, str(version), timeout_s, abort_all)
         return ok(new, f"Updated weights to version {new} from {endpoint}.")
 
     @app.post("/update_weights_from_disk")
@@ -171,7 +172,9 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
             raise RequestError("give model_path (a Hugging Face model directory)")
         version = body.get("weight_version")
         new = await engine.weights.from_disk(
-            body["model_path"], None if version is None else str(version)
+            body["model_path"],
+            None if version is None else str(version),
+            bool(body.get("abort_all_requests")),
         )
         return ok(new, f"Loaded weights from {body['model_path']}.")
 
@@ -183,6 +186,28 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
             raise RequestError(f"missing field(s) {missing}")
         await engine.weights.init_group(body)
         return json_response({"success": True, "message": "Joined the weight update group."})
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_group() -> Response:
+        await engine.weights.destroy_group()
+        return json_response({"success": True, "message": "Left the weight update group."})
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> Response:
+        body = await read_json(request)
+        if not isinstance(body.get("new_version"), (str, int)):
+            raise RequestError("give new_version (a string)")
+        if body.get("abort_all_requests", True):
+            engine.abort(None)
+        engine.scheduler.weight_version = str(body["new_version"])
+        return ok(engine.weight_version, "Weight version updated.")
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request) -> Response:
+        body = await read_json(request)
+        return json_response(
+            engine.weights_by_name(body.get("name"), body.get("truncate_size", 100))
+        )
 
     @app.post("/update_weights_from_distributed")
     async def update_from_distributed(request: Request) -> Response:

@@ -65,12 +65,15 @@ class WeightUpdater:
         except TimeoutError as exc:
             raise UpdateError(f"{what} took longer than {self.timeout_s:.0f}s", 504) from exc
 
-    async def _apply(self, tensors: NamedTensors, version: str | None) -> str:
-        """Check, then copy in while the scheduler is drained; returns the new version."""
+    async def _apply(self, tensors: NamedTensors, version: str | None, abort_all: bool) -> str:
+        """Check, then copy in while the scheduler is drained; returns the new version.
+        `abort_all` ends running requests (partial output) instead of waiting for them."""
         try:
             self.runner.check_weights((n, t.shape) for n, t in tensors)
         except WeightError as exc:
             raise UpdateError(f"weights refused, model unchanged: {exc}", 400) from exc
+        if abort_all:
+            self.scheduler.abort(None, "Abort due to weight update")
 
         def apply() -> str:
             self.runner.load_weights(tensors)
@@ -94,7 +97,9 @@ class WeightUpdater:
 
     # ---- the three sources --------------------------------------------------------------------
 
-    async def from_zmq(self, endpoint: str, version: str, timeout_s: float | None = None) -> str:
+    async def from_zmq(
+        self, endpoint: str, version: str, timeout_s: float | None = None, abort_all: bool = False
+    ) -> str:
         """Fetch `version` from the weight broker at `endpoint` and apply it."""
         from services.weight_broker.wire import AuthenticationError, secret_from_env
         from services.weight_broker.zmq_transport import fetch_weights
@@ -114,9 +119,9 @@ class WeightUpdater:
                 raise UpdateError(f"weight broker at {endpoint}: {exc}", 400) from exc
             except TimeoutError as exc:
                 raise UpdateError(str(exc), 504) from exc
-            return await self._apply(tensors, version)
+            return await self._apply(tensors, version, abort_all)
 
-    async def from_disk(self, model_path: str, version: str | None) -> str:
+    async def from_disk(self, model_path: str, version: str | None, abort_all: bool = False) -> str:
         """Reload every tensor found in an HF directory's safetensors (or .bin) files."""
         async with self._lock:
             try:
@@ -125,13 +130,22 @@ class WeightUpdater:
                 )
             except (OSError, ValueError, RuntimeError) as exc:
                 raise UpdateError(f"could not load weights from {model_path}: {exc}", 400) from exc
-            return await self._apply(tensors, version)
+            return await self._apply(tensors, version, abort_all)
 
     async def init_group(self, body: dict[str, Any]) -> None:
         """Join the trainer's weight-update group (blocks until every rank joined)."""
         async with self._lock:
             backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
             await self._in_thread(lambda: self._join(body, backend), "joining the process group")
+
+    async def destroy_group(self) -> None:
+        async with self._lock:
+            if self._group is None:
+                raise UpdateError("no weight update group to destroy", 400)
+            group, self._group = self._group, None
+            await self._in_thread(
+                lambda: torch.distributed.destroy_process_group(group), "leaving the group"
+            )
 
     def _join(self, body: dict[str, Any], backend: str) -> None:
         if self._group is not None:
@@ -160,7 +174,8 @@ class WeightUpdater:
             tensors = await self._in_thread(
                 lambda: self._receive(names, dtypes, shapes), "receiving broadcast weights"
             )
-            return await self._apply(tensors, body.get("weight_version"))
+            abort_all = bool(body.get("abort_all_requests"))
+            return await self._apply(tensors, body.get("weight_version"), abort_all)
 
     def _receive(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]]
