@@ -3,7 +3,8 @@
 Layout under `--save DIR`:
   DIR/iter_0000012/          one `dist_checkpointing` directory per saved step (= weight version)
       (sharded)  model, optimizer (Adam moments keyed by the model's global tensor names)
-      (common)   scheduler, version, trained_entry_ids
+      (common)   scheduler, version, trained_entry_ids, hf_config (the model's config.json, so
+                 `tandem convert` can write HF weights back without the original directory)
       rng_rank{r}.pt         torch / python / numpy (/ cuda) RNG state of each rank
   DIR/latest_checkpointed_iteration.txt   the newest complete iteration; written last, so a save
                                          cut short is never the one `--load` picks.
@@ -76,8 +77,10 @@ class Checkpointer:
             return False
         return final or bool(self.cfg.save_interval and version % self.cfg.save_interval == 0)
 
-    def _sharded_state(self, is_loading: bool) -> dict[str, Any]:
+    def _sharded_state(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
         model_state = self.policy.model.sharded_state_dict()
+        if not with_optimizer:
+            return {"model": model_state}
         optimizer = self.policy.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
         return {"model": model_state, "optimizer": optimizer}
 
@@ -93,6 +96,9 @@ class Checkpointer:
             scheduler=self.policy.scheduler.state_dict(),
             version=version,
             trained_entry_ids=list(trained_entry_ids),
+            hf_config=self.policy.hf_config_json,
+            padded_vocab_size=self.policy.model.vocab_size,
+            has_optimizer=True,
         )
         dist_checkpointing.save(state, str(path))
         torch.save(_rng_state(), path / f"rng_rank{dist.get_rank()}.pt")
@@ -109,8 +115,12 @@ class Checkpointer:
         from megatron.core import dist_checkpointing
 
         path = resolve_iteration(self.cfg.load, self.cfg.ckpt_step)
-        loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(path))
+        common = dist_checkpointing.load_common_state_dict(str(path))
+        full = bool(common.get("has_optimizer"))  # False: weights only (`tandem convert`)
+        loaded = dist_checkpointing.load(self._sharded_state(True, with_optimizer=full), str(path))
         self.policy.model.load_state_dict(loaded["model"])
+        if not full:
+            return int(loaded.get("version", 0)), []
         self.policy.optimizer.load_state_dict(loaded["optimizer"])
         self.policy.scheduler.load_state_dict(loaded["scheduler"])
         rng_file = path / f"rng_rank{dist.get_rank()}.pt"

@@ -56,7 +56,11 @@ def read_hf_arch(model_dir: str | Path) -> HfArch:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --model must be a Hugging Face model directory")
-    cfg = json.loads(path.read_text())
+    return arch_from_config(json.loads(path.read_text()), str(path))
+
+
+def arch_from_config(cfg: dict, path: str = "config.json") -> HfArch:
+    """`HfArch` from a parsed HF `config.json`; `path` only names the source in errors."""
     model_type = cfg.get("model_type", "")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -115,12 +119,16 @@ def transformer_config(arch: HfArch, tp_size: int = 1, bf16: bool = False) -> Tr
     )
 
 
-def build_gpt_model(arch: HfArch, config: TransformerConfig, vocab_divisible_by: int) -> GPTModel:
-    """An un-initialised (random) GPTModel shaped like `arch`, with the packed-attention spec."""
+def build_gpt_model(
+    arch: HfArch, config: TransformerConfig, vocab_divisible_by: int, padded_vocab: int = 0
+) -> GPTModel:
+    """An un-initialised (random) GPTModel shaped like `arch`, with the packed-attention spec.
+    `padded_vocab` (if set) overrides the padding rule, e.g. to match a checkpoint."""
     return GPTModel(
         config=config,
         transformer_layer_spec=gpt_layer_spec(),
-        vocab_size=arch.padded_vocab_size(vocab_divisible_by, config.tensor_model_parallel_size),
+        vocab_size=padded_vocab
+        or arch.padded_vocab_size(vocab_divisible_by, config.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,6 +106,7 @@ class Policy:
     def __init__(self, cfg: TrainerConfig, model_dir: str, train: bool = True) -> None:
         self.cfg = cfg
         self.arch = hf_convert.read_hf_arch(model_dir)
+        self.hf_config_json = (Path(model_dir) / "config.json").read_text()
         tf_config = hf_convert.transformer_config(
             self.arch, cfg.tensor_model_parallel_size, cfg.bf16
         )

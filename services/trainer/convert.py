@@ -1,0 +1,128 @@
+"""`tandem convert`: Hugging Face <-> megatron dist checkpoint (Llama / Qwen2 family).
+
+  hf-to-megatron --hf-dir HF --save DIR      writes DIR/iter_0000000 (weights only) and the
+                                             tracker; `tandem trainer --load DIR` starts from it
+  megatron-to-hf --load DIR --out HF2        writes config.json + model.safetensors from any
+                                             trainer or converted checkpoint (any TP it was
+                                             saved at); `--hf-dir` copies tokenizer files too
+
+Vocabulary padding goes both ways: rows are padded to the megatron vocabulary on the way in and
+cut to the HF `vocab_size` on the way out. Runs as one process (gloo world of one); checkpoints
+reshard on load, so the result loads at any tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "vocab.json", "merges.txt")  # fmt: skip
+
+
+def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Path:
+    """Convert and save; returns the iteration directory."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from services.trainer import hf_convert
+    from services.trainer.checkpoint import TRACKER, iteration_dir
+    from services.trainer.policy import init_distributed
+
+    init_distributed(tp_size=1, seed=0)
+    arch = hf_convert.read_hf_arch(hf_dir)
+    model = hf_convert.build_gpt_model(
+        arch, hf_convert.transformer_config(arch), vocab_divisible_by
+    )
+    hf_convert.load_hf_into_model(model, arch, hf_convert.load_hf_state(hf_dir))
+    path = iteration_dir(save, 0)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {
+        "model": model.sharded_state_dict(),
+        "hf_config": (Path(hf_dir) / "config.json").read_text(),
+        "padded_vocab_size": model.vocab_size,
+        "has_optimizer": False,
+        "version": 0,
+    }
+    dist_checkpointing.save(state, str(path))
+    dist.barrier()
+    (Path(save) / TRACKER).write_text("0")
+    return path
+
+
+def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -> Path:
+    """Write HF `config.json` + `model.safetensors` of a checkpoint; returns `out`."""
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import save_file
+
+    from services.trainer import hf_convert
+    from services.trainer.checkpoint import resolve_iteration
+    from services.trainer.policy import init_distributed
+
+    init_distributed(tp_size=1, seed=0)
+    path = resolve_iteration(load, ckpt_step)
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    if "hf_config" not in common:
+        raise ValueError(
+            f"{path} holds no hf_config: it was not written by tandem trainer or convert"
+        )
+    config = json.loads(common["hf_config"])
+    arch = hf_convert.arch_from_config(config, f"{path} (hf_config)")
+    model = hf_convert.build_gpt_model(
+        arch, hf_convert.transformer_config(arch), 1, padded_vocab=int(common["padded_vocab_size"])
+    )
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    model.load_state_dict(loaded["model"])
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = dict(hf_convert.export_hf(model, arch))
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES if hf_dir else ():
+        if (Path(hf_dir) / name).is_file():
+            shutil.copy(Path(hf_dir) / name, out_dir / name)
+    return out_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem convert",
+        description="Convert Hugging Face Llama/Qwen2 weights to a megatron dist checkpoint and back.",
+    )
+    sub = parser.add_subparsers(dest="direction", required=True)
+    to_m = sub.add_parser("hf-to-megatron", help="HF directory -> megatron checkpoint directory")
+    to_m.add_argument(
+        "--hf-dir", required=True, help="HF model directory (config.json, *.safetensors)."
+    )
+    to_m.add_argument("--save", required=True, help="Output checkpoint directory.")
+    to_m.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                      help="Pad the vocabulary to a multiple of this (default: 128).")  # fmt: skip
+    to_hf = sub.add_parser("megatron-to-hf", help="megatron checkpoint directory -> HF directory")
+    to_hf.add_argument(
+        "--load", required=True, help="Checkpoint directory (with the tracker file)."
+    )
+    to_hf.add_argument("--ckpt-step", type=int, default=-1, help="Iteration (default: the latest).")
+    to_hf.add_argument("--out", required=True, help="Output HF directory.")
+    to_hf.add_argument("--hf-dir", default="", help="HF directory to copy tokenizer files from.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.direction == "hf-to-megatron":
+            path = hf_to_megatron(args.hf_dir, args.save, args.make_vocab_size_divisible_by)
+        else:
+            path = megatron_to_hf(args.load, args.out, args.ckpt_step, args.hf_dir)
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        print(f"tandem convert: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"tandem convert: wrote {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""`services.trainer.convert` (the `tandem convert` command): HF -> megatron checkpoint -> HF."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_trainer_hf_convert import hf_logits, qwen2_tied_dir  # noqa: F401 - fixture
+
+IDS = torch.tensor([[1, 5, 6, 14, 6, 5, 2, 7, 8, 9, 3]])
+
+
+def convert(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "services.trainer.convert", *args],
+                          capture_output=True, text=True, timeout=180, env=env)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["toy_llama", "qwen2_tied_bias"])
+def test_hf_to_megatron_and_back_round_trips_tensors_and_logits(
+    toy_model_dir: Path,
+    qwen2_tied_dir: Path,
+    tmp_path: Path,
+    which: str,
+) -> None:
+    from safetensors.torch import load_file
+
+    src = toy_model_dir if which == "toy_llama" else qwen2_tied_dir
+    ckpt, out = tmp_path / "mcore", tmp_path / "hf"
+    done = convert("hf-to-megatron", "--hf-dir", str(src), "--save", str(ckpt))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "0"
+    done = convert("megatron-to-hf", "--load", str(ckpt), "--out", str(out), "--hf-dir", str(src))
+    assert done.returncode == 0, done.stderr[-3000:]
+    original, back = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    if which == "qwen2_tied_bias":  # tied: HF may or may not store lm_head; we never do
+        original.pop("lm_head.weight", None)
+    assert set(back) == set(original)
+    assert all(torch.equal(back[k], original[k]) for k in original)
+    ids = IDS.clamp(max=15)
+    assert torch.equal(hf_logits(out, ids), hf_logits(src, ids))
+
+
+def test_megatron_logits_from_a_converted_checkpoint_equal_transformers_logits(
+    toy_model_dir: Path, tmp_path: Path
+) -> None:
+    from megatron.core import dist_checkpointing
+
+    from services.trainer import hf_convert
+    from services.trainer.policy import init_distributed
+
+    done = convert("hf-to-megatron", "--hf-dir", str(toy_model_dir), "--save", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    init_distributed(tp_size=1, seed=0)
+    arch = hf_convert.read_hf_arch(toy_model_dir)
+    model = hf_convert.build_gpt_model(arch, hf_convert.transformer_config(arch), 128)
+    loaded = dist_checkpointing.load(
+        {"model": model.sharded_state_dict()}, str(tmp_path / "iter_0000000")
+    )
+    model.load_state_dict(loaded["model"])
+    with torch.no_grad():
+        logits = model(
+            input_ids=IDS, position_ids=torch.arange(IDS.shape[1])[None], attention_mask=None
+        )
+    diff = (logits[..., : arch.vocab_size] - hf_logits(toy_model_dir, IDS)).abs().max().item()
+    assert diff < 1e-5
+
+
+def test_convert_names_the_missing_tracker(tmp_path: Path) -> None:
+    done = convert("megatron-to-hf", "--load", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert done.returncode == 2
+    assert "latest_checkpointed_iteration.txt" in done.stderr
