@@ -25,7 +25,7 @@ def convert(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("which", ["toy_llama", "qwen2_tied_bias"])
 def test_hf_to_megatron_and_back_round_trips_tensors_and_logits(
     toy_model_dir: Path,
-    qwen2_tied_dir: Path,
+    qwen2_tied_dir: Path,  # noqa: F811 - the imported fixture
     tmp_path: Path,
     which: str,
 ) -> None:
