@@ -112,7 +112,7 @@ def transformer_config(arch: HfArch, tp_size: int = 1, bf16: bool = False) -> Tr
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp_size,
-        use_cpu_initialization=True,
+        use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=dtype,
         bf16=bf16,
         pipeline_dtype=dtype,
@@ -313,5 +313,6 @@ def export_hf(
             local = unshard(name, pieces)
         full[name] = local
     return [
-        (n, t.to(dtype or t.dtype).contiguous().clone()) for n, t in megatron_full_to_hf(arch, full)
+        (n, t.to(dtype or t.dtype).contiguous().cpu().clone())
+        for n, t in megatron_full_to_hf(arch, full)
     ]

@@ -7,7 +7,7 @@ place in the layer spec (`gpt_layer_spec()`), with the same constructor and call
   Right padding needs no extra mask under a causal mask: real tokens never see later pads.
 - `thd` (`packed_seq_params.qkv_format == "thd"`): one packed sequence `[t, heads, dim]` whose
   samples are delimited by `cu_seqlens_q`. On CUDA: `torch.nn.attention.varlen.varlen_attn`.
-  On CPU: samples of equal length are stacked and run through one causal SDPA call each, so a
+  On CPU: (and CUDA in fp32) samples of equal length are stacked and run through one causal SDPA call each, so a
   pack costs one call per distinct length, and nothing is O(t^2) in the pack length.
 
 Attention is causal and self-attention only; no sliding window, no context parallelism.
@@ -87,7 +87,7 @@ def _packed_attention(
 ) -> torch.Tensor:
     """[t, h, d] in, [t, h, d] out; each segment of `cu_seqlens_q` attends causally to itself."""
     cu = params.cu_seqlens_q
-    if q.is_cuda:
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # flash kernels: half only
         from torch.nn.attention.varlen import varlen_attn
 
         if dropout_p:

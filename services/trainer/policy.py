@@ -24,6 +24,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -103,10 +104,17 @@ LossFn = Callable[
 class Policy:
     """Model + optimizer + scheduler on this rank; call `init_distributed` first."""
 
-    def __init__(self, cfg: TrainerConfig, model_dir: str, train: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        model_dir: str,
+        train: bool = True,
+        arch: hf_convert.HfArch | None = None,
+    ) -> None:
+        """Weights from the HF `model_dir`; or, given `arch` (benchmarks), random ones."""
         self.cfg = cfg
-        self.arch = hf_convert.read_hf_arch(model_dir)
-        self.hf_config_json = (Path(model_dir) / "config.json").read_text()
+        self.arch = arch or hf_convert.read_hf_arch(model_dir)
+        self.hf_config_json = "" if arch else (Path(model_dir) / "config.json").read_text()
         tf_config = hf_convert.transformer_config(
             self.arch, cfg.tensor_model_parallel_size, cfg.bf16
         )
@@ -116,7 +124,10 @@ class Policy:
         self.model = hf_convert.build_gpt_model(
             self.arch, tf_config, cfg.make_vocab_size_divisible_by
         )
-        hf_convert.load_hf_into_model(self.model, self.arch, hf_convert.load_hf_state(model_dir))
+        if arch is None:
+            hf_convert.load_hf_into_model(
+                self.model, self.arch, hf_convert.load_hf_state(model_dir)
+            )
         if torch.cuda.is_available():
             self.model.cuda()
         self.train_enabled = train
@@ -167,12 +178,19 @@ class Policy:
     # --- passes -------------------------------------------------------------------------------
 
     def _forward(self, model: Any, mb: MicroBatch) -> torch.Tensor:
+        params = mb.packed_seq_params
+        if torch.cuda.is_available() and params is not None:
+            cu = params.cu_seqlens_q.cuda()
+            params = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                max_seqlen_q=params.max_seqlen_q, max_seqlen_kv=params.max_seqlen_kv,
+            )  # fmt: skip
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         return model(
             input_ids=mb.input_ids.to(dev),
             position_ids=mb.position_ids.to(dev),
             attention_mask=None,
-            packed_seq_params=mb.packed_seq_params,
+            packed_seq_params=params,
         )
 
     def _run(
