@@ -19,7 +19,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from services.rollout_router.config import RouterConfig, SamplingConfig
+from services.rollout_router.config import DataConfig, RouterConfig, SamplingConfig
+from services.rollout_router.control import RolloutController
 from services.rollout_router.rewards import make_reward
 from services.rollout_router.rollout import RolloutLoop
 from services.rollout_router.routes_control import router as control_router
@@ -52,8 +53,8 @@ def stop_ids(tokenizer: Any, sampling: SamplingConfig) -> list[int]:
     return ids
 
 
-def build_task(config: RouterConfig, tokenizer: Any) -> Task:
-    data = config.data
+def build_task(data: DataConfig, tokenizer: Any) -> Task:
+    """The toy task, or the datasets named by `data`."""
     if not data.prompt_data:
         return toy_reverse_digits(tokenizer, data.task_seed)
     return dataset_task(
@@ -62,20 +63,21 @@ def build_task(config: RouterConfig, tokenizer: Any) -> Task:
     )  # fmt: skip
 
 
-async def build_rollout(
+async def build_control(
     config: RouterConfig, pool: WorkerPool, buffer: SampleBuffer
-) -> RolloutLoop:
-    """Tokenizer, task and reward, loaded once; the rollout loop over them."""
+) -> RolloutController:
+    """Tokenizer, task and reward, loaded once; the rollout loop and its controller."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.rollout.model)
-    task = await asyncio.to_thread(build_task, config, tokenizer)
+    task = await asyncio.to_thread(build_task, config.data, tokenizer)
     r = config.reward
     reward = make_reward(
         r.rm_type, r.custom_rm_path, r.rm_url, r.rm_timeout_s, r.rm_retries, pool.session
     )
-    return RolloutLoop(
+    loop = RolloutLoop(
         config.rollout, config.sampling, pool, buffer, task, reward,
         stop_ids(tokenizer, config.sampling),
     )  # fmt: skip
+    return RolloutController(loop, config.data, tokenizer, build_task)
 
 
 @asynccontextmanager
@@ -83,28 +85,24 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     config: RouterConfig = app.state.config
     pool = WorkerPool(config.workers)
     await pool.start()
-    tasks: list[asyncio.Task] = []
+    app.state.control = None
     try:
         await pool.add_all(config.workers.engine_urls, config.workers.engine_wait_timeout_s)
         buffer = SampleBuffer(config.buffer)
         await asyncio.to_thread(buffer.wait_ready, 30.0)
         app.state.pool, app.state.buffer = pool, buffer
         pool.start_health_checks()
-        app.state.rollout = None
-        if config.rollout.rollout:
-            rollout = await build_rollout(config, pool, buffer)
-            app.state.rollout = rollout
-            tasks.append(asyncio.create_task(rollout.run(), name="rollout"))
-            tasks.append(asyncio.create_task(rollout.run_evaluations(), name="eval"))
-        app.state.tasks = tasks
+        if config.rollout.model:
+            app.state.control = await build_control(config, pool, buffer)
+            if config.rollout.rollout:
+                app.state.control.start()
         yield
     except Exception as exc:
         app.state.startup_error = str(exc)
         raise
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if app.state.control is not None:
+            await app.state.control.stop()
         await pool.close()
         log.info("router stopped: tasks cancelled, engine session closed")
 

@@ -118,7 +118,7 @@ class RolloutConfig:
     def validate(self) -> None:
         if self.rollout and not self.model:
             raise ValueError("--model is required for rollouts (or pass --no-rollout)")
-        if self.rollout and not Path(self.model).is_dir():
+        if self.model and not Path(self.model).is_dir():
             raise ValueError(f"--model {self.model}: not a directory (expected a HF model dir)")
         if self.rollout_batch_size < 1 or self.n_samples_per_prompt < 1:
             raise ValueError("--rollout-batch-size and --n-samples-per-prompt must be >= 1")

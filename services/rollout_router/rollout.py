@@ -127,14 +127,10 @@ class RolloutLoop:
     def paused(self) -> bool:
         return not self._resume.is_set()
 
-    def update(self, rollout: dict[str, Any], sampling: dict[str, Any]) -> None:
-        """Apply validated field changes; they take effect from the next request."""
-        new_rollout = dataclasses.replace(self.config, **rollout)
-        new_sampling = dataclasses.replace(self.sampling, **sampling)
-        new_rollout.validate()
-        new_sampling.validate()
-        self.config, self.sampling = new_rollout, new_sampling
-        self.limiter.set_limit(new_rollout.rollout_max_concurrency)
+    def apply(self, rollout: RolloutConfig, sampling: SamplingConfig) -> None:
+        """Use validated new settings from the next request (and the next batch) on."""
+        self.config, self.sampling = rollout, sampling
+        self.limiter.set_limit(rollout.rollout_max_concurrency)
 
     # --- rollout -------------------------------------------------------------------------------
 
@@ -230,6 +226,7 @@ class RolloutLoop:
 
     async def run_group(self, batch: BatchState, index: int, item: Item) -> None:
         group_id = f"b{batch.index}-p{index}"
+        committed = [False]  # set once the XADD is under way: from then on the group is put
         try:
             group = await self.make_group(batch.index, index, item, group_id)
             if self.config.dynamic_sampling and len({s.reward for s in group.samples}) == 1:
@@ -239,10 +236,17 @@ class RolloutLoop:
             if batch.full:
                 raise GroupDroppedError("surplus", "the batch was already full")
             batch.kept += 1  # reserve the slot before awaiting the put
-            await self.put(group)
+            await self.put(group, committed)
         except GroupDroppedError as exc:
             await self._drop(group_id, exc.reason, str(exc))
             return
+        except asyncio.CancelledError:
+            # Stopped mid-batch: the group will not be trained on; say so before unwinding
+            # (synchronously: a cancelled task cannot reliably await).
+            if not committed[0]:
+                self.buffer.record_drop(DropRecord(source="router", reason="cancelled", count=1,
+                                                   group_id=group_id, detail="rollout stopped"))  # fmt: skip
+            raise
         batch.samples += len(group.samples)
         batch.reward_sum += sum(s.reward for s in group.samples)
         batch.length_sum += sum(len(s.response_ids) for s in group.samples)
@@ -305,15 +309,17 @@ class RolloutLoop:
             partial.extend(out[0])
         return partial
 
-    async def put(self, group: SampleGroup) -> None:
+    async def put(self, group: SampleGroup, committed: list[bool]) -> None:
         """Serialized put that waits in the event loop (not a thread) while the buffer is full,
-        so that cancellation at shutdown is immediate."""
+        so that cancellation at shutdown is immediate. Once the XADD starts it is shielded
+        from cancellation and `committed[0]` is set."""
         async with self._put_lock:
             while await asyncio.to_thread(self.buffer.depth) >= self.buffer.config.max_groups:
                 self.state = "waiting_for_buffer"
                 await asyncio.sleep(0.05)
-            await asyncio.to_thread(self.buffer.put_group, group)
+            committed[0] = True
             self.groups_put += 1
+            await asyncio.shield(asyncio.to_thread(self.buffer.put_group, group))
             self.state = "generating"
 
     async def _drop(self, group_id: str, reason: str, detail: str) -> None:
@@ -385,5 +391,4 @@ class RolloutLoop:
             "drops": self.buffer.drop_counts(),
             "last_eval_version": self.last_eval_version,
             "last_eval": self.last_eval,
-            "config": {**dataclasses.asdict(self.config), **dataclasses.asdict(self.sampling)},
         }

@@ -6,12 +6,14 @@ Mutating routes require `Authorization: Bearer <token>` when the router was star
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel
 
+from services.rollout_router.control import ConfigPatchError, RolloutController
 from services.rollout_router.workers import EngineStartupError, WorkerPool
 
 router = APIRouter()
@@ -91,11 +93,11 @@ async def list_workers_legacy(request: Request) -> dict[str, Any]:
 # --- rollout control -----------------------------------------------------------------------
 
 
-def rollout_of(request: Request) -> Any:
-    rollout = request.app.state.rollout
-    if rollout is None:
-        raise HTTPException(409, "this router runs without rollouts (--no-rollout)")
-    return rollout
+def control_of(request: Request) -> RolloutController:
+    control = request.app.state.control
+    if control is None:
+        raise HTTPException(409, "this router has no rollout loop (start it with --model)")
+    return control
 
 
 @router.get("/rollout/status", tags=["rollout"])
@@ -107,7 +109,53 @@ async def rollout_status(request: Request) -> dict[str, Any]:
         "retries": pool.retries,
         "engines_min_version": pool.min_version(),
     }
-    rollout = request.app.state.rollout
-    if rollout is None:
+    control = request.app.state.control
+    if control is None:
         return {**base, "state": "disabled"}
-    return {**base, **rollout.status()}
+    status = await asyncio.to_thread(control.loop.status)
+    return {**base, **status, "running": control.running}
+
+
+@router.post("/rollout/start", tags=["rollout"], dependencies=[Depends(require_token)])
+async def rollout_start(request: Request) -> dict[str, Any]:
+    """Start the rollout loop (no-op when running); continues at the unfinished batch."""
+    control_of(request).start()
+    return {"running": True}
+
+
+@router.post("/rollout/pause", tags=["rollout"], dependencies=[Depends(require_token)])
+async def rollout_pause(request: Request) -> dict[str, Any]:
+    """Pause after the current batch."""
+    control_of(request).pause()
+    return {"paused": True}
+
+
+@router.post("/rollout/resume", tags=["rollout"], dependencies=[Depends(require_token)])
+async def rollout_resume(request: Request) -> dict[str, Any]:
+    """Resume a paused loop."""
+    control_of(request).resume()
+    return {"paused": False}
+
+
+@router.post("/rollout/stop", tags=["rollout"], dependencies=[Depends(require_token)])
+async def rollout_stop(request: Request) -> dict[str, Any]:
+    """Stop now; groups in flight are recorded as drops (`cancelled`)."""
+    await control_of(request).stop()
+    return {"running": False}
+
+
+@router.get("/rollout/config", tags=["rollout"])
+async def rollout_config(request: Request) -> dict[str, Any]:
+    """The rollout, sampling and data settings in use."""
+    return control_of(request).config()
+
+
+@router.patch("/rollout/config", tags=["rollout"], dependencies=[Depends(require_token)])
+async def patch_rollout_config(request: Request, changes: dict[str, Any]) -> dict[str, Any]:
+    """Change sampling parameters (`rollout_temperature`, `rollout_max_response_len`, ...),
+    concurrency (`rollout_max_concurrency`) or the dataset (`prompt_data`, ...); validated,
+    all or nothing, effective from the next request."""
+    try:
+        return await control_of(request).patch(changes)
+    except ConfigPatchError as exc:
+        raise HTTPException(422, str(exc)) from exc

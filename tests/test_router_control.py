@@ -1,0 +1,124 @@
+"""The rollout control API of the router process: start, pause, resume, stop, config, token."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services.rollout_router.fake_engine import FakeEngineProcess
+from services.sample_buffer import SampleBuffer
+
+TOKEN = {"Authorization": "Bearer t0ken"}
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[Callable[..., FakeEngineProcess]]:
+    started: list[FakeEngineProcess] = []
+
+    def _start(*flags: str) -> FakeEngineProcess:
+        engine = FakeEngineProcess(tmp_path, f"engine{len(started)}", *flags)
+        started.append(engine)
+        return engine
+
+    yield _start
+    for engine in started:
+        engine.stop()
+
+
+def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
+    return [
+        "router", "--no-rollout", "--engine-urls", *urls, "--model", str(model),
+        "--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id,
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--max-staleness", "1000",
+        "--rollout-max-response-len", "4", "--max-groups", "100000", "--api-token", "t0ken",
+        *extra,
+    ]  # fmt: skip
+
+
+def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def status(router) -> dict:
+    return httpx.get(router.url + "/rollout/status").json()
+
+
+def test_rollout_starts_pauses_resumes_and_stops_on_request(
+    buffer, toy_model_dir, start_service, engines
+):
+    router = start_service("router", router_args(buffer, toy_model_dir, [engines().url]))
+    assert status(router)["running"] is False and buffer.depth() == 0
+    assert httpx.post(router.url + "/rollout/start").status_code == 401
+    assert httpx.post(router.url + "/rollout/start", headers=TOKEN).json() == {"running": True}
+    wait_until(lambda: buffer.depth() >= 8, "groups after start")
+    httpx.post(router.url + "/rollout/pause", headers=TOKEN)
+    paused = wait_until(lambda: (s := status(router))["state"] == "paused" and s, "pause")
+    depths = {buffer.depth() for _ in range(20)}
+    assert depths == {paused["groups_put"]}, "no groups while paused"
+    httpx.post(router.url + "/rollout/resume", headers=TOKEN)
+    wait_until(lambda: buffer.depth() > paused["groups_put"], "groups after resume")
+    assert httpx.post(router.url + "/rollout/stop", headers=TOKEN).json() == {"running": False}
+    stopped = status(router)
+    assert stopped["running"] is False and stopped["state"] == "stopped"
+
+
+def test_stopping_mid_batch_counts_the_groups_in_flight_as_cancelled(
+    buffer, toy_model_dir, start_service, engines
+):
+    router = start_service(
+        "router", router_args(buffer, toy_model_dir, [engines("--delay-ms", "60000").url])
+    )
+    httpx.post(router.url + "/rollout/start", headers=TOKEN)
+    wait_until(lambda: status(router)["in_flight"] >= 4, "batch 0 in flight")
+    httpx.post(router.url + "/rollout/stop", headers=TOKEN)
+    assert buffer.drop_counts() == {"cancelled": 4}
+    assert buffer.depth() == 0
+
+
+def test_patching_the_config_validates_and_changes_later_requests(
+    buffer, toy_model_dir, start_service, engines, tmp_path
+):
+    router = start_service("router", router_args(buffer, toy_model_dir, [engines().url]))
+    url = router.url + "/rollout/config"
+    assert httpx.patch(url, json={"rollout_max_response_len": 2}).status_code == 401
+    for bad, words in [
+        ({"rollout_temperature": "hot"}, "expected float"),
+        ({"rollout_top_p": 0}, "--rollout-top-p"),
+        ({"model": "/elsewhere"}, "model"),
+        ({"no_such_field": 1}, "no_such_field"),
+        ({"prompt_data": str(tmp_path / "missing.jsonl")}, "no such file"),
+        ({"rollout_max_response_len": 2, "rollout_batch_size": 0}, "--rollout-batch-size"),
+    ]:
+        resp = httpx.patch(url, json=bad, headers=TOKEN)
+        assert resp.status_code == 422 and words in resp.json()["detail"], bad
+    assert httpx.get(url).json()["rollout_max_response_len"] == 4, (
+        "a rejected patch changes nothing"
+    )
+    new = httpx.patch(url, json={"rollout_max_response_len": 2, "rollout_max_concurrency": 2,
+                                 "rollout_temperature": 0.7}, headers=TOKEN)  # fmt: skip
+    assert new.status_code == 200
+    assert new.json()["rollout_max_response_len"] == 2 and new.json()["rollout_temperature"] == 0.7
+    httpx.post(router.url + "/rollout/start", headers=TOKEN)
+    wait_until(lambda: buffer.depth() >= 4, "groups")
+    groups = [g for _id, g in buffer.read_groups("t", 100, block_ms=None)]
+    assert all(len(s.response_ids) <= 2 for g in groups for s in g.samples)
+    assert any(s.finish_reason == "length" for g in groups for s in g.samples)
+
+
+def test_openapi_docs_list_the_control_routes(buffer, toy_model_dir, start_service, engines):
+    router = start_service("router", router_args(buffer, toy_model_dir, [engines().url]))
+    assert httpx.get(router.url + "/docs").status_code == 200
+    paths = httpx.get(router.url + "/openapi.json").json()["paths"]
+    for path in ("/rollout/start", "/rollout/pause", "/rollout/resume", "/rollout/stop",
+                 "/rollout/status", "/rollout/config", "/workers", "/generate"):  # fmt: skip
+        assert path in paths
