@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def batching_errors() -> type[Exception]:
+    from services.trainer.batching import SampleTooLongError
+
+    return SampleTooLongError
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from services.trainer.config import TrainerConfig
@@ -53,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.ready_file).write_text(
             json.dumps({"pid": os.getpid(), "version": trainer.version})
         )
-    steps = trainer.train()
+    try:
+        steps = trainer.train()
+    except (FloatingPointError, batching_errors()) as exc:
+        print(f"tandem trainer: error: {exc}", file=sys.stderr)
+        return 1
     print(f"[trainer] stopped after {steps} steps at version {trainer.version}", flush=True)
     return 0
 

@@ -1,0 +1,80 @@
+"""Process tests of the loss options and of non-finite updates (real trainer CLI, real Valkey)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.test_trainer_process import common_args, run_trainer, sample_groups
+
+
+def metrics_of(buffer) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
+    return [r.values for _, r in buffer.read_metrics() if r.source == "trainer"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--use-tis", "--policy-loss-type", "gspo", "--entropy-coef", "0.01", "--kl-coef", "0.1",
+         "--kl-loss-type", "k3", "--loss-aggregation", "seq_mean_token_mean"],
+        ["--decoupled-ppo", "--kl-coef", "0.1", "--no-use-kl-loss", "--advantage-estimator",
+         "reinforce_plus_plus_baseline", "--eps-clip-high", "0.28", "--eps-clip-c", "3",
+         "--loss-aggregation", "seq_mean_token_sum_norm"],
+    ],
+    ids=["tis_gspo_entropy_kl_loss", "decoupled_kl_reward_reinforce_pp"],
+)  # fmt: skip
+def test_loss_options_train_a_step_and_report_their_metrics(
+    buffer, toy_model_dir: Path, flags: list[str]
+) -> None:
+    for g in sample_groups(toy_model_dir, 4, 4, seed=7):
+        buffer.put_group(g)
+    args = [
+        *common_args(toy_model_dir, buffer),
+        "--max-steps",
+        "1",
+        "--ref-load",
+        str(toy_model_dir),
+    ]
+    done = run_trainer([*args, *flags])
+    assert done.returncode == 0, done.stderr[-3000:]
+    (values,) = metrics_of(buffer)
+    for key in (
+        "train/loss",
+        "train/grad_norm",
+        "train/entropy",
+        "train/clipfrac",
+        "train/approx_kl",
+        "train/mismatch_kl",
+        "train/is_weight_mean",
+        "train/packing_efficiency",
+    ):
+        assert math.isfinite(values[key]), key
+    # same weights at step 0: trainer and engine agree, so IS weights are ~1
+    assert values["train/is_weight_max"] == pytest.approx(1.0, abs=1e-3)
+    assert values["train/staleness_hist/0"] == 16
+    if "--no-use-kl-loss" not in flags:
+        assert values["train/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # ref == policy at step 0
+
+
+def test_a_non_finite_update_is_skipped_and_counted_or_fails_when_asked(
+    buffer, toy_model_dir: Path
+) -> None:
+    groups = sample_groups(toy_model_dir, 4, 4, seed=8)
+    groups[0].samples[0].response_logprobs[0] = float("nan")
+    for g in groups:
+        buffer.put_group(g)
+    done = run_trainer([*common_args(toy_model_dir, buffer), "--max-steps", "1"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    (values,) = metrics_of(buffer)
+    assert values["train/skipped_updates"] == 1
+    assert not math.isfinite(values["train/grad_norm"])
+
+    for g in groups:
+        buffer.put_group(g)
+    done = run_trainer(
+        [*common_args(toy_model_dir, buffer), "--max-steps", "1", "--on-nonfinite", "fail"]
+    )
+    assert done.returncode == 1
+    assert "non-finite gradient" in done.stderr
