@@ -207,7 +207,8 @@ def test_router_answers_generate_like_an_engine_and_stops_cleanly_on_sigterm(
     outs = post_json(router.url + "/generate", body)
     assert [o["output_ids"] for o in outs] == [[5, 4, 2], [4, 5, 5, 5], [5, 4, 2]]
     assert get_json(router.url + "/get_model_info")["weight_version"] == "0"
-    assert get_json(router.url + "/rollout/status")["state"] == "disabled"
+    status = get_json(router.url + "/rollout/status")
+    assert (status["state"], status["running"]) == ("idle", False), "--no-rollout: not started"
     router.stop()
     assert router.proc.returncode == 0
     assert "router stopped: tasks cancelled" in router.log()
