@@ -90,30 +90,30 @@ class Engine:
         Several sequences (batch or n > 1) are told apart by `index`."""
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
-        jobs = api.make_jobs(inp, lambda _job, _done: loop.call_soon_threadsafe(wake.set))
+
+        def notify(_job: Job, _done: bool) -> None:
+            loop.call_soon_threadsafe(wake.set)
+
+        jobs = api.make_jobs(inp, notify)
         seqs = [s for job in jobs for s in job.sequences]
-        sent = [-1] * len(seqs)
+        sent = [-1] * len(seqs)  # tokens in the last chunk sent for each sequence
+        finished = [False] * len(seqs)
         self.scheduler.submit(jobs)
         try:
-            while True:
+            while not all(finished):
                 await wake.wait()
                 wake.clear()
                 for index, seq in enumerate(seqs):
-                    done = seq.done
-                    count = len(seq.logprobs)
-                    if count == sent[index] and not done:
-                        continue
-                    if sent[index] == -2:
+                    done = seq.done  # read before the tokens: a final chunk is complete
+                    if finished[index] or (len(seq.logprobs) == sent[index] and not done):
                         continue
                     chunk = api.sequence_json(seq, inp, self.runner.tokenizer, done)
                     if len(seqs) > 1:
                         chunk["index"] = index
-                    sent[index] = -2 if done else count
+                    sent[index], finished[index] = chunk["meta_info"]["completion_tokens"], done
                     yield chunk
-                if all(s == -2 for s in sent):
-                    return
         finally:
-            if not all(s.done for s in seqs):
+            if not all(finished):  # the client went away mid-stream
                 for job in jobs:
                     self.scheduler.abort(job.rid, "client disconnected")
 

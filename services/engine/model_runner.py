@@ -92,9 +92,17 @@ class ModelRunner:
             raise RuntimeError("--device cuda: torch sees no CUDA device")
         if dtype == "auto":
             dtype = "float32" if device == "cpu" else "bfloat16"
-        self.device = torch.device(device)
+        # pin the index: worker threads start on device 0 and must set this one explicitly
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if device == "cuda"
+            else torch.device(device)
+        )
         self.dtype = DTYPES[dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+        # A second instance for the generation thread (stop strings): a fast tokenizer must not
+        # be used from two threads at once, and HTTP handlers use `tokenizer` concurrently.
+        self.stop_tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
         self.model = self._load(model_path)
         self.config = self.model.config
         inner = self.model.model
@@ -140,6 +148,11 @@ class ModelRunner:
                 elif isinstance(value, (list, tuple)):
                     ids.update(int(v) for v in value)
         return ids
+
+    def bind_thread(self) -> None:
+        """Make this model's device current in the calling thread (CUDA's is per thread)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     @property
     def vocab_size(self) -> int:

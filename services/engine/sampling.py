@@ -212,32 +212,37 @@ def sample(
     """Pick one token per row; return `(tokens, logprobs, top)`: the logprob of each picked
     token under the distribution it was drawn from and, if `top_n`, the `top_n` most likely
     tokens of that distribution `(logprobs, ids)`. `logits` is `[rows, vocab]`, any device."""
-    logits = logits.float().cpu()
+    logits = logits.float()
+    device = logits.device
     if any(rows.banned):
         logits = logits.clone()
         for r, ids in enumerate(rows.banned):
             if ids and len(ids) < logits.shape[1]:  # banning every token would leave nothing
                 logits[r, ids] = float("-inf")
-    scaled = logits / rows.temperature[:, None]
+    scaled = logits / rows.temperature.to(device)[:, None]
     if rows.needs_filter:
         scaled = _filter(scaled, rows)
     logprobs = torch.log_softmax(scaled, dim=-1)
     cdf = logprobs.exp().double().cumsum(-1)
-    u = uniforms(rows.seeds, rows.steps)[:, None] * cdf[:, -1:]
+    u = uniforms(rows.seeds, rows.steps).to(device)[:, None] * cdf[:, -1:]
     sampled = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
-    tokens = torch.where(rows.greedy, logits.argmax(-1), sampled)
+    tokens = torch.where(rows.greedy.to(device), logits.argmax(-1), sampled)
     top = logprobs.topk(min(top_n, logprobs.shape[1]), dim=-1) if top_n else None
-    return tokens, logprobs.gather(1, tokens[:, None])[:, 0], top
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    if top is not None:
+        top = (top.values.cpu(), top.indices.cpu())
+    return tokens.cpu(), chosen.cpu(), top
 
 
 def _filter(scaled: torch.Tensor, rows: RowParams) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k / top-p / min-p set."""
     probs = torch.softmax(scaled, dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(scaled.shape[1])[None, :]
-    drop = ranks >= rows.top_k[:, None]
-    drop |= (sorted_probs.cumsum(-1) - sorted_probs) > rows.top_p[:, None]
-    drop |= sorted_probs < rows.min_p[:, None] * sorted_probs[:, :1]
+    device = scaled.device
+    ranks = torch.arange(scaled.shape[1], device=device)[None, :]
+    drop = ranks >= rows.top_k.to(device)[:, None]
+    drop |= (sorted_probs.cumsum(-1) - sorted_probs) > rows.top_p.to(device)[:, None]
+    drop |= sorted_probs < rows.min_p.to(device)[:, None] * sorted_probs[:, :1]
     drop[:, 0] = False  # the most likely token always stays
     drop_original = torch.zeros_like(drop).scatter_(1, order, drop)
     return scaled.masked_fill(drop_original, float("-inf"))

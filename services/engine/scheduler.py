@@ -200,6 +200,7 @@ class Scheduler:
     # ---- the generation thread --------------------------------------------------------------
 
     def _loop(self) -> None:
+        self.runner.bind_thread()
         while True:
             with self._cond:
                 while not self._stopped and not self._has_work():
@@ -369,7 +370,9 @@ class Scheduler:
         ):
             return {"type": "stop", "matched": token}
         if params.stop:
-            tail = self.runner.tokenizer.decode(seq.output_ids[-64:], skip_special_tokens=False)
+            tail = self.runner.stop_tokenizer.decode(
+                seq.output_ids[-64:], skip_special_tokens=False
+            )
             for stop in params.stop:
                 if stop in tail:
                     return {"type": "stop", "matched": stop}

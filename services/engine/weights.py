@@ -59,7 +59,11 @@ class WeightUpdater:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _in_thread(self, fn: Callable[[], Any], what: str) -> Any:
-        future = asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        def bound() -> Any:
+            self.runner.bind_thread()
+            return fn()
+
+        future = asyncio.get_running_loop().run_in_executor(self._pool, bound)
         try:
             return await asyncio.wait_for(future, self.timeout_s)
         except TimeoutError as exc:
