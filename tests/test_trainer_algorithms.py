@@ -78,3 +78,23 @@ def test_a_non_finite_update_is_skipped_and_counted_or_fails_when_asked(
     )
     assert done.returncode == 1
     assert "non-finite gradient" in done.stderr
+
+
+def test_ppo_with_a_critic_trains_policy_and_value_model(buffer, toy_model_dir: Path) -> None:
+    for g in sample_groups(toy_model_dir, 8, 4, seed=9):
+        buffer.put_group(g)
+    args = [*common_args(toy_model_dir, buffer), "--max-steps", "2", "--advantage-estimator", "gae",
+            "--lambd", "0.95", "--critic-lr", "1e-2"]  # fmt: skip
+    done = run_trainer(args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = metrics_of(buffer)
+    assert first["train/value_mean"] == 0.0  # zero-initialised value head
+    assert second["train/value_mean"] != 0.0  # the critic learned something in step 1
+    assert math.isfinite(first["train/value_loss"]) and first["train/critic_grad_norm"] > 0
+    assert math.isfinite(second["train/loss"])
+
+
+def test_gae_with_tensor_parallelism_is_refused_at_start(toy_model_dir: Path) -> None:
+    done = run_trainer(["--model", str(toy_model_dir), "--advantage-estimator", "gae",
+                        "--tensor-model-parallel-size", "2"])  # fmt: skip
+    assert done.returncode == 2 and "--tensor-model-parallel-size 1" in done.stderr

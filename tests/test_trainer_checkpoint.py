@@ -104,3 +104,24 @@ def test_the_trainer_cli_refuses_a_load_directory_without_a_checkpoint(
     )
     assert done.returncode != 0
     assert TRACKER in done.stderr and "--load" in done.stderr
+
+
+@pytest.mark.slow
+def test_ppo_critic_state_is_saved_and_resumed_exactly(
+    buffer, toy_model_dir: Path, tmp_path: Path
+) -> None:
+    groups = sample_groups(toy_model_dir, 6, 4, seed=4)
+    gae = ["--advantage-estimator", "gae", "--lambd", "0.9"]
+    for g in groups:
+        buffer.put_group(g)
+    straight = final_weights(buffer, toy_model_dir, [["--max-steps", "3", *gae]])
+    buffer.redis.delete(*buffer.redis.keys(f"tandem:{buffer.config.run_id}:*"))
+    for g in groups:
+        buffer.put_group(g)
+    ckpt = str(tmp_path / "ckpt")
+    resumed = final_weights(
+        buffer,
+        toy_model_dir,
+        [["--max-steps", "2", "--save", ckpt, *gae], ["--max-steps", "3", "--load", ckpt, *gae]],
+    )
+    assert all(torch.equal(resumed[n], straight[n]) for n in straight)

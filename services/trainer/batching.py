@@ -54,9 +54,12 @@ def compute_advantages(
     """Per group, per sample, per response token advantages (outcome reward on the last token).
 
     grpo: (r - mean) / (std + eps) (std optional); dr_grpo: r - mean; reinforce_plus_plus[_baseline]:
-    batch-whitened (group-baselined) returns, discounted by `gamma` from the last token.
+    batch-whitened (group-baselined) returns, discounted by `gamma` from the last token;
+    gae: zeros here, filled per token by the critic (`critic.py`).
     """
     rewards = [torch.tensor([s.reward for s in g.samples], dtype=torch.float64) for g in groups]
+    if estimator == "gae":  # per-token advantages come from the critic, later in the step
+        return [[[0.0] * len(s.response_ids) for s in g.samples] for g in groups]
     if estimator in ("grpo", "dr_grpo"):
         std = normalize_std and estimator == "grpo"
         per_sample = [losses.grpo_advantages(r, std, eps) for r in rewards]
@@ -136,6 +139,7 @@ class MicroBatch:
     seq_ids: torch.Tensor  # sample index within this micro-batch
     sample_index: list[int]  # index of each sample in the step's sample list
     packed_seq_params: PackedSeqParams | None
+    response_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (row, start, stop)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # proximal/ref log-probs
 
     @property
@@ -192,7 +196,15 @@ def build_micro_batch(samples: list[TrainSample], indices: list[int], packed: bo
         cols = {k: [r[k] + [pad_value.get(k, 0)] * (width - len(r[k])) for r in rows] for k in keys}
         params = None
     t = {k: torch.tensor(v, dtype=_DTYPES.get(k, torch.float32)) for k, v in cols.items()}
-    return MicroBatch(sample_index=list(indices), packed_seq_params=params, **t)
+    spans, offset = [], 0
+    for k, j in enumerate(indices):
+        s = samples[j]
+        row, base = (0, offset) if packed else (k, 0)
+        spans.append((row, base + s.prompt_len - 1, base + s.input_len))
+        offset += s.input_len
+    return MicroBatch(
+        sample_index=list(indices), packed_seq_params=params, response_spans=spans, **t
+    )
 
 
 def make_micro_batches(

@@ -63,9 +63,10 @@ def resolve_iteration(root: str | Path, ckpt_step: int = -1) -> Path:
 class Checkpointer:
     """Saves every `save_interval` steps (and at exit) and resumes from `load`."""
 
-    def __init__(self, cfg: TrainerConfig, policy: Any) -> None:
+    def __init__(self, cfg: TrainerConfig, policy: Any, critic: Any = None) -> None:
         self.cfg = cfg
         self.policy = policy
+        self.critic = critic  # a value-head Policy (PPO with GAE), saved beside the policy
         self.last_saved = -1
 
     @property
@@ -82,7 +83,14 @@ class Checkpointer:
         if not with_optimizer:
             return {"model": model_state}
         optimizer = self.policy.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
-        return {"model": model_state, "optimizer": optimizer}
+        state = {"model": model_state, "optimizer": optimizer}
+        if self.critic is not None:
+            critic_state = self.critic.model.sharded_state_dict(prefix="critic.")
+            state["critic_model"] = critic_state
+            state["critic_optimizer"] = self.critic.optimizer.sharded_state_dict(
+                critic_state, is_loading=is_loading
+            )
+        return state
 
     def save(self, version: int, trained_entry_ids: list[str]) -> Path:
         from megatron.core import dist_checkpointing
@@ -94,6 +102,7 @@ class Checkpointer:
         state = self._sharded_state(is_loading=False)
         state.update(
             scheduler=self.policy.scheduler.state_dict(),
+            **({"critic_scheduler": self.critic.scheduler.state_dict()} if self.critic else {}),
             version=version,
             trained_entry_ids=list(trained_entry_ids),
             hf_config=self.policy.hf_config_json,
@@ -123,11 +132,19 @@ class Checkpointer:
             return int(loaded.get("version", 0)), []
         self.policy.optimizer.load_state_dict(loaded["optimizer"])
         self.policy.scheduler.load_state_dict(loaded["scheduler"])
+        if self.critic is not None:
+            self.critic.model.load_state_dict(_strip(loaded["critic_model"], "critic."))
+            self.critic.optimizer.load_state_dict(loaded["critic_optimizer"])
+            self.critic.scheduler.load_state_dict(loaded["critic_scheduler"])
         rng_file = path / f"rng_rank{dist.get_rank()}.pt"
         if rng_file.is_file():  # absent when resuming on more ranks than saved
             _set_rng_state(torch.load(rng_file, weights_only=False))
         self.last_saved = int(loaded["version"])
         return int(loaded["version"]), list(loaded.get("trained_entry_ids", []))
+
+
+def _strip(state: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
 def _rng_state() -> dict[str, Any]:

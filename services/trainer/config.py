@@ -111,6 +111,8 @@ class TrainerConfig:
         "Decoupled PPO: clip against the trainer's recomputed (proximal) log-probs and "
         "weight by proximal/behaviour (engine) importance ratio; off = clip against the engine's.",
     )
+    critic_lr: float = _f(0.0, "Critic learning rate for --advantage-estimator gae (0 = --lr).")
+    value_clip: float = _f(0.2, "PPO value clipping around the critic's pre-step values (0 = off).")
     gamma: float = _f(1.0, "Discount for REINFORCE++ returns and GAE.")
     lambd: float = _f(1.0, "GAE lambda.")
     on_nonfinite: str = _f(
@@ -159,6 +161,10 @@ class TrainerConfig:
             raise ValueError("--lr-decay-style needs --lr-decay-iters or --max-steps >= 1")
         if self.kl_coef and not self.ref_load:
             raise ValueError("--kl-coef > 0 needs --ref-load (the frozen reference model)")
+        if self.advantage_estimator == "gae" and self.tensor_model_parallel_size != 1:
+            raise ValueError(
+                "--advantage-estimator gae (critic) needs --tensor-model-parallel-size 1"
+            )
         if self.eps_clip_c and self.eps_clip_c <= 1.0:
             raise ValueError("--eps-clip-c must be > 1 (or 0 to disable dual clip)")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -110,11 +111,20 @@ class Policy:
         model_dir: str,
         train: bool = True,
         arch: hf_convert.HfArch | None = None,
+        value_head: bool = False,
     ) -> None:
-        """Weights from the HF `model_dir`; or, given `arch` (benchmarks), random ones."""
+        """Weights from the HF `model_dir`; or, given `arch` (benchmarks), random ones.
+
+        `value_head`: a critic. The output layer is untied and zeroed, and its first row is the
+        value head: loss functions receive `logits[..., 0]` (values start at 0) instead of
+        log-probs. Tensor parallelism 1 only (the row lives on rank 0).
+        """
         self.cfg = cfg
+        self.value_head = value_head
         self.arch = arch or hf_convert.read_hf_arch(model_dir)
         self.hf_config_json = "" if arch else (Path(model_dir) / "config.json").read_text()
+        if value_head:
+            self.arch = replace(self.arch, tie_word_embeddings=False)
         tf_config = hf_convert.transformer_config(
             self.arch, cfg.tensor_model_parallel_size, cfg.bf16
         )
@@ -125,9 +135,10 @@ class Policy:
             self.arch, tf_config, cfg.make_vocab_size_divisible_by
         )
         if arch is None:
-            hf_convert.load_hf_into_model(
-                self.model, self.arch, hf_convert.load_hf_state(model_dir)
-            )
+            hf_state = hf_convert.load_hf_state(model_dir)
+            if value_head:
+                hf_state["lm_head.weight"] = torch.zeros_like(hf_state["model.embed_tokens.weight"])
+            hf_convert.load_hf_into_model(self.model, self.arch, hf_state)
         if torch.cuda.is_available():
             self.model.cuda()
         self.train_enabled = train
@@ -205,6 +216,8 @@ class Policy:
             logits = self._forward(model, mb)
 
             def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                if self.value_head:
+                    return loss_fn(mb, output[..., 0].float(), None)
                 logp, entropy = token_logprobs(
                     output, mb.targets.to(output.device), self.arch.vocab_size, with_entropy
                 )

@@ -137,6 +137,10 @@ def metrics_from(stats: StepStats, samples: list[TrainSample], version: int) -> 
         metrics["train/is_weight_mean"] = stats.mean("is_weight")
         metrics["train/is_weight_max"] = stats.max("is_weight_max")
         metrics["train/is_weight_min"] = -stats.max("is_weight_neg_min")
+    if "value_loss_den" in s:
+        metrics["train/value_loss"] = s["value_loss_num"] / max(s["value_loss_den"], 1.0)
+        metrics["train/value_mean"] = stats.mean("value_mean")
+        metrics["train/critic_grad_norm"] = s.get("critic_grad_norm", math.nan)
     if "kl_ref:count" in s:
         metrics["train/kl_ref"] = stats.mean("kl_ref")
     return metrics

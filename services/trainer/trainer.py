@@ -65,6 +65,11 @@ class Trainer:
             self.buffer.wait_ready(timeout_s=10.0)
         self.policy = Policy(cfg, cfg.model)
         self.ref = Policy(cfg, cfg.ref_load, train=False) if cfg.ref_load else None
+        self.critic = None
+        if cfg.advantage_estimator == "gae":
+            from services.trainer.critic import Critic
+
+            self.critic = Critic(cfg, cfg.model)
         self.loss_cfg = losses.PolicyLossConfig(
             **{
                 k: v
@@ -78,7 +83,8 @@ class Trainer:
         self.stop_requested = False
         from services.trainer import checkpoint
 
-        self.checkpointer = checkpoint.Checkpointer(cfg, self.policy)
+        critic_model = self.critic.model if self.critic is not None else None
+        self.checkpointer = checkpoint.Checkpointer(cfg, self.policy, critic_model)
         self.unacked: list[str] = []  # trained, waiting for a checkpoint (only with --save)
         self.already_trained: set[str] = set()  # pending ids a loaded checkpoint already holds
         if cfg.load:
@@ -220,6 +226,8 @@ class Trainer:
             self.cfg.micro_batch_size,
         )
         self._recompute(mbs, mine, stats)
+        if self.critic is not None:
+            self.critic.fill_advantages(mbs, mine, stats)
         loss_fn = step_math.LossFunction(self.cfg, self.loss_cfg, max_response_len(samples), stats)
         _, applied, grad_norm = self.policy.train_step(mbs, loss_fn, self.cfg.entropy_coef != 0)
         if not applied:
@@ -228,6 +236,8 @@ class Trainer:
                 raise FloatingPointError(
                     f"non-finite gradient at step {self.version + 1} (grad norm {grad_norm})"
                 )
+        if self.critic is not None:
+            self.critic.train(mbs, stats)
         step_math.batch_stats(mbs, mine, self.cfg.max_tokens_per_gpu, stats)
         stats.reduce(parallel_state.get_data_parallel_group())  # TP ranks hold the same samples
         metrics = step_math.metrics_from(stats, samples, self.version)

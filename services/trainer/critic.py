@@ -1,0 +1,96 @@
+"""PPO with a critic: per-token values, GAE advantages, and the clipped value loss.
+
+The critic is a second megatron model initialised from the policy's HF weights with a zeroed
+value head (`Policy(value_head=True)`), trained by its own optimizer in the same step. Per step:
+  values   forward-only critic pass: V(s_t) for every response position (the state before
+           response token t is emitted);
+  gae      token rewards are 0 except the sample's reward on its last response token; GAE with
+           `gamma`/`lambd` gives advantages and returns; advantages are whitened over the
+           step's response tokens (all data-parallel ranks);
+  policy   the usual clipped policy loss with these per-token advantages (trainer);
+  critic   0.5 * max((V - R)^2, (clip(V, V_old +- value_clip) - R)^2), token mean.
+Tensor parallelism 1 only (validated in `TrainerConfig.validate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from services.trainer import losses
+from services.trainer.batching import MicroBatch, TrainSample
+from services.trainer.config import TrainerConfig
+from services.trainer.policy import Policy
+from services.trainer.stats import StepStats
+
+
+class Critic:
+    """The value model and what the step does with it."""
+
+    def __init__(self, cfg: TrainerConfig, model_dir: str) -> None:
+        self.cfg = cfg
+        self.model = Policy(replace(cfg, lr=cfg.critic_lr or cfg.lr), model_dir, value_head=True)
+
+    def fill_advantages(
+        self, mbs: list[MicroBatch], samples: list[TrainSample], stats: StepStats
+    ) -> None:
+        """Values -> GAE -> whitened `mb.advantages`; keeps returns and old values for the loss."""
+        outs = self.model.logprobs(mbs)
+        for mb, out in zip(mbs, outs, strict=True):
+            values = out["logp"].float().cpu()
+            adv = torch.zeros_like(values)
+            returns = torch.zeros_like(values)
+            for (row, start, stop), index in zip(mb.response_spans, mb.sample_index, strict=True):
+                v = values[row, start:stop]
+                rewards = torch.zeros_like(v)
+                rewards[-1] = samples[index].reward
+                a, r = losses.gae(rewards, v, self.cfg.gamma, self.cfg.lambd)
+                adv[row, start:stop], returns[row, start:stop] = a, r
+            mb.advantages = adv
+            mb.extra["returns"], mb.extra["old_values"] = returns, values
+            stats.add("value_mean", (values * mb.loss_mask).sum(), mb.loss_mask.sum())
+        _whiten(mbs, self.cfg.advantage_eps)
+
+    def train(self, mbs: list[MicroBatch], stats: StepStats) -> None:
+        _, _, grad_norm = self.model.train_step(
+            mbs, ValueLoss(self.cfg.value_clip, stats), with_entropy=False
+        )
+        stats.count("critic_grad_norm", grad_norm)
+
+
+def _whiten(mbs: list[MicroBatch], eps: float) -> None:
+    """Advantages to zero mean, unit variance over the response tokens of all DP ranks."""
+    sums = torch.zeros(3, dtype=torch.float64)
+    for mb in mbs:
+        a, m = mb.advantages.double(), mb.loss_mask.double()
+        sums += torch.stack([(a * m).sum(), (a * a * m).sum(), m.sum()])
+    if dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+    count = max(float(sums[2]), 1.0)
+    mean = float(sums[0]) / count
+    std = max(float(sums[1]) / count - mean * mean, 0.0) ** 0.5
+    for mb in mbs:
+        mb.advantages = (mb.advantages - mean) / (std + eps) * mb.loss_mask
+
+
+class ValueLoss:
+    """Clipped value loss, token mean (numerator, integer denominator) for megatron."""
+
+    def __init__(self, value_clip: float, stats: StepStats) -> None:
+        self.value_clip, self.stats = value_clip, stats
+
+    def __call__(self, mb: MicroBatch, values: torch.Tensor, _entropy: torch.Tensor | None):  # type: ignore[no-untyped-def]
+        dev = values.device
+        mask = mb.loss_mask.to(dev)
+        returns, old = mb.extra["returns"].to(dev), mb.extra["old_values"].to(dev)
+        loss = (values - returns).square()
+        if self.value_clip > 0:
+            clipped = old + (values - old).clamp(-self.value_clip, self.value_clip)
+            loss = torch.maximum(loss, (clipped - returns).square())
+        num = 0.5 * (loss * mask).sum()
+        self.stats.count("value_loss_num", num.detach())
+        self.stats.count("value_loss_den", mask.sum())
+        return num, mask.sum().round().to(torch.int), {}
