@@ -1,0 +1,120 @@
+"""`tandem up` as a user runs it: the real CLI, every service a real process.
+
+These are the slowest tests (each starts Redis, two engines, broker, router and trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def run_up(run_dir: Path, *flags: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir), *flags],
+        capture_output=True, text=True, timeout=timeout_s,
+    )  # fmt: skip
+
+
+def service_pids(run_dir: Path) -> dict[str, int]:
+    logs = run_dir / "logs"
+    return {p.name.split(".")[0]: json.loads(p.read_text())["pid"] for p in logs.glob("*.ready.json")}
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_short_run_changes_the_engines_weights_and_raises_the_reward(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_up(run_dir, "--max-steps", "30", "--stop-accuracy", "0", "--seed", "3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "max_steps"
+    assert summary["steps"] == 30
+    # Both engines serve the trainer's last version: the weights moved through the broker.
+    assert summary["engine_weight_versions"] == ["30", "30"]
+    # Same weights at step 0: the trainer's log-probs equal the engine's.
+    assert summary["logprob_abs_diff_max_step0"] < 1e-3
+    rows = metrics(run_dir)
+    rewards = [r["train/reward_mean"] for r in rows if "train/reward_mean" in r]
+    assert len(rewards) == 30
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.03, rewards
+    # The router evaluated on weights newer than the initial ones.
+    assert max(r["step"] for r in rows if "eval/accuracy" in r) >= 25
+    assert (run_dir / "metrics.png").stat().st_size > 10_000
+    assert "step   30 |" in result.stdout
+
+
+@pytest.mark.slow
+def test_the_default_run_reaches_ninety_percent_held_out_accuracy(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_up(run_dir, "--seed", "0", "--time-limit-s", "600")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "reached_accuracy"
+    assert summary["accuracy_first"] <= 0.1
+    assert summary["accuracy_last"] >= 0.9
+
+
+def start_up_in_background(run_dir: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir), "--max-steps", "300",
+         "--stop-accuracy", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while len(service_pids(run_dir)) < 4 or not (run_dir / "metrics.jsonl").exists():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "tandem up did not start in 180 s"
+        time.sleep(0.2)
+    return proc
+
+
+def test_a_dying_service_stops_every_other_one_and_fails_the_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start_up_in_background(run_dir)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    os.kill(service_pids(run_dir)["router"], signal.SIGKILL)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "router exited" in output
+    time.sleep(0.5)
+    assert [c.cmdline() for c in children if alive(c.pid)] == []
+
+
+def test_ctrl_c_stops_everything_with_exit_code_130(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start_up_in_background(run_dir)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) >= 6  # redis, two engines, broker, router, trainer
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    time.sleep(0.5)
+    assert [c.cmdline() for c in children if alive(c.pid)] == []
+    assert json.loads((run_dir / "summary.json").read_text())["outcome"] == "interrupted"
+
+
+def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    result = run_up(tmp_path / "run", "--model", str(tmp_path / "missing"), timeout_s=60)
+    assert result.returncode == 2
+    assert "--model" in result.stderr and "config.json" in result.stderr
+    assert not (tmp_path / "run" / "logs").exists()
