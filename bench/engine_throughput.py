@@ -5,7 +5,8 @@ start the engine through the real CLI (one torch thread), send `--requests` conc
 `/generate` calls (prompt `--prompt-len` random tokens, exactly `--output-len` new tokens,
 temperature 1), then run the same prompts one after another through
 `model.generate` (one torch thread, KV cache on, same sampling) in this process. Both sides
-count only generated tokens. The last line is the smaller of the per-model ratios:
+count only generated tokens. For the tiny model it also times `tandem up`'s workload (64
+concurrent requests of n=8, 512 sequences). The last line is the smaller of the per-model ratios:
 
     speedup_vs_sequential_hf: <engine tokens/s / sequential HF tokens/s>
 
@@ -97,6 +98,26 @@ async def engine_run(url: str, prompts: list[list[int]], output_len: int) -> tup
         return sum(counts), time.perf_counter() - start
 
 
+async def up_workload(url: str, rounds: int = 5) -> float:
+    """Median seconds for `tandem up`'s step: 64 concurrent requests, each one 4-token prompt
+    with n=8, 4 new tokens, temperature 1, logprobs (512 sequences)."""
+    body = {"input_ids": [1, 4, 5, 14], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "n": 8}}  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+
+        async def one() -> None:
+            async with session.post(f"{url}/generate", json=body) as resp:
+                resp.raise_for_status()
+                assert len(await resp.json()) == 8
+
+        times = []
+        for _ in range(rounds + 1):  # the first round warms up
+            start = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(64)))
+            times.append(time.perf_counter() - start)
+        return sorted(times[1:])[len(times[1:]) // 2]
+
+
 def hf_sequential(model_dir: Path, prompts: list[list[int]], output_len: int) -> tuple[int, float]:
     from transformers import AutoModelForCausalLM
 
@@ -125,6 +146,8 @@ def bench(name: str, args: argparse.Namespace, workdir: Path) -> float:
     engine = Engine(model, workdir)
     try:
         tokens, seconds = asyncio.run(engine_run(engine.url, prompts, args.output_len))
+        if name == "tiny":
+            print(f"tiny/up_workload_seconds: {asyncio.run(up_workload(engine.url)):.3f}")
     finally:
         engine.stop()
     engine_rate = tokens / seconds

@@ -107,17 +107,24 @@ def test_pause_in_abort_mode_aborts_and_new_requests_wait_until_continue(engine)
         assert waiting.result()["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
 
 
-def test_pause_in_place_keeps_the_request_which_completes_after_continue(engine) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("mode", "retractions"), [("in_place", 0), ("retract", 1)])
+def test_pause_keeps_the_request_which_completes_after_continue(
+    engine, mode: str, retractions: int
+) -> None:  # type: ignore[no-untyped-def]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        kept = pool.submit(long_request, engine.url, "kept", 1000)
+        kept = pool.submit(long_request, engine.url, f"kept-{mode}", 1000)
         wait_until(lambda: running(engine.url) > 0, "the request to run")
-        assert post(engine.url, "/pause_generation", {"mode": "in_place"}).status_code == 200
+        assert post(engine.url, "/pause_generation", {"mode": mode}).status_code == 200
         load = httpx.get(f"{engine.url}/get_load").json()[0]
-        assert load["paused"] == 1 and load["num_running_reqs"] == 1
+        assert load["paused"] == 1
+        assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (
+            (1, 0) if mode == "in_place" else (0, 1)
+        )
         assert not kept.done()
         assert post(engine.url, "/continue_generation").status_code == 200
         result = kept.result()
     assert result["meta_info"]["finish_reason"] == {"type": "length", "length": 1000}
+    assert result["meta_info"]["num_retractions"] == retractions
 
 
 def test_flush_cache_is_refused_while_a_request_runs(engine) -> None:  # type: ignore[no-untyped-def]
@@ -150,3 +157,13 @@ def test_streaming_sends_cumulative_events_and_done(engine) -> None:  # type: ig
     plain = post(engine.url, "/generate", {**body, "stream": False}).json()
     assert chunks[-1]["output_ids"] == plain["output_ids"]
     assert chunks[-1]["text"] == plain["text"]
+
+
+def test_a_client_that_disconnects_has_its_request_aborted(engine) -> None:  # type: ignore[no-untyped-def]
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        gone = pool.submit(httpx.post, f"{engine.url}/generate", json=body, timeout=1.0)
+        wait_until(lambda: running(engine.url) > 0, "the request to run")
+        with pytest.raises(httpx.TimeoutException):
+            gone.result()
+    wait_until(lambda: running(engine.url) == 0, "the engine to drop the abandoned request")

@@ -264,3 +264,40 @@ def test_distributed_update_receives_broadcasts_in_order_over_gloo(
     assert after["meta_info"]["weight_version"] == "7"
     assert logprob_error(new, after) < 1e-4
     dist.destroy_process_group(group)
+
+
+def test_update_while_paused_in_place_recomputes_the_kept_request_with_new_weights(
+    start_service, toy_model_dir: Path, broker: FakeBroker, tmp_path: Path
+) -> None:
+    """SGLang's partial-rollout sequence: pause in place, update, continue. The kept request
+    finishes; its cache was rebuilt with the new weights (one retraction), and it reports the
+    new version."""
+    import json
+    import shutil
+
+    model = tmp_path / "long"
+    shutil.copytree(toy_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (model / "config.json").write_text(json.dumps(config))
+    engine = start_service("engine", ["engine", "--model", str(model), "--port", "0"])
+    old = load_model(toy_model_dir)
+    broker.versions[1] = perturbed(old, 0.5)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        kept = pool.submit(sample, engine.url, 3000)
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{engine.url}/get_load").json()[0]["num_running_reqs"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert (
+            httpx.post(f"{engine.url}/pause_generation", json={"mode": "in_place"}).status_code
+            == 200
+        )
+        assert update(engine.url, broker.endpoint, "1").status_code == 200
+        assert not kept.done()
+        assert httpx.post(f"{engine.url}/continue_generation", json={}).status_code == 200
+        result = kept.result()
+    meta = result["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 3000}
+    assert meta["weight_version"] == "1"
+    assert meta["num_retractions"] == 1

@@ -188,7 +188,7 @@ async def _stream(engine: Engine, native: Any, model: str, chat: bool) -> AsyncI
 
 
 def add_openai_routes(app: FastAPI, engine: Engine) -> None:
-    from services.engine.server import json_response, read_json
+    from services.engine.server import json_response, read_json, until_disconnect
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -205,7 +205,7 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
             return StreamingResponse(
                 _stream(engine, native, model, chat), media_type="text/event-stream"
             )
-        results = await engine.generate(native)
+        results = await until_disconnect(request, engine.generate(native))
         results = results if isinstance(results, list) else [results]
         return json_response(openai_response(results, body, model, chat))
 

@@ -39,6 +39,9 @@ NEUTRAL_PARAMS: dict[str, Any] = {
 IGNORED_PARAMS = {"spaces_between_special_tokens", "stream_interval", "watermark"}
 
 
+MAX_N = 1024  # parallel samples per prompt: bounds what one request can queue
+
+
 class RequestError(ValueError):
     """A malformed request; the message names the field. Answered with HTTP 400."""
 
@@ -100,8 +103,8 @@ class SamplingParams:
             raise bad("top_k", "must be -1 (all) or >= 1")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
-        if self.n < 1:
-            raise bad("n", "must be >= 1")
+        if not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be between 1 and {MAX_N}")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
 

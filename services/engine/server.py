@@ -8,9 +8,10 @@ naming the field; overload is 503; weight-update failures answer `{"success": fa
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
@@ -22,6 +23,8 @@ from services.engine.openai_api import add_openai_routes
 from services.engine.sampling import RequestError
 from services.engine.scheduler import QueueFullError
 from services.engine.weights import UpdateError
+
+T = TypeVar("T")
 
 
 def json_response(body: Any, status: int = 200) -> Response:
@@ -74,13 +77,30 @@ def create_app(config: EngineConfig, engine: Engine | None = None) -> FastAPI:
         inp = engine.parse(await read_json(request))
         if inp.stream:
             return StreamingResponse(_sse(engine, inp), media_type="text/event-stream")
-        return json_response(await engine.generate(inp))
+        return json_response(await until_disconnect(request, engine.generate(inp)))
 
     _add_info_routes(app, engine)
     _add_control_routes(app, engine)
     _add_weight_routes(app, engine)
     add_openai_routes(app, engine)
     return app
+
+
+async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first (as SGLang aborts a request
+    whose client went away); the engine then aborts the request's sequences."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    finally:
+        watcher.cancel()
 
 
 async def _sse(engine: Engine, inp: Any) -> AsyncIterator[bytes]:
