@@ -21,10 +21,13 @@ from fastapi import FastAPI
 
 from services.rollout_router.config import DataConfig, RouterConfig, SamplingConfig
 from services.rollout_router.control import RolloutController
+from services.rollout_router.environments import EnvClient, EpisodeRunner
 from services.rollout_router.rewards import make_reward
 from services.rollout_router.rollout import RolloutLoop
+from services.rollout_router.routes_agent import router as agent_router
 from services.rollout_router.routes_control import router as control_router
 from services.rollout_router.routes_engine import router as engine_router
+from services.rollout_router.sessions import AgentSessions
 from services.rollout_router.tasks import Task, dataset_task, toy_reverse_digits
 from services.rollout_router.workers import WorkerPool
 from services.sample_buffer import SampleBuffer
@@ -73,9 +76,14 @@ async def build_control(
     reward = make_reward(
         r.rm_type, r.custom_rm_path, r.rm_url, r.rm_timeout_s, r.rm_retries, pool.session
     )
+    episodes = None
+    if config.env.env_url:
+        assert pool.session is not None
+        client = EnvClient(config.env.env_url, pool.session, config.env.env_call_timeout_s)
+        episodes = EpisodeRunner(config.env, client, tokenizer, config.data.apply_chat_template)
     loop = RolloutLoop(
         config.rollout, config.sampling, pool, buffer, task, reward,
-        stop_ids(tokenizer, config.sampling),
+        stop_ids(tokenizer, config.sampling), episodes,
     )  # fmt: skip
     return RolloutController(loop, config.data, tokenizer, build_task)
 
@@ -85,7 +93,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     config: RouterConfig = app.state.config
     pool = WorkerPool(config.workers)
     await pool.start()
-    app.state.control = None
+    app.state.control = app.state.sessions = None
     try:
         await pool.add_all(config.workers.engine_urls, config.workers.engine_wait_timeout_s)
         buffer = SampleBuffer(config.buffer)
@@ -93,16 +101,21 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.pool, app.state.buffer = pool, buffer
         pool.start_health_checks()
         if config.rollout.model:
-            app.state.control = await build_control(config, pool, buffer)
+            control = app.state.control = await build_control(config, pool, buffer)
+            app.state.sessions = AgentSessions(
+                config.sessions, pool, buffer, control.tokenizer, control.loop.stop_token_ids,
+                config.rollout.n_samples_per_prompt,
+            )  # fmt: skip
+            control.start_evaluations()
             if config.rollout.rollout:
-                app.state.control.start()
+                control.start()
         yield
     except Exception as exc:
         app.state.startup_error = str(exc)
         raise
     finally:
         if app.state.control is not None:
-            await app.state.control.stop()
+            await app.state.control.close()
         await pool.close()
         log.info("router stopped: tasks cancelled, engine session closed")
 
@@ -118,4 +131,5 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.state.startup_error = ""
     app.include_router(engine_router)
     app.include_router(control_router)
+    app.include_router(agent_router)
     return app

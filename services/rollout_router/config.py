@@ -196,6 +196,37 @@ class RewardConfig:
 
 
 @dataclass
+class EnvConfig:
+    """An agent environment served over HTTP (see environments.py for the protocol)."""
+
+    env_url: str = field(
+        default="", metadata={"help": "Environment server; rollouts become episodes when set."}
+    )
+    env_max_turns: int = field(default=8, metadata={"help": "Model turns per episode at most."})
+    env_call_timeout_s: float = field(
+        default=10.0, metadata={"help": "Timeout of one /reset or /step call."}
+    )
+    env_episode_timeout_s: float = field(
+        default=120.0, metadata={"help": "Deadline of a whole episode."}
+    )
+
+
+@dataclass
+class SessionConfig:
+    """Agent sessions: an agent calls /v1/chat/completions, then posts its reward."""
+
+    max_sessions: int = field(
+        default=10_000, metadata={"help": "Most open sessions; the oldest beyond it expire."}
+    )
+    session_ttl_s: float = field(
+        default=3600.0, metadata={"help": "A session without a reward expires after this."}
+    )
+    session_max_new_tokens: int = field(
+        default=1024, metadata={"help": "max_tokens of a chat turn when the agent sets none."}
+    )
+
+
+@dataclass
 class RouterConfig:
     """Everything `tandem router` needs."""
 
@@ -204,6 +235,8 @@ class RouterConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    sessions: SessionConfig = field(default_factory=SessionConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     api_token: str = field(
         default="",

@@ -59,26 +59,34 @@ class RolloutController:
         self.data = data
         self.tokenizer = tokenizer
         self.build_task = build_task  # (data config, tokenizer) -> Task
-        self.tasks: list[asyncio.Task] = []
+        self.task: asyncio.Task | None = None
+        self.eval_task: asyncio.Task | None = None
 
     @property
     def running(self) -> bool:
-        return any(not t.done() for t in self.tasks)
+        return self.task is not None and not self.task.done()
+
+    def start_evaluations(self) -> None:
+        """Evaluations run whether or not rollouts do (agents may be the only producers)."""
+        self.eval_task = asyncio.create_task(self.loop.run_evaluations(), name="eval")
 
     def start(self) -> None:
         if self.running:
             return
         self.loop.resume()
-        self.tasks = [
-            asyncio.create_task(self.loop.run(), name="rollout"),
-            asyncio.create_task(self.loop.run_evaluations(), name="eval"),
-        ]
+        self.task = asyncio.create_task(self.loop.run(), name="rollout")
 
     async def stop(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
         self.loop.state = "stopped"
+
+    async def close(self) -> None:
+        await self.stop()
+        if self.eval_task is not None:
+            self.eval_task.cancel()
+            await asyncio.gather(self.eval_task, return_exceptions=True)
 
     def pause(self) -> None:
         self.loop.pause()

@@ -34,8 +34,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from proto import DropRecord, SampleGroup
+from proto import DropRecord, Sample, SampleGroup
 from services.rollout_router.config import RolloutConfig, SamplingConfig
+from services.rollout_router.environments import EnvError, EpisodeRunner
 from services.rollout_router.limiter import Limiter
 from services.rollout_router.rewards import Reward, RewardError
 from services.rollout_router.samples import Partial, as_list, parse_version, sampling_seed
@@ -89,10 +90,12 @@ class RolloutLoop:
         task: Task,
         reward: Reward,
         stop_token_ids: list[int],
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         self.config, self.sampling = config, sampling
         self.pool, self.buffer, self.task, self.reward = pool, buffer, task, reward
         self.stop_token_ids = stop_token_ids
+        self.episodes = episodes
         self.state = "idle"
         self.batch = 0
         self.in_flight = 0
@@ -254,33 +257,17 @@ class RolloutLoop:
         batch.min_version = v if batch.min_version is None else min(batch.min_version, v)
 
     async def make_group(self, batch: int, index: int, item: Item, group_id: str) -> SampleGroup:
-        """Generate, complete aborted samples, and reward one prompt's group."""
-        n, max_new = self.config.n_samples_per_prompt, self.sampling.rollout_max_response_len
-        prompt_ids = list(item.input_ids)
+        """Generate (single turns or environment episodes) and reward one prompt's group."""
         seed = sampling_seed(self.config.seed, batch, index)
         try:
-            outs = await self.generate(self.payload(prompt_ids, n, max_new, False, seed))
-            if len(outs) != n:
-                raise EngineRequestError(f"engine returned {len(outs)} samples, asked for {n}")
-            partials = await asyncio.gather(
-                *(
-                    self.complete(prompt_ids, Partial.of(out), seed + k)
-                    for k, out in enumerate(outs)
-                )
-            )
+            if self.episodes is not None:
+                samples = await self._episode_samples(item, group_id, seed)
+            else:
+                samples = await self._single_turn_samples(item, seed)
         except (EngineRequestError, NoWorkerError) as exc:
             raise GroupDroppedError("engine_error", str(exc)) from exc
-        if any(p.finish == "abort" for p in partials):
-            raise GroupDroppedError(
-                "aborted", f"still aborted after {self.config.max_continues} tries"
-            )
-        try:
-            rewards = await asyncio.gather(
-                *(self.reward.score(item.prompt, p.text, item.label, p.finish) for p in partials)
-            )
         except RewardError as exc:
             raise GroupDroppedError("reward_error", str(exc)) from exc
-        samples = [p.to_sample(prompt_ids, r) for p, r in zip(partials, rewards, strict=True)]
         return SampleGroup(
             group_id=group_id,
             prompt=item.prompt,
@@ -289,6 +276,53 @@ class RolloutLoop:
             weight_version=min(s.weight_version for s in samples),
             created_at=time.time(),
         )
+
+    async def _single_turn_samples(self, item: Item, seed: int) -> list[Sample]:
+        n, max_new = self.config.n_samples_per_prompt, self.sampling.rollout_max_response_len
+        prompt_ids = list(item.input_ids)
+        outs = await self.generate(self.payload(prompt_ids, n, max_new, False, seed))
+        if len(outs) != n:
+            raise EngineRequestError(f"engine returned {len(outs)} samples, asked for {n}")
+        partials = await asyncio.gather(
+            *(self.complete(prompt_ids, Partial.of(out), seed + k) for k, out in enumerate(outs))
+        )
+        if any(p.finish == "abort" for p in partials):
+            raise GroupDroppedError(
+                "aborted", f"still aborted after {self.config.max_continues} tries"
+            )
+        rewards = await asyncio.gather(
+            *(self.reward.score(item.prompt, p.text, item.label, p.finish) for p in partials)
+        )
+        return [p.to_sample(prompt_ids, r) for p, r in zip(partials, rewards, strict=True)]
+
+    async def _episode_samples(self, item: Item, group_id: str, seed: int) -> list[Sample]:
+        """n episodes; a failed one is recorded as a drop and the others are kept."""
+        assert self.episodes is not None
+        max_new = self.sampling.rollout_max_response_len
+
+        async def turn(context: list[int], turn_seed: int) -> Partial:
+            out = await self.generate(self.payload(context, 1, max_new, False, turn_seed))
+            partial = await self.complete(context, Partial.of(out[0]), turn_seed)
+            if partial.finish == "abort":
+                raise EnvError("aborted", "a model turn stayed aborted")
+            return partial
+
+        n = self.config.n_samples_per_prompt
+        results = await asyncio.gather(
+            *(self.episodes.run(item, f"{group_id}-e{k}", seed + k, turn) for k in range(n)),
+            return_exceptions=True,
+        )
+        samples = []
+        for k, result in enumerate(results):
+            if isinstance(result, EnvError):
+                await self._drop(f"{group_id}-e{k}", result.reason, str(result))
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                samples.append(result)
+        if not samples:
+            raise GroupDroppedError("env_all_failed", f"all {n} episodes failed")
+        return samples
 
     async def complete(self, prompt_ids: list[int], partial: Partial, seed: int) -> Partial:
         """Continue (partial rollout) or restart an aborted sample, at most `max_continues`

@@ -59,12 +59,6 @@ async def completions(request: Request) -> Response:
     return await forward(request, "/v1/completions")
 
 
-@router.post("/v1/chat/completions", tags=["engine"])
-async def chat_completions(request: Request) -> Response:
-    """OpenAI chat completions, forwarded to one engine."""
-    return await forward(request, "/v1/chat/completions")
-
-
 @router.get("/health", tags=["engine"])
 async def health(request: Request) -> dict[str, Any]:
     """200 while the router runs; `workers` counts the admitted engines."""

@@ -66,6 +66,15 @@ class Partial:
         self.text += out.get("text", "")
         self.finish = finish_type(out)
 
+    def extend_partial(self, other: Partial) -> None:
+        """Append another partial's tokens (the next turn of a conversation)."""
+        self.ids += other.ids
+        self.logprobs += other.logprobs
+        self.token_versions += other.token_versions
+        self.segment_versions += other.segment_versions
+        self.text += other.text
+        self.finish = other.finish
+
     @classmethod
     def of(cls, out: dict[str, Any]) -> Partial:
         partial = cls()

@@ -1,0 +1,68 @@
+"""Agent-as-client routes: OpenAI chat completions with session recording, and session rewards.
+
+Without a session id, `/v1/chat/completions` is forwarded to an engine unchanged (nothing is
+recorded). With one (`X-Session-Id` header or `session_id` in the body), the router serves the
+turn itself from exact token ids and records it (see sessions.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from services.rollout_router.routes_engine import SESSION_HEADER, forward
+from services.rollout_router.sessions import AgentSessions
+from services.rollout_router.workers import EngineRequestError, NoWorkerError
+
+router = APIRouter()
+
+
+def sessions_of(request: Request) -> AgentSessions:
+    sessions = request.app.state.sessions
+    if sessions is None:
+        raise HTTPException(409, "agent sessions need the model's tokenizer: start with --model")
+    return sessions
+
+
+@router.post("/v1/chat/completions", tags=["agents"])
+async def chat_completions(request: Request) -> Response:
+    """OpenAI chat completions. With a session id the turn's exact tokens are recorded."""
+    body_bytes = await request.body()
+    try:
+        body: dict[str, Any] = orjson.loads(body_bytes)
+    except orjson.JSONDecodeError as exc:
+        raise HTTPException(400, f"body is not JSON: {exc}") from exc
+    session_id = request.headers.get(SESSION_HEADER) or body.pop("session_id", None)
+    if not session_id:
+        return await forward(request, "/v1/chat/completions")
+    if body.get("stream"):
+        raise HTTPException(400, "streaming is not supported for recorded sessions")
+    try:
+        return JSONResponse(await sessions_of(request).chat(body, str(session_id)))
+    except ValueError as exc:
+        raise HTTPException(400, str(exc)) from exc
+    except NoWorkerError as exc:
+        raise HTTPException(503, str(exc)) from exc
+    except EngineRequestError as exc:
+        raise HTTPException(502, str(exc)) from exc
+
+
+class RewardIn(BaseModel):
+    reward: float
+    group: str | None = None
+    group_size: int | None = None
+
+
+@router.post("/sessions/{session_id}/reward", tags=["agents"])
+async def session_reward(request: Request, session_id: str, body: RewardIn) -> dict[str, Any]:
+    """Close a session with its reward; its turns become training samples."""
+    try:
+        return await sessions_of(request).reward(
+            session_id, body.reward, body.group, body.group_size
+        )
+    except KeyError as exc:
+        raise HTTPException(404, f"no open session {session_id!r} (unknown or expired)") from exc

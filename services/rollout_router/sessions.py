@@ -1,0 +1,251 @@
+"""Agent sessions: an outside agent talks to the model through the router and is trained on.
+
+Flow: the agent calls `POST /v1/chat/completions` with a session id (header `X-Session-Id`, or
+`session_id` in the body). The router renders the messages with the model's chat template,
+sends exact `input_ids` to an engine (session affinity keeps a conversation on one engine's
+prefix cache), and records the turn's prompt ids, response ids, log-probs and weight version.
+When the episode is over the agent posts `POST /sessions/{id}/reward {"reward": r}`; the
+session's turns become samples and go into the buffer as one `SampleGroup`. With
+`"group": g, "group_size": k` the samples of k sessions sharing g form one group (GRPO needs
+several samples of one task to compare).
+
+Turns become samples by exact prefix: when turn t+1's prompt starts with turn t's prompt and
+response, they merge into one sample whose response is R_t + (the new prompt tokens, loss mask
+0) + R_t+1. A turn whose prompt does not extend the previous one (the template re-rendered
+history differently) starts a new sample. Every sample of a session gets the session's reward.
+
+Bounds: at most `max_sessions` open sessions and `session_ttl_s` each; an expired session (or
+pending group) is recorded as a drop (`session_expired`), never kept forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from proto import DropRecord, Sample, SampleGroup
+from services.rollout_router.config import SessionConfig
+from services.rollout_router.samples import Partial, as_list
+from services.rollout_router.tasks import encode_prompt
+from services.rollout_router.workers import EngineRequestError, WorkerPool
+from services.sample_buffer import SampleBuffer
+
+
+@dataclass
+class Turn:
+    prompt_ids: list[int]
+    partial: Partial
+
+
+@dataclass
+class Session:
+    session_id: str
+    turns: list[Turn] = field(default_factory=list)
+    created: float = field(default_factory=time.monotonic)
+
+
+def session_samples(session: Session, reward: float) -> list[Sample]:
+    """The session's turns merged by exact prefix (see module docstring)."""
+    samples: list[Sample] = []
+    prompt: list[int] = []
+    current: Partial | None = None
+    mask: list[int] = []
+    for turn in session.turns:
+        context = prompt + (current.ids if current else [])
+        if current is not None and turn.prompt_ids[: len(context)] == context:
+            between = turn.prompt_ids[len(context) :]
+            last = current.token_versions[-1] if current.token_versions else -1
+            current.ids += between
+            current.logprobs += [0.0] * len(between)
+            current.token_versions += [last] * len(between)
+            mask += [0] * len(between)
+            current.extend_partial(turn.partial)
+            mask += [1] * len(turn.partial.ids)
+            continue
+        if current is not None:
+            samples.append(_finish(current, prompt, mask, reward))
+        prompt, mask = list(turn.prompt_ids), [1] * len(turn.partial.ids)
+        current = Partial()
+        current.extend_partial(turn.partial)
+    if current is not None:
+        samples.append(_finish(current, prompt, mask, reward))
+    return samples
+
+
+def _finish(partial: Partial, prompt: list[int], mask: list[int], reward: float) -> Sample:
+    sample = partial.to_sample(prompt, reward)
+    sample.loss_mask = mask
+    return sample
+
+
+@dataclass
+class PendingGroup:
+    """Samples of the sessions of one group that have reported so far."""
+
+    created: float
+    samples: list[Sample] = field(default_factory=list)
+    sessions: int = 0
+
+
+class SessionStore:
+    """Open sessions and pending groups, bounded in number and age."""
+
+    def __init__(self, config: SessionConfig) -> None:
+        self.config = config
+        self.sessions: OrderedDict[str, Session] = OrderedDict()
+        self.groups: dict[str, PendingGroup] = {}
+
+    def record(self, session_id: str, prompt_ids: list[int], partial: Partial) -> None:
+        session = self.sessions.get(session_id)
+        if session is None:
+            session = self.sessions[session_id] = Session(session_id)
+        session.turns.append(Turn(prompt_ids, partial))
+
+    def close(self, session_id: str) -> Session:
+        """Remove and return the session; KeyError when unknown (or expired)."""
+        return self.sessions.pop(session_id)
+
+    def add_to_group(self, group: str, samples: list[Sample], size: int) -> list[Sample] | None:
+        """Collect samples under `group`; all of them once `size` sessions have reported."""
+        pending = self.groups.setdefault(group, PendingGroup(time.monotonic()))
+        pending.samples += samples
+        pending.sessions += 1
+        if pending.sessions < size:
+            return None
+        del self.groups[group]
+        return pending.samples
+
+    def expire(self) -> list[str]:
+        """Drop sessions and groups past their age or beyond `max_sessions`; their ids."""
+        now, ttl = time.monotonic(), self.config.session_ttl_s
+        gone = [sid for sid, s in self.sessions.items() if now - s.created > ttl]
+        while len(self.sessions) - len(gone) > self.config.max_sessions:
+            gone.append(next(sid for sid in self.sessions if sid not in gone))
+        for sid in gone:
+            self.sessions.pop(sid, None)
+        stale = [g for g, p in self.groups.items() if now - p.created > ttl]
+        for g in stale:
+            self.groups.pop(g)
+        return gone + [f"group:{g}" for g in stale]
+
+
+def new_completion_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex[:24]
+
+
+def openai_response(partial: Partial, model: str, prompt_len: int) -> dict[str, Any]:
+    """An OpenAI `chat.completion` object for one turn."""
+    finish = {"stop": "stop", "length": "length"}.get(partial.finish, partial.finish)
+    return {
+        "id": new_completion_id(),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": partial.text},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_len,
+            "completion_tokens": len(partial.ids),
+            "total_tokens": prompt_len + len(partial.ids),
+        },
+    }
+
+
+class AgentSessions:
+    """Chat turns of agent sessions through the engines, and their rewards into the buffer."""
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        pool: WorkerPool,
+        buffer: SampleBuffer,
+        tokenizer: Any,
+        stop_token_ids: list[int],
+        default_group_size: int,
+    ) -> None:
+        self.config = config
+        self.pool, self.buffer, self.tokenizer = pool, buffer, tokenizer
+        self.stop_token_ids = stop_token_ids
+        self.default_group_size = default_group_size
+        self.store = SessionStore(config)
+        self.first_messages: dict[str, str] = {}
+
+    def render(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Exact prompt ids: the chat template, or (a tokenizer without one) the contents joined."""
+        if getattr(self.tokenizer, "chat_template", None):
+            return list(encode_prompt(self.tokenizer, messages, True))
+        return list(
+            self.tokenizer("".join(str(m.get("content", "")) for m in messages))["input_ids"]
+        )
+
+    async def chat(self, body: dict[str, Any], session_id: str) -> dict[str, Any]:
+        """One OpenAI chat turn; raises ValueError on a bad request, EngineRequestError."""
+        await self.expire()
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        if int(body.get("n", 1)) != 1:
+            raise ValueError("sessions take n=1 (one conversation per session)")
+        stop = body.get("stop")
+        params = {
+            "max_new_tokens": int(body.get("max_completion_tokens") or body.get("max_tokens")
+                                  or self.config.session_max_new_tokens),
+            "temperature": float(body.get("temperature", 1.0)),
+            "top_p": float(body.get("top_p", 1.0)),
+            "n": 1,
+            "stop_token_ids": self.stop_token_ids,
+            "skip_special_tokens": True,
+            **({"stop": [stop] if isinstance(stop, str) else stop} if stop else {}),
+            **({"sampling_seed": int(body["seed"])} if body.get("seed") is not None else {}),
+        }  # fmt: skip
+        input_ids = self.render(messages)
+        payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
+        status, data, worker = await self.pool.post("/generate", orjson.dumps(payload), session_id)
+        if status != 200:
+            raise EngineRequestError(f"{worker.url}/generate: HTTP {status} {data[:200]!r}", status)
+        partial = Partial.of(as_list(orjson.loads(data))[0])
+        self.store.record(session_id, input_ids, partial)
+        self.first_messages.setdefault(session_id, json.dumps(messages))
+        return openai_response(partial, str(body.get("model", "tandem")), len(input_ids))
+
+    async def reward(
+        self, session_id: str, reward: float, group: str | None, group_size: int | None
+    ) -> dict[str, Any]:
+        """Close the session; put its samples (or its group's, once complete). KeyError when
+        the session is unknown."""
+        session = self.store.close(session_id)
+        prompt = self.first_messages.pop(session_id, "")
+        samples = session_samples(session, reward)
+        if group:
+            complete = self.store.add_to_group(
+                group, samples, group_size or self.default_group_size
+            )
+            if complete is None:
+                return {"status": "pending", "group": group, "samples": len(samples)}
+            samples = complete
+        group_id = f"group-{group}" if group else f"session-{session_id}"
+        sample_group = SampleGroup(
+            group_id=group_id, prompt=prompt, label="", samples=samples,
+            weight_version=min(s.weight_version for s in samples), created_at=time.time(),
+        )  # fmt: skip
+        entry = await asyncio.to_thread(self.buffer.put_group, sample_group)
+        return {"status": "put", "group_id": group_id, "samples": len(samples), "entry": entry}
+
+    async def expire(self) -> None:
+        for key in self.store.expire():
+            self.first_messages.pop(key, None)
+            record = DropRecord(source="router", reason="session_expired", count=1, group_id=key)
+            await asyncio.to_thread(self.buffer.record_drop, record)
