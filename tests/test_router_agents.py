@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -87,7 +87,7 @@ class ScriptedEnv(BaseHTTPRequestHandler):
     hang_suffix = "never"
     fail_step = False
     hang_s = 5.0
-    turns: dict[str, int] = {}
+    turns: ClassVar[dict[str, int]] = {}
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
