@@ -111,6 +111,44 @@ class WeightRequest(msgspec.Struct, kw_only=True):
     schema_version: int = SCHEMA_VERSION
 
 
+class NcclOffer(msgspec.Struct, kw_only=True):
+    """Trainer rank 0 -> broker (ZMQ DEALER -> ROUTER): version `version` is ready on the
+    trainer's devices, to be broadcast bucket by bucket. Tensors stay on the trainer; only
+    their metadata travels. `master_address:master_port` is where the trainer will host the
+    process-group rendezvous if the broker asks it to (re)form the group."""
+
+    version: int
+    buckets: list[list[TensorMeta]]
+    master_address: str
+    master_port: int
+    backend: str
+    schema_version: int = SCHEMA_VERSION
+
+
+class NcclCommand(msgspec.Struct, kw_only=True):
+    """Broker -> trainer, in answer to an offer: `init` (join group `group_name` of
+    `world_size` ranks as rank 0), `broadcast` (send bucket `bucket` now), `done` (every
+    engine has the version) or `abort` (give up this version; `message` says why)."""
+
+    action: str
+    version: int
+    bucket: int = -1
+    world_size: int = 0
+    group_name: str = ""
+    message: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+
+class NcclAck(msgspec.Struct, kw_only=True):
+    """Trainer -> broker: bucket `bucket` of `version` was broadcast (or failed, `error`)."""
+
+    version: int
+    bucket: int
+    ok: bool
+    error: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+
 _encoder = msgspec.msgpack.Encoder()
 T = TypeVar("T")
 

@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import zmq
@@ -81,11 +82,19 @@ class WeightBroker:
         self.intake_endpoint = ""
         self.serve_endpoint = ""
         self._prepared = -1
+        self.nccl: Any = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     def start_sockets(self) -> None:
-        """Bind both ZMQ sockets and start their threads; endpoints are then resolved."""
+        """Bind the ZMQ sockets (and start their threads); endpoints are then resolved."""
+        if self.config.transport == "nccl":
+            from services.weight_broker.nccl_coordinator import NcclCoordinator
+
+            self.nccl = NcclCoordinator(self, self.config.pause_mode)
+            self.intake_endpoint = self.nccl.endpoint
+            log.info("NCCL control at %s", self.intake_endpoint)
+            return
         intake = self._ctx.socket(zmq.PULL)
         intake.bind(self.config.intake_endpoint)
         self.intake_endpoint = intake.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -169,7 +178,10 @@ class WeightBroker:
         timeout = aiohttp.ClientTimeout(total=self.config.sync_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await asyncio.gather(*(self._probe(session, e) for e in self.engines.values()))
-            self._publish_version()
+            self.publish_version()
+            if self.nccl is not None:  # push-driven: the trainer offers each version
+                await self.nccl.run(session)
+                return
             while True:
                 target = self.store.latest
                 lagging = [
@@ -182,7 +194,7 @@ class WeightBroker:
                     # Prepared once per version (e.g. the disk copy), before any engine loads it.
                     await asyncio.to_thread(self._prepare, target)
                     await asyncio.gather(*(self._sync(session, e, target) for e in lagging))
-                    self._publish_version()
+                    self.publish_version()
                     continue
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -215,25 +227,31 @@ class WeightBroker:
         try:
             await self.transport.update(session, engine.url, version)
         except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
-            engine.in_rotation = False
-            engine.failures += 1
-            engine.last_error = f"update to version {version} failed: {exc!r}"
-            engine.retry_at = time.monotonic() + RETRY_BACKOFF_S
-            self.counters["syncs_failed"] += 1
-            log.error("engine %s out of rotation: %s", engine.url, engine.last_error)
+            self.mark_failed(engine, f"update to version {version} failed: {exc!r}")
         else:
-            elapsed = time.monotonic() - start
-            engine.version = version
-            engine.in_rotation = True
-            engine.last_error = ""
-            engine.last_sync_s = elapsed
-            engine.last_sync_at = time.time()
-            engine.last_bytes_per_s = entry.nbytes / elapsed if elapsed > 0 else 0.0
-            log.info("engine %s on version %d in %.3fs", engine.url, version, elapsed)
+            self.mark_synced(engine, version, time.monotonic() - start, entry.nbytes)
         finally:
             engine.syncing = False
 
-    def _publish_version(self) -> None:
+    def mark_synced(self, engine: EngineState, version: int, elapsed_s: float, nbytes: int) -> None:
+        engine.version = version
+        engine.in_rotation = True
+        engine.last_error = ""
+        engine.last_sync_s = elapsed_s
+        engine.last_sync_at = time.time()
+        engine.last_bytes_per_s = nbytes / elapsed_s if elapsed_s > 0 else 0.0
+        log.info("engine %s on version %d in %.3fs", engine.url, version, elapsed_s)
+
+    def mark_failed(self, engine: EngineState, error: str) -> None:
+        """Take an engine out of rotation (reported in /state), retry after a backoff."""
+        engine.in_rotation = False
+        engine.failures += 1
+        engine.last_error = error
+        engine.retry_at = time.monotonic() + RETRY_BACKOFF_S
+        self.counters["syncs_failed"] += 1
+        log.error("engine %s out of rotation: %s", engine.url, error)
+
+    def publish_version(self) -> None:
         versions = [e.version for e in self.engines.values() if e.in_rotation and e.version >= 0]
         if self.buffer is not None and versions:
             self.buffer.set_version("engines", min(versions))
@@ -245,13 +263,14 @@ class WeightBroker:
         url = url.rstrip("/")
         engine = self.engines.setdefault(url, EngineState(url))
         engine.version = -1  # unknown until it acknowledges a version
+        engine.in_rotation = True
         engine.retry_at = 0.0
         self._notify()
         return engine
 
     def remove_engine(self, url: str) -> bool:
         removed = self.engines.pop(url.rstrip("/"), None) is not None
-        self._publish_version()
+        self.publish_version()
         return removed
 
     def state(self) -> dict:

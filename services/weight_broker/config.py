@@ -37,9 +37,10 @@ class BrokerConfig:
     transport: str = field(
         default="zmq",
         metadata={
-            "help": "How engines get weights: zmq (fetch from the broker) or disk (HF dir + "
-            "/update_weights_from_disk, works with SGLang).",
-            "choices": ["zmq", "disk"],
+            "help": "How engines get weights: zmq (fetch from the broker), disk (HF dir + "
+            "/update_weights_from_disk) or nccl (trainer broadcasts into the engines' weight "
+            "group; gloo on CPU). disk and nccl work with SGLang servers.",
+            "choices": ["zmq", "disk", "nccl"],
         },
     )
     disk_dir: str = field(
@@ -48,6 +49,13 @@ class BrokerConfig:
     model_dir: str = field(
         default="",
         metadata={"help": "disk transport: HF dir whose config/tokenizer files to copy."},
+    )
+    pause_mode: str = field(
+        default="in_place",
+        metadata={
+            "help": "nccl transport: /pause_generation mode around a broadcast (none = no pause).",
+            "choices": ["abort", "in_place", "retract", "none"],
+        },
     )
     keep_versions: int = field(
         default=2,

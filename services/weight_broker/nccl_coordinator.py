@@ -1,0 +1,214 @@
+"""Broker side of the NCCL weight path: `NcclCoordinator`.
+
+The trainer offers each version on the control socket (ZMQ ROUTER at the broker's intake
+endpoint). For one version, in this order:
+  1. If the set of engines changed or the last version failed, (re)form the weight group:
+     answer `init` to the trainer and, concurrently, POST `/init_weights_update_group` to every
+     engine in rotation (rank_offset = 1 + the TP ranks before it; world = 1 + all TP ranks).
+  2. Pause generation on every engine (`/pause_generation`, configured mode) unless mode "none".
+  3. For each bucket k: POST `/update_weights_from_distributed` (names, dtypes, shapes,
+     group_name, weight_version; flush_cache on the last bucket) to every engine, then tell the
+     trainer `broadcast k`; wait for the trainer's ack and every engine's answer.
+  4. `/continue_generation`, then `done` to the trainer; engines are on the version.
+A failure or timeout anywhere takes the failing engine out of rotation, answers `abort` to the
+trainer (the other engines keep serving the version they had or, after their last bucket, the
+new one) and forces a fresh group for the next version. No step waits longer than
+`sync_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+import aiohttp
+import zmq
+import zmq.asyncio
+
+from proto import NcclAck, NcclCommand, NcclOffer, decode, encode
+from services.weight_broker.broker import EngineState, WeightBroker
+
+log = logging.getLogger("tandem.broker.nccl")
+
+
+class NcclCoordinator:
+    def __init__(self, broker: WeightBroker, pause_mode: str) -> None:
+        self.broker = broker
+        self.pause_mode = pause_mode
+        self.timeout_s = broker.config.sync_timeout_s
+        self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(broker.config.intake_endpoint)
+        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.members: list[str] = []  # engine URLs of the current group, in rank order
+        self.group_name = ""
+        self._generation = itertools.count()
+        self._tp_size: dict[str, int] = {}
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            identity, payload = await self.socket.recv_multipart()
+            try:
+                offer = decode(payload, NcclOffer)
+            except ValueError as exc:
+                log.error("ignored a malformed message on the control socket: %s", exc)
+                continue
+            await self.sync_version(session, identity, offer)
+
+    async def sync_version(
+        self, session: aiohttp.ClientSession, identity: bytes, offer: NcclOffer
+    ) -> None:
+        # An engine taken out stays out until re-registered (POST /engines): a dead member
+        # would otherwise make every version wait for its timeout.
+        engines = [e for e in self.broker.engines.values() if e.in_rotation]
+        start = time.monotonic()
+        try:
+            if not engines:
+                raise RuntimeError("no engine in rotation")
+            if [e.url for e in engines] != self.members:
+                await self._form_group(session, identity, offer, engines)
+            await self._each(session, engines, self._pause)
+            for index, bucket in enumerate(offer.buckets):
+                await self._bucket(session, identity, offer, engines, index, bucket)
+            await self._each(session, engines, self._continue)
+        except (RuntimeError, TimeoutError) as exc:
+            self.members = []  # the next version builds a fresh group
+            await self._command(
+                identity, NcclCommand(action="abort", version=offer.version, message=str(exc))
+            )
+            log.error("version %d not synced: %s", offer.version, exc)
+            await self._each(session, engines, self._continue, ignore_errors=True)
+            self.broker.publish_version()
+            return
+        elapsed = time.monotonic() - start
+        nbytes = sum(_nbytes(meta) for bucket in offer.buckets for meta in bucket)
+        for engine in engines:
+            self.broker.mark_synced(engine, offer.version, elapsed, nbytes)
+        self.broker.store.latest = offer.version
+        await self._command(identity, NcclCommand(action="done", version=offer.version))
+        self.broker.publish_version()
+        log.info("version %d on %d engines in %.3fs", offer.version, len(engines), elapsed)
+
+    # --- steps ----------------------------------------------------------------------------------
+
+    async def _form_group(self, session, identity, offer, engines) -> None:  # type: ignore[no-untyped-def]
+        for engine in engines:
+            if engine.url not in self._tp_size:
+                info = await self._get(session, f"{engine.url}/get_server_info")
+                self._tp_size[engine.url] = int(info.get("tp_size", 1))
+        world = 1 + sum(self._tp_size[e.url] for e in engines)
+        self.group_name = f"tandem_weights_{next(self._generation)}"
+        await self._command(identity, NcclCommand(
+            action="init", version=offer.version, world_size=world, group_name=self.group_name,
+        ))  # fmt: skip
+        offsets = itertools.accumulate([1] + [self._tp_size[e.url] for e in engines])
+        calls = [
+            self._post(
+                session,
+                engine,
+                "/init_weights_update_group",
+                {
+                    "master_address": offer.master_address,
+                    "master_port": offer.master_port,
+                    "rank_offset": offset,
+                    "world_size": world,
+                    "group_name": self.group_name,
+                    "backend": offer.backend,
+                },
+            )  # fmt: skip
+            for engine, offset in zip(engines, offsets, strict=False)
+        ]
+        await self._gather(calls, engines)
+        self.members = [e.url for e in engines]
+
+    async def _bucket(self, session, identity, offer, engines, index, bucket) -> None:  # type: ignore[no-untyped-def]
+        body = {
+            "names": [m.name for m in bucket],
+            "dtypes": [m.dtype for m in bucket],
+            "shapes": [m.shape for m in bucket],
+            "group_name": self.group_name,
+            "weight_version": str(offer.version),
+            "flush_cache": index == len(offer.buckets) - 1,
+        }
+        calls = [
+            asyncio.ensure_future(self._post(session, e, "/update_weights_from_distributed", body))
+            for e in engines
+        ]
+        await self._command(
+            identity, NcclCommand(action="broadcast", version=offer.version, bucket=index)
+        )
+        ack_task = asyncio.ensure_future(self._ack(offer.version, index))
+        await self._gather(calls, engines)
+        ack = await ack_task
+        if not ack.ok:
+            raise RuntimeError(f"trainer failed to broadcast bucket {index}: {ack.error}")
+
+    async def _ack(self, version: int, index: int) -> NcclAck:
+        _identity, payload = await asyncio.wait_for(self.socket.recv_multipart(), self.timeout_s)
+        ack = decode(payload, NcclAck)
+        if (ack.version, ack.bucket) != (version, index):
+            raise RuntimeError(
+                f"trainer acked {ack.version}/{ack.bucket}, expected {version}/{index}"
+            )
+        return ack
+
+    async def _pause(self, session, engine) -> None:  # type: ignore[no-untyped-def]
+        if self.pause_mode != "none":
+            await self._post(session, engine, "/pause_generation", {"mode": self.pause_mode})
+
+    async def _continue(self, session, engine) -> None:  # type: ignore[no-untyped-def]
+        if self.pause_mode != "none":
+            await self._post(session, engine, "/continue_generation", {})
+
+    # --- plumbing -------------------------------------------------------------------------------
+
+    async def _each(self, session, engines, step, ignore_errors: bool = False) -> None:  # type: ignore[no-untyped-def]
+        calls = [step(session, e) for e in engines]
+        if ignore_errors:
+            await asyncio.gather(*calls, return_exceptions=True)
+        else:
+            await self._gather(calls, engines)
+
+    async def _gather(self, calls, engines: list[EngineState]) -> None:  # type: ignore[no-untyped-def]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [
+            (e, r) for e, r in zip(engines, results, strict=True) if isinstance(r, BaseException)
+        ]
+        for engine, error in failed:
+            self.broker.mark_failed(engine, f"NCCL update failed: {error!r}")
+        if failed:
+            raise RuntimeError("; ".join(f"{e.url}: {r!r}" for e, r in failed))
+
+    async def _post(self, session, engine: EngineState, path: str, body: dict) -> dict:  # type: ignore[no-untyped-def]
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with session.post(f"{engine.url}{path}", json=body, timeout=timeout) as resp:
+            reply = await resp.json(content_type=None)
+            if resp.status != 200 or (isinstance(reply, dict) and reply.get("success") is False):
+                raise RuntimeError(f"{path} answered HTTP {resp.status}: {reply}")
+            return reply if isinstance(reply, dict) else {}
+
+    async def _get(self, session, url: str) -> dict:  # type: ignore[no-untyped-def]
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with session.get(url, timeout=timeout) as resp:
+            resp.raise_for_status()
+            return await resp.json(content_type=None)
+
+    async def _command(self, identity: bytes, command: NcclCommand) -> None:
+        await self.socket.send_multipart([identity, encode(command)])
+
+
+def _nbytes(meta) -> int:  # type: ignore[no-untyped-def]
+    import math
+
+    sizes = {
+        "float32": 4,
+        "bfloat16": 2,
+        "float16": 2,
+        "float64": 8,
+        "int64": 8,
+        "int32": 4,
+        "uint8": 1,
+    }
+    return math.prod(meta.shape) * sizes.get(meta.dtype, 4)

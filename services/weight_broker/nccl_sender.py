@@ -1,0 +1,159 @@
+"""Trainer side of the NCCL (or, on CPU, gloo) weight path: `NcclWeightSender`.
+
+Sequence for one version (the broker's `NcclCoordinator` drives it):
+  1. `send(version, tensors)` offers the version's bucket metadata to the broker (`NcclOffer`).
+  2. If the broker answers `init`, join the weight group as rank 0 (engines join concurrently).
+  3. For each `broadcast k`, broadcast bucket k's tensors from rank 0, in listed order, and ack.
+  4. `done` ends the version; `abort` abandons it (the next version re-forms the group).
+Every wait is bounded by `timeout_s` (receives, the rendezvous, each collective), so a dead
+or hung engine costs the trainer at most that long and never blocks it for good. Only trainer
+rank 0 creates a sender; tensors must already be gathered (full, HF names) on its device.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from proto import NcclAck, NcclCommand, NcclOffer, TensorMeta, decode, encode
+from services.weight_broker.process_group import join_group, leave_group
+from services.weight_broker.wire import DEFAULT_BUCKET_BYTES
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("tandem.weights.nccl")
+
+
+class WeightSyncError(RuntimeError):
+    """The version did not reach the engines (they keep the previous one)."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def split_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, tensor.detach().contiguous()))
+        size += nbytes
+    return buckets
+
+
+class NcclWeightSender:
+    def __init__(
+        self,
+        control_endpoint: str,
+        master_address: str = "127.0.0.1",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.control_endpoint = control_endpoint
+        self.master_address = master_address
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.group: Any = None
+        self._socket = zmq.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(control_endpoint)
+
+    def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Broadcast one version to every engine; returns the bytes sent.
+
+        Raises `WeightSyncError` if the broker aborted the version or a wait timed out.
+        """
+        buckets = split_buckets(named_tensors, self.bucket_bytes)
+        device = buckets[0][0][1].device if buckets[0] else None
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        port = _free_port(self.master_address)
+        offer = NcclOffer(
+            version=version,
+            buckets=[
+                [TensorMeta(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in b]
+                for b in buckets
+            ],
+            master_address=self.master_address,
+            master_port=port,
+            backend=backend,
+        )
+        self._socket.send(encode(offer))
+        sent = 0
+        while True:
+            command = self._receive(version)
+            if command.action == "init":
+                self._join(port, command, backend)
+            elif command.action == "broadcast":
+                sent += self._broadcast(version, command.bucket, buckets[command.bucket])
+            elif command.action == "done":
+                return sent
+            else:
+                self._drop_group()
+                raise WeightSyncError(f"broker aborted version {version}: {command.message}")
+
+    def _receive(self, version: int) -> NcclCommand:
+        if not self._socket.poll(int(self.timeout_s * 1000)):
+            self._drop_group()
+            raise WeightSyncError(
+                f"weight broker at {self.control_endpoint} sent no command for "
+                f"{self.timeout_s:.0f}s during version {version}"
+            )
+        command = decode(self._socket.recv(), NcclCommand)
+        if command.version != version:
+            raise WeightSyncError(f"broker answered version {command.version}, not {version}")
+        return command
+
+    def _join(self, port: int, command: NcclCommand, backend: str) -> None:
+        self._drop_group()
+        try:
+            self.group = join_group(
+                self.master_address, port, 0, command.world_size, command.group_name, backend,
+                timedelta(seconds=self.timeout_s),
+            )  # fmt: skip
+        except Exception as exc:  # rendezvous timeout or a peer that vanished: report, go on
+            raise WeightSyncError(f"joining weight group {command.group_name}: {exc}") from exc
+        log.info("joined %s (%d ranks, %s)", command.group_name, command.world_size, backend)
+
+    def _broadcast(self, version: int, index: int, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        import torch
+        import torch.distributed as dist
+
+        try:
+            for _name, tensor in bucket:
+                dist.broadcast(tensor, src=0, group=self.group)
+            if bucket and bucket[0][1].is_cuda:
+                torch.cuda.synchronize(bucket[0][1].device)
+        except Exception as exc:  # a peer died mid-collective: the group is unusable now
+            self._socket.send(
+                encode(NcclAck(version=version, bucket=index, ok=False, error=str(exc)))
+            )
+            self._drop_group()
+            raise WeightSyncError(f"broadcast of bucket {index} failed: {exc}") from exc
+        self._socket.send(encode(NcclAck(version=version, bucket=index, ok=True)))
+        return sum(t.numel() * t.element_size() for _, t in bucket)
+
+    def _drop_group(self) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            try:
+                leave_group(group)
+            except Exception as exc:  # a broken communicator may refuse a clean shutdown
+                log.warning("leaving the old weight group: %s", exc)
+
+    def close(self) -> None:
+        self._drop_group()
+        self._socket.close()

@@ -1,0 +1,43 @@
+"""A torch.distributed group for weight updates, separate from any default group.
+
+Trainer rank 0 (rank 0 of this group) and every engine rank (`rank_offset + tp_rank`) call
+`join_group` with the same address, port, world size and name; it returns once all have joined
+(or raises after `timeout`). The rendezvous is a TCP store hosted by rank 0, keys prefixed by
+the group name, so the trainer can keep its own training group and an engine needs none. This
+is the same rendezvous SGLang's `/init_weights_update_group` performs, so a trainer can update
+real SGLang servers and Tandem's engine alike.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+
+def join_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout: timedelta,
+) -> Any:
+    from torch.distributed import distributed_c10d as c10d
+
+    init_method = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
+    )
+    # Group ranks equal the ranks passed to collectives on this group.
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def leave_group(group: Any) -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group(group)
