@@ -117,7 +117,7 @@ class NcclCoordinator:
                     "group_name": self.group_name,
                     "backend": offer.backend,
                 },
-            )  # fmt: skip
+            )
             for engine, offset in zip(engines, offsets, strict=False)
         ]
         await self._gather(calls, engines)
