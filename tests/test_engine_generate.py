@@ -222,3 +222,19 @@ def test_min_new_tokens_holds_back_eos(engine) -> None:  # type: ignore[no-untyp
             "max_new_tokens": 8, "min_new_tokens": 3, "stop_token_ids": stops, "sampling_seed": seed}})  # fmt: skip
         assert len(out["output_ids"]) >= 4
         assert all(t in (0, 1, 3) for t in out["output_ids"][:3])
+
+
+def test_no_post_route_answers_garbage_with_a_server_error(engine) -> None:  # type: ignore[no-untyped-def]
+    stateful = {"/pause_generation", "/continue_generation", "/flush_cache"}
+    paths = [
+        path for path, ops in httpx.get(f"{engine.url}/openapi.json").json()["paths"].items()
+        if "post" in ops and path not in stateful
+    ]  # fmt: skip
+    assert "/update_weights_from_distributed" in paths and "/v1/completions" in paths
+    bodies = [b"not json", b"[1, 2]", b"{}", b'{"names": 5, "input_ids": {"a": 1}, "prompt": 3}',
+              b'{"master_address": 1, "master_port": "x", "world_size": 2, "messages": [1]}']  # fmt: skip
+    for path in paths:
+        for body in bodies:
+            resp = httpx.post(f"{engine.url}{path}", content=body, timeout=30,
+                              headers={"content-type": "application/json"})  # fmt: skip
+            assert 400 <= resp.status_code < 500, (path, body, resp.status_code, resp.text)

@@ -57,7 +57,7 @@ def completion_request(body: Any, engine: Engine) -> dict[str, Any]:
     """The native `/generate` body for a `/v1/completions` body."""
     if not isinstance(body, dict) or "prompt" not in body:
         raise RequestError("prompt is required")
-    if body.get("echo") or body.get("suffix") or (body.get("best_of") or 1) > 1:
+    if body.get("echo") or body.get("suffix") or body.get("best_of") not in (None, 1):
         raise RequestError("echo, suffix and best_of are not supported by the reference engine")
     prompt = body["prompt"]
     key = "text" if isinstance(prompt, str) or (

@@ -9,7 +9,7 @@ naming the field; overload is 503; weight-update failures answer `{"success": fa
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -37,14 +37,47 @@ def error_response(message: str, status: int = 400) -> Response:
     )
 
 
-async def read_json(request: Request) -> Any:
+async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object ({} when empty); `RequestError` (400) otherwise."""
     raw = await request.body()
     if not raw:
         return {}
     try:
-        return orjson.loads(raw)
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def field(body: dict[str, Any], name: str, check: Callable[[Any], bool], what: str,
+          required: bool = True) -> Any:  # fmt: skip
+    """`body[name]` if it passes `check`; `RequestError` naming the field otherwise."""
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise RequestError(f"{name} is required ({what})")
+        return None
+    if not check(value):
+        raise RequestError(f"{name} must be {what}, got {str(value)[:100]!r}")
+    return value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_version(v: Any) -> bool:
+    return isinstance(v, str) or _is_int(v)
+
+
+def _is_list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, list) and all(check(x) for x in v)
 
 
 def create_app(config: EngineConfig, engine: Engine | None = None) -> FastAPI:
@@ -150,7 +183,7 @@ def _add_control_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> Response:
         body = await read_json(request)
-        await engine.pause(str(body.get("mode", "abort")))
+        await engine.pause(str(body.get("mode") or "abort"))
         return json_response({"success": True, "message": "Generation paused."})
 
     @app.post("/continue_generation")
@@ -177,10 +210,11 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/update_weights_from_zmq")
     async def update_from_zmq(request: Request) -> Response:
         body = await read_json(request)
-        endpoint, version = body.get("endpoint"), body.get("weight_version")
-        if not isinstance(endpoint, str) or version is None:
-            raise RequestError("give endpoint (a ZMQ address) and weight_version")
-        timeout_s = body.get("timeout_s")
+        endpoint = field(body, "endpoint", _is_str, "a ZMQ address such as tcp://host:port")
+        version = field(body, "weight_version", _is_version, "a version string")
+        timeout_s = field(
+            body, "timeout_s", lambda v: _is_int(v) or isinstance(v, float), "seconds", False
+        )
         abort_all = bool(body.get("abort_all_requests"))
         new = await engine.weights.from_zmq(endpoint, str(version), timeout_s, abort_all)
         return ok(new, f"Updated weights to version {new} from {endpoint}.")
@@ -188,9 +222,8 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/update_weights_from_disk")
     async def update_from_disk(request: Request) -> Response:
         body = await read_json(request)
-        if not isinstance(body.get("model_path"), str):
-            raise RequestError("give model_path (a Hugging Face model directory)")
-        version = body.get("weight_version")
+        field(body, "model_path", _is_str, "a Hugging Face model directory")
+        version = field(body, "weight_version", _is_version, "a version string", False)
         new = await engine.weights.from_disk(
             body["model_path"],
             None if version is None else str(version),
@@ -201,9 +234,11 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/init_weights_update_group")
     async def init_group(request: Request) -> Response:
         body = await read_json(request)
-        missing = [k for k in ("master_address", "master_port", "world_size") if k not in body]
-        if missing:
-            raise RequestError(f"missing field(s) {missing}")
+        field(body, "master_address", _is_str, "a host name or address")
+        for name in ("master_port", "world_size"):
+            field(body, name, _is_int, "an integer")
+        field(body, "rank_offset", _is_int, "an integer", False)
+        field(body, "group_name", _is_str, "a string", False)
         await engine.weights.init_group(body)
         return json_response({"success": True, "message": "Joined the weight update group."})
 
@@ -215,8 +250,7 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Response:
         body = await read_json(request)
-        if not isinstance(body.get("new_version"), (str, int)):
-            raise RequestError("give new_version (a string)")
+        field(body, "new_version", _is_version, "a version string")
         if body.get("abort_all_requests", True):
             engine.abort(None)
         engine.scheduler.weight_version = str(body["new_version"])
@@ -232,9 +266,11 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/update_weights_from_distributed")
     async def update_from_distributed(request: Request) -> Response:
         body = await read_json(request)
-        missing = [k for k in ("names", "dtypes", "shapes") if k not in body]
-        if missing:
-            raise RequestError(f"missing field(s) {missing}")
+        field(body, "names", _is_list_of(_is_str), "a list of parameter names")
+        field(body, "dtypes", _is_list_of(_is_str), "a list of dtype names")
+        field(body, "shapes", _is_list_of(_is_list_of(_is_int)), "a list of shapes (lists of ints)")
+        field(body, "weight_version", _is_version, "a version string", False)
+        field(body, "group_name", _is_str, "a string", False)
         if body.get("weight_version") is not None:
             body["weight_version"] = str(body["weight_version"])
         new = await engine.weights.from_distributed(body)
