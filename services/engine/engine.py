@@ -45,6 +45,11 @@ class Engine:
 
     def start(self) -> None:
         self.scheduler.start()
+        log.info(
+            "serving %s on %s (%s), context %d, weight version %s",
+            self.config.model, self.runner.device, str(self.runner.dtype).removeprefix("torch."),
+            self.context_length, self.weight_version,
+        )  # fmt: skip
 
     def stop(self) -> None:
         self.weights.close()

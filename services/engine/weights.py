@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -80,9 +81,12 @@ class WeightUpdater:
             self.scheduler.abort(None, "Abort due to weight update")
 
         def apply() -> str:
-            self.runner.load_weights(tensors)
+            started = time.monotonic()
+            count = self.runner.load_weights(tensors)
             if version is not None:
                 self.scheduler.weight_version = str(version)
+            log.info("weights: %d tensors copied in %.3fs, now version %s", count,
+                     time.monotonic() - started, self.scheduler.weight_version)  # fmt: skip
             return self.scheduler.weight_version
 
         future = self.scheduler.run_exclusive(apply, drain=True)
