@@ -18,6 +18,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+# Architectures whose forward is exactly the one `_layers` runs (pre-norm decoder, rotary
+# embeddings, optional q/k norms); others (e.g. Gemma's scaled embeddings) would differ silently.
+SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -116,6 +120,10 @@ class ModelRunner:
         self.qk_norm = hasattr(attn, "q_norm")
         self.eos_token_ids = self._eos_ids()
         self.max_position = int(getattr(self.config, "max_position_embeddings", 4096))
+        window = getattr(self.config, "sliding_window", None)
+        if window and getattr(self.config, "use_sliding_window", True):
+            # within the window, sliding-window attention is full attention: stay inside it
+            self.max_position = min(self.max_position, int(window))
 
     def _load(self, path: str) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -123,17 +131,11 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=self.dtype, attn_implementation="sdpa"
         )
-        inner = getattr(model, "model", None)
-        attn = getattr(getattr(inner, "layers", [None])[0], "self_attn", None)
-        needed = ("q_proj", "k_proj", "v_proj", "o_proj")
-        if (
-            attn is None
-            or not all(hasattr(attn, n) for n in needed)
-            or not hasattr(inner, "rotary_emb")
-        ):
+        model_type = getattr(model.config, "model_type", "?")
+        if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"--model {path}: {type(model).__name__} is not a Llama/Qwen2-family model "
-                "(needs model.layers[i].self_attn.{q,k,v,o}_proj and model.rotary_emb)"
+                f"--model {path}: model_type {model_type!r} is not served by the reference "
+                f"engine (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
             )
         model.to(self.device).eval().requires_grad_(False)
         return model
