@@ -167,3 +167,17 @@ def test_a_client_that_disconnects_has_its_request_aborted(engine) -> None:  # t
         with pytest.raises(httpx.TimeoutException):
             gone.result()
     wait_until(lambda: running(engine.url) == 0, "the engine to drop the abandoned request")
+
+
+def test_streaming_several_samples_tags_each_event_with_its_index(engine) -> None:  # type: ignore[no-untyped-def]
+    body = {"input_ids": PROMPT, "stream": True,
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "n": 3, "sampling_seed": 1}}  # fmt: skip
+    last: dict[int, dict] = {}
+    with httpx.stream("POST", f"{engine.url}/generate", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line.removeprefix("data: "))
+                last[chunk["index"]] = chunk
+    assert sorted(last) == [0, 1, 2]
+    plain = post(engine.url, "/generate", {**body, "stream": False}).json()
+    assert [last[i]["output_ids"] for i in range(3)] == [r["output_ids"] for r in plain]
