@@ -127,22 +127,28 @@ class NcclOffer(msgspec.Struct, kw_only=True):
 
 class NcclCommand(msgspec.Struct, kw_only=True):
     """Broker -> trainer, in answer to an offer: `init` (join group `group_name` of
-    `world_size` ranks as rank 0), `broadcast` (send bucket `bucket` now), `done` (every
-    engine has the version) or `abort` (give up this version; `message` says why)."""
+    `world_size` ranks as rank 0, collectives bounded by `timeout_s`), `broadcast` (send
+    bucket `bucket` now), `done` (every engine in rotation has the version) or `abort` (give up
+    this version; `message` says why). After a failure the broker may start a new `attempt`
+    of the same version (a fresh group without the failed engines, from bucket 0)."""
 
     action: str
     version: int
+    attempt: int = 0
     bucket: int = -1
     world_size: int = 0
     group_name: str = ""
+    timeout_s: float = 60.0
     message: str = ""
     schema_version: int = SCHEMA_VERSION
 
 
 class NcclAck(msgspec.Struct, kw_only=True):
-    """Trainer -> broker: bucket `bucket` of `version` was broadcast (or failed, `error`)."""
+    """Trainer -> broker: bucket `bucket` of `version` was broadcast (or failed, `error`).
+    `attempt` echoes the command's, so a late ack of an abandoned attempt is recognised."""
 
     version: int
+    attempt: int
     bucket: int
     ok: bool
     error: str = ""

@@ -31,6 +31,8 @@ from proto import NcclAck, NcclCommand, NcclOffer, decode, encode
 from services.weight_broker.broker import EngineState, WeightBroker
 
 log = logging.getLogger("tandem.broker.nccl")
+# Tries per version: the first, plus one with a fresh group if an engine failed during it.
+MAX_ATTEMPTS = 2
 
 
 class NcclCoordinator:
@@ -52,56 +54,77 @@ class NcclCoordinator:
             identity, payload = await self.socket.recv_multipart()
             try:
                 offer = decode(payload, NcclOffer)
-            except ValueError as exc:
-                log.error("ignored a malformed message on the control socket: %s", exc)
+            except ValueError:  # e.g. a late ack of an aborted version
+                log.warning("ignored a message that is not a version offer")
                 continue
-            await self.sync_version(session, identity, offer)
+            try:
+                await self.sync_version(session, identity, offer)
+            except Exception as exc:  # keep coordinating later versions whatever broke this one
+                log.exception("version %d: unexpected error", offer.version)
+                abort = NcclCommand(action="abort", version=offer.version, message=repr(exc))
+                await self._command(identity, abort)
 
     async def sync_version(
         self, session: aiohttp.ClientSession, identity: bytes, offer: NcclOffer
     ) -> None:
-        # An engine taken out stays out until re-registered (POST /engines): a dead member
-        # would otherwise make every version wait for its timeout.
-        engines = [e for e in self.broker.engines.values() if e.in_rotation]
+        """Bring every engine in rotation to `offer.version`; see the module docstring."""
         start = time.monotonic()
-        try:
+        error = ""
+        for attempt in range(MAX_ATTEMPTS):
+            # An engine taken out stays out until re-registered (POST /engines): a dead member
+            # would otherwise make every version wait for its timeout.
+            engines = [e for e in self.broker.engines.values() if e.in_rotation]
             if not engines:
-                raise RuntimeError("no engine in rotation")
-            if [e.url for e in engines] != self.members:
-                await self._form_group(session, identity, offer, engines)
-            await self._each(session, engines, self._pause)
-            for index, bucket in enumerate(offer.buckets):
-                await self._bucket(session, identity, offer, engines, index, bucket)
-            await self._each(session, engines, self._continue)
-        except (RuntimeError, TimeoutError) as exc:
-            self.members = []  # the next version builds a fresh group
-            await self._command(
-                identity, NcclCommand(action="abort", version=offer.version, message=str(exc))
-            )
-            log.error("version %d not synced: %s", offer.version, exc)
-            await self._each(session, engines, self._continue, ignore_errors=True)
-            self.broker.publish_version()
+                error = error or "no engine in rotation"
+                break
+            try:
+                await self._attempt(session, identity, offer, engines, attempt)
+            except (RuntimeError, TimeoutError) as exc:
+                error = str(exc) or repr(exc)
+                log.error("version %d attempt %d failed: %s", offer.version, attempt, error)
+                self.members = []  # a fresh group, without engines that failed
+                continue
+            self._finish(offer, engines, time.monotonic() - start)
+            await self._command(identity, NcclCommand(action="done", version=offer.version))
             return
-        elapsed = time.monotonic() - start
+        await self._command(
+            identity, NcclCommand(action="abort", version=offer.version, message=error)
+        )
+        self.broker.publish_version()
+
+    async def _attempt(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
+        paused = False
+        try:
+            if [e.url for e in engines] != self.members:
+                await self._form_group(session, identity, offer, engines, attempt)
+            await self._each(session, engines, self._pause)
+            paused = True
+            for index, bucket in enumerate(offer.buckets):
+                await self._bucket(session, identity, offer, engines, attempt, index, bucket)
+        finally:
+            if paused:  # engines that failed are out of rotation; resume the others
+                await self._each(session, engines, self._continue, ignore_errors=True)
+
+    def _finish(self, offer: NcclOffer, engines: list[EngineState], elapsed_s: float) -> None:
         nbytes = sum(_nbytes(meta) for bucket in offer.buckets for meta in bucket)
         for engine in engines:
-            self.broker.mark_synced(engine, offer.version, elapsed, nbytes)
+            self.broker.mark_synced(engine, offer.version, elapsed_s, nbytes)
         self.broker.store.latest = offer.version
-        await self._command(identity, NcclCommand(action="done", version=offer.version))
         self.broker.publish_version()
-        log.info("version %d on %d engines in %.3fs", offer.version, len(engines), elapsed)
+        log.info("version %d on %d engines in %.3fs", offer.version, len(engines), elapsed_s)
 
     # --- steps ----------------------------------------------------------------------------------
 
-    async def _form_group(self, session, identity, offer, engines) -> None:  # type: ignore[no-untyped-def]
-        for engine in engines:
-            if engine.url not in self._tp_size:
-                info = await self._get(session, f"{engine.url}/get_server_info")
-                self._tp_size[engine.url] = int(info.get("tp_size", 1))
+    async def _form_group(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
+        unknown = [e for e in engines if e.url not in self._tp_size]
+        infos = [self._get(session, f"{e.url}/get_server_info") for e in unknown]
+        for engine, info in zip(unknown, await self._gather(infos, unknown), strict=True):
+            self._tp_size[engine.url] = int(info.get("tp_size", 1))
         world = 1 + sum(self._tp_size[e.url] for e in engines)
         self.group_name = f"tandem_weights_{next(self._generation)}"
         await self._command(identity, NcclCommand(
-            action="init", version=offer.version, world_size=world, group_name=self.group_name,
+            action="init", version=offer.version, attempt=attempt, world_size=world,
+            group_name=self.group_name, timeout_s=self.timeout_s / 2,
         ))  # fmt: skip
         offsets = itertools.accumulate([1] + [self._tp_size[e.url] for e in engines])
         calls = [
@@ -123,7 +146,7 @@ class NcclCoordinator:
         await self._gather(calls, engines)
         self.members = [e.url for e in engines]
 
-    async def _bucket(self, session, identity, offer, engines, index, bucket) -> None:  # type: ignore[no-untyped-def]
+    async def _bucket(self, session, identity, offer, engines, attempt, index, bucket) -> None:  # type: ignore[no-untyped-def]
         body = {
             "names": [m.name for m in bucket],
             "dtypes": [m.dtype for m in bucket],
@@ -132,27 +155,35 @@ class NcclCoordinator:
             "weight_version": str(offer.version),
             "flush_cache": index == len(offer.buckets) - 1,
         }
-        calls = [
-            asyncio.ensure_future(self._post(session, e, "/update_weights_from_distributed", body))
-            for e in engines
-        ]
-        await self._command(
-            identity, NcclCommand(action="broadcast", version=offer.version, bucket=index)
-        )
-        ack_task = asyncio.ensure_future(self._ack(offer.version, index))
-        await self._gather(calls, engines)
-        ack = await ack_task
-        if not ack.ok:
-            raise RuntimeError(f"trainer failed to broadcast bucket {index}: {ack.error}")
+        calls = [self._post(session, e, "/update_weights_from_distributed", body) for e in engines]
+        engine_calls = asyncio.ensure_future(self._gather(calls, engines))
+        await self._command(identity, NcclCommand(
+            action="broadcast", version=offer.version, attempt=attempt, bucket=index,
+        ))  # fmt: skip
+        ack_error = ""
+        try:
+            ack = await self._ack(offer.version, attempt, index)
+            ack_error = "" if ack.ok else f"trainer failed to broadcast bucket {index}: {ack.error}"
+        except TimeoutError:
+            ack_error = f"no ack from the trainer for bucket {index} within {self.timeout_s:.0f}s"
+        await engine_calls  # raises (naming the engines) if any engine failed
+        if ack_error:
+            raise RuntimeError(ack_error)
 
-    async def _ack(self, version: int, index: int) -> NcclAck:
-        _identity, payload = await asyncio.wait_for(self.socket.recv_multipart(), self.timeout_s)
-        ack = decode(payload, NcclAck)
-        if (ack.version, ack.bucket) != (version, index):
-            raise RuntimeError(
-                f"trainer acked {ack.version}/{ack.bucket}, expected {version}/{index}"
-            )
-        return ack
+    async def _ack(self, version: int, attempt: int, index: int) -> NcclAck:
+        """The trainer's ack of this bucket; late acks of abandoned attempts are skipped."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            _identity, payload = await asyncio.wait_for(self.socket.recv_multipart(), remaining)
+            try:
+                ack = decode(payload, NcclAck)
+            except ValueError:
+                log.error("expected an ack from the trainer, got another message; ignored")
+                continue
+            if (ack.version, ack.attempt, ack.bucket) == (version, attempt, index):
+                return ack
+            log.warning("skipped a stale ack (%d/%d/%d)", ack.version, ack.attempt, ack.bucket)
 
     async def _pause(self, session, engine) -> None:  # type: ignore[no-untyped-def]
         if self.pause_mode != "none":
@@ -171,7 +202,9 @@ class NcclCoordinator:
         else:
             await self._gather(calls, engines)
 
-    async def _gather(self, calls, engines: list[EngineState]) -> None:  # type: ignore[no-untyped-def]
+    async def _gather(self, calls, engines: list[EngineState]) -> list:  # type: ignore[no-untyped-def]
+        """Run one call per engine; engines whose call failed are taken out of rotation and
+        a RuntimeError names them. Returns the results in engine order."""
         results = await asyncio.gather(*calls, return_exceptions=True)
         failed = [
             (e, r) for e, r in zip(engines, results, strict=True) if isinstance(r, BaseException)
@@ -180,6 +213,7 @@ class NcclCoordinator:
             self.broker.mark_failed(engine, f"NCCL update failed: {error!r}")
         if failed:
             raise RuntimeError("; ".join(f"{e.url}: {r!r}" for e, r in failed))
+        return results
 
     async def _post(self, session, engine: EngineState, path: str, body: dict) -> dict:  # type: ignore[no-untyped-def]
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)

@@ -4,9 +4,11 @@ Sequence for one version (the broker's `NcclCoordinator` drives it):
   1. `send(version, tensors)` offers the version's bucket metadata to the broker (`NcclOffer`).
   2. If the broker answers `init`, join the weight group as rank 0 (engines join concurrently).
   3. For each `broadcast k`, broadcast bucket k's tensors from rank 0, in listed order, and ack.
-  4. `done` ends the version; `abort` abandons it (the next version re-forms the group).
-Every wait is bounded by `timeout_s` (receives, the rendezvous, each collective), so a dead
-or hung engine costs the trainer at most that long and never blocks it for good. Only trainer
+     A failed collective is acked as failed and the group dropped; the broker then either
+     starts a new attempt (`init` again, without the failed engine) or aborts.
+  4. `done` ends the version; `abort` abandons it (engines keep their previous version).
+Every wait is bounded (receives by `timeout_s`, the rendezvous and collectives by the timeout
+the broker sends with `init`), so a dead or hung engine never blocks the trainer for good. Only trainer
 rank 0 creates a sender; tensors must already be gathered (full, HF names) on its device.
 """
 
@@ -96,9 +98,10 @@ class NcclWeightSender:
         while True:
             command = self._receive(version)
             if command.action == "init":
+                sent = 0
                 self._join(port, command, backend)
             elif command.action == "broadcast":
-                sent += self._broadcast(version, command.bucket, buckets[command.bucket])
+                sent += self._broadcast(command, buckets[command.bucket])
             elif command.action == "done":
                 return sent
             else:
@@ -122,29 +125,32 @@ class NcclWeightSender:
         try:
             self.group = join_group(
                 self.master_address, port, 0, command.world_size, command.group_name, backend,
-                timedelta(seconds=self.timeout_s),
+                timedelta(seconds=command.timeout_s),
             )  # fmt: skip
-        except Exception as exc:  # rendezvous timeout or a peer that vanished: report, go on
-            raise WeightSyncError(f"joining weight group {command.group_name}: {exc}") from exc
+        except Exception as exc:  # a rank never came: the broker times it out and decides
+            log.warning("joining weight group %s failed: %s", command.group_name, exc)
+            return
         log.info("joined %s (%d ranks, %s)", command.group_name, command.world_size, backend)
 
-    def _broadcast(self, version: int, index: int, bucket: list[tuple[str, torch.Tensor]]) -> int:
+    def _broadcast(self, command: NcclCommand, bucket: list[tuple[str, torch.Tensor]]) -> int:
         import torch
         import torch.distributed as dist
 
+        ack = NcclAck(
+            version=command.version, attempt=command.attempt, bucket=command.bucket, ok=True
+        )
         try:
+            if self.group is None:
+                raise RuntimeError("not in a weight group (joining it failed)")
             for _name, tensor in bucket:
                 dist.broadcast(tensor, src=0, group=self.group)
             if bucket and bucket[0][1].is_cuda:
                 torch.cuda.synchronize(bucket[0][1].device)
-        except Exception as exc:  # a peer died mid-collective: the group is unusable now
-            self._socket.send(
-                encode(NcclAck(version=version, bucket=index, ok=False, error=str(exc)))
-            )
+        except Exception as exc:  # a peer died mid-collective: this group is unusable now
+            ack.ok, ack.error = False, str(exc)
             self._drop_group()
-            raise WeightSyncError(f"broadcast of bucket {index} failed: {exc}") from exc
-        self._socket.send(encode(NcclAck(version=version, bucket=index, ok=True)))
-        return sum(t.numel() * t.element_size() for _, t in bucket)
+        self._socket.send(encode(ack))
+        return sum(t.numel() * t.element_size() for _, t in bucket) if ack.ok else 0
 
     def _drop_group(self) -> None:
         if self.group is not None:

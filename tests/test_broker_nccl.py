@@ -1,0 +1,126 @@
+"""The broker's NCCL transport on CPU (gloo): real engines join a weight group and receive each
+version by broadcast from a trainer-side `NcclWeightSender`, bucket by bucket, in order.
+
+On GPUs the same code runs with NCCL (the backend follows the tensors' device).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.weight_broker.nccl_sender import NcclWeightSender, WeightSyncError
+
+PROMPT = [1, 7, 11, 14]  # <bos> 3 7 >
+
+
+def perturbed_weights(
+    model_dir, seed: int
+) -> tuple[list[tuple[str, torch.Tensor]], torch.nn.Module]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.2 * torch.randn(param.shape, generator=gen))
+    return [(n, t.detach().clone()) for n, t in model.state_dict().items()], model.eval()
+
+
+def engine_logprobs(url: str) -> tuple[str, list[int], list[float]]:
+    body = {
+        "input_ids": PROMPT, "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True},
+    }  # fmt: skip
+    out = httpx.post(f"{url}/generate", json=body, timeout=30).json()
+    triples = out["meta_info"]["output_token_logprobs"]
+    return out["meta_info"]["weight_version"], [t[1] for t in triples], [t[0] for t in triples]
+
+
+def teacher_forced(model: torch.nn.Module, tokens: list[int]) -> list[float]:
+    ids = torch.tensor([PROMPT + tokens])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    return [logp[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+@pytest.fixture
+def stack(start_service, toy_model_dir):
+    def _start(n_engines: int, *broker_flags: str):
+        engines = [
+            start_service(f"engine{i}", ["engine", "--model", str(toy_model_dir), "--port", "0",
+                                         "--update-timeout-s", "20"])
+            for i in range(n_engines)
+        ]  # fmt: skip
+        broker = start_service("broker", [
+            "broker", "--port", "0", "--transport", "nccl", *broker_flags,
+            "--engine-urls", *[e.url for e in engines],
+        ])  # fmt: skip
+        return engines, broker
+
+    return _start
+
+
+def test_each_version_is_broadcast_to_every_engine_in_order(stack, toy_model_dir) -> None:
+    engines, broker = stack(2, "--sync-timeout-s", "30")
+    # Small buckets: the version travels as many ordered broadcasts.
+    sender = NcclWeightSender(broker.info["intake_endpoint"], bucket_bytes=16 * 1024, timeout_s=30)
+    for version in (1, 2):
+        tensors, model = perturbed_weights(toy_model_dir, seed=version)
+        sent = sender.send(version, tensors)
+        assert sent == sum(t.numel() * t.element_size() for _, t in tensors)
+        for engine in engines:
+            served, tokens, logprobs = engine_logprobs(engine.url)
+            assert served == str(version)
+            expected = teacher_forced(model, tokens)
+            assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < 1e-4
+    state = httpx.get(f"{broker.url}/state").json()
+    assert state["version"] == 2
+    assert [e["version"] for e in state["engines"]] == [2, 2]
+    sender.close()
+
+
+def test_a_hung_then_dead_engine_is_dropped_and_the_others_keep_getting_versions(
+    stack, toy_model_dir
+) -> None:
+    engines, broker = stack(2, "--sync-timeout-s", "6")
+    sender = NcclWeightSender(broker.info["intake_endpoint"], bucket_bytes=16 * 1024, timeout_s=30)
+    tensors, _ = perturbed_weights(toy_model_dir, seed=1)
+    sender.send(1, tensors)
+    healthy, victim = engines
+    os.kill(victim.proc.pid, signal.SIGSTOP)  # hangs mid-update from the broker's view
+    try:
+        tensors, model = perturbed_weights(toy_model_dir, seed=2)
+        started = time.monotonic()
+        # The broker times the victim out, forms a group without it and retries: the healthy
+        # engine gets all of version 2, never a mix of buckets from two versions.
+        sender.send(2, tensors)
+        assert time.monotonic() - started < 60
+    finally:
+        os.kill(victim.proc.pid, signal.SIGKILL)
+    served, tokens, logprobs = engine_logprobs(healthy.url)
+    assert served == "2"
+    expected = teacher_forced(model, tokens)
+    assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < 1e-4
+    state = {e["url"]: e for e in httpx.get(f"{broker.url}/state").json()["engines"]}
+    assert state[victim.url]["in_rotation"] is False
+    assert state[victim.url]["last_error"]
+    # The run goes on: the next version needs no retry.
+    tensors, _ = perturbed_weights(toy_model_dir, seed=3)
+    sender.send(3, tensors)
+    assert engine_logprobs(healthy.url)[0] == "3"
+    sender.close()
+
+
+def test_with_no_engine_left_the_version_is_aborted_not_hung(stack, toy_model_dir) -> None:
+    engines, broker = stack(1, "--sync-timeout-s", "4")
+    os.kill(engines[0].proc.pid, signal.SIGKILL)
+    sender = NcclWeightSender(broker.info["intake_endpoint"], timeout_s=30)
+    tensors, _ = perturbed_weights(toy_model_dir, seed=1)
+    with pytest.raises(WeightSyncError, match="aborted"):
+        sender.send(1, tensors)
+    sender.close()
