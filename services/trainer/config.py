@@ -21,6 +21,15 @@ class TrainerConfig:
     weights_endpoint: str = _f(
         "", "ZMQ endpoint of the weight broker's intake (tcp://host:port); empty = do not send."
     )
+    weight_transport: str = _f(
+        "zmq",
+        "How weights leave the trainer: zmq (buckets pushed to the broker) or nccl (the broker "
+        "has engines join a weight group and rank 0 broadcasts; gloo when training on CPU). "
+        "Must match the broker's --transport.",
+    )
+    weights_master_address: str = _f(
+        "127.0.0.1", "nccl transport: address engines use to reach this trainer's rendezvous."
+    )
     consumer: str = _f("trainer-0", "Consumer name in the Redis consumer group.")
 
     # --- batch arithmetic ------------------------------------------------------------------

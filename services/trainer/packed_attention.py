@@ -15,6 +15,7 @@ Attention is causal and self-attention only; no sliding window, no context paral
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -77,6 +78,17 @@ class PackedDotProductAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
+def _varlen_params() -> frozenset[str]:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+_VARLEN_PARAMS = _varlen_params()
+
+
 def _packed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -93,7 +105,18 @@ def _packed_attention(
         if dropout_p:
             raise ValueError("varlen_attn has no dropout; set attention dropout to 0")
         max_len = int(params.max_seqlen_q)
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, enable_gqa=True)
+        extra: dict[str, Any] = {}
+        groups = q.shape[1] // k.shape[1]
+        if "enable_gqa" in _VARLEN_PARAMS:
+            extra["enable_gqa"] = True
+        elif groups > 1:  # torch 2.11's varlen_attn has no enable_gqa: expand k/v heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        # Causal: torch 2.11 takes is_causal; later releases express it as a (-1, 0) window.
+        if "is_causal" in _VARLEN_PARAMS:
+            extra["is_causal"] = True
+        else:
+            extra["window_size"] = (-1, 0)
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **extra)
     lengths = (cu[1:] - cu[:-1]).tolist()
     starts = cu[:-1].tolist()
     by_length: dict[int, list[int]] = {}
@@ -102,7 +125,9 @@ def _packed_attention(
             by_length.setdefault(length, []).append(start)
     pieces, order = [], []
     for length, seg_starts in by_length.items():
-        idx = torch.tensor(seg_starts).unsqueeze(1) + torch.arange(length)  # [n, L]
+        idx = torch.tensor(seg_starts, device=q.device).unsqueeze(1) + torch.arange(
+            length, device=q.device
+        )
         qs, ks, vs = (x[idx].transpose(1, 2) for x in (q, k, v))  # [n, h, L, d]
         out = F.scaled_dot_product_attention(
             qs, ks, vs, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=True

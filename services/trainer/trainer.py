@@ -17,10 +17,12 @@ Bounded by: the buffer's `max_groups` (producers wait), the sender's HWM and tim
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,9 @@ from services.trainer.batching import MicroBatch, TrainSample
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, init_distributed
 from services.trainer.stats import StepStats
+from services.weight_broker.nccl_sender import WeightSyncError
+
+log = logging.getLogger("tandem.trainer")
 
 
 @dataclass
@@ -91,10 +96,7 @@ class Trainer:
             self.version, trained = self.checkpointer.load()
             self.already_trained = set(trained)
         if self.is_main and cfg.weights_endpoint:
-            from services.weight_broker.wire import secret_from_env
-            from services.weight_broker.zmq_transport import ZmqWeightSender
-
-            self.sender = ZmqWeightSender(cfg.weights_endpoint, secret=secret_from_env())
+            self.sender = make_weight_sender(cfg)
         if self.buffer is not None:
             self.buffer.set_version("trainer", self.version)
 
@@ -270,7 +272,10 @@ class Trainer:
         self.version += 1
         tensors = self.policy.export_hf()  # collective at TP > 1: every rank takes part
         if self.sender is not None:
-            self.sender.send(self.version, tensors)
+            try:
+                self.sender.send(self.version, tensors)
+            except WeightSyncError as exc:  # engines keep the previous version; training goes on
+                log.warning("version %d did not reach the engines: %s", self.version, exc)
         if self.buffer is not None:
             self.buffer.set_version("trainer", self.version)
 
@@ -306,3 +311,17 @@ class Trainer:
 
 def max_response_len(samples: list[TrainSample]) -> int:
     return max((len(s.advantages) for s in samples), default=1)
+
+
+def make_weight_sender(cfg: TrainerConfig) -> Any:
+    """The sender matching the broker's transport (see services/weight_broker)."""
+    if cfg.weight_transport == "nccl":
+        from services.weight_broker.nccl_sender import NcclWeightSender
+
+        return NcclWeightSender(cfg.weights_endpoint, master_address=cfg.weights_master_address)
+    if cfg.weight_transport != "zmq":
+        raise ValueError(f"--weight-transport must be zmq or nccl, not {cfg.weight_transport!r}")
+    from services.weight_broker.wire import secret_from_env
+    from services.weight_broker.zmq_transport import ZmqWeightSender
+
+    return ZmqWeightSender(cfg.weights_endpoint, secret=secret_from_env())
