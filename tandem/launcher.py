@@ -55,6 +55,14 @@ class UpConfig:
     max_staleness: int = field(
         default=1, metadata={"help": "Versions a sample may lag the trainer before it is dropped."}
     )
+    weight_transport: str = field(
+        default="zmq",
+        metadata={
+            "help": "Trainer -> engines weight path: zmq (via the broker) or nccl (broadcast "
+            "into the engines' weight group; gloo on CPU).",
+            "choices": ["zmq", "nccl"],
+        },
+    )
     trainer_args: str = field(
         default="", metadata={"help": "Extra flags for `tandem trainer`, one quoted string."}
     )
@@ -106,13 +114,14 @@ def service_args(
     ]  # fmt: skip
     return {
         "engine": ["engine", "--model", str(model), "--host", "127.0.0.1", "--port", "0"],
-        "broker": ["broker", "--port", "0", *common],
+        "broker": ["broker", "--port", "0", "--transport", config.weight_transport, *common],
         "router": [
             "router", "--model", str(model), "--port", "0", "--seed", str(config.seed),
             *common, *batch, *shlex.split(config.router_args),
         ],
         "trainer": [
             "trainer", "--model", str(model), "--seed", str(config.seed), "--lr", str(config.lr),
+            "--weight-transport", config.weight_transport,
             "--max-steps", str(config.max_steps), *common, *batch,
             *shlex.split(config.trainer_args),
         ],

@@ -28,7 +28,9 @@ def run_up(run_dir: Path, *flags: str, timeout_s: float = 600) -> subprocess.Com
 
 def service_pids(run_dir: Path) -> dict[str, int]:
     logs = run_dir / "logs"
-    return {p.name.split(".")[0]: json.loads(p.read_text())["pid"] for p in logs.glob("*.ready.json")}
+    return {
+        p.name.split(".")[0]: json.loads(p.read_text())["pid"] for p in logs.glob("*.ready.json")
+    }
 
 
 def alive(pid: int) -> bool:
@@ -118,3 +120,15 @@ def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "--model" in result.stderr and "config.json" in result.stderr
     assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_the_loop_also_runs_with_the_nccl_weight_transport_on_gloo(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_up(
+        run_dir, "--max-steps", "8", "--stop-accuracy", "0", "--weight-transport", "nccl"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["engine_weight_versions"] == ["8", "8"]
+    assert summary["logprob_abs_diff_max_step0"] < 1e-3
+    assert "joined tandem_weights_0" in (run_dir / "logs" / "trainer.log").read_text()

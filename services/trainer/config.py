@@ -26,6 +26,7 @@ class TrainerConfig:
         "How weights leave the trainer: zmq (buckets pushed to the broker) or nccl (the broker "
         "has engines join a weight group and rank 0 broadcasts; gloo when training on CPU). "
         "Must match the broker's --transport.",
+        choices=["zmq", "nccl"],
     )
     weights_master_address: str = _f(
         "127.0.0.1", "nccl transport: address engines use to reach this trainer's rendezvous."
@@ -113,7 +114,7 @@ class TrainerConfig:
         "Truncated importance sampling: weight token losses by "
         "min(pi_trainer_old / pi_engine, tis_clip).",
     )
-    tis_clip: float = _f(2.0, "Upper bound of the TIS weight.")
+    tis_clip: float = _f(2.0, "Upper bound of the importance weight (TIS, and decoupled PPO's proximal/behaviour weight).")
     tis_clip_low: float = _f(0.0, "Lower bound of the TIS weight.")
     decoupled_ppo: bool = _f(
         False,
