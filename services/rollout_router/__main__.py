@@ -53,6 +53,7 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     from services.rollout_router.app import create_app
+    from services.rollout_router.fastpath import FastForwardMiddleware
     from tandem.serving import PortInUseError, serve
 
     try:
@@ -71,7 +72,7 @@ def main(argv: list[str]) -> int:
     # was installed before it: a no-op one makes a clean stop exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        serve(app, args.host, args.port, args.ready_file)
+        serve(FastForwardMiddleware(app), args.host, args.port, args.ready_file)
     except PortInUseError as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 1
