@@ -114,7 +114,10 @@ class TrainerConfig:
         "Truncated importance sampling: weight token losses by "
         "min(pi_trainer_old / pi_engine, tis_clip).",
     )
-    tis_clip: float = _f(2.0, "Upper bound of the importance weight (TIS, and decoupled PPO's proximal/behaviour weight).")
+    tis_clip: float = _f(
+        2.0,
+        "Upper bound of the importance weight (TIS, and decoupled PPO's proximal/behaviour weight).",
+    )
     tis_clip_low: float = _f(0.0, "Lower bound of the TIS weight.")
     decoupled_ppo: bool = _f(
         False,

@@ -126,7 +126,8 @@ def policy_loss(
     """Per-token clipped surrogate loss (to be aggregated by the caller) and per-token stats.
 
     Ratio base: the behaviour (engine) log-probs, or with `decoupled_ppo` the proximal ones,
-    in which case the loss is also weighted by the truncated pi_prox / pi_behaviour. With
+    in which case the loss is also weighted by pi_prox / pi_behaviour truncated to
+    [tis_clip_low, tis_clip]. With
     `use_tis` the loss is weighted by min(pi_prox / pi_behaviour, tis_clip) (TIS). GSPO uses the
     per-sample geometric-mean ratio with token-level gradients.
     """
@@ -146,9 +147,9 @@ def policy_loss(
         loss = torch.where(advantages < 0, torch.minimum(loss, dual), loss)
     stats = {"clipfrac": clipfrac, "approx_kl": (0.5 * log_ratio.square()).detach()}
     if proximal_logp is not None and (cfg.use_tis or cfg.decoupled_ppo):
+        # Truncated in both cases: an unbounded ratio lets one token dominate the step.
         is_weight = torch.exp(proximal_logp - behaviour_logp).detach()
-        if cfg.use_tis:
-            is_weight = is_weight.clamp(min=cfg.tis_clip_low, max=cfg.tis_clip)
+        is_weight = is_weight.clamp(min=cfg.tis_clip_low, max=cfg.tis_clip)
         loss = loss * is_weight
         stats["is_weight"] = is_weight
     return loss, stats
