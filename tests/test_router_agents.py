@@ -248,10 +248,30 @@ def test_sessions_of_one_group_become_one_sample_group(
     assert [s.reward for s in group.samples] == [0.0, 1.0, 2.0]
 
 
-def test_chat_completions_without_a_session_are_forwarded_to_an_engine(
+def test_openai_requests_without_a_session_are_forwarded_to_an_engine(
     buffer, chat_model_dir, start_service, engines
 ):
     router = start_service("router", router_args(buffer, chat_model_dir, [engines().url],
                                                  "--no-rollout"))  # fmt: skip
-    resp = httpx.post(router.url + "/v1/chat/completions", json={"messages": []})
-    assert resp.status_code == 404, "the fake engine has no OpenAI route: forwarded as is"
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        resp = httpx.post(router.url + path, json={"model": "m", "messages": [], "prompt": "x"})
+        assert resp.status_code == 200
+        assert resp.json()["object"] == path, "answered by the engine, not recorded"
+    assert httpx.post(router.url + "/sessions/nobody/reward", json={"reward": 1}).status_code == 404
+
+
+def test_the_example_chat_agent_trains_through_sessions(
+    buffer, toy_model_dir, start_service, engines
+):
+    router = start_service("router", router_args(buffer, toy_model_dir, [engines().url],
+                                                 "--no-rollout"))  # fmt: skip
+    agent = subprocess.run(
+        [sys.executable, str(ROOT / "examples/chat_agent.py"), "--router-url", router.url,
+         "--groups", "3", "--group-size", "2", "--concurrency", "4"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert agent.returncode == 0, agent.stderr
+    assert "episodes: 6" in agent.stdout
+    groups = read_all(buffer)
+    assert len(groups) == 3 and all(len(g.samples) == 2 for g in groups)
+    assert all(s.prompt_ids[0] == 1 and s.prompt_ids[-1] == 14 for g in groups for s in g.samples)

@@ -213,3 +213,21 @@ def test_router_answers_generate_like_an_engine_and_stops_cleanly_on_sigterm(
     assert router.proc.returncode == 0
     assert "router stopped: tasks cancelled" in router.log()
     assert "Traceback" not in router.log()
+
+
+def test_rollout_waits_while_the_buffer_is_full_and_goes_on_when_the_trainer_acks(
+    buffer, toy_model_dir, start_service, engines
+):
+    urls = [engines().url]
+    args = router_args(buffer, toy_model_dir, urls, "--max-staleness", "1000")
+    args[args.index("--max-groups") + 1] = "6"
+    router = start_service("router", args)
+    wait_until(lambda: get_json(router.url + "/rollout/status")["state"] == "waiting_for_buffer",
+               "the full buffer to hold the rollout")  # fmt: skip
+    assert buffer.depth() == 6
+    entries = buffer.read_groups("trainer-1", 4, block_ms=None)
+    buffer.ack([entry_id for entry_id, _g in entries])
+    wait_until(
+        lambda: get_json(router.url + "/rollout/status")["groups_put"] == 10, "4 more groups"
+    )
+    assert buffer.depth() == 6

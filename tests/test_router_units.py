@@ -144,3 +144,17 @@ async def test_the_limiter_admits_at_most_its_limit_and_can_be_raised_while_task
     release.set()
     await asyncio.gather(*tasks)
     assert peak == 4 and limiter.holders == 0
+
+
+class NoEosTokenizer:
+    eos_token_id = None
+
+
+def test_startup_warns_when_nothing_would_stop_a_rollout(caplog):
+    from services.rollout_router.app import stop_ids
+    from services.rollout_router.config import SamplingConfig
+
+    assert stop_ids(NoEosTokenizer(), SamplingConfig(rollout_stop_token_ids=[7])) == [7]
+    assert "no end-of-sequence token" not in caplog.text
+    assert stop_ids(NoEosTokenizer(), SamplingConfig()) == []
+    assert "no end-of-sequence token" in caplog.text and "--rollout-stop" in caplog.text

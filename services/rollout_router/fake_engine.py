@@ -166,6 +166,13 @@ def build_app(
     async def ok(_request: web.Request) -> web.Response:
         return js({"success": True, "requests": state["requests"]})
 
+    async def openai(request: web.Request) -> web.Response:
+        """Enough of an OpenAI answer to see that a request was forwarded here."""
+        body = orjson.loads(await request.read())
+        return js({"object": request.path, "model": body.get("model"), "choices": [
+            {"index": 0, "text": "01", "message": {"role": "assistant", "content": "01"},
+             "finish_reason": "stop"}]})  # fmt: skip
+
     app = web.Application()
     app.router.add_post("/generate", generate)
     for path in ("/get_model_info", "/model_info"):
@@ -174,6 +181,8 @@ def build_app(
     for path in ("/health", "/health_generate", "/get_server_info", "/server_info", "/get_load"):
         app.router.add_get(path, ok)
     app.router.add_post("/flush_cache", ok)
+    app.router.add_post("/v1/completions", openai)
+    app.router.add_post("/v1/chat/completions", openai)
     app.router.add_post("/abort_request", abort)
     app.router.add_post("/pause_generation", pause)
     app.router.add_post("/continue_generation", resume)
