@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_trainer_hf_convert import hf_logits, qwen2_tied_dir  # noqa: F401 - fixture
+from tests.test_trainer_hf_convert import (  # noqa: F401 - fixtures
+    hf_logits,
+    megatron_world,
+    qwen2_tied_dir,
+)
 
 IDS = torch.tensor([[1, 5, 6, 14, 6, 5, 2, 7, 8, 9, 3]])
 
@@ -48,16 +52,16 @@ def test_hf_to_megatron_and_back_round_trips_tensors_and_logits(
 
 
 def test_megatron_logits_from_a_converted_checkpoint_equal_transformers_logits(
-    toy_model_dir: Path, tmp_path: Path
+    megatron_world: None,  # noqa: F811 - the imported fixture
+    toy_model_dir: Path,
+    tmp_path: Path,
 ) -> None:
     from megatron.core import dist_checkpointing
 
     from services.trainer import hf_convert
-    from services.trainer.policy import init_distributed
 
     done = convert("hf-to-megatron", "--hf-dir", str(toy_model_dir), "--save", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
-    init_distributed(tp_size=1, seed=0)
     arch = hf_convert.read_hf_arch(toy_model_dir)
     model = hf_convert.build_gpt_model(arch, hf_convert.transformer_config(arch), 128)
     loaded = dist_checkpointing.load(

@@ -1,17 +1,17 @@
 """HF <-> megatron conversion: logits equal `transformers`, export round-trips, packed = unpacked.
 
-These tests build megatron models in the pytest process (gloo world of one); the CPU
-compatibility mode of `services.trainer.cpu_compat` stays installed for the rest of the session.
+These tests build megatron models in the pytest process (gloo world of one).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from services.trainer import batching, hf_convert
+from services.trainer import batching, cpu_compat, hf_convert
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, init_distributed
 
@@ -19,9 +19,13 @@ IDS = torch.tensor([[1, 5, 6, 14, 6, 5, 2, 7, 8, 9, 3]])
 
 
 @pytest.fixture(scope="module")
-def megatron_world() -> None:
+def megatron_world() -> Iterator[None]:
+    """A gloo world of one in this process; the CPU compatibility mode is removed afterwards
+    so that tests of other modules run without it."""
     torch.set_num_threads(1)
     init_distributed(tp_size=1, seed=0)
+    yield
+    cpu_compat.uninstall()
 
 
 @pytest.fixture(scope="module")

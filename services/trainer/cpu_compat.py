@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-_installed = False
+_installed: _CudaToCpuMode | None = None
+_originals: dict[str, Any] = {}
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -66,10 +67,24 @@ def install() -> bool:
     global _installed
     if torch.cuda.is_available():
         return False
-    if not _installed:
+    if _installed is None:
+        _originals.update(
+            current_device=torch.cuda.current_device, synchronize=torch.cuda.synchronize
+        )
         torch.cuda.current_device = lambda: 0  # reason 1
         torch.cuda.synchronize = lambda device=None: None  # reason 5
         # Pushed for the rest of the process: megatron creates CUDA tensors at arbitrary times.
-        _CudaToCpuMode().__enter__()
-        _installed = True
+        _installed = _CudaToCpuMode()
+        _installed.__enter__()
     return True
+
+
+def uninstall() -> None:
+    """Undo `install()` (for test processes that run other code afterwards)."""
+    global _installed
+    if _installed is None:
+        return
+    _installed.__exit__(None, None, None)
+    torch.cuda.current_device = _originals["current_device"]
+    torch.cuda.synchronize = _originals["synchronize"]
+    _installed = None
