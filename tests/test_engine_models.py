@@ -16,7 +16,7 @@ from services.engine.model_runner import KVCache, ModelRunner
 from tandem.toy_model import build_tokenizer
 
 COMMON = dict(vocab_size=16, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
 ARCHITECTURES = {
     "llama_tied_rope_scaled": ("LlamaConfig", "LlamaForCausalLM", dict(
@@ -73,3 +73,24 @@ def test_an_architecture_outside_the_family_is_refused_by_name(tmp_path: Path) -
     build_tokenizer().save_pretrained(tmp_path / "gemma")
     with pytest.raises(ValueError, match="model_type 'gemma' is not served"):
         ModelRunner(str(tmp_path / "gemma"), "", "cpu", "float32")
+
+
+def test_long_prompts_prefilled_alone_keep_their_order_and_match_transformers(
+    tmp_path: Path,
+) -> None:
+    runner = ModelRunner(str(write(tmp_path / "m", "qwen2_with_biases")), "", "cpu", "float32")
+    gen = torch.Generator().manual_seed(0)
+    lengths = [300, 5, 270, 9, 5]
+    prompts = [[1, *torch.randint(4, 16, (n - 1,), generator=gen).tolist()] for n in lengths]
+    logits, cache = runner.prefill_all(prompts)
+    assert cache.lengths.tolist() == lengths
+    tokens = logits.argmax(-1)
+    after = runner.decode(cache, tokens)
+    worst = 0.0
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = runner.model(torch.tensor([[*prompt, int(tokens[i])]])).logits[0, -2:].float()
+        worst = max(
+            worst, float((ref[0] - logits[i]).abs().max()), float((ref[1] - after[i]).abs().max())
+        )
+    assert worst < 1e-4

@@ -22,6 +22,9 @@ import torch.nn.functional as F
 # embeddings, optional q/k norms); others (e.g. Gemma's scaled embeddings) would differ silently.
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 
+# Prompts longer than this are prefilled one at a time (see `prefill_all`).
+PREFILL_ALONE_TOKENS = 256
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -182,14 +185,31 @@ class ModelRunner:
         return self.norm(hidden)
 
     def _sdpa(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
+        # no mask = plain causal attention, which lets torch pick a kernel that never
+        # materializes the [rows, heads, steps, steps] score matrix
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=k.shape[1] != q.shape[1]
-        )
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )  # fmt: skip
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def prefill_all(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, KVCache]:
+        """`prefill` in input order, with each long prompt run alone: a padded batch needs an
+        explicit mask, whose attention scores grow with the square of the longest prompt."""
+        long = [i for i, p in enumerate(prompts) if len(p) > PREFILL_ALONE_TOKENS]
+        if not long or len(prompts) == 1:
+            return self.prefill(prompts)
+        short = [i for i, p in enumerate(prompts) if len(p) <= PREFILL_ALONE_TOKENS]
+        batches = ([short] if short else []) + [[i] for i in long]
+        parts = [self.prefill([prompts[i] for i in batch]) for batch in batches]
+        order = [i for batch in batches for i in batch]
+        back = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=self.device)
+        logits = torch.cat([p[0] for p in parts]).index_select(0, back)
+        return logits, KVCache.concat([p[1] for p in parts]).select(back)
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, KVCache]:
@@ -202,11 +222,13 @@ class ModelRunner:
         ids, lengths_dev = ids.to(self.device), lengths.to(self.device)
         arange = torch.arange(steps, device=self.device)
         positions = arange.expand(len(prompts), steps)
-        # query i sees key j when j <= i and j is a real prompt token of that row
-        mask = (arange[None, :] <= arange[:, None])[None] & (
-            arange[None, None, :] < lengths_dev[:, None, None]
-        )
-        mask = mask[:, None]
+        mask: torch.Tensor | None = None
+        if int(lengths.min()) != steps:
+            # query i sees key j when j <= i and j is a real prompt token of that row
+            mask = (arange[None, :] <= arange[:, None])[None] & (
+                arange[None, None, :] < lengths_dev[:, None, None]
+            )
+            mask = mask[:, None]
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
 

@@ -310,7 +310,7 @@ class Scheduler:
             if tokens in unique:
                 seq.cached_tokens = len(seq.prompt)
             rows.append(unique.setdefault(tokens, len(unique)))
-        logits, cache = self.runner.prefill([list(t) for t in unique])
+        logits, cache = self.runner.prefill_all([list(t) for t in unique])
         self.stats["forward_passes"] += 1
         if len(unique) != len(seqs):
             index = torch.tensor(rows, device=cache.lengths.device)
