@@ -5,7 +5,9 @@ These tests build megatron models in the pytest process (gloo world of one).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,46 @@ def qwen2_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("qwen2") / "model"
     model.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def llama3_rope_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with Llama-3.1-style RoPE scaling and a long context."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16384,
+        rope_parameters=rope, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(2)
+    out = tmp_path_factory.mktemp("llama3") / "model"
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def test_llama3_rope_scaling_matches_transformers_at_long_positions(
+    megatron_world: None, llama3_rope_dir: Path
+) -> None:
+    policy = Policy(TrainerConfig(model=str(llama3_rope_dir)), str(llama3_rope_dir), train=False)
+    assert policy.arch.rope_scaling_factor == 8.0
+    ids = torch.randint(0, 40, (1, 3000), generator=torch.Generator().manual_seed(0))
+    reference = hf_logits(llama3_rope_dir, ids)
+    assert (megatron_logits(policy, ids) - reference).abs().max().item() < 1e-6
+    unscaled = replace(policy.arch, rope_scaling_factor=0.0)
+    plain = hf_convert.build_gpt_model(unscaled, hf_convert.transformer_config(unscaled), 128)
+    hf_convert.load_hf_into_model(plain, unscaled, hf_convert.load_hf_state(llama3_rope_dir))
+    policy.model = plain  # the same weights without scaling must be measurably different
+    assert (megatron_logits(policy, ids) - reference).abs().max().item() > 1e-4
+
+
+def test_unsupported_rope_scaling_is_refused_naming_the_file(tmp_path: Path) -> None:
+    config = {"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json: rope scaling"):
+        hf_convert.read_hf_arch(tmp_path)
 
 
 def hf_logits(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ class HfArch:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    rope_scaling_factor: float = 0.0  # > 0: llama3-style RoPE scaling with this factor
 
     def padded_vocab_size(self, divisible_by: int, tp_size: int) -> int:
         """Vocab rounded up so each TP rank holds an equal slice of `divisible_by` multiples."""
@@ -67,8 +68,15 @@ def arch_from_config(cfg: dict, path: str = "config.json") -> HfArch:
             f"{path}: model_type {model_type!r} unsupported; use one of {SUPPORTED_MODEL_TYPES}"
         )
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise ValueError(f"{path}: rope scaling {rope!r} is not supported by the converter")
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    scaling = 0.0
+    if rope_type == "llama3" and _is_megatron_llama3(rope):
+        scaling = float(rope["factor"])
+    elif rope_type != "default":
+        raise ValueError(
+            f"{path}: rope scaling {rope!r} is not supported (default RoPE, or llama3 with "
+            "low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)"
+        )
     heads = cfg["num_attention_heads"]
     return HfArch(
         model_type=model_type,
@@ -84,6 +92,16 @@ def arch_from_config(cfg: dict, path: str = "config.json") -> HfArch:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        rope_scaling_factor=scaling,
+    )
+
+
+def _is_megatron_llama3(rope: dict) -> bool:
+    """megatron-core hard-codes these llama3 scaling constants (Llama 3.1 / 3.2 use them)."""
+    return (
+        float(rope.get("low_freq_factor", 0)) == 1.0
+        and float(rope.get("high_freq_factor", 0)) == 4.0
+        and int(rope.get("original_max_position_embeddings", 0)) == 8192
     )
 
 
@@ -133,6 +151,8 @@ def build_gpt_model(
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
+        rope_scaling=arch.rope_scaling_factor > 0,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
 
 
