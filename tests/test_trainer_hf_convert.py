@@ -94,7 +94,7 @@ def test_llama3_rope_scaling_matches_transformers_at_long_positions(
 def test_unsupported_rope_scaling_is_refused_naming_the_file(tmp_path: Path) -> None:
     config = {"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="config.json: rope scaling"):
+    with pytest.raises(ValueError, match=r"config\.json: rope scaling"):
         hf_convert.read_hf_arch(tmp_path)
 
 
