@@ -94,6 +94,9 @@ class WeightBucketHeader(msgspec.Struct, kw_only=True):
     Trainer -> broker (ZMQ PUSH) and broker -> engine (ZMQ ROUTER reply). A version is complete
     when buckets 0..num_buckets-1 have arrived. `mac` is an HMAC-SHA256 over the header (with
     `mac` empty) and every frame, keyed by the shared secret; empty when no secret is set.
+    On one host the payload may instead sit in a shared-memory file: then no frames follow,
+    tensor i starts at byte `shm_offsets[i]` of `shm_path`, and the MAC covers the header only
+    (the file is created mode 0600, so only the trainer's user can write it).
     """
 
     version: int
@@ -101,6 +104,8 @@ class WeightBucketHeader(msgspec.Struct, kw_only=True):
     num_buckets: int
     tensors: list[TensorMeta]
     mac: bytes = b""
+    shm_path: str = ""
+    shm_offsets: list[int] = []
     schema_version: int = SCHEMA_VERSION
 
 

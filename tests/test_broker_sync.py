@@ -86,6 +86,32 @@ def test_every_engine_gets_each_version_and_redis_reports_it(
     sender.close()
 
 
+def test_on_one_host_the_payload_travels_through_shared_memory(
+    start_service, fake_engine, buffer: SampleBuffer, tmp_path
+) -> None:
+    engines = [fake_engine("s1"), fake_engine("s2")]
+    broker = start_service("broker", [
+        "broker", "--port", "0", "--redis-url", buffer.config.redis_url,
+        "--run-id", buffer.config.run_id, "--engine-urls", *[e.url for e in engines],
+    ])  # fmt: skip
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    sender = ZmqWeightSender(broker.info["intake_endpoint"], shm_dir=str(shm), keep_shm=2)
+    for step in (1, 2, 3):
+        assert sender.send(step, weights(step)) == sum(
+            t.numel() * t.element_size() for _, t in weights(step)
+        )
+        wait_for(lambda s=step: buffer.get_version("engines") == s, what=f"engines on {step}")
+        for engine in engines:
+            assert httpx.get(f"{engine.url}/checksums").json()["sums"] == expected_sums(step)
+    # Only the newest versions' files remain; each is private to the trainer's user.
+    files = sorted(shm.iterdir())
+    assert [f.name.rsplit("-v", 1)[1] for f in files] == ["2", "3"]
+    assert all(f.stat().st_mode & 0o077 == 0 for f in files)
+    sender.close()
+    assert list(shm.iterdir()) == []
+
+
 def test_a_failing_engine_is_taken_out_and_the_others_still_advance(
     start_service, fake_engine, buffer: SampleBuffer
 ) -> None:

@@ -27,8 +27,9 @@ import aiohttp
 import zmq
 import zmq.asyncio
 
-from proto import NcclAck, NcclCommand, NcclOffer, decode, encode
+from proto import NcclAck, NcclCommand, NcclOffer, WeightBucketHeader, decode, encode
 from services.weight_broker.broker import EngineState, WeightBroker
+from services.weight_broker.store import header_nbytes
 
 log = logging.getLogger("tandem.broker.nccl")
 # Tries per version: the first, plus one with a fresh group if an engine failed during it.
@@ -106,7 +107,10 @@ class NcclCoordinator:
                 await self._each(session, engines, self._continue, ignore_errors=True)
 
     def _finish(self, offer: NcclOffer, engines: list[EngineState], elapsed_s: float) -> None:
-        nbytes = sum(_nbytes(meta) for bucket in offer.buckets for meta in bucket)
+        nbytes = sum(
+            header_nbytes(WeightBucketHeader(version=0, bucket_index=0, num_buckets=1, tensors=b))
+            for b in offer.buckets
+        )
         for engine in engines:
             self.broker.mark_synced(engine, offer.version, elapsed_s, nbytes)
         self.broker.store.latest = offer.version
@@ -231,18 +235,3 @@ class NcclCoordinator:
 
     async def _command(self, identity: bytes, command: NcclCommand) -> None:
         await self.socket.send_multipart([identity, encode(command)])
-
-
-def _nbytes(meta) -> int:  # type: ignore[no-untyped-def]
-    import math
-
-    sizes = {
-        "float32": 4,
-        "bfloat16": 2,
-        "float16": 2,
-        "float64": 8,
-        "int64": 8,
-        "int32": 4,
-        "uint8": 1,
-    }
-    return math.prod(meta.shape) * sizes.get(meta.dtype, 4)

@@ -29,6 +29,21 @@ class Version:
         return [self.buckets[i] for i in range(self.num_buckets)]
 
 
+_DTYPE_BYTES = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "bfloat16": 2, "float16": 2,
+                "int16": 2, "int8": 1, "uint8": 1, "bool": 1}  # fmt: skip
+
+
+def header_nbytes(header: WeightBucketHeader) -> int:
+    """Tensor bytes a bucket describes (for shared-memory buckets, which carry no frames)."""
+    total = 0
+    for meta in header.tensors:
+        count = 1
+        for dim in meta.shape:
+            count *= dim
+        total += count * _DTYPE_BYTES.get(meta.dtype, 4)
+    return total
+
+
 class VersionStore:
     def __init__(self, keep_versions: int = 2) -> None:
         self.keep_versions = max(1, keep_versions)
@@ -54,7 +69,11 @@ class VersionStore:
                     f"{header.num_buckets} buckets, earlier ones said {entry.num_buckets}"
                 )
             entry.buckets[header.bucket_index] = message
-            entry.nbytes += sum(frame_view(f).nbytes for f in message[1:])
+            entry.nbytes += (
+                header_nbytes(header)
+                if header.shm_path
+                else sum(frame_view(f).nbytes for f in message[1:])
+            )
             if not entry.complete:
                 return None
             del self._partial[header.version]

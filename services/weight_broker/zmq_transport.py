@@ -12,6 +12,8 @@ Wire format and authentication: `services.weight_broker.wire`.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -26,6 +28,7 @@ from services.weight_broker.wire import (
     frame_view,
     make_buckets,
     parse_bucket,
+    write_shm_version,
 )
 
 if TYPE_CHECKING:
@@ -38,7 +41,12 @@ SEND_HWM = 64
 
 
 class ZmqWeightSender:
-    """Trainer side of the trainer -> broker hop."""
+    """Trainer side of the trainer -> broker hop.
+
+    With `shm_dir` (trainer, broker and engines on one host), each version is written once
+    into a file there and only headers travel over ZMQ; the files of the `keep_shm` newest
+    versions are kept (an engine may still be reading the previous one), older ones unlinked.
+    """
 
     def __init__(
         self,
@@ -46,8 +54,13 @@ class ZmqWeightSender:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         secret: bytes | None = None,
         timeout_s: float = 120.0,
+        shm_dir: str | None = None,
+        keep_shm: int = 2,
     ) -> None:
         self.endpoint = endpoint
+        self.shm_dir = shm_dir
+        self.keep_shm = keep_shm
+        self._shm_files: list[str] = []
         self.bucket_bytes = bucket_bytes
         self.secret = secret
         self.timeout_s = timeout_s
@@ -61,7 +74,17 @@ class ZmqWeightSender:
         """Send one version; returns the tensor bytes sent."""
         total = 0
         deadline = time.monotonic() + self.timeout_s
-        for message in make_buckets(named_tensors, version, self.bucket_bytes, self.secret):
+        if self.shm_dir:
+            tensors = list(named_tensors)
+            total = sum(t.numel() * t.element_size() for _, t in tensors)
+            path = os.path.join(self.shm_dir, f"tandem-weights-{os.getpid()}-{id(self)}-v{version}")
+            messages = write_shm_version(tensors, version, path, self.secret)
+            self._shm_files.append(path)
+            while len(self._shm_files) > self.keep_shm:
+                _unlink(self._shm_files.pop(0))
+        else:
+            messages = make_buckets(named_tensors, version, self.bucket_bytes, self.secret)
+        for message in messages:
             while not self._socket.poll(100, zmq.POLLOUT):
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -69,11 +92,21 @@ class ZmqWeightSender:
                         f"{self.timeout_s:.0f}s (is `tandem broker` running there?)"
                     )
             self._socket.send_multipart(message, copy=False)
-            total += sum(frame_view(f).nbytes for f in message[1:])
+            if not self.shm_dir:
+                total += sum(frame_view(f).nbytes for f in message[1:])
         return total
 
     def close(self) -> None:
         self._socket.close()
+        for path in self._shm_files:
+            _unlink(path)
+        self._shm_files.clear()
+
+
+def _unlink(path: str) -> None:
+    """Remove a version file; engines that mapped it keep their (private) mapping."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def fetch_weights(
