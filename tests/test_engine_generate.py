@@ -238,3 +238,29 @@ def test_no_post_route_answers_garbage_with_a_server_error(engine) -> None:  # t
             resp = httpx.post(f"{engine.url}{path}", content=body, timeout=30,
                               headers={"content-type": "application/json"})  # fmt: skip
             assert 400 <= resp.status_code < 500, (path, body, resp.status_code, resp.text)
+
+
+def test_prompt_logprobs_from_logprob_start_len_match_teacher_forcing(
+    engine, toy_model_dir
+) -> None:  # type: ignore[no-untyped-def]
+    prompt = [1, 9, 9, 8, 7, 14]
+    scored = generate(engine.url, {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+                                   "sampling_params": {"max_new_tokens": 0}})  # fmt: skip
+    meta = scored["meta_info"]
+    assert scored["output_ids"] == [] and meta["finish_reason"] == {"type": "length", "length": 0}
+    entries = meta["input_token_logprobs"]
+    assert [e[1] for e in entries] == prompt and entries[0][0] is None
+    reference = teacher_forced_logprobs(toy_model_dir, prompt[:1], prompt[1:])
+    assert torch.tensor([e[0] for e in entries[1:]]) == pytest.approx(reference, abs=1e-4)
+    tail = generate(engine.url, {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 3,
+                                 "sampling_params": {"max_new_tokens": 2, "n": 2}})  # fmt: skip
+    for result in tail:
+        assert [e[1] for e in result["meta_info"]["input_token_logprobs"]] == prompt[3:]
+        assert [e[0] for e in result["meta_info"]["input_token_logprobs"]] == pytest.approx(
+            [e[0] for e in entries[3:]], abs=1e-5
+        )
+    default = generate(
+        engine.url,
+        {"input_ids": prompt, "return_logprob": True, "sampling_params": {"max_new_tokens": 1}},
+    )
+    assert default["meta_info"]["input_token_logprobs"] == []

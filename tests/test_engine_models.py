@@ -46,8 +46,8 @@ def test_prefill_and_decode_logits_equal_a_full_transformers_forward(
     runner = ModelRunner(str(write(tmp_path / arch, arch)), "", "cpu", "float32")
     prompts = [[1, 4, 5, 6, 14], [1, 9], [1, 7, 7, 8, 9, 10, 11, 14]]
     seqs = [list(p) for p in prompts]
-    logits, cache = runner.prefill(prompts)
-    late_logits, late = runner.prefill([[1, 12, 13]])  # a row that joins the running batch later
+    logits, cache, _ = runner.prefill(prompts)
+    late_logits, late, _ = runner.prefill([[1, 12, 13]])  # a row that joins the running batch later
     worst = 0.0
     for step in range(6):
         if step == 2:
@@ -82,7 +82,7 @@ def test_long_prompts_prefilled_alone_keep_their_order_and_match_transformers(
     gen = torch.Generator().manual_seed(0)
     lengths = [300, 5, 270, 9, 5]
     prompts = [[1, *torch.randint(4, 16, (n - 1,), generator=gen).tolist()] for n in lengths]
-    logits, cache = runner.prefill_all(prompts)
+    logits, cache, _ = runner.prefill_all(prompts)
     assert cache.lengths.tolist() == lengths
     tokens = logits.argmax(-1)
     after = runner.decode(cache, tokens)

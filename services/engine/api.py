@@ -19,6 +19,7 @@ from services.engine.scheduler import Job, Sequence, new_rid
 
 # Fields of SGLang's GenerateReqInput that we implement.
 IMPLEMENTED_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream",
+                      "logprob_start_len",
            "top_logprobs_num", "return_text_in_logprobs", "return_prompt_token_ids"}  # fmt: skip
 # Fields that would change what is generated or returned: refused unless unset/false.
 UNSUPPORTED_FIELDS = {
@@ -29,7 +30,7 @@ UNSUPPORTED_FIELDS = {
 }  # fmt: skip
 # SGLang fields accepted and ignored: routing hints, logging, bookkeeping (output unchanged).
 IGNORED_FIELDS = {
-    "logprob_start_len", "log_metrics", "modalities", "bootstrap_host", "bootstrap_port",
+    "log_metrics", "modalities", "bootstrap_host", "bootstrap_port",
     "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "data_parallel_rank",
     "routed_dp_rank", "disagg_prefill_dp_rank", "priority", "background", "extra_key",
     "routing_key", "conversation_id", "no_logs", "custom_labels", "external_trace_header",
@@ -53,6 +54,7 @@ class GenerateInput:
     max_new_tokens_given: list[bool]
     top_logprobs_num: int = 0
     return_prompt_token_ids: bool = False
+    logprob_start_len: int = -1
 
     @property
     def flat_list(self) -> bool:
@@ -87,12 +89,21 @@ def parse_generate(
     for prompt, p, explicit in zip(prompts, params, given, strict=True):
         _check_context(prompt, p, explicit, context_length)
     rids = _rids(body.get("rid"), len(prompts), batch)
+    start = body.get("logprob_start_len")
+    start = -1 if start is None else start
+    if not isinstance(start, int) or isinstance(start, bool) or start < -1:
+        raise RequestError(f"logprob_start_len must be an integer >= -1, got {start!r}")
+    for prompt in prompts:
+        if start > len(prompt):
+            raise RequestError(
+                f"logprob_start_len={start} is higher than the number of input tokens {len(prompt)}"
+            )
     return GenerateInput(
         prompts=prompts, params=params, rids=rids, batch=batch,
         return_logprob=_flag(body, "return_logprob"),
         text_in_logprobs=_flag(body, "return_text_in_logprobs"),
         stream=_flag(body, "stream"), max_new_tokens_given=given,
-        top_logprobs_num=min(top_n, vocab_size),
+        top_logprobs_num=min(top_n, vocab_size), logprob_start_len=start,
         return_prompt_token_ids=_flag(body, "return_prompt_token_ids"),
     )  # fmt: skip
 
@@ -171,6 +182,8 @@ def make_jobs(inp: GenerateInput, notify: Callable[[Job, bool], None]) -> list[J
             seed = derive_seed(params.sampling_seed, i)
             seq = Sequence(seq_id, prompt, params, seed, job)
             seq.top_logprobs_num = inp.top_logprobs_num if inp.return_logprob else 0
+            if inp.return_logprob and inp.logprob_start_len >= 0:
+                seq.input_logprob_start = inp.logprob_start_len
             job.sequences.append(seq)
         jobs.append(job)
     return jobs
@@ -194,7 +207,10 @@ def sequence_json(seq: Sequence, inp: GenerateInput, tokenizer: Any, done: bool 
     }
     if inp.return_logprob:
         text = _token_text(tokenizer, inp.text_in_logprobs)
-        meta["input_token_logprobs"] = []
+        scored = seq.prompt[inp.logprob_start_len :] if seq.input_logprobs is not None else []
+        meta["input_token_logprobs"] = [
+            [lp, tok, text(tok)] for lp, tok in zip(seq.input_logprobs or [], scored, strict=True)
+        ]
         meta["output_token_logprobs"] = [
             [lp, tok, text(tok)] for lp, tok in zip(seq.logprobs[:count], output_ids, strict=True)
         ]

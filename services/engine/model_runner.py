@@ -22,6 +22,8 @@ import torch.nn.functional as F
 # embeddings, optional q/k norms); others (e.g. Gemma's scaled embeddings) would differ silently.
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 
+Score = tuple[int, float]  # (first prompt position to score, temperature)
+
 # Prompts longer than this are prefilled one at a time (see `prefill_all`).
 PREFILL_ALONE_TOKENS = 256
 
@@ -197,23 +199,36 @@ class ModelRunner:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def prefill_all(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, KVCache]:
+    def prefill_all(
+        self, prompts: Sequence[Sequence[int]], score: Sequence[Score | None] | None = None
+    ) -> tuple[torch.Tensor, KVCache, list[list[float | None] | None]]:
         """`prefill` in input order, with each long prompt run alone: a padded batch needs an
         explicit mask, whose attention scores grow with the square of the longest prompt."""
+        score = list(score or [None] * len(prompts))
         long = [i for i, p in enumerate(prompts) if len(p) > PREFILL_ALONE_TOKENS]
         if not long or len(prompts) == 1:
-            return self.prefill(prompts)
+            return self.prefill(prompts, score)
         short = [i for i, p in enumerate(prompts) if len(p) <= PREFILL_ALONE_TOKENS]
         batches = ([short] if short else []) + [[i] for i in long]
-        parts = [self.prefill([prompts[i] for i in batch]) for batch in batches]
+        parts = [self.prefill([prompts[i] for i in b], [score[i] for i in b]) for b in batches]
         order = [i for batch in batches for i in batch]
-        back = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=self.device)
-        logits = torch.cat([p[0] for p in parts]).index_select(0, back)
-        return logits, KVCache.concat([p[1] for p in parts]).select(back)
+        back = sorted(range(len(order)), key=order.__getitem__)
+        index = torch.tensor(back, device=self.device)
+        logits = torch.cat([p[0] for p in parts]).index_select(0, index)
+        scores = [s for p in parts for s in p[2]]
+        return (
+            logits,
+            KVCache.concat([p[1] for p in parts]).select(index),
+            [scores[i] for i in back],
+        )
 
     @torch.inference_mode()
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, KVCache]:
-        """Run whole prompts; return the next-token logits `[rows, vocab]` (fp32) and their cache."""
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], score: Sequence[Score | None] | None = None
+    ) -> tuple[torch.Tensor, KVCache, list[list[float | None] | None]]:
+        """Run whole prompts; return the next-token logits `[rows, vocab]` (fp32), their cache
+        and, for rows with a `score` (start, temperature), the logprob of each prompt token from
+        `start` on under `log_softmax(logits / temperature)` (None for the first token)."""
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         steps = int(lengths.max())
         ids = torch.zeros((len(prompts), steps), dtype=torch.long)
@@ -239,7 +254,22 @@ class ModelRunner:
 
         hidden = self._layers(self.embed(ids), positions, attend)
         last = hidden[torch.arange(len(prompts), device=self.device), lengths_dev - 1]
-        return self._logits(last), KVCache(keys, values, lengths_dev)
+        scores = [
+            None if sc is None else self._score(hidden[row], prompts[row], *sc)
+            for row, sc in enumerate(score or [None] * len(prompts))
+        ]
+        return self._logits(last), KVCache(keys, values, lengths_dev), scores
+
+    def _score(
+        self, hidden: torch.Tensor, prompt: Sequence[int], start: int, temperature: float
+    ) -> list[float | None]:
+        first = max(start, 1)
+        if first >= len(prompt):
+            return [None] * (len(prompt) - start)
+        logits = self._logits(hidden[first - 1 : len(prompt) - 1]) / temperature
+        targets = torch.as_tensor(prompt[first:], device=logits.device)
+        values = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0].tolist()
+        return [None] * (first - start) + values
 
     @torch.inference_mode()
     def decode(self, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:

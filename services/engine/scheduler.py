@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from services.engine.model_runner import KVCache, ModelRunner
+from services.engine.model_runner import KVCache, ModelRunner, Score
 from services.engine.sampling import SamplingParams, row_params, sample
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ class Sequence:
     weight_version: str = ""
     top_logprobs_num: int = 0
     retractions: int = 0
+    input_logprob_start: int | None = None  # score prompt tokens from here (logprob_start_len)
+    input_logprobs: list[float | None] | None = None
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
     @property
@@ -296,25 +298,30 @@ class Scheduler:
         self._drop_finished()
 
     def _admit(self, seqs: list[Sequence]) -> None:
-        """Prefill new (or retracted) sequences; samples that share a prompt share one prefill."""
-        for seq in seqs:
-            if seq.params.max_new_tokens == 0:
-                self._finish(seq, {"type": "length", "length": 0})
-        seqs = [s for s in seqs if not s.done]
-        if not seqs:
-            return
-        unique: dict[tuple[int, ...], int] = {}
+        """Prefill new (or retracted) sequences; samples that share a prompt share one prefill.
+        Prompt-token logprobs are computed here for sequences that asked for them."""
+        unique: dict[tuple[tuple[int, ...], Score | None], int] = {}
         rows: list[int] = []
         for seq in seqs:
-            tokens = (*seq.prompt, *seq.output_ids)
-            if tokens in unique:
+            key = ((*seq.prompt, *seq.output_ids), _score_spec(seq))
+            if key in unique:
                 seq.cached_tokens = len(seq.prompt)
-            rows.append(unique.setdefault(tokens, len(unique)))
-        logits, cache = self.runner.prefill_all([list(t) for t in unique])
+            rows.append(unique.setdefault(key, len(unique)))
+        score = [spec for _tokens, spec in unique]
+        logits, cache, scores = self.runner.prefill_all([list(t) for t, _ in unique], score)
         self.stats["forward_passes"] += 1
-        if len(unique) != len(seqs):
-            index = torch.tensor(rows, device=cache.lengths.device)
+        for seq, row in zip(seqs, rows, strict=True):
+            if score[row] is not None and seq.input_logprobs is None:
+                seq.input_logprobs = scores[row]
+            if seq.params.max_new_tokens == 0:  # prefill only (scoring a prompt)
+                self._finish(seq, {"type": "length", "length": 0})
+        keep = [i for i, seq in enumerate(seqs) if not seq.done]
+        if not keep:
+            return
+        if [rows[i] for i in keep] != list(range(len(unique))):
+            index = torch.tensor([rows[i] for i in keep], device=cache.lengths.device)
             logits, cache = logits.index_select(0, index), cache.select(index)
+        seqs = [seqs[i] for i in keep]
         for seq in seqs:
             seq.weight_version = self.weight_version
         self._running.extend(seqs)
@@ -412,6 +419,13 @@ class Scheduler:
         for command in commands:
             if command.future.set_running_or_notify_cancel():
                 command.future.set_exception(RuntimeError(message))
+
+
+def _score_spec(seq: Sequence) -> Score | None:
+    """(start, temperature) if this sequence still needs its prompt-token logprobs."""
+    if seq.input_logprob_start is None or seq.input_logprobs is not None:
+        return None
+    return seq.input_logprob_start, 1.0 if seq.params.greedy else seq.params.temperature
 
 
 def abort_reason(message: str) -> dict[str, Any]:
