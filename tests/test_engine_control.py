@@ -181,3 +181,25 @@ def test_streaming_several_samples_tags_each_event_with_its_index(engine) -> Non
     assert sorted(last) == [0, 1, 2]
     plain = post(engine.url, "/generate", {**body, "stream": False}).json()
     assert [last[i]["output_ids"] for i in range(3)] == [r["output_ids"] for r in plain]
+
+
+def test_release_memory_pauses_until_resume_and_weights_survive(engine) -> None:  # type: ignore[no-untyped-def]
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+    }
+    before = post(engine.url, "/generate", body).json()["output_ids"]
+    assert (
+        post(
+            engine.url, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]}
+        ).status_code
+        == 200
+    )
+    assert post(engine.url, "/continue_generation").status_code == 400  # must resume memory first
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(post, engine.url, "/generate", body)
+        wait_until(lambda: httpx.get(f"{engine.url}/get_load").json()[0]["num_waiting_reqs"] == 1,
+                   "the request to queue")  # fmt: skip
+        assert not waiting.done()
+        assert post(engine.url, "/resume_memory_occupation", {}).status_code == 200
+        assert waiting.result().json()["output_ids"] == before

@@ -42,6 +42,7 @@ class Engine:
         )  # fmt: skip
         self.weights = WeightUpdater(self.runner, self.scheduler, config.update_timeout_s)
         self.paused = False
+        self.released = False
 
     def start(self) -> None:
         self.scheduler.start()
@@ -142,8 +143,29 @@ class Engine:
         self.paused = True
 
     def resume(self) -> None:
+        if self.released:
+            raise RequestError("memory is released: call /resume_memory_occupation first")
         self.paused = False
         self.scheduler.resume()
+
+    async def release_memory(self) -> None:
+        """Colocated mode: stop generating and move the weights off the accelerator (kept in
+        host memory, so resuming restores them). SGLang requires an idle server; so do we."""
+        if not self.scheduler.idle:
+            raise RequestError("requests are running: pause_generation (abort) or wait first")
+        await asyncio.wrap_future(self.scheduler.pause("in_place"))
+        await asyncio.wrap_future(self.scheduler.run_exclusive(lambda: self.runner.model.to("cpu")))
+        self.released = self.paused = True
+
+    async def resume_memory(self) -> None:
+        if not self.released:
+            raise RequestError("memory is not released")
+        device = self.runner.device
+        await asyncio.wrap_future(
+            self.scheduler.run_exclusive(lambda: self.runner.model.to(device))
+        )
+        self.released = False
+        self.resume()
 
     def abort(self, rid: str | None) -> None:
         self.scheduler.abort(rid)

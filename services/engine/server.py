@@ -191,6 +191,16 @@ def _add_control_routes(app: FastAPI, engine: Engine) -> None:
         engine.resume()
         return json_response({"success": True, "message": "Generation continued."})
 
+    @app.post("/release_memory_occupation")
+    async def release_memory() -> Response:
+        await engine.release_memory()
+        return json_response({"success": True, "message": "Memory released; generation paused."})
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory() -> Response:
+        await engine.resume_memory()
+        return json_response({"success": True, "message": "Memory resumed; generation continues."})
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         body = await read_json(request)
