@@ -39,11 +39,18 @@ def write(out: Path, arch: str) -> Path:
     return out
 
 
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_prefill_and_decode_logits_equal_a_full_transformers_forward(
-    tmp_path: Path, arch: str
+    tmp_path: Path, arch: str, device: str
 ) -> None:
-    runner = ModelRunner(str(write(tmp_path / arch, arch)), "", "cpu", "float32")
+    runner = ModelRunner(str(write(tmp_path / arch, arch)), "", device, "float32")
     prompts = [[1, 4, 5, 6, 14], [1, 9], [1, 7, 7, 8, 9, 10, 11, 14]]
     seqs = [list(p) for p in prompts]
     logits, cache, _ = runner.prefill(prompts)
@@ -55,7 +62,7 @@ def test_prefill_and_decode_logits_equal_a_full_transformers_forward(
             seqs.append([1, 12, 13])
         for seq, row in zip(seqs, logits, strict=True):
             with torch.no_grad():
-                reference = runner.model(torch.tensor([seq])).logits[0, -1].float()
+                reference = runner.model(torch.tensor([seq], device=device)).logits[0, -1].float()
             worst = max(worst, float((reference - row).abs().max()))
         tokens = logits.argmax(-1)
         for seq, token in zip(seqs, tokens.tolist(), strict=True):
@@ -75,10 +82,11 @@ def test_an_architecture_outside_the_family_is_refused_by_name(tmp_path: Path) -
         ModelRunner(str(tmp_path / "gemma"), "", "cpu", "float32")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 def test_long_prompts_prefilled_alone_keep_their_order_and_match_transformers(
-    tmp_path: Path,
+    tmp_path: Path, device: str
 ) -> None:
-    runner = ModelRunner(str(write(tmp_path / "m", "qwen2_with_biases")), "", "cpu", "float32")
+    runner = ModelRunner(str(write(tmp_path / "m", "qwen2_with_biases")), "", device, "float32")
     gen = torch.Generator().manual_seed(0)
     lengths = [300, 5, 270, 9, 5]
     prompts = [[1, *torch.randint(4, 16, (n - 1,), generator=gen).tolist()] for n in lengths]
@@ -89,7 +97,8 @@ def test_long_prompts_prefilled_alone_keep_their_order_and_match_transformers(
     worst = 0.0
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
-            ref = runner.model(torch.tensor([[*prompt, int(tokens[i])]])).logits[0, -2:].float()
+            ids = torch.tensor([[*prompt, int(tokens[i])]], device=device)
+            ref = runner.model(ids).logits[0, -2:].float()
         worst = max(
             worst, float((ref[0] - logits[i]).abs().max()), float((ref[1] - after[i]).abs().max())
         )
