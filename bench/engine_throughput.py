@@ -62,8 +62,9 @@ class Engine:
     """`tandem engine` as a subprocess (killed by process group on exit)."""
 
     def __init__(self, model: Path, workdir: Path) -> None:
-        ready = workdir / "engine.ready.json"
-        self.log = workdir / "engine.log"
+        ready = workdir / f"engine-{model.name}.ready.json"
+        ready.unlink(missing_ok=True)
+        self.log = workdir / f"engine-{model.name}.log"
         cmd = [sys.executable, "-m", "tandem.cli", "engine", "--model", str(model), "--port", "0",
                "--ready-file", str(ready), "--num-threads", "1"]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
