@@ -96,7 +96,7 @@ def test_on_one_host_the_payload_travels_through_shared_memory(
     ])  # fmt: skip
     shm = tmp_path / "shm"
     shm.mkdir()
-    sender = ZmqWeightSender(broker.info["intake_endpoint"], shm_dir=str(shm), keep_shm=2)
+    sender = ZmqWeightSender(broker.info["intake_endpoint"], shm_dir=str(shm))
     for step in (1, 2, 3):
         assert sender.send(step, weights(step)) == sum(
             t.numel() * t.element_size() for _, t in weights(step)
@@ -104,9 +104,9 @@ def test_on_one_host_the_payload_travels_through_shared_memory(
         wait_for(lambda s=step: buffer.get_version("engines") == s, what=f"engines on {step}")
         for engine in engines:
             assert httpx.get(f"{engine.url}/checksums").json()["sums"] == expected_sums(step)
-    # Only the newest versions' files remain; each is private to the trainer's user.
+    # Two slot files, double-buffered, private to the trainer's user.
     files = sorted(shm.iterdir())
-    assert [f.name.rsplit("-v", 1)[1] for f in files] == ["2", "3"]
+    assert [f.name.rsplit("-", 1)[1] for f in files] == ["slot0", "slot1"]
     assert all(f.stat().st_mode & 0o077 == 0 for f in files)
     sender.close()
     assert list(shm.iterdir()) == []

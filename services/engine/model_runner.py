@@ -314,11 +314,26 @@ class ModelRunner:
             raise WeightError("; ".join(problems[:3]) + more)
 
     @torch.inference_mode()
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy already-checked tensors into the model; returns how many were copied."""
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], adopt: bool = False) -> int:
+        """Put already-checked tensors into the model; returns how many. With `adopt`, each
+        tensor becomes its parameter's storage instead of being copied (see `can_adopt`)."""
         state = self.model.state_dict()
+        params = dict(self.model.named_parameters())
         count = 0
         for name, tensor in named:
-            state[name].copy_(tensor.to(device=state[name].device, dtype=state[name].dtype))
+            if adopt:
+                params[name].data = tensor
+            else:
+                state[name].copy_(tensor.to(device=state[name].device, dtype=state[name].dtype))
             count += 1
         return count
+
+    def can_adopt(self, named: list[tuple[str, torch.Tensor]]) -> bool:
+        """Whether `named` can replace the parameters' storage: it names every parameter,
+        each already on our device with our dtype and contiguous."""
+        params = dict(self.model.named_parameters())
+        given = {name: tensor for name, tensor in named}
+        return set(params) <= set(given) and all(
+            given[n].device == p.device and given[n].dtype == p.dtype and given[n].is_contiguous()
+            for n, p in params.items()
+        )

@@ -51,6 +51,8 @@ class WeightUpdater:
         self.scheduler = scheduler
         self.timeout_s = timeout_s
         self._lock = asyncio.Lock()
+        # Shared-memory slot our parameters live in after a zero-copy update (see _apply).
+        self._lease: Any = None
         self._group: Any = None
         self._group_name = ""
         # one dedicated thread: receives (ZMQ, disk, broadcast) never queue behind other work
@@ -70,9 +72,16 @@ class WeightUpdater:
         except TimeoutError as exc:
             raise UpdateError(f"{what} took longer than {self.timeout_s:.0f}s", 504) from exc
 
-    async def _apply(self, tensors: NamedTensors, version: str | None, abort_all: bool) -> str:
+    async def _apply(
+        self, tensors: NamedTensors, version: str | None, abort_all: bool, lease: Any = None
+    ) -> str:
         """Check, then copy in while the scheduler is drained; returns the new version.
-        `abort_all` ends running requests (partial output) instead of waiting for them."""
+        `abort_all` ends running requests (partial output) instead of waiting for them.
+
+        With a `lease` (a shared-memory slot from the broker's one-host path) and a version
+        that covers every parameter on CPU, the slot's copy-on-write views become the
+        parameters' storage: no copy. The lease is kept while they live there and the
+        previous one released, which frees its slot for the trainer's next-but-one version."""
         try:
             self.runner.check_weights((n, t.shape) for n, t in tensors)
         except WeightError as exc:
@@ -82,7 +91,11 @@ class WeightUpdater:
 
         def apply() -> str:
             started = time.monotonic()
-            count = self.runner.load_weights(tensors)
+            adopted = lease is not None and self.runner.can_adopt(tensors)
+            count = self.runner.load_weights(tensors, adopt=adopted)
+            previous, self._lease = self._lease, (lease if adopted else None)
+            if previous is not None:
+                previous.release()
             if version is not None:
                 self.scheduler.weight_version = str(version)
             log.info("weights: %d tensors copied in %.3fs, now version %s", count,
@@ -127,7 +140,7 @@ class WeightUpdater:
                 raise UpdateError(f"weight broker at {endpoint}: {exc}", 400) from exc
             except TimeoutError as exc:
                 raise UpdateError(str(exc), 504) from exc
-            return await self._apply(tensors, version, abort_all)
+            return await self._apply(tensors, version, abort_all, lease=tensors.lease)
 
     async def from_disk(self, model_path: str, version: str | None, abort_all: bool = False) -> str:
         """Reload every tensor found in an HF directory's safetensors (or .bin) files."""

@@ -24,16 +24,14 @@ import zmq
 
 from proto import NcclAck, NcclCommand, NcclOffer, TensorMeta, decode, encode
 from services.weight_broker.process_group import join_group, leave_group
-from services.weight_broker.wire import DEFAULT_BUCKET_BYTES
+
+__all__ = ["NcclWeightSender", "WeightSyncError"]
+from services.weight_broker.wire import DEFAULT_BUCKET_BYTES, WeightSyncError
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("tandem.weights.nccl")
-
-
-class WeightSyncError(RuntimeError):
-    """The version did not reach the engines (they keep the previous one)."""
 
 
 def _free_port(host: str) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import mmap
 import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,10 @@ DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 Frame = Any  # bytes, memoryview or zmq.Frame: anything exposing the buffer protocol
 
 
+class WeightSyncError(RuntimeError):
+    """A version did not reach the engines (they keep the previous one); training goes on."""
+
+
 class AuthenticationError(ValueError):
     """A bucket's MAC did not verify: it was not sent by a holder of the shared secret."""
 
@@ -41,6 +44,12 @@ def frame_view(frame: Frame) -> memoryview:
     """Byte view of a frame, whether bytes, memoryview or a `zmq.Frame`."""
     buffer: Any = frame.buffer if hasattr(frame, "buffer") else frame
     return memoryview(buffer)
+
+
+def sign(header: WeightBucketHeader, frames: Sequence[Frame], secret: bytes | None) -> None:
+    """Set `header.mac` (no-op without a secret)."""
+    if secret:
+        header.mac = _mac(secret, header, frames)
 
 
 def _mac(secret: bytes, header: WeightBucketHeader, frames: Sequence[Frame]) -> bytes:
@@ -133,12 +142,10 @@ def parse_bucket(
 def bucket_tensors(
     header: WeightBucketHeader, frames: Sequence[Frame]
 ) -> list[tuple[str, torch.Tensor]]:
-    """Tensors of a parsed bucket. They share memory with the frames, or with a private
-    (copy-on-write) mapping of the shared-memory file: no copy either way."""
+    """Tensors of a frames bucket. They share memory with the frames (no copy).
+    (A shared-memory bucket is read with `services.weight_broker.shm.read_slot`.)"""
     import torch
 
-    if header.shm_path:
-        return shm_tensors(header)
     out = []
     for meta, frame in zip(header.tensors, frames, strict=True):
         dtype = getattr(torch, meta.dtype, None)
@@ -151,73 +158,3 @@ def bucket_tensors(
             tensor = torch.frombuffer(buffer, dtype=dtype).reshape(meta.shape)
         out.append((meta.name, tensor))
     return out
-
-
-def shm_tensors(header: WeightBucketHeader) -> list[tuple[str, torch.Tensor]]:
-    """Map `header.shm_path` copy-on-write and view each tensor in place. A receiver may keep
-    these views as its own storage: writes stay private, the file is never changed."""
-    import math
-
-    import torch
-
-    with open(header.shm_path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE)
-    out = []
-    for meta, offset in zip(header.tensors, header.shm_offsets, strict=True):
-        dtype = getattr(torch, meta.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"tensor {meta.name!r} has unknown dtype {meta.dtype!r}")
-        count = math.prod(meta.shape)
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
-        if offset + nbytes > size:
-            raise ValueError(f"tensor {meta.name!r} lies beyond the end of {header.shm_path}")
-        tensor = torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset)
-        out.append((meta.name, tensor.reshape(meta.shape)))
-    return out
-
-
-SHM_ALIGN = 64
-
-
-def write_shm_version(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    version: int,
-    path: str,
-    secret: bytes | None = None,
-) -> list[list[Frame]]:
-    """Write every tensor into a new file at `path` (mode 0600) and return the one-bucket
-    message (header only) that points at it. CUDA tensors are copied straight into the file."""
-    import torch
-
-    tensors = [(name, t.detach().contiguous()) for name, t in named_tensors]
-    offsets, size = [], 0
-    for _name, t in tensors:
-        offsets.append(size)
-        size += -(-t.numel() * t.element_size() // SHM_ALIGN) * SHM_ALIGN
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-    try:
-        os.ftruncate(fd, max(size, 1))
-        mapping = mmap.mmap(fd, max(size, 1))
-    finally:
-        os.close(fd)
-    target = torch.frombuffer(mapping, dtype=torch.uint8)
-    for (_name, t), offset in zip(tensors, offsets, strict=True):
-        source = t.reshape(-1).view(torch.uint8)
-        target[offset : offset + source.numel()].copy_(source)
-    del target
-    mapping.close()
-    header = WeightBucketHeader(
-        version=version,
-        bucket_index=0,
-        num_buckets=1,
-        tensors=[
-            TensorMeta(name, str(t.dtype).removeprefix("torch."), list(t.shape))
-            for name, t in tensors
-        ],
-        shm_path=path,
-        shm_offsets=offsets,
-    )
-    if secret:
-        header.mac = _mac(secret, header, [])
-    return [[encode(header)]]

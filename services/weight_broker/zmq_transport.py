@@ -12,8 +12,6 @@ Wire format and authentication: `services.weight_broker.wire`.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -21,14 +19,16 @@ from typing import TYPE_CHECKING
 import zmq
 
 from proto import WeightRequest, encode
+from services.weight_broker.shm import ShmSlots, SlotBusyError, SlotLease, read_slot
 from services.weight_broker.wire import (
     DEFAULT_BUCKET_BYTES,
     Frame,
+    WeightSyncError,
     bucket_tensors,
     frame_view,
     make_buckets,
     parse_bucket,
-    write_shm_version,
+    sign,
 )
 
 if TYPE_CHECKING:
@@ -44,8 +44,8 @@ class ZmqWeightSender:
     """Trainer side of the trainer -> broker hop.
 
     With `shm_dir` (trainer, broker and engines on one host), each version is written once
-    into a file there and only headers travel over ZMQ; the files of the `keep_shm` newest
-    versions are kept (an engine may still be reading the previous one), older ones unlinked.
+    into a double-buffered slot file there (`services.weight_broker.shm`) and only its header
+    travels over ZMQ. Writing version N+2 waits (at most `timeout_s`) until engines left N.
     """
 
     def __init__(
@@ -55,12 +55,9 @@ class ZmqWeightSender:
         secret: bytes | None = None,
         timeout_s: float = 120.0,
         shm_dir: str | None = None,
-        keep_shm: int = 2,
     ) -> None:
         self.endpoint = endpoint
-        self.shm_dir = shm_dir
-        self.keep_shm = keep_shm
-        self._shm_files: list[str] = []
+        self.slots = ShmSlots(shm_dir, timeout_s=timeout_s) if shm_dir else None
         self.bucket_bytes = bucket_bytes
         self.secret = secret
         self.timeout_s = timeout_s
@@ -74,14 +71,15 @@ class ZmqWeightSender:
         """Send one version; returns the tensor bytes sent."""
         total = 0
         deadline = time.monotonic() + self.timeout_s
-        if self.shm_dir:
+        if self.slots is not None:
             tensors = list(named_tensors)
             total = sum(t.numel() * t.element_size() for _, t in tensors)
-            path = os.path.join(self.shm_dir, f"tandem-weights-{os.getpid()}-{id(self)}-v{version}")
-            messages = write_shm_version(tensors, version, path, self.secret)
-            self._shm_files.append(path)
-            while len(self._shm_files) > self.keep_shm:
-                _unlink(self._shm_files.pop(0))
+            try:
+                header = self.slots.write(version, tensors)
+            except SlotBusyError as exc:
+                raise WeightSyncError(f"version {version} not sent: {exc}") from exc
+            sign(header, [], self.secret)
+            messages = [[encode(header)]]
         else:
             messages = make_buckets(named_tensors, version, self.bucket_bytes, self.secret)
         for message in messages:
@@ -92,26 +90,26 @@ class ZmqWeightSender:
                         f"{self.timeout_s:.0f}s (is `tandem broker` running there?)"
                     )
             self._socket.send_multipart(message, copy=False)
-            if not self.shm_dir:
+            if self.slots is None:
                 total += sum(frame_view(f).nbytes for f in message[1:])
         return total
 
     def close(self) -> None:
         self._socket.close()
-        for path in self._shm_files:
-            _unlink(path)
-        self._shm_files.clear()
+        if self.slots is not None:
+            self.slots.close()
 
 
-def _unlink(path: str) -> None:
-    """Remove a version file; engines that mapped it keep their (private) mapping."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+class FetchedWeights(list):  # type: ignore[type-arg]
+    """`[(hf_name, tensor)]` from `fetch_weights`. For a shared-memory version, `lease` holds
+    the slot: keep it while the tensors are in use (or adopted as storage), then release it."""
+
+    lease: SlotLease | None = None
 
 
 def fetch_weights(
     endpoint: str, version: int, secret: bytes | None = None, timeout_s: float = 60.0
-) -> list[tuple[str, torch.Tensor]]:
+) -> FetchedWeights:
     """Every tensor of `version` from the broker at `endpoint`, in the order it was sent.
 
     Raises `TimeoutError` if the broker goes quiet for `timeout_s`, `LookupError` if it does not
@@ -124,7 +122,7 @@ def fetch_weights(
     sock.connect(endpoint)
     try:
         sock.send(encode(WeightRequest(version=version)))
-        tensors: list[tuple[str, torch.Tensor]] = []
+        tensors = FetchedWeights()
         expected: int | None = None
         received = 0
         while expected is None or received < expected:
@@ -142,7 +140,11 @@ def fetch_weights(
                 raise ValueError(f"asked for weight version {version}, got {header.version}")
             expected = header.num_buckets
             received += 1
-            tensors.extend(bucket_tensors(header, frames))
+            if header.shm_path:
+                views, tensors.lease = read_slot(header, timeout_s)
+                tensors.extend(views)
+            else:
+                tensors.extend(bucket_tensors(header, frames))
         return tensors
     finally:
         sock.close()

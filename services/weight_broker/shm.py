@@ -1,0 +1,190 @@
+"""Weights through shared memory on one host: double-buffered slot files with locks.
+
+Writer (trainer): `ShmSlots` keeps `count` files in `shm_dir`, each mapped once (warm pages:
+writing a version runs at memcpy speed; fresh tmpfs pages cost ~10x more). Version N goes to
+slot N % count: take an exclusive `flock` on the slot (waits while a reader still holds it),
+set the stamp to -1, copy the tensors in, set the stamp to N, unlock.
+
+Reader (engine): `read_slot` takes a shared `flock`, checks that the stamp equals the version it
+was told about (else the slot already holds a newer version: `LookupError`), and maps the file
+copy-on-write. The returned `SlotLease` must be kept for as long as the views are in use: an
+engine that adopts the views as its parameter storage keeps the lease until it has moved to
+the next version, which is what lets the writer reuse the slot safely. With two slots, the
+trainer can write version N+1 while engines serve N; writing N+2 waits for them to leave N.
+
+Files are created mode 0600: only the trainer's user can write weights this way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import math
+import mmap
+import os
+import struct
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from proto import TensorMeta, WeightBucketHeader
+
+if TYPE_CHECKING:
+    import torch
+
+HEADER_BYTES = 64  # the stamp (int64 version) lives here; tensors start after it
+ALIGN = 64
+WRITING = -1
+
+
+class SlotBusyError(TimeoutError):
+    """Engines still hold the slot the next version must go to."""
+
+
+def _lock(fd: int, mode: int, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise SlotBusyError(f"{what} stayed locked for {timeout_s:.0f}s") from None
+            time.sleep(0.001)
+
+
+@dataclass
+class _Slot:
+    path: str
+    fd: int
+    size: int = 0
+    mapping: mmap.mmap | None = None
+
+
+@dataclass
+class ShmSlots:
+    shm_dir: str
+    count: int = 2
+    timeout_s: float = 120.0
+    prefix: str = field(default_factory=lambda: f"tandem-weights-{os.getpid()}-{time.time_ns()}")
+    _slots: list[_Slot] = field(default_factory=list)
+
+    def write(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> WeightBucketHeader:
+        """Put a version in its slot; returns the header (no MAC) that points at it."""
+        import torch
+
+        tensors = [(name, t.detach().contiguous()) for name, t in named_tensors]
+        offsets, size = [], HEADER_BYTES
+        for _name, t in tensors:
+            offsets.append(size)
+            size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        slot = self._slot(version % self.count, size)
+        assert slot.mapping is not None
+        _lock(slot.fd, fcntl.LOCK_EX, self.timeout_s, f"weight slot {slot.path} (engines reading)")
+        try:
+            slot.mapping[:8] = struct.pack("<q", WRITING)
+            target = torch.frombuffer(slot.mapping, dtype=torch.uint8)
+            for (_name, t), offset in zip(tensors, offsets, strict=True):
+                source = t.reshape(-1).view(torch.uint8)
+                target[offset : offset + source.numel()].copy_(source)
+            del target
+            slot.mapping[:8] = struct.pack("<q", version)
+        finally:
+            fcntl.flock(slot.fd, fcntl.LOCK_UN)
+        return WeightBucketHeader(
+            version=version,
+            bucket_index=0,
+            num_buckets=1,
+            tensors=[
+                TensorMeta(n, str(t.dtype).removeprefix("torch."), list(t.shape))
+                for n, t in tensors
+            ],
+            shm_path=slot.path,
+            shm_offsets=offsets,
+        )
+
+    def _slot(self, index: int, size: int) -> _Slot:
+        while len(self._slots) <= index:
+            path = os.path.join(self.shm_dir, f"{self.prefix}-slot{len(self._slots)}")
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+            self._slots.append(_Slot(path, fd))
+        slot = self._slots[index]
+        if slot.size < size:  # grow (first use, or a larger model): remap
+            if slot.mapping is not None:
+                slot.mapping.close()
+            os.ftruncate(slot.fd, size)
+            slot.mapping = mmap.mmap(slot.fd, size)
+            slot.size = size
+        return slot
+
+    def close(self) -> None:
+        for slot in self._slots:
+            if slot.mapping is not None:
+                slot.mapping.close()
+            os.close(slot.fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(slot.path)
+        self._slots.clear()
+
+
+class SlotLease:
+    """A reader's shared lock on a slot; `release()` lets the writer reuse it."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def read_slot(
+    header: WeightBucketHeader, timeout_s: float = 60.0
+) -> tuple[list[tuple[str, torch.Tensor]], SlotLease]:
+    """Views of every tensor of `header.version` in its slot, and the lease that keeps them valid."""
+    import torch
+
+    fd = os.open(header.shm_path, os.O_RDONLY)
+    lease = SlotLease(fd)
+    try:
+        _lock(fd, fcntl.LOCK_SH, timeout_s, f"weight slot {header.shm_path} (trainer writing)")
+        size = os.fstat(fd).st_size
+        stamp = struct.unpack("<q", os.pread(fd, 8, 0))[0]
+        if stamp != header.version:
+            raise LookupError(
+                f"weight slot {header.shm_path} holds version {stamp}, not {header.version} "
+                "(superseded: ask for the newest version)"
+            )
+        # Map through a second open file: mmap dups its descriptor, and a dup would share (and
+        # so outlive) the lease's flock.
+        map_fd = os.open(header.shm_path, os.O_RDONLY)
+        try:
+            mapping = mmap.mmap(
+                map_fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        finally:
+            os.close(map_fd)
+        out = []
+        for meta, offset in zip(header.tensors, header.shm_offsets, strict=True):
+            dtype = getattr(torch, meta.dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"tensor {meta.name!r} has unknown dtype {meta.dtype!r}")
+            count = math.prod(meta.shape)
+            if offset + count * torch.empty((), dtype=dtype).element_size() > size:
+                raise ValueError(f"tensor {meta.name!r} lies beyond the end of {header.shm_path}")
+            if count == 0:
+                out.append((meta.name, torch.empty(meta.shape, dtype=dtype)))
+                continue
+            tensor = torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset)
+            out.append((meta.name, tensor.reshape(meta.shape)))
+        return out, lease
+    except BaseException:
+        lease.release()
+        raise
