@@ -59,6 +59,8 @@ class Game:
 
 def make_handler(game: Game) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the router reuses its connections
+
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             try:
@@ -92,6 +94,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--max-guesses", type=int, default=4)
     args = parser.parse_args()
+    # A batch opens hundreds of episodes at once: a deep accept queue keeps connects from
+    # waiting on SYN retries.
+    ThreadingHTTPServer.request_queue_size = 1024
+    ThreadingHTTPServer.daemon_threads = True
     server = ThreadingHTTPServer((args.host, args.port), make_handler(Game(args.max_guesses)))
     print(f"guess env on http://{args.host}:{server.server_address[1]}", flush=True)
     server.serve_forever()
