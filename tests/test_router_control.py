@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -122,3 +123,33 @@ def test_openapi_docs_list_the_control_routes(buffer, toy_model_dir, start_servi
     for path in ("/rollout/start", "/rollout/pause", "/rollout/resume", "/rollout/stop",
                  "/rollout/status", "/rollout/config", "/workers", "/generate"):  # fmt: skip
         assert path in paths
+
+
+def test_patching_the_dataset_switches_the_prompts_of_later_batches(
+    buffer, toy_model_dir, start_service, engines, tmp_path
+):
+    data = tmp_path / "digits.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": "99>", "label": "99"}) for _ in range(3)))
+    router = start_service("router", router_args(buffer, toy_model_dir, [engines().url]))
+    patch = {"prompt_data": str(data), "rm_type": "exact_match"}
+    resp = httpx.patch(router.url + "/rollout/config", json=patch, headers=TOKEN)
+    assert resp.status_code == 422 and "rm_type" in resp.json()["detail"], "rewards are fixed"
+    resp = httpx.patch(
+        router.url + "/rollout/config", json={"prompt_data": str(data)}, headers=TOKEN
+    )
+    assert resp.status_code == 200 and resp.json()["prompt_data"] == str(data)
+    httpx.post(router.url + "/rollout/start", headers=TOKEN)
+    wait_until(lambda: buffer.depth() >= 4, "groups")
+    groups = [g for _id, g in buffer.read_groups("t", 100, block_ms=None)]
+    assert {g.prompt for g in groups} == {"99>"}
+
+
+def test_a_router_without_engines_waits_for_one_instead_of_dropping(
+    buffer, toy_model_dir, start_service, engines
+):
+    router = start_service("router", router_args(buffer, toy_model_dir, []))
+    httpx.post(router.url + "/rollout/start", headers=TOKEN)
+    wait_until(lambda: status(router)["state"] == "waiting_for_workers", "the wait")
+    httpx.post(router.url + "/workers", json={"url": engines().url}, headers=TOKEN)
+    wait_until(lambda: buffer.depth() >= 4, "groups once an engine is added")
+    assert buffer.drop_counts() == {}

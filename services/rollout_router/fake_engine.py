@@ -92,101 +92,114 @@ def one_output(
     }
 
 
-def build_app(
-    model_path: str, version: int, fail_generate: bool, delay_ms: float, token_delay_ms: float
-) -> web.Application:
-    """`token_delay_ms` > 0 makes generation take that long per token, so that a request can be
-    aborted midway (`/abort_request`, `/pause_generation`) and return its partial output."""
-    running = asyncio.Event()
-    running.set()
-    state: dict[str, Any] = {"version": version, "rid": 0, "requests": 0, "abort_epoch": 0}
+def js(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
-    def js(obj: Any, status: int = 200) -> web.Response:
-        return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
-    async def produced_before_abort(limit: int) -> int | None:
+class FakeEngine:
+    """Handlers over one engine's state. `token_delay_ms` > 0 makes generation take that long
+    per token, so a request can be aborted midway (`/abort_request`, `/pause_generation`) and
+    return its partial output."""
+
+    def __init__(self, model_path: str, version: int, fail_generate: bool, delay_ms: float,
+                 token_delay_ms: float) -> None:  # fmt: skip
+        self.model_path, self.fail_generate = model_path, fail_generate
+        self.delay_ms, self.token_delay_ms = delay_ms, token_delay_ms
+        self.running = asyncio.Event()
+        self.running.set()
+        self.state: dict[str, Any] = {"version": version, "rid": 0, "requests": 0, "abort_epoch": 0}
+
+    async def produced_before_abort(self, limit: int) -> int | None:
         """Sleep token by token; the number of tokens made when an abort came, else None."""
-        epoch = state["abort_epoch"]
+        epoch = self.state["abort_epoch"]
         for step in range(limit):
-            await asyncio.sleep(token_delay_ms / 1000)
-            if state["abort_epoch"] != epoch:
+            await asyncio.sleep(self.token_delay_ms / 1000)
+            if self.state["abort_epoch"] != epoch:
                 return step + 1
         return None
 
-    async def generate(request: web.Request) -> web.StreamResponse:
-        state["requests"] += 1
-        if fail_generate:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        self.state["requests"] += 1
+        if self.fail_generate:
             return js({"error": "injected failure"}, 500)
         body = orjson.loads(await request.read())
-        await running.wait()  # while paused, new requests wait (SGLang does the same)
-        if delay_ms:
-            await asyncio.sleep(delay_ms / 1000)
+        await self.running.wait()  # while paused, new requests wait (SGLang does the same)
+        if self.delay_ms:
+            await asyncio.sleep(self.delay_ms / 1000)
         params = body.get("sampling_params") or {}
-        n = int(params.get("n", 1))
-        limit = int(params.get("max_new_tokens", 128))
-        version = state["version"]
-        cut = await produced_before_abort(limit) if token_delay_ms else None
-        outs = [one_output(state, body["input_ids"], params, k, cut, version) for k in range(n)]
-        if body.get("stream"):
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            for out in outs:
-                await resp.write(b"data: " + orjson.dumps(out) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-        return js(outs if n > 1 else outs[0])
+        n, limit = int(params.get("n", 1)), int(params.get("max_new_tokens", 128))
+        version = self.state["version"]
+        cut = await self.produced_before_abort(limit) if self.token_delay_ms else None
+        outs = [
+            one_output(self.state, body["input_ids"], params, k, cut, version) for k in range(n)
+        ]
+        if not body.get("stream"):
+            return js(outs if n > 1 else outs[0])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for out in outs:
+            await resp.write(b"data: " + orjson.dumps(out) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
-    async def abort(_request: web.Request) -> web.Response:
-        state["abort_epoch"] += 1
+    async def abort(self, _request: web.Request) -> web.Response:
+        self.state["abort_epoch"] += 1
         return js({"success": True})
 
-    async def pause(request: web.Request) -> web.Response:
+    async def pause(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read() or b"{}")
         if body.get("mode", "abort") == "abort":
-            state["abort_epoch"] += 1
-        running.clear()
+            self.state["abort_epoch"] += 1
+        self.running.clear()
         return js({"success": True})
 
-    async def resume(_request: web.Request) -> web.Response:
-        running.set()
+    async def resume(self, _request: web.Request) -> web.Response:
+        self.running.set()
         return js({"success": True})
 
-    async def model_info(_request: web.Request) -> web.Response:
+    async def model_info(self, _request: web.Request) -> web.Response:
         return js({
-            "model_path": model_path, "tokenizer_path": model_path, "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": str(state["version"]),
+            "model_path": self.model_path, "tokenizer_path": self.model_path,
+            "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": str(self.state["version"]),
         })  # fmt: skip
 
-    async def update_weights(request: web.Request) -> web.Response:
+    async def update_weights(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
-        state["version"] = int(body.get("weight_version", state["version"] + 1))
+        self.state["version"] = int(body.get("weight_version", self.state["version"] + 1))
         return js({"success": True, "message": "ok"})
 
-    async def ok(_request: web.Request) -> web.Response:
-        return js({"success": True, "requests": state["requests"]})
+    async def ok(self, _request: web.Request) -> web.Response:
+        return js({"success": True, "requests": self.state["requests"]})
 
-    async def openai(request: web.Request) -> web.Response:
+    async def openai(self, request: web.Request) -> web.Response:
         """Enough of an OpenAI answer to see that a request was forwarded here."""
         body = orjson.loads(await request.read())
         return js({"object": request.path, "model": body.get("model"), "choices": [
             {"index": 0, "text": "01", "message": {"role": "assistant", "content": "01"},
              "finish_reason": "stop"}]})  # fmt: skip
 
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    for path in ("/get_model_info", "/model_info"):
-        app.router.add_get(path, model_info)
-    app.router.add_post("/update_weights_from_disk", update_weights)
-    for path in ("/health", "/health_generate", "/get_server_info", "/server_info", "/get_load"):
-        app.router.add_get(path, ok)
-    app.router.add_post("/flush_cache", ok)
-    app.router.add_post("/v1/completions", openai)
-    app.router.add_post("/v1/chat/completions", openai)
-    app.router.add_post("/abort_request", abort)
-    app.router.add_post("/pause_generation", pause)
-    app.router.add_post("/continue_generation", resume)
-    return app
+    def app(self) -> web.Application:
+        app = web.Application()
+        for path, handler in [
+            ("/generate", self.generate), ("/update_weights_from_disk", self.update_weights),
+            ("/flush_cache", self.ok), ("/v1/completions", self.openai),
+            ("/v1/chat/completions", self.openai), ("/abort_request", self.abort),
+            ("/pause_generation", self.pause), ("/continue_generation", self.resume),
+        ]:  # fmt: skip
+            app.router.add_post(path, handler)
+        for path in ("/get_model_info", "/model_info"):
+            app.router.add_get(path, self.model_info)
+        for path in (
+            "/health",
+            "/health_generate",
+            "/get_server_info",
+            "/server_info",
+            "/get_load",
+        ):
+            app.router.add_get(path, self.ok)
+        return app
 
 
 class FakeEngineProcess:
@@ -227,9 +240,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
     args = parser.parse_args(argv)
-    app = build_app(
-        args.model_path, args.weight_version, args.fail_generate, args.delay_ms, args.token_delay_ms
-    )
+    engine = FakeEngine(
+        args.model_path, args.weight_version, args.fail_generate, args.delay_ms,
+        args.token_delay_ms,
+    )  # fmt: skip
+    app = engine.app()
     sock = bind_socket(args.host, args.port)
     port = sock.getsockname()[1]
 

@@ -119,6 +119,12 @@ class RolloutLoop:
             self.state = "waiting_for_weights"
             await asyncio.sleep(self.config.version_poll_s)
 
+    async def wait_for_workers(self) -> None:
+        """With no admitted engine, every group would fail at once: wait instead of dropping."""
+        while not self.pool.admitted():
+            self.state = "waiting_for_workers"
+            await asyncio.sleep(self.config.version_poll_s)
+
     def pause(self) -> None:
         """Finish the current batch, then wait for `resume()`."""
         self._resume.clear()
@@ -144,6 +150,7 @@ class RolloutLoop:
                 if self.paused:
                     self.state = "paused"
                     await self._resume.wait()
+                await self.wait_for_workers()
                 await self.wait_for_version(self.batch - self.config.max_staleness)
                 await self.run_batch(self.batch)
                 self.batch += 1
