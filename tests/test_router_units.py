@@ -158,3 +158,49 @@ def test_startup_warns_when_nothing_would_stop_a_rollout(caplog):
     assert "no end-of-sequence token" not in caplog.text
     assert stop_ids(NoEosTokenizer(), SamplingConfig()) == []
     assert "no end-of-sequence token" in caplog.text and "--rollout-stop" in caplog.text
+
+
+def turn(prompt: list[int], ids: list[int], version: int = 0) -> tuple[list[int], Partial]:
+    return prompt, Partial.of(output(ids, version, "stop"))
+
+
+def test_session_turns_merge_by_exact_prefix_and_split_when_the_history_was_re_rendered():
+    from services.rollout_router.sessions import Session, Turn, session_samples
+
+    session = Session("s")
+    for prompt, partial in [
+        turn([1, 5, 14], [6, 2]),
+        turn([1, 5, 14, 6, 2, 7, 14], [8, 2], version=1),  # extends turn 1: merged
+        turn([1, 9, 14], [4, 2], version=1),  # history rendered differently: a new sample
+    ]:
+        session.turns.append(Turn(prompt, partial))
+    first, second = session_samples(session, reward=0.5)
+    assert first.prompt_ids == [1, 5, 14]
+    assert first.response_ids == [6, 2, 7, 14, 8, 2]
+    assert first.loss_mask == [1, 1, 0, 0, 1, 1]
+    assert first.token_versions == [0, 0, 0, 0, 1, 1]
+    assert first.response_logprobs[2:4] == [0.0, 0.0]
+    assert (second.prompt_ids, second.response_ids, second.loss_mask) == (
+        [1, 9, 14],
+        [4, 2],
+        [1, 1],
+    )
+    assert first.reward == second.reward == 0.5
+
+
+def test_the_session_store_is_bounded_in_number_and_age():
+    import time as _time
+
+    from services.rollout_router.config import SessionConfig
+    from services.rollout_router.sessions import SessionStore
+
+    store = SessionStore(SessionConfig(max_sessions=2, session_ttl_s=60))
+    for sid in ("a", "b", "c"):
+        store.record(sid, [1], Partial.of(output([2], 0, "stop")))
+    assert store.expire() == ["a"], "the oldest beyond max_sessions"
+    store.sessions["b"].created = _time.monotonic() - 61
+    assert store.expire() == ["b"], "past its time to live"
+    assert list(store.sessions) == ["c"]
+    assert store.add_to_group("g", [], size=2) is None
+    assert store.add_to_group("g", [], size=2) == []
+    assert "g" not in store.groups
