@@ -203,3 +203,75 @@ def test_release_memory_pauses_until_resume_and_weights_survive(engine) -> None:
         assert not waiting.done()
         assert post(engine.url, "/resume_memory_occupation", {}).status_code == 200
         assert waiting.result().json()["output_ids"] == before
+
+
+def test_a_storm_of_requests_aborts_pauses_and_updates_answers_every_request_well_formed(
+    engine, long_model_dir: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Random mixes of sampling options, streaming, rid aborts, pauses (all modes) and weight
+    reloads: every request still gets 200 and a complete answer (no lost or mixed-up rows)."""
+    import asyncio
+    import random
+
+    import aiohttp
+
+    rng = random.Random(0)
+
+    def body(i: int) -> dict:
+        params = {"max_new_tokens": rng.randint(0, 30), "temperature": rng.choice([0, 0.7, 1.0]),
+                  "top_p": rng.choice([1.0, 0.9]), "top_k": rng.choice([-1, 3]), "n": rng.choice([1, 2, 4]),
+                  "ignore_eos": rng.random() < 0.5, "stop": [str(rng.randint(0, 9))] if rng.random() < 0.3 else []}  # fmt: skip
+        return {"input_ids": [1] + [rng.randint(4, 15) for _ in range(rng.randint(1, 12))],
+                "sampling_params": params, "return_logprob": True, "rid": f"storm-{i}",
+                "stream": rng.random() < 0.2, "logprob_start_len": rng.choice([-1, 0])}  # fmt: skip
+
+    async def storm() -> list[str]:
+        reasons: list[str] = []
+        async with aiohttp.ClientSession() as gen_session, aiohttp.ClientSession() as ctl:
+
+            async def one(i: int) -> None:
+                req = body(i)
+                async with gen_session.post(f"{engine.url}/generate", json=req) as resp:
+                    assert resp.status == 200, await resp.text()
+                    if req["stream"]:
+                        assert (await resp.text()).rstrip().endswith("data: [DONE]")
+                        return
+                    out = await resp.json()
+                outs = out if isinstance(out, list) else [out]
+                assert len(outs) == req["sampling_params"]["n"]
+                for o in outs:
+                    assert len(o["meta_info"]["output_token_logprobs"]) == len(o["output_ids"])
+                    assert o["meta_info"]["completion_tokens"] == len(o["output_ids"])
+                    reasons.append(o["meta_info"]["finish_reason"]["type"])
+
+            async def control() -> None:
+                for _ in range(30):
+                    await asyncio.sleep(rng.random() * 0.1)
+                    action = rng.choice(["abort", "pause", "reload"])
+                    if action == "abort":
+                        await (
+                            await ctl.post(
+                                f"{engine.url}/abort_request",
+                                json={"rid": f"storm-{rng.randint(0, 299)}"},
+                            )
+                        ).read()
+                    elif action == "pause":
+                        mode = rng.choice(["abort", "in_place", "retract"])
+                        await (
+                            await ctl.post(f"{engine.url}/pause_generation", json={"mode": mode})
+                        ).read()
+                        await asyncio.sleep(0.02)
+                        await (await ctl.post(f"{engine.url}/continue_generation", json={})).read()
+                    else:
+                        reload = {"model_path": str(long_model_dir), "weight_version": "0"}
+                        async with ctl.post(
+                            f"{engine.url}/update_weights_from_disk", json=reload
+                        ) as resp:
+                            assert resp.status == 200, await resp.text()
+
+            await asyncio.gather(control(), *(one(i) for i in range(300)))
+        return reasons
+
+    reasons = asyncio.run(storm())
+    assert set(reasons) <= {"stop", "length", "abort"} and len(reasons) > 300
+    assert running(engine.url) == 0
