@@ -4,9 +4,10 @@ through the Rust `sglang-router`, measured in one run.
 Workers are the stand-in SGLang engine (`services/rollout_router/fake_engine.py`, answers at
 once), so what is measured is the routing: requests/s, p50/p99 latency and the latency each
 router adds over going direct, at concurrency 1 and 64, and each router's CPU-seconds per 1,000
-requests (user + system time of its process, from psutil). A second section measures the two
-candidate hot-path HTTP clients (aiohttp, httpx) on the same direct load: that measurement is
-why the router forwards with aiohttp.
+requests (user + system time of its process, from psutil). `tandem` forwards with its own keep-alive
+HTTP/1.1 client (`--hot-path-client http1`, the default), `tandem-aio` with aiohttp; a last
+section runs the same direct load with each candidate client (http1, aiohttp, httpx) as the
+load generator. Those two measurements are why the default is what it is.
 
     python bench/router_overhead.py [--requests 3000] [--skip-rust]
 
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.rollout_router.fake_engine import FakeEngineProcess  # noqa: E402
+from services.rollout_router.http1 import Http1Pool  # noqa: E402
 from services.sample_buffer import RedisServer  # noqa: E402
 from tandem.serving import bind_socket  # noqa: E402
 
@@ -68,6 +70,27 @@ async def aiohttp_load(urls: list[str], n: int, concurrency: int) -> tuple[list[
         return latencies, time.perf_counter() - start
 
 
+async def http1_load(urls: list[str], n: int, concurrency: int) -> tuple[list[float], float]:
+    latencies: list[float] = []
+    counter = itertools.count()
+    pool = Http1Pool(timeout_s=60)
+    split = [u.rsplit("/", 1) for u in urls]
+
+    async def loop() -> None:
+        while (i := next(counter)) < n:
+            base, path = split[i % len(split)]
+            start = time.perf_counter()
+            status, _body = await pool.post(base, "/" + path, BODY)
+            if status != 200:
+                raise RuntimeError(f"{urls[i % len(urls)]}: HTTP {status}")
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    pool.close()
+    return latencies, time.perf_counter() - start
+
+
 async def httpx_load(urls: list[str], n: int, concurrency: int) -> tuple[list[float], float]:
     latencies: list[float] = []
     counter = itertools.count()
@@ -97,7 +120,7 @@ def cpu_s(pid: int | None) -> float:
 def measure(
     urls: list[str], n: int, concurrency: int, pid: int | None, client: str = "aiohttp"
 ) -> dict:
-    load = aiohttp_load if client == "aiohttp" else httpx_load
+    load = {"aiohttp": aiohttp_load, "httpx": httpx_load, "http1": http1_load}[client]
     asyncio.run(load(urls, min(200, n), concurrency))  # warm connections and caches
     cpu0 = cpu_s(pid)
     latencies, wall = asyncio.run(load(urls, n, concurrency))
@@ -121,11 +144,13 @@ def wait_http(url: str, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"{url} never answered")
 
 
-def start_tandem(workdir: Path, urls: list[str], redis_url: str) -> tuple[subprocess.Popen, str]:
-    ready = workdir / "router.json"
+def start_tandem(
+    workdir: Path, urls: list[str], redis_url: str, client: str
+) -> tuple[subprocess.Popen, str]:
+    ready = workdir / f"router-{client}.json"
     cmd = [sys.executable, "-m", "tandem.cli", "router", "--no-rollout", "--engine-urls", *urls,
            "--redis-url", redis_url, "--port", "0", "--ready-file", str(ready),
-           "--log-level", "WARNING"]  # fmt: skip
+           "--log-level", "WARNING", "--hot-path-client", client]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while not ready.exists():
@@ -153,13 +178,13 @@ def start_rust(urls: list[str]) -> tuple[subprocess.Popen, str]:
 
 
 def report(results: dict[tuple[str, int], dict], concurrencies: list[int]) -> None:
-    print(f"{'target':<10}{'conc':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
+    print(f"{'target':<11}{'conc':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
           f"{'+p50 ms':>9}{'+p99 ms':>9}{'cpu s/1k':>10}")  # fmt: skip
     for (target, c), r in results.items():
         base = results[("direct", c)]
         added = (r["p50_ms"] - base["p50_ms"], r["p99_ms"] - base["p99_ms"])
         cpu = f"{r['cpu_s_per_1k']:.3f}" if target != "direct" else "-"
-        print(f"{target:<10}{c:>5}{r['rps']:>10.0f}{r['p50_ms']:>9.3f}{r['p99_ms']:>9.3f}"
+        print(f"{target:<11}{c:>5}{r['rps']:>10.0f}{r['p50_ms']:>9.3f}{r['p99_ms']:>9.3f}"
               f"{added[0]:>9.3f}{added[1]:>9.3f}{cpu:>10}")  # fmt: skip
 
 
@@ -183,9 +208,10 @@ def main() -> int:
             targets: dict[str, tuple[list[str], int | None]] = {
                 "direct": ([u + "/generate" for u in urls], None)
             }
-            tandem, tandem_url = start_tandem(workdir, urls, redis_server.url)
-            procs.append(tandem)
-            targets["tandem"] = ([tandem_url + "/generate"], tandem.pid)
+            for client, name in (("http1", "tandem"), ("aiohttp", "tandem-aio")):
+                proc, url = start_tandem(workdir, urls, redis_server.url, client)
+                procs.append(proc)
+                targets[name] = ([url + "/generate"], proc.pid)
             if not args.skip_rust:
                 rust, rust_url = start_rust(urls)
                 procs.append(rust)
@@ -196,7 +222,7 @@ def main() -> int:
                     results[(name, c)] = measure(target_urls, args.requests, c, pid)
             report(results, concurrencies)
             print("\nhot-path client, direct to workers, concurrency 64:")
-            for client in ("aiohttp", "httpx"):
+            for client in ("http1", "aiohttp", "httpx"):
                 r = measure(targets["direct"][0], args.requests, 64, None, client)
                 print(f"  {client:<8} {r['rps']:>8.0f} req/s  p50 {r['p50_ms']:.3f} ms")
         finally:

@@ -41,6 +41,13 @@ class WorkerPoolConfig:
     request_timeout_s: float = field(
         default=600.0, metadata={"help": "Total timeout of one forwarded engine request."}
     )
+    hot_path_client: str = field(
+        default="http1",
+        metadata={
+            "help": "Client of forwarded POSTs (bench/router_overhead.py measures both).",
+            "choices": ("http1", "aiohttp"),
+        },
+    )
     health_interval_s: float = field(
         default=1.0, metadata={"help": "Seconds between health checks (GET /get_model_info)."}
     )

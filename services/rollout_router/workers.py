@@ -4,7 +4,8 @@ Knows: the engines' URLs, their health and reported weight versions, requests in
 Does not know: what is being generated or why (the rollout loop and the HTTP routes decide that).
 
 Concurrency: one aiohttp session (one connection pool) for every request to every worker, created
-and closed by `start()`/`close()` inside the serving event loop. The health loop
+and closed by `start()`/`close()` inside the serving event loop; forwarded POSTs go through the
+leaner `Http1Pool` instead unless `--hot-path-client aiohttp` (see http1.py for why). The health loop
 (`run_health_checks`) polls `GET /get_model_info` of every worker every `health_interval_s`;
 `health_failures` consecutive failures evict a worker from the rotation, and a worker that
 answers again is re-admitted only once it reports at least the weight version the pool has
@@ -27,6 +28,7 @@ import aiohttp
 import orjson
 
 from services.rollout_router.config import WorkerPoolConfig
+from services.rollout_router.http1 import Http1Pool
 from services.rollout_router.samples import parse_version
 
 log = logging.getLogger("tandem.router.workers")
@@ -88,6 +90,7 @@ class WorkerPool:
         self.config = config
         self.workers: dict[str, Worker] = {}
         self.session: aiohttp.ClientSession | None = None
+        self.http1: Http1Pool | None = None
         self.retries = 0
         self._rr = itertools.count()
         self._health_task: asyncio.Task | None = None
@@ -101,6 +104,8 @@ class WorkerPool:
         self.session = aiohttp.ClientSession(
             connector=connector, timeout=timeout, json_serialize=lambda o: orjson.dumps(o).decode()
         )
+        if self.config.hot_path_client == "http1":
+            self.http1 = Http1Pool(self.config.request_timeout_s)
 
     async def close(self) -> None:
         if self._health_task is not None:
@@ -108,6 +113,8 @@ class WorkerPool:
             await asyncio.gather(self._health_task, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+        if self.http1 is not None:
+            self.http1.close()
 
     def start_health_checks(self) -> None:
         self._health_task = asyncio.create_task(self.run_health_checks(), name="health")
@@ -215,16 +222,13 @@ class WorkerPool:
             worker.outstanding += 1
             worker.requests += 1
             try:
-                async with self.session.post(
-                    worker.url + path, data=body, headers={"Content-Type": "application/json"}
-                ) as resp:
-                    data = await resp.read()
-                    if resp.status < 500:
-                        return resp.status, data, worker
-                    last = f"{worker.url}{path}: HTTP {resp.status} {data[:200]!r}"
-            except (TimeoutError, aiohttp.ClientError) as exc:
+                status, data = await self._send(worker.url, path, body)
+                if status < 500:
+                    return status, data, worker
+                last = f"{worker.url}{path}: HTTP {status} {data[:200]!r}"
+            except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
                 last = f"{worker.url}{path}: {type(exc).__name__}: {exc}"
-                if isinstance(exc, aiohttp.ClientConnectionError):
+                if isinstance(exc, aiohttp.ClientConnectionError | ConnectionError):
                     self._mark_failed(worker, last)
             finally:
                 worker.outstanding -= 1
@@ -232,6 +236,14 @@ class WorkerPool:
             worker.last_error = last
             log.warning("attempt %d failed: %s", attempt + 1, last)
         raise EngineRequestError(f"{path} failed after {len(tried)} engine(s); last: {last}")
+
+    async def _send(self, url: str, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.http1 is not None:
+            return await self.http1.post(url, path, body)
+        assert self.session is not None
+        headers = {"Content-Type": "application/json"}
+        async with self.session.post(url + path, data=body, headers=headers) as resp:
+            return resp.status, await resp.read()
 
     async def post_json(self, path: str, payload: dict[str, Any]) -> tuple[Any, Worker]:
         """POST `payload` and return the decoded 200 answer; raise EngineRequestError otherwise."""
