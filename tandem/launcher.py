@@ -122,10 +122,18 @@ def service_args(
         "trainer": [
             "trainer", "--model", str(model), "--seed", str(config.seed), "--lr", str(config.lr),
             "--weight-transport", config.weight_transport,
+            *(["--weights-shm-dir", shm_dir()] if config.weight_transport == "zmq" else []),
             "--max-steps", str(config.max_steps), *common, *batch,
             *shlex.split(config.trainer_args),
         ],
     }  # fmt: skip
+
+
+def shm_dir() -> str:
+    """Where one-host weight slots go: /dev/shm (RAM) when there is one, else the temp dir."""
+    import tempfile
+
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def default_run_dir(seed: int) -> Path:

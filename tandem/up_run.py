@@ -52,6 +52,7 @@ class UpRun:
             self.outcome, code, engine_versions = "child_failed", 1, []
         finally:
             self.supervisor.stop_all()
+            self.remove_weight_slots()
             if self.redis is not None:
                 self.redis.stop()
         if progress is not None:
@@ -115,7 +116,10 @@ class UpRun:
                 return 130
             child = self.supervisor.exited()
             if child is not None:
-                return self.child_exited(child)
+                code = self.child_exited(child)
+                if child.name == "trainer" and child.proc.returncode == 0:
+                    self.wait_engines_synced(buffer)
+                return code
             if time.monotonic() > deadline:
                 self.outcome = "time_limit"
                 say(f"time limit of {config.time_limit_s:.0f}s reached")
@@ -131,6 +135,25 @@ class UpRun:
         say(f"FAILED: {child.name} exited with code {child.proc.returncode} "
             f"(log: {child.log_path}):\n{child.log_tail()}")  # fmt: skip
         return 1
+
+    def wait_engines_synced(self, buffer: SampleBuffer, timeout_s: float = 30.0) -> None:
+        """After the trainer's last step, let the broker bring the engines to its last version."""
+        final = buffer.get_version("trainer")
+        deadline = time.monotonic() + timeout_s
+        while buffer.get_version("engines") < final:
+            if time.monotonic() > deadline:
+                say(f"engines did not reach the final version {final} within {timeout_s:.0f}s")
+                return
+            time.sleep(0.1)
+
+    def remove_weight_slots(self) -> None:
+        """A killed trainer cannot remove its shared-memory weight slots: do it for it."""
+        from services.weight_broker.shm import remove_stale_slots
+        from tandem.launcher import shm_dir
+
+        for child in self.supervisor.children:
+            if child.name == "trainer":
+                remove_stale_slots(shm_dir(), child.proc.pid)
 
     def engine_versions(self, urls: list[str]) -> list[str]:
         """Weight version each engine serves now (proof the weights moved)."""

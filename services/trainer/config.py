@@ -28,6 +28,12 @@ class TrainerConfig:
         "Must match the broker's --transport.",
         choices=["zmq", "nccl"],
     )
+    weights_shm_dir: str = _f(
+        "",
+        "zmq transport, trainer and engines on one host: write each version into shared-memory "
+        "slots in this folder (e.g. /dev/shm); only headers go over ZMQ. Empty = payload in "
+        "ZMQ frames.",
+    )
     weights_master_address: str = _f(
         "127.0.0.1", "nccl transport: address engines use to reach this trainer's rendezvous."
     )

@@ -17,6 +17,7 @@ Files are created mode 0600: only the trainer's user can write weights this way.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import math
@@ -33,6 +34,7 @@ from proto import TensorMeta, WeightBucketHeader
 if TYPE_CHECKING:
     import torch
 
+FILE_PREFIX = "tandem-weights-"  # then the writer's pid: see remove_stale_slots
 HEADER_BYTES = 64  # the stamp (int64 version) lives here; tensors start after it
 ALIGN = 64
 WRITING = -1
@@ -67,8 +69,9 @@ class ShmSlots:
     shm_dir: str
     count: int = 2
     timeout_s: float = 120.0
-    prefix: str = field(default_factory=lambda: f"tandem-weights-{os.getpid()}-{time.time_ns()}")
+    prefix: str = field(default_factory=lambda: f"{FILE_PREFIX}{os.getpid()}-{time.time_ns()}")
     _slots: list[_Slot] = field(default_factory=list)
+    _last: int = -1
 
     def write(
         self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
@@ -82,6 +85,7 @@ class ShmSlots:
             offsets.append(size)
             size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         slot = self._slot(version % self.count, size)
+        self._last = version % self.count
         assert slot.mapping is not None
         _lock(slot.fd, fcntl.LOCK_EX, self.timeout_s, f"weight slot {slot.path} (engines reading)")
         try:
@@ -107,6 +111,8 @@ class ShmSlots:
         )
 
     def _slot(self, index: int, size: int) -> _Slot:
+        if not self._slots:  # files in RAM must not outlive the writer, even on an early exit
+            atexit.register(self.close, linger_s=15.0)
         while len(self._slots) <= index:
             path = os.path.join(self.shm_dir, f"{self.prefix}-slot{len(self._slots)}")
             fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
@@ -120,7 +126,11 @@ class ShmSlots:
             slot.size = size
         return slot
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Unlink the slot files. With `linger_s`, first wait (at most that long) until a
+        reader has taken the newest version, so the last weights still reach the engines."""
+        if linger_s > 0 and 0 <= self._last < len(self._slots):
+            self._wait_taken(self._slots[self._last], linger_s)
         for slot in self._slots:
             if slot.mapping is not None:
                 slot.mapping.close()
@@ -128,6 +138,18 @@ class ShmSlots:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(slot.path)
         self._slots.clear()
+
+    @staticmethod
+    def _wait_taken(slot: _Slot, linger_s: float) -> None:
+        deadline = time.monotonic() + linger_s
+        while time.monotonic() < deadline:
+            try:
+                fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(slot.fd, fcntl.LOCK_UN)
+            except BlockingIOError:  # an engine holds it: it has the version
+                time.sleep(1.0)  # grace for the other engines, synced concurrently
+                return
+            time.sleep(0.05)
 
 
 class SlotLease:
@@ -151,7 +173,10 @@ def read_slot(
     """Views of every tensor of `header.version` in its slot, and the lease that keeps them valid."""
     import torch
 
-    fd = os.open(header.shm_path, os.O_RDONLY)
+    try:
+        fd = os.open(header.shm_path, os.O_RDONLY)
+    except FileNotFoundError as exc:
+        raise LookupError(f"weight slot {header.shm_path} is gone (did the trainer exit?)") from exc
     lease = SlotLease(fd)
     try:
         _lock(fd, fcntl.LOCK_SH, timeout_s, f"weight slot {header.shm_path} (trainer writing)")
@@ -188,3 +213,14 @@ def read_slot(
     except BaseException:
         lease.release()
         raise
+
+
+def remove_stale_slots(shm_dir: str, writer_pid: int) -> int:
+    """Delete the slot files of a writer that is gone (e.g. killed); returns how many."""
+    removed = 0
+    for name in os.listdir(shm_dir):
+        if name.startswith(f"{FILE_PREFIX}{writer_pid}-"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(shm_dir, name))
+                removed += 1
+    return removed
