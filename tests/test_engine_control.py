@@ -275,3 +275,20 @@ def test_a_storm_of_requests_aborts_pauses_and_updates_answers_every_request_wel
     reasons = asyncio.run(storm())
     assert set(reasons) <= {"stop", "length", "abort"} and len(reasons) > 300
     assert running(engine.url) == 0
+
+
+def test_a_full_kv_cache_makes_new_sequences_wait_instead_of_growing(
+    start_service, toy_model_dir: Path
+) -> None:
+    # the toy model's cache takes 512 bytes per position: 65600 bytes hold two rows of 63
+    engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0",
+                                      "--kv-cache-gb", str(65600 / 2**30)])  # fmt: skip
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 59, "ignore_eos": True}}
+    most = 0
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(post, engine.url, "/generate", body) for _ in range(6)]
+        while not all(f.done() for f in futures):
+            most = max(most, running(engine.url))
+        results = [f.result().json() for f in futures]
+    assert all(r["meta_info"]["completion_tokens"] == 59 for r in results)
+    assert most <= 2

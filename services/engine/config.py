@@ -39,6 +39,11 @@ class EngineConfig:
         default=4096,
         metadata={"help": "requests waiting to start before /generate answers 503 (back-pressure)"},
     )
+    kv_cache_gb: float = field(
+        default=4.0,
+        metadata={"help": "memory for the running sequences' keys/values; new sequences wait "
+                          "when it is full (0 = unbounded)"},
+    )  # fmt: skip
     context_length: int = field(
         default=0,
         metadata={
@@ -63,5 +68,7 @@ class EngineConfig:
         for name in ("max_batch_size", "max_prefill_tokens", "max_queued_requests", "num_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.kv_cache_gb < 0:
+            raise ValueError("--kv-cache-gb must be >= 0")
         if self.context_length < 0:
             raise ValueError("--context-length must be 0 (model default) or positive")

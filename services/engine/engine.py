@@ -36,9 +36,11 @@ class Engine:
         self.runner = ModelRunner(config.model, config.tokenizer, config.device, config.dtype)
         context = config.context_length or self.runner.max_position
         self.context_length = min(context, self.runner.max_position)
+        self.max_total_tokens = int(config.kv_cache_gb * 2**30 / self.runner.kv_bytes_per_token)
         self.scheduler = Scheduler(
             self.runner, config.max_batch_size, config.max_prefill_tokens,
             config.max_queued_requests, self.context_length, config.weight_version,
+            self.max_total_tokens,
         )  # fmt: skip
         self.weights = WeightUpdater(self.runner, self.scheduler, config.update_timeout_s)
         self.paused = False
@@ -208,7 +210,7 @@ class Engine:
             "device": self.config.device,
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "max_running_requests": self.config.max_batch_size,
-            "max_total_num_tokens": self.config.max_batch_size * self.context_length,
+            "max_total_num_tokens": self.max_total_tokens,
             "tp_size": 1,
             "dp_size": 1,
             "weight_version": self.weight_version,

@@ -156,6 +156,12 @@ class ModelRunner:
                     ids.update(int(v) for v in value)
         return ids
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes one position of one row takes (keys and values, every layer)."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return len(self.layers) * 2 * self.num_kv_heads * self.head_dim * element
+
     def bind_thread(self) -> None:
         """Make this model's device current in the calling thread (CUDA's is per thread)."""
         if self.device.type == "cuda":

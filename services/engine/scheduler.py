@@ -96,8 +96,11 @@ class Scheduler:
     """Owns the waiting queue, the running batch and its KV cache; see the module docstring."""
 
     def __init__(self, runner: ModelRunner, max_batch_size: int, max_prefill_tokens: int,
-                 max_queued_requests: int, context_length: int, weight_version: str) -> None:  # fmt: skip
+                 max_queued_requests: int, context_length: int, weight_version: str,
+                 max_total_tokens: int = 0) -> None:  # fmt: skip
         self.runner = runner
+        # KV cache bound: rows x the longest row a running sequence may reach (0 = unbounded)
+        self.max_total_tokens = max_total_tokens
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.max_queued_requests = max_queued_requests
@@ -259,14 +262,27 @@ class Scheduler:
             self._waiting.extendleft(reversed(self._running))
             self._running, self._cache = [], None
 
+    def _final_length(self, seq: Sequence) -> int:
+        return min(len(seq.prompt) + seq.params.max_new_tokens, self.context_length)
+
     def _pop_admissible(self) -> list[Sequence]:
-        room = self.max_batch_size - len(self._running)
+        """Waiting sequences to start now, in arrival order, within the batch size, the prefill
+        budget and the KV cache bound (the cache is padded to its longest row)."""
+        rows = len(self._running)
         out: list[Sequence] = []
         tokens = 0
-        while self._waiting and len(out) < room:
+        longest = max((self._final_length(s) for s in self._running), default=0)
+        while self._waiting and rows + len(out) < self.max_batch_size:
             seq = self._waiting[0]
             size = len(seq.prompt) + len(seq.output_ids)
             if out and tokens + size > self.max_prefill_tokens:
+                break
+            longest = max(longest, self._final_length(seq))
+            if (
+                self.max_total_tokens
+                and rows + len(out)
+                and (rows + len(out) + 1) * longest > self.max_total_tokens
+            ):
                 break
             tokens += size
             out.append(self._waiting.popleft())
