@@ -177,6 +177,38 @@ def start_rust(urls: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
+def rollout_batches(workdir: Path, urls: list[str], redis_url: str, model: Path, n: int) -> None:
+    """The router's own time per rollout batch (64 prompts x n=8, instant engines)."""
+    from services.sample_buffer import BufferConfig, SampleBuffer
+
+    ready = workdir / "rollout.json"
+    cmd = [sys.executable, "-m", "tandem.cli", "router", "--engine-urls", *urls,
+           "--model", str(model), "--redis-url", redis_url, "--run-id", "bench",
+           "--max-staleness", "100000", "--max-groups", "100000", "--eval-interval", "0",
+           "--port", "0", "--ready-file", str(ready), "--log-level", "WARNING"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
+    buffer = SampleBuffer(BufferConfig(redis_url=redis_url, run_id="bench"))
+    times: list[float] = []
+    cpu: list[float] = []  # router CPU seconds when batch 1 and batch n+1 were seen
+    try:
+        deadline = time.monotonic() + 120
+        while len(times) < n + 1 and time.monotonic() < deadline:
+            records = buffer.read_metrics()
+            times = [r.values["rollout/batch_time_s"] for _id, r in records
+                     if "rollout/batch_time_s" in r.values]  # fmt: skip
+            if (len(times) >= 1 and not cpu) or (len(times) >= n + 1 and len(cpu) == 1):
+                cpu.append(cpu_s(proc.pid))
+            time.sleep(0.01)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    steady = times[1 : n + 1]  # batch 0 includes connection set-up
+    per_batch_cpu = (cpu[-1] - cpu[0]) / max(len(times) - 1, 1) if len(cpu) == 2 else float("nan")
+    print(f"\nrollout batch (64 prompts x n=8, 2 instant engines, puts into Redis): "
+          f"median {statistics.median(steady) * 1e3:.1f} ms wall, max {max(steady) * 1e3:.1f} ms; "
+          f"router CPU {per_batch_cpu * 1e3:.1f} ms per batch")  # fmt: skip
+
+
 def report(results: dict[tuple[str, int], dict], concurrencies: list[int]) -> None:
     print(f"{'target':<11}{'conc':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
           f"{'+p50 ms':>9}{'+p99 ms':>9}{'cpu s/1k':>10}")  # fmt: skip
@@ -193,6 +225,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=3000, help="requests per measurement")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--skip-rust", action="store_true")
+    parser.add_argument("--batches", type=int, default=10, help="rollout batches to time")
     args = parser.parse_args()
     concurrencies = [1, 64]
     with tempfile.TemporaryDirectory() as tmp, RedisServer(log_dir=Path(tmp)) as redis_server:
@@ -225,6 +258,7 @@ def main() -> int:
             for client in ("http1", "aiohttp", "httpx"):
                 r = measure(targets["direct"][0], args.requests, 64, None, client)
                 print(f"  {client:<8} {r['rps']:>8.0f} req/s  p50 {r['p50_ms']:.3f} ms")
+            rollout_batches(workdir, urls, redis_server.url, model, args.batches)
         finally:
             for proc in procs:
                 proc.terminate()

@@ -108,6 +108,7 @@ class RolloutLoop:
         self._resume = asyncio.Event()
         self._resume.set()
         self._put_lock = asyncio.Lock()
+        self._room = 0  # groups we may still put before reading the stream's depth again
 
     # --- versions and control ------------------------------------------------------------------
 
@@ -353,12 +354,19 @@ class RolloutLoop:
     async def put(self, group: SampleGroup, committed: list[bool]) -> None:
         """Serialized put that waits in the event loop (not a thread) while the buffer is full,
         so that cancellation at shutdown is immediate. Once the XADD starts it is shielded
-        from cancellation and `committed[0]` is set."""
+        from cancellation and `committed[0]` is set.
+
+        The stream's depth only falls between our reads (the trainer acks), so after reading
+        depth d we may put max_groups - d groups before reading it again."""
         async with self._put_lock:
-            while await asyncio.to_thread(self.buffer.depth) >= self.buffer.config.max_groups:
-                self.state = "waiting_for_buffer"
-                await asyncio.sleep(0.05)
+            while self._room <= 0:
+                depth = await asyncio.to_thread(self.buffer.depth)
+                self._room = self.buffer.config.max_groups - depth
+                if self._room <= 0:
+                    self.state = "waiting_for_buffer"
+                    await asyncio.sleep(0.05)
             committed[0] = True
+            self._room -= 1
             self.groups_put += 1
             await asyncio.shield(asyncio.to_thread(self.buffer.put_group, group))
             self.state = "generating"
