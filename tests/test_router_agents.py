@@ -164,6 +164,18 @@ def test_a_hung_environment_fails_only_its_episodes_and_the_batch_goes_on(
     assert buffer.drop_counts()["env_timeout"] >= 4
 
 
+def test_an_episode_past_its_deadline_fails_even_when_each_call_is_in_time(
+    buffer, toy_model_dir, start_service, engines, env_server
+):
+    url = env_server(hang_suffix="", hang_s=0.4)  # every step takes 0.4 s
+    args = router_args(buffer, toy_model_dir, [engines().url], "--env-url", url,
+                       "--env-call-timeout-s", "5", "--env-episode-timeout-s", "0.6")  # fmt: skip
+    start_service("router", args)
+    wait_until(lambda: buffer.drop_counts().get("env_timeout", 0) >= 6, "deadline drops")
+    assert any("passed its deadline" in d.detail for d in buffer.drop_log(20))
+    assert buffer.depth() == 0
+
+
 def test_a_failing_environment_is_counted_per_episode_and_group(
     buffer, toy_model_dir, start_service, engines, env_server
 ):

@@ -204,3 +204,20 @@ def test_the_session_store_is_bounded_in_number_and_age():
     assert store.add_to_group("g", [], size=2) is None
     assert store.add_to_group("g", [], size=2) == []
     assert "g" not in store.groups
+
+
+def test_rollout_requests_carry_the_sampling_settings_and_stops():
+    from services.rollout_router.config import RolloutConfig, SamplingConfig
+    from services.rollout_router.rollout import RolloutLoop
+
+    sampling = SamplingConfig(rollout_max_response_len=9, rollout_temperature=0.7,
+                              rollout_top_p=0.9, rollout_top_k=20, rollout_stop=["</a>"])  # fmt: skip
+    loop = RolloutLoop(RolloutConfig(), sampling, None, None, None, None, [2, 7])  # type: ignore[arg-type]
+    body = loop.payload([1, 5], n=8, max_new=9, greedy=False, seed=42)
+    assert body["input_ids"] == [1, 5] and body["return_logprob"] is True
+    assert body["sampling_params"] == {
+        "max_new_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "n": 8,
+        "stop_token_ids": [2, 7], "sampling_seed": 42, "skip_special_tokens": True,
+        "stop": ["</a>"],
+    }  # fmt: skip
+    assert loop.payload([1], 1, 9, True, 0)["sampling_params"]["temperature"] == 0.0

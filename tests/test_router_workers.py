@@ -89,6 +89,9 @@ def test_mutating_routes_need_the_bearer_token_when_one_is_set(buffer, start_ser
     good = {"Authorization": "Bearer s3cret"}
     assert httpx.post(router.url + "/workers", json={"url": a.url}, headers=good).status_code == 200
     assert httpx.get(router.url + "/workers").status_code == 200, "reads need no token"
+    assert httpx.post(router.url + "/flush_cache", json={}).status_code == 401
+    assert httpx.post(router.url + "/flush_cache", json={}, headers=good).status_code == 200
+    assert httpx.post(router.url + "/generate", json=GEN).status_code == 200, "no token to generate"
 
 
 def test_a_dead_worker_is_evicted_and_readmitted_only_at_the_current_weight_version(

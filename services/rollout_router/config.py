@@ -247,7 +247,10 @@ class RouterConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     api_token: str = field(
         default="",
-        metadata={"help": "Bearer token required by mutating endpoints (empty = none)."},
+        metadata={
+            "help": "Bearer token required by mutating endpoints (empty = none); prefer the "
+            "env TANDEM_ROUTER_TOKEN, since flags show in `ps`."
+        },
     )
 
     def validate(self) -> None:

@@ -7,25 +7,16 @@ Mutating routes require `Authorization: Bearer <token>` when the router was star
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel
 
+from services.rollout_router.auth import require_token
 from services.rollout_router.control import ConfigPatchError, RolloutController
 from services.rollout_router.workers import EngineStartupError, WorkerPool
 
 router = APIRouter()
-
-
-def require_token(request: Request) -> None:
-    token = request.app.state.config.api_token
-    if not token:
-        return
-    given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-        raise HTTPException(401, "missing or wrong bearer token (see --api-token)")
 
 
 def pool_of(request: Request) -> WorkerPool:

@@ -4,7 +4,7 @@
 policy (the `X-Session-Id` header, when present, feeds session affinity) and are retried on
 another on failure; a streamed request streams through without retry once bytes flow.
 `/flush_cache`, `/pause_generation`, `/continue_generation` and `/abort_request` go to every
-worker. Bodies are forwarded as bytes; only `stream` is looked at.
+worker (they change engine state, so they need the bearer token when one is set). Bodies are forwarded as bytes; only `stream` is looked at.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from services.rollout_router.auth import require_token
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
 
 router = APIRouter()
@@ -83,25 +84,30 @@ async def fan_out(request: Request, path: str) -> dict[str, Any]:
     return await request.app.state.pool.fan_out(request.method, path, body)
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"], tags=["engine control"])
+@router.api_route(
+    "/flush_cache",
+    methods=["GET", "POST"],
+    tags=["engine control"],
+    dependencies=[Depends(require_token)],
+)
 async def flush_cache(request: Request) -> dict[str, Any]:
     """Sent to every engine; per-URL status."""
     return await fan_out(request, "/flush_cache")
 
 
-@router.post("/pause_generation", tags=["engine control"])
+@router.post("/pause_generation", tags=["engine control"], dependencies=[Depends(require_token)])
 async def pause_generation(request: Request) -> dict[str, Any]:
     """Sent to every engine; per-URL status."""
     return await fan_out(request, "/pause_generation")
 
 
-@router.post("/continue_generation", tags=["engine control"])
+@router.post("/continue_generation", tags=["engine control"], dependencies=[Depends(require_token)])
 async def continue_generation(request: Request) -> dict[str, Any]:
     """Sent to every engine; per-URL status."""
     return await fan_out(request, "/continue_generation")
 
 
-@router.post("/abort_request", tags=["engine control"])
+@router.post("/abort_request", tags=["engine control"], dependencies=[Depends(require_token)])
 async def abort_request(request: Request) -> dict[str, Any]:
     """Sent to every engine; per-URL status."""
     return await fan_out(request, "/abort_request")
