@@ -227,8 +227,11 @@ def test_an_openai_client_session_becomes_a_training_sample_with_exact_tokens(
     assert first.choices[0].finish_reason == "stop"
     assert first.usage is not None and first.usage.prompt_tokens == 4
     messages += [{"role": "assistant", "content": "21"}, {"role": "user", "content": "34"}]
-    client.chat.completions.create(model="toy", messages=messages, max_tokens=4,
-                                   extra_headers=session)  # fmt: skip
+    second = client.chat.completions.create(model="toy", messages=messages, max_tokens=4,
+                                            logprobs=True, extra_headers=session)  # fmt: skip
+    assert second.choices[0].logprobs is not None
+    assert [t.token for t in second.choices[0].logprobs.content] == ["<eos>"]
+    assert first.choices[0].logprobs is None, "only when asked for"
     assert buffer.depth() == 0, "nothing is trained before the reward"
     put = httpx.post(router.url + "/sessions/s1/reward", json={"reward": 0.5}).json()
     assert put["status"] == "put"

@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,12 +222,15 @@ class RolloutLoop:
             "return_logprob": True,
         }
 
-    async def generate(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
-        """One /generate (retried across engines by the pool); notes the reported versions."""
+    async def generate(
+        self, payload: dict[str, Any], session_id: str | None = None
+    ) -> list[dict[str, Any]]:
+        """One /generate (retried across engines by the pool); notes the reported versions.
+        `session_id` keeps an episode's turns on one engine under session affinity."""
         async with self.limiter:
             self.in_flight += 1
             try:
-                data, worker = await self.pool.post_json("/generate", payload)
+                data, worker = await self.pool.post_json("/generate", payload, session_id)
             finally:
                 self.in_flight -= 1
         outs = as_list(data)
@@ -308,16 +312,23 @@ class RolloutLoop:
         assert self.episodes is not None
         max_new = self.sampling.rollout_max_response_len
 
-        async def turn(context: list[int], turn_seed: int) -> Partial:
-            out = await self.generate(self.payload(context, 1, max_new, False, turn_seed))
-            partial = await self.complete(context, Partial.of(out[0]), turn_seed)
-            if partial.finish == "abort":
-                raise EnvError("aborted", "a model turn stayed aborted")
-            return partial
+        def turn_of(episode_id: str) -> Callable[[list[int], int], Awaitable[Partial]]:
+            async def turn(context: list[int], turn_seed: int) -> Partial:
+                payload = self.payload(context, 1, max_new, False, turn_seed)
+                out = await self.generate(payload, episode_id)
+                partial = await self.complete(context, Partial.of(out[0]), turn_seed, episode_id)
+                if partial.finish == "abort":
+                    raise EnvError("aborted", "a model turn stayed aborted")
+                return partial
+
+            return turn
 
         n = self.config.n_samples_per_prompt
         results = await asyncio.gather(
-            *(self.episodes.run(item, f"{group_id}-e{k}", seed + k, turn) for k in range(n)),
+            *(
+                self.episodes.run(item, f"{group_id}-e{k}", seed + k, turn_of(f"{group_id}-e{k}"))
+                for k in range(n)
+            ),
             return_exceptions=True,
         )
         samples = []
@@ -332,7 +343,9 @@ class RolloutLoop:
             raise GroupDroppedError("env_all_failed", f"all {n} episodes failed")
         return samples
 
-    async def complete(self, prompt_ids: list[int], partial: Partial, seed: int) -> Partial:
+    async def complete(
+        self, prompt_ids: list[int], partial: Partial, seed: int, session_id: str | None = None
+    ) -> Partial:
         """Continue (partial rollout) or restart an aborted sample, at most `max_continues`
         times. A continuation sends prompt + the tokens so far and asks for the rest."""
         max_new = self.sampling.rollout_max_response_len
@@ -340,15 +353,16 @@ class RolloutLoop:
             partial.continues += 1
             seed = sampling_seed(seed, partial.continues)
             if not self.config.partial_rollout:  # start over; the aborted tokens are discarded
-                out = await self.generate(self.payload(prompt_ids, 1, max_new, False, seed))
+                payload = self.payload(prompt_ids, 1, max_new, False, seed)
+                out = await self.generate(payload, session_id)
                 partial = dataclasses.replace(Partial.of(out[0]), continues=partial.continues)
                 continue
             left = max_new - len(partial.ids)
             if left <= 0:
                 partial.finish = "length"
                 break
-            out = await self.generate(self.payload(prompt_ids + partial.ids, 1, left, False, seed))
-            partial.extend(out[0])
+            payload = self.payload(prompt_ids + partial.ids, 1, left, False, seed)
+            partial.extend((await self.generate(payload, session_id))[0])
         return partial
 
     async def put(self, group: SampleGroup, committed: list[bool]) -> None:

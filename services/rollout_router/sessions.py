@@ -140,9 +140,18 @@ def new_completion_id() -> str:
     return "chatcmpl-" + uuid.uuid4().hex[:24]
 
 
-def openai_response(partial: Partial, model: str, prompt_len: int) -> dict[str, Any]:
-    """An OpenAI `chat.completion` object for one turn."""
+def openai_response(
+    partial: Partial, model: str, prompt_len: int, token_texts: list[str] | None
+) -> dict[str, Any]:
+    """An OpenAI `chat.completion` object for one turn; with `token_texts` (the request asked
+    for `logprobs`) each generated token's text and log-prob."""
     finish = {"stop": "stop", "length": "length"}.get(partial.finish, partial.finish)
+    logprobs = None
+    if token_texts is not None:
+        logprobs = {"content": [
+            {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+            for text, lp in zip(token_texts, partial.logprobs, strict=True)
+        ]}  # fmt: skip
     return {
         "id": new_completion_id(),
         "object": "chat.completion",
@@ -153,7 +162,7 @@ def openai_response(partial: Partial, model: str, prompt_len: int) -> dict[str, 
                 "index": 0,
                 "message": {"role": "assistant", "content": partial.text},
                 "finish_reason": finish,
-                "logprobs": None,
+                "logprobs": logprobs,
             }
         ],
         "usage": {
@@ -219,7 +228,10 @@ class AgentSessions:
         partial = Partial.of(as_list(orjson.loads(data))[0])
         self.store.record(session_id, input_ids, partial)
         self.first_messages.setdefault(session_id, json.dumps(messages))
-        return openai_response(partial, str(body.get("model", "tandem")), len(input_ids))
+        texts = None
+        if body.get("logprobs"):
+            texts = [self.tokenizer.decode([t]) for t in partial.ids]
+        return openai_response(partial, str(body.get("model", "tandem")), len(input_ids), texts)
 
     async def reward(
         self, session_id: str, reward: float, group: str | None, group_size: int | None

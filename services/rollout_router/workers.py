@@ -245,9 +245,11 @@ class WorkerPool:
         async with self.session.post(url + path, data=body, headers=headers) as resp:
             return resp.status, await resp.read()
 
-    async def post_json(self, path: str, payload: dict[str, Any]) -> tuple[Any, Worker]:
+    async def post_json(
+        self, path: str, payload: dict[str, Any], session_id: str | None = None
+    ) -> tuple[Any, Worker]:
         """POST `payload` and return the decoded 200 answer; raise EngineRequestError otherwise."""
-        status, data, worker = await self.post(path, orjson.dumps(payload))
+        status, data, worker = await self.post(path, orjson.dumps(payload), session_id)
         if status != 200:
             raise EngineRequestError(
                 f"{worker.url}{path}: HTTP {status} {data[:200]!r}", status, data
