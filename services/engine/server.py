@@ -192,12 +192,16 @@ def _add_control_routes(app: FastAPI, engine: Engine) -> None:
         return json_response({"success": True, "message": "Generation continued."})
 
     @app.post("/release_memory_occupation")
-    async def release_memory() -> Response:
+    async def release_memory(request: Request) -> Response:
+        body = await read_json(request)
+        field(body, "tags", _is_list_of(_is_str), "a list of tags (weights, kv_cache)", False)
         await engine.release_memory()
         return json_response({"success": True, "message": "Memory released; generation paused."})
 
     @app.post("/resume_memory_occupation")
-    async def resume_memory() -> Response:
+    async def resume_memory(request: Request) -> Response:
+        body = await read_json(request)
+        field(body, "tags", _is_list_of(_is_str), "a list of tags (weights, kv_cache)", False)
         await engine.resume_memory()
         return json_response({"success": True, "message": "Memory resumed; generation continues."})
 
