@@ -51,7 +51,6 @@ class GenerateInput:
     return_logprob: bool
     text_in_logprobs: bool
     stream: bool
-    max_new_tokens_given: list[bool]
     top_logprobs_num: int = 0
     return_prompt_token_ids: bool = False
     logprob_start_len: int = -1
@@ -102,7 +101,7 @@ def parse_generate(
         prompts=prompts, params=params, rids=rids, batch=batch,
         return_logprob=_flag(body, "return_logprob"),
         text_in_logprobs=_flag(body, "return_text_in_logprobs"),
-        stream=_flag(body, "stream"), max_new_tokens_given=given,
+        stream=_flag(body, "stream"),
         top_logprobs_num=min(top_n, vocab_size), logprob_start_len=start,
         return_prompt_token_ids=_flag(body, "return_prompt_token_ids"),
     )  # fmt: skip

@@ -43,8 +43,7 @@ class Engine:
             self.max_total_tokens,
         )  # fmt: skip
         self.weights = WeightUpdater(self.runner, self.scheduler, config.update_timeout_s)
-        self.paused = False
-        self.released = False
+        self.released = False  # weights moved off the device by /release_memory_occupation
 
     def start(self) -> None:
         self.scheduler.start()
@@ -142,12 +141,10 @@ class Engine:
         if mode not in ("abort", "retract", "in_place"):
             raise RequestError(f"mode must be abort, retract or in_place, got {mode!r}")
         await asyncio.wrap_future(self.scheduler.pause(mode))
-        self.paused = True
 
     def resume(self) -> None:
         if self.released:
             raise RequestError("memory is released: call /resume_memory_occupation first")
-        self.paused = False
         self.scheduler.resume()
 
     async def release_memory(self) -> None:
@@ -157,7 +154,7 @@ class Engine:
             raise RequestError("requests are running: pause_generation (abort) or wait first")
         await asyncio.wrap_future(self.scheduler.pause("in_place"))
         await asyncio.wrap_future(self.scheduler.run_exclusive(lambda: self.runner.model.to("cpu")))
-        self.released = self.paused = True
+        self.released = True
 
     async def resume_memory(self) -> None:
         if not self.released:
