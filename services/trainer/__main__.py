@@ -30,12 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def batching_errors() -> type[Exception]:
-    from services.trainer.batching import SampleTooLongError
-
-    return SampleTooLongError
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from services.trainer.config import TrainerConfig
@@ -54,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ConnectionError, KeyError) as exc:
         print(f"tandem trainer: error: {exc}", file=sys.stderr)
         return 2
+    from services.trainer.batching import BatchError
+
     trainer.install_signal_handlers()
     if args.ready_file:
         Path(args.ready_file).write_text(
@@ -61,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     try:
         steps = trainer.train()
-    except (FloatingPointError, batching_errors()) as exc:
+    except (FloatingPointError, BatchError) as exc:
         print(f"tandem trainer: error: {exc}", file=sys.stderr)
         return 1
     print(f"[trainer] stopped after {steps} steps at version {trainer.version}", flush=True)

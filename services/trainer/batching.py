@@ -18,7 +18,11 @@ from proto import SampleGroup
 from services.trainer import losses
 
 
-class SampleTooLongError(ValueError):
+class BatchError(ValueError):
+    """The samples in hand cannot be trained as configured; the message names the flag."""
+
+
+class SampleTooLongError(BatchError):
     """One sample does not fit the per-micro-batch token budget."""
 
 

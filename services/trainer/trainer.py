@@ -35,9 +35,12 @@ from services.trainer.batching import MicroBatch, TrainSample
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, init_distributed
 from services.trainer.stats import StepStats
-from services.weight_broker.nccl_sender import WeightSyncError
+from services.weight_broker.wire import WeightSyncError
 
 log = logging.getLogger("tandem.trainer")
+# Groups taken in the one read that drains the pending list at start-up; the stream itself is
+# bounded by the buffer's max_groups, so this only has to be larger than that.
+RESUME_READ_MAX = 1_000_000
 
 
 @dataclass
@@ -84,6 +87,7 @@ class Trainer:
         )
         self.version = 0
         self.pending_first = True  # after a (re)start, groups read but never acked come first
+        self.backlog: list[tuple[str, SampleGroup]] = []  # read from Redis, not yet used
         self.skipped_updates = 0
         self.stop_requested = False
         from services.trainer import checkpoint
@@ -152,17 +156,10 @@ class Trainer:
         while len(rollout.groups) < self.cfg.rollout_batch_size:
             if self.stop_requested:
                 return None
-            need = self.cfg.rollout_batch_size - len(rollout.groups)
-            read = self.buffer.read_groups(
-                self.cfg.consumer, need, self.cfg.read_block_ms, pending_first=self.pending_first
-            )
-            self.pending_first = False
-            if self.already_trained:
-                done = [entry_id for entry_id, _ in read if entry_id in self.already_trained]
-                self.buffer.ack(done)
-                read = [
-                    (entry_id, g) for entry_id, g in read if entry_id not in self.already_trained
-                ]
+            read = self._next_groups(self.cfg.rollout_batch_size - len(rollout.groups))
+            if self.already_trained:  # in the loaded checkpoint; only their ack was lost
+                self.buffer.ack([i for i, _ in read if i in self.already_trained])
+                read = [(i, g) for i, g in read if i not in self.already_trained]
             fresh, stale = batching.split_stale(read, self.version, self.cfg.max_staleness)
             for entry_id, group in stale:
                 self._drop_stale(entry_id, group)
@@ -171,6 +168,22 @@ class Trainer:
                 rollout.entry_ids.append(entry_id)
                 rollout.groups.append(group)
         return rollout
+
+    def _next_groups(self, count: int) -> list[tuple[str, SampleGroup]]:
+        """Up to `count` groups: first (once per start) every group this consumer read before a
+        restart and never acked, in stream order; then new ones, waiting `read_block_ms`."""
+        assert self.buffer is not None
+        if self.pending_first:
+            self.pending_first = False
+            # One read drains the whole pending list (it can exceed a rollout when acks wait
+            # for checkpoints); it may also take new groups, which simply queue behind.
+            self.backlog = self.buffer.read_groups(
+                self.cfg.consumer, RESUME_READ_MAX, block_ms=1, pending_first=True
+            )
+        if self.backlog:
+            taken, self.backlog = self.backlog[:count], self.backlog[count:]
+            return taken
+        return self.buffer.read_groups(self.cfg.consumer, count, self.cfg.read_block_ms)
 
     def _drop_stale(self, entry_id: str, group: SampleGroup) -> None:
         assert self.buffer is not None
@@ -219,6 +232,11 @@ class Trainer:
 
         dp_rank = parallel_state.get_data_parallel_rank()
         dp_size = parallel_state.get_data_parallel_world_size()
+        if len(samples) < dp_size:  # a rank without samples would hang the gradient all-reduce
+            raise batching.BatchError(
+                f"step {self.version + 1} has {len(samples)} samples for {dp_size} data-parallel "
+                "ranks: raise --rollout-batch-size or lower --num-steps-per-rollout"
+            )
         mine = samples[dp_rank::dp_size]
         stats = StepStats()
         mbs = batching.make_micro_batches(
@@ -324,4 +342,6 @@ def make_weight_sender(cfg: TrainerConfig) -> Any:
     from services.weight_broker.wire import secret_from_env
     from services.weight_broker.zmq_transport import ZmqWeightSender
 
-    return ZmqWeightSender(cfg.weights_endpoint, secret=secret_from_env())
+    return ZmqWeightSender(
+        cfg.weights_endpoint, secret=secret_from_env(), shm_dir=cfg.weights_shm_dir or None
+    )
