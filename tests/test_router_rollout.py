@@ -231,3 +231,30 @@ def test_rollout_waits_while_the_buffer_is_full_and_goes_on_when_the_trainer_ack
         lambda: get_json(router.url + "/rollout/status")["groups_put"] == 10, "4 more groups"
     )
     assert buffer.depth() == 6
+
+
+def test_a_redis_outage_pauses_rollout_counts_the_lost_groups_and_rollout_resumes(
+    toy_model_dir, start_service, engines, tmp_path
+):
+    from services.sample_buffer import BufferConfig, RedisServer
+
+    first = RedisServer(log_dir=tmp_path / "r1").start()
+    port = first.port
+    buffer = SampleBuffer(BufferConfig(redis_url=first.url, run_id="outage"))
+    urls = [engines("--delay-ms", "300").url]
+    router = start_service("router", router_args(buffer, toy_model_dir, urls,
+                                                 "--max-staleness", "1000", "--eval-interval", "0"))  # fmt: skip
+    wait_until(lambda: buffer.depth() >= 4, "groups before the outage")
+    first.stop()
+    status = wait_until(lambda: (s := get_json(router.url + "/rollout/status"))["state"]
+                        == "waiting_for_redis" and s, "the loop to notice")  # fmt: skip
+    assert status["buffer_depth"] is None and "Error" in status["error"]
+    second = RedisServer(port=port, log_dir=tmp_path / "r2").start()  # empty, same address
+    try:
+        wait_until(lambda: buffer.depth() >= 4, "groups after Redis is back")
+        lost = buffer.drop_counts().get("redis_unavailable", 0)
+        assert 0 < lost <= 4, "the interrupted batch's missing groups"
+        assert get_json(router.url + "/rollout/status")["state"] != "failed"
+    finally:
+        router.stop()
+        second.stop()

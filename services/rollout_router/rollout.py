@@ -27,6 +27,7 @@ Every group that is not put is recorded with its reason (`engine_error`, `aborte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import random
@@ -34,6 +35,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from proto import DropRecord, Sample, SampleGroup
 from services.rollout_router.config import RolloutConfig, SamplingConfig
@@ -110,6 +113,7 @@ class RolloutLoop:
         self._resume.set()
         self._put_lock = asyncio.Lock()
         self._room = 0  # groups we may still put before reading the stream's depth again
+        self.current: BatchState | None = None
 
     # --- versions and control ------------------------------------------------------------------
 
@@ -146,15 +150,22 @@ class RolloutLoop:
     # --- rollout -------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Batches until cancelled."""
+        """Batches until cancelled. A Redis outage ends the current batch short: once Redis
+        answers again, the groups it could not put are counted (`redis_unavailable`) and the
+        next batch starts (re-running the batch would put its earlier groups twice)."""
         try:
             while True:
                 if self.paused:
                     self.state = "paused"
                     await self._resume.wait()
-                await self.wait_for_workers()
-                await self.wait_for_version(self.batch - self.config.max_staleness)
-                await self.run_batch(self.batch)
+                try:
+                    await self.wait_for_workers()
+                    await self.wait_for_version(self.batch - self.config.max_staleness)
+                    await self.run_batch(self.batch)
+                except RedisError as exc:
+                    await self._wait_for_redis(exc)
+                    if self.current is None or self.current.index != self.batch:
+                        continue  # the batch had not started: run it now
                 self.batch += 1
         except asyncio.CancelledError:
             self.state = "stopped"
@@ -164,12 +175,29 @@ class RolloutLoop:
             log.exception("rollout loop failed")
             raise
 
+    async def _wait_for_redis(self, exc: Exception) -> None:
+        self.state, self.error = "waiting_for_redis", f"{type(exc).__name__}: {exc}"
+        log.warning("Redis unavailable (%s); waiting for it", exc)
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await asyncio.to_thread(self.buffer.redis.ping)
+                break
+            except RedisError:
+                continue
+        batch = self.current
+        if batch is not None and not batch.full:
+            await self._drop(
+                f"b{batch.index}", "redis_unavailable", str(exc), batch.target - batch.kept
+            )
+        self._room, self.error = 0, ""
+
     async def run_batch(self, index: int) -> BatchState:
         """Rounds of prompts until `rollout_batch_size` groups are put (one round without
         dynamic sampling), then the batch's metrics."""
         self.state = "generating"
         cfg = self.config
-        batch = BatchState(index, cfg.rollout_batch_size)
+        batch = self.current = BatchState(index, cfg.rollout_batch_size)
         start, next_prompt = time.monotonic(), 0
         for round_ in range(cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
             if batch.full:
@@ -178,10 +206,14 @@ class RolloutLoop:
                 (cfg.over_sampling_batch_size or cfg.rollout_batch_size) if round_ else batch.target
             )
             items = batch_items(self.task.train, index, size, cfg.seed, round_)
-            await asyncio.gather(
-                *(self.run_group(batch, next_prompt + i, item) for i, item in enumerate(items))
+            results = await asyncio.gather(
+                *(self.run_group(batch, next_prompt + i, item) for i, item in enumerate(items)),
+                return_exceptions=True,  # let every group finish before a failure propagates
             )
             next_prompt += size
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
         if not batch.full:
             log.warning("batch %d ended with %d of %d groups", index, batch.kept, batch.target)
         await self._publish_batch(batch, max(time.monotonic() - start, 1e-9), next_prompt)
@@ -251,7 +283,11 @@ class RolloutLoop:
             if batch.full:
                 raise GroupDroppedError("surplus", "the batch was already full")
             batch.kept += 1  # reserve the slot before awaiting the put
-            await self.put(group, committed)
+            try:
+                await self.put(group, committed)
+            except RedisError:
+                batch.kept -= 1
+                raise
         except GroupDroppedError as exc:
             await self._drop(group_id, exc.reason, str(exc))
             return
@@ -385,10 +421,10 @@ class RolloutLoop:
             await asyncio.shield(asyncio.to_thread(self.buffer.put_group, group))
             self.state = "generating"
 
-    async def _drop(self, group_id: str, reason: str, detail: str) -> None:
-        log.warning("dropping group %s: %s (%s)", group_id, reason, detail[:300])
+    async def _drop(self, group_id: str, reason: str, detail: str, count: int = 1) -> None:
+        log.warning("dropping %d group(s) %s: %s (%s)", count, group_id, reason, detail[:300])
         record = DropRecord(
-            source="router", reason=reason, count=1, group_id=group_id, detail=detail[:500]
+            source="router", reason=reason, count=count, group_id=group_id, detail=detail[:500]
         )
         await asyncio.to_thread(self.buffer.record_drop, record)
 
@@ -401,12 +437,16 @@ class RolloutLoop:
             return
         last_bucket: int | None = None
         while True:
-            version = max(self.engines_version(), 0)
+            try:
+                version = max(self.engines_version(), 0)
+            except RedisError:
+                await asyncio.sleep(1.0)
+                continue
             if last_bucket is None or version // interval > last_bucket:
                 last_bucket = version // interval
                 try:
                     await self.evaluate(version)
-                except (EngineRequestError, NoWorkerError, RewardError) as exc:
+                except (EngineRequestError, NoWorkerError, RewardError, RedisError) as exc:
                     log.warning("evaluation at version %d failed: %s", version, exc)
             await asyncio.sleep(self.config.version_poll_s * 4)
 
@@ -440,18 +480,26 @@ class RolloutLoop:
         return values
 
     def status(self) -> dict[str, Any]:
+        """The loop's state; the Redis-backed fields are None while Redis is unavailable."""
+        redis_fields: dict[str, Any] = dict.fromkeys(
+            ("engines_version", "trainer_version", "buffer_depth", "drops")
+        )
+        with contextlib.suppress(RedisError):
+            redis_fields = {
+                "engines_version": self.engines_version(),
+                "trainer_version": self.buffer.get_version("trainer"),
+                "buffer_depth": self.buffer.depth(),
+                "drops": self.buffer.drop_counts(),
+            }
         return {
             "state": self.state,
             "paused": self.paused,
             "error": self.error,
             "batch": self.batch,
-            "engines_version": self.engines_version(),
-            "trainer_version": self.buffer.get_version("trainer"),
             "in_flight": self.in_flight,
             "samples_per_s": self.samples_per_s,
             "groups_put": self.groups_put,
-            "buffer_depth": self.buffer.depth(),
-            "drops": self.buffer.drop_counts(),
             "last_eval_version": self.last_eval_version,
             "last_eval": self.last_eval,
+            **redis_fields,
         }
