@@ -32,6 +32,11 @@ def test_least_outstanding_picks_the_idlest_worker_and_skips_excluded_ones():
     assert pool.pick({"http://a", "http://b", "http://c"}).url == "http://b", "all tried: reuse"
 
 
+def test_least_outstanding_breaks_ties_in_turn():
+    pool = pool_with(["http://a", "http://b", "http://c"])
+    assert [pool.pick().url for _ in range(6)] == ["http://a", "http://b", "http://c"] * 2
+
+
 def test_round_robin_cycles_through_healthy_workers_only():
     pool = pool_with(["http://a", "http://b", "http://c"], "round_robin")
     pool.workers[worker_id_for("http://b")].healthy = False

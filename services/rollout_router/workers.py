@@ -188,9 +188,11 @@ class WorkerPool:
         fresh = [w for w in pool if w.url not in exclude] or pool
         if session_id is not None and self.config.policy == "session_affinity":
             return rendezvous(fresh, session_id)
+        start = next(self._rr) % len(fresh)
         if self.config.policy == "round_robin":
-            return fresh[next(self._rr) % len(fresh)]
-        return min(fresh, key=lambda w: w.outstanding)
+            return fresh[start]
+        # Least outstanding; ties go round robin, so a sequential client spreads too.
+        return min(fresh[start:] + fresh[:start], key=lambda w: w.outstanding)
 
     # --- forwarding ----------------------------------------------------------------------------
 
