@@ -101,6 +101,10 @@ def create_app(config: EngineConfig, engine: Engine | None = None) -> FastAPI:
     async def overloaded(_request: Request, exc: QueueFullError) -> Response:
         return error_response(str(exc), 503)
 
+    @app.exception_handler(ClientDisconnectedError)
+    async def client_gone(_request: Request, _exc: ClientDisconnectedError) -> Response:
+        return Response(status_code=499)
+
     @app.exception_handler(UpdateError)
     async def update_failed(_request: Request, exc: UpdateError) -> Response:
         return json_response({"success": False, "message": str(exc)}, exc.status)
@@ -119,19 +123,29 @@ def create_app(config: EngineConfig, engine: Engine | None = None) -> FastAPI:
     return app
 
 
+class ClientDisconnectedError(Exception):
+    """The client went away before its answer was ready; its request was aborted."""
+
+
 async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
     """Await `work`, cancelling it if the client disconnects first (as SGLang aborts a request
     whose client went away); the engine then aborts the request's sequences."""
     task = asyncio.ensure_future(work)
+    gone = asyncio.Event()
 
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        gone.set()
         task.cancel()
 
     watcher = asyncio.ensure_future(watch())
     try:
         return await task
+    except asyncio.CancelledError:
+        if gone.is_set():  # answered with 499, which nobody reads, instead of a traceback
+            raise ClientDisconnectedError from None
+        raise
     finally:
         watcher.cancel()
 
