@@ -63,6 +63,25 @@ class UpConfig:
             "choices": ["zmq", "nccl"],
         },
     )
+    engine_device: str = field(
+        default="cpu",
+        metadata={"help": "Device of the engines.", "choices": ["cpu", "cuda"]},
+    )
+    engine_gpus: list[int] = field(
+        default_factory=list,
+        metadata={"help": "GPU index of each engine (CUDA_VISIBLE_DEVICES), one per engine."},
+    )
+    trainer_gpus: list[int] = field(
+        default_factory=list,
+        metadata={"help": "GPUs of the trainer (CUDA_VISIBLE_DEVICES); empty = as inherited."},
+    )
+    trainer_procs: int = field(
+        default=1,
+        metadata={"help": "Trainer processes (torchrun); = tensor-parallel x data-parallel size."},
+    )
+    engine_args: str = field(
+        default="", metadata={"help": "Extra flags for `tandem engine`, one quoted string."}
+    )
     trainer_args: str = field(
         default="", metadata={"help": "Extra flags for `tandem trainer`, one quoted string."}
     )
@@ -99,6 +118,21 @@ def validate(config: UpConfig) -> list[str]:
         problems.append("--stop-accuracy must be within [0, 1]")
     if config.max_steps < 1:
         problems.append("--max-steps must be at least 1")
+    if config.engine_gpus and len(config.engine_gpus) != config.num_engines:
+        problems.append(
+            f"--engine-gpus names {len(config.engine_gpus)} GPUs for {config.num_engines} "
+            "engines (--num-engines): give one per engine"
+        )
+    if config.engine_device == "cuda" and not config.engine_gpus:
+        problems.append("--engine-device cuda needs --engine-gpus (one GPU index per engine)")
+    if config.trainer_gpus and len(config.trainer_gpus) < config.trainer_procs:
+        problems.append(
+            f"--trainer-procs {config.trainer_procs} needs as many --trainer-gpus "
+            f"(got {len(config.trainer_gpus)})"
+        )
+    overlap = set(config.engine_gpus) & set(config.trainer_gpus)
+    if overlap:
+        problems.append(f"GPUs {sorted(overlap)} are given to both the engines and the trainer")
     return problems
 
 
@@ -113,7 +147,10 @@ def service_args(
         "--max-staleness", str(config.max_staleness),
     ]  # fmt: skip
     return {
-        "engine": ["engine", "--model", str(model), "--host", "127.0.0.1", "--port", "0"],
+        "engine": [
+            "engine", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
+            "--device", config.engine_device, *shlex.split(config.engine_args),
+        ],
         "broker": ["broker", "--port", "0", "--transport", config.weight_transport, *common],
         "router": [
             "router", "--model", str(model), "--port", "0", "--seed", str(config.seed),

@@ -53,11 +53,19 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
 
-    def start(self, name: str, args: list[str], ready: bool = True) -> Child:
-        """Start `tandem ARGS` as `name`; with `ready`, add `--port 0 --ready-file`."""
+    def start(
+        self,
+        name: str,
+        args: list[str],
+        ready: bool = True,
+        env: dict[str, str] | None = None,
+        program: list[str] | None = None,
+    ) -> Child:
+        """Start `tandem ARGS` (or `PROGRAM ARGS`) as `name`; with `ready`, add
+        `--ready-file` and wait for it in `wait_ready`. `env` adds to our environment."""
         log_path = self.log_dir / f"{name}.log"
         ready_file = self.log_dir / f"{name}.ready.json" if ready else None
-        cmd = [sys.executable, "-m", "tandem.cli", *args]
+        cmd = [*(program or [sys.executable, "-m", "tandem.cli"]), *args]
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
             cmd += ["--ready-file", str(ready_file)]
@@ -69,7 +77,7 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=die_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
         child = Child(name, proc, log_path, ready_file, {})
         self.children.append(child)

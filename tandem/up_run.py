@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -18,6 +19,11 @@ from tandem.launcher import (
 )
 from tandem.progress import RunProgress
 from tandem.supervisor import ChildFailedError, Supervisor, die_with_parent
+
+
+def gpu_env(gpus: list[int]) -> dict[str, str] | None:
+    """CUDA_VISIBLE_DEVICES for a child given GPU indices (None: inherit)."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else None
 
 
 def say(message: str) -> None:
@@ -74,7 +80,10 @@ class UpRun:
         model = Path(config.model) if config.model else self.write_model()
         args = service_args(config, self.run_id, model, redis_url)
         engines = [
-            self.supervisor.start(f"engine{i}", args["engine"]) for i in range(config.num_engines)
+            self.supervisor.start(
+                f"engine{i}", args["engine"], env=gpu_env(config.engine_gpus[i : i + 1])
+            )
+            for i in range(config.num_engines)
         ]
         self.supervisor.wait_ready(engines, config.startup_timeout_s)
         urls = [e.info["url"] for e in engines]
@@ -85,7 +94,14 @@ class UpRun:
         say(f"broker at {broker.info['url']} (weights in at {broker.info['intake_endpoint']}), "
             f"router at {router.info['url']}")  # fmt: skip
         trainer_args = [*args["trainer"], "--weights-endpoint", broker.info["intake_endpoint"]]
-        self.supervisor.start("trainer", trainer_args, ready=False)
+        program = None
+        if config.trainer_procs > 1:  # torchrun: one process per rank, same flags
+            program = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc-per-node={config.trainer_procs}", "-m", "services.trainer"]  # fmt: skip
+            trainer_args = trainer_args[1:]  # no "trainer" subcommand word
+        self.supervisor.start(
+            "trainer", trainer_args, ready=False, env=gpu_env(config.trainer_gpus), program=program
+        )
         say(f"logs in {self.supervisor.log_dir}")
         return buffer, urls
 

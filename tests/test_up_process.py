@@ -135,3 +135,20 @@ def test_the_loop_also_runs_with_the_nccl_weight_transport_on_gloo(tmp_path: Pat
     assert summary["logprob_abs_diff_max_step0"] < 1e-3
     broker_log = (run_dir / "logs" / "broker.log").read_text()
     assert "NCCL control at" in broker_log and "version 8 on 2 engines" in broker_log
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_trainer_under_torchrun_syncs_engines_by_broadcast(
+    tmp_path: Path,
+) -> None:
+    """The four-GPU topology in miniature: TP=2 trainer (torchrun, gloo), two engines, the
+    broker's NCCL transport (gloo on CPU) broadcasting from trainer rank 0."""
+    run_dir = tmp_path / "run"
+    result = run_up(
+        run_dir, "--max-steps", "6", "--stop-accuracy", "0", "--weight-transport", "nccl",
+        "--trainer-procs", "2", "--trainer-args", "--tensor-model-parallel-size 2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["engine_weight_versions"] == ["6", "6"]
+    assert summary["logprob_abs_diff_max_step0"] < 1e-3

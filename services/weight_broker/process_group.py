@@ -23,11 +23,15 @@ def join_group(
     backend: str,
     timeout: timedelta,
 ) -> Any:
+    from torch.distributed import TCPStore
     from torch.distributed import distributed_c10d as c10d
 
-    init_method = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # An explicit store, not `c10d.rendezvous`: under torchrun the latter connects to the
+    # elastic agent's store instead of hosting one, and the engines would wait forever.
+    store = TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+        wait_for_workers=False,
+    )  # fmt: skip
     store = c10d.PrefixStore(group_name, store)
     group, _ = c10d._new_process_group_helper(
         world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
