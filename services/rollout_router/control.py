@@ -14,6 +14,7 @@ import typing
 from typing import Any
 
 from services.rollout_router.config import DataConfig
+from services.rollout_router.evaluation import run_evaluations
 from services.rollout_router.rollout import RolloutLoop
 
 # Fields a running router may change; the model and the run identity may not.
@@ -68,7 +69,7 @@ class RolloutController:
 
     def start_evaluations(self) -> None:
         """Evaluations run whether or not rollouts do (agents may be the only producers)."""
-        self.eval_task = asyncio.create_task(self.loop.run_evaluations(), name="eval")
+        self.eval_task = asyncio.create_task(run_evaluations(self.loop), name="eval")
 
     def start(self) -> None:
         if self.running:

@@ -1,17 +1,14 @@
 """The rollout loop: prompts -> engines -> samples -> rewards -> Redis.
 
-Two asyncio tasks, both started by the app's lifespan:
-- `run()` produces batches b = 0, 1, 2, ... Before batch b it waits while the loop is paused
-  and until the engines' weight version is at least `b - max_staleness` (the trainer trains
-  batch b at version b, so nothing it receives is staler than that). A batch sends one
-  `/generate` per prompt with `n = n_samples_per_prompt`, all prompts at once (at most
-  `rollout_max_concurrency` requests in flight when set), and puts each group into the buffer
-  as soon as it is complete. Puts are serialized and wait, in the event loop, while the buffer
-  holds `max_groups` untrained groups: rollout never outruns the trainer by more than that.
-  Batch b+1 starts once each group of batch b is in Redis or recorded as dropped.
-- `run_evaluations()` polls the engines' version and, at start and whenever the version reaches
-  a new multiple of `eval_interval`, runs every held-out prompt greedily and publishes
-  `eval/accuracy` and `eval/reward_mean` at that version.
+`run()`, an asyncio task owned by `RolloutController` (evaluation.py runs beside it),
+produces batches b = 0, 1, 2, ... Before batch b it waits while the loop is paused, while no
+engine is admitted, and until the engines' weight version is at least `b - max_staleness` (the
+trainer trains batch b at version b, so nothing it receives is staler than that). A batch sends
+one `/generate` per prompt with `n = n_samples_per_prompt`, all prompts at once (at most
+`rollout_max_concurrency` requests in flight when set), and puts each group into the buffer as
+soon as it is complete. Puts are serialized and wait, in the event loop, while the buffer holds
+`max_groups` untrained groups: rollout never outruns the trainer by more than that. Batch b+1
+starts once each group of batch b is in Redis or recorded as dropped.
 
 The engines' version is `max(version:engines in Redis, lowest version any admitted engine
 reported)`: the broker sets the Redis key once every engine has loaded a version; engines
@@ -427,57 +424,6 @@ class RolloutLoop:
             source="router", reason=reason, count=count, group_id=group_id, detail=detail[:500]
         )
         await asyncio.to_thread(self.buffer.record_drop, record)
-
-    # --- evaluation ----------------------------------------------------------------------------
-
-    async def run_evaluations(self) -> None:
-        """Evaluate at start, then at each new multiple of `eval_interval`, until cancelled."""
-        interval = self.config.eval_interval
-        if interval <= 0 or not self.task.heldout:
-            return
-        last_bucket: int | None = None
-        while True:
-            try:
-                version = max(self.engines_version(), 0)
-            except RedisError:
-                await asyncio.sleep(1.0)
-                continue
-            if last_bucket is None or version // interval > last_bucket:
-                last_bucket = version // interval
-                try:
-                    await self.evaluate(version)
-                except (EngineRequestError, NoWorkerError, RewardError, RedisError) as exc:
-                    log.warning("evaluation at version %d failed: %s", version, exc)
-            await asyncio.sleep(self.config.version_poll_s * 4)
-
-    async def evaluate(self, version: int) -> dict[str, float]:
-        """Every held-out prompt once, greedily; publishes eval metrics at `version`."""
-        items, max_new = self.task.heldout, self.sampling.rollout_max_response_len
-        outs = await asyncio.gather(
-            *(self.generate(self.payload(list(it.input_ids), 1, max_new, True, 0)) for it in items),
-            return_exceptions=True,
-        )
-        rewards, exact, failed = [], [], 0
-        for item, out in zip(items, outs, strict=True):
-            if isinstance(out, BaseException):
-                failed += 1
-                continue
-            partial = Partial.of(out[0])
-            reward = await self.reward.score(item.prompt, partial.text, item.label, partial.finish)
-            stopped = partial.finish == "stop"
-            rewards.append(reward)
-            judge = self.task.exact
-            exact.append(judge(partial.text, item.label, stopped) if judge else reward >= 1.0)
-        values = {
-            "eval/accuracy": sum(exact) / len(exact) if exact else 0.0,
-            "eval/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-            "eval/num_prompts": float(len(exact)),
-            "eval/failed": float(failed),
-        }
-        await asyncio.to_thread(self.buffer.publish_metrics, "router", version, values)
-        self.last_eval, self.last_eval_version = values, version
-        log.info("eval at version %d: %s", version, values)
-        return values
 
     def status(self) -> dict[str, Any]:
         """The loop's state; the Redis-backed fields are None while Redis is unavailable."""
