@@ -185,7 +185,12 @@ class UpRun:
     # --- summary ------------------------------------------------------------------------------
 
     def finish(self, progress: RunProgress, engine_versions: list[str], wall_s: float) -> None:
-        plot = progress.plot(self.run_dir / "metrics.png") if progress.history else None
+        plot = None
+        if progress.history:
+            try:
+                plot = progress.plot(self.run_dir / "metrics.png")
+            except ImportError:  # matplotlib is a dependency, but a GPU image may lack it
+                say("matplotlib is not installed: no metrics.png (metrics.jsonl has it all)")
         summary = {
             "outcome": self.outcome,
             "seed": self.config.seed,

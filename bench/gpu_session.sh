@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# GPU measurements (issues 4, 5, 7), as run on a 4-GPU H200 machine through the device tool.
+#   bash bench/gpu_session.sh benches   # trainer MFU (GPU 0); NCCL weight sync (GPUs 0 -> 1, 2)
+#   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3
+# Wheels for what the machine lacks are expected in .whl/ (see DEVELOPERS notes); results go
+# to $OUT (or /tmp/out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >/dev/null || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+
+model() {  # a ~1.1B-parameter random-init Llama (bf16, 23 layers of hidden 2048)
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; \
+from weight_sync import synthetic_model; print(synthetic_model(Path('/tmp/tandem-gpu'), 2, 'bfloat16'))"
+}
+
+up() {  # $1 = name, $2 = max staleness
+    python3 -m tandem.cli up --model "$(model)" --run-dir "/tmp/$1" \
+        --engine-device cuda --engine-gpus 2 3 --trainer-gpus 0 1 --trainer-procs 2 \
+        --weight-transport nccl --engine-args "--dtype bfloat16" \
+        --trainer-args "--tensor-model-parallel-size 2 --bf16" \
+        --router-args "--rollout-max-response-len 256" \
+        --rollout-batch-size 32 --n-samples-per-prompt 8 --max-staleness "$2" \
+        --max-steps 12 --stop-accuracy 0 --time-limit-s 200 2>&1 | tail -8
+    cp "/tmp/$1/summary.json" "$OUT/$1-summary.json"
+    cp "/tmp/$1/metrics.jsonl" "$OUT/$1-metrics.jsonl"
+    tail -c 20000 "/tmp/$1/logs/broker.log" > "$OUT/$1-broker.log"
+}
+
+case "${1:-}" in
+benches)
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    python3 bench/trainer_throughput.py --device cuda --bf16 --hidden-size 2048 --num-layers 16 \
+        --num-heads 16 --num-kv-heads 8 --ffn-hidden-size 5632 --vocab-size 32000 \
+        --num-samples 256 --prompt-len 128 --mean-response-len 512 --max-response-len 4096 \
+        --max-tokens-per-gpu 16384 --micro-batch-size 4 2>&1 | tail -25 | tee "$OUT/trainer_throughput.txt"
+    python3 bench/weight_sync.py --device cuda --transport nccl --dtype bfloat16 \
+        --size-gb 2 16 --engines 1 2 --repeats 3 2>&1 | tail -12 | tee "$OUT/weight_sync.txt"
+    ;;
+run)
+    up gpu-async 1
+    up gpu-sync 0
+    ;;
+*)
+    echo "usage: $0 benches|run" >&2
+    exit 2
+    ;;
+esac
