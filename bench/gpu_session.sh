@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU measurements (issues 4, 5, 7), as run on a 4-GPU H200 machine through the device tool.
-#   bash bench/gpu_session.sh benches   # trainer MFU (GPU 0); NCCL weight sync (GPUs 0 -> 1, 2)
+#   bash bench/gpu_session.sh all       # everything below, each part under its own time limit
 #   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3
+#   bash bench/gpu_session.sh benches   # trainer MFU (GPU 0); NCCL weight sync (GPUs 0 -> 1, 2)
 # Wheels for what the machine lacks are expected in .whl/ (see DEVELOPERS notes); results go
 # to $OUT (or /tmp/out).
 set -uo pipefail
@@ -25,7 +26,7 @@ up() {  # $1 = name, $2 = max staleness
         --trainer-args "--tensor-model-parallel-size 2 --bf16" \
         --router-args "--rollout-max-response-len 256" \
         --rollout-batch-size 32 --n-samples-per-prompt 8 --max-staleness "$2" \
-        --max-steps 12 --stop-accuracy 0 --time-limit-s 200 2>&1 | tail -8
+        --max-steps 10 --stop-accuracy 0 --time-limit-s 120 --startup-timeout-s 150 2>&1 | tail -8
     cp "/tmp/$1/summary.json" "$OUT/$1-summary.json"
     cp "/tmp/$1/metrics.jsonl" "$OUT/$1-metrics.jsonl"
     tail -c 20000 "/tmp/$1/logs/broker.log" > "$OUT/$1-broker.log"
@@ -34,16 +35,20 @@ up() {  # $1 = name, $2 = max staleness
 case "${1:-}" in
 benches)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    python3 bench/trainer_throughput.py --device cuda --bf16 --hidden-size 2048 --num-layers 16 \
+    timeout 150 python3 bench/trainer_throughput.py --device cuda --bf16 --hidden-size 2048 --num-layers 16 \
         --num-heads 16 --num-kv-heads 8 --ffn-hidden-size 5632 --vocab-size 32000 \
         --num-samples 256 --prompt-len 128 --mean-response-len 512 --max-response-len 4096 \
         --max-tokens-per-gpu 16384 --micro-batch-size 4 2>&1 | tail -25 | tee "$OUT/trainer_throughput.txt"
-    python3 bench/weight_sync.py --device cuda --transport nccl --dtype bfloat16 \
+    timeout 200 python3 bench/weight_sync.py --device cuda --transport nccl --dtype bfloat16 \
         --size-gb 2 16 --engines 1 2 --repeats 3 2>&1 | tail -12 | tee "$OUT/weight_sync.txt"
     ;;
 run)
     up gpu-async 1
     up gpu-sync 0
+    ;;
+all)
+    bash "$0" run
+    bash "$0" benches
     ;;
 *)
     echo "usage: $0 benches|run" >&2
