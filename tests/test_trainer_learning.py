@@ -71,7 +71,7 @@ def heldout_accuracy(model, heldout, gen) -> float:  # type: ignore[no-untyped-d
 def test_reward_and_heldout_accuracy_rise_on_the_toy_task(buffer, toy_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    steps, groups_per_step, n = int(os.environ.get("LEARN_STEPS", "60")), 64, 8
+    steps, groups_per_step, n = int(os.environ.get("LEARN_STEPS", "90")), 64, 8
     model = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
     train_items, heldout = reverse_digits_split()
     gen = torch.Generator().manual_seed(0)
@@ -122,4 +122,4 @@ def test_reward_and_heldout_accuracy_rise_on_the_toy_task(buffer, toy_model_dir:
     print(f"reward first5 {sum(rewards[:5]) / 5:.3f} last5 {sum(rewards[-5:]) / 5:.3f} "
           f"heldout acc {acc_before:.2f} -> {acc_after:.2f}")  # fmt: skip
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2
-    assert acc_after > acc_before
+    assert acc_after >= 0.3 and acc_after > acc_before
