@@ -98,3 +98,16 @@ def test_gae_with_tensor_parallelism_is_refused_at_start(toy_model_dir: Path) ->
     done = run_trainer(["--model", str(toy_model_dir), "--advantage-estimator", "gae",
                         "--tensor-model-parallel-size", "2"])  # fmt: skip
     assert done.returncode == 2 and "--tensor-model-parallel-size 1" in done.stderr
+
+
+def test_a_sample_longer_than_the_token_budget_stops_the_trainer_naming_the_flag(
+    buffer, toy_model_dir: Path
+) -> None:
+    for g in sample_groups(toy_model_dir, 4, 4, seed=10):
+        buffer.put_group(g)
+    done = run_trainer(
+        [*common_args(toy_model_dir, buffer), "--max-steps", "1", "--max-tokens-per-gpu", "4"]
+    )
+    assert done.returncode == 1
+    assert "--max-tokens-per-gpu 4" in done.stderr and "context parallelism" in done.stderr
+    assert buffer.depth() == 4  # nothing acked: the groups wait for a trainer with a larger budget
