@@ -24,7 +24,7 @@ from services.trainer import losses
 from services.trainer.batching import MicroBatch, TrainSample
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy
-from services.trainer.stats import StepStats
+from services.trainer.stats import StepStats, comm_device
 
 
 class Critic:
@@ -68,7 +68,9 @@ def _whiten(mbs: list[MicroBatch], eps: float) -> None:
         a, m = mb.advantages.double(), mb.loss_mask.double()
         sums += torch.stack([(a * m).sum(), (a * a * m).sum(), m.sum()])
     if dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1:
+        sums = sums.to(comm_device())
         dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        sums = sums.cpu()
     count = max(float(sums[2]), 1.0)
     mean = float(sums[0]) / count
     std = max(float(sums[1]) / count - mean * mean, 0.0) ** 0.5

@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from services.trainer import cpu_compat, hf_convert
 from services.trainer.batching import MicroBatch
 from services.trainer.config import TrainerConfig
+from services.trainer.stats import comm_device
 
 PAD_LOGIT = -1e30  # finite: exp() gives 0 and 0 * PAD_LOGIT stays 0 in the entropy
 
@@ -275,7 +276,7 @@ class Policy:
         """L2 norm of all gradients (before clipping), over TP ranks; grads are DP-reduced."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [getattr(p, "main_grad", None) for p in params]
-        sq = torch.zeros((), dtype=torch.float32)
+        sq = torch.zeros((), dtype=torch.float32, device=comm_device())
         for p, g in zip(params, grads, strict=True):
             if g is None:
                 continue
@@ -283,7 +284,7 @@ class Policy:
             replicated = not getattr(p, "tensor_model_parallel", False)
             if replicated and parallel_state.get_tensor_model_parallel_rank() > 0:
                 continue
-            sq = sq + g.float().square().sum().cpu()
+            sq = sq + g.float().square().sum().to(sq.device)
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
             dist.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
         return float(sq.sqrt())

@@ -13,6 +13,13 @@ import torch
 import torch.distributed as dist
 
 
+def comm_device() -> torch.device:
+    """Where tensors for collectives live: NCCL reduces CUDA tensors only, gloo CPU ones."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class StepStats:
     """`add(name, total, count)` for means, `peak(name, value)` for maxima."""
 
@@ -47,7 +54,9 @@ class StepStats:
         for store, op in ((self.sums, dist.ReduceOp.SUM), (self.maxes, dist.ReduceOp.MAX)):
             keys = sorted(store)
             if keys:
-                t = torch.tensor([store[k] for k in keys], dtype=torch.float64)
+                t = torch.tensor(
+                    [store[k] for k in keys], dtype=torch.float64, device=comm_device()
+                )
                 dist.all_reduce(t, op=op, group=group)
                 store.update(zip(keys, t.tolist(), strict=True))
 

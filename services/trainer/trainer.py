@@ -34,7 +34,7 @@ from services.trainer import batching, losses
 from services.trainer.batching import MicroBatch, TrainSample
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, init_distributed
-from services.trainer.stats import StepStats
+from services.trainer.stats import StepStats, comm_device
 from services.weight_broker.wire import WeightSyncError
 
 log = logging.getLogger("tandem.trainer")
@@ -133,7 +133,7 @@ class Trainer:
         return self.version - start_version
 
     def _done(self) -> bool:
-        stop = torch.tensor([float(self.stop_requested)])
+        stop = torch.tensor([float(self.stop_requested)], device=comm_device())
         if dist.get_world_size() > 1:  # every rank leaves together
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         steps_done = self.cfg.max_steps and self.version >= self.cfg.max_steps
