@@ -139,7 +139,9 @@ class Proc:
         deadline = time.monotonic() + timeout_s
         while not self.ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not start: see {self.log.name}")
+                self.log.flush()
+                tail = Path(self.log.name).read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{self.name} did not start ({self.log.name}):\n{tail}")
             time.sleep(0.2)
         return json.loads(self.ready.read_text())
 

