@@ -265,3 +265,18 @@ def test_prompt_logprobs_from_logprob_start_len_match_teacher_forcing(
         {"input_ids": prompt, "return_logprob": True, "sampling_params": {"max_new_tokens": 1}},
     )
     assert default["meta_info"]["input_token_logprobs"] == []
+
+
+def test_a_repeated_prompt_is_served_from_the_prompt_cache_until_flushed(engine) -> None:  # type: ignore[no-untyped-def]
+    prompt = [1, 13, 12, 11, 14]
+    body = {"input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 6, "sampling_seed": 5, "ignore_eos": True}}  # fmt: skip
+    assert httpx.post(f"{engine.url}/flush_cache").status_code == 200
+    first, second = generate(engine.url, body), generate(engine.url, body)
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] == len(prompt)
+    assert second["output_ids"] == first["output_ids"]
+    lps = [[e[0] for e in r["meta_info"]["output_token_logprobs"]] for r in (first, second)]
+    assert lps[1] == pytest.approx(lps[0], abs=1e-6)
+    assert httpx.post(f"{engine.url}/flush_cache").status_code == 200
+    assert generate(engine.url, body)["meta_info"]["cached_tokens"] == 0

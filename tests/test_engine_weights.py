@@ -118,6 +118,7 @@ def test_zmq_update_sets_the_version_and_logprobs_follow_the_new_weights(
     before = sample(engine.url)
     assert before["meta_info"]["weight_version"] == "0"
     assert logprob_error(old, before) < 1e-4
+    assert sample(engine.url)["meta_info"]["cached_tokens"] == len(PROMPT)  # prompt cached
 
     resp = update(engine.url, broker.endpoint, "3")
     assert resp.status_code == 200, resp.text
@@ -127,6 +128,7 @@ def test_zmq_update_sets_the_version_and_logprobs_follow_the_new_weights(
 
     after = sample(engine.url)
     assert after["meta_info"]["weight_version"] == "3"
+    assert after["meta_info"]["cached_tokens"] == 0  # the update dropped the old weights' cache
     assert logprob_error(new, after) < 1e-4
     assert logprob_error(old, after) > 1e-3  # really the new weights, not the old ones
     assert httpx.get(f"{engine.url}/get_weight_version").json() == {"weight_version": "3"}

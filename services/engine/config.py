@@ -44,6 +44,11 @@ class EngineConfig:
         metadata={"help": "memory for the running sequences' keys/values; new sequences wait "
                           "when it is full (0 = unbounded)"},
     )  # fmt: skip
+    prompt_cache_tokens: int = field(
+        default=65536,
+        metadata={"help": "positions of recently prefilled prompts kept so a repeated prompt "
+                          "skips its prefill; cleared on weight updates (0 = off)"},
+    )  # fmt: skip
     context_length: int = field(
         default=0,
         metadata={
@@ -68,6 +73,8 @@ class EngineConfig:
         for name in ("max_batch_size", "max_prefill_tokens", "max_queued_requests", "num_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.prompt_cache_tokens < 0:
+            raise ValueError("--prompt-cache-tokens must be >= 0")
         if self.kv_cache_gb < 0:
             raise ValueError("--kv-cache-gb must be >= 0")
         if self.context_length < 0:

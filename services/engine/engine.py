@@ -40,7 +40,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.runner, config.max_batch_size, config.max_prefill_tokens,
             config.max_queued_requests, self.context_length, config.weight_version,
-            self.max_total_tokens,
+            self.max_total_tokens, config.prompt_cache_tokens,
         )  # fmt: skip
         self.weights = WeightUpdater(self.runner, self.scheduler, config.update_timeout_s)
         self.released = False  # weights moved off the device by /release_memory_occupation
@@ -153,7 +153,12 @@ class Engine:
         if not self.scheduler.idle:
             raise RequestError("requests are running: pause_generation (abort) or wait first")
         await asyncio.wrap_future(self.scheduler.pause("in_place"))
-        await asyncio.wrap_future(self.scheduler.run_exclusive(lambda: self.runner.model.to("cpu")))
+
+        def offload() -> None:
+            self.scheduler.clear_caches()
+            self.runner.model.to("cpu")
+
+        await asyncio.wrap_future(self.scheduler.run_exclusive(offload))
         self.released = True
 
     async def resume_memory(self) -> None:
@@ -169,10 +174,14 @@ class Engine:
     def abort(self, rid: str | None) -> None:
         self.scheduler.abort(rid)
 
-    def flush_cache(self) -> bool:
-        """SGLang only flushes an idle server. No prefix outlives its request here, so an idle
-        server has nothing cached; the call reports whether it was idle."""
-        return self.scheduler.idle
+    async def flush_cache(self) -> bool:
+        """Forget cached prompts; as SGLang, only when idle. Returns whether it flushed."""
+        if not self.scheduler.idle:
+            return False
+        await asyncio.wrap_future(
+            self.scheduler.run_exclusive(self.scheduler.clear_caches, drain=False)
+        )
+        return True
 
     def weights_by_name(self, name: Any, truncate_size: Any) -> list:
         """The first `truncate_size` rows of parameter `name` (SGLang's /get_weights_by_name)."""

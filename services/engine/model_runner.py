@@ -59,6 +59,15 @@ class KVCache:
             self.lengths.index_select(0, rows),
         )
 
+    def row(self, index: int) -> KVCache:
+        """A copy of one row, trimmed to its length."""
+        n = int(self.lengths[index])
+        return KVCache(
+            [k[index : index + 1, :, :n].clone() for k in self.keys],
+            [v[index : index + 1, :, :n].clone() for v in self.values],
+            self.lengths[index : index + 1].clone(),
+        )
+
     def grow(self, capacity: int) -> None:
         """Make room for `capacity` positions per row (doubling, to amortize the copies)."""
         if capacity <= self.capacity:

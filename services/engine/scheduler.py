@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from services.engine.model_runner import KVCache, ModelRunner, Score
+from services.engine.prompt_cache import PromptCache
 from services.engine.sampling import SamplingParams, row_params, sample
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,10 @@ class Scheduler:
 
     def __init__(self, runner: ModelRunner, max_batch_size: int, max_prefill_tokens: int,
                  max_queued_requests: int, context_length: int, weight_version: str,
-                 max_total_tokens: int = 0) -> None:  # fmt: skip
+                 max_total_tokens: int = 0, prompt_cache_tokens: int = 0) -> None:  # fmt: skip
         self.runner = runner
+        # prompts prefilled before; cleared by `clear_caches` on every weight change
+        self.prompt_cache = PromptCache(prompt_cache_tokens)
         # KV cache bound: rows x the longest row a running sequence may reach (0 = unbounded)
         self.max_total_tokens = max_total_tokens
         self.max_batch_size = max_batch_size
@@ -186,6 +189,10 @@ class Scheduler:
                     self._commands.remove(command)
                     return command.future.cancel()
         return False
+
+    def clear_caches(self) -> None:
+        """Forget every cached prompt (generation thread only: call through `run_exclusive`)."""
+        self.prompt_cache.clear()
 
     def load(self) -> dict[str, int]:
         with self._cond:
@@ -324,9 +331,16 @@ class Scheduler:
                 seq.cached_tokens = len(seq.prompt)
             rows.append(unique.setdefault(key, len(unique)))
         score = [spec for _tokens, spec in unique]
-        logits, cache, scores = self.runner.prefill_all([list(t) for t, _ in unique], score)
-        self.stats["forward_passes"] += 1
+        cacheable = [False] * len(unique)
         for seq, row in zip(seqs, rows, strict=True):
+            cacheable[row] = cacheable[row] or not seq.output_ids
+        (logits, cache, scores), hits = self.prompt_cache.prefill(
+            self.runner, [list(t) for t, _ in unique], score, cacheable
+        )
+        self.stats["forward_passes"] += not all(hits)
+        for seq, row in zip(seqs, rows, strict=True):
+            if hits[row]:
+                seq.cached_tokens = len(seq.prompt)
             if score[row] is not None and seq.input_logprobs is None:
                 seq.input_logprobs = scores[row]
             if seq.params.max_new_tokens == 0:  # prefill only (scoring a prompt)

@@ -188,7 +188,7 @@ def _add_info_routes(app: FastAPI, engine: Engine) -> None:
 def _add_control_routes(app: FastAPI, engine: Engine) -> None:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        if not engine.flush_cache():
+        if not await engine.flush_cache():
             return Response(
                 "Cache not flushed: requests are running; retry when idle.", status_code=400
             )

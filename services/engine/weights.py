@@ -93,6 +93,7 @@ class WeightUpdater:
             started = time.monotonic()
             adopted = lease is not None and self.runner.can_adopt(tensors)
             count = self.runner.load_weights(tensors, adopt=adopted)
+            self.scheduler.clear_caches()  # nothing may be served from the old weights' keys
             previous, self._lease = self._lease, (lease if adopted else None)
             if previous is not None:
                 previous.release()
