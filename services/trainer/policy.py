@@ -157,35 +157,7 @@ class Policy:
         tf_config.finalize_model_grads_func = finalize_model_grads
         tf_config.no_sync_func = self.ddp.no_sync
         self.chunks = [self.ddp]
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=cfg.lr,
-                min_lr=cfg.min_lr,
-                weight_decay=cfg.weight_decay,
-                adam_beta1=cfg.adam_beta1,
-                adam_beta2=cfg.adam_beta2,
-                adam_eps=cfg.adam_eps,
-                clip_grad=cfg.clip_grad,
-                bf16=cfg.bf16,
-                params_dtype=tf_config.params_dtype,
-            ),
-            self.chunks,
-        )
-        decay_steps = cfg.lr_decay_iters or max(cfg.max_steps, 1)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr,
-            max_lr=cfg.lr,
-            min_lr=cfg.min_lr,
-            lr_warmup_steps=cfg.lr_warmup_iters,
-            lr_decay_steps=max(decay_steps, cfg.lr_warmup_iters + 1),
-            lr_decay_style=cfg.lr_decay_style,
-            start_wd=cfg.weight_decay,
-            end_wd=cfg.weight_decay,
-            wd_incr_steps=1,
-            wd_incr_style="constant",
-        )
+        self.optimizer, self.scheduler = _optimizer_and_scheduler(cfg, tf_config, self.chunks)
 
     # --- passes -------------------------------------------------------------------------------
 
@@ -292,3 +264,39 @@ class Policy:
     def export_hf(self) -> list[tuple[str, torch.Tensor]]:
         """Current weights, HF names, full (TP-gathered) tensors."""
         return hf_convert.export_hf(self.model, self.arch)
+
+
+def _optimizer_and_scheduler(
+    cfg: TrainerConfig, tf_config: Any, chunks: list[Any]
+) -> tuple[Any, Any]:
+    """megatron AdamW (non-distributed: its checkpoint reshards on CPU too) and LR schedule."""
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad,
+            bf16=cfg.bf16,
+            params_dtype=tf_config.params_dtype,
+        ),
+        chunks,
+    )
+    decay_steps = cfg.lr_decay_iters or max(cfg.max_steps, 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_iters,
+        lr_decay_steps=max(decay_steps, cfg.lr_warmup_iters + 1),
+        lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
