@@ -191,3 +191,30 @@ def test_packed_logprobs_equal_padded_logprobs(megatron_world: None, toy_model_d
     lp_padded = policy.logprobs(padded)[0]["logp"][padded[0].loss_mask > 0]
     assert lp_packed.numel() == sum(len(s.response_ids) for s in samples_in)
     assert (lp_packed - lp_padded).abs().max().item() < 1e-5
+
+
+def test_packed_logits_equal_each_sample_run_alone(
+    megatron_world: None, toy_model_dir: Path
+) -> None:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    policy = Policy(TrainerConfig(model=str(toy_model_dir)), str(toy_model_dir), train=False)
+    rng = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 16, (n,), generator=rng) for n in (5, 9, 5, 3, 12)]
+    cu = torch.tensor(
+        [0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()], dtype=torch.int32
+    )
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=12, max_seqlen_kv=12
+    )
+    packed_ids = torch.cat(seqs)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with torch.no_grad():
+        packed = policy.model(
+            input_ids=packed_ids,
+            position_ids=positions,
+            attention_mask=None,
+            packed_seq_params=params,
+        )
+    alone = torch.cat([megatron_logits(policy, s[None])[0] for s in seqs])
+    assert (packed[0, :, :16] - alone).abs().max().item() < 1e-5
