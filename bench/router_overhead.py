@@ -9,7 +9,7 @@ HTTP/1.1 client (`--hot-path-client http1`, the default), `tandem-aio` with aioh
 section runs the same direct load with each candidate client (http1, aiohttp, httpx) as the
 load generator. Those two measurements are why the default is what it is.
 
-    python bench/router_overhead.py [--requests 3000] [--skip-rust]
+    python bench/router_overhead.py [--requests 3000] [--repeats 3] [--skip-rust]
 
 Targets: added p50 <= 1 ms at concurrency 1; router CPU per request within 2x of the Rust
 router. The machine's other processes share the cores, so repeat runs vary by some 10-20%.
@@ -189,21 +189,22 @@ def rollout_batches(workdir: Path, urls: list[str], redis_url: str, model: Path,
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
     buffer = SampleBuffer(BufferConfig(redis_url=redis_url, run_id="bench"))
     times: list[float] = []
-    cpu: list[float] = []  # router CPU seconds when batch 1 and batch n+1 were seen
+    marks: list[tuple[int, float]] = []  # (batches finished, router CPU s) at start and end
     try:
         deadline = time.monotonic() + 120
         while len(times) < n + 1 and time.monotonic() < deadline:
             records = buffer.read_metrics()
             times = [r.values["rollout/batch_time_s"] for _id, r in records
                      if "rollout/batch_time_s" in r.values]  # fmt: skip
-            if (len(times) >= 1 and not cpu) or (len(times) >= n + 1 and len(cpu) == 1):
-                cpu.append(cpu_s(proc.pid))
-            time.sleep(0.01)
+            if (times and not marks) or len(times) >= n + 1:
+                marks.append((len(times), cpu_s(proc.pid)))
+            time.sleep(0.005)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
     steady = times[1 : n + 1]  # batch 0 includes connection set-up
-    per_batch_cpu = (cpu[-1] - cpu[0]) / max(len(times) - 1, 1) if len(cpu) == 2 else float("nan")
+    (b0, c0), (b1, c1) = marks[0], marks[-1]
+    per_batch_cpu = (c1 - c0) / max(b1 - b0, 1)  # batches still running add a little
     print(f"\nrollout batch (64 prompts x n=8, 2 instant engines, puts into Redis): "
           f"median {statistics.median(steady) * 1e3:.1f} ms wall, max {max(steady) * 1e3:.1f} ms; "
           f"router CPU {per_batch_cpu * 1e3:.1f} ms per batch")  # fmt: skip
@@ -226,6 +227,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--skip-rust", action="store_true")
     parser.add_argument("--batches", type=int, default=10, help="rollout batches to time")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
     args = parser.parse_args()
     concurrencies = [1, 64]
     with tempfile.TemporaryDirectory() as tmp, RedisServer(log_dir=Path(tmp)) as redis_server:
@@ -249,10 +251,15 @@ def main() -> int:
                 rust, rust_url = start_rust(urls)
                 procs.append(rust)
                 targets["rust"] = ([rust_url + "/generate"], rust.pid)
-            results = {}
-            for name, (target_urls, pid) in targets.items():
-                for c in concurrencies:
-                    results[(name, c)] = measure(target_urls, args.requests, c, pid)
+            runs: dict[tuple[str, int], list[dict]] = {}
+            for _repeat in range(args.repeats):  # interleaved, so drift hits every target alike
+                for name, (target_urls, pid) in targets.items():
+                    for c in concurrencies:
+                        run = measure(target_urls, args.requests, c, pid)
+                        runs.setdefault((name, c), []).append(run)
+            results = {key: {field: statistics.median(r[field] for r in rs) for field in rs[0]}
+                       for key, rs in runs.items()}  # fmt: skip
+            print(f"median of {args.repeats} interleaved runs of {args.requests} requests each")
             report(results, concurrencies)
             print("\nhot-path client, direct to workers, concurrency 64:")
             for client in ("http1", "aiohttp", "httpx"):
