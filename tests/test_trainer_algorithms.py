@@ -111,3 +111,15 @@ def test_a_sample_longer_than_the_token_budget_stops_the_trainer_naming_the_flag
     assert done.returncode == 1
     assert "--max-tokens-per-gpu 4" in done.stderr and "context parallelism" in done.stderr
     assert buffer.depth() == 4  # nothing acked: the groups wait for a trainer with a larger budget
+
+
+def test_bf16_training_with_fp32_master_weights_runs_and_stays_close_to_the_engine(
+    buffer, toy_model_dir: Path
+) -> None:
+    for g in sample_groups(toy_model_dir, 4, 4, seed=11):
+        buffer.put_group(g)
+    done = run_trainer([*common_args(toy_model_dir, buffer), "--max-steps", "1", "--bf16"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    (values,) = metrics_of(buffer)
+    assert 0 < values["train/logprob_abs_diff_max"] < 2e-2  # bf16 rounding, not a wrong model
+    assert math.isfinite(values["train/loss"]) and values["train/skipped_updates"] == 0
