@@ -80,3 +80,21 @@ def test_convert_names_the_missing_tracker(tmp_path: Path) -> None:
     done = convert("megatron-to-hf", "--load", str(tmp_path), "--out", str(tmp_path / "o"))
     assert done.returncode == 2
     assert "latest_checkpointed_iteration.txt" in done.stderr
+
+
+def test_the_trainer_starts_from_a_converted_checkpoint(
+    buffer, toy_model_dir: Path, tmp_path: Path
+) -> None:
+    from tests.test_trainer_process import common_args, run_trainer, sample_groups
+
+    done = convert("hf-to-megatron", "--hf-dir", str(toy_model_dir), "--save", str(tmp_path / "c"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for g in sample_groups(toy_model_dir, 4, 4, seed=12):
+        buffer.put_group(g)
+    done = run_trainer(
+        [*common_args(toy_model_dir, buffer), "--max-steps", "1", "--load", str(tmp_path / "c")]
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    values = next(r.values for _, r in buffer.read_metrics() if r.source == "trainer")
+    assert values["train/logprob_abs_diff_max"] < 1e-3  # the converted weights are the HF weights
+    assert buffer.get_version("trainer") == 1
