@@ -118,6 +118,15 @@ class Reward:
             return float(value)
         return await self._remote(prompt, text, label, finish_reason)
 
+    async def score_all(
+        self, prompt: Any, outputs: list[tuple[str, str]], label: str
+    ) -> list[float]:
+        """Rewards of (text, finish_reason) pairs; a plain local function runs inline, without
+        a task per sample."""
+        if self.fn is not None and not inspect.iscoroutinefunction(self.fn):
+            return [float(self.fn(text, label, finish == "stop")) for text, finish in outputs]
+        return list(await asyncio.gather(*(self.score(prompt, t, label, f) for t, f in outputs)))
+
     async def _remote(self, prompt: Any, text: str, label: str, finish_reason: str) -> float:
         assert self.session is not None, "a remote Reward needs the router's HTTP session"
         body = {"prompt": prompt, "response": text, "label": label, "finish_reason": finish_reason}

@@ -328,15 +328,20 @@ class RolloutLoop:
         outs = await self.generate(self.payload(prompt_ids, n, max_new, False, seed))
         if len(outs) != n:
             raise EngineRequestError(f"engine returned {len(outs)} samples, asked for {n}")
-        partials = await asyncio.gather(
-            *(self.complete(prompt_ids, Partial.of(out), seed + k) for k, out in enumerate(outs))
-        )
+        partials = [Partial.of(out) for out in outs]
+        aborted = [k for k, p in enumerate(partials) if p.finish == "abort"]
+        if aborted:  # only these need more requests; tasks for the rest would be pure overhead
+            redone = await asyncio.gather(
+                *(self.complete(prompt_ids, partials[k], seed + k) for k in aborted)
+            )
+            for k, partial in zip(aborted, redone, strict=True):
+                partials[k] = partial
         if any(p.finish == "abort" for p in partials):
             raise GroupDroppedError(
                 "aborted", f"still aborted after {self.config.max_continues} tries"
             )
-        rewards = await asyncio.gather(
-            *(self.reward.score(item.prompt, p.text, item.label, p.finish) for p in partials)
+        rewards = await self.reward.score_all(
+            item.prompt, [(p.text, p.finish) for p in partials], item.label
         )
         return [p.to_sample(prompt_ids, r) for p, r in zip(partials, rewards, strict=True)]
 
