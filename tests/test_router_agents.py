@@ -263,6 +263,25 @@ def test_sessions_of_one_group_become_one_sample_group(
     assert [s.reward for s in group.samples] == [0.0, 1.0, 2.0]
 
 
+def test_a_streamed_session_turn_is_recorded_and_arrives_as_openai_chunks(
+    buffer, chat_model_dir, start_service, engines
+):
+    from openai import OpenAI
+
+    router = start_service("router", router_args(buffer, chat_model_dir, [engines().url],
+                                                 "--no-rollout"))  # fmt: skip
+    client = OpenAI(base_url=router.url + "/v1", api_key="unused")
+    chunks = list(client.chat.completions.create(
+        model="toy", messages=[{"role": "user", "content": "12"}], max_tokens=4, stream=True,
+        extra_headers={"X-Session-Id": "streamed"},
+    ))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "21"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    httpx.post(router.url + "/sessions/streamed/reward", json={"reward": 1.0})
+    (group,) = read_all(buffer)
+    assert group.samples[0].response_ids == [6, 5, 2]
+
+
 def test_openai_requests_without_a_session_are_forwarded_to_an_engine(
     buffer, chat_model_dir, start_service, engines
 ):

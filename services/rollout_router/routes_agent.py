@@ -2,16 +2,18 @@
 
 Without a session id, `/v1/chat/completions` is forwarded to an engine unchanged (nothing is
 recorded). With one (`X-Session-Id` header or `session_id` in the body), the router serves the
-turn itself from exact token ids and records it (see sessions.py).
+turn itself from exact token ids and records it (see sessions.py); `stream: true` is answered
+as OpenAI stream chunks of the finished turn.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, HTTPException, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from services.rollout_router.routes_engine import SESSION_HEADER, forward
@@ -39,16 +41,29 @@ async def chat_completions(request: Request) -> Response:
     session_id = request.headers.get(SESSION_HEADER) or body.pop("session_id", None)
     if not session_id:
         return await forward(request, "/v1/chat/completions")
-    if body.get("stream"):
-        raise HTTPException(400, "streaming is not supported for recorded sessions")
+    stream = bool(body.pop("stream", False))
     try:
-        return JSONResponse(await sessions_of(request).chat(body, str(session_id)))
+        answer = await sessions_of(request).chat(body, str(session_id))
     except ValueError as exc:
         raise HTTPException(400, str(exc)) from exc
     except NoWorkerError as exc:
         raise HTTPException(503, str(exc)) from exc
     except EngineRequestError as exc:
         raise HTTPException(502, str(exc)) from exc
+    if stream:  # the turn is generated whole (to record it exactly), then sent as chunks
+        return StreamingResponse(as_chunks(answer), media_type="text/event-stream")
+    return JSONResponse(answer)
+
+
+async def as_chunks(answer: dict[str, Any]) -> AsyncIterator[bytes]:
+    """A finished chat completion as OpenAI stream chunks: the content, the finish, [DONE]."""
+    choice = answer["choices"][0]
+    base = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    deltas = [(choice["message"], None), ({}, choice["finish_reason"])]
+    for delta, finish in deltas:
+        chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 class RewardIn(BaseModel):
