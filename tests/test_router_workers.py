@@ -113,6 +113,17 @@ def test_a_dead_worker_is_evicted_and_readmitted_only_at_the_current_weight_vers
     wait_until(lambda: workers_by_url(router)[a.url]["healthy"], "re-admission at version 2")
 
 
+def test_with_default_health_settings_a_dead_worker_is_evicted(buffer, start_service, engines):
+    a, b = engines(), engines()
+    args = ["router", "--no-rollout", "--redis-url", buffer.config.redis_url,
+            "--run-id", buffer.config.run_id, "--engine-urls", a.url, b.url]  # fmt: skip
+    router = start_service("router", args)
+    a.stop()
+    # Defaults: 3 failed checks 1 s apart (each at most 2 s): well within 10 s, here 15 s max.
+    wait_until(lambda: not workers_by_url(router)[a.url]["healthy"], "eviction", timeout_s=15)
+    assert "health check" in workers_by_url(router)[a.url]["last_error"]
+
+
 def test_an_in_flight_request_to_a_worker_that_dies_is_retried_on_another(
     buffer, start_service, engines
 ):
