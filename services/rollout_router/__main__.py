@@ -11,6 +11,7 @@ import sys
 
 from services.rollout_router.config import RouterConfig, WorkerPoolConfig
 from services.rollout_router.workers import EngineStartupError, WorkerPool
+from services.sample_buffer import SampleBuffer
 from tandem.config_cli import add_config_args, config_from_args
 
 DESCRIPTION = """\
@@ -62,10 +63,11 @@ def main(argv: list[str]) -> int:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 2
     try:
-        # Waiting here, before serving, turns a missing engine into one clear line and no
-        # ready file; the lifespan then admits the (now answering) engines at once.
+        # Waiting here, before serving, turns a missing engine or Redis into one clear line and
+        # no ready file; the lifespan then finds them answering at once.
+        SampleBuffer(config.buffer).wait_ready(30.0)
         asyncio.run(wait_for_engines(config.workers))
-    except EngineStartupError as exc:
+    except (EngineStartupError, ConnectionError) as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 1
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the handler that
