@@ -43,17 +43,19 @@ class Game:
         return {"observation": ">"}
 
     def step(self, episode_id: str, action: str) -> dict:
+        match = re.search(r"\d", action)
+        guess = int(match.group()) if match else None
         with self.lock:
             secret, guesses = self.episodes[episode_id]
-            self.episodes[episode_id][1] = guesses = guesses + 1
-        match = re.search(r"\d", action)
-        if match and int(match.group()) == secret:
-            self.episodes.pop(episode_id, None)
+            guesses += 1
+            done = guess == secret or guesses >= self.max_guesses
+            if done:
+                del self.episodes[episode_id]
+            else:
+                self.episodes[episode_id][1] = guesses
+        if guess == secret:
             return {"observation": "", "reward": 1.0, "done": True}
-        done = guesses >= self.max_guesses
-        if done:
-            self.episodes.pop(episode_id, None)
-        hint = "1>" if match is None or secret > int(match.group()) else "0>"
+        hint = "1>" if guess is None or secret > guess else "0>"
         return {"observation": hint, "reward": 0.0, "done": done}
 
 
