@@ -26,7 +26,7 @@ up() {  # $1 = name, $2 = max staleness
         --trainer-args "--tensor-model-parallel-size 2 --bf16" \
         --router-args "--rollout-max-response-len 256" \
         --rollout-batch-size 32 --n-samples-per-prompt 8 --max-staleness "$2" \
-        --max-steps 10 --stop-accuracy 0 --time-limit-s 120 --startup-timeout-s 150 2>&1 | tail -8
+        --max-steps "${STEPS:-10}" --stop-accuracy 0 --time-limit-s "${LIMIT_S:-120}" --startup-timeout-s 150 2>&1 | tail -8
     cp "/tmp/$1/summary.json" "$OUT/$1-summary.json"
     cp "/tmp/$1/metrics.jsonl" "$OUT/$1-metrics.jsonl"
     tail -c 20000 "/tmp/$1/logs/broker.log" > "$OUT/$1-broker.log"

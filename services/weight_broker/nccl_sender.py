@@ -77,9 +77,15 @@ class NcclWeightSender:
 
         Raises `WeightSyncError` if the broker aborted the version or a wait timed out.
         """
+        import torch
+
+        # The backend follows the machine, not where the export left the tensors: engines on
+        # GPUs join with NCCL, so a GPU trainer must broadcast CUDA tensors with NCCL too.
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
         buckets = split_buckets(named_tensors, self.bucket_bytes)
-        device = buckets[0][0][1].device if buckets[0] else None
-        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+            buckets = [[(n, t.to(device)) for n, t in bucket] for bucket in buckets]
         port = _free_port(self.master_address)
         offer = NcclOffer(
             version=version,
