@@ -140,3 +140,17 @@ def test_kl_estimators_k1_k2_k3() -> None:
     assert losses.kl_estimate(logp, ref, "k3").item() == pytest.approx(0.5 - 1 + x)
     with pytest.raises(ValueError, match="k1, k2 or k3"):
         losses.kl_estimate(logp, ref, "k9")
+
+
+def test_batched_gae_of_right_padded_samples_equals_gae_of_each_sample() -> None:
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3, 5, 1]
+    rewards = [torch.randn(n, generator=gen) for n in lengths]
+    values = [torch.randn(n, generator=gen) for n in lengths]
+    block_r, block_v = torch.zeros(3, 5), torch.zeros(3, 5)
+    for i, n in enumerate(lengths):
+        block_r[i, :n], block_v[i, :n] = rewards[i], values[i]
+    adv, ret = losses.gae(block_r, block_v, gamma=0.9, lambd=0.8)
+    for i, n in enumerate(lengths):
+        a, r = losses.gae(rewards[i], values[i], gamma=0.9, lambd=0.8)
+        assert torch.allclose(adv[i, :n], a) and torch.allclose(ret[i, :n], r)

@@ -41,14 +41,22 @@ class Critic:
         outs = self.model.logprobs(mbs)
         for mb, out in zip(mbs, outs, strict=True):
             values = out["logp"].float().cpu()
-            adv = torch.zeros_like(values)
-            returns = torch.zeros_like(values)
-            for (row, start, stop), index in zip(mb.response_spans, mb.sample_index, strict=True):
-                v = values[row, start:stop]
-                rewards = torch.zeros_like(v)
-                rewards[-1] = samples[index].reward
-                a, r = losses.gae(rewards, v, self.cfg.gamma, self.cfg.lambd)
-                adv[row, start:stop], returns[row, start:stop] = a, r
+            # Gather each sample's response span into a right-padded [samples, T] block.
+            width = max(stop - start for _, start, stop in mb.response_spans)
+            rows = torch.tensor([row for row, _, _ in mb.response_spans]).unsqueeze(1)
+            cols = torch.tensor([start for _, start, _ in mb.response_spans]).unsqueeze(1)
+            lengths = torch.tensor([stop - start for _, start, stop in mb.response_spans])
+            offsets = torch.arange(width)
+            valid = offsets < lengths.unsqueeze(1)
+            cols = torch.where(valid, cols + offsets, 0)
+            span_values = torch.where(valid, values[rows, cols], 0.0)
+            rewards = torch.zeros_like(span_values)
+            last = (lengths - 1).unsqueeze(1)
+            rewards.scatter_(1, last, torch.tensor([[samples[i].reward] for i in mb.sample_index]))
+            adv_block, ret_block = losses.gae(rewards, span_values, self.cfg.gamma, self.cfg.lambd)
+            adv, returns = torch.zeros_like(values), torch.zeros_like(values)
+            adv[rows.expand_as(cols)[valid], cols[valid]] = adv_block[valid]
+            returns[rows.expand_as(cols)[valid], cols[valid]] = ret_block[valid]
             mb.advantages = adv
             mb.extra["returns"], mb.extra["old_values"] = returns, values
             stats.add("value_mean", (values * mb.loss_mask).sum(), mb.loss_mask.sum())

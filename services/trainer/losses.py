@@ -55,19 +55,20 @@ def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tenso
 def gae(
     token_rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over one sample's response tokens.
+    """Generalised advantage estimation over response tokens, `[T]` or a batch `[B, T]`.
 
-    `values[t]` is the critic's value before emitting token t; the value after the last token
-    is 0 (the episode ends). Returns (advantages, returns = advantages + values).
+    `values[..., t]` is the critic's value before emitting token t; the value after the last
+    token is 0 (the episode ends). A batch holds samples right-padded with zero rewards and
+    zero values, which leaves every sample's result unchanged. One vector op per time step.
+    Returns (advantages, returns = advantages + values).
     """
-    n = token_rewards.numel()
-    adv = torch.empty_like(token_rewards)
-    last = token_rewards.new_zeros(())
-    for t in range(n - 1, -1, -1):
-        next_value = values[t + 1] if t + 1 < n else values.new_zeros(())
-        delta = token_rewards[t] + gamma * next_value - values[t]
-        last = delta + gamma * lambd * last
-        adv[t] = last
+    next_values = torch.cat([values[..., 1:], torch.zeros_like(values[..., :1])], dim=-1)
+    deltas = token_rewards + gamma * next_values - values
+    adv = torch.empty_like(deltas)
+    last = torch.zeros_like(deltas[..., 0])
+    for t in range(deltas.shape[-1] - 1, -1, -1):
+        last = deltas[..., t] + gamma * lambd * last
+        adv[..., t] = last
     return adv, adv + values
 
 
