@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     try:
         steps = trainer.train()
-    except (FloatingPointError, BatchError) as exc:
+    except (FloatingPointError, BatchError, TimeoutError) as exc:  # TimeoutError: broker gone
         print(f"tandem trainer: error: {exc}", file=sys.stderr)
         return 1
     print(f"[trainer] stopped after {steps} steps at version {trainer.version}", flush=True)
