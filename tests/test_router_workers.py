@@ -67,8 +67,9 @@ def test_workers_are_added_listed_and_removed_through_both_apis(buffer, start_se
     router = start_router(start_service, buffer, [])
     assert httpx.get(router.url + "/workers").json() == {"workers": []}
     assert httpx.post(router.url + "/generate", json=GEN).status_code == 503
-    added = httpx.post(router.url + "/workers", json={"url": a.url}).json()
-    assert added["url"] == a.url and added["healthy"]
+    reply = httpx.post(router.url + "/workers", json={"url": a.url})
+    added = reply.json()
+    assert reply.status_code == 202 and added["status"] == "admitted" and added["healthy"]
     assert httpx.post(router.url + "/add_worker", params={"url": b.url}).status_code == 200
     assert set(httpx.get(router.url + "/list_workers").json()["urls"]) == {a.url, b.url}
     assert httpx.post(router.url + "/generate", json=GEN).status_code == 200
@@ -76,8 +77,22 @@ def test_workers_are_added_listed_and_removed_through_both_apis(buffer, start_se
     assert httpx.post(router.url + "/remove_worker", params={"url": b.url}).status_code == 200
     assert httpx.get(router.url + "/list_workers").json()["urls"] == []
     assert httpx.delete(f"{router.url}/workers/{added['id']}").status_code == 404
-    dead = httpx.post(router.url + "/workers", json={"url": "http://127.0.0.1:9"})
+    dead = httpx.post(router.url + "/add_worker", params={"url": "http://127.0.0.1:9"})
     assert dead.status_code == 502 and "http://127.0.0.1:9" in dead.json()["detail"]
+
+
+def test_a_worker_posted_before_it_is_up_is_admitted_once_it_answers(
+    buffer, start_service, engines, free_port_factory
+):
+    port = free_port_factory()
+    url = f"http://127.0.0.1:{port}"
+    router = start_router(start_service, buffer, [])
+    reply = httpx.post(router.url + "/workers", json={"url": url})
+    assert reply.status_code == 202 and reply.json()["status"] == "pending"
+    assert httpx.post(router.url + "/generate", json=GEN).status_code == 503, "not admitted yet"
+    engines("--port", str(port))
+    wait_until(lambda: workers_by_url(router)[url]["healthy"], "admission by the health checks")
+    assert httpx.post(router.url + "/generate", json=GEN).status_code == 200
 
 
 def test_mutating_routes_need_the_bearer_token_when_one_is_set(buffer, start_service, engines):
@@ -87,7 +102,7 @@ def test_mutating_routes_need_the_bearer_token_when_one_is_set(buffer, start_ser
     bad = {"Authorization": "Bearer nope"}
     assert httpx.post(router.url + "/workers", json={"url": a.url}, headers=bad).status_code == 401
     good = {"Authorization": "Bearer s3cret"}
-    assert httpx.post(router.url + "/workers", json={"url": a.url}, headers=good).status_code == 200
+    assert httpx.post(router.url + "/workers", json={"url": a.url}, headers=good).status_code == 202
     assert httpx.get(router.url + "/workers").status_code == 200, "reads need no token"
     assert httpx.post(router.url + "/flush_cache", json={}).status_code == 401
     assert httpx.post(router.url + "/flush_cache", json={}, headers=good).status_code == 200

@@ -36,19 +36,12 @@ async def list_workers(request: Request) -> dict[str, Any]:
     return {"workers": [w.to_json() for w in pool_of(request).workers.values()]}
 
 
-async def _add(request: Request, url: str) -> dict[str, Any]:
-    pool = pool_of(request)
-    try:
-        worker = await pool.add(url, request.app.state.config.workers.health_timeout_s)
-    except EngineStartupError as exc:
-        raise HTTPException(502, str(exc)) from exc
-    return worker.to_json()
-
-
-@router.post("/workers", tags=["workers"], dependencies=[Depends(require_token)])
+@router.post("/workers", tags=["workers"], status_code=202, dependencies=[Depends(require_token)])
 async def add_worker(request: Request, body: WorkerIn) -> dict[str, Any]:
-    """Admit a worker once its `/get_model_info` answers."""
-    return await _add(request, body.url)
+    """Register a worker (202). It is admitted at once when its `/get_model_info` answers,
+    else registered unhealthy and admitted by the health checks once it answers."""
+    admitted, worker = await pool_of(request).add_or_pend(body.url)
+    return {**worker.to_json(), "status": "admitted" if admitted else "pending"}
 
 
 @router.delete("/workers/{worker_id}", tags=["workers"], dependencies=[Depends(require_token)])
@@ -62,8 +55,13 @@ async def delete_worker(request: Request, worker_id: str) -> dict[str, Any]:
 
 @router.post("/add_worker", tags=["workers"], dependencies=[Depends(require_token)])
 async def add_worker_legacy(request: Request, url: str) -> dict[str, Any]:
-    """Legacy form of `POST /workers`."""
-    return await _add(request, url)
+    """Legacy, synchronous: admit the worker now, or 502 naming it and the last failure."""
+    pool = pool_of(request)
+    try:
+        worker = await pool.add(url, request.app.state.config.workers.health_timeout_s)
+    except EngineStartupError as exc:
+        raise HTTPException(502, str(exc)) from exc
+    return worker.to_json()
 
 
 @router.post("/remove_worker", tags=["workers"], dependencies=[Depends(require_token)])

@@ -145,6 +145,19 @@ class WorkerPool:
         log.info("admitted %s (weight version %d)", url, worker.weight_version)
         return worker
 
+    async def add_or_pend(self, url: str) -> tuple[bool, Worker]:
+        """(admitted now?, worker): a worker that does not answer within one health timeout
+        is registered unhealthy, and the health checks admit it once it answers at the
+        current weight version (sglang-router's background registration)."""
+        url = url.rstrip("/")
+        try:
+            return True, await self.add(url, self.config.health_timeout_s)
+        except EngineStartupError as exc:
+            worker = self.workers.get(worker_id_for(url)) or Worker(url, worker_id_for(url))
+            worker.healthy, worker.last_error = False, str(exc)
+            self.workers[worker.worker_id] = worker
+            return False, worker
+
     def remove(self, key: str) -> Worker:
         """Remove by id or URL; raises KeyError naming it when unknown."""
         worker = self.workers.pop(key, None) or self.workers.pop(
@@ -323,6 +336,7 @@ class WorkerPool:
                 self._mark_failed(worker, f"health check: {type(exc).__name__}: {exc}")
                 return
             worker.failures = 0
+            worker.model_info = worker.model_info or info
             worker.weight_version = max(
                 worker.weight_version, parse_version(info.get("weight_version"))
             )
