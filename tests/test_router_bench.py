@@ -1,0 +1,26 @@
+"""The overhead benchmark runs end to end (a smoke run; its numbers are not checked here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_the_router_overhead_bench_runs_and_ends_with_a_name_value_line():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/router_overhead.py"), "--requests", "200",
+         "--repeats", "1", "--batches", "2"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    for target in ("direct", "tandem", "tandem-aio", "rust"):
+        assert any(line.startswith(target + " ") for line in lines), target
+    name, value = lines[-1].split(": ")
+    assert name == "tandem_cpu_per_request_vs_rust_c64" and float(value) > 0
