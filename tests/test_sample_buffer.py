@@ -102,5 +102,5 @@ def test_versions_and_metrics_round_trip(buffer: SampleBuffer) -> None:
 
 def test_an_unreachable_server_is_named_in_the_error() -> None:
     dead = SampleBuffer(BufferConfig(redis_url="redis://127.0.0.1:1/0"))
-    with pytest.raises(ConnectionError, match="127.0.0.1:1"):
+    with pytest.raises(ConnectionError, match=r"127\.0\.0\.1:1"):
         dead.wait_ready(timeout_s=0.3)

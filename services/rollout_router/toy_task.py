@@ -18,7 +18,9 @@ class TaskItem:
     label: str
 
 
-def reverse_digits_split(seed: int = 1234, num_heldout: int = 20) -> tuple[list[TaskItem], list[TaskItem]]:
+def reverse_digits_split(
+    seed: int = 1234, num_heldout: int = 20
+) -> tuple[list[TaskItem], list[TaskItem]]:
     """(train, held-out) items over all 100 digit pairs; the split depends only on `seed`."""
     items = [TaskItem(prompt=f"{a}{b}>", label=f"{b}{a}") for a in range(10) for b in range(10)]
     rng = random.Random(seed)
