@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[dev]"
+	# SGLang's own request/response definitions, read by tests/test_engine_sglang_shapes.py.
+	# --no-deps: it is only read, never run (its dependencies are a GPU serving stack).
+	$(PY) -m pip install --quiet --no-deps "sglang==0.5.23"
 	touch $(STAMP)
 
 install: $(STAMP)
