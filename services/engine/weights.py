@@ -29,6 +29,7 @@ import torch
 
 from services.engine.model_runner import ModelRunner, WeightError
 from services.engine.scheduler import Scheduler
+from services.weight_broker.process_group import join_group
 
 log = logging.getLogger(__name__)
 
@@ -213,24 +214,6 @@ class WeightUpdater:
             torch.distributed.broadcast(tensor, src=0, group=self._group)
             out.append((name, tensor))
         return out
-
-
-def join_group(master_address: str, master_port: int, rank: int, world_size: int,
-               group_name: str, backend: str, timeout: timedelta) -> Any:  # fmt: skip
-    """A process group of `world_size` ranks outside the default group, rendezvous through a
-    TCP store at the master with keys prefixed by `group_name` (so trainer and engine processes
-    can each keep their own default group). Both sides of a weight update call this."""
-    from torch.distributed import distributed_c10d as c10d
-
-    init_method = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = c10d.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
-    )
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
 
 
 def read_checkpoint(model_path: str) -> NamedTensors:

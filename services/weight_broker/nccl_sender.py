@@ -26,7 +26,7 @@ from proto import NcclAck, NcclCommand, NcclOffer, TensorMeta, decode, encode
 from services.weight_broker.process_group import join_group, leave_group
 
 __all__ = ["NcclWeightSender", "WeightSyncError"]
-from services.weight_broker.wire import DEFAULT_BUCKET_BYTES, WeightSyncError
+from services.weight_broker.wire import DEFAULT_BUCKET_BYTES, WeightSyncError, group_by_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -38,21 +38,6 @@ def _free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def split_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> list[list[tuple[str, torch.Tensor]]]:
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, tensor.detach().contiguous()))
-        size += nbytes
-    return buckets
 
 
 class NcclWeightSender:
@@ -82,7 +67,9 @@ class NcclWeightSender:
         # The backend follows the machine, not where the export left the tensors: engines on
         # GPUs join with NCCL, so a GPU trainer must broadcast CUDA tensors with NCCL too.
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        buckets = split_buckets(named_tensors, self.bucket_bytes)
+        buckets = group_by_bytes(
+            ((n, t.detach().contiguous()) for n, t in named_tensors), self.bucket_bytes
+        )
         if backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
             buckets = [[(n, t.to(device)) for n, t in bucket] for bucket in buckets]

@@ -73,6 +73,22 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(__import__("torch").uint8).numpy())
 
 
+def group_by_bytes(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of at most `bucket_bytes` (a larger tensor gets a group of its own)."""
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, tensor))
+        size += nbytes
+    return groups
+
+
 def make_buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     version: int,
@@ -81,15 +97,7 @@ def make_buckets(
 ) -> list[list[Frame]]:
     """Group tensors into buckets of at most `bucket_bytes` (a larger tensor gets its own) and
     return each bucket as a ZMQ multipart message `[header, frame, frame, ...]`."""
-    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if groups[-1] and size + nbytes > bucket_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, tensor.detach().cpu()))
-        size += nbytes
+    groups = group_by_bytes(((n, t.detach().cpu()) for n, t in named_tensors), bucket_bytes)
     messages = []
     for index, group in enumerate(groups):
         frames = [tensor_bytes(t) for _, t in group]
