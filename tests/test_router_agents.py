@@ -57,7 +57,7 @@ def chat_model_dir(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
     return [
-        "router", "--engine-urls", *urls, "--model", str(model),
+        "router", "--port", "0", "--engine-urls", *urls, "--model", str(model),
         "--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id,
         "--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--eval-interval", "0",
         "--rollout-max-response-len", "3", "--max-groups", "1000", *extra,

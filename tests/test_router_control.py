@@ -33,7 +33,7 @@ def engines(tmp_path: Path) -> Iterator[Callable[..., FakeEngineProcess]]:
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
     return [
-        "router", "--no-rollout", "--engine-urls", *urls, "--model", str(model),
+        "router", "--port", "0", "--no-rollout", "--engine-urls", *urls, "--model", str(model),
         "--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id,
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--max-staleness", "1000",
         "--rollout-max-response-len", "4", "--max-groups", "100000", "--api-token", "t0ken",

@@ -36,7 +36,7 @@ def engines(tmp_path: Path) -> Iterator[Callable[..., FakeEngineProcess]]:
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
     return [
-        "router", "--engine-urls", *urls, "--model", str(model),
+        "router", "--port", "0", "--engine-urls", *urls, "--model", str(model),
         "--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id,
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
         "--rollout-max-response-len", "4", "--max-groups", "1000", *extra,
@@ -165,7 +165,7 @@ def test_an_engine_that_never_comes_up_fails_startup_naming_its_url(buffer, toy_
     dead = f"http://127.0.0.1:{free_port()}"
     args = router_args(buffer, toy_model_dir, [engines().url, dead], "--engine-wait-timeout-s", "1")
     proc = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", *args, "--port", "0"],
+        [sys.executable, "-m", "tandem.cli", *args],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode != 0

@@ -42,7 +42,7 @@ def free_port_factory() -> Callable[[], int]:
 
 
 def start_router(start_service, buffer, urls: list[str], *extra: str):
-    args = ["router", "--no-rollout", "--redis-url", buffer.config.redis_url,
+    args = ["router", "--port", "0", "--no-rollout", "--redis-url", buffer.config.redis_url,
             "--run-id", buffer.config.run_id, "--health-interval-s", "0.2", *extra]  # fmt: skip
     if urls:
         args += ["--engine-urls", *urls]
@@ -130,7 +130,7 @@ def test_a_dead_worker_is_evicted_and_readmitted_only_at_the_current_weight_vers
 
 def test_with_default_health_settings_a_dead_worker_is_evicted(buffer, start_service, engines):
     a, b = engines(), engines()
-    args = ["router", "--no-rollout", "--redis-url", buffer.config.redis_url,
+    args = ["router", "--port", "0", "--no-rollout", "--redis-url", buffer.config.redis_url,
             "--run-id", buffer.config.run_id, "--engine-urls", a.url, b.url]  # fmt: skip
     router = start_service("router", args)
     a.stop()
