@@ -1,7 +1,9 @@
 """Shared fixtures: a real Valkey/Redis server process, the toy model, and service processes.
 
 Service processes are started through the real CLI (`python -m tandem.cli <service> ...`) with
-`--port 0 --ready-file F`, and killed by process group at teardown, so no test leaves orphans.
+`--ready-file F` (tests pass `--port 0` so the OS picks the port), and killed by process group at
+teardown. Every child also dies with the pytest process (PR_SET_PDEATHSIG), so even a killed test
+run leaves no Redis or service behind.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from tandem.supervisor import die_with_parent
 from tandem.toy_model import write_toy_model
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -25,7 +28,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(log_dir=tmp_path_factory.mktemp("redis")) as server:
+    with RedisServer(log_dir=tmp_path_factory.mktemp("redis"), preexec_fn=die_with_parent) as server:
         yield server
 
 
@@ -64,7 +67,11 @@ class ServiceProcess:
             cmd += ["--ready-file", str(self.ready_file)]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         self.info: dict = {}
         deadline = time.monotonic() + timeout_s
@@ -98,7 +105,8 @@ class ServiceProcess:
 
 @pytest.fixture
 def start_service(tmp_path: Path) -> Iterator:
-    """`start_service(name, args)` -> ServiceProcess; all are stopped after the test."""
+    """`start_service(name, args)` -> ServiceProcess; all are stopped after the test.
+    Pass `--port 0` in `args` for HTTP services: nothing picks a port for you."""
     started: list[ServiceProcess] = []
 
     def _start(
