@@ -28,7 +28,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(log_dir=tmp_path_factory.mktemp("redis"), preexec_fn=die_with_parent) as server:
+    with RedisServer(
+        log_dir=tmp_path_factory.mktemp("redis"), preexec_fn=die_with_parent
+    ) as server:
         yield server
 
 
