@@ -108,7 +108,7 @@ def test_on_one_host_the_payload_travels_through_shared_memory(
     files = sorted(shm.iterdir())
     assert [f.name.rsplit("-", 1)[1] for f in files] == ["slot0", "slot1"]
     assert all(f.stat().st_mode & 0o077 == 0 for f in files)
-    sender.close()
+    sender.close(linger_s=0)
     assert list(shm.iterdir()) == []
 
 

@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     except (FloatingPointError, BatchError, TimeoutError) as exc:  # TimeoutError: broker gone
         print(f"tandem trainer: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        trainer.close()
     print(f"[trainer] stopped after {steps} steps at version {trainer.version}", flush=True)
     return 0
 

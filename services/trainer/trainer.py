@@ -108,6 +108,15 @@ class Trainer:
         """Signal handler: finish the current step, then leave `train()`."""
         self.stop_requested = True
 
+    def close(self) -> None:
+        """Release the weight sender and leave the process group, so that no communicator
+        or socket thread is still running when the interpreter exits (that aborts it)."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)

@@ -94,10 +94,12 @@ class ZmqWeightSender:
                 total += sum(frame_view(f).nbytes for f in message[1:])
         return total
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 15.0) -> None:
+        """Close the socket; shared-memory slots are removed once an engine took the newest
+        version, or after `linger_s` (the last version still reaches the engines)."""
         self._socket.close()
         if self.slots is not None:
-            self.slots.close()
+            self.slots.close(linger_s=linger_s)
 
 
 class FetchedWeights(list):  # type: ignore[type-arg]
