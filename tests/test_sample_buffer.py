@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,12 @@ def test_an_unreachable_server_is_named_in_the_error() -> None:
     dead = SampleBuffer(BufferConfig(redis_url="redis://127.0.0.1:1/0"))
     with pytest.raises(ConnectionError, match=r"127\.0\.0\.1:1"):
         dead.wait_ready(timeout_s=0.3)
+
+
+def test_a_server_starts_with_a_relative_log_folder(tmp_path, monkeypatch) -> None:
+    from services.sample_buffer import RedisServer
+
+    monkeypatch.chdir(tmp_path)
+    with RedisServer(log_dir=Path("runs/x/logs")) as server:
+        assert SampleBuffer(BufferConfig(redis_url=server.url)).redis.ping()
+    assert (tmp_path / "runs/x/logs/redis.log").exists()

@@ -84,6 +84,8 @@ class RedisServer:
         if self.log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="tandem-redis-")
             self.log_dir = Path(self._tmp.name)
+        # Absolute: the server changes into --dir before it opens --logfile.
+        self.log_dir = self.log_dir.resolve()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         attempts = 1 if self.requested_port else 5
         for _ in range(attempts):
