@@ -14,11 +14,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from services.rollout_router.fake_engine import FakeEngineProcess
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from tandem.supervisor import die_with_parent
 from tandem.toy_model import write_toy_model
@@ -103,6 +104,21 @@ class ServiceProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[Callable[..., FakeEngineProcess]]:
+    """`engines(*flags)` -> a stand-in SGLang engine process (router tests); all stopped after."""
+    started: list[FakeEngineProcess] = []
+
+    def _start(*flags: str) -> FakeEngineProcess:
+        engine = FakeEngineProcess(tmp_path, f"engine{len(started)}", *flags)
+        started.append(engine)
+        return engine
+
+    yield _start
+    for engine in started:
+        engine.stop()
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ import httpx
 import pytest
 
 from proto import SampleGroup
-from services.rollout_router.fake_engine import FakeEngineProcess
 from services.sample_buffer import SampleBuffer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,20 +26,6 @@ CHAT_TEMPLATE = (
     "<bos>{% for m in messages %}{{ m['content'] }}"
     "{% if m['role'] == 'user' %}>{% else %}<eos>{% endif %}{% endfor %}"
 )
-
-
-@pytest.fixture
-def engines(tmp_path: Path) -> Iterator[Callable[..., FakeEngineProcess]]:
-    started: list[FakeEngineProcess] = []
-
-    def _start(*flags: str) -> FakeEngineProcess:
-        engine = FakeEngineProcess(tmp_path, f"engine{len(started)}", *flags)
-        started.append(engine)
-        return engine
-
-    yield _start
-    for engine in started:
-        engine.stop()
 
 
 @pytest.fixture(scope="module")

@@ -4,31 +4,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from services.rollout_router.fake_engine import FakeEngineProcess
 from services.sample_buffer import SampleBuffer
 
 TOKEN = {"Authorization": "Bearer t0ken"}
-
-
-@pytest.fixture
-def engines(tmp_path: Path) -> Iterator[Callable[..., FakeEngineProcess]]:
-    started: list[FakeEngineProcess] = []
-
-    def _start(*flags: str) -> FakeEngineProcess:
-        engine = FakeEngineProcess(tmp_path, f"engine{len(started)}", *flags)
-        started.append(engine)
-        return engine
-
-    yield _start
-    for engine in started:
-        engine.stop()
 
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:

@@ -8,30 +8,15 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from proto import SampleGroup
-from services.rollout_router.fake_engine import FakeEngineProcess
 from services.rollout_router.toy_task import reverse_digits_reward
 from services.sample_buffer import SampleBuffer
-
-
-@pytest.fixture
-def engines(tmp_path: Path) -> Iterator[Callable[..., FakeEngineProcess]]:
-    started: list[FakeEngineProcess] = []
-
-    def _start(*flags: str) -> FakeEngineProcess:
-        engine = FakeEngineProcess(tmp_path, f"engine{len(started)}", *flags)
-        started.append(engine)
-        return engine
-
-    yield _start
-    for engine in started:
-        engine.stop()
 
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:

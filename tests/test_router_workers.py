@@ -5,30 +5,13 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-from services.rollout_router.fake_engine import FakeEngineProcess
-
 GEN = {"input_ids": [1, 4, 5, 14], "sampling_params": {"n": 2, "max_new_tokens": 4}}
-
-
-@pytest.fixture
-def engines(tmp_path: Path) -> Iterator[Callable[..., FakeEngineProcess]]:
-    started: list[FakeEngineProcess] = []
-
-    def _start(*flags: str) -> FakeEngineProcess:
-        engine = FakeEngineProcess(tmp_path, f"engine{len(started)}", *flags)
-        started.append(engine)
-        return engine
-
-    yield _start
-    for engine in started:
-        engine.stop()
 
 
 @pytest.fixture
