@@ -104,9 +104,14 @@ def test_staleness_gate_holds_the_next_batch_until_engines_version_is_high_enoug
     assert status["batch"] == 2, "engines at version 0 allow batches 0 and 1 only"
     assert not any(g.group_id.startswith("b2-") for g in all_groups(buffer))
     buffer.set_version("engines", 1)
-    groups = wait_until(lambda: [g for g in all_groups(buffer) if g.group_id.startswith("b2-")],
-                        "batch 2 after version:engines=1")  # fmt: skip
-    assert len(groups) == 4
+    # Groups of one batch are streamed one by one: wait for the whole batch, then check that
+    # it holds exactly its four prompts.
+    groups = wait_until(
+        lambda: (g := [g for g in all_groups(buffer) if g.group_id.startswith("b2-")])
+        and len(g) >= 4 and g,
+        "all of batch 2 after version:engines=1",
+    )  # fmt: skip
+    assert sorted(g.group_id for g in groups) == [f"b2-p{i}" for i in range(4)]
     status = wait_until(
         lambda: (
             (s := get_json(router.url + "/rollout/status"))["state"] == "waiting_for_weights" and s
