@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU measurements (issues 4, 5, 7), as run on a 4-GPU H200 machine through the device tool.
-#   bash bench/gpu_session.sh all       # everything below, each part under its own time limit
+#   bash bench/gpu_session.sh tests     # the CUDA/NCCL tests (TP and DP trainer, engine on CUDA)
 #   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3
 #   bash bench/gpu_session.sh benches   # trainer MFU (GPU 0); NCCL weight sync (GPUs 0 -> 1, 2)
+#   bash bench/gpu_session.sh all       # all three, each part under its own time limit
 # Wheels for what the machine lacks are expected in .whl/ (see DEVELOPERS notes); results go
 # to $OUT (or /tmp/out).
 set -uo pipefail
@@ -25,14 +26,20 @@ up() {  # $1 = name, $2 = max staleness
         --weight-transport nccl --engine-args "--dtype bfloat16" \
         --trainer-args "--tensor-model-parallel-size 2 --bf16" \
         --router-args "--rollout-max-response-len 256" \
-        --rollout-batch-size 32 --n-samples-per-prompt 8 --max-staleness "$2" \
-        --max-steps "${STEPS:-10}" --stop-accuracy 0 --time-limit-s "${LIMIT_S:-120}" --startup-timeout-s 150 2>&1 | tail -8
+        --rollout-batch-size 16 --n-samples-per-prompt 8 --max-staleness "$2" --lr "${LR:-1e-5}" \
+        --max-steps "${STEPS:-8}" --stop-accuracy 0 --time-limit-s "${LIMIT_S:-120}" --startup-timeout-s 150 2>&1 | tail -8
+    python3 bench/run_report.py --trainer-gpus 2 "/tmp/$1" > "$OUT/$1-report.txt"
     cp "/tmp/$1/summary.json" "$OUT/$1-summary.json"
     cp "/tmp/$1/metrics.jsonl" "$OUT/$1-metrics.jsonl"
     tail -c 20000 "/tmp/$1/logs/broker.log" > "$OUT/$1-broker.log"
 }
 
 case "${1:-}" in
+tests)
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_trainer_parallel.py \
+        tests/test_engine_cuda.py tests/test_engine_models.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
+    ;;
 benches)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     timeout 150 python3 bench/trainer_throughput.py --device cuda --bf16 --hidden-size 2048 --num-layers 16 \
@@ -45,13 +52,15 @@ benches)
 run)
     up gpu-async 1
     up gpu-sync 0
+    python3 bench/run_report.py --trainer-gpus 2 /tmp/gpu-async /tmp/gpu-sync | tee "$OUT/run_report.txt"
     ;;
 all)
+    bash "$0" tests
     bash "$0" run
     bash "$0" benches
     ;;
 *)
-    echo "usage: $0 benches|run" >&2
+    echo "usage: $0 tests|run|benches|all" >&2
     exit 2
     ;;
 esac

@@ -142,7 +142,7 @@ def build_gpt_model(
 ) -> GPTModel:
     """An un-initialised (random) GPTModel shaped like `arch`, with the packed-attention spec.
     `padded_vocab` (if set) overrides the padding rule, e.g. to match a checkpoint."""
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=gpt_layer_spec(),
         vocab_size=padded_vocab
@@ -154,6 +154,12 @@ def build_gpt_model(
         rope_scaling=arch.rope_scaling_factor > 0,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
+    # megatron's torch-norm wrapper builds its norms in the default dtype (fp32): a bf16 input
+    # then misses torch's fused RMSNorm kernel. Hold them in params_dtype, as HF bf16 does.
+    for module in model.modules():
+        if isinstance(module, torch.nn.RMSNorm):
+            module.to(config.params_dtype)
+    return model
 
 
 # --- weights -----------------------------------------------------------------------------------

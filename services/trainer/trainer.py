@@ -134,8 +134,14 @@ class Trainer:
             for step_samples in self.split_steps(samples, rollout):
                 t0 = time.perf_counter()
                 metrics = self.train_step(step_samples)
-                self.publish_weights()
-                metrics["train/step_time_s"] = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                params, nbytes = self.publish_weights()
+                t2 = time.perf_counter()
+                metrics["train/update_time_s"] = t1 - t0
+                metrics["train/publish_time_s"] = t2 - t1  # export + transfer to every engine
+                metrics["train/step_time_s"] = t2 - t0
+                metrics["train/weight_bytes"] = float(nbytes)
+                metrics["train/params"] = float(params)
                 self.log_step(metrics, rollout)
             self.commit(rollout.entry_ids, final=False)
         self.commit([], final=True)
@@ -294,10 +300,13 @@ class Trainer:
 
     # --- publish, ack, log --------------------------------------------------------------------
 
-    def publish_weights(self) -> None:
-        """V += 1; send V's HF-named weights; then announce V in Redis."""
+    def publish_weights(self) -> tuple[int, int]:
+        """V += 1; send V's HF-named weights; then announce V in Redis.
+        Returns the (parameters, bytes) of the exported model."""
         self.version += 1
         tensors = self.policy.export_hf()  # collective at TP > 1: every rank takes part
+        params = sum(t.numel() for _, t in tensors)
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         if self.sender is not None:
             try:
                 self.sender.send(self.version, tensors)
@@ -305,6 +314,7 @@ class Trainer:
                 log.warning("version %d did not reach the engines: %s", self.version, exc)
         if self.buffer is not None:
             self.buffer.set_version("trainer", self.version)
+        return params, nbytes
 
     def commit(self, entry_ids: list[str], final: bool) -> None:
         """Ack trained groups; with --save only once a checkpoint holds their update."""
