@@ -56,6 +56,13 @@ class WorkerPoolConfig:
         default=3,
         metadata={"help": "Consecutive failed checks that evict an engine from the rotation."},
     )
+    broker_url: str = field(
+        default="",
+        metadata={
+            "help": "Weight broker base URL: an engine added at run time (or found restarted) "
+            "is registered there to be brought to the current weights before it gets traffic."
+        },
+    )
 
     def validate(self) -> None:
         if self.max_retries < 0:
