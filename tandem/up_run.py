@@ -89,8 +89,12 @@ class UpRun:
         urls = [e.info["url"] for e in engines]
         say(f"engines at {' '.join(urls)}")
         broker = self.supervisor.start("broker", [*args["broker"], "--engine-urls", *urls])
-        router = self.supervisor.start("router", [*args["router"], "--engine-urls", *urls])
-        self.supervisor.wait_ready([broker, router], config.startup_timeout_s)
+        self.supervisor.wait_ready([broker], config.startup_timeout_s)
+        # The router hands engines added or restarted at run time to the broker.
+        router = self.supervisor.start(
+            "router", [*args["router"], "--engine-urls", *urls, "--broker-url", broker.info["url"]]
+        )
+        self.supervisor.wait_ready([router], config.startup_timeout_s)
         say(f"broker at {broker.info['url']} (weights in at {broker.info['intake_endpoint']}), "
             f"router at {router.info['url']}")  # fmt: skip
         trainer_args = [*args["trainer"], "--weights-endpoint", broker.info["intake_endpoint"]]

@@ -7,10 +7,17 @@ Concurrency: one aiohttp session (one connection pool) for every request to ever
 and closed by `start()`/`close()` inside the serving event loop; forwarded POSTs go through the
 leaner `Http1Pool` instead unless `--hot-path-client aiohttp` (see http1.py for why). The health loop
 (`run_health_checks`) polls `GET /get_model_info` of every worker every `health_interval_s`;
-`health_failures` consecutive failures evict a worker from the rotation, and a worker that
-answers again is re-admitted only once it reports at least the weight version the pool has
-reached (so it never serves stale weights into a newer batch). A request that fails with a
-connection error or a 5xx is retried on another admitted worker, at most `max_retries` times.
+`health_failures` consecutive failures evict a worker from the rotation. A request that fails
+with a connection error or a 5xx is retried on another admitted worker, at most `max_retries`
+times.
+
+Weight versions (the handshake with the weight broker): a worker gets traffic only while it
+serves at least the version the pool has reached (`target_version`, the highest any admitted
+worker reports). A worker added at run time, or re-answering after an eviction, that serves an
+older version is registered pending; a worker whose reported version goes *down* restarted
+from its load weights and is taken out at once. In both cases, with `--broker-url`, the router
+registers the engine with the broker (`POST {broker}/engines`), which brings it to the current
+version; the health checks admit it once it reports that version.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 import zlib
 from collections.abc import AsyncIterator
@@ -32,6 +40,8 @@ from services.rollout_router.http1 import Http1Pool
 from services.rollout_router.samples import parse_version
 
 log = logging.getLogger("tandem.router.workers")
+# A pending worker is handed to the broker again after this long (e.g. the broker restarted).
+BROKER_RETRY_S = 30.0
 
 
 class NoWorkerError(RuntimeError):
@@ -65,6 +75,7 @@ class Worker:
     errors: int = 0
     last_error: str = ""
     model_info: dict[str, Any] = field(default_factory=dict)
+    broker_asked_at: float = -math.inf  # monotonic time of the last POST {broker}/engines
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -92,6 +103,7 @@ class WorkerPool:
         self.session: aiohttp.ClientSession | None = None
         self.http1: Http1Pool | None = None
         self.retries = 0
+        self.version_reached = -1  # highest weight version an admitted worker reported
         self._rr = itertools.count()
         self._health_task: asyncio.Task | None = None
 
@@ -122,9 +134,13 @@ class WorkerPool:
     # --- registry ------------------------------------------------------------------------------
 
     async def add(self, url: str, wait_s: float = 0.0) -> Worker:
-        """Admit `url` once `/get_model_info` answers, waiting up to `wait_s` with backoff."""
+        """Register `url` once `/get_model_info` answers, waiting up to `wait_s` with backoff;
+        admitted at once if it serves the pool's weight version, else pending (and handed to
+        the broker to be brought to that version)."""
         url = url.rstrip("/")
-        return self._register(url, await self._wait_model_info(url, wait_s))
+        worker = self._register(url, await self._wait_model_info(url, wait_s))
+        await self.ask_broker_to_sync(worker)
+        return worker
 
     async def add_all(self, urls: list[str], wait_s: float) -> None:
         """Wait for every URL concurrently, then admit them in the order given (so round robin
@@ -137,13 +153,47 @@ class WorkerPool:
     def _register(self, url: str, info: dict[str, Any]) -> Worker:
         worker = self.workers.get(worker_id_for(url)) or Worker(url, worker_id_for(url))
         worker.model_info = info
-        worker.weight_version = max(
-            worker.weight_version, parse_version(info.get("weight_version"))
-        )
-        worker.healthy, worker.failures = True, 0
+        worker.weight_version = parse_version(info.get("weight_version"))
+        worker.failures = 0
+        target = self.target_version(exclude=worker)
+        worker.healthy = worker.weight_version >= target
         self.workers[worker.worker_id] = worker
-        log.info("admitted %s (weight version %d)", url, worker.weight_version)
+        if worker.healthy:
+            self.version_reached = max(self.version_reached, worker.weight_version)
+            log.info("admitted %s (weight version %d)", url, worker.weight_version)
+        else:
+            worker.last_error = self._behind(worker, target)
+            log.info("registered %s pending: %s", url, worker.last_error)
         return worker
+
+    def target_version(self, exclude: Worker | None = None) -> int:
+        """The weight version a worker must serve to get traffic: the highest any admitted
+        worker reports or has reported (so a pool whose engines all restarted does not fall
+        back to their load weights); -1 before any."""
+        admitted = (w.weight_version for w in self.admitted() if w is not exclude)
+        return max(self.version_reached, *admitted, -1)
+
+    @staticmethod
+    def _behind(worker: Worker, target: int) -> str:
+        return f"serves weight version {worker.weight_version}, waiting for version {target}"
+
+    async def ask_broker_to_sync(self, worker: Worker) -> None:
+        """Register a pending worker with the weight broker (`--broker-url`), which brings it
+        to the current weights. Failures are logged and kept in `last_error`; the worker then
+        stays pending until something else updates it."""
+        if worker.healthy or not self.config.broker_url or self.session is None:
+            return
+        worker.broker_asked_at = time.monotonic()
+        url = self.config.broker_url.rstrip("/") + "/engines"
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        try:
+            async with self.session.post(url, json={"url": worker.url}, timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            log.info("asked the weight broker to sync %s", worker.url)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            worker.last_error += f"; POST {url} failed: {type(exc).__name__}: {exc}"
+            log.warning("could not register %s with the broker: %s", worker.url, exc)
 
     async def add_or_pend(self, url: str) -> tuple[bool, Worker]:
         """(admitted now?, worker): a worker that does not answer within one health timeout
@@ -151,7 +201,8 @@ class WorkerPool:
         current weight version (sglang-router's background registration)."""
         url = url.rstrip("/")
         try:
-            return True, await self.add(url, self.config.health_timeout_s)
+            worker = await self.add(url, self.config.health_timeout_s)
+            return worker.healthy, worker
         except EngineStartupError as exc:
             worker = self.workers.get(worker_id_for(url)) or Worker(url, worker_id_for(url))
             worker.healthy, worker.last_error = False, str(exc)
@@ -325,7 +376,7 @@ class WorkerPool:
 
     async def check_once(self) -> None:
         """One health round over every registered worker (concurrently)."""
-        target = max((w.weight_version for w in self.admitted()), default=-1)
+        target = self.target_version()
 
         async def check(worker: Worker) -> None:
             try:
@@ -337,12 +388,24 @@ class WorkerPool:
                 return
             worker.failures = 0
             worker.model_info = worker.model_info or info
-            worker.weight_version = max(
-                worker.weight_version, parse_version(info.get("weight_version"))
-            )
-            if not worker.healthy and worker.weight_version >= target:
-                worker.healthy = True
-                log.info("re-admitted %s at weight version %d", worker.url, worker.weight_version)
+            reported = parse_version(info.get("weight_version"))
+            if reported < worker.weight_version:  # restarted from its load weights
+                worker.healthy = False
+                worker.last_error = (
+                    f"restarted: serves weight version {reported}, had {worker.weight_version}"
+                )
+                log.warning("took %s out: %s", worker.url, worker.last_error)
+            worker.weight_version = reported
+            if worker.healthy:
+                self.version_reached = max(self.version_reached, reported)
+                return
+            if reported >= target:
+                worker.healthy, worker.last_error = True, ""
+                self.version_reached = max(self.version_reached, reported)
+                log.info("re-admitted %s at weight version %d", worker.url, reported)
+            elif time.monotonic() >= worker.broker_asked_at + BROKER_RETRY_S:
+                worker.last_error = self._behind(worker, target)
+                await self.ask_broker_to_sync(worker)
 
         await asyncio.gather(*(check(w) for w in list(self.workers.values())))
 

@@ -15,6 +15,13 @@ Ordering contract (each arrow is checked by tests/test_broker_*.py):
      the minimum version over engines in rotation, which the router uses as its staleness gate.
   5. An engine that fails or exceeds `sync_timeout_s` is taken out of rotation (reported in
      `/state` and metrics) and retried with backoff; the others complete regardless.
+  6. Late and restarted engines: `POST /engines` (the router calls it for an engine added at
+     run time or found restarted) registers an engine at an unknown version; the probe loop
+     (`probe_interval_s`) also finds engines whose version went down. ZMQ/disk: such an
+     engine is synced to the newest version at once. NCCL: the next version forms a new
+     weight group that includes it (a broadcast needs the trainer, which offers versions only
+     after optimizer steps). Until an engine reports the newest version the router keeps it
+     out of rotation (see services/rollout_router/workers.py).
 
 Threads and loops: the intake thread owns the PULL socket and waits on it; the serve thread owns
 the ROUTER socket and answers fetch requests one at a time; the asyncio sync loop (in the HTTP
@@ -179,26 +186,36 @@ class WeightBroker:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await asyncio.gather(*(self._probe(session, e) for e in self.engines.values()))
             self.publish_version()
-            if self.nccl is not None:  # push-driven: the trainer offers each version
-                await self.nccl.run(session)
-                return
-            while True:
-                target = self.store.latest
-                lagging = [
-                    e
-                    for e in self.engines.values()
-                    if target >= 0 and e.version != target and not e.syncing
-                    and time.monotonic() >= e.retry_at
-                ]  # fmt: skip
-                if lagging:
-                    # Prepared once per version (e.g. the disk copy), before any engine loads it.
-                    await asyncio.to_thread(self._prepare, target)
-                    await asyncio.gather(*(self._sync(session, e, target) for e in lagging))
-                    self.publish_version()
-                    continue
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+            probes = asyncio.create_task(self._probe_loop(session), name="probe")
+            try:
+                if self.nccl is not None:  # push-driven: the trainer offers each version
+                    await self.nccl.run(session)
+                else:
+                    await self._pull_loop(session)
+            finally:
+                probes.cancel()
+                await asyncio.gather(probes, return_exceptions=True)
+
+    async def _pull_loop(self, session: aiohttp.ClientSession) -> None:
+        """ZMQ and disk: sync every engine that is not on the newest complete version."""
+        assert self._wake is not None
+        while True:
+            target = self.store.latest
+            lagging = [
+                e
+                for e in self.engines.values()
+                if target >= 0 and e.version != target and not e.syncing
+                and time.monotonic() >= e.retry_at
+            ]  # fmt: skip
+            if lagging:
+                # Prepared once per version (e.g. the disk copy), before any engine loads it.
+                await asyncio.to_thread(self._prepare, target)
+                await asyncio.gather(*(self._sync(session, e, target) for e in lagging))
+                self.publish_version()
+                continue
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
 
     def _prepare(self, version: int) -> None:
         entry = self.store.get(version)
@@ -208,13 +225,42 @@ class WeightBroker:
 
     async def _probe(self, session: aiohttp.ClientSession, engine: EngineState) -> None:
         """Learn an engine's current version (a freshly started engine serves its load dir)."""
+        reported = await self._reported_version(session, engine)
+        if reported is not None:
+            engine.version = reported
+
+    async def _reported_version(
+        self, session: aiohttp.ClientSession, engine: EngineState, quiet: bool = False
+    ) -> int | None:
+        timeout = aiohttp.ClientTimeout(total=min(self.config.sync_timeout_s, 10.0))
         try:
-            async with session.get(f"{engine.url}/get_weight_version") as resp:
+            async with session.get(f"{engine.url}/get_weight_version", timeout=timeout) as resp:
                 resp.raise_for_status()
-                engine.version = int((await resp.json())["weight_version"])
-        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
+                return int((await resp.json(content_type=None))["weight_version"])
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, TypeError) as exc:
             engine.last_error = f"probe failed: {exc!r}"
-            log.warning("engine %s: %s", engine.url, engine.last_error)
+            (log.debug if quiet else log.warning)("engine %s: %s", engine.url, engine.last_error)
+            return None
+
+    async def _probe_loop(self, session: aiohttp.ClientSession) -> None:
+        """Find engines that restarted (reported version below what they acknowledged)."""
+        while True:
+            await asyncio.sleep(self.config.probe_interval_s)
+            idle = [e for e in self.engines.values() if not e.syncing and e.version >= 0]
+            if self.nccl is not None and self.nccl.busy:
+                continue
+            started = time.time()
+            reported = await asyncio.gather(
+                *(self._reported_version(session, e, quiet=True) for e in idle)
+            )
+            for engine, version in zip(idle, reported, strict=True):
+                # Skip answers that raced with a sync that finished meanwhile.
+                if version is None or engine.syncing or engine.last_sync_at > started:
+                    continue
+                if version < engine.version:
+                    log.warning("engine %s restarted: serves version %d, had %d",
+                                engine.url, version, engine.version)  # fmt: skip
+                    self.add_engine(engine.url)
 
     async def _sync(
         self, session: aiohttp.ClientSession, engine: EngineState, version: int
@@ -265,6 +311,9 @@ class WeightBroker:
         engine.version = -1  # unknown until it acknowledges a version
         engine.in_rotation = True
         engine.retry_at = 0.0
+        if self.nccl is not None:  # it has no (or a stale) weight group: form a new one
+            self.nccl.members = []
+        self.publish_version()
         self._notify()
         return engine
 

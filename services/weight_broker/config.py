@@ -51,10 +51,21 @@ class BrokerConfig:
         metadata={"help": "disk transport: HF dir whose config/tokenizer files to copy."},
     )
     pause_mode: str = field(
-        default="in_place",
+        default="abort",
         metadata={
-            "help": "nccl transport: /pause_generation mode around a broadcast (none = no pause).",
+            "help": "nccl transport: /pause_generation mode around a broadcast. abort: running "
+            "requests return their partial output (the router continues them on the new "
+            "weights, each token keeping its version); in_place / retract: they continue after "
+            "the update, so a response that spans it mixes two versions under the newer label; "
+            "none: no pause.",
             "choices": ["abort", "in_place", "retract", "none"],
+        },
+    )
+    probe_interval_s: float = field(
+        default=2.0,
+        metadata={
+            "help": "Seconds between checks of every engine's /get_weight_version; an engine "
+            "that restarted (its version went down) is brought back to the current version."
         },
     )
     keep_versions: int = field(

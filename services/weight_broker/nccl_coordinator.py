@@ -49,6 +49,7 @@ class NcclCoordinator:
         self.group_name = ""
         self._generation = itertools.count()
         self._tp_size: dict[str, int] = {}
+        self.busy = False  # a version is being synced (the broker's probes wait meanwhile)
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         while True:
@@ -69,6 +70,15 @@ class NcclCoordinator:
         self, session: aiohttp.ClientSession, identity: bytes, offer: NcclOffer
     ) -> None:
         """Bring every engine in rotation to `offer.version`; see the module docstring."""
+        self.busy = True
+        try:
+            await self._sync_version(session, identity, offer)
+        finally:
+            self.busy = False
+
+    async def _sync_version(
+        self, session: aiohttp.ClientSession, identity: bytes, offer: NcclOffer
+    ) -> None:
         start = time.monotonic()
         error = ""
         for attempt in range(MAX_ATTEMPTS):

@@ -1,0 +1,115 @@
+"""Router <-> broker handshake: an engine that joins late or restarts gets no traffic until the
+broker has brought it to the current weight version.
+
+Real processes throughout: reference engines with the toy model, the broker (ZMQ transport),
+the router with `--broker-url`, and a trainer-side `ZmqWeightSender` pushing real weights.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+
+from services.weight_broker.zmq_transport import ZmqWeightSender
+from tests.test_broker_nccl import perturbed_weights
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(predicate, what: str, timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def worker(router_url: str, engine_url: str) -> dict:
+    workers = httpx.get(f"{router_url}/workers", timeout=10).json()["workers"]
+    return next(w for w in workers if w["url"] == engine_url)
+
+
+def engine_args(model_dir, port: int = 0) -> list[str]:  # type: ignore[no-untyped-def]
+    return ["engine", "--model", str(model_dir), "--port", str(port)]
+
+
+@pytest.fixture
+def stack(start_service, toy_model_dir, buffer):  # type: ignore[no-untyped-def]
+    """An engine on version 1 behind a router that knows the broker."""
+    redis = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    first = start_service("engine0", engine_args(toy_model_dir))
+    broker = start_service("broker", ["broker", "--port", "0", "--engine-urls", first.url,
+                                      "--probe-interval-s", "0.5", *redis])  # fmt: skip
+    router = start_service("router", [
+        "router", "--port", "0", "--engine-urls", first.url, "--broker-url", broker.url,
+        "--model", str(toy_model_dir), "--no-rollout", "--health-interval-s", "0.2", *redis,
+    ])  # fmt: skip
+    sender = ZmqWeightSender(broker.info["intake_endpoint"])
+    tensors, _model = perturbed_weights(toy_model_dir, seed=1)
+    sender.send(1, tensors)
+    wait_for(lambda: worker(router.url, first.url)["weight_version"] == 1, "engine0 on version 1")
+    yield first, broker, router
+    sender.close()
+
+
+def test_an_engine_added_at_run_time_is_synced_before_it_is_admitted(
+    stack, start_service, toy_model_dir
+) -> None:
+    _first, broker, router = stack
+    late = start_service("late", engine_args(toy_model_dir))
+    added = httpx.post(f"{router.url}/workers", json={"url": late.url}, timeout=30).json()
+    # It serves its load weights (version 0) while the pool is on version 1: pending.
+    assert added["status"] == "pending" and added["healthy"] is False
+    assert "waiting for version 1" in added["last_error"]
+    # The router handed it to the broker, which synced it; then the router admitted it.
+    admitted = wait_for(lambda: (w := worker(router.url, late.url))["healthy"] and w, "admission")
+    assert admitted["weight_version"] == 1
+    engines = {e["url"]: e for e in httpx.get(f"{broker.url}/state").json()["engines"]}
+    assert engines[late.url]["version"] == 1
+    assert httpx.get(f"{late.url}/get_weight_version").json()["weight_version"] == "1"
+
+
+def test_a_restarted_engine_gets_no_traffic_until_it_is_back_on_the_current_version(
+    stack, start_service, toy_model_dir
+) -> None:
+    first, broker, router = stack
+    second = start_service("engine1", engine_args(toy_model_dir))
+    httpx.post(f"{router.url}/workers", json={"url": second.url}, timeout=30)
+    wait_for(lambda: worker(router.url, second.url)["healthy"], "engine1 admitted")
+
+    versions: list[str] = []
+    stop = threading.Event()
+
+    def generate() -> None:  # steady traffic through the router during the restart
+        body = {"input_ids": [1, 7, 11, 14], "sampling_params": {"max_new_tokens": 2}}
+        with httpx.Client(timeout=30) as client:
+            while not stop.is_set():
+                reply = client.post(f"{router.url}/generate", json=body)
+                if reply.status_code == 200:
+                    versions.append(reply.json()["meta_info"]["weight_version"])
+
+    traffic = threading.Thread(target=generate)
+    traffic.start()
+    try:
+        port = urlparse(first.url).port
+        first.stop()
+        restarted = start_service("engine0-again", engine_args(toy_model_dir, port))
+        assert restarted.url == first.url
+        # Out while it serves version 0 (the router saw its version go down, or its checks
+        # failed while it was down), back once the broker re-synced it.
+        wait_for(lambda: (w := worker(router.url, first.url))["healthy"]
+                 and w["weight_version"] == 1, "engine0 re-admitted on version 1")  # fmt: skip
+        served_before = len(versions)
+        wait_for(lambda: len(versions) > served_before + 20, "traffic after re-admission")
+    finally:
+        stop.set()
+        traffic.join()
+    assert versions and set(versions) == {"1"}, "a response came from version-0 weights"
+    engines = {e["url"]: e for e in httpx.get(f"{broker.url}/state").json()["engines"]}
+    assert engines[first.url]["version"] == 1
