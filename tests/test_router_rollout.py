@@ -248,3 +248,67 @@ def test_a_redis_outage_pauses_rollout_counts_the_lost_groups_and_rollout_resume
     finally:
         router.stop()
         second.stop()
+
+
+def test_stop_strings_and_stop_token_ids_end_samples_on_the_real_engine_with_exact_tokens(
+    buffer, toy_model_dir, start_service
+):
+    """The reference engine runs the toy model: `5` (token 9) is a stop string and `9`
+    (token 13) a stop token id; a sample ends on the first of either, keeps it as its last
+    token and at the end of its text, and its ids, log-probs and mask line up."""
+    from transformers import AutoTokenizer
+
+    engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
+    args = router_args(buffer, toy_model_dir, [engine.url], "--rollout-stop", "5",
+                       "--rollout-stop-token-ids", "13", "--rollout-max-response-len", "12",
+                       "--eval-interval", "0")  # fmt: skip
+    router = start_service("router", args)
+    wait_until(lambda: buffer.depth() >= 8, "two batches from the reference engine")
+    tokenizer = AutoTokenizer.from_pretrained(str(toy_model_dir))
+    samples = [s for g in all_groups(buffer) for s in g.samples]
+    ends: dict[str, int] = {"string": 0, "token_id": 0, "eos": 0, "length": 0}
+    for s in samples:
+        n = len(s.response_ids)
+        assert n == len(s.response_logprobs) == len(s.loss_mask) == len(s.token_versions)
+        assert s.loss_mask == [1] * n and all(lp <= 0.0 for lp in s.response_logprobs)
+        assert s.response_text == tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        assert 9 not in s.response_ids[:-1] and 13 not in s.response_ids[:-1], "ends at the first"
+        assert 2 not in s.response_ids[:-1]
+        last = s.response_ids[-1]
+        if last == 9:
+            assert s.finish_reason == "stop" and s.response_text.endswith("5")
+            ends["string"] += 1
+        elif last == 13:
+            assert s.finish_reason == "stop" and s.response_text.endswith("9")
+            ends["token_id"] += 1
+        elif last == 2:
+            assert s.finish_reason == "stop"
+            ends["eos"] += 1
+        else:
+            assert s.finish_reason == "length" and n == 12
+            ends["length"] += 1
+    assert ends["string"] > 0 and ends["token_id"] > 0, ends
+    # The engine reports the matched stop string; the router forwards it as is.
+    for seed in range(20):
+        body = {"input_ids": [1, 5, 6, 14], "return_logprob": True, "sampling_params": {
+            "max_new_tokens": 12, "stop": ["5"], "no_stop_trim": True, "sampling_seed": seed}}  # fmt: skip
+        out = post_json(router.url + "/generate", body)
+        if out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "5"}:
+            assert out["output_ids"][-1] == 9 and out["text"].endswith("5")
+            assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+            break
+    else:
+        raise AssertionError("no seed of 20 stopped on the stop string")
+
+
+def test_a_sample_text_ends_where_its_matched_stop_string_ends():
+    from services.rollout_router.samples import Partial
+
+    def out(text: str, reason: dict) -> dict:
+        return {"text": text, "meta_info": {"finish_reason": reason, "output_token_logprobs": []}}
+
+    # one token `5=>` reached past the stop string `=`: SGLang keeps the text up to its end
+    assert Partial.of(out("125=>", {"type": "stop", "matched": "="})).text == "125="
+    assert Partial.of(out("12", {"type": "stop", "matched": 2})).text == "12"
+    assert Partial.of(out("12>", {"type": "length", "length": 3})).text == "12>"
+    assert Partial.of(out("12", {"type": "stop", "matched": "="})).text == "12", "not in text"

@@ -155,7 +155,8 @@ class SamplingConfig:
     rollout_top_p: float = field(default=1.0, metadata={"help": "top_p of rollouts."})
     rollout_top_k: int = field(default=-1, metadata={"help": "top_k of rollouts (-1 = all)."})
     rollout_stop: list[str] = field(
-        default_factory=list, metadata={"help": "Stop strings of rollouts."}
+        default_factory=list,
+        metadata={"help": "Stop strings of rollouts (a matched one ends the response text)."},
     )
     rollout_stop_token_ids: list[int] = field(
         default_factory=list,

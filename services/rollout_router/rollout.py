@@ -14,6 +14,10 @@ The engines' version is `max(version:engines in Redis, lowest version any admitt
 reported)`: the broker sets the Redis key once every engine has loaded a version; engines
 report theirs in `/get_model_info` and in each response's `meta_info.weight_version`.
 
+Stops: every request carries `--rollout-stop` strings and `--rollout-stop-token-ids` (plus the
+tokenizer's EOS) with `no_stop_trim`, so a sample that ends on a stop keeps it: the matched
+token is its last response token and the text ends where the matched stop ends (samples.py).
+
 Dynamic sampling (DAPO): a group whose rewards are all equal carries no GRPO signal; it is
 dropped (`all_rewards_equal`) and further rounds of prompts refill the batch, up to
 `max_sampling_rounds`; groups finishing after the batch is full are dropped as `surplus`.
@@ -246,6 +250,9 @@ class RolloutLoop:
                 "stop_token_ids": self.stop_token_ids,
                 "sampling_seed": seed,
                 "skip_special_tokens": True,
+                # keep a matched stop string or stop token in the text (SGLang trims it by
+                # default): the text the reward reads then matches the tokens trained on
+                "no_stop_trim": True,
                 **({"stop": s.rollout_stop} if s.rollout_stop else {}),
             },
             "return_logprob": True,

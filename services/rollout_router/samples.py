@@ -42,6 +42,17 @@ def finish_type(out: dict[str, Any]) -> str:
     return (out.get("meta_info", {}).get("finish_reason") or {}).get("type", "length")
 
 
+def stop_trimmed(out: dict[str, Any]) -> str:
+    """The output's text, ending where a matched stop string ends: SGLang's rule under
+    `no_stop_trim`, applied here too because an engine may return the whole decoded text when
+    the last token reaches past the stop string."""
+    text = out.get("text", "")
+    matched = (out.get("meta_info", {}).get("finish_reason") or {}).get("matched")
+    if isinstance(matched, str) and matched and (at := text.find(matched)) >= 0:
+        return text[: at + len(matched)]
+    return text
+
+
 @dataclass
 class Partial:
     """One response being assembled from one or more engine outputs."""
@@ -63,7 +74,7 @@ class Partial:
         self.logprobs += [float(t[0]) for t in token_logprobs]
         self.token_versions += [version] * len(token_logprobs)
         self.segment_versions.append(version)
-        self.text += out.get("text", "")
+        self.text += stop_trimmed(out)
         self.finish = finish_type(out)
 
     def extend_partial(self, other: Partial) -> None:
