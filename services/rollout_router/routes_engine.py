@@ -2,9 +2,12 @@
 
 `/generate`, `/v1/completions` and `/v1/chat/completions` go to one worker chosen by the pool's
 policy (the `X-Session-Id` header, when present, feeds session affinity) and are retried on
-another on failure; a streamed request streams through without retry once bytes flow.
+another on failure. A streamed request (`"stream": true`) is retried the same way until its
+worker has sent the first event; a worker that fails after that ends the stream with an
+`error` event (`"type": "worker_failed"`) and `data: [DONE]` (streaming.py states the rule).
 `/flush_cache`, `/pause_generation`, `/continue_generation` and `/abort_request` go to every
-worker (they change engine state, so they need the bearer token when one is set). Bodies are forwarded as bytes; only `stream` is looked at.
+worker (they change engine state, so they need the bearer token when one is set). Bodies are
+forwarded as bytes; only `stream` is looked at.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from services.rollout_router.auth import require_token
+from services.rollout_router.streaming import stream
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
 
 router = APIRouter()
@@ -38,8 +42,7 @@ async def forward(request: Request, path: str) -> Response:
     session_id = request.headers.get(SESSION_HEADER)
     try:
         if wants_stream(body):
-            status, chunks = await pool.stream(path, body, session_id)
-            return StreamingResponse(chunks, status_code=status, media_type="text/event-stream")
+            return await stream(pool, path, body, session_id)
         status, data, _worker = await pool.post(path, body, session_id)
     except NoWorkerError as exc:
         return JSONResponse({"error": "no_available_workers", "detail": str(exc)}, 503)
