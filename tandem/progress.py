@@ -27,6 +27,9 @@ class RunProgress:
     staleness: float = math.nan
     step_time_s: float = math.nan
     logprob_diff_step0: float = math.nan
+    # Over every step with same-version samples: engines serve exactly the trainer's weights.
+    logprob_diff_max: float = math.nan
+    logprob_diff_steps: int = 0
     samples_trained: int = 0
     history: list[dict] = field(default_factory=list)
 
@@ -57,8 +60,13 @@ class RunProgress:
         self.staleness = values.get("train/staleness_mean", self.staleness)
         self.step_time_s = values.get("train/step_time_s", self.step_time_s)
         self.samples_trained += int(values.get("train/samples", 0))
+        diff = values.get("train/logprob_abs_diff_max", math.nan)
         if record.step == 1:
-            self.logprob_diff_step0 = values.get("train/logprob_abs_diff_max", math.nan)
+            self.logprob_diff_step0 = diff
+        if not math.isnan(diff):  # NaN: no sample of this step came from the trainer's version
+            self.logprob_diff_max = max(diff, 0.0 if math.isnan(self.logprob_diff_max)
+                                        else self.logprob_diff_max)  # fmt: skip
+            self.logprob_diff_steps += 1
         return self.line()
 
     def line(self) -> str:

@@ -206,6 +206,8 @@ class UpRun:
             "accuracy_version": progress.accuracy_version,
             "samples_trained": progress.samples_trained,
             "logprob_abs_diff_max_step0": progress.logprob_diff_step0,
+            "logprob_abs_diff_max_same_version": progress.logprob_diff_max,
+            "steps_with_same_version_samples": progress.logprob_diff_steps,
             "engine_weight_versions": engine_versions,
             "run_dir": str(self.run_dir),
         }
@@ -216,5 +218,8 @@ class UpRun:
             f"trained, engines on versions {', '.join(engine_versions) or '?'}")  # fmt: skip
         if not math.isnan(progress.logprob_diff_step0):
             say(f"step-0 trainer/engine log-prob max abs diff: {progress.logprob_diff_step0:.2e}")
+        if progress.logprob_diff_steps:
+            say(f"trainer/engine log-prob max abs diff on same-version samples, over "
+                f"{progress.logprob_diff_steps} steps: {progress.logprob_diff_max:.2e}")  # fmt: skip
         say(f"run folder: {self.run_dir} (metrics.jsonl, summary.json"
             f"{', metrics.png' if plot else ''}, logs/)")  # fmt: skip

@@ -126,13 +126,18 @@ def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path) -> None:
 
 def test_the_loop_also_runs_with_the_nccl_weight_transport_on_gloo(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
+    # Synchronous (max staleness 0): every step trains on samples of the trainer's own version,
+    # so every step checks that the engines got exactly the trainer's weights.
     result = run_up(
-        run_dir, "--max-steps", "8", "--stop-accuracy", "0", "--weight-transport", "nccl"
-    )
+        run_dir, "--max-steps", "8", "--stop-accuracy", "0", "--weight-transport", "nccl",
+        "--max-staleness", "0",
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["engine_weight_versions"] == ["8", "8"]
     assert summary["logprob_abs_diff_max_step0"] < 1e-3
+    assert summary["steps_with_same_version_samples"] == 8
+    assert summary["logprob_abs_diff_max_same_version"] < 1e-3
     broker_log = (run_dir / "logs" / "broker.log").read_text()
     assert "NCCL control at" in broker_log and "version 8 on 2 engines" in broker_log
 
@@ -147,8 +152,12 @@ def test_a_tensor_parallel_trainer_under_torchrun_syncs_engines_by_broadcast(
     result = run_up(
         run_dir, "--max-steps", "6", "--stop-accuracy", "0", "--weight-transport", "nccl",
         "--trainer-procs", "2", "--trainer-args", "--tensor-model-parallel-size 2",
+        "--max-staleness", "0",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["engine_weight_versions"] == ["6", "6"]
     assert summary["logprob_abs_diff_max_step0"] < 1e-3
+    # After every sync the engines serve exactly the TP-gathered weights.
+    assert summary["steps_with_same_version_samples"] == 6
+    assert summary["logprob_abs_diff_max_same_version"] < 1e-3

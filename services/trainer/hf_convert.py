@@ -325,9 +325,13 @@ def load_hf_into_model(model: GPTModel, arch: HfArch, hf: dict[str, torch.Tensor
 
 
 def export_hf(
-    model: GPTModel, arch: HfArch, dtype: torch.dtype | None = None
+    model: GPTModel, arch: HfArch, dtype: torch.dtype | None = None, on_device: bool = False
 ) -> list[tuple[str, torch.Tensor]]:
-    """HF-named full tensors of `model`, gathered over TP (every TP rank returns the same)."""
+    """HF-named full tensors of `model`, gathered over TP (every TP rank returns the same).
+
+    By default they are CPU copies, safe to keep while training goes on. With `on_device` they
+    stay where the model is (a GPU for NCCL broadcast: no round trip through host memory) and
+    may share storage with the parameters: use them before the next optimizer step."""
     _, size = _tp()
     full: dict[str, torch.Tensor] = {}
     group = parallel_state.get_tensor_model_parallel_group() if size > 1 else None
@@ -338,6 +342,10 @@ def export_hf(
             torch.distributed.all_gather(pieces, local.contiguous(), group=group)
             local = unshard(name, pieces)
         full[name] = local
+    if on_device:
+        return [
+            (n, t.to(dtype or t.dtype).contiguous()) for n, t in megatron_full_to_hf(arch, full)
+        ]
     return [
         (n, t.to(dtype or t.dtype).contiguous().cpu().clone())
         for n, t in megatron_full_to_hf(arch, full)

@@ -261,9 +261,9 @@ class Policy:
             dist.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
         return float(sq.sqrt())
 
-    def export_hf(self) -> list[tuple[str, torch.Tensor]]:
-        """Current weights, HF names, full (TP-gathered) tensors."""
-        return hf_convert.export_hf(self.model, self.arch)
+    def export_hf(self, on_device: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """Current weights, HF names, full (TP-gathered) tensors (see hf_convert.export_hf)."""
+        return hf_convert.export_hf(self.model, self.arch, on_device=on_device)
 
 
 def _optimizer_and_scheduler(

@@ -304,7 +304,10 @@ class Trainer:
         """V += 1; send V's HF-named weights; then announce V in Redis.
         Returns the (parameters, bytes) of the exported model."""
         self.version += 1
-        tensors = self.policy.export_hf()  # collective at TP > 1: every rank takes part
+        # Collective at TP > 1: every rank takes part. The NCCL sender broadcasts from the GPU
+        # before the next optimizer step, so the tensors need not be copied to the host.
+        on_device = self.cfg.weight_transport == "nccl"
+        tensors = self.policy.export_hf(on_device=on_device)
         params = sum(t.numel() for _, t in tensors)
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         if self.sender is not None:
