@@ -133,7 +133,26 @@ def validate(config: UpConfig) -> list[str]:
     overlap = set(config.engine_gpus) & set(config.trainer_gpus)
     if overlap:
         problems.append(f"GPUs {sorted(overlap)} are given to both the engines and the trainer")
+    if (
+        config.weight_transport == "nccl"
+        and config.engine_device == "cpu"
+        and trainer_on_gpu(config)
+    ):
+        problems.append(
+            "--weight-transport nccl with engines on CPU, but the trainer runs on a GPU: NCCL "
+            "needs both ends on GPUs (--engine-device cuda --engine-gpus ...), or use "
+            "--weight-transport zmq"
+        )
     return problems
+
+
+def trainer_on_gpu(config: UpConfig) -> bool:
+    """Whether the trainer will see a CUDA device (it uses one whenever it can)."""
+    if config.trainer_gpus:
+        return True
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def service_args(

@@ -303,3 +303,18 @@ def test_update_while_paused_in_place_recomputes_the_kept_request_with_new_weigh
     assert meta["finish_reason"] == {"type": "length", "length": 3000}
     assert meta["weight_version"] == "1"
     assert meta["num_retractions"] == 1
+
+
+def test_a_weight_group_on_another_backend_is_refused_naming_the_fix(
+    start_service, toy_model_dir: Path
+) -> None:
+    """A GPU trainer (NCCL) and a CPU engine (gloo) could never meet in one group: refuse at
+    once instead of letting the rendezvous time out."""
+    engine_url = start_service(
+        "engine", ["engine", "--model", str(toy_model_dir), "--port", "0"]
+    ).url
+    body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+            "world_size": 2, "group_name": "g", "backend": "nccl"}  # fmt: skip
+    reply = httpx.post(f"{engine_url}/init_weights_update_group", json=body, timeout=30)
+    assert reply.status_code == 400
+    assert "--device cuda" in reply.text and "zmq" in reply.text

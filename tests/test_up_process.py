@@ -161,3 +161,11 @@ def test_a_tensor_parallel_trainer_under_torchrun_syncs_engines_by_broadcast(
     # After every sync the engines serve exactly the TP-gathered weights.
     assert summary["steps_with_same_version_samples"] == 6
     assert summary["logprob_abs_diff_max_same_version"] < 1e-3
+
+
+def test_nccl_with_engines_on_cpu_and_the_trainer_on_a_gpu_is_refused(tmp_path: Path) -> None:
+    result = run_up(
+        tmp_path / "run", "--weight-transport", "nccl", "--trainer-gpus", "0", timeout_s=60
+    )
+    assert result.returncode == 2
+    assert "--engine-device cuda" in result.stderr and "--weight-transport zmq" in result.stderr

@@ -157,8 +157,16 @@ class WeightUpdater:
 
     async def init_group(self, body: dict[str, Any]) -> None:
         """Join the trainer's weight-update group (blocks until every rank joined)."""
+        backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
+        asked = str(body.get("backend") or backend)
+        if asked != backend:
+            raise UpdateError(
+                f"the weight group uses backend {asked!r} but this engine runs on "
+                f"{self.runner.device.type} ({backend}): put the engines on GPUs for NCCL "
+                "(--device cuda), or the trainer on CPU, or use the zmq weight transport",
+                400,
+            )
         async with self._lock:
-            backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
             await self._in_thread(lambda: self._join(body, backend), "joining the process group")
 
     async def destroy_group(self) -> None:
