@@ -8,7 +8,6 @@ the router with `--broker-url`, and a trainer-side `ZmqWeightSender` pushing rea
 from __future__ import annotations
 
 import threading
-import time
 from urllib.parse import urlparse
 
 import httpx
@@ -16,18 +15,9 @@ import pytest
 
 from services.weight_broker.zmq_transport import ZmqWeightSender
 from tests.test_broker_nccl import perturbed_weights
+from tests.test_broker_sync import wait_for
 
 pytestmark = pytest.mark.slow
-
-
-def wait_for(predicate, what: str, timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def worker(router_url: str, engine_url: str) -> dict:
@@ -53,7 +43,7 @@ def stack(start_service, toy_model_dir, buffer):  # type: ignore[no-untyped-def]
     sender = ZmqWeightSender(broker.info["intake_endpoint"])
     tensors, _model = perturbed_weights(toy_model_dir, seed=1)
     sender.send(1, tensors)
-    wait_for(lambda: worker(router.url, first.url)["weight_version"] == 1, "engine0 on version 1")
+    wait_for(lambda: worker(router.url, first.url)["weight_version"] == 1, 60, "engine0 on v1")
     yield first, broker, router
     sender.close()
 
@@ -68,7 +58,9 @@ def test_an_engine_added_at_run_time_is_synced_before_it_is_admitted(
     assert added["status"] == "pending" and added["healthy"] is False
     assert "waiting for version 1" in added["last_error"]
     # The router handed it to the broker, which synced it; then the router admitted it.
-    admitted = wait_for(lambda: (w := worker(router.url, late.url))["healthy"] and w, "admission")
+    admitted = wait_for(
+        lambda: (w := worker(router.url, late.url))["healthy"] and w, 60, "admission"
+    )
     assert admitted["weight_version"] == 1
     engines = {e["url"]: e for e in httpx.get(f"{broker.url}/state").json()["engines"]}
     assert engines[late.url]["version"] == 1
@@ -81,7 +73,7 @@ def test_a_restarted_engine_gets_no_traffic_until_it_is_back_on_the_current_vers
     first, broker, router = stack
     second = start_service("engine1", engine_args(toy_model_dir))
     httpx.post(f"{router.url}/workers", json={"url": second.url}, timeout=30)
-    wait_for(lambda: worker(router.url, second.url)["healthy"], "engine1 admitted")
+    wait_for(lambda: worker(router.url, second.url)["healthy"], 60, "engine1 admitted")
 
     versions: list[str] = []
     stop = threading.Event()
@@ -104,9 +96,9 @@ def test_a_restarted_engine_gets_no_traffic_until_it_is_back_on_the_current_vers
         # Out while it serves version 0 (the router saw its version go down, or its checks
         # failed while it was down), back once the broker re-synced it.
         wait_for(lambda: (w := worker(router.url, first.url))["healthy"]
-                 and w["weight_version"] == 1, "engine0 re-admitted on version 1")  # fmt: skip
+                 and w["weight_version"] == 1, 60, "engine0 re-admitted on version 1")  # fmt: skip
         served_before = len(versions)
-        wait_for(lambda: len(versions) > served_before + 20, "traffic after re-admission")
+        wait_for(lambda: len(versions) > served_before + 20, 60, "traffic after re-admission")
     finally:
         stop.set()
         traffic.join()
