@@ -4,10 +4,16 @@
 #   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3
 #   bash bench/gpu_session.sh benches   # trainer MFU (GPU 0); NCCL weight sync (GPUs 0 -> 1, 2)
 #   bash bench/gpu_session.sh all       # all three, each part under its own time limit
+#   bash bench/gpu_session.sh tests run # several parts, in that order
 # Wheels for what the machine lacks are expected in .whl/ (see DEVELOPERS notes); results go
 # to $OUT (or /tmp/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+usage() { echo "usage: $0 tests|run|benches|all ..." >&2; exit 2; }
+[ $# -gt 0 ] || usage
+for name in "$@"; do
+    case "$name" in tests|run|benches|all) ;; *) usage ;; esac
+done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >/dev/null || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -34,7 +40,8 @@ up() {  # $1 = name, $2 = max staleness
     tail -c 20000 "/tmp/$1/logs/broker.log" > "$OUT/$1-broker.log"
 }
 
-case "${1:-}" in
+part() {
+case "$1" in
 tests)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_trainer_parallel.py \
@@ -55,12 +62,16 @@ run)
     python3 bench/run_report.py --trainer-gpus 2 /tmp/gpu-async /tmp/gpu-sync | tee "$OUT/run_report.txt"
     ;;
 all)
-    bash "$0" tests
-    bash "$0" run
-    bash "$0" benches
+    part tests
+    part run
+    part benches
     ;;
 *)
-    echo "usage: $0 tests|run|benches|all" >&2
-    exit 2
+    usage
     ;;
 esac
+}
+
+for name in "$@"; do
+    part "$name"
+done
