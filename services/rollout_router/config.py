@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.rollout_router.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from services.sample_buffer import BufferConfig
 
 POLICIES = ("least_outstanding", "round_robin", "session_affinity")
@@ -223,6 +224,14 @@ class EnvConfig:
     )
     env_episode_timeout_s: float = field(
         default=120.0, metadata={"help": "Deadline of a whole episode."}
+    )
+    env_tool_call_parser: str = field(
+        default="hermes",
+        metadata={
+            "help": "How tool calls are read from a model turn and sent to /step as "
+            "`tool_calls` (hermes: <tool_call>{json}</tool_call>; none: the text only).",
+            "choices": tuple(TOOL_CALL_PARSERS),
+        },
     )
 
 

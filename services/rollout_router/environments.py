@@ -1,21 +1,42 @@
 """Agent environments as HTTP servers: Tandem drives multi-turn episodes over a JSON protocol.
 
-Protocol (the environment implements two routes; `examples/guess_env.py` is one):
+Protocol (the environment implements two routes; `examples/guess_env.py` and
+`examples/calc_env.py` are two):
 - `POST {env}/reset {"episode_id": str, "seed": int, "task": {"prompt": ..., "label": ...}}`
-  -> `{"observation": str | [chat messages] | null}`. A null observation means "use the task's
-  prompt". The first observation is the episode's prompt (chat messages go through the model's
-  chat template).
-- `POST {env}/step {"episode_id": str, "action": str}` -> `{"observation": str, "reward": float,
-  "done": bool}`. `action` is the model's whole turn as text (tool calls are text the
-  environment parses, e.g. `CALL calc(2+3)`); `observation` is the environment's reply, which
-  becomes the start of the next model turn.
+  -> `{"observation": str | [chat messages] | null, "tools": [function schemas]}`. A null
+  observation means "use the task's prompt". The first observation is the episode's prompt
+  (chat messages go through the model's chat template). `tools` (optional; OpenAI-style
+  `{"type": "function", "function": {"name", "description", "parameters"}}`) is handed to the
+  chat template each time it renders this episode's messages (Hermes and Qwen templates list
+  the tools in the system prompt).
+- `POST {env}/step {"episode_id": str, "action": str, "tool_calls": [{"name": str,
+  "arguments": {...}}], "tool_call_errors": [str]}` -> `{"observation": str | [chat messages],
+  "reward": float, "done": bool}`. `action` is the model's whole turn as text. With
+  `--env-tool-call-parser hermes` (the default) the router reads the turn's tool calls,
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (any number; see tool_calls.py),
+  into `tool_calls`, and gives one reason per call it could not read in `tool_call_errors`;
+  both lists are always present, possibly empty. A malformed call does not fail the episode:
+  the environment answers it (e.g. with an error message to the model). With `none` the body
+  has `episode_id` and `action` only. The observation is the environment's reply, which
+  becomes the start of the next model turn: a string is appended as text, chat messages (e.g.
+  `[{"role": "tool", "content": "5"}]`) through the chat template (below).
 
-Token accounting: the trajectory is built from exact token ids, never by re-tokenizing old text.
-The context of turn t+1 is the context of turn t + the model's tokens + the observation's tokens
-(`tokenizer(observation, add_special_tokens=False)`). In the resulting `Sample`, the response is
-every token after the prompt; `loss_mask` is 1 on model tokens and 0 on environment tokens
-(whose log-probs are 0 and whose version is the preceding turn's). The reward is the sum of the
-step rewards.
+Token accounting: the trajectory is built from exact token ids; the model's tokens are never
+re-tokenized. The context of turn t+1 is the context of turn t + the model's tokens + the
+observation's tokens. A string observation's tokens are `tokenizer(observation,
+add_special_tokens=False)`. Chat messages are rendered by difference: the chat template renders
+a fixed history (a user message, an assistant message) and then the same history followed by
+the messages and the generation prompt; the observation's text is everything after the
+assistant's content in the second rendering (the template's end of an assistant turn, the
+messages, the start of the next assistant turn), less the model's last token when the turn
+ended on a stop token that the template writes there itself (e.g. `<|im_end|>`). The context
+thus reads as the template would render the conversation, with the model's turns exactly as
+generated. A template that renders the history differently once messages follow it fails the
+episode (`env_error`: no exact extension exists; return a string instead). Without a chat
+template, the messages' contents are joined. In the resulting `Sample`, the response is every
+token after the prompt; `loss_mask` is 1 on model tokens and 0 on environment tokens (whose
+log-probs are 0 and whose version is the preceding turn's). The reward is the sum of the step
+rewards.
 
 Failure: every call has `env_call_timeout_s` and the whole episode `env_episode_timeout_s`. A
 failing or hung environment fails only its episode (`EnvError`, reason `env_error` or
@@ -34,6 +55,7 @@ from proto import Sample
 from services.rollout_router.config import EnvConfig
 from services.rollout_router.samples import Partial
 from services.rollout_router.tasks import Item, encode_prompt
+from services.rollout_router.tool_calls import PARSERS
 
 
 class EnvError(RuntimeError):
@@ -68,6 +90,25 @@ class EnvClient:
 
 
 Generate = Callable[[list[int], int], Awaitable[Partial]]
+Messages = list[dict[str, Any]]
+Tools = list[dict[str, Any]] | None
+
+# The fixed history after which observation messages are rendered (see the module docstring).
+HISTORY_USER, HISTORY_TURN = "Hello.", "TANDEM-ASSISTANT-TURN"
+
+
+def as_messages(value: list[Any], what: str) -> Messages:
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
+        raise EnvError("env_error", f"{what}: chat messages must be objects with a role string")
+    return value
+
+
+def as_tools(value: Any) -> Tools:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise EnvError("env_error", "/reset tools: expected a list of function schemas")
+    return value
 
 
 class EpisodeRunner:
@@ -78,6 +119,8 @@ class EpisodeRunner:
         self.client = client
         self.tokenizer = tokenizer
         self.chat = chat
+        self.parse_tool_calls = PARSERS[config.env_tool_call_parser]
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
 
     async def run(self, item: Item, episode_id: str, seed: int, generate: Generate) -> Sample:
         """`generate(context_ids, seed)` produces one finished model turn."""
@@ -93,12 +136,8 @@ class EpisodeRunner:
         first = await self.client.call(
             "/reset", {"episode_id": episode_id, "seed": seed, "task": task}
         )
-        observation = first.get("observation")
-        prompt_ids = (
-            list(item.input_ids)
-            if observation is None
-            else list(encode_prompt(self.tokenizer, observation, self.chat))
-        )
+        tools = as_tools(first.get("tools"))
+        prompt_ids = self.prompt_ids(first.get("observation"), item, tools)
         trajectory = Partial()
         mask: list[int] = []
         reward, done = 0.0, False
@@ -106,9 +145,7 @@ class EpisodeRunner:
             turn_out = await generate(prompt_ids + trajectory.ids, seed + turn)
             trajectory.extend_partial(turn_out)
             mask += [1] * len(turn_out.ids)
-            step = await self.client.call(
-                "/step", {"episode_id": episode_id, "action": turn_out.text}
-            )
+            step = await self.client.call("/step", self.step_body(episode_id, turn_out.text))
             try:
                 reward += float(step.get("reward", 0.0))
             except (TypeError, ValueError) as exc:
@@ -116,7 +153,7 @@ class EpisodeRunner:
             done = bool(step.get("done", False))
             if done:
                 break
-            obs = str(step.get("observation", ""))
+            obs = self.observation_text(step.get("observation"), turn_out, tools)
             obs_ids = self.tokenizer(obs, add_special_tokens=False)["input_ids"]
             last_version = trajectory.token_versions[-1] if trajectory.token_versions else -1
             trajectory.ids += obs_ids
@@ -128,3 +165,64 @@ class EpisodeRunner:
         sample = trajectory.to_sample(prompt_ids, reward)
         sample.loss_mask = mask
         return sample
+
+    def prompt_ids(self, observation: Any, item: Item, tools: Tools) -> list[int]:
+        """The episode's prompt: the task's, or the first observation's."""
+        if observation is None:
+            return list(item.input_ids)
+        if isinstance(observation, list) and not self.templated:
+            messages = as_messages(observation, "/reset observation")
+            return list(self.tokenizer(joined(messages))["input_ids"])
+        if isinstance(observation, list):
+            observation = as_messages(observation, "/reset observation")
+        try:
+            return list(encode_prompt(self.tokenizer, observation, self.chat, tools))
+        # A chat template is code shipped with the model: whatever it raises on an
+        # environment's messages fails that episode, not the rollout loop.
+        except Exception as exc:
+            raise EnvError("env_error", f"chat template failed on /reset: {exc}") from exc
+
+    def step_body(self, episode_id: str, action: str) -> dict[str, Any]:
+        body: dict[str, Any] = {"episode_id": episode_id, "action": action}
+        if self.parse_tool_calls is not None:
+            body["tool_calls"], body["tool_call_errors"] = self.parse_tool_calls(action)
+        return body
+
+    def observation_text(self, observation: Any, turn: Partial, tools: Tools) -> str:
+        """The text appended after the model's turn (see the module docstring)."""
+        if observation is None or isinstance(observation, str):
+            return observation or ""
+        if not isinstance(observation, list):
+            raise EnvError(
+                "env_error", f"/step observation: expected a string or chat messages, got "
+                f"{type(observation).__name__}"
+            )  # fmt: skip
+        messages = as_messages(observation, "/step observation")
+        if not self.templated:
+            return joined(messages)
+        history = [{"role": "user", "content": HISTORY_USER},
+                   {"role": "assistant", "content": HISTORY_TURN}]  # fmt: skip
+        try:
+            base = self.tokenizer.apply_chat_template(history, tools=tools, tokenize=False)
+            full = self.tokenizer.apply_chat_template(
+                history + messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # as in prompt_ids
+            raise EnvError("env_error", f"chat template failed on /step messages: {exc}") from exc
+        end = base.rfind(HISTORY_TURN) + len(HISTORY_TURN)
+        if end < len(HISTORY_TURN) or full[:end] != base[:end]:
+            raise EnvError(
+                "env_error", "the chat template of --model renders the history differently "
+                "when messages follow it: return the /step observation as a string"
+            )  # fmt: skip
+        text = full[end:]
+        if turn.finish == "stop" and turn.ids:  # the model already wrote the end of its turn
+            closing = self.tokenizer.decode(turn.ids[-1:], skip_special_tokens=False)
+            if closing and text.startswith(closing):
+                text = text[len(closing) :]
+        return text
+
+
+def joined(messages: Messages) -> str:
+    """Messages without a chat template: their contents, one after the other."""
+    return "".join(str(m.get("content") or "") for m in messages)

@@ -39,13 +39,17 @@ class Task:
     exact: Callable[[str, str, bool], bool] | None = None
 
 
-def encode_prompt(tokenizer: Any, prompt: Any, chat: bool) -> tuple[int, ...]:
+def encode_prompt(
+    tokenizer: Any, prompt: Any, chat: bool, tools: list[dict[str, Any]] | None = None
+) -> tuple[int, ...]:
     """Prompt ids as the model sees them. Chat messages (or `chat=True`) go through the
-    tokenizer's chat template with the generation prompt; plain text gets the tokenizer's
-    own special tokens (e.g. BOS)."""
+    tokenizer's chat template with the generation prompt (and `tools`, for templates that list
+    them); plain text gets the tokenizer's own special tokens (e.g. BOS)."""
     if isinstance(prompt, list) or chat:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
         return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
     return tuple(tokenizer(prompt)["input_ids"])
 
