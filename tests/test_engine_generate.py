@@ -280,3 +280,28 @@ def test_a_repeated_prompt_is_served_from_the_prompt_cache_until_flushed(engine)
     assert lps[1] == pytest.approx(lps[0], abs=1e-6)
     assert httpx.post(f"{engine.url}/flush_cache").status_code == 200
     assert generate(engine.url, body)["meta_info"]["cached_tokens"] == 0
+
+
+def test_a_stop_string_ending_inside_a_token_cuts_the_text_where_sglang_does() -> None:
+    """With multi-character tokens the last token can decode past the stop string: SGLang cuts
+    the text before the string, or (no_stop_trim) right after it, never at a token boundary."""
+    from types import SimpleNamespace
+
+    from services.engine.api import output_text
+
+    pieces = {5: "ab", 6: "cd", 7: "ef"}
+    tokenizer = SimpleNamespace(
+        decode=lambda ids, skip_special_tokens=True: "".join(pieces[i] for i in ids)
+    )
+    reason = {"type": "stop", "matched": "bc"}
+    for no_stop_trim, expected in ((False, "a"), (True, "abc")):
+        seq = SimpleNamespace(
+            params=SimpleNamespace(no_stop_trim=no_stop_trim, skip_special_tokens=True)
+        )
+        assert output_text(seq, [5, 6], tokenizer, reason) == expected  # type: ignore[arg-type]
+    # A stop token is dropped from the text unless no_stop_trim.
+    token_reason = {"type": "stop", "matched": 7}
+    trimmed = SimpleNamespace(params=SimpleNamespace(no_stop_trim=False, skip_special_tokens=True))
+    kept = SimpleNamespace(params=SimpleNamespace(no_stop_trim=True, skip_special_tokens=True))
+    assert output_text(trimmed, [5, 7], tokenizer, token_reason) == "ab"  # type: ignore[arg-type]
+    assert output_text(kept, [5, 7], tokenizer, token_reason) == "abef"  # type: ignore[arg-type]

@@ -233,15 +233,17 @@ def _token_text(tokenizer: Any, enabled: bool) -> Callable[[int], str | None]:
 
 
 def output_text(seq: Sequence, output_ids: list[int], tokenizer: Any, reason: dict | None) -> str:
-    """Decoded output; a matched stop token or string is trimmed unless `no_stop_trim`."""
+    """Decoded output, cut at a matched stop string as SGLang does: before it, or with
+    `no_stop_trim` right after it (the last token may decode past the string's end). A matched
+    stop token is dropped unless `no_stop_trim`."""
     params = seq.params
     matched = (reason or {}).get("matched")
-    trim = not params.no_stop_trim and matched is not None
-    if trim and isinstance(matched, int) and output_ids:
+    if isinstance(matched, int) and not params.no_stop_trim and output_ids:
         output_ids = output_ids[:-1]
     text = tokenizer.decode(output_ids, skip_special_tokens=params.skip_special_tokens)
-    if trim and isinstance(matched, str) and matched in text:
-        text = text[: text.find(matched)]
+    if isinstance(matched, str) and matched in text:
+        pos = text.find(matched)
+        text = text[: pos + len(matched)] if params.no_stop_trim else text[:pos]
     return text
 
 

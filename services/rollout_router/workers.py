@@ -28,7 +28,6 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -321,32 +320,6 @@ class WorkerPool:
                 f"{worker.url}{path}: HTTP {status} {data[:200]!r}", status, data
             )
         return orjson.loads(data), worker
-
-    async def stream(
-        self, path: str, body: bytes, session_id: str | None = None
-    ) -> tuple[int, AsyncIterator[bytes]]:
-        """Open a streamed POST on one worker (no retry once bytes flow); returns (status, chunks)."""
-        assert self.session is not None
-        worker = self.pick(set(), session_id)
-        worker.outstanding += 1
-        worker.requests += 1
-        try:
-            resp = await self.session.post(
-                worker.url + path, data=body, headers={"Content-Type": "application/json"}
-            )
-        except BaseException:
-            worker.outstanding -= 1
-            raise
-
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in resp.content.iter_any():
-                    yield chunk
-            finally:
-                worker.outstanding -= 1
-                resp.release()
-
-        return resp.status, chunks()
 
     async def fan_out(self, method: str, path: str, body: bytes) -> dict[str, Any]:
         """Send the same request to every registered worker; per-URL status and body."""
