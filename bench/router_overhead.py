@@ -1,7 +1,7 @@
 """Router overhead: one bounded loopback load, direct to workers, through Tandem's router and
 through the Rust `sglang-router`, measured in one run.
 
-Workers are the stand-in SGLang engine (`services/rollout_router/fake_engine.py`, answers at
+Workers are the stand-in SGLang engine (`tests/fake_sglang.py`, answers at
 once), so what is measured is the routing: requests/s, p50/p99 latency and the latency each
 router adds over going direct, at concurrency 1 and 64, and each router's CPU-seconds per 1,000
 requests (user + system time of its process, from psutil). `tandem` forwards with its own keep-alive
@@ -37,10 +37,10 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.rollout_router.fake_engine import FakeEngineProcess  # noqa: E402
 from services.rollout_router.http1 import Http1Pool  # noqa: E402
 from services.sample_buffer import RedisServer  # noqa: E402
 from tandem.serving import bind_socket  # noqa: E402
+from tests.fake_sglang import FakeEngineProcess  # noqa: E402
 
 BODY = json.dumps({
     "input_ids": [1, 5, 6, 14], "return_logprob": True,

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from services.rollout_router.fake_engine import FakeEngineProcess
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from tandem.supervisor import die_with_parent
 from tandem.toy_model import write_toy_model
+from tests.fake_sglang import FakeEngineProcess
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -7,7 +7,7 @@ Other prompts get `4 5 <eos>`. Output is cut at `max_new_tokens` (finish "length
 `--fail-generate` makes `/generate` answer 500 (model info still answers), to test retries.
 `POST /update_weights_from_disk {"weight_version": "3"}` sets the reported weight version.
 
-Run: `python -m services.rollout_router.fake_engine --port 0 --ready-file F [--model-path DIR]`.
+Run: `python tests/fake_sglang.py --port 0 --ready-file F [--model-path DIR]`.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class FakeEngineProcess:
     def __init__(self, workdir: Path, name: str, *flags: str, timeout_s: float = 30.0) -> None:
         self.ready_file = Path(workdir) / f"{name}.ready.json"
         self.ready_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "services.rollout_router.fake_engine", "--ready-file",
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--ready-file",
                str(self.ready_file), *flags]  # fmt: skip
         self.proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
