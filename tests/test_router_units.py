@@ -223,6 +223,6 @@ def test_rollout_requests_carry_the_sampling_settings_and_stops():
     assert body["sampling_params"] == {
         "max_new_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "n": 8,
         "stop_token_ids": [2, 7], "sampling_seed": 42, "skip_special_tokens": True,
-        "stop": ["</a>"],
+        "no_stop_trim": True, "stop": ["</a>"],
     }  # fmt: skip
     assert loop.payload([1], 1, 9, True, 0)["sampling_params"]["temperature"] == 0.0
