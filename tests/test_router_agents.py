@@ -139,6 +139,23 @@ def test_episodes_keep_exact_tokens_and_mask_environment_tokens(
             assert s.prompt_ids[0] == 1 and s.prompt_ids[-1] == 14
 
 
+def test_an_episode_cut_by_max_turns_ends_on_the_models_tokens(
+    buffer, toy_model_dir, start_service, engines, env_server
+):
+    """One turn allowed, the environment not done: its reply `9>` would precede no model turn,
+    so it is not part of the trajectory."""
+    args = router_args(buffer, toy_model_dir, [engines().url], "--env-url", env_server(),
+                       "--env-max-turns", "1")  # fmt: skip
+    start_service("router", args)
+    wait_until(lambda: buffer.depth() >= 2, "a batch of one-turn episodes")
+    samples = [s for g in read_all(buffer) for s in g.samples]
+    assert samples
+    for s in samples:
+        assert s.reward == pytest.approx(0.25), "the one step's reward"
+        assert s.loss_mask == [1] * len(s.response_ids), "no environment tokens"
+        assert s.finish_reason == "length"
+
+
 def test_a_hung_environment_fails_only_its_episodes_and_the_batch_goes_on(
     buffer, toy_model_dir, start_service, engines, env_server
 ):

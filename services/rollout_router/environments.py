@@ -151,8 +151,8 @@ class EpisodeRunner:
             except (TypeError, ValueError) as exc:
                 raise EnvError("env_error", f"step reward is not a number: {step!r}") from exc
             done = bool(step.get("done", False))
-            if done:
-                break
+            if done or turn == self.config.env_max_turns - 1:
+                break  # no model turn follows: a last observation would be dead weight
             obs = self.observation_text(step.get("observation"), turn_out, tools)
             obs_ids = self.tokenizer(obs, add_special_tokens=False)["input_ids"]
             last_version = trajectory.token_versions[-1] if trajectory.token_versions else -1
