@@ -8,7 +8,6 @@ be observed: version pushed -> complete -> every engine fetched it -> Redis vers
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +16,7 @@ import torch
 
 from services.sample_buffer import SampleBuffer
 from services.weight_broker.zmq_transport import ZmqWeightSender
+from tests.helpers import wait_until
 
 FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
 
@@ -34,16 +34,6 @@ def weights(step: int) -> list[tuple[str, torch.Tensor]]:
 
 def expected_sums(step: int) -> dict[str, float]:
     return {name: float(t.double().sum()) for name, t in weights(step)}
-
-
-def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -65,13 +55,13 @@ def test_every_engine_gets_each_version_and_redis_reports_it(
         "--run-id", buffer.config.run_id, "--engine-urls", *[e.url for e in engines],
     ])  # fmt: skip
     # Freshly started engines serve version 0; the broker publishes that before any push.
-    wait_for(lambda: buffer.get_version("engines") == 0, what="version 0 published")
+    wait_until(lambda: buffer.get_version("engines") == 0, "version 0 published")
 
     sender = ZmqWeightSender(broker.info["intake_endpoint"], bucket_bytes=600)
     for step in (1, 2):
         sent = sender.send(step, weights(step))
         assert sent == sum(t.numel() * t.element_size() for _, t in weights(step))
-        wait_for(lambda s=step: buffer.get_version("engines") == s, what=f"engines on {step}")
+        wait_until(lambda s=step: buffer.get_version("engines") == s, f"engines on {step}")
         for engine in engines:
             got = httpx.get(f"{engine.url}/checksums").json()
             assert got["version"] == str(step)
@@ -101,7 +91,7 @@ def test_on_one_host_the_payload_travels_through_shared_memory(
         assert sender.send(step, weights(step)) == sum(
             t.numel() * t.element_size() for _, t in weights(step)
         )
-        wait_for(lambda s=step: buffer.get_version("engines") == s, what=f"engines on {step}")
+        wait_until(lambda s=step: buffer.get_version("engines") == s, f"engines on {step}")
         for engine in engines:
             assert httpx.get(f"{engine.url}/checksums").json()["sums"] == expected_sums(step)
     # Two slot files, double-buffered, private to the trainer's user.
@@ -123,7 +113,7 @@ def test_a_failing_engine_is_taken_out_and_the_others_still_advance(
     ])  # fmt: skip
     sender = ZmqWeightSender(broker.info["intake_endpoint"])
     sender.send(1, weights(1))
-    wait_for(lambda: buffer.get_version("engines") == 1, what="good engine on version 1")
+    wait_until(lambda: buffer.get_version("engines") == 1, "good engine on version 1")
     state = httpx.get(f"{broker.url}/state").json()
     by_url = {e["url"]: e for e in state["engines"]}
     assert by_url[good.url]["version"] == 1
@@ -144,7 +134,7 @@ def test_a_hung_engine_is_timed_out_and_reported(start_service, fake_engine, buf
         engines = httpx.get(f"{broker.url}/state").json()["engines"]
         return engines[0]["in_rotation"] is False and engines[0]["last_error"]
 
-    error = wait_for(out_of_rotation, timeout_s=15, what="hung engine taken out")
+    error = wait_until(out_of_rotation, "hung engine taken out", timeout_s=15)
     assert "version 1" in error
     sender.close()
 
@@ -155,10 +145,10 @@ def test_a_late_engine_is_brought_to_the_current_version(
     broker = start_service("broker", ["broker", "--port", "0"])
     sender = ZmqWeightSender(broker.info["intake_endpoint"])
     sender.send(3, weights(3))
-    wait_for(lambda: httpx.get(f"{broker.url}/state").json()["version"] == 3, what="version 3")
+    wait_until(lambda: httpx.get(f"{broker.url}/state").json()["version"] == 3, "version 3")
     late = fake_engine("late")
     httpx.post(f"{broker.url}/engines", json={"url": late.url}).raise_for_status()
-    wait_for(lambda: httpx.get(f"{late.url}/checksums").json()["version"] == "3", what="late on 3")
+    wait_until(lambda: httpx.get(f"{late.url}/checksums").json()["version"] == "3", "late on 3")
     assert httpx.get(f"{late.url}/checksums").json()["sums"] == expected_sums(3)
     sender.close()
 
@@ -173,13 +163,13 @@ def test_a_bucket_with_a_bad_hmac_is_dropped_and_counted(
     forged.send(1, weights(1))
     unsigned = ZmqWeightSender(broker.info["intake_endpoint"], secret=None)
     unsigned.send(1, weights(1))
-    wait_for(
+    wait_until(
         lambda: httpx.get(f"{broker.url}/state").json()["counters"]["buckets_rejected"] == 2,
-        what="both forged buckets rejected",
+        "both forged buckets rejected",
     )
     signed = ZmqWeightSender(broker.info["intake_endpoint"], secret=b"right-secret")
     signed.send(1, weights(1))
-    wait_for(lambda: httpx.get(f"{engine.url}/checksums").json()["version"] == "1", what="signed")
+    wait_until(lambda: httpx.get(f"{engine.url}/checksums").json()["version"] == "1", "signed")
     for s in (forged, unsigned, signed):
         s.close()
 
@@ -198,8 +188,8 @@ def test_the_disk_transport_writes_a_loadable_hf_directory_once_per_version(
     for step in (1, 2):
         sender.send(step, weights(step))
         for engine in engines:
-            wait_for(lambda e=engine, s=step: httpx.get(f"{e.url}/checksums").json()["version"] == str(s),
-                     what=f"{engine.url} on {step}")  # fmt: skip
+            wait_until(lambda e=engine, s=step: httpx.get(f"{e.url}/checksums").json()["version"] == str(s),
+                       f"{engine.url} on {step}")  # fmt: skip
             assert httpx.get(f"{engine.url}/checksums").json()["sums"] == expected_sums(step)
     # The tokenizer and config travel with the weights; older version dirs are cleaned up.
     assert (disk / "v2" / "tokenizer.json").exists()

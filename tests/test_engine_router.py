@@ -14,16 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tandem.serving import bind_socket
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    sock = bind_socket("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
 
 
 @pytest.fixture

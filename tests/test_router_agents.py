@@ -7,21 +7,20 @@ import itertools
 import json
 import operator
 import re
-import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
 import pytest
 
-from proto import SampleGroup
 from services.sample_buffer import SampleBuffer
+from tests.helpers import JsonHandler, read_all, wait_until, with_chat_template
 
 ROOT = Path(__file__).resolve().parents[1]
 # User turns end with `>`, assistant turns with `<eos>`: a history re-renders as an exact prefix.
@@ -33,14 +32,8 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def chat_model_dir(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoTokenizer
-
     out = tmp_path_factory.mktemp("agentchat") / "model"
-    shutil.copytree(toy_model_dir, out)
-    tokenizer = AutoTokenizer.from_pretrained(str(out))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(out))
-    return out
+    return with_chat_template(toy_model_dir, out, CHAT_TEMPLATE)
 
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
@@ -52,23 +45,7 @@ def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str)
     ]  # fmt: skip
 
 
-def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def read_all(buffer: SampleBuffer) -> list[SampleGroup]:
-    out = []
-    while batch := buffer.read_groups("test", 1000, block_ms=None):
-        out += [g for _id, g in batch]
-    return out
-
-
-class ScriptedEnv(BaseHTTPRequestHandler):
+class ScriptedEnv(JsonHandler):
     """Two turns: replies `9>` with reward 0.25, then ends with reward 0.5. Episodes whose id
     ends in `hang_suffix` never answer /step in time; `fail_step` answers 500."""
 
@@ -77,30 +54,19 @@ class ScriptedEnv(BaseHTTPRequestHandler):
     hang_s = 5.0
     turns: ClassVar[dict[str, int]] = {}
 
-    def do_POST(self) -> None:
+    def do_POST(self) -> None:  # noqa: N802 - http.server names it
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/reset":
-            return self.answer(200, {"observation": None})
+            return self.send_json(200, {"observation": None})
         if self.fail_step:
-            return self.answer(500, {"error": "broken"})
+            return self.send_json(500, {"error": "broken"})
         episode = body["episode_id"]
         if episode.endswith(self.hang_suffix):
             time.sleep(self.hang_s)
         turn = self.turns[episode] = self.turns.get(episode, 0) + 1
         if turn == 1:
-            return self.answer(200, {"observation": "9>", "reward": 0.25, "done": False})
-        self.answer(200, {"observation": "", "reward": 0.5, "done": True})
-
-    def answer(self, status: int, obj: dict) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+            return self.send_json(200, {"observation": "9>", "reward": 0.25, "done": False})
+        self.send_json(200, {"observation": "", "reward": 0.5, "done": True})
 
 
 @pytest.fixture
@@ -402,15 +368,15 @@ class ToolEnv(ScriptedEnv):
 
     steps: ClassVar[list[dict]] = []
 
-    def do_POST(self) -> None:
+    def do_POST(self) -> None:  # noqa: N802 - http.server names it
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/reset":
-            return self.answer(200, {"observation": QUESTION, "tools": TOOLS})
+            return self.send_json(200, {"observation": QUESTION, "tools": TOOLS})
         self.steps.append(body)
         if sum(s["episode_id"] == body["episode_id"] for s in self.steps) == 1:
             reply = {"observation": [{"role": "tool", "content": "5"}], "reward": 0.25}
-            return self.answer(200, {**reply, "done": False})
-        self.answer(200, {"observation": "", "reward": 0.5, "done": True})
+            return self.send_json(200, {**reply, "done": False})
+        self.send_json(200, {"observation": "", "reward": 0.5, "done": True})
 
 
 @pytest.fixture

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from services.sample_buffer import SampleBuffer
+from tests.helpers import wait_until
 
 TOKEN = {"Authorization": "Bearer t0ken"}
 
@@ -23,15 +21,6 @@ def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str)
         "--rollout-max-response-len", "4", "--max-groups", "100000", "--api-token", "t0ken",
         *extra,
     ]  # fmt: skip
-
-
-def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def status(router) -> dict:

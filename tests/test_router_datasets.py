@@ -4,19 +4,16 @@ dynamic sampling and partial rollout (fake engines, real Valkey)."""
 from __future__ import annotations
 
 import json
-import shutil
 import threading
-import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from proto import SampleGroup
 from services.sample_buffer import SampleBuffer
+from tests.helpers import JsonHandler, read_all, wait_until, with_chat_template
 
 CHAT_TEMPLATE = (
     "<bos>{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -27,14 +24,9 @@ CHAT_TEMPLATE = (
 @pytest.fixture(scope="module")
 def chat_model_dir(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The toy model with a chat template that renders `12` as `<bos>12>`."""
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("chat") / "model"
-    shutil.copytree(toy_model_dir, out)
-    tokenizer = AutoTokenizer.from_pretrained(str(out))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(out))
-    return out
+    return with_chat_template(
+        toy_model_dir, tmp_path_factory.mktemp("chat") / "model", CHAT_TEMPLATE
+    )
 
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
@@ -44,22 +36,6 @@ def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str)
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
         "--rollout-max-response-len", "4", "--max-groups", "1000", *extra,
     ]  # fmt: skip
-
-
-def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def read_all(buffer: SampleBuffer) -> list[SampleGroup]:
-    out = []
-    while batch := buffer.read_groups("test", 1000, block_ms=None):
-        out += [g for _id, g in batch]
-    return out
 
 
 def metric(buffer: SampleBuffer, key: str) -> tuple[int, dict] | None:
@@ -145,11 +121,11 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_refills_the_batch(
     assert values["rollout/prompts_generated"] == 4 + dropped, "every prompt is accounted for"
 
 
-class RewardHandler(BaseHTTPRequestHandler):
+class RewardHandler(JsonHandler):
     fail = False
     calls = 0
 
-    def do_POST(self) -> None:
+    def do_POST(self) -> None:  # noqa: N802 - http.server names it
         type(self).calls += 1
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.fail:
@@ -157,15 +133,7 @@ class RewardHandler(BaseHTTPRequestHandler):
             self.end_headers()
             return
         reward = 1.0 if body["response"] == body["label"] else 0.25
-        data = json.dumps({"reward": reward}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        self.send_json(200, {"reward": reward})
 
 
 @pytest.fixture

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from proto import SampleGroup
 from services.rollout_router.toy_task import reverse_digits_reward
 from services.sample_buffer import SampleBuffer
+from tests.helpers import free_port, get_json, post_json, read_all, wait_until
 
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
@@ -28,43 +22,13 @@ def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str)
     ]  # fmt: skip
 
 
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
-def post_json(url: str, body: dict) -> Any:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
-def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def all_groups(buffer: SampleBuffer) -> list[SampleGroup]:
-    out = []
-    while batch := buffer.read_groups("test", 1000, block_ms=None):
-        out += [g for _id, g in batch]
-    return out
-
-
 def test_groups_arrive_in_redis_with_exact_tokens_and_rewards(
     buffer, toy_model_dir, start_service, engines
 ):
     urls = [engines().url, engines().url]
     router = start_service("router", router_args(buffer, toy_model_dir, urls))
     wait_until(lambda: buffer.depth() >= 8, "two batches of groups")
-    groups = all_groups(buffer)
+    groups = read_all(buffer)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(toy_model_dir))
@@ -102,12 +66,12 @@ def test_staleness_gate_holds_the_next_batch_until_engines_version_is_high_enoug
         "the gate to close",
     )
     assert status["batch"] == 2, "engines at version 0 allow batches 0 and 1 only"
-    assert not any(g.group_id.startswith("b2-") for g in all_groups(buffer))
+    assert not any(g.group_id.startswith("b2-") for g in read_all(buffer))
     buffer.set_version("engines", 1)
     # Groups of one batch are streamed one by one: wait for the whole batch, then check that
     # it holds exactly its four prompts.
     groups = wait_until(
-        lambda: (g := [g for g in all_groups(buffer) if g.group_id.startswith("b2-")])
+        lambda: (g := [g for g in read_all(buffer) if g.group_id.startswith("b2-")])
         and len(g) >= 4 and g,
         "all of batch 2 after version:engines=1",
     )  # fmt: skip
@@ -145,12 +109,6 @@ def test_eval_and_rollout_metrics_are_published(buffer, toy_model_dir, start_ser
     assert rollout["rollout/samples_per_s"] > 0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_an_engine_that_never_comes_up_fails_startup_naming_its_url(buffer, toy_model_dir, engines):
     dead = f"http://127.0.0.1:{free_port()}"
     args = router_args(buffer, toy_model_dir, [engines().url, dead], "--engine-wait-timeout-s", "1")
@@ -174,7 +132,7 @@ def test_requests_to_a_failing_engine_are_retried_on_the_other(
     status = get_json(router.url + "/rollout/status")
     assert status["retries"] > 0
     assert status["drops"] == {}
-    assert len(all_groups(buffer)) >= 8
+    assert len(read_all(buffer)) >= 8
 
 
 def test_a_group_that_fails_on_every_engine_is_counted_as_a_drop(
@@ -265,7 +223,7 @@ def test_stop_strings_and_stop_token_ids_end_samples_on_the_real_engine_with_exa
     router = start_service("router", args)
     wait_until(lambda: buffer.depth() >= 8, "two batches from the reference engine")
     tokenizer = AutoTokenizer.from_pretrained(str(toy_model_dir))
-    samples = [s for g in all_groups(buffer) for s in g.samples]
+    samples = [s for g in read_all(buffer) for s in g.samples]
     ends: dict[str, int] = {"string": 0, "token_id": 0, "eos": 0, "length": 0}
     for s in samples:
         n = len(s.response_ids)

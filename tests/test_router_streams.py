@@ -10,17 +10,19 @@ import json
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, ClassVar
+from http.server import ThreadingHTTPServer
+from typing import ClassVar
 
 import httpx
 import pytest
+
+from tests.helpers import JsonHandler
 
 GEN = {"input_ids": [1, 4, 5, 14], "sampling_params": {"max_new_tokens": 4}, "stream": True}
 FIRST_EVENT = {"text": "5", "output_ids": [9], "meta_info": {"id": "r1", "finish_reason": None}}
 
 
-class DyingWorker(BaseHTTPRequestHandler):
+class DyingWorker(JsonHandler):
     """An SGLang worker whose `/generate` breaks as `mode` says:
     `refuse` closes before any answer, `http_500` answers 500, `empty_stream` sends the SSE
     headers and closes; `die_chunked` / `die_close` send one event and half of a second, then
@@ -29,12 +31,12 @@ class DyingWorker(BaseHTTPRequestHandler):
     mode = "refuse"
     generate_calls: ClassVar[list[str]] = []
 
-    def do_GET(self) -> None:
+    def do_GET(self) -> None:  # noqa: N802 - http.server names it
         info = {"model_path": "dying", "tokenizer_path": "dying", "is_generation": True,
                 "weight_version": "0"}  # fmt: skip
         self.send_json(200, info)
 
-    def do_POST(self) -> None:
+    def do_POST(self) -> None:  # noqa: N802 - http.server names it
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.generate_calls.append(self.mode)
         if self.mode == "refuse":
@@ -62,17 +64,6 @@ class DyingWorker(BaseHTTPRequestHandler):
         self.wfile.flush()
         self.connection.shutdown(socket.SHUT_RDWR)
         self.close_connection = True
-
-    def send_json(self, status: int, obj: dict) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: Any) -> None:
-        pass
 
 
 @pytest.fixture

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable
-from typing import Any
 
 import httpx
 import pytest
+
+from tests.helpers import wait_until
 
 GEN = {"input_ids": [1, 4, 5, 14], "sampling_params": {"n": 2, "max_new_tokens": 4}}
 
@@ -30,15 +30,6 @@ def start_router(start_service, buffer, urls: list[str], *extra: str):
     if urls:
         args += ["--engine-urls", *urls]
     return start_service("router", args)
-
-
-def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := check():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def workers_by_url(router) -> dict[str, dict]:

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from services.weight_broker.zmq_transport import ZmqWeightSender
+from tests.helpers import wait_until
 from tests.test_broker_nccl import perturbed_weights
-from tests.test_broker_sync import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def stack(start_service, toy_model_dir, buffer):  # type: ignore[no-untyped-def]
     sender = ZmqWeightSender(broker.info["intake_endpoint"])
     tensors, _model = perturbed_weights(toy_model_dir, seed=1)
     sender.send(1, tensors)
-    wait_for(lambda: worker(router.url, first.url)["weight_version"] == 1, 60, "engine0 on v1")
+    wait_until(lambda: worker(router.url, first.url)["weight_version"] == 1, "engine0 on v1", 60)
     yield first, broker, router
     sender.close()
 
@@ -58,8 +58,8 @@ def test_an_engine_added_at_run_time_is_synced_before_it_is_admitted(
     assert added["status"] == "pending" and added["healthy"] is False
     assert "waiting for version 1" in added["last_error"]
     # The router handed it to the broker, which synced it; then the router admitted it.
-    admitted = wait_for(
-        lambda: (w := worker(router.url, late.url))["healthy"] and w, 60, "admission"
+    admitted = wait_until(
+        lambda: (w := worker(router.url, late.url))["healthy"] and w, "admission", 60
     )
     assert admitted["weight_version"] == 1
     engines = {e["url"]: e for e in httpx.get(f"{broker.url}/state").json()["engines"]}
@@ -73,7 +73,7 @@ def test_a_restarted_engine_gets_no_traffic_until_it_is_back_on_the_current_vers
     first, broker, router = stack
     second = start_service("engine1", engine_args(toy_model_dir))
     httpx.post(f"{router.url}/workers", json={"url": second.url}, timeout=30)
-    wait_for(lambda: worker(router.url, second.url)["healthy"], 60, "engine1 admitted")
+    wait_until(lambda: worker(router.url, second.url)["healthy"], "engine1 admitted", 60)
 
     versions: list[str] = []
     stop = threading.Event()
@@ -95,10 +95,10 @@ def test_a_restarted_engine_gets_no_traffic_until_it_is_back_on_the_current_vers
         assert restarted.url == first.url
         # Out while it serves version 0 (the router saw its version go down, or its checks
         # failed while it was down), back once the broker re-synced it.
-        wait_for(lambda: (w := worker(router.url, first.url))["healthy"]
-                 and w["weight_version"] == 1, 60, "engine0 re-admitted on version 1")  # fmt: skip
+        wait_until(lambda: (w := worker(router.url, first.url))["healthy"]
+                   and w["weight_version"] == 1, "engine0 re-admitted on version 1", 60)  # fmt: skip
         served_before = len(versions)
-        wait_for(lambda: len(versions) > served_before + 20, 60, "traffic after re-admission")
+        wait_until(lambda: len(versions) > served_before + 20, "traffic after re-admission", 60)
     finally:
         stop.set()
         traffic.join()

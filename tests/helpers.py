@@ -1,0 +1,82 @@
+"""Small helpers shared by the tests: waiting for a condition, reading the sample buffer, JSON
+over HTTP, a free port, a JSON-answering request handler for stand-in servers, and the toy
+model with a chat template."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+import urllib.request
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+from proto import SampleGroup
+from services.sample_buffer import SampleBuffer
+
+
+def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
+    """`check()`'s first truthy value; AssertionError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def read_all(buffer: SampleBuffer) -> list[SampleGroup]:
+    """Every group in the buffer, read by a consumer of its own (`test`)."""
+    out = []
+    while batch := buffer.read_groups("test", 1000, block_ms=None):
+        out += [g for _id, g in batch]
+    return out
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def post_json(url: str, body: dict) -> Any:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (for a URL that must refuse connections)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """Base of the tests' stand-in HTTP servers: JSON answers, no request log."""
+
+    def send_json(self, status: int, obj: Any) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def with_chat_template(model_dir: Path, out: Path, template: str) -> Path:
+    """A copy of the HF directory `model_dir` at `out` whose tokenizer has `template`."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(model_dir, out)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(out))
+    return out
