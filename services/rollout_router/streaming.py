@@ -129,11 +129,7 @@ async def stream(
     NoWorkerError, or EngineRequestError when every attempt failed before its first event."""
     tried: set[str] = set()
     last = "no attempt made"
-    for number in range(pool.config.max_retries + 1):
-        worker = pool.pick(tried, session_id)
-        tried.add(worker.url)
-        if number:
-            pool.retries += 1
+    for number, worker in enumerate(pool.attempts(tried, session_id)):
         answer, why = await attempt(pool, worker, path, body)
         if answer is not None:
             return answer

@@ -28,6 +28,7 @@ import logging
 import math
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -279,11 +280,7 @@ class WorkerPool:
         assert self.session is not None, "WorkerPool.start() was not called"
         tried: set[str] = set()
         last = "no attempt made"
-        for attempt in range(self.config.max_retries + 1):
-            worker = self.pick(tried, session_id)
-            tried.add(worker.url)
-            if attempt:
-                self.retries += 1
+        for attempt, worker in enumerate(self.attempts(tried, session_id)):
             worker.outstanding += 1
             worker.requests += 1
             try:
@@ -301,6 +298,16 @@ class WorkerPool:
             worker.last_error = last
             log.warning("attempt %d failed: %s", attempt + 1, last)
         raise EngineRequestError(f"{path} failed after {len(tried)} engine(s); last: {last}")
+
+    def attempts(self, tried: set[str], session_id: str | None = None) -> Iterator[Worker]:
+        """The worker of each attempt of one request: the first by policy, then up to
+        `max_retries` others (adding each to `tried`, counting the retries)."""
+        for attempt in range(self.config.max_retries + 1):
+            worker = self.pick(tried, session_id)
+            tried.add(worker.url)
+            if attempt:
+                self.retries += 1
+            yield worker
 
     async def _send(self, url: str, path: str, body: bytes) -> tuple[int, bytes]:
         if self.http1 is not None:
