@@ -1,7 +1,8 @@
 """Trainer throughput: packed (THD, token budget) vs right-padded micro-batches, same model, same run.
 
-One "step" is what the trainer does per optimizer step: a forward-only recompute of log-probs,
-then forward+backward with the RL loss and an AdamW step. Samples have a fixed prompt length
+One "step" is what the trainer does per optimizer step: forward+backward with the RL loss and
+an AdamW step (with `--recompute-logprobs always`, a forward-only pass for the proximal
+log-probs before it). Samples have a fixed prompt length
 and long-tailed (log-normal) response lengths. Throughput counts real tokens only.
 
 CPU (default: the toy-sized model):
@@ -48,6 +49,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=3, help="timed steps per mode (after 1 warm-up)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--recompute-logprobs", choices=["auto", "always"], default="auto",
+        help="the trainer's option: a separate forward pass for the proximal log-probs (always) "
+        "or the training forward's own (auto)",
+    )  # fmt: skip
+    p.add_argument("--modes", nargs="+", choices=["packed", "padded"], default=["packed", "padded"])
+    p.add_argument(
+        "--profile", type=int, default=0, metavar="N",
+        help="after timing, profile one packed step and print the N costliest kernels",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -70,21 +81,34 @@ def make_samples(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return samples
 
 
-def run_mode(policy, cfg, samples, packed: bool, iters: int, sync) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def one_step(policy, cfg, samples, packed: bool) -> list:  # type: ignore[no-untyped-def]
+    """What the trainer does per step: with `--recompute-logprobs always` a forward-only pass
+    for the proximal log-probs first; then forward+backward with the RL loss (and the mismatch
+    and entropy metrics) and an optimizer step. Returns the micro-batches."""
     from services.trainer import batching, losses, step_math
     from services.trainer.stats import StepStats
 
+    mbs = batching.make_micro_batches(samples, packed, cfg.max_tokens_per_gpu, cfg.micro_batch_size)
+    stats = StepStats()
+    recompute = cfg.recompute_logprobs == "always"
+    if recompute:
+        for mb, out in zip(mbs, policy.logprobs(mbs, with_entropy=True), strict=True):
+            mb.extra["proximal_logp"], mb.extra["entropy"] = out["logp"], out["entropy"]
+        step_math.mismatch_stats(mbs, samples, 0, stats)
+    loss_fn = step_math.LossFunction(
+        cfg, losses.PolicyLossConfig(), 1, stats, samples=None if recompute else samples
+    )
+    policy.train_step(mbs, loss_fn, with_entropy=True, entropy_grad=False)
+    stats.sums  # noqa: B018 -- the metrics are read every step, as the trainer does
+    return mbs
+
+
+def run_mode(policy, cfg, samples, packed: bool, iters: int, sync) -> dict[str, float]:  # type: ignore[no-untyped-def]
     times, tokens, n_mbs, occupied = [], 0, 0, 0
     for i in range(iters + 1):
         sync()
         t0 = time.perf_counter()
-        mbs = batching.make_micro_batches(
-            samples, packed, cfg.max_tokens_per_gpu, cfg.micro_batch_size
-        )
-        for mb, out in zip(mbs, policy.logprobs(mbs), strict=True):
-            mb.extra["proximal_logp"] = out["logp"]
-        loss_fn = step_math.LossFunction(cfg, losses.PolicyLossConfig(), 1, StepStats())
-        policy.train_step(mbs, loss_fn, with_entropy=False)
+        mbs = one_step(policy, cfg, samples, packed)
         sync()
         if i:  # the first step warms up allocators and kernels
             times.append(time.perf_counter() - t0)
@@ -118,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         tie_word_embeddings=False, qkv_bias=False,
     )  # fmt: skip
     cfg = TrainerConfig(model="(random)", bf16=args.bf16, max_tokens_per_gpu=args.max_tokens_per_gpu,
-                        micro_batch_size=args.micro_batch_size)  # fmt: skip
+                        micro_batch_size=args.micro_batch_size,
+                        recompute_logprobs=args.recompute_logprobs)  # fmt: skip
     policy = Policy(cfg, "", arch=arch)
     params = sum(p.numel() for p in policy.model.parameters())
     samples = make_samples(args)
@@ -139,20 +164,84 @@ def main(argv: list[str] | None = None) -> int:
     diff = (lp[0][0]["logp"].cpu()[masks[0]] - lp[1][0]["logp"].cpu()[masks[1]]).abs().max().item()
     print(f"packed_vs_padded_max_logprob_diff: {diff:.2e}", flush=True)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    if args.device == "cuda":
+        peak = matmul_peak_tflops()
+        print(f"bf16 matmul peak (8192^3, random data, this GPU, now): {peak:.0f} TFLOP/s")
     results = {}
-    for name, packed in (("packed", True), ("padded", False)):
+    for name in args.modes:
+        packed = name == "packed"
         r = run_mode(policy, cfg, samples, packed, args.iters, sync)
         results[name] = r
         print(f"{name}: {r['tokens_per_s']:.0f} tokens/s, step {r['step_s']:.3f}s, "
               f"{r['micro_batches']} micro-batches, token efficiency {r['efficiency']:.2f}", flush=True)  # fmt: skip
         if args.device == "cuda":  # 6·N·tokens rule of thumb (forward+backward)
-            print(
-                f"{name}_model_tflops_per_s: {6 * params * r['tokens_per_s'] / 1e12:.1f}",
-                flush=True,
-            )
+            tflops = 6 * params * r["tokens_per_s"] / 1e12
+            print(f"{name}_model_tflops_per_s: {tflops:.1f}", flush=True)
+            print(f"{name}_mfu: {tflops / peak:.3f} (of the {peak:.0f} TFLOP/s matmul peak)")
+    if args.profile:
+        profile(policy, cfg, samples, args.profile, sync)
+    if len(results) < 2:
+        name = args.modes[0]
+        print(f"{name}_tokens_per_s: {results[name]['tokens_per_s']:.0f}")
+        return 0
     ratio = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
     print(f"packed_vs_padded_tokens_per_s: {ratio:.2f}", flush=True)
     return 0
+
+
+def matmul_peak_tflops(n: int = 8192, repeats: int = 10) -> float:
+    """The physical limit the MFU is measured against: a large bf16 matrix product."""
+    import torch
+
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / sorted(times)[len(times) // 2] / 1e12
+
+
+def profile(policy, cfg, samples, top: int, sync) -> None:  # type: ignore[no-untyped-def]
+    """One packed step under torch.profiler: the costliest kernels, and time by kind."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
+    sync()
+    with torch.profiler.profile(activities=activities) as prof:
+        one_step(policy, cfg, samples, True)
+        sync()
+    events = prof.key_averages()
+    attr = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    on_device = torch.cuda.is_available()  # kernels only: a compiled op's CPU row repeats its time
+    rows = sorted(
+        (e for e in events if getattr(e, attr, 0) > 0
+         and (not on_device or str(e.device_type).endswith("CUDA"))),
+        key=lambda e: -getattr(e, attr),
+    )  # fmt: skip
+    total = sum(getattr(e, attr) for e in rows if not e.key.startswith(("aten::", "cuda")))
+    kinds: dict[str, float] = {}
+    for e in rows:
+        if e.key.startswith(("aten::", "cuda")):  # operator rows repeat their kernels' time
+            continue
+        key = e.key.lower()
+        kind = ("matmul" if any(k in key for k in ("gemm", "sm90", "cutlass", "nvjet")) else
+                "attention" if "flash" in key or "fmha" in key else
+                "nccl" if "nccl" in key else "elementwise/other")  # fmt: skip
+        kinds[kind] = kinds.get(kind, 0.0) + getattr(e, attr)
+    print(f"profile: {total / 1e3:.1f} ms of kernels in one packed step")
+    for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:<20} {us / 1e3:9.1f} ms {100 * us / max(total, 1):5.1f}%")
+    for e in [e for e in rows if not e.key.startswith(("aten::", "cuda"))][:top]:
+        print(f"  {getattr(e, attr) / 1e3:9.2f} ms x{e.count:<5d} {e.key[:110]}")
 
 
 if __name__ == "__main__":

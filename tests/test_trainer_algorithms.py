@@ -123,3 +123,34 @@ def test_bf16_training_with_fp32_master_weights_runs_and_stays_close_to_the_engi
     (values,) = metrics_of(buffer)
     assert 0 < values["train/logprob_abs_diff_max"] < 2e-2  # bf16 rounding, not a wrong model
     assert math.isfinite(values["train/loss"]) and values["train/skipped_updates"] == 0
+
+
+def test_skipping_the_recompute_pass_trains_exactly_as_recomputing(
+    buffer, toy_model_dir: Path
+) -> None:
+    """`--recompute-logprobs auto` takes the proximal log-probs, mismatch and entropy metrics
+    from the training forward; two steps must match the separate pass's (`always`) run."""
+    groups = sample_groups(toy_model_dir, 8, 4, seed=11)
+    flags = ["--max-steps", "2", "--decoupled-ppo", "--use-tis", "--entropy-coef", "0.01"]
+    runs = []
+    for mode in ("always", "auto"):
+        for g in groups:
+            buffer.put_group(g)
+        before = len(metrics_of(buffer))
+        done = run_trainer(
+            [*common_args(toy_model_dir, buffer), *flags, "--recompute-logprobs", mode]
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(metrics_of(buffer)[before:])
+    always, auto = runs
+    assert len(always) == len(auto) == 2
+    for a, b in zip(always, auto, strict=True):
+        for key in ("train/loss", "train/grad_norm", "train/entropy", "train/mismatch_kl",
+                    "train/logprob_abs_diff_max", "train/is_weight_mean", "train/is_weight_max",
+                    "train/clipfrac", "train/approx_kl"):  # fmt: skip
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6, nan_ok=True), key
+    assert all(math.isfinite(v) for v in always[0].values())
+    # step 2 trains version-0 samples at version 1: no same-version sample to compare
+    assert math.isnan(always[1]["train/logprob_abs_diff_max"])
+    # the second step trained on weights that the first changed: the runs did train
+    assert always[1]["train/loss"] != always[0]["train/loss"]

@@ -218,3 +218,43 @@ def test_packed_logits_equal_each_sample_run_alone(
         )
     alone = torch.cat([megatron_logits(policy, s[None])[0] for s in seqs])
     assert (packed[0, :, :16] - alone).abs().max().item() < 1e-5
+
+
+class _NoContextParallel:
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def test_packed_rope_equals_megatrons_thd_rope_values_and_gradients() -> None:
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from services.trainer.packed_attention import packed_rope
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4)
+    gen = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 5, 6, 17, 30], dtype=torch.int32)
+    inv = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
+    angles = torch.outer(torch.arange(20).float(), inv)
+    freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]  # megatron's [s, 1, 1, d]
+    t = torch.randn(30, 4, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    ref_t = t.detach().clone().requires_grad_()
+    ours = packed_rope(t, freqs.double(), config, cu_seqlens=cu)
+    ref = rope_utils._apply_rotary_pos_emb_thd(
+        ref_t, cu, freqs.double(), cp_group=_NoContextParallel()
+    )
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
+    grad = torch.randn(ours.shape, generator=gen, dtype=torch.float64)
+    ours.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(t.grad, ref_t.grad, rtol=0, atol=1e-12)
+    # a second micro-batch with other lengths must not reuse the first one's positions
+    cu2 = torch.tensor([0, 12, 30], dtype=torch.int32)
+    again = packed_rope(t.detach(), freqs.double(), config, cu_seqlens=cu2)
+    ref2 = rope_utils._apply_rotary_pos_emb_thd(
+        t.detach(), cu2, freqs.double(), cp_group=_NoContextParallel()
+    )
+    torch.testing.assert_close(again, ref2, rtol=0, atol=1e-12)

@@ -130,6 +130,14 @@ class TrainerConfig:
         "Decoupled PPO: clip against the trainer's recomputed (proximal) log-probs and "
         "weight by proximal/behaviour (engine) importance ratio; off = clip against the engine's.",
     )
+    recompute_logprobs: str = _f(
+        "auto",
+        "The trainer's log-probs before the update (decoupled PPO's proximal policy, the "
+        "engine/trainer mismatch and entropy metrics) from a separate forward pass: always, or "
+        "auto = only where they are needed before the loss (KL as a reward penalty); otherwise "
+        "the training forward's own log-probs, detached, are the same values and save a pass.",
+        choices=["auto", "always"],
+    )
     critic_lr: float = _f(0.0, "Critic learning rate for --advantage-estimator gae (0 = --lr).")
     value_clip: float = _f(0.2, "PPO value clipping around the critic's pre-step values (0 = off).")
     gamma: float = _f(1.0, "Discount for REINFORCE++ returns and GAE.")

@@ -22,7 +22,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from services.trainer.packed_attention import gpt_layer_spec
+from services.trainer.packed_attention import fused_kernels_enabled, gpt_layer_spec
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -123,7 +123,7 @@ def transformer_config(arch: HfArch, tp_size: int = 1, bf16: bool = False) -> Tr
         add_qkv_bias=arch.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
+        bias_activation_fusion=fused_kernels_enabled(),  # SwiGLU as one compiled kernel
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,

@@ -11,20 +11,32 @@ place in the layer spec (`gpt_layer_spec()`), with the same constructor and call
   pack costs one call per distinct length, and nothing is O(t^2) in the pack length.
 
 Attention is causal and self-attention only; no sliding window, no context parallelism.
+
+RoPE of packed sequences (`packed_rope`): megatron's unfused THD path splits the pack per
+sample on the host (a device sync per call) and runs five elementwise kernels per call. Here
+each token's position within its sample is computed on the device once per micro-batch (cached
+across layers), and the rotation is one fused kernel on CUDA (torch.compile; eager elsewhere, and
+`TANDEM_COMPILE=0` turns compilation off). `gpt_layer_spec()` installs it in megatron's attention.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+import os
+import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+log = logging.getLogger(__name__)
 
 
 class PackedDotProductAttention(MegatronModule):
@@ -141,8 +153,95 @@ def _packed_attention(
     return result.index_copy(0, positions, flat)
 
 
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Non-interleaved RoPE on [t, h, d] with the half-width cos/sin of each token ([t, 1, d/2]):
+    the same as megatron's `t * cos + rotate_half(t) * sin` with cos = cat(c, c)."""
+    half = t.shape[-1] // 2
+    t1, t2 = t[..., :half], t[..., half:]
+    return torch.cat((t1 * cos - t2 * sin, t2 * cos + t1 * sin), dim=-1)
+
+
+_compiled_rotate: Any = None
+_positions_cache: dict[str, Any] = {}
+
+
+def fused_kernels_enabled() -> bool:
+    """Whether to compile fused elementwise kernels (RoPE here, megatron's SwiGLU): on CUDA,
+    unless `TANDEM_COMPILE=0`. CPU runs stay eager (no compiler needed, quick to start)."""
+    return torch.cuda.is_available() and os.environ.get("TANDEM_COMPILE", "1") != "0"
+
+
+def _rotate_fused(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    global _compiled_rotate
+    if not t.is_cuda or not fused_kernels_enabled() or _compiled_rotate is False:
+        return _rotate(t, cos, sin)
+    if _compiled_rotate is None:
+        _compiled_rotate = torch.compile(_rotate, dynamic=True)
+    try:
+        return _compiled_rotate(t, cos, sin)
+    except Exception as exc:  # no working compiler here: stay correct, only slower
+        log.warning("fused RoPE unavailable (%s); using the eager version", exc)
+        _compiled_rotate = False
+        return _rotate(t, cos, sin)
+
+
+def _token_cos_sin(
+    cu_seqlens: torch.Tensor, freqs: torch.Tensor, tokens: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ([tokens, 1, d/2], `dtype`) at each token's position within its sample.
+
+    Every layer of one forward passes the same `cu_seqlens` and `freqs` objects: the result is
+    kept while both live (weak references, so a new micro-batch never sees stale positions)."""
+    c = _positions_cache
+    if (
+        c.get("cu") is not None and c["cu"]() is cu_seqlens and c["freqs"]() is freqs
+        and c["key"] == (tokens, dtype)
+    ):  # fmt: skip
+        return c["cos"], c["sin"]
+    idx = torch.arange(tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    sample = torch.searchsorted(cu_seqlens[1:], idx, right=True).clamp(max=cu_seqlens.numel() - 1)
+    pos = (idx - cu_seqlens[sample]).clamp(0, freqs.shape[0] - 1).long()
+    half = freqs.shape[-1] // 2
+    angles = freqs.reshape(freqs.shape[0], -1)[pos, :half].unsqueeze(1)  # [t, 1, d/2]
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    c.update(cu=weakref.ref(cu_seqlens), freqs=weakref.ref(freqs), key=(tokens, dtype),
+             cos=cos, sin=sin)  # fmt: skip
+    return cos, sin
+
+
+_megatron_apply_rope = rope_utils.apply_rotary_pos_emb
+
+
+def packed_rope(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    config: TransformerConfig,
+    cu_seqlens: torch.Tensor | None = None,
+    mscale: float = 1.0,
+    cp_group: Any = None,
+) -> torch.Tensor:
+    """megatron's `apply_rotary_pos_emb`, with THD-packed input handled as described above;
+    every other case (padded batches, interleaved or partial rotary, mscale, context
+    parallelism) goes to megatron's own function."""
+    plain = (
+        cu_seqlens is not None and not config.rotary_interleaved
+        and not config.multi_latent_attention and mscale == 1.0 and t.dim() == 3
+        and freqs.shape[-1] == t.shape[-1] and (cp_group is None or cp_group.size() == 1)
+    )  # fmt: skip
+    if not plain:
+        return _megatron_apply_rope(t, freqs, config, cu_seqlens, mscale=mscale, cp_group=cp_group)
+    assert cu_seqlens is not None
+    cos, sin = _token_cos_sin(cu_seqlens, freqs, t.shape[0], t.dtype)
+    return _rotate_fused(t, cos, sin)
+
+
 def gpt_layer_spec() -> ModuleSpec:
-    """megatron's local GPT layer spec (RMSNorm) with this module as core attention."""
+    """megatron's local GPT layer spec (RMSNorm) with this module as core attention, and
+    `packed_rope` in place of megatron's RoPE function (its attention module looks it up by
+    name at call time)."""
+    from megatron.core.transformer import attention
+
+    attention.apply_rotary_pos_emb = packed_rope
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     return spec

@@ -65,9 +65,14 @@ def seed_model_parallel(seed: int) -> None:
 
 
 def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, with_entropy: bool
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    with_entropy: bool,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target) and entropy from this TP rank's vocab slice of `logits` ([..., V/tp])."""
+    """log p(target) and entropy from this TP rank's vocab slice of `logits` ([..., V/tp]).
+    Without `entropy_grad` the entropy is a metric: computed outside autograd."""
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()
     local_v = logits.shape[-1]
@@ -91,11 +96,12 @@ def token_logprobs(
     logp = picked - lse
     if not with_entropy:
         return logp, None
-    probs = torch.exp(shifted - lse.unsqueeze(-1))
-    expected = (probs * shifted).sum(-1)
-    if tp_size > 1:
-        expected = dist.nn.functional.all_reduce(expected, group=group)
-    return logp, lse - expected
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        probs = torch.exp(shifted - lse.unsqueeze(-1))
+        expected = (probs * shifted).sum(-1)
+        if tp_size > 1:
+            expected = dist.nn.functional.all_reduce(expected, group=group)
+        return logp, lse - expected
 
 
 LossFn = Callable[
@@ -183,6 +189,7 @@ class Policy:
         loss_fn: LossFn,
         forward_only: bool,
         with_entropy: bool,
+        entropy_grad: bool = True,
     ) -> list[dict]:
         def step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
@@ -192,8 +199,9 @@ class Policy:
                 if self.value_head:
                     return loss_fn(mb, output[..., 0].float(), None)
                 logp, entropy = token_logprobs(
-                    output, mb.targets.to(output.device), self.arch.vocab_size, with_entropy
-                )
+                    output, mb.targets.to(output.device), self.arch.vocab_size, with_entropy,
+                    entropy_grad,
+                )  # fmt: skip
                 return loss_fn(mb, logp, entropy)
 
             return logits, loss_func
@@ -224,9 +232,14 @@ class Policy:
         return self._run(micro_batches, collect, forward_only=True, with_entropy=with_entropy)
 
     def train_step(
-        self, micro_batches: list[MicroBatch], loss_fn: LossFn, with_entropy: bool
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn,
+        with_entropy: bool,
+        entropy_grad: bool = True,
     ) -> tuple[list[dict], bool, float]:
-        """Forward+backward over all micro-batches, then one optimizer step.
+        """Forward+backward over all micro-batches, then one optimizer step. The loss gets
+        each micro-batch's entropy `with_entropy`, differentiable if `entropy_grad`.
 
         Returns (per-micro-batch loss dicts, whether the update was applied, grad norm). A
         non-finite gradient norm skips the update (the caller counts or fails).
@@ -235,7 +248,7 @@ class Policy:
             c.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        stats = self._run(micro_batches, loss_fn, forward_only=False, with_entropy=with_entropy)
+        stats = self._run(micro_batches, loss_fn, False, with_entropy, entropy_grad)
         grad_norm = self._global_grad_norm()
         if not torch.isfinite(torch.tensor(grad_norm)):
             self.optimizer.zero_grad()

@@ -21,27 +21,64 @@ def comm_device() -> torch.device:
 
 
 class StepStats:
-    """`add(name, total, count)` for means, `peak(name, value)` for maxima."""
+    """`add(name, total, count)` for means, `peak(name, value)` for maxima.
+
+    Values may be device tensors: they are kept as they are and turned into numbers only when
+    the step's metrics are read (`sums`, `maxes`, `reduce`, `mean`, `max`), so recording a
+    metric in the loss never makes the host wait for the device mid-step."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
-        self.maxes: dict[str, float] = {}
+        self._sums: dict[str, float] = defaultdict(float)
+        self._maxes: dict[str, float] = {}
+        self._pending_sums: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self._pending_maxes: dict[str, list[torch.Tensor]] = defaultdict(list)
 
     def add(
         self, name: str, total: float | torch.Tensor, count: float | torch.Tensor = 1.0
     ) -> None:
-        self.sums[name + ":sum"] += float(total)
-        self.sums[name + ":count"] += float(count)
+        self.count(name + ":sum", total)
+        self.count(name + ":count", count)
 
-    def count(self, name: str, n: float = 1.0) -> None:
-        self.sums[name] += float(n)
+    def count(self, name: str, n: float | torch.Tensor = 1.0) -> None:
+        if isinstance(n, torch.Tensor):
+            self._pending_sums[name].append(n.detach().reshape(()))
+        else:
+            self._sums[name] += float(n)
 
     def peak(self, name: str, value: float | torch.Tensor) -> None:
-        v = float(value)
-        self.maxes[name] = max(self.maxes.get(name, -math.inf), v)
+        if isinstance(value, torch.Tensor):
+            self._pending_maxes[name].append(value.detach().reshape(()))
+        else:
+            self._maxes[name] = max(self._maxes.get(name, -math.inf), float(value))
+
+    def _resolve(self) -> None:
+        """Fold the pending tensors into numbers (one device-to-host copy per device)."""
+        for pending, fold in ((self._pending_sums, self.count), (self._pending_maxes, self.peak)):
+            if not pending:
+                continue
+            items = [(k, t) for k, ts in pending.items() for t in ts]
+            pending.clear()
+            by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+            for key, t in items:
+                by_device[t.device].append((key, t))
+            for group in by_device.values():
+                values = torch.stack([t.double() for _, t in group]).tolist()
+                for (key, _), v in zip(group, values, strict=True):
+                    fold(key, v)
+
+    @property
+    def sums(self) -> dict[str, float]:
+        self._resolve()
+        return self._sums
+
+    @property
+    def maxes(self) -> dict[str, float]:
+        self._resolve()
+        return self._maxes
 
     def reduce(self, group: dist.ProcessGroup | None = None) -> None:
         """Sum/max over the ranks of `group` (keys a rank lacks count as 0 / -inf there)."""
+        self._resolve()
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return
         keys_per_rank: list = [None] * dist.get_world_size(group)

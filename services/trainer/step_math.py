@@ -21,12 +21,27 @@ class LossFunction:
 
     Megatron sums numerators and denominators over micro-batches and data-parallel ranks and
     divides the gradients once, so the step's loss is exactly the configured aggregation.
+
+    A micro-batch without `proximal_logp` (no separate recompute pass, see the trainer's
+    `recompute_logprobs`) takes this forward's log-probs, detached, as the proximal policy: the
+    weights before this step's update, the same values the recompute pass would give. Its
+    mismatch and entropy metrics are then recorded here, from `samples` (this rank's samples
+    of the step) and the trainer's `version`.
     """
 
     def __init__(
-        self, cfg: TrainerConfig, loss_cfg: losses.PolicyLossConfig, max_len: int, stats: StepStats
+        self,
+        cfg: TrainerConfig,
+        loss_cfg: losses.PolicyLossConfig,
+        max_len: int,
+        stats: StepStats,
+        samples: list[TrainSample] | None = None,
+        version: int = 0,
     ) -> None:
         self.cfg, self.loss_cfg, self.max_len, self.stats = cfg, loss_cfg, max_len, stats
+        self.samples, self.version = samples, version
+        if samples is not None:
+            stats.peak("lp_diff", -math.inf)
 
     def __call__(
         self, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None
@@ -35,7 +50,14 @@ class LossFunction:
         mask = mb.loss_mask.to(dev).flatten()
         seq = mb.seq_ids.clamp(min=0).to(dev).flatten()
         lp = logp.flatten()
-        proximal = mb.extra["proximal_logp"].to(dev).flatten()
+        if "proximal_logp" in mb.extra:
+            proximal = mb.extra["proximal_logp"].to(dev).flatten()
+        else:
+            proximal = lp.detach()
+            if self.samples is not None:
+                versions = [self.samples[i].weight_version for i in mb.sample_index]
+                ent = entropy.detach() if entropy is not None else None
+                mismatch_stats_one(mb, proximal, ent, versions, self.version, self.stats)
         token_loss, tstats = losses.policy_loss(
             self.loss_cfg,
             lp,
@@ -63,13 +85,11 @@ class LossFunction:
         s.add("clipfrac", (tstats["clipfrac"] * mask).sum(), mask.sum())
         s.add("approx_kl", (tstats["approx_kl"] * mask).sum(), mask.sum())
         if "is_weight" in tstats:
-            w = tstats["is_weight"][mask > 0]
-            s.add("is_weight", w.sum(), w.numel())
-            if w.numel():
-                s.peak("is_weight_max", w.max())
-                s.peak("is_weight_neg_min", -w.min())
-        if not torch.isfinite(num.detach()):
-            s.count("nonfinite_loss")
+            w, on = tstats["is_weight"].detach(), mask > 0
+            s.add("is_weight", (w * mask).sum(), mask.sum())
+            s.peak("is_weight_max", torch.where(on, w, -math.inf).max())
+            s.peak("is_weight_neg_min", torch.where(on, -w, -math.inf).max())
+        s.count("nonfinite_loss", (~torch.isfinite(num.detach())).double())
         return num, den.round().to(torch.int), {}
 
 
@@ -79,17 +99,31 @@ def mismatch_stats(
     """|engine - trainer| log-prob max over same-version samples; mismatch KL; entropy."""
     stats.peak("lp_diff", -math.inf)
     for mb in mbs:
-        mask = mb.loss_mask
-        seq = mb.seq_ids.clamp(min=0)
-        same = torch.tensor([samples[i].weight_version == version for i in mb.sample_index])[seq]
-        prox, beh = mb.extra["proximal_logp"], mb.behaviour_logp
-        sel = (mask > 0) & same
-        if sel.any():
-            stats.peak("lp_diff", (prox - beh).abs()[sel].max())
-        r = (prox - beh)[mask > 0]
-        # KL(engine || trainer) from engine samples, k3 estimator: exp(r) - 1 - r, r = log pt/pe.
-        stats.add("mismatch_kl", (torch.exp(r) - 1 - r).sum(), r.numel())
-        stats.add("entropy", (mb.extra["entropy"] * mask).sum(), mask.sum())
+        versions = [samples[i].weight_version for i in mb.sample_index]
+        prox, ent = mb.extra["proximal_logp"], mb.extra["entropy"]
+        mismatch_stats_one(mb, prox, ent, versions, version, stats)
+
+
+def mismatch_stats_one(
+    mb: MicroBatch,
+    proximal: torch.Tensor,
+    entropy: torch.Tensor | None,
+    sample_versions: list[int],
+    version: int,
+    stats: StepStats,
+) -> None:
+    """`mismatch_stats` of one micro-batch, on the device of `proximal`, without a host sync."""
+    dev = proximal.device
+    mask = mb.loss_mask.to(dev).flatten() > 0
+    seq = mb.seq_ids.clamp(min=0).to(dev).flatten()
+    same = torch.tensor([v == version for v in sample_versions], device=dev)[seq]
+    diff = proximal.flatten() - mb.behaviour_logp.to(dev).flatten()
+    stats.peak("lp_diff", torch.where(mask & same, diff.abs(), -math.inf).max())
+    # KL(engine || trainer) from engine samples, k3 estimator: exp(r) - 1 - r, r = log pt/pe.
+    r = torch.where(mask, diff, 0.0)
+    stats.add("mismatch_kl", (torch.exp(r) - 1 - r).sum(), mask.sum())
+    if entropy is not None:
+        stats.add("entropy", (entropy.to(dev).flatten() * mask).sum(), mask.sum())
 
 
 def apply_kl_reward_penalty(mbs: list[MicroBatch], kl_coef: float, kind: str) -> None:

@@ -260,11 +260,19 @@ class Trainer:
             self.cfg.max_tokens_per_gpu,
             self.cfg.micro_batch_size,
         )
-        self._recompute(mbs, mine, stats)
+        recomputed = self._recompute(mbs, mine, stats)
         if self.critic is not None:
             self.critic.fill_advantages(mbs, mine, stats)
-        loss_fn = step_math.LossFunction(self.cfg, self.loss_cfg, max_response_len(samples), stats)
-        _, applied, grad_norm = self.policy.train_step(mbs, loss_fn, self.cfg.entropy_coef != 0)
+        loss_fn = step_math.LossFunction(
+            self.cfg, self.loss_cfg, max_response_len(samples), stats,
+            samples=None if recomputed else mine, version=self.version,
+        )  # fmt: skip
+        _, applied, grad_norm = self.policy.train_step(
+            mbs,
+            loss_fn,
+            with_entropy=self.cfg.entropy_coef != 0 or not recomputed,
+            entropy_grad=self.cfg.entropy_coef != 0,
+        )
         if not applied:
             self.skipped_updates += 1
             if self.cfg.on_nonfinite == "fail":
@@ -283,20 +291,26 @@ class Trainer:
 
     def _recompute(
         self, mbs: list[MicroBatch], samples: list[TrainSample], stats: StepStats
-    ) -> None:
-        """Trainer log-probs before the update (proximal policy), reference log-probs, mismatch."""
+    ) -> bool:
+        """Reference log-probs, and where needed (`recompute_logprobs`) the trainer's log-probs
+        before the update with the mismatch metrics; returns whether those were recomputed."""
         from services.trainer import step_math
 
-        outs = self.policy.logprobs(mbs, with_entropy=True)
-        for mb, out in zip(mbs, outs, strict=True):
-            mb.extra["proximal_logp"] = out["logp"].cpu()
-            mb.extra["entropy"] = out["entropy"].cpu()
+        penalty = self.ref is not None and not self.cfg.use_kl_loss
+        recompute = self.cfg.recompute_logprobs == "always" or penalty
+        if recompute:
+            outs = self.policy.logprobs(mbs, with_entropy=True)
+            for mb, out in zip(mbs, outs, strict=True):
+                mb.extra["proximal_logp"] = out["logp"].cpu()
+                mb.extra["entropy"] = out["entropy"].cpu()
         if self.ref is not None:
             for mb, out in zip(mbs, self.ref.logprobs(mbs), strict=True):
                 mb.extra["ref_logp"] = out["logp"].cpu()
-            if not self.cfg.use_kl_loss:
+            if penalty:
                 step_math.apply_kl_reward_penalty(mbs, self.cfg.kl_coef, self.cfg.kl_loss_type)
-        step_math.mismatch_stats(mbs, samples, self.version, stats)
+        if recompute:
+            step_math.mismatch_stats(mbs, samples, self.version, stats)
+        return recompute
 
     # --- publish, ack, log --------------------------------------------------------------------
 
