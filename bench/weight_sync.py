@@ -12,6 +12,7 @@ sends it in ZMQ frames instead):
     python bench/weight_sync.py --size-gb 1
 CUDA, NCCL transport (trainer on GPU 0, engines on GPUs 1 and 2):
     python bench/weight_sync.py --device cuda --transport nccl --dtype bfloat16 --size-gb 2 16
+(`--nccl-load-format per_tensor` measures one broadcast per tensor, as for older SGLang.)
 Last line: `sync_vs_limit_1_engine: RATIO` (limit time / sync time, higher is better).
 """
 
@@ -48,6 +49,12 @@ def parse_args() -> argparse.Namespace:
         choices=["shm", "zmq", "nccl"],
         help="shm: ZMQ headers + a shared-memory payload (one host); zmq: payload in "
         "ZMQ frames; nccl: broadcast into the engines' weight group",
+    )
+    p.add_argument(
+        "--nccl-load-format",
+        default="flattened_bucket",
+        choices=["flattened_bucket", "per_tensor"],
+        help="nccl transport: the broker's --nccl-load-format",
     )
     p.add_argument("--engines", type=int, nargs="+", default=[1, 2], help="engine counts to run")
     p.add_argument("--repeats", type=int, default=3, help="versions sent per setting (median)")
@@ -196,8 +203,9 @@ def sync_seconds(args: argparse.Namespace, model: Path, tensors: list, n: int, w
     try:
         urls = [e.wait()["url"] for e in engines]
         transport = "nccl" if args.transport == "nccl" else "zmq"
+        load_format = ["--nccl-load-format", args.nccl_load_format] if transport == "nccl" else []
         broker = Proc("broker", ["broker", "--transport", transport, "--sync-timeout-s", "600",
-                                 "--engine-urls", *urls], work)  # fmt: skip
+                                 *load_format, "--engine-urls", *urls], work)  # fmt: skip
         procs.append(broker)
         info = broker.wait()
         bucket = args.bucket_mb * 2**20

@@ -118,9 +118,10 @@ class WeightRequest(msgspec.Struct, kw_only=True):
 
 class NcclOffer(msgspec.Struct, kw_only=True):
     """Trainer rank 0 -> broker (ZMQ DEALER -> ROUTER): version `version` is ready on the
-    trainer's devices, to be broadcast bucket by bucket. Tensors stay on the trainer; only
-    their metadata travels. `master_address:master_port` is where the trainer will host the
-    process-group rendezvous if the broker asks it to (re)form the group."""
+    trainer's devices, grouped into `buckets` (consecutive tensors, at most the trainer's
+    bucket size each). Tensors stay on the trainer; only their metadata travels.
+    `master_address:master_port` is where the trainer will host the process-group rendezvous
+    if the broker asks it to (re)form the group."""
 
     version: int
     buckets: list[list[TensorMeta]]
@@ -132,15 +133,21 @@ class NcclOffer(msgspec.Struct, kw_only=True):
 
 class NcclCommand(msgspec.Struct, kw_only=True):
     """Broker -> trainer, in answer to an offer: `init` (join group `group_name` of
-    `world_size` ranks as rank 0, collectives bounded by `timeout_s`), `broadcast` (send
-    bucket `bucket` now), `done` (every engine in rotation has the version) or `abort` (give up
-    this version; `message` says why). After a failure the broker may start a new `attempt`
-    of the same version (a fresh group without the failed engines, from bucket 0)."""
+    `world_size` ranks as rank 0, collectives bounded by `timeout_s`), `broadcast` (send every
+    bucket of the version now, back to back, in `load_format`; `bucket` is -1 = all), `done`
+    (every engine in rotation has the version) or `abort` (give up this version; `message`
+    says why). After a failure the broker may start a new `attempt` of the same version (a
+    fresh group without the failed engines, from the first bucket).
+
+    `load_format` is the broker's `--nccl-load-format`: `flattened_bucket` = one broadcast per
+    bucket of a 1-D uint8 tensor holding the bucket's tensors' bytes back to back in offer
+    order, no padding; `per_tensor` = one broadcast per tensor in offer order."""
 
     action: str
     version: int
     attempt: int = 0
     bucket: int = -1
+    load_format: str = "flattened_bucket"
     world_size: int = 0
     group_name: str = ""
     timeout_s: float = 60.0
@@ -149,8 +156,9 @@ class NcclCommand(msgspec.Struct, kw_only=True):
 
 
 class NcclAck(msgspec.Struct, kw_only=True):
-    """Trainer -> broker: bucket `bucket` of `version` was broadcast (or failed, `error`).
-    `attempt` echoes the command's, so a late ack of an abandoned attempt is recognised."""
+    """Trainer -> broker: the `broadcast` of `version` finished on the trainer's side (every
+    collective completed, device synchronized), or failed (`ok` false, `error`). `attempt` and
+    `bucket` echo the command's, so a late ack of an abandoned attempt is recognised."""
 
     version: int
     attempt: int

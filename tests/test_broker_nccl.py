@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.weight_broker.nccl_sender import NcclWeightSender, WeightSyncError
+from services.weight_broker.wire import group_by_bytes
 
 PROMPT = [1, 7, 11, 14]  # <bos> 3 7 >
 
@@ -81,6 +82,42 @@ def test_each_version_is_broadcast_to_every_engine_in_order(stack, toy_model_dir
     state = httpx.get(f"{broker.url}/state").json()
     assert state["version"] == 2
     assert [e["version"] for e in state["engines"]] == [2, 2]
+    sender.close()
+
+
+@pytest.mark.parametrize("load_format", ["flattened_bucket", "per_tensor"])
+def test_an_engine_without_bucket_sizes_gets_one_request_per_bucket_and_ends_on_the_version(
+    start_service, toy_model_dir, load_format: str
+) -> None:
+    """Tandem's engine gets a whole version per request and applies it once; an engine that
+    does not advertise `bucket_sizes` (as SGLang) gets a chain of per-bucket requests. Both
+    join the same broadcasts, of float32 and bfloat16 tensors mixed."""
+    args = ["engine", "--model", str(toy_model_dir), "--port", "0", "--update-timeout-s", "20"]
+    whole = start_service("whole", args)
+    chained = start_service("chained", [*args, "--no-whole-version-updates"])
+    broker = start_service("broker", [
+        "broker", "--port", "0", "--transport", "nccl", "--nccl-load-format", load_format,
+        "--sync-timeout-s", "30", "--engine-urls", whole.url, chained.url,
+    ])  # fmt: skip
+    bucket_bytes = 16 * 1024
+    sender = NcclWeightSender(
+        broker.info["intake_endpoint"], bucket_bytes=bucket_bytes, timeout_s=30
+    )
+    tensors, model = perturbed_weights(toy_model_dir, seed=1)
+    tensors = [(n, t.bfloat16() if i % 3 == 0 else t) for i, (n, t) in enumerate(tensors)]
+    model.load_state_dict({n: t.float() for n, t in tensors})
+    buckets = len(group_by_bytes(tensors, bucket_bytes))
+    assert buckets > 2
+    sender.send(1, tensors)
+    for engine in (whole, chained):
+        served, tokens, logprobs = engine_logprobs(engine.url)
+        assert served == "1"
+        expected = teacher_forced(model, tokens)
+        assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < 1e-4
+    applied = [line for line in whole.log().splitlines() if "tensors loaded in" in line]
+    assert len(applied) == 1 and f"{len(tensors)} tensors" in applied[0]
+    chain = [line for line in chained.log().splitlines() if "tensors loaded in" in line]
+    assert len(chain) == buckets
     sender.close()
 
 

@@ -62,6 +62,14 @@ class EngineConfig:
         default=120.0,
         metadata={"help": "limit for fetching weights and for waiting on in-flight requests"},
     )
+    whole_version_updates: bool = field(
+        default=True,
+        metadata={"help": "accept bucket_sizes in /update_weights_from_distributed (advertised "
+                          "in /get_server_info): a whole version arrives in one request and is "
+                          "applied once, which needs room for one extra copy of the weights "
+                          "while it arrives; off: one request per bucket, each applied on "
+                          "arrival (as with SGLang), extra room one bucket"},
+    )  # fmt: skip
     served_model_name: str = field(
         default="", metadata={"help": "model name in /v1/models (default: the model directory)"}
     )

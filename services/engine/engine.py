@@ -42,7 +42,9 @@ class Engine:
             config.max_queued_requests, self.context_length, config.weight_version,
             self.max_total_tokens, config.prompt_cache_tokens,
         )  # fmt: skip
-        self.weights = WeightUpdater(self.runner, self.scheduler, config.update_timeout_s)
+        self.weights = WeightUpdater(
+            self.runner, self.scheduler, config.update_timeout_s, config.whole_version_updates
+        )
         self.released = False  # weights moved off the device by /release_memory_occupation
 
     def start(self) -> None:
@@ -221,6 +223,8 @@ class Engine:
             "dp_size": 1,
             "weight_version": self.weight_version,
             "version": "tandem-reference-engine",
+            # Tandem's extension of /update_weights_from_distributed (see engine/weights.py)
+            "weight_update_bucket_sizes": self.config.whole_version_updates,
         }
         info["internal_states"] = [{**self.scheduler.load(), **self.scheduler.stats}]
         return info

@@ -122,6 +122,10 @@ class ModelRunner:
         # be used from two threads at once, and HTTP handlers use `tokenizer` concurrently.
         self.stop_tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
         self.model = self._load(model_path)
+        # Looked up on every weight update (a state_dict() of a large model costs milliseconds).
+        # Updates change a parameter's `.data`, never the Parameter object or its shape.
+        self._params = dict(self.model.named_parameters())
+        self._shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self.config = self.model.config
         inner = self.model.model
         self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
@@ -313,7 +317,8 @@ class ModelRunner:
     # ---- weights --------------------------------------------------------------------------
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(p.shape) for name, p in self.model.state_dict().items()}
+        """Shape of every state_dict entry (parameters, tied aliases, buffers), by HF name."""
+        return self._shapes
 
     def check_weights(self, named: Iterable[tuple[str, Sequence[int]]]) -> None:
         """Raise `WeightError` if any name is unknown or any shape differs (checks all first)."""
@@ -330,25 +335,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], adopt: bool = False) -> int:
-        """Put already-checked tensors into the model; returns how many. With `adopt`, each
-        tensor becomes its parameter's storage instead of being copied (see `can_adopt`)."""
-        state = self.model.state_dict()
-        params = dict(self.model.named_parameters())
+        """Put already-checked tensors into the model; returns how many. With `adopt`, a tensor
+        that is a parameter's own (on its device, with its dtype, contiguous) becomes that
+        parameter's storage instead of being copied; the rest is copied in: a tied name such
+        as `lm_head.weight` of a tied model (not a parameter of its own), a buffer, or a tensor
+        of another dtype or device."""
+        copied = []
         count = 0
         for name, tensor in named:
-            if adopt:
-                params[name].data = tensor
+            param = self._params.get(name) if adopt else None
+            if param is not None and _same_layout(tensor, param):
+                param.data = tensor
             else:
-                state[name].copy_(tensor.to(device=state[name].device, dtype=state[name].dtype))
+                copied.append((name, tensor))
             count += 1
+        for name, tensor in copied:  # after adopting: a tied alias now sees the new storage
+            target = self._tensor(name)
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         return count
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        """The model's current tensor under a state_dict name (a parameter, a tied alias such
+        as `lm_head.weight`, or a buffer)."""
+        module_name, _, attr = name.rpartition(".")
+        return getattr(self.model.get_submodule(module_name), attr)
 
     def can_adopt(self, named: list[tuple[str, torch.Tensor]]) -> bool:
         """Whether `named` can replace the parameters' storage: it names every parameter,
         each already on our device with our dtype and contiguous."""
-        params = dict(self.model.named_parameters())
         given = {name: tensor for name, tensor in named}
-        return set(params) <= set(given) and all(
-            given[n].device == p.device and given[n].dtype == p.dtype and given[n].is_contiguous()
-            for n, p in params.items()
+        return set(self._params) <= set(given) and all(
+            _same_layout(given[n], p) for n, p in self._params.items()
         )
+
+
+def _same_layout(tensor: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether `tensor` can serve as `param`'s storage as it is."""
+    return tensor.device == param.device and tensor.dtype == param.dtype and tensor.is_contiguous()

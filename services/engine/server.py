@@ -299,6 +299,9 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
         field(body, "shapes", _is_list_of(_is_list_of(_is_int)), "a list of shapes (lists of ints)")
         field(body, "weight_version", _is_version, "a version string", False)
         field(body, "group_name", _is_str, "a string", False)
+        field(body, "load_format", _is_str, '"flattened_bucket" or null', False)
+        field(body, "bucket_sizes", _is_list_of(lambda v: _is_int(v) and v > 0),
+              "a list of tensor counts (positive integers) summing to len(names)", False)  # fmt: skip
         if body.get("weight_version") is not None:
             body["weight_version"] = str(body["weight_version"])
         new = await engine.weights.from_distributed(body)

@@ -5,20 +5,43 @@ Every path has the same two phases:
    check every name and shape against the model; anything wrong refuses the whole update and
    the model is untouched;
 2. apply: a draining scheduler command (no sequence runs, none starts, arrivals wait), copies
-   the tensors in, sets `weight_version` and drops any cache built with the old weights.
+   the tensors in (or makes them the parameters' storage: shared-memory slots, broadcasts),
+   sets `weight_version` and drops any cache built with the old weights.
 Both phases are bounded by `update_timeout_s`; a timeout answers an error, never a hang.
 
 Distributed path: the engine joins a process group named by the request at
 `rank_offset` (the trainer is rank 0) through a TCP rendezvous on `master_address:master_port`,
 with keys under the group name, as SGLang does. The backend follows the device (gloo on CPU,
 NCCL on CUDA); the receiving code is the same for both.
+
+`POST /update_weights_from_distributed {"names", "dtypes", "shapes", "group_name",
+"flush_cache", "weight_version", "load_format", "bucket_sizes"}`:
+- no `load_format` (or null), as every SGLang version: one `broadcast(src=0)` per listed tensor,
+  in the listed order, each into a tensor of its dtype and shape.
+- `"load_format": "flattened_bucket"` (SGLang's bucketed format): ONE broadcast of a 1-D
+  `torch.uint8` tensor holding the bytes of every listed tensor, concatenated in listed order
+  with no padding (tensor by tensor, `t.reshape(-1).view(torch.uint8)`).
+- `"bucket_sizes": [n0, n1, ...]` (Tandem's extension, flattened_bucket only; advertised as
+  `"weight_update_bucket_sizes": true` in `/get_server_info`): tensor counts of consecutive
+  buckets, summing to `len(names)`. One flat broadcast per bucket, in order; then the whole
+  request (a whole version) is checked and applied once. A sum that does not match is 400.
+Received tensors live in fresh memory: views of each bucket's flat buffer where a tensor's byte
+offset is a multiple of its element size, copies otherwise. At apply, a tensor that is a
+parameter of the model on the same device and dtype becomes that parameter's storage (no
+copy); the rest (a tied name such as `lm_head.weight` of a tied model, another dtype or device)
+is copied in. Memory: until the apply, the engine holds the received tensors beside its
+current weights, i.e. up to one extra copy of the model for a whole version.
+`--no-whole-version-updates` stops advertising `bucket_sizes` (and refuses it): the broker then
+sends one request per bucket, each applied on arrival, bounding the extra memory to a bucket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -34,6 +57,7 @@ from services.weight_broker.process_group import join_group
 log = logging.getLogger(__name__)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+Layout = list[tuple[str, torch.dtype, list[int]]]  # name, dtype and shape of each packed tensor
 
 
 class UpdateError(RuntimeError):
@@ -47,10 +71,17 @@ class UpdateError(RuntimeError):
 class WeightUpdater:
     """Runs the receive-check-apply sequence for each update path; one update at a time."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, timeout_s: float) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        timeout_s: float,
+        whole_version: bool = True,
+    ) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.timeout_s = timeout_s
+        self.whole_version = whole_version  # accept `bucket_sizes` (see the module docstring)
         self._lock = asyncio.Lock()
         # Shared-memory slot our parameters live in after a zero-copy update (see _apply).
         self._lease: Any = None
@@ -74,7 +105,12 @@ class WeightUpdater:
             raise UpdateError(f"{what} took longer than {self.timeout_s:.0f}s", 504) from exc
 
     async def _apply(
-        self, tensors: NamedTensors, version: str | None, abort_all: bool, lease: Any = None
+        self,
+        tensors: NamedTensors,
+        version: str | None,
+        abort_all: bool,
+        lease: Any = None,
+        adopt: bool = False,
     ) -> str:
         """Check, then copy in while the scheduler is drained; returns the new version.
         `abort_all` ends running requests (partial output) instead of waiting for them.
@@ -82,7 +118,9 @@ class WeightUpdater:
         With a `lease` (a shared-memory slot from the broker's one-host path) and a version
         that covers every parameter on CPU, the slot's copy-on-write views become the
         parameters' storage: no copy. The lease is kept while they live there and the
-        previous one released, which frees its slot for the trainer's next-but-one version."""
+        previous one released, which frees its slot for the trainer's next-but-one version.
+        With `adopt` (tensors in memory of their own, e.g. received by broadcast), each tensor
+        matching its parameter's device and dtype becomes its storage; the others are copied."""
         try:
             self.runner.check_weights((n, t.shape) for n, t in tensors)
         except WeightError as exc:
@@ -93,14 +131,14 @@ class WeightUpdater:
         def apply() -> str:
             started = time.monotonic()
             adopted = lease is not None and self.runner.can_adopt(tensors)
-            count = self.runner.load_weights(tensors, adopt=adopted)
+            count = self.runner.load_weights(tensors, adopt=adopted or adopt)
             self.scheduler.clear_caches()  # nothing may be served from the old weights' keys
             previous, self._lease = self._lease, (lease if adopted else None)
             if previous is not None:
                 previous.release()
             if version is not None:
                 self.scheduler.weight_version = str(version)
-            log.info("weights: %d tensors copied in %.3fs, now version %s", count,
+            log.info("weights: %d tensors loaded in %.3fs, now version %s", count,
                      time.monotonic() - started, self.scheduler.weight_version)  # fmt: skip
             return self.scheduler.weight_version
 
@@ -190,10 +228,12 @@ class WeightUpdater:
         self._group_name = body.get("group_name", "weight_update_group")
 
     async def from_distributed(self, body: dict[str, Any]) -> str:
-        """Receive `names` by broadcast from rank 0 in the listed order, then apply."""
+        """Receive `names` by broadcast from rank 0 in the listed order (per tensor, or flat
+        buckets; see the module docstring), then apply them all at once."""
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
         if not (len(names) == len(dtypes) == len(shapes)):
             raise UpdateError("names, dtypes and shapes must have the same length", 400)
+        bucket_sizes = self._flat_bucket_sizes(body, len(names))
         if self._group is None:
             raise UpdateError("no weight update group: call /init_weights_update_group first", 400)
         group_name = body.get("group_name", self._group_name)
@@ -201,12 +241,50 @@ class WeightUpdater:
             raise UpdateError(
                 f"group_name {group_name!r} is not the joined group {self._group_name!r}", 400
             )
+        receive: Callable[[], NamedTensors]
+        if bucket_sizes is None:
+            receive = functools.partial(self._receive, names, dtypes, shapes)
+        else:
+            layout = [
+                (n, _flat_dtype(d), list(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)
+            ]
+            receive = functools.partial(self._receive_flat, layout, bucket_sizes)
         async with self._lock:
-            tensors = await self._in_thread(
-                lambda: self._receive(names, dtypes, shapes), "receiving broadcast weights"
-            )
+            try:
+                tensors = await self._in_thread(receive, "receiving broadcast weights")
+            except UpdateError:
+                raise
+            except RuntimeError as exc:  # e.g. a peer left mid-collective
+                raise UpdateError(f"broadcast failed, weights unchanged: {exc}", 500) from exc
             abort_all = bool(body.get("abort_all_requests"))
-            return await self._apply(tensors, body.get("weight_version"), abort_all)
+            return await self._apply(tensors, body.get("weight_version"), abort_all, adopt=True)
+
+    def _flat_bucket_sizes(self, body: dict[str, Any], count: int) -> list[int] | None:
+        """Tensor counts of the flat buckets to receive; None = one broadcast per tensor."""
+        load_format, sizes = body.get("load_format"), body.get("bucket_sizes")
+        if load_format is None:
+            if sizes is not None:
+                raise UpdateError('bucket_sizes needs "load_format": "flattened_bucket"', 400)
+            return None
+        if load_format != "flattened_bucket":
+            raise UpdateError(
+                f'load_format {load_format!r} is not supported: use "flattened_bucket" or '
+                "leave it out (one broadcast per tensor)",
+                400,
+            )
+        if sizes is None:
+            return [count] if count else []
+        if not self.whole_version:
+            raise UpdateError(
+                "bucket_sizes is off on this engine (--no-whole-version-updates): send one "
+                "request per bucket",
+                400,
+            )
+        if sum(sizes) != count:
+            raise UpdateError(
+                f"bucket_sizes must sum to the number of names ({count}), not {sum(sizes)}", 400
+            )
+        return list(sizes)
 
     def _receive(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]]
@@ -221,7 +299,53 @@ class WeightUpdater:
             tensor = torch.empty(shape, dtype=torch_dtype, device=self.runner.device)
             torch.distributed.broadcast(tensor, src=0, group=self._group)
             out.append((name, tensor))
+        self._synchronize()
         return out
+
+    def _receive_flat(self, layout: Layout, bucket_sizes: list[int]) -> NamedTensors:
+        """One flat uint8 broadcast per bucket, in order; the tensors are views into them."""
+        out: NamedTensors = []
+        start = 0
+        for size in bucket_sizes:
+            bucket = layout[start : start + size]
+            start += size
+            nbytes = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in bucket)
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=self.runner.device)
+            torch.distributed.broadcast(flat, src=0, group=self._group)
+            out.extend(split_flat(flat, bucket))
+        self._synchronize()
+        return out
+
+    def _synchronize(self) -> None:
+        # The tensors are adopted as parameters by the generation thread: make sure the
+        # collectives (NCCL's own stream) and the misaligned copies have finished first.
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+
+
+def _flat_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        # Unlike per-tensor broadcasts, a flat bucket cannot be received without knowing
+        # every tensor's byte length.
+        raise UpdateError(f"dtype {name!r} is not a torch dtype (e.g. bfloat16, float32)", 400)
+    return dtype
+
+
+def split_flat(flat: torch.Tensor, layout: Layout) -> NamedTensors:
+    """The tensors packed back to back in a flat uint8 buffer, in `layout` order. Views where
+    the byte offset is a multiple of the element size (a typed view must start on an element
+    boundary), copies elsewhere, e.g. a float32 after a bfloat16 of odd length."""
+    out: NamedTensors = []
+    offset = 0
+    for name, dtype, shape in layout:
+        end = offset + math.prod(shape) * dtype.itemsize
+        raw = flat[offset:end]
+        if offset % dtype.itemsize:
+            raw = raw.clone()
+        out.append((name, raw.view(dtype).view(shape)))
+        offset = end
+    return out
 
 
 def read_checkpoint(model_path: str) -> NamedTensors:

@@ -11,6 +11,9 @@ Ordering contract (each arrow is checked by tests/test_broker_*.py):
      arrive meanwhile wait), fetches N's buckets (ZMQ DEALER -> our ROUTER), checks every name
      and shape before copying any tensor, flushes its cache, resumes, and from then on reports
      `weight_version` N in every response. No response mixes weights of two versions.
+     NCCL (nccl_coordinator.py): the broker pauses every engine instead, the trainer
+     broadcasts the whole version, and each engine applies it at once (Tandem's engine) or
+     bucket by bucket while paused (SGLang), then resumes.
   4. Once an engine acknowledged N, its version is N here; `version:engines` in Redis is set to
      the minimum version over engines in rotation, which the router uses as its staleness gate.
   5. An engine that fails or exceeds `sync_timeout_s` is taken out of rotation (reported in
@@ -98,7 +101,7 @@ class WeightBroker:
         if self.config.transport == "nccl":
             from services.weight_broker.nccl_coordinator import NcclCoordinator
 
-            self.nccl = NcclCoordinator(self, self.config.pause_mode)
+            self.nccl = NcclCoordinator(self, self.config.pause_mode, self.config.nccl_load_format)
             self.intake_endpoint = self.nccl.endpoint
             log.info("NCCL control at %s", self.intake_endpoint)
             return

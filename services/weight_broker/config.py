@@ -61,6 +61,16 @@ class BrokerConfig:
             "choices": ["abort", "in_place", "retract", "none"],
         },
     )
+    nccl_load_format: str = field(
+        default="flattened_bucket",
+        metadata={
+            "help": "nccl transport: how tensors travel. flattened_bucket: one broadcast per "
+            "bucket of the tensors' bytes packed back to back (fast; needs an SGLang whose "
+            "/update_weights_from_distributed takes load_format); per_tensor: one broadcast "
+            "per tensor (any SGLang version).",
+            "choices": ["flattened_bucket", "per_tensor"],
+        },
+    )
     probe_interval_s: float = field(
         default=2.0,
         metadata={

@@ -3,17 +3,26 @@
 The trainer offers each version on the control socket (ZMQ ROUTER at the broker's intake
 endpoint). For one version, in this order:
   1. If the set of engines changed or the last version failed, (re)form the weight group:
-     answer `init` to the trainer and, concurrently, POST `/init_weights_update_group` to every
-     engine in rotation (rank_offset = 1 + the TP ranks before it; world = 1 + all TP ranks).
+     read every engine's `/get_server_info` (TP size; whether it takes `bucket_sizes`), answer
+     `init` to the trainer and, concurrently, POST `/init_weights_update_group` to every engine
+     in rotation (rank_offset = 1 + the TP ranks before it; world = 1 + all TP ranks).
   2. Pause generation on every engine (`/pause_generation`, configured mode) unless mode "none".
-  3. For each bucket k: POST `/update_weights_from_distributed` (names, dtypes, shapes,
-     group_name, weight_version; flush_cache on the last bucket) to every engine, then tell the
-     trainer `broadcast k`; wait for the trainer's ack and every engine's answer.
+  3. Transfer, with one command to the trainer for the whole version:
+     - an engine that advertises `weight_update_bucket_sizes` (Tandem's engine) gets ONE POST
+       `/update_weights_from_distributed` with every name, dtype and shape of the version, the
+       load format (`--nccl-load-format`), `bucket_sizes` (flattened_bucket), flush_cache and
+       weight_version; it receives every bucket, then applies the version once;
+     - any other engine (SGLang) gets a chain of POSTs, one per bucket, each sent when the
+       previous one answered (each applied on arrival), flush_cache on the last;
+     - right after the first POSTs are sent, `broadcast` (bucket -1 = all) tells the trainer
+       to send every bucket back to back; the engines' requests join those collectives in
+       order as they arrive.
+     Then wait for the trainer's single ack and for every engine's POST (or chain) to answer.
   4. `/continue_generation`, then `done` to the trainer; engines are on the version.
 A failure or timeout anywhere takes the failing engine out of rotation, answers `abort` to the
-trainer (the other engines keep serving the version they had or, after their last bucket, the
-new one) and forces a fresh group for the next version. No step waits longer than
-`sync_timeout_s`.
+trainer (the other engines keep serving the version they had or, where a chain or a whole
+version completed, the new one) and forces a fresh group for the next version. No step waits
+longer than `sync_timeout_s`; the transfer of a whole version is one step.
 """
 
 from __future__ import annotations
@@ -22,12 +31,21 @@ import asyncio
 import itertools
 import logging
 import time
+from typing import Any
 
 import aiohttp
 import zmq
 import zmq.asyncio
 
-from proto import NcclAck, NcclCommand, NcclOffer, WeightBucketHeader, decode, encode
+from proto import (
+    NcclAck,
+    NcclCommand,
+    NcclOffer,
+    TensorMeta,
+    WeightBucketHeader,
+    decode,
+    encode,
+)
 from services.weight_broker.broker import EngineState, WeightBroker
 from services.weight_broker.store import header_nbytes
 
@@ -37,9 +55,10 @@ MAX_ATTEMPTS = 2
 
 
 class NcclCoordinator:
-    def __init__(self, broker: WeightBroker, pause_mode: str) -> None:
+    def __init__(self, broker: WeightBroker, pause_mode: str, load_format: str) -> None:
         self.broker = broker
         self.pause_mode = pause_mode
+        self.load_format = load_format  # flattened_bucket | per_tensor
         self.timeout_s = broker.config.sync_timeout_s
         self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -49,6 +68,7 @@ class NcclCoordinator:
         self.group_name = ""
         self._generation = itertools.count()
         self._tp_size: dict[str, int] = {}
+        self._whole_version: dict[str, bool] = {}  # engine URL -> it takes bucket_sizes
         self.busy = False  # a version is being synced (the broker's probes wait meanwhile)
 
     async def run(self, session: aiohttp.ClientSession) -> None:
@@ -110,8 +130,7 @@ class NcclCoordinator:
                 await self._form_group(session, identity, offer, engines, attempt)
             await self._each(session, engines, self._pause)
             paused = True
-            for index, bucket in enumerate(offer.buckets):
-                await self._bucket(session, identity, offer, engines, attempt, index, bucket)
+            await self._transfer(session, identity, offer, engines, attempt)
         finally:
             if paused:  # engines that failed are out of rotation; resume the others
                 await self._each(session, engines, self._continue, ignore_errors=True)
@@ -130,10 +149,11 @@ class NcclCoordinator:
     # --- steps ----------------------------------------------------------------------------------
 
     async def _form_group(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
-        unknown = [e for e in engines if e.url not in self._tp_size]
-        infos = [self._get(session, f"{e.url}/get_server_info") for e in unknown]
-        for engine, info in zip(unknown, await self._gather(infos, unknown), strict=True):
+        # Read at every new group: a restarted engine may be another build or configuration.
+        infos = [self._get(session, f"{e.url}/get_server_info") for e in engines]
+        for engine, info in zip(engines, await self._gather(infos, engines), strict=True):
             self._tp_size[engine.url] = int(info.get("tp_size", 1))
+            self._whole_version[engine.url] = info.get("weight_update_bucket_sizes") is True
         world = 1 + sum(self._tp_size[e.url] for e in engines)
         self.group_name = f"tandem_weights_{next(self._generation)}"
         await self._command(identity, NcclCommand(
@@ -160,32 +180,69 @@ class NcclCoordinator:
         await self._gather(calls, engines)
         self.members = [e.url for e in engines]
 
-    async def _bucket(self, session, identity, offer, engines, attempt, index, bucket) -> None:  # type: ignore[no-untyped-def]
-        body = {
-            "names": [m.name for m in bucket],
-            "dtypes": [m.dtype for m in bucket],
-            "shapes": [m.shape for m in bucket],
-            "group_name": self.group_name,
-            "weight_version": str(offer.version),
-            "flush_cache": index == len(offer.buckets) - 1,
-        }
-        calls = [self._post(session, e, "/update_weights_from_distributed", body) for e in engines]
+    async def _transfer(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
+        buckets = [b for b in offer.buckets if b] or [[]]
+        calls = [
+            self._post_version(session, e, offer, buckets)
+            if self._whole_version.get(e.url)
+            else self._post_chain(session, e, offer, buckets)
+            for e in engines
+        ]
         engine_calls = asyncio.ensure_future(self._gather(calls, engines))
         await self._command(identity, NcclCommand(
-            action="broadcast", version=offer.version, attempt=attempt, bucket=index,
+            action="broadcast", version=offer.version, attempt=attempt, bucket=-1,
+            load_format=self.load_format,
         ))  # fmt: skip
         ack_error = ""
         try:
-            ack = await self._ack(offer.version, attempt, index)
-            ack_error = "" if ack.ok else f"trainer failed to broadcast bucket {index}: {ack.error}"
+            ack = await self._ack(offer.version, attempt, -1)
+            ack_error = "" if ack.ok else f"trainer failed to broadcast: {ack.error}"
         except TimeoutError:
-            ack_error = f"no ack from the trainer for bucket {index} within {self.timeout_s:.0f}s"
+            ack_error = f"no ack from the trainer within {self.timeout_s:.0f}s"
         await engine_calls  # raises (naming the engines) if any engine failed
         if ack_error:
             raise RuntimeError(ack_error)
 
-    async def _ack(self, version: int, attempt: int, index: int) -> NcclAck:
-        """The trainer's ack of this bucket; late acks of abandoned attempts are skipped."""
+    def _update_body(
+        self, offer: NcclOffer, tensors: list[TensorMeta], flush_cache: bool
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "names": [m.name for m in tensors],
+            "dtypes": [m.dtype for m in tensors],
+            "shapes": [m.shape for m in tensors],
+            "group_name": self.group_name,
+            "weight_version": str(offer.version),
+            "flush_cache": flush_cache,
+        }
+        if self.load_format == "flattened_bucket":  # per_tensor: SGLang's default, no field
+            body["load_format"] = "flattened_bucket"
+        return body
+
+    async def _post_version(self, session, engine, offer, buckets) -> None:  # type: ignore[no-untyped-def]
+        """The whole version in one request (engines that take `bucket_sizes`)."""
+        body = self._update_body(offer, [m for b in buckets for m in b], flush_cache=True)
+        if self.load_format == "flattened_bucket":
+            body["bucket_sizes"] = [len(b) for b in buckets if b]
+        await self._post(session, engine, "/update_weights_from_distributed", body)
+
+    async def _post_chain(self, session, engine, offer, buckets) -> None:  # type: ignore[no-untyped-def]
+        """One request per bucket, each after the previous one answered (SGLang); the whole
+        chain within `sync_timeout_s`, not each request."""
+
+        async def chain() -> None:
+            for index, bucket in enumerate(buckets):
+                body = self._update_body(offer, bucket, flush_cache=index == len(buckets) - 1)
+                await self._post(session, engine, "/update_weights_from_distributed", body)
+
+        try:
+            await asyncio.wait_for(chain(), self.timeout_s)
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"{len(buckets)} bucket requests took longer than {self.timeout_s:.0f}s"
+            ) from exc
+
+    async def _ack(self, version: int, attempt: int, bucket: int) -> NcclAck:
+        """The trainer's ack of this broadcast; late acks of abandoned attempts are skipped."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -195,7 +252,7 @@ class NcclCoordinator:
             except ValueError:
                 log.error("expected an ack from the trainer, got another message; ignored")
                 continue
-            if (ack.version, ack.attempt, ack.bucket) == (version, attempt, index):
+            if (ack.version, ack.attempt, ack.bucket) == (version, attempt, bucket):
                 return ack
             log.warning("skipped a stale ack (%d/%d/%d)", ack.version, ack.attempt, ack.bucket)
 

@@ -3,13 +3,24 @@
 Sequence for one version (the broker's `NcclCoordinator` drives it):
   1. `send(version, tensors)` offers the version's bucket metadata to the broker (`NcclOffer`).
   2. If the broker answers `init`, join the weight group as rank 0 (engines join concurrently).
-  3. For each `broadcast k`, broadcast bucket k's tensors from rank 0, in listed order, and ack.
+  3. On `broadcast` (one per version), send every bucket from rank 0, back to back, in the
+     command's `load_format`, then ack once:
+     - `flattened_bucket`: bucket k is packed into a flat uint8 buffer (its tensors' bytes in
+       offer order, no padding) and broadcast with `async_op=True`. Two buffers, sized to the
+       largest bucket, take turns: before packing into one, we `wait()` on the broadcast that
+       last read it. On NCCL that wait makes the current CUDA stream wait, not the host, so
+       the host queues every pack and broadcast at once and the device overlaps packing
+       bucket k+1 with sending bucket k. A bucket of one tensor is sent from the tensor itself.
+     - `per_tensor`: each tensor is broadcast as it is, back to back with `async_op=True`.
+     Then wait for every collective, synchronize the device and ack (`NcclAck`).
      A failed collective is acked as failed and the group dropped; the broker then either
      starts a new attempt (`init` again, without the failed engine) or aborts.
   4. `done` ends the version; `abort` abandons it (engines keep their previous version).
 Every wait is bounded (receives by `timeout_s`, the rendezvous and collectives by the timeout
-the broker sends with `init`), so a dead or hung engine never blocks the trainer for good. Only trainer
-rank 0 creates a sender; tensors must already be gathered (full, HF names) on its device.
+the broker sends with `init`: gloo's waits time out, NCCL's watchdog aborts a collective that
+runs past it), so a dead or hung engine never blocks the trainer for good. Only trainer rank 0
+creates a sender; tensors must already be gathered (full, HF names) on its device. Memory: two
+flat buffers of the largest bucket while a version is sent (2 x `bucket_bytes` by default).
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ from services.weight_broker.wire import DEFAULT_BUCKET_BYTES, WeightSyncError, g
 
 if TYPE_CHECKING:
     import torch
+
+    Buckets = list[list[tuple[str, torch.Tensor]]]
 
 log = logging.getLogger("tandem.weights.nccl")
 
@@ -92,7 +105,7 @@ class NcclWeightSender:
                 sent = 0
                 self._join(port, command, backend)
             elif command.action == "broadcast":
-                sent += self._broadcast(command, buckets[command.bucket])
+                sent += self._broadcast(command, buckets)
             elif command.action == "done":
                 return sent
             else:
@@ -123,9 +136,9 @@ class NcclWeightSender:
             return
         log.info("joined %s (%d ranks, %s)", command.group_name, command.world_size, backend)
 
-    def _broadcast(self, command: NcclCommand, bucket: list[tuple[str, torch.Tensor]]) -> int:
+    def _broadcast(self, command: NcclCommand, buckets: Buckets) -> int:
+        """Send every bucket (see the module docstring), then ack once; returns bytes sent."""
         import torch
-        import torch.distributed as dist
 
         ack = NcclAck(
             version=command.version, attempt=command.attempt, bucket=command.bucket, ok=True
@@ -133,15 +146,55 @@ class NcclWeightSender:
         try:
             if self.group is None:
                 raise RuntimeError("not in a weight group (joining it failed)")
-            for _name, tensor in bucket:
-                dist.broadcast(tensor, src=0, group=self.group)
-            if bucket and bucket[0][1].is_cuda:
-                torch.cuda.synchronize(bucket[0][1].device)
+            if command.load_format == "per_tensor":
+                works = [self._start(t) for bucket in buckets for _, t in bucket]
+            elif command.load_format == "flattened_bucket":
+                works = self._broadcast_flat(buckets)
+            else:
+                raise RuntimeError(f"unknown load_format {command.load_format!r} from the broker")
+            for work in works:
+                work.wait()
+            device = next((t.device for b in buckets for _, t in b), None)
+            if device is not None and device.type == "cuda":
+                torch.cuda.synchronize(device)
         except Exception as exc:  # a peer died mid-collective: this group is unusable now
             ack.ok, ack.error = False, str(exc)
             self._drop_group()
         self._socket.send(encode(ack))
-        return sum(t.numel() * t.element_size() for _, t in bucket) if ack.ok else 0
+        return sum(t.numel() * t.element_size() for b in buckets for _, t in b) if ack.ok else 0
+
+    def _broadcast_flat(self, buckets: Buckets) -> list[Any]:
+        import torch
+
+        sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
+        to_pack = [k for k, b in enumerate(buckets) if len(b) > 1]
+        ring: list[torch.Tensor] = []
+        if to_pack:
+            device = buckets[to_pack[0]][0][1].device
+            largest = max(sizes[k] for k in to_pack)
+            ring = [torch.empty(largest, dtype=torch.uint8, device=device)
+                    for _ in range(min(2, len(to_pack)))]  # fmt: skip
+        last_use: list[Any] = [None] * len(ring)  # the broadcast that last read each buffer
+        works: list[Any] = []
+        packed = 0
+        for bucket, nbytes in zip(buckets, sizes, strict=True):
+            if len(bucket) <= 1:  # nothing to pack: send the tensor's own bytes
+                works.extend(self._start(_byte_view(t)) for _, t in bucket)
+                continue
+            slot = packed % len(ring)
+            packed += 1
+            if last_use[slot] is not None:
+                last_use[slot].wait()  # NCCL: the stream waits, the host goes on
+            flat = ring[slot][:nbytes]
+            torch.cat([_byte_view(t) for _, t in bucket], out=flat)
+            last_use[slot] = self._start(flat)
+            works.append(last_use[slot])
+        return works
+
+    def _start(self, tensor: torch.Tensor) -> Any:
+        import torch.distributed as dist
+
+        return dist.broadcast(tensor, src=0, group=self.group, async_op=True)
 
     def _drop_group(self) -> None:
         if self.group is not None:
@@ -154,3 +207,10 @@ class NcclWeightSender:
     def close(self) -> None:
         self._drop_group()
         self._socket.close()
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a 1-D uint8 tensor (no copy)."""
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8)
