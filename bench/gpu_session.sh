@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# GPU measurements (issues 4, 5, 7), as run on a 4-GPU H200 machine through the device tool.
-#   bash bench/gpu_session.sh tests     # the CUDA/NCCL tests (TP and DP trainer, engine on CUDA)
-#   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3
-#   bash bench/gpu_session.sh benches   # trainer MFU (GPU 0); NCCL weight sync (GPUs 0 -> 1, 2)
+# GPU measurements (issues 4, 5, 7), as run on H200 machines through the device tool.
+#   bash bench/gpu_session.sh tests     # the CUDA/NCCL tests (TP and DP trainer, engine on CUDA): 2 GPUs
+#   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3: 4 GPUs
+#   bash bench/gpu_session.sh benches   # trainer MFU (GPU 0); NCCL weight sync GPU 0 -> 1 (and 2 if there)
 #   bash bench/gpu_session.sh all       # all three, each part under its own time limit
 #   bash bench/gpu_session.sh tests run # several parts, in that order
 # Wheels for what the machine lacks are expected in .whl/ (see DEVELOPERS notes); results go
@@ -49,12 +49,14 @@ tests)
     ;;
 benches)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    timeout 150 python3 bench/trainer_throughput.py --device cuda --bf16 --hidden-size 2048 --num-layers 16 \
+    timeout 300 python3 bench/trainer_throughput.py --device cuda --bf16 --hidden-size 2048 --num-layers 16 \
         --num-heads 16 --num-kv-heads 8 --ffn-hidden-size 5632 --vocab-size 32000 \
         --num-samples 256 --prompt-len 128 --mean-response-len 512 --max-response-len 4096 \
         --max-tokens-per-gpu 16384 --micro-batch-size 4 2>&1 | tail -25 | tee "$OUT/trainer_throughput.txt"
-    timeout 200 python3 bench/weight_sync.py --device cuda --transport nccl --dtype bfloat16 \
-        --size-gb 2 16 --engines 1 2 --repeats 3 2>&1 | tail -12 | tee "$OUT/weight_sync.txt"
+    engines="1"
+    [ "$(nvidia-smi -L | wc -l)" -ge 3 ] && engines="1 2"
+    timeout 300 python3 bench/weight_sync.py --device cuda --transport nccl --dtype bfloat16 \
+        --size-gb 2 16 --engines $engines --repeats 3 2>&1 | tail -12 | tee "$OUT/weight_sync.txt"
     ;;
 run)
     up gpu-async 1
