@@ -2,17 +2,19 @@
 # GPU measurements (issues 4, 5, 7), as run on H200 machines through the device tool.
 #   bash bench/gpu_session.sh tests     # the CUDA/NCCL tests (TP and DP trainer, engine on CUDA): 2 GPUs
 #   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3: 4 GPUs
-#   bash bench/gpu_session.sh benches   # trainer MFU (GPU 0); NCCL weight sync GPU 0 -> 1 (and 2 if there)
-#   bash bench/gpu_session.sh all       # all three, each part under its own time limit
+#   bash bench/gpu_session.sh mfu       # trainer tokens/s and MFU, packed vs padded (GPU 0)
+#   bash bench/gpu_session.sh sync      # NCCL weight sync GPU 0 -> 1 (and 2 if there) vs raw broadcast
+#   bash bench/gpu_session.sh benches   # mfu, then sync
+#   bash bench/gpu_session.sh all       # tests, run, benches; each part under its own time limit
 #   bash bench/gpu_session.sh tests run # several parts, in that order
 # Wheels for what the machine lacks are expected in .whl/ (see DEVELOPERS notes); results go
 # to $OUT (or /tmp/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage() { echo "usage: $0 tests|run|benches|all ..." >&2; exit 2; }
+usage() { echo "usage: $0 tests|run|mfu|sync|benches|all ..." >&2; exit 2; }
 [ $# -gt 0 ] || usage
 for name in "$@"; do
-    case "$name" in tests|run|benches|all) ;; *) usage ;; esac
+    case "$name" in tests|run|mfu|sync|benches|all) ;; *) usage ;; esac
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >/dev/null || exit 1
@@ -47,16 +49,27 @@ tests)
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_trainer_parallel.py \
         tests/test_engine_cuda.py tests/test_engine_models.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
     ;;
-benches)
+mfu)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     timeout 300 python3 bench/trainer_throughput.py --device cuda --bf16 --hidden-size 2048 --num-layers 16 \
         --num-heads 16 --num-kv-heads 8 --ffn-hidden-size 5632 --vocab-size 32000 \
         --num-samples 256 --prompt-len 128 --mean-response-len 512 --max-response-len 4096 \
-        --max-tokens-per-gpu 16384 --micro-batch-size 4 2>&1 | tail -25 | tee "$OUT/trainer_throughput.txt"
+        --max-tokens-per-gpu 16384 --micro-batch-size 4 2>&1 | grep -v -i warn | tail -12 \
+        | tee "$OUT/trainer_throughput.txt"
+    ;;
+sync)
     engines="1"
     [ "$(nvidia-smi -L | wc -l)" -ge 3 ] && engines="1 2"
-    timeout 300 python3 bench/weight_sync.py --device cuda --transport nccl --dtype bfloat16 \
-        --size-gb 2 16 --engines $engines --repeats 3 2>&1 | tail -12 | tee "$OUT/weight_sync.txt"
+    timeout 240 python3 bench/weight_sync.py --device cuda --transport nccl --dtype bfloat16 \
+        --size-gb 2 16 --engines $engines --repeats 3 --source megatron 2>&1 | grep -v -i warn \
+        | tail -8 | tee "$OUT/weight_sync.txt"
+    timeout 120 python3 bench/weight_sync.py --device cuda --transport nccl --dtype bfloat16 \
+        --size-gb 16 --engines 1 --repeats 3 2>&1 | tail -3 | tee -a "$OUT/weight_sync.txt"
+    tail -c 6000 /tmp/tandem-bench-sync/broker.log > "$OUT/sync-broker.log"
+    ;;
+benches)
+    part mfu
+    part sync
     ;;
 run)
     up gpu-async 1

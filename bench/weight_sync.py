@@ -10,8 +10,11 @@ Measured in one run, on a synthetic Llama (real parameter names, `--size-gb` of 
 CPU, one host (ZMQ carries headers, the payload goes through /dev/shm; `--transport zmq`
 sends it in ZMQ frames instead):
     python bench/weight_sync.py --size-gb 1
-CUDA, NCCL transport (trainer on GPU 0, engines on GPUs 1 and 2):
-    python bench/weight_sync.py --device cuda --transport nccl --dtype bfloat16 --size-gb 2 16
+CUDA, NCCL transport (trainer on GPU 0, engines on GPUs 1 and 2, started with random weights
+of the right shapes, `--load-format dummy`); `--source megatron` starts each version from a
+megatron model on GPU 0, so the timing includes the trainer's conversion to HF names too:
+    python bench/weight_sync.py --device cuda --transport nccl --dtype bfloat16 --size-gb 2 16 \
+        --source megatron
 (`--nccl-load-format per_tensor` measures one broadcast per tensor, as for older SGLang.)
 Last line: `sync_vs_limit_1_engine: RATIO` (limit time / sync time, higher is better).
 """
@@ -28,6 +31,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -56,6 +60,11 @@ def parse_args() -> argparse.Namespace:
         choices=["flattened_bucket", "per_tensor"],
         help="nccl transport: the broker's --nccl-load-format",
     )
+    p.add_argument(
+        "--source", default="hf", choices=["hf", "megatron"],
+        help="hf: HF-named tensors ready on the trainer side; megatron: each version is "
+        "exported from a megatron model (TP=1) inside the timed region, as the trainer does",
+    )  # fmt: skip
     p.add_argument("--engines", type=int, nargs="+", default=[1, 2], help="engine counts to run")
     p.add_argument("--repeats", type=int, default=3, help="versions sent per setting (median)")
     p.add_argument("--bucket-mb", type=int, default=512)
@@ -63,8 +72,9 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def synthetic_model(root: Path, size_gb: float, dtype: str) -> Path:
-    """An HF Llama directory of about `size_gb` GiB (layers of hidden 2048), built once."""
+def synthetic_model(root: Path, size_gb: float, dtype: str, weights: bool = True) -> Path:
+    """An HF Llama directory of about `size_gb` GiB (layers of hidden 2048), built once;
+    without `weights`, only its config and tokenizer (for engines with `--load-format dummy`)."""
     from safetensors.torch import save_file
 
     from tandem.toy_model import build_tokenizer
@@ -74,8 +84,8 @@ def synthetic_model(root: Path, size_gb: float, dtype: str) -> Path:
         2 * HIDDEN * HIDDEN + 2 * HIDDEN * HIDDEN * KV // HEADS + 3 * HIDDEN * INTER
     ) * elem
     layers = max(1, round(size_gb * 2**30 / per_layer))
-    out = root / f"llama-{layers}l-{dtype}"
-    if (out / "model.safetensors").exists():
+    out = root / f"llama-{layers}l-{dtype}{'' if weights else '-config'}"
+    if (out / ("model.safetensors" if weights else "config.json")).exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
@@ -90,6 +100,8 @@ def synthetic_model(root: Path, size_gb: float, dtype: str) -> Path:
     }  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=1))
     tokenizer.save_pretrained(out)
+    if not weights:
+        return out
     save_file(
         {name: t for name, t in synthetic_tensors(layers, vocab, getattr(torch, dtype), "cpu")},
         str(out / "model.safetensors"),
@@ -189,13 +201,28 @@ def limit_seconds(args: argparse.Namespace, tensors: list, nbytes: int) -> float
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def sync_seconds(args: argparse.Namespace, model: Path, tensors: list, n: int, work: Path) -> float:
+def megatron_export(model_dir: Path, dtype: str):  # type: ignore[no-untyped-def]
+    """A megatron model shaped like `model_dir`'s config on this GPU, and the trainer's export
+    of its weights to HF names (TP=1, on the device: what the NCCL path sends)."""
+    from services.trainer import hf_convert
+    from services.trainer.policy import init_distributed
+
+    init_distributed(tp_size=1, seed=0)
+    arch = hf_convert.arch_from_config(json.loads((model_dir / "config.json").read_text()))
+    config = hf_convert.transformer_config(arch, 1, bf16=dtype == "bfloat16")
+    model = hf_convert.build_gpt_model(arch, config, 128)
+    return lambda: hf_convert.export_hf(model, arch, on_device=True)
+
+
+def sync_seconds(args: argparse.Namespace, model: Path, tensors, n: int, work: Path) -> float:  # type: ignore[no-untyped-def]
+    """Median seconds per version; `tensors` is the list to send, or a function making it."""
     from services.weight_broker.nccl_sender import NcclWeightSender
     from services.weight_broker.zmq_transport import ZmqWeightSender
 
+    dummy = ["--load-format", "dummy"] if args.device == "cuda" else []
     engines = [
         Proc(f"engine{i}", ["engine", "--model", str(model), "--device", args.device,
-                            "--update-timeout-s", "600"], work,
+                            "--update-timeout-s", "600", *dummy], work,
              {"CUDA_VISIBLE_DEVICES": str(i + 1)} if args.device == "cuda" else None)
         for i in range(n)
     ]  # fmt: skip
@@ -210,7 +237,9 @@ def sync_seconds(args: argparse.Namespace, model: Path, tensors: list, n: int, w
         info = broker.wait()
         bucket = args.bucket_mb * 2**20
         if args.transport == "nccl":
-            sender = NcclWeightSender(info["intake_endpoint"], bucket_bytes=bucket, timeout_s=600)
+            sender: Any = NcclWeightSender(
+                info["intake_endpoint"], bucket_bytes=bucket, timeout_s=600
+            )
         else:
             shm = "/dev/shm" if args.transport == "shm" else None
             sender = ZmqWeightSender(
@@ -219,7 +248,7 @@ def sync_seconds(args: argparse.Namespace, model: Path, tensors: list, n: int, w
         times = []
         for version in range(1, args.repeats + 2):  # the first version (group set-up) is warm-up
             start = time.perf_counter()
-            sender.send(version, tensors)
+            sender.send(version, tensors() if callable(tensors) else tensors)
             while not all(
                 e["version"] == version for e in get_json(f"{info['url']}/state")["engines"]
             ):
@@ -239,18 +268,23 @@ def main() -> int:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     headline = float("nan")
-    print(f"device {args.device}, transport {args.transport}, dtype {args.dtype}")
+    print(f"device {args.device}, transport {args.transport}, dtype {args.dtype}, "
+          f"source {args.source}")  # fmt: skip
     print(
         f"{'size':>8} {'engines':>7} {'sync s':>8} {'GB/s':>7} {'limit s':>8} {'limit GB/s':>10} {'sync/limit':>10}"
     )
     for size in args.size_gb:
-        model = synthetic_model(work, size, args.dtype)
+        model = synthetic_model(work, size, args.dtype, weights=args.device == "cpu")
         config = json.loads((model / "config.json").read_text())
         device = "cuda:0" if args.device == "cuda" else "cpu"
-        tensors = list(synthetic_tensors(config["num_hidden_layers"], config["vocab_size"],
-                                         getattr(torch, args.dtype), device, seed=1))  # fmt: skip
-        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        limit = limit_seconds(args, tensors, nbytes)
+        if args.source == "megatron":
+            tensors = megatron_export(model, args.dtype)
+            nbytes = sum(t.numel() * t.element_size() for _, t in tensors())
+        else:
+            tensors = list(synthetic_tensors(config["num_hidden_layers"], config["vocab_size"],
+                                             getattr(torch, args.dtype), device, seed=1))  # fmt: skip
+            nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        limit = limit_seconds(args, tensors if isinstance(tensors, list) else tensors(), nbytes)
         one = None
         for n in args.engines:
             seconds = sync_seconds(args, model, tensors, n, work)

@@ -103,3 +103,24 @@ def test_long_prompts_prefilled_alone_keep_their_order_and_match_transformers(
             worst, float((ref[0] - logits[i]).abs().max()), float((ref[1] - after[i]).abs().max())
         )
     assert worst < 1e-4
+
+
+def test_dummy_load_format_reads_no_weights_and_serves_them_once_updated(tmp_path: Path) -> None:
+    import shutil
+
+    from services.engine.weights import read_checkpoint
+
+    real = write(tmp_path / "real", "qwen2_with_biases")
+    bare = tmp_path / "bare"  # config and tokenizer only, as a benchmark ships it
+    shutil.copytree(real, bare, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    with pytest.raises(OSError):
+        ModelRunner(str(bare), "", "cpu", "float32")  # auto must read weights, and finds none
+    dummy = ModelRunner(str(bare), "", "cpu", "float32", load_format="dummy")
+    loaded = ModelRunner(str(real), "", "cpu", "float32")
+    assert dummy.parameter_shapes() == loaded.parameter_shapes()
+    prompt = [[1, 4, 5, 6, 14]]
+    assert not torch.equal(dummy.prefill(prompt)[0], loaded.prefill(prompt)[0])
+    weights = read_checkpoint(str(real))
+    dummy.check_weights((n, t.shape) for n, t in weights)
+    dummy.load_weights(weights)
+    torch.testing.assert_close(dummy.prefill(prompt)[0], loaded.prefill(prompt)[0])

@@ -25,6 +25,15 @@ class EngineConfig:
             "choices": ["auto", "float32", "bfloat16", "float16"],
         },
     )
+    load_format: str = field(
+        default="auto",
+        metadata={
+            "help": "auto = read the model directory's weights; dummy = random weights of the "
+            "config's shapes, nothing read (as SGLang's --load-format dummy): for benchmarks "
+            "whose weights arrive by a weight update",
+            "choices": ["auto", "dummy"],
+        },
+    )
     weight_version: str = field(
         default="0", metadata={"help": "weight version reported until the first weight update"}
     )

@@ -33,7 +33,9 @@ class Engine:
         config.validate()
         torch.set_num_threads(config.num_threads)
         self.config = config
-        self.runner = ModelRunner(config.model, config.tokenizer, config.device, config.dtype)
+        self.runner = ModelRunner(
+            config.model, config.tokenizer, config.device, config.dtype, config.load_format
+        )
         context = config.context_length or self.runner.max_position
         self.context_length = min(context, self.runner.max_position)
         self.max_total_tokens = int(config.kv_cache_gb * 2**30 / self.runner.kv_bytes_per_token)

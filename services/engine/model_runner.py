@@ -101,7 +101,14 @@ def _pad_capacity(t: torch.Tensor, capacity: int) -> torch.Tensor:
 class ModelRunner:
     """Owns the model and tokenizer; runs prefill and decode forwards over a `KVCache`."""
 
-    def __init__(self, model_path: str, tokenizer_path: str, device: str, dtype: str) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer_path: str,
+        device: str,
+        dtype: str,
+        load_format: str = "auto",
+    ) -> None:
         from transformers import AutoTokenizer
 
         if not Path(model_path, "config.json").exists():
@@ -121,7 +128,7 @@ class ModelRunner:
         # A second instance for the generation thread (stop strings): a fast tokenizer must not
         # be used from two threads at once, and HTTP handlers use `tokenizer` concurrently.
         self.stop_tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
-        self.model = self._load(model_path)
+        self.model = self._load(model_path, load_format == "dummy")
         # Looked up on every weight update (a state_dict() of a large model costs milliseconds).
         # Updates change a parameter's `.data`, never the Parameter object or its shape.
         self._params = dict(self.model.named_parameters())
@@ -143,12 +150,19 @@ class ModelRunner:
             # within the window, sliding-window attention is full attention: stay inside it
             self.max_position = min(self.max_position, int(window))
 
-    def _load(self, path: str) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+    def _load(self, path: str, dummy: bool) -> torch.nn.Module:
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=self.dtype, attn_implementation="sdpa"
-        )
+        if dummy:  # random init, directly on the device: nothing read, no host round trip
+            config = AutoConfig.from_pretrained(path)
+            with self.device:
+                model = AutoModelForCausalLM.from_config(
+                    config, dtype=self.dtype, attn_implementation="sdpa"
+                )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=self.dtype, attn_implementation="sdpa"
+            )
         model_type = getattr(model.config, "model_type", "?")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
