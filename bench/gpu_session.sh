@@ -57,15 +57,16 @@ mfu)
         --max-tokens-per-gpu 16384 --micro-batch-size 4 2>&1 | grep -v -i warn | tail -12 \
         | tee "$OUT/trainer_throughput.txt"
     ;;
-sync)
+sync)  # a hang dumps the bench's Python stacks (SIGABRT + faulthandler); logs go to $OUT
     engines="1"
     [ "$(nvidia-smi -L | wc -l)" -ge 3 ] && engines="1 2"
-    timeout 240 python3 bench/weight_sync.py --device cuda --transport nccl --dtype bfloat16 \
-        --size-gb 2 16 --engines $engines --repeats 3 --source megatron 2>&1 | grep -v -i warn \
-        | tail -8 | tee "$OUT/weight_sync.txt"
-    timeout 120 python3 bench/weight_sync.py --device cuda --transport nccl --dtype bfloat16 \
-        --size-gb 16 --engines 1 --repeats 3 2>&1 | tail -3 | tee -a "$OUT/weight_sync.txt"
-    tail -c 6000 /tmp/tandem-bench-sync/broker.log > "$OUT/sync-broker.log"
+    PYTHONFAULTHANDLER=1 timeout -s ABRT 150 python3 bench/weight_sync.py --device cuda \
+        --transport nccl --dtype bfloat16 --size-gb 2 16 --engines 1 --repeats 3 --timeout-s 60 \
+        2>&1 | grep -v -i warn | tail -40 | tee "$OUT/weight_sync.txt"
+    PYTHONFAULTHANDLER=1 timeout -s ABRT 240 python3 bench/weight_sync.py --device cuda \
+        --transport nccl --dtype bfloat16 --size-gb 2 16 --engines $engines --repeats 3 \
+        --timeout-s 60 --source megatron 2>&1 | grep -v -i warn | tail -40 | tee -a "$OUT/weight_sync.txt"
+    for f in /tmp/tandem-bench-sync/*.log; do tail -c 3000 "$f"; done > "$OUT/sync-logs.txt"
     ;;
 benches)
     part mfu

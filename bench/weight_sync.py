@@ -68,6 +68,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engines", type=int, nargs="+", default=[1, 2], help="engine counts to run")
     p.add_argument("--repeats", type=int, default=3, help="versions sent per setting (median)")
     p.add_argument("--bucket-mb", type=int, default=512)
+    p.add_argument(
+        "--timeout-s", type=float, default=120, help="bound of every wait (a hang fails)"
+    )
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tandem-bench-sync"))
     return p.parse_args()
 
@@ -172,6 +175,14 @@ class Proc:
             self.proc.kill()
 
 
+_T0 = time.monotonic()
+
+
+def progress(message: str) -> None:
+    """Progress on stderr (the table stays on stdout)."""
+    print(f"[{time.monotonic() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
 def get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=30) as resp:
         return json.load(resp)
@@ -194,7 +205,7 @@ def limit_seconds(args: argparse.Namespace, tensors: list, nbytes: int) -> float
     script = Path(__file__).with_name("nccl_broadcast_peer.py")
     out = subprocess.run(
         [sys.executable, str(script), "--nbytes", str(nbytes), "--repeats", str(args.repeats)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=args.timeout_s * 2,
     )  # fmt: skip
     if out.returncode != 0:
         raise RuntimeError(f"raw broadcast failed:\n{out.stdout}\n{out.stderr}")
@@ -222,28 +233,30 @@ def sync_seconds(args: argparse.Namespace, model: Path, tensors, n: int, work: P
     dummy = ["--load-format", "dummy"] if args.device == "cuda" else []
     engines = [
         Proc(f"engine{i}", ["engine", "--model", str(model), "--device", args.device,
-                            "--update-timeout-s", "600", *dummy], work,
+                            "--update-timeout-s", str(args.timeout_s), *dummy], work,
              {"CUDA_VISIBLE_DEVICES": str(i + 1)} if args.device == "cuda" else None)
         for i in range(n)
     ]  # fmt: skip
     procs: list[Proc] = list(engines)
     try:
-        urls = [e.wait()["url"] for e in engines]
+        urls = [e.wait(args.timeout_s)["url"] for e in engines]
+        progress(f"{n} engine(s) ready")
         transport = "nccl" if args.transport == "nccl" else "zmq"
         load_format = ["--nccl-load-format", args.nccl_load_format] if transport == "nccl" else []
-        broker = Proc("broker", ["broker", "--transport", transport, "--sync-timeout-s", "600",
+        broker = Proc("broker", ["broker", "--transport", transport, "--sync-timeout-s", str(args.timeout_s),
                                  *load_format, "--engine-urls", *urls], work)  # fmt: skip
         procs.append(broker)
-        info = broker.wait()
+        info = broker.wait(args.timeout_s)
+        progress("broker ready")
         bucket = args.bucket_mb * 2**20
         if args.transport == "nccl":
             sender: Any = NcclWeightSender(
-                info["intake_endpoint"], bucket_bytes=bucket, timeout_s=600
+                info["intake_endpoint"], bucket_bytes=bucket, timeout_s=args.timeout_s
             )
         else:
             shm = "/dev/shm" if args.transport == "shm" else None
             sender = ZmqWeightSender(
-                info["intake_endpoint"], bucket_bytes=bucket, timeout_s=600, shm_dir=shm
+                info["intake_endpoint"], bucket_bytes=bucket, timeout_s=args.timeout_s, shm_dir=shm
             )
         times = []
         for version in range(1, args.repeats + 2):  # the first version (group set-up) is warm-up
@@ -253,6 +266,7 @@ def sync_seconds(args: argparse.Namespace, model: Path, tensors, n: int, work: P
                 e["version"] == version for e in get_json(f"{info['url']}/state")["engines"]
             ):
                 time.sleep(0.002)
+            progress(f"version {version}: {time.perf_counter() - start:.3f}s")
             if version > 1:
                 times.append(time.perf_counter() - start)
         sender.close()
@@ -284,7 +298,9 @@ def main() -> int:
             tensors = list(synthetic_tensors(config["num_hidden_layers"], config["vocab_size"],
                                              getattr(torch, args.dtype), device, seed=1))  # fmt: skip
             nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        progress(f"{nbytes / 2**30:.2f} GiB of weights ready ({args.source}); measuring the limit")
         limit = limit_seconds(args, tensors if isinstance(tensors, list) else tensors(), nbytes)
+        progress(f"limit {limit:.4f}s")
         one = None
         for n in args.engines:
             seconds = sync_seconds(args, model, tensors, n, work)
