@@ -52,7 +52,7 @@ import torch
 
 from services.engine.model_runner import ModelRunner, WeightError
 from services.engine.scheduler import Scheduler
-from services.weight_broker.process_group import join_group
+from services.weight_broker.process_group import join_group, leave_group
 
 log = logging.getLogger(__name__)
 
@@ -212,13 +212,11 @@ class WeightUpdater:
             if self._group is None:
                 raise UpdateError("no weight update group to destroy", 400)
             group, self._group = self._group, None
-            await self._in_thread(
-                lambda: torch.distributed.destroy_process_group(group), "leaving the group"
-            )
+            await self._in_thread(lambda: leave_group(group), "leaving the group")
 
     def _join(self, body: dict[str, Any], backend: str) -> None:
         if self._group is not None:
-            torch.distributed.destroy_process_group(self._group)
+            leave_group(self._group)
             self._group = None
         self._group = join_group(
             body["master_address"], int(body["master_port"]), int(body.get("rank_offset", 1)),

@@ -42,6 +42,16 @@ def join_group(
 
 
 def leave_group(group: Any) -> None:
-    import torch.distributed as dist
+    """Leave a weight group without waiting for its other ranks.
 
-    dist.destroy_process_group(group)
+    On NCCL, `destroy_process_group` waits for every peer to tear the communicator down too
+    (seen on H200s: a trainer closing its sender hung while its engines served on), and a
+    peer that died never does. Aborting is local: the peers' next collective on the group
+    fails, and the broker forms a fresh group for the next version anyway."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if dist.get_backend(group) == "nccl" and hasattr(c10d, "_abort_process_group"):
+        c10d._abort_process_group(group)
+    else:
+        dist.destroy_process_group(group)
