@@ -266,10 +266,16 @@ def sync_seconds(args: argparse.Namespace, model: Path, tensors, n: int, work: P
                 e["version"] == version for e in get_json(f"{info['url']}/state")["engines"]
             ):
                 time.sleep(0.002)
-            progress(f"version {version}: {time.perf_counter() - start:.3f}s")
+            broadcast = getattr(sender, "broadcast_s", 0.0)
+            progress(f"version {version}: {time.perf_counter() - start:.3f}s "
+                     f"(trainer's broadcasts {broadcast:.3f}s)")  # fmt: skip
             if version > 1:
                 times.append(time.perf_counter() - start)
         sender.close()
+        for engine in engines:  # the engines' own account of receiving and applying
+            lines = Path(engine.log.name).read_text(errors="replace").splitlines()
+            for line in [x for x in lines if "weights:" in x or "received" in x][-3:]:
+                progress(f"{engine.name}: {line.strip()[-120:]}")
         return statistics.median(times)
     finally:
         for proc in reversed(procs):

@@ -249,7 +249,10 @@ class WeightUpdater:
             receive = functools.partial(self._receive_flat, layout, bucket_sizes)
         async with self._lock:
             try:
+                started = time.monotonic()
                 tensors = await self._in_thread(receive, "receiving broadcast weights")
+                log.info("weights: received %d tensors by broadcast in %.3fs", len(tensors),
+                         time.monotonic() - started)  # fmt: skip
             except UpdateError:
                 raise
             except RuntimeError as exc:  # e.g. a peer left mid-collective

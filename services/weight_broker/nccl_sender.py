@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,7 @@ class NcclWeightSender:
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.group: Any = None
+        self.broadcast_s = 0.0  # last version: from the broker's command to the last byte sent
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(control_endpoint)
@@ -143,6 +145,7 @@ class NcclWeightSender:
         ack = NcclAck(
             version=command.version, attempt=command.attempt, bucket=command.bucket, ok=True
         )
+        started = time.perf_counter()
         try:
             if self.group is None:
                 raise RuntimeError("not in a weight group (joining it failed)")
@@ -161,6 +164,7 @@ class NcclWeightSender:
             ack.ok, ack.error = False, str(exc)
             self._drop_group()
         self._socket.send(encode(ack))
+        self.broadcast_s = time.perf_counter() - started
         return sum(t.numel() * t.element_size() for b in buckets for _, t in b) if ack.ok else 0
 
     def _broadcast_flat(self, buckets: Buckets) -> list[Any]:
