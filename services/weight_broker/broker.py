@@ -11,9 +11,12 @@ Ordering contract (each arrow is checked by tests/test_broker_*.py):
      arrive meanwhile wait), fetches N's buckets (ZMQ DEALER -> our ROUTER), checks every name
      and shape before copying any tensor, flushes its cache, resumes, and from then on reports
      `weight_version` N in every response. No response mixes weights of two versions.
-     NCCL (nccl_coordinator.py): the broker pauses every engine instead, the trainer
-     broadcasts the whole version, and each engine applies it at once (Tandem's engine) or
-     bucket by bucket while paused (SGLang), then resumes.
+     NCCL (nccl_coordinator.py): the trainer broadcasts the whole version. SGLang servers are
+     paused first and apply it bucket by bucket, then resume. Tandem's engine receives it
+     into memory of its own while it keeps generating, then applies it at once; in pause mode
+     `abort` it ends the requests still running at that moment (partial output, continued by
+     the router on version N) instead of being paused, and in mode `in_place` it is paused
+     like SGLang.
   4. Once an engine acknowledged N, its version is N here; `version:engines` in Redis is set to
      the minimum version over engines in rotation, which the router uses as its staleness gate.
   5. An engine that fails or exceeds `sync_timeout_s` is taken out of rotation (reported in

@@ -6,7 +6,12 @@ endpoint). For one version, in this order:
      read every engine's `/get_server_info` (TP size; whether it takes `bucket_sizes`), answer
      `init` to the trainer and, concurrently, POST `/init_weights_update_group` to every engine
      in rotation (rank_offset = 1 + the TP ranks before it; world = 1 + all TP ranks).
-  2. Pause generation on every engine (`/pause_generation`, configured mode) unless mode "none".
+  2. Pause generation (`/pause_generation`, configured mode) unless mode "none". An engine that
+     takes a whole version per request (below) in mode "abort" is not paused: it keeps
+     generating on the old weights while the version arrives in memory of its own, and its
+     request carries `abort_all_requests`, so it ends the requests still running (partial
+     output, for the router to continue) at the moment it applies the version. That saves two
+     HTTP round trips per version and the pause's idle time.
   3. Transfer, with one command to the trainer for the whole version:
      - an engine that advertises `weight_update_bucket_sizes` (Tandem's engine) gets ONE POST
        `/update_weights_from_distributed` with every name, dtype and shape of the version, the
@@ -18,7 +23,8 @@ endpoint). For one version, in this order:
        to send every bucket back to back; the engines' requests join those collectives in
        order as they arrive.
      Then wait for the trainer's single ack and for every engine's POST (or chain) to answer.
-  4. `/continue_generation`, then `done` to the trainer; engines are on the version.
+  4. `/continue_generation` to the engines paused in 2, then `done` to the trainer; engines
+     are on the version.
 A failure or timeout anywhere takes the failing engine out of rotation, answers `abort` to the
 trainer (the other engines keep serving the version they had or, where a chain or a whole
 version completed, the new one) and forces a fresh group for the next version. No step waits
@@ -52,6 +58,10 @@ from services.weight_broker.store import header_nbytes
 log = logging.getLogger("tandem.broker.nccl")
 # Tries per version: the first, plus one with a fresh group if an engine failed during it.
 MAX_ATTEMPTS = 2
+
+
+class EngineAnswerError(RuntimeError):
+    """An engine answered a request with an error (it is alive and reachable)."""
 
 
 class NcclCoordinator:
@@ -125,15 +135,25 @@ class NcclCoordinator:
 
     async def _attempt(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
         paused = False
+        paused_engines: list[EngineState] = []
+        marks = [time.monotonic()]
         try:
             if [e.url for e in engines] != self.members:
                 await self._form_group(session, identity, offer, engines, attempt)
-            await self._each(session, engines, self._pause)
+            marks.append(time.monotonic())
+            paused_engines = [e for e in engines if not self._applies_with_abort(e)]
+            await self._each(session, paused_engines, self._pause)
             paused = True
+            marks.append(time.monotonic())
             await self._transfer(session, identity, offer, engines, attempt)
+            marks.append(time.monotonic())
         finally:
             if paused:  # engines that failed are out of rotation; resume the others
-                await self._each(session, engines, self._continue, ignore_errors=True)
+                await self._each(session, paused_engines, self._continue, ignore_errors=True)
+        marks.append(time.monotonic())
+        steps = zip(("group", "pause", "transfer", "continue"), marks, marks[1:], strict=False)
+        log.info("version %d phases: %s", offer.version,
+                 ", ".join(f"{name} {1e3 * (b - a):.1f} ms" for name, a, b in steps))  # fmt: skip
 
     def _finish(self, offer: NcclOffer, engines: list[EngineState], elapsed_s: float) -> None:
         nbytes = sum(
@@ -218,11 +238,17 @@ class NcclCoordinator:
             body["load_format"] = "flattened_bucket"
         return body
 
+    def _applies_with_abort(self, engine: EngineState) -> bool:
+        """Whether this engine's version update replaces the pause (see step 2 above)."""
+        return self.pause_mode == "abort" and bool(self._whole_version.get(engine.url))
+
     async def _post_version(self, session, engine, offer, buckets) -> None:  # type: ignore[no-untyped-def]
         """The whole version in one request (engines that take `bucket_sizes`)."""
         body = self._update_body(offer, [m for b in buckets for m in b], flush_cache=True)
         if self.load_format == "flattened_bucket":
             body["bucket_sizes"] = [len(b) for b in buckets if b]
+        if self._applies_with_abort(engine):
+            body["abort_all_requests"] = True
         await self._post(session, engine, "/update_weights_from_distributed", body)
 
     async def _post_chain(self, session, engine, offer, buckets) -> None:  # type: ignore[no-untyped-def]
@@ -280,7 +306,11 @@ class NcclCoordinator:
         failed = [
             (e, r) for e, r in zip(engines, results, strict=True) if isinstance(r, BaseException)
         ]
-        for engine, error in failed:
+        # A collective breaks for every member when one hangs or dies: the others answer an
+        # error ("broadcast failed, weights unchanged"). Blame only the engines that did not
+        # answer; those that did stay in rotation for the retry with a fresh group.
+        silent = [(e, r) for e, r in failed if not isinstance(r, EngineAnswerError)]
+        for engine, error in silent or failed:
             self.broker.mark_failed(engine, f"NCCL update failed: {error!r}")
         if failed:
             raise RuntimeError("; ".join(f"{e.url}: {r!r}" for e, r in failed))
@@ -291,7 +321,7 @@ class NcclCoordinator:
         async with session.post(f"{engine.url}{path}", json=body, timeout=timeout) as resp:
             reply = await resp.json(content_type=None)
             if resp.status != 200 or (isinstance(reply, dict) and reply.get("success") is False):
-                raise RuntimeError(f"{path} answered HTTP {resp.status}: {reply}")
+                raise EngineAnswerError(f"{path} answered HTTP {resp.status}: {reply}")
             return reply if isinstance(reply, dict) else {}
 
     async def _get(self, session, url: str) -> dict:  # type: ignore[no-untyped-def]

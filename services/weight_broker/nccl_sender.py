@@ -48,6 +48,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.weights.nccl")
 
 
+def _sendable(name: str, tensor: torch.Tensor, device: Any) -> tuple[str, torch.Tensor]:
+    """The tensor as broadcast: contiguous, without autograd, on `device` (None = where it is).
+    Each step only when needed: a version has thousands of tensors, and `detach()` or
+    `contiguous()` on every one of them costs milliseconds of the sync."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if device is not None and tensor.device != device:
+        tensor = tensor.to(device)
+    return name, tensor
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -82,12 +95,10 @@ class NcclWeightSender:
         # The backend follows the machine, not where the export left the tensors: engines on
         # GPUs join with NCCL, so a GPU trainer must broadcast CUDA tensors with NCCL too.
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         buckets = group_by_bytes(
-            ((n, t.detach().contiguous()) for n, t in named_tensors), self.bucket_bytes
+            (_sendable(n, t, device) for n, t in named_tensors), self.bucket_bytes
         )
-        if backend == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-            buckets = [[(n, t.to(device)) for n, t in bucket] for bucket in buckets]
         port = _free_port(self.master_address)
         offer = NcclOffer(
             version=version,

@@ -80,7 +80,7 @@ def group_by_bytes(
     groups: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         if groups[-1] and size + nbytes > bucket_bytes:
             groups.append([])
             size = 0
