@@ -12,6 +12,7 @@ Does not know: checkpoints on disk beyond `model.safetensors` shards, training, 
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -324,6 +325,18 @@ def load_hf_into_model(model: GPTModel, arch: HfArch, hf: dict[str, torch.Tensor
             param.copy_(shard(name, full[name], rank, size).to(param.dtype))
 
 
+# Parameters by module, kept while the module lives (an optimizer step changes their data,
+# never the Parameter objects).
+_named_parameters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _dense(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`t` in `dtype`, contiguous; each conversion only when needed (thousands of tensors)."""
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def export_hf(
     model: GPTModel, arch: HfArch, dtype: torch.dtype | None = None, on_device: bool = False
 ) -> list[tuple[str, torch.Tensor]]:
@@ -335,7 +348,9 @@ def export_hf(
     _, size = _tp()
     full: dict[str, torch.Tensor] = {}
     group = parallel_state.get_tensor_model_parallel_group() if size > 1 else None
-    for name, param in model.named_parameters():
+    if model not in _named_parameters:  # the walk over megatron's module tree costs ms
+        _named_parameters[model] = list(model.named_parameters())
+    for name, param in _named_parameters[model]:
         local = param.detach()
         if size > 1 and _shard_dim(name) is not None:
             pieces = [torch.empty_like(local) for _ in range(size)]
@@ -343,9 +358,7 @@ def export_hf(
             local = unshard(name, pieces)
         full[name] = local
     if on_device:
-        return [
-            (n, t.to(dtype or t.dtype).contiguous()) for n, t in megatron_full_to_hf(arch, full)
-        ]
+        return [(n, _dense(t, dtype)) for n, t in megatron_full_to_hf(arch, full)]
     return [
         (n, t.to(dtype or t.dtype).contiguous().cpu().clone())
         for n, t in megatron_full_to_hf(arch, full)
