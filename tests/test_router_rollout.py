@@ -56,8 +56,11 @@ def test_staleness_gate_holds_the_next_batch_until_engines_version_is_high_enoug
     buffer, toy_model_dir, start_service, engines
 ):
     urls = [engines().url, engines().url]
+    # No held-out evaluation: at each new version it would compete with batch 2 for the engines
+    # (on a busy 2-core CI machine it delayed the batch past the wait below).
     router = start_service(
-        "router", router_args(buffer, toy_model_dir, urls, "--max-staleness", "1")
+        "router",
+        router_args(buffer, toy_model_dir, urls, "--max-staleness", "1", "--eval-interval", "0"),
     )
     status = wait_until(
         lambda: (
@@ -74,6 +77,7 @@ def test_staleness_gate_holds_the_next_batch_until_engines_version_is_high_enoug
         lambda: (g := [g for g in read_all(buffer) if g.group_id.startswith("b2-")])
         and len(g) >= 4 and g,
         "all of batch 2 after version:engines=1",
+        timeout_s=90,
     )  # fmt: skip
     assert sorted(g.group_id for g in groups) == [f"b2-p{i}" for i in range(4)]
     status = wait_until(
