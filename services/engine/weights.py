@@ -239,13 +239,13 @@ class WeightUpdater:
             raise UpdateError(
                 f"group_name {group_name!r} is not the joined group {self._group_name!r}", 400
             )
+        layout = [
+            (n, _torch_dtype(d), list(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)
+        ]
         receive: Callable[[], NamedTensors]
         if bucket_sizes is None:
-            receive = functools.partial(self._receive, names, dtypes, shapes)
+            receive = functools.partial(self._receive, layout)
         else:
-            layout = [
-                (n, _flat_dtype(d), list(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)
-            ]
             receive = functools.partial(self._receive_flat, layout, bucket_sizes)
         async with self._lock:
             try:
@@ -287,17 +287,12 @@ class WeightUpdater:
             )
         return list(sizes)
 
-    def _receive(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]]
-    ) -> NamedTensors:
+    def _receive(self, layout: Layout) -> NamedTensors:
         # Receive everything even when a name is wrong: the sender broadcasts the whole list,
         # and leaving the collective early would hang it. The check comes afterwards.
         out = []
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            torch_dtype = getattr(torch, str(dtype).removeprefix("torch."), None)
-            if not isinstance(torch_dtype, torch.dtype):
-                torch_dtype = torch.float32
-            tensor = torch.empty(shape, dtype=torch_dtype, device=self.runner.device)
+        for name, dtype, shape in layout:
+            tensor = torch.empty(shape, dtype=dtype, device=self.runner.device)
             torch.distributed.broadcast(tensor, src=0, group=self._group)
             out.append((name, tensor))
         self._synchronize()
@@ -324,11 +319,11 @@ class WeightUpdater:
             torch.cuda.synchronize(self.runner.device)
 
 
-def _flat_dtype(name: str) -> torch.dtype:
+def _torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
-        # Unlike per-tensor broadcasts, a flat bucket cannot be received without knowing
-        # every tensor's byte length.
+        # Refused before any collective: receiving with a guessed dtype would expect another
+        # byte length than the sender broadcasts.
         raise UpdateError(f"dtype {name!r} is not a torch dtype (e.g. bfloat16, float32)", 400)
     return dtype
 

@@ -202,8 +202,9 @@ class NcclCoordinator:
 
     async def _transfer(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
         buckets = [b for b in offer.buckets if b] or [[]]
+        whole = self._whole_version_body(offer, buckets)  # built once: thousands of names
         calls = [
-            self._post_version(session, e, offer, buckets)
+            self._post_version(session, e, whole)
             if self._whole_version.get(e.url)
             else self._post_chain(session, e, offer, buckets)
             for e in engines
@@ -242,13 +243,16 @@ class NcclCoordinator:
         """Whether this engine's version update replaces the pause (see step 2 above)."""
         return self.pause_mode == "abort" and bool(self._whole_version.get(engine.url))
 
-    async def _post_version(self, session, engine, offer, buckets) -> None:  # type: ignore[no-untyped-def]
-        """The whole version in one request (engines that take `bucket_sizes`)."""
+    def _whole_version_body(self, offer: NcclOffer, buckets: list[list[TensorMeta]]) -> dict:
         body = self._update_body(offer, [m for b in buckets for m in b], flush_cache=True)
         if self.load_format == "flattened_bucket":
             body["bucket_sizes"] = [len(b) for b in buckets if b]
+        return body
+
+    async def _post_version(self, session, engine, body: dict) -> None:  # type: ignore[no-untyped-def]
+        """The whole version in one request (engines that take `bucket_sizes`)."""
         if self._applies_with_abort(engine):
-            body["abort_all_requests"] = True
+            body = {**body, "abort_all_requests": True}
         await self._post(session, engine, "/update_weights_from_distributed", body)
 
     async def _post_chain(self, session, engine, offer, buckets) -> None:  # type: ignore[no-untyped-def]
