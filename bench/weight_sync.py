@@ -262,15 +262,22 @@ def sync_seconds(args: argparse.Namespace, model: Path, tensors, n: int, work: P
         for version in range(1, args.repeats + 2):  # the first version (group set-up) is warm-up
             start = time.perf_counter()
             sender.send(version, tensors() if callable(tensors) else tensors)
+            # The NCCL sender returns once the broker has every engine on the version (its
+            # `done`); the ZMQ senders once the broker holds the version: poll for the rest.
+            from services._trace import T
+
+            T("X sent")
+            seconds = time.perf_counter() - start
             while not all(
                 e["version"] == version for e in get_json(f"{info['url']}/state")["engines"]
             ):
                 time.sleep(0.002)
+            if args.transport != "nccl":
+                seconds = time.perf_counter() - start
             broadcast = getattr(sender, "broadcast_s", 0.0)
-            progress(f"version {version}: {time.perf_counter() - start:.3f}s "
-                     f"(trainer's broadcasts {broadcast:.3f}s)")  # fmt: skip
+            progress(f"version {version}: {seconds:.3f}s (trainer's broadcasts {broadcast:.3f}s)")
             if version > 1:
-                times.append(time.perf_counter() - start)
+                times.append(seconds)
         sender.close()
         for engine in engines:  # the engines' own account of receiving and applying
             lines = Path(engine.log.name).read_text(errors="replace").splitlines()

@@ -128,6 +128,7 @@ class NcclOffer(msgspec.Struct, kw_only=True):
     master_address: str
     master_port: int
     backend: str
+    layout_id: str = ""  # a hash of `buckets`: the same id means the same names, dtypes, shapes
     schema_version: int = SCHEMA_VERSION
 
 

@@ -84,17 +84,24 @@ def join(url: str) -> object:
 
 
 def update(url: str, group: object, tensors: NamedTensors, version: str,
-           bucket_sizes: list[int] | None = None) -> httpx.Response:  # fmt: skip
+           bucket_sizes: list[int] | None = None, layout_id: str | None = None,
+           listed: bool = True) -> httpx.Response:  # fmt: skip
     """One request; per-tensor broadcasts, or (with `bucket_sizes`) one flat uint8 broadcast
-    per bucket: the tensors' bytes back to back in listed order, no padding."""
-    body: dict = {
-        "names": [n for n, _ in tensors],
-        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-        "shapes": [list(t.shape) for _, t in tensors], "group_name": "weights",
-        "flush_cache": True, "weight_version": version,
-    }  # fmt: skip
+    per bucket: the tensors' bytes back to back in listed order, no padding. With a
+    `layout_id` and not `listed`, the body names the layout instead of listing it."""
+    body: dict = {"group_name": "weights", "flush_cache": True, "weight_version": version}
+    if listed:
+        body |= {
+            "names": [n for n, _ in tensors],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+            "shapes": [list(t.shape) for _, t in tensors],
+        }
+    if layout_id is not None:
+        body["layout_id"] = layout_id
     if bucket_sizes is not None:
-        body |= {"load_format": "flattened_bucket", "bucket_sizes": bucket_sizes}
+        body["load_format"] = "flattened_bucket"
+        if listed:
+            body["bucket_sizes"] = bucket_sizes
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         reply = pool.submit(httpx.post, f"{url}/update_weights_from_distributed", json=body,
                             timeout=60)  # fmt: skip
@@ -165,3 +172,41 @@ def test_bucket_sizes_that_do_not_add_up_are_refused_naming_the_field(
     reply = httpx.post(url, json={**body, "load_format": "safetensors"}, timeout=30)
     assert reply.status_code == 400 and "load_format" in reply.text
     assert httpx.get(f"{engine.url}/get_weight_version").json() == {"weight_version": "0"}
+
+
+def test_a_layout_sent_once_is_named_by_its_id_afterwards_and_an_unknown_id_is_a_409(
+    start_service, odd_model_dir: Path
+) -> None:
+    engine = start_service("engine", ["engine", "--model", str(odd_model_dir), "--port", "0",
+                                      "--update-timeout-s", "30"])  # fmt: skip
+    info = httpx.get(f"{engine.url}/get_server_info", timeout=10).json()
+    assert info["weight_update_layout_id"] is True
+    group = join(engine.url)
+    first, second = mixed_weights(odd_model_dir, seed=3), mixed_weights(odd_model_dir, seed=4)
+    names = [n for n, _ in first]
+    sizes = [5, len(first) - 5]
+
+    reply = update(engine.url, group, first, "1", bucket_sizes=sizes, layout_id="llama-a")
+    assert reply.status_code == 200, reply.text
+    reply = update(engine.url, group, second, "2", sizes, layout_id="llama-a", listed=False)
+    assert reply.status_code == 200, reply.text
+    got = engine_weights(engine.url, names)
+    for name, tensor in second:  # the misaligned float32s were copied out after arrival too
+        assert torch.equal(got[name], tensor.float()), name
+
+    # Refused before any collective (this test broadcasts nothing for them): the group and
+    # the weights are as they were, and the next full request works.
+    body = {"layout_id": "llama-b", "load_format": "flattened_bucket", "group_name": "weights",
+            "weight_version": "3"}  # fmt: skip
+    url = f"{engine.url}/update_weights_from_distributed"
+    reply = httpx.post(url, json=body, timeout=30)
+    assert reply.status_code == 409 and "names, dtypes and shapes" in reply.text, reply.text
+    per_tensor = {k: v for k, v in body.items() if k != "load_format"} | {"layout_id": "llama-a"}
+    reply = httpx.post(url, json=per_tensor, timeout=30)  # llama-a is a flat-bucket layout
+    assert reply.status_code == 409 and "load_format" in reply.text, reply.text
+    assert httpx.get(f"{engine.url}/get_weight_version").json() == {"weight_version": "2"}
+    reply = update(engine.url, group, first, "3", bucket_sizes=sizes, layout_id="llama-b")
+    assert reply.status_code == 200, reply.text
+    got = engine_weights(engine.url, names)
+    assert all(torch.equal(got[n], t.float()) for n, t in first)
+    dist.destroy_process_group(group)

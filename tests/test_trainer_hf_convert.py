@@ -142,6 +142,37 @@ def test_export_to_hf_names_round_trips_exactly(
     assert all(torch.equal(exported[k], expected[k]) for k in expected)
 
 
+def test_on_device_export_is_the_same_tensors_each_time_and_follows_the_weights(
+    megatron_world: None, toy_model_dir: Path
+) -> None:
+    policy = Policy(TrainerConfig(model=str(model_dir := toy_model_dir)), str(model_dir),
+                    train=False)  # fmt: skip
+    model, arch = policy.model, policy.arch
+
+    def check(exported: list[tuple[str, torch.Tensor]]) -> None:
+        copies = hf_convert.export_hf(model, arch)  # CPU copies, the reference
+        assert [n for n, _ in exported] == [n for n, _ in copies]
+        for (name, got), (_, want) in zip(exported, copies, strict=True):
+            assert got.is_contiguous() and torch.equal(got, want), name
+
+    first = hf_convert.export_hf(model, arch, on_device=True)
+    check(first)
+    with torch.no_grad():  # an optimizer step: in place, same storage
+        for param in model.parameters():
+            param.add_(torch.randn_like(param))
+    second = hf_convert.export_hf(model, arch, on_device=True)
+    assert all(a is b for (_, a), (_, b) in zip(first, second, strict=True))
+    check(second)  # the views follow; q, k, v buffers were refreshed
+    qkv = next(p for n, p in model.named_parameters() if n.endswith("linear_qkv.weight"))
+    qkv.data = qkv.data.clone() * 2  # new storage: the cached export is rebuilt
+    third = hf_convert.export_hf(model, arch, on_device=True)
+    assert not all(a is b for (_, a), (_, b) in zip(first, third, strict=True))
+    check(third)
+    halves = hf_convert.export_hf(model, arch, dtype=torch.bfloat16, on_device=True)
+    assert all(t.dtype == torch.bfloat16 for _, t in halves)
+    assert all(torch.equal(h, t.bfloat16()) for (_, h), (_, t) in zip(halves, third, strict=True))
+
+
 def test_a_naive_qkv_split_would_be_wrong_so_the_interleave_matters(toy_model_dir: Path) -> None:
     arch = hf_convert.read_hf_arch(toy_model_dir)
     q, k, v = (

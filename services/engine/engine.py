@@ -227,6 +227,7 @@ class Engine:
             "version": "tandem-reference-engine",
             # Tandem's extension of /update_weights_from_distributed (see engine/weights.py)
             "weight_update_bucket_sizes": self.config.whole_version_updates,
+            "weight_update_layout_id": True,
         }
         info["internal_states"] = [{**self.scheduler.load(), **self.scheduler.stats}]
         return info

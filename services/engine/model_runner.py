@@ -12,7 +12,7 @@ generation thread) at a time; weight loads are serialized with generation by the
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -347,26 +347,35 @@ class ModelRunner:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             raise WeightError("; ".join(problems[:3]) + more)
 
-    @torch.inference_mode()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], adopt: bool = False) -> int:
-        """Put already-checked tensors into the model; returns how many. With `adopt`, a tensor
-        that is a parameter's own (on its device, with its dtype, contiguous) becomes that
-        parameter's storage instead of being copied; the rest is copied in: a tied name such
-        as `lm_head.weight` of a tied model (not a parameter of its own), a buffer, or a tensor
-        of another dtype or device."""
-        copied = []
-        count = 0
+        """Put already-checked tensors into the model; returns how many (see `plan_load`)."""
+        return self.apply_load(self.plan_load(named, adopt))
+
+    def plan_load(self, named: Iterable[tuple[str, torch.Tensor]], adopt: bool) -> LoadPlan:
+        """What `apply_load` will do, decided from metadata only (the tensors' data may still
+        be arriving). With `adopt`, a tensor that is a parameter's own (on its device, with
+        its dtype, contiguous) becomes that parameter's storage instead of being copied; the
+        rest is copied in: a tied name such as `lm_head.weight` of a tied model (not a
+        parameter of its own), a buffer, or a tensor of another dtype or device."""
+        plan = LoadPlan()
         for name, tensor in named:
             param = self._params.get(name) if adopt else None
             if param is not None and _same_layout(tensor, param):
-                param.data = tensor
+                plan.adopt.append((param, tensor))
             else:
-                copied.append((name, tensor))
-            count += 1
-        for name, tensor in copied:  # after adopting: a tied alias now sees the new storage
+                plan.copy.append((name, tensor))
+        return plan
+
+    @torch.inference_mode()
+    def apply_load(self, plan: LoadPlan) -> int:
+        """Carry out a `plan_load` plan (generation must not run meanwhile); returns the
+        number of tensors loaded."""
+        for param, tensor in plan.adopt:
+            param.data = tensor
+        for name, tensor in plan.copy:  # after adopting: a tied alias now sees the new storage
             target = self._tensor(name)
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-        return count
+        return len(plan.adopt) + len(plan.copy)
 
     def _tensor(self, name: str) -> torch.Tensor:
         """The model's current tensor under a state_dict name (a parameter, a tied alias such
@@ -381,6 +390,14 @@ class ModelRunner:
         return set(self._params) <= set(given) and all(
             _same_layout(given[n], p) for n, p in self._params.items()
         )
+
+
+@dataclass
+class LoadPlan:
+    """Tensors to become parameters' storage, and tensors to copy in (by state_dict name)."""
+
+    adopt: list[tuple[torch.nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    copy: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 def _same_layout(tensor: torch.Tensor, param: torch.Tensor) -> bool:

@@ -25,6 +25,14 @@ NCCL on CUDA); the receiving code is the same for both.
   `"weight_update_bucket_sizes": true` in `/get_server_info`): tensor counts of consecutive
   buckets, summing to `len(names)`. One flat broadcast per bucket, in order; then the whole
   request (a whole version) is checked and applied once. A sum that does not match is 400.
+- `"layout_id": "..."` (Tandem's extension, advertised as `"weight_update_layout_id": true`):
+  names the request's layout (names, dtypes, shapes, bucket_sizes). The engine keeps the last
+  few it parsed and checked; a later request may send the `layout_id` without `names`,
+  `dtypes`, `shapes` and `bucket_sizes`, which saves parsing and checking thousands of names
+  per version. An id the engine does not know is a 409 before any collective: send the full
+  request again.
+Every broadcast of a request is posted at once; the engine lays the tensors out over the
+receive buffers and plans the load while the bytes arrive, so only the apply follows them.
 Received tensors live in fresh memory: views of each bucket's flat buffer where a tensor's byte
 offset is a multiple of its element size, copies otherwise. At apply, a tensor that is a
 parameter of the model on the same device and dtype becomes that parameter's storage (no
@@ -44,13 +52,14 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from services.engine.model_runner import ModelRunner, WeightError
+from services.engine.model_runner import LoadPlan, ModelRunner, WeightError
 from services.engine.scheduler import Scheduler
 from services.weight_broker.process_group import join_group, leave_group
 
@@ -58,6 +67,31 @@ log = logging.getLogger(__name__)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 Layout = list[tuple[str, torch.dtype, list[int]]]  # name, dtype and shape of each packed tensor
+LAYOUTS_KEPT = 4  # layouts remembered by `layout_id` (one per model layout a trainer sends)
+
+
+@dataclass
+class PreparedLayout:
+    """A distributed update's tensors, parsed and checked once (`problem`: why the model
+    refuses them, "" if it takes them). `bucket_sizes` None = one broadcast per tensor."""
+
+    layout: Layout
+    bucket_sizes: list[int] | None
+    problem: str
+    nbytes: list[int] = field(init=False)  # bytes of each flat bucket
+
+    def __post_init__(self) -> None:
+        self.nbytes = [
+            sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in bucket)
+            for bucket in self.buckets()
+        ]
+
+    def buckets(self) -> list[Layout]:
+        out, start = [], 0
+        for size in self.bucket_sizes or []:
+            out.append(self.layout[start : start + size])
+            start += size
+        return out
 
 
 class UpdateError(RuntimeError):
@@ -87,6 +121,7 @@ class WeightUpdater:
         self._lease: Any = None
         self._group: Any = None
         self._group_name = ""
+        self._layouts: dict[str, PreparedLayout] = {}  # by layout_id, oldest first
         # one dedicated thread: receives (ZMQ, disk, broadcast) never queue behind other work
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-weights")
 
@@ -111,6 +146,7 @@ class WeightUpdater:
         abort_all: bool,
         lease: Any = None,
         adopt: bool = False,
+        plan: LoadPlan | None = None,
     ) -> str:
         """Check, then copy in while the scheduler is drained; returns the new version.
         `abort_all` ends running requests (partial output) instead of waiting for them.
@@ -120,18 +156,25 @@ class WeightUpdater:
         parameters' storage: no copy. The lease is kept while they live there and the
         previous one released, which frees its slot for the trainer's next-but-one version.
         With `adopt` (tensors in memory of their own, e.g. received by broadcast), each tensor
-        matching its parameter's device and dtype becomes its storage; the others are copied."""
-        try:
-            self.runner.check_weights((n, t.shape) for n, t in tensors)
-        except WeightError as exc:
-            raise UpdateError(f"weights refused, model unchanged: {exc}", 400) from exc
+        matching its parameter's device and dtype becomes its storage; the others are copied.
+        A `plan` (from `ModelRunner.plan_load`, made while the data arrived) means `tensors`
+        were checked already and the apply only carries it out."""
+        if plan is None:
+            try:
+                self.runner.check_weights((n, t.shape) for n, t in tensors)
+            except WeightError as exc:
+                raise UpdateError(f"weights refused, model unchanged: {exc}", 400) from exc
         if abort_all:
             self.scheduler.abort(None, "Abort due to weight update")
 
         def apply() -> str:
             started = time.monotonic()
-            adopted = lease is not None and self.runner.can_adopt(tensors)
-            count = self.runner.load_weights(tensors, adopt=adopted or adopt)
+            if plan is not None:
+                count = self.runner.apply_load(plan)
+                adopted = False
+            else:
+                adopted = lease is not None and self.runner.can_adopt(tensors)
+                count = self.runner.load_weights(tensors, adopt=adopted or adopt)
             self.scheduler.clear_caches()  # nothing may be served from the old weights' keys
             previous, self._lease = self._lease, (lease if adopted else None)
             if previous is not None:
@@ -226,12 +269,9 @@ class WeightUpdater:
         self._group_name = body.get("group_name", "weight_update_group")
 
     async def from_distributed(self, body: dict[str, Any]) -> str:
-        """Receive `names` by broadcast from rank 0 in the listed order (per tensor, or flat
-        buckets; see the module docstring), then apply them all at once."""
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise UpdateError("names, dtypes and shapes must have the same length", 400)
-        bucket_sizes = self._flat_bucket_sizes(body, len(names))
+        """Receive a version by broadcast from rank 0 (per tensor, or flat buckets; see the
+        module docstring), then apply it all at once."""
+        prepared = self._prepared_layout(body)
         if self._group is None:
             raise UpdateError("no weight update group: call /init_weights_update_group first", 400)
         group_name = body.get("group_name", self._group_name)
@@ -239,26 +279,70 @@ class WeightUpdater:
             raise UpdateError(
                 f"group_name {group_name!r} is not the joined group {self._group_name!r}", 400
             )
-        layout = [
-            (n, _torch_dtype(d), list(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)
-        ]
-        receive: Callable[[], NamedTensors]
-        if bucket_sizes is None:
-            receive = functools.partial(self._receive, layout)
-        else:
-            receive = functools.partial(self._receive_flat, layout, bucket_sizes)
         async with self._lock:
             try:
                 started = time.monotonic()
-                tensors = await self._in_thread(receive, "receiving broadcast weights")
+                from services._trace import T
+
+                T("E receive start")
+                tensors, plan = await self._in_thread(
+                    functools.partial(self._receive, prepared), "receiving broadcast weights"
+                )
                 log.info("weights: received %d tensors by broadcast in %.3fs", len(tensors),
                          time.monotonic() - started)  # fmt: skip
             except UpdateError:
                 raise
             except RuntimeError as exc:  # e.g. a peer left mid-collective
                 raise UpdateError(f"broadcast failed, weights unchanged: {exc}", 500) from exc
+            from services._trace import T
+
+            T("E received")
+            if prepared.problem:  # refused only now: leaving the collective early hangs it
+                raise UpdateError(f"weights refused, model unchanged: {prepared.problem}", 400)
             abort_all = bool(body.get("abort_all_requests"))
-            return await self._apply(tensors, body.get("weight_version"), abort_all, adopt=True)
+            return await self._apply(
+                tensors, body.get("weight_version"), abort_all, adopt=True, plan=plan
+            )
+
+    def _prepared_layout(self, body: dict[str, Any]) -> PreparedLayout:
+        """The request's layout, parsed and checked against the model; from the cache when
+        the body names a known `layout_id` instead of listing the tensors."""
+        layout_id = body.get("layout_id")
+        flat = body.get("load_format") is not None
+        if body.get("names") is None:
+            prepared = self._layouts.get(layout_id) if layout_id is not None else None
+            if prepared is None:
+                raise UpdateError(
+                    f"layout_id {layout_id!r} is unknown to this engine (it keeps the last "
+                    f"{LAYOUTS_KEPT}): send names, dtypes and shapes with it",
+                    409,
+                )
+            if (prepared.bucket_sizes is not None) != flat:
+                raise UpdateError(
+                    f"layout_id {layout_id!r} was sent with another load_format: send names, "
+                    "dtypes and shapes again",
+                    409,
+                )
+            return prepared
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise UpdateError("names, dtypes and shapes must have the same length", 400)
+        bucket_sizes = self._flat_bucket_sizes(body, len(names))
+        layout = [
+            (n, _torch_dtype(d), list(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)
+        ]
+        try:
+            self.runner.check_weights((n, s) for n, _, s in layout)
+            problem = ""
+        except WeightError as exc:
+            problem = str(exc)
+        prepared = PreparedLayout(layout, bucket_sizes, problem)
+        if layout_id is not None:
+            self._layouts.pop(layout_id, None)
+            self._layouts[layout_id] = prepared
+            while len(self._layouts) > LAYOUTS_KEPT:
+                self._layouts.pop(next(iter(self._layouts)))
+        return prepared
 
     def _flat_bucket_sizes(self, body: dict[str, Any], count: int) -> list[int] | None:
         """Tensor counts of the flat buckets to receive; None = one broadcast per tensor."""
@@ -287,30 +371,36 @@ class WeightUpdater:
             )
         return list(sizes)
 
-    def _receive(self, layout: Layout) -> NamedTensors:
-        # Receive everything even when a name is wrong: the sender broadcasts the whole list,
-        # and leaving the collective early would hang it. The check comes afterwards.
-        out = []
-        for name, dtype, shape in layout:
-            tensor = torch.empty(shape, dtype=dtype, device=self.runner.device)
-            torch.distributed.broadcast(tensor, src=0, group=self._group)
-            out.append((name, tensor))
-        self._synchronize()
-        return out
+    def _receive(self, prepared: PreparedLayout) -> tuple[NamedTensors, LoadPlan]:
+        """Post every broadcast at once (async), lay the tensors out over the receive buffers
+        and plan the load while the bytes arrive, then wait for them. Everything is received
+        even when a name is wrong: leaving the collective early would hang it."""
+        device, group = self.runner.device, self._group
+        if prepared.bucket_sizes is None:
+            out = [(n, torch.empty(s, dtype=d, device=device)) for n, d, s in prepared.layout]
+            works = [torch.distributed.broadcast(t, 0, group, async_op=True) for _, t in out]
+            misaligned: list[int] = []
+        else:
+            flats = [torch.empty(n, dtype=torch.uint8, device=device) for n in prepared.nbytes]
+            works = [torch.distributed.broadcast(f, 0, group, async_op=True) for f in flats]
+            out, misaligned = [], []
+            for flat, bucket in zip(flats, prepared.buckets(), strict=True):
+                first = len(out)
+                misaligned.extend(first + i for i in flat_views(flat, bucket, out))
+        plan = self.runner.plan_load(out, adopt=True) if not prepared.problem else None
+        from services._trace import T
 
-    def _receive_flat(self, layout: Layout, bucket_sizes: list[int]) -> NamedTensors:
-        """One flat uint8 broadcast per bucket, in order; the tensors are views into them."""
-        out: NamedTensors = []
-        start = 0
-        for size in bucket_sizes:
-            bucket = layout[start : start + size]
-            start += size
-            nbytes = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in bucket)
-            flat = torch.empty(nbytes, dtype=torch.uint8, device=self.runner.device)
-            torch.distributed.broadcast(flat, src=0, group=self._group)
-            out.extend(split_flat(flat, bucket))
+        T("E posted+planned")
+        for work in works:
+            work.wait()
+        for i in misaligned:  # copies need the bytes: only now
+            name, raw = out[i]
+            _, dtype, shape = prepared.layout[i]
+            out[i] = (name, raw.clone().view(dtype).view(shape))
+        if misaligned and plan is not None:
+            plan = self.runner.plan_load(out, adopt=True)
         self._synchronize()
-        return out
+        return out, plan or LoadPlan()
 
     def _synchronize(self) -> None:
         # The tensors are adopted as parameters by the generation thread: make sure the
@@ -328,20 +418,24 @@ def _torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def split_flat(flat: torch.Tensor, layout: Layout) -> NamedTensors:
-    """The tensors packed back to back in a flat uint8 buffer, in `layout` order. Views where
-    the byte offset is a multiple of the element size (a typed view must start on an element
-    boundary), copies elsewhere, e.g. a float32 after a bfloat16 of odd length."""
-    out: NamedTensors = []
+def flat_views(flat: torch.Tensor, layout: Layout, out: NamedTensors) -> list[int]:
+    """Append to `out` the tensors packed back to back in a flat uint8 buffer, in `layout`
+    order, as views. A typed view must start on an element boundary: where the byte offset is
+    not a multiple of the element size (e.g. a float32 after a bfloat16 of odd length), the
+    raw bytes are appended instead, to be copied out; their indices within `layout` are
+    returned."""
+    misaligned = []
     offset = 0
-    for name, dtype, shape in layout:
+    for index, (name, dtype, shape) in enumerate(layout):
         end = offset + math.prod(shape) * dtype.itemsize
         raw = flat[offset:end]
         if offset % dtype.itemsize:
-            raw = raw.clone()
-        out.append((name, raw.view(dtype).view(shape)))
+            misaligned.append(index)
+            out.append((name, raw))
+        else:
+            out.append((name, raw.view(dtype).view(shape)))
         offset = end
-    return out
+    return misaligned
 
 
 def read_checkpoint(model_path: str) -> NamedTensors:

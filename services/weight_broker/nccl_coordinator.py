@@ -63,6 +63,10 @@ MAX_ATTEMPTS = 2
 class EngineAnswerError(RuntimeError):
     """An engine answered a request with an error (it is alive and reachable)."""
 
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
 
 class NcclCoordinator:
     def __init__(self, broker: WeightBroker, pause_mode: str, load_format: str) -> None:
@@ -79,12 +83,17 @@ class NcclCoordinator:
         self._generation = itertools.count()
         self._tp_size: dict[str, int] = {}
         self._whole_version: dict[str, bool] = {}  # engine URL -> it takes bucket_sizes
+        self._layout_ids: dict[str, bool] = {}  # engine URL -> it takes layout_id
+        self._known_layout: dict[str, str] = {}  # engine URL -> the layout_id it last took
         self.busy = False  # a version is being synced (the broker's probes wait meanwhile)
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         while True:
             identity, payload = await self.socket.recv_multipart()
             try:
+                from services._trace import T
+
+                T("B got offer")
                 offer = decode(payload, NcclOffer)
             except ValueError:  # e.g. a late ack of an aborted version
                 log.warning("ignored a message that is not a version offer")
@@ -174,6 +183,8 @@ class NcclCoordinator:
         for engine, info in zip(engines, await self._gather(infos, engines), strict=True):
             self._tp_size[engine.url] = int(info.get("tp_size", 1))
             self._whole_version[engine.url] = info.get("weight_update_bucket_sizes") is True
+            self._layout_ids[engine.url] = info.get("weight_update_layout_id") is True
+            self._known_layout.pop(engine.url, None)
         world = 1 + sum(self._tp_size[e.url] for e in engines)
         self.group_name = f"tandem_weights_{next(self._generation)}"
         await self._command(identity, NcclCommand(
@@ -204,23 +215,35 @@ class NcclCoordinator:
         buckets = [b for b in offer.buckets if b] or [[]]
         whole = self._whole_version_body(offer, buckets)  # built once: thousands of names
         calls = [
-            self._post_version(session, e, whole)
+            self._post_version(session, e, whole, offer.layout_id)
             if self._whole_version.get(e.url)
             else self._post_chain(session, e, offer, buckets)
             for e in engines
         ]
+        from services._trace import T
+
+        T("B body built")
         engine_calls = asyncio.ensure_future(self._gather(calls, engines))
         await self._command(identity, NcclCommand(
             action="broadcast", version=offer.version, attempt=attempt, bucket=-1,
             load_format=self.load_format,
         ))  # fmt: skip
+        from services._trace import T
+
+        T("B command sent")
         ack_error = ""
         try:
             ack = await self._ack(offer.version, attempt, -1)
             ack_error = "" if ack.ok else f"trainer failed to broadcast: {ack.error}"
         except TimeoutError:
             ack_error = f"no ack from the trainer within {self.timeout_s:.0f}s"
+        from services._trace import T
+
+        T("B got ack")
         await engine_calls  # raises (naming the engines) if any engine failed
+        from services._trace import T
+
+        T("B engines answered")
         if ack_error:
             raise RuntimeError(ack_error)
 
@@ -249,11 +272,29 @@ class NcclCoordinator:
             body["bucket_sizes"] = [len(b) for b in buckets if b]
         return body
 
-    async def _post_version(self, session, engine, body: dict) -> None:  # type: ignore[no-untyped-def]
-        """The whole version in one request (engines that take `bucket_sizes`)."""
+    async def _post_version(self, session, engine, body: dict, layout_id: str) -> None:  # type: ignore[no-untyped-def]
+        """The whole version in one request (engines that take `bucket_sizes`). An engine
+        that took this layout before gets its `layout_id` instead of thousands of names; if it
+        no longer knows the id (409, answered before any collective), the full request."""
         if self._applies_with_abort(engine):
             body = {**body, "abort_all_requests": True}
-        await self._post(session, engine, "/update_weights_from_distributed", body)
+        path = "/update_weights_from_distributed"
+        if not (layout_id and self._layout_ids.get(engine.url)):
+            await self._post(session, engine, path, body)
+            return
+        if self._known_layout.get(engine.url) == layout_id:
+            listed = ("names", "dtypes", "shapes", "bucket_sizes")
+            short = {k: v for k, v in body.items() if k not in listed}
+            try:
+                await self._post(session, engine, path, {**short, "layout_id": layout_id})
+                return
+            except EngineAnswerError as exc:
+                if exc.status != 409:
+                    raise
+                log.info("%s no longer knows layout %s: sending it in full", engine.url, layout_id)
+        self._known_layout.pop(engine.url, None)
+        await self._post(session, engine, path, {**body, "layout_id": layout_id})
+        self._known_layout[engine.url] = layout_id
 
     async def _post_chain(self, session, engine, offer, buckets) -> None:  # type: ignore[no-untyped-def]
         """One request per bucket, each after the previous one answered (SGLang); the whole
@@ -325,7 +366,7 @@ class NcclCoordinator:
         async with session.post(f"{engine.url}{path}", json=body, timeout=timeout) as resp:
             reply = await resp.json(content_type=None)
             if resp.status != 200 or (isinstance(reply, dict) and reply.get("success") is False):
-                raise EngineAnswerError(f"{path} answered HTTP {resp.status}: {reply}")
+                raise EngineAnswerError(f"{path} answered HTTP {resp.status}: {reply}", resp.status)
             return reply if isinstance(reply, dict) else {}
 
     async def _get(self, session, url: str) -> dict:  # type: ignore[no-untyped-def]

@@ -25,13 +25,16 @@ flat buffers of the largest bucket while a version is sent (2 x `bucket_bytes` b
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import socket
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import zmq
 
 from proto import NcclAck, NcclCommand, NcclOffer, TensorMeta, decode, encode
@@ -81,6 +84,7 @@ class NcclWeightSender:
         self.timeout_s = timeout_s
         self.group: Any = None
         self.broadcast_s = 0.0  # last version: from the broker's command to the last byte sent
+        self._last: _Layout | None = None  # the last version's layout, reused while it holds
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(control_endpoint)
@@ -94,36 +98,76 @@ class NcclWeightSender:
 
         # The backend follows the machine, not where the export left the tensors: engines on
         # GPUs join with NCCL, so a GPU trainer must broadcast CUDA tensors with NCCL too.
+        from services._trace import T
+
+        T("S send start")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-        buckets = group_by_bytes(
-            (_sendable(n, t, device) for n, t in named_tensors), self.bucket_bytes
-        )
+        layout = self._layout(list(named_tensors), device)
         port = _free_port(self.master_address)
         offer = NcclOffer(
             version=version,
-            buckets=[
-                [TensorMeta(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in b]
-                for b in buckets
-            ],
+            buckets=layout.metas,
             master_address=self.master_address,
             master_port=port,
             backend=backend,
+            layout_id=layout.layout_id,
         )
+        from services._trace import T
+
+        T("S offer built")
         self._socket.send(encode(offer))
         sent = 0
         while True:
             command = self._receive(version)
+            from services._trace import T
+
+            T("S got cmd")
             if command.action == "init":
                 sent = 0
                 self._join(port, command, backend)
             elif command.action == "broadcast":
-                sent += self._broadcast(command, buckets)
+                sent += self._broadcast(command, layout)
             elif command.action == "done":
                 return sent
             else:
                 self._drop_group()
                 raise WeightSyncError(f"broker aborted version {version}: {command.message}")
+
+    def _layout(self, named: list[tuple[str, torch.Tensor]], device: Any) -> _Layout:
+        """The version's buckets and their metadata; the last version's when these are the
+        same tensors over the same storage (a trainer exporting views of its parameters sends
+        the same objects every version): thousands of tensors make this milliseconds."""
+        last = self._last
+        if (
+            last is not None
+            and len(named) == len(last.named)
+            and all(
+                n == ln and t is lt and t.data_ptr() == ptr
+                for (n, t), (ln, lt), ptr in zip(named, last.named, last.storage, strict=True)
+            )
+        ):
+            return last
+        sendable = [_sendable(n, t, device) for n, t in named]
+        buckets = group_by_bytes(sendable, self.bucket_bytes)
+        metas = [
+            [TensorMeta(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in b]
+            for b in buckets
+        ]
+        layout = _Layout(
+            named=named,
+            storage=[t.data_ptr() for _, t in named],
+            buckets=buckets,
+            metas=metas,
+            layout_id=hashlib.blake2b(msgspec.msgpack.encode(metas), digest_size=12).hexdigest(),
+        )
+        # Reused only if every tensor is sent from its own storage: a copy made here (to
+        # make it contiguous or move it) would go stale while the original trains on.
+        same = all(
+            a.data_ptr() == b.data_ptr() for (_, a), (_, b) in zip(sendable, named, strict=True)
+        )
+        self._last = layout if same else None
+        return layout
 
     def _receive(self, version: int) -> NcclCommand:
         if not self._socket.poll(int(self.timeout_s * 1000)):
@@ -149,10 +193,11 @@ class NcclWeightSender:
             return
         log.info("joined %s (%d ranks, %s)", command.group_name, command.world_size, backend)
 
-    def _broadcast(self, command: NcclCommand, buckets: Buckets) -> int:
+    def _broadcast(self, command: NcclCommand, layout: _Layout) -> int:
         """Send every bucket (see the module docstring), then ack once; returns bytes sent."""
         import torch
 
+        buckets = layout.buckets
         ack = NcclAck(
             version=command.version, attempt=command.attempt, bucket=command.bucket, ok=True
         )
@@ -163,9 +208,12 @@ class NcclWeightSender:
             if command.load_format == "per_tensor":
                 works = [self._start(t) for bucket in buckets for _, t in bucket]
             elif command.load_format == "flattened_bucket":
-                works = self._broadcast_flat(buckets)
+                works = self._broadcast_flat(layout)
             else:
                 raise RuntimeError(f"unknown load_format {command.load_format!r} from the broker")
+            from services._trace import T
+
+            T("S queued")
             for work in works:
                 work.wait()
             device = next((t.device for b in buckets for _, t in b), None)
@@ -174,13 +222,19 @@ class NcclWeightSender:
         except Exception as exc:  # a peer died mid-collective: this group is unusable now
             ack.ok, ack.error = False, str(exc)
             self._drop_group()
+        from services._trace import T
+
+        T("S synced")
         self._socket.send(encode(ack))
         self.broadcast_s = time.perf_counter() - started
         return sum(t.numel() * t.element_size() for b in buckets for _, t in b) if ack.ok else 0
 
-    def _broadcast_flat(self, buckets: Buckets) -> list[Any]:
+    def _broadcast_flat(self, layout: _Layout) -> list[Any]:
         import torch
 
+        buckets = layout.buckets
+        if layout.byte_views is None:
+            layout.byte_views = [[_byte_view(t) for _, t in b] for b in buckets]
         sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
         to_pack = [k for k, b in enumerate(buckets) if len(b) > 1]
         ring: list[torch.Tensor] = []
@@ -192,16 +246,16 @@ class NcclWeightSender:
         last_use: list[Any] = [None] * len(ring)  # the broadcast that last read each buffer
         works: list[Any] = []
         packed = 0
-        for bucket, nbytes in zip(buckets, sizes, strict=True):
-            if len(bucket) <= 1:  # nothing to pack: send the tensor's own bytes
-                works.extend(self._start(_byte_view(t)) for _, t in bucket)
+        for views, nbytes in zip(layout.byte_views, sizes, strict=True):
+            if len(views) <= 1:  # nothing to pack: send the tensor's own bytes
+                works.extend(self._start(view) for view in views)
                 continue
             slot = packed % len(ring)
             packed += 1
             if last_use[slot] is not None:
                 last_use[slot].wait()  # NCCL: the stream waits, the host goes on
             flat = ring[slot][:nbytes]
-            torch.cat([_byte_view(t) for _, t in bucket], out=flat)
+            torch.cat(views, out=flat)
             last_use[slot] = self._start(flat)
             works.append(last_use[slot])
         return works
@@ -222,6 +276,21 @@ class NcclWeightSender:
     def close(self) -> None:
         self._drop_group()
         self._socket.close()
+
+
+@dataclass
+class _Layout:
+    """A version's tensors as sent: buckets, their metadata and its content hash (the offer's
+    `layout_id`), the flat path's byte views; `storage` holds each given tensor's data
+    pointer, to tell whether the next version's tensors are these (a parameter given a new
+    `.data` keeps its identity, not its storage)."""
+
+    named: list[tuple[str, torch.Tensor]]
+    storage: list[int]
+    buckets: Buckets
+    metas: list[list[TensorMeta]]
+    layout_id: str
+    byte_views: list[list[torch.Tensor]] | None = None
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
