@@ -264,9 +264,6 @@ def sync_seconds(args: argparse.Namespace, model: Path, tensors, n: int, work: P
             sender.send(version, tensors() if callable(tensors) else tensors)
             # The NCCL sender returns once the broker has every engine on the version (its
             # `done`); the ZMQ senders once the broker holds the version: poll for the rest.
-            from services._trace import T
-
-            T("X sent")
             seconds = time.perf_counter() - start
             while not all(
                 e["version"] == version for e in get_json(f"{info['url']}/state")["engines"]

@@ -294,9 +294,6 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/update_weights_from_distributed")
     async def update_from_distributed(request: Request) -> Response:
         body = await read_json(request)
-        from services._trace import T
-
-        T("E parsed")
         field(body, "layout_id", _is_str, "a string", False)
         # Without names: a layout sent before under this layout_id (see engine/weights.py).
         listed = body.get("layout_id") is None or body.get("names") is not None
@@ -311,11 +308,5 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
               "a list of tensor counts (positive integers) summing to len(names)", False)  # fmt: skip
         if body.get("weight_version") is not None:
             body["weight_version"] = str(body["weight_version"])
-        from services._trace import T
-
-        T("E validated")
         new = await engine.weights.from_distributed(body)
-        from services._trace import T
-
-        T("E applied")
         return ok(new, "Updated weights from the distributed group.")

@@ -282,9 +282,6 @@ class WeightUpdater:
         async with self._lock:
             try:
                 started = time.monotonic()
-                from services._trace import T
-
-                T("E receive start")
                 tensors, plan = await self._in_thread(
                     functools.partial(self._receive, prepared), "receiving broadcast weights"
                 )
@@ -294,9 +291,6 @@ class WeightUpdater:
                 raise
             except RuntimeError as exc:  # e.g. a peer left mid-collective
                 raise UpdateError(f"broadcast failed, weights unchanged: {exc}", 500) from exc
-            from services._trace import T
-
-            T("E received")
             if prepared.problem:  # refused only now: leaving the collective early hangs it
                 raise UpdateError(f"weights refused, model unchanged: {prepared.problem}", 400)
             abort_all = bool(body.get("abort_all_requests"))
@@ -388,9 +382,6 @@ class WeightUpdater:
                 first = len(out)
                 misaligned.extend(first + i for i in flat_views(flat, bucket, out))
         plan = self.runner.plan_load(out, adopt=True) if not prepared.problem else None
-        from services._trace import T
-
-        T("E posted+planned")
         for work in works:
             work.wait()
         for i in misaligned:  # copies need the bytes: only now

@@ -91,9 +91,6 @@ class NcclCoordinator:
         while True:
             identity, payload = await self.socket.recv_multipart()
             try:
-                from services._trace import T
-
-                T("B got offer")
                 offer = decode(payload, NcclOffer)
             except ValueError:  # e.g. a late ack of an aborted version
                 log.warning("ignored a message that is not a version offer")
@@ -220,30 +217,18 @@ class NcclCoordinator:
             else self._post_chain(session, e, offer, buckets)
             for e in engines
         ]
-        from services._trace import T
-
-        T("B body built")
         engine_calls = asyncio.ensure_future(self._gather(calls, engines))
         await self._command(identity, NcclCommand(
             action="broadcast", version=offer.version, attempt=attempt, bucket=-1,
             load_format=self.load_format,
         ))  # fmt: skip
-        from services._trace import T
-
-        T("B command sent")
         ack_error = ""
         try:
             ack = await self._ack(offer.version, attempt, -1)
             ack_error = "" if ack.ok else f"trainer failed to broadcast: {ack.error}"
         except TimeoutError:
             ack_error = f"no ack from the trainer within {self.timeout_s:.0f}s"
-        from services._trace import T
-
-        T("B got ack")
         await engine_calls  # raises (naming the engines) if any engine failed
-        from services._trace import T
-
-        T("B engines answered")
         if ack_error:
             raise RuntimeError(ack_error)
 

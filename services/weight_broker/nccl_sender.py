@@ -98,9 +98,6 @@ class NcclWeightSender:
 
         # The backend follows the machine, not where the export left the tensors: engines on
         # GPUs join with NCCL, so a GPU trainer must broadcast CUDA tensors with NCCL too.
-        from services._trace import T
-
-        T("S send start")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         layout = self._layout(list(named_tensors), device)
@@ -113,16 +110,10 @@ class NcclWeightSender:
             backend=backend,
             layout_id=layout.layout_id,
         )
-        from services._trace import T
-
-        T("S offer built")
         self._socket.send(encode(offer))
         sent = 0
         while True:
             command = self._receive(version)
-            from services._trace import T
-
-            T("S got cmd")
             if command.action == "init":
                 sent = 0
                 self._join(port, command, backend)
@@ -211,9 +202,6 @@ class NcclWeightSender:
                 works = self._broadcast_flat(layout)
             else:
                 raise RuntimeError(f"unknown load_format {command.load_format!r} from the broker")
-            from services._trace import T
-
-            T("S queued")
             for work in works:
                 work.wait()
             device = next((t.device for b in buckets for _, t in b), None)
@@ -222,9 +210,6 @@ class NcclWeightSender:
         except Exception as exc:  # a peer died mid-collective: this group is unusable now
             ack.ok, ack.error = False, str(exc)
             self._drop_group()
-        from services._trace import T
-
-        T("S synced")
         self._socket.send(encode(ack))
         self.broadcast_s = time.perf_counter() - started
         return sum(t.numel() * t.element_size() for b in buckets for _, t in b) if ack.ok else 0
