@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from services.engine.weights import PreparedLayout, ReceiveSet
 from services.weight_broker.process_group import join_group
 from tandem.toy_model import build_tokenizer
 from tests.helpers import free_port
@@ -188,25 +189,48 @@ def test_a_layout_sent_once_is_named_by_its_id_afterwards_and_an_unknown_id_is_a
 
     reply = update(engine.url, group, first, "1", bucket_sizes=sizes, layout_id="llama-a")
     assert reply.status_code == 200, reply.text
-    reply = update(engine.url, group, second, "2", sizes, layout_id="llama-a", listed=False)
-    assert reply.status_code == 200, reply.text
-    got = engine_weights(engine.url, names)
-    for name, tensor in second:  # the misaligned float32s were copied out after arrival too
-        assert torch.equal(got[name], tensor.float()), name
+    # Versions 2-4 by id alone: the engine alternates between two kept receive sets, never
+    # receiving into the one the model runs on.
+    for version, tensors in (("2", second), ("3", first), ("4", second)):
+        reply = update(engine.url, group, tensors, version, sizes, "llama-a", listed=False)
+        assert reply.status_code == 200, reply.text
+        got = engine_weights(engine.url, names)
+        for name, tensor in tensors:  # the misaligned float32s were copied out too
+            assert torch.equal(got[name], tensor.float()), (version, name)
+    expected = AutoModelForCausalLM.from_pretrained(odd_model_dir).eval()
+    expected.load_state_dict({n: t.float() for n, t in second})
+    assert logprob_error(expected, sample(engine.url)) < 1e-4
 
     # Refused before any collective (this test broadcasts nothing for them): the group and
     # the weights are as they were, and the next full request works.
     body = {"layout_id": "llama-b", "load_format": "flattened_bucket", "group_name": "weights",
-            "weight_version": "3"}  # fmt: skip
+            "weight_version": "5"}  # fmt: skip
     url = f"{engine.url}/update_weights_from_distributed"
     reply = httpx.post(url, json=body, timeout=30)
     assert reply.status_code == 409 and "names, dtypes and shapes" in reply.text, reply.text
     per_tensor = {k: v for k, v in body.items() if k != "load_format"} | {"layout_id": "llama-a"}
     reply = httpx.post(url, json=per_tensor, timeout=30)  # llama-a is a flat-bucket layout
     assert reply.status_code == 409 and "load_format" in reply.text, reply.text
-    assert httpx.get(f"{engine.url}/get_weight_version").json() == {"weight_version": "2"}
-    reply = update(engine.url, group, first, "3", bucket_sizes=sizes, layout_id="llama-b")
+    assert httpx.get(f"{engine.url}/get_weight_version").json() == {"weight_version": "4"}
+    reply = update(engine.url, group, first, "5", bucket_sizes=sizes, layout_id="llama-b")
     assert reply.status_code == 200, reply.text
     got = engine_weights(engine.url, names)
     assert all(torch.equal(got[n], t.float()) for n, t in first)
     dist.destroy_process_group(group)
+
+
+def test_kept_receive_sets_alternate_and_the_live_one_is_never_received_into() -> None:
+    prepared = PreparedLayout([("model.norm.weight", torch.float32, [4])], [1], problem="")
+    made: list[ReceiveSet] = []
+
+    def make() -> ReceiveSet:
+        made.append(ReceiveSet([torch.empty(16, dtype=torch.uint8)], [], [], None))
+        return made[-1]
+
+    first = prepared.receive_set(None, make)
+    second = prepared.receive_set(first, make)  # the model runs on `first`
+    assert second is not first
+    assert prepared.receive_set(second, make) is first
+    assert prepared.receive_set(first, make) is second
+    assert prepared.receive_set(None, make) in (first, second)  # e.g. after a load from disk
+    assert len(made) == 2

@@ -38,7 +38,11 @@ offset is a multiple of its element size, copies otherwise. At apply, a tensor t
 parameter of the model on the same device and dtype becomes that parameter's storage (no
 copy); the rest (a tied name such as `lm_head.weight` of a tied model, another dtype or device)
 is copied in. Memory: until the apply, the engine holds the received tensors beside its
-current weights, i.e. up to one extra copy of the model for a whole version.
+current weights, i.e. up to one extra copy of the model for a whole version. For whole
+versions of a layout sent by `layout_id`, the engine keeps two sets of receive buffers, with
+their tensor views and load plan made once, and receives each version into the set that is
+not the model's storage: no allocation and no per-tensor work per version. That is the same
+memory the allocator would keep cached for the previous version's buffers anyway.
 `--no-whole-version-updates` stops advertising `bucket_sizes` (and refuses it): the broker then
 sends one request per bucket, each applied on arrival, bounding the extra memory to a bucket.
 """
@@ -79,12 +83,23 @@ class PreparedLayout:
     bucket_sizes: list[int] | None
     problem: str
     nbytes: list[int] = field(init=False)  # bytes of each flat bucket
+    keep: bool = False  # keep receive sets (whole versions of the newest layout_id)
+    receive_sets: list[ReceiveSet] = field(default_factory=list)  # at most 2
 
     def __post_init__(self) -> None:
         self.nbytes = [
             sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in bucket)
             for bucket in self.buckets()
         ]
+
+    def receive_set(self, live: ReceiveSet | None, make: Callable[[], ReceiveSet]) -> ReceiveSet:
+        """One of two receive sets kept for this layout: one that is not `live` (the set the
+        model's parameters are views of)."""
+        free = [r for r in self.receive_sets if r is not live]
+        if free:
+            return free[0]
+        self.receive_sets.append(make())
+        return self.receive_sets[-1]
 
     def buckets(self) -> list[Layout]:
         out, start = [], 0
@@ -100,6 +115,17 @@ class UpdateError(RuntimeError):
     def __init__(self, message: str, status: int = 500) -> None:
         super().__init__(message)
         self.status = status
+
+
+@dataclass
+class ReceiveSet:
+    """Flat receive buffers of one layout, the tensors laid out over them (raw bytes at the
+    `misaligned` indices, copied out once received) and the plan to load the others."""
+
+    flats: list[torch.Tensor]
+    out: NamedTensors
+    misaligned: list[int]
+    plan: LoadPlan | None  # None: the layout does not fit the model
 
 
 class WeightUpdater:
@@ -122,6 +148,7 @@ class WeightUpdater:
         self._group: Any = None
         self._group_name = ""
         self._layouts: dict[str, PreparedLayout] = {}  # by layout_id, oldest first
+        self._live: ReceiveSet | None = None  # the receive set the parameters are views of
         # one dedicated thread: receives (ZMQ, disk, broadcast) never queue behind other work
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-weights")
 
@@ -223,7 +250,9 @@ class WeightUpdater:
                 raise UpdateError(f"weight broker at {endpoint}: {exc}", 400) from exc
             except TimeoutError as exc:
                 raise UpdateError(str(exc), 504) from exc
-            return await self._apply(tensors, version, abort_all, lease=tensors.lease)
+            applied = await self._apply(tensors, version, abort_all, lease=tensors.lease)
+            self._live = None  # no receive set is the model's storage any more
+            return applied
 
     async def from_disk(self, model_path: str, version: str | None, abort_all: bool = False) -> str:
         """Reload every tensor found in an HF directory's safetensors (or .bin) files."""
@@ -234,7 +263,9 @@ class WeightUpdater:
                 )
             except (OSError, ValueError, RuntimeError) as exc:
                 raise UpdateError(f"could not load weights from {model_path}: {exc}", 400) from exc
-            return await self._apply(tensors, version, abort_all)
+            applied = await self._apply(tensors, version, abort_all)
+            self._live = None
+            return applied
 
     async def init_group(self, body: dict[str, Any]) -> None:
         """Join the trainer's weight-update group (blocks until every rank joined)."""
@@ -282,7 +313,7 @@ class WeightUpdater:
         async with self._lock:
             try:
                 started = time.monotonic()
-                tensors, plan = await self._in_thread(
+                tensors, plan, received = await self._in_thread(
                     functools.partial(self._receive, prepared), "receiving broadcast weights"
                 )
                 log.info("weights: received %d tensors by broadcast in %.3fs", len(tensors),
@@ -294,9 +325,11 @@ class WeightUpdater:
             if prepared.problem:  # refused only now: leaving the collective early hangs it
                 raise UpdateError(f"weights refused, model unchanged: {prepared.problem}", 400)
             abort_all = bool(body.get("abort_all_requests"))
-            return await self._apply(
+            version = await self._apply(
                 tensors, body.get("weight_version"), abort_all, adopt=True, plan=plan
             )
+            self._live = received  # the model's storage now (None: memory of its own)
+            return version
 
     def _prepared_layout(self, body: dict[str, Any]) -> PreparedLayout:
         """The request's layout, parsed and checked against the model; from the cache when
@@ -333,6 +366,9 @@ class WeightUpdater:
         prepared = PreparedLayout(layout, bucket_sizes, problem)
         if layout_id is not None:
             self._layouts.pop(layout_id, None)
+            for older in self._layouts.values():  # receive sets for the newest layout only
+                older.keep, older.receive_sets = False, []
+            prepared.keep = bucket_sizes is not None and body.get("bucket_sizes") is not None
             self._layouts[layout_id] = prepared
             while len(self._layouts) > LAYOUTS_KEPT:
                 self._layouts.pop(next(iter(self._layouts)))
@@ -365,33 +401,63 @@ class WeightUpdater:
             )
         return list(sizes)
 
-    def _receive(self, prepared: PreparedLayout) -> tuple[NamedTensors, LoadPlan]:
+    def _receive(self, prepared: PreparedLayout) -> tuple[NamedTensors, LoadPlan, Any]:
         """Post every broadcast at once (async), lay the tensors out over the receive buffers
-        and plan the load while the bytes arrive, then wait for them. Everything is received
-        even when a name is wrong: leaving the collective early would hang it."""
+        and plan the load while the bytes arrive (or take a kept receive set, where all of
+        that is done), then wait for them. Returns the tensors, the load plan and the receive
+        set used. Everything is received even when a name is wrong: leaving the collective
+        early would hang it."""
         device, group = self.runner.device, self._group
         if prepared.bucket_sizes is None:
             out = [(n, torch.empty(s, dtype=d, device=device)) for n, d, s in prepared.layout]
             works = [torch.distributed.broadcast(t, 0, group, async_op=True) for _, t in out]
-            misaligned: list[int] = []
+            plan = None if prepared.problem else self.runner.plan_load(out, adopt=True)
+            self._wait(works)
+            return out, plan or LoadPlan(), None
+        if prepared.keep:
+            received = prepared.receive_set(self._live, lambda: self._receive_set(prepared))
+            works = [
+                torch.distributed.broadcast(f, 0, group, async_op=True) for f in received.flats
+            ]
         else:
             flats = [torch.empty(n, dtype=torch.uint8, device=device) for n in prepared.nbytes]
             works = [torch.distributed.broadcast(f, 0, group, async_op=True) for f in flats]
-            out, misaligned = [], []
-            for flat, bucket in zip(flats, prepared.buckets(), strict=True):
-                first = len(out)
-                misaligned.extend(first + i for i in flat_views(flat, bucket, out))
-        plan = self.runner.plan_load(out, adopt=True) if not prepared.problem else None
+            received = self._receive_set(prepared, flats)
+        out, plan = received.out, received.plan
+        if received.misaligned:  # copies need the bytes: made once they are here
+            self._wait(works, synchronize=False)
+            out = list(out)
+            for i in received.misaligned:
+                (name, raw), (_, dtype, shape) = out[i], prepared.layout[i]
+                out[i] = (name, raw.clone().view(dtype).view(shape))
+            if plan is not None:
+                extra = self.runner.plan_load([out[i] for i in received.misaligned], adopt=True)
+                plan = LoadPlan(plan.adopt + extra.adopt, plan.copy + extra.copy)
+        self._wait(works)
+        return out, plan or LoadPlan(), received if prepared.keep else None
+
+    def _receive_set(
+        self, prepared: PreparedLayout, flats: list[torch.Tensor] | None = None
+    ) -> ReceiveSet:
+        """Receive buffers (new unless given) with the layout's tensors over them, planned."""
+        if flats is None:
+            flats = [torch.empty(n, dtype=torch.uint8, device=self.runner.device)
+                     for n in prepared.nbytes]  # fmt: skip
+        out: NamedTensors = []
+        misaligned: list[int] = []
+        for flat, bucket in zip(flats, prepared.buckets(), strict=True):
+            first = len(out)
+            misaligned.extend(first + i for i in flat_views(flat, bucket, out))
+        skip = set(misaligned)
+        aligned = [x for i, x in enumerate(out) if i not in skip]
+        plan = None if prepared.problem else self.runner.plan_load(aligned, adopt=True)
+        return ReceiveSet(flats, out, misaligned, plan)
+
+    def _wait(self, works: list[Any], synchronize: bool = True) -> None:
         for work in works:
             work.wait()
-        for i in misaligned:  # copies need the bytes: only now
-            name, raw = out[i]
-            _, dtype, shape = prepared.layout[i]
-            out[i] = (name, raw.clone().view(dtype).view(shape))
-        if misaligned and plan is not None:
-            plan = self.runner.plan_load(out, adopt=True)
-        self._synchronize()
-        return out, plan or LoadPlan()
+        if synchronize:
+            self._synchronize()
 
     def _synchronize(self) -> None:
         # The tensors are adopted as parameters by the generation thread: make sure the

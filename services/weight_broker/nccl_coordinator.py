@@ -16,7 +16,11 @@ endpoint). For one version, in this order:
      - an engine that advertises `weight_update_bucket_sizes` (Tandem's engine) gets ONE POST
        `/update_weights_from_distributed` with every name, dtype and shape of the version, the
        load format (`--nccl-load-format`), `bucket_sizes` (flattened_bucket), flush_cache and
-       weight_version; it receives every bucket, then applies the version once;
+       weight_version; it receives every bucket, then applies the version once. If it also
+       advertises `weight_update_layout_id`, the request carries the offer's `layout_id` (a
+       hash of names, dtypes, shapes and buckets); once the engine took a layout, later
+       versions of it send only the id. An engine that answers 409 (it restarted and lost
+       the id) gets the full request at once: the trainer's broadcast waits for it;
      - any other engine (SGLang) gets a chain of POSTs, one per bucket, each sent when the
        previous one answered (each applied on arrival), flush_cache on the last;
      - right after the first POSTs are sent, `broadcast` (bucket -1 = all) tells the trainer
@@ -34,6 +38,7 @@ longer than `sync_timeout_s`; the transfer of a whole version is one step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -85,6 +90,7 @@ class NcclCoordinator:
         self._whole_version: dict[str, bool] = {}  # engine URL -> it takes bucket_sizes
         self._layout_ids: dict[str, bool] = {}  # engine URL -> it takes layout_id
         self._known_layout: dict[str, str] = {}  # engine URL -> the layout_id it last took
+        self._nbytes: dict[str, int] = {}  # bytes of a version of the last layout_id
         self.busy = False  # a version is being synced (the broker's probes wait meanwhile)
 
     async def run(self, session: aiohttp.ClientSession) -> None:
@@ -162,10 +168,15 @@ class NcclCoordinator:
                  ", ".join(f"{name} {1e3 * (b - a):.1f} ms" for name, a, b in steps))  # fmt: skip
 
     def _finish(self, offer: NcclOffer, engines: list[EngineState], elapsed_s: float) -> None:
-        nbytes = sum(
-            header_nbytes(WeightBucketHeader(version=0, bucket_index=0, num_buckets=1, tensors=b))
-            for b in offer.buckets
-        )
+        nbytes = self._nbytes.get(offer.layout_id) if offer.layout_id else None
+        if nbytes is None:  # thousands of tensors: once per layout
+            nbytes = sum(
+                header_nbytes(
+                    WeightBucketHeader(version=0, bucket_index=0, num_buckets=1, tensors=b)
+                )
+                for b in offer.buckets
+            )
+            self._nbytes = {offer.layout_id: nbytes}
         for engine in engines:
             self.broker.mark_synced(engine, offer.version, elapsed_s, nbytes)
         self.broker.store.latest = offer.version
@@ -210,9 +221,9 @@ class NcclCoordinator:
 
     async def _transfer(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
         buckets = [b for b in offer.buckets if b] or [[]]
-        whole = self._whole_version_body(offer, buckets)  # built once: thousands of names
+        whole = functools.cache(lambda: self._whole_version_body(offer, buckets))  # <= once
         calls = [
-            self._post_version(session, e, whole, offer.layout_id)
+            self._post_version(session, e, offer, whole)
             if self._whole_version.get(e.url)
             else self._post_chain(session, e, offer, buckets)
             for e in engines
@@ -257,28 +268,29 @@ class NcclCoordinator:
             body["bucket_sizes"] = [len(b) for b in buckets if b]
         return body
 
-    async def _post_version(self, session, engine, body: dict, layout_id: str) -> None:  # type: ignore[no-untyped-def]
-        """The whole version in one request (engines that take `bucket_sizes`). An engine
-        that took this layout before gets its `layout_id` instead of thousands of names; if it
-        no longer knows the id (409, answered before any collective), the full request."""
-        if self._applies_with_abort(engine):
-            body = {**body, "abort_all_requests": True}
-        path = "/update_weights_from_distributed"
+    async def _post_version(self, session, engine, offer: NcclOffer, whole) -> None:  # type: ignore[no-untyped-def]
+        """The whole version in one request (engines that take `bucket_sizes`); `whole()`
+        makes its body. An engine that took this layout before gets its `layout_id` instead
+        of thousands of names; if it no longer knows the id (409, answered before any
+        collective), the full request."""
+        extra = {"abort_all_requests": True} if self._applies_with_abort(engine) else {}
+        path, layout_id = "/update_weights_from_distributed", offer.layout_id
         if not (layout_id and self._layout_ids.get(engine.url)):
-            await self._post(session, engine, path, body)
+            await self._post(session, engine, path, {**whole(), **extra})
             return
         if self._known_layout.get(engine.url) == layout_id:
-            listed = ("names", "dtypes", "shapes", "bucket_sizes")
-            short = {k: v for k, v in body.items() if k not in listed}
+            short = self._update_body(offer, [], flush_cache=True)
+            for listed in ("names", "dtypes", "shapes"):
+                del short[listed]
             try:
-                await self._post(session, engine, path, {**short, "layout_id": layout_id})
+                await self._post(session, engine, path, {**short, **extra, "layout_id": layout_id})
                 return
             except EngineAnswerError as exc:
                 if exc.status != 409:
                     raise
                 log.info("%s no longer knows layout %s: sending it in full", engine.url, layout_id)
         self._known_layout.pop(engine.url, None)
-        await self._post(session, engine, path, {**body, "layout_id": layout_id})
+        await self._post(session, engine, path, {**whole(), **extra, "layout_id": layout_id})
         self._known_layout[engine.url] = layout_id
 
     async def _post_chain(self, session, engine, offer, buckets) -> None:  # type: ignore[no-untyped-def]
