@@ -222,6 +222,8 @@ def megatron_export(model_dir: Path, dtype: str):  # type: ignore[no-untyped-def
     arch = hf_convert.arch_from_config(json.loads((model_dir / "config.json").read_text()))
     config = hf_convert.transformer_config(arch, 1, bf16=dtype == "bfloat16")
     model = hf_convert.build_gpt_model(arch, config, 128)
+    if torch.cuda.is_available():
+        model.cuda()  # as the trainer does: megatron leaves torch's norms on the CPU
     return lambda: hf_convert.export_hf(model, arch, on_device=True)
 
 

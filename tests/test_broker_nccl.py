@@ -106,7 +106,7 @@ def test_an_engine_without_bucket_sizes_gets_one_request_per_bucket_and_ends_on_
     tensors, model = perturbed_weights(toy_model_dir, seed=1)
     tensors = [(n, t.bfloat16() if i % 3 == 0 else t) for i, (n, t) in enumerate(tensors)]
     model.load_state_dict({n: t.float() for n, t in tensors})
-    buckets = len(group_by_bytes(tensors, bucket_bytes))
+    buckets = len(group_by_bytes(tensors, bucket_bytes, ramp=True))  # as the sender groups
     assert buckets > 2
     sender.send(1, tensors)
     for engine in (whole, chained):
@@ -161,3 +161,13 @@ def test_with_no_engine_left_the_version_is_aborted_not_hung(stack, toy_model_di
     with pytest.raises(WeightSyncError, match="aborted"):
         sender.send(1, tensors)
     sender.close()
+
+
+def test_ramped_buckets_start_small_and_keep_every_tensor_in_order() -> None:
+    tensors = [(f"t{i}", torch.empty(100, dtype=torch.uint8)) for i in range(40)]
+    tensors.insert(1, ("big", torch.empty(500, dtype=torch.uint8)))  # over the first limit
+    groups = group_by_bytes(tensors, 1600, ramp=True)
+    sizes = [sum(t.nbytes for _, t in g) for g in groups]
+    assert sizes == [100, 500, 800, 1600, 1500]  # limits 200, 400, 800, then 1600
+    assert [n for g in groups for n, _ in g] == [n for n, _ in tensors]
+    assert [len(g) for g in group_by_bytes(tensors, 1600)][:2] == [12, 16]  # no ramp

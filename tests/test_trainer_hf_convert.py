@@ -142,11 +142,12 @@ def test_export_to_hf_names_round_trips_exactly(
     assert all(torch.equal(exported[k], expected[k]) for k in expected)
 
 
+@pytest.mark.parametrize("which", ["toy_llama", "qwen2_tied_bias"])
 def test_on_device_export_is_the_same_tensors_each_time_and_follows_the_weights(
-    megatron_world: None, toy_model_dir: Path
+    megatron_world: None, toy_model_dir: Path, qwen2_tied_dir: Path, which: str
 ) -> None:
-    policy = Policy(TrainerConfig(model=str(model_dir := toy_model_dir)), str(model_dir),
-                    train=False)  # fmt: skip
+    model_dir = toy_model_dir if which == "toy_llama" else qwen2_tied_dir
+    policy = Policy(TrainerConfig(model=str(model_dir)), str(model_dir), train=False)
     model, arch = policy.model, policy.arch
 
     def check(exported: list[tuple[str, torch.Tensor]]) -> None:

@@ -349,15 +349,15 @@ def _dense(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 class _DeviceExport:
     """A TP = 1 model's HF-named tensors on its device, built once and refreshed per export.
 
-    A tensor that is a contiguous slice of a parameter in the wanted dtype (most of them: the
-    projections, norms, fc1's gate and up halves, the embedding without its vocab padding)
-    is a view of the parameter and always current. The rest (q, k and v, strided slices of
-    the interleaved `linear_qkv`; anything in another dtype) get buffers of their own, which
-    each export refreshes with one copy per tensor from a view of the parameter. So an export
-    costs a few hundred kernel launches instead of thousands of tensor operations, and returns
-    the same tensor objects each time (the NCCL sender reuses its layout for them). Valid
-    while every parameter keeps its storage (checked at each export; rebuilt otherwise).
-    Memory: the buffers, about a sixth of the model for a Llama (q, k and v)."""
+    A tensor that is a contiguous slice of a parameter in the wanted dtype (the projections,
+    norms, fc1's gate and up halves, the embedding without its vocab padding) is a view of the
+    parameter and always current. q, k and v are strided slices of the interleaved
+    `linear_qkv`: each layer gets one buffer holding its q, k and v back to back (HF layout),
+    refreshed by one row gather. Anything in another dtype gets a buffer refreshed by a copy.
+    So an export costs a few hundred kernel launches instead of thousands of tensor
+    operations, and returns the same tensor objects each time (the NCCL sender reuses its
+    layout for them). Valid while every parameter keeps its storage (checked at each export;
+    rebuilt otherwise). Memory: the buffers, about a sixth of a Llama's weights (q, k, v)."""
 
     def __init__(self, params: list[tuple[str, torch.Tensor]], arch: HfArch, dtype) -> None:  # type: ignore[no-untyped-def]
         self.dtype = dtype
@@ -366,25 +366,50 @@ class _DeviceExport:
         storages = {p.untyped_storage().data_ptr() for _, p in params}
         self.named: list[tuple[str, torch.Tensor]] = []
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source) pairs
+        self.gathers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, linear_qkv)
+        self.rows: torch.Tensor | None = None  # linear_qkv's row of each HF q, k, v row
+        qkv: dict[str, torch.Tensor] = {}
         for name, view in megatron_full_to_hf(arch, full, grouped_qkv=True):
             if view.untyped_storage().data_ptr() not in storages:  # a copy would go stale
                 raise AssertionError(f"{name} is not a view of a parameter")
-            if name.split(".")[-2] in ("q_proj", "k_proj", "v_proj"):  # grouped views
-                shape = (view.shape[0] * view.shape[1], *view.shape[2:])  # HF rows
-            elif view.is_contiguous() and (dtype is None or view.dtype == dtype):
+            proj = name.split(".")[-2]
+            if proj in ("q_proj", "k_proj", "v_proj") and dtype in (None, view.dtype):
+                if proj == "q_proj":  # first of the three: the layer's buffer
+                    layer, kind = name.split(".")[2], name.split(".")[-1]
+                    source = full[f"decoder.layers.{layer}.self_attention.linear_qkv.{kind}"]
+                    qkv = self._gather_into(arch, source)
+                self.named.append((name, qkv[proj]))
+            elif view.is_contiguous() and dtype in (None, view.dtype):
                 self.named.append((name, view))
-                continue
             else:
-                shape = tuple(view.shape)
-            buffer = torch.empty(shape, dtype=dtype or view.dtype, device=view.device)
-            self.copies.append((buffer.view(view.shape), view))
-            self.named.append((name, buffer))
+                if proj in ("q_proj", "k_proj", "v_proj"):
+                    shape = (view.shape[0] * view.shape[1], *view.shape[2:])  # HF rows
+                else:
+                    shape = tuple(view.shape)
+                buffer = torch.empty(shape, dtype=dtype or view.dtype, device=view.device)
+                self.copies.append((buffer.view(view.shape), view))
+                self.named.append((name, buffer))
+
+    def _gather_into(self, arch: HfArch, source: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A buffer for one layer's q, k, v (HF rows, back to back) filled from `source`."""
+        ng, hn = arch.num_kv_heads, arch.head_dim
+        per = arch.num_heads // ng
+        if self.rows is None:
+            rows = torch.arange(ng * (per + 2) * hn, device=source.device).view(ng, per + 2, hn)
+            self.rows = torch.cat([rows[:, :per].reshape(-1), rows[:, per].reshape(-1),
+                                   rows[:, per + 1].reshape(-1)])  # fmt: skip
+        buffer = torch.empty_like(source)
+        self.gathers.append((buffer, source))
+        q, k, v = torch.split(buffer, [ng * per * hn, ng * hn, ng * hn])
+        return {"q_proj": q, "k_proj": k, "v_proj": v}
 
     def valid(self, dtype: torch.dtype | None) -> bool:
         return dtype == self.dtype and all(p.data_ptr() == ptr for p, ptr in self.storage)
 
     @torch.no_grad()
     def refresh(self) -> list[tuple[str, torch.Tensor]]:
+        for buffer, source in self.gathers:
+            torch.index_select(source, 0, self.rows, out=buffer)
         for buffer, source in self.copies:
             buffer.copy_(source)
         return self.named

@@ -11,6 +11,11 @@ Sequence for one version (the broker's `NcclCoordinator` drives it):
        last read it. On NCCL that wait makes the current CUDA stream wait, not the host, so
        the host queues every pack and broadcast at once and the device overlaps packing
        bucket k+1 with sending bucket k. A bucket of one tensor is sent from the tensor itself.
+       On CUDA, packing is one device-to-device copy per tensor: on H200s, packing 16 GiB with
+       one `torch.cat` kernel per bucket slowed the concurrent broadcasts by 5.6 ms (53.0 ms
+       vs 47.4 for the same buckets unpacked), plain copies by 2.9 ms. On CPU, one `cat`. The first buckets are
+       smaller (1/8, 1/4, 1/2 of the bucket size, `group_by_bytes(ramp=True)`), so the first
+       broadcast starts after a short pack.
      - `per_tensor`: each tensor is broadcast as it is, back to back with `async_op=True`.
      Then wait for every collective, synchronize the device and ack (`NcclAck`).
      A failed collective is acked as failed and the group dropped; the broker then either
@@ -140,7 +145,7 @@ class NcclWeightSender:
         ):
             return last
         sendable = [_sendable(n, t, device) for n, t in named]
-        buckets = group_by_bytes(sendable, self.bucket_bytes)
+        buckets = group_by_bytes(sendable, self.bucket_bytes, ramp=True)
         metas = [
             [TensorMeta(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in b]
             for b in buckets
@@ -240,7 +245,13 @@ class NcclWeightSender:
             if last_use[slot] is not None:
                 last_use[slot].wait()  # NCCL: the stream waits, the host goes on
             flat = ring[slot][:nbytes]
-            torch.cat(views, out=flat)
+            if not flat.is_cuda:  # one call: per-tensor calls cost the host more than cat
+                torch.cat(views, out=flat)
+            else:  # plain copies, not one cat kernel: see the module docstring
+                offset = 0
+                for view in views:
+                    flat[offset : offset + view.numel()].copy_(view)
+                    offset += view.numel()
             last_use[slot] = self._start(flat)
             works.append(last_use[slot])
         return works

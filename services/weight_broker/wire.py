@@ -74,14 +74,17 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def group_by_bytes(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, ramp: bool = False
 ) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of at most `bucket_bytes` (a larger tensor gets a group of its own)."""
+    """Consecutive groups of at most `bucket_bytes` (a larger tensor gets a group of its own).
+    With `ramp`, the first three groups hold at most 1/8, 1/4 and 1/2 of `bucket_bytes`."""
     groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    limits = [bucket_bytes // 8, bucket_bytes // 4, bucket_bytes // 2] if ramp else []
     size = 0
     for name, tensor in named_tensors:
         nbytes = tensor.nbytes
-        if groups[-1] and size + nbytes > bucket_bytes:
+        limit = limits[len(groups) - 1] if len(groups) <= len(limits) else bucket_bytes
+        if groups[-1] and size + nbytes > limit:
             groups.append([])
             size = 0
         groups[-1].append((name, tensor))
