@@ -154,10 +154,10 @@ def test_on_device_export_is_the_same_tensors_each_time_and_follows_the_weights(
         copies = hf_convert.export_hf(model, arch)  # CPU copies, the reference
         assert [n for n, _ in exported] == [n for n, _ in copies]
         for (name, got), (_, want) in zip(exported, copies, strict=True):
-            assert got.is_contiguous() and torch.equal(got, want), name
+            assert got.is_contiguous() and torch.equal(got.cpu(), want), name
 
     first = hf_convert.export_hf(model, arch, on_device=True)
-    check(first)
+    check(first)  # on CUDA, later refreshes replay a CUDA graph of the gathers and copies
     with torch.no_grad():  # an optimizer step: in place, same storage
         for param in model.parameters():
             param.add_(torch.randn_like(param))

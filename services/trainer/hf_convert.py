@@ -12,6 +12,7 @@ Does not know: checkpoints on disk beyond `model.safetensors` shards, training, 
 from __future__ import annotations
 
 import json
+import logging
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from services.trainer.packed_attention import fused_kernels_enabled, gpt_layer_spec
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+log = logging.getLogger("tandem.trainer.hf_convert")
 
 
 @dataclass(frozen=True)
@@ -368,6 +370,7 @@ class _DeviceExport:
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, source) pairs
         self.gathers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, linear_qkv)
         self.rows: torch.Tensor | None = None  # linear_qkv's row of each HF q, k, v row
+        self.graph: torch.cuda.CUDAGraph | None = None  # `refresh` captured (CUDA)
         qkv: dict[str, torch.Tensor] = {}
         for name, view in megatron_full_to_hf(arch, full, grouped_qkv=True):
             if view.untyped_storage().data_ptr() not in storages:  # a copy would go stale
@@ -408,11 +411,37 @@ class _DeviceExport:
 
     @torch.no_grad()
     def refresh(self) -> list[tuple[str, torch.Tensor]]:
+        """Bring the buffers up to date. On CUDA, the gathers and copies are captured once
+        into a CUDA graph (their addresses never change while `valid`), so a refresh is one
+        launch instead of hundreds, ~1.5 ms less host time before each weight sync."""
+        if self.graph is not None:
+            self.graph.replay()
+            return self.named
+        self._run()
+        if self.graph is None and self.rows is not None and self.rows.is_cuda:
+            self.graph = self._capture()
+        return self.named
+
+    def _run(self) -> None:
         for buffer, source in self.gathers:
             torch.index_select(source, 0, self.rows, out=buffer)
         for buffer, source in self.copies:
             buffer.copy_(source)
-        return self.named
+
+    def _capture(self) -> torch.cuda.CUDAGraph | None:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # capture wants its kernels run once off-graph
+                self._run()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._run()
+            return graph
+        except RuntimeError as exc:  # e.g. a driver without graph support: stay eager
+            log.warning("export refresh stays eager (CUDA graph capture failed: %s)", exc)
+            return None
 
 
 def export_hf(
