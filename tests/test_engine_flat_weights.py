@@ -84,6 +84,16 @@ def join(url: str) -> object:
     return group
 
 
+def joined_engine(start_service, model_dir: Path) -> tuple:  # type: ignore[no-untyped-def]
+    """A `tandem engine` that advertises Tandem's update extensions, in a weight group with
+    this process as rank 0."""
+    engine = start_service("engine", ["engine", "--model", str(model_dir), "--port", "0",
+                                      "--update-timeout-s", "30"])  # fmt: skip
+    info = httpx.get(f"{engine.url}/get_server_info", timeout=10).json()
+    assert info["weight_update_bucket_sizes"] is True and info["weight_update_layout_id"] is True
+    return engine, join(engine.url)
+
+
 def update(url: str, group: object, tensors: NamedTensors, version: str,
            bucket_sizes: list[int] | None = None, layout_id: str | None = None,
            listed: bool = True) -> httpx.Response:  # fmt: skip
@@ -122,11 +132,7 @@ def update(url: str, group: object, tensors: NamedTensors, version: str,
 def test_flat_buckets_of_mixed_dtypes_give_exactly_the_weights_of_per_tensor_broadcasts(
     start_service, odd_model_dir: Path
 ) -> None:
-    engine = start_service("engine", ["engine", "--model", str(odd_model_dir), "--port", "0",
-                                      "--update-timeout-s", "30"])  # fmt: skip
-    info = httpx.get(f"{engine.url}/get_server_info", timeout=10).json()
-    assert info["weight_update_bucket_sizes"] is True
-    group = join(engine.url)
+    engine, group = joined_engine(start_service, odd_model_dir)
     tensors, other = mixed_weights(odd_model_dir, seed=1), mixed_weights(odd_model_dir, seed=2)
     names = [n for n, _ in tensors]
     sizes = [3, 8, len(tensors) - 11]  # buckets that start and end mid-layer
@@ -178,11 +184,7 @@ def test_bucket_sizes_that_do_not_add_up_are_refused_naming_the_field(
 def test_a_layout_sent_once_is_named_by_its_id_afterwards_and_an_unknown_id_is_a_409(
     start_service, odd_model_dir: Path
 ) -> None:
-    engine = start_service("engine", ["engine", "--model", str(odd_model_dir), "--port", "0",
-                                      "--update-timeout-s", "30"])  # fmt: skip
-    info = httpx.get(f"{engine.url}/get_server_info", timeout=10).json()
-    assert info["weight_update_layout_id"] is True
-    group = join(engine.url)
+    engine, group = joined_engine(start_service, odd_model_dir)
     first, second = mixed_weights(odd_model_dir, seed=3), mixed_weights(odd_model_dir, seed=4)
     names = [n for n, _ in first]
     sizes = [5, len(first) - 5]

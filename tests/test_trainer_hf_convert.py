@@ -58,6 +58,15 @@ def qwen2_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(params=["toy_llama", "qwen2_tied_bias"])
+def checkpoint(
+    request: pytest.FixtureRequest, megatron_world: None, toy_model_dir: Path, qwen2_tied_dir: Path
+) -> tuple[Path, Policy]:
+    """Each HF test checkpoint with a (non-training) policy loaded from it."""
+    model_dir = toy_model_dir if request.param == "toy_llama" else qwen2_tied_dir
+    return model_dir, Policy(TrainerConfig(model=str(model_dir)), str(model_dir), train=False)
+
+
 @pytest.fixture(scope="module")
 def llama3_rope_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with Llama-3.1-style RoPE scaling and a long context."""
@@ -114,23 +123,17 @@ def megatron_logits(policy: Policy, ids: torch.Tensor) -> torch.Tensor:
     return out[..., : policy.arch.vocab_size]
 
 
-@pytest.mark.parametrize("which", ["toy_llama", "qwen2_tied_bias"])
 def test_megatron_logits_equal_transformers_logits_on_the_same_weights(
-    megatron_world: None, toy_model_dir: Path, qwen2_tied_dir: Path, which: str
+    checkpoint: tuple[Path, Policy],
 ) -> None:
-    model_dir = toy_model_dir if which == "toy_llama" else qwen2_tied_dir
-    policy = Policy(TrainerConfig(model=str(model_dir)), str(model_dir), train=False)
+    model_dir, policy = checkpoint
     ids = IDS.clamp(max=policy.arch.vocab_size - 1)
     diff = (megatron_logits(policy, ids) - hf_logits(model_dir, ids)).abs().max().item()
     assert diff < 1e-5
 
 
-@pytest.mark.parametrize("which", ["toy_llama", "qwen2_tied_bias"])
-def test_export_to_hf_names_round_trips_exactly(
-    megatron_world: None, toy_model_dir: Path, qwen2_tied_dir: Path, which: str
-) -> None:
-    model_dir = toy_model_dir if which == "toy_llama" else qwen2_tied_dir
-    policy = Policy(TrainerConfig(model=str(model_dir)), str(model_dir), train=False)
+def test_export_to_hf_names_round_trips_exactly(checkpoint: tuple[Path, Policy]) -> None:
+    model_dir, policy = checkpoint
     original = hf_convert.load_hf_state(model_dir)
     exported = dict(policy.export_hf())
     expected = {
@@ -142,12 +145,10 @@ def test_export_to_hf_names_round_trips_exactly(
     assert all(torch.equal(exported[k], expected[k]) for k in expected)
 
 
-@pytest.mark.parametrize("which", ["toy_llama", "qwen2_tied_bias"])
 def test_on_device_export_is_the_same_tensors_each_time_and_follows_the_weights(
-    megatron_world: None, toy_model_dir: Path, qwen2_tied_dir: Path, which: str
+    checkpoint: tuple[Path, Policy],
 ) -> None:
-    model_dir = toy_model_dir if which == "toy_llama" else qwen2_tied_dir
-    policy = Policy(TrainerConfig(model=str(model_dir)), str(model_dir), train=False)
+    _, policy = checkpoint
     model, arch = policy.model, policy.arch
 
     def check(exported: list[tuple[str, torch.Tensor]]) -> None:
