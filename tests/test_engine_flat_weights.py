@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from services.engine.weights import PreparedLayout, ReceiveSet
+from services.engine.weight_layout import PreparedLayout, ReceiveSet
 from services.weight_broker.process_group import join_group
 from tandem.toy_model import build_tokenizer
 from tests.helpers import free_port
