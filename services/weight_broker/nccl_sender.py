@@ -1,7 +1,10 @@
 """Trainer side of the NCCL (or, on CPU, gloo) weight path: `NcclWeightSender`.
 
 Sequence for one version (the broker's `NcclCoordinator` drives it):
-  1. `send(version, tensors)` offers the version's bucket metadata to the broker (`NcclOffer`).
+  1. `send(version, tensors)` offers the version's bucket metadata to the broker (`NcclOffer`),
+     with `layout_id`, a hash of that metadata. When the same tensors over the same storage
+     come back (the trainer's export returns the same objects each version), the buckets,
+     metadata and byte views of the last version are reused: no per-tensor work.
   2. If the broker answers `init`, join the weight group as rank 0 (engines join concurrently).
   3. On `broadcast` (one per version), send every bucket from rank 0, back to back, in the
      command's `load_format`, then ack once:
@@ -13,9 +16,9 @@ Sequence for one version (the broker's `NcclCoordinator` drives it):
        bucket k+1 with sending bucket k. A bucket of one tensor is sent from the tensor itself.
        On CUDA, packing is one device-to-device copy per tensor: on H200s, packing 16 GiB with
        one `torch.cat` kernel per bucket slowed the concurrent broadcasts by 5.6 ms (53.0 ms
-       vs 47.4 for the same buckets unpacked), plain copies by 2.9 ms. On CPU, one `cat`. The first buckets are
-       smaller (1/8, 1/4, 1/2 of the bucket size, `group_by_bytes(ramp=True)`), so the first
-       broadcast starts after a short pack.
+       vs 47.4 for the same buckets unpacked), plain copies by 2.9 ms. On CPU, one `cat`.
+       The first buckets are smaller (1/8, 1/4, 1/2 of the bucket size,
+       `group_by_bytes(ramp=True)`), so the first broadcast starts after a short pack.
      - `per_tensor`: each tensor is broadcast as it is, back to back with `async_op=True`.
      Then wait for every collective, synchronize the device and ack (`NcclAck`).
      A failed collective is acked as failed and the group dropped; the broker then either
