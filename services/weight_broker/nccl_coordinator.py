@@ -90,7 +90,7 @@ class NcclCoordinator:
         self._whole_version: dict[str, bool] = {}  # engine URL -> it takes bucket_sizes
         self._layout_ids: dict[str, bool] = {}  # engine URL -> it takes layout_id
         self._known_layout: dict[str, str] = {}  # engine URL -> the layout_id it last took
-        self._nbytes: dict[str, int] = {}  # bytes of a version of the last layout_id
+        self._layout_bytes: tuple[str, int] | None = None  # the last layout_id and its bytes
         self.busy = False  # a version is being synced (the broker's probes wait meanwhile)
 
     async def run(self, session: aiohttp.ClientSession) -> None:
@@ -168,15 +168,16 @@ class NcclCoordinator:
                  ", ".join(f"{name} {1e3 * (b - a):.1f} ms" for name, a, b in steps))  # fmt: skip
 
     def _finish(self, offer: NcclOffer, engines: list[EngineState], elapsed_s: float) -> None:
-        nbytes = self._nbytes.get(offer.layout_id) if offer.layout_id else None
-        if nbytes is None:  # thousands of tensors: once per layout
+        if offer.layout_id and self._layout_bytes and self._layout_bytes[0] == offer.layout_id:
+            nbytes = self._layout_bytes[1]
+        else:  # thousands of tensors: once per layout
             nbytes = sum(
                 header_nbytes(
                     WeightBucketHeader(version=0, bucket_index=0, num_buckets=1, tensors=b)
                 )
                 for b in offer.buckets
             )
-            self._nbytes = {offer.layout_id: nbytes}
+            self._layout_bytes = (offer.layout_id, nbytes)
         for engine in engines:
             self.broker.mark_synced(engine, offer.version, elapsed_s, nbytes)
         self.broker.store.latest = offer.version

@@ -159,6 +159,7 @@ class NcclWeightSender:
             buckets=buckets,
             metas=metas,
             layout_id=hashlib.blake2b(msgspec.msgpack.encode(metas), digest_size=12).hexdigest(),
+            nbytes=[sum(t.nbytes for _, t in b) for b in buckets],
         )
         # Reused only if every tensor is sent from its own storage: a copy made here (to
         # make it contiguous or move it) would go stale while the original trains on.
@@ -220,7 +221,7 @@ class NcclWeightSender:
             self._drop_group()
         self._socket.send(encode(ack))
         self.broadcast_s = time.perf_counter() - started
-        return sum(t.numel() * t.element_size() for b in buckets for _, t in b) if ack.ok else 0
+        return sum(layout.nbytes) if ack.ok else 0
 
     def _broadcast_flat(self, layout: _Layout) -> list[Any]:
         import torch
@@ -228,7 +229,7 @@ class NcclWeightSender:
         buckets = layout.buckets
         if layout.byte_views is None:
             layout.byte_views = [[_byte_view(t) for _, t in b] for b in buckets]
-        sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
+        sizes = layout.nbytes
         to_pack = [k for k, b in enumerate(buckets) if len(b) > 1]
         ring: list[torch.Tensor] = []
         if to_pack:
@@ -289,6 +290,7 @@ class _Layout:
     buckets: Buckets
     metas: list[list[TensorMeta]]
     layout_id: str
+    nbytes: list[int]  # of each bucket
     byte_views: list[list[torch.Tensor]] | None = None
 
 
