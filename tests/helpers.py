@@ -29,7 +29,8 @@ def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> 
 
 
 def read_all(buffer: SampleBuffer) -> list[SampleGroup]:
-    """Every group in the buffer, read by a consumer of its own (`test`)."""
+    """Every group the tests' own consumer (`test`) has not read yet: a second call returns
+    only groups put since the first."""
     out = []
     while batch := buffer.read_groups("test", 1000, block_ms=None):
         out += [g for _id, g in batch]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from proto import SampleGroup
 from services.rollout_router.toy_task import reverse_digits_reward
 from services.sample_buffer import SampleBuffer
 from tests.helpers import free_port, get_json, post_json, read_all, wait_until
@@ -71,14 +72,16 @@ def test_staleness_gate_holds_the_next_batch_until_engines_version_is_high_enoug
     assert status["batch"] == 2, "engines at version 0 allow batches 0 and 1 only"
     assert not any(g.group_id.startswith("b2-") for g in read_all(buffer))
     buffer.set_version("engines", 1)
-    # Groups of one batch are streamed one by one: wait for the whole batch, then check that
-    # it holds exactly its four prompts.
-    groups = wait_until(
-        lambda: (g := [g for g in read_all(buffer) if g.group_id.startswith("b2-")])
-        and len(g) >= 4 and g,
-        "all of batch 2 after version:engines=1",
-        timeout_s=90,
-    )  # fmt: skip
+    # Groups of one batch are streamed one by one, and each read returns only groups not read
+    # before: collect across reads until the whole batch is in, then check that it holds
+    # exactly its four prompts.
+    groups: list[SampleGroup] = []
+
+    def batch_2_complete() -> bool:
+        groups.extend(g for g in read_all(buffer) if g.group_id.startswith("b2-"))
+        return len(groups) >= 4
+
+    wait_until(batch_2_complete, "all of batch 2 after version:engines=1", timeout_s=90)
     assert sorted(g.group_id for g in groups) == [f"b2-p{i}" for i in range(4)]
     status = wait_until(
         lambda: (
