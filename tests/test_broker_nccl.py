@@ -6,9 +6,13 @@ On GPUs the same code runs with NCCL (the backend follows the tensors' device).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
 import time
+from http.server import ThreadingHTTPServer
+from typing import ClassVar
 
 import httpx
 import pytest
@@ -17,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from services.weight_broker.nccl_sender import NcclWeightSender, WeightSyncError
 from services.weight_broker.wire import group_by_bytes
+from tests.helpers import JsonHandler
 
 PROMPT = [1, 7, 11, 14]  # <bos> 3 7 >
 
@@ -119,6 +124,72 @@ def test_an_engine_without_bucket_sizes_gets_one_request_per_bucket_and_ends_on_
     chain = [line for line in chained.log().splitlines() if "tensors loaded in" in line]
     assert len(chain) == buckets
     sender.close()
+
+
+class ForgetfulProxy(JsonHandler):
+    """Passes every request to a real engine (`target`), except that it answers the first
+    update that names a layout by `layout_id` alone with the engine's 409 for an unknown id,
+    as an engine would that no longer has it. `updates` lists (version, listed?, answer)."""
+
+    target = ""
+    updates: ClassVar[list[tuple[str, bool, int]]] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server names it
+        reply = httpx.get(self.target + self.path, timeout=60)
+        self.send_json(reply.status_code, reply.json())
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server names it
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        listed = "names" in body
+        if (
+            self.path == "/update_weights_from_distributed"
+            and not listed
+            and not any(not was_listed and status == 409 for _, was_listed, status in self.updates)
+        ):
+            self.updates.append((body["weight_version"], listed, 409))
+            self.send_json(409, {"success": False, "message": "layout_id is unknown"})
+            return
+        reply = httpx.post(self.target + self.path, json=body, timeout=60)
+        if self.path == "/update_weights_from_distributed":
+            self.updates.append((body["weight_version"], listed, reply.status_code))
+        self.send_json(reply.status_code, reply.json())
+
+
+def test_an_engine_that_no_longer_knows_the_layout_gets_the_full_request(
+    start_service, toy_model_dir
+) -> None:
+    """Once an engine took a layout, the broker sends only its `layout_id`; a 409 (the engine
+    forgot it) is answered before any collective, and the broker then sends the full list."""
+    engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0",
+                                      "--update-timeout-s", "20"])  # fmt: skip
+    handler = type("Proxy", (ForgetfulProxy,), {"target": engine.url, "updates": []})
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    proxy_url = f"http://127.0.0.1:{proxy.server_address[1]}"
+    try:
+        broker = start_service("broker", [
+            "broker", "--port", "0", "--transport", "nccl", "--sync-timeout-s", "30",
+            "--engine-urls", proxy_url,
+        ])  # fmt: skip
+        sender = NcclWeightSender(
+            broker.info["intake_endpoint"], bucket_bytes=16 * 1024, timeout_s=30
+        )
+        for version in (1, 2, 3):
+            tensors, model = perturbed_weights(toy_model_dir, seed=version)
+            sender.send(version, tensors)
+            served, tokens, logprobs = engine_logprobs(engine.url)
+            assert served == str(version)
+            expected = teacher_forced(model, tokens)
+            assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < 1e-4
+        sender.close()
+        assert handler.updates == [
+            ("1", True, 200),  # a new layout: listed in full
+            ("2", False, 409),  # the same layout by id: "unknown"
+            ("2", True, 200),  # so in full again
+            ("3", False, 200),  # and by id from then on
+        ]
+    finally:
+        proxy.shutdown()
 
 
 def test_a_hung_then_dead_engine_is_dropped_and_the_others_keep_getting_versions(
