@@ -141,11 +141,8 @@ class ForgetfulProxy(JsonHandler):
     def do_POST(self) -> None:  # noqa: N802 - http.server names it
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         listed = "names" in body
-        if (
-            self.path == "/update_weights_from_distributed"
-            and not listed
-            and not any(not was_listed and status == 409 for _, was_listed, status in self.updates)
-        ):
+        forgot = any(status == 409 for *_, status in self.updates)
+        if self.path == "/update_weights_from_distributed" and not listed and not forgot:
             self.updates.append((body["weight_version"], listed, 409))
             self.send_json(409, {"success": False, "message": "layout_id is unknown"})
             return
@@ -190,6 +187,7 @@ def test_an_engine_that_no_longer_knows_the_layout_gets_the_full_request(
         ]
     finally:
         proxy.shutdown()
+        proxy.server_close()
 
 
 def test_a_hung_then_dead_engine_is_dropped_and_the_others_keep_getting_versions(
