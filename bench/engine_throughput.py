@@ -33,11 +33,23 @@ import torch
 
 MODELS = {
     # the toy model's shape, with room for prompt + output positions
-    "tiny": dict(vocab_size=16, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2),
-    "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
-                 num_attention_heads=12, num_key_value_heads=4),
-}  # fmt: skip
+    "tiny": dict(
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "100m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=10,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+    ),
+}
 
 
 def write_model(out: Path, shape: dict, max_positions: int) -> Path:
@@ -48,10 +60,21 @@ def write_model(out: Path, shape: dict, max_positions: int) -> Path:
     vocab = ["<pad>", "<bos>", "<eos>", "<unk>"] + [f"t{i}" for i in range(4, shape["vocab_size"])]
     core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>",
-                                        eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")  # fmt: skip
-    config = LlamaConfig(**shape, max_position_embeddings=max_positions, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    config = LlamaConfig(
+        **shape,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -65,10 +88,26 @@ class Engine:
         ready = workdir / f"engine-{model.name}.ready.json"
         ready.unlink(missing_ok=True)
         self.log = workdir / f"engine-{model.name}.log"
-        cmd = [sys.executable, "-m", "tandem.cli", "engine", "--model", str(model), "--port", "0",
-               "--ready-file", str(ready), "--num-threads", "1"]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                                     start_new_session=True)  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "engine",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+            "--num-threads",
+            "1",
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=open(self.log, "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 300
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -102,8 +141,11 @@ async def engine_run(url: str, prompts: list[list[int]], output_len: int) -> tup
 async def up_workload(url: str, rounds: int = 5) -> float:
     """Median seconds for `tandem up`'s step: 64 concurrent requests, each one 4-token prompt
     with n=8, 4 new tokens, temperature 1, logprobs (512 sequences)."""
-    body = {"input_ids": [1, 4, 5, 14], "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "n": 8}}  # fmt: skip
+    body = {
+        "input_ids": [1, 4, 5, 14],
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "n": 8},
+    }
     async with aiohttp.ClientSession() as session:
 
         async def one() -> None:
@@ -126,9 +168,16 @@ def hf_sequential(model_dir: Path, prompts: list[list[int]], output_len: int) ->
 
     def generate(prompt: list[int]) -> int:
         ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                             top_k=0, max_new_tokens=output_len, min_new_tokens=output_len,
-                             pad_token_id=0)  # fmt: skip
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            pad_token_id=0,
+        )
         return out.shape[1] - len(prompt)
 
     with torch.inference_mode():
@@ -142,8 +191,10 @@ def bench(name: str, args: argparse.Namespace, workdir: Path) -> float:
     shape = MODELS[name]
     model = write_model(workdir / name, shape, args.prompt_len + args.output_len + 8)
     gen = torch.Generator().manual_seed(1)
-    prompts = [[1, *torch.randint(4, shape["vocab_size"], (args.prompt_len - 1,), generator=gen).tolist()]
-               for _ in range(args.requests)]  # fmt: skip
+    prompts = [
+        [1, *torch.randint(4, shape["vocab_size"], (args.prompt_len - 1,), generator=gen).tolist()]
+        for _ in range(args.requests)
+    ]
     engine = Engine(model, workdir)
     try:
         tokens, seconds = asyncio.run(engine_run(engine.url, prompts, args.output_len))
@@ -173,12 +224,19 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--baseline-requests", type=int, default=0,
-                        help="time only this many prompts sequentially (0 = all)")  # fmt: skip
+    parser.add_argument(
+        "--baseline-requests",
+        type=int,
+        default=0,
+        help="time only this many prompts sequentially (0 = all)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"torch threads: 1 per process; cpu count {os.cpu_count()}; requests {args.requests}, "
-          f"prompt {args.prompt_len}, output {args.output_len}", flush=True)  # fmt: skip
+    print(
+        f"torch threads: 1 per process; cpu count {os.cpu_count()}; requests {args.requests}, "
+        f"prompt {args.prompt_len}, output {args.output_len}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
         ratios = [bench(name, args, Path(tmp)) for name in args.models.split(",")]
     print(f"speedup_vs_sequential_hf: {min(ratios):.2f}")

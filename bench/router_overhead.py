@@ -42,10 +42,13 @@ from services.sample_buffer import RedisServer  # noqa: E402
 from tandem.serving import bind_socket  # noqa: E402
 from tests.fake_sglang import FakeEngineProcess  # noqa: E402
 
-BODY = json.dumps({
-    "input_ids": [1, 5, 6, 14], "return_logprob": True,
-    "sampling_params": {"n": 1, "max_new_tokens": 4, "temperature": 1.0},
-}).encode()  # fmt: skip
+BODY = json.dumps(
+    {
+        "input_ids": [1, 5, 6, 14],
+        "return_logprob": True,
+        "sampling_params": {"n": 1, "max_new_tokens": 4, "temperature": 1.0},
+    }
+).encode()
 HEADERS = {"Content-Type": "application/json"}
 
 
@@ -126,8 +129,12 @@ def measure(
     latencies, wall = asyncio.run(load(urls, n, concurrency))
     cpu = cpu_s(pid) - cpu0
     q = statistics.quantiles(latencies, n=100)
-    return {"rps": n / wall, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
-            "cpu_s_per_1k": cpu / n * 1000}  # fmt: skip
+    return {
+        "rps": n / wall,
+        "p50_ms": q[49] * 1e3,
+        "p99_ms": q[98] * 1e3,
+        "cpu_s_per_1k": cpu / n * 1000,
+    }
 
 
 def wait_http(url: str, timeout_s: float = 60.0) -> None:
@@ -148,9 +155,25 @@ def start_tandem(
     workdir: Path, urls: list[str], redis_url: str, client: str
 ) -> tuple[subprocess.Popen, str]:
     ready = workdir / f"router-{client}.json"
-    cmd = [sys.executable, "-m", "tandem.cli", "router", "--no-rollout", "--engine-urls", *urls,
-           "--redis-url", redis_url, "--port", "0", "--ready-file", str(ready),
-           "--log-level", "WARNING", "--hot-path-client", client]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "router",
+        "--no-rollout",
+        "--engine-urls",
+        *urls,
+        "--redis-url",
+        redis_url,
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready),
+        "--log-level",
+        "WARNING",
+        "--hot-path-client",
+        client,
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while not ready.exists():
@@ -166,12 +189,28 @@ def start_rust(urls: list[str]) -> tuple[subprocess.Popen, str]:
         sock = bind_socket("127.0.0.1", 0)
         ports.append(sock.getsockname()[1])
         sock.close()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
-           "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(ports[0]),
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(ports[1]),
-           "--log-level", "error"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--worker-urls",
+        *urls,
+        "--policy",
+        "round_robin",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(ports[0]),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(ports[1]),
+        "--log-level",
+        "error",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     url = f"http://127.0.0.1:{ports[0]}"
     wait_http(url + "/generate")
     return proc, url
@@ -182,10 +221,32 @@ def rollout_batches(workdir: Path, urls: list[str], redis_url: str, model: Path,
     from services.sample_buffer import BufferConfig, SampleBuffer
 
     ready = workdir / "rollout.json"
-    cmd = [sys.executable, "-m", "tandem.cli", "router", "--engine-urls", *urls,
-           "--model", str(model), "--redis-url", redis_url, "--run-id", "bench",
-           "--max-staleness", "100000", "--max-groups", "100000", "--eval-interval", "0",
-           "--port", "0", "--ready-file", str(ready), "--log-level", "WARNING"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "router",
+        "--engine-urls",
+        *urls,
+        "--model",
+        str(model),
+        "--redis-url",
+        redis_url,
+        "--run-id",
+        "bench",
+        "--max-staleness",
+        "100000",
+        "--max-groups",
+        "100000",
+        "--eval-interval",
+        "0",
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready),
+        "--log-level",
+        "WARNING",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
     buffer = SampleBuffer(BufferConfig(redis_url=redis_url, run_id="bench"))
     times: list[float] = []
@@ -194,8 +255,11 @@ def rollout_batches(workdir: Path, urls: list[str], redis_url: str, model: Path,
         deadline = time.monotonic() + 120
         while len(times) < n + 1 and time.monotonic() < deadline:
             records = buffer.read_metrics()
-            times = [r.values["rollout/batch_time_s"] for _id, r in records
-                     if "rollout/batch_time_s" in r.values]  # fmt: skip
+            times = [
+                r.values["rollout/batch_time_s"]
+                for _id, r in records
+                if "rollout/batch_time_s" in r.values
+            ]
             if (times and not marks) or len(times) >= n + 1:
                 marks.append((len(times), cpu_s(proc.pid)))
             time.sleep(0.005)
@@ -205,20 +269,26 @@ def rollout_batches(workdir: Path, urls: list[str], redis_url: str, model: Path,
     steady = times[1 : n + 1]  # batch 0 includes connection set-up
     (b0, c0), (b1, c1) = marks[0], marks[-1]
     per_batch_cpu = (c1 - c0) / max(b1 - b0, 1)  # batches still running add a little
-    print(f"\nrollout batch (64 prompts x n=8, 2 instant engines, puts into Redis): "
-          f"median {statistics.median(steady) * 1e3:.1f} ms wall, max {max(steady) * 1e3:.1f} ms; "
-          f"router CPU {per_batch_cpu * 1e3:.1f} ms per batch")  # fmt: skip
+    print(
+        f"\nrollout batch (64 prompts x n=8, 2 instant engines, puts into Redis): "
+        f"median {statistics.median(steady) * 1e3:.1f} ms wall, max {max(steady) * 1e3:.1f} ms; "
+        f"router CPU {per_batch_cpu * 1e3:.1f} ms per batch"
+    )
 
 
 def report(results: dict[tuple[str, int], dict], concurrencies: list[int]) -> None:
-    print(f"{'target':<11}{'conc':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
-          f"{'+p50 ms':>9}{'+p99 ms':>9}{'cpu s/1k':>10}")  # fmt: skip
+    print(
+        f"{'target':<11}{'conc':>5}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'+p50 ms':>9}{'+p99 ms':>9}{'cpu s/1k':>10}"
+    )
     for (target, c), r in results.items():
         base = results[("direct", c)]
         added = (r["p50_ms"] - base["p50_ms"], r["p99_ms"] - base["p99_ms"])
         cpu = f"{r['cpu_s_per_1k']:.3f}" if target != "direct" else "-"
-        print(f"{target:<11}{c:>5}{r['rps']:>10.0f}{r['p50_ms']:>9.3f}{r['p99_ms']:>9.3f}"
-              f"{added[0]:>9.3f}{added[1]:>9.3f}{cpu:>10}")  # fmt: skip
+        print(
+            f"{target:<11}{c:>5}{r['rps']:>10.0f}{r['p50_ms']:>9.3f}{r['p99_ms']:>9.3f}"
+            f"{added[0]:>9.3f}{added[1]:>9.3f}{cpu:>10}"
+        )
 
 
 def main() -> int:
@@ -235,8 +305,10 @@ def main() -> int:
         from tandem.toy_model import write_toy_model
 
         model = write_toy_model(workdir / "model")  # sglang-router wants a local model_path
-        workers = [FakeEngineProcess(workdir, f"w{i}", "--model-path", str(model))
-                   for i in range(args.workers)]  # fmt: skip
+        workers = [
+            FakeEngineProcess(workdir, f"w{i}", "--model-path", str(model))
+            for i in range(args.workers)
+        ]
         procs: list[subprocess.Popen] = []
         try:
             urls = [w.url for w in workers]
@@ -257,8 +329,10 @@ def main() -> int:
                     for c in concurrencies:
                         run = measure(target_urls, args.requests, c, pid)
                         runs.setdefault((name, c), []).append(run)
-            results = {key: {field: statistics.median(r[field] for r in rs) for field in rs[0]}
-                       for key, rs in runs.items()}  # fmt: skip
+            results = {
+                key: {field: statistics.median(r[field] for r in rs) for field in rs[0]}
+                for key, rs in runs.items()
+            }
             print(f"median of {args.repeats} interleaved runs of {args.requests} requests each")
             report(results, concurrencies)
             print("\nhot-path client, direct to workers, concurrency 64:")
@@ -279,8 +353,10 @@ def main() -> int:
         return 0
     for c in concurrencies:
         t, r = results[("tandem", c)], results[("rust", c)]
-        print(f"concurrency {c}: tandem/rust req/s {t['rps'] / r['rps']:.2f}, "
-              f"cpu per request {t['cpu_s_per_1k'] / r['cpu_s_per_1k']:.2f}x")  # fmt: skip
+        print(
+            f"concurrency {c}: tandem/rust req/s {t['rps'] / r['rps']:.2f}, "
+            f"cpu per request {t['cpu_s_per_1k'] / r['cpu_s_per_1k']:.2f}x"
+        )
     t, r = results[("tandem", 64)], results[("rust", 64)]
     print(f"tandem_cpu_per_request_vs_rust_c64: {t['cpu_s_per_1k'] / r['cpu_s_per_1k']:.2f}")
     return 0

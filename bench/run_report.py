@@ -114,10 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "run_dirs", nargs="+", type=Path, help="one run, or an async and a sync run"
     )
-    parser.add_argument("--trainer-gpus", type=int, default=1,
-                        help="GPUs the trainer used (model TFLOP/s and MFU are per GPU)")  # fmt: skip
-    parser.add_argument("--peak-tflops", type=float, default=989.0,
-                        help="the GPU's dense bf16 peak for MFU (H100/H200 SXM: 989)")  # fmt: skip
+    parser.add_argument(
+        "--trainer-gpus",
+        type=int,
+        default=1,
+        help="GPUs the trainer used (model TFLOP/s and MFU are per GPU)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0,
+        help="the GPU's dense bf16 peak for MFU (H100/H200 SXM: 989)",
+    )
     args = parser.parse_args(argv)
     if len(args.run_dirs) > 2:
         parser.error("give one run folder, or two (async, then sync)")

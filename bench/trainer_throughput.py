@@ -50,15 +50,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--recompute-logprobs", choices=["auto", "always"], default="auto",
+        "--recompute-logprobs",
+        choices=["auto", "always"],
+        default="auto",
         help="the trainer's option: a separate forward pass for the proximal log-probs (always) "
         "or the training forward's own (auto)",
-    )  # fmt: skip
+    )
     p.add_argument("--modes", nargs="+", choices=["packed", "padded"], default=["packed", "padded"])
     p.add_argument(
-        "--profile", type=int, default=0, metavar="N",
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
         help="after timing, profile one packed step and print the N costliest kernels",
-    )  # fmt: skip
+    )
     return p.parse_args(argv)
 
 
@@ -75,9 +80,17 @@ def make_samples(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             )
         )
         tokens = [rng.randrange(args.vocab_size) for _ in range(args.prompt_len + n)]
-        samples.append(TrainSample(tokens=tokens, prompt_len=args.prompt_len, behaviour_logp=[-2.0] * n,
-                                   loss_mask=[1] * n, advantages=[rng.gauss(0, 1)] * n, weight_version=0,
-                                   reward=0.0))  # fmt: skip
+        samples.append(
+            TrainSample(
+                tokens=tokens,
+                prompt_len=args.prompt_len,
+                behaviour_logp=[-2.0] * n,
+                loss_mask=[1] * n,
+                advantages=[rng.gauss(0, 1)] * n,
+                weight_version=0,
+                reward=0.0,
+            )
+        )
     return samples
 
 
@@ -118,8 +131,13 @@ def run_mode(policy, cfg, samples, packed: bool, iters: int, sync) -> dict[str, 
             len(mbs) * cfg.max_tokens_per_gpu if packed else sum(mb.input_ids.numel() for mb in mbs)
         )
     median = sorted(times)[len(times) // 2]
-    return {"step_s": median, "tokens_per_s": tokens / median, "micro_batches": n_mbs,
-            "efficiency": tokens / occupied, "tokens": tokens}  # fmt: skip
+    return {
+        "step_s": median,
+        "tokens_per_s": tokens / median,
+        "micro_batches": n_mbs,
+        "efficiency": tokens / occupied,
+        "tokens": tokens,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,21 +153,36 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     init_distributed(tp_size=1, seed=args.seed)
     arch = HfArch(
-        model_type="llama", vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-        intermediate_size=args.ffn_hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads, head_dim=args.hidden_size // args.num_heads, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=args.prompt_len + args.max_response_len + 1,
-        tie_word_embeddings=False, qkv_bias=False,
-    )  # fmt: skip
-    cfg = TrainerConfig(model="(random)", bf16=args.bf16, max_tokens_per_gpu=args.max_tokens_per_gpu,
-                        micro_batch_size=args.micro_batch_size,
-                        recompute_logprobs=args.recompute_logprobs)  # fmt: skip
+        model_type="llama",
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.ffn_hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.hidden_size // args.num_heads,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=args.prompt_len + args.max_response_len + 1,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+    )
+    cfg = TrainerConfig(
+        model="(random)",
+        bf16=args.bf16,
+        max_tokens_per_gpu=args.max_tokens_per_gpu,
+        micro_batch_size=args.micro_batch_size,
+        recompute_logprobs=args.recompute_logprobs,
+    )
     policy = Policy(cfg, "", arch=arch)
     params = sum(p.numel() for p in policy.model.parameters())
     samples = make_samples(args)
     lengths = sorted(len(s.tokens) - args.prompt_len for s in samples)
-    print(f"device {args.device} params {params / 1e6:.1f}M samples {len(samples)} response len "
-          f"p50 {lengths[len(lengths) // 2]} p90 {lengths[int(len(lengths) * 0.9)]} max {lengths[-1]}", flush=True)  # fmt: skip
+    print(
+        f"device {args.device} params {params / 1e6:.1f}M samples {len(samples)} response len "
+        f"p50 {lengths[len(lengths) // 2]} p90 {lengths[int(len(lengths) * 0.9)]} max {lengths[-1]}",
+        flush=True,
+    )
     from services.trainer import batching
 
     check = samples[:16]  # one micro-batch each way, so both hold the same samples in order
@@ -172,8 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         packed = name == "packed"
         r = run_mode(policy, cfg, samples, packed, args.iters, sync)
         results[name] = r
-        print(f"{name}: {r['tokens_per_s']:.0f} tokens/s, step {r['step_s']:.3f}s, "
-              f"{r['micro_batches']} micro-batches, token efficiency {r['efficiency']:.2f}", flush=True)  # fmt: skip
+        print(
+            f"{name}: {r['tokens_per_s']:.0f} tokens/s, step {r['step_s']:.3f}s, "
+            f"{r['micro_batches']} micro-batches, token efficiency {r['efficiency']:.2f}",
+            flush=True,
+        )
         if args.device == "cuda":  # 6·N·tokens rule of thumb (forward+backward)
             tflops = 6 * params * r["tokens_per_s"] / 1e12
             print(f"{name}_model_tflops_per_s: {tflops:.1f}", flush=True)
@@ -223,19 +259,28 @@ def profile(policy, cfg, samples, top: int, sync) -> None:  # type: ignore[no-un
     attr = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     on_device = torch.cuda.is_available()  # kernels only: a compiled op's CPU row repeats its time
     rows = sorted(
-        (e for e in events if getattr(e, attr, 0) > 0
-         and (not on_device or str(e.device_type).endswith("CUDA"))),
+        (
+            e
+            for e in events
+            if getattr(e, attr, 0) > 0 and (not on_device or str(e.device_type).endswith("CUDA"))
+        ),
         key=lambda e: -getattr(e, attr),
-    )  # fmt: skip
+    )
     total = sum(getattr(e, attr) for e in rows if not e.key.startswith(("aten::", "cuda")))
     kinds: dict[str, float] = {}
     for e in rows:
         if e.key.startswith(("aten::", "cuda")):  # operator rows repeat their kernels' time
             continue
         key = e.key.lower()
-        kind = ("matmul" if any(k in key for k in ("gemm", "sm90", "cutlass", "nvjet")) else
-                "attention" if "flash" in key or "fmha" in key else
-                "nccl" if "nccl" in key else "elementwise/other")  # fmt: skip
+        kind = (
+            "matmul"
+            if any(k in key for k in ("gemm", "sm90", "cutlass", "nvjet"))
+            else "attention"
+            if "flash" in key or "fmha" in key
+            else "nccl"
+            if "nccl" in key
+            else "elementwise/other"
+        )
         kinds[kind] = kinds.get(kind, 0.0) + getattr(e, attr)
     print(f"profile: {total / 1e3:.1f} ms of kernels in one packed step")
     for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1]):

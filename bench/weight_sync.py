@@ -61,10 +61,12 @@ def parse_args() -> argparse.Namespace:
         help="nccl transport: the broker's --nccl-load-format",
     )
     p.add_argument(
-        "--source", default="hf", choices=["hf", "megatron"],
+        "--source",
+        default="hf",
+        choices=["hf", "megatron"],
         help="hf: HF-named tensors ready on the trainer side; megatron: each version is "
         "exported from a megatron model (TP=1) inside the timed region, as the trainer does",
-    )  # fmt: skip
+    )
     p.add_argument("--engines", type=int, nargs="+", default=[1, 2], help="engine counts to run")
     p.add_argument("--repeats", type=int, default=3, help="versions sent per setting (median)")
     p.add_argument("--bucket-mb", type=int, default=512)
@@ -94,13 +96,24 @@ def synthetic_model(root: Path, size_gb: float, dtype: str, weights: bool = True
     tokenizer = build_tokenizer()
     vocab = len(tokenizer)
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-        "intermediate_size": INTER, "num_hidden_layers": layers, "num_attention_heads": HEADS,
-        "num_key_value_heads": KV, "vocab_size": vocab, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "dtype": dtype,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTER,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "hidden_act": "silu",
-    }  # fmt: skip
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "hidden_act": "silu",
+    }
     (out / "config.json").write_text(json.dumps(config, indent=1))
     tokenizer.save_pretrained(out)
     if not weights:
@@ -205,8 +218,10 @@ def limit_seconds(args: argparse.Namespace, tensors: list, nbytes: int) -> float
     script = Path(__file__).with_name("nccl_broadcast_peer.py")
     out = subprocess.run(
         [sys.executable, str(script), "--nbytes", str(nbytes), "--repeats", str(args.repeats)],
-        capture_output=True, text=True, timeout=args.timeout_s * 2,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=args.timeout_s * 2,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"raw broadcast failed:\n{out.stdout}\n{out.stderr}")
     return float(out.stdout.strip().splitlines()[-1])
@@ -234,19 +249,43 @@ def sync_seconds(args: argparse.Namespace, model: Path, tensors, n: int, work: P
 
     dummy = ["--load-format", "dummy"] if args.device == "cuda" else []
     engines = [
-        Proc(f"engine{i}", ["engine", "--model", str(model), "--device", args.device,
-                            "--update-timeout-s", str(args.timeout_s), *dummy], work,
-             {"CUDA_VISIBLE_DEVICES": str(i + 1)} if args.device == "cuda" else None)
+        Proc(
+            f"engine{i}",
+            [
+                "engine",
+                "--model",
+                str(model),
+                "--device",
+                args.device,
+                "--update-timeout-s",
+                str(args.timeout_s),
+                *dummy,
+            ],
+            work,
+            {"CUDA_VISIBLE_DEVICES": str(i + 1)} if args.device == "cuda" else None,
+        )
         for i in range(n)
-    ]  # fmt: skip
+    ]
     procs: list[Proc] = list(engines)
     try:
         urls = [e.wait(args.timeout_s)["url"] for e in engines]
         progress(f"{n} engine(s) ready")
         transport = "nccl" if args.transport == "nccl" else "zmq"
         load_format = ["--nccl-load-format", args.nccl_load_format] if transport == "nccl" else []
-        broker = Proc("broker", ["broker", "--transport", transport, "--sync-timeout-s", str(args.timeout_s),
-                                 *load_format, "--engine-urls", *urls], work)  # fmt: skip
+        broker = Proc(
+            "broker",
+            [
+                "broker",
+                "--transport",
+                transport,
+                "--sync-timeout-s",
+                str(args.timeout_s),
+                *load_format,
+                "--engine-urls",
+                *urls,
+            ],
+            work,
+        )
         procs.append(broker)
         info = broker.wait(args.timeout_s)
         progress("broker ready")
@@ -294,8 +333,10 @@ def main() -> int:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     headline = float("nan")
-    print(f"device {args.device}, transport {args.transport}, dtype {args.dtype}, "
-          f"source {args.source}")  # fmt: skip
+    print(
+        f"device {args.device}, transport {args.transport}, dtype {args.dtype}, "
+        f"source {args.source}"
+    )
     print(
         f"{'size':>8} {'engines':>7} {'sync s':>8} {'GB/s':>7} {'limit s':>8} {'limit GB/s':>10} {'sync/limit':>10}"
     )
@@ -307,8 +348,15 @@ def main() -> int:
             tensors = megatron_export(model, args.dtype)
             nbytes = sum(t.numel() * t.element_size() for _, t in tensors())
         else:
-            tensors = list(synthetic_tensors(config["num_hidden_layers"], config["vocab_size"],
-                                             getattr(torch, args.dtype), device, seed=1))  # fmt: skip
+            tensors = list(
+                synthetic_tensors(
+                    config["num_hidden_layers"],
+                    config["vocab_size"],
+                    getattr(torch, args.dtype),
+                    device,
+                    seed=1,
+                )
+            )
             nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         progress(f"{nbytes / 2**30:.2f} GiB of weights ready ({args.source}); measuring the limit")
         limit = limit_seconds(args, tensors if isinstance(tensors, list) else tensors(), nbytes)
@@ -318,8 +366,11 @@ def main() -> int:
             seconds = sync_seconds(args, model, tensors, n, work)
             one = one or seconds
             ratio = limit / seconds
-            print(f"{nbytes / 2**30:7.2f}G {n:7d} {seconds:8.3f} {nbytes / seconds / 1e9:7.2f} "
-                  f"{limit:8.3f} {nbytes / limit / 1e9:10.2f} {ratio:10.2f}", flush=True)  # fmt: skip
+            print(
+                f"{nbytes / 2**30:7.2f}G {n:7d} {seconds:8.3f} {nbytes / seconds / 1e9:7.2f} "
+                f"{limit:8.3f} {nbytes / limit / 1e9:10.2f} {ratio:10.2f}",
+                flush=True,
+            )
             if n == 1:
                 headline = ratio
             else:

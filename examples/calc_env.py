@@ -35,9 +35,13 @@ from typing import Any
 MAX_EPISODES = 10_000  # open episodes kept; the oldest are forgotten beyond this
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 OPERATORS: dict[type, Callable[..., float]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.Div: operator.truediv, ast.USub: operator.neg, ast.UAdd: operator.pos,
-}  # fmt: skip
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 CALCULATOR = {
     "type": "function",
     "function": {
@@ -133,9 +137,12 @@ def make_handler(calc: Calc) -> type[BaseHTTPRequestHandler]:
                 if self.path == "/reset":
                     reply = calc.reset(body["episode_id"], int(body.get("seed", 0)))
                 elif self.path == "/step":
-                    reply = calc.step(body["episode_id"], str(body.get("action", "")),
-                                      body.get("tool_calls") or [],
-                                      body.get("tool_call_errors") or [])  # fmt: skip
+                    reply = calc.step(
+                        body["episode_id"],
+                        str(body.get("action", "")),
+                        body.get("tool_calls") or [],
+                        body.get("tool_call_errors") or [],
+                    )
                 else:
                     return self.answer(404, {"error": f"no route {self.path}"})
             except KeyError as exc:

@@ -45,9 +45,10 @@ def episode(
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": prompt}]
     body = json.dumps({"reward": score, "group": group, "group_size": size}).encode()
     request = urllib.request.Request(
-        f"{router_url}/sessions/{session}/reward", data=body,
+        f"{router_url}/sessions/{session}/reward",
+        data=body,
         headers={"Content-Type": "application/json"},
-    )  # fmt: skip
+    )
     urllib.request.urlopen(request, timeout=30).read()
     return score
 
@@ -67,9 +68,9 @@ def main() -> None:
         a, b = rng.randrange(10), rng.randrange(10)
         jobs += [(f"{a}{b}>", f"{b}{a}", f"{args.seed}-{g}")] * args.group_size
     with ThreadPoolExecutor(args.concurrency) as pool:
-        scores = list(pool.map(
-            lambda job: episode(client, args.router_url, *job, args.group_size), jobs
-        ))  # fmt: skip
+        scores = list(
+            pool.map(lambda job: episode(client, args.router_url, *job, args.group_size), jobs)
+        )
     print(f"episodes: {len(scores)}  mean reward: {sum(scores) / len(scores):.3f}")
 
 

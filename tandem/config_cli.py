@@ -44,15 +44,21 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str | Non
             )
         elif origin is list:
             group.add_argument(
-                _flag(f.name), nargs="*", type=args[0], default=default,
+                _flag(f.name),
+                nargs="*",
+                type=args[0],
+                default=default,
                 help=f"{help_text} (default: {' '.join(map(str, default)) or 'none'})",
-            )  # fmt: skip
+            )
         else:
             base = next((a for a in args if a is not type(None)), str) if args else kind
             group.add_argument(
-                _flag(f.name), type=base, default=default, choices=choices,
+                _flag(f.name),
+                type=base,
+                default=default,
+                choices=choices,
                 help=f"{help_text} (default: {default})",
-            )  # fmt: skip
+            )
 
 
 def config_from_args(cls: type[T], ns: argparse.Namespace) -> T:

@@ -161,28 +161,57 @@ def service_args(
     """Command lines of the services (without engine/broker addresses, known only later)."""
     common = ["--redis-url", redis_url, "--run-id", run_id]
     batch = [
-        "--rollout-batch-size", str(config.rollout_batch_size),
-        "--n-samples-per-prompt", str(config.n_samples_per_prompt),
-        "--max-staleness", str(config.max_staleness),
-    ]  # fmt: skip
+        "--rollout-batch-size",
+        str(config.rollout_batch_size),
+        "--n-samples-per-prompt",
+        str(config.n_samples_per_prompt),
+        "--max-staleness",
+        str(config.max_staleness),
+    ]
     return {
         "engine": [
-            "engine", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
-            "--device", config.engine_device, *shlex.split(config.engine_args),
+            "engine",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--device",
+            config.engine_device,
+            *shlex.split(config.engine_args),
         ],
         "broker": ["broker", "--port", "0", "--transport", config.weight_transport, *common],
         "router": [
-            "router", "--model", str(model), "--port", "0", "--seed", str(config.seed),
-            *common, *batch, *shlex.split(config.router_args),
+            "router",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--seed",
+            str(config.seed),
+            *common,
+            *batch,
+            *shlex.split(config.router_args),
         ],
         "trainer": [
-            "trainer", "--model", str(model), "--seed", str(config.seed), "--lr", str(config.lr),
-            "--weight-transport", config.weight_transport,
+            "trainer",
+            "--model",
+            str(model),
+            "--seed",
+            str(config.seed),
+            "--lr",
+            str(config.lr),
+            "--weight-transport",
+            config.weight_transport,
             *(["--weights-shm-dir", shm_dir()] if config.weight_transport == "zmq" else []),
-            "--max-steps", str(config.max_steps), *common, *batch,
+            "--max-steps",
+            str(config.max_steps),
+            *common,
+            *batch,
             *shlex.split(config.trainer_args),
         ],
-    }  # fmt: skip
+    }
 
 
 def shm_dir() -> str:

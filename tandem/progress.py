@@ -64,8 +64,9 @@ class RunProgress:
         if record.step == 1:
             self.logprob_diff_step0 = diff
         if not math.isnan(diff):  # NaN: no sample of this step came from the trainer's version
-            self.logprob_diff_max = max(diff, 0.0 if math.isnan(self.logprob_diff_max)
-                                        else self.logprob_diff_max)  # fmt: skip
+            self.logprob_diff_max = max(
+                diff, 0.0 if math.isnan(self.logprob_diff_max) else self.logprob_diff_max
+            )
             self.logprob_diff_steps += 1
         return self.line()
 

@@ -47,9 +47,11 @@ class UpRun:
         progress: RunProgress | None = None
         try:
             buffer, urls = self.start_services()
-            say(f"all services up in {time.monotonic() - started:.1f}s; training "
+            say(
+                f"all services up in {time.monotonic() - started:.1f}s; training "
                 f"(stop at held-out accuracy >= {self.config.stop_accuracy}, "
-                f"at most {self.config.max_steps} steps)")  # fmt: skip
+                f"at most {self.config.max_steps} steps)"
+            )
             progress = RunProgress(self.run_dir)
             code = self.monitor(buffer, progress)
             engine_versions = self.engine_versions(urls)
@@ -95,13 +97,22 @@ class UpRun:
             "router", [*args["router"], "--engine-urls", *urls, "--broker-url", broker.info["url"]]
         )
         self.supervisor.wait_ready([router], config.startup_timeout_s)
-        say(f"broker at {broker.info['url']} (weights in at {broker.info['intake_endpoint']}), "
-            f"router at {router.info['url']}")  # fmt: skip
+        say(
+            f"broker at {broker.info['url']} (weights in at {broker.info['intake_endpoint']}), "
+            f"router at {router.info['url']}"
+        )
         trainer_args = [*args["trainer"], "--weights-endpoint", broker.info["intake_endpoint"]]
         program = None
         if config.trainer_procs > 1:  # torchrun: one process per rank, same flags
-            program = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc-per-node={config.trainer_procs}", "-m", "services.trainer"]  # fmt: skip
+            program = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={config.trainer_procs}",
+                "-m",
+                "services.trainer",
+            ]
             trainer_args = trainer_args[1:]  # no "trainer" subcommand word
         self.supervisor.start(
             "trainer", trainer_args, ready=False, env=gpu_env(config.trainer_gpus), program=program
@@ -152,8 +163,10 @@ class UpRun:
             say(f"trainer finished {self.config.max_steps} steps")
             return 0 if reached else 1
         self.outcome = "child_failed"
-        say(f"FAILED: {child.name} exited with code {child.proc.returncode} "
-            f"(log: {child.log_path}):\n{child.log_tail()}")  # fmt: skip
+        say(
+            f"FAILED: {child.name} exited with code {child.proc.returncode} "
+            f"(log: {child.log_path}):\n{child.log_tail()}"
+        )
         return 1
 
     def wait_engines_synced(self, buffer: SampleBuffer, timeout_s: float = 30.0) -> None:
@@ -213,13 +226,19 @@ class UpRun:
         }
         write_summary(self.run_dir, summary)
         acc = f"{progress.first_accuracy:.2f} -> {progress.accuracy:.2f}"
-        say(f"{self.outcome}: {progress.step} steps in {wall_s / 60:.1f} min, held-out accuracy "
+        say(
+            f"{self.outcome}: {progress.step} steps in {wall_s / 60:.1f} min, held-out accuracy "
             f"{acc} (best {progress.best_accuracy:.2f}), {progress.samples_trained} samples "
-            f"trained, engines on versions {', '.join(engine_versions) or '?'}")  # fmt: skip
+            f"trained, engines on versions {', '.join(engine_versions) or '?'}"
+        )
         if not math.isnan(progress.logprob_diff_step0):
             say(f"step-0 trainer/engine log-prob max abs diff: {progress.logprob_diff_step0:.2e}")
         if progress.logprob_diff_steps:
-            say(f"trainer/engine log-prob max abs diff on same-version samples, over "
-                f"{progress.logprob_diff_steps} steps: {progress.logprob_diff_max:.2e}")  # fmt: skip
-        say(f"run folder: {self.run_dir} (metrics.jsonl, summary.json"
-            f"{', metrics.png' if plot else ''}, logs/)")  # fmt: skip
+            say(
+                f"trainer/engine log-prob max abs diff on same-version samples, over "
+                f"{progress.logprob_diff_steps} steps: {progress.logprob_diff_max:.2e}"
+            )
+        say(
+            f"run folder: {self.run_dir} (metrics.jsonl, summary.json"
+            f"{', metrics.png' if plot else ''}, logs/)"
+        )

@@ -101,8 +101,14 @@ class FakeEngine:
     per token, so a request can be aborted midway (`/abort_request`, `/pause_generation`) and
     return its partial output."""
 
-    def __init__(self, model_path: str, version: int, fail_generate: bool, delay_ms: float,
-                 token_delay_ms: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_path: str,
+        version: int,
+        fail_generate: bool,
+        delay_ms: float,
+        token_delay_ms: float,
+    ) -> None:
         self.model_path, self.fail_generate = model_path, fail_generate
         self.delay_ms, self.token_delay_ms = delay_ms, token_delay_ms
         self.running = asyncio.Event()
@@ -159,11 +165,15 @@ class FakeEngine:
         return js({"success": True})
 
     async def model_info(self, _request: web.Request) -> web.Response:
-        return js({
-            "model_path": self.model_path, "tokenizer_path": self.model_path,
-            "is_generation": True, "preferred_sampling_params": None,
-            "weight_version": str(self.state["version"]),
-        })  # fmt: skip
+        return js(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": str(self.state["version"]),
+            }
+        )
 
     async def update_weights(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
@@ -176,18 +186,33 @@ class FakeEngine:
     async def openai(self, request: web.Request) -> web.Response:
         """Enough of an OpenAI answer to see that a request was forwarded here."""
         body = orjson.loads(await request.read())
-        return js({"object": request.path, "model": body.get("model"), "choices": [
-            {"index": 0, "text": "01", "message": {"role": "assistant", "content": "01"},
-             "finish_reason": "stop"}]})  # fmt: skip
+        return js(
+            {
+                "object": request.path,
+                "model": body.get("model"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "01",
+                        "message": {"role": "assistant", "content": "01"},
+                        "finish_reason": "stop",
+                    }
+                ],
+            }
+        )
 
     def app(self) -> web.Application:
         app = web.Application()
         for path, handler in [
-            ("/generate", self.generate), ("/update_weights_from_disk", self.update_weights),
-            ("/flush_cache", self.ok), ("/v1/completions", self.openai),
-            ("/v1/chat/completions", self.openai), ("/abort_request", self.abort),
-            ("/pause_generation", self.pause), ("/continue_generation", self.resume),
-        ]:  # fmt: skip
+            ("/generate", self.generate),
+            ("/update_weights_from_disk", self.update_weights),
+            ("/flush_cache", self.ok),
+            ("/v1/completions", self.openai),
+            ("/v1/chat/completions", self.openai),
+            ("/abort_request", self.abort),
+            ("/pause_generation", self.pause),
+            ("/continue_generation", self.resume),
+        ]:
             app.router.add_post(path, handler)
         for path in ("/get_model_info", "/model_info"):
             app.router.add_get(path, self.model_info)
@@ -208,8 +233,13 @@ class FakeEngineProcess:
     def __init__(self, workdir: Path, name: str, *flags: str, timeout_s: float = 30.0) -> None:
         self.ready_file = Path(workdir) / f"{name}.ready.json"
         self.ready_file.unlink(missing_ok=True)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--ready-file",
-               str(self.ready_file), *flags]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--ready-file",
+            str(self.ready_file),
+            *flags,
+        ]
         self.proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while not self.ready_file.exists():
@@ -241,9 +271,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
     args = parser.parse_args(argv)
     engine = FakeEngine(
-        args.model_path, args.weight_version, args.fail_generate, args.delay_ms,
+        args.model_path,
+        args.weight_version,
+        args.fail_generate,
+        args.delay_ms,
         args.token_delay_ms,
-    )  # fmt: skip
+    )
     app = engine.app()
     sock = bind_socket(args.host, args.port)
     port = sock.getsockname()[1]

@@ -39,9 +39,10 @@ def perturbed_weights(
 
 def engine_logprobs(url: str) -> tuple[str, list[int], list[float]]:
     body = {
-        "input_ids": PROMPT, "return_logprob": True,
+        "input_ids": PROMPT,
+        "return_logprob": True,
         "sampling_params": {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True},
-    }  # fmt: skip
+    }
     out = httpx.post(f"{url}/generate", json=body, timeout=30).json()
     triples = out["meta_info"]["output_token_logprobs"]
     return out["meta_info"]["weight_version"], [t[1] for t in triples], [t[0] for t in triples]
@@ -58,14 +59,33 @@ def teacher_forced(model: torch.nn.Module, tokens: list[int]) -> list[float]:
 def stack(start_service, toy_model_dir):
     def _start(n_engines: int, *broker_flags: str):
         engines = [
-            start_service(f"engine{i}", ["engine", "--model", str(toy_model_dir), "--port", "0",
-                                         "--update-timeout-s", "20"])
+            start_service(
+                f"engine{i}",
+                [
+                    "engine",
+                    "--model",
+                    str(toy_model_dir),
+                    "--port",
+                    "0",
+                    "--update-timeout-s",
+                    "20",
+                ],
+            )
             for i in range(n_engines)
-        ]  # fmt: skip
-        broker = start_service("broker", [
-            "broker", "--port", "0", "--transport", "nccl", *broker_flags,
-            "--engine-urls", *[e.url for e in engines],
-        ])  # fmt: skip
+        ]
+        broker = start_service(
+            "broker",
+            [
+                "broker",
+                "--port",
+                "0",
+                "--transport",
+                "nccl",
+                *broker_flags,
+                "--engine-urls",
+                *[e.url for e in engines],
+            ],
+        )
         return engines, broker
 
     return _start
@@ -100,10 +120,23 @@ def test_an_engine_without_bucket_sizes_gets_one_request_per_bucket_and_ends_on_
     args = ["engine", "--model", str(toy_model_dir), "--port", "0", "--update-timeout-s", "20"]
     whole = start_service("whole", args)
     chained = start_service("chained", [*args, "--no-whole-version-updates"])
-    broker = start_service("broker", [
-        "broker", "--port", "0", "--transport", "nccl", "--nccl-load-format", load_format,
-        "--sync-timeout-s", "30", "--engine-urls", whole.url, chained.url,
-    ])  # fmt: skip
+    broker = start_service(
+        "broker",
+        [
+            "broker",
+            "--port",
+            "0",
+            "--transport",
+            "nccl",
+            "--nccl-load-format",
+            load_format,
+            "--sync-timeout-s",
+            "30",
+            "--engine-urls",
+            whole.url,
+            chained.url,
+        ],
+    )
     bucket_bytes = 16 * 1024
     sender = NcclWeightSender(
         broker.info["intake_endpoint"], bucket_bytes=bucket_bytes, timeout_s=30
@@ -157,17 +190,29 @@ def test_an_engine_that_no_longer_knows_the_layout_gets_the_full_request(
 ) -> None:
     """Once an engine took a layout, the broker sends only its `layout_id`; a 409 (the engine
     forgot it) is answered before any collective, and the broker then sends the full list."""
-    engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0",
-                                      "--update-timeout-s", "20"])  # fmt: skip
+    engine = start_service(
+        "engine",
+        ["engine", "--model", str(toy_model_dir), "--port", "0", "--update-timeout-s", "20"],
+    )
     handler = type("Proxy", (ForgetfulProxy,), {"target": engine.url, "updates": []})
     proxy = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     proxy_url = f"http://127.0.0.1:{proxy.server_address[1]}"
     try:
-        broker = start_service("broker", [
-            "broker", "--port", "0", "--transport", "nccl", "--sync-timeout-s", "30",
-            "--engine-urls", proxy_url,
-        ])  # fmt: skip
+        broker = start_service(
+            "broker",
+            [
+                "broker",
+                "--port",
+                "0",
+                "--transport",
+                "nccl",
+                "--sync-timeout-s",
+                "30",
+                "--engine-urls",
+                proxy_url,
+            ],
+        )
         sender = NcclWeightSender(
             broker.info["intake_endpoint"], bucket_bytes=16 * 1024, timeout_s=30
         )

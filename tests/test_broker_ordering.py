@@ -47,21 +47,29 @@ class Traffic:
             while not self.stop.is_set():
                 prompt = [1, *(rng.randrange(4, 14) for _ in range(rng.randrange(2, 6)))]
                 body = {
-                    "input_ids": prompt, "return_logprob": True,
-                    "sampling_params": {"temperature": 1.0, "max_new_tokens": 24,
-                                        "ignore_eos": True, "sampling_seed": rng.randrange(1 << 30)},
-                }  # fmt: skip
+                    "input_ids": prompt,
+                    "return_logprob": True,
+                    "sampling_params": {
+                        "temperature": 1.0,
+                        "max_new_tokens": 24,
+                        "ignore_eos": True,
+                        "sampling_seed": rng.randrange(1 << 30),
+                    },
+                }
                 sent = time.monotonic()
                 reply = client.post(f"{url}/generate", json=body)
                 assert reply.status_code == 200, reply.text
                 meta = reply.json()["meta_info"]
-                self.records.append({
-                    "sent": sent, "prompt": prompt,
-                    "tokens": [t[1] for t in meta["output_token_logprobs"]],
-                    "logprobs": [t[0] for t in meta["output_token_logprobs"]],
-                    "version": int(meta["weight_version"]),
-                    "finish": meta["finish_reason"]["type"],
-                })  # fmt: skip
+                self.records.append(
+                    {
+                        "sent": sent,
+                        "prompt": prompt,
+                        "tokens": [t[1] for t in meta["output_token_logprobs"]],
+                        "logprobs": [t[0] for t in meta["output_token_logprobs"]],
+                        "version": int(meta["weight_version"]),
+                        "finish": meta["finish_reason"]["type"],
+                    }
+                )
 
     def __enter__(self) -> Traffic:
         for thread in self.threads:
@@ -95,12 +103,26 @@ def test_no_response_mixes_versions_while_engines_generate_through_updates(
     start_service, toy_model_dir, transport: str
 ) -> None:
     urls = [
-        start_service(f"engine{i}", ["engine", "--model", str(toy_model_dir), "--port", "0",
-                                     "--update-timeout-s", "30"]).url
+        start_service(
+            f"engine{i}",
+            ["engine", "--model", str(toy_model_dir), "--port", "0", "--update-timeout-s", "30"],
+        ).url
         for i in range(2)
-    ]  # fmt: skip
-    broker = start_service("broker", ["broker", "--port", "0", "--transport", transport,
-                                      "--sync-timeout-s", "30", "--engine-urls", *urls])  # fmt: skip
+    ]
+    broker = start_service(
+        "broker",
+        [
+            "broker",
+            "--port",
+            "0",
+            "--transport",
+            transport,
+            "--sync-timeout-s",
+            "30",
+            "--engine-urls",
+            *urls,
+        ],
+    )
     endpoint = broker.info["intake_endpoint"]
     sender = (
         NcclWeightSender(endpoint, bucket_bytes=64 * 1024, timeout_s=30)

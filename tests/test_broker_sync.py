@@ -50,10 +50,20 @@ def test_every_engine_gets_each_version_and_redis_reports_it(
     start_service, fake_engine, buffer: SampleBuffer
 ) -> None:
     engines = [fake_engine("e1"), fake_engine("e2")]
-    broker = start_service("broker", [
-        "broker", "--port", "0", "--redis-url", buffer.config.redis_url,
-        "--run-id", buffer.config.run_id, "--engine-urls", *[e.url for e in engines],
-    ])  # fmt: skip
+    broker = start_service(
+        "broker",
+        [
+            "broker",
+            "--port",
+            "0",
+            "--redis-url",
+            buffer.config.redis_url,
+            "--run-id",
+            buffer.config.run_id,
+            "--engine-urls",
+            *[e.url for e in engines],
+        ],
+    )
     # Freshly started engines serve version 0; the broker publishes that before any push.
     wait_until(lambda: buffer.get_version("engines") == 0, "version 0 published")
 
@@ -80,10 +90,20 @@ def test_on_one_host_the_payload_travels_through_shared_memory(
     start_service, fake_engine, buffer: SampleBuffer, tmp_path
 ) -> None:
     engines = [fake_engine("s1"), fake_engine("s2")]
-    broker = start_service("broker", [
-        "broker", "--port", "0", "--redis-url", buffer.config.redis_url,
-        "--run-id", buffer.config.run_id, "--engine-urls", *[e.url for e in engines],
-    ])  # fmt: skip
+    broker = start_service(
+        "broker",
+        [
+            "broker",
+            "--port",
+            "0",
+            "--redis-url",
+            buffer.config.redis_url,
+            "--run-id",
+            buffer.config.run_id,
+            "--engine-urls",
+            *[e.url for e in engines],
+        ],
+    )
     shm = tmp_path / "shm"
     shm.mkdir()
     sender = ZmqWeightSender(broker.info["intake_endpoint"], shm_dir=str(shm))
@@ -107,10 +127,21 @@ def test_a_failing_engine_is_taken_out_and_the_others_still_advance(
 ) -> None:
     good = fake_engine("good")
     bad = fake_engine("bad", "--fail")
-    broker = start_service("broker", [
-        "broker", "--port", "0", "--redis-url", buffer.config.redis_url,
-        "--run-id", buffer.config.run_id, "--engine-urls", good.url, bad.url,
-    ])  # fmt: skip
+    broker = start_service(
+        "broker",
+        [
+            "broker",
+            "--port",
+            "0",
+            "--redis-url",
+            buffer.config.redis_url,
+            "--run-id",
+            buffer.config.run_id,
+            "--engine-urls",
+            good.url,
+            bad.url,
+        ],
+    )
     sender = ZmqWeightSender(broker.info["intake_endpoint"])
     sender.send(1, weights(1))
     wait_until(lambda: buffer.get_version("engines") == 1, "good engine on version 1")
@@ -124,9 +155,18 @@ def test_a_failing_engine_is_taken_out_and_the_others_still_advance(
 
 def test_a_hung_engine_is_timed_out_and_reported(start_service, fake_engine, buffer) -> None:
     hung = fake_engine("hung", "--hang-s", "30")
-    broker = start_service("broker", [
-        "broker", "--port", "0", "--engine-urls", hung.url, "--sync-timeout-s", "1",
-    ])  # fmt: skip
+    broker = start_service(
+        "broker",
+        [
+            "broker",
+            "--port",
+            "0",
+            "--engine-urls",
+            hung.url,
+            "--sync-timeout-s",
+            "1",
+        ],
+    )
     sender = ZmqWeightSender(broker.info["intake_endpoint"])
     sender.send(1, weights(1))
 
@@ -179,17 +219,34 @@ def test_the_disk_transport_writes_a_loadable_hf_directory_once_per_version(
 ) -> None:
     engines = [fake_engine("d1"), fake_engine("d2")]
     disk = tmp_path / "versions"
-    broker = start_service("broker", [
-        "broker", "--port", "0", "--transport", "disk", "--disk-dir", str(disk),
-        "--model-dir", str(toy_model_dir), "--keep-versions", "1",
-        "--engine-urls", *[e.url for e in engines],
-    ])  # fmt: skip
+    broker = start_service(
+        "broker",
+        [
+            "broker",
+            "--port",
+            "0",
+            "--transport",
+            "disk",
+            "--disk-dir",
+            str(disk),
+            "--model-dir",
+            str(toy_model_dir),
+            "--keep-versions",
+            "1",
+            "--engine-urls",
+            *[e.url for e in engines],
+        ],
+    )
     sender = ZmqWeightSender(broker.info["intake_endpoint"])
     for step in (1, 2):
         sender.send(step, weights(step))
         for engine in engines:
-            wait_until(lambda e=engine, s=step: httpx.get(f"{e.url}/checksums").json()["version"] == str(s),
-                       f"{engine.url} on {step}")  # fmt: skip
+            wait_until(
+                lambda e=engine, s=step: (
+                    httpx.get(f"{e.url}/checksums").json()["version"] == str(s)
+                ),
+                f"{engine.url} on {step}",
+            )
             assert httpx.get(f"{engine.url}/checksums").json()["sums"] == expected_sums(step)
     # The tokenizer and config travel with the weights; older version dirs are cleaned up.
     assert (disk / "v2" / "tokenizer.json").exists()
@@ -202,9 +259,21 @@ def test_the_disk_transport_without_a_model_dir_is_refused_naming_the_flag(tmp_p
     import subprocess
 
     result = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "broker", "--port", "0", "--transport", "disk",
-         "--disk-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "broker",
+            "--port",
+            "0",
+            "--transport",
+            "disk",
+            "--disk-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0
     assert "--model-dir" in result.stderr

@@ -73,6 +73,8 @@ def test_compose_file_follows_the_compose_spec() -> None:
         pytest.skip("check-jsonschema is not installed (make install adds it)")
     result = subprocess.run(
         [str(check), "--builtin-schema", "vendor.compose-spec", str(ROOT / "compose.yaml")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -37,8 +37,9 @@ def engine(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # t
 
     service = ServiceProcess(
         ["engine", "--model", str(long_model_dir), "--port", "0"],
-        tmp_path_factory.mktemp("engine"), "engine",
-    )  # fmt: skip
+        tmp_path_factory.mktemp("engine"),
+        "engine",
+    )
     yield service
     service.stop()
 
@@ -48,10 +49,16 @@ def post(url: str, path: str, body: dict | None = None, timeout: float = 120) ->
 
 
 def long_request(url: str, rid: str, max_new_tokens: int = LONG) -> dict:
-    resp = post(url, "/generate", {
-        "input_ids": PROMPT, "rid": rid, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
-    })  # fmt: skip
+    resp = post(
+        url,
+        "/generate",
+        {
+            "input_ids": PROMPT,
+            "rid": rid,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+        },
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -100,8 +107,10 @@ def test_pause_in_abort_mode_aborts_and_new_requests_wait_until_continue(engine)
         assert post(engine.url, "/pause_generation", {"mode": "abort"}).status_code == 200
         assert_partial_abort(victim.result())
         waiting = pool.submit(long_request, engine.url, "latecomer", 5)
-        wait_until(lambda: httpx.get(f"{engine.url}/get_load").json()[0]["num_waiting_reqs"] == 1,
-                   "the new request to queue")  # fmt: skip
+        wait_until(
+            lambda: httpx.get(f"{engine.url}/get_load").json()[0]["num_waiting_reqs"] == 1,
+            "the new request to queue",
+        )
         assert not waiting.done()
         assert post(engine.url, "/continue_generation").status_code == 200
         assert waiting.result()["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
@@ -138,8 +147,12 @@ def test_flush_cache_is_refused_while_a_request_runs(engine) -> None:  # type: i
 
 
 def test_streaming_sends_cumulative_events_and_done(engine) -> None:  # type: ignore[no-untyped-def]
-    body = {"input_ids": PROMPT, "stream": True, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}}  # fmt: skip
+    body = {
+        "input_ids": PROMPT,
+        "stream": True,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0},
+    }
     events = []
     with httpx.stream("POST", f"{engine.url}/generate", json=body, timeout=60) as resp:
         assert resp.headers["content-type"].startswith("text/event-stream")
@@ -170,8 +183,11 @@ def test_a_client_that_disconnects_has_its_request_aborted(engine) -> None:  # t
 
 
 def test_streaming_several_samples_tags_each_event_with_its_index(engine) -> None:  # type: ignore[no-untyped-def]
-    body = {"input_ids": PROMPT, "stream": True,
-            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "n": 3, "sampling_seed": 1}}  # fmt: skip
+    body = {
+        "input_ids": PROMPT,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "n": 3, "sampling_seed": 1},
+    }
     last: dict[int, dict] = {}
     with httpx.stream("POST", f"{engine.url}/generate", json=body, timeout=60) as resp:
         for line in resp.iter_lines():
@@ -198,8 +214,10 @@ def test_release_memory_pauses_until_resume_and_weights_survive(engine) -> None:
     assert post(engine.url, "/continue_generation").status_code == 400  # must resume memory first
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(post, engine.url, "/generate", body)
-        wait_until(lambda: httpx.get(f"{engine.url}/get_load").json()[0]["num_waiting_reqs"] == 1,
-                   "the request to queue")  # fmt: skip
+        wait_until(
+            lambda: httpx.get(f"{engine.url}/get_load").json()[0]["num_waiting_reqs"] == 1,
+            "the request to queue",
+        )
         assert not waiting.done()
         assert post(engine.url, "/resume_memory_occupation", {}).status_code == 200
         assert waiting.result().json()["output_ids"] == before
@@ -218,12 +236,23 @@ def test_a_storm_of_requests_aborts_pauses_and_updates_answers_every_request_wel
     rng = random.Random(0)
 
     def body(i: int) -> dict:
-        params = {"max_new_tokens": rng.randint(0, 30), "temperature": rng.choice([0, 0.7, 1.0]),
-                  "top_p": rng.choice([1.0, 0.9]), "top_k": rng.choice([-1, 3]), "n": rng.choice([1, 2, 4]),
-                  "ignore_eos": rng.random() < 0.5, "stop": [str(rng.randint(0, 9))] if rng.random() < 0.3 else []}  # fmt: skip
-        return {"input_ids": [1] + [rng.randint(4, 15) for _ in range(rng.randint(1, 12))],
-                "sampling_params": params, "return_logprob": True, "rid": f"storm-{i}",
-                "stream": rng.random() < 0.2, "logprob_start_len": rng.choice([-1, 0])}  # fmt: skip
+        params = {
+            "max_new_tokens": rng.randint(0, 30),
+            "temperature": rng.choice([0, 0.7, 1.0]),
+            "top_p": rng.choice([1.0, 0.9]),
+            "top_k": rng.choice([-1, 3]),
+            "n": rng.choice([1, 2, 4]),
+            "ignore_eos": rng.random() < 0.5,
+            "stop": [str(rng.randint(0, 9))] if rng.random() < 0.3 else [],
+        }
+        return {
+            "input_ids": [1] + [rng.randint(4, 15) for _ in range(rng.randint(1, 12))],
+            "sampling_params": params,
+            "return_logprob": True,
+            "rid": f"storm-{i}",
+            "stream": rng.random() < 0.2,
+            "logprob_start_len": rng.choice([-1, 0]),
+        }
 
     async def storm() -> list[str]:
         reasons: list[str] = []
@@ -281,8 +310,18 @@ def test_a_full_kv_cache_makes_new_sequences_wait_instead_of_growing(
     start_service, toy_model_dir: Path
 ) -> None:
     # the toy model's cache takes 512 bytes per position: 65600 bytes hold two rows of 63
-    engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0",
-                                      "--kv-cache-gb", str(65600 / 2**30)])  # fmt: skip
+    engine = start_service(
+        "engine",
+        [
+            "engine",
+            "--model",
+            str(toy_model_dir),
+            "--port",
+            "0",
+            "--kv-cache-gb",
+            str(65600 / 2**30),
+        ],
+    )
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 59, "ignore_eos": True}}
     most = 0
     with concurrent.futures.ThreadPoolExecutor(6) as pool:

@@ -120,17 +120,29 @@ def test_nccl_update_receives_broadcasts_into_the_model(tmp_path: Path) -> None:
     scheduler = Scheduler(runner, 64, 4096, 64, 64, "0")
     scheduler.start()
     updater = WeightUpdater(runner, scheduler, 120)
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(tmp_path / "new.pt")],
-                               cwd=Path(__file__).parents[1])  # fmt: skip
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, str(port), str(tmp_path / "new.pt")],
+        cwd=Path(__file__).parents[1],
+    )
     try:
 
         async def update() -> str:
-            await updater.init_group({"master_address": "127.0.0.1", "master_port": port,
-                                      "rank_offset": 1, "world_size": 2})  # fmt: skip
-            return await updater.from_distributed({
-                "names": [n for n, _ in new], "dtypes": ["float32"] * len(new),
-                "shapes": [list(t.shape) for _, t in new], "weight_version": "5",
-            })  # fmt: skip
+            await updater.init_group(
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": port,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                }
+            )
+            return await updater.from_distributed(
+                {
+                    "names": [n for n, _ in new],
+                    "dtypes": ["float32"] * len(new),
+                    "shapes": [list(t.shape) for _, t in new],
+                    "weight_version": "5",
+                }
+            )
 
         start = time.monotonic()
         version = asyncio.run(update())

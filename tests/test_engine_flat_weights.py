@@ -35,11 +35,20 @@ def odd_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("odd") / "model"
     tokenizer = build_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=63, head_dim=16, intermediate_size=191,
-        num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
-        max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, dtype="float32",
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=63,
+        head_dim=16,
+        intermediate_size=191,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        dtype="float32",
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -65,8 +74,9 @@ def mixed_weights(model_dir: Path, seed: int) -> NamedTensors:
 def engine_weights(url: str, names: list[str]) -> dict[str, torch.Tensor]:
     out = {}
     for name in names:
-        reply = httpx.post(f"{url}/get_weights_by_name", timeout=30,
-                           json={"name": name, "truncate_size": 1 << 20})  # fmt: skip
+        reply = httpx.post(
+            f"{url}/get_weights_by_name", timeout=30, json={"name": name, "truncate_size": 1 << 20}
+        )
         assert reply.status_code == 200, reply.text
         out[name] = torch.tensor(reply.json(), dtype=torch.float32)
     return out
@@ -75,10 +85,19 @@ def engine_weights(url: str, names: list[str]) -> dict[str, torch.Tensor]:
 def join(url: str) -> object:
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        joined = pool.submit(httpx.post, f"{url}/init_weights_update_group", timeout=60, json={
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-            "world_size": 2, "group_name": "weights", "backend": "gloo",
-        })  # fmt: skip
+        joined = pool.submit(
+            httpx.post,
+            f"{url}/init_weights_update_group",
+            timeout=60,
+            json={
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": "weights",
+                "backend": "gloo",
+            },
+        )
         group = join_group("127.0.0.1", port, 0, 2, "weights", "gloo", timedelta(seconds=60))
         assert joined.result().status_code == 200, joined.result().text
     return group
@@ -87,16 +106,23 @@ def join(url: str) -> object:
 def joined_engine(start_service, model_dir: Path) -> tuple:  # type: ignore[no-untyped-def]
     """A `tandem engine` that advertises Tandem's update extensions, in a weight group with
     this process as rank 0."""
-    engine = start_service("engine", ["engine", "--model", str(model_dir), "--port", "0",
-                                      "--update-timeout-s", "30"])  # fmt: skip
+    engine = start_service(
+        "engine", ["engine", "--model", str(model_dir), "--port", "0", "--update-timeout-s", "30"]
+    )
     info = httpx.get(f"{engine.url}/get_server_info", timeout=10).json()
     assert info["weight_update_bucket_sizes"] is True and info["weight_update_layout_id"] is True
     return engine, join(engine.url)
 
 
-def update(url: str, group: object, tensors: NamedTensors, version: str,
-           bucket_sizes: list[int] | None = None, layout_id: str | None = None,
-           listed: bool = True) -> httpx.Response:  # fmt: skip
+def update(
+    url: str,
+    group: object,
+    tensors: NamedTensors,
+    version: str,
+    bucket_sizes: list[int] | None = None,
+    layout_id: str | None = None,
+    listed: bool = True,
+) -> httpx.Response:
     """One request; per-tensor broadcasts, or (with `bucket_sizes`) one flat uint8 broadcast
     per bucket: the tensors' bytes back to back in listed order, no padding. With a
     `layout_id` and not `listed`, the body names the layout instead of listing it."""
@@ -114,8 +140,9 @@ def update(url: str, group: object, tensors: NamedTensors, version: str,
         if listed:
             body["bucket_sizes"] = bucket_sizes
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        reply = pool.submit(httpx.post, f"{url}/update_weights_from_distributed", json=body,
-                            timeout=60)  # fmt: skip
+        reply = pool.submit(
+            httpx.post, f"{url}/update_weights_from_distributed", json=body, timeout=60
+        )
         if bucket_sizes is None:
             for _, tensor in tensors:
                 dist.broadcast(tensor, src=0, group=group)
@@ -165,9 +192,11 @@ def test_bucket_sizes_that_do_not_add_up_are_refused_naming_the_field(
     hidden = config["hidden_size"]
     body = {
         "names": ["model.norm.weight", "model.layers.0.input_layernorm.weight"],
-        "dtypes": ["float32", "float32"], "shapes": [[hidden], [hidden]],
-        "load_format": "flattened_bucket", "weight_version": "1",
-    }  # fmt: skip
+        "dtypes": ["float32", "float32"],
+        "shapes": [[hidden], [hidden]],
+        "load_format": "flattened_bucket",
+        "weight_version": "1",
+    }
     url = f"{engine.url}/update_weights_from_distributed"
     for bad in ([1], [1, 2], [2, 0], "2", [1.5, 0.5]):
         reply = httpx.post(url, json={**body, "bucket_sizes": bad}, timeout=30)
@@ -205,8 +234,12 @@ def test_a_layout_sent_once_is_named_by_its_id_afterwards_and_an_unknown_id_is_a
 
     # Refused before any collective (this test broadcasts nothing for them): the group and
     # the weights are as they were, and the next full request works.
-    body = {"layout_id": "llama-b", "load_format": "flattened_bucket", "group_name": "weights",
-            "weight_version": "5"}  # fmt: skip
+    body = {
+        "layout_id": "llama-b",
+        "load_format": "flattened_bucket",
+        "group_name": "weights",
+        "weight_version": "5",
+    }
     url = f"{engine.url}/update_weights_from_distributed"
     reply = httpx.post(url, json=body, timeout=30)
     assert reply.status_code == 409 and "names, dtypes and shapes" in reply.text, reply.text

@@ -23,8 +23,9 @@ def engine(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # ty
 
     service = ServiceProcess(
         ["engine", "--model", str(toy_model_dir), "--port", "0"],
-        tmp_path_factory.mktemp("engine"), "engine",
-    )  # fmt: skip
+        tmp_path_factory.mktemp("engine"),
+        "engine",
+    )
     yield service
     service.stop()
 
@@ -47,10 +48,15 @@ def teacher_forced_logprobs(model_dir: Path, prompt: list[int], output: list[int
 
 
 def test_generate_answers_every_sglang_field(engine) -> None:  # type: ignore[no-untyped-def]
-    out = generate(engine.url, {
-        "input_ids": PROMPT, "return_logprob": True, "rid": "req-1",
-        "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True},
-    })  # fmt: skip
+    out = generate(
+        engine.url,
+        {
+            "input_ids": PROMPT,
+            "return_logprob": True,
+            "rid": "req-1",
+            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True},
+        },
+    )
     assert isinstance(out, dict)
     assert set(out) == {"text", "output_ids", "meta_info"}
     assert isinstance(out["text"], str)
@@ -69,10 +75,17 @@ def test_generate_answers_every_sglang_field(engine) -> None:  # type: ignore[no
 
 def test_generation_stops_on_eos_and_reports_the_matched_id(engine) -> None:  # type: ignore[no-untyped-def]
     # token 2 is <eos>; with stop_token_ids naming every token the first one must stop
-    out = generate(engine.url, {
-        "input_ids": PROMPT,
-        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": list(range(16))},
-    })  # fmt: skip
+    out = generate(
+        engine.url,
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": 8,
+                "temperature": 0,
+                "stop_token_ids": list(range(16)),
+            },
+        },
+    )
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": out["output_ids"][0]}
     assert len(out["output_ids"]) == 1
 
@@ -81,9 +94,13 @@ def test_text_input_and_a_batch_answer_a_list_in_prompt_order(engine) -> None:  
     single = generate(
         engine.url, {"text": "01>", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
     )
-    batch = generate(engine.url, {
-        "text": ["01>", "987>"], "sampling_params": {"max_new_tokens": 3, "temperature": 0},
-    })  # fmt: skip
+    batch = generate(
+        engine.url,
+        {
+            "text": ["01>", "987>"],
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+        },
+    )
     assert isinstance(batch, list) and len(batch) == 2
     assert batch[0]["output_ids"] == single["output_ids"]
     assert single["meta_info"]["prompt_tokens"] == 4  # <bos> is prepended by the tokenizer
@@ -102,15 +119,28 @@ def test_greedy_generation_is_deterministic(engine) -> None:  # type: ignore[no-
 
 def test_seeded_sample_is_the_same_alone_and_inside_a_concurrent_batch(engine) -> None:  # type: ignore[no-untyped-def]
     seeded = {
-        "input_ids": PROMPT, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 1234, "ignore_eos": True},
-    }  # fmt: skip
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "sampling_params": {
+            "max_new_tokens": 10,
+            "temperature": 1.0,
+            "sampling_seed": 1234,
+            "ignore_eos": True,
+        },
+    }
     alone = generate(engine.url, seeded)
     others = [
-        {"input_ids": [1, *[4 + i % 10] * (1 + i % 5)], "sampling_params": {
-            "max_new_tokens": 3 + i % 9, "temperature": 0.7, "top_p": 0.9, "n": 1 + i % 3}}
+        {
+            "input_ids": [1, *[4 + i % 10] * (1 + i % 5)],
+            "sampling_params": {
+                "max_new_tokens": 3 + i % 9,
+                "temperature": 0.7,
+                "top_p": 0.9,
+                "n": 1 + i % 3,
+            },
+        }
         for i in range(24)
-    ]  # fmt: skip
+    ]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(generate, engine.url, b) for b in others[:12]]
         mine = pool.submit(generate, engine.url, seeded)
@@ -125,8 +155,16 @@ def test_seeded_sample_is_the_same_alone_and_inside_a_concurrent_batch(engine) -
 
 
 def test_n_samples_answer_a_list_of_n_seeded_from_sampling_seed_and_index(engine) -> None:  # type: ignore[no-untyped-def]
-    body = {"input_ids": PROMPT, "sampling_params": {
-        "max_new_tokens": 8, "temperature": 1.0, "n": 4, "sampling_seed": 7, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {
+            "max_new_tokens": 8,
+            "temperature": 1.0,
+            "n": 4,
+            "sampling_seed": 7,
+            "ignore_eos": True,
+        },
+    }
     first, second = generate(engine.url, body), generate(engine.url, body)
     assert isinstance(first, list) and len(first) == 4
     assert [r["output_ids"] for r in first] == [r["output_ids"] for r in second]
@@ -135,10 +173,19 @@ def test_n_samples_answer_a_list_of_n_seeded_from_sampling_seed_and_index(engine
 
 
 def test_output_logprobs_match_a_teacher_forced_transformers_forward(engine, toy_model_dir) -> None:  # type: ignore[no-untyped-def]
-    results = generate(engine.url, {
-        "input_ids": [PROMPT, [1, 9, 9, 8, 7, 14]], "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 20, "temperature": 1.0, "n": 3, "ignore_eos": True},
-    })  # fmt: skip
+    results = generate(
+        engine.url,
+        {
+            "input_ids": [PROMPT, [1, 9, 9, 8, 7, 14]],
+            "return_logprob": True,
+            "sampling_params": {
+                "max_new_tokens": 20,
+                "temperature": 1.0,
+                "n": 3,
+                "ignore_eos": True,
+            },
+        },
+    )
     prompts = [PROMPT] * 3 + [[1, 9, 9, 8, 7, 14]] * 3
     worst = 0.0
     for prompt, result in zip(prompts, results, strict=True):
@@ -150,10 +197,14 @@ def test_output_logprobs_match_a_teacher_forced_transformers_forward(engine, toy
 
 
 def test_temperature_scales_the_reported_logprobs(engine, toy_model_dir) -> None:  # type: ignore[no-untyped-def]
-    out = generate(engine.url, {
-        "input_ids": PROMPT, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 5, "temperature": 0.5, "ignore_eos": True},
-    })  # fmt: skip
+    out = generate(
+        engine.url,
+        {
+            "input_ids": PROMPT,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0.5, "ignore_eos": True},
+        },
+    )
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32)
@@ -218,26 +269,51 @@ def test_stop_string_is_reported_and_trimmed_unless_no_stop_trim(engine) -> None
 def test_min_new_tokens_holds_back_eos(engine) -> None:  # type: ignore[no-untyped-def]
     stops = list(range(4, 16))  # every token but <pad>, <bos>, <eos>, <unk>
     for seed in range(5):
-        out = generate(engine.url, {"input_ids": PROMPT, "sampling_params": {
-            "max_new_tokens": 8, "min_new_tokens": 3, "stop_token_ids": stops, "sampling_seed": seed}})  # fmt: skip
+        out = generate(
+            engine.url,
+            {
+                "input_ids": PROMPT,
+                "sampling_params": {
+                    "max_new_tokens": 8,
+                    "min_new_tokens": 3,
+                    "stop_token_ids": stops,
+                    "sampling_seed": seed,
+                },
+            },
+        )
         assert len(out["output_ids"]) >= 4
         assert all(t in (0, 1, 3) for t in out["output_ids"][:3])
 
 
 def test_no_post_route_answers_garbage_with_a_server_error(engine) -> None:  # type: ignore[no-untyped-def]
-    stateful = {"/pause_generation", "/continue_generation", "/flush_cache",
-                "/release_memory_occupation", "/resume_memory_occupation"}  # fmt: skip
+    stateful = {
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+    }
     paths = [
-        path for path, ops in httpx.get(f"{engine.url}/openapi.json").json()["paths"].items()
+        path
+        for path, ops in httpx.get(f"{engine.url}/openapi.json").json()["paths"].items()
         if "post" in ops and path not in stateful
-    ]  # fmt: skip
+    ]
     assert "/update_weights_from_distributed" in paths and "/v1/completions" in paths
-    bodies = [b"not json", b"[1, 2]", b"{}", b'{"names": 5, "input_ids": {"a": 1}, "prompt": 3}',
-              b'{"master_address": 1, "master_port": "x", "world_size": 2, "messages": [1]}']  # fmt: skip
+    bodies = [
+        b"not json",
+        b"[1, 2]",
+        b"{}",
+        b'{"names": 5, "input_ids": {"a": 1}, "prompt": 3}',
+        b'{"master_address": 1, "master_port": "x", "world_size": 2, "messages": [1]}',
+    ]
     for path in paths:
         for body in bodies:
-            resp = httpx.post(f"{engine.url}{path}", content=body, timeout=30,
-                              headers={"content-type": "application/json"})  # fmt: skip
+            resp = httpx.post(
+                f"{engine.url}{path}",
+                content=body,
+                timeout=30,
+                headers={"content-type": "application/json"},
+            )
             assert 400 <= resp.status_code < 500, (path, body, resp.status_code, resp.text)
 
 
@@ -245,16 +321,30 @@ def test_prompt_logprobs_from_logprob_start_len_match_teacher_forcing(
     engine, toy_model_dir
 ) -> None:  # type: ignore[no-untyped-def]
     prompt = [1, 9, 9, 8, 7, 14]
-    scored = generate(engine.url, {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
-                                   "sampling_params": {"max_new_tokens": 0}})  # fmt: skip
+    scored = generate(
+        engine.url,
+        {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0},
+        },
+    )
     meta = scored["meta_info"]
     assert scored["output_ids"] == [] and meta["finish_reason"] == {"type": "length", "length": 0}
     entries = meta["input_token_logprobs"]
     assert [e[1] for e in entries] == prompt and entries[0][0] is None
     reference = teacher_forced_logprobs(toy_model_dir, prompt[:1], prompt[1:])
     assert torch.tensor([e[0] for e in entries[1:]]) == pytest.approx(reference, abs=1e-4)
-    tail = generate(engine.url, {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 3,
-                                 "sampling_params": {"max_new_tokens": 2, "n": 2}})  # fmt: skip
+    tail = generate(
+        engine.url,
+        {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "logprob_start_len": 3,
+            "sampling_params": {"max_new_tokens": 2, "n": 2},
+        },
+    )
     for result in tail:
         assert [e[1] for e in result["meta_info"]["input_token_logprobs"]] == prompt[3:]
         assert [e[0] for e in result["meta_info"]["input_token_logprobs"]] == pytest.approx(
@@ -269,8 +359,11 @@ def test_prompt_logprobs_from_logprob_start_len_match_teacher_forcing(
 
 def test_a_repeated_prompt_is_served_from_the_prompt_cache_until_flushed(engine) -> None:  # type: ignore[no-untyped-def]
     prompt = [1, 13, 12, 11, 14]
-    body = {"input_ids": prompt, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 6, "sampling_seed": 5, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 6, "sampling_seed": 5, "ignore_eos": True},
+    }
     assert httpx.post(f"{engine.url}/flush_cache").status_code == 200
     first, second = generate(engine.url, body), generate(engine.url, body)
     assert first["meta_info"]["cached_tokens"] == 0

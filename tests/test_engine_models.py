@@ -15,17 +15,37 @@ import torch
 from services.engine.model_runner import KVCache, ModelRunner
 from tandem.toy_model import build_tokenizer
 
-COMMON = dict(vocab_size=16, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+COMMON = dict(
+    vocab_size=16,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 ARCHITECTURES = {
-    "llama_tied_rope_scaled": ("LlamaConfig", "LlamaForCausalLM", dict(
-        tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama_tied_rope_scaled": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
     "qwen2_with_biases": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3_with_qk_norm": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
-}  # fmt: skip
+}
 
 
 def write(out: Path, arch: str) -> Path:

@@ -29,8 +29,9 @@ def engine(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # ty
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     service = ServiceProcess(
         ["engine", "--model", str(model), "--port", "0", "--served-model-name", "toy"],
-        tmp_path_factory.mktemp("engine"), "engine",
-    )  # fmt: skip
+        tmp_path_factory.mktemp("engine"),
+        "engine",
+    )
     yield service
     service.stop()
 
@@ -52,11 +53,21 @@ def test_models_lists_the_served_model(client) -> None:  # type: ignore[no-untyp
 
 def test_completion_matches_native_generate_with_logprobs(engine, client) -> None:  # type: ignore[no-untyped-def]
     out = client.completions.create(
-        model="toy", prompt="12>", max_tokens=5, temperature=0, logprobs=2,
+        model="toy",
+        prompt="12>",
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    ref = native(engine, {"text": "12>", "return_logprob": True, "sampling_params": {
-        "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}})  # fmt: skip
+    )
+    ref = native(
+        engine,
+        {
+            "text": "12>",
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+        },
+    )
     choice = out.choices[0]
     assert choice.text == ref["text"]
     assert choice.finish_reason == "length"
@@ -71,16 +82,31 @@ def test_completion_matches_native_generate_with_logprobs(engine, client) -> Non
 
 def test_completion_n_and_stop_string(client) -> None:  # type: ignore[no-untyped-def]
     out = client.completions.create(
-        model="toy", prompt=["12>", "34>"], max_tokens=8, temperature=1.0, n=3, seed=5,
-    )  # fmt: skip
+        model="toy",
+        prompt=["12>", "34>"],
+        max_tokens=8,
+        temperature=1.0,
+        n=3,
+        seed=5,
+    )
     assert len(out.choices) == 6
     assert [c.index for c in out.choices] == list(range(6))
-    full = client.completions.create(
-        model="toy", prompt="12>", max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
-    ).choices[0].text  # fmt: skip
+    full = (
+        client.completions.create(
+            model="toy", prompt="12>", max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     stop = full[3]
-    cut = client.completions.create(model="toy", prompt="12>", max_tokens=10, temperature=0,
-                                    stop=[stop], extra_body={"ignore_eos": True})  # fmt: skip
+    cut = client.completions.create(
+        model="toy",
+        prompt="12>",
+        max_tokens=10,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].model_extra["matched_stop"] == stop
     assert cut.choices[0].text == full[: full.find(stop)]
@@ -88,13 +114,22 @@ def test_completion_n_and_stop_string(client) -> None:  # type: ignore[no-untype
 
 def test_chat_completion_uses_the_chat_template_and_returns_meta_info(engine, client) -> None:  # type: ignore[no-untyped-def]
     out = client.chat.completions.create(
-        model="toy", messages=[{"role": "user", "content": "12"}], max_completion_tokens=4,
-        temperature=0, logprobs=True, top_logprobs=3,
+        model="toy",
+        messages=[{"role": "user", "content": "12"}],
+        max_completion_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
         extra_body={"return_meta_info": True, "ignore_eos": True, "return_token_ids": True},
-    )  # fmt: skip
+    )
     choice = out.choices[0]
-    ref = native(engine, {"input_ids": [4 + 1, 4 + 2, 14], "sampling_params": {
-        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})  # fmt: skip
+    ref = native(
+        engine,
+        {
+            "input_ids": [4 + 1, 4 + 2, 14],
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert choice.message.role == "assistant"
     assert choice.message.content == ref["text"]
     extra = choice.model_extra
@@ -106,8 +141,13 @@ def test_chat_completion_uses_the_chat_template_and_returns_meta_info(engine, cl
 
 
 def test_chat_streaming_deltas_add_up_to_the_full_answer(client) -> None:  # type: ignore[no-untyped-def]
-    kwargs = {"model": "toy", "messages": [{"role": "user", "content": "7"}], "max_tokens": 6,
-              "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kwargs = {
+        "model": "toy",
+        "messages": [{"role": "user", "content": "7"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     full = client.chat.completions.create(**kwargs).choices[0].message.content
     pieces = [
         c.choices[0].delta.content or ""

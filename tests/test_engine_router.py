@@ -26,12 +26,30 @@ def router_for(tmp_path: Path) -> Iterator:
     def start(worker_urls: list[str]) -> str:
         port, metrics_port = free_port(), free_port()
         log = open(tmp_path / "router.log", "wb")  # noqa: SIM115 - closed with the process
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
-             "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        ))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "sglang_router.launch_router",
+                    "--worker-urls",
+                    *worker_urls,
+                    "--policy",
+                    "round_robin",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--prometheus-host",
+                    "127.0.0.1",
+                    "--prometheus-port",
+                    str(metrics_port),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
         return f"http://127.0.0.1:{port}"
 
     yield start
@@ -68,10 +86,15 @@ def test_sglang_router_registers_both_engines_and_routes_generate_to_each(
     assert all(w["model_id"] == str(toy_model_dir) for w in workers)
 
     for i in range(6):
-        out = httpx.post(f"{router}/generate", timeout=60, json={
-            "input_ids": [1, 4 + i, 14], "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True},
-        }).json()  # fmt: skip
+        out = httpx.post(
+            f"{router}/generate",
+            timeout=60,
+            json={
+                "input_ids": [1, 4 + i, 14],
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True},
+            },
+        ).json()
         assert len(out["output_ids"]) == 3
         assert out["meta_info"]["weight_version"] == "0"
         assert len(out["meta_info"]["output_token_logprobs"]) == 3

@@ -81,10 +81,15 @@ def test_parallel_samples_get_distinct_seeds_reproducible_from_sampling_seed() -
 
 @pytest.mark.parametrize(
     ("raw", "field"),
-    [({"top_k": 0}, "top_k"), ({"n": 0}, "n"), ({"min_p": 2}, "min_p"),
-     ({"stop": [1]}, "stop"), ({"frequency_penalty": 0.5}, "frequency_penalty"),
-     ({"max_new_tokens": 1.5}, "max_new_tokens")],
-)  # fmt: skip
+    [
+        ({"top_k": 0}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"min_p": 2}, "min_p"),
+        ({"stop": [1]}, "stop"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"max_new_tokens": 1.5}, "max_new_tokens"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(raw: dict, field: str) -> None:
     with pytest.raises(RequestError, match=field):
         SamplingParams.from_json(raw)

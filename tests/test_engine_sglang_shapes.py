@@ -54,11 +54,20 @@ def meta_info_keys(module: ast.Module) -> set[str]:
                     and isinstance(node.value, ast.Dict)
                 ):
                     keys |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
-                if (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)
-                        and target.value.id == "meta_info" and isinstance(target.slice, ast.Constant)):  # fmt: skip
+                if (
+                    isinstance(target, ast.Subscript)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "meta_info"
+                    and isinstance(target.slice, ast.Constant)
+                ):
                     keys.add(target.slice.value)
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update"
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "meta_info"):  # fmt: skip
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "update"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "meta_info"
+        ):
             for arg in node.args:
                 if isinstance(arg, ast.Dict):
                     keys |= {k.value for k in arg.keys if isinstance(k, ast.Constant)}
@@ -72,8 +81,11 @@ def finish_reason_keys(module: ast.Module) -> dict[str, set[str]]:
         if isinstance(node, ast.ClassDef) and node.name.startswith("FINISH"):
             for ret in ast.walk(node):
                 if isinstance(ret, ast.Return) and isinstance(ret.value, ast.Dict):
-                    keys = {k.value: v for k, v in zip(ret.value.keys, ret.value.values, strict=True)
-                            if isinstance(k, ast.Constant)}  # fmt: skip
+                    keys = {
+                        k.value: v
+                        for k, v in zip(ret.value.keys, ret.value.values, strict=True)
+                        if isinstance(k, ast.Constant)
+                    }
                     kind = keys["type"].value  # type: ignore[attr-defined]
                     shapes.setdefault(kind, set()).update(keys)
     return shapes
@@ -119,10 +131,17 @@ def test_sampling_parameter_names_and_defaults_match_sglang() -> None:
 
 def test_finish_reasons_have_sglang_shapes(engine) -> None:  # type: ignore[no-untyped-def]
     shapes = finish_reason_keys(parse("managers/schedule_batch.py"))
-    length = httpx.post(f"{engine.url}/generate", json={
-        "input_ids": [1, 4], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}).json()  # fmt: skip
-    stop = httpx.post(f"{engine.url}/generate", json={
-        "input_ids": [1, 4], "sampling_params": {"max_new_tokens": 2, "stop_token_ids": list(range(16))}}).json()  # fmt: skip
+    length = httpx.post(
+        f"{engine.url}/generate",
+        json={"input_ids": [1, 4], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}},
+    ).json()
+    stop = httpx.post(
+        f"{engine.url}/generate",
+        json={
+            "input_ids": [1, 4],
+            "sampling_params": {"max_new_tokens": 2, "stop_token_ids": list(range(16))},
+        },
+    ).json()
     from services.engine.scheduler import abort_reason
 
     for reason in (
@@ -135,12 +154,25 @@ def test_finish_reasons_have_sglang_shapes(engine) -> None:  # type: ignore[no-u
 
 def test_meta_info_keys_are_keys_sglang_returns(engine) -> None:  # type: ignore[no-untyped-def]
     sglang_keys = meta_info_keys(parse("managers/tokenizer_manager.py"))
-    out = httpx.post(f"{engine.url}/generate", json={
-        "input_ids": [1, 4], "return_logprob": True, "top_logprobs_num": 2,
-        "sampling_params": {"max_new_tokens": 2}}).json()  # fmt: skip
+    out = httpx.post(
+        f"{engine.url}/generate",
+        json={
+            "input_ids": [1, 4],
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 2},
+        },
+    ).json()
     assert set(out["meta_info"]) - sglang_keys == set()
-    required = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-                "weight_version", "output_token_logprobs"}  # fmt: skip
+    required = {
+        "id",
+        "finish_reason",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "weight_version",
+        "output_token_logprobs",
+    }
     assert required <= set(out["meta_info"])
 
 
@@ -164,5 +196,13 @@ def test_openai_fields_we_read_exist_in_sglang_protocol() -> None:
     chat_only = {"max_completion_tokens", "top_logprobs", "return_meta_info", "messages"}
     assert ((shared - {"json_schema"}) | chat_only) - chat == set()  # chat has response_format
     choice = set(class_fields(protocol, "ChatCompletionResponseChoice"))
-    assert {"index", "message", "logprobs", "finish_reason", "matched_stop", "prompt_token_ids",
-            "response_token_ids", "meta_info"} - choice == set()  # fmt: skip
+    assert {
+        "index",
+        "message",
+        "logprobs",
+        "finish_reason",
+        "matched_stop",
+        "prompt_token_ids",
+        "response_token_ids",
+        "meta_info",
+    } - choice == set()

@@ -88,10 +88,19 @@ def teacher_forced(model: torch.nn.Module, output: list[int]) -> torch.Tensor:
 
 
 def sample(url: str, max_new_tokens: int = 12) -> dict:
-    resp = httpx.post(f"{url}/generate", timeout=120, json={
-        "input_ids": PROMPT, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True},
-    })  # fmt: skip
+    resp = httpx.post(
+        f"{url}/generate",
+        timeout=120,
+        json={
+            "input_ids": PROMPT,
+            "return_logprob": True,
+            "sampling_params": {
+                "max_new_tokens": max_new_tokens,
+                "temperature": 1.0,
+                "ignore_eos": True,
+            },
+        },
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -209,14 +218,20 @@ def test_update_from_disk_loads_new_weights_and_a_bad_directory_keeps_the_old(
 
     broken = tmp_path / "broken"
     broken.mkdir()
-    resp = httpx.post(f"{engine.url}/update_weights_from_disk", timeout=60,
-                      json={"model_path": str(broken), "weight_version": "9"})  # fmt: skip
+    resp = httpx.post(
+        f"{engine.url}/update_weights_from_disk",
+        timeout=60,
+        json={"model_path": str(broken), "weight_version": "9"},
+    )
     assert resp.status_code == 400 and resp.json()["success"] is False
     assert sample(engine.url)["meta_info"]["weight_version"] == "0"
     assert logprob_error(old, sample(engine.url)) < 1e-4
 
-    resp = httpx.post(f"{engine.url}/update_weights_from_disk", timeout=60,
-                      json={"model_path": str(tmp_path / "v2"), "weight_version": "2"})  # fmt: skip
+    resp = httpx.post(
+        f"{engine.url}/update_weights_from_disk",
+        timeout=60,
+        json={"model_path": str(tmp_path / "v2"), "weight_version": "2"},
+    )
     assert resp.status_code == 200, resp.text
     assert resp.json()["success"] is True
     after = sample(engine.url)
@@ -242,19 +257,36 @@ def test_distributed_update_receives_broadcasts_in_order_over_gloo(
     port = sock.getsockname()[1]
     sock.close()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        joined = pool.submit(httpx.post, f"{engine.url}/init_weights_update_group", timeout=60, json={
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": "weight_update_group", "backend": "gloo",
-        })  # fmt: skip
+        joined = pool.submit(
+            httpx.post,
+            f"{engine.url}/init_weights_update_group",
+            timeout=60,
+            json={
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": "weight_update_group",
+                "backend": "gloo",
+            },
+        )
         group = join_group(
             "127.0.0.1", port, 0, 2, "weight_update_group", "gloo", timedelta(seconds=60)
         )
         assert joined.result().status_code == 200, joined.result().text
-        updated = pool.submit(httpx.post, f"{engine.url}/update_weights_from_distributed", timeout=60, json={
-            "names": [n for n, _ in new_tensors], "dtypes": ["float32"] * len(new_tensors),
-            "shapes": [list(t.shape) for _, t in new_tensors], "group_name": "weight_update_group",
-            "flush_cache": True, "weight_version": "7",
-        })  # fmt: skip
+        updated = pool.submit(
+            httpx.post,
+            f"{engine.url}/update_weights_from_distributed",
+            timeout=60,
+            json={
+                "names": [n for n, _ in new_tensors],
+                "dtypes": ["float32"] * len(new_tensors),
+                "shapes": [list(t.shape) for _, t in new_tensors],
+                "group_name": "weight_update_group",
+                "flush_cache": True,
+                "weight_version": "7",
+            },
+        )
         for _, tensor in new_tensors:
             dist.broadcast(tensor.contiguous(), src=0, group=group)
         resp = updated.result()
@@ -313,8 +345,14 @@ def test_a_weight_group_on_another_backend_is_refused_naming_the_fix(
     engine_url = start_service(
         "engine", ["engine", "--model", str(toy_model_dir), "--port", "0"]
     ).url
-    body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-            "world_size": 2, "group_name": "g", "backend": "nccl"}  # fmt: skip
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": 1,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": "g",
+        "backend": "nccl",
+    }
     reply = httpx.post(f"{engine_url}/init_weights_update_group", json=body, timeout=30)
     assert reply.status_code == 400
     assert "--device cuda" in reply.text and "zmq" in reply.text

@@ -38,11 +38,29 @@ def chat_model_dir(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
     return [
-        "router", "--port", "0", "--engine-urls", *urls, "--model", str(model),
-        "--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id,
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--eval-interval", "0",
-        "--rollout-max-response-len", "3", "--max-groups", "1000", *extra,
-    ]  # fmt: skip
+        "router",
+        "--port",
+        "0",
+        "--engine-urls",
+        *urls,
+        "--model",
+        str(model),
+        "--redis-url",
+        buffer.config.redis_url,
+        "--run-id",
+        buffer.config.run_id,
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "3",
+        "--eval-interval",
+        "0",
+        "--rollout-max-response-len",
+        "3",
+        "--max-groups",
+        "1000",
+        *extra,
+    ]
 
 
 class ScriptedEnv(JsonHandler):
@@ -110,8 +128,9 @@ def test_an_episode_cut_by_max_turns_ends_on_the_models_tokens(
 ):
     """One turn allowed, the environment not done: its reply `9>` would precede no model turn,
     so it is not part of the trajectory."""
-    args = router_args(buffer, toy_model_dir, [engines().url], "--env-url", env_server(),
-                       "--env-max-turns", "1")  # fmt: skip
+    args = router_args(
+        buffer, toy_model_dir, [engines().url], "--env-url", env_server(), "--env-max-turns", "1"
+    )
     start_service("router", args)
     wait_until(lambda: buffer.depth() >= 2, "a batch of one-turn episodes")
     samples = [s for g in read_all(buffer) for s in g.samples]
@@ -126,8 +145,9 @@ def test_a_hung_environment_fails_only_its_episodes_and_the_batch_goes_on(
     buffer, toy_model_dir, start_service, engines, env_server
 ):
     url = env_server(hang_suffix="-e1")
-    args = router_args(buffer, toy_model_dir, [engines().url], "--env-url", url,
-                       "--env-call-timeout-s", "0.5")  # fmt: skip
+    args = router_args(
+        buffer, toy_model_dir, [engines().url], "--env-url", url, "--env-call-timeout-s", "0.5"
+    )
     start_service("router", args)
     wait_until(lambda: buffer.depth() >= 4, "two batches despite the hung episodes")
     groups = read_all(buffer)
@@ -139,8 +159,17 @@ def test_an_episode_past_its_deadline_fails_even_when_each_call_is_in_time(
     buffer, toy_model_dir, start_service, engines, env_server
 ):
     url = env_server(hang_suffix="", hang_s=0.4)  # every step takes 0.4 s
-    args = router_args(buffer, toy_model_dir, [engines().url], "--env-url", url,
-                       "--env-call-timeout-s", "5", "--env-episode-timeout-s", "0.6")  # fmt: skip
+    args = router_args(
+        buffer,
+        toy_model_dir,
+        [engines().url],
+        "--env-url",
+        url,
+        "--env-call-timeout-s",
+        "5",
+        "--env-episode-timeout-s",
+        "0.6",
+    )
     start_service("router", args)
     wait_until(lambda: buffer.drop_counts().get("env_timeout", 0) >= 6, "deadline drops")
     assert any("passed its deadline" in d.detail for d in buffer.drop_log(20))
@@ -150,8 +179,9 @@ def test_an_episode_past_its_deadline_fails_even_when_each_call_is_in_time(
 def test_a_failing_environment_is_counted_per_episode_and_group(
     buffer, toy_model_dir, start_service, engines, env_server
 ):
-    args = router_args(buffer, toy_model_dir, [engines().url], "--env-url",
-                       env_server(fail_step=True))  # fmt: skip
+    args = router_args(
+        buffer, toy_model_dir, [engines().url], "--env-url", env_server(fail_step=True)
+    )
     start_service("router", args)
     wait_until(lambda: buffer.drop_counts().get("env_all_failed", 0) >= 2, "failed groups")
     drops = buffer.drop_counts()
@@ -164,12 +194,21 @@ def test_the_example_guess_environment_runs_under_the_router(
     from services.sample_buffer.server import _free_port
 
     port = _free_port("127.0.0.1")
-    env = subprocess.Popen([sys.executable, str(ROOT / "examples/guess_env.py"), "--port", str(port)],
-                           stdout=subprocess.PIPE)  # fmt: skip
+    env = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples/guess_env.py"), "--port", str(port)],
+        stdout=subprocess.PIPE,
+    )
     try:
         assert env.stdout is not None and "guess env on" in env.stdout.readline().decode()
-        args = router_args(buffer, toy_model_dir, [engines().url],
-                           "--env-url", f"http://127.0.0.1:{port}", "--env-max-turns", "4")  # fmt: skip
+        args = router_args(
+            buffer,
+            toy_model_dir,
+            [engines().url],
+            "--env-url",
+            f"http://127.0.0.1:{port}",
+            "--env-max-turns",
+            "4",
+        )
         start_service("router", args)
         wait_until(lambda: buffer.depth() >= 2, "episodes of the guessing game")
         drops = buffer.drop_counts()  # before the environment stops under the running router
@@ -187,8 +226,9 @@ def test_an_openai_client_session_becomes_a_training_sample_with_exact_tokens(
 ):
     from openai import OpenAI
 
-    router = start_service("router", router_args(buffer, chat_model_dir, [engines().url],
-                                                 "--no-rollout"))  # fmt: skip
+    router = start_service(
+        "router", router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
+    )
     client = OpenAI(base_url=router.url + "/v1", api_key="unused")
     session = {"X-Session-Id": "s1"}
     messages = [{"role": "user", "content": "12"}]
@@ -199,8 +239,9 @@ def test_an_openai_client_session_becomes_a_training_sample_with_exact_tokens(
     assert first.choices[0].finish_reason == "stop"
     assert first.usage is not None and first.usage.prompt_tokens == 4
     messages += [{"role": "assistant", "content": "21"}, {"role": "user", "content": "34"}]
-    second = client.chat.completions.create(model="toy", messages=messages, max_tokens=4,
-                                            logprobs=True, extra_headers=session)  # fmt: skip
+    second = client.chat.completions.create(
+        model="toy", messages=messages, max_tokens=4, logprobs=True, extra_headers=session
+    )
     assert second.choices[0].logprobs is not None
     assert [t.token for t in second.choices[0].logprobs.content] == ["<eos>"]
     assert first.choices[0].logprobs is None, "only when asked for"
@@ -221,14 +262,21 @@ def test_sessions_of_one_group_become_one_sample_group(
 ):
     from openai import OpenAI
 
-    router = start_service("router", router_args(buffer, chat_model_dir, [engines().url],
-                                                 "--no-rollout"))  # fmt: skip
+    router = start_service(
+        "router", router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
+    )
     client = OpenAI(base_url=router.url + "/v1", api_key="unused")
     for k in range(3):
-        client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "12"}],
-                                       max_tokens=4, extra_body={"session_id": f"g{k}"})  # fmt: skip
-        reply = httpx.post(f"{router.url}/sessions/g{k}/reward",
-                           json={"reward": float(k), "group": "task-12", "group_size": 3}).json()  # fmt: skip
+        client.chat.completions.create(
+            model="toy",
+            messages=[{"role": "user", "content": "12"}],
+            max_tokens=4,
+            extra_body={"session_id": f"g{k}"},
+        )
+        reply = httpx.post(
+            f"{router.url}/sessions/g{k}/reward",
+            json={"reward": float(k), "group": "task-12", "group_size": 3},
+        ).json()
         assert reply["status"] == ("put" if k == 2 else "pending")
     (group,) = read_all(buffer)
     assert group.group_id == "group-task-12"
@@ -240,13 +288,19 @@ def test_a_streamed_session_turn_is_recorded_and_arrives_as_openai_chunks(
 ):
     from openai import OpenAI
 
-    router = start_service("router", router_args(buffer, chat_model_dir, [engines().url],
-                                                 "--no-rollout"))  # fmt: skip
+    router = start_service(
+        "router", router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
+    )
     client = OpenAI(base_url=router.url + "/v1", api_key="unused")
-    chunks = list(client.chat.completions.create(
-        model="toy", messages=[{"role": "user", "content": "12"}], max_tokens=4, stream=True,
-        extra_headers={"X-Session-Id": "streamed"},
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="toy",
+            messages=[{"role": "user", "content": "12"}],
+            max_tokens=4,
+            stream=True,
+            extra_headers={"X-Session-Id": "streamed"},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "21"
     assert chunks[-1].choices[0].finish_reason == "stop"
     httpx.post(router.url + "/sessions/streamed/reward", json={"reward": 1.0})
@@ -257,8 +311,9 @@ def test_a_streamed_session_turn_is_recorded_and_arrives_as_openai_chunks(
 def test_openai_requests_without_a_session_are_forwarded_to_an_engine(
     buffer, chat_model_dir, start_service, engines
 ):
-    router = start_service("router", router_args(buffer, chat_model_dir, [engines().url],
-                                                 "--no-rollout"))  # fmt: skip
+    router = start_service(
+        "router", router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
+    )
     for path in ("/v1/chat/completions", "/v1/completions"):
         resp = httpx.post(router.url + path, json={"model": "m", "messages": [], "prompt": "x"})
         assert resp.status_code == 200
@@ -269,13 +324,26 @@ def test_openai_requests_without_a_session_are_forwarded_to_an_engine(
 def test_the_example_chat_agent_trains_through_sessions(
     buffer, toy_model_dir, start_service, engines
 ):
-    router = start_service("router", router_args(buffer, toy_model_dir, [engines().url],
-                                                 "--no-rollout"))  # fmt: skip
+    router = start_service(
+        "router", router_args(buffer, toy_model_dir, [engines().url], "--no-rollout")
+    )
     agent = subprocess.run(
-        [sys.executable, str(ROOT / "examples/chat_agent.py"), "--router-url", router.url,
-         "--groups", "3", "--group-size", "2", "--concurrency", "4"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "examples/chat_agent.py"),
+            "--router-url",
+            router.url,
+            "--groups",
+            "3",
+            "--group-size",
+            "2",
+            "--concurrency",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert agent.returncode == 0, agent.stderr
     assert "episodes: 6" in agent.stdout
     groups = read_all(buffer)
@@ -299,8 +367,15 @@ TOOL_TEMPLATE = (
 CALL = '{"name": "calculator", "arguments": {"expression": "2+3"}}'
 BAD_CALL = '{"name": "calculator", "arguments": {"expression": '
 # The model's every turn, token by token: one well-formed call, one malformed, end of turn.
-TURN = ["<tool_call>", CALL, "</tool_call>", " <tool_call>", BAD_CALL, " </tool_call>",
-        "<|im_end|>"]  # fmt: skip
+TURN = [
+    "<tool_call>",
+    CALL,
+    "</tool_call>",
+    " <tool_call>",
+    BAD_CALL,
+    " </tool_call>",
+    "<|im_end|>",
+]
 TURN_TEXT = "".join(TURN[:-1])
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
@@ -323,19 +398,30 @@ def write_tool_model(out: Path) -> Path:
     core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>",
+        tokenizer_object=core,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
         additional_special_tokens=["<|im_start|>"],
-    )  # fmt: skip
+    )
     tokenizer.add_tokens(TURN[:-1])
     tokenizer.chat_template = TOOL_TEMPLATE
     size, hidden = len(tokenizer), 128
     turn = tokenizer.convert_tokens_to_ids(TURN)
     successor = {tokenizer.convert_tokens_to_ids("\n"): turn[0], **dict(itertools.pairwise(turn))}
     config = LlamaConfig(
-        vocab_size=size, hidden_size=hidden, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-        tie_word_embeddings=False, eos_token_id=turn[-1], pad_token_id=0, dtype="float32",
-    )  # fmt: skip
+        vocab_size=size,
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=turn[-1],
+        pad_token_id=0,
+        dtype="float32",
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -389,8 +475,18 @@ def tool_env() -> Iterator[tuple[str, list[dict]]]:
 
 
 def tool_router_args(buffer, model: Path, engine_url: str, env_url: str, *extra: str) -> list[str]:
-    return router_args(buffer, model, [engine_url], "--env-url", env_url,
-                       "--rollout-temperature", "0", "--rollout-max-response-len", "16", *extra)  # fmt: skip
+    return router_args(
+        buffer,
+        model,
+        [engine_url],
+        "--env-url",
+        env_url,
+        "--rollout-temperature",
+        "0",
+        "--rollout-max-response-len",
+        "16",
+        *extra,
+    )
 
 
 def test_parsed_tool_calls_and_malformed_ones_reach_the_environment_with_exact_tokens(
@@ -412,11 +508,13 @@ def test_parsed_tool_calls_and_malformed_ones_reach_the_environment_with_exact_t
         (error,) = step["tool_call_errors"]
         assert error.startswith("tool call 2: not JSON") and "expression" in error
     tokenizer = AutoTokenizer.from_pretrained(str(tool_model_dir))
-    prompt = tokenizer.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True,
-                                           tokenize=False)  # fmt: skip
+    prompt = tokenizer.apply_chat_template(
+        QUESTION, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
     # After the model's `<|im_end|>` the template writes `\n`, the tool turn, the next header.
-    observation = "\n<|im_start|>user\n<tool_response>5</tool_response><|im_end|>\n" \
-                  "<|im_start|>assistant\n"  # fmt: skip
+    observation = (
+        "\n<|im_start|>user\n<tool_response>5</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     turn = tokenizer.convert_tokens_to_ids(TURN)
     env_ids = tokenizer(observation, add_special_tokens=False)["input_ids"]
     for s in (s for g in groups for s in g.samples):
@@ -434,8 +532,12 @@ def test_with_the_none_parser_the_environment_gets_the_text_only(
     buffer, tool_model_dir, start_service, tool_engine, tool_env
 ):
     env_url, steps = tool_env
-    start_service("router", tool_router_args(buffer, tool_model_dir, tool_engine.url, env_url,
-                                             "--env-tool-call-parser", "none"))  # fmt: skip
+    start_service(
+        "router",
+        tool_router_args(
+            buffer, tool_model_dir, tool_engine.url, env_url, "--env-tool-call-parser", "none"
+        ),
+    )
     wait_until(lambda: buffer.depth() >= 2, "a batch of episodes")
     assert steps and all(set(s) == {"episode_id", "action"} for s in steps)
 
@@ -448,12 +550,23 @@ def test_the_example_calculator_environment_answers_tool_calls_under_the_router(
     from services.sample_buffer.server import _free_port
 
     port = _free_port("127.0.0.1")
-    env = subprocess.Popen([sys.executable, str(ROOT / "examples/calc_env.py"), "--port",
-                            str(port), "--max-turns", "2"], stdout=subprocess.PIPE)  # fmt: skip
+    env = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "examples/calc_env.py"),
+            "--port",
+            str(port),
+            "--max-turns",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+    )
     try:
         assert env.stdout is not None and "calc env on" in env.stdout.readline().decode()
-        start_service("router", tool_router_args(buffer, tool_model_dir, tool_engine.url,
-                                                 f"http://127.0.0.1:{port}"))  # fmt: skip
+        start_service(
+            "router",
+            tool_router_args(buffer, tool_model_dir, tool_engine.url, f"http://127.0.0.1:{port}"),
+        )
         wait_until(lambda: buffer.depth() >= 2, "episodes of the calculator environment")
         drops = buffer.drop_counts()  # before the environment stops under the running router
     finally:
@@ -474,29 +587,51 @@ def test_the_example_calculator_scores_answers_and_explains_bad_calls():
     from services.sample_buffer.server import _free_port
 
     port = _free_port("127.0.0.1")
-    env = subprocess.Popen([sys.executable, str(ROOT / "examples/calc_env.py"), "--port",
-                            str(port)], stdout=subprocess.PIPE)  # fmt: skip
+    env = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples/calc_env.py"), "--port", str(port)],
+        stdout=subprocess.PIPE,
+    )
     try:
         assert env.stdout is not None and "calc env on" in env.stdout.readline().decode()
         url = f"http://127.0.0.1:{port}"
         question = httpx.post(url + "/reset", json={"episode_id": "e", "seed": 7}).json()
         assert question["tools"][0]["function"]["name"] == "calculator"
-        a, op, b = re.fullmatch(r"What is (\d+)([-+*])(\d+)\? Use the calculator\.",
-                                question["observation"][0]["content"]).groups()  # fmt: skip
-        calls = [{"name": "calculator", "arguments": {"expression": f"{a}{op}{b}"}},
-                 {"name": "calculator", "arguments": {"expression": "1/0"}},
-                 {"name": "search", "arguments": {}}]  # fmt: skip
-        reply = httpx.post(url + "/step", json={"episode_id": "e", "action": "...",
-                           "tool_calls": calls, "tool_call_errors": ["tool call 4: bad"]}).json()  # fmt: skip
+        a, op, b = re.fullmatch(
+            r"What is (\d+)([-+*])(\d+)\? Use the calculator\.",
+            question["observation"][0]["content"],
+        ).groups()
+        calls = [
+            {"name": "calculator", "arguments": {"expression": f"{a}{op}{b}"}},
+            {"name": "calculator", "arguments": {"expression": "1/0"}},
+            {"name": "search", "arguments": {}},
+        ]
+        reply = httpx.post(
+            url + "/step",
+            json={
+                "episode_id": "e",
+                "action": "...",
+                "tool_calls": calls,
+                "tool_call_errors": ["tool call 4: bad"],
+            },
+        ).json()
         ops = {"+": operator.add, "-": operator.sub, "*": operator.mul}
         value = str(ops[op](int(a), int(b)))
         assert [m["content"] for m in reply["observation"]] == [
-            value, "error: division by zero",
-            "error: unknown tool 'search' (the tool is calculator)", "error: tool call 4: bad",
-        ]  # fmt: skip
+            value,
+            "error: division by zero",
+            "error: unknown tool 'search' (the tool is calculator)",
+            "error: tool call 4: bad",
+        ]
         assert reply["done"] is False and all(m["role"] == "tool" for m in reply["observation"])
-        answer = httpx.post(url + "/step", json={"episode_id": "e", "action": f"It is {value}.",
-                            "tool_calls": [], "tool_call_errors": []}).json()  # fmt: skip
+        answer = httpx.post(
+            url + "/step",
+            json={
+                "episode_id": "e",
+                "action": f"It is {value}.",
+                "tool_calls": [],
+                "tool_call_errors": [],
+            },
+        ).json()
         assert answer == {"observation": "", "reward": 1.0, "done": True}
         httpx.post(url + "/reset", json={"episode_id": "f", "seed": 7})
         wrong = httpx.post(url + "/step", json={"episode_id": "f", "action": "0"}).json()
@@ -515,12 +650,18 @@ def test_the_example_calculator_runs_on_the_toy_model_without_a_chat_template(
     from services.sample_buffer.server import _free_port
 
     port = _free_port("127.0.0.1")
-    env = subprocess.Popen([sys.executable, str(ROOT / "examples/calc_env.py"), "--port",
-                            str(port)], stdout=subprocess.PIPE)  # fmt: skip
+    env = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples/calc_env.py"), "--port", str(port)],
+        stdout=subprocess.PIPE,
+    )
     try:
         assert env.stdout is not None and "calc env on" in env.stdout.readline().decode()
-        start_service("router", router_args(buffer, toy_model_dir, [engines().url],
-                                            "--env-url", f"http://127.0.0.1:{port}"))  # fmt: skip
+        start_service(
+            "router",
+            router_args(
+                buffer, toy_model_dir, [engines().url], "--env-url", f"http://127.0.0.1:{port}"
+            ),
+        )
         wait_until(lambda: buffer.depth() >= 2, "episodes on the toy model")
         drops = buffer.drop_counts()  # before the environment stops under the running router
     finally:
@@ -544,11 +685,14 @@ def test_hermes_tool_calls_are_read_with_their_arguments_and_bad_ones_explained(
         '\n</tool_call> and <tool_call>{"name": "lookup", "arguments": "{\\"q\\": \\"x\\"}"}'
         '</tool_call><tool_call>{"name": "now"}</tool_call>'
     )
-    assert parse_hermes(text) == ([
-        {"name": "calculator", "arguments": {"expression": "2+3"}},
-        {"name": "lookup", "arguments": {"q": "x"}},
-        {"name": "now", "arguments": {}},
-    ], [])  # fmt: skip
+    assert parse_hermes(text) == (
+        [
+            {"name": "calculator", "arguments": {"expression": "2+3"}},
+            {"name": "lookup", "arguments": {"q": "x"}},
+            {"name": "now", "arguments": {}},
+        ],
+        [],
+    )
     assert parse_hermes("no calls here") == ([], [])
     calls, errors = parse_hermes(
         '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": </tool_call>'

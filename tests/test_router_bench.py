@@ -14,10 +14,21 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_the_router_overhead_bench_runs_and_ends_with_a_name_value_line():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench/router_overhead.py"), "--requests", "200",
-         "--repeats", "1", "--batches", "2"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "bench/router_overhead.py"),
+            "--requests",
+            "200",
+            "--repeats",
+            "1",
+            "--batches",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     for target in ("direct", "tandem", "tandem-aio", "rust"):

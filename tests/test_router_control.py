@@ -15,12 +15,32 @@ TOKEN = {"Authorization": "Bearer t0ken"}
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
     return [
-        "router", "--port", "0", "--no-rollout", "--engine-urls", *urls, "--model", str(model),
-        "--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id,
-        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--max-staleness", "1000",
-        "--rollout-max-response-len", "4", "--max-groups", "100000", "--api-token", "t0ken",
+        "router",
+        "--port",
+        "0",
+        "--no-rollout",
+        "--engine-urls",
+        *urls,
+        "--model",
+        str(model),
+        "--redis-url",
+        buffer.config.redis_url,
+        "--run-id",
+        buffer.config.run_id,
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--max-staleness",
+        "1000",
+        "--rollout-max-response-len",
+        "4",
+        "--max-groups",
+        "100000",
+        "--api-token",
+        "t0ken",
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def status(router) -> dict:
@@ -78,8 +98,15 @@ def test_patching_the_config_validates_and_changes_later_requests(
     assert httpx.get(url).json()["rollout_max_response_len"] == 4, (
         "a rejected patch changes nothing"
     )
-    new = httpx.patch(url, json={"rollout_max_response_len": 2, "rollout_max_concurrency": 2,
-                                 "rollout_temperature": 0.7}, headers=TOKEN)  # fmt: skip
+    new = httpx.patch(
+        url,
+        json={
+            "rollout_max_response_len": 2,
+            "rollout_max_concurrency": 2,
+            "rollout_temperature": 0.7,
+        },
+        headers=TOKEN,
+    )
     assert new.status_code == 200
     assert new.json()["rollout_max_response_len"] == 2 and new.json()["rollout_temperature"] == 0.7
     httpx.post(router.url + "/rollout/start", headers=TOKEN)
@@ -93,8 +120,16 @@ def test_openapi_docs_list_the_control_routes(buffer, toy_model_dir, start_servi
     router = start_service("router", router_args(buffer, toy_model_dir, [engines().url]))
     assert httpx.get(router.url + "/docs").status_code == 200
     paths = httpx.get(router.url + "/openapi.json").json()["paths"]
-    for path in ("/rollout/start", "/rollout/pause", "/rollout/resume", "/rollout/stop",
-                 "/rollout/status", "/rollout/config", "/workers", "/generate"):  # fmt: skip
+    for path in (
+        "/rollout/start",
+        "/rollout/pause",
+        "/rollout/resume",
+        "/rollout/stop",
+        "/rollout/status",
+        "/rollout/config",
+        "/workers",
+        "/generate",
+    ):
         assert path in paths
 
 

@@ -31,11 +31,27 @@ def chat_model_dir(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
     return [
-        "router", "--port", "0", "--engine-urls", *urls, "--model", str(model),
-        "--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id,
-        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-        "--rollout-max-response-len", "4", "--max-groups", "1000", *extra,
-    ]  # fmt: skip
+        "router",
+        "--port",
+        "0",
+        "--engine-urls",
+        *urls,
+        "--model",
+        str(model),
+        "--redis-url",
+        buffer.config.redis_url,
+        "--run-id",
+        buffer.config.run_id,
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "4",
+        "--max-groups",
+        "1000",
+        *extra,
+    ]
 
 
 def metric(buffer: SampleBuffer, key: str) -> tuple[int, dict] | None:
@@ -48,12 +64,24 @@ def metric(buffer: SampleBuffer, key: str) -> tuple[int, dict] | None:
 def test_jsonl_chat_prompts_use_the_chat_template_and_exact_match_rewards(
     buffer, chat_model_dir, start_service, engines, tmp_path
 ):
-    rows = [{"prompt": [{"role": "user", "content": f"{a}{b}"}], "label": f"{b}{a}"}
-            for a in range(3) for b in range(3)]  # fmt: skip
+    rows = [
+        {"prompt": [{"role": "user", "content": f"{a}{b}"}], "label": f"{b}{a}"}
+        for a in range(3)
+        for b in range(3)
+    ]
     train = tmp_path / "train.jsonl"
     train.write_text("\n".join(json.dumps(r) for r in rows))
-    args = router_args(buffer, chat_model_dir, [engines().url], "--prompt-data", str(train),
-                       "--eval-prompt-data", str(train), "--rm-type", "exact_match")  # fmt: skip
+    args = router_args(
+        buffer,
+        chat_model_dir,
+        [engines().url],
+        "--prompt-data",
+        str(train),
+        "--eval-prompt-data",
+        str(train),
+        "--rm-type",
+        "exact_match",
+    )
     start_service("router", args)
     wait_until(lambda: buffer.depth() >= 4, "a batch")
     for group in read_all(buffer):
@@ -72,9 +100,19 @@ def test_parquet_text_prompts_with_the_last_number_verifier(
 
     table = pa.table({"question": ["12>", "34>", "56>", "78>"], "answer": [21, 43, 65, 87]})
     pq.write_table(table, tmp_path / "train.parquet")
-    args = router_args(buffer, toy_model_dir, [engines().url],
-                       "--prompt-data", str(tmp_path / "train.parquet"), "--input-key", "question",
-                       "--label-key", "answer", "--rm-type", "last_number")  # fmt: skip
+    args = router_args(
+        buffer,
+        toy_model_dir,
+        [engines().url],
+        "--prompt-data",
+        str(tmp_path / "train.parquet"),
+        "--input-key",
+        "question",
+        "--label-key",
+        "answer",
+        "--rm-type",
+        "last_number",
+    )
     start_service("router", args)
     wait_until(lambda: buffer.depth() >= 4, "a batch")
     groups = read_all(buffer)
@@ -88,8 +126,9 @@ def test_a_bad_dataset_row_fails_startup_naming_the_file(
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "12>", "label": "21"}\n{not json\n')
     with pytest.raises(RuntimeError, match=r"bad.jsonl:2: not JSON"):
-        start_service("router", router_args(buffer, toy_model_dir, [engines().url],
-                                            "--prompt-data", str(bad)))  # fmt: skip
+        start_service(
+            "router", router_args(buffer, toy_model_dir, [engines().url], "--prompt-data", str(bad))
+        )
 
 
 REWARD_MODULE = '''
@@ -104,12 +143,21 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_refills_the_batch(
 ):
     (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    args = router_args(buffer, toy_model_dir, [engines().url, engines().url],
-                       "--custom-rm-path", "my_rewards:only_high_labels", "--dynamic-sampling",
-                       "--max-staleness", "0")  # fmt: skip
+    args = router_args(
+        buffer,
+        toy_model_dir,
+        [engines().url, engines().url],
+        "--custom-rm-path",
+        "my_rewards:only_high_labels",
+        "--dynamic-sampling",
+        "--max-staleness",
+        "0",
+    )
     router = start_service("router", args)
-    wait_until(lambda: httpx.get(router.url + "/rollout/status").json()["state"]
-               == "waiting_for_weights", "batch 0 done")  # fmt: skip
+    wait_until(
+        lambda: httpx.get(router.url + "/rollout/status").json()["state"] == "waiting_for_weights",
+        "batch 0 done",
+    )
     groups = read_all(buffer)
     assert len(groups) == 4, "exactly rollout_batch_size groups for batch 0"
     assert all(len({s.reward for s in g.samples}) == 2 for g in groups)
@@ -165,8 +213,17 @@ def test_a_failing_reward_service_drops_groups_as_reward_errors(
     buffer, toy_model_dir, start_service, engines, reward_server
 ):
     url = reward_server(True)
-    args = router_args(buffer, toy_model_dir, [engines().url], "--rm-url", url,
-                       "--rm-retries", "1", "--rm-timeout-s", "2")  # fmt: skip
+    args = router_args(
+        buffer,
+        toy_model_dir,
+        [engines().url],
+        "--rm-url",
+        url,
+        "--rm-retries",
+        "1",
+        "--rm-timeout-s",
+        "2",
+    )
     start_service("router", args)
     wait_until(lambda: buffer.drop_counts().get("reward_error", 0) >= 4, "reward drops")
     assert buffer.depth() == 0
@@ -177,11 +234,23 @@ def test_partial_rollout_continues_aborted_samples_and_keeps_token_versions(
     buffer, toy_model_dir, start_service, engines
 ):
     urls = [engines("--token-delay-ms", "300").url, engines("--token-delay-ms", "300").url]
-    args = router_args(buffer, toy_model_dir, urls, "--partial-rollout", "--max-staleness", "0",
-                       "--rollout-batch-size", "2", "--eval-interval", "0")  # fmt: skip
+    args = router_args(
+        buffer,
+        toy_model_dir,
+        urls,
+        "--partial-rollout",
+        "--max-staleness",
+        "0",
+        "--rollout-batch-size",
+        "2",
+        "--eval-interval",
+        "0",
+    )
     router = start_service("router", args)
-    wait_until(lambda: httpx.get(router.url + "/rollout/status").json()["in_flight"] == 2,
-               "batch 0 in flight")  # fmt: skip
+    wait_until(
+        lambda: httpx.get(router.url + "/rollout/status").json()["in_flight"] == 2,
+        "batch 0 in flight",
+    )
     httpx.post(router.url + "/pause_generation", json={"mode": "abort"})
     for url in urls:
         httpx.post(url + "/update_weights_from_disk", json={"weight_version": "1"})
@@ -204,11 +273,22 @@ def test_without_partial_rollout_aborted_samples_restart_on_the_new_weights(
     buffer, toy_model_dir, start_service, engines
 ):
     urls = [engines("--token-delay-ms", "200").url]
-    args = router_args(buffer, toy_model_dir, urls, "--max-staleness", "0",
-                       "--rollout-batch-size", "2", "--eval-interval", "0")  # fmt: skip
+    args = router_args(
+        buffer,
+        toy_model_dir,
+        urls,
+        "--max-staleness",
+        "0",
+        "--rollout-batch-size",
+        "2",
+        "--eval-interval",
+        "0",
+    )
     router = start_service("router", args)
-    wait_until(lambda: httpx.get(router.url + "/rollout/status").json()["in_flight"] == 2,
-               "batch 0 in flight")  # fmt: skip
+    wait_until(
+        lambda: httpx.get(router.url + "/rollout/status").json()["in_flight"] == 2,
+        "batch 0 in flight",
+    )
     httpx.post(router.url + "/pause_generation", json={"mode": "abort"})
     httpx.post(urls[0] + "/update_weights_from_disk", json={"weight_version": "1"})
     httpx.post(router.url + "/continue_generation", json={})

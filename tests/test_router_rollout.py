@@ -16,11 +16,27 @@ from tests.helpers import free_port, get_json, post_json, read_all, wait_until
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
     return [
-        "router", "--port", "0", "--engine-urls", *urls, "--model", str(model),
-        "--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id,
-        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-        "--rollout-max-response-len", "4", "--max-groups", "1000", *extra,
-    ]  # fmt: skip
+        "router",
+        "--port",
+        "0",
+        "--engine-urls",
+        *urls,
+        "--model",
+        str(model),
+        "--redis-url",
+        buffer.config.redis_url,
+        "--run-id",
+        buffer.config.run_id,
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "4",
+        "--max-groups",
+        "1000",
+        *extra,
+    ]
 
 
 def test_groups_arrive_in_redis_with_exact_tokens_and_rewards(
@@ -104,8 +120,10 @@ def test_eval_and_rollout_metrics_are_published(buffer, toy_model_dir, start_ser
                 found.setdefault(key, (record.step, record.values))
         return found
 
-    found = wait_until(lambda: (m := metrics()) and "eval/accuracy" in m
-                       and "rollout/reward_mean" in m and m, "eval and rollout metrics")  # fmt: skip
+    found = wait_until(
+        lambda: (m := metrics()) and "eval/accuracy" in m and "rollout/reward_mean" in m and m,
+        "eval and rollout metrics",
+    )
     step, values = found["eval/accuracy"]
     assert step == 0
     assert values["eval/accuracy"] == 1.0, "the fake engine answers greedy prompts exactly"
@@ -121,8 +139,10 @@ def test_an_engine_that_never_comes_up_fails_startup_naming_its_url(buffer, toy_
     args = router_args(buffer, toy_model_dir, [engines().url, dead], "--engine-wait-timeout-s", "1")
     proc = subprocess.run(
         [sys.executable, "-m", "tandem.cli", *args],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     last_line = proc.stderr.strip().splitlines()[-1]
     assert dead in last_line and "get_model_info" in last_line
@@ -177,8 +197,10 @@ def test_rollout_waits_while_the_buffer_is_full_and_goes_on_when_the_trainer_ack
     args = router_args(buffer, toy_model_dir, urls, "--max-staleness", "1000")
     args[args.index("--max-groups") + 1] = "6"
     router = start_service("router", args)
-    wait_until(lambda: get_json(router.url + "/rollout/status")["state"] == "waiting_for_buffer",
-               "the full buffer to hold the rollout")  # fmt: skip
+    wait_until(
+        lambda: get_json(router.url + "/rollout/status")["state"] == "waiting_for_buffer",
+        "the full buffer to hold the rollout",
+    )
     assert buffer.depth() == 6
     entries = buffer.read_groups("trainer-1", 4, block_ms=None)
     buffer.ack([entry_id for entry_id, _g in entries])
@@ -197,12 +219,18 @@ def test_a_redis_outage_pauses_rollout_counts_the_lost_groups_and_rollout_resume
     port = first.port
     buffer = SampleBuffer(BufferConfig(redis_url=first.url, run_id="outage"))
     urls = [engines("--delay-ms", "300").url]
-    router = start_service("router", router_args(buffer, toy_model_dir, urls,
-                                                 "--max-staleness", "1000", "--eval-interval", "0"))  # fmt: skip
+    router = start_service(
+        "router",
+        router_args(buffer, toy_model_dir, urls, "--max-staleness", "1000", "--eval-interval", "0"),
+    )
     wait_until(lambda: buffer.depth() >= 4, "groups before the outage")
     first.stop()
-    status = wait_until(lambda: (s := get_json(router.url + "/rollout/status"))["state"]
-                        == "waiting_for_redis" and s, "the loop to notice")  # fmt: skip
+    status = wait_until(
+        lambda: (
+            (s := get_json(router.url + "/rollout/status"))["state"] == "waiting_for_redis" and s
+        ),
+        "the loop to notice",
+    )
     assert status["buffer_depth"] is None and "Error" in status["error"]
     second = RedisServer(port=port, log_dir=tmp_path / "r2").start()  # empty, same address
     try:
@@ -224,9 +252,19 @@ def test_stop_strings_and_stop_token_ids_end_samples_on_the_real_engine_with_exa
     from transformers import AutoTokenizer
 
     engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
-    args = router_args(buffer, toy_model_dir, [engine.url], "--rollout-stop", "5",
-                       "--rollout-stop-token-ids", "13", "--rollout-max-response-len", "12",
-                       "--eval-interval", "0")  # fmt: skip
+    args = router_args(
+        buffer,
+        toy_model_dir,
+        [engine.url],
+        "--rollout-stop",
+        "5",
+        "--rollout-stop-token-ids",
+        "13",
+        "--rollout-max-response-len",
+        "12",
+        "--eval-interval",
+        "0",
+    )
     router = start_service("router", args)
     wait_until(lambda: buffer.depth() >= 8, "two batches from the reference engine")
     tokenizer = AutoTokenizer.from_pretrained(str(toy_model_dir))
@@ -255,8 +293,16 @@ def test_stop_strings_and_stop_token_ids_end_samples_on_the_real_engine_with_exa
     assert ends["string"] > 0 and ends["token_id"] > 0, ends
     # The engine reports the matched stop string; the router forwards it as is.
     for seed in range(20):
-        body = {"input_ids": [1, 5, 6, 14], "return_logprob": True, "sampling_params": {
-            "max_new_tokens": 12, "stop": ["5"], "no_stop_trim": True, "sampling_seed": seed}}  # fmt: skip
+        body = {
+            "input_ids": [1, 5, 6, 14],
+            "return_logprob": True,
+            "sampling_params": {
+                "max_new_tokens": 12,
+                "stop": ["5"],
+                "no_stop_trim": True,
+                "sampling_seed": seed,
+            },
+        }
         out = post_json(router.url + "/generate", body)
         if out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "5"}:
             assert out["output_ids"][-1] == 9 and out["text"].endswith("5")

@@ -32,8 +32,12 @@ class DyingWorker(JsonHandler):
     generate_calls: ClassVar[list[str]] = []
 
     def do_GET(self) -> None:  # noqa: N802 - http.server names it
-        info = {"model_path": "dying", "tokenizer_path": "dying", "is_generation": True,
-                "weight_version": "0"}  # fmt: skip
+        info = {
+            "model_path": "dying",
+            "tokenizer_path": "dying",
+            "is_generation": True,
+            "weight_version": "0",
+        }
         self.send_json(200, info)
 
     def do_POST(self) -> None:  # noqa: N802 - http.server names it
@@ -86,10 +90,23 @@ def dying_worker() -> Iterator[Callable[[str], tuple[str, list[str]]]]:
 
 
 def start_router(start_service, buffer, urls: list[str]):
-    return start_service("router", [
-        "router", "--port", "0", "--no-rollout", "--redis-url", buffer.config.redis_url,
-        "--run-id", buffer.config.run_id, "--policy", "round_robin", "--engine-urls", *urls,
-    ])  # fmt: skip
+    return start_service(
+        "router",
+        [
+            "router",
+            "--port",
+            "0",
+            "--no-rollout",
+            "--redis-url",
+            buffer.config.redis_url,
+            "--run-id",
+            buffer.config.run_id,
+            "--policy",
+            "round_robin",
+            "--engine-urls",
+            *urls,
+        ],
+    )
 
 
 def events(router_url: str) -> list[str]:
@@ -100,10 +117,14 @@ def events(router_url: str) -> list[str]:
         return [line for line in resp.iter_lines() if line.startswith("data: ")]
 
 
-@pytest.mark.parametrize(("mode", "reason"), [
-    ("refuse", "ServerDisconnectedError"), ("http_500", "HTTP 500"),
-    ("empty_stream", "the stream ended before its first event"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("refuse", "ServerDisconnectedError"),
+        ("http_500", "HTTP 500"),
+        ("empty_stream", "the stream ended before its first event"),
+    ],
+)
 def test_a_stream_whose_worker_fails_before_its_first_event_is_retried_on_another(
     buffer, start_service, engines, dying_worker, mode, reason
 ):
@@ -115,8 +136,9 @@ def test_a_stream_whose_worker_fails_before_its_first_event_is_retried_on_anothe
         assert got[-1] == "data: [DONE]" and len(got) == 2
         assert json.loads(got[0].removeprefix("data: "))["output_ids"] == [5, 4, 2]
     assert calls, "round robin starts with the first worker, the dying one"
-    bad = next(w for w in httpx.get(router.url + "/workers").json()["workers"]
-               if w["url"] == bad_url)  # fmt: skip
+    bad = next(
+        w for w in httpx.get(router.url + "/workers").json()["workers"] if w["url"] == bad_url
+    )
     assert bad["errors"] == len(calls) and bad["outstanding"] == 0
     assert reason in bad["last_error"]
 

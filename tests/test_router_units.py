@@ -215,14 +215,26 @@ def test_rollout_requests_carry_the_sampling_settings_and_stops():
     from services.rollout_router.config import RolloutConfig, SamplingConfig
     from services.rollout_router.rollout import RolloutLoop
 
-    sampling = SamplingConfig(rollout_max_response_len=9, rollout_temperature=0.7,
-                              rollout_top_p=0.9, rollout_top_k=20, rollout_stop=["</a>"])  # fmt: skip
+    sampling = SamplingConfig(
+        rollout_max_response_len=9,
+        rollout_temperature=0.7,
+        rollout_top_p=0.9,
+        rollout_top_k=20,
+        rollout_stop=["</a>"],
+    )
     loop = RolloutLoop(RolloutConfig(), sampling, None, None, None, None, [2, 7])  # type: ignore[arg-type]
     body = loop.payload([1, 5], n=8, max_new=9, greedy=False, seed=42)
     assert body["input_ids"] == [1, 5] and body["return_logprob"] is True
     assert body["sampling_params"] == {
-        "max_new_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "n": 8,
-        "stop_token_ids": [2, 7], "sampling_seed": 42, "skip_special_tokens": True,
-        "no_stop_trim": True, "stop": ["</a>"],
-    }  # fmt: skip
+        "max_new_tokens": 9,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "n": 8,
+        "stop_token_ids": [2, 7],
+        "sampling_seed": 42,
+        "skip_special_tokens": True,
+        "no_stop_trim": True,
+        "stop": ["</a>"],
+    }
     assert loop.payload([1], 1, 9, True, 0)["sampling_params"]["temperature"] == 0.0

@@ -25,8 +25,19 @@ def free_port_factory() -> Callable[[], int]:
 
 
 def start_router(start_service, buffer, urls: list[str], *extra: str):
-    args = ["router", "--port", "0", "--no-rollout", "--redis-url", buffer.config.redis_url,
-            "--run-id", buffer.config.run_id, "--health-interval-s", "0.2", *extra]  # fmt: skip
+    args = [
+        "router",
+        "--port",
+        "0",
+        "--no-rollout",
+        "--redis-url",
+        buffer.config.redis_url,
+        "--run-id",
+        buffer.config.run_id,
+        "--health-interval-s",
+        "0.2",
+        *extra,
+    ]
     if urls:
         args += ["--engine-urls", *urls]
     return start_service("router", args)
@@ -104,8 +115,19 @@ def test_a_dead_worker_is_evicted_and_readmitted_only_at_the_current_weight_vers
 
 def test_with_default_health_settings_a_dead_worker_is_evicted(buffer, start_service, engines):
     a, b = engines(), engines()
-    args = ["router", "--port", "0", "--no-rollout", "--redis-url", buffer.config.redis_url,
-            "--run-id", buffer.config.run_id, "--engine-urls", a.url, b.url]  # fmt: skip
+    args = [
+        "router",
+        "--port",
+        "0",
+        "--no-rollout",
+        "--redis-url",
+        buffer.config.redis_url,
+        "--run-id",
+        buffer.config.run_id,
+        "--engine-urls",
+        a.url,
+        b.url,
+    ]
     router = start_service("router", args)
     a.stop()
     # Defaults: 3 failed checks 1 s apart (each at most 2 s): well within 10 s, here 15 s max.

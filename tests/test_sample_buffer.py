@@ -22,9 +22,13 @@ def make_group(group_id: str, version: int = 0) -> SampleGroup:
         weight_version=version,
     )
     return SampleGroup(
-        group_id=group_id, prompt="01>", label="10", samples=[sample], weight_version=version,
+        group_id=group_id,
+        prompt="01>",
+        label="10",
+        samples=[sample],
+        weight_version=version,
         created_at=time.time(),
-    )  # fmt: skip
+    )
 
 
 def test_groups_come_out_in_order_with_their_contents(buffer: SampleBuffer) -> None:

@@ -17,14 +17,36 @@ def metrics_of(buffer) -> list[dict[str, float]]:  # type: ignore[no-untyped-def
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--use-tis", "--policy-loss-type", "gspo", "--entropy-coef", "0.01", "--kl-coef", "0.1",
-         "--kl-loss-type", "k3", "--loss-aggregation", "seq_mean_token_mean"],
-        ["--decoupled-ppo", "--kl-coef", "0.1", "--no-use-kl-loss", "--advantage-estimator",
-         "reinforce_plus_plus_baseline", "--eps-clip-high", "0.28", "--eps-clip-c", "3",
-         "--loss-aggregation", "seq_mean_token_sum_norm"],
+        [
+            "--use-tis",
+            "--policy-loss-type",
+            "gspo",
+            "--entropy-coef",
+            "0.01",
+            "--kl-coef",
+            "0.1",
+            "--kl-loss-type",
+            "k3",
+            "--loss-aggregation",
+            "seq_mean_token_mean",
+        ],
+        [
+            "--decoupled-ppo",
+            "--kl-coef",
+            "0.1",
+            "--no-use-kl-loss",
+            "--advantage-estimator",
+            "reinforce_plus_plus_baseline",
+            "--eps-clip-high",
+            "0.28",
+            "--eps-clip-c",
+            "3",
+            "--loss-aggregation",
+            "seq_mean_token_sum_norm",
+        ],
     ],
     ids=["tis_gspo_entropy_kl_loss", "decoupled_kl_reward_reinforce_pp"],
-)  # fmt: skip
+)
 def test_loss_options_train_a_step_and_report_their_metrics(
     buffer, toy_model_dir: Path, flags: list[str]
 ) -> None:
@@ -83,8 +105,17 @@ def test_a_non_finite_update_is_skipped_and_counted_or_fails_when_asked(
 def test_ppo_with_a_critic_trains_policy_and_value_model(buffer, toy_model_dir: Path) -> None:
     for g in sample_groups(toy_model_dir, 8, 4, seed=9):
         buffer.put_group(g)
-    args = [*common_args(toy_model_dir, buffer), "--max-steps", "2", "--advantage-estimator", "gae",
-            "--lambd", "0.95", "--critic-lr", "1e-2"]  # fmt: skip
+    args = [
+        *common_args(toy_model_dir, buffer),
+        "--max-steps",
+        "2",
+        "--advantage-estimator",
+        "gae",
+        "--lambd",
+        "0.95",
+        "--critic-lr",
+        "1e-2",
+    ]
     done = run_trainer(args)
     assert done.returncode == 0, done.stderr[-3000:]
     first, second = metrics_of(buffer)
@@ -95,8 +126,16 @@ def test_ppo_with_a_critic_trains_policy_and_value_model(buffer, toy_model_dir: 
 
 
 def test_gae_with_tensor_parallelism_is_refused_at_start(toy_model_dir: Path) -> None:
-    done = run_trainer(["--model", str(toy_model_dir), "--advantage-estimator", "gae",
-                        "--tensor-model-parallel-size", "2"])  # fmt: skip
+    done = run_trainer(
+        [
+            "--model",
+            str(toy_model_dir),
+            "--advantage-estimator",
+            "gae",
+            "--tensor-model-parallel-size",
+            "2",
+        ]
+    )
     assert done.returncode == 2 and "--tensor-model-parallel-size 1" in done.stderr
 
 
@@ -145,9 +184,17 @@ def test_skipping_the_recompute_pass_trains_exactly_as_recomputing(
     always, auto = runs
     assert len(always) == len(auto) == 2
     for a, b in zip(always, auto, strict=True):
-        for key in ("train/loss", "train/grad_norm", "train/entropy", "train/mismatch_kl",
-                    "train/logprob_abs_diff_max", "train/is_weight_mean", "train/is_weight_max",
-                    "train/clipfrac", "train/approx_kl"):  # fmt: skip
+        for key in (
+            "train/loss",
+            "train/grad_norm",
+            "train/entropy",
+            "train/mismatch_kl",
+            "train/logprob_abs_diff_max",
+            "train/is_weight_mean",
+            "train/is_weight_max",
+            "train/clipfrac",
+            "train/approx_kl",
+        ):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6, nan_ok=True), key
     assert all(math.isfinite(v) for v in always[0].values())
     # step 2 trains version-0 samples at version 1: no same-version sample to compare

@@ -13,11 +13,25 @@ from tests.test_trainer_process import bind_pull, receive_version, run_trainer, 
 
 def trainer_args(toy_model_dir: Path, buffer, endpoint: str) -> list[str]:  # type: ignore[no-untyped-def]
     return [
-        "--model", str(toy_model_dir), "--redis-url", buffer.config.redis_url,
-        "--run-id", buffer.config.run_id, "--weights-endpoint", endpoint,
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--read-block-ms", "200",
-        "--max-staleness", "10", "--lr", "1e-2",
-    ]  # fmt: skip
+        "--model",
+        str(toy_model_dir),
+        "--redis-url",
+        buffer.config.redis_url,
+        "--run-id",
+        buffer.config.run_id,
+        "--weights-endpoint",
+        endpoint,
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--read-block-ms",
+        "200",
+        "--max-staleness",
+        "10",
+        "--lr",
+        "1e-2",
+    ]
 
 
 def final_weights(buffer, toy_model_dir: Path, runs: list[list[str]]) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]

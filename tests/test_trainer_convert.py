@@ -21,8 +21,13 @@ IDS = torch.tensor([[1, 5, 6, 14, 6, 5, 2, 7, 8, 9, 3]])
 
 def convert(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "services.trainer.convert", *args],
-                          capture_output=True, text=True, timeout=180, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "services.trainer.convert", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
 
 
 @pytest.mark.slow

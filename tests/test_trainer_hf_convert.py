@@ -72,13 +72,25 @@ def llama3_rope_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with Llama-3.1-style RoPE scaling and a long context."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     cfg = LlamaConfig(
-        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16384,
-        rope_parameters=rope, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16384,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(2)
     out = tmp_path_factory.mktemp("llama3") / "model"
     LlamaForCausalLM(cfg).save_pretrained(out)

@@ -78,10 +78,27 @@ def test_reward_and_heldout_accuracy_rise_on_the_toy_task(buffer, toy_model_dir:
     acc_before = heldout_accuracy(model, heldout, gen)
     sock, endpoint = bind_pull()
     sock.setsockopt(zmq.RCVTIMEO, 60_000)
-    cmd = [sys.executable, "-m", "tandem.cli", "trainer", "--model", str(toy_model_dir),
-           "--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id,
-           "--weights-endpoint", endpoint, "--max-steps", str(steps), "--max-staleness", "0",
-           "--read-block-ms", "100", *os.environ.get("LEARN_ARGS", "").split()]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "trainer",
+        "--model",
+        str(toy_model_dir),
+        "--redis-url",
+        buffer.config.redis_url,
+        "--run-id",
+        buffer.config.run_id,
+        "--weights-endpoint",
+        endpoint,
+        "--max-steps",
+        str(steps),
+        "--max-staleness",
+        "0",
+        "--read-block-ms",
+        "100",
+        *os.environ.get("LEARN_ARGS", "").split(),
+    ]
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"trainer-learn-{os.getpid()}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     rewards = []
@@ -99,11 +116,26 @@ def test_reward_and_heldout_accuracy_rise_on_the_toy_task(buffer, toy_model_dir:
                 for j in range(g * n, (g + 1) * n):
                     text, stopped = text_of(responses[j])
                     r = reverse_digits_reward(text, it.label, stopped)
-                    samples.append(Sample(prompt_ids=prompts[j], response_ids=responses[j],
-                                          response_logprobs=logps[j], loss_mask=[1] * len(responses[j]),
-                                          reward=r, weight_version=version))  # fmt: skip
-                groups.append(SampleGroup(group_id=f"{version}-{g}", prompt=it.prompt, label=it.label,
-                                          samples=samples, weight_version=version, created_at=time.time()))  # fmt: skip
+                    samples.append(
+                        Sample(
+                            prompt_ids=prompts[j],
+                            response_ids=responses[j],
+                            response_logprobs=logps[j],
+                            loss_mask=[1] * len(responses[j]),
+                            reward=r,
+                            weight_version=version,
+                        )
+                    )
+                groups.append(
+                    SampleGroup(
+                        group_id=f"{version}-{g}",
+                        prompt=it.prompt,
+                        label=it.label,
+                        samples=samples,
+                        weight_version=version,
+                        created_at=time.time(),
+                    )
+                )
             for grp in groups:
                 buffer.put_group(grp)
             rewards.append(
@@ -119,7 +151,9 @@ def test_reward_and_heldout_accuracy_rise_on_the_toy_task(buffer, toy_model_dir:
         sock.close(linger=0)
         log.close()
     acc_after = heldout_accuracy(model, heldout, gen)
-    print(f"reward first5 {sum(rewards[:5]) / 5:.3f} last5 {sum(rewards[-5:]) / 5:.3f} "
-          f"heldout acc {acc_before:.2f} -> {acc_after:.2f}")  # fmt: skip
+    print(
+        f"reward first5 {sum(rewards[:5]) / 5:.3f} last5 {sum(rewards[-5:]) / 5:.3f} "
+        f"heldout acc {acc_before:.2f} -> {acc_after:.2f}"
+    )
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2
     assert acc_after >= 0.3 and acc_after > acc_before

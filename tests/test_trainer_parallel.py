@@ -21,8 +21,15 @@ def run(buffer, toy_model_dir: Path, nproc: int, extra: list[str]) -> subprocess
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "tandem.cli", "trainer"]
     if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={nproc}", "-m", "services.trainer"]  # fmt: skip
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "services.trainer",
+        ]
     return subprocess.run(
         [*launcher, *extra], capture_output=True, text=True, timeout=TIMEOUT_S, env=env
     )
@@ -75,8 +82,12 @@ def test_tp2_and_dp2_reproduce_single_process_losses_and_weights(
 ) -> None:
     groups = sample_groups(toy_model_dir, 4, 4, seed=5)
     ref_losses, ref_w = train(buffer, toy_model_dir, groups, [(1, ["--max-steps", "2"])])
-    tp_losses, tp_w = train(buffer, toy_model_dir, groups,
-                            [(2, ["--max-steps", "2", "--tensor-model-parallel-size", "2"])])  # fmt: skip
+    tp_losses, tp_w = train(
+        buffer,
+        toy_model_dir,
+        groups,
+        [(2, ["--max-steps", "2", "--tensor-model-parallel-size", "2"])],
+    )
     dp_losses, dp_w = train(buffer, toy_model_dir, groups, [(2, ["--max-steps", "2"])])
     assert len(ref_losses) == 2
     assert tp_losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)

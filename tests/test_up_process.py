@@ -22,8 +22,10 @@ pytestmark = pytest.mark.e2e
 def run_up(run_dir: Path, *flags: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir), *flags],
-        capture_output=True, text=True, timeout=timeout_s,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 def service_pids(run_dir: Path) -> dict[str, int]:
@@ -80,10 +82,22 @@ def test_the_default_run_reaches_ninety_percent_held_out_accuracy(tmp_path: Path
 
 def start_up_in_background(run_dir: Path) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir), "--max-steps", "300",
-         "--stop-accuracy", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "up",
+            "--run-dir",
+            str(run_dir),
+            "--max-steps",
+            "300",
+            "--stop-accuracy",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 180
     while len(service_pids(run_dir)) < 4 or not (run_dir / "metrics.jsonl").exists():
         assert proc.poll() is None, proc.communicate()[0]
@@ -129,9 +143,16 @@ def test_the_loop_also_runs_with_the_nccl_weight_transport_on_gloo(tmp_path: Pat
     # Synchronous (max staleness 0): every step trains on samples of the trainer's own version,
     # so every step checks that the engines got exactly the trainer's weights.
     result = run_up(
-        run_dir, "--max-steps", "8", "--stop-accuracy", "0", "--weight-transport", "nccl",
-        "--max-staleness", "0",
-    )  # fmt: skip
+        run_dir,
+        "--max-steps",
+        "8",
+        "--stop-accuracy",
+        "0",
+        "--weight-transport",
+        "nccl",
+        "--max-staleness",
+        "0",
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["engine_weight_versions"] == ["8", "8"]
@@ -150,10 +171,20 @@ def test_a_tensor_parallel_trainer_under_torchrun_syncs_engines_by_broadcast(
     broker's NCCL transport (gloo on CPU) broadcasting from trainer rank 0."""
     run_dir = tmp_path / "run"
     result = run_up(
-        run_dir, "--max-steps", "6", "--stop-accuracy", "0", "--weight-transport", "nccl",
-        "--trainer-procs", "2", "--trainer-args", "--tensor-model-parallel-size 2",
-        "--max-staleness", "0",
-    )  # fmt: skip
+        run_dir,
+        "--max-steps",
+        "6",
+        "--stop-accuracy",
+        "0",
+        "--weight-transport",
+        "nccl",
+        "--trainer-procs",
+        "2",
+        "--trainer-args",
+        "--tensor-model-parallel-size 2",
+        "--max-staleness",
+        "0",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["engine_weight_versions"] == ["6", "6"]

@@ -34,12 +34,28 @@ def stack(start_service, toy_model_dir, buffer):  # type: ignore[no-untyped-def]
     """An engine on version 1 behind a router that knows the broker."""
     redis = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
     first = start_service("engine0", engine_args(toy_model_dir))
-    broker = start_service("broker", ["broker", "--port", "0", "--engine-urls", first.url,
-                                      "--probe-interval-s", "0.5", *redis])  # fmt: skip
-    router = start_service("router", [
-        "router", "--port", "0", "--engine-urls", first.url, "--broker-url", broker.url,
-        "--model", str(toy_model_dir), "--no-rollout", "--health-interval-s", "0.2", *redis,
-    ])  # fmt: skip
+    broker = start_service(
+        "broker",
+        ["broker", "--port", "0", "--engine-urls", first.url, "--probe-interval-s", "0.5", *redis],
+    )
+    router = start_service(
+        "router",
+        [
+            "router",
+            "--port",
+            "0",
+            "--engine-urls",
+            first.url,
+            "--broker-url",
+            broker.url,
+            "--model",
+            str(toy_model_dir),
+            "--no-rollout",
+            "--health-interval-s",
+            "0.2",
+            *redis,
+        ],
+    )
     sender = ZmqWeightSender(broker.info["intake_endpoint"])
     tensors, _model = perturbed_weights(toy_model_dir, seed=1)
     sender.send(1, tensors)
@@ -95,8 +111,11 @@ def test_a_restarted_engine_gets_no_traffic_until_it_is_back_on_the_current_vers
         assert restarted.url == first.url
         # Out while it serves version 0 (the router saw its version go down, or its checks
         # failed while it was down), back once the broker re-synced it.
-        wait_until(lambda: (w := worker(router.url, first.url))["healthy"]
-                   and w["weight_version"] == 1, "engine0 re-admitted on version 1", 60)  # fmt: skip
+        wait_until(
+            lambda: (w := worker(router.url, first.url))["healthy"] and w["weight_version"] == 1,
+            "engine0 re-admitted on version 1",
+            60,
+        )
         served_before = len(versions)
         wait_until(lambda: len(versions) > served_before + 20, "traffic after re-admission", 60)
     finally:

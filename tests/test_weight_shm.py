@@ -58,8 +58,11 @@ def test_a_real_engine_adopts_shared_memory_weights_and_serves_them(
             for p in model.parameters():
                 p.mul_(1.05)
         sender.send(version, [(n, t.clone()) for n, t in model.state_dict().items()])
-        body = {"input_ids": prompt, "return_logprob": True,
-                "sampling_params": {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}}  # fmt: skip
+        body = {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True},
+        }
         for _ in range(200):
             out = httpx.post(f"{engine.url}/generate", json=body, timeout=30).json()
             if out["meta_info"]["weight_version"] == str(version):

@@ -18,26 +18,71 @@ from services.engine.sampling import RequestError, SamplingParams, derive_seed
 from services.engine.scheduler import Job, Sequence, new_rid
 
 # Fields of SGLang's GenerateReqInput that we implement.
-IMPLEMENTED_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream",
-                      "logprob_start_len",
-           "top_logprobs_num", "return_text_in_logprobs", "return_prompt_token_ids"}  # fmt: skip
+IMPLEMENTED_FIELDS = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "stream",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "return_prompt_token_ids",
+}
 # Fields that would change what is generated or returned: refused unless unset/false.
 UNSUPPORTED_FIELDS = {
-    "input_embeds", "image_data", "video_data", "audio_data", "token_ids_logprob",
-    "return_hidden_states", "return_routed_experts", "return_sampling_mask", "session_params",
-    "lora_path", "lora_id", "custom_logit_processor", "return_entropy", "return_indexer_topk",
-    "return_bytes", "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs",
-}  # fmt: skip
+    "input_embeds",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "token_ids_logprob",
+    "return_hidden_states",
+    "return_routed_experts",
+    "return_sampling_mask",
+    "session_params",
+    "lora_path",
+    "lora_id",
+    "custom_logit_processor",
+    "return_entropy",
+    "return_indexer_topk",
+    "return_bytes",
+    "return_flat_raw_top_logprobs",
+    "return_flat_raw_output_top_logprobs",
+}
 # SGLang fields accepted and ignored: routing hints, logging, bookkeeping (output unchanged).
 IGNORED_FIELDS = {
-    "log_metrics", "modalities", "bootstrap_host", "bootstrap_port",
-    "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "data_parallel_rank",
-    "routed_dp_rank", "disagg_prefill_dp_rank", "priority", "background", "extra_key",
-    "routing_key", "conversation_id", "no_logs", "custom_labels", "external_trace_header",
-    "session_id", "mm_hashes", "mm_content_hashes", "use_audio_in_video", "video_config",
-    "watermark", "sampling_logprobs_mode", "routed_experts_start_len", "require_reasoning",
-    "max_thinking_tokens", "http_worker_ipc", "positional_embed_overrides",
-}  # fmt: skip
+    "log_metrics",
+    "modalities",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "decode_tp_size",
+    "data_parallel_rank",
+    "routed_dp_rank",
+    "disagg_prefill_dp_rank",
+    "priority",
+    "background",
+    "extra_key",
+    "routing_key",
+    "conversation_id",
+    "no_logs",
+    "custom_labels",
+    "external_trace_header",
+    "session_id",
+    "mm_hashes",
+    "mm_content_hashes",
+    "use_audio_in_video",
+    "video_config",
+    "watermark",
+    "sampling_logprobs_mode",
+    "routed_experts_start_len",
+    "require_reasoning",
+    "max_thinking_tokens",
+    "http_worker_ipc",
+    "positional_embed_overrides",
+}
 
 
 @dataclass
@@ -98,13 +143,17 @@ def parse_generate(
                 f"logprob_start_len={start} is higher than the number of input tokens {len(prompt)}"
             )
     return GenerateInput(
-        prompts=prompts, params=params, rids=rids, batch=batch,
+        prompts=prompts,
+        params=params,
+        rids=rids,
+        batch=batch,
         return_logprob=_flag(body, "return_logprob"),
         text_in_logprobs=_flag(body, "return_text_in_logprobs"),
         stream=_flag(body, "stream"),
-        top_logprobs_num=min(top_n, vocab_size), logprob_start_len=start,
+        top_logprobs_num=min(top_n, vocab_size),
+        logprob_start_len=start,
         return_prompt_token_ids=_flag(body, "return_prompt_token_ids"),
-    )  # fmt: skip
+    )
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -219,8 +268,11 @@ def sequence_json(seq: Sequence, inp: GenerateInput, tokenizer: Any, done: bool 
             meta["output_top_logprobs"] = [
                 [[lp, tok, text(tok)] for lp, tok in step] for step in seq.top_logprobs[:count]
             ]
-    result = {"text": output_text(seq, output_ids, tokenizer, reason), "output_ids": output_ids,
-              "meta_info": meta}  # fmt: skip
+    result = {
+        "text": output_text(seq, output_ids, tokenizer, reason),
+        "output_ids": output_ids,
+        "meta_info": meta,
+    }
     if inp.return_prompt_token_ids:
         result["prompt_token_ids"] = seq.prompt
     return result

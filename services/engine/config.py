@@ -50,14 +50,18 @@ class EngineConfig:
     )
     kv_cache_gb: float = field(
         default=4.0,
-        metadata={"help": "memory for the running sequences' keys/values; new sequences wait "
-                          "when it is full (0 = unbounded)"},
-    )  # fmt: skip
+        metadata={
+            "help": "memory for the running sequences' keys/values; new sequences wait "
+            "when it is full (0 = unbounded)"
+        },
+    )
     prompt_cache_tokens: int = field(
         default=65536,
-        metadata={"help": "positions of recently prefilled prompts kept so a repeated prompt "
-                          "skips its prefill; cleared on weight updates (0 = off)"},
-    )  # fmt: skip
+        metadata={
+            "help": "positions of recently prefilled prompts kept so a repeated prompt "
+            "skips its prefill; cleared on weight updates (0 = off)"
+        },
+    )
     context_length: int = field(
         default=0,
         metadata={
@@ -73,12 +77,14 @@ class EngineConfig:
     )
     whole_version_updates: bool = field(
         default=True,
-        metadata={"help": "accept bucket_sizes in /update_weights_from_distributed (advertised "
-                          "in /get_server_info): a whole version arrives in one request and is "
-                          "applied once, which needs room for one extra copy of the weights "
-                          "while it arrives; off: one request per bucket, each applied on "
-                          "arrival (as with SGLang), extra room one bucket"},
-    )  # fmt: skip
+        metadata={
+            "help": "accept bucket_sizes in /update_weights_from_distributed (advertised "
+            "in /get_server_info): a whole version arrives in one request and is "
+            "applied once, which needs room for one extra copy of the weights "
+            "while it arrives; off: one request per bucket, each applied on "
+            "arrival (as with SGLang), extra room one bucket"
+        },
+    )
     served_model_name: str = field(
         default="", metadata={"help": "model name in /v1/models (default: the model directory)"}
     )

@@ -40,10 +40,15 @@ class Engine:
         self.context_length = min(context, self.runner.max_position)
         self.max_total_tokens = int(config.kv_cache_gb * 2**30 / self.runner.kv_bytes_per_token)
         self.scheduler = Scheduler(
-            self.runner, config.max_batch_size, config.max_prefill_tokens,
-            config.max_queued_requests, self.context_length, config.weight_version,
-            self.max_total_tokens, config.prompt_cache_tokens,
-        )  # fmt: skip
+            self.runner,
+            config.max_batch_size,
+            config.max_prefill_tokens,
+            config.max_queued_requests,
+            self.context_length,
+            config.weight_version,
+            self.max_total_tokens,
+            config.prompt_cache_tokens,
+        )
         self.weights = WeightUpdater(
             self.runner, self.scheduler, config.update_timeout_s, config.whole_version_updates
         )
@@ -53,9 +58,12 @@ class Engine:
         self.scheduler.start()
         log.info(
             "serving %s on %s (%s), context %d, weight version %s",
-            self.config.model, self.runner.device, str(self.runner.dtype).removeprefix("torch."),
-            self.context_length, self.weight_version,
-        )  # fmt: skip
+            self.config.model,
+            self.runner.device,
+            str(self.runner.dtype).removeprefix("torch."),
+            self.context_length,
+            self.weight_version,
+        )
 
     def stop(self) -> None:
         self.weights.close()

@@ -225,9 +225,14 @@ class ModelRunner:
         # no mask = plain causal attention, which lets torch pick a kernel that never
         # materializes the [rows, heads, steps, steps] score matrix
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scaling,
             enable_gqa=k.shape[1] != q.shape[1],
-        )  # fmt: skip
+        )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -23,14 +23,26 @@ from services.engine.sampling import RequestError
 
 # OpenAI/SGLang request field -> native sampling parameter
 _SAMPLING_FIELDS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "n": "n", "stop": "stop", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-    "no_stop_trim": "no_stop_trim", "skip_special_tokens": "skip_special_tokens",
-    "seed": "sampling_seed", "min_tokens": "min_new_tokens",
-    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-    "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias",
-    "regex": "regex", "json_schema": "json_schema", "ebnf": "ebnf",
-}  # fmt: skip
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "n": "n",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "no_stop_trim": "no_stop_trim",
+    "skip_special_tokens": "skip_special_tokens",
+    "seed": "sampling_seed",
+    "min_tokens": "min_new_tokens",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
+    "regex": "regex",
+    "json_schema": "json_schema",
+    "ebnf": "ebnf",
+}
 
 
 def _sampling(body: dict, max_tokens: Any) -> dict[str, Any]:
@@ -60,16 +72,25 @@ def completion_request(body: Any, engine: Engine) -> dict[str, Any]:
     if body.get("echo") or body.get("suffix") or body.get("best_of") not in (None, 1):
         raise RequestError("echo, suffix and best_of are not supported by the reference engine")
     prompt = body["prompt"]
-    key = "text" if isinstance(prompt, str) or (
-        isinstance(prompt, list) and prompt and isinstance(prompt[0], str)
-    ) else "input_ids"  # fmt: skip
+    key = (
+        "text"
+        if isinstance(prompt, str)
+        or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str))
+        else "input_ids"
+    )
     return_logprob, top = _top_n(body, chat=False)
     return {
-        key: prompt, "sampling_params": _sampling(body, body.get("max_tokens", 16)),
-        "return_logprob": return_logprob, "top_logprobs_num": top, "stream": body.get("stream", False),
-        "return_text_in_logprobs": True, "rid": body.get("rid"),
-        "return_prompt_token_ids": bool(body.get("return_token_ids") or body.get("return_prompt_token_ids")),
-    }  # fmt: skip
+        key: prompt,
+        "sampling_params": _sampling(body, body.get("max_tokens", 16)),
+        "return_logprob": return_logprob,
+        "top_logprobs_num": top,
+        "stream": body.get("stream", False),
+        "return_text_in_logprobs": True,
+        "rid": body.get("rid"),
+        "return_prompt_token_ids": bool(
+            body.get("return_token_ids") or body.get("return_prompt_token_ids")
+        ),
+    }
 
 
 def chat_request(body: Any, engine: Engine) -> dict[str, Any]:
@@ -85,9 +106,11 @@ def chat_request(body: Any, engine: Engine) -> dict[str, Any]:
         raise RequestError("the model's tokenizer has no chat template; use /v1/completions")
     try:
         ids = tokenizer.apply_chat_template(
-            body["messages"], add_generation_prompt=True, tokenize=True,
+            body["messages"],
+            add_generation_prompt=True,
+            tokenize=True,
             **(body.get("chat_template_kwargs") or {}),
-        )  # fmt: skip
+        )
     except Exception as exc:  # template errors are the caller's messages, not our bug
         raise RequestError(f"messages could not be rendered by the chat template: {exc}") from exc
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -95,11 +118,17 @@ def chat_request(body: Any, engine: Engine) -> dict[str, Any]:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return_logprob, top = _top_n(body, chat=True)
     return {
-        "input_ids": list(ids), "sampling_params": _sampling(body, max_tokens),
-        "return_logprob": return_logprob, "top_logprobs_num": top, "stream": body.get("stream", False),
-        "return_text_in_logprobs": True, "rid": body.get("rid"),
-        "return_prompt_token_ids": bool(body.get("return_token_ids") or body.get("return_prompt_token_ids")),
-    }  # fmt: skip
+        "input_ids": list(ids),
+        "sampling_params": _sampling(body, max_tokens),
+        "return_logprob": return_logprob,
+        "top_logprobs_num": top,
+        "stream": body.get("stream", False),
+        "return_text_in_logprobs": True,
+        "rid": body.get("rid"),
+        "return_prompt_token_ids": bool(
+            body.get("return_token_ids") or body.get("return_prompt_token_ids")
+        ),
+    }
 
 
 def _completion_logprobs(meta: dict) -> dict[str, Any]:
@@ -111,9 +140,11 @@ def _completion_logprobs(meta: dict) -> dict[str, Any]:
         offsets.append(position)
         position += len(token or "")
     return {
-        "tokens": tokens, "token_logprobs": [e[0] for e in entries], "text_offset": offsets,
+        "tokens": tokens,
+        "token_logprobs": [e[0] for e in entries],
+        "text_offset": offsets,
         "top_logprobs": [{t[2]: t[0] for t in step} for step in tops] if tops else None,
-    }  # fmt: skip
+    }
 
 
 def _chat_logprobs(meta: dict) -> dict[str, Any]:
@@ -122,10 +153,12 @@ def _chat_logprobs(meta: dict) -> dict[str, Any]:
         return {"token": text, "logprob": entry[0], "bytes": list(text.encode())}
 
     tops = meta.get("output_top_logprobs") or [[] for _ in meta.get("output_token_logprobs", [])]
-    return {"content": [
-        {**item(entry), "top_logprobs": [item(t) for t in top]}
-        for entry, top in zip(meta.get("output_token_logprobs", []), tops, strict=True)
-    ]}  # fmt: skip
+    return {
+        "content": [
+            {**item(entry), "top_logprobs": [item(t) for t in top]}
+            for entry, top in zip(meta.get("output_token_logprobs", []), tops, strict=True)
+        ]
+    }
 
 
 def _choice(index: int, result: dict, body: dict, chat: bool) -> dict[str, Any]:
@@ -158,11 +191,15 @@ def openai_response(results: list[dict], body: dict, model: str, chat: bool) -> 
     return {
         "id": results[0]["meta_info"]["id"],
         "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()), "model": model,
+        "created": int(time.time()),
+        "model": model,
         "choices": [_choice(i, r, body, chat) for i, r in enumerate(results)],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-    }  # fmt: skip
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
 
 
 async def _stream(engine: Engine, native: Any, model: str, chat: bool) -> AsyncIterator[bytes]:
@@ -174,15 +211,22 @@ async def _stream(engine: Engine, native: Any, model: str, chat: bool) -> AsyncI
         delta = snap["text"][sent.get(index, 0) :]
         sent[index] = len(snap["text"])
         reason = snap["meta_info"]["finish_reason"]
-        choice: dict[str, Any] = {"index": index, "logprobs": None,
-                                  "finish_reason": reason["type"] if reason else None}  # fmt: skip
+        choice: dict[str, Any] = {
+            "index": index,
+            "logprobs": None,
+            "finish_reason": reason["type"] if reason else None,
+        }
         if chat:
             choice["delta"] = {"role": "assistant", "content": delta}
         else:
             choice["text"] = delta
-        chunk = {"id": snap["meta_info"]["id"], "created": created, "model": model,
-                 "object": "chat.completion.chunk" if chat else "text_completion",
-                 "choices": [choice]}  # fmt: skip
+        chunk = {
+            "id": snap["meta_info"]["id"],
+            "created": created,
+            "model": model,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "choices": [choice],
+        }
         yield b"data: " + orjson.dumps(chunk) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
@@ -192,9 +236,14 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"id": engine.served_model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "tandem", "root": engine.served_model_name,
-                "max_model_len": engine.context_length}  # fmt: skip
+        card = {
+            "id": engine.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "tandem",
+            "root": engine.served_model_name,
+            "max_model_len": engine.context_length,
+        }
         return json_response({"object": "list", "data": [card]})
 
     async def serve(request: Request, chat: bool) -> Response:

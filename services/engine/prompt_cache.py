@@ -50,9 +50,12 @@ class PromptCache:
             self._tokens -= len(old)
 
     def prefill(
-        self, runner: ModelRunner, prompts: Sequence[Sequence[int]],
-        score: Sequence[Score | None], cacheable: Sequence[bool],
-    ) -> tuple[Prefilled, list[bool]]:  # fmt: skip
+        self,
+        runner: ModelRunner,
+        prompts: Sequence[Sequence[int]],
+        score: Sequence[Score | None],
+        cacheable: Sequence[bool],
+    ) -> tuple[Prefilled, list[bool]]:
         """`runner.prefill_all`, reusing cached prompts; also returns which rows were hits.
         Rows that need prompt logprobs (`score`) are always computed; `cacheable` rows (plain
         prompts, not retracted sequences) are stored afterwards."""
@@ -83,8 +86,13 @@ class PromptCache:
             i in hits for i in range(len(keys))
         ]
 
-    def _store(self, result: Prefilled, keys: list[tuple[int, ...]], rows: list[int],
-               cacheable: Sequence[bool]) -> None:  # fmt: skip
+    def _store(
+        self,
+        result: Prefilled,
+        keys: list[tuple[int, ...]],
+        rows: list[int],
+        cacheable: Sequence[bool],
+    ) -> None:
         logits, cache, _ = result
         for j, i in enumerate(rows):
             if cacheable[i] and self.max_tokens:

@@ -188,8 +188,13 @@ class RowParams:
     needs_filter: bool
 
 
-def row_params(params: list[SamplingParams], seeds: list[int], steps: list[int],
-               banned: list[list[int]], vocab: int) -> RowParams:  # fmt: skip
+def row_params(
+    params: list[SamplingParams],
+    seeds: list[int],
+    steps: list[int],
+    banned: list[list[int]],
+    vocab: int,
+) -> RowParams:
     greedy = [p.greedy for p in params]
     return RowParams(
         temperature=torch.tensor(

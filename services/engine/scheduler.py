@@ -96,9 +96,17 @@ class _Command:
 class Scheduler:
     """Owns the waiting queue, the running batch and its KV cache; see the module docstring."""
 
-    def __init__(self, runner: ModelRunner, max_batch_size: int, max_prefill_tokens: int,
-                 max_queued_requests: int, context_length: int, weight_version: str,
-                 max_total_tokens: int = 0, prompt_cache_tokens: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_batch_size: int,
+        max_prefill_tokens: int,
+        max_queued_requests: int,
+        context_length: int,
+        weight_version: str,
+        max_total_tokens: int = 0,
+        prompt_cache_tokens: int = 0,
+    ) -> None:
         self.runner = runner
         # prompts prefilled before; cleared by `clear_caches` on every weight change
         self.prompt_cache = PromptCache(prompt_cache_tokens)
@@ -372,13 +380,17 @@ class Scheduler:
         eos = self.runner.eos_token_ids
         banned = [
             sorted((set() if s.params.ignore_eos else eos) | set(s.params.stop_token_ids))
-            if len(s.output_ids) < s.params.min_new_tokens else []
+            if len(s.output_ids) < s.params.min_new_tokens
+            else []
             for s in seqs
-        ]  # fmt: skip
+        ]
         rows = row_params(
-            [s.params for s in seqs], [s.seed for s in seqs],
-            [len(s.output_ids) for s in seqs], banned, logits.shape[1],
-        )  # fmt: skip
+            [s.params for s in seqs],
+            [s.seed for s in seqs],
+            [len(s.output_ids) for s in seqs],
+            banned,
+            logits.shape[1],
+        )
         top_n = max(s.top_logprobs_num for s in seqs)
         tokens, logprobs, top = sample(logits, rows, top_n)
         top_lists = (top[0].tolist(), top[1].tolist()) if top is not None else None

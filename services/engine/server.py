@@ -51,8 +51,9 @@ async def read_json(request: Request) -> dict[str, Any]:
     return body
 
 
-def field(body: dict[str, Any], name: str, check: Callable[[Any], bool], what: str,
-          required: bool = True) -> Any:  # fmt: skip
+def field(
+    body: dict[str, Any], name: str, check: Callable[[Any], bool], what: str, required: bool = True
+) -> Any:
     """`body[name]` if it passes `check`; `RequestError` naming the field otherwise."""
     value = body.get(name)
     if value is None:
@@ -299,13 +300,23 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
         listed = body.get("layout_id") is None or body.get("names") is not None
         field(body, "names", _is_list_of(_is_str), "a list of parameter names", listed)
         field(body, "dtypes", _is_list_of(_is_str), "a list of dtype names", listed)
-        field(body, "shapes", _is_list_of(_is_list_of(_is_int)), "a list of shapes (lists of ints)",
-              listed)  # fmt: skip
+        field(
+            body,
+            "shapes",
+            _is_list_of(_is_list_of(_is_int)),
+            "a list of shapes (lists of ints)",
+            listed,
+        )
         field(body, "weight_version", _is_version, "a version string", False)
         field(body, "group_name", _is_str, "a string", False)
         field(body, "load_format", _is_str, '"flattened_bucket" or null', False)
-        field(body, "bucket_sizes", _is_list_of(lambda v: _is_int(v) and v > 0),
-              "a list of tensor counts (positive integers) summing to len(names)", False)  # fmt: skip
+        field(
+            body,
+            "bucket_sizes",
+            _is_list_of(lambda v: _is_int(v) and v > 0),
+            "a list of tensor counts (positive integers) summing to len(names)",
+            False,
+        )
         if body.get("weight_version") is not None:
             body["weight_version"] = str(body["weight_version"])
         new = await engine.weights.from_distributed(body)

@@ -158,8 +158,12 @@ class WeightUpdater:
                 previous.release()
             if version is not None:
                 self.scheduler.weight_version = str(version)
-            log.info("weights: %d tensors loaded in %.3fs, now version %s", count,
-                     time.monotonic() - started, self.scheduler.weight_version)  # fmt: skip
+            log.info(
+                "weights: %d tensors loaded in %.3fs, now version %s",
+                count,
+                time.monotonic() - started,
+                self.scheduler.weight_version,
+            )
             return self.scheduler.weight_version
 
         future = self.scheduler.run_exclusive(apply, drain=True)
@@ -243,10 +247,14 @@ class WeightUpdater:
             leave_group(self._group)
             self._group = None
         self._group = join_group(
-            body["master_address"], int(body["master_port"]), int(body.get("rank_offset", 1)),
-            int(body["world_size"]), body.get("group_name", "weight_update_group"), backend,
+            body["master_address"],
+            int(body["master_port"]),
+            int(body.get("rank_offset", 1)),
+            int(body["world_size"]),
+            body.get("group_name", "weight_update_group"),
+            backend,
             timedelta(seconds=self.timeout_s),
-        )  # fmt: skip
+        )
         self._group_name = body.get("group_name", "weight_update_group")
 
     async def from_distributed(self, body: dict[str, Any]) -> str:
@@ -266,8 +274,11 @@ class WeightUpdater:
                 tensors, plan, received = await self._in_thread(
                     functools.partial(self._receive, prepared), "receiving broadcast weights"
                 )
-                log.info("weights: received %d tensors by broadcast in %.3fs", len(tensors),
-                         time.monotonic() - started)  # fmt: skip
+                log.info(
+                    "weights: received %d tensors by broadcast in %.3fs",
+                    len(tensors),
+                    time.monotonic() - started,
+                )
             except UpdateError:
                 raise
             except RuntimeError as exc:  # e.g. a peer left mid-collective
@@ -391,8 +402,10 @@ class WeightUpdater:
     ) -> ReceiveSet:
         """Receive buffers (new unless given) with the layout's tensors over them, planned."""
         if flats is None:
-            flats = [torch.empty(n, dtype=torch.uint8, device=self.runner.device)
-                     for n in prepared.nbytes]  # fmt: skip
+            flats = [
+                torch.empty(n, dtype=torch.uint8, device=self.runner.device)
+                for n in prepared.nbytes
+            ]
         out: NamedTensors = []
         misaligned: list[int] = []
         for flat, bucket in zip(flats, prepared.buckets(), strict=True):

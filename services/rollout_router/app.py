@@ -61,9 +61,13 @@ def build_task(data: DataConfig, tokenizer: Any) -> Task:
     if not data.prompt_data:
         return toy_reverse_digits(tokenizer, data.task_seed)
     return dataset_task(
-        tokenizer, data.prompt_data, data.eval_prompt_data, data.input_key, data.label_key,
+        tokenizer,
+        data.prompt_data,
+        data.eval_prompt_data,
+        data.input_key,
+        data.label_key,
         data.apply_chat_template,
-    )  # fmt: skip
+    )
 
 
 async def build_control(
@@ -82,9 +86,15 @@ async def build_control(
         client = EnvClient(config.env.env_url, pool.session, config.env.env_call_timeout_s)
         episodes = EpisodeRunner(config.env, client, tokenizer, config.data.apply_chat_template)
     loop = RolloutLoop(
-        config.rollout, config.sampling, pool, buffer, task, reward,
-        stop_ids(tokenizer, config.sampling), episodes,
-    )  # fmt: skip
+        config.rollout,
+        config.sampling,
+        pool,
+        buffer,
+        task,
+        reward,
+        stop_ids(tokenizer, config.sampling),
+        episodes,
+    )
     return RolloutController(loop, config.data, tokenizer, build_task)
 
 
@@ -103,9 +113,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if config.rollout.model:
             control = app.state.control = await build_control(config, pool, buffer)
             app.state.sessions = AgentSessions(
-                config.sessions, pool, buffer, control.tokenizer, control.loop.stop_token_ids,
+                config.sessions,
+                pool,
+                buffer,
+                control.tokenizer,
+                control.loop.stop_token_ids,
                 config.rollout.n_samples_per_prompt,
-            )  # fmt: skip
+            )
             control.start_evaluations()
             if config.rollout.rollout:
                 control.start()

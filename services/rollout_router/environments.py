@@ -194,14 +194,17 @@ class EpisodeRunner:
             return observation or ""
         if not isinstance(observation, list):
             raise EnvError(
-                "env_error", f"/step observation: expected a string or chat messages, got "
-                f"{type(observation).__name__}"
-            )  # fmt: skip
+                "env_error",
+                f"/step observation: expected a string or chat messages, got "
+                f"{type(observation).__name__}",
+            )
         messages = as_messages(observation, "/step observation")
         if not self.templated:
             return joined(messages)
-        history = [{"role": "user", "content": HISTORY_USER},
-                   {"role": "assistant", "content": HISTORY_TURN}]  # fmt: skip
+        history = [
+            {"role": "user", "content": HISTORY_USER},
+            {"role": "assistant", "content": HISTORY_TURN},
+        ]
         try:
             base = self.tokenizer.apply_chat_template(history, tools=tools, tokenize=False)
             full = self.tokenizer.apply_chat_template(
@@ -212,9 +215,10 @@ class EpisodeRunner:
         end = base.rfind(HISTORY_TURN) + len(HISTORY_TURN)
         if end < len(HISTORY_TURN) or full[:end] != base[:end]:
             raise EnvError(
-                "env_error", "the chat template of --model renders the history differently "
-                "when messages follow it: return the /step observation as a string"
-            )  # fmt: skip
+                "env_error",
+                "the chat template of --model renders the history differently "
+                "when messages follow it: return the /step observation as a string",
+            )
         text = full[end:]
         if turn.finish == "stop" and turn.ids:  # the model already wrote the end of its turn
             closing = self.tokenizer.decode(turn.ids[-1:], skip_special_tokens=False)

@@ -58,8 +58,10 @@ class FastForwardMiddleware:
             status, data = 503, orjson.dumps({"error": "no_available_workers", "detail": str(exc)})
         except EngineRequestError as exc:
             status, data = 502, orjson.dumps({"error": "engine_error", "detail": str(exc)})
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(data)).encode())]  # fmt: skip
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(data)).encode()),
+        ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 

@@ -100,10 +100,14 @@ class Http1Pool:
     async def post(self, base_url: str, path: str, body: bytes) -> tuple[int, bytes]:
         host, port, host_header = self._address(base_url)
         head = (
-            b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + host_header
+            b"POST "
+            + path.encode()
+            + b" HTTP/1.1\r\nHost: "
+            + host_header
             + b"\r\nContent-Type: application/json\r\nContent-Length: "
-            + str(len(body)).encode() + b"\r\n\r\n"
-        )  # fmt: skip
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+        )
         idle = self.idle.setdefault(base_url, deque())
         while idle:  # a reused connection may have been closed by the server meanwhile
             conn = idle.pop()

@@ -145,9 +145,13 @@ class Reward:
 
 
 def make_reward(
-    rm_type: str, custom_rm_path: str, rm_url: str, timeout_s: float, retries: int,
+    rm_type: str,
+    custom_rm_path: str,
+    rm_url: str,
+    timeout_s: float,
+    retries: int,
     session: aiohttp.ClientSession | None,
-) -> Reward:  # fmt: skip
+) -> Reward:
     """The reward the flags ask for: `--rm-url` over `--custom-rm-path` over `--rm-type`."""
     if rm_url:
         return Reward(url=rm_url, timeout_s=timeout_s, retries=retries, session=session)

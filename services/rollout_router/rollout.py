@@ -299,8 +299,15 @@ class RolloutLoop:
             # Stopped mid-batch: the group will not be trained on; say so before unwinding
             # (synchronously: a cancelled task cannot reliably await).
             if not committed[0]:
-                self.buffer.record_drop(DropRecord(source="router", reason="cancelled", count=1,
-                                                   group_id=group_id, detail="rollout stopped"))  # fmt: skip
+                self.buffer.record_drop(
+                    DropRecord(
+                        source="router",
+                        reason="cancelled",
+                        count=1,
+                        group_id=group_id,
+                        detail="rollout stopped",
+                    )
+                )
             raise
         batch.samples += len(group.samples)
         batch.reward_sum += sum(s.reward for s in group.samples)

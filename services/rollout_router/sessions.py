@@ -148,10 +148,12 @@ def openai_response(
     finish = {"stop": "stop", "length": "length"}.get(partial.finish, partial.finish)
     logprobs = None
     if token_texts is not None:
-        logprobs = {"content": [
-            {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
-            for text, lp in zip(token_texts, partial.logprobs, strict=True)
-        ]}  # fmt: skip
+        logprobs = {
+            "content": [
+                {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+                for text, lp in zip(token_texts, partial.logprobs, strict=True)
+            ]
+        }
     return {
         "id": new_completion_id(),
         "object": "chat.completion",
@@ -210,8 +212,11 @@ class AgentSessions:
             raise ValueError("sessions take n=1 (one conversation per session)")
         stop = body.get("stop")
         params = {
-            "max_new_tokens": int(body.get("max_completion_tokens") or body.get("max_tokens")
-                                  or self.config.session_max_new_tokens),
+            "max_new_tokens": int(
+                body.get("max_completion_tokens")
+                or body.get("max_tokens")
+                or self.config.session_max_new_tokens
+            ),
             "temperature": float(body.get("temperature", 1.0)),
             "top_p": float(body.get("top_p", 1.0)),
             "n": 1,
@@ -219,7 +224,7 @@ class AgentSessions:
             "skip_special_tokens": True,
             **({"stop": [stop] if isinstance(stop, str) else stop} if stop else {}),
             **({"sampling_seed": int(body["seed"])} if body.get("seed") is not None else {}),
-        }  # fmt: skip
+        }
         input_ids = self.render(messages)
         payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
         status, data, worker = await self.pool.post("/generate", orjson.dumps(payload), session_id)
@@ -250,9 +255,13 @@ class AgentSessions:
             samples = complete
         group_id = f"group-{group}" if group else f"session-{session_id}"
         sample_group = SampleGroup(
-            group_id=group_id, prompt=prompt, label="", samples=samples,
-            weight_version=min(s.weight_version for s in samples), created_at=time.time(),
-        )  # fmt: skip
+            group_id=group_id,
+            prompt=prompt,
+            label="",
+            samples=samples,
+            weight_version=min(s.weight_version for s in samples),
+            created_at=time.time(),
+        )
         entry = await asyncio.to_thread(self.buffer.put_group, sample_group)
         return {"status": "put", "group_id": group_id, "samples": len(samples), "entry": entry}
 

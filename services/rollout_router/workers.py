@@ -335,9 +335,11 @@ class WorkerPool:
         async def one(worker: Worker) -> tuple[str, Any]:
             try:
                 async with self.session.request(  # type: ignore[union-attr]
-                    method, worker.url + path, data=body or None,
+                    method,
+                    worker.url + path,
+                    data=body or None,
                     headers={"Content-Type": "application/json"},
-                ) as resp:  # fmt: skip
+                ) as resp:
                     return worker.url, {"status": resp.status, "body": (await resp.text())[:2000]}
             except (TimeoutError, aiohttp.ClientError) as exc:
                 return worker.url, {"status": 0, "error": f"{type(exc).__name__}: {exc}"}

@@ -92,9 +92,20 @@ class RedisServer:
             self.port = self.requested_port or _free_port(self.host)
             log_path = self.log_dir / "redis.log"
             cmd = [
-                binary, "--port", str(self.port), "--bind", self.host, "--save", "",
-                "--appendonly", "no", "--dir", str(self.log_dir), "--logfile", str(log_path),
-            ]  # fmt: skip
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                self.host,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.log_dir),
+                "--logfile",
+                str(log_path),
+            ]
             self.process = subprocess.Popen(
                 cmd,
                 stdout=subprocess.DEVNULL,

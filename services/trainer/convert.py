@@ -19,8 +19,14 @@ import shutil
 import sys
 from pathlib import Path
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "vocab.json", "merges.txt")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Path:
@@ -98,8 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf-dir", required=True, help="HF model directory (config.json, *.safetensors)."
     )
     to_m.add_argument("--save", required=True, help="Output checkpoint directory.")
-    to_m.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                      help="Pad the vocabulary to a multiple of this (default: 128).")  # fmt: skip
+    to_m.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="Pad the vocabulary to a multiple of this (default: 128).",
+    )
     to_hf = sub.add_parser("megatron-to-hf", help="megatron checkpoint directory -> HF directory")
     to_hf.add_argument(
         "--load", required=True, help="Checkpoint directory (with the tracker file)."

@@ -399,8 +399,9 @@ class _DeviceExport:
         per = arch.num_heads // ng
         if self.rows is None:
             rows = torch.arange(ng * (per + 2) * hn, device=source.device).view(ng, per + 2, hn)
-            self.rows = torch.cat([rows[:, :per].reshape(-1), rows[:, per].reshape(-1),
-                                   rows[:, per + 1].reshape(-1)])  # fmt: skip
+            self.rows = torch.cat(
+                [rows[:, :per].reshape(-1), rows[:, per].reshape(-1), rows[:, per + 1].reshape(-1)]
+            )
         buffer = torch.empty_like(source)
         self.gathers.append((buffer, source))
         q, k, v = torch.split(buffer, [ng * per * hn, ng * hn, ng * hn])

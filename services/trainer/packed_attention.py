@@ -194,9 +194,11 @@ def _token_cos_sin(
     kept while both live (weak references, so a new micro-batch never sees stale positions)."""
     c = _positions_cache
     if (
-        c.get("cu") is not None and c["cu"]() is cu_seqlens and c["freqs"]() is freqs
+        c.get("cu") is not None
+        and c["cu"]() is cu_seqlens
+        and c["freqs"]() is freqs
         and c["key"] == (tokens, dtype)
-    ):  # fmt: skip
+    ):
         return c["cos"], c["sin"]
     idx = torch.arange(tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     sample = torch.searchsorted(cu_seqlens[1:], idx, right=True).clamp(max=cu_seqlens.numel() - 1)
@@ -204,8 +206,9 @@ def _token_cos_sin(
     half = freqs.shape[-1] // 2
     angles = freqs.reshape(freqs.shape[0], -1)[pos, :half].unsqueeze(1)  # [t, 1, d/2]
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    c.update(cu=weakref.ref(cu_seqlens), freqs=weakref.ref(freqs), key=(tokens, dtype),
-             cos=cos, sin=sin)  # fmt: skip
+    c.update(
+        cu=weakref.ref(cu_seqlens), freqs=weakref.ref(freqs), key=(tokens, dtype), cos=cos, sin=sin
+    )
     return cos, sin
 
 
@@ -224,10 +227,14 @@ def packed_rope(
     every other case (padded batches, interleaved or partial rotary, mscale, context
     parallelism) goes to megatron's own function."""
     plain = (
-        cu_seqlens is not None and not config.rotary_interleaved
-        and not config.multi_latent_attention and mscale == 1.0 and t.dim() == 3
-        and freqs.shape[-1] == t.shape[-1] and (cp_group is None or cp_group.size() == 1)
-    )  # fmt: skip
+        cu_seqlens is not None
+        and not config.rotary_interleaved
+        and not config.multi_latent_attention
+        and mscale == 1.0
+        and t.dim() == 3
+        and freqs.shape[-1] == t.shape[-1]
+        and (cp_group is None or cp_group.size() == 1)
+    )
     if not plain:
         return _megatron_apply_rope(t, freqs, config, cu_seqlens, mscale=mscale, cp_group=cp_group)
     assert cu_seqlens is not None

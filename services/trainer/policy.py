@@ -172,9 +172,12 @@ class Policy:
         if torch.cuda.is_available() and params is not None:
             cu = params.cu_seqlens_q.cuda()
             params = PackedSeqParams(
-                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                max_seqlen_q=params.max_seqlen_q, max_seqlen_kv=params.max_seqlen_kv,
-            )  # fmt: skip
+                qkv_format="thd",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=params.max_seqlen_q,
+                max_seqlen_kv=params.max_seqlen_kv,
+            )
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         return model(
             input_ids=mb.input_ids.to(dev),
@@ -199,9 +202,12 @@ class Policy:
                 if self.value_head:
                     return loss_fn(mb, output[..., 0].float(), None)
                 logp, entropy = token_logprobs(
-                    output, mb.targets.to(output.device), self.arch.vocab_size, with_entropy,
+                    output,
+                    mb.targets.to(output.device),
+                    self.arch.vocab_size,
+                    with_entropy,
                     entropy_grad,
-                )  # fmt: skip
+                )
                 return loss_fn(mb, logp, entropy)
 
             return logits, loss_func

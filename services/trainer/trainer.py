@@ -264,9 +264,13 @@ class Trainer:
         if self.critic is not None:
             self.critic.fill_advantages(mbs, mine, stats)
         loss_fn = step_math.LossFunction(
-            self.cfg, self.loss_cfg, max_response_len(samples), stats,
-            samples=None if recomputed else mine, version=self.version,
-        )  # fmt: skip
+            self.cfg,
+            self.loss_cfg,
+            max_response_len(samples),
+            stats,
+            samples=None if recomputed else mine,
+            version=self.version,
+        )
         _, applied, grad_norm = self.policy.train_step(
             mbs,
             loss_fn,

@@ -33,15 +33,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = create_app(config)
     except Exception as exc:  # zmq bind errors name the endpoint; translate for the user
-        print(f"tandem broker: cannot bind ZMQ sockets: {exc} "
-              "(check --intake-endpoint / --serve-endpoint)", file=sys.stderr)  # fmt: skip
+        print(
+            f"tandem broker: cannot bind ZMQ sockets: {exc} "
+            "(check --intake-endpoint / --serve-endpoint)",
+            file=sys.stderr,
+        )
         return 1
     broker = app.state.broker
     try:
         serve(
-            app, args.host, args.port, args.ready_file,
-            extra={"intake_endpoint": broker.intake_endpoint, "serve_endpoint": broker.serve_endpoint},
-        )  # fmt: skip
+            app,
+            args.host,
+            args.port,
+            args.ready_file,
+            extra={
+                "intake_endpoint": broker.intake_endpoint,
+                "serve_endpoint": broker.serve_endpoint,
+            },
+        )
     except PortInUseError as exc:
         print(f"tandem broker: {exc}", file=sys.stderr)
         return 1

@@ -210,9 +210,11 @@ class WeightBroker:
             lagging = [
                 e
                 for e in self.engines.values()
-                if target >= 0 and e.version != target and not e.syncing
+                if target >= 0
+                and e.version != target
+                and not e.syncing
                 and time.monotonic() >= e.retry_at
-            ]  # fmt: skip
+            ]
             if lagging:
                 # Prepared once per version (e.g. the disk copy), before any engine loads it.
                 await asyncio.to_thread(self._prepare, target)
@@ -264,8 +266,12 @@ class WeightBroker:
                 if version is None or engine.syncing or engine.last_sync_at > started:
                     continue
                 if version < engine.version:
-                    log.warning("engine %s restarted: serves version %d, had %d",
-                                engine.url, version, engine.version)  # fmt: skip
+                    log.warning(
+                        "engine %s restarted: serves version %d, had %d",
+                        engine.url,
+                        version,
+                        engine.version,
+                    )
                     self.add_engine(engine.url)
 
     async def _sync(

@@ -164,8 +164,11 @@ class NcclCoordinator:
                 await self._each(session, paused_engines, self._continue, ignore_errors=True)
         marks.append(time.monotonic())
         steps = zip(("group", "pause", "transfer", "continue"), marks, marks[1:], strict=False)
-        log.info("version %d phases: %s", offer.version,
-                 ", ".join(f"{name} {1e3 * (b - a):.1f} ms" for name, a, b in steps))  # fmt: skip
+        log.info(
+            "version %d phases: %s",
+            offer.version,
+            ", ".join(f"{name} {1e3 * (b - a):.1f} ms" for name, a, b in steps),
+        )
 
     def _finish(self, offer: NcclOffer, engines: list[EngineState], elapsed_s: float) -> None:
         if offer.layout_id and self._layout_bytes and self._layout_bytes[0] == offer.layout_id:
@@ -196,10 +199,17 @@ class NcclCoordinator:
             self._known_layout.pop(engine.url, None)
         world = 1 + sum(self._tp_size[e.url] for e in engines)
         self.group_name = f"tandem_weights_{next(self._generation)}"
-        await self._command(identity, NcclCommand(
-            action="init", version=offer.version, attempt=attempt, world_size=world,
-            group_name=self.group_name, timeout_s=self.timeout_s / 2,
-        ))  # fmt: skip
+        await self._command(
+            identity,
+            NcclCommand(
+                action="init",
+                version=offer.version,
+                attempt=attempt,
+                world_size=world,
+                group_name=self.group_name,
+                timeout_s=self.timeout_s / 2,
+            ),
+        )
         offsets = itertools.accumulate([1] + [self._tp_size[e.url] for e in engines])
         calls = [
             self._post(
@@ -230,10 +240,16 @@ class NcclCoordinator:
             for e in engines
         ]
         engine_calls = asyncio.ensure_future(self._gather(calls, engines))
-        await self._command(identity, NcclCommand(
-            action="broadcast", version=offer.version, attempt=attempt, bucket=-1,
-            load_format=self.load_format,
-        ))  # fmt: skip
+        await self._command(
+            identity,
+            NcclCommand(
+                action="broadcast",
+                version=offer.version,
+                attempt=attempt,
+                bucket=-1,
+                load_format=self.load_format,
+            ),
+        )
         ack_error = ""
         try:
             ack = await self._ack(offer.version, attempt, -1)

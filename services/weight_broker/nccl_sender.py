@@ -185,9 +185,14 @@ class NcclWeightSender:
         self._drop_group()
         try:
             self.group = join_group(
-                self.master_address, port, 0, command.world_size, command.group_name, backend,
+                self.master_address,
+                port,
+                0,
+                command.world_size,
+                command.group_name,
+                backend,
                 timedelta(seconds=command.timeout_s),
-            )  # fmt: skip
+            )
         except Exception as exc:  # a rank never came: the broker times it out and decides
             log.warning("joining weight group %s failed: %s", command.group_name, exc)
             return
@@ -235,8 +240,10 @@ class NcclWeightSender:
         if to_pack:
             device = buckets[to_pack[0]][0][1].device
             largest = max(sizes[k] for k in to_pack)
-            ring = [torch.empty(largest, dtype=torch.uint8, device=device)
-                    for _ in range(min(2, len(to_pack)))]  # fmt: skip
+            ring = [
+                torch.empty(largest, dtype=torch.uint8, device=device)
+                for _ in range(min(2, len(to_pack)))
+            ]
         last_use: list[Any] = [None] * len(ring)  # the broadcast that last read each buffer
         works: list[Any] = []
         packed = 0

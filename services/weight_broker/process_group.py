@@ -29,9 +29,13 @@ def join_group(
     # An explicit store, not `c10d.rendezvous`: under torchrun the latter connects to the
     # elastic agent's store instead of hosting one, and the engines would wait forever.
     store = TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+        master_address,
+        master_port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timeout,
         wait_for_workers=False,
-    )  # fmt: skip
+    )
     store = c10d.PrefixStore(group_name, store)
     group, _ = c10d._new_process_group_helper(
         world_size, rank, [], backend, store, group_name=group_name, timeout=timeout

@@ -29,8 +29,18 @@ class Version:
         return [self.buckets[i] for i in range(self.num_buckets)]
 
 
-_DTYPE_BYTES = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "bfloat16": 2, "float16": 2,
-                "int16": 2, "int8": 1, "uint8": 1, "bool": 1}  # fmt: skip
+_DTYPE_BYTES = {
+    "float64": 8,
+    "int64": 8,
+    "float32": 4,
+    "int32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 def header_nbytes(header: WeightBucketHeader) -> int:

@@ -26,9 +26,17 @@ from services.weight_broker.store import Version
 from services.weight_broker.wire import frame_view
 
 SAFETENSORS_DTYPES = {
-    "float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-}  # fmt: skip
+    "float32": "F32",
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float64": "F64",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
 
 
 class WeightTransport(Protocol):
