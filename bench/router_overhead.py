@@ -37,9 +37,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.common.serving import bind_socket  # noqa: E402
 from services.rollout_router.http1 import Http1Pool  # noqa: E402
 from services.sample_buffer import RedisServer  # noqa: E402
-from tandem.serving import bind_socket  # noqa: E402
 from tests.fake_sglang import FakeEngineProcess  # noqa: E402
 
 BODY = json.dumps(

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.config_cli import add_config_args, config_from_args
+from services.common.flags import add_config_args, config_from_args
 
 
 @dataclass

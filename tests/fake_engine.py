@@ -14,9 +14,9 @@ import time
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from services.common.serving import serve
 from services.weight_broker.wire import secret_from_env
 from services.weight_broker.zmq_transport import fetch_weights
-from tandem.serving import serve
 
 
 def create_app(fail: bool, hang_s: float) -> FastAPI:

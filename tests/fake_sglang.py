@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from tandem.serving import bind_socket, write_ready_file
+from services.common.serving import bind_socket, write_ready_file
 from tandem.toy_model import VOCAB
 
 BOS, EOS, ARROW = 1, 2, 14

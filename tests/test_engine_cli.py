@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.serving import bind_socket
+from services.common.serving import bind_socket
 
 
 def engine_cli(*args: str) -> subprocess.CompletedProcess:

@@ -112,7 +112,7 @@ def test_nccl_update_receives_broadcasts_into_the_model(tmp_path: Path) -> None:
     old = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     new = [(n, t + 0.5) for n, t in old.state_dict().items()]
     torch.save(new, tmp_path / "new.pt")
-    with socket.socket() as sock:  # tandem.serving needs uvicorn, absent on GPU images
+    with socket.socket() as sock:  # services.common.serving needs uvicorn, absent on GPU images
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
 

@@ -247,8 +247,8 @@ def test_distributed_update_receives_broadcasts_in_order_over_gloo(
 
     import torch.distributed as dist
 
+    from services.common.serving import bind_socket
     from services.weight_broker.process_group import join_group
-    from tandem.serving import bind_socket
 
     engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
     old = load_model(toy_model_dir)

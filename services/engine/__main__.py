@@ -6,8 +6,8 @@ import argparse
 import logging
 import sys
 
+from services.common.flags import add_config_args, config_from_args
 from services.engine.config import EngineConfig
-from tandem.config_cli import add_config_args, config_from_args
 
 
 def main(argv: list[str]) -> int:
@@ -31,8 +31,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     try:
         config.validate()
+        from services.common.serving import PortInUseError, serve
         from services.engine.server import create_app
-        from tandem.serving import PortInUseError, serve
 
         app = create_app(config)
     except (ValueError, FileNotFoundError, OSError, RuntimeError) as exc:

@@ -9,10 +9,10 @@ import os
 import signal
 import sys
 
+from services.common.flags import add_config_args, config_from_args
 from services.rollout_router.config import RouterConfig, WorkerPoolConfig
 from services.rollout_router.workers import EngineStartupError, WorkerPool
 from services.sample_buffer import SampleBuffer
-from tandem.config_cli import add_config_args, config_from_args
 
 DESCRIPTION = """\
 Rollout router. Fronts SGLang-compatible engines (balancing, health checks, retries; the router
@@ -53,9 +53,9 @@ def main(argv: list[str]) -> int:
     # since several services share the CPU.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+    from services.common.serving import PortInUseError, serve
     from services.rollout_router.app import create_app
     from services.rollout_router.fastpath import FastForwardMiddleware
-    from tandem.serving import PortInUseError, serve
 
     try:
         app = create_app(config)

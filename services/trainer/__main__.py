@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from tandem.config_cli import add_config_args, config_from_args
+from services.common.flags import add_config_args, config_from_args
 
 DESCRIPTION = """\
 megatron-core RL trainer (GRPO family). Reads sample groups from the Redis sample buffer, drops

@@ -6,8 +6,8 @@ import argparse
 import logging
 import sys
 
-from tandem.config_cli import add_config_args, config_from_args
-from tandem.serving import PortInUseError, serve
+from services.common.flags import add_config_args, config_from_args
+from services.common.serving import PortInUseError, serve
 
 DESCRIPTION = """\
 Weight broker. The trainer pushes each new weight version here over ZMQ (--intake-endpoint);
