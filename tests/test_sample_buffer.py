@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from proto import DropRecord, Sample, SampleGroup
+from proto.contract import ContractMismatchError, RunContract, ServiceStatus
 from services.sample_buffer import BufferConfig, BufferFullError, SampleBuffer
 
 
@@ -118,3 +119,32 @@ def test_a_server_starts_with_a_relative_log_folder(tmp_path, monkeypatch) -> No
     with RedisServer(log_dir=Path("runs/x/logs")) as server:
         assert SampleBuffer(BufferConfig(redis_url=server.url)).redis.ping()
     assert (tmp_path / "runs/x/logs/redis.log").exists()
+
+
+def test_the_first_service_sets_the_run_contract_and_a_contradiction_names_the_flag(
+    buffer: SampleBuffer,
+) -> None:
+    router = RunContract(model_id="llama:abc", rollout_batch_size=16, max_staleness=1)
+    assert buffer.agree_contract(router, "router").rollout_batch_size == 16
+    # The trainer states more terms; the ones the router set must match, the rest are added.
+    trainer = RunContract(model_id="llama:abc", rollout_batch_size=16, num_steps_per_rollout=2)
+    run = buffer.agree_contract(trainer, "trainer")
+    assert (run.rollout_batch_size, run.num_steps_per_rollout, run.max_staleness) == (16, 2, 1)
+    with pytest.raises(ContractMismatchError) as exc:
+        buffer.agree_contract(RunContract(rollout_batch_size=64), "trainer")
+    message = str(exc.value)
+    assert "16" in message and "64" in message and "--rollout-batch-size" in message
+    assert "set by the router" in message
+    assert buffer.contract().num_steps_per_rollout == 2
+
+
+def test_puts_are_counted_with_the_entry_and_statuses_expire(buffer: SampleBuffer) -> None:
+    for i in range(3):
+        buffer.put_group(make_group(f"g{i}"))
+    buffer.incr_counter("groups_consumed", 2)
+    assert buffer.counters() == {"groups_put": 3, "groups_consumed": 2}
+    buffer.set_status(ServiceStatus(role="trainer", state="waiting", waiting_for="groups"))
+    buffer.set_status(ServiceStatus(role="router", state="generating"), ttl_s=0.05)
+    time.sleep(0.2)
+    statuses = buffer.statuses()
+    assert list(statuses) == ["trainer"] and statuses["trainer"].waiting_for == "groups"

@@ -10,6 +10,11 @@ Keys (all under `tandem:{run_id}:`):
               the counters are exact).
 - `version:{role}`  integer weight version last reported by a role (trainer, engines).
 - `metrics`   stream of `MetricsRecord` (capped at `metrics_len`).
+- `contract`  hash term -> JSON value (`proto.contract.RunContract`), plus `by:{term}` naming the
+              service that set it; written once per run, term by term (HSETNX).
+- `counters`  hash name -> integer: `groups_put` (incremented in the same transaction as the
+              XADD), and what the services count beside it (e.g. `groups_consumed`).
+- `status:{role}`  the `ServiceStatus` a service last reported (it expires when not refreshed).
 
 A group read but not acked (trainer died mid-step) stays pending in the consumer group;
 `read_groups(pending_first=True)` hands it out again, so no group is lost on restart.
@@ -20,9 +25,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import redis
 
 from proto import DropRecord, MetricsRecord, SampleGroup, decode, encode
+from proto.contract import ContractMismatchError, RunContract, ServiceStatus, mismatch
 
 
 class BufferFullError(RuntimeError):
@@ -59,6 +66,9 @@ class SampleBuffer:
         self.drop_log_key = prefix + "drop_log"
         self.metrics_key = prefix + "metrics"
         self.version_prefix = prefix + "version:"
+        self.contract_key = prefix + "contract"
+        self.counters_key = prefix + "counters"
+        self.status_prefix = prefix + "status:"
 
     # --- connection -------------------------------------------------------------------------
 
@@ -101,7 +111,10 @@ class SampleBuffer:
                     f"{timeout_s:.0f}s: is the trainer running? (raise --max-groups to buffer more)"
                 )
             time.sleep(0.05)
-        entry_id = self.redis.xadd(self.samples_key, {"d": encode(group)})
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(self.samples_key, {"d": encode(group)})
+        pipe.hincrby(self.counters_key, "groups_put", 1)
+        entry_id = pipe.execute()[0]
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     def read_groups(
@@ -172,6 +185,61 @@ class SampleBuffer:
     def get_version(self, role: str, default: int = -1) -> int:
         value = self.redis.get(self.version_prefix + role)
         return int(value) if value is not None else default
+
+    # --- run contract, counters, status ---------------------------------------------------------
+
+    def agree_contract(self, mine: RunContract, who: str) -> RunContract:
+        """Set each term of `mine` that the run does not have yet, then check every term `mine`
+        states against the run's. Returns the run's whole contract as it stands; raises
+        `ContractMismatchError` (naming the flag) on the first contradiction."""
+        encoder = msgspec.json.Encoder()
+        pipe = self.redis.pipeline(transaction=True)
+        for term, value in mine.terms().items():
+            pipe.hsetnx(self.contract_key, term, encoder.encode(value))
+            pipe.hsetnx(self.contract_key, f"by:{term}", who)
+        pipe.execute()
+        stored = {k.decode(): v.decode() for k, v in self.redis.hgetall(self.contract_key).items()}
+        run = {k: msgspec.json.decode(v) for k, v in stored.items() if not k.startswith("by:")}
+        for term, value in mine.terms().items():
+            if run.get(term) != value:
+                by = stored.get(f"by:{term}", "?")
+                raise ContractMismatchError(mismatch(term, run.get(term), by, value, who))
+        return msgspec.convert(run, RunContract)
+
+    def contract(self) -> RunContract:
+        """The run's contract as stated so far (terms nobody stated are None)."""
+        raw = self.redis.hgetall(self.contract_key)
+        run = {
+            k.decode(): msgspec.json.decode(v) for k, v in raw.items() if not k.startswith(b"by:")
+        }
+        return msgspec.convert(run, RunContract)
+
+    def incr_counter(self, name: str, amount: int = 1) -> int:
+        return int(self.redis.hincrby(self.counters_key, name, amount))
+
+    def set_counter(self, name: str, value: int) -> None:
+        self.redis.hset(self.counters_key, name, value)
+
+    def counters(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self.redis.hgetall(self.counters_key).items()}
+
+    def set_status(self, status: ServiceStatus, ttl_s: float = 30.0) -> None:
+        """Report what this service is doing; gone after `ttl_s` unless reported again."""
+        if not status.updated_at:
+            status.updated_at = time.time()
+        key = self.status_prefix + status.role
+        self.redis.set(key, msgspec.json.encode(status), px=int(ttl_s * 1000))
+
+    def statuses(self) -> dict[str, ServiceStatus]:
+        """The last status of every service that reported one recently, by role."""
+        keys = sorted(self.redis.scan_iter(self.status_prefix + "*"))
+        values = self.redis.mget(keys) if keys else []
+        out = {}
+        for value in values:
+            if value is not None:
+                status = msgspec.json.decode(value, type=ServiceStatus)
+                out[status.role] = status
+        return out
 
     # --- metrics ------------------------------------------------------------------------------
 
