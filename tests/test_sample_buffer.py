@@ -148,3 +148,22 @@ def test_puts_are_counted_with_the_entry_and_statuses_expire(buffer: SampleBuffe
     time.sleep(0.2)
     statuses = buffer.statuses()
     assert list(statuses) == ["trainer"] and statuses["trainer"].waiting_for == "groups"
+
+
+def test_a_server_on_a_data_folder_comes_back_with_its_keys_after_kill_9(tmp_path: Path) -> None:
+    from services.sample_buffer import RedisServer
+
+    data = tmp_path / "redis"
+    first = RedisServer(log_dir=tmp_path / "logs", data_dir=data).start()
+    buf = SampleBuffer(BufferConfig(redis_url=first.url, run_id="r"))
+    buf.put_group(make_group("g0"))
+    buf.agree_contract(RunContract(rollout_batch_size=8), "router")
+    time.sleep(1.5)  # appendfsync everysec: what a kill -9 can lose is the last second
+    assert first.process is not None
+    first.process.kill()
+    first.process.wait()
+    with RedisServer(log_dir=tmp_path / "logs", data_dir=data) as second:
+        again = SampleBuffer(BufferConfig(redis_url=second.url, run_id="r"))
+        assert [g.group_id for _, g in again.read_groups("t", 10, block_ms=None)] == ["g0"]
+        assert again.counters()["groups_put"] == 1
+        assert again.contract().rollout_batch_size == 8

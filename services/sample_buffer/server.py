@@ -53,7 +53,11 @@ def _free_port(host: str) -> int:
 
 
 class RedisServer:
-    """A private server on loopback, no persistence; `url` once started.
+    """A private server on loopback; `url` once started. Without `data_dir` nothing persists;
+    with it, every write is appended to an AOF there (`appendfsync everysec`: a crash of the
+    server loses at most the last second of writes), and a server started again on the same
+    folder comes back with every key: how `tandem up --resume` keeps a run's buffer, counters
+    and contract.
 
     The port is picked free and, should another process grab it before the server binds (the
     window between probing and binding), the start is retried on a fresh port.
@@ -65,9 +69,11 @@ class RedisServer:
         port: int = 0,
         log_dir: Path | None = None,
         preexec_fn: Callable[[], None] | None = None,
+        data_dir: Path | None = None,
     ):
         """`preexec_fn` runs in the child before exec (e.g. to die with the parent)."""
         self.preexec_fn = preexec_fn
+        self.data_dir = data_dir
         self.host = host
         self.requested_port = port
         self.port = port
@@ -91,21 +97,8 @@ class RedisServer:
         for _ in range(attempts):
             self.port = self.requested_port or _free_port(self.host)
             log_path = self.log_dir / "redis.log"
-            cmd = [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                self.host,
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.log_dir),
-                "--logfile",
-                str(log_path),
-            ]
+            cmd = [binary, "--port", str(self.port), "--bind", self.host, "--save", ""]
+            cmd += ["--logfile", str(log_path), *self._persistence()]
             self.process = subprocess.Popen(
                 cmd,
                 stdout=subprocess.DEVNULL,
@@ -123,6 +116,13 @@ class RedisServer:
             f"port {self.port} on {self.host} is already in use: cannot start the Redis server "
             "(choose another --redis-port or set REDIS_URL)"
         )
+
+    def _persistence(self) -> list[str]:
+        if self.data_dir is None:
+            return ["--appendonly", "no", "--dir", str(self.log_dir)]
+        data = self.data_dir.resolve()
+        data.mkdir(parents=True, exist_ok=True)
+        return ["--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data)]
 
     def _wait_ready(self, timeout_s: float) -> bool:
         assert self.process is not None
