@@ -83,7 +83,34 @@ def test_every_engine_gets_each_version_and_redis_reports_it(
     assert all(e["last_bytes_per_s"] > 0 for e in state["engines"])
     metrics = httpx.get(f"{broker.url}/metrics").text
     assert "tandem_broker_version 2" in metrics
+
+    # Every engine is on the newest version: what the broker waits for is the trainer.
+    def waits_for_the_trainer() -> bool:
+        status = buffer.statuses().get("broker")
+        return status is not None and "trainer's next weight version" in status.waiting_for
+
+    wait_until(waits_for_the_trainer, "the broker's status to name the trainer", timeout_s=10)
     sender.close()
+
+
+def test_a_broker_whose_transport_contradicts_the_trainers_is_refused(
+    buffer: SampleBuffer,
+) -> None:
+    import subprocess
+
+    from proto.contract import RunContract
+
+    buffer.agree_contract(RunContract(weight_transport="nccl"), "trainer")
+    flags = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "broker", "--port", "0", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "'nccl'" in result.stderr and "'zmq'" in result.stderr
+    assert "--weight-transport" in result.stderr
 
 
 def test_on_one_host_the_payload_travels_through_shared_memory(

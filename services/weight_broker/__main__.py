@@ -8,6 +8,7 @@ import sys
 
 from services.common.flags import add_config_args, config_from_args
 from services.common.serving import PortInUseError, serve
+from services.weight_broker.config import BrokerConfig
 
 DESCRIPTION = """\
 Weight broker. The trainer pushes each new weight version here over ZMQ (--intake-endpoint);
@@ -19,7 +20,6 @@ TANDEM_WEIGHT_SECRET is set (same value for trainer, broker and engines).
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.weight_broker.config import BrokerConfig
     from services.weight_broker.server import create_app
 
     parser = argparse.ArgumentParser(prog="tandem broker", description=DESCRIPTION)
@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[broker] %(asctime)s %(message)s")
     config = config_from_args(BrokerConfig, args)
+    problem = agree_contract(config)
+    if problem:
+        print(f"tandem broker: {problem}", file=sys.stderr)
+        return 2
     try:
         app = create_app(config)
     except Exception as exc:  # zmq bind errors name the endpoint; translate for the user
@@ -55,6 +59,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem broker: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def agree_contract(config: BrokerConfig) -> str:
+    """State the broker's term of the run contract (how versions arrive: the trainer's
+    `--weight-transport`); returns the problem, or "" when the run agrees."""
+    if not config.redis_url:
+        return ""
+    from proto.contract import ContractMismatchError, RunContract
+    from services.sample_buffer import BufferConfig, SampleBuffer
+
+    buffer = SampleBuffer(BufferConfig(redis_url=config.redis_url, run_id=config.run_id))
+    try:
+        buffer.wait_ready(30.0)
+        intake = "nccl" if config.transport == "nccl" else "zmq"  # disk takes zmq buckets in
+        buffer.agree_contract(RunContract(weight_transport=intake), "broker")
+    except (ConnectionError, ContractMismatchError) as exc:
+        return str(exc)
+    return ""
 
 
 if __name__ == "__main__":

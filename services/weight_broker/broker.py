@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -47,8 +48,10 @@ from typing import Any
 
 import aiohttp
 import zmq
+from redis.exceptions import RedisError
 
 from proto import WeightRequest, decode
+from proto.contract import ServiceStatus
 from services.sample_buffer import BufferConfig, SampleBuffer
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.store import VersionStore
@@ -193,6 +196,7 @@ class WeightBroker:
             await asyncio.gather(*(self._probe(session, e) for e in self.engines.values()))
             self.publish_version()
             probes = asyncio.create_task(self._probe_loop(session), name="probe")
+            reports = asyncio.create_task(self._status_loop(), name="status")
             try:
                 if self.nccl is not None:  # push-driven: the trainer offers each version
                     await self.nccl.run(session)
@@ -200,7 +204,8 @@ class WeightBroker:
                     await self._pull_loop(session)
             finally:
                 probes.cancel()
-                await asyncio.gather(probes, return_exceptions=True)
+                reports.cancel()
+                await asyncio.gather(probes, reports, return_exceptions=True)
 
     async def _pull_loop(self, session: aiohttp.ClientSession) -> None:
         """ZMQ and disk: sync every engine that is not on the newest complete version."""
@@ -313,6 +318,43 @@ class WeightBroker:
         versions = [e.version for e in self.engines.values() if e.in_rotation and e.version >= 0]
         if self.buffer is not None and versions:
             self.buffer.set_version("engines", min(versions))
+
+    def status(self) -> ServiceStatus:
+        """What the broker waits for: engines that are not on the newest version (and why),
+        else the trainer's next version."""
+        latest = self.store.latest
+        behind = [e for e in self.engines.values() if latest >= 0 and e.version != latest]
+        if behind:
+            waiting = "engines on weight version {}: {}".format(
+                latest,
+                "; ".join(
+                    f"{e.url} serves {e.version}"
+                    + (" (syncing)" if e.syncing else "")
+                    + (f", last error: {e.last_error[:200]}" if e.last_error else "")
+                    for e in behind
+                ),
+            )
+            state = "syncing"
+        else:
+            first = "first" if latest < 0 else "next"
+            waiting = f"the trainer's {first} weight version (at {self.intake_endpoint})"
+            state = "idle"
+        detail: dict[str, float | int | str] = {"version": latest, "engines": len(self.engines)}
+        return ServiceStatus(role="broker", state=state, waiting_for=waiting, detail=detail)
+
+    async def _status_loop(self, interval_s: float = 2.0) -> None:
+        """Report `status()` to Redis for `tandem up`'s progress watchdog."""
+        if self.buffer is None:
+            return
+        since, last = time.time(), ""
+        while True:
+            status = self.status()
+            if status.waiting_for != last:
+                since, last = time.time(), status.waiting_for
+            status.since, status.pid = since, os.getpid()
+            with contextlib.suppress(RedisError):
+                await asyncio.to_thread(self.buffer.set_status, status, 4 * interval_s)
+            await asyncio.sleep(interval_s)
 
     # --- engines and state --------------------------------------------------------------------
 
