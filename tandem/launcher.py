@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.flags import add_config_args, config_from_args
+from tandem.up_args import conflicts, given_fields, join_passthrough, resumed_config
 
 
 @dataclass
@@ -49,8 +50,36 @@ class UpConfig:
     startup_timeout_s: float = field(
         default=180.0, metadata={"help": "Longest any service may take to start."}
     )
+    resume: str = field(
+        default="",
+        metadata={
+            "help": "Resume the run in this run folder: the same services, configuration, Redis "
+            "data and the trainer's last checkpoint; flags given beside it override the saved "
+            "ones (the run contract's batch terms cannot change)."
+        },
+    )
+    save_interval: int = field(
+        default=10,
+        metadata={
+            "help": "Checkpoint every this many steps into RUN_DIR/checkpoints (0 = only at the "
+            "end); the trained model is written to RUN_DIR/trained_model at each save."
+        },
+    )
+    stall_warn_s: float = field(
+        default=60.0,
+        metadata={"help": "Print what each service waits for when no step completed this long."},
+    )
+    stall_fail_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "End the run (exit 1, with the diagnosis) after this long without a step."
+        },
+    )
     rollout_batch_size: int = field(default=64, metadata={"help": "Prompts per rollout batch."})
     n_samples_per_prompt: int = field(default=8, metadata={"help": "Samples per prompt (group)."})
+    num_steps_per_rollout: int = field(
+        default=1, metadata={"help": "Optimizer steps per rollout batch."}
+    )
     lr: float = field(default=1e-3, metadata={"help": "Trainer learning rate."})
     max_staleness: int = field(
         default=1, metadata={"help": "Versions a sample may lag the trainer before it is dropped."}
@@ -97,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(parser, UpConfig)
+    argv = join_passthrough(list(sys.argv[1:] if argv is None else argv))
     config = config_from_args(UpConfig, parser.parse_args(argv))
-    problems = validate(config)
+    problems: list[str] = []
+    if config.resume:
+        config, problems = resumed_config(config, given_fields(parser, argv))
+    problems += validate(config)
     if problems:
         for problem in problems:
             print(f"tandem up: {problem}", file=sys.stderr)
@@ -118,6 +151,27 @@ def validate(config: UpConfig) -> list[str]:
         problems.append("--stop-accuracy must be within [0, 1]")
     if config.max_steps < 1:
         problems.append("--max-steps must be at least 1")
+    # With checkpoints, a rollout's groups leave the stream only once a checkpoint holds their
+    # update: the stream must hold save_interval rollouts plus the ones rollout runs ahead.
+    held = (config.save_interval + config.max_staleness + 1) * config.rollout_batch_size
+    if config.save_interval and held > MAX_GROUPS:
+        problems.append(
+            f"--save-interval {config.save_interval} keeps up to {held} groups in the buffer "
+            f"(of {MAX_GROUPS}) until a checkpoint holds them: lower --save-interval"
+        )
+    own = service_args(config, "run", Path(config.model or "model"), "redis://")
+    passthrough = {
+        "engine": config.engine_args,
+        "router": config.router_args,
+        "trainer": config.trainer_args,
+    }
+    problems += conflicts(
+        {
+            name: own[name][: len(own[name]) - len(shlex.split(passthrough[name]))]
+            for name in passthrough
+        },
+        passthrough,
+    )
     if config.engine_gpus and len(config.engine_gpus) != config.num_engines:
         problems.append(
             f"--engine-gpus names {len(config.engine_gpus)} GPUs for {config.num_engines} "
@@ -146,6 +200,10 @@ def validate(config: UpConfig) -> list[str]:
     return problems
 
 
+TRAINED_MODEL = "trained_model"  # the Hugging Face model the run trained, in its folder
+MAX_GROUPS = 1024  # the sample buffer's default --max-groups
+
+
 def trainer_on_gpu(config: UpConfig) -> bool:
     """Whether the trainer will see a CUDA device (it uses one whenever it can)."""
     if config.trainer_gpus:
@@ -156,7 +214,7 @@ def trainer_on_gpu(config: UpConfig) -> bool:
 
 
 def service_args(
-    config: UpConfig, run_id: str, model: Path, redis_url: str
+    config: UpConfig, run_id: str, model: Path, redis_url: str, run_dir: Path = Path("run")
 ) -> dict[str, list[str]]:
     """Command lines of the services (without engine/broker addresses, known only later)."""
     common = ["--redis-url", redis_url, "--run-id", run_id]
@@ -165,6 +223,8 @@ def service_args(
         str(config.rollout_batch_size),
         "--n-samples-per-prompt",
         str(config.n_samples_per_prompt),
+        "--num-steps-per-rollout",
+        str(config.num_steps_per_rollout),
         "--max-staleness",
         str(config.max_staleness),
     ]
@@ -207,6 +267,12 @@ def service_args(
             *(["--weights-shm-dir", shm_dir()] if config.weight_transport == "zmq" else []),
             "--max-steps",
             str(config.max_steps),
+            "--save",
+            str(run_dir / "checkpoints"),
+            "--save-interval",
+            str(config.save_interval),
+            "--save-hf",
+            str(run_dir / TRAINED_MODEL),
             *common,
             *batch,
             *shlex.split(config.trainer_args),

@@ -7,10 +7,12 @@ import math
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from tandem.launcher import (
+    TRAINED_MODEL,
     UpConfig,
     default_run_dir,
     install_interrupt_handler,
@@ -19,6 +21,8 @@ from tandem.launcher import (
 )
 from tandem.progress import RunProgress
 from tandem.supervisor import ChildFailedError, Supervisor, die_with_parent
+from tandem.up_args import save_config
+from tandem.watchdog import Watchdog
 
 
 def gpu_env(gpus: list[int]) -> dict[str, str] | None:
@@ -40,6 +44,7 @@ class UpRun:
         self.redis: RedisServer | None = None
         self.interrupted: list[bool] = []
         self.outcome = "running"
+        self.health_urls: dict[str, str] = {}
 
     def run(self) -> int:
         install_interrupt_handler(self.interrupted)
@@ -59,7 +64,8 @@ class UpRun:
             say(f"FAILED: {exc}")
             self.outcome, code, engine_versions = "child_failed", 1, []
         finally:
-            self.supervisor.stop_all()
+            # The trainer saves its last checkpoint and the trained model on SIGTERM.
+            self.supervisor.stop_all(timeout_s=60.0)
             self.remove_weight_slots()
             if self.redis is not None:
                 self.redis.stop()
@@ -74,13 +80,18 @@ class UpRun:
         config = self.config
         redis_url = config.redis_url
         if not redis_url:
-            self.redis = RedisServer(log_dir=self.run_dir / "logs", preexec_fn=die_with_parent)
+            self.redis = RedisServer(
+                log_dir=self.run_dir / "logs",
+                data_dir=self.run_dir / "redis",  # the run's buffer outlives it: --resume
+                preexec_fn=die_with_parent,
+            )
             redis_url = self.redis.start().url
             say(f"redis at {redis_url} (pid {self.redis.process.pid})")  # type: ignore[union-attr]
         buffer = SampleBuffer(BufferConfig(redis_url=redis_url, run_id=self.run_id))
         buffer.wait_ready()
         model = Path(config.model) if config.model else self.write_model()
-        args = service_args(config, self.run_id, model, redis_url)
+        save_config(self.run_dir, replace(config, model=str(model), resume=""))
+        args = service_args(config, self.run_id, model, redis_url, self.run_dir)
         engines = [
             self.supervisor.start(
                 f"engine{i}", args["engine"], env=gpu_env(config.engine_gpus[i : i + 1])
@@ -97,6 +108,7 @@ class UpRun:
             "router", [*args["router"], "--engine-urls", *urls, "--broker-url", broker.info["url"]]
         )
         self.supervisor.wait_ready([router], config.startup_timeout_s)
+        self.health_urls = {"router": router.info["url"], "broker": broker.info["url"]}
         say(
             f"broker at {broker.info['url']} (weights in at {broker.info['intake_endpoint']}), "
             f"router at {router.info['url']}"
@@ -132,13 +144,24 @@ class UpRun:
     def monitor(self, buffer: SampleBuffer, progress: RunProgress) -> int:
         config = self.config
         deadline = time.monotonic() + config.time_limit_s
-        last_id = "0"
+        # A resumed run's stream holds the earlier records (metrics.jsonl has them already).
+        last_id = buffer.last_metrics_id() if config.resume else "0"
+        watchdog = Watchdog(buffer, self.health_urls, config.stall_warn_s, config.stall_fail_s, say)
         while True:
             for entry_id, record in buffer.read_metrics(after_id=last_id, block_ms=500):
                 last_id = entry_id
                 line = progress.add(record)
                 if line:
                     print(line, flush=True)
+                    watchdog.step_done(record.step)
+            problem = watchdog.check()
+            if problem:
+                self.outcome = "unhealthy" if "unhealthy" in problem else "stalled"
+                name = problem.split(" ", 1)[0]
+                logs = [c for c in self.supervisor.children if c.name == name]
+                tail = f"\n{name} log ({logs[0].log_path}):\n{logs[0].log_tail()}" if logs else ""
+                say(f"FAILED: {problem}{tail}")
+                return 1
             if config.stop_accuracy and progress.accuracy >= config.stop_accuracy:
                 self.outcome = "reached_accuracy"
                 return 0
@@ -202,6 +225,7 @@ class UpRun:
     # --- summary ------------------------------------------------------------------------------
 
     def finish(self, progress: RunProgress, engine_versions: list[str], wall_s: float) -> None:
+        trained = self.run_dir / TRAINED_MODEL
         plot = None
         if progress.history:
             try:
@@ -223,6 +247,7 @@ class UpRun:
             "steps_with_same_version_samples": progress.logprob_diff_steps,
             "engine_weight_versions": engine_versions,
             "run_dir": str(self.run_dir),
+            "trained_model": str(trained) if trained.is_dir() else None,
         }
         write_summary(self.run_dir, summary)
         acc = f"{progress.first_accuracy:.2f} -> {progress.accuracy:.2f}"
@@ -238,7 +263,10 @@ class UpRun:
                 f"trainer/engine log-prob max abs diff on same-version samples, over "
                 f"{progress.logprob_diff_steps} steps: {progress.logprob_diff_max:.2e}"
             )
+        if trained.is_dir():
+            say(f"trained model (Hugging Face, with tokenizer): {trained}")
         say(
             f"run folder: {self.run_dir} (metrics.jsonl, summary.json"
-            f"{', metrics.png' if plot else ''}, logs/)"
+            f"{', metrics.png' if plot else ''}, logs/, checkpoints/, redis/); continue it with "
+            f"tandem up --resume {self.run_dir}"
         )

@@ -252,6 +252,14 @@ class SampleBuffer:
             approximate=True,
         )
 
+    def last_metrics_id(self) -> str:
+        """Id of the newest metrics record ("0" when there is none)."""
+        newest = self.redis.xrevrange(self.metrics_key, count=1)
+        if not newest:
+            return "0"
+        entry_id = newest[0][0]
+        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
     def read_metrics(
         self, after_id: str = "0", block_ms: int | None = None
     ) -> list[tuple[str, MetricsRecord]]:

@@ -1,0 +1,119 @@
+"""`tandem up`'s command line beyond one flag per field: pass-through flags and `--resume`.
+
+Pass-through (`--engine-args`, `--router-args`, `--trainer-args`): a value that starts with
+`--` is taken as the value in both spellings (`--trainer-args --bf16` and
+`--trainer-args=--bf16`). A pass-through flag that `tandem up` itself sets for that service
+with another value (the run contract's batch terms, the model, the seed, the learning rate, ...)
+is refused before anything starts: two values for one setting is how router and trainer ended
+up waiting on each other for good.
+
+Resume: every run folder gets `up_config.json`, the resolved configuration (with the model
+directory actually used). `--resume RUN_DIR` starts from it; flags given beside `--resume`
+override it, except the run contract's terms, which the run's Redis already holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+PASSTHROUGH = ("--engine-args", "--router-args", "--trainer-args")
+CONFIG_FILE = "up_config.json"
+# Fields whose value is part of the run contract: fixed for the life of a run.
+CONTRACT_FIELDS = (
+    "rollout_batch_size",
+    "n_samples_per_prompt",
+    "num_steps_per_rollout",
+    "max_staleness",
+    "weight_transport",
+    "model",
+)
+
+
+def join_passthrough(argv: list[str]) -> list[str]:
+    """`--trainer-args --bf16` -> `--trainer-args=--bf16` (argparse takes a value starting
+    with `--` for a flag of its own)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in PASSTHROUGH and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+def given_fields(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The config fields the command line names explicitly (not left at their default)."""
+    probe = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            kwargs: dict[str, Any] = {"dest": action.dest}
+            if isinstance(action, argparse.BooleanOptionalAction):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif action.nargs is not None:
+                kwargs["nargs"] = action.nargs
+            probe.add_argument(*action.option_strings, **kwargs)
+    return set(vars(probe.parse_known_args(argv)[0]))
+
+
+def conflicts(launcher_sets: dict[str, list[str]], passthrough: dict[str, str]) -> list[str]:
+    """Problems where a pass-through string sets a flag the launcher sets otherwise.
+
+    `launcher_sets[service]` is the launcher's own argument list for that service;
+    `passthrough[service]` the user's string for it."""
+    problems = []
+    for service, extra in passthrough.items():
+        ours = _flag_values(launcher_sets.get(service, []))
+        for flag, value in _flag_values(shlex.split(extra)).items():
+            if flag in ours and ours[flag] != value:
+                problems.append(
+                    f"--{service}-args sets {flag} {' '.join(value) or '(on)'} but tandem up "
+                    f"gives the {service} {flag} {' '.join(ours[flag]) or '(on)'}: set it once, "
+                    f"with tandem up's own flag where it has one (tandem up --help)"
+                )
+    return problems
+
+
+def _flag_values(args: list[str]) -> dict[str, list[str]]:
+    """`--flag v1 v2` and `--flag=v` -> {"--flag": [values]}."""
+    out: dict[str, list[str]] = {}
+    flag = None
+    for arg in args:
+        if arg.startswith("--"):
+            flag, _, value = arg.partition("=")
+            out[flag] = [value] if value else []
+        elif flag is not None:
+            out[flag].append(arg)
+    return out
+
+
+def save_config(run_dir: Path, config: Any) -> None:
+    (run_dir / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=2))
+
+
+def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
+    """The saved configuration of `config.resume`, overridden by the fields in `given`;
+    with the problems found (a folder that is no run folder, a contract term changed)."""
+    run_dir = Path(config.resume)
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        return config, [f"--resume {run_dir}: no {CONFIG_FILE} there (not a tandem up run folder)"]
+    saved = json.loads(path.read_text())
+    problems = [
+        f"--resume: {name.replace('_', '-')} is part of the run contract of {run_dir} "
+        f"({saved.get(name)!r}); it cannot change on resume (start a new run instead)"
+        for name in CONTRACT_FIELDS
+        if name in given and name != "model" and getattr(config, name) != saved.get(name)
+    ]
+    known = {f.name for f in dataclasses.fields(config)}
+    merged = {k: v for k, v in saved.items() if k in known}
+    merged.update({name: getattr(config, name) for name in given})
+    merged.update(run_dir=str(run_dir), resume=str(run_dir), model=saved.get("model", ""))
+    return type(config)(**merged), problems

@@ -1,0 +1,124 @@
+"""`tandem up`'s progress watchdog: a run makes progress or says what it waits for.
+
+Two checks, both run from the launcher's monitor loop (no thread of their own):
+- Health: every `HEALTH_INTERVAL_S`, `GET /health` of each HTTP service (router, broker). A
+  service whose main loop died answers 503 with its error; two failed checks in a row end the
+  run, naming the service, its answer and its log.
+- Stall: when no trainer step has completed for `stall_warn_s`, print what each service waits
+  for (the `ServiceStatus` records they keep in Redis, `proto/contract.py`), again every
+  `stall_warn_s` while the stall lasts; after `stall_fail_s` end the run with that diagnosis.
+
+Knows: the status records and the health routes. Does not know why a service waits: each
+service says that itself, in words a user can act on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+from redis.exceptions import RedisError
+
+from proto.contract import ServiceStatus
+from services.sample_buffer import SampleBuffer
+
+HEALTH_INTERVAL_S = 2.0
+HEALTH_FAILURES = 2  # in a row: one slow answer under load is not a death
+ROLES = ("trainer", "router", "broker")
+
+
+def health_problem(url: str, timeout_s: float = 3.0) -> str:
+    """ "" when `GET url/health` answers 200; else what it answered (or why it did not)."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
+            return "" if resp.status == 200 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        body = exc.read().decode(errors="replace")[:500]
+        with contextlib.suppress(ValueError, AttributeError):
+            body = json.loads(body).get("error") or body
+        return f"HTTP {exc.code}: {body}"
+    except (OSError, TimeoutError) as exc:
+        return f"no answer ({exc})"
+
+
+def diagnosis(statuses: dict[str, ServiceStatus], now: float) -> list[str]:
+    """One line per service: what it waits for and for how long."""
+    lines = []
+    for role in [*ROLES, *sorted(set(statuses) - set(ROLES))]:
+        status = statuses.get(role)
+        if status is None:
+            lines.append(f"  {role}: reported no status recently (is it running? see its log)")
+            continue
+        waited = f" for {now - status.since:.0f} s" if status.since else ""
+        what = status.waiting_for or f"nothing ({status.state})"
+        error = f"; error: {status.error}" if status.error else ""
+        lines.append(f"  {role} ({status.state}) waits{waited} for {what}{error}")
+    return lines
+
+
+class Watchdog:
+    """Health and stall checks of one run; `check()` returns why the run must end, or ""."""
+
+    def __init__(
+        self,
+        buffer: SampleBuffer,
+        health_urls: dict[str, str],
+        stall_warn_s: float,
+        stall_fail_s: float,
+        say: Callable[[str], None],
+    ) -> None:
+        self.buffer = buffer
+        self.health_urls = health_urls
+        self.stall_warn_s, self.stall_fail_s = stall_warn_s, stall_fail_s
+        self.say = say
+        self.last_step_at = self.last_warned_at = time.monotonic()
+        self.last_health_at = 0.0
+        self.failures = dict.fromkeys(health_urls, 0)
+        self.last_step = 0
+
+    def step_done(self, step: int) -> None:
+        self.last_step_at = time.monotonic()
+        self.last_step = step
+
+    def check(self) -> str:
+        now = time.monotonic()
+        if now - self.last_health_at >= HEALTH_INTERVAL_S:
+            self.last_health_at = now
+            problem = self._health()
+            if problem:
+                return problem
+        stalled = now - self.last_step_at
+        if stalled < self.stall_warn_s:
+            return ""
+        if stalled >= self.stall_fail_s:
+            lines = self.report(stalled)
+            return f"no trainer step for {stalled:.0f} s (--stall-fail-s):\n" + "\n".join(lines)
+        if now - self.last_warned_at >= self.stall_warn_s:
+            self.last_warned_at = now
+            last = f"last: step {self.last_step}"
+            self.say(f"no trainer step for {stalled:.0f} s ({last}); what each service waits for:")
+            for line in self.report(stalled):
+                self.say(line)
+            self.say(
+                f"(the run ends after {self.stall_fail_s:.0f} s without a step: --stall-fail-s)"
+            )
+        return ""
+
+    def report(self, stalled: float) -> list[str]:
+        try:
+            statuses = self.buffer.statuses()
+        except RedisError as exc:
+            return [f"  redis: unreachable ({exc}); every service keeps its state there"]
+        return diagnosis(statuses, time.time())
+
+    def _health(self) -> str:
+        for name, url in self.health_urls.items():
+            problem = health_problem(url)
+            self.failures[name] = self.failures[name] + 1 if problem else 0
+            if self.failures[name] >= HEALTH_FAILURES:
+                return f"{name} is unhealthy: GET {url}/health: {problem}"
+        return ""

@@ -1,0 +1,114 @@
+"""`tandem up`'s command line (pass-through flags, --resume) and its progress watchdog, without
+starting a run: the launcher's checks refuse before anything starts, and the watchdog reads real
+status records from a real Redis server and real /health answers over HTTP."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import HTTPServer
+from pathlib import Path
+
+import pytest
+
+from proto.contract import ServiceStatus
+from services.sample_buffer import SampleBuffer
+from tandem import launcher
+from tandem.up_args import join_passthrough
+from tandem.watchdog import Watchdog
+from tests.helpers import JsonHandler
+
+
+def test_a_passthrough_flag_that_contradicts_the_launcher_is_refused(capsys) -> None:
+    code = launcher.main(["--router-args", "--rollout-batch-size 16", "--run-dir", "/nonexistent"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--router-args sets --rollout-batch-size 16" in err and "64" in err
+    # The same value twice is no contradiction; a flag the launcher does not set is passed on.
+    args = ["--rollout-batch-size", "16", "--router-args", "--rollout-batch-size 16"]
+    assert launcher.main([*args, "--max-steps", "0"]) == 2
+    assert "--rollout-batch-size" not in capsys.readouterr().err
+
+
+def test_a_passthrough_value_may_start_with_two_dashes_in_both_spellings() -> None:
+    assert join_passthrough(["--trainer-args", "--bf16", "--seed", "1"]) == [
+        "--trainer-args=--bf16",
+        "--seed",
+        "1",
+    ]
+    assert join_passthrough(["--trainer-args=--bf16"]) == ["--trainer-args=--bf16"]
+
+
+def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = {**launcher.UpConfig().__dict__, "model": str(run / "model"), "seed": 7}
+    (run / "up_config.json").write_text(json.dumps(saved))
+    assert launcher.main(["--resume", str(run), "--rollout-batch-size", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout-batch-size is part of the run contract" in err
+    started = []
+    monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self.config) or 0)
+    (run / "model").mkdir()
+    (run / "model" / "config.json").write_text("{}")
+    assert launcher.main(["--resume", str(run), "--max-steps", "5"]) == 0
+    config = started[0]
+    assert (config.seed, config.max_steps, config.run_dir) == (7, 5, str(run))
+    assert not (tmp_path / "missing" / "up_config.json").exists()
+    assert launcher.main(["--resume", str(tmp_path / "missing")]) == 2
+    assert "not a tandem up run folder" in capsys.readouterr().err
+
+
+def test_the_watchdog_prints_what_each_service_waits_for_then_ends_a_stalled_run(
+    buffer: SampleBuffer,
+) -> None:
+    said: list[str] = []
+    status = ServiceStatus(
+        role="router",
+        state="waiting",
+        waiting_for="engines on weight version >= 71 (they serve 0)",
+        since=time.time() - 30,
+    )
+    buffer.set_status(status)
+    watchdog = Watchdog(buffer, {}, stall_warn_s=0.2, stall_fail_s=0.6, say=said.append)
+    assert watchdog.check() == ""
+    time.sleep(0.3)
+    assert watchdog.check() == ""
+    text = "\n".join(said)
+    assert "no trainer step for" in text
+    assert "router (waiting) waits for 30 s for engines on weight version >= 71" in text
+    assert "trainer: reported no status recently" in text
+    watchdog.step_done(3)
+    assert watchdog.check() == ""  # a step completed: the stall clock starts again
+    time.sleep(0.7)
+    problem = watchdog.check()
+    assert problem.startswith("no trainer step for") and "weight version >= 71" in problem
+
+
+def test_the_watchdog_ends_the_run_when_a_service_answers_unhealthy(buffer: SampleBuffer) -> None:
+    class Failed(JsonHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server names it
+            self.send_json(503, {"status": "failed", "error": "rollout loop died: KeyError"})
+
+    server = HTTPServer(("127.0.0.1", 0), Failed)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    watchdog = Watchdog(buffer, {"router": url}, 60, 600, say=print)
+    try:
+        problems = []
+        for _ in range(3):
+            watchdog.last_health_at = 0.0  # do not wait out the interval
+            problems.append(watchdog.check())
+        assert problems[0] == ""  # one failed answer is not yet a death
+        assert "router is unhealthy" in problems[1] and "rollout loop died" in problems[1]
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("interval", [20])
+def test_a_save_interval_the_buffer_cannot_hold_is_refused(interval: int, capsys) -> None:
+    assert launcher.main(["--save-interval", str(interval), "--max-steps", "1"]) == 2
+    assert "lower --save-interval" in capsys.readouterr().err
