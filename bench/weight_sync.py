@@ -71,13 +71,32 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="versions sent per setting (median)")
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument(
+        "--hidden-size", type=int, default=HIDDEN, help="synthetic model width (FFN 2.75x)"
+    )
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=0,
+        help="synthetic model depth (9 tensors a layer + 3; 0 = from --size-gb). 182 layers = "
+        "1,641 tensors, an 8B-shaped version's count",
+    )
+    p.add_argument(
+        "--layout-id",
+        default="on",
+        choices=["on", "off", "compare"],
+        help="nccl transport: offer a layout_id (on), never (off), or measure both with one "
+        "engine and report what the id saves per version (compare)",
+    )
+    p.add_argument(
         "--timeout-s", type=float, default=120, help="bound of every wait (a hang fails)"
     )
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tandem-bench-sync"))
     return p.parse_args()
 
 
-def synthetic_model(root: Path, size_gb: float, dtype: str, weights: bool = True) -> Path:
+def synthetic_model(
+    root: Path, size_gb: float, dtype: str, weights: bool = True, layers: int = 0
+) -> Path:
     """An HF Llama directory of about `size_gb` GiB (layers of hidden 2048), built once;
     without `weights`, only its config and tokenizer (for engines with `--load-format dummy`)."""
     from safetensors.torch import save_file
@@ -88,8 +107,8 @@ def synthetic_model(root: Path, size_gb: float, dtype: str, weights: bool = True
     per_layer = (
         2 * HIDDEN * HIDDEN + 2 * HIDDEN * HIDDEN * KV // HEADS + 3 * HIDDEN * INTER
     ) * elem
-    layers = max(1, round(size_gb * 2**30 / per_layer))
-    out = root / f"llama-{layers}l-{dtype}{'' if weights else '-config'}"
+    layers = layers or max(1, round(size_gb * 2**30 / per_layer))
+    out = root / f"llama-{layers}l-{HIDDEN}h-{dtype}{'' if weights else '-config'}"
     if (out / ("model.safetensors" if weights else "config.json")).exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -292,7 +311,10 @@ def sync_seconds(args: argparse.Namespace, model: Path, tensors, n: int, work: P
         bucket = args.bucket_mb * 2**20
         if args.transport == "nccl":
             sender: Any = NcclWeightSender(
-                info["intake_endpoint"], bucket_bytes=bucket, timeout_s=args.timeout_s
+                info["intake_endpoint"],
+                bucket_bytes=bucket,
+                timeout_s=args.timeout_s,
+                layout_ids=args.layout_id == "on",
             )
         else:
             shm = "/dev/shm" if args.transport == "shm" else None
@@ -327,8 +349,25 @@ def sync_seconds(args: argparse.Namespace, model: Path, tensors, n: int, work: P
             proc.stop()
 
 
+def compare_layout_ids(args: argparse.Namespace, model: Path, tensors, work: Path) -> float:  # type: ignore[no-untyped-def]
+    """Seconds per version with and without `layout_id` (one engine); returns off / on."""
+    seconds = {}
+    for mode in ("on", "off"):
+        args.layout_id = mode
+        seconds[mode] = sync_seconds(args, model, tensors, 1, work)
+    count = len(tensors() if callable(tensors) else tensors)
+    saved = seconds["off"] - seconds["on"]
+    print(
+        f"layout_id on: {seconds['on']:.4f} s, off: {seconds['off']:.4f} s per version "
+        f"({count} tensors): the id saves {1e3 * saved:.1f} ms a version"
+    )
+    return seconds["off"] / seconds["on"]
+
+
 def main() -> int:
     args = parse_args()
+    global HIDDEN, INTER
+    HIDDEN, INTER = args.hidden_size, args.hidden_size * 11 // 4
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -341,7 +380,9 @@ def main() -> int:
         f"{'size':>8} {'engines':>7} {'sync s':>8} {'GB/s':>7} {'limit s':>8} {'limit GB/s':>10} {'sync/limit':>10}"
     )
     for size in args.size_gb:
-        model = synthetic_model(work, size, args.dtype, weights=args.device == "cpu")
+        model = synthetic_model(
+            work, size, args.dtype, weights=args.device == "cpu", layers=args.num_layers
+        )
         config = json.loads((model / "config.json").read_text())
         device = "cuda:0" if args.device == "cuda" else "cpu"
         if args.source == "megatron":
@@ -361,6 +402,10 @@ def main() -> int:
         progress(f"{nbytes / 2**30:.2f} GiB of weights ready ({args.source}); measuring the limit")
         limit = limit_seconds(args, tensors if isinstance(tensors, list) else tensors(), nbytes)
         progress(f"limit {limit:.4f}s")
+        if args.layout_id == "compare":
+            ratio = compare_layout_ids(args, model, tensors, work)
+            print(f"layout_id_off_vs_on_time: {ratio:.2f}")
+            return 0
         one = None
         for n in args.engines:
             seconds = sync_seconds(args, model, tensors, n, work)

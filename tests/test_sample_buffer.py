@@ -142,6 +142,10 @@ def test_puts_are_counted_with_the_entry_and_statuses_expire(buffer: SampleBuffe
     for i in range(3):
         buffer.put_group(make_group(f"g{i}"))
     buffer.incr_counter("groups_consumed", 2)
+    buffer.record_trained(2, ["g1"])
+    buffer.record_trained(1, ["g0"])
+    buffer.record_trained(2, ["g2"])  # step 2 trained again (after a resume): replaced
+    assert buffer.trained() == {1: ["g0"], 2: ["g2"]}
     assert buffer.counters() == {"groups_put": 3, "groups_consumed": 2}
     buffer.set_status(ServiceStatus(role="trainer", state="waiting", waiting_for="groups"))
     buffer.set_status(ServiceStatus(role="router", state="generating"), ttl_s=0.05)

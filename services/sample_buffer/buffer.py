@@ -15,6 +15,9 @@ Keys (all under `tandem:{run_id}:`):
 - `counters`  hash name -> integer: `groups_put` (incremented in the same transaction as the
               XADD), and what the services count beside it (e.g. `groups_consumed`).
 - `status:{role}`  the `ServiceStatus` a service last reported (it expires when not refreshed).
+- `trained`   hash optimizer step -> JSON list of the group ids that step trained on. A step
+              trained again after a resume from an older checkpoint replaces its entry, so the
+              hash describes the lineage of the newest weights: no id may appear twice in it.
 
 A group read but not acked (trainer died mid-step) stays pending in the consumer group;
 `read_groups(pending_first=True)` hands it out again, so no group is lost on restart.
@@ -69,6 +72,7 @@ class SampleBuffer:
         self.contract_key = prefix + "contract"
         self.counters_key = prefix + "counters"
         self.status_prefix = prefix + "status:"
+        self.trained_key = prefix + "trained"
 
     # --- connection -------------------------------------------------------------------------
 
@@ -222,6 +226,17 @@ class SampleBuffer:
 
     def counters(self) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in self.redis.hgetall(self.counters_key).items()}
+
+    def record_trained(self, step: int, group_ids: list[str]) -> None:
+        self.redis.hset(self.trained_key, str(step), msgspec.json.encode(group_ids))
+
+    def trained(self) -> dict[int, list[str]]:
+        """Group ids trained at each optimizer step of the newest weights' lineage."""
+        raw = self.redis.hgetall(self.trained_key)
+        return {
+            int(k): msgspec.json.decode(v)
+            for k, v in sorted(raw.items(), key=lambda kv: int(kv[0]))
+        }
 
     def set_status(self, status: ServiceStatus, ttl_s: float = 30.0) -> None:
         """Report what this service is doing; gone after `ttl_s` unless reported again."""

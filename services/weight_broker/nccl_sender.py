@@ -85,8 +85,12 @@ class NcclWeightSender:
         master_address: str = "127.0.0.1",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 60.0,
+        layout_ids: bool = True,
     ) -> None:
+        """`layout_ids=False` offers no `layout_id` (engines then get every name each
+        version; `bench/weight_sync.py --layout-id compare` measures what the id saves)."""
         self.control_endpoint = control_endpoint
+        self.layout_ids = layout_ids
         self.master_address = master_address
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
@@ -116,7 +120,7 @@ class NcclWeightSender:
             master_address=self.master_address,
             master_port=port,
             backend=backend,
-            layout_id=layout.layout_id,
+            layout_id=layout.layout_id if self.layout_ids else "",
         )
         self._socket.send(encode(offer))
         sent = 0
