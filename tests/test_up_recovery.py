@@ -1,0 +1,123 @@
+"""`tandem up` after something went wrong: a run that stalls says why and stops, a run whose
+trainer was killed resumes with `--resume` and trains no group twice.
+
+Real processes throughout (Redis with its AOF in the run folder, engines, broker, router,
+trainer); the slowest tests of the suite after the full demo run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+
+pytestmark = pytest.mark.e2e
+
+
+def up(run_dir: Path, *flags: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir), *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def trainer_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return max((r["step"] for r in rows if r["source"] == "trainer"), default=0)
+
+
+def test_a_run_that_makes_no_progress_says_what_each_service_waits_for_and_fails(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    # No rollouts: the trainer waits for samples that never come.
+    result = up(
+        run_dir,
+        "--router-args",
+        "--no-rollout",
+        "--stall-warn-s",
+        "8",
+        "--stall-fail-s",
+        "20",
+        "--stop-accuracy",
+        "0",
+        "--max-steps",
+        "3",
+    )
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert "no trainer step for" in out
+    assert "trainer (waiting) waits" in out and "sample groups: 0 of 64" in out
+    assert "(--stall-fail-s)" in out
+    assert json.loads((run_dir / "summary.json").read_text())["outcome"] == "stalled"
+
+
+def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "up",
+            "--run-dir",
+            str(run_dir),
+            "--save-interval",
+            "3",
+            "--seed",
+            "0",
+            "--time-limit-s",
+            "300",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while trainer_steps(run_dir) < 7:
+        assert first.poll() is None, first.communicate()[0]
+        assert time.monotonic() < deadline, "the first run made no 7 steps in 240 s"
+        time.sleep(0.2)
+    trainer = next(
+        c
+        for c in psutil.Process(first.pid).children(recursive=True)
+        if "trainer" in c.cmdline() and "tandem.cli" in " ".join(c.cmdline())
+    )
+    os.kill(trainer.pid, signal.SIGKILL)
+    output, _ = first.communicate(timeout=120)
+    assert first.returncode == 1 and "trainer exited" in output, output[-3000:]
+
+    second = up(run_dir, "--resume", str(run_dir), timeout_s=600)
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-2000:]
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "resumed from iteration" in trainer_log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "reached_accuracy"
+    assert summary["accuracy_last"] >= 0.9
+    assert summary["trained_model"] and (Path(summary["trained_model"]) / "config.json").exists()
+
+    with RedisServer(log_dir=tmp_path / "redis-logs", data_dir=run_dir / "redis") as server:
+        buffer = SampleBuffer(BufferConfig(redis_url=server.url, run_id=f"up-{run_dir.name}"))
+        trained = buffer.trained()
+    steps = sorted(trained)
+    assert steps == list(range(1, steps[-1] + 1)), "every step of the final lineage is recorded"
+    ids = [group_id for step in steps for group_id in trained[step]]
+    # Group ids name the prompt cursor (p0, p1, ...): had the resumed router drawn prompts from
+    # the start again, the early ids would repeat here.
+    assert len(ids) == len(set(ids)), "a group was trained twice in the final weights' lineage"
