@@ -90,10 +90,25 @@ def mounts(service: dict[str, Any]) -> dict[str, str]:
 # --- the checks ------------------------------------------------------------------------------
 
 
+def one_shot_jobs(c: dict[str, Any]) -> set[str]:
+    """Services that run once and exit (restart "no"), which others wait for to complete."""
+    awaited = {
+        dep
+        for svc in c["services"].values()
+        for dep, cond in (svc.get("depends_on") or {}).items()
+        if isinstance(cond, dict) and cond.get("condition") == "service_completed_successfully"
+    }
+    return {n for n in awaited if str(c["services"][n].get("restart", "no")) == "no"}
+
+
 def healthcheck_problems(c: dict[str, Any]) -> Problems:
+    """Every long-running service has one; a one-shot job exits before any check could run."""
     problems = []
+    jobs = one_shot_jobs(c)
     for name, svc in c["services"].items():
         hc = svc.get("healthcheck")
+        if name in jobs:
+            continue
         if not hc or hc.get("disable") or hc.get("test") in ("NONE", ["NONE"], None):
             problems.append(f"{name}: no healthcheck")
     return problems
@@ -324,6 +339,15 @@ def _drop_healthcheck(c: dict[str, Any]) -> None:
     del c["services"]["trainer"]["healthcheck"]
 
 
+def _job_restarts(c: dict[str, Any]) -> None:
+    c["services"]["init-volumes"]["restart"] = "on-failure"  # no longer one-shot
+
+
+def _job_not_awaited(c: dict[str, Any]) -> None:
+    for svc in c["services"].values():
+        (svc.get("depends_on") or {}).pop("init-volumes", None)
+
+
 def _latest_sglang(c: dict[str, Any]) -> None:
     c["services"]["sglang-0"]["image"] = "lmsysorg/sglang:latest"
 
@@ -378,6 +402,8 @@ def _data_not_mounted(c: dict[str, Any]) -> None:
 
 COMPOSE_BREAKAGES: dict[str, tuple[Callable[[dict[str, Any]], None], Callable[..., Problems]]] = {
     "no healthcheck": (_drop_healthcheck, healthcheck_problems),
+    "restarting job without healthcheck": (_job_restarts, healthcheck_problems),
+    "job nobody waits for": (_job_not_awaited, healthcheck_problems),
     "latest sglang": (_latest_sglang, lambda c: image_problems(c, "0.5.23")),
     "other sglang": (_other_sglang, lambda c: image_problems(c, "0.5.23")),
     "untagged image": (_untagged, lambda c: image_problems(c, "0.5.23")),
