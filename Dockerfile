@@ -48,6 +48,8 @@ RUN groupadd --non-unique --gid "${GID}" tandem \
     && mkdir -p /weights /checkpoints \
     && chown tandem:tandem /weights /checkpoints
 USER tandem
-ENV USER=tandem
+# Models are local directories (./models); never reach for the Hugging Face Hub.
+ENV USER=tandem \
+    HF_HUB_OFFLINE=1
 
 ENTRYPOINT ["tandem"]
