@@ -89,8 +89,8 @@ def find_resume(cfg: TrainerConfig) -> tuple[Path | None, str]:
     if not cfg.save or not (Path(cfg.save) / TRACKER).is_file():
         return None, ""
     if cfg.resume:
-        resolve_iteration(cfg.save, cfg.ckpt_step)
-        return Path(cfg.save), "found by --save; --no-resume starts over"
+        it = resolve_iteration(cfg.save, cfg.ckpt_step).name.removeprefix("iter_")
+        return Path(cfg.save), f"(iteration {int(it)}), found by --save; --no-resume starts over"
     common = _common(resolve_iteration(cfg.save, -1))
     if common.get("run_id") != cfg.run_id:
         raise ValueError(

@@ -113,7 +113,7 @@ class Trainer:
         consumed_at_save = None
         if resume_root is not None:
             if self.is_main and found_by != "--load":
-                print(f"[trainer] resuming from {resume_root}, {found_by}", flush=True)
+                print(f"[trainer] resuming from {resume_root} {found_by}", flush=True)
             resumed = self.checkpointer.load(resume_root)
             self.version, consumed_at_save = resumed.version, resumed.groups_consumed
             self.already_trained = set(resumed.trained_entry_ids)
