@@ -244,6 +244,9 @@ class Checkpointer:
                 "schedule wins on resume; pass --override-opt-param-scheduler to use the flags",
                 flush=True,
             )
+        if override:  # the loaded optimizer's groups carry the checkpoint's peak and floor too
+            for group in scheduler.optimizer.param_groups:
+                group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
         scheduler.load_state_dict(state)
 
 
