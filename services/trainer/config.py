@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from proto.contract import RunContract, model_identity
+
 
 def _f(default, help_text: str, **meta):  # type: ignore[no-untyped-def]
     return field(default=default, metadata={"help": help_text, **meta})
@@ -222,6 +224,17 @@ class TrainerConfig:
             )
         if self.eps_clip_c and self.eps_clip_c <= 1.0:
             raise ValueError("--eps-clip-c must be > 1 (or 0 to disable dual clip)")
+
+    def run_contract(self) -> RunContract:
+        """The run's terms as this trainer states them (see proto/contract.py)."""
+        return RunContract(
+            model_id=model_identity(self.model),
+            rollout_batch_size=self.rollout_batch_size,
+            n_samples_per_prompt=self.n_samples_per_prompt,
+            num_steps_per_rollout=self.num_steps_per_rollout,
+            max_staleness=self.max_staleness,
+            weight_transport=self.weight_transport,
+        )
 
     @property
     def global_batch_size(self) -> int:

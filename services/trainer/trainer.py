@@ -28,6 +28,7 @@ import math
 import signal
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from proto import DropRecord, SampleGroup
-from proto.contract import RunContract, model_identity
 from services.sample_buffer import BufferConfig, SampleBuffer
 from services.trainer import batching, checkpoint, losses
 from services.trainer.batching import MicroBatch, TrainSample
@@ -82,7 +82,7 @@ class Trainer:
         if self.is_main:
             self.buffer = SampleBuffer(BufferConfig(redis_url=cfg.redis_url, run_id=cfg.run_id))
             self.buffer.wait_ready(timeout_s=10.0)
-            self.buffer.agree_contract(run_contract(cfg), "trainer")
+            self.buffer.agree_contract(cfg.run_contract(), "trainer")
             self.status = StatusReporter(self.buffer)
             self.status.update("loading the model", model=cfg.model)
         self.policy = Policy(cfg, cfg.model)
@@ -110,24 +110,25 @@ class Trainer:
         self.unacked: list[str] = []  # trained, waiting for a checkpoint (only with --save)
         self.already_trained: set[str] = set()  # pending ids a loaded checkpoint already holds
         self.groups_consumed = 0  # rank 0: the run's counter, as this trainer last set it
-        consumed_at_save = None
         if resume_root is not None:
-            if self.is_main and found_by != "--load":
-                print(f"[trainer] resuming from {resume_root} {found_by}", flush=True)
-            resumed = self.checkpointer.load(resume_root)
-            self.version, consumed_at_save = resumed.version, resumed.groups_consumed
-            self.already_trained = set(resumed.trained_entry_ids)
-            if self.is_main:
-                print(
-                    f"[trainer] resumed from iteration {self.version} ({resume_root})", flush=True
-                )
+            self._resume(resume_root, found_by)
         if self.is_main and cfg.weights_endpoint:
             self.sender = make_weight_sender(cfg)
         if self.buffer is not None:
-            if consumed_at_save is not None:  # groups consumed since the save are pending again
-                self.buffer.set_counter("groups_consumed", consumed_at_save)
             self.groups_consumed = self.buffer.counters().get("groups_consumed", 0)
             self.buffer.set_version("trainer", self.version)
+
+    def _resume(self, root: Path, found_by: str) -> None:
+        if self.is_main and found_by != "--load":
+            print(f"[trainer] resuming from {root} {found_by}", flush=True)
+        resumed = self.checkpointer.load(root)
+        self.version = resumed.version
+        self.already_trained = set(resumed.trained_entry_ids)
+        if self.buffer is not None and resumed.groups_consumed is not None:
+            # The groups consumed after the save are pending again (see checkpoint.py).
+            self.buffer.set_counter("groups_consumed", resumed.groups_consumed)
+        if self.is_main:
+            print(f"[trainer] resumed from iteration {self.version} ({root})", flush=True)
 
     def request_stop(self, signum: int = 0, frame: object = None) -> None:
         """Signal handler: finish the current step, then leave `train()`."""
@@ -247,14 +248,13 @@ class Trainer:
         """Status while the rollout is incomplete (called each time a blocking read wakes)."""
         if self.status is None or self.buffer is None:
             return
-        need = self.cfg.rollout_batch_size
-        counters = self.buffer.counters()
+        need, counters = self.cfg.rollout_batch_size, self.buffer.counters()
         put, consumed = counters.get("groups_put", 0), counters.get("groups_consumed", 0)
-        unread = max(self.buffer.depth() - in_hand - len(self.unacked) - len(self.backlog), 0)
+        untrained = max(self.buffer.depth() - in_hand - len(self.unacked), 0)  # not yet in hand
         self._report(
             "waiting for samples",
             f"sample groups: {in_hand} of {need} for step {self.version + 1} (buffer holds "
-            f"{unread + len(self.backlog)} untrained; groups put {put}, consumed {consumed})",
+            f"{untrained} untrained; groups put {put}, consumed {consumed})",
             groups_in_hand=in_hand,
             groups_needed=need,
             groups_put=put,
@@ -476,18 +476,6 @@ SKIP_ADVICE = (
     "check --lr (too high?), the rewards and log-probs of the samples (NaN?), or pass "
     "--on-nonfinite fail to stop at the first"
 )
-
-
-def run_contract(cfg: TrainerConfig) -> RunContract:
-    """The run's terms as this trainer sees them (see proto/contract.py)."""
-    return RunContract(
-        model_id=model_identity(cfg.model),
-        rollout_batch_size=cfg.rollout_batch_size,
-        n_samples_per_prompt=cfg.n_samples_per_prompt,
-        num_steps_per_rollout=cfg.num_steps_per_rollout,
-        max_staleness=cfg.max_staleness,
-        weight_transport=cfg.weight_transport,
-    )
 
 
 def max_response_len(samples: list[TrainSample]) -> int:
