@@ -156,6 +156,7 @@ def test_pending_groups_a_loaded_checkpoint_already_trained_are_acked_not_traine
     trainer.cfg = TrainerConfig(model="m", rollout_batch_size=2, read_block_ms=100)
     trainer.buffer, trainer.version, trainer.stop_requested = buffer, 0, False
     trainer.pending_first, trainer.backlog = True, []
+    trainer.status, trainer.unacked, trainer.groups_consumed = None, [], 0
     trainer.already_trained = {pending[0][0]}
     rollout = trainer._read_rollout()
     assert rollout is not None

@@ -16,6 +16,10 @@ megatron-core RL trainer (GRPO family). Reads sample groups from the Redis sampl
 per rollout of --rollout-batch-size groups with a clipped policy-gradient loss, and after each
 step sends the new weights (Hugging Face names) to the weight broker at --weights-endpoint and
 publishes the version and train/* metrics to Redis. Version 0 is the --model weights.
+Resume: --load DIR, or a --save DIR that already holds a checkpoint (--no-resume starts over);
+the resumed version is sent to the broker before training. --save-hf DIR keeps the trained
+model as a Hugging Face directory. Exit codes: 0 = the run trained as asked; 1 = it failed
+(e.g. --max-skipped-in-a-row non-finite updates); 2 = bad flags or a run-contract mismatch.
 Multi-process: torchrun --nproc-per-node N -m services.trainer ... (TP x DP = N)."""
 
 
@@ -55,13 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.ready_file).write_text(
             json.dumps({"pid": os.getpid(), "version": trainer.version})
         )
+    error = ""
     try:
         steps = trainer.train()
     except (FloatingPointError, BatchError, TimeoutError) as exc:  # TimeoutError: broker gone
+        error = str(exc)
         print(f"tandem trainer: error: {exc}", file=sys.stderr)
         return 1
     finally:
-        trainer.close()
+        trainer.close(error)
     print(f"[trainer] stopped after {steps} steps at version {trainer.version}", flush=True)
     return 0
 

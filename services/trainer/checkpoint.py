@@ -4,10 +4,18 @@ Layout under `--save DIR`:
   DIR/iter_0000012/          one `dist_checkpointing` directory per saved step (= weight version)
       (sharded)  model, optimizer (Adam moments keyed by the model's global tensor names)
       (common)   scheduler, version, trained_entry_ids, hf_config (the model's config.json, so
-                 `tandem convert` can write HF weights back without the original directory)
-      rng_rank{r}.pt         torch / python / numpy (/ cuda) RNG state of each rank
+                 `tandem convert` can write HF weights back without the original directory),
+                 hf_source (the --model directory, where `tandem convert` finds the tokenizer),
+                 run_id, groups_consumed, scheduler_config (the --lr... flags it was saved with)
+      rng_rank{r}.pt         torch / python / numpy (/ cuda) RNG state of each rank, as plain
+                             tensors and numbers (loaded with `weights_only=True`)
   DIR/latest_checkpointed_iteration.txt   the newest complete iteration; written last, so a save
                                          cut short is never the one `--load` picks.
+
+Which checkpoint a start resumes from (`find_resume`): `--load DIR`; else the checkpoint that
+`--save DIR` already holds (so a restart with the same flags goes on instead of starting over and
+moving the tracker back); `--no-resume` starts from `--model`, but never over the tracker of
+another run id. `--keep-last-checkpoints K` removes older `iter_*` after each successful save.
 
 Buffer position: with `--save`, the trainer acks a rollout's groups only after a checkpoint
 that contains their update is written (`trained_entry_ids`). A crash before the save leaves
@@ -15,11 +23,21 @@ them pending and they are trained again from the older weights; a crash between 
 the ack leaves them pending too, and `load` returns their ids so the trainer acks them
 without training. So no group is lost or trained twice. The cost: up to `save_interval`
 rollouts of groups stay in the stream, which must fit the buffer's `max_groups`.
+
+The `groups_consumed` counter (Redis `counters` hash; the router's demand gate reads it) counts
+every group the trainer is done with for good: trained, or dropped stale. Dropped groups are
+acked with the trained ones, so both follow the contract above. A checkpoint stores the
+counter's value at save, and a resume SETs the counter back to it: the groups consumed after
+that checkpoint are pending again, and will be trained (or dropped) and counted again. A drop
+that is repeated this way is recorded twice in the drop counters.
 """
 
 from __future__ import annotations
 
+import logging
 import random
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +48,9 @@ import torch.distributed as dist
 from services.trainer.config import TrainerConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# Flags of the learning-rate schedule; a resume compares them with the checkpoint's.
+SCHEDULER_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters")
+log = logging.getLogger("tandem.trainer")
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
@@ -60,8 +81,44 @@ def resolve_iteration(root: str | Path, ckpt_step: int = -1) -> Path:
     return path
 
 
+def find_resume(cfg: TrainerConfig) -> tuple[Path | None, str]:
+    """The checkpoint root this start resumes from (None: start from --model), and why."""
+    if cfg.load:
+        resolve_iteration(cfg.load, cfg.ckpt_step)  # fail on a bad --load before anything else
+        return Path(cfg.load), "--load"
+    if not cfg.save or not (Path(cfg.save) / TRACKER).is_file():
+        return None, ""
+    if cfg.resume:
+        it = resolve_iteration(cfg.save, cfg.ckpt_step).name.removeprefix("iter_")
+        return Path(cfg.save), f"(iteration {int(it)}), found by --save; --no-resume starts over"
+    common = _common(resolve_iteration(cfg.save, -1))
+    if common.get("run_id") != cfg.run_id:
+        raise ValueError(
+            f"--save {cfg.save} holds a checkpoint of run id {common.get('run_id')!r} "
+            f"(iteration {common.get('version')}); --no-resume would overwrite its tracker from "
+            f"run {cfg.run_id!r}: pass another --save directory"
+        )
+    return None, ""
+
+
+def _common(path: Path) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+
+    return dict(dist_checkpointing.load_common_state_dict(str(path)))
+
+
+@dataclass
+class Resumed:
+    """What a loaded checkpoint tells the training loop."""
+
+    version: int
+    trained_entry_ids: list[str]
+    groups_consumed: int | None  # None: not recorded (weights-only or older checkpoint)
+    path: Path
+
+
 class Checkpointer:
-    """Saves every `save_interval` steps (and at exit) and resumes from `load`."""
+    """Saves every `save_interval` steps (and at exit) and resumes from `find_resume`'s root."""
 
     def __init__(self, cfg: TrainerConfig, policy: Any, critic: Any = None) -> None:
         self.cfg = cfg
@@ -92,7 +149,7 @@ class Checkpointer:
             )
         return state
 
-    def save(self, version: int, trained_entry_ids: list[str]) -> Path:
+    def save(self, version: int, trained_entry_ids: list[str], groups_consumed: int) -> Path:
         from megatron.core import dist_checkpointing
 
         path = iteration_dir(self.cfg.save, version)
@@ -106,6 +163,10 @@ class Checkpointer:
             version=version,
             trained_entry_ids=list(trained_entry_ids),
             hf_config=self.policy.hf_config_json,
+            hf_source=str(Path(self.cfg.model).resolve()),
+            run_id=self.cfg.run_id,
+            groups_consumed=groups_consumed,
+            scheduler_config={k: getattr(self.cfg, k) for k in SCHEDULER_FLAGS},
             padded_vocab_size=self.policy.model.vocab_size,
             has_optimizer=True,
         )
@@ -116,31 +177,77 @@ class Checkpointer:
             tmp = Path(self.cfg.save) / (TRACKER + ".tmp")
             tmp.write_text(str(version))
             tmp.replace(Path(self.cfg.save) / TRACKER)
+            self._remove_old(version)
+            print(f"[trainer] saved iteration {version} ({self.cfg.save})", flush=True)
         self.last_saved = version
         return path
 
-    def load(self) -> tuple[int, list[str]]:
-        """Restore model, optimizer, scheduler and RNG; returns (version, trained_entry_ids)."""
+    def _remove_old(self, newest: int) -> None:
+        """--keep-last-checkpoints: drop all but the newest K iterations (never the tracker's)."""
+        keep = self.cfg.keep_last_checkpoints
+        if keep < 1:
+            return
+        iters = sorted(
+            int(p.name.removeprefix("iter_"))
+            for p in Path(self.cfg.save).glob("iter_*")
+            if p.name.removeprefix("iter_").isdigit()
+        )
+        for it in iters[:-keep]:
+            if it != newest:
+                shutil.rmtree(iteration_dir(self.cfg.save, it), ignore_errors=True)
+
+    def load(self, root: Path) -> Resumed:
+        """Restore model, optimizer, scheduler and RNG from the checkpoint under `root`."""
         from megatron.core import dist_checkpointing
 
-        path = resolve_iteration(self.cfg.load, self.cfg.ckpt_step)
-        common = dist_checkpointing.load_common_state_dict(str(path))
+        path = resolve_iteration(root, self.cfg.ckpt_step)
+        common = _common(path)
         full = bool(common.get("has_optimizer"))  # False: weights only (`tandem convert`)
         loaded = dist_checkpointing.load(self._sharded_state(True, with_optimizer=full), str(path))
         self.policy.model.load_state_dict(loaded["model"])
+        version = int(loaded.get("version", 0))
         if not full:
-            return int(loaded.get("version", 0)), []
+            return Resumed(version, [], None, path)
         self.policy.optimizer.load_state_dict(loaded["optimizer"])
-        self.policy.scheduler.load_state_dict(loaded["scheduler"])
+        self._load_scheduler(self.policy.scheduler, loaded["scheduler"], common)
         if self.critic is not None:
             self.critic.model.load_state_dict(_strip(loaded["critic_model"], "critic."))
             self.critic.optimizer.load_state_dict(loaded["critic_optimizer"])
-            self.critic.scheduler.load_state_dict(loaded["critic_scheduler"])
+            self._load_scheduler(self.critic.scheduler, loaded["critic_scheduler"], common)
         rng_file = path / f"rng_rank{dist.get_rank()}.pt"
         if rng_file.is_file():  # absent when resuming on more ranks than saved
-            _set_rng_state(torch.load(rng_file, weights_only=False))
-        self.last_saved = int(loaded["version"])
-        return int(loaded["version"]), list(loaded.get("trained_entry_ids", []))
+            _set_rng_state(torch.load(rng_file, weights_only=True))
+        self.last_saved = version
+        consumed = common.get("groups_consumed")
+        return Resumed(
+            version,
+            list(loaded.get("trained_entry_ids", [])),
+            None if consumed is None else int(consumed),
+            path,
+        )
+
+    def _load_scheduler(self, scheduler: Any, state: dict, common: dict[str, Any]) -> None:
+        """The checkpoint's schedule, or with --override-opt-param-scheduler the flags'; a flag
+        that differs from the checkpoint's value without it is a warning, never silent."""
+        override = self.cfg.override_opt_param_scheduler
+        scheduler.override_opt_param_scheduler = override
+        scheduler.use_checkpoint_opt_param_scheduler = not override
+        saved = common.get("scheduler_config") or {}
+        differ = [
+            f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (checkpoint: {saved[k]})"
+            for k in SCHEDULER_FLAGS
+            if k in saved and saved[k] != getattr(self.cfg, k)
+        ]
+        if differ and not override and dist.get_rank() == 0:
+            print(
+                f"[trainer] WARNING: {', '.join(differ)} ignored: the checkpoint's learning-rate "
+                "schedule wins on resume; pass --override-opt-param-scheduler to use the flags",
+                flush=True,
+            )
+        if override:  # the loaded optimizer's groups carry the checkpoint's peak and floor too
+            for group in scheduler.optimizer.param_groups:
+                group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
+        scheduler.load_state_dict(state)
 
 
 def _strip(state: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -148,10 +255,18 @@ def _strip(state: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {
+    """Every RNG's state as tensors and numbers, so loading it unpickles nothing."""
+    py_version, py_state, py_gauss = random.getstate()
+    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python_version": py_version,
+        "python_state": torch.tensor(py_state, dtype=torch.int64),
+        "python_gauss": py_gauss,
+        "numpy_keys": torch.from_numpy(np_keys.astype(np.int64)),
+        "numpy_pos": int(np_pos),
+        "numpy_has_gauss": int(np_has_gauss),
+        "numpy_gauss": float(np_gauss),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -160,7 +275,16 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py_state = tuple(int(x) for x in state["python_state"].tolist())
+    random.setstate((state["python_version"], py_state, state["python_gauss"]))
+    np.random.set_state(
+        (
+            "MT19937",
+            state["numpy_keys"].numpy().astype(np.uint32),
+            state["numpy_pos"],
+            state["numpy_has_gauss"],
+            state["numpy_gauss"],
+        )
+    )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

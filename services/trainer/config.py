@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from proto.contract import RunContract, model_identity
+
 
 def _f(default, help_text: str, **meta):  # type: ignore[no-untyped-def]
     return field(default=default, metadata={"help": help_text, **meta})
@@ -147,6 +149,11 @@ class TrainerConfig:
         "NaN/Inf loss or gradient: skip the update (and count it) or fail.",
         choices=["skip", "fail"],
     )
+    max_skipped_in_a_row: int = _f(
+        3,
+        "End the run with exit code 1 after this many consecutive skipped (non-finite) "
+        "updates (0 = never for a streak; a run whose every update was skipped exits 1 anyway).",
+    )
 
     # --- model / parallelism ---------------------------------------------------------------
     tensor_model_parallel_size: int = _f(1, "Tensor-parallel size (torchrun world = TP x DP).")
@@ -157,8 +164,31 @@ class TrainerConfig:
     # --- checkpoints -----------------------------------------------------------------------
     save: str = _f("", "Directory for megatron dist checkpoints (empty = never save).")
     save_interval: int = _f(0, "Save every N steps (0 = only at exit when --save is set).")
-    load: str = _f("", "Resume from this checkpoint directory (latest_checkpointed_iteration.txt).")
+    load: str = _f(
+        "",
+        "Resume from this checkpoint directory (latest_checkpointed_iteration.txt). Without it, "
+        "a --save directory that holds a checkpoint is resumed from.",
+    )
     ckpt_step: int = _f(-1, "Iteration to load (-1 = the tracker's latest).")
+    resume: bool = _f(
+        True,
+        "Resume from the checkpoint --save already holds (when --load is not given); "
+        "--no-resume starts from --model even so (refused when that checkpoint belongs to "
+        "another --run-id: its tracker would be overwritten).",
+    )
+    override_opt_param_scheduler: bool = _f(
+        False,
+        "On resume, --lr, --min-lr, --lr-decay-style, --lr-warmup-iters and --lr-decay-iters "
+        "replace the checkpoint's schedule (without it the checkpoint's values win).",
+    )
+    keep_last_checkpoints: int = _f(
+        0, "Keep only the newest K iter_* directories under --save (0 = keep all)."
+    )
+    save_hf: str = _f(
+        "",
+        "Write the trained model as a Hugging Face directory (config.json, model.safetensors, "
+        "the tokenizer files of --model) here at each checkpoint and at exit (empty = never).",
+    )
 
     def validate(self, dp_size: int = 1) -> None:
         """Raise ValueError with what to change when the numbers do not fit together."""
@@ -194,6 +224,17 @@ class TrainerConfig:
             )
         if self.eps_clip_c and self.eps_clip_c <= 1.0:
             raise ValueError("--eps-clip-c must be > 1 (or 0 to disable dual clip)")
+
+    def run_contract(self) -> RunContract:
+        """The run's terms as this trainer states them (see proto/contract.py)."""
+        return RunContract(
+            model_id=model_identity(self.model),
+            rollout_batch_size=self.rollout_batch_size,
+            n_samples_per_prompt=self.n_samples_per_prompt,
+            num_steps_per_rollout=self.num_steps_per_rollout,
+            max_staleness=self.max_staleness,
+            weight_transport=self.weight_transport,
+        )
 
     @property
     def global_batch_size(self) -> int:

@@ -4,7 +4,9 @@
                                              tracker; `tandem trainer --load DIR` starts from it
   megatron-to-hf --load DIR --out HF2        writes config.json + model.safetensors from any
                                              trainer or converted checkpoint (any TP it was
-                                             saved at); `--hf-dir` copies tokenizer files too
+                                             saved at), with the tokenizer files of the
+                                             model it was trained from (`hf_source`) or of
+                                             `--hf-dir`
 
 Vocabulary padding goes both ways: rows are padded to the megatron vocabulary on the way in and
 cut to the HF `vocab_size` on the way out. Runs as one process (gloo world of one); checkpoints
@@ -18,6 +20,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -26,7 +29,34 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "vocab.json",
     "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
 )
+
+
+def write_hf_dir(tensors: dict[str, Any], config_json: str, out: str, tokenizer_src: str) -> Path:
+    """`out` as a complete HF directory: config.json, model.safetensors and the tokenizer files
+    of `tokenizer_src` ("" = none). Written to `out.tmp` and renamed, so `out` is never half
+    written; a previous `out` is replaced."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out)
+    tmp, old = out_dir.with_name(out_dir.name + ".tmp"), out_dir.with_name(out_dir.name + ".old")
+    for stale in (tmp, old):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(json.loads(config_json), indent=2))
+    for name in TOKENIZER_FILES if tokenizer_src else ():
+        if (Path(tokenizer_src) / name).is_file():
+            shutil.copy(Path(tokenizer_src) / name, tmp / name)
+    if out_dir.exists():
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
 
 
 def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Path:
@@ -60,9 +90,9 @@ def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Pat
 
 
 def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -> Path:
-    """Write HF `config.json` + `model.safetensors` of a checkpoint; returns `out`."""
+    """Write HF `config.json` + `model.safetensors` of a checkpoint, and the tokenizer files of
+    `hf_dir` or else of the model it was trained from; returns `out`."""
     from megatron.core import dist_checkpointing
-    from safetensors.torch import save_file
 
     from services.trainer import hf_convert
     from services.trainer.checkpoint import resolve_iteration
@@ -82,15 +112,17 @@ def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -
     )
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
     model.load_state_dict(loaded["model"])
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer_src = hf_dir or str(common.get("hf_source", ""))
+    if not tokenizer_src or not Path(tokenizer_src).is_dir():
+        print(
+            f"tandem convert: warning: no tokenizer files copied: the checkpoint's source model "
+            f"{tokenizer_src or '(not recorded)'} is not a directory here; pass --hf-dir "
+            "with the model's tokenizer (an engine needs it)",
+            file=sys.stderr,
+        )
+        tokenizer_src = ""
     tensors = dict(hf_convert.export_hf(model, arch))
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES if hf_dir else ():
-        if (Path(hf_dir) / name).is_file():
-            shutil.copy(Path(hf_dir) / name, out_dir / name)
-    return out_dir
+    return write_hf_dir(tensors, common["hf_config"], out, tokenizer_src)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     to_hf.add_argument("--ckpt-step", type=int, default=-1, help="Iteration (default: the latest).")
     to_hf.add_argument("--out", required=True, help="Output HF directory.")
-    to_hf.add_argument("--hf-dir", default="", help="HF directory to copy tokenizer files from.")
+    to_hf.add_argument(
+        "--hf-dir",
+        default="",
+        help="HF directory to copy tokenizer files from (default: the model the checkpoint "
+        "was trained from, recorded in it).",
+    )
     return parser
 
 

@@ -7,10 +7,16 @@ Loop (rank 0 talks to Redis and the broker; every rank computes):
            trainer's log-probs -> forward+backward with the RL loss -> optimizer step.
   publish  version V += 1; HF-named weights to the broker (`ZmqWeightSender`), then
            `set_version("trainer", V)`, so a reader of the version can fetch it.
-  commit   the trained groups leave the stream (ack) only now, and with --save only once a
-           checkpoint holds their update: a crash before leaves them pending, and the next
+  commit   the counter `groups_consumed` grows by the rollout's groups (stale drops are counted
+           when dropped); the groups leave the stream (ack) only now, and with --save only once
+           a checkpoint holds their update: a crash before leaves them pending, and the next
            start trains them (`pending_first`); see `checkpoint.py` for the exact contract.
   log      metrics to Redis (`train/*`) and one line to stdout.
+Start-up: the run contract is agreed in Redis before the model loads (a mismatch is exit 2);
+a resumed version v > 0 is sent to the broker before the first pull, so the engines serve v
+(the router's demand gate waits for that). Status (`status.py`) says what the loop waits for.
+Ends with an error (exit 1) after `max_skipped_in_a_row` skipped updates in a row, or when every
+update of the run was skipped: exit code 0 means the weights were trained as asked.
 Waits for: Redis (blocking reads of at most `read_block_ms`, so SIGTERM is seen within it).
 Bounded by: the buffer's `max_groups` (producers wait), the sender's HWM and timeout.
 """
@@ -22,6 +28,7 @@ import math
 import signal
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,11 +37,12 @@ from megatron.core import parallel_state
 
 from proto import DropRecord, SampleGroup
 from services.sample_buffer import BufferConfig, SampleBuffer
-from services.trainer import batching, losses
+from services.trainer import batching, checkpoint, losses
 from services.trainer.batching import MicroBatch, TrainSample
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, init_distributed
 from services.trainer.stats import StepStats, comm_device
+from services.trainer.status import StatusReporter
 from services.weight_broker.wire import WeightSyncError
 
 log = logging.getLogger("tandem.trainer")
@@ -53,6 +61,10 @@ class Rollout:
     staleness_counts: dict[int, int]
 
 
+class SkippedUpdatesError(FloatingPointError):
+    """Updates were skipped (non-finite loss or gradient norm) beyond what the run allows."""
+
+
 class Trainer:
     """One process of the trainer; `train()` runs until max_steps or a stop signal."""
 
@@ -62,15 +74,17 @@ class Trainer:
         init_distributed(cfg.tensor_model_parallel_size, cfg.seed)
         cfg.validate(parallel_state.get_data_parallel_world_size())
         self.is_main = dist.get_rank() == 0
-        if cfg.load:  # fail on a bad --load before spending time on anything else
-            from services.trainer.checkpoint import resolve_iteration
-
-            resolve_iteration(cfg.load, cfg.ckpt_step)
+        # A bad --load, or --no-resume over another run's checkpoint, fails before anything else.
+        resume_root, found_by = checkpoint.find_resume(cfg)
         self.buffer: SampleBuffer | None = None
+        self.status: StatusReporter | None = None
         self.sender = None
         if self.is_main:
             self.buffer = SampleBuffer(BufferConfig(redis_url=cfg.redis_url, run_id=cfg.run_id))
             self.buffer.wait_ready(timeout_s=10.0)
+            self.buffer.agree_contract(cfg.run_contract(), "trainer")
+            self.status = StatusReporter(self.buffer)
+            self.status.update("loading the model", model=cfg.model)
         self.policy = Policy(cfg, cfg.model)
         self.ref = Policy(cfg, cfg.ref_load, train=False) if cfg.ref_load else None
         self.critic = None
@@ -89,28 +103,43 @@ class Trainer:
         self.pending_first = True  # after a (re)start, groups read but never acked come first
         self.backlog: list[tuple[str, SampleGroup]] = []  # read from Redis, not yet used
         self.skipped_updates = 0
+        self.skipped_in_a_row: list[int] = []  # steps whose update was skipped, latest streak
         self.stop_requested = False
-        from services.trainer import checkpoint
-
         critic_model = self.critic.model if self.critic is not None else None
         self.checkpointer = checkpoint.Checkpointer(cfg, self.policy, critic_model)
         self.unacked: list[str] = []  # trained, waiting for a checkpoint (only with --save)
         self.already_trained: set[str] = set()  # pending ids a loaded checkpoint already holds
-        if cfg.load:
-            self.version, trained = self.checkpointer.load()
-            self.already_trained = set(trained)
+        self.groups_consumed = 0  # rank 0: the run's counter, as this trainer last set it
+        if resume_root is not None:
+            self._resume(resume_root, found_by)
         if self.is_main and cfg.weights_endpoint:
             self.sender = make_weight_sender(cfg)
         if self.buffer is not None:
+            self.groups_consumed = self.buffer.counters().get("groups_consumed", 0)
             self.buffer.set_version("trainer", self.version)
+
+    def _resume(self, root: Path, found_by: str) -> None:
+        if self.is_main and found_by != "--load":
+            print(f"[trainer] resuming from {root} {found_by}", flush=True)
+        resumed = self.checkpointer.load(root)
+        self.version = resumed.version
+        self.already_trained = set(resumed.trained_entry_ids)
+        if self.buffer is not None and resumed.groups_consumed is not None:
+            # The groups consumed after the save are pending again (see checkpoint.py).
+            self.buffer.set_counter("groups_consumed", resumed.groups_consumed)
+        if self.is_main:
+            print(f"[trainer] resumed from iteration {self.version} ({root})", flush=True)
 
     def request_stop(self, signum: int = 0, frame: object = None) -> None:
         """Signal handler: finish the current step, then leave `train()`."""
         self.stop_requested = True
 
-    def close(self) -> None:
+    def close(self, error: str = "") -> None:
         """Release the weight sender and leave the process group, so that no communicator
         or socket thread is still running when the interpreter exits (that aborts it)."""
+        if self.status is not None:
+            self.status.close("failed" if error else "stopped", error)
+            self.status = None
         if self.sender is not None:
             self.sender.close()
             self.sender = None
@@ -126,6 +155,8 @@ class Trainer:
     def train(self) -> int:
         """Run until `max_steps` optimizer steps are done or a stop is requested; returns steps."""
         start_version = self.version
+        if self.version > 0 and self.cfg.weights_endpoint:  # engines start from --model
+            self.publish_weights(increment=False)
         while not self._done():
             rollout = self.pull_rollout()
             if rollout is None:  # stop requested while waiting for samples
@@ -133,6 +164,7 @@ class Trainer:
             samples = self.prepare_samples(rollout)
             for step_samples in self.split_steps(samples, rollout):
                 t0 = time.perf_counter()
+                self._report("training", "", step=self.version + 1)
                 metrics = self.train_step(step_samples)
                 t1 = time.perf_counter()
                 params, nbytes = self.publish_weights()
@@ -143,9 +175,20 @@ class Trainer:
                 metrics["train/weight_bytes"] = float(nbytes)
                 metrics["train/params"] = float(params)
                 self.log_step(metrics, rollout)
+            self.count_consumed(len(rollout.groups))
             self.commit(rollout.entry_ids, final=False)
         self.commit([], final=True)
-        return self.version - start_version
+        steps = self.version - start_version
+        if steps and self.skipped_updates == steps:
+            raise SkippedUpdatesError(
+                f"every update of this run was skipped ({steps} steps): the loss or gradient "
+                f"norm was not finite (NaN/Inf) at each; {SKIP_ADVICE}"
+            )
+        return steps
+
+    def _report(self, state: str, waiting_for: str = "", **detail: float | int | str) -> None:
+        if self.status is not None:
+            self.status.update(state, waiting_for, version=self.version, **detail)
 
     def _done(self) -> bool:
         stop = torch.tensor([float(self.stop_requested)], device=comm_device())
@@ -171,6 +214,7 @@ class Trainer:
         while len(rollout.groups) < self.cfg.rollout_batch_size:
             if self.stop_requested:
                 return None
+            self._report_waiting(len(rollout.groups))
             read = self._next_groups(self.cfg.rollout_batch_size - len(rollout.groups))
             if self.already_trained:  # in the loaded checkpoint; only their ack was lost
                 self.buffer.ack([i for i, _ in read if i in self.already_trained])
@@ -200,6 +244,28 @@ class Trainer:
             return taken
         return self.buffer.read_groups(self.cfg.consumer, count, self.cfg.read_block_ms)
 
+    def _report_waiting(self, in_hand: int) -> None:
+        """Status while the rollout is incomplete (called each time a blocking read wakes)."""
+        if self.status is None or self.buffer is None:
+            return
+        need, counters = self.cfg.rollout_batch_size, self.buffer.counters()
+        put, consumed = counters.get("groups_put", 0), counters.get("groups_consumed", 0)
+        untrained = max(self.buffer.depth() - in_hand - len(self.unacked), 0)  # not yet in hand
+        self._report(
+            "waiting for samples",
+            f"sample groups: {in_hand} of {need} for step {self.version + 1} (buffer holds "
+            f"{untrained} untrained; groups put {put}, consumed {consumed})",
+            groups_in_hand=in_hand,
+            groups_needed=need,
+            groups_put=put,
+            groups_consumed=consumed,
+        )
+
+    def count_consumed(self, groups: int) -> None:
+        """The run's `groups_consumed` counter, which the router's demand gate reads."""
+        if self.buffer is not None and groups:
+            self.groups_consumed = self.buffer.incr_counter("groups_consumed", groups)
+
     def _drop_stale(self, entry_id: str, group: SampleGroup) -> None:
         assert self.buffer is not None
         self.buffer.record_drop(
@@ -212,7 +278,10 @@ class Trainer:
                 detail=f"trainer at version {self.version}, max_staleness {self.cfg.max_staleness}",
             )
         )
-        self.buffer.ack([entry_id])
+        # Acked with the trained groups (after their checkpoint), counted now: the router
+        # replaces it at once, and a resume that resets the counter drops it again.
+        self.unacked.append(entry_id)
+        self.count_consumed(1)
 
     def prepare_samples(self, rollout: Rollout) -> list[TrainSample]:
         """Advantages per group, then one TrainSample per sample (in group order)."""
@@ -277,12 +346,7 @@ class Trainer:
             with_entropy=self.cfg.entropy_coef != 0 or not recomputed,
             entropy_grad=self.cfg.entropy_coef != 0,
         )
-        if not applied:
-            self.skipped_updates += 1
-            if self.cfg.on_nonfinite == "fail":
-                raise FloatingPointError(
-                    f"non-finite gradient at step {self.version + 1} (grad norm {grad_norm})"
-                )
+        self._note_update(applied, grad_norm)
         if self.critic is not None:
             self.critic.train(mbs, stats)
         step_math.batch_stats(mbs, mine, self.cfg.max_tokens_per_gpu, stats)
@@ -292,6 +356,27 @@ class Trainer:
         metrics["train/skipped_updates"] = float(self.skipped_updates)
         metrics["train/lr"] = float(self.policy.optimizer.param_groups[0]["lr"])
         return metrics
+
+    def _note_update(self, applied: bool, grad_norm: float) -> None:
+        """Count a skipped update; fail at the first (--on-nonfinite fail) or at a streak."""
+        if applied:
+            self.skipped_in_a_row = []
+            return
+        step = self.version + 1
+        self.skipped_updates += 1
+        self.skipped_in_a_row.append(step)
+        if self.cfg.on_nonfinite == "fail":
+            raise FloatingPointError(f"non-finite gradient at step {step} (grad norm {grad_norm})")
+        limit = self.cfg.max_skipped_in_a_row
+        if self.is_main:
+            print(f"[trainer] step {step}: update skipped (grad norm {grad_norm})", flush=True)
+        if limit and len(self.skipped_in_a_row) >= limit:
+            steps = ", ".join(map(str, self.skipped_in_a_row))
+            raise SkippedUpdatesError(
+                f"the updates of steps {steps} were skipped, {limit} in a row "
+                f"(--max-skipped-in-a-row {limit}): the loss or gradient norm was not finite "
+                f"(NaN/Inf; last grad norm {grad_norm}); {SKIP_ADVICE}"
+            )
 
     def _recompute(
         self, mbs: list[MicroBatch], samples: list[TrainSample], stats: StepStats
@@ -318,10 +403,11 @@ class Trainer:
 
     # --- publish, ack, log --------------------------------------------------------------------
 
-    def publish_weights(self) -> tuple[int, int]:
-        """V += 1; send V's HF-named weights; then announce V in Redis.
-        Returns the (parameters, bytes) of the exported model."""
-        self.version += 1
+    def publish_weights(self, increment: bool = True) -> tuple[int, int]:
+        """V += 1 (unless re-sending a resumed V); send V's HF-named weights; then announce V in
+        Redis. Returns the (parameters, bytes) of the exported model."""
+        self.version += int(increment)
+        self._report("publishing", f"the weight broker to take version {self.version}")
         # Collective at TP > 1: every rank takes part. The NCCL sender broadcasts from the GPU
         # before the next optimizer step, so the tensors need not be copied to the host.
         on_device = self.cfg.weight_transport == "nccl"
@@ -338,15 +424,34 @@ class Trainer:
         return params, nbytes
 
     def commit(self, entry_ids: list[str], final: bool) -> None:
-        """Ack trained groups; with --save only once a checkpoint holds their update."""
+        """Ack trained groups; with --save only once a checkpoint holds their update.
+        --save-hf: a HF directory at each checkpoint and at the end."""
         self.unacked += entry_ids
         if self.checkpointer.enabled:
             if not self.checkpointer.due(self.version, final):
                 return
-            self.checkpointer.save(self.version, self.unacked)
+            self._report("saving a checkpoint", step=self.version)
+            self.checkpointer.save(self.version, self.unacked, self.groups_consumed)
+        if self.cfg.save_hf and (final or self.checkpointer.enabled):
+            self.write_hf()
         if self.buffer is not None:
             self.buffer.ack(self.unacked)
         self.unacked = []
+
+    def write_hf(self) -> None:
+        """--save-hf: this version as a complete HF directory (collective at TP > 1)."""
+        from services.trainer.convert import write_hf_dir
+
+        self._report("writing the Hugging Face model", step=self.version)
+        tensors = self.policy.export_hf()
+        if self.is_main:
+            out = write_hf_dir(
+                dict(tensors), self.policy.hf_config_json, self.cfg.save_hf, self.cfg.model
+            )
+            print(
+                f"[trainer] wrote the Hugging Face model of version {self.version} to {out}",
+                flush=True,
+            )
 
     def log_step(self, metrics: dict[str, float], rollout: Rollout) -> None:
         metrics["train/dropped_stale"] = float(rollout.dropped_stale)
@@ -365,6 +470,12 @@ class Trainer:
             f"{m['train/step_time_s']:.2f}s",
             flush=True,
         )
+
+
+SKIP_ADVICE = (
+    "check --lr (too high?), the rewards and log-probs of the samples (NaN?), or pass "
+    "--on-nonfinite fail to stop at the first"
+)
 
 
 def max_response_len(samples: list[TrainSample]) -> int:

@@ -1,0 +1,99 @@
+"""The trainer is never stuck and never silent: it refuses a run whose terms contradict the
+others', counts the groups it consumes for the router's demand gate, says what it waits for,
+and fails a run whose updates were all skipped (real Valkey, real CLI subprocess)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from proto.contract import RunContract
+from tests.helpers import wait_until
+from tests.test_trainer_process import common_args, run_trainer, sample_groups
+
+
+def test_a_trainer_whose_batch_size_contradicts_the_run_contract_exits_2_naming_the_flag(
+    buffer, toy_model_dir: Path
+) -> None:
+    buffer.agree_contract(RunContract(rollout_batch_size=16), "router")
+    args = [*common_args(toy_model_dir, buffer), "--max-steps", "1"]
+    args[args.index("--rollout-batch-size") + 1] = "64"
+    done = run_trainer(args)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "rollout_batch_size is 16" in done.stderr and "64" in done.stderr
+    assert "--rollout-batch-size" in done.stderr and "router" in done.stderr
+    assert "trainer" not in buffer.statuses()  # refused before the model was loaded
+    assert buffer.contract().rollout_batch_size == 16
+
+
+def nan_groups(toy_model_dir: Path, n: int) -> list:  # type: ignore[type-arg]
+    groups = sample_groups(toy_model_dir, n, 2, seed=5)
+    for g in groups:
+        for s in g.samples:
+            s.reward = math.nan  # a broken reward function
+    return groups
+
+
+def test_three_skipped_updates_in_a_row_end_the_run_with_exit_1_naming_steps_and_cause(
+    buffer, toy_model_dir: Path
+) -> None:
+    for g in nan_groups(toy_model_dir, 3):
+        buffer.put_group(g)
+    args = [*common_args(toy_model_dir, buffer), "--max-steps", "3", "--max-staleness", "9"]
+    args[args.index("--rollout-batch-size") + 1] = "1"
+    args[args.index("--n-samples-per-prompt") + 1] = "2"
+    done = run_trainer(args)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "steps 1, 2, 3 were skipped, 3 in a row" in done.stderr
+    assert "not finite" in done.stderr and "--max-skipped-in-a-row 3" in done.stderr
+    assert "--lr" in done.stderr and "--on-nonfinite fail" in done.stderr
+    status = buffer.statuses()["trainer"]
+    assert status.state == "failed" and "skipped" in status.error
+
+
+def test_a_run_whose_every_update_was_skipped_exits_1_even_below_the_streak_limit(
+    buffer, toy_model_dir: Path
+) -> None:
+    for g in nan_groups(toy_model_dir, 2):
+        buffer.put_group(g)
+    args = [*common_args(toy_model_dir, buffer), "--max-steps", "2", "--max-skipped-in-a-row", "0"]
+    args[args.index("--rollout-batch-size") + 1] = "1"
+    args[args.index("--n-samples-per-prompt") + 1] = "2"
+    done = run_trainer(args)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "every update of this run was skipped (2 steps)" in done.stderr
+
+
+def test_status_says_what_the_trainer_waits_for_and_groups_consumed_counts_trained_and_stale(
+    buffer, toy_model_dir: Path, start_service
+) -> None:
+    trainer = start_service("trainer", ["trainer", *common_args(toy_model_dir, buffer)])
+
+    def waiting() -> object:
+        status = buffer.statuses().get("trainer")
+        return status if status and status.state == "waiting for samples" else None
+
+    first = wait_until(waiting, "the trainer's status 'waiting for samples'", 60)
+    assert first.waiting_for.startswith("sample groups: 0 of 4 for step 1 (buffer holds 0")
+    assert "groups put 0, consumed 0" in first.waiting_for
+    assert first.detail["groups_needed"] == 4 and first.detail["version"] == 0
+    assert first.pid == trainer.proc.pid
+    wait_until(
+        lambda: buffer.statuses()["trainer"].updated_at > first.updated_at + 1,
+        "the status refreshed while the trainer waits in blocking reads",
+    )
+    assert buffer.statuses()["trainer"].since == first.since  # the same wait goes on
+
+    stale = sample_groups(toy_model_dir, 1, 4, weight_version=-5, seed=1)
+    for g in [*stale, *sample_groups(toy_model_dir, 4, 4, seed=2)]:
+        buffer.put_group(g)
+    wait_until(lambda: buffer.get_version("trainer") == 1, "step 1", 120)
+    wait_until(lambda: buffer.counters().get("groups_consumed") == 5, "5 groups consumed")
+    assert buffer.counters()["groups_put"] == 5
+    assert buffer.drop_counts() == {"stale": 4}
+    after = wait_until(waiting, "the wait for step 2")
+    assert "for step 2" in after.waiting_for and "groups put 5, consumed 5" in after.waiting_for
+    trainer.stop()
+    assert trainer.proc.returncode == 0, trainer.log()[-3000:]
+    assert buffer.statuses()["trainer"].state == "stopped"
+    assert buffer.depth() == 0
