@@ -43,6 +43,12 @@ def test_every_group_the_trainer_consumes_or_drops_reopens_the_gate():
     assert allowance(demand(put=8, consumed=4, v=1, e=1), 4, 1, 1) == 4
 
 
+def test_more_consumed_than_put_counts_as_nothing_ahead():
+    # a trainer resumed on a fresh Redis: its rollout 5 still needs the engines on version 4
+    assert allowance(demand(put=0, consumed=20, v=5, e=0), 4, 1, 1) == 0
+    assert allowance(demand(put=0, consumed=20, v=5, e=4), 4, 1, 1) == 4
+
+
 def test_with_several_steps_per_rollout_the_gate_counts_rollouts_not_steps():
     # k=2: the trainer fills rollout v // 2; rollout r is checked at version 2r
     assert allowance(demand(put=0, v=1, e=0), 4, 2, 1) == 4  # rollout 0 only: 2*1 > 0 + 1

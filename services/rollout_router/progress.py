@@ -31,7 +31,9 @@ class Demand:
     engines_version: int
 
     def ahead(self) -> int:
-        return self.put - self.consumed + self.in_flight
+        """Groups the trainer has yet to consume, in flight included (never below 0: a
+        trainer resumed on a fresh Redis may count more consumed than were put)."""
+        return max(self.put - self.consumed, 0) + self.in_flight
 
 
 def allowance(d: Demand, batch: int, steps_per_rollout: int, max_staleness: int) -> int:
@@ -45,7 +47,7 @@ def allowance(d: Demand, batch: int, steps_per_rollout: int, max_staleness: int)
 
 def needed_engines_version(d: Demand, batch: int, steps_per_rollout: int, staleness: int) -> int:
     """The engines' version at which the next group may start."""
-    rollout = max(d.trainer_version, 0) // steps_per_rollout + max(d.ahead(), 0) // batch
+    rollout = max(d.trainer_version, 0) // steps_per_rollout + d.ahead() // batch
     return rollout * steps_per_rollout - staleness
 
 

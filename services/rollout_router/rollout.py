@@ -238,11 +238,17 @@ class RolloutLoop:
     def read_demand(self, in_flight: int) -> Demand:
         """The gate's inputs (blocking Redis reads)."""
         counters = self.buffer.counters()
+        trainer = self.buffer.get_version("trainer")
+        # A trainer that does not count `groups_consumed` (an older one) has consumed exactly
+        # one rollout_batch_size per rollout it finished: the gate is then the old batch gate.
+        rollouts_done = max(trainer, 0) // self.config.num_steps_per_rollout
         return Demand(
             put=counters.get("groups_put", 0),
-            consumed=counters.get("groups_consumed", 0),
+            consumed=counters.get(
+                "groups_consumed", rollouts_done * self.config.rollout_batch_size
+            ),
             in_flight=in_flight,
-            trainer_version=self.buffer.get_version("trainer"),
+            trainer_version=trainer,
             engines_version=self.engines_version(),
         )
 
