@@ -91,10 +91,22 @@ def test_patching_the_config_validates_and_changes_later_requests(
         ({"model": "/elsewhere"}, "model"),
         ({"no_such_field": 1}, "no_such_field"),
         ({"prompt_data": str(tmp_path / "missing.jsonl")}, "no such file"),
-        ({"rollout_max_response_len": 2, "rollout_batch_size": 0}, "--rollout-batch-size"),
+        ({"rollout_max_response_len": 2, "rollout_max_concurrency": -1}, "concurrency"),
     ]:
         resp = httpx.patch(url, json=bad, headers=TOKEN)
         assert resp.status_code == 422 and words in resp.json()["detail"], bad
+    for term, flag in [
+        ("rollout_batch_size", "--rollout-batch-size 8"),
+        ("n_samples_per_prompt", "--n-samples-per-prompt 8"),
+        ("max_staleness", "--max-staleness 8"),
+        ("num_steps_per_rollout", "--num-steps-per-rollout 8"),
+    ]:
+        resp = httpx.patch(url, json={"rollout_max_response_len": 2, term: 8}, headers=TOKEN)
+        assert resp.status_code == 409, term
+        assert resp.json()["detail"] == (
+            f"{term} is part of the run contract shared with the trainer; restart the run "
+            f"with {flag}"
+        )
     assert httpx.get(url).json()["rollout_max_response_len"] == 4, (
         "a rejected patch changes nothing"
     )

@@ -138,7 +138,7 @@ def only_high_labels(text, label, stopped):
 '''
 
 
-def test_dynamic_sampling_drops_equal_reward_groups_and_refills_the_batch(
+def test_dynamic_sampling_drops_equal_reward_groups_and_the_gate_replaces_them(
     buffer, toy_model_dir, start_service, engines, tmp_path, monkeypatch
 ):
     (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
@@ -155,18 +155,20 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_refills_the_batch(
     )
     router = start_service("router", args)
     wait_until(
-        lambda: httpx.get(router.url + "/rollout/status").json()["state"] == "waiting_for_weights",
-        "batch 0 done",
+        lambda: httpx.get(router.url + "/rollout/status").json()["state"] == "waiting_for_trainer",
+        "rollout 0 done",
     )
     groups = read_all(buffer)
-    assert len(groups) == 4, "exactly rollout_batch_size groups for batch 0"
+    assert len(groups) == 4, "exactly rollout_batch_size groups for rollout 0"
     assert all(len({s.reward for s in g.samples}) == 2 for g in groups)
     drops = buffer.drop_counts()
-    assert drops.get("all_rewards_equal", 0) > 0
+    assert set(drops) == {"all_rewards_equal"}
     _step, values = metric(buffer, "rollout/groups")
-    assert values["rollout/groups"] == 4 and values["rollout/prompts_generated"] > 4
-    dropped = drops.get("all_rewards_equal", 0) + drops.get("surplus", 0)
-    assert values["rollout/prompts_generated"] == 4 + dropped, "every prompt is accounted for"
+    assert values["rollout/groups"] == 4
+    assert values["rollout/prompts_generated"] == 4 + drops["all_rewards_equal"], (
+        "every prompt drawn is put or counted as a drop"
+    )
+    assert buffer.counters()["prompts_drawn"] == 4 + drops["all_rewards_equal"]
 
 
 class RewardHandler(JsonHandler):
@@ -256,7 +258,7 @@ def test_partial_rollout_continues_aborted_samples_and_keeps_token_versions(
         httpx.post(url + "/update_weights_from_disk", json={"weight_version": "1"})
     httpx.post(router.url + "/continue_generation", json={})
     wait_until(lambda: buffer.depth() >= 2, "batch 0 groups")
-    groups = [g for g in read_all(buffer) if g.group_id.startswith("b0-")]
+    groups = read_all(buffer)
     samples = [s for g in groups for s in g.samples]
     assert len(samples) == 4
     for s in samples:
@@ -293,7 +295,7 @@ def test_without_partial_rollout_aborted_samples_restart_on_the_new_weights(
     httpx.post(urls[0] + "/update_weights_from_disk", json={"weight_version": "1"})
     httpx.post(router.url + "/continue_generation", json={})
     wait_until(lambda: buffer.depth() >= 2, "batch 0 groups")
-    samples = [s for g in read_all(buffer) if g.group_id.startswith("b0-") for s in g.samples]
+    samples = [s for g in read_all(buffer) for s in g.samples]
     assert len(samples) == 4
     assert all(set(s.token_versions) == {1} and s.weight_version == 1 for s in samples)
     assert all(s.finish_reason != "abort" for s in samples)

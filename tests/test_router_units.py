@@ -9,9 +9,7 @@ import pytest
 from services.rollout_router.config import WorkerPoolConfig
 from services.rollout_router.limiter import Limiter
 from services.rollout_router.rewards import boxed, exact_match, last_number, load_function
-from services.rollout_router.rollout import batch_items
 from services.rollout_router.samples import Partial, sampling_seed
-from services.rollout_router.tasks import Item
 from services.rollout_router.workers import Worker, WorkerPool, rendezvous, worker_id_for
 
 
@@ -66,15 +64,6 @@ def test_sampling_seeds_are_stable_and_distinct_per_prompt_and_batch():
     assert len(seeds) == 640
     assert sampling_seed(7, 3, 5) == sampling_seed(7, 3, 5)
     assert all(0 <= s < 2**31 for s in seeds)
-
-
-def test_batch_items_are_seeded_and_without_replacement_when_possible():
-    items = [Item(str(i), str(i), (i,)) for i in range(80)]
-    b0 = batch_items(items, 0, 64, seed=1)
-    assert b0 == batch_items(items, 0, 64, seed=1)
-    assert len(set(b0)) == 64
-    assert b0 != batch_items(items, 1, 64, seed=1)
-    assert len(batch_items(items, 0, 100, seed=1)) == 100
 
 
 def output(ids: list[int], version: int, finish: str, text: str = "") -> dict:

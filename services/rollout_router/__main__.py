@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 
+from proto.contract import ContractMismatchError
 from services.common.flags import add_config_args, config_from_args
 from services.rollout_router.config import RouterConfig, WorkerPoolConfig
 from services.rollout_router.workers import EngineStartupError, WorkerPool
@@ -63,10 +64,16 @@ def main(argv: list[str]) -> int:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 2
     try:
-        # Waiting here, before serving, turns a missing engine or Redis into one clear line and
-        # no ready file; the lifespan then finds them answering at once.
-        SampleBuffer(config.buffer).wait_ready(30.0)
+        # Waiting here, before serving, turns a missing engine or Redis (or a run contract
+        # that contradicts the trainer's) into one clear line and no ready file; the lifespan
+        # then finds them answering at once.
+        buffer = SampleBuffer(config.buffer)
+        buffer.wait_ready(30.0)
+        buffer.agree_contract(config.rollout.contract(), "router")
         asyncio.run(wait_for_engines(config.workers))
+    except ContractMismatchError as exc:
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return 2
     except (EngineStartupError, ConnectionError) as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 1

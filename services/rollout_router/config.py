@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proto.contract import RunContract, model_identity
 from services.rollout_router.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from services.sample_buffer import BufferConfig
 
@@ -84,18 +85,29 @@ class RolloutConfig:
         metadata={"help": "Hugging Face model directory; its tokenizer encodes the prompts."},
     )
     rollout_batch_size: int = field(
-        default=64, metadata={"help": "Prompts per rollout batch (one trainer step)."}
+        default=64,
+        metadata={"help": "Groups (prompts) per rollout: what the trainer trains on per rollout."},
     )
     n_samples_per_prompt: int = field(
         default=8, metadata={"help": "Samples per prompt (the GRPO group size)."}
     )
+    num_steps_per_rollout: int = field(
+        default=1,
+        metadata={"help": "Optimizer steps the trainer takes per rollout (same as the trainer's)."},
+    )
     max_staleness: int = field(
         default=1,
-        metadata={"help": "Batch b is generated with weights of version >= b - max_staleness."},
+        metadata={
+            "help": "A group the trainer trains at version t is generated with weights of "
+            "version >= t - max_staleness."
+        },
     )
     rollout_max_concurrency: int = field(
         default=0,
-        metadata={"help": "Most /generate requests the rollout keeps in flight (0 = a batch)."},
+        metadata={
+            "help": "Most groups, and most /generate requests, the rollout keeps in flight "
+            "(0 = rollout_batch_size groups, requests unbounded)."
+        },
     )
     seed: int = field(
         default=1234,
@@ -107,15 +119,7 @@ class RolloutConfig:
     )
     dynamic_sampling: bool = field(
         default=False,
-        metadata={"help": "Drop groups whose rewards are all equal and over-sample (DAPO)."},
-    )
-    over_sampling_batch_size: int = field(
-        default=0,
-        metadata={"help": "Prompts per extra round under dynamic sampling (0 = batch size)."},
-    )
-    max_sampling_rounds: int = field(
-        default=8,
-        metadata={"help": "Rounds per batch under dynamic sampling before it is cut short."},
+        metadata={"help": "Drop groups whose rewards are all equal; others replace them (DAPO)."},
     )
     partial_rollout: bool = field(
         default=False,
@@ -139,8 +143,24 @@ class RolloutConfig:
             raise ValueError("--rollout-batch-size and --n-samples-per-prompt must be >= 1")
         if self.max_staleness < 0:
             raise ValueError("--max-staleness must be >= 0")
-        if self.rollout_max_concurrency < 0 or self.max_sampling_rounds < 1:
-            raise ValueError("--rollout-max-concurrency must be >= 0, --max-sampling-rounds >= 1")
+        if self.rollout_max_concurrency < 0:
+            raise ValueError("--rollout-max-concurrency must be >= 0")
+        if self.num_steps_per_rollout < 1:
+            raise ValueError("--num-steps-per-rollout must be >= 1")
+
+    def contract(self) -> RunContract:
+        """The run-contract terms this router states: the batch arithmetic and staleness when
+        it runs rollouts; with --no-rollout (agents only) the model and the group size."""
+        model_id = model_identity(self.model) if self.model else None
+        if not self.rollout:
+            return RunContract(model_id=model_id, n_samples_per_prompt=self.n_samples_per_prompt)
+        return RunContract(
+            model_id=model_id,
+            rollout_batch_size=self.rollout_batch_size,
+            n_samples_per_prompt=self.n_samples_per_prompt,
+            num_steps_per_rollout=self.num_steps_per_rollout,
+            max_staleness=self.max_staleness,
+        )
 
 
 @dataclass

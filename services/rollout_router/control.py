@@ -1,28 +1,54 @@
 """Rollout control: start, pause, resume, stop, and validated configuration changes.
 
-Knows: the rollout loop's two asyncio tasks (batches, evaluations) and how to rebuild the
-prompt set when the dataset changes. Pause takes effect between batches (the current batch
-finishes and is put); stop cancels the tasks at once, and every group still in flight is
-recorded as a drop with reason `cancelled`. Start after stop resumes at the unfinished batch.
+Knows: the rollout loop's asyncio tasks (groups, evaluations, status reports) and how to
+rebuild the prompt set when the dataset changes. Pause stops new groups (those in flight finish
+and are put); stop cancels the tasks at once, and every group still in flight is recorded as a
+drop with reason `cancelled`. Start after stop goes on with the next prompt of the cursor.
+
+The status reporter writes the loop's `ServiceStatus` to Redis every `STATUS_INTERVAL_S` and on
+each state change (it waits for whichever comes first); a rollout or evaluation task that ended
+with an exception makes it `failed` with the error, and `GET /health` answers 503.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import typing
 from typing import Any
 
+from redis.exceptions import RedisError
+
+from proto.contract import FLAGS
 from services.rollout_router.config import DataConfig
 from services.rollout_router.evaluation import run_evaluations
+from services.rollout_router.report import service_status
 from services.rollout_router.rollout import RolloutLoop
+
+log = logging.getLogger("tandem.router.control")
 
 # Fields a running router may change; the model and the run identity may not.
 FROZEN = {"model", "rollout", "version_poll_s"}
+# Terms of the run contract (proto/contract.py): the trainer relies on them, so they are fixed
+# for the run's life.
+CONTRACT_TERMS = (
+    "rollout_batch_size",
+    "n_samples_per_prompt",
+    "max_staleness",
+    "num_steps_per_rollout",
+)
+STATUS_INTERVAL_S = 2.0
+STATUS_TTL_S = 30.0
 
 
 class ConfigPatchError(ValueError):
     """A PATCH names an unknown or frozen field, has a wrong type, or fails validation."""
+
+
+class ContractTermError(ConfigPatchError):
+    """A PATCH changes a term of the run contract (answered 409)."""
 
 
 def _check_type(name: str, kind: Any, value: Any) -> Any:
@@ -62,14 +88,38 @@ class RolloutController:
         self.build_task = build_task  # (data config, tokenizer) -> Task
         self.task: asyncio.Task | None = None
         self.eval_task: asyncio.Task | None = None
+        self.status_task: asyncio.Task | None = None
 
     @property
     def running(self) -> bool:
         return self.task is not None and not self.task.done()
 
     def start_evaluations(self) -> None:
-        """Evaluations run whether or not rollouts do (agents may be the only producers)."""
+        """Evaluations and status reports run whether or not rollouts do (agents may be the
+        only producers)."""
         self.eval_task = asyncio.create_task(run_evaluations(self.loop), name="eval")
+        self.status_task = asyncio.create_task(self.report_status(), name="status")
+
+    def failure(self) -> str:
+        """The error that ended the rollout or evaluation task; empty while both live."""
+        for task in (self.task, self.eval_task):
+            if task is not None and task.done() and not task.cancelled() and task.exception():
+                exc = task.exception()
+                return f"{task.get_name()} task failed: {type(exc).__name__}: {exc}"
+        return ""
+
+    async def report_status(self) -> None:
+        """Write the status record every STATUS_INTERVAL_S and on each state change."""
+        buffer = self.loop.buffer
+        while True:
+            self.loop.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.loop.changed.wait(), STATUS_INTERVAL_S)
+            status = await asyncio.to_thread(service_status, self.loop, self.failure())
+            try:
+                await asyncio.to_thread(buffer.set_status, status, STATUS_TTL_S)
+            except RedisError as exc:  # the rollout loop reports the outage; retried next time
+                log.debug("status not written: %s", exc)
 
     def start(self) -> None:
         if self.running:
@@ -85,9 +135,10 @@ class RolloutController:
 
     async def close(self) -> None:
         await self.stop()
-        if self.eval_task is not None:
-            self.eval_task.cancel()
-            await asyncio.gather(self.eval_task, return_exceptions=True)
+        for task in (self.eval_task, self.status_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     def pause(self) -> None:
         self.loop.pause()
@@ -96,7 +147,14 @@ class RolloutController:
         self.loop.resume()
 
     async def patch(self, changes: dict[str, Any]) -> dict[str, Any]:
-        """Apply changes to sampling, rollout and data fields; all or nothing."""
+        """Apply changes to sampling, rollout and data fields; all or nothing. A new value of
+        a run-contract term is refused (ContractTermError); its current value is accepted."""
+        for term in CONTRACT_TERMS:
+            if term in changes and changes[term] != getattr(self.loop.config, term):
+                raise ContractTermError(
+                    f"{term} is part of the run contract shared with the trainer; restart the "
+                    f"run with {FLAGS[term]} {changes[term]}"
+                )
         rollout, rest = patch_dataclass(self.loop.config, changes)
         sampling, rest = patch_dataclass(self.loop.sampling, rest)
         data, rest = patch_dataclass(self.data, rest)

@@ -4,6 +4,7 @@
 agents may be the only producers). It polls the engines' version and evaluates at start and
 whenever the version reaches a new multiple of `eval_interval`, publishing `eval/accuracy`
 (exact match: the task's judge, else reward >= 1) and `eval/reward_mean` at that version.
+A prompt whose generation or reward fails counts in `eval/failed`, never ends the task.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ async def evaluate(loop: RolloutLoop, version: int) -> dict[str, float]:
             failed += 1
             continue
         partial = Partial.of(out[0])
-        reward = await loop.reward.score(item.prompt, partial.text, item.label, partial.finish)
+        try:
+            reward = await loop.reward.score(item.prompt, partial.text, item.label, partial.finish)
+        except RewardError:  # logged once and counted by the reward itself
+            failed += 1
+            continue
         stopped = partial.finish == "stop"
         rewards.append(reward)
         judge = loop.task.exact

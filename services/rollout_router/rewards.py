@@ -4,9 +4,13 @@ Every reward is `async score(prompt, response_text, label, finish_reason) -> flo
 A built-in or dotted-path function has the signature `fn(response_text, label, stopped) -> float`
 (`stopped` = generation ended on a stop token, not the length limit); it may be `async`.
 The remote service gets `POST rm_url {"prompt", "response", "label", "finish_reason"}` and
-answers `{"reward": float}`; each call has a timeout and is retried with backoff, and a reward
-that still fails raises `RewardError` (the rollout loop drops that group with reason
-`reward_error`).
+answers `{"reward": float}`; each call has a timeout and is retried with backoff.
+
+A reward that cannot be had is a `RewardError` with its drop reason: `reward_error` (the
+function raised or returned None, the service kept failing) or `reward_nonfinite` (NaN or inf,
+which would make every loss NaN). `score_all` returns it in place of that sample's reward: the
+rollout loop drops that sample and keeps the others. The first failure of each reason is logged
+with its text, later ones with a count only (the drops hash counts every one).
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import logging
+import math
 import re
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -22,11 +29,31 @@ import aiohttp
 
 from services.rollout_router.toy_task import reverse_digits_reward
 
+log = logging.getLogger("tandem.router.rewards")
+
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
 class RewardError(RuntimeError):
-    """A reward could not be computed (remote service down, bad answer)."""
+    """A reward could not be computed; `reason` is its drop counter (`reward_error`,
+    `reward_nonfinite`)."""
+
+    def __init__(self, detail: str, reason: str = "reward_error") -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def as_reward(value: Any, source: str) -> float:
+    """`value` as a finite float, else a RewardError naming `source`."""
+    if value is None:
+        raise RewardError(f"{source} returned None")
+    try:
+        reward = float(value)
+    except (TypeError, ValueError) as exc:
+        raise RewardError(f"{source} returned {value!r}, not a number") from exc
+    if not math.isfinite(reward):
+        raise RewardError(f"{source} returned {reward}", "reward_nonfinite")
+    return reward
 
 
 def _same_number(a: str, b: str) -> bool:
@@ -109,23 +136,53 @@ class Reward:
             raise ValueError("a Reward needs exactly one of a function or a URL")
         self.fn, self.url, self.timeout_s, self.retries = fn, url, timeout_s, retries
         self.session = session
+        self.failures: Counter[str] = Counter()
+        name = getattr(fn, "__qualname__", repr(fn))
+        self.source = f"reward service {url}" if url else f"reward function {name}"
 
     async def score(self, prompt: Any, text: str, label: str, finish_reason: str) -> float:
-        if self.fn is not None:
+        """The reward, or RewardError (also for an exception of the function: its text)."""
+        try:
+            if self.fn is None:
+                return await self._remote(prompt, text, label, finish_reason)
             value = self.fn(text, label, finish_reason == "stop")
             if inspect.isawaitable(value):
                 value = await value
-            return float(value)
-        return await self._remote(prompt, text, label, finish_reason)
+            return as_reward(value, self.source)
+        except RewardError as exc:
+            self._note(exc)
+            raise
+        except Exception as exc:  # a user's function: anything it raises fails this sample only
+            error = RewardError(f"{self.source} raised {type(exc).__name__}: {exc}")
+            self._note(error)
+            raise error from exc
 
     async def score_all(
         self, prompt: Any, outputs: list[tuple[str, str]], label: str
-    ) -> list[float]:
-        """Rewards of (text, finish_reason) pairs; a plain local function runs inline, without
-        a task per sample."""
+    ) -> list[float | RewardError]:
+        """Rewards of (text, finish_reason) pairs, a RewardError in place of each that failed;
+        a plain local function runs inline, without a task per sample."""
+
+        async def one(text: str, finish: str) -> float | RewardError:
+            try:
+                return await self.score(prompt, text, label, finish)
+            except RewardError as exc:
+                return exc
+
         if self.fn is not None and not inspect.iscoroutinefunction(self.fn):
-            return [float(self.fn(text, label, finish == "stop")) for text, finish in outputs]
-        return list(await asyncio.gather(*(self.score(prompt, t, label, f) for t, f in outputs)))
+            return [await one(text, finish) for text, finish in outputs]
+        return list(await asyncio.gather(*(one(t, f) for t, f in outputs)))
+
+    def _note(self, error: RewardError) -> None:
+        """Log the first failure of each reason with its text, then at 10, 100, 1000, ..."""
+        self.failures[error.reason] += 1
+        count = self.failures[error.reason]
+        if count == 1:
+            log.warning(
+                "%s (%s; its samples are dropped and counted): %s", self.source, error.reason, error
+            )
+        elif math.log10(count).is_integer():
+            log.warning("%s: %d samples dropped as %s so far", self.source, count, error.reason)
 
     async def _remote(self, prompt: Any, text: str, label: str, finish_reason: str) -> float:
         assert self.session is not None, "a remote Reward needs the router's HTTP session"
@@ -136,7 +193,7 @@ class Reward:
                 timeout = aiohttp.ClientTimeout(total=self.timeout_s)
                 async with self.session.post(self.url, json=body, timeout=timeout) as resp:
                     if resp.status == 200:
-                        return float((await resp.json())["reward"])
+                        return as_reward((await resp.json())["reward"], self.source)
                     last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
             except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
                 last = f"{type(exc).__name__}: {exc}"

@@ -1,14 +1,24 @@
-"""The rollout loop: prompts -> engines -> samples -> rewards -> Redis.
+"""The rollout loop: prompts -> engines -> samples -> rewards -> Redis, as a stream of groups.
 
-`run()`, an asyncio task owned by `RolloutController` (evaluation.py runs beside it),
-produces batches b = 0, 1, 2, ... Before batch b it waits while the loop is paused, while no
-engine is admitted, and until the engines' weight version is at least `b - max_staleness` (the
-trainer trains batch b at version b, so nothing it receives is staler than that). A batch sends
-one `/generate` per prompt with `n = n_samples_per_prompt`, all prompts at once (at most
-`rollout_max_concurrency` requests in flight when set), and puts each group into the buffer as
-soon as it is complete. Puts are serialized and wait, in the event loop, while the buffer holds
-`max_groups` untrained groups: rollout never outruns the trainer by more than that. Batch b+1
-starts once each group of batch b is in Redis or recorded as dropped.
+`run()`, an asyncio task owned by `RolloutController` (evaluation.py runs beside it), starts
+one task per group and keeps groups in flight up to what the demand gate allows (progress.py):
+a group may start only while the rollout it would land in is within `max_staleness` versions of
+the engines, counting groups put and not yet consumed by the trainer plus those in flight. The
+loop waits while paused, while no engine is admitted, while the gate is closed (for the
+trainer to consume groups, or for the engines' version to rise: both read from Redis every
+`version_poll_s`), and after groups keep failing for a dependency (backoff, progress.py). It is
+unblocked by a group ending (put or dropped: a drop reopens the gate, so a replacement starts),
+by the trainer's counters and the engines' version moving, and by `resume()`. At most
+`rollout_max_concurrency` groups (else `rollout_batch_size`) are in flight.
+
+Each group task puts its group as soon as it is complete. Puts are serialized and wait, in the
+event loop, while the buffer holds `max_groups` untrained groups. Batches are only the
+reporting unit: `rollout/*` metrics are published every `rollout_batch_size` groups put.
+
+Prompts come from a cursor in Redis (`counters.prompts_drawn`): draw p is prompt p % len(train)
+of a permutation of the train set seeded by (`seed`, epoch p // len(train)); its group id is
+`p{p}` and its sampling seed derives from (seed, p), so a restarted router neither repeats nor
+skips a prompt (a group in flight when the router died is lost).
 
 The engines' version is `max(version:engines in Redis, lowest version any admitted engine
 reported)`: the broker sets the Redis key once every engine has loaded a version; engines
@@ -19,10 +29,9 @@ tokenizer's EOS) with `no_stop_trim`, so a sample that ends on a stop keeps it: 
 token is its last response token and the text ends where the matched stop ends (samples.py).
 
 Dynamic sampling (DAPO): a group whose rewards are all equal carries no GRPO signal; it is
-dropped (`all_rewards_equal`) and further rounds of prompts refill the batch, up to
-`max_sampling_rounds`; groups finishing after the batch is full are dropped as `surplus`.
-Every group that is not put is recorded with its reason (`engine_error`, `aborted`,
-`reward_error`, ...); none is lost silently.
+dropped (`all_rewards_equal`) and the gate starts another. A sample whose reward fails is
+dropped alone (`reward_error`, `reward_nonfinite`). Every group or sample that is not put is
+recorded with its reason (`engine_error`, `aborted`, `reward_error`, ...); none is lost silently.
 """
 
 from __future__ import annotations
@@ -31,10 +40,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import random
+import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -43,6 +51,14 @@ from proto import DropRecord, Sample, SampleGroup
 from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.environments import EnvError, EpisodeRunner
 from services.rollout_router.limiter import Limiter
+from services.rollout_router.progress import (
+    Backoff,
+    Demand,
+    EpochOrders,
+    allowance,
+    closed_gate_reason,
+)
+from services.rollout_router.report import BatchStats
 from services.rollout_router.rewards import Reward, RewardError
 from services.rollout_router.samples import Partial, as_list, parse_version, sampling_seed
 from services.rollout_router.tasks import Item, Task
@@ -51,11 +67,8 @@ from services.sample_buffer import SampleBuffer
 
 log = logging.getLogger("tandem.router.rollout")
 
-
-def batch_items(items: list[Item], batch: int, size: int, seed: int, round_: int = 0) -> list[Item]:
-    """The prompts of one round of one batch: without replacement when the set is large enough."""
-    rng = random.Random(f"{seed}:{batch}:{round_}")
-    return rng.sample(items, size) if size <= len(items) else rng.choices(items, k=size)
+# Group drop reasons that say a dependency is failing: repeated, they make the loop back off.
+DEPENDENCY_REASONS = {"engine_error", "env_all_failed", "reward_error"}
 
 
 class GroupDroppedError(Exception):
@@ -66,25 +79,8 @@ class GroupDroppedError(Exception):
         self.reason = reason
 
 
-@dataclass
-class BatchState:
-    """Groups put so far for one batch, against its target."""
-
-    index: int
-    target: int
-    kept: int = 0
-    samples: int = 0
-    reward_sum: float = 0.0
-    length_sum: int = 0
-    min_version: int | None = None
-
-    @property
-    def full(self) -> bool:
-        return self.kept >= self.target
-
-
 class RolloutLoop:
-    """Produces sample groups batch by batch, gated by the engines' weight version."""
+    """Produces sample groups as the demand gate allows, one task per group."""
 
     def __init__(
         self,
@@ -101,39 +97,50 @@ class RolloutLoop:
         self.pool, self.buffer, self.task, self.reward = pool, buffer, task, reward
         self.stop_token_ids = stop_token_ids
         self.episodes = episodes
-        self.state = "idle"
-        self.batch = 0
-        self.in_flight = 0
+        self.state, self.waiting_for, self.since = "idle", "", time.time()
+        self.in_flight = 0  # /generate requests
+        self.groups: set[asyncio.Task] = set()  # groups started, not yet put or dropped
         self.samples_per_s = 0.0
         self.groups_put = 0
         self.last_eval: dict[str, float] = {}
         self.last_eval_version = -1
         self.error = ""
         self.limiter = Limiter(config.rollout_max_concurrency)
+        self.backoff = Backoff()
+        self.stats = BatchStats()
+        self.changed = asyncio.Event()  # set on each state change (the status reporter waits)
         self._resume = asyncio.Event()
         self._resume.set()
+        self._wake = asyncio.Event()  # set when a group ends
         self._put_lock = asyncio.Lock()
         self._room = 0  # groups we may still put before reading the stream's depth again
-        self.current: BatchState | None = None
+        self._failure: BaseException | None = None  # a group task's unexpected exception
+        self._redis_error: Exception | None = None
+        self._redis_lost = 0  # groups lost while Redis was unavailable
+        self.orders = EpochOrders()
 
-    # --- versions and control ------------------------------------------------------------------
+    # --- versions, state and control -----------------------------------------------------------
 
     def engines_version(self) -> int:
         return max(self.buffer.get_version("engines"), self.pool.min_version())
 
-    async def wait_for_version(self, needed: int) -> None:
-        while self.engines_version() < needed:
-            self.state = "waiting_for_weights"
-            await asyncio.sleep(self.config.version_poll_s)
+    def set_state(self, state: str, waiting_for: str = "") -> None:
+        """`waiting_for`: what would unblock the loop, as a sentence a user can act on."""
+        if state != self.state:
+            self.since = time.time()
+            self.changed.set()
+        self.state, self.waiting_for = state, waiting_for
 
     async def wait_for_workers(self) -> None:
         """With no admitted engine, every group would fail at once: wait instead of dropping."""
         while not self.pool.admitted():
-            self.state = "waiting_for_workers"
+            self.set_state(
+                "waiting_for_workers", "an admitted engine (none is healthy: see GET /workers)"
+            )
             await asyncio.sleep(self.config.version_poll_s)
 
     def pause(self) -> None:
-        """Finish the current batch, then wait for `resume()`."""
+        """Start no more groups; the ones in flight finish and are put. Then wait for resume."""
         self._resume.clear()
 
     def resume(self) -> None:
@@ -144,98 +151,228 @@ class RolloutLoop:
         return not self._resume.is_set()
 
     def apply(self, rollout: RolloutConfig, sampling: SamplingConfig) -> None:
-        """Use validated new settings from the next request (and the next batch) on."""
+        """Use validated new settings from the next request (and the next group) on."""
         self.config, self.sampling = rollout, sampling
         self.limiter.set_limit(rollout.rollout_max_concurrency)
 
-    # --- rollout -------------------------------------------------------------------------------
+    # --- the loop ------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Batches until cancelled. A Redis outage ends the current batch short: once Redis
-        answers again, the groups it could not put are counted (`redis_unavailable`) and the
-        next batch starts (re-running the batch would put its earlier groups twice)."""
+        """Start groups as the gate allows, until cancelled. A Redis outage stops new groups;
+        once Redis answers again, the groups it made us lose are counted (`redis_unavailable`)
+        and the loop goes on. A group task's unexpected exception ends the loop (`failed`)."""
         try:
             while True:
                 if self.paused:
-                    self.state = "paused"
-                    await self._resume.wait()
+                    await self._pause()
+                if self._failure is not None:
+                    raise self._failure
                 try:
+                    if self._redis_error is not None:
+                        await self._wait_for_redis()
                     await self.wait_for_workers()
-                    await self.wait_for_version(self.batch - self.config.max_staleness)
-                    await self.run_batch(self.batch)
+                    started = await self._start_groups()
                 except RedisError as exc:
-                    await self._wait_for_redis(exc)
-                    if self.current is None or self.current.index != self.batch:
-                        continue  # the batch had not started: run it now
-                self.batch += 1
+                    self._redis_error = exc
+                    continue
+                if not started:
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self.config.version_poll_s)
         except asyncio.CancelledError:
-            self.state = "stopped"
+            self.set_state("stopped")
+            await self._cancel_groups()
             raise
         except Exception as exc:
-            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.set_state("failed")
             log.exception("rollout loop failed")
+            await self._cancel_groups()
             raise
 
-    async def _wait_for_redis(self, exc: Exception) -> None:
-        self.state, self.error = "waiting_for_redis", f"{type(exc).__name__}: {exc}"
+    async def _pause(self) -> None:
+        while self.groups:
+            self.set_state("pausing", "the groups in flight to finish (paused on request)")
+            await asyncio.wait(set(self.groups))
+        self.set_state("paused", "POST /rollout/resume (the loop was paused on request)")
+        await self._resume.wait()
+
+    async def _cancel_groups(self) -> None:
+        groups = list(self.groups)
+        for group in groups:
+            group.cancel()
+        await asyncio.gather(*groups, return_exceptions=True)
+
+    async def _start_groups(self) -> int:
+        """Start as many groups as the gate, the concurrency bound and the backoff allow."""
+        cfg, backoff = self.config, self.backoff
+        if backoff.active:
+            left = backoff.until - time.monotonic()
+            if left > 0 or self.groups:  # wait out the delay, then probe with one group
+                self.set_state("backing_off", self._backoff_reason(max(left, 0.0)))
+                return 0
+        in_flight = len(self.groups)  # read before the counters: a group is never missed
+        room = (cfg.rollout_max_concurrency or cfg.rollout_batch_size) - in_flight
+        if backoff.active:
+            room = min(room, 1)
+        if room <= 0:
+            return 0
+        demand = await asyncio.to_thread(self.read_demand, in_flight)
+        n = min(room, allowance(demand, *self._gate_terms()))
+        if n <= 0:
+            who = "weights" if demand.engines_version < demand.trainer_version else "trainer"
+            self.set_state(f"waiting_for_{who}", closed_gate_reason(demand, *self._gate_terms()))
+            return 0
+        self.set_state("generating")
+        for _ in range(n):
+            p = await asyncio.to_thread(self.buffer.incr_counter, "prompts_drawn") - 1
+            group = asyncio.create_task(self.run_group(p, self.prompt(p)), name=f"group p{p}")
+            self.groups.add(group)
+            group.add_done_callback(self._group_ended)
+        return n
+
+    def _gate_terms(self) -> tuple[int, int, int]:
+        cfg = self.config
+        return cfg.rollout_batch_size, cfg.num_steps_per_rollout, cfg.max_staleness
+
+    def read_demand(self, in_flight: int) -> Demand:
+        """The gate's inputs (blocking Redis reads)."""
+        counters = self.buffer.counters()
+        trainer = self.buffer.get_version("trainer")
+        # A trainer that does not count `groups_consumed` (an older one) has consumed exactly
+        # one rollout_batch_size per rollout it finished: the gate is then the old batch gate.
+        rollouts_done = max(trainer, 0) // self.config.num_steps_per_rollout
+        return Demand(
+            put=counters.get("groups_put", 0),
+            consumed=counters.get(
+                "groups_consumed", rollouts_done * self.config.rollout_batch_size
+            ),
+            in_flight=in_flight,
+            trainer_version=trainer,
+            engines_version=self.engines_version(),
+        )
+
+    def prompt(self, p: int) -> Item:
+        """Draw p: prompt p % len(train) of epoch p // len(train)'s permutation."""
+        train = self.task.train
+        epoch, index = divmod(p, len(train))
+        return train[self.orders.order(len(train), self.config.seed, epoch)[index]]
+
+    def _group_ended(self, group: asyncio.Task) -> None:
+        self.groups.discard(group)
+        if not group.cancelled() and group.exception() is not None:
+            self._failure = group.exception()
+        self._wake.set()
+
+    def _backoff_reason(self, left_s: float) -> str:
+        reason = self.backoff.reason
+        if reason == "engine_error":
+            return self.backoff.sentence("the engines (see GET /workers)", left_s)
+        if reason == "reward_error":
+            return self.backoff.sentence(self.reward.source, left_s)
+        env = self.episodes.client.url if self.episodes else "?"
+        return self.backoff.sentence(f"environment {env}", left_s)
+
+    async def _wait_for_redis(self) -> None:
+        exc = self._redis_error
+        self.error = f"{type(exc).__name__}: {exc}"
+        self.set_state("waiting_for_redis", f"Redis at {self.buffer.config.redis_url} ({exc})")
         log.warning("Redis unavailable (%s); waiting for it", exc)
         while True:
-            await asyncio.sleep(1.0)
             try:
                 await asyncio.to_thread(self.buffer.redis.ping)
                 break
             except RedisError:
-                continue
-        batch = self.current
-        if batch is not None and not batch.full:
-            await self._drop(
-                f"b{batch.index}", "redis_unavailable", str(exc), batch.target - batch.kept
-            )
-        self._room, self.error = 0, ""
+                await asyncio.sleep(1.0)
+        if self._redis_lost:
+            await self._drop("redis", "redis_unavailable", str(exc), self._redis_lost)
+        self._redis_lost, self._redis_error, self._room, self.error = 0, None, 0, ""
 
-    async def run_batch(self, index: int) -> BatchState:
-        """Rounds of prompts until `rollout_batch_size` groups are put (one round without
-        dynamic sampling), then the batch's metrics."""
-        self.state = "generating"
-        cfg = self.config
-        batch = self.current = BatchState(index, cfg.rollout_batch_size)
-        start, next_prompt = time.monotonic(), 0
-        for round_ in range(cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
-            if batch.full:
-                break
-            size = (
-                (cfg.over_sampling_batch_size or cfg.rollout_batch_size) if round_ else batch.target
-            )
-            items = batch_items(self.task.train, index, size, cfg.seed, round_)
-            results = await asyncio.gather(
-                *(self.run_group(batch, next_prompt + i, item) for i, item in enumerate(items)),
-                return_exceptions=True,  # let every group finish before a failure propagates
-            )
-            next_prompt += size
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-        if not batch.full:
-            log.warning("batch %d ended with %d of %d groups", index, batch.kept, batch.target)
-        await self._publish_batch(batch, max(time.monotonic() - start, 1e-9), next_prompt)
-        return batch
+    # --- one group -----------------------------------------------------------------------------
 
-    async def _publish_batch(self, batch: BatchState, elapsed: float, prompts: int) -> None:
-        self.samples_per_s = batch.samples / elapsed
-        if not batch.kept:
+    async def run_group(self, p: int, item: Item) -> None:
+        """Make, filter and put the group of draw p; a Redis error loses it (counted later)."""
+        try:
+            await self._group(p, item)
+        except RedisError as exc:
+            self._redis_lost += 1
+            self._redis_error = exc
+
+    async def _group(self, p: int, item: Item) -> None:
+        group_id, started = f"p{p}", time.monotonic()
+        committed = [False]  # set once the XADD is under way: from then on the group is put
+        try:
+            group = await self.make_group(p, item, group_id)
+            if self.config.dynamic_sampling and len({s.reward for s in group.samples}) == 1:
+                raise GroupDroppedError(
+                    "all_rewards_equal", f"every reward is {group.samples[0].reward}"
+                )
+            await self.put(group, committed)
+        except GroupDroppedError as exc:
+            self.stats.finished += 1
+            reason = exc.reason
+            if reason in DEPENDENCY_REASONS and (reason != "reward_error" or self.reward.url):
+                self.backoff.failed(reason, str(exc), started, time.monotonic())
+            await self._drop(group_id, reason, str(exc))
             return
-        values = {
-            "rollout/batch": float(batch.index),
-            "rollout/reward_mean": batch.reward_sum / batch.samples,
-            "rollout/samples_per_s": self.samples_per_s,
-            "rollout/response_len_mean": batch.length_sum / batch.samples,
-            "rollout/groups": float(batch.kept),
-            "rollout/prompts_generated": float(prompts),
-            "rollout/batch_time_s": elapsed,
-            "rollout/engines_version": float(self.engines_version()),
-        }
-        step = batch.min_version if batch.min_version is not None else 0
-        await asyncio.to_thread(self.buffer.publish_metrics, "router", step, values)
+        except asyncio.CancelledError:
+            # Stopped mid-group: the group will not be trained on; say so before unwinding
+            # (synchronously: a cancelled task cannot reliably await).
+            if not committed[0]:
+                with contextlib.suppress(RedisError):
+                    self.buffer.record_drop(
+                        DropRecord(
+                            source="router",
+                            reason="cancelled",
+                            count=1,
+                            group_id=group_id,
+                            detail="rollout stopped",
+                        )
+                    )
+            raise
+        self.backoff.succeeded()
+        await self.stats.add(group, self)
+
+    async def make_group(self, p: int, item: Item, group_id: str) -> SampleGroup:
+        """Generate (single turns or environment episodes) and reward one prompt's group."""
+        seed = sampling_seed(self.config.seed, p)
+        try:
+            if self.episodes is not None:
+                outcomes = await self._episode_samples(item, group_id, seed)
+            else:
+                outcomes = await self._single_turn_samples(item, seed)
+        except (EngineRequestError, NoWorkerError) as exc:
+            raise GroupDroppedError("engine_error", str(exc)) from exc
+        samples = await self._scored(group_id, outcomes)
+        return SampleGroup(
+            group_id=group_id,
+            prompt=item.prompt,
+            label=item.label,
+            samples=samples,
+            weight_version=min(s.weight_version for s in samples),
+            created_at=time.time(),
+        )
+
+    async def _scored(self, group_id: str, outcomes: list[Sample | RewardError]) -> list[Sample]:
+        """The samples with a finite reward. Each other one is dropped with its reason; when
+        none is left the group is dropped instead (one record, the first sample's reason)."""
+        failed: list[tuple[int, RewardError]] = []
+        samples = []
+        for k, outcome in enumerate(outcomes):
+            if isinstance(outcome, Sample) and not math.isfinite(outcome.reward):
+                outcome = RewardError(f"reward {outcome.reward}", "reward_nonfinite")
+            if isinstance(outcome, RewardError):
+                failed.append((k, outcome))
+            else:
+                samples.append(outcome)
+        if not samples:
+            error = failed[0][1]
+            raise GroupDroppedError(error.reason, f"all {len(outcomes)} samples: {error}")
+        for k, error in failed:
+            await self._drop(f"{group_id}-s{k}", error.reason, str(error), quiet=True)
+        return samples
+
+    # --- requests -----------------------------------------------------------------------------
 
     def payload(self, input_ids: list[int], n: int, max_new: int, greedy: bool, seed: int) -> dict:
         s = self.sampling
@@ -275,68 +412,7 @@ class RolloutLoop:
             worker.weight_version = max(worker.weight_version, v)
         return outs
 
-    async def run_group(self, batch: BatchState, index: int, item: Item) -> None:
-        group_id = f"b{batch.index}-p{index}"
-        committed = [False]  # set once the XADD is under way: from then on the group is put
-        try:
-            group = await self.make_group(batch.index, index, item, group_id)
-            if self.config.dynamic_sampling and len({s.reward for s in group.samples}) == 1:
-                raise GroupDroppedError(
-                    "all_rewards_equal", f"every reward is {group.samples[0].reward}"
-                )
-            if batch.full:
-                raise GroupDroppedError("surplus", "the batch was already full")
-            batch.kept += 1  # reserve the slot before awaiting the put
-            try:
-                await self.put(group, committed)
-            except RedisError:
-                batch.kept -= 1
-                raise
-        except GroupDroppedError as exc:
-            await self._drop(group_id, exc.reason, str(exc))
-            return
-        except asyncio.CancelledError:
-            # Stopped mid-batch: the group will not be trained on; say so before unwinding
-            # (synchronously: a cancelled task cannot reliably await).
-            if not committed[0]:
-                self.buffer.record_drop(
-                    DropRecord(
-                        source="router",
-                        reason="cancelled",
-                        count=1,
-                        group_id=group_id,
-                        detail="rollout stopped",
-                    )
-                )
-            raise
-        batch.samples += len(group.samples)
-        batch.reward_sum += sum(s.reward for s in group.samples)
-        batch.length_sum += sum(len(s.response_ids) for s in group.samples)
-        v = group.weight_version
-        batch.min_version = v if batch.min_version is None else min(batch.min_version, v)
-
-    async def make_group(self, batch: int, index: int, item: Item, group_id: str) -> SampleGroup:
-        """Generate (single turns or environment episodes) and reward one prompt's group."""
-        seed = sampling_seed(self.config.seed, batch, index)
-        try:
-            if self.episodes is not None:
-                samples = await self._episode_samples(item, group_id, seed)
-            else:
-                samples = await self._single_turn_samples(item, seed)
-        except (EngineRequestError, NoWorkerError) as exc:
-            raise GroupDroppedError("engine_error", str(exc)) from exc
-        except RewardError as exc:
-            raise GroupDroppedError("reward_error", str(exc)) from exc
-        return SampleGroup(
-            group_id=group_id,
-            prompt=item.prompt,
-            label=item.label,
-            samples=samples,
-            weight_version=min(s.weight_version for s in samples),
-            created_at=time.time(),
-        )
-
-    async def _single_turn_samples(self, item: Item, seed: int) -> list[Sample]:
+    async def _single_turn_samples(self, item: Item, seed: int) -> list[Sample | RewardError]:
         n, max_new = self.config.n_samples_per_prompt, self.sampling.rollout_max_response_len
         prompt_ids = list(item.input_ids)
         outs = await self.generate(self.payload(prompt_ids, n, max_new, False, seed))
@@ -357,9 +433,14 @@ class RolloutLoop:
         rewards = await self.reward.score_all(
             item.prompt, [(p.text, p.finish) for p in partials], item.label
         )
-        return [p.to_sample(prompt_ids, r) for p, r in zip(partials, rewards, strict=True)]
+        return [
+            r if isinstance(r, RewardError) else p.to_sample(prompt_ids, r)
+            for p, r in zip(partials, rewards, strict=True)
+        ]
 
-    async def _episode_samples(self, item: Item, group_id: str, seed: int) -> list[Sample]:
+    async def _episode_samples(
+        self, item: Item, group_id: str, seed: int
+    ) -> list[Sample | RewardError]:
         """n episodes; a failed one is recorded as a drop and the others are kept."""
         assert self.episodes is not None
         max_new = self.sampling.rollout_max_response_len
@@ -383,16 +464,18 @@ class RolloutLoop:
             ),
             return_exceptions=True,
         )
-        samples = []
+        samples: list[Sample | RewardError] = []
+        first = ""
         for k, result in enumerate(results):
             if isinstance(result, EnvError):
+                first = first or f"{result.reason}: {result}"
                 await self._drop(f"{group_id}-e{k}", result.reason, str(result))
             elif isinstance(result, BaseException):
                 raise result
             else:
                 samples.append(result)
         if not samples:
-            raise GroupDroppedError("env_all_failed", f"all {n} episodes failed")
+            raise GroupDroppedError("env_all_failed", f"all {n} episodes failed; first: {first}")
         return samples
 
     async def complete(
@@ -429,42 +512,25 @@ class RolloutLoop:
                 depth = await asyncio.to_thread(self.buffer.depth)
                 self._room = self.buffer.config.max_groups - depth
                 if self._room <= 0:
-                    self.state = "waiting_for_buffer"
+                    self.set_state(
+                        "waiting_for_buffer",
+                        f"the trainer to ack groups: the buffer holds --max-groups "
+                        f"{self.buffer.config.max_groups} untrained groups",
+                    )
                     await asyncio.sleep(0.05)
             committed[0] = True
             self._room -= 1
             self.groups_put += 1
             await asyncio.shield(asyncio.to_thread(self.buffer.put_group, group))
-            self.state = "generating"
+            if self.state == "waiting_for_buffer":
+                self.set_state("generating")
 
-    async def _drop(self, group_id: str, reason: str, detail: str, count: int = 1) -> None:
-        log.warning("dropping %d group(s) %s: %s (%s)", count, group_id, reason, detail[:300])
+    async def _drop(
+        self, group_id: str, reason: str, detail: str, count: int = 1, quiet: bool = False
+    ) -> None:
+        if not quiet:
+            log.warning("dropping %d group(s) %s: %s (%s)", count, group_id, reason, detail[:300])
         record = DropRecord(
             source="router", reason=reason, count=count, group_id=group_id, detail=detail[:500]
         )
         await asyncio.to_thread(self.buffer.record_drop, record)
-
-    def status(self) -> dict[str, Any]:
-        """The loop's state; the Redis-backed fields are None while Redis is unavailable."""
-        redis_fields: dict[str, Any] = dict.fromkeys(
-            ("engines_version", "trainer_version", "buffer_depth", "drops")
-        )
-        with contextlib.suppress(RedisError):
-            redis_fields = {
-                "engines_version": self.engines_version(),
-                "trainer_version": self.buffer.get_version("trainer"),
-                "buffer_depth": self.buffer.depth(),
-                "drops": self.buffer.drop_counts(),
-            }
-        return {
-            "state": self.state,
-            "paused": self.paused,
-            "error": self.error,
-            "batch": self.batch,
-            "in_flight": self.in_flight,
-            "samples_per_s": self.samples_per_s,
-            "groups_put": self.groups_put,
-            "last_eval_version": self.last_eval_version,
-            "last_eval": self.last_eval,
-            **redis_fields,
-        }

@@ -13,7 +13,8 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel
 
 from services.rollout_router.auth import require_token
-from services.rollout_router.control import ConfigPatchError, RolloutController
+from services.rollout_router.control import ConfigPatchError, ContractTermError, RolloutController
+from services.rollout_router.report import status as loop_status
 from services.rollout_router.workers import EngineStartupError, WorkerPool
 
 router = APIRouter()
@@ -91,7 +92,8 @@ def control_of(request: Request) -> RolloutController:
 
 @router.get("/rollout/status", tags=["rollout"])
 async def rollout_status(request: Request) -> dict[str, Any]:
-    """State, batch index, versions, in-flight requests, samples/s, buffer depth, drops."""
+    """State, what the loop waits for (`waiting_for`, a sentence), batch index, versions,
+    in-flight requests and groups, samples/s, buffer depth, drops."""
     pool = pool_of(request)
     base = {
         "workers": len(pool.admitted()),
@@ -101,20 +103,23 @@ async def rollout_status(request: Request) -> dict[str, Any]:
     control = request.app.state.control
     if control is None:
         return {**base, "state": "disabled"}
-    status = await asyncio.to_thread(control.loop.status)
+    status = await asyncio.to_thread(loop_status, control.loop)
+    failure = control.failure()
+    if failure:
+        status.update(state="failed", error=failure)
     return {**base, **status, "running": control.running}
 
 
 @router.post("/rollout/start", tags=["rollout"], dependencies=[Depends(require_token)])
 async def rollout_start(request: Request) -> dict[str, Any]:
-    """Start the rollout loop (no-op when running); continues at the unfinished batch."""
+    """Start the rollout loop (no-op when running); continues with the next prompt."""
     control_of(request).start()
     return {"running": True}
 
 
 @router.post("/rollout/pause", tags=["rollout"], dependencies=[Depends(require_token)])
 async def rollout_pause(request: Request) -> dict[str, Any]:
-    """Pause after the current batch."""
+    """Start no more groups; those in flight finish and are put."""
     control_of(request).pause()
     return {"paused": True}
 
@@ -143,8 +148,13 @@ async def rollout_config(request: Request) -> dict[str, Any]:
 async def patch_rollout_config(request: Request, changes: dict[str, Any]) -> dict[str, Any]:
     """Change sampling parameters (`rollout_temperature`, `rollout_max_response_len`, ...),
     concurrency (`rollout_max_concurrency`) or the dataset (`prompt_data`, ...); validated,
-    all or nothing, effective from the next request."""
+    all or nothing, effective from the next request. The run-contract terms
+    (`rollout_batch_size`, `n_samples_per_prompt`, `max_staleness`, `num_steps_per_rollout`)
+    are shared with the trainer and fixed for the run: a new value is answered 409 (restart
+    the run with the flag instead)."""
     try:
         return await control_of(request).patch(changes)
+    except ContractTermError as exc:
+        raise HTTPException(409, str(exc)) from exc
     except ConfigPatchError as exc:
         raise HTTPException(422, str(exc)) from exc

@@ -64,9 +64,14 @@ async def completions(request: Request) -> Response:
 
 
 @router.get("/health", tags=["engine"])
-async def health(request: Request) -> dict[str, Any]:
-    """200 while the router runs; `workers` counts the admitted engines."""
-    return {"status": "ok", "workers": len(request.app.state.pool.admitted())}
+async def health(request: Request) -> Response:
+    """200 while the router runs; `workers` counts the admitted engines. 503 with
+    `{"status": "failed", "error"}` once the rollout or evaluation task has died."""
+    control = request.app.state.control
+    failure = control.failure() if control is not None else ""
+    if failure:
+        return JSONResponse({"status": "failed", "error": failure}, 503)
+    return JSONResponse({"status": "ok", "workers": len(request.app.state.pool.admitted())})
 
 
 @router.get("/get_model_info", tags=["engine"])

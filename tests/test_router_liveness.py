@@ -1,0 +1,202 @@
+"""Never stuck, never silent (router side): the router refills what the trainer drops, waits
+out a late dependency with backoff, survives failing rewards, states its run contract, says
+what it waits for, and reports a dead task on /health. Real router process (or app), stand-in
+engines, a real Valkey server; the test itself plays the trainer and the broker where needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from http.server import ThreadingHTTPServer
+
+import pytest
+
+from proto.contract import RunContract
+from tests.helpers import free_port, get_json, read_all, wait_until
+from tests.test_router_agents import ScriptedEnv
+from tests.test_router_rollout import router_args
+
+FLAKY_REWARDS = '''
+import itertools
+
+calls = itertools.count()
+
+
+def flaky(text, label, stopped):
+    """Of every 4 calls: one raises, one returns None, one NaN, one 1.0."""
+    k = next(calls) % 4
+    if k == 0:
+        raise ZeroDivisionError("boom")
+    return [None, float("nan"), 1.0][k - 1]
+'''
+
+
+def test_a_trainer_that_drops_groups_gets_replacements_until_its_steps_complete(
+    buffer, toy_model_dir, start_service, engines
+):
+    """The test trains: it consumes groups, drops every third one (as a staleness or length
+    filter would), steps after 4 trained groups and brings the engines along (the broker's
+    part). With max_staleness 0 a router that made exactly 4 groups per step waited forever."""
+    urls = [engines().url]
+    args = router_args(buffer, toy_model_dir, urls, "--max-staleness", "0", "--eval-interval", "0")
+    start_service("router", args)
+    version, trained, consumed = 0, 0, 0
+    deadline = time.monotonic() + 60
+    while version < 5:
+        assert time.monotonic() < deadline, f"stuck at version {version}, {trained} trained"
+        for entry_id, _group in buffer.read_groups("trainer", 16, block_ms=200):
+            consumed += 1
+            trained += consumed % 3 != 0
+            buffer.set_counter("groups_consumed", consumed)
+            buffer.ack([entry_id])
+            if trained == 4:
+                version, trained = version + 1, 0
+                buffer.set_version("trainer", version)
+                buffer.set_version("engines", version)
+                if version == 5:
+                    break
+    assert consumed == 29, "20 trained and 9 dropped, each drop replaced by the router"
+    assert buffer.counters()["groups_put"] >= consumed
+
+
+def test_an_environment_that_comes_up_late_is_retried_with_backoff_and_groups_flow(
+    buffer, chat_model_dir, start_service, engines
+):
+    from tests.test_router_agents import router_args as agent_args
+
+    port = free_port()
+    env_url = f"http://127.0.0.1:{port}"
+    router = start_service(
+        "router", agent_args(buffer, chat_model_dir, [engines().url], "--env-url", env_url)
+    )
+    status = wait_until(
+        lambda: (s := get_json(router.url + "/rollout/status"))["state"] == "backing_off" and s,
+        "the router to back off",
+    )
+    assert status["waiting_for"].startswith(f"environment {env_url}: ")
+    assert "env_all_failed in a row" in status["waiting_for"]
+    record = wait_until(lambda: buffer.statuses().get("router"), "the status record")
+    assert record.state in ("backing_off", "generating")
+    time.sleep(5)
+    server = ThreadingHTTPServer(("127.0.0.1", port), type("Env", (ScriptedEnv,), {"turns": {}}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        wait_until(lambda: buffer.depth() >= 4, "groups once the environment is up", 60)
+        assert buffer.drop_counts()["env_all_failed"] >= 2
+        assert get_json(router.url + "/rollout/status")["state"] != "backing_off"
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture
+def chat_model_dir(toy_model_dir, tmp_path_factory):
+    from tests.helpers import with_chat_template
+    from tests.test_router_agents import CHAT_TEMPLATE
+
+    return with_chat_template(toy_model_dir, tmp_path_factory.mktemp("c") / "m", CHAT_TEMPLATE)
+
+
+def test_rewards_that_raise_return_none_or_nan_drop_their_samples_and_groups_keep_coming(
+    buffer, toy_model_dir, start_service, engines, tmp_path, monkeypatch
+):
+    (tmp_path / "flaky_rewards.py").write_text(FLAKY_REWARDS)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{sys.path[0]}")
+    args = router_args(
+        buffer,
+        toy_model_dir,
+        [engines().url],
+        "--custom-rm-path",
+        "flaky_rewards:flaky",
+        "--max-staleness",
+        "1000",
+        "--eval-interval",
+        "0",
+    )
+    router = start_service("router", args)
+    wait_until(lambda: buffer.depth() >= 8, "groups despite the failing rewards")
+    groups = read_all(buffer)
+    assert all([s.reward for s in g.samples] == [1.0] for g in groups), "the one good sample"
+    drops = buffer.drop_counts()
+    assert drops["reward_error"] >= 2 * 8 and drops["reward_nonfinite"] >= 8
+    assert set(drops) == {"reward_error", "reward_nonfinite"}
+    assert any(
+        d.group_id.endswith("-s2") and "returned nan" in d.detail for d in buffer.drop_log(100)
+    )
+    assert get_json(router.url + "/rollout/status")["state"] != "failed"
+    log = router.log()
+    assert "Traceback" not in log
+    assert log.count("raised ZeroDivisionError: boom") == 1, "the first error's text, once"
+
+
+def test_the_status_names_the_engines_version_when_the_trainer_is_ahead(
+    buffer, toy_model_dir, start_service, engines
+):
+    buffer.set_version("trainer", 5)
+    router = start_service("router", router_args(buffer, toy_model_dir, [engines().url]))
+    expected = (
+        "engines on weight version >= 4 (they serve 0); the broker brings them there: "
+        "see its /state"
+    )
+    status = wait_until(
+        lambda: (s := get_json(router.url + "/rollout/status"))["waiting_for"] and s,
+        "the router to wait",
+    )
+    assert (status["state"], status["waiting_for"]) == ("waiting_for_weights", expected)
+    record = wait_until(
+        lambda: (r := buffer.statuses().get("router")) and r.waiting_for and r, "the record"
+    )
+    assert (record.state, record.waiting_for) == ("waiting_for_weights", expected)
+    assert record.detail["trainer_version"] == 5 and record.detail["engines_version"] == 0
+    assert record.since <= time.time() and buffer.depth() == 0
+    buffer.set_version("engines", 4)
+    wait_until(lambda: buffer.depth() >= 4, "groups once the engines are on version 4")
+
+
+def test_a_router_whose_batch_size_contradicts_the_run_contract_exits_2_naming_the_flag(
+    buffer, toy_model_dir
+):
+    buffer.agree_contract(RunContract(rollout_batch_size=64, max_staleness=1), "trainer")
+    args = router_args(buffer, toy_model_dir, [f"http://127.0.0.1:{free_port()}"])
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", *args], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "rollout_batch_size is 64" in line and "--rollout-batch-size" in line
+    assert "set by the trainer" in line and "started with 4" in line
+
+
+def test_a_rollout_task_that_dies_makes_health_503_and_the_status_failed(
+    buffer, toy_model_dir, engines, monkeypatch
+):
+    from fastapi.testclient import TestClient
+
+    from services.rollout_router.app import create_app
+    from services.rollout_router.config import RouterConfig
+    from services.rollout_router.rollout import RolloutLoop
+
+    async def broken(*_args: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(RolloutLoop, "make_group", broken)
+    config = RouterConfig()
+    config.workers.engine_urls = [engines().url]
+    config.rollout.model = str(toy_model_dir)
+    config.rollout.eval_interval = 0
+    config.buffer = buffer.config
+    with TestClient(create_app(config)) as client:
+        resp = wait_until(
+            lambda: (r := client.get("/health")).status_code == 503 and r, "/health to fail"
+        )
+        assert resp.json() == {
+            "status": "failed",
+            "error": "rollout task failed: RuntimeError: boom",
+        }
+        status = client.get("/rollout/status").json()
+        assert status["state"] == "failed" and "boom" in status["error"]
+        record = wait_until(
+            lambda: (r := buffer.statuses().get("router")) and r.state == "failed" and r, "record"
+        )
+        assert "RuntimeError: boom" in record.error
