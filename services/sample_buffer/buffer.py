@@ -15,9 +15,10 @@ Keys (all under `tandem:{run_id}:`):
 - `counters`  hash name -> integer: `groups_put` (incremented in the same transaction as the
               XADD), and what the services count beside it (e.g. `groups_consumed`).
 - `status:{role}`  the `ServiceStatus` a service last reported (it expires when not refreshed).
-- `trained`   hash optimizer step -> JSON list of the group ids that step trained on. A step
-              trained again after a resume from an older checkpoint replaces its entry, so the
-              hash describes the lineage of the newest weights: no id may appear twice in it.
+- `trained`   hash trainer version -> JSON list of the group ids of the rollout whose last
+              optimizer step made that version. A version trained again after a resume from an
+              older checkpoint replaces its entry, so the hash describes the lineage of the
+              newest weights: no id may appear twice in it.
 
 A group read but not acked (trainer died mid-step) stays pending in the consumer group;
 `read_groups(pending_first=True)` hands it out again, so no group is lost on restart.

@@ -176,6 +176,8 @@ class Trainer:
                 metrics["train/params"] = float(params)
                 self.log_step(metrics, rollout)
             self.count_consumed(len(rollout.groups))
+            if self.buffer is not None:  # the lineage of these weights: which groups made them
+                self.buffer.record_trained(self.version, [g.group_id for g in rollout.groups])
             self.commit(rollout.entry_ids, final=False)
         self.commit([], final=True)
         steps = self.version - start_version
