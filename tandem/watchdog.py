@@ -51,12 +51,14 @@ def diagnosis(statuses: dict[str, ServiceStatus], now: float) -> list[str]:
     for role in [*ROLES, *sorted(set(statuses) - set(ROLES))]:
         status = statuses.get(role)
         if status is None:
-            lines.append(f"  {role}: reported no status recently (is it running? see its log)")
+            lines.append(
+                f"  {role}: no status reported in the last 30 s (starting, or stuck: see logs/{role}.log)"
+            )
             continue
-        waited = f" for {now - status.since:.0f} s" if status.since else ""
-        what = status.waiting_for or f"nothing ({status.state})"
+        waited = f", {now - status.since:.0f} s" if status.since and status.waiting_for else ""
+        what = f"waits for {status.waiting_for}" if status.waiting_for else "is not waiting"
         error = f"; error: {status.error}" if status.error else ""
-        lines.append(f"  {role} ({status.state}) waits{waited} for {what}{error}")
+        lines.append(f"  {role} [{status.state}{waited}]: {what}{error}")
     return lines
 
 

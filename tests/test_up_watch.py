@@ -79,8 +79,8 @@ def test_the_watchdog_prints_what_each_service_waits_for_then_ends_a_stalled_run
     assert watchdog.check() == ""
     text = "\n".join(said)
     assert "no trainer step for" in text
-    assert "router (waiting) waits for 30 s for engines on weight version >= 71" in text
-    assert "trainer: reported no status recently" in text
+    assert "router [waiting, 30 s]: waits for engines on weight version >= 71" in text
+    assert "trainer: no status reported" in text
     watchdog.step_done(3)
     assert watchdog.check() == ""  # a step completed: the stall clock starts again
     time.sleep(0.7)

@@ -123,6 +123,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             control.start_evaluations()
             if config.rollout.rollout:
                 control.start()
+            else:  # what the watchdog shows while a trainer waits for samples
+                control.loop.state = "rollouts off"
+                control.loop.waiting_for = (
+                    "nothing: rollouts are off (--no-rollout); samples come only from agent "
+                    "sessions (POST /v1/chat/completions, then /sessions/{id}/reward)"
+                )
         yield
     except Exception as exc:
         app.state.startup_error = str(exc)
