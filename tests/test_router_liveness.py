@@ -77,8 +77,11 @@ def test_an_environment_that_comes_up_late_is_retried_with_backoff_and_groups_fl
     )
     assert status["waiting_for"].startswith(f"environment {env_url}: ")
     assert "env_all_failed in a row" in status["waiting_for"]
-    record = wait_until(lambda: buffer.statuses().get("router"), "the status record")
-    assert record.state in ("backing_off", "generating")
+    record = wait_until(
+        lambda: (r := buffer.statuses().get("router")) and r.state == "backing_off" and r,
+        "the status record to say so",
+    )
+    assert record.pid == router.proc.pid and env_url in record.waiting_for
     time.sleep(5)
     server = ThreadingHTTPServer(("127.0.0.1", port), type("Env", (ScriptedEnv,), {"turns": {}}))
     threading.Thread(target=server.serve_forever, daemon=True).start()
