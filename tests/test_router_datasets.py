@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from proto import SampleGroup
 from services.sample_buffer import SampleBuffer
 from tests.helpers import JsonHandler, read_all, wait_until, with_chat_template
 
@@ -232,6 +233,19 @@ def test_a_failing_reward_service_drops_groups_as_reward_errors(
     assert any(url in d.detail for d in buffer.drop_log(10))
 
 
+def first_two_groups(buffer: SampleBuffer) -> list[SampleGroup]:
+    """Groups p0 and p1, the two in flight when the test aborted them (later groups, started
+    on the new weights once the engines report them, may be put before either)."""
+    found: list[SampleGroup] = []
+
+    def both() -> bool:
+        found.extend(g for g in read_all(buffer) if g.group_id in ("p0", "p1"))
+        return len(found) == 2
+
+    wait_until(both, "groups p0 and p1")
+    return found
+
+
 def test_partial_rollout_continues_aborted_samples_and_keeps_token_versions(
     buffer, toy_model_dir, start_service, engines
 ):
@@ -257,8 +271,7 @@ def test_partial_rollout_continues_aborted_samples_and_keeps_token_versions(
     for url in urls:
         httpx.post(url + "/update_weights_from_disk", json={"weight_version": "1"})
     httpx.post(router.url + "/continue_generation", json={})
-    wait_until(lambda: buffer.depth() >= 2, "batch 0 groups")
-    groups = read_all(buffer)
+    groups = first_two_groups(buffer)
     samples = [s for g in groups for s in g.samples]
     assert len(samples) == 4
     for s in samples:
@@ -294,8 +307,7 @@ def test_without_partial_rollout_aborted_samples_restart_on_the_new_weights(
     httpx.post(router.url + "/pause_generation", json={"mode": "abort"})
     httpx.post(urls[0] + "/update_weights_from_disk", json={"weight_version": "1"})
     httpx.post(router.url + "/continue_generation", json={})
-    wait_until(lambda: buffer.depth() >= 2, "batch 0 groups")
-    samples = [s for g in read_all(buffer) for s in g.samples]
+    samples = [s for g in first_two_groups(buffer) for s in g.samples]
     assert len(samples) == 4
     assert all(set(s.token_versions) == {1} and s.weight_version == 1 for s in samples)
     assert all(s.finish_reason != "abort" for s in samples)

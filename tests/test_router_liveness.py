@@ -77,8 +77,11 @@ def test_an_environment_that_comes_up_late_is_retried_with_backoff_and_groups_fl
     )
     assert status["waiting_for"].startswith(f"environment {env_url}: ")
     assert "env_all_failed in a row" in status["waiting_for"]
-    record = wait_until(lambda: buffer.statuses().get("router"), "the status record")
-    assert record.state in ("backing_off", "generating")
+    record = wait_until(
+        lambda: (r := buffer.statuses().get("router")) and r.state == "backing_off" and r,
+        "the status record to say so",
+    )
+    assert record.pid == router.proc.pid and env_url in record.waiting_for
     time.sleep(5)
     server = ThreadingHTTPServer(("127.0.0.1", port), type("Env", (ScriptedEnv,), {"turns": {}}))
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -111,11 +114,14 @@ def test_rewards_that_raise_return_none_or_nan_drop_their_samples_and_groups_kee
         "flaky_rewards:flaky",
         "--max-staleness",
         "1000",
-        "--eval-interval",
-        "0",
     )
     router = start_service("router", args)
     wait_until(lambda: buffer.depth() >= 8, "groups despite the failing rewards")
+    evals = wait_until(
+        lambda: [r.values for _id, r in buffer.read_metrics() if "eval/failed" in r.values],
+        "an evaluation despite the failing rewards",
+    )
+    assert evals[0]["eval/failed"] >= 10 and evals[0]["eval/num_prompts"] <= 10
     groups = read_all(buffer)
     assert all([s.reward for s in g.samples] == [1.0] for g in groups), "the one good sample"
     drops = buffer.drop_counts()
@@ -125,6 +131,7 @@ def test_rewards_that_raise_return_none_or_nan_drop_their_samples_and_groups_kee
         d.group_id.endswith("-s2") and "returned nan" in d.detail for d in buffer.drop_log(100)
     )
     assert get_json(router.url + "/rollout/status")["state"] != "failed"
+    assert get_json(router.url + "/health")["status"] == "ok", "the evaluation task lives"
     log = router.log()
     assert "Traceback" not in log
     assert log.count("raised ZeroDivisionError: boom") == 1, "the first error's text, once"

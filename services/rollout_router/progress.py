@@ -111,11 +111,9 @@ class Backoff:
             self.until, self.noted_at = now + self.delay_s, now
 
     def sentence(self, what: str, left_s: float) -> str:
-        """The wait as the status says it."""
-        return (
-            f"{what}: {self.streak} {self.reason} in a row ({self.detail[:200]}), "
-            f"next try in {left_s:.0f} s"
-        )
+        """The wait as the status says it (`left_s` <= 0: the probe group is in flight)."""
+        after = f"next try in {left_s:.0f} s" if left_s > 0 else "one group is trying it now"
+        return f"{what}: {self.streak} {self.reason} in a row ({self.detail[:200]}), {after}"
 
     def succeeded(self) -> None:
         self.delay_s, self.until, self.streak, self.reason = 0.0, 0.0, 0, ""

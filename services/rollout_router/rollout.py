@@ -209,7 +209,7 @@ class RolloutLoop:
         if backoff.active:
             left = backoff.until - time.monotonic()
             if left > 0 or self.groups:  # wait out the delay, then probe with one group
-                self.set_state("backing_off", self._backoff_reason(max(left, 0.0)))
+                self.set_state("backing_off", self._backoff_reason(left))
                 return 0
         in_flight = len(self.groups)  # read before the counters: a group is never missed
         room = (cfg.rollout_max_concurrency or cfg.rollout_batch_size) - in_flight
@@ -267,11 +267,12 @@ class RolloutLoop:
     def _backoff_reason(self, left_s: float) -> str:
         reason = self.backoff.reason
         if reason == "engine_error":
-            return self.backoff.sentence("the engines (see GET /workers)", left_s)
-        if reason == "reward_error":
-            return self.backoff.sentence(self.reward.source, left_s)
-        env = self.episodes.client.url if self.episodes else "?"
-        return self.backoff.sentence(f"environment {env}", left_s)
+            what = "the engines (see GET /workers)"
+        elif reason == "reward_error":
+            what = self.reward.source
+        else:
+            what = f"environment {self.episodes.client.url if self.episodes else '?'}"
+        return self.backoff.sentence(what, left_s)
 
     async def _wait_for_redis(self) -> None:
         exc = self._redis_error
