@@ -36,6 +36,7 @@ that is repeated this way is recorded twice in the drop counters.
 from __future__ import annotations
 
 import logging
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -217,7 +218,10 @@ class Checkpointer:
             self._load_scheduler(self.critic.scheduler, loaded["critic_scheduler"], common)
         rng_file = path / f"rng_rank{dist.get_rank()}.pt"
         if rng_file.is_file():  # absent when resuming on more ranks than saved
-            _set_rng_state(torch.load(rng_file, weights_only=True))
+            try:
+                _set_rng_state(torch.load(rng_file, weights_only=True))
+            except pickle.UnpicklingError:  # written before RNG states were plain tensors
+                log.warning("%s: RNG state of an older format not restored", rng_file)
         self.last_saved = version
         consumed = common.get("groups_consumed")
         if common.get("run_id") != self.cfg.run_id:  # a start from another run's weights
