@@ -88,7 +88,8 @@ def test_a_non_finite_update_is_skipped_and_counted_or_fails_when_asked(
     for g in groups:
         buffer.put_group(g)
     done = run_trainer([*common_args(toy_model_dir, buffer), "--max-steps", "1"])
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 1, done.stderr[-3000:]  # its only update was skipped: no success
+    assert "every update of this run was skipped (1 steps)" in done.stderr
     (values,) = metrics_of(buffer)
     assert values["train/skipped_updates"] == 1
     assert not math.isfinite(values["train/grad_norm"])

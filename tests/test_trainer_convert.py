@@ -106,3 +106,26 @@ def test_the_trainer_starts_from_a_converted_checkpoint(
     values = next(r.values for _, r in buffer.read_metrics() if r.source == "trainer")
     assert values["train/logprob_abs_diff_max"] < 1e-3
     assert buffer.get_version("trainer") == 1
+
+
+def test_megatron_to_hf_copies_the_source_models_tokenizer_or_warns_naming_hf_dir(
+    toy_model_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    src, ckpt = tmp_path / "src", tmp_path / "mcore"
+    shutil.copytree(toy_model_dir, src)
+    done = convert("hf-to-megatron", "--hf-dir", str(src), "--save", str(ckpt))
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = convert("megatron-to-hf", "--load", str(ckpt), "--out", str(tmp_path / "with"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "with" / "tokenizer.json").read_bytes() == (
+        src / "tokenizer.json"
+    ).read_bytes()
+    assert "no tokenizer files copied" not in done.stderr
+
+    shutil.rmtree(src)  # the source model moved away: no tokenizer, and a warning saying so
+    done = convert("megatron-to-hf", "--load", str(ckpt), "--out", str(tmp_path / "without"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (tmp_path / "without" / "tokenizer.json").exists()
+    assert "no tokenizer files copied" in done.stderr and "--hf-dir" in done.stderr

@@ -97,3 +97,23 @@ def test_status_says_what_the_trainer_waits_for_and_groups_consumed_counts_train
     assert trainer.proc.returncode == 0, trainer.log()[-3000:]
     assert buffer.statuses()["trainer"].state == "stopped"
     assert buffer.depth() == 0
+
+
+def test_the_status_stays_fresh_while_the_loop_is_blocked_in_one_long_call(buffer) -> None:
+    from services.trainer.status import StatusReporter
+
+    reporter = StatusReporter(buffer, interval_s=0.2)
+    try:
+        reporter.update("publishing", "the weight broker to take version 1", version=1)
+        first = buffer.statuses()["trainer"]
+        assert first.waiting_for == "the weight broker to take version 1"
+        assert first.detail == {"version": 1} and first.since > 0
+        wait_until(  # nobody calls update(): the reporter's thread rewrites it
+            lambda: buffer.statuses()["trainer"].updated_at > first.updated_at + 0.3,
+            "a refreshed status",
+        )
+        assert buffer.statuses()["trainer"].since == first.since
+    finally:
+        reporter.close("failed", "broker gone")
+    last = buffer.statuses()["trainer"]
+    assert (last.state, last.waiting_for, last.error) == ("failed", "", "broker gone")

@@ -27,14 +27,16 @@ rollouts of groups stay in the stream, which must fit the buffer's `max_groups`.
 The `groups_consumed` counter (Redis `counters` hash; the router's demand gate reads it) counts
 every group the trainer is done with for good: trained, or dropped stale. Dropped groups are
 acked with the trained ones, so both follow the contract above. A checkpoint stores the
-counter's value at save, and a resume SETs the counter back to it: the groups consumed after
-that checkpoint are pending again, and will be trained (or dropped) and counted again. A drop
+counter's value at save, and a resume of the same run id SETs the counter back to it: the
+groups consumed after that checkpoint are pending again, and will be trained (or dropped) and
+counted again. A checkpoint of another run id leaves the counter as it is. A drop
 that is repeated this way is recorded twice in the drop counters.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -113,7 +115,7 @@ class Resumed:
 
     version: int
     trained_entry_ids: list[str]
-    groups_consumed: int | None  # None: not recorded (weights-only or older checkpoint)
+    groups_consumed: int | None  # None: not recorded, or saved by another run id
     path: Path
 
 
@@ -216,9 +218,14 @@ class Checkpointer:
             self._load_scheduler(self.critic.scheduler, loaded["critic_scheduler"], common)
         rng_file = path / f"rng_rank{dist.get_rank()}.pt"
         if rng_file.is_file():  # absent when resuming on more ranks than saved
-            _set_rng_state(torch.load(rng_file, weights_only=True))
+            try:
+                _set_rng_state(torch.load(rng_file, weights_only=True))
+            except pickle.UnpicklingError:  # written before RNG states were plain tensors
+                log.warning("%s: RNG state of an older format not restored", rng_file)
         self.last_saved = version
         consumed = common.get("groups_consumed")
+        if common.get("run_id") != self.cfg.run_id:  # a start from another run's weights
+            consumed = None
         return Resumed(
             version,
             list(loaded.get("trained_entry_ids", [])),

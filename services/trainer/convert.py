@@ -79,6 +79,7 @@ def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Pat
     state = {
         "model": model.sharded_state_dict(),
         "hf_config": (Path(hf_dir) / "config.json").read_text(),
+        "hf_source": str(Path(hf_dir).resolve()),
         "padded_vocab_size": model.vocab_size,
         "has_optimizer": False,
         "version": 0,
