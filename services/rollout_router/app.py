@@ -124,10 +124,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             if config.rollout.rollout:
                 control.start()
             else:  # what the watchdog shows while a trainer waits for samples
-                control.loop.state = "rollouts off"
-                control.loop.waiting_for = (
+                control.loop.set_state(
+                    "rollouts off",
                     "nothing: rollouts are off (--no-rollout); samples come only from agent "
-                    "sessions (POST /v1/chat/completions, then /sessions/{id}/reward)"
+                    "sessions (POST /v1/chat/completions, then /sessions/{id}/reward)",
                 )
         yield
     except Exception as exc:
