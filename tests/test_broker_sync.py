@@ -90,6 +90,7 @@ def test_every_engine_gets_each_version_and_redis_reports_it(
         return status is not None and "trainer's next weight version" in status.waiting_for
 
     wait_until(waits_for_the_trainer, "the broker's status to name the trainer", timeout_s=10)
+    assert "trainer's next weight version" in httpx.get(f"{broker.url}/state").json()["waiting_for"]
     sender.close()
 
 

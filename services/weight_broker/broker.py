@@ -379,6 +379,7 @@ class WeightBroker:
     def state(self) -> dict:
         return {
             "version": self.store.latest,
+            "waiting_for": self.status().waiting_for,
             "intake_endpoint": self.intake_endpoint,
             "serve_endpoint": self.serve_endpoint,
             "counters": dict(self.counters),
