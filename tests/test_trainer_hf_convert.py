@@ -16,6 +16,8 @@ import torch
 from services.trainer import batching, cpu_compat, hf_convert
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, init_distributed
+from tandem.toy_model import build_tokenizer
+from tests.tiny_models import TINY, write_tiny
 
 IDS = torch.tensor([[1, 5, 6, 14, 6, 5, 2, 7, 8, 9, 3]])
 
@@ -55,15 +57,33 @@ def qwen2_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 proj.bias.normal_()
     out = tmp_path_factory.mktemp("qwen2") / "model"
     model.save_pretrained(out)
+    build_tokenizer().save_pretrained(out)  # for the engine
     return out
 
 
-@pytest.fixture(params=["toy_llama", "qwen2_tied_bias"])
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every tiny checkpoint of `tests.tiny_models` (Qwen3 tied and untied, Mistral, Qwen3-MoE
+    with and without top-k renormalization)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: write_tiny(root / name, name) for name in TINY}
+
+
+CHECKPOINTS = ["toy_llama", "qwen2_tied_bias", *TINY]
+
+
+@pytest.fixture(params=CHECKPOINTS)
 def checkpoint(
-    request: pytest.FixtureRequest, megatron_world: None, toy_model_dir: Path, qwen2_tied_dir: Path
+    request: pytest.FixtureRequest,
+    megatron_world: None,
+    toy_model_dir: Path,
+    qwen2_tied_dir: Path,
+    tiny_dirs: dict[str, Path],
 ) -> tuple[Path, Policy]:
     """Each HF test checkpoint with a (non-training) policy loaded from it."""
-    model_dir = toy_model_dir if request.param == "toy_llama" else qwen2_tied_dir
+    model_dir = {"toy_llama": toy_model_dir, "qwen2_tied_bias": qwen2_tied_dir, **tiny_dirs}[
+        request.param
+    ]
     return model_dir, Policy(TrainerConfig(model=str(model_dir)), str(model_dir), train=False)
 
 
@@ -142,6 +162,26 @@ def test_megatron_logits_equal_transformers_logits_on_the_same_weights(
     ids = IDS.clamp(max=policy.arch.vocab_size - 1)
     diff = (megatron_logits(policy, ids) - hf_logits(model_dir, ids)).abs().max().item()
     assert diff < 1e-5
+
+
+def test_the_engine_scores_tokens_as_transformers_and_the_trainer_do(
+    checkpoint: tuple[Path, Policy],
+) -> None:
+    """Three implementations of one checkpoint: transformers, the trainer's megatron model
+    after conversion, and the reference engine's own forward (prefill with scoring)."""
+    from services.engine.model_runner import ModelRunner
+
+    model_dir, policy = checkpoint
+    ids = IDS.clamp(max=policy.arch.vocab_size - 1)
+    reference = hf_logits(model_dir, ids)[0]
+    runner = ModelRunner(str(model_dir), "", "cpu", "float32")
+    last, _, scores = runner.prefill([ids[0].tolist()], [(1, 1.0)])
+    engine_logp = torch.tensor(scores[0])
+    trainer_logp = megatron_logits(policy, ids)[0].log_softmax(-1)[:-1].gather(1, ids[0, 1:, None])
+    hf_logp = reference.log_softmax(-1)[:-1].gather(1, ids[0, 1:, None])
+    assert (last[0] - reference[-1]).abs().max().item() < 1e-4
+    assert (engine_logp - hf_logp[:, 0]).abs().max().item() < 1e-4
+    assert (trainer_logp - hf_logp).abs().max().item() < 1e-4
 
 
 def test_export_to_hf_names_round_trips_exactly(checkpoint: tuple[Path, Policy]) -> None:

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-# Architectures whose forward is exactly the one `_layers` runs (pre-norm decoder, rotary
-# embeddings, optional q/k norms); others (e.g. Gemma's scaled embeddings) would differ silently.
-SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+from proto.models import check_model_dir
 
 Score = tuple[int, float]  # (first prompt position to score, temperature)
 
@@ -111,8 +108,10 @@ class ModelRunner:
     ) -> None:
         from transformers import AutoTokenizer
 
-        if not Path(model_path, "config.json").exists():
-            raise FileNotFoundError(f"--model {model_path}: no config.json there")
+        # Only architectures whose forward is exactly the one `_layers` runs (pre-norm decoder,
+        # rotary embeddings, optional q/k norms, a dense or MoE MLP module): others (e.g.
+        # Gemma's scaled embeddings) would differ silently.
+        check_model_dir(model_path)
         if device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda: torch sees no CUDA device")
         if dtype == "auto":
@@ -132,7 +131,15 @@ class ModelRunner:
         # Looked up on every weight update (a state_dict() of a large model costs milliseconds).
         # Updates change a parameter's `.data`, never the Parameter object or its shape.
         self._params = dict(self.model.named_parameters())
-        self._shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        self._aliases = _expert_aliases(self.model)
+        # MoE experts are updated through `_aliases` (per-expert names) only
+        fused = {n for n in self._params if n.endswith((".gate_up_proj", ".experts.down_proj"))}
+        for name in fused:
+            del self._params[name]
+        self._shapes = {
+            name: tuple(t.shape) for name, t in self.model.state_dict().items() if name not in fused
+        }
+        self._shapes.update({name: tuple(t.shape) for name, t in self._aliases.items()})
         self.config = self.model.config
         inner = self.model.model
         self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
@@ -162,12 +169,6 @@ class ModelRunner:
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=self.dtype, attn_implementation="sdpa"
-            )
-        model_type = getattr(model.config, "model_type", "?")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"--model {path}: model_type {model_type!r} is not served by the reference "
-                f"engine (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
             )
         model.to(self.device).eval().requires_grad_(False)
         return model
@@ -336,7 +337,9 @@ class ModelRunner:
     # ---- weights --------------------------------------------------------------------------
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of every state_dict entry (parameters, tied aliases, buffers), by HF name."""
+        """Shape of every state_dict entry (parameters, tied aliases, buffers), by HF
+        checkpoint name: an MoE layer's experts under their per-expert names (see
+        `_expert_aliases`), as SGLang's loaders take them."""
         return self._shapes
 
     def check_weights(self, named: Iterable[tuple[str, Sequence[int]]]) -> None:
@@ -385,6 +388,8 @@ class ModelRunner:
     def _tensor(self, name: str) -> torch.Tensor:
         """The model's current tensor under a state_dict name (a parameter, a tied alias such
         as `lm_head.weight`, or a buffer)."""
+        if name in self._aliases:
+            return self._aliases[name]
         module_name, _, attr = name.rpartition(".")
         return getattr(self.model.get_submodule(module_name), attr)
 
@@ -408,3 +413,23 @@ class LoadPlan:
 def _same_layout(tensor: torch.Tensor, param: torch.Tensor) -> bool:
     """Whether `tensor` can serve as `param`'s storage as it is."""
     return tensor.device == param.device and tensor.dtype == param.dtype and tensor.is_contiguous()
+
+
+def _expert_aliases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF checkpoint names of each expert's projections -> views of transformers' fused
+    expert tensors (`experts.gate_up_proj` `[E, 2 * I, H]` = per expert `[gate; up]`,
+    `experts.down_proj` `[E, H, I]`), so weight updates speak the checkpoint's (and SGLang's)
+    per-expert names: `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`."""
+    aliases: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        gate_up = getattr(module, "gate_up_proj", None)
+        down = getattr(module, "down_proj", None)
+        if not name.endswith("mlp.experts") or not isinstance(gate_up, torch.Tensor):
+            continue
+        assert isinstance(down, torch.Tensor)
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            aliases[f"{name}.{e}.gate_proj.weight"] = gate_up.data[e, :inter]
+            aliases[f"{name}.{e}.up_proj.weight"] = gate_up.data[e, inter:]
+            aliases[f"{name}.{e}.down_proj.weight"] = down.data[e]
+    return aliases

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proto.models import check_model_config, read_config
 from services.rollout_router.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from services.sample_buffer import BufferConfig
 
@@ -135,6 +136,8 @@ class RolloutConfig:
             raise ValueError("--model is required for rollouts (or pass --no-rollout)")
         if self.model and not Path(self.model).is_dir():
             raise ValueError(f"--model {self.model}: not a directory (expected a HF model dir)")
+        if self.model:  # the engines serve this model: refuse what no Tandem service runs
+            check_model_config(*read_config(self.model))
         if self.rollout_batch_size < 1 or self.n_samples_per_prompt < 1:
             raise ValueError("--rollout-batch-size and --n-samples-per-prompt must be >= 1")
         if self.max_staleness < 0:

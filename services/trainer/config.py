@@ -150,6 +150,12 @@ class TrainerConfig:
 
     # --- model / parallelism ---------------------------------------------------------------
     tensor_model_parallel_size: int = _f(1, "Tensor-parallel size (torchrun world = TP x DP).")
+    expert_model_parallel_size: int = _f(
+        1, "MoE models: experts split over this many ranks (1 on CPU; needs TP = 1)."
+    )
+    moe_aux_loss_coeff: float = _f(
+        0.0, "MoE models: coefficient of the router's load-balancing loss (0 = off)."
+    )
     make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this x TP.")
     bf16: bool = _f(False, "Train in bf16 (fp32 master weights); default fp32.")
     num_threads: int = _f(1, "torch.set_num_threads for this process.")
@@ -191,6 +197,12 @@ class TrainerConfig:
         if self.advantage_estimator == "gae" and self.tensor_model_parallel_size != 1:
             raise ValueError(
                 "--advantage-estimator gae (critic) needs --tensor-model-parallel-size 1"
+            )
+        if self.expert_model_parallel_size < 1:
+            raise ValueError("--expert-model-parallel-size must be >= 1")
+        if self.expert_model_parallel_size > 1 and self.tensor_model_parallel_size > 1:
+            raise ValueError(
+                "--expert-model-parallel-size > 1 needs --tensor-model-parallel-size 1"
             )
         if self.eps_clip_c and self.eps_clip_c <= 1.0:
             raise ValueError("--eps-clip-c must be > 1 (or 0 to disable dual clip)")

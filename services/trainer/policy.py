@@ -37,7 +37,7 @@ from services.trainer.stats import comm_device
 PAD_LOGIT = -1e30  # finite: exp() gives 0 and 0 * PAD_LOGIT stays 0 in the entropy
 
 
-def init_distributed(tp_size: int, seed: int) -> None:
+def init_distributed(tp_size: int, seed: int, ep_size: int = 1) -> None:
     """gloo (CPU) or NCCL process group; a world of one when not started by torchrun."""
     cpu_compat.install()
     if not dist.is_initialized():
@@ -54,7 +54,9 @@ def init_distributed(tp_size: int, seed: int) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp_size, expert_model_parallel_size=ep_size
+        )
     seed_model_parallel(seed)
 
 
@@ -133,7 +135,11 @@ class Policy:
         if value_head:
             self.arch = replace(self.arch, tie_word_embeddings=False)
         tf_config = hf_convert.transformer_config(
-            self.arch, cfg.tensor_model_parallel_size, cfg.bf16
+            self.arch,
+            cfg.tensor_model_parallel_size,
+            cfg.bf16,
+            cfg.expert_model_parallel_size,
+            cfg.moe_aux_loss_coeff,
         )
         # The loss returns (numerator, denominator); megatron sums both over micro-batches and
         # data-parallel ranks and divides the gradients once (finalize_model_grads).

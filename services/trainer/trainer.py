@@ -59,7 +59,7 @@ class Trainer:
     def __init__(self, cfg: TrainerConfig) -> None:
         self.cfg = cfg
         torch.set_num_threads(cfg.num_threads)
-        init_distributed(cfg.tensor_model_parallel_size, cfg.seed)
+        init_distributed(cfg.tensor_model_parallel_size, cfg.seed, cfg.expert_model_parallel_size)
         cfg.validate(parallel_state.get_data_parallel_world_size())
         self.is_main = dist.get_rank() == 0
         if cfg.load:  # fail on a bad --load before spending time on anything else
