@@ -115,3 +115,38 @@ def test_a_checkpoint_saved_at_one_tp_size_resumes_at_another(
     ]
     _, resumed = train(buffer, toy_model_dir, groups, runs)
     assert_same(resumed, straight)
+
+
+@pytest.mark.parametrize(
+    ("name", "parallel"),
+    [
+        ("qwen3_untied", ["--tensor-model-parallel-size", "2"]),
+        ("qwen3_moe", ["--max-tokens-per-gpu", "8192"]),  # data parallel
+    ],
+)
+def test_qwen3_under_tp2_and_qwen3_moe_under_dp2_reproduce_single_process_losses_and_weights(
+    buffer, tmp_path: Path, name: str, parallel: list[str]
+) -> None:
+    from tests.tiny_models import write_tiny
+
+    model_dir = write_tiny(tmp_path / name, name)
+    groups = sample_groups(model_dir, 4, 4, seed=5)
+    ref_losses, ref_w = train(buffer, model_dir, groups, [(1, ["--max-steps", "2"])])
+    par_losses, par_w = train(buffer, model_dir, groups, [(2, ["--max-steps", "2", *parallel])])
+    assert len(ref_losses) == 2
+    assert par_losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)
+    assert_same(par_w, ref_w)
+
+
+def test_an_moe_model_under_tensor_parallelism_is_refused_pointing_at_expert_parallelism(
+    tmp_path: Path,
+) -> None:
+    from tests.tiny_models import write_tiny
+
+    model_dir = write_tiny(tmp_path / "moe", "qwen3_moe")
+    done = run(None, model_dir, 1, ["--model", str(model_dir), "--tensor-model-parallel-size", "2"])
+    assert done.returncode == 2
+    assert "--expert-model-parallel-size" in done.stderr
+    done = run(None, model_dir, 1, ["--model", str(model_dir), "--expert-model-parallel-size", "2"])
+    assert done.returncode == 2
+    assert "--expert-model-parallel-size > 1 is not supported yet" in done.stderr

@@ -32,10 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
 def check_model(cfg: TrainerConfig) -> None:
     """Refuse an unsupported `--model` (or one whose sliding window the samples may exceed)
     before importing torch."""
-    from proto.models import check_model_config, check_sliding_window, read_config
+    from proto.models import (
+        MOE_MODEL_TYPES,
+        check_model_config,
+        check_sliding_window,
+        read_config,
+    )
 
     hf_cfg, path = read_config(cfg.model)
-    check_model_config(hf_cfg, path)
+    if check_model_config(hf_cfg, path) in MOE_MODEL_TYPES and cfg.tensor_model_parallel_size > 1:
+        raise ValueError(
+            f"{path}: an MoE model trains at --tensor-model-parallel-size 1 (megatron-core's MoE "
+            "layer needs sequence parallelism under TP, which the trainer does not use); split "
+            "the experts with --expert-model-parallel-size instead"
+        )
     context = int(hf_cfg.get("max_position_embeddings", 4096))
     if cfg.use_dynamic_batch_size:  # a sample longer than a micro-batch is refused anyway
         context = min(context, cfg.max_tokens_per_gpu)

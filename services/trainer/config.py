@@ -151,7 +151,7 @@ class TrainerConfig:
     # --- model / parallelism ---------------------------------------------------------------
     tensor_model_parallel_size: int = _f(1, "Tensor-parallel size (torchrun world = TP x DP).")
     expert_model_parallel_size: int = _f(
-        1, "MoE models: experts split over this many ranks (1 on CPU; needs TP = 1)."
+        1, "MoE models: experts split over this many ranks (only 1 is supported for now)."
     )
     moe_aux_loss_coeff: float = _f(
         0.0, "MoE models: coefficient of the router's load-balancing loss (0 = off)."
@@ -200,9 +200,13 @@ class TrainerConfig:
             )
         if self.expert_model_parallel_size < 1:
             raise ValueError("--expert-model-parallel-size must be >= 1")
-        if self.expert_model_parallel_size > 1 and self.tensor_model_parallel_size > 1:
+        if self.expert_model_parallel_size > 1:
+            # Every EP rank must run the same number of micro-batches, each of the same token
+            # count (megatron's allgather dispatcher, the one that builds without CUDA), and the
+            # packing gives each data-parallel rank its own: not implemented yet.
             raise ValueError(
-                "--expert-model-parallel-size > 1 needs --tensor-model-parallel-size 1"
+                "--expert-model-parallel-size > 1 is not supported yet (micro-batches are not "
+                "equalized across expert-parallel ranks); use 1"
             )
         if self.eps_clip_c and self.eps_clip_c <= 1.0:
             raise ValueError("--eps-clip-c must be > 1 (or 0 to disable dual clip)")
