@@ -169,3 +169,67 @@ def test_moe_experts_load_under_their_per_expert_checkpoint_names(tmp_path: Path
     fused = runner.model.model.layers[1].mlp.experts.gate_up_proj
     assert torch.equal(fused[3, 24:], new_up)
     assert torch.equal(fused[3, :24], weights["model.layers.1.mlp.experts.3.gate_proj.weight"])
+
+
+def hf_routing(model_dir: Path, tokens: list[int]) -> torch.Tensor:
+    """The experts transformers' own forward chooses at each position: `[positions, layers,
+    top_k]`, each row sorted (the order within a top-k carries no meaning)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    chosen: list[torch.Tensor] = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda _m, _i, out: chosen.append(out[2]))
+        for layer in model.model.layers
+    ]
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    for hook in hooks:
+        hook.remove()
+    return torch.stack(chosen, 1).sort(-1).values
+
+
+def test_generate_returns_the_experts_every_moe_layer_chose_at_every_position(
+    tmp_path: Path,
+) -> None:
+    """`return_routed_experts` (SGLang's field): base64 int32 `[prompt + output - 1, layers,
+    top_k]` from `routed_experts_start_len` on; equal to transformers' choices over the whole
+    sequence, for rows prefilled together, decoded in one batch, and with n > 1."""
+    import asyncio
+    import base64
+
+    import numpy as np
+
+    from services.engine.config import EngineConfig
+    from services.engine.engine import Engine
+
+    model_dir = write(tmp_path / "m", "qwen3_moe")
+    engine = Engine(EngineConfig(model=str(model_dir), prompt_cache_tokens=0))
+    engine.start()
+    try:
+        prompts = [[1, 4, 5, 6, 14], [1, 9], [1, 7, 7, 8, 9, 10, 11, 14]]
+        body = {
+            "input_ids": prompts,
+            "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 5, "n": 2, "ignore_eos": True},
+        }
+        out = asyncio.run(engine.generate(engine.parse(body)))
+        sliced = asyncio.run(
+            engine.generate(
+                engine.parse({**body, "input_ids": prompts[2], "routed_experts_start_len": 3})
+            )
+        )
+    finally:
+        engine.stop()
+    assert len(out) == 6
+    for i, result in enumerate(out):
+        tokens = prompts[i // 2] + result["output_ids"]
+        raw = np.frombuffer(base64.b64decode(result["meta_info"]["routed_experts"]), np.int32)
+        got = torch.from_numpy(raw.copy()).view(len(tokens) - 1, 2, 2).sort(-1).values
+        assert torch.equal(got, hf_routing(model_dir, tokens)[:-1])
+    tokens = prompts[2] + sliced[0]["output_ids"]
+    raw = np.frombuffer(base64.b64decode(sliced[0]["meta_info"]["routed_experts"]), np.int32)
+    assert torch.equal(
+        torch.from_numpy(raw.copy()).view(-1, 2, 2).sort(-1).values,
+        hf_routing(model_dir, tokens)[3:-1],
+    )

@@ -34,11 +34,15 @@ class WeightError(ValueError):
 @dataclass
 class KVCache:
     """Keys and values of the running rows, per layer `[rows, kv_heads, capacity, head_dim]`,
-    and `lengths[r]`: how many positions of row r are filled."""
+    `lengths[r]`: how many positions of row r are filled, and for MoE models `routes`: the
+    experts each MoE layer chose at each filled position, `[rows, moe_layers, capacity, top_k]`
+    (int16), kept with the keys so that every path a row takes (prompt cache, retraction,
+    joining a batch) keeps its routing beside its keys."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     lengths: torch.Tensor
+    routes: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -54,6 +58,7 @@ class KVCache:
             [k.index_select(0, rows) for k in self.keys],
             [v.index_select(0, rows) for v in self.values],
             self.lengths.index_select(0, rows),
+            None if self.routes is None else self.routes.index_select(0, rows),
         )
 
     def row(self, index: int) -> KVCache:
@@ -63,6 +68,7 @@ class KVCache:
             [k[index : index + 1, :, :n].clone() for k in self.keys],
             [v[index : index + 1, :, :n].clone() for v in self.values],
             self.lengths[index : index + 1].clone(),
+            None if self.routes is None else self.routes[index : index + 1, :, :n].clone(),
         )
 
     def grow(self, capacity: int) -> None:
@@ -72,6 +78,14 @@ class KVCache:
         new_cap = max(capacity, 2 * self.capacity)
         self.keys = [_pad_capacity(k, new_cap) for k in self.keys]
         self.values = [_pad_capacity(v, new_cap) for v in self.values]
+        if self.routes is not None:
+            self.routes = _pad_capacity(self.routes, new_cap)
+
+    def routed_experts(self, index: int) -> torch.Tensor | None:
+        """Row `index`'s expert choices `[positions, moe_layers, top_k]` (None: dense model)."""
+        if self.routes is None:
+            return None
+        return self.routes[index, :, : int(self.lengths[index])].transpose(0, 1).cpu()
 
     @staticmethod
     def concat(caches: Sequence[KVCache]) -> KVCache:
@@ -80,10 +94,14 @@ class KVCache:
             return caches[0]
         cap = max(c.capacity for c in caches)
         layers = range(len(caches[0].keys))
+        routes = None
+        if caches[0].routes is not None:
+            routes = torch.cat([_pad_capacity(c.routes, cap) for c in caches])  # type: ignore[arg-type]
         return KVCache(
             [torch.cat([_pad_capacity(c.keys[i], cap) for c in caches]) for i in layers],
             [torch.cat([_pad_capacity(c.values[i], cap) for c in caches]) for i in layers],
             torch.cat([c.lengths for c in caches]),
+            routes,
         )
 
 
@@ -201,11 +219,14 @@ class ModelRunner:
 
     # ---- forward passes -------------------------------------------------------------------
 
-    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, attend):  # type: ignore[no-untyped-def]
+        """(final hidden states, the experts each MoE layer chose `[batch, moe_layers, steps,
+        top_k]` int16, or None for a dense model)."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         cos, sin = self.rotary(hidden, positions)
         batch, steps, _ = hidden.shape
+        routes: list[torch.Tensor] = []
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
@@ -217,8 +238,21 @@ class ModelRunner:
             q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             out = attend(index, q, k, v).transpose(1, 2).reshape(batch, steps, -1)
             hidden = hidden + attn.o_proj(out)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.norm(hidden)
+            hidden = hidden + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden), routes)
+        chosen = torch.stack(routes, 1).to(torch.int16) if routes else None
+        return self.norm(hidden), chosen
+
+    @staticmethod
+    def _mlp(mlp: torch.nn.Module, x: torch.Tensor, routes: list[torch.Tensor]) -> torch.Tensor:
+        """A dense MLP, or transformers' own MoE block driven step by step (its router `gate`,
+        then its `experts`, as its forward does) so that the chosen experts are recorded."""
+        if not hasattr(mlp, "experts"):
+            return mlp(x)
+        batch, steps, width = x.shape
+        flat = x.reshape(-1, width)
+        _logits, weights, chosen = mlp.gate(flat)
+        routes.append(chosen.view(batch, steps, -1))
+        return mlp.experts(flat, chosen, weights).view(batch, steps, width)
 
     def _sdpa(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -291,13 +325,13 @@ class ModelRunner:
             values.append(v)
             return self._sdpa(q, k, v, mask)
 
-        hidden = self._layers(self.embed(ids), positions, attend)
+        hidden, routes = self._layers(self.embed(ids), positions, attend)
         last = hidden[torch.arange(len(prompts), device=self.device), lengths_dev - 1]
         scores = [
             None if sc is None else self._score(hidden[row], prompts[row], *sc)
             for row, sc in enumerate(score or [None] * len(prompts))
         ]
-        return self._logits(last), KVCache(keys, values, lengths_dev), scores
+        return self._logits(last), KVCache(keys, values, lengths_dev, routes), scores
 
     def _score(
         self, hidden: torch.Tensor, prompt: Sequence[int], start: int, temperature: float
@@ -328,9 +362,11 @@ class ModelRunner:
                 q, cache.keys[index][:, :, :span], cache.values[index][:, :, :span], mask
             )
 
-        hidden = self._layers(
+        hidden, routes = self._layers(
             self.embed(tokens.to(self.device)[:, None]), positions[:, None], attend
         )
+        if routes is not None and cache.routes is not None:
+            cache.routes[rows, :, positions] = routes[:, :, 0]
         cache.lengths = positions + 1
         return self._logits(hidden[:, 0])
 
