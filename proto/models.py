@@ -7,7 +7,10 @@ are read. Knows only the `config.json` fields that decide support; no torch, no 
 
 from __future__ import annotations
 
+import array
+import base64
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +67,18 @@ def check_sliding_window(cfg: dict[str, Any], path: str, context_tokens: int, fl
             f"({context_tokens} tokens) and sliding-window attention is not implemented; "
             f"set {flag} <= {window}"
         )
+
+
+def pack_routed_experts(b64: str) -> bytes:
+    """SGLang's `meta_info.routed_experts` (base64 of int32 expert indices) in the compact form
+    `Sample.routed_experts` carries: uint8 when every index is < 256, else int16 (little-endian).
+    The reader tells the two apart by the size (it knows positions x layers x top_k)."""
+    values = array.array("i", base64.b64decode(b64))
+    if sys.byteorder == "big":
+        values.byteswap()
+    if max(values, default=0) < 256:
+        return array.array("B", values).tobytes()
+    packed = array.array("h", values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()

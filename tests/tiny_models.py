@@ -2,7 +2,9 @@
 
 Vocabulary = the toy tokenizer's 16 characters (its files are written beside the weights), so
 the engine, the router and `tandem up` can serve them. Norm weights (incl. Qwen3's q/k norms)
-and MoE routers are randomized too: a wrong mapping of any of them shows in the logits.
+and MoE routers are randomized too: a wrong mapping of any of them shows in the logits; MoE
+experts get larger weights than transformers' init, so that which expert a token goes to
+changes the output visibly.
 """
 
 from __future__ import annotations
@@ -51,8 +53,11 @@ TINY: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def write_tiny(out: Path, name: str, seed: int = 0, **overrides: Any) -> Path:
-    """Write tiny model `name` (a key of `TINY`) with the toy tokenizer to `out`."""
+def write_tiny(
+    out: Path, name: str, seed: int = 0, router_std: float = 1.0, **overrides: Any
+) -> Path:
+    """Write tiny model `name` (a key of `TINY`) with the toy tokenizer to `out`; an MoE
+    router's weights get std `router_std` (small: many near-ties between experts)."""
     import transformers
 
     from tandem.toy_model import build_tokenizer
@@ -66,7 +71,9 @@ def write_tiny(out: Path, name: str, seed: int = 0, **overrides: Any) -> Path:
             if "norm" in param_name:
                 param.normal_(1.0, 0.2)
             elif param_name.endswith("mlp.gate.weight"):  # router: diverse expert choices
-                param.normal_(0.0, 1.0)
+                param.normal_(0.0, router_std)
+            elif ".experts." in param_name:  # experts that differ enough for routing to matter
+                param.normal_(0.0, 0.3)
     model.save_pretrained(out)
     build_tokenizer().save_pretrained(out)
     return out

@@ -158,6 +158,14 @@ class SamplingConfig:
     )
     rollout_top_p: float = field(default=1.0, metadata={"help": "top_p of rollouts."})
     rollout_top_k: int = field(default=-1, metadata={"help": "top_k of rollouts (-1 = all)."})
+    return_routed_experts: bool = field(
+        default=False,
+        metadata={
+            "help": "MoE models: ask engines for the experts each layer chose (SGLang's "
+            "return_routed_experts; SGLang needs --enable-return-routed-experts) and carry them "
+            "in each sample, for the trainer's --use-routing-replay."
+        },
+    )
     rollout_stop: list[str] = field(
         default_factory=list,
         metadata={"help": "Stop strings of rollouts (a matched one ends the response text)."},

@@ -37,6 +37,7 @@ class TrainSample:
     advantages: list[float]
     weight_version: int
     reward: float
+    routed_experts: bytes = b""  # `Sample.routed_experts`, for routing replay
 
     @property
     def input_len(self) -> int:
@@ -100,6 +101,7 @@ def flatten(groups: list[SampleGroup], advantages: list[list[list[float]]]) -> l
                     advantages=adv,
                     weight_version=s.weight_version,
                     reward=s.reward,
+                    routed_experts=s.routed_experts,
                 )
             )
     return out
@@ -145,6 +147,8 @@ class MicroBatch:
     packed_seq_params: PackedSeqParams | None
     response_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (row, start, stop)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # proximal/ref log-probs
+    # routing replay: the engine's experts per input token `[rows, S, moe_layers, top_k]`
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -153,6 +153,11 @@ class TrainerConfig:
     expert_model_parallel_size: int = _f(
         1, "MoE models: experts split over this many ranks (only 1 is supported for now)."
     )
+    use_routing_replay: bool = _f(
+        False,
+        "MoE models: route each token to the experts the engine chose for it (samples carry "
+        "them when the router runs with --return-routed-experts); off = the trainer's own routing.",
+    )
     moe_aux_loss_coeff: float = _f(
         0.0, "MoE models: coefficient of the router's load-balancing loss (0 = off)."
     )

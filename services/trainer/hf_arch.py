@@ -112,7 +112,9 @@ def _is_megatron_llama3(rope: dict) -> bool:
     )
 
 
-def _moe_fields(arch: HfArch, ep_size: int, aux_loss_coeff: float) -> dict[str, Any]:
+def _moe_fields(
+    arch: HfArch, ep_size: int, aux_loss_coeff: float, routing_replay: bool
+) -> dict[str, Any]:
     """TransformerConfig fields of a Qwen3-MoE layer (none for a dense model).
 
     megatron's default router takes the top-k of the logits and softmaxes over those k, which
@@ -131,6 +133,7 @@ def _moe_fields(arch: HfArch, ep_size: int, aux_loss_coeff: float) -> dict[str, 
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
         moe_aux_loss_coeff=aux_loss_coeff,
         expert_model_parallel_size=ep_size,
+        moe_enable_routing_replay=routing_replay,
     )
 
 
@@ -140,6 +143,7 @@ def transformer_config(
     bf16: bool = False,
     ep_size: int = 1,
     moe_aux_loss_coeff: float = 0.0,
+    routing_replay: bool = False,
 ) -> TransformerConfig:
     """megatron TransformerConfig equal to the HF architecture (no dropout, unfused kernels)."""
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -170,7 +174,7 @@ def transformer_config(
         params_dtype=dtype,
         bf16=bf16,
         pipeline_dtype=dtype,
-        **_moe_fields(arch, ep_size, moe_aux_loss_coeff),
+        **_moe_fields(arch, ep_size, moe_aux_loss_coeff, routing_replay),
     )
 
 

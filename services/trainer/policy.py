@@ -29,7 +29,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from services.trainer import cpu_compat, hf_convert
+from services.trainer import cpu_compat, hf_convert, routing_replay
 from services.trainer.batching import MicroBatch
 from services.trainer.config import TrainerConfig
 from services.trainer.stats import comm_device
@@ -140,6 +140,7 @@ class Policy:
             cfg.bf16,
             cfg.expert_model_parallel_size,
             cfg.moe_aux_loss_coeff,
+            cfg.use_routing_replay and self.arch.num_experts > 0,
         )
         # The loss returns (numerator, denominator); megatron sums both over micro-batches and
         # data-parallel ranks and divides the gradients once (finalize_model_grads).
@@ -154,6 +155,7 @@ class Policy:
             hf_convert.load_hf_into_model(self.model, self.arch, hf_state)
         if torch.cuda.is_available():
             self.model.cuda()
+        self.replays = routing_replay.routers(self.model)  # empty unless --use-routing-replay
         self.train_enabled = train
         if not train:
             self.model.eval()
@@ -185,6 +187,8 @@ class Policy:
                 max_seqlen_kv=params.max_seqlen_kv,
             )
         dev = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.replays:
+            routing_replay.apply(self.replays, mb.routed_experts)
         return model(
             input_ids=mb.input_ids.to(dev),
             position_ids=mb.position_ids.to(dev),

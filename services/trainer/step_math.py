@@ -167,6 +167,8 @@ def metrics_from(stats: StepStats, samples: list[TrainSample], version: int) -> 
         "train/entropy": stats.mean("entropy"),
         "train/nonfinite_loss": s.get("nonfinite_loss", 0.0),
     }
+    if "routing_replay:count" in s:  # fraction of micro-batches routed as the engine did
+        metrics["train/routing_replay_fraction"] = stats.mean("routing_replay")
     if "is_weight:count" in s:
         metrics["train/is_weight_mean"] = stats.mean("is_weight")
         metrics["train/is_weight_max"] = stats.max("is_weight_max")

@@ -30,7 +30,7 @@ from megatron.core import parallel_state
 
 from proto import DropRecord, SampleGroup
 from services.sample_buffer import BufferConfig, SampleBuffer
-from services.trainer import batching, losses
+from services.trainer import batching, losses, routing_replay
 from services.trainer.batching import MicroBatch, TrainSample
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, init_distributed
@@ -260,6 +260,9 @@ class Trainer:
             self.cfg.max_tokens_per_gpu,
             self.cfg.micro_batch_size,
         )
+        if self.policy.replays:  # a micro-batch without the engine's routing uses its own
+            missing = routing_replay.attach(mbs, mine, self.policy.arch)
+            stats.add("routing_replay", len(mbs) - missing, len(mbs))
         recomputed = self._recompute(mbs, mine, stats)
         if self.critic is not None:
             self.critic.fill_advantages(mbs, mine, stats)
