@@ -278,6 +278,46 @@ def test_packed_logprobs_equal_padded_logprobs(megatron_world: None, toy_model_d
     assert (lp_packed - lp_padded).abs().max().item() < 1e-5
 
 
+def test_micro_batches_equalized_for_expert_parallelism_keep_each_samples_logprobs(
+    megatron_world: None, toy_model_dir: Path
+) -> None:
+    """`batching.equalize` (every EP rank: same number of micro-batches, same length) adds a
+    padding segment and all-padding micro-batches; the samples' log-probs do not move."""
+    from proto import Sample, SampleGroup
+
+    samples_in = [
+        Sample(
+            prompt_ids=[1, 4 + a, 14],
+            response_ids=[4 + a, 2][: 1 + a % 2],
+            response_logprobs=[0.0] * (1 + a % 2),
+            loss_mask=[1] * (1 + a % 2),
+            reward=float(a),
+            weight_version=0,
+        )
+        for a in range(5)
+    ]
+    group = SampleGroup(
+        group_id="g", prompt="", label="", samples=samples_in, weight_version=0, created_at=0.0
+    )
+    samples = batching.flatten([group], batching.compute_advantages([group], "grpo", True, 1e-6))
+    policy = Policy(TrainerConfig(model=str(toy_model_dir)), str(toy_model_dir), train=False)
+    plain = batching.make_micro_batches(samples, True, 8, 4)
+    outs = policy.logprobs(plain)
+    reference = [out["logp"][mb.loss_mask > 0] for mb, out in zip(plain, outs, strict=True)]
+    equal = batching.equalize(batching.make_micro_batches(samples, True, 8, 4), len(plain) + 2, 11)
+    assert len(equal) == len(plain) + 2
+    assert all(mb.input_ids.shape == (1, 11) for mb in equal)
+    assert [mb.padding for mb in equal] == [False] * len(plain) + [True, True]
+    outs = policy.logprobs(equal)
+    for mb, out, want in zip(equal, outs, [*reference, None, None], strict=True):
+        got = out["logp"][mb.loss_mask > 0]
+        if want is None:
+            assert got.numel() == 0 and mb.num_tokens == 0
+        else:
+            assert (got - want).abs().max().item() < 1e-6
+            assert mb.num_tokens == sum(samples[i].input_len for i in mb.sample_index)
+
+
 def test_packed_logits_equal_each_sample_run_alone(
     megatron_world: None, toy_model_dir: Path
 ) -> None:

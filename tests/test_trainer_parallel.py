@@ -122,9 +122,11 @@ def test_a_checkpoint_saved_at_one_tp_size_resumes_at_another(
     [
         ("qwen3_untied", ["--tensor-model-parallel-size", "2"]),
         ("qwen3_moe", ["--max-tokens-per-gpu", "8192"]),  # data parallel
+        ("qwen3_moe", ["--expert-model-parallel-size", "2"]),
+        ("qwen3_moe", ["--expert-model-parallel-size", "2", "--max-tokens-per-gpu", "20"]),
     ],
 )
-def test_qwen3_under_tp2_and_qwen3_moe_under_dp2_reproduce_single_process_losses_and_weights(
+def test_qwen3_under_tp2_and_qwen3_moe_under_dp2_or_ep2_reproduce_single_process_losses_and_weights(
     buffer, tmp_path: Path, name: str, parallel: list[str]
 ) -> None:
     from tests.tiny_models import write_tiny
@@ -147,6 +149,7 @@ def test_an_moe_model_under_tensor_parallelism_is_refused_pointing_at_expert_par
     done = run(None, model_dir, 1, ["--model", str(model_dir), "--tensor-model-parallel-size", "2"])
     assert done.returncode == 2
     assert "--expert-model-parallel-size" in done.stderr
-    done = run(None, model_dir, 1, ["--model", str(model_dir), "--expert-model-parallel-size", "2"])
+    args = ["--expert-model-parallel-size", "2", "--no-use-dynamic-batch-size"]
+    done = run(None, model_dir, 1, ["--model", str(model_dir), *args])
     assert done.returncode == 2
-    assert "--expert-model-parallel-size > 1 is not supported yet" in done.stderr
+    assert "--expert-model-parallel-size > 1 needs --use-dynamic-batch-size" in done.stderr

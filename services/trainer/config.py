@@ -151,7 +151,7 @@ class TrainerConfig:
     # --- model / parallelism ---------------------------------------------------------------
     tensor_model_parallel_size: int = _f(1, "Tensor-parallel size (torchrun world = TP x DP).")
     expert_model_parallel_size: int = _f(
-        1, "MoE models: experts split over this many ranks (only 1 is supported for now)."
+        1, "MoE models: experts split over this many data-parallel ranks (needs TP = 1)."
     )
     use_routing_replay: bool = _f(
         False,
@@ -205,13 +205,15 @@ class TrainerConfig:
             )
         if self.expert_model_parallel_size < 1:
             raise ValueError("--expert-model-parallel-size must be >= 1")
-        if self.expert_model_parallel_size > 1:
-            # Every EP rank must run the same number of micro-batches, each of the same token
-            # count (megatron's allgather dispatcher, the one that builds without CUDA), and the
-            # packing gives each data-parallel rank its own: not implemented yet.
+        if self.expert_model_parallel_size > 1 and (
+            not self.use_dynamic_batch_size
+            or self.tensor_model_parallel_size > 1
+            or self.advantage_estimator == "gae"
+        ):
+            # the ranks' micro-batches are equalized for the expert dispatcher (packed only)
             raise ValueError(
-                "--expert-model-parallel-size > 1 is not supported yet (micro-batches are not "
-                "equalized across expert-parallel ranks); use 1"
+                "--expert-model-parallel-size > 1 needs --use-dynamic-batch-size, "
+                "--tensor-model-parallel-size 1 and no critic (--advantage-estimator gae)"
             )
         if self.eps_clip_c and self.eps_clip_c <= 1.0:
             raise ValueError("--eps-clip-c must be > 1 (or 0 to disable dual clip)")

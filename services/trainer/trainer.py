@@ -260,6 +260,8 @@ class Trainer:
             self.cfg.max_tokens_per_gpu,
             self.cfg.micro_batch_size,
         )
+        if self.cfg.expert_model_parallel_size > 1:
+            mbs = self._equalize(mbs)
         if self.policy.replays:  # a micro-batch without the engine's routing uses its own
             missing = routing_replay.attach(mbs, mine, self.policy.arch)
             stats.add("routing_replay", len(mbs) - missing, len(mbs))
@@ -295,6 +297,16 @@ class Trainer:
         metrics["train/skipped_updates"] = float(self.skipped_updates)
         metrics["train/lr"] = float(self.policy.optimizer.param_groups[0]["lr"])
         return metrics
+
+    @staticmethod
+    def _equalize(mbs: list[MicroBatch]) -> list[MicroBatch]:
+        """The same number of micro-batches of the same length on every data-parallel rank
+        (expert-parallel groups lie within them): see `batching.equalize`."""
+        shape = torch.tensor(
+            [len(mbs), max(mb.input_ids.shape[1] for mb in mbs)], device=comm_device()
+        )
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+        return batching.equalize(mbs, int(shape[0]), int(shape[1]))
 
     def _recompute(
         self, mbs: list[MicroBatch], samples: list[TrainSample], stats: StepStats
