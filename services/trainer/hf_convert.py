@@ -380,12 +380,13 @@ class _DeviceExport:
 def export_hf(
     model: GPTModel, arch: HfArch, dtype: torch.dtype | None = None, on_device: bool = False
 ) -> list[tuple[str, torch.Tensor]]:
-    """HF-named full tensors of `model`, gathered over TP (every TP rank returns the same).
+    """HF-named full tensors of `model`, gathered over TP and, for MoE experts, over EP (every
+    rank of those groups returns the same).
 
     By default they are CPU copies, safe to keep while training goes on. With `on_device` they
     stay where the model is (a GPU for NCCL broadcast: no round trip through host memory) and
-    may share storage with the parameters: use them before the next optimizer step. At TP = 1
-    an on-device export returns the same tensors at every call, refreshed (`_DeviceExport`)."""
+    may share storage with the parameters: use them before the next optimizer step. At TP = EP
+    = 1 an on-device export returns the same tensors at every call, refreshed (`_DeviceExport`)."""
     _, size = _tp()
     _, ep_size = _ep()
     full: dict[str, torch.Tensor] = {}
