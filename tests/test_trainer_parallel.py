@@ -153,3 +153,48 @@ def test_an_moe_model_under_tensor_parallelism_is_refused_pointing_at_expert_par
     done = run(None, model_dir, 1, ["--model", str(model_dir), *args])
     assert done.returncode == 2
     assert "--expert-model-parallel-size > 1 needs --use-dynamic-batch-size" in done.stderr
+
+
+@pytest.mark.parametrize(("save_ep", "load_ep"), [(2, 2), (1, 1)])
+def test_an_moe_checkpoint_saved_under_expert_parallelism_resumes_at_another_size(
+    buffer, tmp_path: Path, save_ep: int, load_ep: int
+) -> None:
+    from tests.tiny_models import write_tiny
+
+    model_dir = write_tiny(tmp_path / "moe", "qwen3_moe")
+    groups = sample_groups(model_dir, 4, 4, seed=6)
+    _, straight = train(buffer, model_dir, groups, [(1, ["--max-steps", "2"])])
+    ckpt = str(tmp_path / "ckpt")
+    runs = [
+        (
+            save_ep,
+            ["--max-steps", "1", "--save", ckpt, "--expert-model-parallel-size", str(save_ep)],
+        ),
+        (
+            load_ep,
+            ["--max-steps", "2", "--load", ckpt, "--expert-model-parallel-size", str(load_ep)],
+        ),
+    ]
+    _, resumed = train(buffer, model_dir, groups, runs)
+    assert_same(resumed, straight)
+
+
+def test_an_moe_checkpoint_refuses_to_resume_at_another_expert_parallel_size(
+    buffer, tmp_path: Path
+) -> None:
+    from tests.tiny_models import write_tiny
+
+    model_dir = write_tiny(tmp_path / "moe", "qwen3_moe")
+    fresh_run(buffer, sample_groups(model_dir, 4, 4, seed=6))
+    ckpt = str(tmp_path / "ckpt")
+    args = trainer_args(model_dir, buffer, "")
+    done = run(
+        buffer,
+        model_dir,
+        2,
+        [*args, "--max-steps", "1", "--save", ckpt, "--expert-model-parallel-size", "2"],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = run(buffer, model_dir, 1, [*args, "--max-steps", "2", "--load", ckpt])
+    assert done.returncode == 2
+    assert "saved at --expert-model-parallel-size 2: resume at the same size" in done.stderr
