@@ -198,3 +198,32 @@ def test_an_moe_checkpoint_refuses_to_resume_at_another_expert_parallel_size(
     done = run(buffer, model_dir, 1, [*args, "--max-steps", "2", "--load", ckpt])
     assert done.returncode == 2
     assert "saved at --expert-model-parallel-size 2: resume at the same size" in done.stderr
+
+
+def test_a_converted_moe_checkpoint_loads_under_expert_parallelism(buffer, tmp_path: Path) -> None:
+    """Weights only (`tandem convert`, saved at EP 1) reshard to EP 2."""
+    from tests.tiny_models import write_tiny
+
+    model_dir = write_tiny(tmp_path / "moe", "qwen3_moe")
+    other = write_tiny(tmp_path / "other", "qwen3_moe", seed=1)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.trainer.convert",
+            "hf-to-megatron",
+            "--hf-dir",
+            str(other),
+            "--save",
+            str(tmp_path / "c"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    groups = sample_groups(other, 4, 4, seed=6)
+    ep2 = ["--max-steps", "1", "--expert-model-parallel-size", "2"]
+    _, loaded = train(buffer, model_dir, groups, [(2, [*ep2, "--load", str(tmp_path / "c")])])
+    _, direct = train(buffer, other, groups, [(2, ep2)])
+    assert_same(loaded, direct)
