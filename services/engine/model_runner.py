@@ -1,4 +1,4 @@
-"""The model: a Hugging Face Llama/Qwen2-family checkpoint run with our own batched KV cache.
+"""The model: a Hugging Face checkpoint (`proto.models`) run with our own batched KV cache.
 
 `transformers` loads the checkpoint and provides every layer module; this file only drives them
 (the same modules, the same order of operations as the Hugging Face forward) so that rows can
