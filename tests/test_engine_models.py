@@ -189,12 +189,14 @@ def hf_routing(model_dir: Path, tokens: list[int]) -> torch.Tensor:
     return torch.stack(chosen, 1).sort(-1).values
 
 
+@pytest.mark.parametrize("prompt_cache_tokens", [0, 4096], ids=["no_prompt_cache", "prompt_cache"])
 def test_generate_returns_the_experts_every_moe_layer_chose_at_every_position(
-    tmp_path: Path,
+    tmp_path: Path, prompt_cache_tokens: int
 ) -> None:
     """`return_routed_experts` (SGLang's field): base64 int32 `[prompt + output - 1, layers,
     top_k]` from `routed_experts_start_len` on; equal to transformers' choices over the whole
-    sequence, for rows prefilled together, decoded in one batch, and with n > 1."""
+    sequence, for rows prefilled together, decoded in one batch, with n > 1, and for a prompt
+    served again from the prompt cache (its routing is kept with its keys)."""
     import asyncio
     import base64
 
@@ -204,7 +206,7 @@ def test_generate_returns_the_experts_every_moe_layer_chose_at_every_position(
     from services.engine.engine import Engine
 
     model_dir = write(tmp_path / "m", "qwen3_moe")
-    engine = Engine(EngineConfig(model=str(model_dir), prompt_cache_tokens=0))
+    engine = Engine(EngineConfig(model=str(model_dir), prompt_cache_tokens=prompt_cache_tokens))
     engine.start()
     try:
         prompts = [[1, 4, 5, 6, 14], [1, 9], [1, 7, 7, 8, 9, 10, 11, 14]]
@@ -227,6 +229,9 @@ def test_generate_returns_the_experts_every_moe_layer_chose_at_every_position(
         raw = np.frombuffer(base64.b64decode(result["meta_info"]["routed_experts"]), np.int32)
         got = torch.from_numpy(raw.copy()).view(len(tokens) - 1, 2, 2).sort(-1).values
         assert torch.equal(got, hf_routing(model_dir, tokens)[:-1])
+    assert sliced[0]["meta_info"]["cached_tokens"] == (
+        len(prompts[2]) if prompt_cache_tokens else 0
+    )
     tokens = prompts[2] + sliced[0]["output_ids"]
     raw = np.frombuffer(base64.b64decode(sliced[0]["meta_info"]["routed_experts"]), np.int32)
     assert torch.equal(
