@@ -70,7 +70,7 @@ moe)  # 16 layers, hidden 2048, 32 experts top-8 of width 1024: 3.5B total, 1.1B
         --num-layers 16 --num-heads 16 --num-kv-heads 4 --head-dim 128 --vocab-size 32000 \
         --num-experts 32 --moe-topk 8 --moe-ffn-hidden-size 1024 --dense-baseline \
         --num-samples 128 --prompt-len 128 --mean-response-len 512 --max-response-len 2048 \
-        --max-tokens-per-gpu 16384 --modes packed 2>&1 | grep -v -i warn | tail -16 \
+        --max-tokens-per-gpu 8192 --modes packed 2>&1 | grep -v -i warn | tail -16 \
         | tee "$OUT/trainer_throughput_moe.txt"
     ;;
 sync)  # a hang dumps the bench's Python stacks (SIGABRT + faulthandler); logs go to $OUT

@@ -29,6 +29,7 @@ rule. A ~1.1B-active Qwen3-MoE (3.5B total) against its dense twin, on one H200:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import sys
@@ -197,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         total, active = parameter_counts(policy.model, arch)
         print(f"[{label}] params {total / 1e6:.1f}M, active {active / 1e6:.1f}M", flush=True)
         bench_model(args, label, policy, cfg, samples, active, peak, sync)
-        del policy
+        del policy  # release the first model before the second is built
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     return 0
 
 
