@@ -23,7 +23,9 @@ rule. A ~1.1B-active Qwen3-MoE (3.5B total) against its dense twin, on one H200:
         --num-heads 16 --num-kv-heads 4 --head-dim 128 --vocab-size 32000 \
         --num-experts 32 --moe-topk 8 --moe-ffn-hidden-size 1024 --dense-baseline \
         --num-samples 128 --prompt-len 128 --mean-response-len 512 --max-response-len 2048 \
-        --max-tokens-per-gpu 16384 --modes packed
+        --max-tokens-per-gpu 8192 --modes packed
+(about 63 GB of weights, gradients and AdamW state for the MoE, plus the dispatched tokens'
+activations: an H200; the dense twin runs after the MoE's memory is released.)
 """
 
 from __future__ import annotations
