@@ -3,6 +3,7 @@
 #   bash bench/gpu_session.sh tests     # the CUDA/NCCL tests (TP and DP trainer, engine on CUDA): 2 GPUs
 #   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3: 4 GPUs
 #   bash bench/gpu_session.sh mfu       # trainer tokens/s and MFU, packed vs padded (GPU 0)
+#   bash bench/gpu_session.sh moe       # MFU on active parameters: ~1.1B-active Qwen3-MoE vs its dense twin (GPU 0; ~65 GB)
 #   bash bench/gpu_session.sh sync      # NCCL weight sync GPU 0 -> 1 (and 2 if there) vs raw broadcast
 #   bash bench/gpu_session.sh benches   # mfu, then sync
 #   bash bench/gpu_session.sh all       # tests, run, benches; each part under its own time limit
@@ -11,10 +12,10 @@
 # to $OUT (or /tmp/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage() { echo "usage: $0 tests|run|mfu|sync|benches|all ..." >&2; exit 2; }
+usage() { echo "usage: $0 tests|run|mfu|moe|sync|benches|all ..." >&2; exit 2; }
 [ $# -gt 0 ] || usage
 for name in "$@"; do
-    case "$name" in tests|run|mfu|sync|benches|all) ;; *) usage ;; esac
+    case "$name" in tests|run|mfu|moe|sync|benches|all) ;; *) usage ;; esac
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >/dev/null || exit 1
@@ -62,6 +63,15 @@ mfu)
         --num-samples 256 --prompt-len 128 --mean-response-len 512 --max-response-len 4096 \
         --max-tokens-per-gpu 16384 --micro-batch-size 4 2>&1 | grep -v -i warn | tail -12 \
         | tee "$OUT/trainer_throughput.txt"
+    ;;
+moe)  # 16 layers, hidden 2048, 32 experts top-8 of width 1024: 3.5B total, 1.1B active
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    timeout 420 python3 bench/trainer_throughput.py --device cuda --bf16 --hidden-size 2048 \
+        --num-layers 16 --num-heads 16 --num-kv-heads 4 --head-dim 128 --vocab-size 32000 \
+        --num-experts 32 --moe-topk 8 --moe-ffn-hidden-size 1024 --dense-baseline \
+        --num-samples 128 --prompt-len 128 --mean-response-len 512 --max-response-len 2048 \
+        --max-tokens-per-gpu 8192 --modes packed 2>&1 | grep -v -i warn | tail -16 \
+        | tee "$OUT/trainer_throughput_moe.txt"
     ;;
 sync)  # a hang dumps the bench's Python stacks (SIGABRT + faulthandler); logs go to $OUT
     engines="1"

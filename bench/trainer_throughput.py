@@ -13,11 +13,25 @@ GPU, ~1B model (16 layers, hidden 2048), bf16:
         --num-samples 256 --prompt-len 128 --mean-response-len 512 --max-response-len 4096 \
         --max-tokens-per-gpu 16384 --micro-batch-size 4
 Last line: `packed_vs_padded_tokens_per_s: RATIO`.
+
+MoE (Qwen3-MoE shape: top-k softmax router, SwiGLU experts, no shared expert) with
+`--num-experts E --moe-topk K --moe-ffn-hidden-size F`; `--dense-baseline` then also times, in
+the same run, the dense model of the same active size (FFN width K x F). Model FLOPs and MFU
+count ACTIVE parameters (each token runs K of the E experts), by the 6 * N_active * tokens
+rule. A ~1.1B-active Qwen3-MoE (3.5B total) against its dense twin, on one H200:
+    python bench/trainer_throughput.py --device cuda --bf16 --hidden-size 2048 --num-layers 16 \
+        --num-heads 16 --num-kv-heads 4 --head-dim 128 --vocab-size 32000 \
+        --num-experts 32 --moe-topk 8 --moe-ffn-hidden-size 1024 --dense-baseline \
+        --num-samples 128 --prompt-len 128 --mean-response-len 512 --max-response-len 2048 \
+        --max-tokens-per-gpu 8192 --modes packed
+(about 63 GB of weights, gradients and AdamW state for the MoE, plus the dispatched tokens'
+activations: an H200; the dense twin runs after the MoE's memory is released.)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import sys
@@ -38,6 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--ffn-hidden-size", type=int, default=192)
+    p.add_argument("--head-dim", type=int, default=0, help="0 = hidden size / heads")
+    p.add_argument("--num-experts", type=int, default=0, help="> 0: a Qwen3-MoE of this many")
+    p.add_argument("--moe-topk", type=int, default=2, help="experts per token (MoE)")
+    p.add_argument("--moe-ffn-hidden-size", type=int, default=64, help="FFN width of one expert")
+    p.add_argument(
+        "--dense-baseline",
+        action="store_true",
+        help="MoE: also time the dense model of the same active size (FFN topk x expert width)",
+    )
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--num-samples", type=int, default=128, help="samples per step")
     p.add_argument("--prompt-len", type=int, default=16)
@@ -147,26 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from services.trainer.config import TrainerConfig
-    from services.trainer.hf_convert import HfArch
     from services.trainer.policy import Policy, init_distributed
 
     torch.set_num_threads(args.threads)
     init_distributed(tp_size=1, seed=args.seed)
-    arch = HfArch(
-        model_type="llama",
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        intermediate_size=args.ffn_hidden_size,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_dim=args.hidden_size // args.num_heads,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=args.prompt_len + args.max_response_len + 1,
-        tie_word_embeddings=False,
-        qkv_bias=False,
-    )
     cfg = TrainerConfig(
         model="(random)",
         bf16=args.bf16,
@@ -174,15 +181,74 @@ def main(argv: list[str] | None = None) -> int:
         micro_batch_size=args.micro_batch_size,
         recompute_logprobs=args.recompute_logprobs,
     )
-    policy = Policy(cfg, "", arch=arch)
-    params = sum(p.numel() for p in policy.model.parameters())
     samples = make_samples(args)
     lengths = sorted(len(s.tokens) - args.prompt_len for s in samples)
     print(
-        f"device {args.device} params {params / 1e6:.1f}M samples {len(samples)} response len "
-        f"p50 {lengths[len(lengths) // 2]} p90 {lengths[int(len(lengths) * 0.9)]} max {lengths[-1]}",
+        f"device {args.device} samples {len(samples)} response len p50 "
+        f"{lengths[len(lengths) // 2]} p90 {lengths[int(len(lengths) * 0.9)]} max {lengths[-1]}",
         flush=True,
     )
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    peak = matmul_peak_tflops() if args.device == "cuda" else 0.0
+    if peak:
+        print(f"bf16 matmul peak (8192^3, random data, this GPU, now): {peak:.0f} TFLOP/s")
+    archs = [("moe" if args.num_experts else "dense", make_arch(args, moe=bool(args.num_experts)))]
+    if args.num_experts and args.dense_baseline:
+        archs.append(("dense_same_active", make_arch(args, moe=False)))
+    for label, arch in archs:
+        policy = Policy(cfg, "", arch=arch)
+        total, active = parameter_counts(policy.model, arch)
+        print(f"[{label}] params {total / 1e6:.1f}M, active {active / 1e6:.1f}M", flush=True)
+        bench_model(args, label, policy, cfg, samples, active, peak, sync)
+        del policy  # release the first model before the second is built
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return 0
+
+
+def make_arch(args: argparse.Namespace, moe: bool):  # type: ignore[no-untyped-def]
+    """The benchmark's model; `moe=False` with experts given = the dense twin of equal
+    active size (FFN width topk x expert width)."""
+    from services.trainer.hf_convert import HfArch
+
+    ffn = args.ffn_hidden_size
+    if args.num_experts and not moe:
+        ffn = args.moe_topk * args.moe_ffn_hidden_size
+    return HfArch(
+        model_type="qwen3_moe" if moe else "llama",
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=ffn,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim or args.hidden_size // args.num_heads,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=args.prompt_len + args.max_response_len + 1,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        qk_norm=moe,
+        num_experts=args.num_experts if moe else 0,
+        moe_topk=args.moe_topk if moe else 0,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size if moe else 0,
+    )
+
+
+def parameter_counts(model, arch) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """(all parameters, those one token runs through: each expert counts topk / experts)."""
+    total = expert = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if ".local_experts." in name:
+            expert += p.numel()
+    share = arch.moe_topk / arch.num_experts if arch.num_experts else 1.0
+    return total, int(total - expert + expert * share)
+
+
+def bench_model(args, label, policy, cfg, samples, active, peak, sync) -> None:  # type: ignore[no-untyped-def]
+    """Packed vs padded logprob check, then the timed modes of one model."""
     from services.trainer import batching
 
     check = samples[:16]  # one micro-batch each way, so both hold the same samples in order
@@ -195,34 +261,30 @@ def main(argv: list[str] | None = None) -> int:
         batching.make_micro_batches(check, p, budget, 16)[0].loss_mask > 0 for p in (True, False)
     ]
     diff = (lp[0][0]["logp"].cpu()[masks[0]] - lp[1][0]["logp"].cpu()[masks[1]]).abs().max().item()
-    print(f"packed_vs_padded_max_logprob_diff: {diff:.2e}", flush=True)
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    if args.device == "cuda":
-        peak = matmul_peak_tflops()
-        print(f"bf16 matmul peak (8192^3, random data, this GPU, now): {peak:.0f} TFLOP/s")
+    print(f"[{label}] packed_vs_padded_max_logprob_diff: {diff:.2e}", flush=True)
     results = {}
     for name in args.modes:
         packed = name == "packed"
         r = run_mode(policy, cfg, samples, packed, args.iters, sync)
         results[name] = r
         print(
-            f"{name}: {r['tokens_per_s']:.0f} tokens/s, step {r['step_s']:.3f}s, "
+            f"[{label}] {name}: {r['tokens_per_s']:.0f} tokens/s, step {r['step_s']:.3f}s, "
             f"{r['micro_batches']} micro-batches, token efficiency {r['efficiency']:.2f}",
             flush=True,
         )
-        if args.device == "cuda":  # 6·N·tokens rule of thumb (forward+backward)
-            tflops = 6 * params * r["tokens_per_s"] / 1e12
-            print(f"{name}_model_tflops_per_s: {tflops:.1f}", flush=True)
-            print(f"{name}_mfu: {tflops / peak:.3f} (of the {peak:.0f} TFLOP/s matmul peak)")
+        # 6 * N_active * tokens rule of thumb (forward+backward), active parameters only
+        tflops = 6 * active * r["tokens_per_s"] / 1e12
+        print(f"[{label}] {name}_model_tflops_per_s: {tflops:.3f}", flush=True)
+        if peak:
+            print(f"[{label}] {name}_mfu: {tflops / peak:.3f} (of {peak:.0f} TFLOP/s matmul peak)")
     if args.profile:
         profile(policy, cfg, samples, args.profile, sync)
     if len(results) < 2:
         name = args.modes[0]
-        print(f"{name}_tokens_per_s: {results[name]['tokens_per_s']:.0f}")
-        return 0
+        print(f"[{label}] {name}_tokens_per_s: {results[name]['tokens_per_s']:.0f}")
+        return
     ratio = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
-    print(f"packed_vs_padded_tokens_per_s: {ratio:.2f}", flush=True)
-    return 0
+    print(f"[{label}] packed_vs_padded_tokens_per_s: {ratio:.2f}", flush=True)
 
 
 def matmul_peak_tflops(n: int = 8192, repeats: int = 10) -> float:

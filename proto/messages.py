@@ -22,6 +22,10 @@ class Sample(msgspec.Struct, kw_only=True):
     0 = a token the policy did not produce, e.g. an environment's reply in a multi-turn episode).
     `token_versions` is the weight version that produced each response token; it differs from
     `weight_version` only when a partial rollout was continued on newer weights.
+    `routed_experts` (MoE models, when the router asks engines for them): the experts each MoE
+    layer chose at every position the engine ran, `[len(prompt_ids) + len(response_ids) - 1,
+    moe_layers, top_k]` row-major, one byte per entry (uint8) when every index is < 256, else
+    two (int16, little-endian); see `proto.models.pack_routed_experts`. Empty = not recorded.
     """
 
     prompt_ids: list[int]
@@ -33,6 +37,7 @@ class Sample(msgspec.Struct, kw_only=True):
     token_versions: list[int] = []
     finish_reason: str = "stop"
     response_text: str = ""
+    routed_experts: bytes = b""
 
 
 class SampleGroup(msgspec.Struct, kw_only=True):

@@ -78,3 +78,44 @@ def test_compose_file_follows_the_compose_spec() -> None:
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Gemma 2 checkpoint's config.json (nothing else is read before the refusal)."""
+    import json
+
+    out = tmp_path_factory.mktemp("gemma2")
+    config = {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "vocab_size": 16}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize(
+    "command", [["trainer"], ["engine"], ["router", "--redis-url", "redis://127.0.0.1:1/0"]]
+)
+def test_every_service_refuses_an_unsupported_model_type_in_one_line(
+    gemma2_dir: Path, command: list[str]
+) -> None:
+    from proto.models import SUPPORTED_MODEL_TYPES
+
+    result = tandem(*command, "--model", str(gemma2_dir))
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if "gemma2" in line]
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert str(gemma2_dir / "config.json") in lines[0]
+    assert "model_type 'gemma2' is not supported" in lines[0]
+    assert all(t in lines[0] for t in SUPPORTED_MODEL_TYPES)
+
+
+@pytest.mark.parametrize("command", [["trainer"], ["engine", "--context-length", "64"]])
+def test_a_sliding_window_shorter_than_the_context_is_refused_naming_the_field(
+    tmp_path: Path, command: list[str]
+) -> None:
+    import json
+
+    config = {"model_type": "mistral", "sliding_window": 32, "max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = tandem(*command, "--model", str(tmp_path))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"{tmp_path / 'config.json'}: sliding_window 32" in result.stderr

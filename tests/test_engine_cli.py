@@ -24,7 +24,7 @@ def engine_cli(*args: str) -> subprocess.CompletedProcess:
     ("args", "message"),
     [
         ([], "--model is required"),
-        (["--model", "/nonexistent/model"], "--model /nonexistent/model: no config.json"),
+        (["--model", "/nonexistent/model"], "/nonexistent/model/config.json not found: --model"),
         (["--model", "{toy}", "--max-batch-size", "0"], "--max-batch-size must be at least 1"),
     ],
 )

@@ -98,6 +98,26 @@ def test_a_continued_sample_keeps_each_tokens_weight_version_and_the_oldest_as_i
     assert (s.finish_reason, s.response_text) == ("stop", "21")
 
 
+def test_a_sample_carries_the_routing_of_its_latest_engine_output_in_compact_form():
+    import base64
+    import struct
+
+    def routed(values: list[int]) -> str:
+        return base64.b64encode(struct.pack(f"<{len(values)}i", *values)).decode()
+
+    assert Partial.of(output([6], 3, "stop")).to_sample([1], reward=0.0).routed_experts == b""
+    first = output([6], 3, "abort")
+    first["meta_info"]["routed_experts"] = routed([0, 1])  # positions [0, 1): prompt token
+    partial = Partial.of(first)
+    later = output([5, 2], 4, "stop")  # continued from position 0 on newer weights
+    later["meta_info"]["routed_experts"] = routed([2, 3, 1, 0, 3, 2])
+    partial.extend(later)
+    assert partial.to_sample([1], reward=0.5).routed_experts == bytes([2, 3, 1, 0, 3, 2])
+    wide = output([6], 3, "stop")
+    wide["meta_info"]["routed_experts"] = routed([300, 1])  # an index past 255: two bytes each
+    assert Partial.of(wide).to_sample([1], reward=0.0).routed_experts == struct.pack("<2h", 300, 1)
+
+
 def test_builtin_verifiers_judge_answers():
     assert exact_match(" 42\n", "42", True) == 1.0
     assert exact_match("42.", "42", True) == 0.0

@@ -14,6 +14,7 @@ from tests.test_trainer_hf_convert import (  # noqa: F401 - fixtures
     hf_logits,
     megatron_world,
     qwen2_tied_dir,
+    tiny_dirs,
 )
 
 IDS = torch.tensor([[1, 5, 6, 14, 6, 5, 2, 7, 8, 9, 3]])
@@ -31,16 +32,19 @@ def convert(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["toy_llama", "qwen2_tied_bias"])
+@pytest.mark.parametrize(
+    "which", ["toy_llama", "qwen2_tied_bias", "qwen3_tied", "mistral", "qwen3_moe"]
+)
 def test_hf_to_megatron_and_back_round_trips_tensors_and_logits(
     toy_model_dir: Path,
     qwen2_tied_dir: Path,  # noqa: F811 - the imported fixture
+    tiny_dirs: dict[str, Path],  # noqa: F811 - the imported fixture
     tmp_path: Path,
     which: str,
 ) -> None:
     from safetensors.torch import load_file
 
-    src = toy_model_dir if which == "toy_llama" else qwen2_tied_dir
+    src = {"toy_llama": toy_model_dir, "qwen2_tied_bias": qwen2_tied_dir, **tiny_dirs}[which]
     ckpt, out = tmp_path / "mcore", tmp_path / "hf"
     done = convert("hf-to-megatron", "--hf-dir", str(src), "--save", str(ckpt))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -48,7 +52,7 @@ def test_hf_to_megatron_and_back_round_trips_tensors_and_logits(
     done = convert("megatron-to-hf", "--load", str(ckpt), "--out", str(out), "--hf-dir", str(src))
     assert done.returncode == 0, done.stderr[-3000:]
     original, back = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
-    if which == "qwen2_tied_bias":  # tied: HF may or may not store lm_head; we never do
+    if which in ("qwen2_tied_bias", "qwen3_tied"):  # tied: HF may store lm_head; we never do
         original.pop("lm_head.weight", None)
     assert set(back) == set(original)
     assert all(torch.equal(back[k], original[k]) for k in original)

@@ -16,6 +16,8 @@ import torch
 from services.trainer import batching, cpu_compat, hf_convert
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, init_distributed
+from tandem.toy_model import build_tokenizer
+from tests.tiny_models import TINY, write_tiny
 
 IDS = torch.tensor([[1, 5, 6, 14, 6, 5, 2, 7, 8, 9, 3]])
 
@@ -55,15 +57,33 @@ def qwen2_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 proj.bias.normal_()
     out = tmp_path_factory.mktemp("qwen2") / "model"
     model.save_pretrained(out)
+    build_tokenizer().save_pretrained(out)  # for the engine
     return out
 
 
-@pytest.fixture(params=["toy_llama", "qwen2_tied_bias"])
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every tiny checkpoint of `tests.tiny_models` (Qwen3 tied and untied, Mistral, Qwen3-MoE
+    with and without top-k renormalization)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: write_tiny(root / name, name) for name in TINY}
+
+
+CHECKPOINTS = ["toy_llama", "qwen2_tied_bias", *TINY]
+
+
+@pytest.fixture(params=CHECKPOINTS)
 def checkpoint(
-    request: pytest.FixtureRequest, megatron_world: None, toy_model_dir: Path, qwen2_tied_dir: Path
+    request: pytest.FixtureRequest,
+    megatron_world: None,
+    toy_model_dir: Path,
+    qwen2_tied_dir: Path,
+    tiny_dirs: dict[str, Path],
 ) -> tuple[Path, Policy]:
     """Each HF test checkpoint with a (non-training) policy loaded from it."""
-    model_dir = toy_model_dir if request.param == "toy_llama" else qwen2_tied_dir
+    model_dir = {"toy_llama": toy_model_dir, "qwen2_tied_bias": qwen2_tied_dir, **tiny_dirs}[
+        request.param
+    ]
     return model_dir, Policy(TrainerConfig(model=str(model_dir)), str(model_dir), train=False)
 
 
@@ -142,6 +162,26 @@ def test_megatron_logits_equal_transformers_logits_on_the_same_weights(
     ids = IDS.clamp(max=policy.arch.vocab_size - 1)
     diff = (megatron_logits(policy, ids) - hf_logits(model_dir, ids)).abs().max().item()
     assert diff < 1e-5
+
+
+def test_the_engine_scores_tokens_as_transformers_and_the_trainer_do(
+    checkpoint: tuple[Path, Policy],
+) -> None:
+    """Three implementations of one checkpoint: transformers, the trainer's megatron model
+    after conversion, and the reference engine's own forward (prefill with scoring)."""
+    from services.engine.model_runner import ModelRunner
+
+    model_dir, policy = checkpoint
+    ids = IDS.clamp(max=policy.arch.vocab_size - 1)
+    reference = hf_logits(model_dir, ids)[0]
+    runner = ModelRunner(str(model_dir), "", "cpu", "float32")
+    last, _, scores = runner.prefill([ids[0].tolist()], [(1, 1.0)])
+    engine_logp = torch.tensor(scores[0])
+    trainer_logp = megatron_logits(policy, ids)[0].log_softmax(-1)[:-1].gather(1, ids[0, 1:, None])
+    hf_logp = reference.log_softmax(-1)[:-1].gather(1, ids[0, 1:, None])
+    assert (last[0] - reference[-1]).abs().max().item() < 1e-4
+    assert (engine_logp - hf_logp[:, 0]).abs().max().item() < 1e-4
+    assert (trainer_logp - hf_logp).abs().max().item() < 1e-4
 
 
 def test_export_to_hf_names_round_trips_exactly(checkpoint: tuple[Path, Policy]) -> None:
@@ -236,6 +276,46 @@ def test_packed_logprobs_equal_padded_logprobs(megatron_world: None, toy_model_d
     lp_padded = policy.logprobs(padded)[0]["logp"][padded[0].loss_mask > 0]
     assert lp_packed.numel() == sum(len(s.response_ids) for s in samples_in)
     assert (lp_packed - lp_padded).abs().max().item() < 1e-5
+
+
+def test_micro_batches_equalized_for_expert_parallelism_keep_each_samples_logprobs(
+    megatron_world: None, toy_model_dir: Path
+) -> None:
+    """`batching.equalize` (every EP rank: same number of micro-batches, same length) adds a
+    padding segment and all-padding micro-batches; the samples' log-probs do not move."""
+    from proto import Sample, SampleGroup
+
+    samples_in = [
+        Sample(
+            prompt_ids=[1, 4 + a, 14],
+            response_ids=[4 + a, 2][: 1 + a % 2],
+            response_logprobs=[0.0] * (1 + a % 2),
+            loss_mask=[1] * (1 + a % 2),
+            reward=float(a),
+            weight_version=0,
+        )
+        for a in range(5)
+    ]
+    group = SampleGroup(
+        group_id="g", prompt="", label="", samples=samples_in, weight_version=0, created_at=0.0
+    )
+    samples = batching.flatten([group], batching.compute_advantages([group], "grpo", True, 1e-6))
+    policy = Policy(TrainerConfig(model=str(toy_model_dir)), str(toy_model_dir), train=False)
+    plain = batching.make_micro_batches(samples, True, 8, 4)
+    outs = policy.logprobs(plain)
+    reference = [out["logp"][mb.loss_mask > 0] for mb, out in zip(plain, outs, strict=True)]
+    equal = batching.equalize(batching.make_micro_batches(samples, True, 8, 4), len(plain) + 2, 11)
+    assert len(equal) == len(plain) + 2
+    assert all(mb.input_ids.shape == (1, 11) for mb in equal)
+    assert [mb.padding for mb in equal] == [False] * len(plain) + [True, True]
+    outs = policy.logprobs(equal)
+    for mb, out, want in zip(equal, outs, [*reference, None, None], strict=True):
+        got = out["logp"][mb.loss_mask > 0]
+        if want is None:
+            assert got.numel() == 0 and mb.num_tokens == 0
+        else:
+            assert (got - want).abs().max().item() < 1e-6
+            assert mb.num_tokens == sum(samples[i].input_len for i in mb.sample_index)
 
 
 def test_packed_logits_equal_each_sample_run_alone(

@@ -200,3 +200,48 @@ def test_nccl_with_engines_on_cpu_and_the_trainer_on_a_gpu_is_refused(tmp_path: 
     )
     assert result.returncode == 2
     assert "--engine-device cuda" in result.stderr and "--weight-transport zmq" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [
+        ("qwen3_untied", []),
+        (
+            "qwen3_moe",  # with routing replay: engines report experts, the trainer uses them
+            ["--router-args=--return-routed-experts", "--trainer-args=--use-routing-replay"],
+        ),
+    ],
+)
+def test_a_short_run_on_qwen3_and_qwen3_moe_keeps_trainer_and_engines_in_agreement(
+    tmp_path: Path, name: str, extra: list[str]
+) -> None:
+    from tests.tiny_models import write_tiny
+
+    model_dir = write_tiny(tmp_path / name, name)
+    run_dir = tmp_path / "run"
+    result = run_up(
+        run_dir,
+        "--model",
+        str(model_dir),
+        "--max-steps",
+        "3",
+        "--stop-accuracy",
+        "0",
+        "--max-staleness",
+        "0",
+        *extra,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    print(name, {k: v for k, v in summary.items() if k.startswith("logprob_abs_diff")})
+    assert summary["engine_weight_versions"] == ["3", "3"]
+    assert summary["logprob_abs_diff_max_step0"] < 1e-3
+    assert summary["steps_with_same_version_samples"] == 3
+    assert summary["logprob_abs_diff_max_same_version"] < 1e-3
+    if extra:
+        replayed = [
+            r["train/routing_replay_fraction"]
+            for r in metrics(run_dir)
+            if "train/routing_replay_fraction" in r
+        ]
+        assert replayed == [1.0, 1.0, 1.0]

@@ -14,7 +14,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="tandem engine",
         description=(
-            "Reference inference engine: loads a Hugging Face Llama/Qwen2-family model with "
+            "Reference inference engine: loads a Hugging Face model (llama, mistral, qwen2, "
+            "qwen3, qwen3_moe) with "
             "transformers and serves SGLang's HTTP API (/generate, health and info, pause/abort, "
             "weight updates from the weight broker, disk or torch.distributed, OpenAI /v1/*), "
             "batching concurrent requests with a KV cache. Runs on CPU or CUDA."

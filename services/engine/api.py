@@ -4,15 +4,22 @@ Knows the JSON field names and their SGLang semantics; knows nothing about HTTP 
 Field sources (SGLang v0.5 `io_struct.GenerateReqInput`, `tokenizer_manager`): `text` xor
 `input_ids` (a list of them = a batch), `sampling_params` (one object, or one per prompt),
 `rid` (str, or one per prompt), `return_logprob`, `logprob_start_len`, `top_logprobs_num`,
-`return_text_in_logprobs`, `stream`. A batch or `n > 1` answers a flat list, prompt-major.
+`return_text_in_logprobs`, `stream`, `return_routed_experts` with `routed_experts_start_len`
+(MoE models: `meta_info.routed_experts` = base64 of int32 `[positions, moe_layers, top_k]`, the
+experts chosen at positions `[routed_experts_start_len, prompt + output - 1)`, as
+`sglang.srt.state_capturer.routed_experts.extract_routed_experts_from_meta_info` decodes it).
+A batch or `n > 1` answers a flat list, prompt-major.
 """
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from services.engine.sampling import RequestError, SamplingParams, derive_seed
 from services.engine.scheduler import Job, Sequence, new_rid
@@ -29,6 +36,8 @@ IMPLEMENTED_FIELDS = {
     "top_logprobs_num",
     "return_text_in_logprobs",
     "return_prompt_token_ids",
+    "return_routed_experts",
+    "routed_experts_start_len",
 }
 # Fields that would change what is generated or returned: refused unless unset/false.
 UNSUPPORTED_FIELDS = {
@@ -38,7 +47,6 @@ UNSUPPORTED_FIELDS = {
     "audio_data",
     "token_ids_logprob",
     "return_hidden_states",
-    "return_routed_experts",
     "return_sampling_mask",
     "session_params",
     "lora_path",
@@ -77,7 +85,6 @@ IGNORED_FIELDS = {
     "video_config",
     "watermark",
     "sampling_logprobs_mode",
-    "routed_experts_start_len",
     "require_reasoning",
     "max_thinking_tokens",
     "http_worker_ipc",
@@ -99,6 +106,8 @@ class GenerateInput:
     top_logprobs_num: int = 0
     return_prompt_token_ids: bool = False
     logprob_start_len: int = -1
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
     @property
     def flat_list(self) -> bool:
@@ -137,10 +146,15 @@ def parse_generate(
     start = -1 if start is None else start
     if not isinstance(start, int) or isinstance(start, bool) or start < -1:
         raise RequestError(f"logprob_start_len must be an integer >= -1, got {start!r}")
+    routed_start = body.get("routed_experts_start_len") or 0
     for prompt in prompts:
         if start > len(prompt):
             raise RequestError(
                 f"logprob_start_len={start} is higher than the number of input tokens {len(prompt)}"
+            )
+        if not isinstance(routed_start, int) or not 0 <= routed_start <= len(prompt):
+            raise RequestError(
+                f"routed_experts_start_len must be in [0, {len(prompt)}], got {routed_start!r}"
             )
     return GenerateInput(
         prompts=prompts,
@@ -153,6 +167,8 @@ def parse_generate(
         top_logprobs_num=min(top_n, vocab_size),
         logprob_start_len=start,
         return_prompt_token_ids=_flag(body, "return_prompt_token_ids"),
+        return_routed_experts=_flag(body, "return_routed_experts"),
+        routed_experts_start_len=routed_start,
     )
 
 
@@ -232,6 +248,7 @@ def make_jobs(inp: GenerateInput, notify: Callable[[Job, bool], None]) -> list[J
             seq.top_logprobs_num = inp.top_logprobs_num if inp.return_logprob else 0
             if inp.return_logprob and inp.logprob_start_len >= 0:
                 seq.input_logprob_start = inp.logprob_start_len
+            seq.return_routed_experts = inp.return_routed_experts
             job.sequences.append(seq)
         jobs.append(job)
     return jobs
@@ -268,6 +285,9 @@ def sequence_json(seq: Sequence, inp: GenerateInput, tokenizer: Any, done: bool 
             meta["output_top_logprobs"] = [
                 [[lp, tok, text(tok)] for lp, tok in step] for step in seq.top_logprobs[:count]
             ]
+    if inp.return_routed_experts and done and seq.routed_experts is not None:
+        chosen = seq.routed_experts[inp.routed_experts_start_len :].to(torch.int32)
+        meta["routed_experts"] = base64.b64encode(chosen.numpy().tobytes()).decode()
     result = {
         "text": output_text(seq, output_ids, tokenizer, reason),
         "output_ids": output_ids,

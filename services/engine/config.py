@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from proto.models import check_model_config, check_sliding_window, read_config
+
 
 @dataclass
 class EngineConfig:
     """Everything `tandem engine` needs besides `--host/--port/--ready-file`."""
 
     model: str = field(
-        default="", metadata={"help": "Hugging Face Llama/Qwen2-family model directory to serve"}
+        default="",
+        metadata={
+            "help": "Hugging Face model directory to serve (see proto.models for the model types)"
+        },
     )
     tokenizer: str = field(
         default="", metadata={"help": "tokenizer directory (default: the model directory)"}
@@ -102,3 +107,7 @@ class EngineConfig:
             raise ValueError("--kv-cache-gb must be >= 0")
         if self.context_length < 0:
             raise ValueError("--context-length must be 0 (model default) or positive")
+        cfg, path = read_config(self.model)
+        check_model_config(cfg, path)
+        # 0 = the model's own limit, which the runner already caps at the window
+        check_sliding_window(cfg, path, self.context_length, "--context-length")

@@ -1,4 +1,4 @@
-"""The model: a Hugging Face Llama/Qwen2-family checkpoint run with our own batched KV cache.
+"""The model: a Hugging Face checkpoint (`proto.models`) run with our own batched KV cache.
 
 `transformers` loads the checkpoint and provides every layer module; this file only drives them
 (the same modules, the same order of operations as the Hugging Face forward) so that rows can
@@ -13,14 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-# Architectures whose forward is exactly the one `_layers` runs (pre-norm decoder, rotary
-# embeddings, optional q/k norms); others (e.g. Gemma's scaled embeddings) would differ silently.
-SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+from proto.models import check_model_dir
 
 Score = tuple[int, float]  # (first prompt position to score, temperature)
 
@@ -37,11 +34,15 @@ class WeightError(ValueError):
 @dataclass
 class KVCache:
     """Keys and values of the running rows, per layer `[rows, kv_heads, capacity, head_dim]`,
-    and `lengths[r]`: how many positions of row r are filled."""
+    `lengths[r]`: how many positions of row r are filled, and for MoE models `routes`: the
+    experts each MoE layer chose at each filled position, `[rows, moe_layers, capacity, top_k]`
+    (int16), kept with the keys so that every path a row takes (prompt cache, retraction,
+    joining a batch) keeps its routing beside its keys."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     lengths: torch.Tensor
+    routes: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -57,6 +58,7 @@ class KVCache:
             [k.index_select(0, rows) for k in self.keys],
             [v.index_select(0, rows) for v in self.values],
             self.lengths.index_select(0, rows),
+            None if self.routes is None else self.routes.index_select(0, rows),
         )
 
     def row(self, index: int) -> KVCache:
@@ -66,6 +68,7 @@ class KVCache:
             [k[index : index + 1, :, :n].clone() for k in self.keys],
             [v[index : index + 1, :, :n].clone() for v in self.values],
             self.lengths[index : index + 1].clone(),
+            None if self.routes is None else self.routes[index : index + 1, :, :n].clone(),
         )
 
     def grow(self, capacity: int) -> None:
@@ -75,6 +78,14 @@ class KVCache:
         new_cap = max(capacity, 2 * self.capacity)
         self.keys = [_pad_capacity(k, new_cap) for k in self.keys]
         self.values = [_pad_capacity(v, new_cap) for v in self.values]
+        if self.routes is not None:
+            self.routes = _pad_capacity(self.routes, new_cap)
+
+    def routed_experts(self, index: int) -> torch.Tensor | None:
+        """Row `index`'s expert choices `[positions, moe_layers, top_k]` (None: dense model)."""
+        if self.routes is None:
+            return None
+        return self.routes[index, :, : int(self.lengths[index])].transpose(0, 1).cpu()
 
     @staticmethod
     def concat(caches: Sequence[KVCache]) -> KVCache:
@@ -83,10 +94,14 @@ class KVCache:
             return caches[0]
         cap = max(c.capacity for c in caches)
         layers = range(len(caches[0].keys))
+        routes = None
+        if caches[0].routes is not None:
+            routes = torch.cat([_pad_capacity(c.routes, cap) for c in caches])  # type: ignore[arg-type]
         return KVCache(
             [torch.cat([_pad_capacity(c.keys[i], cap) for c in caches]) for i in layers],
             [torch.cat([_pad_capacity(c.values[i], cap) for c in caches]) for i in layers],
             torch.cat([c.lengths for c in caches]),
+            routes,
         )
 
 
@@ -111,8 +126,10 @@ class ModelRunner:
     ) -> None:
         from transformers import AutoTokenizer
 
-        if not Path(model_path, "config.json").exists():
-            raise FileNotFoundError(f"--model {model_path}: no config.json there")
+        # Only architectures whose forward is exactly the one `_layers` runs (pre-norm decoder,
+        # rotary embeddings, optional q/k norms, a dense or MoE MLP module): others (e.g.
+        # Gemma's scaled embeddings) would differ silently.
+        check_model_dir(model_path)
         if device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda: torch sees no CUDA device")
         if dtype == "auto":
@@ -132,7 +149,15 @@ class ModelRunner:
         # Looked up on every weight update (a state_dict() of a large model costs milliseconds).
         # Updates change a parameter's `.data`, never the Parameter object or its shape.
         self._params = dict(self.model.named_parameters())
-        self._shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        self._aliases = _expert_aliases(self.model)
+        # MoE experts are updated through `_aliases` (per-expert names) only
+        fused = {n for n in self._params if n.endswith((".gate_up_proj", ".experts.down_proj"))}
+        for name in fused:
+            del self._params[name]
+        self._shapes = {
+            name: tuple(t.shape) for name, t in self.model.state_dict().items() if name not in fused
+        }
+        self._shapes.update({name: tuple(t.shape) for name, t in self._aliases.items()})
         self.config = self.model.config
         inner = self.model.model
         self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
@@ -162,12 +187,6 @@ class ModelRunner:
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=self.dtype, attn_implementation="sdpa"
-            )
-        model_type = getattr(model.config, "model_type", "?")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"--model {path}: model_type {model_type!r} is not served by the reference "
-                f"engine (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
             )
         model.to(self.device).eval().requires_grad_(False)
         return model
@@ -200,11 +219,14 @@ class ModelRunner:
 
     # ---- forward passes -------------------------------------------------------------------
 
-    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, attend):  # type: ignore[no-untyped-def]
+        """(final hidden states, the experts each MoE layer chose `[batch, moe_layers, steps,
+        top_k]` int16, or None for a dense model)."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         cos, sin = self.rotary(hidden, positions)
         batch, steps, _ = hidden.shape
+        routes: list[torch.Tensor] = []
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
@@ -216,8 +238,21 @@ class ModelRunner:
             q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             out = attend(index, q, k, v).transpose(1, 2).reshape(batch, steps, -1)
             hidden = hidden + attn.o_proj(out)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.norm(hidden)
+            hidden = hidden + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden), routes)
+        chosen = torch.stack(routes, 1).to(torch.int16) if routes else None
+        return self.norm(hidden), chosen
+
+    @staticmethod
+    def _mlp(mlp: torch.nn.Module, x: torch.Tensor, routes: list[torch.Tensor]) -> torch.Tensor:
+        """A dense MLP, or transformers' own MoE block driven step by step (its router `gate`,
+        then its `experts`, as its forward does) so that the chosen experts are recorded."""
+        if not hasattr(mlp, "experts"):
+            return mlp(x)
+        batch, steps, width = x.shape
+        flat = x.reshape(-1, width)
+        _logits, weights, chosen = mlp.gate(flat)
+        routes.append(chosen.view(batch, steps, -1))
+        return mlp.experts(flat, chosen, weights).view(batch, steps, width)
 
     def _sdpa(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -290,13 +325,13 @@ class ModelRunner:
             values.append(v)
             return self._sdpa(q, k, v, mask)
 
-        hidden = self._layers(self.embed(ids), positions, attend)
+        hidden, routes = self._layers(self.embed(ids), positions, attend)
         last = hidden[torch.arange(len(prompts), device=self.device), lengths_dev - 1]
         scores = [
             None if sc is None else self._score(hidden[row], prompts[row], *sc)
             for row, sc in enumerate(score or [None] * len(prompts))
         ]
-        return self._logits(last), KVCache(keys, values, lengths_dev), scores
+        return self._logits(last), KVCache(keys, values, lengths_dev, routes), scores
 
     def _score(
         self, hidden: torch.Tensor, prompt: Sequence[int], start: int, temperature: float
@@ -327,16 +362,20 @@ class ModelRunner:
                 q, cache.keys[index][:, :, :span], cache.values[index][:, :, :span], mask
             )
 
-        hidden = self._layers(
+        hidden, routes = self._layers(
             self.embed(tokens.to(self.device)[:, None]), positions[:, None], attend
         )
+        if routes is not None and cache.routes is not None:
+            cache.routes[rows, :, positions] = routes[:, :, 0]
         cache.lengths = positions + 1
         return self._logits(hidden[:, 0])
 
     # ---- weights --------------------------------------------------------------------------
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of every state_dict entry (parameters, tied aliases, buffers), by HF name."""
+        """Shape of every state_dict entry (parameters, tied aliases, buffers), by HF
+        checkpoint name: an MoE layer's experts under their per-expert names (see
+        `_expert_aliases`), as SGLang's loaders take them."""
         return self._shapes
 
     def check_weights(self, named: Iterable[tuple[str, Sequence[int]]]) -> None:
@@ -385,6 +424,8 @@ class ModelRunner:
     def _tensor(self, name: str) -> torch.Tensor:
         """The model's current tensor under a state_dict name (a parameter, a tied alias such
         as `lm_head.weight`, or a buffer)."""
+        if name in self._aliases:
+            return self._aliases[name]
         module_name, _, attr = name.rpartition(".")
         return getattr(self.model.get_submodule(module_name), attr)
 
@@ -408,3 +449,23 @@ class LoadPlan:
 def _same_layout(tensor: torch.Tensor, param: torch.Tensor) -> bool:
     """Whether `tensor` can serve as `param`'s storage as it is."""
     return tensor.device == param.device and tensor.dtype == param.dtype and tensor.is_contiguous()
+
+
+def _expert_aliases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF checkpoint names of each expert's projections -> views of transformers' fused
+    expert tensors (`experts.gate_up_proj` `[E, 2 * I, H]` = per expert `[gate; up]`,
+    `experts.down_proj` `[E, H, I]`), so weight updates speak the checkpoint's (and SGLang's)
+    per-expert names: `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`."""
+    aliases: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        gate_up = getattr(module, "gate_up_proj", None)
+        down = getattr(module, "down_proj", None)
+        if not name.endswith("mlp.experts") or not isinstance(gate_up, torch.Tensor):
+            continue
+        assert isinstance(down, torch.Tensor)
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            aliases[f"{name}.{e}.gate_proj.weight"] = gate_up.data[e, :inter]
+            aliases[f"{name}.{e}.up_proj.weight"] = gate_up.data[e, inter:]
+            aliases[f"{name}.{e}.down_proj.weight"] = down.data[e]
+    return aliases

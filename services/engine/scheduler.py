@@ -64,6 +64,10 @@ class Sequence:
     input_logprob_start: int | None = None  # score prompt tokens from here (logprob_start_len)
     input_logprobs: list[float | None] | None = None
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    return_routed_experts: bool = False
+    # the experts each MoE layer chose at positions [0, prompt + output - 1), taken from the
+    # KV cache when the sequence ends (`[positions, moe_layers, top_k]`)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def done(self) -> bool:
@@ -433,6 +437,10 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
         if seq.done:
             return
+        if seq.return_routed_experts and self._cache is not None:
+            row = next((i for i, s in enumerate(self._running) if s is seq), None)
+            if row is not None:  # a running row: its cache holds every position's routing
+                seq.routed_experts = self._cache.routed_experts(row)
         seq.finish_reason = reason
         seq.weight_version = self.weight_version
         if seq.job.done:

@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
 
     try:
         app = create_app(config)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 2
     try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proto.contract import RunContract, model_identity
+from proto.models import check_model_config, read_config
 from services.rollout_router.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from services.sample_buffer import BufferConfig
 
@@ -139,6 +140,8 @@ class RolloutConfig:
             raise ValueError("--model is required for rollouts (or pass --no-rollout)")
         if self.model and not Path(self.model).is_dir():
             raise ValueError(f"--model {self.model}: not a directory (expected a HF model dir)")
+        if self.model:  # the engines serve this model: refuse what no Tandem service runs
+            check_model_config(*read_config(self.model))
         if self.rollout_batch_size < 1 or self.n_samples_per_prompt < 1:
             raise ValueError("--rollout-batch-size and --n-samples-per-prompt must be >= 1")
         if self.max_staleness < 0:
@@ -175,6 +178,14 @@ class SamplingConfig:
     )
     rollout_top_p: float = field(default=1.0, metadata={"help": "top_p of rollouts."})
     rollout_top_k: int = field(default=-1, metadata={"help": "top_k of rollouts (-1 = all)."})
+    return_routed_experts: bool = field(
+        default=False,
+        metadata={
+            "help": "MoE models: ask engines for the experts each layer chose (SGLang's "
+            "return_routed_experts; SGLang needs --enable-return-routed-experts) and carry them "
+            "in each sample, for the trainer's --use-routing-replay."
+        },
+    )
     rollout_stop: list[str] = field(
         default_factory=list,
         metadata={"help": "Stop strings of rollouts (a matched one ends the response text)."},

@@ -394,6 +394,7 @@ class RolloutLoop:
                 **({"stop": s.rollout_stop} if s.rollout_stop else {}),
             },
             "return_logprob": True,
+            **({"return_routed_experts": True} if s.return_routed_experts else {}),
         }
 
     async def generate(

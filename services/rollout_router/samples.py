@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proto import Sample
+from proto.models import pack_routed_experts
 
 
 def parse_version(value: Any) -> int:
@@ -64,6 +65,9 @@ class Partial:
     finish: str = "length"
     continues: int = 0
     segment_versions: list[int] = field(default_factory=list)
+    # base64 routing of the latest engine output: each request covers its whole input from
+    # position 0, so the latest one covers every position of the sample
+    routed_experts: str = ""
 
     def extend(self, out: dict[str, Any]) -> None:
         """Append one engine output (the whole response, or the continuation of an abort)."""
@@ -76,6 +80,7 @@ class Partial:
         self.segment_versions.append(version)
         self.text += stop_trimmed(out)
         self.finish = finish_type(out)
+        self.routed_experts = meta.get("routed_experts") or ""
 
     def extend_partial(self, other: Partial) -> None:
         """Append another partial's tokens (the next turn of a conversation)."""
@@ -85,6 +90,7 @@ class Partial:
         self.segment_versions += other.segment_versions
         self.text += other.text
         self.finish = other.finish
+        self.routed_experts = other.routed_experts or self.routed_experts
 
     @classmethod
     def of(cls, out: dict[str, Any]) -> Partial:
@@ -105,4 +111,5 @@ class Partial:
             token_versions=self.token_versions,
             finish_reason=self.finish,
             response_text=self.text,
+            routed_experts=pack_routed_experts(self.routed_experts) if self.routed_experts else b"",
         )

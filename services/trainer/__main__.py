@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from services.common.flags import add_config_args, config_from_args
+from services.trainer.config import TrainerConfig
 
 DESCRIPTION = """\
 megatron-core RL trainer (GRPO family). Reads sample groups from the Redis sample buffer, drops
@@ -24,8 +25,6 @@ Multi-process: torchrun --nproc-per-node N -m services.trainer ... (TP x DP = N)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.trainer.config import TrainerConfig
-
     parser = argparse.ArgumentParser(prog="tandem trainer", description=DESCRIPTION)
     add_config_args(parser, TrainerConfig)
     parser.add_argument(
@@ -34,17 +33,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_model(cfg: TrainerConfig) -> None:
+    """Refuse an unsupported `--model` (or one whose sliding window the samples may exceed)
+    before importing torch."""
+    from proto.models import (
+        MOE_MODEL_TYPES,
+        check_model_config,
+        check_sliding_window,
+        read_config,
+    )
+
+    hf_cfg, path = read_config(cfg.model)
+    if check_model_config(hf_cfg, path) in MOE_MODEL_TYPES and cfg.tensor_model_parallel_size > 1:
+        raise ValueError(
+            f"{path}: an MoE model trains at --tensor-model-parallel-size 1 (megatron-core's MoE "
+            "layer needs sequence parallelism under TP, which the trainer does not use); split "
+            "the experts with --expert-model-parallel-size instead"
+        )
+    context = int(hf_cfg.get("max_position_embeddings", 4096))
+    if cfg.use_dynamic_batch_size:  # a sample longer than a micro-batch is refused anyway
+        context = min(context, cfg.max_tokens_per_gpu)
+    check_sliding_window(hf_cfg, path, context, "--max-tokens-per-gpu (dynamic batch size)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from services.trainer.config import TrainerConfig
-
     cfg = config_from_args(TrainerConfig, args)
     try:
         cfg.validate()
-        if not (Path(cfg.model) / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{Path(cfg.model) / 'config.json'} not found: --model must be a Hugging Face model directory"
-            )
+        check_model(cfg)
         os.environ.setdefault("OMP_NUM_THREADS", str(cfg.num_threads))
         from services.trainer.trainer import Trainer
 

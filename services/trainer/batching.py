@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from proto import SampleGroup
@@ -37,6 +38,7 @@ class TrainSample:
     advantages: list[float]
     weight_version: int
     reward: float
+    routed_experts: bytes = b""  # `Sample.routed_experts`, for routing replay
 
     @property
     def input_len(self) -> int:
@@ -100,6 +102,7 @@ def flatten(groups: list[SampleGroup], advantages: list[list[list[float]]]) -> l
                     advantages=adv,
                     weight_version=s.weight_version,
                     reward=s.reward,
+                    routed_experts=s.routed_experts,
                 )
             )
     return out
@@ -145,6 +148,9 @@ class MicroBatch:
     packed_seq_params: PackedSeqParams | None
     response_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (row, start, stop)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # proximal/ref log-probs
+    # routing replay: the engine's experts per input token `[rows, S, moe_layers, top_k]`
+    routed_experts: torch.Tensor | None = None
+    padding: bool = False  # no samples: only there to match other ranks (`equalize`)
 
     @property
     def num_seqs(self) -> int:
@@ -226,3 +232,53 @@ def make_micro_batches(
             for i in range(0, len(samples), micro_batch_size)
         ]
     return [build_micro_batch(samples, b, packed) for b in bins]
+
+
+def equalize(mbs: list[MicroBatch], count: int, length: int) -> list[MicroBatch]:
+    """Packed micro-batches made `count` in number, each `[1, length]` tokens, for expert
+    parallelism: every rank of an expert-parallel group must run the same number of forwards
+    and (megatron's allgather dispatcher) the same number of tokens in each. The extra tokens of
+    a micro-batch form one more packed segment (so attention sees a well-formed sequence) with
+    no loss; an extra micro-batch is all such padding (`padding`, no samples)."""
+    out = [_pad_pack(mb, length) for mb in mbs]
+    empty = torch.zeros((1, 0), dtype=torch.long)
+    while len(out) < count:
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=torch.tensor([0], dtype=torch.int32),
+            cu_seqlens_kv=torch.tensor([0], dtype=torch.int32),
+            max_seqlen_q=0,
+            max_seqlen_kv=0,
+        )
+        blank = MicroBatch(
+            input_ids=empty,
+            position_ids=empty,
+            targets=empty,
+            loss_mask=empty.float(),
+            behaviour_logp=empty.float(),
+            advantages=empty.float(),
+            seq_ids=empty,
+            sample_index=[],
+            packed_seq_params=params,
+            padding=True,
+        )
+        out.append(_pad_pack(blank, length))
+    return out
+
+
+def _pad_pack(mb: MicroBatch, length: int) -> MicroBatch:
+    params = mb.packed_seq_params
+    assert params is not None, "equalize needs packed micro-batches"
+    extra = length - mb.input_ids.shape[1]
+    if extra <= 0:
+        return mb
+    for name in ("input_ids", "targets", "loss_mask", "behaviour_logp", "advantages"):
+        setattr(mb, name, F.pad(getattr(mb, name), (0, extra)))
+    mb.seq_ids = F.pad(mb.seq_ids, (0, extra), value=-1)
+    mb.position_ids = torch.cat([mb.position_ids, torch.arange(extra)[None]], dim=1)
+    cu = torch.cat([params.cu_seqlens_q, torch.tensor([length], dtype=torch.int32)])
+    top = max(int(params.max_seqlen_q), extra)
+    mb.packed_seq_params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=top, max_seqlen_kv=top
+    )
+    return mb

@@ -170,6 +170,7 @@ class Checkpointer:
             groups_consumed=groups_consumed,
             scheduler_config={k: getattr(self.cfg, k) for k in SCHEDULER_FLAGS},
             padded_vocab_size=self.policy.model.vocab_size,
+            expert_model_parallel_size=self.cfg.expert_model_parallel_size,
             has_optimizer=True,
         )
         dist_checkpointing.save(state, str(path))
@@ -205,6 +206,18 @@ class Checkpointer:
         path = resolve_iteration(root, self.cfg.ckpt_step)
         common = _common(path)
         full = bool(common.get("has_optimizer"))  # False: weights only (`tandem convert`)
+        saved_ep = int(common.get("expert_model_parallel_size", 1))
+        if (
+            full
+            and self.policy.arch.num_experts
+            and saved_ep != self.cfg.expert_model_parallel_size
+        ):
+            # megatron keeps MoE experts in an optimizer of their own only at EP > 1: the
+            # optimizer state's layout differs between EP 1 and EP > 1
+            raise ValueError(
+                f"{path} was saved at --expert-model-parallel-size {saved_ep}: resume at the "
+                "same size (the optimizer state of MoE experts does not reshard across EP sizes)"
+            )
         loaded = dist_checkpointing.load(self._sharded_state(True, with_optimizer=full), str(path))
         self.policy.model.load_state_dict(loaded["model"])
         version = int(loaded.get("version", 0))

@@ -157,6 +157,17 @@ class TrainerConfig:
 
     # --- model / parallelism ---------------------------------------------------------------
     tensor_model_parallel_size: int = _f(1, "Tensor-parallel size (torchrun world = TP x DP).")
+    expert_model_parallel_size: int = _f(
+        1, "MoE models: experts split over this many data-parallel ranks (needs TP = 1)."
+    )
+    use_routing_replay: bool = _f(
+        False,
+        "MoE models: route each token to the experts the engine chose for it (samples carry "
+        "them when the router runs with --return-routed-experts); off = the trainer's own routing.",
+    )
+    moe_aux_loss_coeff: float = _f(
+        0.0, "MoE models: coefficient of the router's load-balancing loss (0 = off)."
+    )
     make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this x TP.")
     bf16: bool = _f(False, "Train in bf16 (fp32 master weights); default fp32.")
     num_threads: int = _f(1, "torch.set_num_threads for this process.")
@@ -221,6 +232,18 @@ class TrainerConfig:
         if self.advantage_estimator == "gae" and self.tensor_model_parallel_size != 1:
             raise ValueError(
                 "--advantage-estimator gae (critic) needs --tensor-model-parallel-size 1"
+            )
+        if self.expert_model_parallel_size < 1:
+            raise ValueError("--expert-model-parallel-size must be >= 1")
+        if self.expert_model_parallel_size > 1 and (
+            not self.use_dynamic_batch_size
+            or self.tensor_model_parallel_size > 1
+            or self.advantage_estimator == "gae"
+        ):
+            # the ranks' micro-batches are equalized for the expert dispatcher (packed only)
+            raise ValueError(
+                "--expert-model-parallel-size > 1 needs --use-dynamic-batch-size, "
+                "--tensor-model-parallel-size 1 and no critic (--advantage-estimator gae)"
             )
         if self.eps_clip_c and self.eps_clip_c <= 1.0:
             raise ValueError("--eps-clip-c must be > 1 (or 0 to disable dual clip)")

@@ -1,4 +1,4 @@
-"""`tandem convert`: Hugging Face <-> megatron dist checkpoint (Llama / Qwen2 family).
+"""`tandem convert`: Hugging Face <-> megatron dist checkpoint (every `proto.models` type).
 
   hf-to-megatron --hf-dir HF --save DIR      writes DIR/iter_0000000 (weights only) and the
                                              tracker; `tandem trainer --load DIR` starts from it
@@ -129,7 +129,8 @@ def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem convert",
-        description="Convert Hugging Face Llama/Qwen2 weights to a megatron dist checkpoint and back.",
+        description="Convert Hugging Face weights (llama, mistral, qwen2, qwen3, qwen3_moe) to a "
+        "megatron dist checkpoint and back.",
     )
     sub = parser.add_subparsers(dest="direction", required=True)
     to_m = sub.add_parser("hf-to-megatron", help="HF directory -> megatron checkpoint directory")

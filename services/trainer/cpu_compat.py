@@ -3,9 +3,11 @@
 megatron-core assumes a GPU in a few places. Each reason, and what `install()` does about it:
 
 1. `rotary_pos_embedding` places `inv_freq` on `torch.cuda.current_device()`; the dist
-   checkpoint savers build flag tensors there too.
-   -> `torch.cuda.current_device` returns 0, and a device index given to a tensor factory or
-   `Tensor.to` is mapped to CPU by the function mode below.
+   checkpoint savers build flag tensors there too, and so do the sequence-parallel collectives
+   (the MoE token dispatcher) in their backward, which runs inside `torch.autograd.backward`
+   where the function mode below is off (a mode is popped while it handles a call).
+   -> `torch.cuda.current_device` returns the CPU device, usable with or without the mode (a
+   device index given to a tensor factory or `Tensor.to` is mapped to CPU by the mode).
 2. The CUDA RNG tracker (`tensor_parallel.random`) forks CUDA RNG states.
    -> not patched: callers use `model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True,
    force_reset_rng=True)`, the official option whose tracker `fork()` is a no-op
@@ -71,7 +73,7 @@ def install() -> bool:
         _originals.update(
             current_device=torch.cuda.current_device, synchronize=torch.cuda.synchronize
         )
-        torch.cuda.current_device = lambda: 0  # reason 1
+        torch.cuda.current_device = lambda: torch.device("cpu")  # reason 1
         torch.cuda.synchronize = lambda device=None: None  # reason 5
         # Pushed for the rest of the process: megatron creates CUDA tensors at arbitrary times.
         _installed = _CudaToCpuMode()

@@ -1,168 +1,51 @@
-"""Hugging Face Llama/Qwen2 <-> megatron-core `GPTModel`: architecture and weights.
+"""Hugging Face <-> megatron-core `GPTModel` weights (the architecture is `hf_arch`'s).
 
-Knows: the HF `config.json` fields of the Llama family (Llama, Qwen2 with its qkv bias, tied or
-untied embeddings), megatron's local-spec parameter names, the per-query-group interleave of
-`linear_qkv` (`[ng, (nh/ng + 2) * hn, hidden]`, each group = its q heads | k | v), `linear_fc1`
-= `[gate; up]`, vocabulary padding, and how tensor-parallel shards split (embedding,
-output_layer, qkv, fc1 on dim 0; proj, fc2 on dim 1; norms replicated).
+Knows: megatron's local-spec parameter names, the per-query-group interleave of `linear_qkv`
+(`[ng, (nh/ng + 2) * hn, hidden]`, each group = its q heads | k | v), `linear_fc1` = `[gate; up]`,
+Qwen3's `q_layernorm`/`k_layernorm` (HF `q_norm`/`k_norm`), Qwen3-MoE's router (HF `mlp.gate`)
+and experts (HF `mlp.experts.{e}.{gate,up,down}_proj`, megatron `local_experts.{j}` holding
+global expert `ep_rank * experts_per_rank + j`), vocabulary padding, and how tensor-parallel
+shards split (embedding, output_layer, qkv, fc1 on dim 0; proj, fc2 on dim 1; norms and the
+router replicated; experts split like the dense MLP).
 
 Does not know: checkpoints on disk beyond `model.safetensors` shards, training, or the wire.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import re
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
 
-from services.trainer.packed_attention import fused_kernels_enabled, gpt_layer_spec
+from proto.models import SUPPORTED_MODEL_TYPES
+from services.trainer.hf_arch import (
+    HfArch,
+    arch_from_config,
+    build_gpt_model,
+    read_hf_arch,
+    transformer_config,
+)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "HfArch",
+    "arch_from_config",
+    "build_gpt_model",
+    "export_hf",
+    "load_hf_into_model",
+    "load_hf_state",
+    "read_hf_arch",
+    "transformer_config",
+]
+
 log = logging.getLogger("tandem.trainer.hf_convert")
-
-
-@dataclass(frozen=True)
-class HfArch:
-    """The architecture facts of a HF checkpoint the converter and trainer need."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    rope_scaling_factor: float = 0.0  # > 0: llama3-style RoPE scaling with this factor
-
-    def padded_vocab_size(self, divisible_by: int, tp_size: int) -> int:
-        """Vocab rounded up so each TP rank holds an equal slice of `divisible_by` multiples."""
-        multiple = divisible_by * tp_size
-        return -(-self.vocab_size // multiple) * multiple
-
-
-def read_hf_arch(model_dir: str | Path) -> HfArch:
-    """Parse `config.json` of a HF model directory; errors name the file and the field."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: --model must be a Hugging Face model directory")
-    return arch_from_config(json.loads(path.read_text()), str(path))
-
-
-def arch_from_config(cfg: dict, path: str = "config.json") -> HfArch:
-    """`HfArch` from a parsed HF `config.json`; `path` only names the source in errors."""
-    model_type = cfg.get("model_type", "")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{path}: model_type {model_type!r} unsupported; use one of {SUPPORTED_MODEL_TYPES}"
-        )
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-    scaling = 0.0
-    if rope_type == "llama3" and _is_megatron_llama3(rope):
-        scaling = float(rope["factor"])
-    elif rope_type != "default":
-        raise ValueError(
-            f"{path}: rope scaling {rope!r} is not supported (default RoPE, or llama3 with "
-            "low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)"
-        )
-    heads = cfg["num_attention_heads"]
-    return HfArch(
-        model_type=model_type,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        rope_scaling_factor=scaling,
-    )
-
-
-def _is_megatron_llama3(rope: dict) -> bool:
-    """megatron-core hard-codes these llama3 scaling constants (Llama 3.1 / 3.2 use them)."""
-    return (
-        float(rope.get("low_freq_factor", 0)) == 1.0
-        and float(rope.get("high_freq_factor", 0)) == 4.0
-        and int(rope.get("original_max_position_embeddings", 0)) == 8192
-    )
-
-
-def transformer_config(arch: HfArch, tp_size: int = 1, bf16: bool = False) -> TransformerConfig:
-    """megatron TransformerConfig equal to the HF architecture (no dropout, unfused kernels)."""
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    return TransformerConfig(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        ffn_hidden_size=arch.intermediate_size,
-        num_attention_heads=arch.num_heads,
-        num_query_groups=arch.num_kv_heads,
-        kv_channels=arch.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=fused_kernels_enabled(),  # SwiGLU as one compiled kernel
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=tp_size,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        params_dtype=dtype,
-        bf16=bf16,
-        pipeline_dtype=dtype,
-    )
-
-
-def build_gpt_model(
-    arch: HfArch, config: TransformerConfig, vocab_divisible_by: int, padded_vocab: int = 0
-) -> GPTModel:
-    """An un-initialised (random) GPTModel shaped like `arch`, with the packed-attention spec.
-    `padded_vocab` (if set) overrides the padding rule, e.g. to match a checkpoint."""
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=gpt_layer_spec(),
-        vocab_size=padded_vocab
-        or arch.padded_vocab_size(vocab_divisible_by, config.tensor_model_parallel_size),
-        max_sequence_length=arch.max_position_embeddings,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(arch.rope_theta),
-        rope_scaling=arch.rope_scaling_factor > 0,
-        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
-    )
-    # megatron's torch-norm wrapper builds its norms in the default dtype (fp32): a bf16 input
-    # then misses torch's fused RMSNorm kernel. Hold them in params_dtype, as HF bf16 does.
-    for module in model.modules():
-        if isinstance(module, torch.nn.RMSNorm):
-            module.to(config.params_dtype)
-    return model
 
 
 # --- weights -----------------------------------------------------------------------------------
@@ -210,10 +93,25 @@ def _pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
     return F.pad(weight, (0, 0, 0, padded - weight.shape[0]))
 
 
+def _mlp_to_megatron(arch: HfArch, hf: dict[str, torch.Tensor], h: str, m: str) -> Iterator:
+    """(megatron name, tensor) of one layer's MLP: dense SwiGLU, or router + experts."""
+    if not arch.num_experts:
+        fc1 = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
+        yield m + "mlp.linear_fc1.weight", fc1
+        yield m + "mlp.linear_fc2.weight", hf[h + "mlp.down_proj.weight"]
+        return
+    yield m + "mlp.router.weight", hf[h + "mlp.gate.weight"]
+    for e in range(arch.num_experts):
+        src, dst = f"{h}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
+        fc1 = torch.cat([hf[src + "gate_proj.weight"], hf[src + "up_proj.weight"]])
+        yield dst + "linear_fc1.weight", fc1
+        yield dst + "linear_fc2.weight", hf[src + "down_proj.weight"]
+
+
 def hf_to_megatron_full(
     arch: HfArch, hf: dict[str, torch.Tensor], padded_vocab: int
 ) -> dict[str, torch.Tensor]:
-    """Full (unsharded) megatron state dict from HF tensors."""
+    """Full (unsharded) megatron state dict from HF tensors; experts by global index."""
     out = {
         "embedding.word_embeddings.weight": _pad_vocab(
             hf["model.embed_tokens.weight"], padded_vocab
@@ -222,25 +120,39 @@ def hf_to_megatron_full(
     for i in range(arch.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
-        att = h + "self_attn."
-        out[m + "self_attention.linear_qkv.weight"] = _interleave_qkv(
-            arch, hf[att + "q_proj.weight"], hf[att + "k_proj.weight"], hf[att + "v_proj.weight"]
-        )
+        att, sa = h + "self_attn.", m + "self_attention."
+        qkv = [hf[att + f"{n}_proj.weight"] for n in "qkv"]
+        out[sa + "linear_qkv.weight"] = _interleave_qkv(arch, *qkv)
         if arch.qkv_bias:
-            out[m + "self_attention.linear_qkv.bias"] = _interleave_qkv(
-                arch, hf[att + "q_proj.bias"], hf[att + "k_proj.bias"], hf[att + "v_proj.bias"]
-            )
-        out[m + "self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
+            qkv = [hf[att + f"{n}_proj.bias"] for n in "qkv"]
+            out[sa + "linear_qkv.bias"] = _interleave_qkv(arch, *qkv)
+        if arch.qk_norm:
+            out[sa + "q_layernorm.weight"] = hf[att + "q_norm.weight"]
+            out[sa + "k_layernorm.weight"] = hf[att + "k_norm.weight"]
+        out[sa + "linear_proj.weight"] = hf[att + "o_proj.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
-        mlp = h + "mlp."
-        out[m + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]
-        )
-        out[m + "mlp.linear_fc2.weight"] = hf[mlp + "down_proj.weight"]
+        out.update(_mlp_to_megatron(arch, hf, h, m))
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
     if not arch.tie_word_embeddings:
         out["output_layer.weight"] = _pad_vocab(hf["lm_head.weight"], padded_vocab)
     return out
+
+
+def _mlp_to_hf(arch: HfArch, full: dict[str, torch.Tensor], h: str, m: str) -> Iterator:
+    """Inverse of `_mlp_to_megatron` (views of `full`'s tensors)."""
+    if not arch.num_experts:
+        gate, up = full[m + "mlp.linear_fc1.weight"].chunk(2)
+        yield h + "mlp.gate_proj.weight", gate
+        yield h + "mlp.up_proj.weight", up
+        yield h + "mlp.down_proj.weight", full[m + "mlp.linear_fc2.weight"]
+        return
+    yield h + "mlp.gate.weight", full[m + "mlp.router.weight"]
+    for e in range(arch.num_experts):
+        src, dst = f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}."
+        gate, up = full[src + "linear_fc1.weight"].chunk(2)
+        yield dst + "gate_proj.weight", gate
+        yield dst + "up_proj.weight", up
+        yield dst + "down_proj.weight", full[src + "linear_fc2.weight"]
 
 
 def megatron_full_to_hf(
@@ -252,33 +164,51 @@ def megatron_full_to_hf(
     yield "model.embed_tokens.weight", full["embedding.word_embeddings.weight"][:vocab]
     for i in range(arch.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        att, sa = h + "self_attn.", m + "self_attention."
         yield h + "input_layernorm.weight", full[m + "input_layernorm.weight"]
-        q, k, v = _split_qkv(arch, full[m + "self_attention.linear_qkv.weight"], grouped_qkv)
-        yield from (
-            (h + f"self_attn.{n}_proj.weight", t) for n, t in zip("qkv", (q, k, v), strict=True)
-        )
+        q, k, v = _split_qkv(arch, full[sa + "linear_qkv.weight"], grouped_qkv)
+        yield from ((att + f"{n}_proj.weight", t) for n, t in zip("qkv", (q, k, v), strict=True))
         if arch.qkv_bias:
-            qb, kb, vb = _split_qkv(arch, full[m + "self_attention.linear_qkv.bias"], grouped_qkv)
+            qb, kb, vb = _split_qkv(arch, full[sa + "linear_qkv.bias"], grouped_qkv)
             yield from (
-                (h + f"self_attn.{n}_proj.bias", t)
-                for n, t in zip("qkv", (qb, kb, vb), strict=True)
+                (att + f"{n}_proj.bias", t) for n, t in zip("qkv", (qb, kb, vb), strict=True)
             )
-        yield h + "self_attn.o_proj.weight", full[m + "self_attention.linear_proj.weight"]
+        if arch.qk_norm:
+            yield att + "q_norm.weight", full[sa + "q_layernorm.weight"]
+            yield att + "k_norm.weight", full[sa + "k_layernorm.weight"]
+        yield att + "o_proj.weight", full[sa + "linear_proj.weight"]
         yield h + "post_attention_layernorm.weight", full[m + "pre_mlp_layernorm.weight"]
-        gate, up = full[m + "mlp.linear_fc1.weight"].chunk(2)
-        yield h + "mlp.gate_proj.weight", gate
-        yield h + "mlp.up_proj.weight", up
-        yield h + "mlp.down_proj.weight", full[m + "mlp.linear_fc2.weight"]
+        yield from _mlp_to_hf(arch, full, h, m)
     yield "model.norm.weight", full["decoder.final_layernorm.weight"]
     if not arch.tie_word_embeddings:
         yield "lm_head.weight", full["output_layer.weight"][:vocab]
+
+
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _ep() -> tuple[int, int]:
+    """(rank, size) in the expert-parallel group."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return (
+        parallel_state.get_expert_model_parallel_rank(),
+        parallel_state.get_expert_model_parallel_world_size(),
+    )
+
+
+def global_expert_name(name: str, ep_rank: int, experts_per_rank: int) -> str:
+    """`...local_experts.{j}...` of EP rank `ep_rank` -> the same with the global expert index."""
+    return _LOCAL_EXPERT.sub(
+        lambda mt: f".local_experts.{ep_rank * experts_per_rank + int(mt.group(1))}.", name
+    )
 
 
 def _shard_dim(name: str) -> int | None:
     """TP split dim of a megatron parameter; None = replicated."""
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1
-    if "layernorm" in name:
+    if "layernorm" in name or name.endswith("router.weight"):
         return None
     return 0
 
@@ -321,11 +251,13 @@ def load_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf_into_model(model: GPTModel, arch: HfArch, hf: dict[str, torch.Tensor]) -> None:
-    """Copy HF weights into this rank's shard of `model` (any TP size); checks every name."""
+    """Copy HF weights into this rank's shard of `model` (any TP and EP size); checks every
+    name."""
     rank, size = _tp()
-    padded = model.vocab_size
-    full = hf_to_megatron_full(arch, hf, padded)
-    params = dict(model.named_parameters())
+    ep_rank, ep_size = _ep()
+    full = hf_to_megatron_full(arch, hf, model.vocab_size)
+    per_rank = arch.num_experts // ep_size
+    params = {global_expert_name(n, ep_rank, per_rank): p for n, p in model.named_parameters()}
     missing = set(params) - set(full)
     if missing:
         raise KeyError(f"HF checkpoint lacks tensors for {sorted(missing)[:5]}")
@@ -448,18 +380,20 @@ class _DeviceExport:
 def export_hf(
     model: GPTModel, arch: HfArch, dtype: torch.dtype | None = None, on_device: bool = False
 ) -> list[tuple[str, torch.Tensor]]:
-    """HF-named full tensors of `model`, gathered over TP (every TP rank returns the same).
+    """HF-named full tensors of `model`, gathered over TP and, for MoE experts, over EP (every
+    rank of those groups returns the same).
 
     By default they are CPU copies, safe to keep while training goes on. With `on_device` they
     stay where the model is (a GPU for NCCL broadcast: no round trip through host memory) and
-    may share storage with the parameters: use them before the next optimizer step. At TP = 1
-    an on-device export returns the same tensors at every call, refreshed (`_DeviceExport`)."""
+    may share storage with the parameters: use them before the next optimizer step. At TP = EP
+    = 1 an on-device export returns the same tensors at every call, refreshed (`_DeviceExport`)."""
     _, size = _tp()
+    _, ep_size = _ep()
     full: dict[str, torch.Tensor] = {}
     group = parallel_state.get_tensor_model_parallel_group() if size > 1 else None
     if model not in _named_parameters:  # the walk over megatron's module tree costs ms
         _named_parameters[model] = list(model.named_parameters())
-    if on_device and size == 1:
+    if on_device and size == 1 and ep_size == 1:
         cached = _device_exports.get(model)
         if cached is None or not cached.valid(dtype):
             cached = _device_exports[model] = _DeviceExport(_named_parameters[model], arch, dtype)
@@ -470,10 +404,21 @@ def export_hf(
             pieces = [torch.empty_like(local) for _ in range(size)]
             torch.distributed.all_gather(pieces, local.contiguous(), group=group)
             local = unshard(name, pieces)
-        full[name] = local
+        if ep_size > 1 and ".local_experts." in name:
+            full.update(_gather_experts(name, local, arch.num_experts // ep_size))
+        else:
+            full[name] = local
     if on_device:
         return [(n, _dense(t, dtype)) for n, t in megatron_full_to_hf(arch, full)]
     return [
         (n, t.to(dtype or t.dtype).contiguous().cpu().clone())
         for n, t in megatron_full_to_hf(arch, full)
     ]
+
+
+def _gather_experts(name: str, local: torch.Tensor, per_rank: int) -> dict[str, torch.Tensor]:
+    """Every EP rank's copy of local expert `name`, under its global expert names."""
+    group = parallel_state.get_expert_model_parallel_group()
+    pieces = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(pieces, local.contiguous(), group=group)
+    return {global_expert_name(name, r, per_rank): t for r, t in enumerate(pieces)}

@@ -242,13 +242,24 @@ def packed_rope(
     return _rotate_fused(t, cos, sin)
 
 
-def gpt_layer_spec() -> ModuleSpec:
-    """megatron's local GPT layer spec (RMSNorm) with this module as core attention, and
-    `packed_rope` in place of megatron's RoPE function (its attention module looks it up by
+def gpt_layer_spec(qk_layernorm: bool = False, num_experts: int = 0) -> ModuleSpec:
+    """megatron's local GPT layer spec (RMSNorm; per-head q/k RMSNorm with `qk_layernorm`; an
+    MoE MLP of `num_experts` SequentialMLP experts if > 0) with this module as core attention,
+    and `packed_rope` in place of megatron's RoPE function (its attention module looks it up by
     name at call time)."""
     from megatron.core.transformer import attention
+    from megatron.core.transformer.moe import moe_utils
 
     attention.apply_rotary_pos_emb = packed_rope
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    # megatron-core 0.16.1 tests `te_general_gemm is not None` in the router's gating without
+    # defining the name when TransformerEngine is absent: define it as absent.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts or None,
+        moe_grouped_gemm=False,
+        qk_layernorm=qk_layernorm,
+        normalization="RMSNorm",
+    )
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     return spec

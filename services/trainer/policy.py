@@ -29,7 +29,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from services.trainer import cpu_compat, hf_convert
+from services.trainer import cpu_compat, hf_convert, routing_replay
 from services.trainer.batching import MicroBatch
 from services.trainer.config import TrainerConfig
 from services.trainer.stats import comm_device
@@ -37,7 +37,7 @@ from services.trainer.stats import comm_device
 PAD_LOGIT = -1e30  # finite: exp() gives 0 and 0 * PAD_LOGIT stays 0 in the entropy
 
 
-def init_distributed(tp_size: int, seed: int) -> None:
+def init_distributed(tp_size: int, seed: int, ep_size: int = 1) -> None:
     """gloo (CPU) or NCCL process group; a world of one when not started by torchrun."""
     cpu_compat.install()
     if not dist.is_initialized():
@@ -54,7 +54,9 @@ def init_distributed(tp_size: int, seed: int) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp_size, expert_model_parallel_size=ep_size
+        )
     seed_model_parallel(seed)
 
 
@@ -133,7 +135,12 @@ class Policy:
         if value_head:
             self.arch = replace(self.arch, tie_word_embeddings=False)
         tf_config = hf_convert.transformer_config(
-            self.arch, cfg.tensor_model_parallel_size, cfg.bf16
+            self.arch,
+            cfg.tensor_model_parallel_size,
+            cfg.bf16,
+            cfg.expert_model_parallel_size,
+            cfg.moe_aux_loss_coeff,
+            cfg.use_routing_replay and self.arch.num_experts > 0,
         )
         # The loss returns (numerator, denominator); megatron sums both over micro-batches and
         # data-parallel ranks and divides the gradients once (finalize_model_grads).
@@ -148,6 +155,7 @@ class Policy:
             hf_convert.load_hf_into_model(self.model, self.arch, hf_state)
         if torch.cuda.is_available():
             self.model.cuda()
+        self.replays = routing_replay.routers(self.model)  # empty unless --use-routing-replay
         self.train_enabled = train
         if not train:
             self.model.eval()
@@ -179,6 +187,8 @@ class Policy:
                 max_seqlen_kv=params.max_seqlen_kv,
             )
         dev = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.replays:
+            routing_replay.apply(self.replays, mb.routed_experts)
         return model(
             input_ids=mb.input_ids.to(dev),
             position_ids=mb.position_ids.to(dev),

@@ -47,6 +47,8 @@ class LossFunction:
         self, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, dict]:
         dev = logp.device
+        if mb.padding:  # no loss; the zero keeps the backward (and its collectives) running
+            return logp.sum() * 0.0, torch.zeros((), dtype=torch.int, device=dev), {}
         mask = mb.loss_mask.to(dev).flatten()
         seq = mb.seq_ids.clamp(min=0).to(dev).flatten()
         lp = logp.flatten()
@@ -98,7 +100,7 @@ def mismatch_stats(
 ) -> None:
     """|engine - trainer| log-prob max over same-version samples; mismatch KL; entropy."""
     stats.peak("lp_diff", -math.inf)
-    for mb in mbs:
+    for mb in (mb for mb in mbs if not mb.padding):
         versions = [samples[i].weight_version for i in mb.sample_index]
         prox, ent = mb.extra["proximal_logp"], mb.extra["entropy"]
         mismatch_stats_one(mb, prox, ent, versions, version, stats)
@@ -137,6 +139,7 @@ def batch_stats(
     mbs: list[MicroBatch], samples: list[TrainSample], budget: int, stats: StepStats
 ) -> None:
     """Token counts and packing efficiency (real tokens / tokens the micro-batches occupy)."""
+    mbs = [mb for mb in mbs if not mb.padding]
     real = sum(mb.num_tokens for mb in mbs)
     stats.count("tokens", real)
     stats.count("response_tokens", sum(float(mb.loss_mask.sum()) for mb in mbs))
@@ -167,6 +170,8 @@ def metrics_from(stats: StepStats, samples: list[TrainSample], version: int) -> 
         "train/entropy": stats.mean("entropy"),
         "train/nonfinite_loss": s.get("nonfinite_loss", 0.0),
     }
+    if "routing_replay:count" in s:  # fraction of micro-batches routed as the engine did
+        metrics["train/routing_replay_fraction"] = stats.mean("routing_replay")
     if "is_weight:count" in s:
         metrics["train/is_weight_mean"] = stats.mean("is_weight")
         metrics["train/is_weight_max"] = stats.max("is_weight_max")

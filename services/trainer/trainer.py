@@ -37,7 +37,7 @@ from megatron.core import parallel_state
 
 from proto import DropRecord, SampleGroup
 from services.sample_buffer import BufferConfig, SampleBuffer
-from services.trainer import batching, checkpoint, losses
+from services.trainer import batching, checkpoint, losses, routing_replay
 from services.trainer.batching import MicroBatch, TrainSample
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, init_distributed
@@ -71,7 +71,7 @@ class Trainer:
     def __init__(self, cfg: TrainerConfig) -> None:
         self.cfg = cfg
         torch.set_num_threads(cfg.num_threads)
-        init_distributed(cfg.tensor_model_parallel_size, cfg.seed)
+        init_distributed(cfg.tensor_model_parallel_size, cfg.seed, cfg.expert_model_parallel_size)
         cfg.validate(parallel_state.get_data_parallel_world_size())
         self.is_main = dist.get_rank() == 0
         # A bad --load, or --no-resume over another run's checkpoint, fails before anything else.
@@ -331,6 +331,11 @@ class Trainer:
             self.cfg.max_tokens_per_gpu,
             self.cfg.micro_batch_size,
         )
+        if self.cfg.expert_model_parallel_size > 1:
+            mbs = self._equalize(mbs)
+        if self.policy.replays:  # a micro-batch without the engine's routing uses its own
+            missing = routing_replay.attach(mbs, mine, self.policy.arch)
+            stats.add("routing_replay", len(mbs) - missing, len(mbs))
         recomputed = self._recompute(mbs, mine, stats)
         if self.critic is not None:
             self.critic.fill_advantages(mbs, mine, stats)
@@ -379,6 +384,16 @@ class Trainer:
                 f"(--max-skipped-in-a-row {limit}): the loss or gradient norm was not finite "
                 f"(NaN/Inf; last grad norm {grad_norm}); {SKIP_ADVICE}"
             )
+
+    @staticmethod
+    def _equalize(mbs: list[MicroBatch]) -> list[MicroBatch]:
+        """The same number of micro-batches of the same length on every data-parallel rank
+        (expert-parallel groups lie within them): see `batching.equalize`."""
+        shape = torch.tensor(
+            [len(mbs), max(mb.input_ids.shape[1] for mb in mbs)], device=comm_device()
+        )
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+        return batching.equalize(mbs, int(shape[0]), int(shape[1]))
 
     def _recompute(
         self, mbs: list[MicroBatch], samples: list[TrainSample], stats: StepStats
