@@ -188,7 +188,10 @@ def test_router_answers_generate_like_an_engine_and_stops_cleanly_on_sigterm(
     assert [o["output_ids"] for o in outs] == [[5, 4, 2], [4, 5, 5, 5], [5, 4, 2]]
     assert get_json(router.url + "/get_model_info")["weight_version"] == "0"
     status = get_json(router.url + "/rollout/status")
-    assert (status["state"], status["running"]) == ("idle", False), "--no-rollout: not started"
+    assert (status["state"], status["running"]) == ("rollouts off", False), (
+        "--no-rollout: not started"
+    )
+    assert "--no-rollout" in status["waiting_for"]
     router.stop()
     assert router.proc.returncode == 0
     assert "router stopped: tasks cancelled" in router.log()
