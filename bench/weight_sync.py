@@ -263,8 +263,8 @@ def megatron_export(model_dir: Path, dtype: str):  # type: ignore[no-untyped-def
 
 def sync_seconds(args: argparse.Namespace, model: Path, tensors, n: int, work: Path) -> float:  # type: ignore[no-untyped-def]
     """Median seconds per version; `tensors` is the list to send, or a function making it."""
-    from services.weight_broker.nccl_sender import NcclWeightSender
-    from services.weight_broker.zmq_transport import ZmqWeightSender
+    from services.weight_sync.nccl_sender import NcclWeightSender
+    from services.weight_sync.zmq_transport import ZmqWeightSender
 
     dummy = ["--load-format", "dummy"] if args.device == "cuda" else []
     engines = [

@@ -204,7 +204,7 @@ class UpRun:
 
     def remove_weight_slots(self) -> None:
         """A killed trainer cannot remove its shared-memory weight slots: do it for it."""
-        from services.weight_broker.shm import remove_stale_slots
+        from services.weight_sync.shm import remove_stale_slots
         from tandem.launcher import shm_dir
 
         for child in self.supervisor.children:

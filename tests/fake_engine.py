@@ -15,8 +15,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from services.common.serving import serve
-from services.weight_broker.wire import secret_from_env
-from services.weight_broker.zmq_transport import fetch_weights
+from services.weight_sync.wire import secret_from_env
+from services.weight_sync.zmq_transport import fetch_weights
 
 
 def create_app(fail: bool, hang_s: float) -> FastAPI:

@@ -19,8 +19,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.weight_broker.nccl_sender import NcclWeightSender, WeightSyncError
-from services.weight_broker.wire import group_by_bytes
+from services.weight_sync.nccl_sender import NcclWeightSender, WeightSyncError
+from services.weight_sync.wire import group_by_bytes
 from tests.helpers import JsonHandler
 
 PROMPT = [1, 7, 11, 14]  # <bos> 3 7 >

@@ -21,8 +21,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.weight_broker.nccl_sender import NcclWeightSender
-from services.weight_broker.zmq_transport import ZmqWeightSender
+from services.weight_sync.nccl_sender import NcclWeightSender
+from services.weight_sync.zmq_transport import ZmqWeightSender
 from tests.test_broker_nccl import perturbed_weights
 
 pytestmark = pytest.mark.slow

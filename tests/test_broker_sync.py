@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from services.sample_buffer import SampleBuffer
-from services.weight_broker.zmq_transport import ZmqWeightSender
+from services.weight_sync.zmq_transport import ZmqWeightSender
 from tests.helpers import wait_until
 
 FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))

@@ -87,7 +87,7 @@ TRAINER = """
 import sys, torch
 from datetime import timedelta
 import torch.distributed as dist
-from services.weight_broker.process_group import join_group
+from services.weight_sync.process_group import join_group
 torch.cuda.set_device(0)
 port, path = int(sys.argv[1]), sys.argv[2]
 group = join_group("127.0.0.1", port, 0, 2, "weight_update_group", "nccl", timedelta(seconds=120))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from services.engine.weight_layout import PreparedLayout, ReceiveSet
-from services.weight_broker.process_group import join_group
+from services.weight_sync.process_group import join_group
 from tandem.toy_model import build_tokenizer
 from tests.helpers import free_port
 from tests.test_engine_weights import logprob_error, sample

@@ -1,7 +1,7 @@
 """Weight updates of a real `tandem engine` process.
 
 The far edge (the weight broker) is a small ZMQ ROUTER in this test that answers a
-`WeightRequest` with buckets from `services.weight_broker.wire.make_buckets`, the broker's real
+`WeightRequest` with buckets from `services.weight_sync.wire.make_buckets`, the broker's real
 wire format. Checks: the new version is reported and logprobs follow the new weights; a bad
 name or shape is refused with the old weights kept; an update waits for the request in flight,
 which is answered wholly by the old weights.
@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from proto import WeightRequest, decode
-from services.weight_broker.wire import make_buckets, secret_from_env
+from services.weight_sync.wire import make_buckets, secret_from_env
 
 PROMPT = [1, 4, 5, 14]
 
@@ -248,7 +248,7 @@ def test_distributed_update_receives_broadcasts_in_order_over_gloo(
     import torch.distributed as dist
 
     from services.common.serving import bind_socket
-    from services.weight_broker.process_group import join_group
+    from services.weight_sync.process_group import join_group
 
     engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
     old = load_model(toy_model_dir)

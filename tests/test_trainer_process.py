@@ -16,7 +16,7 @@ import torch
 import zmq
 
 from proto import Sample, SampleGroup
-from services.weight_broker.wire import bucket_tensors, parse_bucket
+from services.weight_sync.wire import bucket_tensors, parse_bucket
 
 TIMEOUT_S = 180
 

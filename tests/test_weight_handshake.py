@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from services.weight_broker.zmq_transport import ZmqWeightSender
+from services.weight_sync.zmq_transport import ZmqWeightSender
 from tests.helpers import wait_until
 from tests.test_broker_nccl import perturbed_weights
 

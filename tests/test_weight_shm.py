@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.weight_broker.shm import ShmSlots, SlotBusyError, read_slot
-from services.weight_broker.zmq_transport import ZmqWeightSender
+from services.weight_sync.shm import ShmSlots, SlotBusyError, read_slot
+from services.weight_sync.zmq_transport import ZmqWeightSender
 
 
 def tensors(value: float) -> list[tuple[str, torch.Tensor]]:

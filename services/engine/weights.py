@@ -71,7 +71,7 @@ from services.engine.weight_layout import (
     flat_views,
     torch_dtype,
 )
-from services.weight_broker.process_group import join_group, leave_group
+from services.weight_sync.process_group import join_group, leave_group
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +186,8 @@ class WeightUpdater:
         self, endpoint: str, version: str, timeout_s: float | None = None, abort_all: bool = False
     ) -> str:
         """Fetch `version` from the weight broker at `endpoint` and apply it."""
-        from services.weight_broker.wire import AuthenticationError, secret_from_env
-        from services.weight_broker.zmq_transport import fetch_weights
+        from services.weight_sync.wire import AuthenticationError, secret_from_env
+        from services.weight_sync.zmq_transport import fetch_weights
 
         try:
             number = int(version)

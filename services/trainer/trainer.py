@@ -43,7 +43,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, init_distributed
 from services.trainer.stats import StepStats, comm_device
 from services.trainer.status import StatusReporter
-from services.weight_broker.wire import WeightSyncError
+from services.weight_sync.wire import WeightSyncError
 
 log = logging.getLogger("tandem.trainer")
 # Groups taken in the one read that drains the pending list at start-up; the stream itself is
@@ -500,15 +500,15 @@ def max_response_len(samples: list[TrainSample]) -> int:
 
 
 def make_weight_sender(cfg: TrainerConfig) -> Any:
-    """The sender matching the broker's transport (see services/weight_broker)."""
+    """The sender matching the broker's transport (see services/weight_sync)."""
     if cfg.weight_transport == "nccl":
-        from services.weight_broker.nccl_sender import NcclWeightSender
+        from services.weight_sync.nccl_sender import NcclWeightSender
 
         return NcclWeightSender(cfg.weights_endpoint, master_address=cfg.weights_master_address)
     if cfg.weight_transport != "zmq":
         raise ValueError(f"--weight-transport must be zmq or nccl, not {cfg.weight_transport!r}")
-    from services.weight_broker.wire import secret_from_env
-    from services.weight_broker.zmq_transport import ZmqWeightSender
+    from services.weight_sync.wire import secret_from_env
+    from services.weight_sync.zmq_transport import ZmqWeightSender
 
     return ZmqWeightSender(
         cfg.weights_endpoint, secret=secret_from_env(), shm_dir=cfg.weights_shm_dir or None

@@ -56,8 +56,8 @@ from services.sample_buffer import BufferConfig, SampleBuffer
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.store import VersionStore
 from services.weight_broker.transports import DiskTransport, WeightTransport, ZmqTransport
-from services.weight_broker.wire import AuthenticationError, parse_bucket, secret_from_env
-from services.weight_broker.zmq_transport import ERROR_FRAME
+from services.weight_sync.wire import AuthenticationError, parse_bucket, secret_from_env
+from services.weight_sync.zmq_transport import ERROR_FRAME
 
 log = logging.getLogger("tandem.broker")
 POLL_MS = 200

@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 from proto import WeightBucketHeader
-from services.weight_broker.wire import Frame, frame_view
+from services.weight_sync.wire import Frame, frame_view
 
 
 @dataclass

@@ -23,7 +23,7 @@ import aiohttp
 
 from proto import WeightBucketHeader, decode
 from services.weight_broker.store import Version
-from services.weight_broker.wire import frame_view
+from services.weight_sync.wire import frame_view
 
 SAFETENSORS_DTYPES = {
     "float32": "F32",

@@ -154,7 +154,7 @@ def bucket_tensors(
     header: WeightBucketHeader, frames: Sequence[Frame]
 ) -> list[tuple[str, torch.Tensor]]:
     """Tensors of a frames bucket. They share memory with the frames (no copy).
-    (A shared-memory bucket is read with `services.weight_broker.shm.read_slot`.)"""
+    (A shared-memory bucket is read with `services.weight_sync.shm.read_slot`.)"""
     import torch
 
     out = []

@@ -46,10 +46,10 @@ import msgspec
 import zmq
 
 from proto import NcclAck, NcclCommand, NcclOffer, TensorMeta, decode, encode
-from services.weight_broker.process_group import join_group, leave_group
+from services.weight_sync.process_group import join_group, leave_group
 
 __all__ = ["NcclWeightSender", "WeightSyncError"]
-from services.weight_broker.wire import DEFAULT_BUCKET_BYTES, WeightSyncError, group_by_bytes
+from services.weight_sync.wire import DEFAULT_BUCKET_BYTES, WeightSyncError, group_by_bytes
 
 if TYPE_CHECKING:
     import torch

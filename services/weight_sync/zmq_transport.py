@@ -7,7 +7,7 @@
   (`WeightRequest`) and receives its buckets, or an error frame if the broker does not hold it.
   Every receive has a deadline.
 
-Wire format and authentication: `services.weight_broker.wire`.
+Wire format and authentication: `services.weight_sync.wire`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import zmq
 
 from proto import WeightRequest, encode
-from services.weight_broker.shm import ShmSlots, SlotBusyError, SlotLease, read_slot
-from services.weight_broker.wire import (
+from services.weight_sync.shm import ShmSlots, SlotBusyError, SlotLease, read_slot
+from services.weight_sync.wire import (
     DEFAULT_BUCKET_BYTES,
     Frame,
     WeightSyncError,
@@ -44,7 +44,7 @@ class ZmqWeightSender:
     """Trainer side of the trainer -> broker hop.
 
     With `shm_dir` (trainer, broker and engines on one host), each version is written once
-    into a double-buffered slot file there (`services.weight_broker.shm`) and only its header
+    into a double-buffered slot file there (`services.weight_sync.shm`) and only its header
     travels over ZMQ. Writing version N+2 waits (at most `timeout_s`) until engines left N.
     """
 
