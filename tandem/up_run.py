@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+from services.common.engine_info import VersionUnavailableError, weight_version
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from tandem.launcher import (
     UpConfig,
@@ -193,9 +192,8 @@ class UpRun:
         versions = []
         for url in urls:
             try:
-                with urllib.request.urlopen(f"{url}/get_weight_version", timeout=5) as resp:
-                    versions.append(str(json.load(resp)["weight_version"]))
-            except OSError as exc:
+                versions.append(weight_version(url))
+            except VersionUnavailableError as exc:
                 versions.append(f"unreachable: {exc}")
         return versions
 

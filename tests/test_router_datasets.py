@@ -253,7 +253,9 @@ def test_partial_rollout_continues_aborted_samples_and_keeps_token_versions(
     )
     httpx.post(router.url + "/pause_generation", json={"mode": "abort"})
     for url in urls:
-        httpx.post(url + "/update_weights_from_disk", json={"weight_version": "1"})
+        httpx.post(
+            url + "/update_weights_from_disk", json={"model_path": "/m", "weight_version": "1"}
+        )
     httpx.post(router.url + "/continue_generation", json={})
     wait_until(lambda: buffer.depth() >= 2, "batch 0 groups")
     groups = [g for g in read_all(buffer) if g.group_id.startswith("b0-")]
@@ -290,7 +292,9 @@ def test_without_partial_rollout_aborted_samples_restart_on_the_new_weights(
         "batch 0 in flight",
     )
     httpx.post(router.url + "/pause_generation", json={"mode": "abort"})
-    httpx.post(urls[0] + "/update_weights_from_disk", json={"weight_version": "1"})
+    httpx.post(
+        urls[0] + "/update_weights_from_disk", json={"model_path": "/m", "weight_version": "1"}
+    )
     httpx.post(router.url + "/continue_generation", json={})
     wait_until(lambda: buffer.depth() >= 2, "batch 0 groups")
     samples = [s for g in read_all(buffer) if g.group_id.startswith("b0-") for s in g.samples]

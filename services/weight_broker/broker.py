@@ -49,6 +49,7 @@ import aiohttp
 import zmq
 
 from proto import WeightRequest, decode
+from services.common.engine_info import VersionUnavailableError, weight_version
 from services.sample_buffer import BufferConfig, SampleBuffer
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.store import VersionStore
@@ -190,9 +191,9 @@ class WeightBroker:
         self._wake = asyncio.Event()
         timeout = aiohttp.ClientTimeout(total=self.config.sync_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            await asyncio.gather(*(self._probe(session, e) for e in self.engines.values()))
+            await asyncio.gather(*(self._probe(e) for e in self.engines.values()))
             self.publish_version()
-            probes = asyncio.create_task(self._probe_loop(session), name="probe")
+            probes = asyncio.create_task(self._probe_loop(), name="probe")
             try:
                 if self.nccl is not None:  # push-driven: the trainer offers each version
                     await self.nccl.run(session)
@@ -231,26 +232,23 @@ class WeightBroker:
             self.transport.prepare(entry)
             self._prepared = version
 
-    async def _probe(self, session: aiohttp.ClientSession, engine: EngineState) -> None:
+    async def _probe(self, engine: EngineState) -> None:
         """Learn an engine's current version (a freshly started engine serves its load dir)."""
-        reported = await self._reported_version(session, engine)
+        reported = await self._reported_version(engine)
         if reported is not None:
             engine.version = reported
 
-    async def _reported_version(
-        self, session: aiohttp.ClientSession, engine: EngineState, quiet: bool = False
-    ) -> int | None:
-        timeout = aiohttp.ClientTimeout(total=min(self.config.sync_timeout_s, 10.0))
+    async def _reported_version(self, engine: EngineState, quiet: bool = False) -> int | None:
+        """The version the engine serves (`/model_info`, then the older routes), else None."""
+        timeout_s = min(self.config.sync_timeout_s, 10.0)
         try:
-            async with session.get(f"{engine.url}/get_weight_version", timeout=timeout) as resp:
-                resp.raise_for_status()
-                return int((await resp.json(content_type=None))["weight_version"])
-        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, TypeError) as exc:
-            engine.last_error = f"probe failed: {exc!r}"
+            return int(await asyncio.to_thread(weight_version, engine.url, timeout_s))
+        except (VersionUnavailableError, ValueError) as exc:
+            engine.last_error = f"probe failed: {exc}"
             (log.debug if quiet else log.warning)("engine %s: %s", engine.url, engine.last_error)
             return None
 
-    async def _probe_loop(self, session: aiohttp.ClientSession) -> None:
+    async def _probe_loop(self) -> None:
         """Find engines that restarted (reported version below what they acknowledged)."""
         while True:
             await asyncio.sleep(self.config.probe_interval_s)
@@ -258,9 +256,7 @@ class WeightBroker:
             if self.nccl is not None and self.nccl.busy:
                 continue
             started = time.time()
-            reported = await asyncio.gather(
-                *(self._reported_version(session, e, quiet=True) for e in idle)
-            )
+            reported = await asyncio.gather(*(self._reported_version(e, quiet=True) for e in idle))
             for engine, version in zip(idle, reported, strict=True):
                 # Skip answers that raced with a sync that finished meanwhile.
                 if version is None or engine.syncing or engine.last_sync_at > started:

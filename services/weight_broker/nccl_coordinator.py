@@ -213,17 +213,7 @@ class NcclCoordinator:
         offsets = itertools.accumulate([1] + [self._tp_size[e.url] for e in engines])
         calls = [
             self._post(
-                session,
-                engine,
-                "/init_weights_update_group",
-                {
-                    "master_address": offer.master_address,
-                    "master_port": offer.master_port,
-                    "rank_offset": offset,
-                    "world_size": world,
-                    "group_name": self.group_name,
-                    "backend": offer.backend,
-                },
+                session, engine, "/init_weights_update_group", self._init_body(offer, offset, world)
             )
             for engine, offset in zip(engines, offsets, strict=False)
         ]
@@ -259,6 +249,17 @@ class NcclCoordinator:
         await engine_calls  # raises (naming the engines) if any engine failed
         if ack_error:
             raise RuntimeError(ack_error)
+
+    def _init_body(self, offer: NcclOffer, rank_offset: int, world_size: int) -> dict[str, Any]:
+        """SGLang's InitWeightsUpdateGroupReqInput for one engine."""
+        return {
+            "master_address": offer.master_address,
+            "master_port": offer.master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": self.group_name,
+            "backend": offer.backend,
+        }
 
     def _update_body(
         self, offer: NcclOffer, tensors: list[TensorMeta], flush_cache: bool
