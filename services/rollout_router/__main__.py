@@ -10,6 +10,7 @@ import signal
 import sys
 
 from services.common.flags import add_config_args, config_from_args
+from services.common.serving import add_serving_args
 from services.rollout_router.config import RouterConfig, WorkerPoolConfig
 from services.rollout_router.workers import EngineStartupError, WorkerPool
 from services.sample_buffer import SampleBuffer
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ready-file", default=None, help="Write {url,host,port,pid} here once up."
     )
     parser.add_argument("--log-level", default="INFO", help="Python log level.")
+    add_serving_args(parser, max_request_mib=16)  # long agent conversations, batched prompts
     return parser
 
 
@@ -74,7 +76,14 @@ def main(argv: list[str]) -> int:
     # was installed before it: a no-op one makes a clean stop exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        serve(FastForwardMiddleware(app), args.host, args.port, args.ready_file)
+        serve(
+            FastForwardMiddleware(app),
+            args.host,
+            args.port,
+            args.ready_file,
+            max_request_bytes=args.max_request_bytes,
+            graceful_shutdown_s=args.graceful_shutdown_s,
+        )
     except PortInUseError as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 1

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from services.common.flags import add_config_args, config_from_args
-from services.common.serving import PortInUseError, serve
+from services.common.serving import PortInUseError, add_serving_args, serve
 
 DESCRIPTION = """\
 Weight broker. The trainer pushes each new weight version here over ZMQ (--intake-endpoint);
@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8300, help="HTTP port; 0 = any free port")
     parser.add_argument("--ready-file", help="write {url, endpoints, pid} here once serving")
     add_config_args(parser, BrokerConfig)
+    add_serving_args(parser, max_request_mib=1)  # its bodies are engine URLs
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[broker] %(asctime)s %(message)s")
     config = config_from_args(BrokerConfig, args)
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                 "intake_endpoint": broker.intake_endpoint,
                 "serve_endpoint": broker.serve_endpoint,
             },
+            max_request_bytes=args.max_request_bytes,
+            graceful_shutdown_s=args.graceful_shutdown_s,
         )
     except PortInUseError as exc:
         print(f"tandem broker: {exc}", file=sys.stderr)
