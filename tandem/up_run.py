@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import os
+import secrets
 import sys
 import time
 from pathlib import Path
 
+from services.common.auth import TOKEN_ENV
 from services.common.engine_info import VersionUnavailableError, weight_version
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from services.weight_broker.wire import SECRET_ENV
 from tandem.launcher import (
     UpConfig,
     default_run_dir,
@@ -23,6 +27,13 @@ from tandem.supervisor import ChildFailedError, Supervisor, die_with_parent
 def gpu_env(gpus: list[int]) -> dict[str, str] | None:
     """CUDA_VISIBLE_DEVICES for a child given GPU indices (None: inherit)."""
     return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else None
+
+
+def share_run_secrets() -> None:
+    """A per-run API token (every mutating route) and weight-frame secret (HMAC of every weight
+    bucket), inherited by every child; values already in the environment are kept."""
+    for name in (TOKEN_ENV, SECRET_ENV):
+        os.environ.setdefault(name, secrets.token_hex(32))
 
 
 def say(message: str) -> None:
@@ -42,6 +53,7 @@ class UpRun:
 
     def run(self) -> int:
         install_interrupt_handler(self.interrupted)
+        share_run_secrets()
         started = time.monotonic()
         progress: RunProgress | None = None
         try:

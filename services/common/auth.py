@@ -58,3 +58,10 @@ def require_token(request: Request) -> None:
 
 
 WRITE = [Depends(require_token)]
+
+
+def bearer_headers() -> dict[str, str]:
+    """Headers for this service's own calls to a mutating route of another service of the run
+    (never for outside servers: environments, reward models)."""
+    token = token_from_env()
+    return {"Authorization": f"Bearer {token}"} if token else {}

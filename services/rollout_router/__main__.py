@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 
+from services.common.auth import check_bind, token_from_env
 from services.common.flags import add_config_args, config_from_args
 from services.common.serving import add_serving_args
 from services.rollout_router.config import RouterConfig, WorkerPoolConfig
@@ -50,7 +51,12 @@ def main(argv: list[str]) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     config = config_from_args(RouterConfig, args)
-    config.api_token = config.api_token or os.environ.get("TANDEM_ROUTER_TOKEN", "")
+    config.api_token = config.api_token or token_from_env("TANDEM_ROUTER_TOKEN")
+    try:
+        check_bind(args.host, config.api_token, "tandem router")
+    except ValueError as exc:
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return 2
     # The router needs no torch; keep any library that spins up thread pools to one thread,
     # since several services share the CPU.
     os.environ.setdefault("OMP_NUM_THREADS", "1")

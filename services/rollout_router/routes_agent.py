@@ -16,6 +16,8 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from proto import sglang as sg
+from services.common.auth import WRITE, require_token
 from services.rollout_router.routes_engine import SESSION_HEADER, forward
 from services.rollout_router.sessions import AgentSessions
 from services.rollout_router.workers import EngineRequestError, NoWorkerError
@@ -30,7 +32,11 @@ def sessions_of(request: Request) -> AgentSessions:
     return sessions
 
 
-@router.post("/v1/chat/completions", tags=["agents"])
+@router.post(
+    "/v1/chat/completions",
+    tags=["agents"],
+    openapi_extra=sg.body_schema(sg.ChatCompletionRequest),
+)
 async def chat_completions(request: Request) -> Response:
     """OpenAI chat completions. With a session id the turn's exact tokens are recorded."""
     body_bytes = await request.body()
@@ -45,6 +51,7 @@ async def chat_completions(request: Request) -> Response:
         return await forward(request, "/v1/chat/completions")
     if not isinstance(session_id, str):
         raise HTTPException(400, "session_id must be a string")
+    require_token(request)  # a session's turns become training samples: the run's agents only
     stream = body.pop("stream", False) is True
     try:
         answer = await sessions_of(request).chat(body, session_id)
@@ -97,7 +104,7 @@ class RewardIn(BaseModel):
     group_size: int | None = None
 
 
-@router.post("/sessions/{session_id}/reward", tags=["agents"])
+@router.post("/sessions/{session_id}/reward", tags=["agents"], dependencies=WRITE)
 async def session_reward(request: Request, session_id: str, body: RewardIn) -> dict[str, Any]:
     """Close a session with its reward; its turns become training samples."""
     try:

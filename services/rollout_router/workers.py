@@ -35,6 +35,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from services.common.auth import bearer_headers
 from services.rollout_router.config import WorkerPoolConfig
 from services.rollout_router.http1 import Http1Pool
 from services.rollout_router.samples import parse_version
@@ -187,7 +188,8 @@ class WorkerPool:
         url = self.config.broker_url.rstrip("/") + "/engines"
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
         try:
-            async with self.session.post(url, json={"url": worker.url}, timeout=timeout) as resp:
+            body, headers = {"url": worker.url}, bearer_headers()
+            async with self.session.post(url, json=body, headers=headers, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
             log.info("asked the weight broker to sync %s", worker.url)
@@ -338,7 +340,7 @@ class WorkerPool:
                     method,
                     worker.url + path,
                     data=body or None,
-                    headers={"Content-Type": "application/json"},
+                    headers={"Content-Type": "application/json", **bearer_headers()},
                 ) as resp:
                     return worker.url, {"status": resp.status, "body": (await resp.text())[:2000]}
             except (TimeoutError, aiohttp.ClientError) as exc:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
+from services.common.auth import check_bind, is_loopback, token_from_env
 from services.common.flags import add_config_args, config_from_args
 from services.common.serving import PortInUseError, add_serving_args, serve
 
@@ -16,6 +18,26 @@ version all engines serve to Redis (--redis-url) for the router's staleness gate
 GET /state, Prometheus metrics at GET /metrics. Frames are HMAC-checked when
 TANDEM_WEIGHT_SECRET is set (same value for trainer, broker and engines).
 """
+
+
+def check_weight_endpoints(config: Any) -> None:
+    """Weight frames from outside loopback must be signed: refuse to bind such an endpoint
+    without a secret, naming the variable."""
+    from services.weight_broker.wire import SECRET_ENV, secret_from_env
+
+    if secret_from_env() is not None:
+        return
+    for flag, endpoint in (
+        ("--intake-endpoint", config.intake_endpoint),
+        ("--serve-endpoint", config.serve_endpoint),
+    ):
+        host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+        if endpoint.startswith("tcp://") and not is_loopback(host):
+            raise ValueError(
+                f"{flag} {endpoint} accepts weights from other machines, but {SECRET_ENV} is "
+                f"not set: set {SECRET_ENV} (the same value for trainer, broker and engines; "
+                "`tandem up` generates one), or bind 127.0.0.1"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[broker] %(asctime)s %(message)s")
     config = config_from_args(BrokerConfig, args)
+    try:
+        check_bind(args.host, token_from_env(), "tandem broker")
+        check_weight_endpoints(config)
+    except ValueError as exc:
+        print(f"tandem broker: {exc}", file=sys.stderr)
+        return 2
     try:
         app = create_app(config)
     except Exception as exc:  # zmq bind errors name the endpoint; translate for the user

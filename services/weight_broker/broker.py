@@ -49,6 +49,7 @@ import aiohttp
 import zmq
 
 from proto import WeightRequest, decode
+from services.common.auth import bearer_headers
 from services.common.engine_info import VersionUnavailableError, weight_version
 from services.sample_buffer import BufferConfig, SampleBuffer
 from services.weight_broker.config import BrokerConfig
@@ -87,7 +88,12 @@ class WeightBroker:
             if config.redis_url
             else None
         )
-        self.counters = {"buckets_rejected": 0, "versions_received": 0, "syncs_failed": 0}
+        self.counters = {
+            "buckets_rejected": 0,
+            "frames_rejected": 0,  # fetch requests and control messages that were not
+            "versions_received": 0,
+            "syncs_failed": 0,
+        }
         self._ctx = zmq.Context.instance()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -126,7 +132,8 @@ class WeightBroker:
         else:
             self.transport = ZmqTransport(self.serve_endpoint)
         for target, sock in ((self._intake_loop, intake), (self._serve_loop, serve)):
-            thread = threading.Thread(target=target, args=(sock,), daemon=True)
+            name = target.__name__.strip("_")
+            thread = threading.Thread(target=target, args=(sock,), daemon=True, name=name)
             thread.start()
             self._threads.append(thread)
         log.info("intake %s, serving %s", self.intake_endpoint, self.serve_endpoint)
@@ -146,7 +153,7 @@ class WeightBroker:
             try:
                 header, _frames = parse_bucket(message, self.secret)
                 done = self.store.add_bucket(header, message)
-            except (ValueError, AuthenticationError) as exc:
+            except (ValueError, AuthenticationError, TypeError, IndexError) as exc:
                 self.counters["buckets_rejected"] += 1
                 log.error("dropped a weight bucket: %s", exc)
                 continue
@@ -155,6 +162,13 @@ class WeightBroker:
                 log.info("version %d complete (%.1f MB)", done.version, done.nbytes / 1e6)
                 self._notify()
         sock.close()
+
+    def thread_problem(self) -> str:
+        """'' while every socket thread runs; else which one died (`/health` answers 503)."""
+        dead = [t.name for t in self._threads if not t.is_alive()]
+        if dead and not self._stop.is_set():
+            return f"weight thread(s) {', '.join(dead)} stopped; see the broker's log"
+        return ""
 
     def _notify(self) -> None:
         if self._loop is not None and self._wake is not None:
@@ -166,12 +180,16 @@ class WeightBroker:
         while not self._stop.is_set():
             if not sock.poll(POLL_MS):
                 continue
-            identity, payload = sock.recv_multipart()
+            parts = sock.recv_multipart()
             try:
-                request = decode(payload, WeightRequest)
+                if len(parts) != 2:
+                    raise ValueError(f"{len(parts) - 1} payload frames, expected 1 WeightRequest")
+                request = decode(parts[1], WeightRequest)
             except ValueError as exc:
-                sock.send_multipart([identity, ERROR_FRAME, str(exc).encode()])
+                self.counters["frames_rejected"] += 1
+                sock.send_multipart([parts[0], ERROR_FRAME, str(exc).encode()])
                 continue
+            identity = parts[0]
             entry = self.store.get(request.version)
             if entry is None:
                 msg = (
@@ -190,7 +208,7 @@ class WeightBroker:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         timeout = aiohttp.ClientTimeout(total=self.config.sync_timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout, headers=bearer_headers()) as session:
             await asyncio.gather(*(self._probe(e) for e in self.engines.values()))
             self.publish_version()
             probes = asyncio.create_task(self._probe_loop(), name="probe")

@@ -95,11 +95,15 @@ class NcclCoordinator:
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         while True:
-            identity, payload = await self.socket.recv_multipart()
+            parts = await self.socket.recv_multipart()
             try:
+                if len(parts) != 2:
+                    raise ValueError(f"{len(parts)} frames, expected identity and payload")
+                identity, payload = parts
                 offer = decode(payload, NcclOffer)
-            except ValueError:  # e.g. a late ack of an aborted version
-                log.warning("ignored a message that is not a version offer")
+            except ValueError as exc:  # e.g. a late ack of an aborted version, or garbage
+                self.broker.counters["frames_rejected"] += 1
+                log.warning("ignored a message that is not a version offer: %s", exc)
                 continue
             try:
                 await self.sync_version(session, identity, offer)
@@ -332,10 +336,11 @@ class NcclCoordinator:
         deadline = time.monotonic() + self.timeout_s
         while True:
             remaining = deadline - time.monotonic()
-            _identity, payload = await asyncio.wait_for(self.socket.recv_multipart(), remaining)
+            parts = await asyncio.wait_for(self.socket.recv_multipart(), remaining)
             try:
-                ack = decode(payload, NcclAck)
+                ack = decode(parts[-1], NcclAck)
             except ValueError:
+                self.broker.counters["frames_rejected"] += 1
                 log.error("expected an ack from the trainer, got another message; ignored")
                 continue
             if (ack.version, ack.attempt, ack.bucket) == (version, attempt, bucket):
