@@ -1,0 +1,125 @@
+"""A bad request to the router is a 4xx with the reason, never a 5xx or a hang; agent sessions
+(turns and rewards) and control routes need the run's token. A real router in front of a real
+reference engine (the toy model with a chat template: a context of 64 tokens)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services.sample_buffer import SampleBuffer
+from tests.helpers import with_chat_template
+
+TOKEN = "router-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+TEMPLATE = (
+    "<bos>{% for m in messages %}{{ m['content'] }}"
+    "{% if m['role'] == 'user' %}>{% else %}<eos>{% endif %}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_model(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return with_chat_template(toy_model_dir, tmp_path_factory.mktemp("chat") / "model", TEMPLATE)
+
+
+@pytest.fixture
+def router(start_service, buffer: SampleBuffer, chat_model: Path) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_API_TOKEN", TOKEN)
+        engine = start_service("engine", ["engine", "--model", str(chat_model), "--port", "0"])
+        args = ["router", "--port", "0", "--engine-urls", engine.url, "--model", str(chat_model)]
+        args += ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+        args += ["--no-rollout", "--max-request-bytes", str(8 << 20)]
+        yield start_service("router", args).url
+
+
+def turn(router: str, body: Any, auth: bool = True, session: str = "s1") -> httpx.Response:
+    headers = {"X-Session-Id": session, **(AUTH if auth else {})}
+    return httpx.post(router + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def test_bad_session_turns_are_400_naming_the_field_and_engine_refusals_pass_through(
+    router: str,
+) -> None:
+    cases: list[tuple[Any, str]] = [
+        ({"messages": [[None, None]]}, "messages[0]"),
+        ({"messages": ["hello"]}, "messages[0]"),
+        ({"messages": [{"role": 1, "content": "1"}]}, "messages[0].role"),
+        ({"messages": "12"}, "messages"),
+        ({"messages": user("12"), "max_tokens": -5}, "max_tokens"),
+        ({"messages": user("12"), "max_tokens": "many"}, "max_tokens"),
+        ({"messages": user("12"), "temperature": -1}, "temperature"),
+        ({"messages": user("12"), "top_p": 5}, "top_p"),
+        ({"messages": user("12"), "stop": 3}, "stop"),
+        ({"messages": user("12"), "n": 2}, "n"),
+        ([1, 2], "JSON object"),
+    ]
+    for body, field in cases:
+        reply = turn(router, body)
+        assert reply.status_code == 400, (body, reply.text)
+        assert field in reply.json()["detail"], (body, reply.text)
+    # the engine refuses what does not fit its context: its status and reason reach the agent
+    reply = turn(router, {"messages": user("12"), "max_tokens": 100000})
+    assert reply.status_code == 400 and "context" in reply.json()["detail"]
+    reply = turn(router, {"messages": user("1" * 200)})
+    assert reply.status_code == 400 and "context" in reply.json()["detail"]
+    # a body that is not an object is refused on the path without a session, too
+    reply = httpx.post(router + "/v1/chat/completions", json=[1], timeout=30)
+    assert reply.status_code == 400
+
+
+def test_a_turn_without_max_tokens_is_clipped_to_the_context(router: str) -> None:
+    reply = turn(router, {"messages": user("12")})  # 1024 default + prompt > 64 tokens
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["total_tokens"] <= 64
+
+
+def test_a_huge_message_is_refused_before_it_is_tokenised(router: str) -> None:
+    started = time.monotonic()
+    reply = turn(router, {"messages": user("1" * 5_000_000)})
+    assert reply.status_code == 400 and "characters" in reply.json()["detail"]
+    assert time.monotonic() - started < 30
+    reply = httpx.post(
+        router + "/v1/chat/completions", content=b" " * (9 << 20), headers=AUTH, timeout=30
+    )
+    assert reply.status_code == 413 and "--max-request-bytes" in reply.text
+
+
+def test_sessions_and_control_need_the_token_reads_and_generation_stay_open(router: str) -> None:
+    assert turn(router, {"messages": user("12"), "max_tokens": 4}, auth=False).status_code == 401
+    assert turn(router, {"messages": user("12"), "max_tokens": 4}).status_code == 200
+    reward = router + "/sessions/s1/reward"
+    assert httpx.post(reward, json={"reward": 1.0}).status_code == 401
+    assert httpx.post(reward, json={"reward": 1.0}, headers=AUTH).status_code == 200
+    assert httpx.post(router + "/pause_generation", json={}).status_code == 401
+    reply = httpx.post(router + "/pause_generation", json={"mode": "later"}, headers=AUTH)
+    assert reply.status_code == 422 and "mode" in reply.text
+    body = {"input_ids": [1, 5, 14], "sampling_params": {"max_new_tokens": 2}}
+    assert httpx.post(router + "/generate", json=body).status_code == 200
+    assert httpx.get(router + "/workers").status_code == 200
+
+
+def test_worker_urls_are_checked(router: str) -> None:
+    for bad in ("not a url", "", "127.0.0.1:30000"):
+        reply = httpx.post(router + "/workers", json={"url": bad}, headers=AUTH)
+        assert reply.status_code == 422 and "url" in reply.text, bad
+    reply = httpx.post(router + "/add_worker", params={"url": "nope"}, headers=AUTH)
+    assert reply.status_code == 422
+
+
+def test_the_router_openapi_has_unique_ids_and_publishes_bodies(router: str) -> None:
+    spec = httpx.get(router + "/openapi.json").json()
+    ids = [op["operationId"] for item in spec["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    for path in ("/generate", "/v1/chat/completions", "/pause_generation", "/workers"):
+        assert "requestBody" in spec["paths"][path]["post"], path
