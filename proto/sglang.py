@@ -126,8 +126,10 @@ class UpdateWeightFromDiskReqInput(_Req):
 class InitWeightsUpdateGroupReqInput(_Req):
     master_address: str = Field(min_length=1)
     master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(default=1, ge=1)
-    world_size: int = Field(ge=2, description="the trainer (rank 0) plus every engine rank")
+    rank_offset: int = Field(default=1, ge=1, le=65535)
+    world_size: int = Field(
+        ge=2, le=65536, description="the trainer (rank 0) plus every engine rank"
+    )
     group_name: str = "weight_update_group"
     backend: str | None = None
 

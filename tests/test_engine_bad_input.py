@@ -128,3 +128,24 @@ def test_a_service_without_a_token_refuses_a_public_address(toy_model_dir: Path)
         timeout=60,
     )
     assert done.returncode != 0 and "TANDEM_API_TOKEN" in done.stderr
+
+
+def test_sigterm_ends_requests_held_by_a_pause_with_an_abort_reason_and_exits(
+    start_service, toy_model_dir: Path
+) -> None:  # type: ignore[no-untyped-def]
+    import concurrent.futures
+    import signal
+
+    service = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
+    assert httpx.post(service.url + "/pause_generation", json={"mode": "in_place"}).is_success
+    body = {"input_ids": [1, 5, 14], "sampling_params": {"max_new_tokens": 4}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, service.url + "/generate", json=body, timeout=60)
+        time.sleep(0.5)  # the request is waiting on the pause (nothing else would end it)
+        assert not held.done()
+        os.kill(service.proc.pid, signal.SIGTERM)
+        reply = held.result(timeout=60)
+    assert reply.status_code == 200
+    reason = reply.json()["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "shutting down" in reason["message"]
+    assert service.proc.wait(timeout=30) is not None

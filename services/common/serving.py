@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,7 @@ def serve(
     extra: dict[str, Any] | None = None,
     max_request_bytes: int = 0,
     graceful_shutdown_s: float = 10.0,
+    on_shutdown: Callable[[], None] | None = None,
 ) -> None:
     """Serve `app` until SIGINT/SIGTERM; raise `PortInUseError` if the port is taken.
 
@@ -88,7 +90,9 @@ def serve(
     callable value is called once the app has started (its lifespan ran). Bodies over
     `max_request_bytes` are answered 413 (`BodyLimitMiddleware`, outermost). On SIGTERM, open
     requests get `graceful_shutdown_s` to finish; then they are cancelled and the lifespan's
-    shutdown runs (a request waiting on a paused engine never holds the process up)."""
+    shutdown runs (a request waiting on a paused engine never holds the process up).
+    `on_shutdown` runs first, when SIGTERM arrives (the engine ends its queued requests there,
+    each answered with an abort finish reason instead of a dropped connection)."""
     sock = bind_socket(host, port, flag)
     bound_port = sock.getsockname()[1]
     config = uvicorn.Config(
@@ -99,6 +103,14 @@ def serve(
         timeout_graceful_shutdown=max(1, round(graceful_shutdown_s)),
     )
     server = uvicorn.Server(config)
+    if on_shutdown is not None:
+        original_shutdown = server.shutdown
+
+        async def shutdown(sockets: list[socket.socket] | None = None) -> None:
+            on_shutdown()
+            await original_shutdown(sockets=sockets)
+
+        server.shutdown = shutdown  # type: ignore[method-assign]
     url_host = f"[{host}]" if ":" in host else host
 
     if ready_file:

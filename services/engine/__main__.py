@@ -51,6 +51,7 @@ def main(argv: list[str]) -> int:
             ns.ready_file,
             max_request_bytes=ns.max_request_bytes,
             graceful_shutdown_s=ns.graceful_shutdown_s,
+            on_shutdown=app.state.engine.shut_down_requests,
         )
     except PortInUseError as exc:
         print(f"tandem engine: {exc}", file=sys.stderr)

@@ -58,6 +58,8 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
         try:
             with socket.create_connection((host, port), timeout=max(0.1, min(1.0, left))):
                 return
+        except socket.gaierror as exc:  # waiting will not make the name resolve
+            raise ValueError(f"master_address {host!r} does not resolve: {exc}") from exc
         except OSError as exc:
             if time.monotonic() + 0.2 >= deadline:
                 raise TimeoutError(
