@@ -3,7 +3,7 @@
 Sent by the router and the broker (and any SGLang client) to an engine; received by Tandem's
 reference engine, which publishes them in its OpenAPI schema and answers a body that does not
 fit with 400 naming the field (as SGLang does). Each class lists every field of its io_struct
-namesake (`tests/test_engine_openapi.py` checks it against the installed `sglang` source), plus
+namesake (`tests/test_sglang_contract.py` checks it against the installed `sglang` source), plus
 Tandem's extensions where marked. Unknown fields are refused.
 """
 

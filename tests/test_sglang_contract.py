@@ -124,3 +124,27 @@ async def test_broker_weight_update_bodies_are_accepted(
         reply = httpx.post(f"{url}/pause_generation", json={"mode": mode})
         assert reply.status_code == 200
     assert httpx.post(f"{url}/continue_generation", json={}).status_code == 200
+
+
+# Tandem's additions to SGLang's request classes (documented in proto/sglang.py).
+EXTENSIONS = {"UpdateWeightsFromDistributedReqInput": {"layout_id", "bucket_sizes"}}
+
+
+def test_proto_request_models_carry_exactly_the_fields_of_their_io_struct_namesakes() -> None:
+    from pydantic import BaseModel
+
+    from proto import sglang as sg
+
+    classes = sglang_surface.request_classes()
+    checked = 0
+    for name in dir(sg):
+        model = getattr(sg, name)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or name not in classes:
+            continue
+        if name == "GenerateReqInput":  # published subset; the body itself is parsed by hand
+            assert set(model.model_fields) <= set(classes[name])
+            continue
+        ours = set(model.model_fields) - EXTENSIONS.get(name, set())
+        assert ours == set(classes[name]), name
+        checked += 1
+    assert checked >= 10
