@@ -115,3 +115,22 @@ def test_a_broker_alone_refuses_a_public_address_without_its_secret(args, needs)
         timeout=60,
     )
     assert done.returncode != 0 and needs in done.stderr
+
+
+def test_the_trainer_skips_and_counts_a_malformed_control_frame() -> None:
+    from proto import NcclCommand
+    from services.weight_broker.nccl_sender import NcclWeightSender
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    sender = NcclWeightSender(f"tcp://127.0.0.1:{port}", timeout_s=10)
+    try:
+        sender._socket.send(b"hello")  # the broker learns the trainer's identity
+        identity, _ = router.recv_multipart()
+        router.send_multipart([identity, b"\xc1garbage"])
+        router.send_multipart([identity, encode(NcclCommand(action="done", version=3))])
+        assert sender._receive(3).action == "done"
+        assert sender.frames_rejected == 1
+    finally:
+        sender.close()
+        router.close()
