@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from services.sample_buffer import SampleBuffer
+from services.sample_buffer import RedisServer
 from tests.helpers import with_chat_template
 
 TOKEN = "router-test-token"
@@ -28,15 +28,26 @@ def chat_model(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return with_chat_template(toy_model_dir, tmp_path_factory.mktemp("chat") / "model", TEMPLATE)
 
 
-@pytest.fixture
-def router(start_service, buffer: SampleBuffer, chat_model: Path) -> Iterator[str]:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def router(
+    redis_server: RedisServer, chat_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """One engine and one router for the module (each test uses its own session ids)."""
+    from conftest import ServiceProcess
+
+    workdir = tmp_path_factory.mktemp("router")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TANDEM_API_TOKEN", TOKEN)
-        engine = start_service("engine", ["engine", "--model", str(chat_model), "--port", "0"])
+        engine = ServiceProcess(
+            ["engine", "--model", str(chat_model), "--port", "0"], workdir, "engine"
+        )
         args = ["router", "--port", "0", "--engine-urls", engine.url, "--model", str(chat_model)]
-        args += ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+        args += ["--redis-url", redis_server.url, "--run-id", "router-bad-input"]
         args += ["--no-rollout", "--max-request-bytes", str(8 << 20)]
-        yield start_service("router", args).url
+        router = ServiceProcess(args, workdir, "router")
+    yield router.url
+    router.stop()
+    engine.stop()
 
 
 def turn(router: str, body: Any, auth: bool = True, session: str = "s1") -> httpx.Response:
@@ -96,9 +107,10 @@ def test_a_huge_message_is_refused_before_it_is_tokenised(router: str) -> None:
 
 
 def test_sessions_and_control_need_the_token_reads_and_generation_stay_open(router: str) -> None:
-    assert turn(router, {"messages": user("12"), "max_tokens": 4}, auth=False).status_code == 401
-    assert turn(router, {"messages": user("12"), "max_tokens": 4}).status_code == 200
-    reward = router + "/sessions/s1/reward"
+    body = {"messages": user("12"), "max_tokens": 4}
+    assert turn(router, body, auth=False, session="s-auth").status_code == 401
+    assert turn(router, body, session="s-auth").status_code == 200
+    reward = router + "/sessions/s-auth/reward"
     assert httpx.post(reward, json={"reward": 1.0}).status_code == 401
     assert httpx.post(reward, json={"reward": 1.0}, headers=AUTH).status_code == 200
     assert httpx.post(router + "/pause_generation", json={}).status_code == 401
