@@ -149,3 +149,17 @@ def test_sigterm_ends_requests_held_by_a_pause_with_an_abort_reason_and_exits(
     reason = reply.json()["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "shutting down" in reason["message"]
     assert service.proc.wait(timeout=30) is not None
+
+
+def test_health_is_503_once_the_generation_thread_is_gone(toy_model_dir: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from services.engine.config import EngineConfig
+    from services.engine.server import create_app
+
+    app = create_app(EngineConfig(model=str(toy_model_dir)))
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        app.state.engine.scheduler.stop()
+        reply = client.get("/health")
+        assert reply.status_code == 503 and "generation thread" in reply.text

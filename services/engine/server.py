@@ -156,6 +156,8 @@ async def _sse(engine: Engine, inp: Any) -> AsyncIterator[bytes]:
 def _add_info_routes(app: FastAPI, engine: Engine) -> None:
     @app.get("/health")
     async def health() -> Response:
+        if not engine.scheduler.alive:  # nothing would ever answer /generate again
+            return error_response("the generation thread is not running; see the log", 503)
         return Response(status_code=200)
 
     @app.get("/health_generate")
