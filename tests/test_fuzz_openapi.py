@@ -33,7 +33,10 @@ SKIP = {"/pause_generation", "/release_memory_occupation", "/rollout/start", "/r
 
 def fuzz(url: str, budget_s: float, examples: int = 6) -> list[str]:
     """Problems found: '<METHOD> <path> -> <status>: <body>' (empty: none)."""
-    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+    spec = httpx.get(url + "/openapi.json", timeout=10).json()
+    ids = [op["operationId"] for item in spec["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids)), f"{url}: duplicate operationIds {sorted(ids)}"
+    schema = schemathesis.openapi.from_dict(spec)
     deadline = time.monotonic() + budget_s
     problems: list[str] = []
     for result in schema.get_all_operations():
