@@ -18,7 +18,9 @@ from tests.helpers import with_chat_template
 TOKEN = "router-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 TEMPLATE = (
-    "<bos>{% for m in messages %}{{ m['content'] }}"
+    "<bos>{% for m in messages %}"
+    "{% if m['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ m['content'] }}"
     "{% if m['role'] == 'user' %}>{% else %}<eos>{% endif %}{% endfor %}"
 )
 
@@ -67,6 +69,7 @@ def test_bad_session_turns_are_400_naming_the_field_and_engine_refusals_pass_thr
         ({"messages": ["hello"]}, "messages[0]"),
         ({"messages": [{"role": 1, "content": "1"}]}, "messages[0].role"),
         ({"messages": "12"}, "messages"),
+        ({"messages": [{"role": "robot", "content": "1"}]}, "chat template"),
         ({"messages": user("12"), "max_tokens": -5}, "max_tokens"),
         ({"messages": user("12"), "max_tokens": "many"}, "max_tokens"),
         ({"messages": user("12"), "temperature": -1}, "temperature"),

@@ -228,7 +228,10 @@ class AgentSessions:
                 f"messages hold {message_chars(messages)} characters: more tokens than the "
                 f"model's context of {context} can hold"
             )
-        input_ids = self.render(messages)
+        try:
+            input_ids = self.render(messages)
+        except Exception as exc:  # the template refused them (jinja raise_exception, types)
+            raise TurnError(f"messages do not fit the model's chat template: {exc}") from exc
         if asked is None:  # the default is clipped to what the context leaves
             asked = self.config.session_max_new_tokens
             if context is not None:
