@@ -3,7 +3,8 @@ no request the schema allows, or nearly allows, gets a 500 or kills the service.
 
 The engine, the router (agent sessions on, rollout off) and the broker run as subprocesses on
 loopback, with the run's token sent so that mutating routes are exercised past the auth check.
-Each operation gets a few derandomized examples (reproducible); each service has a wall-time
+Each operation gets a few derandomized examples (reproducible) that fit its schema and a few
+that break it (wrong types, missing fields: a 4xx, never a 500); each service has a wall-time
 budget. 502/503/504 are allowed: they are the gateway answers for an upstream that is down or
 slow (an engine URL a fuzzed body made up, a rendezvous nobody hosts), each with its reason.
 Excluded: routes that would stop generation for the rest of the test (pause, releasing memory,
@@ -21,6 +22,8 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis.generation.modes import GenerationMode
 
 from services.sample_buffer import SampleBuffer
 from tests.helpers import with_chat_template
@@ -41,14 +44,19 @@ def fuzz(url: str, budget_s: float, examples: int = 6) -> list[str]:
     problems: list[str] = []
     for result in schema.get_all_operations():
         op = result.ok()
-        if op.path not in SKIP:
-            fuzz_operation(op, url, examples, deadline, problems)
+        if op.path in SKIP:
+            continue
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            fuzz_operation(op, mode, url, examples, deadline, problems)
     assert httpx.get(url + "/health", timeout=10).status_code == 200, "the service died"
     return problems
 
 
-def fuzz_operation(op: Any, url: str, examples: int, deadline: float, problems: list[str]) -> None:
-    name = f"{op.method.upper()} {op.path}"
+def fuzz_operation(
+    op: Any, mode: GenerationMode, url: str, examples: int, deadline: float, problems: list[str]
+) -> None:
+    """`examples` requests that fit the schema (positive) or break it (negative)."""
+    name = f"{op.method.upper()} {op.path} ({mode.value})"
 
     @settings(
         max_examples=examples,
@@ -58,7 +66,7 @@ def fuzz_operation(op: Any, url: str, examples: int, deadline: float, problems: 
         database=None,
         derandomize=True,
     )
-    @given(case=op.as_strategy())
+    @given(case=op.as_strategy(generation_mode=mode))
     def call(case: Any) -> None:
         if time.monotonic() > deadline:
             return
@@ -70,7 +78,10 @@ def fuzz_operation(op: Any, url: str, examples: int, deadline: float, problems: 
         if reply.status_code >= 500 and reply.status_code not in GATEWAY:
             problems.append(f"{name} -> {reply.status_code}: {reply.text[:300]}")
 
-    call()
+    try:
+        call()
+    except Unsatisfiable:  # an operation without inputs has nothing to break
+        assert mode is GenerationMode.NEGATIVE, name
 
 
 @pytest.fixture
