@@ -138,3 +138,27 @@ def test_the_router_openapi_has_unique_ids_and_publishes_bodies(router: str) -> 
     assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
     for path in ("/generate", "/v1/chat/completions", "/pause_generation", "/workers"):
         assert "requestBody" in spec["paths"][path]["post"], path
+
+
+async def test_health_is_503_once_the_worker_health_checks_died() -> None:
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from services.rollout_router.config import WorkerPoolConfig
+    from services.rollout_router.routes_engine import router as engine_routes
+    from services.rollout_router.workers import WorkerPool
+
+    pool = WorkerPool(WorkerPoolConfig())
+
+    async def broken() -> None:
+        raise RuntimeError("bug in the health loop")
+
+    pool._health_task = asyncio.create_task(broken())
+    await asyncio.sleep(0)
+    app = FastAPI()
+    app.include_router(engine_routes)
+    app.state.pool = pool
+    reply = TestClient(app).get("/health")
+    assert reply.status_code == 503 and "bug in the health loop" in reply.json()["problem"]

@@ -68,9 +68,14 @@ async def completions(request: Request) -> Response:
 
 
 @router.get("/health", tags=["engine"])
-async def health(request: Request) -> dict[str, Any]:
-    """200 while the router runs; `workers` counts the admitted engines."""
-    return {"status": "ok", "workers": len(request.app.state.pool.admitted())}
+async def health(request: Request) -> JSONResponse:
+    """200 while the router runs; `workers` counts the admitted engines. 503 once its worker
+    health checks stopped (nothing would evict a dead engine any more)."""
+    pool: WorkerPool = request.app.state.pool
+    problem = pool.health_task_problem()
+    if problem:
+        return JSONResponse({"status": "error", "problem": problem}, 503)
+    return JSONResponse({"status": "ok", "workers": len(pool.admitted())})
 
 
 @router.get("/get_model_info", tags=["engine"], operation_id="get_model_info")

@@ -132,6 +132,13 @@ class WorkerPool:
     def start_health_checks(self) -> None:
         self._health_task = asyncio.create_task(self.run_health_checks(), name="health")
 
+    def health_task_problem(self) -> str:
+        """'' while the health checks run; else why they stopped (`/health` answers 503)."""
+        task = self._health_task
+        if task is None or not task.done() or task.cancelled():
+            return ""
+        return f"the worker health checks stopped: {task.exception()!r}"
+
     # --- registry ------------------------------------------------------------------------------
 
     async def add(self, url: str, wait_s: float = 0.0) -> Worker:
