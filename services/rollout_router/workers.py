@@ -6,7 +6,7 @@ Does not know: what is being generated or why (the rollout loop and the HTTP rou
 Concurrency: one aiohttp session (one connection pool) for every request to every worker, created
 and closed by `start()`/`close()` inside the serving event loop; forwarded POSTs go through the
 leaner `Http1Pool` instead unless `--hot-path-client aiohttp` (see http1.py for why). The health loop
-(`run_health_checks`) polls `GET /get_model_info` of every worker every `health_interval_s`;
+(`run_health_checks`) polls `GET /model_info` of every worker every `health_interval_s`;
 `health_failures` consecutive failures evict a worker from the rotation. A request that fails
 with a connection error or a 5xx is retried on another admitted worker, at most `max_retries`
 times.
@@ -142,7 +142,7 @@ class WorkerPool:
     # --- registry ------------------------------------------------------------------------------
 
     async def add(self, url: str, wait_s: float = 0.0) -> Worker:
-        """Register `url` once `/get_model_info` answers, waiting up to `wait_s` with backoff;
+        """Register `url` once `/model_info` answers, waiting up to `wait_s` with backoff;
         admitted at once if it serves the pool's weight version, else pending (and handed to
         the broker to be brought to that version)."""
         url = url.rstrip("/")
@@ -240,12 +240,12 @@ class WorkerPool:
         delay, last = 0.05, "no attempt made"
         while True:
             try:
-                return await self.get_json(url, "/get_model_info", self.config.health_timeout_s)
+                return await self.get_json(url, "/model_info", self.config.health_timeout_s)
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if time.monotonic() + delay > deadline:
                 raise EngineStartupError(
-                    f"engine {url} did not answer GET /get_model_info within {wait_s:.0f}s "
+                    f"engine {url} did not answer GET /model_info within {wait_s:.0f}s "
                     f"(last failure: {last}); check --engine-urls and that the engine is running"
                 )
             await asyncio.sleep(delay)
@@ -371,9 +371,7 @@ class WorkerPool:
 
         async def check(worker: Worker) -> None:
             try:
-                info = await self.get_json(
-                    worker.url, "/get_model_info", self.config.health_timeout_s
-                )
+                info = await self.get_json(worker.url, "/model_info", self.config.health_timeout_s)
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 self._mark_failed(worker, f"health check: {type(exc).__name__}: {exc}")
                 return
