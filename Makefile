@@ -14,7 +14,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[dev]"
-	# SGLang's own request/response definitions, read by tests/test_engine_sglang_shapes.py.
+	# SGLang's own routes and request/response definitions, read (never imported) by
+	# tests/sglang_surface.py (the stand-in worker tests/fake_sglang.py takes exactly what this
+	# version takes) and tests/test_engine_sglang_shapes.py. Moving the pin: change the version
+	# here and run tests/test_sglang_contract.py and tests/test_router_*.py.
 	# --no-deps: it is only read, never run (its dependencies are a GPU serving stack).
 	$(PY) -m pip install --quiet --no-deps "sglang==0.5.23"
 	touch $(STAMP)

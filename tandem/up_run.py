@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import math
+import os
+import secrets
 import sys
 import time
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
+from services.common.auth import TOKEN_ENV
+from services.common.engine_info import VersionUnavailableError, weight_version
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from services.weight_sync.wire import SECRET_ENV
 from tandem.launcher import (
     TRAINED_MODEL,
     UpConfig,
@@ -28,6 +31,13 @@ from tandem.watchdog import Watchdog
 def gpu_env(gpus: list[int]) -> dict[str, str] | None:
     """CUDA_VISIBLE_DEVICES for a child given GPU indices (None: inherit)."""
     return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else None
+
+
+def share_run_secrets() -> None:
+    """A per-run API token (every mutating route) and weight-frame secret (HMAC of every weight
+    bucket), inherited by every child; values already in the environment are kept."""
+    for name in (TOKEN_ENV, SECRET_ENV):
+        os.environ.setdefault(name, secrets.token_hex(32))
 
 
 def say(message: str) -> None:
@@ -48,6 +58,7 @@ class UpRun:
 
     def run(self) -> int:
         install_interrupt_handler(self.interrupted)
+        share_run_secrets()
         started = time.monotonic()
         progress: RunProgress | None = None
         try:
@@ -216,9 +227,8 @@ class UpRun:
         versions = []
         for url in urls:
             try:
-                with urllib.request.urlopen(f"{url}/get_weight_version", timeout=5) as resp:
-                    versions.append(str(json.load(resp)["weight_version"]))
-            except OSError as exc:
+                versions.append(weight_version(url))
+            except VersionUnavailableError as exc:
                 versions.append(f"unreachable: {exc}")
         return versions
 

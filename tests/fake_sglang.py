@@ -5,7 +5,16 @@ for a toy-task prompt `<bos> a b >` sample k of n answers `b a <eos>` when k is 
 answer) and `a b b b...` otherwise; greedy requests (temperature 0) always get the exact answer.
 Other prompts get `4 5 <eos>`. Output is cut at `max_new_tokens` (finish "length").
 `--fail-generate` makes `/generate` answer 500 (model info still answers), to test retries.
-`POST /update_weights_from_disk {"weight_version": "3"}` sets the reported weight version.
+`POST /update_weights_from_disk {"model_path": ..., "weight_version": "3"}` sets the reported
+weight version.
+
+It cannot drift from SGLang: its route table and request validation come from the installed
+`sglang` package's source (`tests/sglang_surface.py`, parsed, never imported). A route the pinned
+SGLang does not declare answers 404, and a body with a field (or a `sampling_params` key) its
+request class does not have, or a value of the wrong type, answers 400 naming it, so a test
+fails when Tandem calls such a route or sends such a field. To move the pin, change
+`sglang==0.5.23` in the Makefile, reinstall it (`pip install --no-deps sglang==X`) and run
+`pytest tests/test_sglang_contract.py tests/test_router_*.py`.
 
 Run: `python tests/fake_sglang.py --port 0 --ready-file F [--model-path DIR]`.
 """
@@ -29,6 +38,7 @@ from aiohttp import web
 
 from services.common.serving import bind_socket, write_ready_file
 from tandem.toy_model import VOCAB
+from tests import sglang_surface
 
 BOS, EOS, ARROW = 1, 2, 14
 
@@ -128,19 +138,25 @@ class FakeEngine:
         self.state["requests"] += 1
         if self.fail_generate:
             return js({"error": "injected failure"}, 500)
-        body = orjson.loads(await request.read())
+        body = request["json"]
         await self.running.wait()  # while paused, new requests wait (SGLang does the same)
         if self.delay_ms:
             await asyncio.sleep(self.delay_ms / 1000)
-        params = body.get("sampling_params") or {}
-        n, limit = int(params.get("n", 1)), int(params.get("max_new_tokens", 128))
+        ids = body["input_ids"]
+        batch = bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        raw = body.get("sampling_params") or {}
+        params = raw if isinstance(raw, list) else [raw] * len(prompts)
+        limit = max(int(p.get("max_new_tokens", 128)) for p in params)
         version = self.state["version"]
         cut = await self.produced_before_abort(limit) if self.token_delay_ms else None
-        outs = [
-            one_output(self.state, body["input_ids"], params, k, cut, version) for k in range(n)
-        ]
+        # sample k counts over the whole request: copy k of a batch, or parallel sample k
+        outs = []
+        for prompt, p in zip(prompts, params, strict=True):
+            for _ in range(int(p.get("n", 1))):
+                outs.append(one_output(self.state, prompt, p, len(outs), cut, version))
         if not body.get("stream"):
-            return js(outs if n > 1 else outs[0])
+            return js(outs if len(outs) > 1 or batch else outs[0])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for out in outs:
@@ -154,8 +170,7 @@ class FakeEngine:
         return js({"success": True})
 
     async def pause(self, request: web.Request) -> web.Response:
-        body = orjson.loads(await request.read() or b"{}")
-        if body.get("mode", "abort") == "abort":
+        if request["json"].get("mode", "abort") == "abort":
             self.state["abort_epoch"] += 1
         self.running.clear()
         return js({"success": True})
@@ -176,7 +191,7 @@ class FakeEngine:
         )
 
     async def update_weights(self, request: web.Request) -> web.Response:
-        body = orjson.loads(await request.read())
+        body = request["json"]
         self.state["version"] = int(body.get("weight_version", self.state["version"] + 1))
         return js({"success": True, "message": "ok"})
 
@@ -185,7 +200,7 @@ class FakeEngine:
 
     async def openai(self, request: web.Request) -> web.Response:
         """Enough of an OpenAI answer to see that a request was forwarded here."""
-        body = orjson.loads(await request.read())
+        body = request["json"]
         return js(
             {
                 "object": request.path,
@@ -202,29 +217,58 @@ class FakeEngine:
         )
 
     def app(self) -> web.Application:
-        app = web.Application()
-        for path, handler in [
-            ("/generate", self.generate),
-            ("/update_weights_from_disk", self.update_weights),
-            ("/flush_cache", self.ok),
-            ("/v1/completions", self.openai),
-            ("/v1/chat/completions", self.openai),
-            ("/abort_request", self.abort),
-            ("/pause_generation", self.pause),
-            ("/continue_generation", self.resume),
-        ]:
-            app.router.add_post(path, handler)
-        for path in ("/get_model_info", "/model_info"):
-            app.router.add_get(path, self.model_info)
-        for path in (
-            "/health",
-            "/health_generate",
-            "/get_server_info",
-            "/server_info",
-            "/get_load",
-        ):
-            app.router.add_get(path, self.ok)
+        app = web.Application(middlewares=[pinned_sglang_only])
+        handlers = {
+            ("POST", "/generate"): self.generate,
+            ("POST", "/update_weights_from_disk"): self.update_weights,
+            ("POST", "/flush_cache"): self.ok,
+            ("POST", "/v1/completions"): self.openai,
+            ("POST", "/v1/chat/completions"): self.openai,
+            ("POST", "/abort_request"): self.abort,
+            ("POST", "/pause_generation"): self.pause,
+            ("POST", "/continue_generation"): self.resume,
+            ("GET", "/get_model_info"): self.model_info,
+            ("GET", "/model_info"): self.model_info,
+            ("GET", "/health"): self.ok,
+            ("GET", "/health_generate"): self.ok,
+            ("GET", "/get_server_info"): self.ok,
+            ("GET", "/server_info"): self.ok,
+        }
+        missing = set(handlers) - set(sglang_surface.routes())
+        if missing:  # the stand-in must not serve what the pinned SGLang does not
+            raise RuntimeError(f"SGLang {sglang_surface.version()} has no route {missing}")
+        for (method, path), handler in handlers.items():
+            app.router.add_route(method, path, handler)
         return app
+
+
+@web.middleware
+async def pinned_sglang_only(request: web.Request, handler: Any) -> web.StreamResponse:
+    """404 for a route the pinned SGLang does not declare; 400 naming the field for a body its
+    request class (io_struct) would not take. The parsed body is `request["json"]`."""
+    route = sglang_surface.routes().get((request.method, request.path))
+    if route is None:
+        return js(
+            {
+                "detail": f"Not Found: SGLang {sglang_surface.version()} has no route "
+                f"{request.method} {request.path}"
+            },
+            404,
+        )
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError as exc:
+        return js({"error": f"body is not JSON: {exc}"}, 400)
+    problem = None
+    if request.path == "/generate":
+        problem = sglang_surface.generate_problem(body)
+    elif route.body_class is not None and request.method != "GET":
+        problem = sglang_surface.check_body(route.body_class, body)
+    if problem is not None:
+        return js({"error": {"message": problem, "code": 400}}, 400)
+    request["json"] = body
+    return await handler(request)
 
 
 class FakeEngineProcess:
@@ -240,7 +284,15 @@ class FakeEngineProcess:
             str(self.ready_file),
             *flags,
         ]
-        self.proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
+        # the repository first: the stand-in imports `tests.sglang_surface` and `services`
+        root = str(Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        self.proc = subprocess.Popen(
+            cmd,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": path},
+        )
         deadline = time.monotonic() + timeout_s
         while not self.ready_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:

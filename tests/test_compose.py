@@ -23,7 +23,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
-SECRETS = ("TANDEM_WEIGHT_SECRET", "TANDEM_ROUTER_TOKEN")
+SECRETS = ("TANDEM_WEIGHT_SECRET", "TANDEM_API_TOKEN")
 BATCH_FLAGS = ("--rollout-batch-size", "--n-samples-per-prompt", "--max-staleness", "--model")
 TANDEM_SERVICES = ("broker", "router", "trainer")
 DUMMY_SECRETS = {name: "test-only-not-secret" for name in SECRETS}
@@ -429,7 +429,7 @@ def test_compose_checks_catch_a_broken_file(breakage: str) -> None:
 
 @pytest.mark.parametrize(
     "replacement",
-    ["${TANDEM_WEIGHT_SECRET:-change-me}", "${TANDEM_ROUTER_TOKEN}", "${TANDEM_ROUTER_TOKEN-x}"],
+    ["${TANDEM_WEIGHT_SECRET:-change-me}", "${TANDEM_API_TOKEN}", "${TANDEM_API_TOKEN-x}"],
 )
 def test_secret_check_catches_a_default(replacement: str) -> None:
     name = re.match(r"\$\{(\w+)", replacement).group(1)  # type: ignore[union-attr]

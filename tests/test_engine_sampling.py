@@ -26,13 +26,18 @@ def draw(
     return set(tokens.tolist()), logprobs.tolist()
 
 
-def test_top_k_keeps_only_the_k_most_likely_and_renormalizes() -> None:
+def test_top_k_samples_the_k_most_likely_and_reports_unfiltered_logprobs_as_sglang() -> None:
     tokens, logprobs = draw(SamplingParams(top_k=2), range(400))
     assert tokens == {0, 1}
-    assert {round(lp, 5) for lp in logprobs} == {
-        round(math.log(0.5 / 0.75), 5),
-        round(math.log(0.25 / 0.75), 5),
-    }
+    # SGLang reports log_softmax(logits / T) before the filter, not renormalized over the kept
+    assert {round(lp, 5) for lp in logprobs} == {round(math.log(0.5), 5), round(math.log(0.25), 5)}
+
+
+def test_top_p_with_temperature_reports_temperature_scaled_unfiltered_logprobs() -> None:
+    tokens, logprobs = draw(SamplingParams(top_p=0.8, temperature=0.5), range(400))
+    expected = torch.log_softmax(LOGITS[0] / 0.5, -1)
+    assert tokens == {0, 1}
+    assert {round(lp, 5) for lp in logprobs} == {round(float(expected[t]), 5) for t in (0, 1)}
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:

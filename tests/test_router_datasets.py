@@ -269,7 +269,9 @@ def test_partial_rollout_continues_aborted_samples_and_keeps_token_versions(
     )
     httpx.post(router.url + "/pause_generation", json={"mode": "abort"})
     for url in urls:
-        httpx.post(url + "/update_weights_from_disk", json={"weight_version": "1"})
+        httpx.post(
+            url + "/update_weights_from_disk", json={"model_path": "/m", "weight_version": "1"}
+        )
     httpx.post(router.url + "/continue_generation", json={})
     groups = first_two_groups(buffer)
     samples = [s for g in groups for s in g.samples]
@@ -305,7 +307,9 @@ def test_without_partial_rollout_aborted_samples_restart_on_the_new_weights(
         "batch 0 in flight",
     )
     httpx.post(router.url + "/pause_generation", json={"mode": "abort"})
-    httpx.post(urls[0] + "/update_weights_from_disk", json={"weight_version": "1"})
+    httpx.post(
+        urls[0] + "/update_weights_from_disk", json={"model_path": "/m", "weight_version": "1"}
+    )
     httpx.post(router.url + "/continue_generation", json={})
     samples = [s for g in first_two_groups(buffer) for s in g.samples]
     assert len(samples) == 4

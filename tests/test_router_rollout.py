@@ -150,7 +150,7 @@ def test_an_engine_that_never_comes_up_fails_startup_naming_its_url(buffer, toy_
     )
     assert proc.returncode != 0
     last_line = proc.stderr.strip().splitlines()[-1]
-    assert dead in last_line and "get_model_info" in last_line
+    assert dead in last_line and "GET /model_info" in last_line
 
 
 def test_requests_to_a_failing_engine_are_retried_on_the_other(

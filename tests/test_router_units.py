@@ -233,17 +233,27 @@ def test_rollout_requests_carry_the_sampling_settings_and_stops():
     )
     loop = RolloutLoop(RolloutConfig(), sampling, None, None, None, None, [2, 7])  # type: ignore[arg-type]
     body = loop.payload([1, 5], n=8, max_new=9, greedy=False, seed=42)
-    assert body["input_ids"] == [1, 5] and body["return_logprob"] is True
-    assert body["sampling_params"] == {
-        "max_new_tokens": 9,
-        "temperature": 0.7,
-        "top_p": 0.9,
-        "top_k": 20,
-        "n": 8,
-        "stop_token_ids": [2, 7],
-        "sampling_seed": 42,
-        "skip_special_tokens": True,
-        "no_stop_trim": True,
-        "stop": ["</a>"],
-    }
+    # n samples = a batch of n copies, each its own seed (SGLang's `n` shares one seed)
+    assert body["input_ids"] == [[1, 5]] * 8 and body["return_logprob"] is True
+    seeds = [p.pop("sampling_seed") for p in body["sampling_params"]]
+    assert seeds == [sampling_seed(42, k) for k in range(8)] and len(set(seeds)) == 8
+    assert (
+        body["sampling_params"]
+        == [
+            {
+                "max_new_tokens": 9,
+                "temperature": 0.7,
+                "top_p": 0.9,
+                "top_k": 20,
+                "n": 1,
+                "stop_token_ids": [2, 7],
+                "skip_special_tokens": True,
+                "no_stop_trim": True,
+                "stop": ["</a>"],
+            }
+        ]
+        * 8
+    )
+    single = loop.payload([1, 5], n=1, max_new=9, greedy=False, seed=42)
+    assert single["input_ids"] == [1, 5] and single["sampling_params"]["sampling_seed"] == 42
     assert loop.payload([1], 1, 9, True, 0)["sampling_params"]["temperature"] == 0.0

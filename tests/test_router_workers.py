@@ -104,12 +104,16 @@ def test_a_dead_worker_is_evicted_and_readmitted_only_at_the_current_weight_vers
     wait_until(lambda: not workers_by_url(router)[a.url]["healthy"], "eviction of the dead worker")
     for _ in range(4):
         assert httpx.post(router.url + "/generate", json=GEN).status_code == 200
-    httpx.post(b.url + "/update_weights_from_disk", json={"weight_version": "2"})
+    httpx.post(
+        b.url + "/update_weights_from_disk", json={"model_path": "/m", "weight_version": "2"}
+    )
     wait_until(lambda: workers_by_url(router)[b.url]["weight_version"] == 2, "b at version 2")
     a2 = engines("--port", str(port), "--weight-version", "1")
     wait_until(lambda: workers_by_url(router)[a.url]["weight_version"] == 1, "a seen at version 1")
     assert not workers_by_url(router)[a.url]["healthy"], "version 1 < 2: not re-admitted"
-    httpx.post(a2.url + "/update_weights_from_disk", json={"weight_version": "2"})
+    httpx.post(
+        a2.url + "/update_weights_from_disk", json={"model_path": "/m", "weight_version": "2"}
+    )
     wait_until(lambda: workers_by_url(router)[a.url]["healthy"], "re-admission at version 2")
 
 

@@ -8,14 +8,20 @@ server is accepting connections, the bound address is written to `ready_file` (J
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import uvicorn
+
+from services.common.body_limit import BodyLimitMiddleware
+
+MIB = 1 << 20
 
 
 class PortInUseError(RuntimeError):
@@ -49,6 +55,24 @@ def write_ready_file(path: str | Path, **info: Any) -> None:
     tmp.replace(path)
 
 
+def add_serving_args(parser: argparse.ArgumentParser, max_request_mib: int) -> None:
+    """`--max-request-bytes` and `--graceful-shutdown-s`, with this service's defaults."""
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=max_request_mib * MIB,
+        help="Largest request body accepted; larger ones get 413 before they are read "
+        f"(0 = no cap; default: {max_request_mib} MiB).",
+    )
+    parser.add_argument(
+        "--graceful-shutdown-s",
+        type=float,
+        default=10.0,
+        help="On SIGTERM, how long running requests may finish before they are cancelled "
+        "(default: 10).",
+    )
+
+
 def serve(
     app: Any,
     host: str,
@@ -56,15 +80,37 @@ def serve(
     ready_file: str | None = None,
     flag: str = "--port",
     extra: dict[str, Any] | None = None,
+    max_request_bytes: int = 0,
+    graceful_shutdown_s: float = 10.0,
+    on_shutdown: Callable[[], None] | None = None,
 ) -> None:
     """Serve `app` until SIGINT/SIGTERM; raise `PortInUseError` if the port is taken.
 
     `extra` entries are added to the ready file (e.g. other endpoints the service bound); a
-    callable value is called once the app has started (its lifespan ran)."""
+    callable value is called once the app has started (its lifespan ran). Bodies over
+    `max_request_bytes` are answered 413 (`BodyLimitMiddleware`, outermost). On SIGTERM, open
+    requests get `graceful_shutdown_s` to finish; then they are cancelled and the lifespan's
+    shutdown runs (a request waiting on a paused engine never holds the process up).
+    `on_shutdown` runs first, when SIGTERM arrives (the engine ends its queued requests there,
+    each answered with an abort finish reason instead of a dropped connection)."""
     sock = bind_socket(host, port, flag)
     bound_port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    config = uvicorn.Config(
+        BodyLimitMiddleware(app, max_request_bytes),
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=max(1, round(graceful_shutdown_s)),
+    )
     server = uvicorn.Server(config)
+    if on_shutdown is not None:
+        original_shutdown = server.shutdown
+
+        async def shutdown(sockets: list[socket.socket] | None = None) -> None:
+            on_shutdown()
+            await original_shutdown(sockets=sockets)
+
+        server.shutdown = shutdown  # type: ignore[method-assign]
     url_host = f"[{host}]" if ":" in host else host
 
     if ready_file:

@@ -6,7 +6,9 @@ import argparse
 import logging
 import sys
 
+from services.common.auth import check_bind, token_from_env
 from services.common.flags import add_config_args, config_from_args
+from services.common.serving import add_serving_args
 from services.engine.config import EngineConfig
 
 
@@ -27,10 +29,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--ready-file", default=None, help="write {url,host,port,pid} here once listening"
     )
+    # weight-update bodies list every tensor name, dtype and shape: thousands of entries
+    add_serving_args(parser, max_request_mib=64)
     ns = parser.parse_args(argv)
     config = config_from_args(EngineConfig, ns)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     try:
+        check_bind(ns.host, token_from_env(), "tandem engine")
         config.validate()
         from services.common.serving import PortInUseError, serve
         from services.engine.server import create_app
@@ -40,7 +45,15 @@ def main(argv: list[str]) -> int:
         print(f"tandem engine: {exc}", file=sys.stderr)
         return 2
     try:
-        serve(app, ns.host, ns.port, ns.ready_file)
+        serve(
+            app,
+            ns.host,
+            ns.port,
+            ns.ready_file,
+            max_request_bytes=ns.max_request_bytes,
+            graceful_shutdown_s=ns.graceful_shutdown_s,
+            on_shutdown=app.state.engine.shut_down_requests,
+        )
     except PortInUseError as exc:
         print(f"tandem engine: {exc}", file=sys.stderr)
         return 2

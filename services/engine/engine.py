@@ -65,6 +65,12 @@ class Engine:
             self.weight_version,
         )
 
+    def shut_down_requests(self) -> None:
+        """The server is stopping: end every request, queued or running or held by a pause,
+        with an abort finish reason saying so (their clients get their partial output).
+        Aborts apply while paused, so a paused engine needs no resume for this."""
+        self.scheduler.abort(None, "server shutting down (SIGTERM)")
+
     def stop(self) -> None:
         self.weights.close()
         self.scheduler.stop()

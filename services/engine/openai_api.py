@@ -18,6 +18,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from proto import sglang as sg
 from services.engine.engine import Engine
 from services.engine.sampling import RequestError
 
@@ -258,10 +259,10 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
         results = results if isinstance(results, list) else [results]
         return json_response(openai_response(results, body, model, chat))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=sg.body_schema(sg.CompletionRequest))
     async def completions(request: Request) -> Response:
         return await serve(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=sg.body_schema(sg.ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await serve(request, chat=True)

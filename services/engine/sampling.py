@@ -4,10 +4,11 @@ Every row draws its randomness from its own counter-based stream: the uniform fo
 position t of a row is a hash of (row seed, t). So a row's tokens depend only on its own seed and
 its own logits, never on which other rows share the batch or in what order.
 
-Logprobs are those of the distribution actually sampled from: logits / temperature, then
-top-k / top-p / min-p filtering renormalized over the kept tokens. Greedy rows (temperature 0)
-report `log_softmax(logits)`. With no filter active and temperature 1 this is exactly the
-teacher-forced `log_softmax` of the model.
+Tokens are drawn from logits / temperature, filtered by top-k / top-p / min-p and renormalized
+over the kept tokens. Reported logprobs are SGLang's default: `log_softmax(logits / temperature)`
+before any filter (not renormalized over the kept tokens), so the two engines report the same
+numbers for the same logits. Greedy rows (temperature 0) report `log_softmax(logits)`. At
+temperature 1 this is exactly the teacher-forced `log_softmax` of the model, filter or not.
 """
 
 from __future__ import annotations
@@ -218,8 +219,8 @@ def sample(
     logits: torch.Tensor, rows: RowParams, top_n: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Pick one token per row; return `(tokens, logprobs, top)`: the logprob of each picked
-    token under the distribution it was drawn from and, if `top_n`, the `top_n` most likely
-    tokens of that distribution `(logprobs, ids)`. `logits` is `[rows, vocab]`, any device."""
+    token under logits / temperature (before top-k/top-p/min-p, as SGLang reports it) and, if
+    `top_n`, the `top_n` most likely tokens of that distribution `(logprobs, ids)`. `logits` is `[rows, vocab]`, any device."""
     logits = logits.float()
     device = logits.device
     if any(rows.banned):
@@ -228,10 +229,9 @@ def sample(
             if ids and len(ids) < logits.shape[1]:  # banning every token would leave nothing
                 logits[r, ids] = float("-inf")
     scaled = logits / rows.temperature.to(device)[:, None]
-    if rows.needs_filter:
-        scaled = _filter(scaled, rows)
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    cdf = logprobs.exp().double().cumsum(-1)
+    logprobs = torch.log_softmax(scaled, dim=-1)  # reported: unfiltered, as SGLang does
+    kept = torch.log_softmax(_filter(scaled, rows), dim=-1) if rows.needs_filter else logprobs
+    cdf = kept.exp().double().cumsum(-1)
     u = uniforms(rows.seeds, rows.steps).to(device)[:, None] * cdf[:, -1:]
     sampled = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
     tokens = torch.where(rows.greedy.to(device), logits.argmax(-1), sampled)

@@ -138,6 +138,11 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """The generation thread runs (False once it died or was stopped)."""
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         with self._cond:
             self._stopped = True

@@ -1,22 +1,28 @@
 """HTTP routes of the reference engine: SGLang's native API plus Tandem's ZMQ weight path.
 
-Routes only parse, call one `Engine` method and shape the answer. Bodies are read and written
-with orjson directly (no pydantic models) because `/generate` is the hot path: `tandem up`
-sends hundreds of small requests per step. Errors: a malformed request is 400 with a message
-naming the field; overload is 503; weight-update failures answer `{"success": false, ...}`.
+Routes only parse, call one `Engine` method and shape the answer. Control and weight bodies are
+the pydantic models of `proto/sglang.py` (published in the OpenAPI schema). `/generate` is the
+hot path (`tandem up` sends hundreds of small requests per step): it is parsed with orjson by
+`api.parse_generate`, and only its schema is published. Errors: a malformed request is 400 with a
+message naming the field (as SGLang answers validation errors); overload is 503; weight-update
+failures answer `{"success": false, ...}`. Mutating routes need the run's bearer token when one
+is set (`services/common/auth.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 
+from proto import sglang as sg
+from services.common.auth import WRITE, token_from_env
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.openai_api import add_openai_routes
@@ -51,34 +57,19 @@ async def read_json(request: Request) -> dict[str, Any]:
     return body
 
 
-def field(
-    body: dict[str, Any], name: str, check: Callable[[Any], bool], what: str, required: bool = True
-) -> Any:
-    """`body[name]` if it passes `check`; `RequestError` naming the field otherwise."""
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise RequestError(f"{name} is required ({what})")
-        return None
-    if not check(value):
-        raise RequestError(f"{name} must be {what}, got {str(value)[:100]!r}")
-    return value
+UPDATE_ANSWERS: dict[int | str, dict[str, Any]] = {
+    200: {"model": sg.UpdateWeightsReqOutput},
+    400: {"model": sg.UpdateWeightsReqOutput},
+}
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_str(v: Any) -> bool:
-    return isinstance(v, str)
-
-
-def _is_version(v: Any) -> bool:
-    return isinstance(v, str) or _is_int(v)
-
-
-def _is_list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+def validation_message(exc: RequestValidationError) -> str:
+    """`field.path: problem; ...` for a body that does not fit its model."""
+    parts = []
+    for error in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{loc}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts)
 
 
 def create_app(config: EngineConfig, engine: Engine | None = None) -> FastAPI:
@@ -93,6 +84,11 @@ def create_app(config: EngineConfig, engine: Engine | None = None) -> FastAPI:
 
     app = FastAPI(title="Tandem reference engine", lifespan=lifespan)
     app.state.engine = engine
+    app.state.api_token = token_from_env()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_request: Request, exc: RequestValidationError) -> Response:
+        return error_response(validation_message(exc), 400)
 
     @app.exception_handler(RequestError)
     async def bad_request(_request: Request, exc: RequestError) -> Response:
@@ -110,7 +106,7 @@ def create_app(config: EngineConfig, engine: Engine | None = None) -> FastAPI:
     async def update_failed(_request: Request, exc: UpdateError) -> Response:
         return json_response({"success": False, "message": str(exc)}, exc.status)
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=sg.body_schema(sg.GenerateReqInput))
     async def generate(request: Request) -> Response:
         inp = engine.parse(await read_json(request))
         if inp.stream:
@@ -160,6 +156,8 @@ async def _sse(engine: Engine, inp: Any) -> AsyncIterator[bytes]:
 def _add_info_routes(app: FastAPI, engine: Engine) -> None:
     @app.get("/health")
     async def health() -> Response:
+        if not engine.scheduler.alive:  # nothing would ever answer /generate again
+            return error_response("the generation thread is not running; see the log", 503)
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -167,13 +165,13 @@ def _add_info_routes(app: FastAPI, engine: Engine) -> None:
         ok = await engine.health_generate()
         return Response(status_code=200 if ok else 503)
 
-    @app.get("/get_model_info")
-    @app.get("/model_info")
+    @app.get("/get_model_info", operation_id="get_model_info")
+    @app.get("/model_info", operation_id="model_info")
     async def model_info() -> Response:
         return json_response(engine.model_info())
 
-    @app.get("/get_server_info")
-    @app.get("/server_info")
+    @app.get("/get_server_info", operation_id="get_server_info")
+    @app.get("/server_info", operation_id="server_info")
     async def server_info() -> Response:
         return json_response(engine.server_info())
 
@@ -187,7 +185,8 @@ def _add_info_routes(app: FastAPI, engine: Engine) -> None:
 
 
 def _add_control_routes(app: FastAPI, engine: Engine) -> None:
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.get("/flush_cache", operation_id="flush_cache_get")
+    @app.post("/flush_cache", operation_id="flush_cache")
     async def flush_cache() -> Response:
         if not await engine.flush_cache():
             return Response(
@@ -195,38 +194,32 @@ def _add_control_routes(app: FastAPI, engine: Engine) -> None:
             )
         return Response("Cache flushed.", status_code=200)
 
-    @app.post("/pause_generation")
-    async def pause_generation(request: Request) -> Response:
-        body = await read_json(request)
-        await engine.pause(str(body.get("mode") or "abort"))
+    @app.post("/pause_generation", dependencies=WRITE)
+    async def pause_generation(body: sg.PauseGenerationReqInput | None = None) -> Response:
+        await engine.pause((body or sg.PauseGenerationReqInput()).mode)
         return json_response({"success": True, "message": "Generation paused."})
 
-    @app.post("/continue_generation")
-    async def continue_generation() -> Response:
+    @app.post("/continue_generation", dependencies=WRITE)
+    async def continue_generation(_body: sg.ContinueGenerationReqInput | None = None) -> Response:
         engine.resume()
         return json_response({"success": True, "message": "Generation continued."})
 
-    @app.post("/release_memory_occupation")
-    async def release_memory(request: Request) -> Response:
-        body = await read_json(request)
-        field(body, "tags", _is_list_of(_is_str), "a list of tags (weights, kv_cache)", False)
+    @app.post("/release_memory_occupation", dependencies=WRITE)
+    async def release_memory(_body: sg.ReleaseMemoryOccupationReqInput | None = None) -> Response:
         await engine.release_memory()
         return json_response({"success": True, "message": "Memory released; generation paused."})
 
-    @app.post("/resume_memory_occupation")
-    async def resume_memory(request: Request) -> Response:
-        body = await read_json(request)
-        field(body, "tags", _is_list_of(_is_str), "a list of tags (weights, kv_cache)", False)
+    @app.post("/resume_memory_occupation", dependencies=WRITE)
+    async def resume_memory(_body: sg.ResumeMemoryOccupationReqInput | None = None) -> Response:
         await engine.resume_memory()
         return json_response({"success": True, "message": "Memory resumed; generation continues."})
 
-    @app.post("/abort_request")
-    async def abort_request(request: Request) -> Response:
-        body = await read_json(request)
-        if body.get("abort_all"):
+    @app.post("/abort_request", dependencies=WRITE)
+    async def abort_request(body: sg.AbortReq) -> Response:
+        if body.abort_all:
             engine.abort(None)
-        elif isinstance(body.get("rid"), str) and body["rid"]:
-            engine.abort(body["rid"])
+        elif body.rid:
+            engine.abort(body.rid)
         else:
             raise RequestError("give rid (a string) or abort_all: true")
         return Response(status_code=200)
@@ -236,88 +229,54 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
     def ok(version: str, what: str) -> Response:
         return json_response({"success": True, "message": what, "weight_version": version})
 
-    @app.post("/update_weights_from_zmq")
-    async def update_from_zmq(request: Request) -> Response:
-        body = await read_json(request)
-        endpoint = field(body, "endpoint", _is_str, "a ZMQ address such as tcp://host:port")
-        version = field(body, "weight_version", _is_version, "a version string")
-        timeout_s = field(
-            body, "timeout_s", lambda v: _is_int(v) or isinstance(v, float), "seconds", False
+    @app.post("/update_weights_from_zmq", dependencies=WRITE, responses=UPDATE_ANSWERS)
+    async def update_from_zmq(body: sg.UpdateWeightsFromZmqReqInput) -> Response:
+        version = str(body.weight_version)
+        new = await engine.weights.from_zmq(
+            body.endpoint, version, body.timeout_s, body.abort_all_requests
         )
-        abort_all = bool(body.get("abort_all_requests"))
-        new = await engine.weights.from_zmq(endpoint, str(version), timeout_s, abort_all)
-        return ok(new, f"Updated weights to version {new} from {endpoint}.")
+        return ok(new, f"Updated weights to version {new} from {body.endpoint}.")
 
-    @app.post("/update_weights_from_disk")
-    async def update_from_disk(request: Request) -> Response:
-        body = await read_json(request)
-        field(body, "model_path", _is_str, "a Hugging Face model directory")
-        version = field(body, "weight_version", _is_version, "a version string", False)
+    @app.post("/update_weights_from_disk", dependencies=WRITE, responses=UPDATE_ANSWERS)
+    async def update_from_disk(body: sg.UpdateWeightFromDiskReqInput) -> Response:
         new = await engine.weights.from_disk(
-            body["model_path"],
-            None if version is None else str(version),
-            bool(body.get("abort_all_requests")),
+            body.model_path, sg.version_str(body.weight_version), body.abort_all_requests
         )
-        return ok(new, f"Loaded weights from {body['model_path']}.")
+        return ok(new, f"Loaded weights from {body.model_path}.")
 
-    @app.post("/init_weights_update_group")
-    async def init_group(request: Request) -> Response:
-        body = await read_json(request)
-        field(body, "master_address", _is_str, "a host name or address")
-        for name in ("master_port", "world_size"):
-            field(body, name, _is_int, "an integer")
-        field(body, "rank_offset", _is_int, "an integer", False)
-        field(body, "group_name", _is_str, "a string", False)
-        await engine.weights.init_group(body)
+    @app.post("/init_weights_update_group", dependencies=WRITE, responses=UPDATE_ANSWERS)
+    async def init_group(body: sg.InitWeightsUpdateGroupReqInput) -> Response:
+        await engine.weights.init_group(body.model_dump(exclude_unset=True))
         return json_response({"success": True, "message": "Joined the weight update group."})
 
-    @app.post("/destroy_weights_update_group")
-    async def destroy_group() -> Response:
+    @app.post("/destroy_weights_update_group", dependencies=WRITE, responses=UPDATE_ANSWERS)
+    async def destroy_group(_body: sg.DestroyWeightsUpdateGroupReqInput | None = None) -> Response:
         await engine.weights.destroy_group()
         return json_response({"success": True, "message": "Left the weight update group."})
 
-    @app.post("/update_weight_version")
-    async def update_weight_version(request: Request) -> Response:
-        body = await read_json(request)
-        field(body, "new_version", _is_version, "a version string")
-        if body.get("abort_all_requests", True):
+    @app.post("/update_weight_version", dependencies=WRITE, responses=UPDATE_ANSWERS)
+    async def update_weight_version(body: sg.UpdateWeightVersionReqInput) -> Response:
+        if body.abort_all_requests:
             engine.abort(None)
-        engine.scheduler.weight_version = str(body["new_version"])
+        engine.scheduler.weight_version = str(body.new_version)
         return ok(engine.weight_version, "Weight version updated.")
 
-    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
-    async def get_weights_by_name(request: Request) -> Response:
-        body = await read_json(request)
-        return json_response(
-            engine.weights_by_name(body.get("name"), body.get("truncate_size", 100))
-        )
+    @app.get("/get_weights_by_name", operation_id="get_weights_by_name_get")
+    @app.post("/get_weights_by_name", operation_id="get_weights_by_name")
+    async def get_weights_by_name(body: sg.GetWeightsByNameReqInput) -> Response:
+        return json_response(engine.weights_by_name(body.name, body.truncate_size))
 
-    @app.post("/update_weights_from_distributed")
-    async def update_from_distributed(request: Request) -> Response:
-        body = await read_json(request)
-        field(body, "layout_id", _is_str, "a string", False)
+    @app.post("/update_weights_from_distributed", dependencies=WRITE, responses=UPDATE_ANSWERS)
+    async def update_from_distributed(body: sg.UpdateWeightsFromDistributedReqInput) -> Response:
         # Without names: a layout sent before under this layout_id (see engine/weights.py).
-        listed = body.get("layout_id") is None or body.get("names") is not None
-        field(body, "names", _is_list_of(_is_str), "a list of parameter names", listed)
-        field(body, "dtypes", _is_list_of(_is_str), "a list of dtype names", listed)
-        field(
-            body,
-            "shapes",
-            _is_list_of(_is_list_of(_is_int)),
-            "a list of shapes (lists of ints)",
-            listed,
-        )
-        field(body, "weight_version", _is_version, "a version string", False)
-        field(body, "group_name", _is_str, "a string", False)
-        field(body, "load_format", _is_str, '"flattened_bucket" or null', False)
-        field(
-            body,
-            "bucket_sizes",
-            _is_list_of(lambda v: _is_int(v) and v > 0),
-            "a list of tensor counts (positive integers) summing to len(names)",
-            False,
-        )
-        if body.get("weight_version") is not None:
-            body["weight_version"] = str(body["weight_version"])
-        new = await engine.weights.from_distributed(body)
+        if body.layout_id is None or body.names is not None:
+            for name in ("names", "dtypes", "shapes"):
+                if getattr(body, name) is None:
+                    raise RequestError(f"{name} is required (unless a known layout_id is given)")
+        if body.bucket_sizes is not None and any(size < 1 for size in body.bucket_sizes):
+            raise RequestError("bucket_sizes must be positive integers summing to len(names)")
+        fields = body.model_dump(exclude_unset=True)
+        if body.weight_version is not None:
+            fields["weight_version"] = str(body.weight_version)
+        new = await engine.weights.from_distributed(fields)
         return ok(new, "Updated weights from the distributed group.")

@@ -111,10 +111,15 @@ class WeightUpdater:
             return fn()
 
         future = asyncio.get_running_loop().run_in_executor(self._pool, bound)
-        try:
-            return await asyncio.wait_for(future, self.timeout_s)
-        except TimeoutError as exc:
-            raise UpdateError(f"{what} took longer than {self.timeout_s:.0f}s", 504) from exc
+        # not wait_for: a TimeoutError raised by `fn` itself (naming its own limit) must reach
+        # the caller as it is, not be mistaken for this bound
+        done, _ = await asyncio.wait({future}, timeout=self.timeout_s)
+        if not done:
+            future.cancel()
+            raise UpdateError(
+                f"{what} took longer than {self.timeout_s:g}s (--update-timeout-s)", 504
+            )
+        return future.result()
 
     async def _apply(
         self,
@@ -186,6 +191,8 @@ class WeightUpdater:
         self, endpoint: str, version: str, timeout_s: float | None = None, abort_all: bool = False
     ) -> str:
         """Fetch `version` from the weight broker at `endpoint` and apply it."""
+        import zmq
+
         from services.weight_sync.wire import AuthenticationError, secret_from_env
         from services.weight_sync.zmq_transport import fetch_weights
 
@@ -193,17 +200,22 @@ class WeightUpdater:
             number = int(version)
         except ValueError as exc:
             raise UpdateError(f"weight_version {version!r} is not an integer", 400) from exc
-        wait_s = min(timeout_s or self.timeout_s, self.timeout_s)
+        if timeout_s is not None and timeout_s < self.timeout_s:
+            wait_s, which = timeout_s, "the request's timeout_s"
+        else:
+            wait_s, which = self.timeout_s, "--update-timeout-s"
         async with self._lock:
             try:
                 tensors = await self._in_thread(
                     lambda: fetch_weights(endpoint, number, secret_from_env(), wait_s),
                     f"fetching weights from {endpoint}",
                 )
-            except (LookupError, AuthenticationError, ValueError) as exc:
+            except (LookupError, AuthenticationError, ValueError, zmq.ZMQError) as exc:
                 raise UpdateError(f"weight broker at {endpoint}: {exc}", 400) from exc
             except TimeoutError as exc:
-                raise UpdateError(str(exc), 504) from exc
+                raise UpdateError(
+                    f"weight broker at {endpoint} sent nothing within {wait_s:g}s ({which})", 504
+                ) from exc
             applied = await self._apply(tensors, version, abort_all, lease=tensors.lease)
             self._live = None  # no receive set is the model's storage any more
             return applied
@@ -233,7 +245,16 @@ class WeightUpdater:
                 400,
             )
         async with self._lock:
-            await self._in_thread(lambda: self._join(body, backend), "joining the process group")
+            try:
+                await self._in_thread(
+                    lambda: self._join(body, backend), "joining the process group"
+                )
+            except UpdateError:
+                raise
+            except TimeoutError as exc:  # nobody hosts the rendezvous: bounded, then 504
+                raise UpdateError(f"{exc} (--update-timeout-s {self.timeout_s:g})", 504) from exc
+            except (RuntimeError, ValueError, OSError) as exc:  # e.g. a store that refused us
+                raise UpdateError(f"could not join the weight update group: {exc}", 400) from exc
 
     async def destroy_group(self) -> None:
         async with self._lock:

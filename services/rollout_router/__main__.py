@@ -10,7 +10,9 @@ import signal
 import sys
 
 from proto.contract import ContractMismatchError
+from services.common.auth import check_bind, token_from_env
 from services.common.flags import add_config_args, config_from_args
+from services.common.serving import add_serving_args
 from services.rollout_router.config import RouterConfig, WorkerPoolConfig
 from services.rollout_router.workers import EngineStartupError, WorkerPool
 from services.sample_buffer import SampleBuffer
@@ -31,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ready-file", default=None, help="Write {url,host,port,pid} here once up."
     )
     parser.add_argument("--log-level", default="INFO", help="Python log level.")
+    add_serving_args(parser, max_request_mib=16)  # long agent conversations, batched prompts
     return parser
 
 
@@ -49,7 +52,12 @@ def main(argv: list[str]) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     config = config_from_args(RouterConfig, args)
-    config.api_token = config.api_token or os.environ.get("TANDEM_ROUTER_TOKEN", "")
+    config.api_token = config.api_token or token_from_env("TANDEM_ROUTER_TOKEN")
+    try:
+        check_bind(args.host, config.api_token, "tandem router")
+    except ValueError as exc:
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return 2
     # The router needs no torch; keep any library that spins up thread pools to one thread,
     # since several services share the CPU.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -81,7 +89,14 @@ def main(argv: list[str]) -> int:
     # was installed before it: a no-op one makes a clean stop exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        serve(FastForwardMiddleware(app), args.host, args.port, args.ready_file)
+        serve(
+            FastForwardMiddleware(app),
+            args.host,
+            args.port,
+            args.ready_file,
+            max_request_bytes=args.max_request_bytes,
+            graceful_shutdown_s=args.graceful_shutdown_s,
+        )
     except PortInUseError as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 1

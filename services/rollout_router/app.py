@@ -148,6 +148,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.config = config
+    app.state.api_token = config.api_token
     app.state.startup_error = ""
     app.include_router(engine_router)
     app.include_router(control_router)

@@ -31,7 +31,7 @@ class WorkerPoolConfig:
     )
     engine_wait_timeout_s: float = field(
         default=300.0,
-        metadata={"help": "How long start-up waits for every engine's /get_model_info."},
+        metadata={"help": "How long start-up waits for every engine's /model_info."},
     )
     policy: str = field(
         default="least_outstanding",
@@ -52,7 +52,7 @@ class WorkerPoolConfig:
         },
     )
     health_interval_s: float = field(
-        default=1.0, metadata={"help": "Seconds between health checks (GET /get_model_info)."}
+        default=1.0, metadata={"help": "Seconds between health checks (GET /model_info)."}
     )
     health_timeout_s: float = field(default=2.0, metadata={"help": "Timeout of one health check."})
     health_failures: int = field(

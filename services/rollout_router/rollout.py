@@ -376,23 +376,32 @@ class RolloutLoop:
     # --- requests -----------------------------------------------------------------------------
 
     def payload(self, input_ids: list[int], n: int, max_new: int, greedy: bool, seed: int) -> dict:
+        """One /generate body. n > 1 is a batch of n copies of the prompt, copy k seeded with
+        `sampling_seed(seed, k)`: n distinct samples, reproducible where the engine honours
+        seeds (not SGLang's `n`, whose samples share one seed; see the README)."""
         s = self.sampling
-        return {
-            "input_ids": input_ids,
-            "sampling_params": {
+
+        def params(copy_seed: int) -> dict:
+            return {
                 "max_new_tokens": max_new,
                 "temperature": 0.0 if greedy else s.rollout_temperature,
                 "top_p": s.rollout_top_p,
                 "top_k": s.rollout_top_k,
-                "n": n,
+                "n": 1,
                 "stop_token_ids": self.stop_token_ids,
-                "sampling_seed": seed,
+                "sampling_seed": copy_seed,
                 "skip_special_tokens": True,
                 # keep a matched stop string or stop token in the text (SGLang trims it by
                 # default): the text the reward reads then matches the tokens trained on
                 "no_stop_trim": True,
                 **({"stop": s.rollout_stop} if s.rollout_stop else {}),
-            },
+            }
+
+        if n == 1:
+            return {"input_ids": input_ids, "sampling_params": params(seed), "return_logprob": True}
+        return {
+            "input_ids": [list(input_ids) for _ in range(n)],
+            "sampling_params": [params(sampling_seed(seed, k)) for k in range(n)],
             "return_logprob": True,
             **({"return_routed_experts": True} if s.return_routed_experts else {}),
         }

@@ -16,6 +16,8 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from proto import sglang as sg
+from services.common.auth import WRITE, require_token
 from services.rollout_router.routes_engine import SESSION_HEADER, forward
 from services.rollout_router.sessions import AgentSessions
 from services.rollout_router.workers import EngineRequestError, NoWorkerError
@@ -30,7 +32,11 @@ def sessions_of(request: Request) -> AgentSessions:
     return sessions
 
 
-@router.post("/v1/chat/completions", tags=["agents"])
+@router.post(
+    "/v1/chat/completions",
+    tags=["agents"],
+    openapi_extra=sg.body_schema(sg.ChatCompletionRequest),
+)
 async def chat_completions(request: Request) -> Response:
     """OpenAI chat completions. With a session id the turn's exact tokens are recorded."""
     body_bytes = await request.body()
@@ -38,21 +44,47 @@ async def chat_completions(request: Request) -> Response:
         body: dict[str, Any] = orjson.loads(body_bytes)
     except orjson.JSONDecodeError as exc:
         raise HTTPException(400, f"body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise HTTPException(400, "the request body must be a JSON object (OpenAI chat request)")
     session_id = request.headers.get(SESSION_HEADER) or body.pop("session_id", None)
     if not session_id:
         return await forward(request, "/v1/chat/completions")
-    stream = bool(body.pop("stream", False))
+    if not isinstance(session_id, str):
+        raise HTTPException(400, "session_id must be a string")
+    require_token(request)  # a session's turns become training samples: the run's agents only
+    stream = body.pop("stream", False) is True
     try:
-        answer = await sessions_of(request).chat(body, str(session_id))
+        answer = await sessions_of(request).chat(body, session_id)
     except ValueError as exc:
         raise HTTPException(400, str(exc)) from exc
     except NoWorkerError as exc:
         raise HTTPException(503, str(exc)) from exc
     except EngineRequestError as exc:
+        if 400 <= exc.status < 500:  # the request's fault: the engine's status and reason
+            raise HTTPException(exc.status, engine_reason(exc.body) or str(exc)) from exc
         raise HTTPException(502, str(exc)) from exc
     if stream:  # the turn is generated whole (to record it exactly), then sent as chunks
         return StreamingResponse(as_chunks(answer), media_type="text/event-stream")
     return JSONResponse(answer)
+
+
+def engine_reason(body: bytes) -> str:
+    """The message of an engine's error answer (SGLang: `{"error": {"message"}}`, `{"message"}`
+    or `{"detail"}`), else its text."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode(errors="replace")[:1000]
+    if isinstance(data, dict):
+        error = data.get("error")
+        for value in (
+            error.get("message") if isinstance(error, dict) else error,
+            data.get("message"),
+            data.get("detail"),
+        ):
+            if value:
+                return f"engine: {str(value)[:1000]}"
+    return str(data)[:1000]
 
 
 async def as_chunks(answer: dict[str, Any]) -> AsyncIterator[bytes]:
@@ -72,7 +104,7 @@ class RewardIn(BaseModel):
     group_size: int | None = None
 
 
-@router.post("/sessions/{session_id}/reward", tags=["agents"])
+@router.post("/sessions/{session_id}/reward", tags=["agents"], dependencies=WRITE)
 async def session_reward(request: Request, session_id: str, body: RewardIn) -> dict[str, Any]:
     """Close a session with its reward; its turns become training samples."""
     try:

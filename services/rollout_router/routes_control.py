@@ -1,7 +1,7 @@
 """Control routes: the worker registry and the rollout control API.
 
-Mutating routes require `Authorization: Bearer <token>` when the router was started with
-`--api-token` (or `TANDEM_ROUTER_TOKEN`); read-only routes never do.
+Mutating routes require `Authorization: Bearer <token>` when the router has a token
+(`TANDEM_API_TOKEN`, `TANDEM_ROUTER_TOKEN` or `--api-token`); read-only routes never do.
 """
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel
 
-from services.rollout_router.auth import require_token
+from services.common.auth import WRITE
+from services.common.urls import HttpUrl
 from services.rollout_router.control import ConfigPatchError, ContractTermError, RolloutController
 from services.rollout_router.report import status as loop_status
 from services.rollout_router.workers import EngineStartupError, WorkerPool
@@ -25,7 +26,7 @@ def pool_of(request: Request) -> WorkerPool:
 
 
 class WorkerIn(BaseModel):
-    url: str
+    url: HttpUrl
 
 
 # --- workers (sglang-router style, plus the legacy query-string API) ------------------------
@@ -37,15 +38,15 @@ async def list_workers(request: Request) -> dict[str, Any]:
     return {"workers": [w.to_json() for w in pool_of(request).workers.values()]}
 
 
-@router.post("/workers", tags=["workers"], status_code=202, dependencies=[Depends(require_token)])
+@router.post("/workers", tags=["workers"], status_code=202, dependencies=WRITE)
 async def add_worker(request: Request, body: WorkerIn) -> dict[str, Any]:
-    """Register a worker (202). It is admitted at once when its `/get_model_info` answers,
+    """Register a worker (202). It is admitted at once when its `/model_info` answers,
     else registered unhealthy and admitted by the health checks once it answers."""
     admitted, worker = await pool_of(request).add_or_pend(body.url)
     return {**worker.to_json(), "status": "admitted" if admitted else "pending"}
 
 
-@router.delete("/workers/{worker_id}", tags=["workers"], dependencies=[Depends(require_token)])
+@router.delete("/workers/{worker_id}", tags=["workers"], dependencies=WRITE)
 async def delete_worker(request: Request, worker_id: str) -> dict[str, Any]:
     """Remove a worker by id (from `GET /workers`)."""
     try:
@@ -54,8 +55,8 @@ async def delete_worker(request: Request, worker_id: str) -> dict[str, Any]:
         raise HTTPException(404, str(exc)) from exc
 
 
-@router.post("/add_worker", tags=["workers"], dependencies=[Depends(require_token)])
-async def add_worker_legacy(request: Request, url: str) -> dict[str, Any]:
+@router.post("/add_worker", tags=["workers"], dependencies=WRITE)
+async def add_worker_legacy(request: Request, url: HttpUrl) -> dict[str, Any]:
     """Legacy, synchronous: admit the worker now, or 502 naming it and the last failure."""
     pool = pool_of(request)
     try:
@@ -65,7 +66,7 @@ async def add_worker_legacy(request: Request, url: str) -> dict[str, Any]:
     return worker.to_json()
 
 
-@router.post("/remove_worker", tags=["workers"], dependencies=[Depends(require_token)])
+@router.post("/remove_worker", tags=["workers"], dependencies=WRITE)
 async def remove_worker_legacy(request: Request, url: str) -> dict[str, Any]:
     """Legacy form of `DELETE /workers/{id}`, by URL."""
     try:
@@ -110,28 +111,28 @@ async def rollout_status(request: Request) -> dict[str, Any]:
     return {**base, **status, "running": control.running}
 
 
-@router.post("/rollout/start", tags=["rollout"], dependencies=[Depends(require_token)])
+@router.post("/rollout/start", tags=["rollout"], dependencies=WRITE)
 async def rollout_start(request: Request) -> dict[str, Any]:
     """Start the rollout loop (no-op when running); continues with the next prompt."""
     control_of(request).start()
     return {"running": True}
 
 
-@router.post("/rollout/pause", tags=["rollout"], dependencies=[Depends(require_token)])
+@router.post("/rollout/pause", tags=["rollout"], dependencies=WRITE)
 async def rollout_pause(request: Request) -> dict[str, Any]:
     """Start no more groups; those in flight finish and are put."""
     control_of(request).pause()
     return {"paused": True}
 
 
-@router.post("/rollout/resume", tags=["rollout"], dependencies=[Depends(require_token)])
+@router.post("/rollout/resume", tags=["rollout"], dependencies=WRITE)
 async def rollout_resume(request: Request) -> dict[str, Any]:
     """Resume a paused loop."""
     control_of(request).resume()
     return {"paused": False}
 
 
-@router.post("/rollout/stop", tags=["rollout"], dependencies=[Depends(require_token)])
+@router.post("/rollout/stop", tags=["rollout"], dependencies=WRITE)
 async def rollout_stop(request: Request) -> dict[str, Any]:
     """Stop now; groups in flight are recorded as drops (`cancelled`)."""
     await control_of(request).stop()
@@ -144,7 +145,7 @@ async def rollout_config(request: Request) -> dict[str, Any]:
     return control_of(request).config()
 
 
-@router.patch("/rollout/config", tags=["rollout"], dependencies=[Depends(require_token)])
+@router.patch("/rollout/config", tags=["rollout"], dependencies=WRITE)
 async def patch_rollout_config(request: Request, changes: dict[str, Any]) -> dict[str, Any]:
     """Change sampling parameters (`rollout_temperature`, `rollout_max_response_len`, ...),
     concurrency (`rollout_max_concurrency`) or the dataset (`prompt_data`, ...); validated,

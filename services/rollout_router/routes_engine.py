@@ -7,7 +7,9 @@ worker has sent the first event; a worker that fails after that ends the stream 
 `error` event (`"type": "worker_failed"`) and `data: [DONE]` (streaming.py states the rule).
 `/flush_cache`, `/pause_generation`, `/continue_generation` and `/abort_request` go to every
 worker (they change engine state, so they need the bearer token when one is set). Bodies are
-forwarded as bytes; only `stream` is looked at.
+forwarded as bytes (only `stream` is looked at); the fan-out bodies are checked against SGLang's
+request classes (`proto/sglang.py`) first, so a wrong field is a 400/422 here, not N per-worker
+errors.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
-from services.rollout_router.auth import require_token
+from proto import sglang as sg
+from services.common.auth import WRITE
 from services.rollout_router.streaming import stream
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
 
@@ -51,30 +55,32 @@ async def forward(request: Request, path: str) -> Response:
     return Response(data, status_code=status, media_type="application/json")
 
 
-@router.post("/generate", tags=["engine"])
+@router.post("/generate", tags=["engine"], openapi_extra=sg.body_schema(sg.GenerateReqInput))
 async def generate(request: Request) -> Response:
     """SGLang `/generate`, forwarded to one engine (streaming supported)."""
     return await forward(request, "/generate")
 
 
-@router.post("/v1/completions", tags=["engine"])
+@router.post("/v1/completions", tags=["engine"], openapi_extra=sg.body_schema(sg.CompletionRequest))
 async def completions(request: Request) -> Response:
     """OpenAI completions, forwarded to one engine."""
     return await forward(request, "/v1/completions")
 
 
 @router.get("/health", tags=["engine"])
-async def health(request: Request) -> Response:
+async def health(request: Request) -> JSONResponse:
     """200 while the router runs; `workers` counts the admitted engines. 503 with
-    `{"status": "failed", "error"}` once the rollout or evaluation task has died."""
+    `{"status": "failed", "error"}` once the rollout or evaluation task has died, or its worker
+    health checks stopped (nothing would evict a dead engine any more)."""
+    pool: WorkerPool = request.app.state.pool
     control = request.app.state.control
-    failure = control.failure() if control is not None else ""
+    failure = (control.failure() if control is not None else "") or pool.health_task_problem()
     if failure:
         return JSONResponse({"status": "failed", "error": failure}, 503)
-    return JSONResponse({"status": "ok", "workers": len(request.app.state.pool.admitted())})
+    return JSONResponse({"status": "ok", "workers": len(pool.admitted())})
 
 
-@router.get("/get_model_info", tags=["engine"])
+@router.get("/get_model_info", tags=["engine"], operation_id="get_model_info")
 @router.get("/model_info", tags=["engine"], include_in_schema=False)
 async def model_info(request: Request) -> Response:
     """The first admitted engine's model info, with the lowest weight version of all."""
@@ -87,35 +93,36 @@ async def model_info(request: Request) -> Response:
     return JSONResponse(info)
 
 
-async def fan_out(request: Request, path: str) -> dict[str, Any]:
-    body = await request.body()
-    return await request.app.state.pool.fan_out(request.method, path, body)
+async def fan_out(request: Request, path: str, body: BaseModel | None = None) -> dict[str, Any]:
+    """The checked body (only the fields the client set) to every worker."""
+    raw = body.model_dump_json(exclude_unset=True).encode() if body is not None else b""
+    return await request.app.state.pool.fan_out(request.method, path, raw)
 
 
-@router.api_route(
-    "/flush_cache",
-    methods=["GET", "POST"],
-    tags=["engine control"],
-    dependencies=[Depends(require_token)],
-)
+@router.get("/flush_cache", tags=["engine control"], dependencies=WRITE, operation_id="flush_get")
+@router.post("/flush_cache", tags=["engine control"], dependencies=WRITE, operation_id="flush")
 async def flush_cache(request: Request) -> dict[str, Any]:
     """Sent to every engine; per-URL status."""
     return await fan_out(request, "/flush_cache")
 
 
-@router.post("/pause_generation", tags=["engine control"], dependencies=[Depends(require_token)])
-async def pause_generation(request: Request) -> dict[str, Any]:
+@router.post("/pause_generation", tags=["engine control"], dependencies=WRITE)
+async def pause_generation(
+    request: Request, body: sg.PauseGenerationReqInput | None = None
+) -> dict[str, Any]:
     """Sent to every engine; per-URL status."""
-    return await fan_out(request, "/pause_generation")
+    return await fan_out(request, "/pause_generation", body or sg.PauseGenerationReqInput())
 
 
-@router.post("/continue_generation", tags=["engine control"], dependencies=[Depends(require_token)])
-async def continue_generation(request: Request) -> dict[str, Any]:
+@router.post("/continue_generation", tags=["engine control"], dependencies=WRITE)
+async def continue_generation(
+    request: Request, body: sg.ContinueGenerationReqInput | None = None
+) -> dict[str, Any]:
     """Sent to every engine; per-URL status."""
-    return await fan_out(request, "/continue_generation")
+    return await fan_out(request, "/continue_generation", body or sg.ContinueGenerationReqInput())
 
 
-@router.post("/abort_request", tags=["engine control"], dependencies=[Depends(require_token)])
-async def abort_request(request: Request) -> dict[str, Any]:
+@router.post("/abort_request", tags=["engine control"], dependencies=WRITE)
+async def abort_request(request: Request, body: sg.AbortReq) -> dict[str, Any]:
     """Sent to every engine; per-URL status."""
-    return await fan_out(request, "/abort_request")
+    return await fan_out(request, "/abort_request", body)

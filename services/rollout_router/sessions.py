@@ -28,13 +28,23 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import orjson
 
 from proto import DropRecord, Sample, SampleGroup
+from services.rollout_router.chat_input import (
+    TurnError,
+    check_messages,
+    message_chars,
+    model_context_length,
+    prompt_char_limit,
+    requested_max_tokens,
+    sampling_params,
+)
 from services.rollout_router.config import SessionConfig
 from services.rollout_router.samples import Partial, as_list
 from services.rollout_router.tasks import encode_prompt
-from services.rollout_router.workers import EngineRequestError, WorkerPool
+from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
 from services.sample_buffer import SampleBuffer
 
 
@@ -193,6 +203,7 @@ class AgentSessions:
         self.default_group_size = default_group_size
         self.store = SessionStore(config)
         self.first_messages: dict[str, str] = {}
+        self._context_length: int | None = None  # 0: unknown (no clipping)
 
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
         """Exact prompt ids: the chat template, or (a tokenizer without one) the contents joined."""
@@ -203,33 +214,40 @@ class AgentSessions:
         )
 
     async def chat(self, body: dict[str, Any], session_id: str) -> dict[str, Any]:
-        """One OpenAI chat turn; raises ValueError on a bad request, EngineRequestError."""
+        """One OpenAI chat turn; raises TurnError (a ValueError) on a bad request, and
+        EngineRequestError (with the engine's status: its 4xx reach the agent as is)."""
         await self.expire()
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list")
-        if int(body.get("n", 1)) != 1:
-            raise ValueError("sessions take n=1 (one conversation per session)")
-        stop = body.get("stop")
-        params = {
-            "max_new_tokens": int(
-                body.get("max_completion_tokens")
-                or body.get("max_tokens")
-                or self.config.session_max_new_tokens
-            ),
-            "temperature": float(body.get("temperature", 1.0)),
-            "top_p": float(body.get("top_p", 1.0)),
-            "n": 1,
-            "stop_token_ids": self.stop_token_ids,
-            "skip_special_tokens": True,
-            **({"stop": [stop] if isinstance(stop, str) else stop} if stop else {}),
-            **({"sampling_seed": int(body["seed"])} if body.get("seed") is not None else {}),
-        }
-        input_ids = self.render(messages)
+        messages = check_messages(body.get("messages"))
+        params = sampling_params(body, self.stop_token_ids)
+        asked = requested_max_tokens(body)
+        context = await self.context_length(session_id)
+        if context is not None and message_chars(messages) > prompt_char_limit(
+            self.tokenizer, context
+        ):
+            raise TurnError(
+                f"messages hold {message_chars(messages)} characters: more tokens than the "
+                f"model's context of {context} can hold"
+            )
+        try:
+            input_ids = self.render(messages)
+        except Exception as exc:  # the template refused them (jinja raise_exception, types)
+            raise TurnError(f"messages do not fit the model's chat template: {exc}") from exc
+        if asked is None:  # the default is clipped to what the context leaves
+            asked = self.config.session_max_new_tokens
+            if context is not None:
+                if len(input_ids) >= context:
+                    raise TurnError(
+                        f"the prompt ({len(input_ids)} tokens) fills the model's context "
+                        f"length ({context} tokens)"
+                    )
+                asked = min(asked, context - len(input_ids))
+        params["max_new_tokens"] = asked
         payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
         status, data, worker = await self.pool.post("/generate", orjson.dumps(payload), session_id)
         if status != 200:
-            raise EngineRequestError(f"{worker.url}/generate: HTTP {status} {data[:200]!r}", status)
+            raise EngineRequestError(
+                f"{worker.url}/generate: HTTP {status} {data[:500]!r}", status, data
+            )
         partial = Partial.of(as_list(orjson.loads(data))[0])
         self.store.record(session_id, input_ids, partial)
         self.first_messages.setdefault(session_id, json.dumps(messages))
@@ -237,6 +255,20 @@ class AgentSessions:
         if body.get("logprobs"):
             texts = [self.tokenizer.decode([t]) for t in partial.ids]
         return openai_response(partial, str(body.get("model", "tandem")), len(input_ids), texts)
+
+    async def context_length(self, session_id: str) -> int | None:
+        """The engines' context length (`/server_info`, else the model's config), once."""
+        if self._context_length is None:
+            try:
+                worker = self.pool.pick(set(), session_id)
+                info = await self.pool.get_json(worker.url, "/server_info", 5.0)
+                value = info.get("context_length")
+                self._context_length = value if isinstance(value, int) and value > 0 else 0
+            except (NoWorkerError, TimeoutError, aiohttp.ClientError, ValueError):
+                pass  # asked again next turn
+            if not self._context_length:
+                self._context_length = model_context_length(self.tokenizer) or 0
+        return self._context_length or None
 
     async def reward(
         self, session_id: str, reward: float, group: str | None, group_size: int | None

@@ -6,7 +6,7 @@ Does not know: what is being generated or why (the rollout loop and the HTTP rou
 Concurrency: one aiohttp session (one connection pool) for every request to every worker, created
 and closed by `start()`/`close()` inside the serving event loop; forwarded POSTs go through the
 leaner `Http1Pool` instead unless `--hot-path-client aiohttp` (see http1.py for why). The health loop
-(`run_health_checks`) polls `GET /get_model_info` of every worker every `health_interval_s`;
+(`run_health_checks`) polls `GET /model_info` of every worker every `health_interval_s`;
 `health_failures` consecutive failures evict a worker from the rotation. A request that fails
 with a connection error or a 5xx is retried on another admitted worker, at most `max_retries`
 times.
@@ -35,6 +35,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from services.common.auth import bearer_headers
 from services.rollout_router.config import WorkerPoolConfig
 from services.rollout_router.http1 import Http1Pool
 from services.rollout_router.samples import parse_version
@@ -131,10 +132,17 @@ class WorkerPool:
     def start_health_checks(self) -> None:
         self._health_task = asyncio.create_task(self.run_health_checks(), name="health")
 
+    def health_task_problem(self) -> str:
+        """'' while the health checks run; else why they stopped (`/health` answers 503)."""
+        task = self._health_task
+        if task is None or not task.done() or task.cancelled():
+            return ""
+        return f"the worker health checks stopped: {task.exception()!r}"
+
     # --- registry ------------------------------------------------------------------------------
 
     async def add(self, url: str, wait_s: float = 0.0) -> Worker:
-        """Register `url` once `/get_model_info` answers, waiting up to `wait_s` with backoff;
+        """Register `url` once `/model_info` answers, waiting up to `wait_s` with backoff;
         admitted at once if it serves the pool's weight version, else pending (and handed to
         the broker to be brought to that version)."""
         url = url.rstrip("/")
@@ -187,7 +195,8 @@ class WorkerPool:
         url = self.config.broker_url.rstrip("/") + "/engines"
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
         try:
-            async with self.session.post(url, json={"url": worker.url}, timeout=timeout) as resp:
+            body, headers = {"url": worker.url}, bearer_headers()
+            async with self.session.post(url, json=body, headers=headers, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
             log.info("asked the weight broker to sync %s", worker.url)
@@ -231,12 +240,12 @@ class WorkerPool:
         delay, last = 0.05, "no attempt made"
         while True:
             try:
-                return await self.get_json(url, "/get_model_info", self.config.health_timeout_s)
+                return await self.get_json(url, "/model_info", self.config.health_timeout_s)
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if time.monotonic() + delay > deadline:
                 raise EngineStartupError(
-                    f"engine {url} did not answer GET /get_model_info within {wait_s:.0f}s "
+                    f"engine {url} did not answer GET /model_info within {wait_s:.0f}s "
                     f"(last failure: {last}); check --engine-urls and that the engine is running"
                 )
             await asyncio.sleep(delay)
@@ -338,7 +347,7 @@ class WorkerPool:
                     method,
                     worker.url + path,
                     data=body or None,
-                    headers={"Content-Type": "application/json"},
+                    headers={"Content-Type": "application/json", **bearer_headers()},
                 ) as resp:
                     return worker.url, {"status": resp.status, "body": (await resp.text())[:2000]}
             except (TimeoutError, aiohttp.ClientError) as exc:
@@ -362,9 +371,7 @@ class WorkerPool:
 
         async def check(worker: Worker) -> None:
             try:
-                info = await self.get_json(
-                    worker.url, "/get_model_info", self.config.health_timeout_s
-                )
+                info = await self.get_json(worker.url, "/model_info", self.config.health_timeout_s)
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 self._mark_failed(worker, f"health check: {type(exc).__name__}: {exc}")
                 return

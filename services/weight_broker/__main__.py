@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
+from services.common.auth import check_bind, is_loopback, token_from_env
 from services.common.flags import add_config_args, config_from_args
-from services.common.serving import PortInUseError, serve
+from services.common.serving import PortInUseError, add_serving_args, serve
 from services.weight_broker.config import BrokerConfig
 
 DESCRIPTION = """\
@@ -19,6 +21,26 @@ TANDEM_WEIGHT_SECRET is set (same value for trainer, broker and engines).
 """
 
 
+def check_weight_endpoints(config: Any) -> None:
+    """Weight frames from outside loopback must be signed: refuse to bind such an endpoint
+    without a secret, naming the variable."""
+    from services.weight_sync.wire import SECRET_ENV, secret_from_env
+
+    if secret_from_env() is not None:
+        return
+    for flag, endpoint in (
+        ("--intake-endpoint", config.intake_endpoint),
+        ("--serve-endpoint", config.serve_endpoint),
+    ):
+        host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+        if endpoint.startswith("tcp://") and not is_loopback(host):
+            raise ValueError(
+                f"{flag} {endpoint} accepts weights from other machines, but {SECRET_ENV} is "
+                f"not set: set {SECRET_ENV} (the same value for trainer, broker and engines; "
+                "`tandem up` generates one), or bind 127.0.0.1"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     from services.weight_broker.server import create_app
 
@@ -27,12 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8300, help="HTTP port; 0 = any free port")
     parser.add_argument("--ready-file", help="write {url, endpoints, pid} here once serving")
     add_config_args(parser, BrokerConfig)
+    add_serving_args(parser, max_request_mib=1)  # its bodies are engine URLs
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[broker] %(asctime)s %(message)s")
     config = config_from_args(BrokerConfig, args)
     problem = agree_contract(config)
     if problem:
         print(f"tandem broker: {problem}", file=sys.stderr)
+        return 2
+    try:
+        check_bind(args.host, token_from_env(), "tandem broker")
+        check_weight_endpoints(config)
+    except ValueError as exc:
+        print(f"tandem broker: {exc}", file=sys.stderr)
         return 2
     try:
         app = create_app(config)
@@ -54,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 "intake_endpoint": broker.intake_endpoint,
                 "serve_endpoint": broker.serve_endpoint,
             },
+            max_request_bytes=args.max_request_bytes,
+            graceful_shutdown_s=args.graceful_shutdown_s,
         )
     except PortInUseError as exc:
         print(f"tandem broker: {exc}", file=sys.stderr)

@@ -52,6 +52,8 @@ from redis.exceptions import RedisError
 
 from proto import WeightRequest, decode
 from proto.contract import ServiceStatus
+from services.common.auth import bearer_headers
+from services.common.engine_info import VersionUnavailableError, weight_version
 from services.sample_buffer import BufferConfig, SampleBuffer
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.store import VersionStore
@@ -89,7 +91,12 @@ class WeightBroker:
             if config.redis_url
             else None
         )
-        self.counters = {"buckets_rejected": 0, "versions_received": 0, "syncs_failed": 0}
+        self.counters = {
+            "buckets_rejected": 0,
+            "frames_rejected": 0,  # fetch requests and control messages that were not
+            "versions_received": 0,
+            "syncs_failed": 0,
+        }
         self._ctx = zmq.Context.instance()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -128,7 +135,8 @@ class WeightBroker:
         else:
             self.transport = ZmqTransport(self.serve_endpoint)
         for target, sock in ((self._intake_loop, intake), (self._serve_loop, serve)):
-            thread = threading.Thread(target=target, args=(sock,), daemon=True)
+            name = target.__name__.strip("_")
+            thread = threading.Thread(target=target, args=(sock,), daemon=True, name=name)
             thread.start()
             self._threads.append(thread)
         log.info("intake %s, serving %s", self.intake_endpoint, self.serve_endpoint)
@@ -148,7 +156,7 @@ class WeightBroker:
             try:
                 header, _frames = parse_bucket(message, self.secret)
                 done = self.store.add_bucket(header, message)
-            except (ValueError, AuthenticationError) as exc:
+            except (ValueError, AuthenticationError, TypeError, IndexError) as exc:
                 self.counters["buckets_rejected"] += 1
                 log.error("dropped a weight bucket: %s", exc)
                 continue
@@ -157,6 +165,13 @@ class WeightBroker:
                 log.info("version %d complete (%.1f MB)", done.version, done.nbytes / 1e6)
                 self._notify()
         sock.close()
+
+    def thread_problem(self) -> str:
+        """'' while every socket thread runs; else which one died (`/health` answers 503)."""
+        dead = [t.name for t in self._threads if not t.is_alive()]
+        if dead and not self._stop.is_set():
+            return f"weight thread(s) {', '.join(dead)} stopped; see the broker's log"
+        return ""
 
     def _notify(self) -> None:
         if self._loop is not None and self._wake is not None:
@@ -168,12 +183,16 @@ class WeightBroker:
         while not self._stop.is_set():
             if not sock.poll(POLL_MS):
                 continue
-            identity, payload = sock.recv_multipart()
+            parts = sock.recv_multipart()
             try:
-                request = decode(payload, WeightRequest)
+                if len(parts) != 2:
+                    raise ValueError(f"{len(parts) - 1} payload frames, expected 1 WeightRequest")
+                request = decode(parts[1], WeightRequest)
             except ValueError as exc:
-                sock.send_multipart([identity, ERROR_FRAME, str(exc).encode()])
+                self.counters["frames_rejected"] += 1
+                sock.send_multipart([parts[0], ERROR_FRAME, str(exc).encode()])
                 continue
+            identity = parts[0]
             entry = self.store.get(request.version)
             if entry is None:
                 msg = (
@@ -192,10 +211,10 @@ class WeightBroker:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         timeout = aiohttp.ClientTimeout(total=self.config.sync_timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            await asyncio.gather(*(self._probe(session, e) for e in self.engines.values()))
+        async with aiohttp.ClientSession(timeout=timeout, headers=bearer_headers()) as session:
+            await asyncio.gather(*(self._probe(e) for e in self.engines.values()))
             self.publish_version()
-            probes = asyncio.create_task(self._probe_loop(session), name="probe")
+            probes = asyncio.create_task(self._probe_loop(), name="probe")
             reports = asyncio.create_task(self._status_loop(), name="status")
             try:
                 if self.nccl is not None:  # push-driven: the trainer offers each version
@@ -236,26 +255,23 @@ class WeightBroker:
             self.transport.prepare(entry)
             self._prepared = version
 
-    async def _probe(self, session: aiohttp.ClientSession, engine: EngineState) -> None:
+    async def _probe(self, engine: EngineState) -> None:
         """Learn an engine's current version (a freshly started engine serves its load dir)."""
-        reported = await self._reported_version(session, engine)
+        reported = await self._reported_version(engine)
         if reported is not None:
             engine.version = reported
 
-    async def _reported_version(
-        self, session: aiohttp.ClientSession, engine: EngineState, quiet: bool = False
-    ) -> int | None:
-        timeout = aiohttp.ClientTimeout(total=min(self.config.sync_timeout_s, 10.0))
+    async def _reported_version(self, engine: EngineState, quiet: bool = False) -> int | None:
+        """The version the engine serves (`/model_info`, then the older routes), else None."""
+        timeout_s = min(self.config.sync_timeout_s, 10.0)
         try:
-            async with session.get(f"{engine.url}/get_weight_version", timeout=timeout) as resp:
-                resp.raise_for_status()
-                return int((await resp.json(content_type=None))["weight_version"])
-        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, TypeError) as exc:
-            engine.last_error = f"probe failed: {exc!r}"
+            return int(await asyncio.to_thread(weight_version, engine.url, timeout_s))
+        except (VersionUnavailableError, ValueError) as exc:
+            engine.last_error = f"probe failed: {exc}"
             (log.debug if quiet else log.warning)("engine %s: %s", engine.url, engine.last_error)
             return None
 
-    async def _probe_loop(self, session: aiohttp.ClientSession) -> None:
+    async def _probe_loop(self) -> None:
         """Find engines that restarted (reported version below what they acknowledged)."""
         while True:
             await asyncio.sleep(self.config.probe_interval_s)
@@ -263,9 +279,7 @@ class WeightBroker:
             if self.nccl is not None and self.nccl.busy:
                 continue
             started = time.time()
-            reported = await asyncio.gather(
-                *(self._reported_version(session, e, quiet=True) for e in idle)
-            )
+            reported = await asyncio.gather(*(self._reported_version(e, quiet=True) for e in idle))
             for engine, version in zip(idle, reported, strict=True):
                 # Skip answers that raced with a sync that finished meanwhile.
                 if version is None or engine.syncing or engine.last_sync_at > started:

@@ -74,7 +74,7 @@ class BrokerConfig:
     probe_interval_s: float = field(
         default=2.0,
         metadata={
-            "help": "Seconds between checks of every engine's /get_weight_version; an engine "
+            "help": "Seconds between checks of every engine's weight version (/model_info); an engine "
             "that restarted (its version went down) is brought back to the current version."
         },
     )

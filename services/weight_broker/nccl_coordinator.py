@@ -95,11 +95,15 @@ class NcclCoordinator:
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         while True:
-            identity, payload = await self.socket.recv_multipart()
+            parts = await self.socket.recv_multipart()
             try:
+                if len(parts) != 2:
+                    raise ValueError(f"{len(parts)} frames, expected identity and payload")
+                identity, payload = parts
                 offer = decode(payload, NcclOffer)
-            except ValueError:  # e.g. a late ack of an aborted version
-                log.warning("ignored a message that is not a version offer")
+            except ValueError as exc:  # e.g. a late ack of an aborted version, or garbage
+                self.broker.counters["frames_rejected"] += 1
+                log.warning("ignored a message that is not a version offer: %s", exc)
                 continue
             try:
                 await self.sync_version(session, identity, offer)
@@ -213,17 +217,7 @@ class NcclCoordinator:
         offsets = itertools.accumulate([1] + [self._tp_size[e.url] for e in engines])
         calls = [
             self._post(
-                session,
-                engine,
-                "/init_weights_update_group",
-                {
-                    "master_address": offer.master_address,
-                    "master_port": offer.master_port,
-                    "rank_offset": offset,
-                    "world_size": world,
-                    "group_name": self.group_name,
-                    "backend": offer.backend,
-                },
+                session, engine, "/init_weights_update_group", self._init_body(offer, offset, world)
             )
             for engine, offset in zip(engines, offsets, strict=False)
         ]
@@ -259,6 +253,17 @@ class NcclCoordinator:
         await engine_calls  # raises (naming the engines) if any engine failed
         if ack_error:
             raise RuntimeError(ack_error)
+
+    def _init_body(self, offer: NcclOffer, rank_offset: int, world_size: int) -> dict[str, Any]:
+        """SGLang's InitWeightsUpdateGroupReqInput for one engine."""
+        return {
+            "master_address": offer.master_address,
+            "master_port": offer.master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": self.group_name,
+            "backend": offer.backend,
+        }
 
     def _update_body(
         self, offer: NcclOffer, tensors: list[TensorMeta], flush_cache: bool
@@ -331,10 +336,11 @@ class NcclCoordinator:
         deadline = time.monotonic() + self.timeout_s
         while True:
             remaining = deadline - time.monotonic()
-            _identity, payload = await asyncio.wait_for(self.socket.recv_multipart(), remaining)
+            parts = await asyncio.wait_for(self.socket.recv_multipart(), remaining)
             try:
-                ack = decode(payload, NcclAck)
+                ack = decode(parts[-1], NcclAck)
             except ValueError:
+                self.broker.counters["frames_rejected"] += 1
                 log.error("expected an ack from the trainer, got another message; ignored")
                 continue
             if (ack.version, ack.attempt, ack.bucket) == (version, attempt, bucket):

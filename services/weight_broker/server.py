@@ -7,15 +7,19 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, HTTPException
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel
 
+from services.common.auth import WRITE, token_from_env
+from services.common.urls import HttpUrl
 from services.weight_broker.broker import WeightBroker
 from services.weight_broker.config import BrokerConfig
 
 
 class EngineRequest(BaseModel):
-    url: str
+    """`POST /engines`: an engine to keep in sync (the router sends it)."""
+
+    url: HttpUrl
 
 
 def create_app(config: BrokerConfig) -> FastAPI:
@@ -33,20 +37,25 @@ def create_app(config: BrokerConfig) -> FastAPI:
 
     app = FastAPI(title="Tandem weight broker", lifespan=lifespan)
     app.state.broker = broker
+    app.state.api_token = token_from_env()
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "version": broker.store.latest}
+    async def health() -> JSONResponse:
+        problem = broker.thread_problem()
+        body = {"status": "error" if problem else "ok", "version": broker.store.latest}
+        return JSONResponse(
+            {**body, "problem": problem} if problem else body, 503 if problem else 200
+        )
 
     @app.get("/state")
     async def state() -> dict:
         return broker.state()
 
-    @app.post("/engines")
+    @app.post("/engines", dependencies=WRITE)
     async def add_engine(req: EngineRequest) -> dict:
         return vars(broker.add_engine(req.url)).copy()
 
-    @app.delete("/engines")
+    @app.delete("/engines", dependencies=WRITE)
     async def remove_engine(url: str) -> dict:
         if not broker.remove_engine(url):
             raise HTTPException(404, f"no engine {url!r} registered")

@@ -64,6 +64,11 @@ class VersionStore:
 
     def add_bucket(self, header: WeightBucketHeader, message: list[Frame]) -> Version | None:
         """Store one bucket; return the version if this bucket completed it."""
+        if header.num_buckets < 1 or not 0 <= header.bucket_index < header.num_buckets:
+            raise ValueError(
+                f"version {header.version}: bucket index {header.bucket_index} is outside "
+                f"0..{header.num_buckets - 1}"
+            )
         with self._cond:
             if header.version <= self.latest:
                 raise ValueError(

@@ -96,6 +96,7 @@ class NcclWeightSender:
         self.timeout_s = timeout_s
         self.group: Any = None
         self.broadcast_s = 0.0  # last version: from the broker's command to the last byte sent
+        self.frames_rejected = 0  # control frames that were not an NcclCommand
         self._last: _Layout | None = None  # the last version's layout, reused while it holds
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -174,13 +175,23 @@ class NcclWeightSender:
         return layout
 
     def _receive(self, version: int) -> NcclCommand:
-        if not self._socket.poll(int(self.timeout_s * 1000)):
-            self._drop_group()
-            raise WeightSyncError(
-                f"weight broker at {self.control_endpoint} sent no command for "
-                f"{self.timeout_s:.0f}s during version {version}"
-            )
-        command = decode(self._socket.recv(), NcclCommand)
+        """The broker's next command; a malformed frame is counted and skipped."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+            if not self._socket.poll(left_ms):
+                self._drop_group()
+                raise WeightSyncError(
+                    f"weight broker at {self.control_endpoint} sent no command for "
+                    f"{self.timeout_s:.0f}s during version {version}"
+                )
+            frames = self._socket.recv_multipart()
+            try:
+                command = decode(frames[-1], NcclCommand)
+                break
+            except ValueError as exc:
+                self.frames_rejected += 1
+                log.warning("ignored a malformed control frame from the broker: %s", exc)
         if command.version != version:
             raise WeightSyncError(f"broker answered version {command.version}, not {version}")
         return command

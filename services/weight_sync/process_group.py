@@ -10,6 +10,8 @@ real SGLang servers and Tandem's engine alike.
 
 from __future__ import annotations
 
+import socket
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -26,14 +28,18 @@ def join_group(
     from torch.distributed import TCPStore
     from torch.distributed import distributed_c10d as c10d
 
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank != 0:  # TCPStore retries a refused connect for about twice its timeout
+        _wait_for_listener(master_address, master_port, deadline)
     # An explicit store, not `c10d.rendezvous`: under torchrun the latter connects to the
     # elastic agent's store instead of hosting one, and the engines would wait forever.
+    left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
     store = TCPStore(
         master_address,
         master_port,
         world_size,
         is_master=rank == 0,
-        timeout=timeout,
+        timeout=left,
         wait_for_workers=False,
     )
     store = c10d.PrefixStore(group_name, store)
@@ -43,6 +49,24 @@ def join_group(
     # Group ranks equal the ranks passed to collectives on this group.
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def _wait_for_listener(host: str, port: int, deadline: float) -> None:
+    """Return once something accepts connections at host:port; TimeoutError at `deadline`."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, left))):
+                return
+        except socket.gaierror as exc:  # waiting will not make the name resolve
+            raise ValueError(f"master_address {host!r} does not resolve: {exc}") from exc
+        except OSError as exc:
+            if time.monotonic() + 0.2 >= deadline:
+                raise TimeoutError(
+                    f"no weight-group rendezvous at {host}:{port} (the trainer hosts it) "
+                    f"within the timeout: {exc}"
+                ) from exc
+            time.sleep(0.2)
 
 
 def leave_group(group: Any) -> None:

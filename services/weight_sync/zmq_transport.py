@@ -121,9 +121,16 @@ def fetch_weights(
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    # a DEALER with no peer blocks its send forever: a broker that is not there is a timeout
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     sock.connect(endpoint)
     try:
-        sock.send(encode(WeightRequest(version=version)))
+        try:
+            sock.send(encode(WeightRequest(version=version)))
+        except zmq.Again as exc:
+            raise TimeoutError(
+                f"weight broker at {endpoint} did not accept a connection within {timeout_s:g}s"
+            ) from exc
         tensors = FetchedWeights()
         expected: int | None = None
         received = 0
@@ -132,7 +139,7 @@ def fetch_weights(
                 message: list[Frame] = sock.recv_multipart(copy=False)
             except zmq.Again as exc:
                 raise TimeoutError(
-                    f"weight broker at {endpoint} sent nothing for {timeout_s:.0f}s "
+                    f"weight broker at {endpoint} sent nothing for {timeout_s:g}s "
                     f"while fetching version {version}"
                 ) from exc
             if bytes(frame_view(message[0])) == ERROR_FRAME:

@@ -1,0 +1,74 @@
+"""A request-size cap for every Tandem HTTP service (`--max-request-bytes`).
+
+Pure ASGI, outermost (wrapped by `serving.serve`, so it also guards layers such as the router's
+fast path that read bodies themselves): a request whose `Content-Length` exceeds the cap is
+answered 413 before any of its body is read; a body without a length (chunked) is counted as it
+arrives (held here, never more than the cap) and answered 413 as soon as it passes the cap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+Scope = dict[str, Any]
+Receive = Any
+Send = Any
+
+
+async def _too_large(send: Send, limit: int, flag: str) -> None:
+    message = f"request body over {limit} bytes; raise the service's {flag} to accept it"
+    body = orjson.dumps({"error": {"message": message, "code": 413}, "detail": message})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over `limit` bytes (0 = no cap)."""
+
+    def __init__(self, app: Any, limit: int, flag: str = "--max-request-bytes") -> None:
+        self.app, self.limit, self.flag = app, limit, flag
+
+    def __getattr__(self, name: str) -> Any:  # e.g. `.state` of the wrapped FastAPI app
+        return getattr(self.app, name)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.limit <= 0:
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            await _too_large(send, self.limit, self.flag)
+            return
+        if length is not None:
+            await self.app(scope, receive, send)
+            return
+        # No length (chunked): read it here, at most `limit` bytes, then hand it on.
+        chunks, seen, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            more = message.get("more_body", False)
+            if seen > self.limit:
+                await _too_large(send, self.limit, self.flag)
+                return
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed() -> dict[str, Any]:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)

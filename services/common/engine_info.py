@@ -1,0 +1,43 @@
+"""Ask an SGLang-compatible engine which weight version it serves.
+
+SGLang 0.5.23 reports the version only as the `weight_version` field of `GET /model_info` (and
+of the deprecated `/get_model_info`); older servers (and Tandem's reference engine) also serve
+`GET /get_weight_version`. `weight_version(url)` tries them in that order, moving to the next
+route only when one answers 404 (or a body without the field), so a down engine fails fast.
+
+Used by the weight broker (from a thread) and by `tandem up`, which cannot import each other.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+VERSION_ROUTES = ("/model_info", "/get_model_info", "/get_weight_version")
+
+
+class VersionUnavailableError(RuntimeError):
+    """No route of `VERSION_ROUTES` told the engine's version (or the engine is unreachable)."""
+
+
+def weight_version(url: str, timeout_s: float = 5.0) -> str:
+    """The `weight_version` the engine at `url` reports, as a string."""
+    problems = []
+    for route in VERSION_ROUTES:
+        try:
+            with urllib.request.urlopen(f"{url.rstrip('/')}{route}", timeout=timeout_s) as resp:
+                body = json.load(resp)
+        except urllib.error.HTTPError as exc:
+            problems.append(f"{route}: HTTP {exc.code}")
+            if exc.code in (404, 405):
+                continue
+            break
+        except (OSError, ValueError) as exc:  # unreachable, timed out, not JSON
+            problems.append(f"{route}: {exc}")
+            break
+        version = body.get("weight_version") if isinstance(body, dict) else None
+        if version is not None:
+            return str(version)
+        problems.append(f"{route}: no weight_version field")
+    raise VersionUnavailableError(f"engine {url}: " + "; ".join(problems))

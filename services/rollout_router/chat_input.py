@@ -1,0 +1,113 @@
+"""A session's chat turn, checked before any work: 400 naming the field, never a 500.
+
+Knows OpenAI's chat request fields and SGLang's sampling parameter names; knows nothing about
+HTTP or engines. `check_messages` runs before the chat template; `prompt_char_limit` is a cheap
+upper bound that refuses a prompt too long for the context without tokenising it (a token never
+decodes to more characters than its longest vocabulary entry, so more characters than
+context x that length cannot fit).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+
+class TurnError(ValueError):
+    """A bad chat request; the message names the field."""
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """`messages` as a list of {role, content} objects, or TurnError naming the bad entry."""
+    if not isinstance(messages, list) or not messages:
+        raise TurnError("messages must be a non-empty list of {role, content} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TurnError(
+                f"messages[{i}] must be an object with role and content, "
+                f"got {type(message).__name__}"
+            )
+        if not isinstance(message.get("role"), str):
+            raise TurnError(f"messages[{i}].role must be a string")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise TurnError(f"messages[{i}].content must be a string, a list of parts or null")
+    return messages
+
+
+def message_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of every message's content (list contents counted as their JSON)."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        total += len(content) if isinstance(content, str) else len(json.dumps(content or ""))
+    return total
+
+
+@functools.cache
+def _longest_token_chars(tokenizer: Any) -> int:
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max((len(token) for token in vocab), default=64)
+
+
+def prompt_char_limit(tokenizer: Any, context_length: int) -> int:
+    """More content characters than this cannot fit in `context_length` tokens."""
+    return context_length * _longest_token_chars(tokenizer)
+
+
+def model_context_length(tokenizer: Any) -> int | None:
+    """`max_position_embeddings` of the tokenizer's model directory, if it has a config.json."""
+    config = Path(str(getattr(tokenizer, "name_or_path", ""))) / "config.json"
+    try:
+        value = json.loads(config.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _int(body: dict[str, Any], name: str, low: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise TurnError(f"{name} must be an integer >= {low}, got {str(value)[:50]!r}")
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or isinstance(value, bool) or not low <= value <= high:
+        raise TurnError(f"{name} must be a number in [{low}, {high}], got {str(value)[:50]!r}")
+    return float(value)
+
+
+def sampling_params(body: dict[str, Any], stop_token_ids: list[int]) -> dict[str, Any]:
+    """SGLang sampling parameters of a chat turn, without `max_new_tokens` (the caller sets it
+    from `requested_max_tokens` and the context)."""
+    if _int(body, "n", 1) not in (None, 1):
+        raise TurnError("n must be 1 in a session (one conversation per session)")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise TurnError("stop must be a string or a list of strings")
+    seed = _int(body, "seed", 0)
+    return {
+        "temperature": _number(body, "temperature", 1.0, 0.0, 100.0),
+        "top_p": _number(body, "top_p", 1.0, 1e-9, 1.0),
+        "n": 1,
+        "stop_token_ids": stop_token_ids,
+        "skip_special_tokens": True,
+        **({"stop": stop} if stop else {}),
+        **({"sampling_seed": seed} if seed is not None else {}),
+    }
+
+
+def requested_max_tokens(body: dict[str, Any]) -> int | None:
+    """`max_completion_tokens` or `max_tokens` as given (None when neither is)."""
+    given = _int(body, "max_completion_tokens", 1)
+    return given if given is not None else _int(body, "max_tokens", 1)

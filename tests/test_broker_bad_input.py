@@ -1,0 +1,136 @@
+"""The weight broker survives malformed frames (rejected and counted, no thread dies), reports a
+dead thread as unhealthy, checks engine URLs, and lets only the run's token change its engines."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import httpx
+import numpy as np
+import pytest
+import zmq
+
+from proto import TensorMeta, WeightBucketHeader, WeightRequest, encode
+from services.weight_sync.zmq_transport import ERROR_FRAME
+
+TOKEN = "broker-test-token"
+
+
+@pytest.fixture
+def broker(start_service):  # type: ignore[no-untyped-def]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_API_TOKEN", TOKEN)
+        mp.delenv("TANDEM_WEIGHT_SECRET", raising=False)
+        return start_service("broker", ["broker", "--port", "0"])
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def test_malformed_frames_are_rejected_and_counted_and_every_thread_lives(broker) -> None:  # type: ignore[no-untyped-def]
+    ctx = zmq.Context.instance()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(broker.info["intake_endpoint"])
+    tensor = np.zeros(4, dtype=np.float32)
+    meta = [TensorMeta("w", "float32", [4])]
+    out_of_range = WeightBucketHeader(version=1, bucket_index=5, num_buckets=2, tensors=meta)
+    in_range = WeightBucketHeader(version=1, bucket_index=0, num_buckets=2, tensors=meta)
+    for message in (
+        [b"garbage", b"more"],
+        [encode(in_range), tensor.tobytes()],  # half of version 1: kept, incomplete
+        [encode(out_of_range), tensor.tobytes()],  # would "complete" version 1 with a hole
+        [b""],
+    ):
+        push.send_multipart(message)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+    dealer.connect(broker.info["serve_endpoint"])
+    dealer.send_multipart([b"one", b"two"])  # two payload frames: not a WeightRequest
+    assert dealer.recv_multipart()[0] == ERROR_FRAME
+    dealer.send_multipart([b"\xc1"])  # not msgpack
+    assert dealer.recv_multipart()[0] == ERROR_FRAME
+    dealer.send(encode(WeightRequest(version=1)))  # the serve thread still answers
+    reply = dealer.recv_multipart()
+    assert reply[0] == ERROR_FRAME and b"no weight version 1" in reply[1]
+    push.close()
+    dealer.close()
+    url = broker.url
+    assert metric(url, "tandem_broker_buckets_rejected_total") == 3
+    assert metric(url, "tandem_broker_frames_rejected_total") == 2
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/state").json()["version"] == -1
+
+
+def test_engine_registration_checks_the_url_and_the_token(broker) -> None:  # type: ignore[no-untyped-def]
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for bad in ("not a url", "", "ftp://x", "http://", "http://h:99999"):
+        reply = httpx.post(broker.url + "/engines", json={"url": bad}, headers=auth)
+        assert reply.status_code == 422 and "url" in reply.text, bad
+    good = {"url": "http://127.0.0.1:9"}
+    assert httpx.post(broker.url + "/engines", json=good).status_code == 401
+    assert httpx.post(broker.url + "/engines", json=good, headers=auth).status_code == 200
+    delete = httpx.delete(broker.url + "/engines", params=good)
+    assert delete.status_code == 401
+    assert httpx.get(broker.url + "/state").status_code == 200, "reads stay open"
+
+
+def test_a_dead_weight_thread_makes_health_503() -> None:
+    from fastapi.testclient import TestClient
+
+    from services.weight_broker.config import BrokerConfig
+    from services.weight_broker.server import create_app
+
+    app = create_app(BrokerConfig())
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        dead = threading.Thread(target=lambda: None, name="serve_loop")
+        dead.start()
+        dead.join()
+        app.state.broker._threads.append(dead)
+        reply = client.get("/health")
+        assert reply.status_code == 503 and "serve_loop" in reply.json()["problem"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needs"),
+    [
+        (["--host", "0.0.0.0"], "TANDEM_API_TOKEN"),
+        (["--intake-endpoint", "tcp://0.0.0.0:*"], "TANDEM_WEIGHT_SECRET"),
+    ],
+)
+def test_a_broker_alone_refuses_a_public_address_without_its_secret(args, needs) -> None:  # type: ignore[no-untyped-def]
+    env = {k: v for k, v in os.environ.items() if k not in {"TANDEM_API_TOKEN", needs}}
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "broker", "--port", "0", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and needs in done.stderr
+
+
+def test_the_trainer_skips_and_counts_a_malformed_control_frame() -> None:
+    from proto import NcclCommand
+    from services.weight_sync.nccl_sender import NcclWeightSender
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    sender = NcclWeightSender(f"tcp://127.0.0.1:{port}", timeout_s=10)
+    try:
+        sender._socket.send(b"hello")  # the broker learns the trainer's identity
+        identity, _ = router.recv_multipart()
+        router.send_multipart([identity, b"\xc1garbage"])
+        router.send_multipart([identity, encode(NcclCommand(action="done", version=3))])
+        assert sender._receive(3).action == "done"
+        assert sender.frames_rejected == 1
+    finally:
+        sender.close()
+        router.close()

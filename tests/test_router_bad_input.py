@@ -1,0 +1,164 @@
+"""A bad request to the router is a 4xx with the reason, never a 5xx or a hang; agent sessions
+(turns and rewards) and control routes need the run's token. A real router in front of a real
+reference engine (the toy model with a chat template: a context of 64 tokens)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services.sample_buffer import RedisServer
+from tests.helpers import with_chat_template
+
+TOKEN = "router-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+TEMPLATE = (
+    "<bos>{% for m in messages %}"
+    "{% if m['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ m['content'] }}"
+    "{% if m['role'] == 'user' %}>{% else %}<eos>{% endif %}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_model(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return with_chat_template(toy_model_dir, tmp_path_factory.mktemp("chat") / "model", TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def router(
+    redis_server: RedisServer, chat_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """One engine and one router for the module (each test uses its own session ids)."""
+    from conftest import ServiceProcess
+
+    workdir = tmp_path_factory.mktemp("router")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_API_TOKEN", TOKEN)
+        engine = ServiceProcess(
+            ["engine", "--model", str(chat_model), "--port", "0"], workdir, "engine"
+        )
+        args = ["router", "--port", "0", "--engine-urls", engine.url, "--model", str(chat_model)]
+        args += ["--redis-url", redis_server.url, "--run-id", "router-bad-input"]
+        args += ["--no-rollout", "--max-request-bytes", str(8 << 20)]
+        router = ServiceProcess(args, workdir, "router")
+    yield router.url
+    router.stop()
+    engine.stop()
+
+
+def turn(router: str, body: Any, auth: bool = True, session: str = "s1") -> httpx.Response:
+    headers = {"X-Session-Id": session, **(AUTH if auth else {})}
+    return httpx.post(router + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def test_bad_session_turns_are_400_naming_the_field_and_engine_refusals_pass_through(
+    router: str,
+) -> None:
+    cases: list[tuple[Any, str]] = [
+        ({"messages": [[None, None]]}, "messages[0]"),
+        ({"messages": ["hello"]}, "messages[0]"),
+        ({"messages": [{"role": 1, "content": "1"}]}, "messages[0].role"),
+        ({"messages": "12"}, "messages"),
+        ({"messages": [{"role": "robot", "content": "1"}]}, "chat template"),
+        ({"messages": user("12"), "max_tokens": -5}, "max_tokens"),
+        ({"messages": user("12"), "max_tokens": "many"}, "max_tokens"),
+        ({"messages": user("12"), "temperature": -1}, "temperature"),
+        ({"messages": user("12"), "top_p": 5}, "top_p"),
+        ({"messages": user("12"), "stop": 3}, "stop"),
+        ({"messages": user("12"), "n": 2}, "n"),
+        ([1, 2], "JSON object"),
+    ]
+    for body, field in cases:
+        reply = turn(router, body)
+        assert reply.status_code == 400, (body, reply.text)
+        assert field in reply.json()["detail"], (body, reply.text)
+    # the engine refuses what does not fit its context: its status and reason reach the agent
+    reply = turn(router, {"messages": user("12"), "max_tokens": 100000})
+    assert reply.status_code == 400 and "context" in reply.json()["detail"]
+    reply = turn(router, {"messages": user("1" * 200)})
+    assert reply.status_code == 400 and "context" in reply.json()["detail"]
+    # a body that is not an object is refused on the path without a session, too
+    reply = httpx.post(router + "/v1/chat/completions", json=[1], timeout=30)
+    assert reply.status_code == 400
+
+
+def test_a_turn_without_max_tokens_is_clipped_to_the_context(router: str) -> None:
+    reply = turn(router, {"messages": user("12")})  # 1024 default + prompt > 64 tokens
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["total_tokens"] <= 64
+
+
+def test_a_huge_message_is_refused_before_it_is_tokenised(router: str) -> None:
+    started = time.monotonic()
+    reply = turn(router, {"messages": user("1" * 5_000_000)})
+    assert reply.status_code == 400 and "characters" in reply.json()["detail"]
+    assert time.monotonic() - started < 30
+    reply = httpx.post(
+        router + "/v1/chat/completions", content=b" " * (9 << 20), headers=AUTH, timeout=30
+    )
+    assert reply.status_code == 413 and "--max-request-bytes" in reply.text
+
+
+def test_sessions_and_control_need_the_token_reads_and_generation_stay_open(router: str) -> None:
+    body = {"messages": user("12"), "max_tokens": 4}
+    assert turn(router, body, auth=False, session="s-auth").status_code == 401
+    assert turn(router, body, session="s-auth").status_code == 200
+    reward = router + "/sessions/s-auth/reward"
+    assert httpx.post(reward, json={"reward": 1.0}).status_code == 401
+    assert httpx.post(reward, json={"reward": 1.0}, headers=AUTH).status_code == 200
+    assert httpx.post(router + "/pause_generation", json={}).status_code == 401
+    reply = httpx.post(router + "/pause_generation", json={"mode": "later"}, headers=AUTH)
+    assert reply.status_code == 422 and "mode" in reply.text
+    body = {"input_ids": [1, 5, 14], "sampling_params": {"max_new_tokens": 2}}
+    assert httpx.post(router + "/generate", json=body).status_code == 200
+    assert httpx.get(router + "/workers").status_code == 200
+
+
+def test_worker_urls_are_checked(router: str) -> None:
+    for bad in ("not a url", "", "127.0.0.1:30000"):
+        reply = httpx.post(router + "/workers", json={"url": bad}, headers=AUTH)
+        assert reply.status_code == 422 and "url" in reply.text, bad
+    reply = httpx.post(router + "/add_worker", params={"url": "nope"}, headers=AUTH)
+    assert reply.status_code == 422
+
+
+def test_the_router_openapi_has_unique_ids_and_publishes_bodies(router: str) -> None:
+    spec = httpx.get(router + "/openapi.json").json()
+    ids = [op["operationId"] for item in spec["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    for path in ("/generate", "/v1/chat/completions", "/pause_generation", "/workers"):
+        assert "requestBody" in spec["paths"][path]["post"], path
+
+
+async def test_health_is_503_once_the_worker_health_checks_died() -> None:
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from services.rollout_router.config import WorkerPoolConfig
+    from services.rollout_router.routes_engine import router as engine_routes
+    from services.rollout_router.workers import WorkerPool
+
+    pool = WorkerPool(WorkerPoolConfig())
+
+    async def broken() -> None:
+        raise RuntimeError("bug in the health loop")
+
+    pool._health_task = asyncio.create_task(broken())
+    await asyncio.sleep(0)
+    app = FastAPI()
+    app.include_router(engine_routes)
+    app.state.pool = pool
+    reply = TestClient(app).get("/health")
+    assert reply.status_code == 503 and "bug in the health loop" in reply.json()["problem"]

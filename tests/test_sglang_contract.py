@@ -1,0 +1,150 @@
+"""Tandem speaks the pinned SGLang (0.5.23): the stand-in worker takes only what SGLang takes.
+
+The stand-in (`tests/fake_sglang.py`) derives its routes and request validation from the
+installed `sglang` package's source (`tests/sglang_surface.py`); these tests send it the bodies
+Tandem's router and broker build, and check that it refuses what SGLang would refuse.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import httpx
+import pytest
+
+from proto.messages import NcclOffer, TensorMeta
+from services.common.engine_info import VersionUnavailableError, weight_version
+from services.rollout_router.config import RolloutConfig, SamplingConfig
+from services.rollout_router.rollout import RolloutLoop
+from services.rollout_router.samples import as_list
+from services.weight_broker.nccl_coordinator import NcclCoordinator
+from services.weight_broker.transports import DiskTransport
+from tests import sglang_surface
+
+
+def test_the_pinned_sglang_serves_no_get_weight_version_route() -> None:
+    table = sglang_surface.routes()
+    assert ("GET", "/model_info") in table and ("POST", "/generate") in table
+    assert ("GET", "/get_weight_version") not in table
+
+
+def test_the_stand_in_refuses_routes_and_fields_the_pinned_sglang_lacks(engines) -> None:  # type: ignore[no-untyped-def]
+    url = engines().url
+    assert httpx.get(f"{url}/get_weight_version").status_code == 404
+    assert httpx.get(f"{url}/get_load").status_code == 404
+    bad_param = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "seed": 3}}
+    reply = httpx.post(f"{url}/generate", json=bad_param)
+    assert reply.status_code == 400 and "seed" in reply.text
+    bad_field = {"input_ids": [1, 2], "temperature": 0.5}
+    reply = httpx.post(f"{url}/generate", json=bad_field)
+    assert reply.status_code == 400 and "temperature" in reply.text
+    reply = httpx.post(f"{url}/update_weights_from_disk", json={"weight_version": "3"})
+    assert reply.status_code == 400 and "model_path" in reply.text, "a required field"
+    body = {"model_path": "/m", "weight_version": 3}
+    reply = httpx.post(f"{url}/update_weights_from_disk", json=body)
+    assert reply.status_code == 400 and "weight_version" in reply.text, "a wrong type"
+    reply = httpx.post(f"{url}/pause_generation", json={"mode": "later"})
+    assert reply.status_code == 400 and "mode" in reply.text
+
+
+def test_weight_version_is_read_from_model_info_on_sglang_0_5_23(engines) -> None:  # type: ignore[no-untyped-def]
+    url = engines("--weight-version", "7").url
+    assert weight_version(url) == "7"
+
+
+def test_weight_version_falls_back_to_get_weight_version_on_older_servers() -> None:
+    class OldServer(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            ok = self.path == "/get_weight_version"
+            body = b'{"weight_version": "5"}' if ok else b"{}"
+            self.send_response(200 if ok else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), OldServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert weight_version(f"http://127.0.0.1:{server.server_address[1]}") == "5"
+    finally:
+        server.shutdown()
+    with pytest.raises(VersionUnavailableError, match=r"engine http://127\.0\.0\.1"):
+        weight_version(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=1)
+
+
+def rollout_loop() -> RolloutLoop:
+    sampling = SamplingConfig(
+        rollout_max_response_len=6, rollout_top_p=0.9, rollout_top_k=20, rollout_stop=["</a>"]
+    )
+    return RolloutLoop(RolloutConfig(), sampling, None, None, None, None, [2])  # type: ignore[arg-type]
+
+
+def test_rollout_generate_bodies_are_accepted_and_give_n_samples(engines) -> None:  # type: ignore[no-untyped-def]
+    url, loop = engines().url, rollout_loop()
+    prompt = [1, 5, 6, 14]
+    for body in (loop.payload(prompt, 4, 6, False, 11), loop.payload(prompt, 1, 6, True, 0)):
+        assert sglang_surface.generate_problem(body) is None
+    outs = as_list(httpx.post(f"{url}/generate", json=loop.payload(prompt, 4, 6, False, 11)).json())
+    assert len(outs) == 4
+    assert len({tuple(o["output_ids"]) for o in outs}) == 2, "copy k answers by its index"
+    one = httpx.post(f"{url}/generate", json=loop.payload(prompt, 1, 6, False, 3)).json()
+    assert isinstance(one, dict) and one["output_ids"]
+
+
+async def test_broker_weight_update_bodies_are_accepted(
+    engines, toy_model_dir: Path, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    url = engines().url
+    async with aiohttp.ClientSession() as session:
+        disk = DiskTransport(str(tmp_path / "versions"), str(toy_model_dir))
+        await disk.update(session, url, 3)  # raises unless 200 and success
+    assert weight_version(url) == "3"
+    offer = NcclOffer(
+        version=4,
+        buckets=[[TensorMeta("model.embed_tokens.weight", "bfloat16", [8, 4])]],
+        master_address="127.0.0.1",
+        master_port=29500,
+        backend="nccl",
+    )
+    for load_format in ("per_tensor", "flattened_bucket"):
+        me: Any = SimpleNamespace(group_name="tandem_weights_1", load_format=load_format)
+        body = NcclCoordinator._update_body(me, offer, offer.buckets[0], True)
+        assert sglang_surface.check_body("UpdateWeightsFromDistributedReqInput", body) is None
+    init = NcclCoordinator._init_body(me, offer, 1, 2)
+    assert sglang_surface.check_body("InitWeightsUpdateGroupReqInput", init) is None
+    for mode in ("abort", "in_place", "retract"):
+        reply = httpx.post(f"{url}/pause_generation", json={"mode": mode})
+        assert reply.status_code == 200
+    assert httpx.post(f"{url}/continue_generation", json={}).status_code == 200
+
+
+# Tandem's additions to SGLang's request classes (documented in proto/sglang.py).
+EXTENSIONS = {"UpdateWeightsFromDistributedReqInput": {"layout_id", "bucket_sizes"}}
+
+
+def test_proto_request_models_carry_exactly_the_fields_of_their_io_struct_namesakes() -> None:
+    from pydantic import BaseModel
+
+    from proto import sglang as sg
+
+    classes = sglang_surface.request_classes()
+    checked = 0
+    for name in dir(sg):
+        model = getattr(sg, name)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or name not in classes:
+            continue
+        if name == "GenerateReqInput":  # published subset; the body itself is parsed by hand
+            assert set(model.model_fields) <= set(classes[name])
+            continue
+        ours = set(model.model_fields) - EXTENSIONS.get(name, set())
+        assert ours == set(classes[name]), name
+        checked += 1
+    assert checked >= 10
