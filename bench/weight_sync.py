@@ -261,10 +261,22 @@ def megatron_export(model_dir: Path, dtype: str):  # type: ignore[no-untyped-def
     return lambda: hf_convert.export_hf(model, arch, on_device=True)
 
 
-def sync_seconds(args: argparse.Namespace, model: Path, tensors, n: int, work: Path) -> float:  # type: ignore[no-untyped-def]
-    """Median seconds per version; `tensors` is the list to send, or a function making it."""
+def make_sender(args: argparse.Namespace, endpoint: str) -> Any:
     from services.weight_sync.nccl_sender import NcclWeightSender
     from services.weight_sync.zmq_transport import ZmqWeightSender
+
+    bucket = args.bucket_mb * 2**20
+    if args.transport == "nccl":
+        layout_ids = args.layout_id == "on"
+        return NcclWeightSender(
+            endpoint, bucket_bytes=bucket, timeout_s=args.timeout_s, layout_ids=layout_ids
+        )
+    shm = "/dev/shm" if args.transport == "shm" else None
+    return ZmqWeightSender(endpoint, bucket_bytes=bucket, timeout_s=args.timeout_s, shm_dir=shm)
+
+
+def sync_seconds(args: argparse.Namespace, model: Path, tensors, n: int, work: Path) -> float:  # type: ignore[no-untyped-def]
+    """Median seconds per version; `tensors` is the list to send, or a function making it."""
 
     dummy = ["--load-format", "dummy"] if args.device == "cuda" else []
     engines = [
@@ -308,19 +320,7 @@ def sync_seconds(args: argparse.Namespace, model: Path, tensors, n: int, work: P
         procs.append(broker)
         info = broker.wait(args.timeout_s)
         progress("broker ready")
-        bucket = args.bucket_mb * 2**20
-        if args.transport == "nccl":
-            sender: Any = NcclWeightSender(
-                info["intake_endpoint"],
-                bucket_bytes=bucket,
-                timeout_s=args.timeout_s,
-                layout_ids=args.layout_id == "on",
-            )
-        else:
-            shm = "/dev/shm" if args.transport == "shm" else None
-            sender = ZmqWeightSender(
-                info["intake_endpoint"], bucket_bytes=bucket, timeout_s=args.timeout_s, shm_dir=shm
-            )
+        sender = make_sender(args, info["intake_endpoint"])
         times = []
         for version in range(1, args.repeats + 2):  # the first version (group set-up) is warm-up
             start = time.perf_counter()

@@ -131,6 +131,27 @@ class EpisodeRunner:
         except TimeoutError as exc:
             raise EnvError("env_timeout", f"episode {episode_id} passed its deadline") from exc
 
+    async def run_all(
+        self, item: Item, group_id: str, seed: int, n: int, turn_of: Callable[[str], Generate]
+    ) -> tuple[list[Sample], list[tuple[str, EnvError]]]:
+        """n episodes of one task at once, episode k with id `{group_id}-e{k}` and seed
+        `seed + k` (`turn_of(episode_id)` makes its model turns): the finished samples, and
+        the (episode id, error) of each that failed. Any other exception propagates."""
+        ids = [f"{group_id}-e{k}" for k in range(n)]
+        results = await asyncio.gather(
+            *(self.run(item, eid, seed + k, turn_of(eid)) for k, eid in enumerate(ids)),
+            return_exceptions=True,
+        )
+        samples, failed = [], []
+        for episode_id, result in zip(ids, results, strict=True):
+            if isinstance(result, EnvError):
+                failed.append((episode_id, result))
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                samples.append(result)
+        return samples, failed
+
     async def _run(self, item: Item, episode_id: str, seed: int, generate: Generate) -> Sample:
         task = {"prompt": item.prompt, "label": item.label}
         first = await self.client.call(

@@ -16,6 +16,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from services.rollout_router.config import RolloutConfig
+from services.sample_buffer import SampleBuffer
+
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 
@@ -117,3 +120,21 @@ class Backoff:
 
     def succeeded(self) -> None:
         self.delay_s, self.until, self.streak, self.reason = 0.0, 0.0, 0, ""
+
+
+def read_demand(
+    buffer: SampleBuffer, config: RolloutConfig, in_flight: int, engines_version: int
+) -> Demand:
+    """The gate's inputs from Redis (blocking reads)."""
+    counters = buffer.counters()
+    trainer = buffer.get_version("trainer")
+    # A trainer that does not count `groups_consumed` (an older one) has consumed exactly
+    # one rollout_batch_size per rollout it finished: the gate is then the old batch gate.
+    rollouts_done = max(trainer, 0) // config.num_steps_per_rollout
+    return Demand(
+        put=counters.get("groups_put", 0),
+        consumed=counters.get("groups_consumed", rollouts_done * config.rollout_batch_size),
+        in_flight=in_flight,
+        trainer_version=trainer,
+        engines_version=engines_version,
+    )

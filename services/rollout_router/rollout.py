@@ -57,10 +57,17 @@ from services.rollout_router.progress import (
     EpochOrders,
     allowance,
     closed_gate_reason,
+    read_demand,
 )
 from services.rollout_router.report import BatchStats
 from services.rollout_router.rewards import Reward, RewardError
-from services.rollout_router.samples import Partial, as_list, parse_version, sampling_seed
+from services.rollout_router.samples import (
+    Partial,
+    as_list,
+    generate_body,
+    parse_version,
+    sampling_seed,
+)
 from services.rollout_router.tasks import Item, Task
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
 from services.sample_buffer import SampleBuffer
@@ -95,16 +102,13 @@ class RolloutLoop:
     ) -> None:
         self.config, self.sampling = config, sampling
         self.pool, self.buffer, self.task, self.reward = pool, buffer, task, reward
-        self.stop_token_ids = stop_token_ids
-        self.episodes = episodes
+        self.stop_token_ids, self.episodes = stop_token_ids, episodes
         self.state, self.waiting_for, self.since = "idle", "", time.time()
         self.in_flight = 0  # /generate requests
         self.groups: set[asyncio.Task] = set()  # groups started, not yet put or dropped
-        self.samples_per_s = 0.0
-        self.groups_put = 0
+        self.samples_per_s, self.groups_put, self.error = 0.0, 0, ""
         self.last_eval: dict[str, float] = {}
         self.last_eval_version = -1
-        self.error = ""
         self.limiter = Limiter(config.rollout_max_concurrency)
         self.backoff = Backoff()
         self.stats = BatchStats()
@@ -237,20 +241,7 @@ class RolloutLoop:
 
     def read_demand(self, in_flight: int) -> Demand:
         """The gate's inputs (blocking Redis reads)."""
-        counters = self.buffer.counters()
-        trainer = self.buffer.get_version("trainer")
-        # A trainer that does not count `groups_consumed` (an older one) has consumed exactly
-        # one rollout_batch_size per rollout it finished: the gate is then the old batch gate.
-        rollouts_done = max(trainer, 0) // self.config.num_steps_per_rollout
-        return Demand(
-            put=counters.get("groups_put", 0),
-            consumed=counters.get(
-                "groups_consumed", rollouts_done * self.config.rollout_batch_size
-            ),
-            in_flight=in_flight,
-            trainer_version=trainer,
-            engines_version=self.engines_version(),
-        )
+        return read_demand(self.buffer, self.config, in_flight, self.engines_version())
 
     def prompt(self, p: int) -> Item:
         """Draw p: prompt p % len(train) of epoch p // len(train)'s permutation."""
@@ -376,35 +367,10 @@ class RolloutLoop:
     # --- requests -----------------------------------------------------------------------------
 
     def payload(self, input_ids: list[int], n: int, max_new: int, greedy: bool, seed: int) -> dict:
-        """One /generate body. n > 1 is a batch of n copies of the prompt, copy k seeded with
-        `sampling_seed(seed, k)`: n distinct samples, reproducible where the engine honours
-        seeds (not SGLang's `n`, whose samples share one seed; see the README)."""
-        s = self.sampling
-
-        def params(copy_seed: int) -> dict:
-            return {
-                "max_new_tokens": max_new,
-                "temperature": 0.0 if greedy else s.rollout_temperature,
-                "top_p": s.rollout_top_p,
-                "top_k": s.rollout_top_k,
-                "n": 1,
-                "stop_token_ids": self.stop_token_ids,
-                "sampling_seed": copy_seed,
-                "skip_special_tokens": True,
-                # keep a matched stop string or stop token in the text (SGLang trims it by
-                # default): the text the reward reads then matches the tokens trained on
-                "no_stop_trim": True,
-                **({"stop": s.rollout_stop} if s.rollout_stop else {}),
-            }
-
-        if n == 1:
-            return {"input_ids": input_ids, "sampling_params": params(seed), "return_logprob": True}
-        return {
-            "input_ids": [list(input_ids) for _ in range(n)],
-            "sampling_params": [params(sampling_seed(seed, k)) for k in range(n)],
-            "return_logprob": True,
-            **({"return_routed_experts": True} if s.return_routed_experts else {}),
-        }
+        """One /generate body with this loop's sampling settings (`samples.generate_body`)."""
+        return generate_body(
+            self.sampling, self.stop_token_ids, input_ids, n, max_new, greedy, seed
+        )
 
     async def generate(
         self, payload: dict[str, Any], session_id: str | None = None
@@ -468,26 +434,13 @@ class RolloutLoop:
             return turn
 
         n = self.config.n_samples_per_prompt
-        results = await asyncio.gather(
-            *(
-                self.episodes.run(item, f"{group_id}-e{k}", seed + k, turn_of(f"{group_id}-e{k}"))
-                for k in range(n)
-            ),
-            return_exceptions=True,
-        )
-        samples: list[Sample | RewardError] = []
-        first = ""
-        for k, result in enumerate(results):
-            if isinstance(result, EnvError):
-                first = first or f"{result.reason}: {result}"
-                await self._drop(f"{group_id}-e{k}", result.reason, str(result))
-            elif isinstance(result, BaseException):
-                raise result
-            else:
-                samples.append(result)
+        samples, failed = await self.episodes.run_all(item, group_id, seed, n, turn_of)
+        for episode_id, error in failed:
+            await self._drop(episode_id, error.reason, str(error))
         if not samples:
+            first = f"{failed[0][1].reason}: {failed[0][1]}"
             raise GroupDroppedError("env_all_failed", f"all {n} episodes failed; first: {first}")
-        return samples
+        return list(samples)
 
     async def complete(
         self, prompt_ids: list[int], partial: Partial, seed: int, session_id: str | None = None

@@ -17,6 +17,7 @@ from typing import Any
 
 from proto import Sample
 from proto.models import pack_routed_experts
+from services.rollout_router.config import SamplingConfig
 
 
 def parse_version(value: Any) -> int:
@@ -113,3 +114,48 @@ class Partial:
             response_text=self.text,
             routed_experts=pack_routed_experts(self.routed_experts) if self.routed_experts else b"",
         )
+
+
+def generate_body(
+    s: SamplingConfig,
+    stop_token_ids: list[int],
+    input_ids: list[int],
+    n: int,
+    max_new: int,
+    greedy: bool,
+    seed: int,
+) -> dict[str, Any]:
+    """One /generate body. n > 1 is a batch of n copies of the prompt, copy k seeded with
+    `sampling_seed(seed, k)`: n distinct samples, reproducible where the engine honours seeds
+    (not SGLang's `n`, whose samples share one seed; see the README)."""
+
+    def params(copy_seed: int) -> dict[str, Any]:
+        return {
+            "max_new_tokens": max_new,
+            "temperature": 0.0 if greedy else s.rollout_temperature,
+            "top_p": s.rollout_top_p,
+            "top_k": s.rollout_top_k,
+            "n": 1,
+            "stop_token_ids": stop_token_ids,
+            "sampling_seed": copy_seed,
+            "skip_special_tokens": True,
+            # keep a matched stop string or stop token in the text (SGLang trims it by
+            # default): the text the reward reads then matches the tokens trained on
+            "no_stop_trim": True,
+            **({"stop": s.rollout_stop} if s.rollout_stop else {}),
+        }
+
+    replay = {"return_routed_experts": True} if s.return_routed_experts else {}
+    if n == 1:
+        return {
+            "input_ids": input_ids,
+            "sampling_params": params(seed),
+            "return_logprob": True,
+            **replay,
+        }
+    return {
+        "input_ids": [list(input_ids) for _ in range(n)],
+        "sampling_params": [params(sampling_seed(seed, k)) for k in range(n)],
+        "return_logprob": True,
+        **replay,
+    }

@@ -29,7 +29,6 @@ import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +42,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.policy import Policy, init_distributed
 from services.trainer.stats import StepStats, comm_device
 from services.trainer.status import StatusReporter
+from services.weight_sync import make_sender
 from services.weight_sync.wire import WeightSyncError
 
 log = logging.getLogger("tandem.trainer")
@@ -113,7 +113,12 @@ class Trainer:
         if resume_root is not None:
             self._resume(resume_root, found_by)
         if self.is_main and cfg.weights_endpoint:
-            self.sender = make_weight_sender(cfg)
+            self.sender = make_sender(
+                cfg.weight_transport,
+                cfg.weights_endpoint,
+                shm_dir=cfg.weights_shm_dir,
+                master_address=cfg.weights_master_address,
+            )
         if self.buffer is not None:
             self.groups_consumed = self.buffer.counters().get("groups_consumed", 0)
             self.buffer.set_version("trainer", self.version)
@@ -342,7 +347,7 @@ class Trainer:
         loss_fn = step_math.LossFunction(
             self.cfg,
             self.loss_cfg,
-            max_response_len(samples),
+            max((len(s.advantages) for s in samples), default=1),  # the longest response
             stats,
             samples=None if recomputed else mine,
             version=self.version,
@@ -493,23 +498,3 @@ SKIP_ADVICE = (
     "check --lr (too high?), the rewards and log-probs of the samples (NaN?), or pass "
     "--on-nonfinite fail to stop at the first"
 )
-
-
-def max_response_len(samples: list[TrainSample]) -> int:
-    return max((len(s.advantages) for s in samples), default=1)
-
-
-def make_weight_sender(cfg: TrainerConfig) -> Any:
-    """The sender matching the broker's transport (see services/weight_sync)."""
-    if cfg.weight_transport == "nccl":
-        from services.weight_sync.nccl_sender import NcclWeightSender
-
-        return NcclWeightSender(cfg.weights_endpoint, master_address=cfg.weights_master_address)
-    if cfg.weight_transport != "zmq":
-        raise ValueError(f"--weight-transport must be zmq or nccl, not {cfg.weight_transport!r}")
-    from services.weight_sync.wire import secret_from_env
-    from services.weight_sync.zmq_transport import ZmqWeightSender
-
-    return ZmqWeightSender(
-        cfg.weights_endpoint, secret=secret_from_env(), shm_dir=cfg.weights_shm_dir or None
-    )
