@@ -77,6 +77,12 @@ def test_stopping_mid_batch_counts_the_groups_in_flight_as_cancelled(
     httpx.post(router.url + "/rollout/stop", headers=TOKEN)
     assert buffer.drop_counts() == {"cancelled": 4}
     assert buffer.depth() == 0
+    # Their prompts were given back: the next start draws them again, not new ones.
+    assert buffer.counters()["prompts_drawn"] == 4
+    httpx.post(router.url + "/rollout/start", headers=TOKEN)
+    wait_until(lambda: status(router)["in_flight"] >= 4, "the same 4 prompts in flight again")
+    assert buffer.counters()["prompts_drawn"] == 4
+    assert buffer.redis.zcard(buffer.redraw_key) == 0
 
 
 def test_patching_the_config_validates_and_changes_later_requests(

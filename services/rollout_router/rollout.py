@@ -229,7 +229,7 @@ class RolloutLoop:
             return 0
         self.set_state("generating")
         for _ in range(n):
-            p = await asyncio.to_thread(self.buffer.incr_counter, "prompts_drawn") - 1
+            p = await asyncio.to_thread(self.buffer.draw_prompt)
             group = asyncio.create_task(self.run_group(p, self.prompt(p)), name=f"group p{p}")
             self.groups.add(group)
             group.add_done_callback(self._group_ended)
@@ -308,19 +308,15 @@ class RolloutLoop:
             await self._drop(group_id, reason, str(exc))
             return
         except asyncio.CancelledError:
-            # Stopped mid-group: the group will not be trained on; say so before unwinding
-            # (synchronously: a cancelled task cannot reliably await).
+            # Stopped mid-group: say so, and give the prompt back to be drawn again at the next
+            # start (synchronously: a cancelled task cannot reliably await).
             if not committed[0]:
+                detail = "rollout stopped; its prompt is drawn again at the next start"
+                drop = DropRecord(source="router", reason="cancelled", count=1, detail=detail)
                 with contextlib.suppress(RedisError):
-                    self.buffer.record_drop(
-                        DropRecord(
-                            source="router",
-                            reason="cancelled",
-                            count=1,
-                            group_id=group_id,
-                            detail="rollout stopped",
-                        )
-                    )
+                    drop.group_id = group_id
+                    self.buffer.record_drop(drop)
+                    self.buffer.give_back_prompt(p)
             raise
         self.backoff.succeeded()
         await self.stats.add(group, self)

@@ -14,6 +14,8 @@ Keys (all under `tandem:{run_id}:`):
               service that set it; written once per run, term by term (HSETNX).
 - `counters`  hash name -> integer: `groups_put` (incremented in the same transaction as the
               XADD), and what the services count beside it (e.g. `groups_consumed`).
+- `redraw`    sorted set of prompt draws given back (a group stopped before it was put): the
+              next draws take them, lowest first, before the cursor `prompts_drawn` moves on.
 - `status:{role}`  the `ServiceStatus` a service last reported (it expires when not refreshed).
 - `trained`   hash trainer version -> JSON list of the group ids of the rollout whose last
               optimizer step made that version. A version trained again after a resume from an
@@ -74,6 +76,7 @@ class SampleBuffer:
         self.counters_key = prefix + "counters"
         self.status_prefix = prefix + "status:"
         self.trained_key = prefix + "trained"
+        self.redraw_key = prefix + "redraw"
 
     # --- connection -------------------------------------------------------------------------
 
@@ -227,6 +230,17 @@ class SampleBuffer:
 
     def counters(self) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in self.redis.hgetall(self.counters_key).items()}
+
+    def draw_prompt(self) -> int:
+        """The next prompt draw of the run: one given back first, else the cursor's next."""
+        given_back = self.redis.zpopmin(self.redraw_key)
+        if given_back:
+            return int(given_back[0][1])
+        return self.incr_counter("prompts_drawn") - 1
+
+    def give_back_prompt(self, draw: int) -> None:
+        """Draw `draw` was not used (its group stopped before it was put): draw it again."""
+        self.redis.zadd(self.redraw_key, {str(draw): draw})
 
     def record_trained(self, step: int, group_ids: list[str]) -> None:
         self.redis.hset(self.trained_key, str(step), msgspec.json.encode(group_ids))
