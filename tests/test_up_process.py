@@ -206,13 +206,14 @@ def test_nccl_with_engines_on_cpu_and_the_trainer_on_a_gpu_is_refused(tmp_path: 
     ("name", "extra"),
     [
         ("qwen3_untied", []),
+        ("mistral", []),
         (
             "qwen3_moe",  # with routing replay: engines report experts, the trainer uses them
             ["--router-args=--return-routed-experts", "--trainer-args=--use-routing-replay"],
         ),
     ],
 )
-def test_a_short_run_on_qwen3_and_qwen3_moe_keeps_trainer_and_engines_in_agreement(
+def test_a_short_run_on_qwen3_mistral_and_qwen3_moe_keeps_trainer_and_engines_in_agreement(
     tmp_path: Path, name: str, extra: list[str]
 ) -> None:
     from tests.tiny_models import write_tiny
