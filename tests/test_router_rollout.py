@@ -81,14 +81,17 @@ def test_staleness_gate_holds_new_groups_until_the_trainer_consumes_or_engines_c
         "router",
         router_args(buffer, toy_model_dir, urls, "--max-staleness", "1", "--eval-interval", "0"),
     )
+    # The gate closes once the 8th group starts; it is put a moment later.
     status = wait_until(
         lambda: (
-            (s := get_json(router.url + "/rollout/status"))["state"] == "waiting_for_trainer" and s
+            (s := get_json(router.url + "/rollout/status"))["state"] == "waiting_for_trainer"
+            and s["groups_put"] == 8
+            and s
         ),
-        "the gate to close",
+        "the gate to close with every allowed group put",
     )
     # no trainer: engines and trainer at version 0 allow rollouts 0 and 1 (2 x 4 groups)
-    assert status["groups_put"] == 8 and status["batch"] == 2
+    assert status["batch"] == 2
     assert status["waiting_for"] == (
         "the trainer to consume groups (put 8, consumed 0, trainer at version -1)"
     )

@@ -73,7 +73,7 @@ async def health(request: Request) -> JSONResponse:
     `{"status": "failed", "error"}` once the rollout or evaluation task has died, or its worker
     health checks stopped (nothing would evict a dead engine any more)."""
     pool: WorkerPool = request.app.state.pool
-    control = request.app.state.control
+    control = getattr(request.app.state, "control", None)
     failure = (control.failure() if control is not None else "") or pool.health_task_problem()
     if failure:
         return JSONResponse({"status": "failed", "error": failure}, 503)
