@@ -161,4 +161,4 @@ async def test_health_is_503_once_the_worker_health_checks_died() -> None:
     app.include_router(engine_routes)
     app.state.pool = pool
     reply = TestClient(app).get("/health")
-    assert reply.status_code == 503 and "bug in the health loop" in reply.json()["problem"]
+    assert reply.status_code == 503 and "bug in the health loop" in reply.json()["error"]
