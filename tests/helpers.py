@@ -81,3 +81,39 @@ def with_chat_template(model_dir: Path, out: Path, template: str) -> Path:
     tokenizer.chat_template = template
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def router_args(
+    buffer: SampleBuffer,
+    model: Path,
+    urls: list[str],
+    *extra: str,
+    batch: int = 4,
+    n: int = 2,
+    response_len: int = 4,
+    max_groups: int = 1000,
+) -> list[str]:
+    """`tandem router` flags of a test: any free port, the test's buffer and run id, small
+    batches; `extra` flags come last (argparse keeps the last value of a flag given twice)."""
+    return [
+        "router",
+        "--port",
+        "0",
+        "--engine-urls",
+        *urls,
+        "--model",
+        str(model),
+        "--redis-url",
+        buffer.config.redis_url,
+        "--run-id",
+        buffer.config.run_id,
+        "--rollout-batch-size",
+        str(batch),
+        "--n-samples-per-prompt",
+        str(n),
+        "--rollout-max-response-len",
+        str(response_len),
+        "--max-groups",
+        str(max_groups),
+        *extra,
+    ]

@@ -21,6 +21,7 @@ import pytest
 
 from services.sample_buffer import SampleBuffer
 from tests.helpers import JsonHandler, read_all, wait_until, with_chat_template
+from tests.helpers import router_args as shared_router_args
 
 ROOT = Path(__file__).resolve().parents[1]
 # User turns end with `>`, assistant turns with `<eos>`: a history re-renders as an exact prefix.
@@ -37,30 +38,9 @@ def chat_model_dir(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
-    return [
-        "router",
-        "--port",
-        "0",
-        "--engine-urls",
-        *urls,
-        "--model",
-        str(model),
-        "--redis-url",
-        buffer.config.redis_url,
-        "--run-id",
-        buffer.config.run_id,
-        "--rollout-batch-size",
-        "2",
-        "--n-samples-per-prompt",
-        "3",
-        "--eval-interval",
-        "0",
-        "--rollout-max-response-len",
-        "3",
-        "--max-groups",
-        "1000",
-        *extra,
-    ]
+    return shared_router_args(
+        buffer, model, urls, "--eval-interval", "0", *extra, batch=2, n=3, response_len=3
+    )
 
 
 class ScriptedEnv(JsonHandler):

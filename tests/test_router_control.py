@@ -8,39 +8,15 @@ from pathlib import Path
 import httpx
 
 from services.sample_buffer import SampleBuffer
+from tests.helpers import router_args as shared_router_args
 from tests.helpers import wait_until
 
 TOKEN = {"Authorization": "Bearer t0ken"}
 
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
-    return [
-        "router",
-        "--port",
-        "0",
-        "--no-rollout",
-        "--engine-urls",
-        *urls,
-        "--model",
-        str(model),
-        "--redis-url",
-        buffer.config.redis_url,
-        "--run-id",
-        buffer.config.run_id,
-        "--rollout-batch-size",
-        "4",
-        "--n-samples-per-prompt",
-        "2",
-        "--max-staleness",
-        "1000",
-        "--rollout-max-response-len",
-        "4",
-        "--max-groups",
-        "100000",
-        "--api-token",
-        "t0ken",
-        *extra,
-    ]
+    flags = ["--no-rollout", "--max-staleness", "1000", "--api-token", "t0ken", *extra]
+    return shared_router_args(buffer, model, urls, *flags, max_groups=100000)
 
 
 def status(router) -> dict:

@@ -14,7 +14,7 @@ import pytest
 
 from proto import SampleGroup
 from services.sample_buffer import SampleBuffer
-from tests.helpers import JsonHandler, read_all, wait_until, with_chat_template
+from tests.helpers import JsonHandler, read_all, router_args, wait_until, with_chat_template
 
 CHAT_TEMPLATE = (
     "<bos>{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -28,31 +28,6 @@ def chat_model_dir(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     return with_chat_template(
         toy_model_dir, tmp_path_factory.mktemp("chat") / "model", CHAT_TEMPLATE
     )
-
-
-def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
-    return [
-        "router",
-        "--port",
-        "0",
-        "--engine-urls",
-        *urls,
-        "--model",
-        str(model),
-        "--redis-url",
-        buffer.config.redis_url,
-        "--run-id",
-        buffer.config.run_id,
-        "--rollout-batch-size",
-        "4",
-        "--n-samples-per-prompt",
-        "2",
-        "--rollout-max-response-len",
-        "4",
-        "--max-groups",
-        "1000",
-        *extra,
-    ]
 
 
 def metric(buffer: SampleBuffer, key: str) -> tuple[int, dict] | None:

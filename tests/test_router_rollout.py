@@ -12,31 +12,11 @@ from proto import SampleGroup
 from services.rollout_router.toy_task import reverse_digits_reward
 from services.sample_buffer import SampleBuffer
 from tests.helpers import free_port, get_json, post_json, read_all, wait_until
+from tests.helpers import router_args as shared_router_args
 
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
-    return [
-        "router",
-        "--port",
-        "0",
-        "--engine-urls",
-        *urls,
-        "--model",
-        str(model),
-        "--redis-url",
-        buffer.config.redis_url,
-        "--run-id",
-        buffer.config.run_id,
-        "--rollout-batch-size",
-        "4",
-        "--n-samples-per-prompt",
-        "4",
-        "--rollout-max-response-len",
-        "4",
-        "--max-groups",
-        "1000",
-        *extra,
-    ]
+    return shared_router_args(buffer, model, urls, *extra, n=4)
 
 
 def test_groups_arrive_in_redis_with_exact_tokens_and_rewards(
