@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: lint
-	$(PY) -m pytest -q -ra $(ARGS)
+	$(PY) -m pytest -q -ra --durations=30 $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
