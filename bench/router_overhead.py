@@ -1,8 +1,7 @@
 """Router overhead: one bounded loopback load, direct to workers, through Tandem's router and
 through the Rust `sglang-router`, measured in one run.
 
-Workers are the stand-in SGLang engine (`tests/fake_sglang.py`, answers at
-once), so what is measured is the routing: requests/s, p50/p99 latency and the latency each
+Workers are `bench/instant_worker.py` (SGLang's answer shape, at once), so what is measured is the routing: requests/s, p50/p99 latency and the latency each
 router adds over going direct, at concurrency 1 and 64, and each router's CPU-seconds per 1,000
 requests (user + system time of its process, from psutil). `tandem` forwards with its own keep-alive
 HTTP/1.1 client (`--hot-path-client http1`, the default), `tandem-aio` with aiohttp; a last
@@ -27,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -37,10 +37,10 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.instant_worker import InstantWorkerProcess  # noqa: E402
 from services.common.serving import bind_socket  # noqa: E402
 from services.rollout_router.http1 import Http1Pool  # noqa: E402
 from services.sample_buffer import RedisServer  # noqa: E402
-from tests.fake_sglang import FakeEngineProcess  # noqa: E402
 
 BODY = json.dumps(
     {
@@ -138,17 +138,21 @@ def measure(
 
 
 def wait_http(url: str, timeout_s: float = 60.0) -> None:
+    """Until POST `url` answers 200; the error names the last answer (status and body)."""
     deadline = time.monotonic() + timeout_s
+    last = "no connection"
     while time.monotonic() < deadline:
         try:
             req = urllib.request.Request(url, data=BODY, headers=HEADERS)
             with urllib.request.urlopen(req, timeout=2) as resp:
                 if resp.status == 200:
                     return
-        except OSError:
-            pass
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}: {exc.read()[:300]!r}"
+        except OSError as exc:
+            last = repr(exc)
         time.sleep(0.2)
-    raise RuntimeError(f"{url} never answered")
+    raise RuntimeError(f"{url} did not answer 200 in {timeout_s:.0f} s (last: {last})")
 
 
 def start_tandem(
@@ -305,10 +309,7 @@ def main() -> int:
         from tandem.toy_model import write_toy_model
 
         model = write_toy_model(workdir / "model")  # sglang-router wants a local model_path
-        workers = [
-            FakeEngineProcess(workdir, f"w{i}", "--model-path", str(model))
-            for i in range(args.workers)
-        ]
+        workers = [InstantWorkerProcess(workdir, f"w{i}", model) for i in range(args.workers)]
         procs: list[subprocess.Popen] = []
         try:
             urls = [w.url for w in workers]
