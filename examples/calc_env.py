@@ -8,7 +8,7 @@ not parse (`tool_call_errors`); the episode goes on. A turn without tool calls i
 reward 1 when its last number equals the value, else 0, and the episode ends. After
 `--max-turns` turns it ends with reward 0.
 
-Protocol (documented in services/rollout_router/environments.py):
+Protocol (documented in docs/protocols.md):
     POST /reset {"episode_id", "seed", "task"} -> {"observation": [messages], "tools": [...]}
     POST /step  {"episode_id", "action", "tool_calls", "tool_call_errors"}
                 -> {"observation": [tool messages], "reward", "done"}

@@ -5,7 +5,7 @@ digit in the model's text. A right guess ends the episode with reward 1; otherwi
 `1>` (the secret is higher) or `0>` (lower) and the model guesses again, up to `--max-guesses`.
 Observations use only digits and `>`, so the built-in toy model can play.
 
-Protocol (documented in services/rollout_router/environments.py):
+Protocol (documented in docs/protocols.md):
     POST /reset {"episode_id", "seed", "task"} -> {"observation"}
     POST /step  {"episode_id", "action"}        -> {"observation", "reward", "done"}
 

@@ -244,7 +244,7 @@ class RewardConfig:
 
 @dataclass
 class EnvConfig:
-    """An agent environment served over HTTP (see environments.py for the protocol)."""
+    """An agent environment served over HTTP (docs/protocols.md has the protocol)."""
 
     env_url: str = field(
         default="", metadata={"help": "Environment server; rollouts become episodes when set."}

@@ -1,46 +1,7 @@
 """Agent environments as HTTP servers: Tandem drives multi-turn episodes over a JSON protocol.
 
-Protocol (the environment implements two routes; `examples/guess_env.py` and
-`examples/calc_env.py` are two):
-- `POST {env}/reset {"episode_id": str, "seed": int, "task": {"prompt": ..., "label": ...}}`
-  -> `{"observation": str | [chat messages] | null, "tools": [function schemas]}`. A null
-  observation means "use the task's prompt". The first observation is the episode's prompt
-  (chat messages go through the model's chat template). `tools` (optional; OpenAI-style
-  `{"type": "function", "function": {"name", "description", "parameters"}}`) is handed to the
-  chat template each time it renders this episode's messages (Hermes and Qwen templates list
-  the tools in the system prompt).
-- `POST {env}/step {"episode_id": str, "action": str, "tool_calls": [{"name": str,
-  "arguments": {...}}], "tool_call_errors": [str]}` -> `{"observation": str | [chat messages],
-  "reward": float, "done": bool}`. `action` is the model's whole turn as text. With
-  `--env-tool-call-parser hermes` (the default) the router reads the turn's tool calls,
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (any number; see tool_calls.py),
-  into `tool_calls`, and gives one reason per call it could not read in `tool_call_errors`;
-  both lists are always present, possibly empty. A malformed call does not fail the episode:
-  the environment answers it (e.g. with an error message to the model). With `none` the body
-  has `episode_id` and `action` only. The observation is the environment's reply, which
-  becomes the start of the next model turn: a string is appended as text, chat messages (e.g.
-  `[{"role": "tool", "content": "5"}]`) through the chat template (below).
-
-Token accounting: the trajectory is built from exact token ids; the model's tokens are never
-re-tokenized. The context of turn t+1 is the context of turn t + the model's tokens + the
-observation's tokens. A string observation's tokens are `tokenizer(observation,
-add_special_tokens=False)`. Chat messages are rendered by difference: the chat template renders
-a fixed history (a user message, an assistant message) and then the same history followed by
-the messages and the generation prompt; the observation's text is everything after the
-assistant's content in the second rendering (the template's end of an assistant turn, the
-messages, the start of the next assistant turn), less the model's last token when the turn
-ended on a stop token that the template writes there itself (e.g. `<|im_end|>`). The context
-thus reads as the template would render the conversation, with the model's turns exactly as
-generated. A template that renders the history differently once messages follow it fails the
-episode (`env_error`: no exact extension exists; return a string instead). Without a chat
-template, the messages' contents are joined. In the resulting `Sample`, the response is every
-token after the prompt; `loss_mask` is 1 on model tokens and 0 on environment tokens (whose
-log-probs are 0 and whose version is the preceding turn's). The reward is the sum of the step
-rewards.
-
-Failure: every call has `env_call_timeout_s` and the whole episode `env_episode_timeout_s`. A
-failing or hung environment fails only its episode (`EnvError`, reason `env_error` or
-`env_timeout`); the rest of the batch goes on.
+The protocol (`POST /reset`, `POST /step`), how a trajectory is built from exact token ids and
+what a failing environment costs are in docs/protocols.md.
 """
 
 from __future__ import annotations
@@ -93,7 +54,7 @@ Generate = Callable[[list[int], int], Awaitable[Partial]]
 Messages = list[dict[str, Any]]
 Tools = list[dict[str, Any]] | None
 
-# The fixed history after which observation messages are rendered (see the module docstring).
+# The fixed history after which observation messages are rendered (docs/protocols.md).
 HISTORY_USER, HISTORY_TURN = "Hello.", "TANDEM-ASSISTANT-TURN"
 
 
@@ -210,7 +171,7 @@ class EpisodeRunner:
         return body
 
     def observation_text(self, observation: Any, turn: Partial, tools: Tools) -> str:
-        """The text appended after the model's turn (see the module docstring)."""
+        """The text appended after the model's turn (docs/protocols.md)."""
         if observation is None or isinstance(observation, str):
             return observation or ""
         if not isinstance(observation, list):

@@ -1,21 +1,7 @@
 """Agent sessions: an outside agent talks to the model through the router and is trained on.
 
-Flow: the agent calls `POST /v1/chat/completions` with a session id (header `X-Session-Id`, or
-`session_id` in the body). The router renders the messages with the model's chat template,
-sends exact `input_ids` to an engine (session affinity keeps a conversation on one engine's
-prefix cache), and records the turn's prompt ids, response ids, log-probs and weight version.
-When the episode is over the agent posts `POST /sessions/{id}/reward {"reward": r}`; the
-session's turns become samples and go into the buffer as one `SampleGroup`. With
-`"group": g, "group_size": k` the samples of k sessions sharing g form one group (GRPO needs
-several samples of one task to compare).
-
-Turns become samples by exact prefix: when turn t+1's prompt starts with turn t's prompt and
-response, they merge into one sample whose response is R_t + (the new prompt tokens, loss mask
-0) + R_t+1. A turn whose prompt does not extend the previous one (the template re-rendered
-history differently) starts a new sample. Every sample of a session gets the session's reward.
-
-Bounds: at most `max_sessions` open sessions and `session_ttl_s` each; an expired session (or
-pending group) is recorded as a drop (`session_expired`), never kept forever.
+The protocol (`POST /v1/chat/completions` with a session id, then `POST /sessions/{id}/reward`),
+how turns merge into samples by exact prefix and the session bounds are in docs/protocols.md.
 """
 
 from __future__ import annotations
@@ -62,7 +48,7 @@ class Session:
 
 
 def session_samples(session: Session, reward: float) -> list[Sample]:
-    """The session's turns merged by exact prefix (see module docstring)."""
+    """The session's turns merged by exact prefix (docs/protocols.md)."""
     samples: list[Sample] = []
     prompt: list[int] = []
     current: Partial | None = None
