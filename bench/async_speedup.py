@@ -13,7 +13,8 @@ waits for the weights of step k. Per run:
   evaluation, published once the engines and the router are up; the trainer starts after it,
   so its start-up counts in every run alike) to the first held-out evaluation at or above the
   target; final accuracy: the last evaluation.
-- seconds per step: between the first and last trainer records, over the steps between.
+- seconds per step: between the first and last trainer records, over the steps between;
+  1st step s: when the trainer started its first step (its start-up), from the same origin.
 - trainer idle fraction: 1 - (sum of `train/step_time_s`: update + weight publish) / (time from
   the start of the first step to the end of the last). The rest is waiting for samples.
 - rollout idle fraction: the share of samples of the router's `GET /rollout/status`, polled
@@ -102,7 +103,7 @@ def run_up(run_dir: Path, staleness: int, args: argparse.Namespace) -> int:
     print(f"== max staleness {staleness}: {shlex.join(cmd)}", flush=True)
     log_path = run_dir.with_name(run_dir.name + ".log")
     poller = None
-    started = time.monotonic()
+    started, load_at_start = time.monotonic(), os.getloadavg()[0]
     with (
         open(log_path, "w") as log,
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc,
@@ -121,6 +122,8 @@ def run_up(run_dir: Path, staleness: int, args: argparse.Namespace) -> int:
         poller.done.set()
         poller.join(timeout=10)
     print(f"   exit code {code} after {time.monotonic() - started:.0f} s (log: {log_path})")
+    # Other work on the machine slows a run: the load average says how busy it was.
+    print(f"   load average (1 min) at start {load_at_start:.1f}, at end {os.getloadavg()[0]:.1f}")
     return code
 
 
@@ -155,6 +158,7 @@ def analyze(run_dir: Path, target: float) -> dict:
         "steps": len(trainer),
         "seconds_per_step": math.nan,
         "train_s_per_step": mean([r["train/step_time_s"] for r in trainer[1:] or trainer]),
+        "first_step_s": math.nan,
         "trainer_idle": math.nan,
         "rollout_idle": math.nan,
     }
@@ -164,6 +168,7 @@ def analyze(run_dir: Path, target: float) -> dict:
     out["seconds_per_step"] = (last["time"] - first["time"]) / (len(trainer) - 1)
     start = first["time"] - first["train/step_time_s"]
     window = last["time"] - start
+    out["first_step_s"] = start - t0  # the trainer's start-up (and first batch) is in every run
     out["trainer_idle"] = 1 - sum(r["train/step_time_s"] for r in trainer) / window
     status_path = run_dir / "rollout_status.jsonl"
     if status_path.exists():
@@ -198,7 +203,7 @@ def plot(results: dict[int, dict], target: float, path: Path) -> Path | None:
     ax.set_ylabel("held-out greedy accuracy")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left")
     ax.set_title("Tandem: sync vs async, same task, model and seed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -216,7 +221,7 @@ def report(results: dict[int, dict], target: float, out: Path) -> float:
     bound = ratio(gen + train, max(gen, train))
     print(
         f"\n{'max staleness':>13} {'to target s':>11} {'final acc':>9} {'steps':>5} "
-        f"{'s/step':>7} {'trainer idle':>12} {'rollout idle':>12} {'speed-up':>8} "
+        f"{'s/step':>7} {'1st step s':>10} {'trainer idle':>12} {'rollout idle':>12} {'speed-up':>8} "
         f"{'per step':>8}"
     )
     for staleness, r in results.items():
@@ -224,7 +229,8 @@ def report(results: dict[int, dict], target: float, out: Path) -> float:
         r["speedup_per_step"] = ratio(sync["seconds_per_step"], r["seconds_per_step"])
         print(
             f"{staleness:>13} {r['time_to_target_s']:>11.1f} {r['final_accuracy']:>9.2f} "
-            f"{r['steps']:>5} {r['seconds_per_step']:>7.2f} {r['trainer_idle']:>12.1%} "
+            f"{r['steps']:>5} {r['seconds_per_step']:>7.2f} {r['first_step_s']:>10.1f} "
+            f"{r['trainer_idle']:>12.1%} "
             f"{r['rollout_idle']:>12.1%} {r['speedup']:>8.2f} {r['speedup_per_step']:>8.2f}"
         )
     print(

@@ -32,7 +32,8 @@ def chromium_binary() -> str | None:
 
 
 class Browser:
-    """`chromium --headless` with one page; `evaluate` runs JavaScript in it."""
+    """`chromium --headless` with one page: `Browser(...)` starts it, `connect()` waits for it;
+    `evaluate` runs JavaScript in the page."""
 
     def __init__(self, binary: str, workdir: Path, width: int = 1400, height: int = 1000):
         profile = workdir / "chromium-profile"
@@ -54,7 +55,13 @@ class Browser:
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
-        port_file = profile / "DevToolsActivePort"
+        self.profile, self.workdir = profile, workdir
+        self.ws = None
+
+    def connect(self) -> Browser:
+        """Wait for the DevTools endpoint (the browser starts meanwhile) and open the page's."""
+        port_file = self.profile / "DevToolsActivePort"
+        workdir = self.workdir
         deadline = time.monotonic() + 20
         while not port_file.exists() or len(port_file.read_text().split()) < 2:
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -69,6 +76,7 @@ class Browser:
             connect(page["webSocketDebuggerUrl"], max_size=64 * 2**20)
         )
         self.next_id = 0
+        return self
 
     def call(self, method: str, **params: Any) -> dict[str, Any]:
         """One DevTools command; its result (events arriving meanwhile are skipped)."""
@@ -98,7 +106,7 @@ class Browser:
         path.write_bytes(base64.b64decode(data["data"]))
 
     def close(self) -> None:
-        if getattr(self, "stack", None) is not None:
+        if self.ws is not None:
             self.stack.close()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)

@@ -11,6 +11,9 @@ goes to the test's temporary folder, so that a test run leaves the working tree 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -18,8 +21,9 @@ import httpx
 import pytest
 
 from services.sample_buffer import SampleBuffer
+from tandem.supervisor import die_with_parent
 from tests.browser import Browser, chromium_binary
-from tests.helpers import router_args, wait_until
+from tests.helpers import free_port, router_args, wait_until
 
 TOKEN = "dash-t0ken"
 DOCS_PNG = Path(__file__).resolve().parent.parent / "docs" / "dashboard.png"
@@ -66,15 +70,43 @@ def test_the_dashboard_shows_workers_state_curves_and_samples_and_pauses_the_loo
     binary = chromium_binary()
     if binary is None:
         pytest.skip("no chromium binary on PATH (Debian: apt-get install -y chromium)")
-    engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
+    # The engine and the browser start while the router starts (it waits for the engine).
+    engine_url = f"http://127.0.0.1:{free_port()}"
+    engine = start_engine(toy_model_dir, engine_url, tmp_path)
+    browser = Browser(binary, tmp_path)
     flags = ["--api-token", TOKEN, "--max-staleness", "1000", "--version-poll-s", "0.2"]
-    router = start_service("router", router_args(buffer, toy_model_dir, [engine.url], *flags))
+    try:
+        router = start_service("router", router_args(buffer, toy_model_dir, [engine_url], *flags))
+        browser.connect()
+        run_the_dashboard(browser, router.url, engine_url, toy_model_dir, buffer, tmp_path)
+    finally:
+        browser.close()
+        os.killpg(engine.pid, signal.SIGKILL)
+        engine.wait()
+
+
+def start_engine(model: Path, url: str, workdir: Path) -> subprocess.Popen:
+    """`tandem engine` on `url`'s port, not waited for (the router waits for it to answer)."""
+    port = url.rsplit(":", 1)[1]
+    with open(workdir / "engine.log", "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "engine", "--model", str(model), "--port", port],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+
+
+def run_the_dashboard(
+    browser: Browser, url: str, engine_url: str, model: Path, buffer: SampleBuffer, tmp_path: Path
+) -> None:
+    """The page against the running router, with a consumer playing the trainer."""
     stop = threading.Event()
     trainer = threading.Thread(target=play_trainer, args=(buffer, stop), daemon=True)
     trainer.start()
-    browser = Browser(binary, tmp_path)
     try:
-        browser.open(router.url + "/")
+        browser.open(url + "/")
         worker = wait_until(lambda: browser.evaluate(JS_WORKER), "the worker row", 20)
         assert worker == "0", "the engine serves version 0 (--model)"
         for chart in ("reward", "throughput", "staleness"):
@@ -88,8 +120,8 @@ def test_the_dashboard_shows_workers_state_curves_and_samples_and_pauses_the_loo
 
         # A new weight version on the engine shows in the workers table.
         httpx.post(
-            engine.url + "/update_weights_from_disk",
-            json={"model_path": str(toy_model_dir), "weight_version": "1"},
+            engine_url + "/update_weights_from_disk",
+            json={"model_path": str(model), "weight_version": "1"},
             timeout=30,
         ).raise_for_status()
         wait_until(lambda: browser.evaluate(JS_WORKER) == "1", "version 1 on the page", 20)
@@ -104,17 +136,16 @@ def test_the_dashboard_shows_workers_state_curves_and_samples_and_pauses_the_loo
             "401 message",
             10,
         )
-        assert httpx.get(router.url + "/rollout/status").json()["paused"] is False
+        assert httpx.get(url + "/rollout/status").json()["paused"] is False
         browser.evaluate(f"document.getElementById('token').value = '{TOKEN}'")
         browser.evaluate("document.getElementById('pause').click()")
         wait_until(lambda: browser.evaluate(JS_STATE) == "paused", "'paused' on the page", 20)
-        assert httpx.get(router.url + "/rollout/status").json()["state"] == "paused"
+        assert httpx.get(url + "/rollout/status").json()["state"] == "paused"
         browser.evaluate("document.getElementById('resume').click()")
         wait_until(lambda: browser.evaluate(JS_STATE) != "paused", "resumed on the page", 20)
         assert browser.evaluate("document.getElementById('banner').textContent") == ""
-        check_routes(router.url)
+        check_routes(url)
     finally:
-        browser.close()
         stop.set()
         trainer.join(timeout=5)
 
@@ -132,6 +163,10 @@ def check_routes(url: str) -> None:
     assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
     assert len(set(ids)) == len(ids)
     assert {r["source"] for page in pages for r in page["records"]} <= {"router", "trainer"}
+    only = httpx.get(url + "/rollout/metrics", params={"keys": "train/staleness_max"}).json()
+    assert only["records"] and all(
+        r["values"].keys() == {"train/staleness_max"} for r in only["records"]
+    )
     assert httpx.get(url + "/rollout/metrics", params={"after": "$"}).status_code == 422
     assert httpx.get(url + "/rollout/samples", params={"limit": 0}).status_code == 422
     assert httpx.get(url + "/static/nothing.js").status_code == 404

@@ -47,19 +47,19 @@ def finite(values: dict[str, float]) -> dict[str, float | None]:
     return {k: v if math.isfinite(v) else None for k, v in values.items()}
 
 
-def metrics_page(buffer: SampleBuffer, after: str, limit: int) -> dict[str, Any]:
+def metrics_page(buffer: SampleBuffer, after: str, limit: int, keys: str) -> dict[str, Any]:
+    """A page of records; with `keys` (comma-separated names) only those values, and only the
+    records that have one (the dashboard asks for the few it draws)."""
     records = buffer.read_metrics(after, count=limit)
+    wanted = set(keys.split(",")) if keys else None
+    page = []
+    for entry_id, r in records:
+        values = r.values if wanted is None else {k: r.values[k] for k in wanted & r.values.keys()}
+        if values:
+            record = {"id": entry_id, "source": r.source, "step": r.step, "time": r.time}
+            page.append({**record, "values": finite(values)})
     return {
-        "records": [
-            {
-                "id": i,
-                "source": r.source,
-                "step": r.step,
-                "time": r.time,
-                "values": finite(r.values),
-            }
-            for i, r in records
-        ],
+        "records": page,
         "last_id": records[-1][0] if records else after,
         "more": len(records) == limit,
     }
@@ -70,11 +70,14 @@ async def rollout_metrics(
     request: Request,
     after: Annotated[str, Query(pattern=STREAM_ID)] = "0",
     limit: Annotated[int, Query(ge=1, le=5000)] = 1000,
+    keys: Annotated[str, Query(max_length=2000)] = "",
 ) -> dict[str, Any]:
     """The run's metrics records after stream id `after` (exclusive), oldest first, at most
-    `limit`; `more` is true when there may be newer ones (call again with `after=last_id`)."""
+    `limit` read; `more` is true when there may be newer ones (call again with
+    `after=last_id`). `keys` (comma-separated metric names) keeps only those values."""
+    buffer = request.app.state.buffer
     try:
-        return await asyncio.to_thread(metrics_page, request.app.state.buffer, after, limit)
+        return await asyncio.to_thread(metrics_page, buffer, after, limit, keys)
     except RedisError as exc:
         raise HTTPException(503, f"the metrics stream is unavailable: Redis: {exc}") from exc
 

@@ -37,6 +37,12 @@ const CHARTS = {
   },
 };
 
+// The metric names the charts read: the metrics route sends only these.
+const KEYS = [
+  "rollout/reward_mean", "train/reward_mean", "eval/accuracy", "rollout/samples_per_s",
+  "train/samples", "train/step_time_s", "train/staleness_mean", "train/staleness_max",
+].join(",");
+
 const points = {}; // chart name -> one [[t, y], ...] per series
 for (const name of Object.keys(CHARTS)) points[name] = CHARTS[name].series.map(() => []);
 let lastId = "0";
@@ -186,7 +192,8 @@ function drawChart(name) {
 
 async function pollMetrics() {
   for (let page = 0; page < 20; page++) { // at most 20 pages a poll: a long run loads over a few polls
-    const data = await getJson(`/rollout/metrics?after=${encodeURIComponent(lastId)}&limit=2000`);
+    const query = `after=${encodeURIComponent(lastId)}&limit=2000&keys=${encodeURIComponent(KEYS)}`;
+    const data = await getJson(`/rollout/metrics?${query}`);
     addRecords(data.records);
     lastId = data.last_id;
     if (!data.more) break;
