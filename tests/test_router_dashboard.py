@@ -75,6 +75,7 @@ def test_the_dashboard_shows_workers_state_curves_and_samples_and_pauses_the_loo
     engine = start_engine(toy_model_dir, engine_url, tmp_path)
     browser = Browser(binary, tmp_path)
     flags = ["--api-token", TOKEN, "--max-staleness", "1000", "--version-poll-s", "0.2"]
+    flags += ["--rollout-max-concurrency", "2"]  # enough groups to watch; CPU left for the rest
     try:
         router = start_service("router", router_args(buffer, toy_model_dir, [engine_url], *flags))
         browser.connect()
