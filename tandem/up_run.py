@@ -122,7 +122,7 @@ class UpRun:
         self.health_urls = {"router": router.info["url"], "broker": broker.info["url"]}
         say(
             f"broker at {broker.info['url']} (weights in at {broker.info['intake_endpoint']}), "
-            f"router at {router.info['url']}"
+            f"router at {router.info['url']} (dashboard: {router.info['url']}/)"
         )
         trainer_args = [*args["trainer"], "--weights-endpoint", broker.info["intake_endpoint"]]
         program = None

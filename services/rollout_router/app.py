@@ -6,7 +6,8 @@ tokenizer once, then start the health-check task and, unless `--no-rollout`, the
 evaluation tasks. Shutdown cancels those tasks and closes the session.
 
 Routes are thin: engine-compatible routes (`/generate`, `/v1/*`, `/get_model_info`, fan-out
-control) live in `routes_engine.py`; worker registry and rollout control in `routes_control.py`.
+control) live in `routes_engine.py`; worker registry and rollout control in `routes_control.py`;
+the dashboard page (`/`) and its read-only routes in `routes_dashboard.py`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from services.rollout_router.rewards import make_reward
 from services.rollout_router.rollout import RolloutLoop
 from services.rollout_router.routes_agent import router as agent_router
 from services.rollout_router.routes_control import router as control_router
+from services.rollout_router.routes_dashboard import router as dashboard_router
 from services.rollout_router.routes_engine import router as engine_router
 from services.rollout_router.sessions import AgentSessions
 from services.rollout_router.tasks import Task, dataset_task, toy_reverse_digits
@@ -153,4 +155,5 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.include_router(engine_router)
     app.include_router(control_router)
     app.include_router(agent_router)
+    app.include_router(dashboard_router)
     return app

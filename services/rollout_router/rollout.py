@@ -59,6 +59,7 @@ from services.rollout_router.progress import (
     closed_gate_reason,
     read_demand,
 )
+from services.rollout_router.recent import RecentGroups
 from services.rollout_router.report import BatchStats
 from services.rollout_router.rewards import Reward, RewardError
 from services.rollout_router.samples import (
@@ -122,6 +123,7 @@ class RolloutLoop:
         self._redis_error: Exception | None = None
         self._redis_lost = 0  # groups lost while Redis was unavailable
         self.orders = EpochOrders()
+        self.recent = RecentGroups()  # the newest put groups, for the dashboard
 
     # --- versions, state and control -----------------------------------------------------------
 
@@ -319,6 +321,7 @@ class RolloutLoop:
                     self.buffer.give_back_prompt(p)
             raise
         self.backoff.succeeded()
+        self.recent.add(group)
         await self.stats.add(group, self)
 
     async def make_group(self, p: int, item: Item, group_id: str) -> SampleGroup:

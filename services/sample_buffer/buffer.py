@@ -291,10 +291,10 @@ class SampleBuffer:
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     def read_metrics(
-        self, after_id: str = "0", block_ms: int | None = None
+        self, after_id: str = "0", block_ms: int | None = None, count: int | None = None
     ) -> list[tuple[str, MetricsRecord]]:
-        """Records after `after_id` (exclusive), oldest first."""
-        reply = self.redis.xread({self.metrics_key: after_id}, block=block_ms)
+        """Records after `after_id` (exclusive), oldest first; at most `count` when given."""
+        reply = self.redis.xread({self.metrics_key: after_id}, count=count, block=block_ms)
         out = []
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
