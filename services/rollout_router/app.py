@@ -28,7 +28,12 @@ from services.rollout_router.routes_agent import router as agent_router
 from services.rollout_router.routes_control import router as control_router
 from services.rollout_router.routes_engine import router as engine_router
 from services.rollout_router.sessions import AgentSessions
-from services.rollout_router.tasks import Task, dataset_task, toy_reverse_digits
+from services.rollout_router.tasks import (
+    DATASET_RESPONSE_LEN,
+    Task,
+    dataset_task,
+    toy_reverse_digits,
+)
 from services.rollout_router.workers import WorkerPool
 from services.sample_buffer import SampleBuffer
 
@@ -67,6 +72,8 @@ def build_task(data: DataConfig, tokenizer: Any) -> Task:
         data.input_key,
         data.label_key,
         data.apply_chat_template,
+        data.eval_heldout_fraction,
+        data.task_seed,
     )
 
 
@@ -76,6 +83,14 @@ async def build_control(
     """Tokenizer, task and reward, loaded once; the rollout loop and its controller."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.rollout.model)
     task = await asyncio.to_thread(build_task, config.data, tokenizer)
+    if not config.sampling.rollout_max_response_len:
+        length = DATASET_RESPONSE_LEN if config.env.env_url else task.response_len
+        config.sampling.rollout_max_response_len = length
+        (log.warning if length == DATASET_RESPONSE_LEN else log.info)(
+            "responses up to %d tokens (the default for %s; --rollout-max-response-len sets it)",
+            length,
+            f"environment {config.env.env_url}" if config.env.env_url else f"task {task.name}",
+        )
     r = config.reward
     reward = make_reward(
         r.rm_type, r.custom_rm_path, r.rm_url, r.rm_timeout_s, r.rm_retries, pool.session

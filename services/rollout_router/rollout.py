@@ -411,26 +411,29 @@ class RolloutLoop:
             for p, r in zip(partials, rewards, strict=True)
         ]
 
+    def episode_turn(
+        self, episode_id: str, greedy: bool = False
+    ) -> Callable[[list[int], int], Awaitable[Partial]]:
+        """The model-turn function of one episode (its turns stay on one engine)."""
+        max_new = self.sampling.rollout_max_response_len
+
+        async def turn(context: list[int], turn_seed: int) -> Partial:
+            payload = self.payload(context, 1, max_new, greedy, turn_seed)
+            out = await self.generate(payload, episode_id)
+            partial = await self.complete(context, Partial.of(out[0]), turn_seed, episode_id)
+            if partial.finish == "abort":
+                raise EnvError("aborted", "a model turn stayed aborted")
+            return partial
+
+        return turn
+
     async def _episode_samples(
         self, item: Item, group_id: str, seed: int
     ) -> list[Sample | RewardError]:
         """n episodes; a failed one is recorded as a drop and the others are kept."""
         assert self.episodes is not None
-        max_new = self.sampling.rollout_max_response_len
-
-        def turn_of(episode_id: str) -> Callable[[list[int], int], Awaitable[Partial]]:
-            async def turn(context: list[int], turn_seed: int) -> Partial:
-                payload = self.payload(context, 1, max_new, False, turn_seed)
-                out = await self.generate(payload, episode_id)
-                partial = await self.complete(context, Partial.of(out[0]), turn_seed, episode_id)
-                if partial.finish == "abort":
-                    raise EnvError("aborted", "a model turn stayed aborted")
-                return partial
-
-            return turn
-
         n = self.config.n_samples_per_prompt
-        samples, failed = await self.episodes.run_all(item, group_id, seed, n, turn_of)
+        samples, failed = await self.episodes.run_all(item, group_id, seed, n, self.episode_turn)
         for episode_id, error in failed:
             await self._drop(episode_id, error.reason, str(error))
         if not samples:
