@@ -137,12 +137,18 @@ class UpRun:
         self.health_urls = {"router": router.info["url"], "broker": broker.info["url"]}
         self.eval_task = str(router.info.get("eval_task", "?"))
         say(f"held-out accuracy scores {self.eval_task}")
+        if ": none" in self.eval_task and config.stop_accuracy:
+            say(
+                f"no held-out prompts: --stop-accuracy {config.stop_accuracy} cannot be reached "
+                "(give --eval-prompt-data, or --stop-accuracy 0 to train --max-steps)"
+            )
         say(
             f"responses up to {router.info.get('rollout_max_response_len', '?')} tokens"
             + (
                 ""
                 if config.rollout_max_response_len
-                else " (the task's default; set it with --rollout-max-response-len)"
+                else " (the router's default for this task and model; set it with "
+                "--rollout-max-response-len)"
             )
         )
         say(
