@@ -124,6 +124,7 @@ async def build_control(
         stop_ids(tokenizer, config.sampling),
         episodes,
     )
+    loop.context_len = int(read_config(config.rollout.model)[0].get("max_position_embeddings", 0))
     return RolloutController(loop, config.data, tokenizer, build_task)
 
 

@@ -21,6 +21,10 @@ Protocol (the environment implements two routes; `examples/guess_env.py` and
   becomes the start of the next model turn: a string is appended as text, chat messages (e.g.
   `[{"role": "tool", "content": "5"}]`) through the chat template (below).
 
+Evaluation (evaluation.py) plays one greedy episode per held-out task of the running task set,
+with episode ids `eval-v{version}-{k}` and seeds from 1,000,000,000 up (the same at every
+version); an episode with a total reward >= 1 counts as a success.
+
 Token accounting: the trajectory is built from exact token ids; the model's tokens are never
 re-tokenized. The context of turn t+1 is the context of turn t + the model's tokens + the
 observation's tokens. A string observation's tokens are `tokenizer(observation,
