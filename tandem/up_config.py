@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config_file import (
+    ENV_PREFIX,
     ConfigError,
     layered_defaults,
     options,
@@ -100,12 +101,16 @@ def service_table(
     ours = vars(_strict(PARSERS[name]()).parse_args(own))
     for key in sorted(set(layered) & managed):
         if key in WIRING[name] or layered[key] != ours[key]:
+            variable = f"{ENV_PREFIX}{name.upper()}_{key.upper()}"
             raise ConfigError(
-                f"[{name}] {key} = {layered[key]!r}, but tandem up gives the {name} "
-                f"{ours.get(key)!r} ({_origin(name, key)}): remove it from [{name}]"
+                f"[{name}] {key} = {layered[key]!r} (config file or {variable}), but tandem up "
+                f"gives the {name} {ours.get(key)!r} ({_origin(name, key)}): remove it there"
             )
     parser.set_defaults(**layered)
-    values = vars(parser.parse_args(own + extra))
+    try:
+        values = vars(parser.parse_args(own + extra))
+    except ConfigError as exc:  # only the pass-through flags can be unknown here
+        raise ConfigError(f"--{name}-args: {exc}") from exc
     table = {key: values[key] for key in options(parser)}
     notes = {key: _origin(name, key) for key in managed}
     for key in table:
@@ -145,11 +150,7 @@ def render(
     notes: dict[str, dict[str, str]] = {}
     for name in ("router", "trainer", "broker", "engine"):
         extra = full[name][len(own[name]) :]
-        try:
-            tables[name], notes[name] = service_table(name, own[name][1:], extra, config_file)
-        except ConfigError as exc:
-            flag = f"--{name}-args" if extra else f"{config_file or 'the configuration'}"
-            raise ConfigError(f"{flag}: {exc}") from exc
+        tables[name], notes[name] = service_table(name, own[name][1:], extra, config_file)
     header = (
         "# Resolved by tandem up: the configuration of this run, every service.\n"
         "# Repeat it: tandem up --config THIS_FILE (flags given beside it override it).\n"
