@@ -54,7 +54,7 @@ def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatc
         ("[router]\nrollout_max_response_length = 3\n", "did you mean 'rollout_max_response_len'"),
         ("[routr]\nseed = 1\n", "unknown table [routr] (did you mean 'router'"),
         ("[router]\nrollout-top-p = 0.5\n", "did you mean 'rollout_top_p'"),
-        ('[router]\neval_interval = "often"\n', "[router] eval_interval: 'often' is not a int"),
+        ('[router]\neval_interval = "often"\n', "[router] eval_interval: 'often' is not an int"),
         ('[router]\npolicy = "random"\n', "'random' is not one of least_outstanding"),
     ],
 )

@@ -145,19 +145,24 @@ def _scalar(action: argparse.Action, value: Any, where: str) -> Any:
         try:
             value = kind(value)
         except ValueError as exc:
-            raise ConfigError(f"{where}: {value!r} is not a {kind.__name__}") from exc
+            raise ConfigError(f"{where}: {value!r} is not {_a(kind)}") from exc
     ok = {
         int: isinstance(value, int) and not isinstance(value, bool),
         float: isinstance(value, int | float) and not isinstance(value, bool),
         str: isinstance(value, str),
     }.get(kind, True)
     if not ok:
-        raise ConfigError(f"{where}: expected a {kind.__name__}, got {value!r}")
+        raise ConfigError(f"{where}: expected {_a(kind)}, got {value!r}")
     value = kind(value)
     if action.choices is not None and value not in action.choices:
         choices = ", ".join(map(str, action.choices))
         raise ConfigError(f"{where}: {value!r} is not one of {choices}")
     return value
+
+
+def _a(kind: Any) -> str:
+    name = getattr(kind, "__name__", str(kind))
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def to_toml(tables: dict[str, dict[str, Any]], notes: dict[str, dict[str, str]]) -> str:
