@@ -18,9 +18,10 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
 from tandem.up_args import conflicts, given_fields, join_passthrough, resumed_config
 
@@ -32,14 +33,63 @@ class UpConfig:
     run_dir: str = field(
         default="", metadata={"help": "Run folder (default: runs/<time>-seed<S>)."}
     )
+    config: str = field(
+        default="",
+        metadata={
+            "help": "TOML file with a table per command ([up], [router], [trainer], [broker], "
+            "[engine]; keys = flag names with underscores); TANDEM_UP_<KEY> variables override "
+            "it, flags override both. `tandem config show` prints the result; every run folder "
+            "gets it as config.toml (docs/configuration.md)."
+        },
+    )
     seed: int = field(default=0, metadata={"help": "Seed for the model init, data and sampling."})
     model: str = field(
         default="", metadata={"help": "HF model directory (default: the toy model, made fresh)."}
     )
-    num_engines: int = field(default=2, metadata={"help": "Reference engines to start."})
+    prompt_data: str = field(
+        default="",
+        metadata={"help": "Training prompts, .jsonl or .parquet (default: the built-in toy task)."},
+    )
+    eval_prompt_data: str = field(
+        default="",
+        metadata={
+            "help": "Held-out prompts of --prompt-data's task (default: a fraction of "
+            "--prompt-data, the router's --eval-heldout-fraction)."
+        },
+    )
+    rm_type: str = field(
+        default="",
+        metadata={
+            "help": "Built-in reward (the router's --rm-type; default: reverse_digits).",
+            "choices": ["", "reverse_digits", "exact_match", "last_number", "boxed"],
+        },
+    )
+    custom_rm_path: str = field(
+        default="",
+        metadata={
+            "help": "Reward function fn(text, label, stopped): module:fn or path/to/reward.py:fn, "
+            "looked up from the current directory."
+        },
+    )
+    env_url: str = field(
+        default="", metadata={"help": "Agent environment server: rollouts become its episodes."}
+    )
+    rollout_max_response_len: int = field(
+        default=0,
+        metadata={
+            "help": "max_new_tokens of a response (0 = the task's: 4 for the toy task, 1024 for "
+            "a dataset or an environment; the console says which)."
+        },
+    )
+    save: str = field(
+        default="", metadata={"help": "Checkpoint folder (default: RUN_DIR/checkpoints)."}
+    )
+    num_engines: int = field(
+        default=0,
+        metadata={"help": "Reference engines to start (0 = one per --engine-gpus entry, else 2)."},
+    )
     redis_url: str = field(
-        default_factory=lambda: os.environ.get("REDIS_URL", ""),
-        metadata={"help": "Use this Redis instead of starting one (env REDIS_URL)."},
+        default="", metadata={"help": "Use this Redis instead of starting one (env REDIS_URL)."}
     )
     max_steps: int = field(default=300, metadata={"help": "Trainer steps at most."})
     stop_accuracy: float = field(
@@ -93,45 +143,100 @@ class UpConfig:
         },
     )
     engine_device: str = field(
-        default="cpu",
-        metadata={"help": "Device of the engines.", "choices": ["cpu", "cuda"]},
+        default="auto",
+        metadata={
+            "help": "Device of the engines (auto = cuda with --engine-gpus, else cpu).",
+            "choices": ["auto", "cpu", "cuda"],
+        },
     )
     engine_gpus: list[int] = field(
         default_factory=list,
-        metadata={"help": "GPU index of each engine (CUDA_VISIBLE_DEVICES), one per engine."},
+        metadata={
+            "help": "GPU index of each engine (CUDA_VISIBLE_DEVICES), one per engine. One GPU "
+            "for everything: --engine-gpus 0 --trainer-gpus 0 (engines and trainer share it; "
+            "bound the engine's memory with --engine-args '--kv-cache-gb N')."
+        },
     )
     trainer_gpus: list[int] = field(
         default_factory=list,
-        metadata={"help": "GPUs of the trainer (CUDA_VISIBLE_DEVICES); empty = as inherited."},
+        metadata={
+            "help": "GPUs of the trainer (CUDA_VISIBLE_DEVICES); empty = as inherited; may be "
+            "the engines' GPUs (shared)."
+        },
     )
     trainer_procs: int = field(
         default=1,
         metadata={"help": "Trainer processes (torchrun); = tensor-parallel x data-parallel size."},
     )
     engine_args: str = field(
-        default="", metadata={"help": "Extra flags for `tandem engine`, one quoted string."}
+        default="",
+        metadata={"help": "Extra flags for `tandem engine`, one quoted string (or [engine])."},
     )
     trainer_args: str = field(
-        default="", metadata={"help": "Extra flags for `tandem trainer`, one quoted string."}
+        default="",
+        metadata={"help": "Extra flags for `tandem trainer`, one quoted string (or [trainer])."},
     )
     router_args: str = field(
-        default="", metadata={"help": "Extra flags for `tandem router`, one quoted string."}
+        default="",
+        metadata={"help": "Extra flags for `tandem router`, one quoted string (or [router])."},
     )
 
+    def settled(self) -> UpConfig:
+        """The automatic values made explicit: engine count and device, Redis from REDIS_URL."""
+        engines = self.num_engines or len(self.engine_gpus) or 2
+        device = self.engine_device
+        if device == "auto":
+            device = "cuda" if self.engine_gpus else "cpu"
+        redis_url = self.redis_url or os.environ.get("REDIS_URL", "")
+        return replace(self, num_engines=engines, engine_device=device, redis_url=redis_url)
 
-def main(argv: list[str] | None = None) -> int:
+
+EPILOG = """Every flag can also come from --config FILE's [up] table (and TANDEM_UP_<KEY> variables); the
+[router], [trainer], [broker] and [engine] tables configure each service with the keys of
+`tandem SERVICE --help`. `tandem config show [flags]` prints the resolved configuration.
+One GPU: tandem up --engine-gpus 0 --trainer-gpus 0 --model DIR (one engine, sharing GPU 0
+with the trainer)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem up",
         description=__doc__,
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(parser, UpConfig)
-    argv = join_passthrough(list(sys.argv[1:] if argv is None else argv))
-    config = config_from_args(UpConfig, parser.parse_args(argv))
+    return parser
+
+
+def parse(argv: list[str]) -> tuple[UpConfig, list[str]]:
+    """The resolved configuration of `tandem up ARGV` (flags over variables over --config),
+    and the problems found in it; exits 2 on a bad flag or config file."""
+    parser = build_parser()
+    argv = join_passthrough(argv)
+    config = config_from_args(UpConfig, parse_args(parser, argv, "up")).settled()
     problems: list[str] = []
     if config.resume:
-        config, problems = resumed_config(config, given_fields(parser, argv))
+        given = given_fields(parser, argv)
+        config, problems = resumed_config(config, given)
+        config = config.settled()  # a folder of an older version may lack the settled values
+        recorded = Path(config.resume) / "config.toml"  # the services' tables of that run
+        if "config" not in given and recorded.is_file():
+            config = replace(config, config=str(recorded))
     problems += validate(config)
+    if not problems:
+        from services.common.config_file import ConfigError
+        from tandem.up_config import render
+
+        try:
+            render(config, config.config)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return config, problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, problems = parse(list(sys.argv[1:] if argv is None else argv))
     if problems:
         for problem in problems:
             print(f"tandem up: {problem}", file=sys.stderr)
@@ -159,19 +264,17 @@ def validate(config: UpConfig) -> list[str]:
             f"--save-interval {config.save_interval} keeps up to {held} groups in the buffer "
             f"(of {MAX_GROUPS}) until a checkpoint holds them: lower --save-interval"
         )
-    own = service_args(config, "run", Path(config.model or "model"), "redis://")
+    own = service_args(config, "run", Path(config.model or "model"), "redis://", passthrough=False)
     passthrough = {
         "engine": config.engine_args,
         "router": config.router_args,
         "trainer": config.trainer_args,
     }
-    problems += conflicts(
-        {
-            name: own[name][: len(own[name]) - len(shlex.split(passthrough[name]))]
-            for name in passthrough
-        },
-        passthrough,
-    )
+    problems += conflicts(own, passthrough)
+    if config.custom_rm_path.rpartition(":")[0].endswith(".py"):
+        file = config.custom_rm_path.rpartition(":")[0]
+        if not Path(file).is_file():
+            problems.append(f"--custom-rm-path {config.custom_rm_path}: no file {file}")
     if config.engine_gpus and len(config.engine_gpus) != config.num_engines:
         problems.append(
             f"--engine-gpus names {len(config.engine_gpus)} GPUs for {config.num_engines} "
@@ -184,9 +287,6 @@ def validate(config: UpConfig) -> list[str]:
             f"--trainer-procs {config.trainer_procs} needs as many --trainer-gpus "
             f"(got {len(config.trainer_gpus)})"
         )
-    overlap = set(config.engine_gpus) & set(config.trainer_gpus)
-    if overlap:
-        problems.append(f"GPUs {sorted(overlap)} are given to both the engines and the trainer")
     if (
         config.weight_transport == "nccl"
         and config.engine_device == "cpu"
@@ -213,10 +313,35 @@ def trainer_on_gpu(config: UpConfig) -> bool:
     return torch.cuda.is_available()
 
 
+def shared_gpus(config: UpConfig) -> list[int]:
+    """GPUs that engines and trainer share (the one-GPU layout)."""
+    return sorted(set(config.engine_gpus) & set(config.trainer_gpus))
+
+
+def _given(flag: str, value: object) -> list[str]:
+    """`[flag, value]` when the value is set: a flag tandem up leaves to the service's own
+    default (or its config table) otherwise."""
+    return [flag, str(value)] if value else []
+
+
 def service_args(
-    config: UpConfig, run_id: str, model: Path, redis_url: str, run_dir: Path = Path("run")
+    config: UpConfig,
+    run_id: str,
+    model: Path,
+    redis_url: str,
+    run_dir: Path = Path("run"),
+    passthrough: bool = True,
 ) -> dict[str, list[str]]:
-    """Command lines of the services (without engine/broker addresses, known only later)."""
+    """Command lines of the services (without engine/broker addresses, known only later);
+    `passthrough=False`: without the --*-args strings."""
+    extra = {
+        name: shlex.split(value) if passthrough else []
+        for name, value in (
+            ("engine", config.engine_args),
+            ("router", config.router_args),
+            ("trainer", config.trainer_args),
+        )
+    }
     common = ["--redis-url", redis_url, "--run-id", run_id]
     batch = [
         "--rollout-batch-size",
@@ -239,7 +364,7 @@ def service_args(
             "0",
             "--device",
             config.engine_device,
-            *shlex.split(config.engine_args),
+            *extra["engine"],
         ],
         "broker": ["broker", "--port", "0", "--transport", config.weight_transport, *common],
         "router": [
@@ -252,7 +377,13 @@ def service_args(
             str(config.seed),
             *common,
             *batch,
-            *shlex.split(config.router_args),
+            *_given("--prompt-data", config.prompt_data),
+            *_given("--eval-prompt-data", config.eval_prompt_data),
+            *_given("--rm-type", config.rm_type),
+            *_given("--custom-rm-path", config.custom_rm_path),
+            *_given("--env-url", config.env_url),
+            *_given("--rollout-max-response-len", config.rollout_max_response_len),
+            *extra["router"],
         ],
         "trainer": [
             "trainer",
@@ -268,14 +399,14 @@ def service_args(
             "--max-steps",
             str(config.max_steps),
             "--save",
-            str(run_dir / "checkpoints"),
+            config.save or str(run_dir / "checkpoints"),
             "--save-interval",
             str(config.save_interval),
             "--save-hf",
             str(run_dir / TRAINED_MODEL),
             *common,
             *batch,
-            *shlex.split(config.trainer_args),
+            *extra["trainer"],
         ],
     }
 

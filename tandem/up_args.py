@@ -7,8 +7,9 @@ with another value (the run contract's batch terms, the model, the seed, the lea
 is refused before anything starts: two values for one setting is how router and trainer ended
 up waiting on each other for good.
 
-Resume: every run folder gets `up_config.json`, the resolved configuration (with the model
-directory actually used). `--resume RUN_DIR` starts from it; flags given beside `--resume`
+Resume: every run folder gets `up_config.json`, the resolved `[up]` configuration (with the
+model directory actually used), beside `config.toml` (every table, tandem/up_config.py), whose
+service tables a resumed run's services read again. `--resume RUN_DIR` starts from it; flags given beside `--resume`
 override it, except the run contract's terms, which the run's Redis already holds.
 """
 

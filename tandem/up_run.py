@@ -20,11 +20,13 @@ from tandem.launcher import (
     default_run_dir,
     install_interrupt_handler,
     service_args,
+    shared_gpus,
     write_summary,
 )
 from tandem.progress import RunProgress
 from tandem.supervisor import ChildFailedError, Supervisor, die_with_parent
 from tandem.up_args import save_config
+from tandem.up_config import render, write_run_config
 from tandem.watchdog import Watchdog
 
 
@@ -55,6 +57,7 @@ class UpRun:
         self.interrupted: list[bool] = []
         self.outcome = "running"
         self.health_urls: dict[str, str] = {}
+        self.eval_task = ""
 
     def run(self) -> int:
         install_interrupt_handler(self.interrupted)
@@ -103,6 +106,18 @@ class UpRun:
         model = Path(config.model) if config.model else self.write_model()
         save_config(self.run_dir, replace(config, model=str(model), resume=""))
         args = service_args(config, self.run_id, model, redis_url, self.run_dir)
+        # Each service reads its table of the recorded configuration, then its flags.
+        text = render(config, config.config, model, redis_url, self.run_id, self.run_dir)
+        recorded = write_run_config(self.run_dir, text)
+        for name in args:
+            args[name] += ["--config", str(recorded)]
+        say(f"configuration of every service in {recorded} (repeat: tandem up --config it)")
+        for gpu in shared_gpus(config):
+            say(
+                f"GPU {gpu} is shared by the engines and the trainer: bound the engines' memory "
+                "with --engine-args '--kv-cache-gb N' (their KV cache; default 4) and keep the "
+                "trainer's batch small (--trainer-args '--max-tokens-per-gpu N')"
+            )
         engines = [
             self.supervisor.start(
                 f"engine{i}", args["engine"], env=gpu_env(config.engine_gpus[i : i + 1])
@@ -120,6 +135,22 @@ class UpRun:
         )
         self.supervisor.wait_ready([router], config.startup_timeout_s)
         self.health_urls = {"router": router.info["url"], "broker": broker.info["url"]}
+        self.eval_task = str(router.info.get("eval_task", "?"))
+        say(f"held-out accuracy scores {self.eval_task}")
+        if ": none" in self.eval_task and config.stop_accuracy:
+            say(
+                f"no held-out prompts: --stop-accuracy {config.stop_accuracy} cannot be reached "
+                "(give --eval-prompt-data, or --stop-accuracy 0 to train --max-steps)"
+            )
+        say(
+            f"responses up to {router.info.get('rollout_max_response_len', '?')} tokens"
+            + (
+                ""
+                if config.rollout_max_response_len
+                else " (the router's default for this task and model; set it with "
+                "--rollout-max-response-len)"
+            )
+        )
         say(
             f"broker at {broker.info['url']} (weights in at {broker.info['intake_endpoint']}), "
             f"router at {router.info['url']} (dashboard: {router.info['url']}/)"
@@ -251,6 +282,7 @@ class UpRun:
             "accuracy_last": progress.accuracy,
             "accuracy_best": progress.best_accuracy,
             "accuracy_version": progress.accuracy_version,
+            "eval_task": self.eval_task,
             "samples_trained": progress.samples_trained,
             "logprob_abs_diff_max_step0": progress.logprob_diff_step0,
             "logprob_abs_diff_max_same_version": progress.logprob_diff_max,
@@ -263,7 +295,8 @@ class UpRun:
         acc = f"{progress.first_accuracy:.2f} -> {progress.accuracy:.2f}"
         say(
             f"{self.outcome}: {progress.step} steps in {wall_s / 60:.1f} min, held-out accuracy "
-            f"{acc} (best {progress.best_accuracy:.2f}), {progress.samples_trained} samples "
+            f"{acc} (best {progress.best_accuracy:.2f}; {self.eval_task}), "
+            f"{progress.samples_trained} samples "
             f"trained, engines on versions {', '.join(engine_versions) or '?'}"
         )
         if not math.isnan(progress.logprob_diff_step0):
@@ -276,7 +309,7 @@ class UpRun:
         if trained.is_dir():
             say(f"trained model (Hugging Face, with tokenizer): {trained}")
         say(
-            f"run folder: {self.run_dir} (metrics.jsonl, summary.json"
+            f"run folder: {self.run_dir} (config.toml, metrics.jsonl, summary.json"
             f"{', metrics.png' if plot else ''}, logs/, checkpoints/, redis/); continue it with "
             f"tandem up --resume {self.run_dir}"
         )

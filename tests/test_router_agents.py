@@ -86,9 +86,21 @@ def env_server() -> Iterator[Callable[..., str]]:
 def test_episodes_keep_exact_tokens_and_mask_environment_tokens(
     buffer, toy_model_dir, start_service, engines, env_server
 ):
-    args = router_args(buffer, toy_model_dir, [engines().url], "--env-url", env_server())
-    start_service("router", args)
+    url = env_server()
+    args = router_args(
+        buffer, toy_model_dir, [engines().url], "--env-url", url, "--eval-interval", "1"
+    )
+    router = start_service("router", args)
     wait_until(lambda: buffer.depth() >= 2, "a batch of episodes")
+    # Evaluation plays the environment too: one greedy episode per held-out task.
+    assert router.info["eval_task"].startswith(f"environment {url}: one greedy episode")
+    values = wait_until(
+        lambda: next(
+            (r.values for _i, r in buffer.read_metrics() if "eval/accuracy" in r.values), None
+        ),
+        "an evaluation",
+    )
+    assert values["eval/num_prompts"] == 20 and values["eval/reward_mean"] == pytest.approx(0.75)
     for group in read_all(buffer):
         assert len(group.samples) == 3
         for s in group.samples:

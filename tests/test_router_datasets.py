@@ -47,6 +47,13 @@ def test_jsonl_chat_prompts_use_the_chat_template_and_exact_match_rewards(
     ]
     train = tmp_path / "train.jsonl"
     train.write_text("\n".join(json.dumps(r) for r in rows))
+    # Held-out prompts that are not training prompts: evaluation scores these four.
+    held = [
+        {"prompt": [{"role": "user", "content": f"{a}{b}"}], "label": f"{b}{a}"}
+        for a in (5, 6)
+        for b in (7, 8)
+    ]
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in held))
     args = router_args(
         buffer,
         chat_model_dir,
@@ -54,18 +61,21 @@ def test_jsonl_chat_prompts_use_the_chat_template_and_exact_match_rewards(
         "--prompt-data",
         str(train),
         "--eval-prompt-data",
-        str(train),
+        str(tmp_path / "eval.jsonl"),
         "--rm-type",
         "exact_match",
     )
-    start_service("router", args)
+    router = start_service("router", args)
+    assert router.info["eval_task"] == (
+        f"train: 4 prompts of {tmp_path / 'eval.jsonl'}, greedy, reward >= 1"
+    )
     wait_until(lambda: buffer.depth() >= 4, "a batch")
     for group in read_all(buffer):
         a, b = json.loads(group.prompt)[0]["content"]
         assert group.samples[0].prompt_ids == [1, 4 + int(a), 4 + int(b), 14]
         assert [s.reward for s in group.samples] == [1.0, 0.0]
     _step, values = wait_until(lambda: metric(buffer, "eval/accuracy"), "eval")
-    assert values["eval/accuracy"] == 1.0 and values["eval/num_prompts"] == 9
+    assert values["eval/accuracy"] == 1.0 and values["eval/num_prompts"] == 4
 
 
 def test_parquet_text_prompts_with_the_last_number_verifier(

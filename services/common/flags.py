@@ -3,6 +3,8 @@
 Each field becomes `--field-name`; its `metadata["help"]` is the flag's help, its default the
 flag's default. Nested dataclass fields (a sub-config) contribute their own fields, flat, so a
 service's whole configuration is visible in one `--help`. Booleans get `--x/--no-x`.
+`config_file.parse_args` puts a TOML file's table and `TANDEM_<TABLE>_<KEY>` variables under
+these flags (each field's key is its name).
 """
 
 from __future__ import annotations

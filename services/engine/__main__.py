@@ -7,12 +7,13 @@ import logging
 import sys
 
 from services.common.auth import check_bind, token_from_env
+from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
 from services.common.serving import add_serving_args
 from services.engine.config import EngineConfig
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem engine",
         description=(
@@ -31,7 +32,11 @@ def main(argv: list[str]) -> int:
     )
     # weight-update bodies list every tensor name, dtype and shape: thousands of entries
     add_serving_args(parser, max_request_mib=64)
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    ns = parse_args(build_parser(), argv, "engine")
     config = config_from_args(EngineConfig, ns)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     try:

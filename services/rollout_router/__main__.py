@@ -8,9 +8,11 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from proto.contract import ContractMismatchError
 from services.common.auth import check_bind, token_from_env
+from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
 from services.common.serving import add_serving_args
 from services.rollout_router.config import RouterConfig, WorkerPoolConfig
@@ -46,8 +48,16 @@ async def wait_for_engines(config: WorkerPoolConfig) -> None:
         await pool.close()
 
 
+def eval_task(app: Any) -> str:
+    """What the held-out accuracy scores (for the ready file: `tandem up` prints it)."""
+    from services.rollout_router.evaluation import describe
+
+    control = app.state.control
+    return describe(control.loop) if control is not None else "none (no --model)"
+
+
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv, "router")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
@@ -94,6 +104,10 @@ def main(argv: list[str]) -> int:
             args.host,
             args.port,
             args.ready_file,
+            extra={
+                "eval_task": lambda: eval_task(app),
+                "rollout_max_response_len": lambda: config.sampling.rollout_max_response_len,
+            },
             max_request_bytes=args.max_request_bytes,
             graceful_shutdown_s=args.graceful_shutdown_s,
         )

@@ -20,6 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from proto.models import read_config
 from services.rollout_router.config import DataConfig, RouterConfig, SamplingConfig
 from services.rollout_router.control import RolloutController
 from services.rollout_router.environments import EnvClient, EpisodeRunner
@@ -30,7 +31,13 @@ from services.rollout_router.routes_control import router as control_router
 from services.rollout_router.routes_dashboard import router as dashboard_router
 from services.rollout_router.routes_engine import router as engine_router
 from services.rollout_router.sessions import AgentSessions
-from services.rollout_router.tasks import Task, dataset_task, toy_reverse_digits
+from services.rollout_router.tasks import (
+    DATASET_RESPONSE_LEN,
+    TOY_RESPONSE_LEN,
+    Task,
+    dataset_task,
+    toy_reverse_digits,
+)
 from services.rollout_router.workers import WorkerPool
 from services.sample_buffer import SampleBuffer
 
@@ -69,7 +76,27 @@ def build_task(data: DataConfig, tokenizer: Any) -> Task:
         data.input_key,
         data.label_key,
         data.apply_chat_template,
+        data.eval_heldout_fraction,
+        data.task_seed,
     )
+
+
+def default_response_len(config: RouterConfig, task: Task) -> int:
+    """The task's response length (an environment's: a dataset's), within the model's context
+    after the longest prompt; logged, since no flag set it."""
+    length = DATASET_RESPONSE_LEN if config.env.env_url else task.response_len
+    what = f"environment {config.env.env_url}" if config.env.env_url else f"task {task.name}"
+    context = int(read_config(config.rollout.model)[0].get("max_position_embeddings", 0))
+    longest = max(len(item.input_ids) for item in task.train + task.heldout)
+    if context and length > context - longest:
+        length = max(1, context - longest)
+        what += f", cut to the model's {context} positions after a {longest}-token prompt"
+    (log.warning if length > TOY_RESPONSE_LEN else log.info)(
+        "responses up to %d tokens (the default for %s; --rollout-max-response-len sets it)",
+        length,
+        what,
+    )
+    return length
 
 
 async def build_control(
@@ -78,6 +105,8 @@ async def build_control(
     """Tokenizer, task and reward, loaded once; the rollout loop and its controller."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.rollout.model)
     task = await asyncio.to_thread(build_task, config.data, tokenizer)
+    if not config.sampling.rollout_max_response_len:
+        config.sampling.rollout_max_response_len = default_response_len(config, task)
     r = config.reward
     reward = make_reward(
         r.rm_type, r.custom_rm_path, r.rm_url, r.rm_timeout_s, r.rm_retries, pool.session
@@ -97,6 +126,7 @@ async def build_control(
         stop_ids(tokenizer, config.sampling),
         episodes,
     )
+    loop.context_len = int(read_config(config.rollout.model)[0].get("max_position_embeddings", 0))
     return RolloutController(loop, config.data, tokenizer, build_task)
 
 

@@ -171,7 +171,11 @@ class SamplingConfig:
     """Sampling parameters of rollout requests (evaluation is greedy)."""
 
     rollout_max_response_len: int = field(
-        default=4, metadata={"help": "max_new_tokens of each rollout sample."}
+        default=0,
+        metadata={
+            "help": "max_new_tokens of each rollout sample and evaluation answer (0 = the "
+            "task's: 4 for the toy task, 1024 for a dataset or an environment)."
+        },
     )
     rollout_temperature: float = field(
         default=1.0, metadata={"help": "Sampling temperature of rollouts."}
@@ -196,8 +200,8 @@ class SamplingConfig:
     )
 
     def validate(self) -> None:
-        if self.rollout_max_response_len < 1:
-            raise ValueError("--rollout-max-response-len must be >= 1")
+        if self.rollout_max_response_len < 0:
+            raise ValueError("--rollout-max-response-len must be >= 1 (or 0: the task's)")
         if self.rollout_temperature < 0 or not 0 < self.rollout_top_p <= 1:
             raise ValueError("--rollout-temperature must be >= 0 and --rollout-top-p in (0, 1]")
 
@@ -212,6 +216,13 @@ class DataConfig:
     eval_prompt_data: str = field(
         default="", metadata={"help": "Held-out prompts for evaluation: .jsonl or .parquet."}
     )
+    eval_heldout_fraction: float = field(
+        default=0.05,
+        metadata={
+            "help": "Without --eval-prompt-data: hold this fraction of --prompt-data out of "
+            "training (at least one prompt, chosen by --task-seed) for evaluation; 0 = none."
+        },
+    )
     input_key: str = field(default="prompt", metadata={"help": "Field holding the prompt."})
     label_key: str = field(default="label", metadata={"help": "Field holding the label."})
     apply_chat_template: bool = field(
@@ -219,7 +230,7 @@ class DataConfig:
         metadata={"help": "Wrap text prompts in the chat template (message lists always are)."},
     )
     task_seed: int = field(
-        default=1234, metadata={"help": "Seed of the toy task's train/held-out split."}
+        default=1234, metadata={"help": "Seed of the train/held-out split (toy task, dataset)."}
     )
 
 
@@ -235,7 +246,11 @@ class RewardConfig:
         },
     )
     custom_rm_path: str = field(
-        default="", metadata={"help": "Reward function `module:fn(text, label, stopped)`."}
+        default="",
+        metadata={
+            "help": "Reward function `fn(text, label, stopped)`: `module:fn`, or a file "
+            "`path/to/reward.py:fn`; both looked up from the current directory."
+        },
     )
     rm_url: str = field(default="", metadata={"help": "Remote reward service URL (POST)."})
     rm_timeout_s: float = field(default=30.0, metadata={"help": "Timeout of one remote call."})

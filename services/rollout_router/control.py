@@ -160,6 +160,8 @@ class RolloutController:
         data, rest = patch_dataclass(self.data, rest)
         if rest:
             raise ConfigPatchError(f"unknown or read-only fields: {', '.join(sorted(rest))}")
+        if sampling.rollout_max_response_len < 1:
+            raise ConfigPatchError("rollout_max_response_len must be >= 1")
         for part in (rollout, sampling):
             try:
                 part.validate()

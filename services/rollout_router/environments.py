@@ -2,6 +2,7 @@
 
 The protocol (`POST /reset`, `POST /step`), how a trajectory is built from exact token ids and
 what a failing environment costs are in docs/protocols.md.
+Evaluation (evaluation.py) plays one greedy episode per held-out task (docs/protocols.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """Held-out evaluation: every held-out prompt once, greedily, at each new weight version.
 
+The held-out prompts are the running task's (`describe` says which): the toy task's held-out
+digit pairs, a dataset's `--eval-prompt-data` or the fraction of `--prompt-data` held out of
+training; an environment run plays one greedy episode per held-out task (success: episode
+reward >= 1).
+
 `run_evaluations(loop)` runs beside the rollout loop (and also when rollouts are off, since
 agents may be the only producers). It polls the engines' version and evaluates at start and
 whenever the version reaches a new multiple of `eval_interval`, publishing `eval/accuracy`
@@ -14,12 +19,15 @@ import logging
 
 from redis.exceptions import RedisError
 
+from services.rollout_router.environments import EnvError
 from services.rollout_router.rewards import RewardError
 from services.rollout_router.rollout import RolloutLoop
 from services.rollout_router.samples import Partial
+from services.rollout_router.tasks import Item
 from services.rollout_router.workers import EngineRequestError, NoWorkerError
 
 log = logging.getLogger("tandem.router.eval")
+EVAL_FAILURES = (EnvError, EngineRequestError, NoWorkerError)
 
 
 async def run_evaluations(loop: RolloutLoop) -> None:
@@ -43,9 +51,26 @@ async def run_evaluations(loop: RolloutLoop) -> None:
         await asyncio.sleep(loop.config.version_poll_s * 4)
 
 
+def describe(loop: RolloutLoop) -> str:
+    """What the held-out accuracy scores, for the operator."""
+    task = loop.task
+    if loop.episodes is not None:
+        return (
+            f"environment {loop.episodes.client.url}: one greedy episode per held-out task of "
+            f"{task.name} ({task.heldout_source}); success = episode reward >= 1"
+        )
+    judge = "exact answer" if task.exact else "reward >= 1"
+    return f"{task.name}: {task.heldout_source}, greedy, {judge}"
+
+
 async def evaluate(loop: RolloutLoop, version: int) -> dict[str, float]:
-    """Every held-out prompt once, greedily; publishes eval metrics at `version`."""
-    items, max_new = loop.task.heldout, loop.sampling.rollout_max_response_len
+    """Every held-out prompt once, greedily (an environment run: one greedy episode each);
+    publishes eval metrics at `version`."""
+    items = loop.task.heldout
+    if loop.episodes is not None:
+        await _evaluate_episodes(loop, version)
+        return loop.last_eval
+    max_new = loop.sampling.rollout_max_response_len
     outs = await asyncio.gather(
         *(loop.generate(loop.payload(list(it.input_ids), 1, max_new, True, 0)) for it in items),
         return_exceptions=True,
@@ -65,6 +90,38 @@ async def evaluate(loop: RolloutLoop, version: int) -> dict[str, float]:
         rewards.append(reward)
         judge = loop.task.exact
         exact.append(judge(partial.text, item.label, stopped) if judge else reward >= 1.0)
+    await _publish(loop, version, rewards, exact, failed)
+    return loop.last_eval
+
+
+async def _evaluate_episodes(loop: RolloutLoop, version: int) -> None:
+    """One greedy episode per held-out task, each with a fixed seed (the same at every
+    version); an episode that fails counts in `eval/failed`."""
+    assert loop.episodes is not None
+    episodes = loop.episodes
+
+    async def one(k: int, item: Item) -> float:
+        episode_id = f"eval-v{version}-{k}"
+        turn = loop.episode_turn(episode_id, greedy=True)
+        return (await episodes.run(item, episode_id, EVAL_SEED + k, turn)).reward
+
+    outs = await asyncio.gather(
+        *(one(k, item) for k, item in enumerate(loop.task.heldout)), return_exceptions=True
+    )
+    for out in outs:
+        if isinstance(out, BaseException) and not isinstance(out, EVAL_FAILURES):
+            raise out
+    rewards = [out for out in outs if isinstance(out, float)]
+    failed = len(outs) - len(rewards)
+    await _publish(loop, version, rewards, [r >= 1.0 for r in rewards], failed)
+
+
+EVAL_SEED = 1_000_000_000  # environment seeds of evaluation episodes, apart from rollouts'
+
+
+async def _publish(
+    loop: RolloutLoop, version: int, rewards: list[float], exact: list[bool], failed: int
+) -> None:
     values = {
         "eval/accuracy": sum(exact) / len(exact) if exact else 0.0,
         "eval/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
@@ -74,4 +131,3 @@ async def evaluate(loop: RolloutLoop, version: int) -> dict[str, float]:
     await asyncio.to_thread(loop.buffer.publish_metrics, "router", version, values)
     loop.last_eval, loop.last_eval_version = values, version
     log.info("eval at version %d: %s", version, values)
-    return values

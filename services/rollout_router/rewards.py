@@ -1,4 +1,4 @@
-"""Rewards: built-in verifiers, a Python function by dotted path, or a remote reward service.
+"""Rewards: built-in verifiers, a Python function (module or file path), or a remote reward service.
 
 Every reward is `async score(prompt, response_text, label, finish_reason) -> float`.
 A built-in or dotted-path function has the signature `fn(response_text, label, stopped) -> float`
@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import inspect
 import logging
 import math
+import os
 import re
+import sys
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -110,11 +114,24 @@ BUILTIN: dict[str, Callable[[str, str, bool], float]] = {
 
 
 def load_function(path: str) -> Callable[..., Any]:
-    """`package.module:function` or `package.module.function`; error names the path."""
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    """`package.module:function`, `package.module.function` or `path/to/file.py:function`;
+    a module or file is looked up from the current directory first (as under `python -m`).
+    The error names the path."""
+    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
+        if module_name.endswith(".py"):
+            file = Path(module_name).resolve()
+            spec = importlib.util.spec_from_file_location(file.stem, file)
+            if spec is None or spec.loader is None or not file.is_file():
+                raise ImportError(f"no Python file {file}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+        fn = getattr(module, attr)
+    except (ImportError, AttributeError, ValueError, SyntaxError) as exc:
         raise ValueError(f"--custom-rm-path {path!r}: cannot import it ({exc})") from exc
     if not callable(fn):
         raise ValueError(f"--custom-rm-path {path!r} is not callable")

@@ -42,14 +42,13 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from redis.exceptions import RedisError
 
 from proto import DropRecord, Sample, SampleGroup
 from services.rollout_router.config import RolloutConfig, SamplingConfig
-from services.rollout_router.environments import EnvError, EpisodeRunner
+from services.rollout_router.environments import EnvError, EpisodeRunner, Generate
 from services.rollout_router.limiter import Limiter
 from services.rollout_router.progress import (
     Backoff,
@@ -104,6 +103,7 @@ class RolloutLoop:
         self.config, self.sampling = config, sampling
         self.pool, self.buffer, self.task, self.reward = pool, buffer, task, reward
         self.stop_token_ids, self.episodes = stop_token_ids, episodes
+        self.context_len = 0  # the model's positions (0 = unknown): an episode's turns fit in it
         self.state, self.waiting_for, self.since = "idle", "", time.time()
         self.in_flight = 0  # /generate requests
         self.groups: set[asyncio.Task] = set()  # groups started, not yet put or dropped
@@ -367,6 +367,8 @@ class RolloutLoop:
 
     def payload(self, input_ids: list[int], n: int, max_new: int, greedy: bool, seed: int) -> dict:
         """One /generate body with this loop's sampling settings (`samples.generate_body`)."""
+        if self.context_len:  # an episode's later turns get the positions that are left
+            max_new = max(1, min(max_new, self.context_len - len(input_ids)))
         return generate_body(
             self.sampling, self.stop_token_ids, input_ids, n, max_new, greedy, seed
         )
@@ -414,26 +416,27 @@ class RolloutLoop:
             for p, r in zip(partials, rewards, strict=True)
         ]
 
+    def episode_turn(self, episode_id: str, greedy: bool = False) -> Generate:
+        """The model-turn function of one episode (its turns stay on one engine)."""
+        max_new = self.sampling.rollout_max_response_len
+
+        async def turn(context: list[int], turn_seed: int) -> Partial:
+            payload = self.payload(context, 1, max_new, greedy, turn_seed)
+            out = await self.generate(payload, episode_id)
+            partial = await self.complete(context, Partial.of(out[0]), turn_seed, episode_id)
+            if partial.finish == "abort":
+                raise EnvError("aborted", "a model turn stayed aborted")
+            return partial
+
+        return turn
+
     async def _episode_samples(
         self, item: Item, group_id: str, seed: int
     ) -> list[Sample | RewardError]:
         """n episodes; a failed one is recorded as a drop and the others are kept."""
         assert self.episodes is not None
-        max_new = self.sampling.rollout_max_response_len
-
-        def turn_of(episode_id: str) -> Callable[[list[int], int], Awaitable[Partial]]:
-            async def turn(context: list[int], turn_seed: int) -> Partial:
-                payload = self.payload(context, 1, max_new, False, turn_seed)
-                out = await self.generate(payload, episode_id)
-                partial = await self.complete(context, Partial.of(out[0]), turn_seed, episode_id)
-                if partial.finish == "abort":
-                    raise EnvError("aborted", "a model turn stayed aborted")
-                return partial
-
-            return turn
-
         n = self.config.n_samples_per_prompt
-        samples, failed = await self.episodes.run_all(item, group_id, seed, n, turn_of)
+        samples, failed = await self.episodes.run_all(item, group_id, seed, n, self.episode_turn)
         for episode_id, error in failed:
             await self._drop(episode_id, error.reason, str(error))
         if not samples:

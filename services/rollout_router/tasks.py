@@ -11,6 +11,7 @@ A dataset row has the prompt under `--input-key` (a string, or a list of chat me
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,14 +30,23 @@ class Item:
     messages: tuple[tuple[str, str], ...] = ()
 
 
+# max_new_tokens of a dataset's (or an environment's) responses when none is configured: room
+# for a real answer. The toy task's answers are 3 tokens (two digits and end-of-sequence).
+DATASET_RESPONSE_LEN = 1024
+TOY_RESPONSE_LEN = 4
+
+
 @dataclass
 class Task:
-    """Train and held-out prompts; `exact` judges eval accuracy (None: reward >= 1)."""
+    """Train and held-out prompts; `exact` judges eval accuracy (None: reward >= 1);
+    `heldout_source` says where the held-out prompts come from (shown to the operator)."""
 
     name: str
     train: list[Item]
     heldout: list[Item]
     exact: Callable[[str, str, bool], bool] | None = None
+    heldout_source: str = ""
+    response_len: int = DATASET_RESPONSE_LEN  # the default max_new_tokens of this task
 
 
 def encode_prompt(
@@ -97,12 +107,40 @@ def toy_reverse_digits(tokenizer: Any, seed: int) -> Task:
     def items(raw: list) -> list[Item]:
         return [Item(t.prompt, t.label, encode_prompt(tokenizer, t.prompt, False)) for t in raw]
 
-    return Task("reverse_digits", items(train), items(heldout), is_exact)
+    source = f"{len(heldout)} held-out digit pairs (--task-seed {seed})"
+    return Task("reverse_digits", items(train), items(heldout), is_exact, source, TOY_RESPONSE_LEN)
 
 
 def dataset_task(
-    tokenizer: Any, train_path: str, eval_path: str, input_key: str, label_key: str, chat: bool
+    tokenizer: Any,
+    train_path: str,
+    eval_path: str,
+    input_key: str,
+    label_key: str,
+    chat: bool,
+    heldout_fraction: float = 0.0,
+    seed: int = 0,
 ) -> Task:
+    """The dataset's prompts; held out for evaluation: `eval_path`'s, else `heldout_fraction`
+    of `train_path`'s (at least one, chosen by `seed`, then not trained on)."""
     train = load_items(tokenizer, train_path, input_key, label_key, chat)
-    heldout = load_items(tokenizer, eval_path, input_key, label_key, chat) if eval_path else []
-    return Task(Path(train_path).stem, train, heldout)
+    name = Path(train_path).stem
+    if eval_path:
+        heldout = load_items(tokenizer, eval_path, input_key, label_key, chat)
+        return Task(name, train, heldout, heldout_source=f"{len(heldout)} prompts of {eval_path}")
+    count = min(max(1, round(heldout_fraction * len(train))), len(train) - 1)
+    if heldout_fraction <= 0 or count < 1:
+        return Task(name, train, [], heldout_source="none (no --eval-prompt-data)")
+    order = list(range(len(train)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:count])
+    source = (
+        f"{count} prompts held out of {train_path} (--eval-heldout-fraction {heldout_fraction}; "
+        "--eval-prompt-data sets a file)"
+    )
+    return Task(
+        name,
+        [it for i, it in enumerate(train) if i not in held],
+        [train[i] for i in sorted(held)],
+        heldout_source=source,
+    )

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
 from services.trainer.config import TrainerConfig
 
@@ -57,7 +58,7 @@ def check_model(cfg: TrainerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), list(sys.argv[1:] if argv is None else argv), "trainer")
     cfg = config_from_args(TrainerConfig, args)
     try:
         cfg.validate()

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from services.common.auth import check_bind, is_loopback, token_from_env
+from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
 from services.common.serving import PortInUseError, add_serving_args, serve
 from services.weight_broker.config import BrokerConfig
@@ -41,16 +42,20 @@ def check_weight_endpoints(config: Any) -> None:
             )
 
 
-def main(argv: list[str] | None = None) -> int:
-    from services.weight_broker.server import create_app
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem broker", description=DESCRIPTION)
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind host (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8300, help="HTTP port; 0 = any free port")
     parser.add_argument("--ready-file", help="write {url, endpoints, pid} here once serving")
     add_config_args(parser, BrokerConfig)
     add_serving_args(parser, max_request_mib=1)  # its bodies are engine URLs
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.weight_broker.server import create_app
+
+    args = parse_args(build_parser(), list(sys.argv[1:] if argv is None else argv), "broker")
     logging.basicConfig(level=logging.INFO, format="[broker] %(asctime)s %(message)s")
     config = config_from_args(BrokerConfig, args)
     problem = agree_contract(config)

@@ -1,0 +1,194 @@
+"""Config files and environment variables under a command's flags: file < environment < flags.
+
+A TOML file given with `--config FILE` has one table per command: `[up]`, `[router]`,
+`[trainer]`, `[broker]`, `[engine]`. Keys are the flag names without the leading dashes, with
+underscores (`--rollout-max-response-len` -> `rollout_max_response_len = 1024`); a command reads
+its own table and ignores the others. An environment variable `TANDEM_<TABLE>_<KEY>` in upper
+case (`TANDEM_ROUTER_ROLLOUT_MAX_RESPONSE_LEN=1024`) overrides the file; a flag overrides both.
+Values: TOML types in the file (lists as arrays); in a variable, lists are space-separated and
+booleans are true/false (also 1/0, yes/no). An unknown table or key, or a value of the wrong
+type, is an error (exit 2) naming the key, the file and the closest valid key.
+
+Knows: argparse parsers and TOML. Does not know what any flag means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import shlex
+import tomllib
+from pathlib import Path
+from typing import Any
+
+SECTIONS = ("up", "router", "trainer", "broker", "engine")
+ENV_PREFIX = "TANDEM_"
+NOT_KEYS = ("help", "config")  # parser destinations that are no setting
+
+
+class ConfigError(ValueError):
+    """A config file or variable that cannot be used; the message names it."""
+
+
+def add_config_flag(parser: argparse.ArgumentParser, section: str) -> None:
+    parser.add_argument(
+        "--config",
+        default="",
+        help=f"TOML file whose [{section}] table sets defaults for these flags (keys: flag "
+        f"names with underscores); TANDEM_{section.upper()}_<KEY> variables override it, flags "
+        "override both (docs/configuration.md).",
+    )
+
+
+def options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The parser's settings by key (destination), without --help and --config."""
+    return {a.dest: a for a in parser._actions if a.option_strings and a.dest not in NOT_KEYS}
+
+
+def read_file(path: str) -> dict[str, dict[str, Any]]:
+    """The file's tables; an unknown table, or a file that is no TOML, is a ConfigError."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"--config {path}: no such file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {path}: not valid TOML ({exc})") from exc
+    for name, table in data.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"{path}: unknown table [{name}]{suggestion(name, SECTIONS)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: {name} must be a table ([{name}]), not a value")
+    return data
+
+
+def suggestion(key: str, valid: Any) -> str:
+    close = difflib.get_close_matches(key.replace("-", "_"), list(valid), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def table_values(
+    parser: argparse.ArgumentParser, section: str, path: str, table: dict[str, Any]
+) -> dict[str, Any]:
+    """`table` checked and converted to the parser's types."""
+    actions = options(parser)
+    values = {}
+    for key, value in table.items():
+        if key not in actions:
+            raise ConfigError(
+                f"{path}: [{section}] unknown key {key!r}{suggestion(key, actions)} "
+                f"(`{parser.prog} --help` lists the flags; keys use underscores)"
+            )
+        values[key] = convert(actions[key], value, f"{path}: [{section}] {key}")
+    return values
+
+
+def env_values(parser: argparse.ArgumentParser, section: str) -> dict[str, Any]:
+    """Values of the `TANDEM_<SECTION>_<KEY>` variables that are set."""
+    values = {}
+    for key, action in options(parser).items():
+        name = f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
+        if name in os.environ:
+            values[key] = convert(action, os.environ[name], f"environment variable {name}")
+    return values
+
+
+def layered_defaults(parser: argparse.ArgumentParser, section: str, path: str) -> dict[str, Any]:
+    """The file's [section] values overridden by the environment's (flags come on top)."""
+    table = read_file(path).get(section, {}) if path else {}
+    return {**table_values(parser, section, path, table), **env_values(parser, section)}
+
+
+def config_path(argv: list[str]) -> str:
+    """The `--config` value in `argv` ("" when none)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--config", default="")
+    return str(probe.parse_known_args(argv)[0].config)
+
+
+def parse_args(
+    parser: argparse.ArgumentParser, argv: list[str], section: str
+) -> argparse.Namespace:
+    """`parser.parse_args(argv)` over the `--config` file's [section] and the environment;
+    a bad file or variable exits 2 with the message (as argparse does for a bad flag)."""
+    if "config" not in {a.dest for a in parser._actions}:
+        add_config_flag(parser, section)
+    try:
+        parser.set_defaults(**layered_defaults(parser, section, config_path(argv)))
+    except ConfigError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    return parser.parse_args(argv)
+
+
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def convert(action: argparse.Action, value: Any, where: str) -> Any:
+    """`value` (a TOML value, or a variable's string) as the flag's type; checks choices."""
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+        if isinstance(value, str) and value.lower() in TRUE + FALSE:
+            return value.lower() in TRUE
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if action.nargs in ("*", "+"):
+        items = shlex.split(value) if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise ConfigError(f"{where}: expected a list ([...]), got {value!r}")
+        return [_scalar(action, item, where) for item in items]
+    return _scalar(action, value, where)
+
+
+def _scalar(action: argparse.Action, value: Any, where: str) -> Any:
+    kind: Any = action.type if callable(action.type) else str
+    if isinstance(value, str) and kind is not str:
+        try:
+            value = kind(value)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {value!r} is not {_a(kind)}") from exc
+    ok = {
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }.get(kind, True)
+    if not ok:
+        raise ConfigError(f"{where}: expected {_a(kind)}, got {value!r}")
+    value = kind(value)
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(map(str, action.choices))
+        raise ConfigError(f"{where}: {value!r} is not one of {choices}")
+    return value
+
+
+def _a(kind: Any) -> str:
+    name = getattr(kind, "__name__", str(kind))
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def to_toml(tables: dict[str, dict[str, Any]], notes: dict[str, dict[str, str]]) -> str:
+    """Tables as TOML text; a key with a note in `notes[table]` is written as a comment
+    (`# key = value  # note`): what a command was given another way, shown, not set."""
+    lines = []
+    for name, table in tables.items():
+        lines.append(f"[{name}]")
+        for key, value in table.items():
+            note = notes.get(name, {}).get(key)
+            if value is None:
+                lines.append(f"# {key} is not set")
+            elif note is None:
+                lines.append(f"{key} = {toml_value(value)}")
+            else:
+                lines.append(f"# {key} = {toml_value(value)}  # {note}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)  # inf and nan are TOML too
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'

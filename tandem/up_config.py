@@ -1,0 +1,165 @@
+"""The resolved configuration of a `tandem up` run, every table: what `tandem config show`
+prints and what each run folder keeps as `config.toml`.
+
+`[up]` is the launcher's configuration. `[router]`, `[trainer]`, `[broker]` and `[engine]` are
+each service's settings as that service resolves them (the config file's table, then
+`TANDEM_<SERVICE>_<KEY>` variables, then the flags `tandem up` gives it, `--*-args` last). A
+setting that `tandem up` gives the service itself (from `[up]`, or per run: addresses, run id,
+ready file) is written as a comment naming where it comes from, so that
+`tandem up --config RUN_DIR/config.toml` repeats the run without contradicting itself, and a
+table that sets such a key to another value is refused (set it in `[up]` instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from services.common.config_file import (
+    ENV_PREFIX,
+    ConfigError,
+    layered_defaults,
+    options,
+    to_toml,
+)
+from tandem.launcher import UpConfig, build_parser, service_args
+
+
+def _router() -> argparse.ArgumentParser:
+    from services.rollout_router.__main__ import build_parser as router_parser
+
+    return router_parser()
+
+
+def _trainer() -> argparse.ArgumentParser:
+    from services.trainer.__main__ import build_parser as trainer_parser
+
+    return trainer_parser()
+
+
+def _broker() -> argparse.ArgumentParser:
+    from services.weight_broker.__main__ import build_parser as broker_parser
+
+    return broker_parser()
+
+
+def _engine() -> argparse.ArgumentParser:
+    from services.engine.__main__ import build_parser as engine_parser
+
+    return engine_parser()
+
+
+PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
+    "up": build_parser,
+    "router": _router,
+    "trainer": _trainer,
+    "broker": _broker,
+    "engine": _engine,
+}
+# Settings tandem up gives a service per run, once the other services are up.
+WIRING = {
+    "engine": {"ready_file"},
+    "broker": {"engine_urls", "ready_file"},
+    "router": {"engine_urls", "broker_url", "ready_file"},
+    "trainer": {"weights_endpoint", "ready_file"},
+}
+RUN_CONFIG = "config.toml"
+
+
+def _strict(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The parser with errors raised as ConfigError instead of exiting."""
+
+    def error(message: str) -> Any:
+        raise ConfigError(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
+def _dests(parser: argparse.ArgumentParser, args: list[str]) -> set[str]:
+    """The settings `args` names."""
+    named = {a.partition("=")[0] for a in args if a.startswith("--")}
+    return {
+        action.dest
+        for flag, action in parser._option_string_actions.items()
+        if flag in named and action.dest in options(parser)
+    }
+
+
+def service_table(
+    name: str, own: list[str], extra: list[str], config_file: str
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Service `name`'s resolved settings when tandem up runs it with its own flags `own`
+    and the pass-through flags `extra`, and a note per setting tandem up gives it itself.
+    Raises ConfigError for a bad table, a bad pass-through flag or a contradiction."""
+    parser = _strict(PARSERS[name]())
+    layered = layered_defaults(parser, name, config_file)
+    managed = _dests(parser, own) | WIRING[name]
+    ours = vars(_strict(PARSERS[name]()).parse_args(own))
+    for key in sorted(set(layered) & managed):
+        if key in WIRING[name] or layered[key] != ours[key]:
+            variable = f"{ENV_PREFIX}{name.upper()}_{key.upper()}"
+            raise ConfigError(
+                f"[{name}] {key} = {layered[key]!r} (config file or {variable}), but tandem up "
+                f"gives the {name} {ours.get(key)!r} ({_origin(name, key)}): remove it there"
+            )
+    parser.set_defaults(**layered)
+    try:
+        values = vars(parser.parse_args(own + extra))
+    except ConfigError as exc:  # only the pass-through flags can be unknown here
+        raise ConfigError(f"--{name}-args: {exc}") from exc
+    table = {key: values[key] for key in options(parser)}
+    notes = {key: _origin(name, key) for key in managed}
+    for key in table:
+        if key.endswith("token") and table[key]:  # a secret stays out of the run folder
+            table[key], notes[key] = "", "not recorded (a secret): give it again"
+    return table, notes
+
+
+UP_KEYS = {f.name for f in dataclasses.fields(UpConfig)}
+UP_ALIASES = {("broker", "transport"): "weight_transport", ("engine", "device"): "engine_device"}
+
+
+def _origin(service: str, key: str) -> str:
+    """Where tandem up takes a setting it gives `service` from."""
+    up_key = UP_ALIASES.get((service, key), key if key in UP_KEYS else "")
+    return f"set by tandem up from [up] {up_key}" if up_key else "set by tandem up per run"
+
+
+def render(
+    config: UpConfig,
+    config_file: str,
+    model: Path | None = None,
+    redis_url: str = "",
+    run_id: str = "up-RUN",
+    run_dir: Path = Path("RUN_DIR"),
+) -> str:
+    """The whole resolved configuration as TOML (see the module docstring); ConfigError when
+    a table contradicts [up] or a pass-through flag is unknown to its service."""
+    model = model or Path(config.model or "RUN_DIR/model")
+    redis_url = redis_url or config.redis_url or "redis://STARTED-BY-TANDEM-UP"
+    own = service_args(config, run_id, model, redis_url, run_dir, passthrough=False)
+    own["broker"] = service_args(config, run_id, model, redis_url, run_dir)["broker"]
+    full = service_args(config, run_id, model, redis_url, run_dir)
+    up = {key: getattr(config, key) for key in options(build_parser())}
+    up.update(resume="", run_dir="")  # a repeat is a new run, in a new folder
+    tables: dict[str, dict[str, Any]] = {"up": up}
+    notes: dict[str, dict[str, str]] = {}
+    for name in ("router", "trainer", "broker", "engine"):
+        extra = full[name][len(own[name]) :]
+        tables[name], notes[name] = service_table(name, own[name][1:], extra, config_file)
+    header = (
+        "# Resolved by tandem up: the configuration of this run, every service.\n"
+        "# Repeat it: tandem up --config THIS_FILE (flags given beside it override it).\n"
+        "# Commented keys are set by tandem up itself; change them in [up].\n\n"
+    )
+    return header + to_toml(tables, notes)
+
+
+def write_run_config(run_dir: Path, text: str) -> Path:
+    path = (run_dir / RUN_CONFIG).resolve()
+    path.write_text(text)
+    return path

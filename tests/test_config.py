@@ -1,0 +1,179 @@
+"""Configuration: a TOML file under environment variables under flags, for `tandem up` and each
+service; `tandem config show`; the run folder's config.toml repeats a run; first-class flags,
+task defaults and the one-GPU layout; the generated reference is current. In-process parsing:
+nothing starts (tests/test_router_datasets.py and test_router_agents.py check, through the
+router process, that evaluation scores the running task's held-out data)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from services.common.config_file import parse_args
+from services.rollout_router.__main__ import build_parser as router_parser
+from services.rollout_router.rewards import load_function
+from services.rollout_router.tasks import DATASET_RESPONSE_LEN, dataset_task, toy_reverse_digits
+from tandem import config_cmd, launcher
+from tandem.up_config import RUN_CONFIG, render
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def toml_file(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatch) -> None:
+    path = toml_file(
+        tmp_path,
+        "[up]\nseed = 3\nmax_steps = 7\nlr = 0.5\n\n"
+        '[router]\nrollout_max_response_len = 512\npolicy = "round_robin"\n',
+    )
+    monkeypatch.setenv("TANDEM_UP_MAX_STEPS", "9")
+    config, problems = launcher.parse(["--config", str(path), "--lr", "0.25"])
+    assert problems == []
+    assert (config.seed, config.max_steps, config.lr) == (3, 9, 0.25)
+    monkeypatch.setenv("TANDEM_ROUTER_POLICY", "session_affinity")
+    ns = parse_args(router_parser(), ["--config", str(path), "--eval-interval", "2"], "router")
+    assert (ns.rollout_max_response_len, ns.policy, ns.eval_interval) == (
+        512,
+        "session_affinity",
+        2,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[router]\nrollout_max_response_length = 3\n", "did you mean 'rollout_max_response_len'"),
+        ("[routr]\nseed = 1\n", "unknown table [routr] (did you mean 'router'"),
+        ("[router]\nrollout-top-p = 0.5\n", "did you mean 'rollout_top_p'"),
+        ('[router]\neval_interval = "often"\n', "[router] eval_interval: 'often' is not an int"),
+        ('[router]\npolicy = "random"\n', "'random' is not one of least_outstanding"),
+    ],
+)
+def test_a_bad_key_or_value_exits_2_naming_file_key_and_closest_key(
+    tmp_path: Path, capsys, text: str, expected: str
+) -> None:
+    path = toml_file(tmp_path, text)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(router_parser(), ["--config", str(path)], "router")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and expected in err, err
+    # tandem up checks every service's table before it starts anything.
+    if "[routr]" not in text:
+        _config, problems = launcher.parse(["--config", str(path)])
+        assert len(problems) == 1 and str(path) in problems[0] and expected in problems[0]
+
+
+def test_a_service_table_that_contradicts_up_is_refused(tmp_path: Path) -> None:
+    path = toml_file(tmp_path, "[trainer]\nrollout_batch_size = 16\n")
+    _config, problems = launcher.parse(["--config", str(path)])
+    assert len(problems) == 1
+    assert (
+        "[trainer] rollout_batch_size = 16" in problems[0]
+        and "[up] rollout_batch_size" in (problems[0])
+    )
+
+
+def test_config_show_prints_every_table_and_its_output_repeats_the_run(
+    tmp_path: Path, capsys
+) -> None:
+    (tmp_path / "train.jsonl").write_text('{"prompt": "12>", "label": "21"}\n')
+    path = toml_file(
+        tmp_path,
+        f'[up]\nprompt_data = "{tmp_path / "train.jsonl"}"\nmax_steps = 5\n\n'
+        "[router]\napply_chat_template = true\n\n[engine]\nkv_cache_gb = 1.5\n",
+    )
+    argv = ["--config", str(path), "--custom-rm-path", "my_rewards:score", "--seed", "4"]
+    assert config_cmd.main(["show", *argv]) == 0
+    shown = capsys.readouterr().out
+    tables = tomllib.loads(shown)
+    assert set(tables) == {"up", "router", "trainer", "broker", "engine"}
+    assert tables["up"]["max_steps"] == 5 and tables["up"]["seed"] == 4
+    assert tables["router"]["apply_chat_template"] is True
+    assert tables["engine"]["kv_cache_gb"] == 1.5
+    # What tandem up gives a service itself is shown as a comment, not set twice.
+    assert "rollout_batch_size" not in tables["router"]
+    assert '# custom_rm_path = "my_rewards:score"  # set by tandem up from [up]' in shown
+    # The run folder's config.toml is this text: given back, it resolves to the same run.
+    recorded = toml_file(tmp_path, shown, RUN_CONFIG)
+    config, problems = launcher.parse(["--config", str(recorded)])
+    first, _ = launcher.parse(argv)
+    assert problems == [] and config == first.__class__(**{**vars(first), "config": str(recorded)})
+    assert render(config, str(recorded)) == render(first, str(path))
+
+
+def test_one_gpu_for_engine_and_trainer_is_a_layout(capsys) -> None:
+    config, problems = launcher.parse(["--engine-gpus", "0", "--trainer-gpus", "0"])
+    assert problems == []
+    assert (config.num_engines, config.engine_device) == (1, "cuda")
+    assert launcher.shared_gpus(config) == [0]
+    assert launcher.main(["--engine-gpus", "0", "--num-engines", "2"]) == 2
+    assert "give one per engine" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spelling", [["--trainer-args", "--bf16"], ["--trainer-args=--bf16"]])
+def test_a_passthrough_flag_starting_with_dashes_reaches_its_service(
+    spelling: list[str], capsys
+) -> None:
+    assert config_cmd.main(["show", *spelling]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["trainer"]["bf16"] is True
+
+
+def test_an_unknown_passthrough_flag_is_refused_before_anything_starts() -> None:
+    _config, problems = launcher.parse(["--router-args", "--rollout-max-respons-len 8"])
+    assert len(problems) == 1 and "--router-args" in problems[0]
+    assert "unrecognized arguments: --rollout-max-respons-len" in problems[0]
+
+
+def test_a_reward_is_a_module_or_a_file_looked_up_from_the_current_directory(
+    tmp_path: Path, monkeypatch
+) -> None:
+    (tmp_path / "rw").mkdir()
+    (tmp_path / "rw" / "reward_file.py").write_text("def fn(text, label, stopped):\n    return 2\n")
+    (tmp_path / "cwd_reward_mod.py").write_text("def fn(text, label, stopped):\n    return 3\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert load_function("rw/reward_file.py:fn")("", "", True) == 2
+    assert load_function("cwd_reward_mod:fn")("", "", True) == 3
+    with pytest.raises(ValueError, match=r"--custom-rm-path 'rw/missing\.py:fn': cannot import"):
+        load_function("rw/missing.py:fn")
+    _config, problems = launcher.parse(["--custom-rm-path", "rw/missing.py:fn"])
+    assert problems == ["--custom-rm-path rw/missing.py:fn: no file rw/missing.py"]
+
+
+def test_the_configuration_reference_is_generated_from_the_flags() -> None:
+    current = (ROOT / "docs" / "configuration.md").read_text()
+    assert current == config_cmd.reference(), (
+        "docs/configuration.md is stale: tandem config reference > docs/configuration.md"
+    )
+    assert "`rollout_max_response_len`" in current and "TANDEM_ROUTER_" in current
+
+
+class DigitTokenizer:
+    """Stands in for a Hugging Face tokenizer in the split's unit test: one id per character."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_a_dataset_without_eval_data_holds_a_fraction_out_of_training(tmp_path: Path) -> None:
+    rows = [{"prompt": f"{i}>", "label": f"l{i}"} for i in range(40)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    args = (DigitTokenizer(), str(tmp_path / "train.jsonl"), "", "prompt", "label", False)
+    task = dataset_task(*args, heldout_fraction=0.05, seed=1)
+    held, trained = {it.label for it in task.heldout}, {it.label for it in task.train}
+    assert len(held) == 2 and len(trained) == 38 and not held & trained
+    assert "2 prompts held out of" in task.heldout_source
+    assert task.response_len == DATASET_RESPONSE_LEN  # sized for real answers, not the toy's 4
+    assert dataset_task(*args, heldout_fraction=0.05, seed=1).heldout == task.heldout
+    assert dataset_task(*args, heldout_fraction=0.0).heldout == []
+    assert toy_reverse_digits(DigitTokenizer(), 1234).response_len == 4
