@@ -1,4 +1,14 @@
-"""Run a FastAPI app under uvicorn on a socket we bind ourselves.
+"""Run a service: `run_service` (every service's `main`, one exit-code table) and `serve` (a
+FastAPI app under uvicorn on a socket we bind ourselves).
+
+Exit codes, the same for every `tandem` service:
+  0  the service ran as asked and stopped cleanly;
+  1  a run-time failure (`ServiceError`, a dependency that never answered: `ConnectionError`,
+     `TimeoutError`);
+  2  bad flags or configuration: argparse's own errors, `ValueError` (contract mismatches
+     included), a missing file, and a port that is taken (`PortInUseError`: the flag is what to
+     change).
+The message is one line on stderr, `tandem NAME: ...`, naming the flag or file to fix.
 
 Binding first means: `--port 0` lets the OS pick a free port with no race between choosing and
 listening, and a port that is taken fails at once with a message naming it and the flag. Once the
@@ -13,19 +23,53 @@ import errno
 import json
 import os
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 
 from services.common.body_limit import BodyLimitMiddleware
 
 MIB = 1 << 20
+T = TypeVar("T")
 
 
-class PortInUseError(RuntimeError):
-    pass
+class PortInUseError(ValueError):
+    """A port flag names a port that is taken (exit 2: pick another)."""
+
+
+class ServiceError(RuntimeError):
+    """A run-time failure to report in one line (exit 1)."""
+
+
+CONFIG_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, KeyError)
+RUN_ERRORS: tuple[type[Exception], ...] = (ServiceError, ConnectionError, TimeoutError)
+
+
+def run_service(name: str, start: Callable[[], T], run: Callable[[T], int | None]) -> int:
+    """The exit code of a service: `start()` builds it from its flags (an error there is the
+    user's to fix, unless it is a run-time one), `run(service)` runs it until it stops (a
+    taken port: 2; a run-time failure: 1). See the table in the module docstring."""
+    try:
+        service = start()
+    except RUN_ERRORS as exc:
+        return _fail(name, 1, exc)
+    except CONFIG_ERRORS as exc:
+        return _fail(name, 2, exc)
+    try:
+        return int(run(service) or 0)
+    except PortInUseError as exc:
+        return _fail(name, 2, exc)
+    except RUN_ERRORS as exc:
+        return _fail(name, 1, exc)
+
+
+def _fail(name: str, code: int, exc: Exception) -> int:
+    message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    print(f"tandem {name}: {message or repr(exc)}", file=sys.stderr, flush=True)
+    return code
 
 
 def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:

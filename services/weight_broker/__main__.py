@@ -7,10 +7,13 @@ import logging
 import sys
 from typing import Any
 
-from services.common.auth import check_bind, is_loopback, token_from_env
+import zmq
+
+from services.common.auth import check_bind, token_from_env
 from services.common.flags import add_config_args, config_from_args
-from services.common.serving import PortInUseError, add_serving_args, serve
+from services.common.serving import add_serving_args, run_service, serve
 from services.weight_broker.config import BrokerConfig
+from services.weight_sync.wire import check_weight_bind
 
 DESCRIPTION = """\
 Weight broker. The trainer pushes each new weight version here over ZMQ (--intake-endpoint);
@@ -21,29 +24,7 @@ TANDEM_WEIGHT_SECRET is set (same value for trainer, broker and engines).
 """
 
 
-def check_weight_endpoints(config: Any) -> None:
-    """Weight frames from outside loopback must be signed: refuse to bind such an endpoint
-    without a secret, naming the variable."""
-    from services.weight_sync.wire import SECRET_ENV, secret_from_env
-
-    if secret_from_env() is not None:
-        return
-    for flag, endpoint in (
-        ("--intake-endpoint", config.intake_endpoint),
-        ("--serve-endpoint", config.serve_endpoint),
-    ):
-        host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
-        if endpoint.startswith("tcp://") and not is_loopback(host):
-            raise ValueError(
-                f"{flag} {endpoint} accepts weights from other machines, but {SECRET_ENV} is "
-                f"not set: set {SECRET_ENV} (the same value for trainer, broker and engines; "
-                "`tandem up` generates one), or bind 127.0.0.1"
-            )
-
-
 def main(argv: list[str] | None = None) -> int:
-    from services.weight_broker.server import create_app
-
     parser = argparse.ArgumentParser(prog="tandem broker", description=DESCRIPTION)
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind host (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8300, help="HTTP port; 0 = any free port")
@@ -53,43 +34,39 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[broker] %(asctime)s %(message)s")
     config = config_from_args(BrokerConfig, args)
+    return run_service("broker", lambda: start(config, args.host), lambda app: run(app, args))
+
+
+def start(config: BrokerConfig, host: str) -> Any:
+    """The broker's app, its sockets bound; ValueError (exit 2) names what to change."""
+    from services.weight_broker.server import create_app
+
     problem = agree_contract(config)
     if problem:
-        print(f"tandem broker: {problem}", file=sys.stderr)
-        return 2
+        raise ValueError(problem)
+    check_bind(host, token_from_env(), "tandem broker")
+    check_weight_bind("--intake-endpoint", config.intake_endpoint)
+    check_weight_bind("--serve-endpoint", config.serve_endpoint)
     try:
-        check_bind(args.host, token_from_env(), "tandem broker")
-        check_weight_endpoints(config)
-    except ValueError as exc:
-        print(f"tandem broker: {exc}", file=sys.stderr)
-        return 2
-    try:
-        app = create_app(config)
-    except Exception as exc:  # zmq bind errors name the endpoint; translate for the user
-        print(
-            f"tandem broker: cannot bind ZMQ sockets: {exc} "
-            "(check --intake-endpoint / --serve-endpoint)",
-            file=sys.stderr,
-        )
-        return 1
+        return create_app(config)
+    except zmq.ZMQError as exc:
+        raise ValueError(
+            f"cannot bind the weight sockets: {exc} (check --intake-endpoint / --serve-endpoint)"
+        ) from exc
+
+
+def run(app: Any, args: argparse.Namespace) -> None:
     broker = app.state.broker
-    try:
-        serve(
-            app,
-            args.host,
-            args.port,
-            args.ready_file,
-            extra={
-                "intake_endpoint": broker.intake_endpoint,
-                "serve_endpoint": broker.serve_endpoint,
-            },
-            max_request_bytes=args.max_request_bytes,
-            graceful_shutdown_s=args.graceful_shutdown_s,
-        )
-    except PortInUseError as exc:
-        print(f"tandem broker: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    endpoints = {"intake_endpoint": broker.intake_endpoint, "serve_endpoint": broker.serve_endpoint}
+    serve(
+        app,
+        args.host,
+        args.port,
+        args.ready_file,
+        extra=endpoints,
+        max_request_bytes=args.max_request_bytes,
+        graceful_shutdown_s=args.graceful_shutdown_s,
+    )
 
 
 def agree_contract(config: BrokerConfig) -> str:

@@ -49,7 +49,12 @@ from proto import NcclAck, NcclCommand, NcclOffer, TensorMeta, decode, encode
 from services.weight_sync.process_group import join_group, leave_group
 
 __all__ = ["NcclWeightSender", "WeightSyncError"]
-from services.weight_sync.wire import DEFAULT_BUCKET_BYTES, WeightSyncError, group_by_bytes
+from services.weight_sync.wire import (
+    DEFAULT_BUCKET_BYTES,
+    WeightSyncError,
+    check_weight_bind,
+    group_by_bytes,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +94,8 @@ class NcclWeightSender:
     ) -> None:
         """`layout_ids=False` offers no `layout_id` (engines then get every name each
         version; `bench/weight_sync.py --layout-id compare` measures what the id saves)."""
+        # The rendezvous (a TCP store this trainer hosts) must not face other machines unsigned.
+        check_weight_bind("--weights-master-address", master_address)
         self.control_endpoint = control_endpoint
         self.layout_ids = layout_ids
         self.master_address = master_address
