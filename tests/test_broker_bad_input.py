@@ -134,3 +134,17 @@ def test_the_trainer_skips_and_counts_a_malformed_control_frame() -> None:
     finally:
         sender.close()
         router.close()
+
+
+def test_the_trainers_rendezvous_refuses_a_public_address_without_the_weight_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.weight_sync.nccl_sender import NcclWeightSender
+
+    monkeypatch.delenv("TANDEM_WEIGHT_SECRET", raising=False)
+    with pytest.raises(ValueError, match="TANDEM_WEIGHT_SECRET") as refused:
+        NcclWeightSender("tcp://127.0.0.1:1", master_address="10.1.2.3")
+    assert "--weights-master-address 10.1.2.3" in str(refused.value)
+    NcclWeightSender("tcp://127.0.0.1:1", master_address="127.0.0.1").close()
+    monkeypatch.setenv("TANDEM_WEIGHT_SECRET", "a-secret")
+    NcclWeightSender("tcp://127.0.0.1:1", master_address="10.1.2.3").close()

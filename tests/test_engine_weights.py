@@ -143,6 +143,28 @@ def test_zmq_update_sets_the_version_and_logprobs_follow_the_new_weights(
     assert httpx.get(f"{engine.url}/get_weight_version").json() == {"weight_version": "3"}
 
 
+def test_a_version_below_the_one_served_is_refused_naming_both(
+    start_service, toy_model_dir: Path, broker: FakeBroker
+) -> None:
+    # A fresh (or restarted) engine serves version 0 and takes the run's current version.
+    engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
+    old = load_model(toy_model_dir)
+    broker.versions[3] = perturbed(old, 0.5)
+    broker.versions[2] = perturbed(old, 0.9)
+    assert update(engine.url, broker.endpoint, "3").status_code == 200
+    assert update(engine.url, broker.endpoint, "3").status_code == 200, "the same version again"
+    for path, body in (
+        ("/update_weights_from_zmq", {"endpoint": broker.endpoint, "weight_version": "2"}),
+        ("/update_weights_from_disk", {"model_path": str(toy_model_dir), "weight_version": "1"}),
+    ):
+        resp = httpx.post(f"{engine.url}{path}", json=body, timeout=60)
+        assert resp.status_code == 409, resp.text
+        message = resp.json()["message"]
+        assert f"weight_version {body['weight_version']} is older than version 3" in message
+    assert broker.requests == [3, 3], "a refused version is not even fetched"
+    assert sample(engine.url)["meta_info"]["weight_version"] == "3"
+
+
 @pytest.mark.parametrize("defect", ["unknown_name", "wrong_shape"])
 def test_a_bad_name_or_shape_is_refused_and_the_old_weights_stay(
     start_service, toy_model_dir: Path, broker: FakeBroker, defect: str

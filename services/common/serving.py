@@ -48,25 +48,33 @@ CONFIG_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, Key
 RUN_ERRORS: tuple[type[Exception], ...] = (ServiceError, ConnectionError, TimeoutError)
 
 
-def run_service(name: str, start: Callable[[], T], run: Callable[[T], int | None]) -> int:
-    """The exit code of a service: `start()` builds it from its flags (an error there is the
-    user's to fix, unless it is a run-time one), `run(service)` runs it until it stops (a
-    taken port: 2; a run-time failure: 1). See the table in the module docstring."""
+def run_service(
+    name: str,
+    start: Callable[[], T],
+    run: Callable[[T, socket.socket | None], int | None],
+    listen: tuple[str, int] | None = None,
+) -> int:
+    """The exit code of a service. `listen` (host, port) is bound first, so a taken port fails
+    at once, before any model load or wait; `start()` builds the service from its flags (an
+    error there is the user's to fix, unless it is a run-time one); `run(service, socket)` runs
+    it until it stops. What they raise is mapped by the table in the module docstring."""
+    sock = None
     try:
+        sock = bind_socket(*listen) if listen else None
         service = start()
     except RUN_ERRORS as exc:
-        return _fail(name, 1, exc)
+        return _fail(name, 1, exc, sock)
     except CONFIG_ERRORS as exc:
-        return _fail(name, 2, exc)
+        return _fail(name, 2, exc, sock)
     try:
-        return int(run(service) or 0)
-    except PortInUseError as exc:
-        return _fail(name, 2, exc)
+        return int(run(service, sock) or 0)
     except RUN_ERRORS as exc:
-        return _fail(name, 1, exc)
+        return _fail(name, 1, exc, sock)
 
 
-def _fail(name: str, code: int, exc: Exception) -> int:
+def _fail(name: str, code: int, exc: Exception, sock: socket.socket | None) -> int:
+    if sock is not None:
+        sock.close()
     message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
     print(f"tandem {name}: {message or repr(exc)}", file=sys.stderr, flush=True)
     return code
@@ -127,6 +135,7 @@ def serve(
     max_request_bytes: int = 0,
     graceful_shutdown_s: float = 10.0,
     on_shutdown: Callable[[], None] | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
     """Serve `app` until SIGINT/SIGTERM; raise `PortInUseError` if the port is taken.
 
@@ -136,8 +145,9 @@ def serve(
     requests get `graceful_shutdown_s` to finish; then they are cancelled and the lifespan's
     shutdown runs (a request waiting on a paused engine never holds the process up).
     `on_shutdown` runs first, when SIGTERM arrives (the engine ends its queued requests there,
-    each answered with an abort finish reason instead of a dropped connection)."""
-    sock = bind_socket(host, port, flag)
+    each answered with an abort finish reason instead of a dropped connection). `sock`: one
+    `bind_socket` bound already (`run_service` binds before start-up)."""
+    sock = sock or bind_socket(host, port, flag)
     bound_port = sock.getsockname()[1]
     config = uvicorn.Config(
         BodyLimitMiddleware(app, max_request_bytes),

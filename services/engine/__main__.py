@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from typing import Any
 
@@ -35,7 +36,12 @@ def main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     config = config_from_args(EngineConfig, ns)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
-    return run_service("engine", lambda: start(config, ns.host), lambda app: run(app, ns))
+    return run_service(
+        "engine",
+        lambda: start(config, ns.host),
+        lambda app, sock: run(app, ns, sock),
+        listen=(ns.host, ns.port),
+    )
 
 
 def start(config: EngineConfig, host: str) -> Any:
@@ -50,7 +56,7 @@ def start(config: EngineConfig, host: str) -> Any:
         raise ValueError(str(exc)) from exc
 
 
-def run(app: Any, ns: argparse.Namespace) -> None:
+def run(app: Any, ns: argparse.Namespace, sock: socket.socket | None) -> None:
     serve(
         app,
         ns.host,
@@ -59,6 +65,7 @@ def run(app: Any, ns: argparse.Namespace) -> None:
         max_request_bytes=ns.max_request_bytes,
         graceful_shutdown_s=ns.graceful_shutdown_s,
         on_shutdown=app.state.engine.shut_down_requests,
+        sock=sock,
     )
 
 

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -53,7 +54,12 @@ def main(argv: list[str]) -> int:
     )
     config = config_from_args(RouterConfig, args)
     config.api_token = config.api_token or token_from_env("TANDEM_ROUTER_TOKEN")
-    return run_service("router", lambda: start(config, args.host), lambda app: run(app, args))
+    return run_service(
+        "router",
+        lambda: start(config, args.host),
+        lambda app, sock: run(app, args, sock),
+        listen=(args.host, args.port),
+    )
 
 
 def start(config: RouterConfig, host: str) -> Any:
@@ -75,7 +81,7 @@ def start(config: RouterConfig, host: str) -> Any:
     return app
 
 
-def run(app: Any, args: argparse.Namespace) -> None:
+def run(app: Any, args: argparse.Namespace, sock: socket.socket | None) -> None:
     from services.rollout_router.fastpath import FastForwardMiddleware
 
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the handler that
@@ -89,6 +95,7 @@ def run(app: Any, args: argparse.Namespace) -> None:
             args.ready_file,
             max_request_bytes=args.max_request_bytes,
             graceful_shutdown_s=args.graceful_shutdown_s,
+            sock=sock,
         )
     except SystemExit as exc:  # uvicorn exits 3 when the lifespan fails
         raise ServiceError(f"start-up failed: {app.state.startup_error}") from exc

@@ -61,7 +61,7 @@ def check_model(cfg: TrainerConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(TrainerConfig, args)
-    return run_service("trainer", lambda: start(cfg), lambda trainer: run(trainer, args))
+    return run_service("trainer", lambda: start(cfg), lambda trainer, _sock: run(trainer, args))
 
 
 def start(cfg: TrainerConfig) -> Any:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from typing import Any
 
 import zmq
 
+from proto.contract import RunContract
 from services.common.auth import check_bind, token_from_env
 from services.common.flags import add_config_args, config_from_args
 from services.common.serving import add_serving_args, run_service, serve
+from services.sample_buffer import BufferConfig, SampleBuffer
 from services.weight_broker.config import BrokerConfig
 from services.weight_sync.wire import check_weight_bind
 
@@ -34,16 +37,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[broker] %(asctime)s %(message)s")
     config = config_from_args(BrokerConfig, args)
-    return run_service("broker", lambda: start(config, args.host), lambda app: run(app, args))
+    return run_service(
+        "broker",
+        lambda: start(config, args.host),
+        lambda app, sock: run(app, args, sock),
+        listen=(args.host, args.port),
+    )
 
 
 def start(config: BrokerConfig, host: str) -> Any:
     """The broker's app, its sockets bound; ValueError (exit 2) names what to change."""
     from services.weight_broker.server import create_app
 
-    problem = agree_contract(config)
-    if problem:
-        raise ValueError(problem)
+    agree_contract(config)
     check_bind(host, token_from_env(), "tandem broker")
     check_weight_bind("--intake-endpoint", config.intake_endpoint)
     check_weight_bind("--serve-endpoint", config.serve_endpoint)
@@ -55,7 +61,7 @@ def start(config: BrokerConfig, host: str) -> Any:
         ) from exc
 
 
-def run(app: Any, args: argparse.Namespace) -> None:
+def run(app: Any, args: argparse.Namespace, sock: socket.socket | None) -> None:
     broker = app.state.broker
     endpoints = {"intake_endpoint": broker.intake_endpoint, "serve_endpoint": broker.serve_endpoint}
     serve(
@@ -66,25 +72,18 @@ def run(app: Any, args: argparse.Namespace) -> None:
         extra=endpoints,
         max_request_bytes=args.max_request_bytes,
         graceful_shutdown_s=args.graceful_shutdown_s,
+        sock=sock,
     )
 
 
-def agree_contract(config: BrokerConfig) -> str:
+def agree_contract(config: BrokerConfig) -> None:
     """State the broker's term of the run contract (how versions arrive: the trainer's
-    `--weight-transport`); returns the problem, or "" when the run agrees."""
-    if not config.redis_url:
-        return ""
-    from proto.contract import ContractMismatchError, RunContract
-    from services.sample_buffer import BufferConfig, SampleBuffer
-
-    buffer = SampleBuffer(BufferConfig(redis_url=config.redis_url, run_id=config.run_id))
-    try:
+    `--weight-transport`); `ContractMismatchError` (exit 2) names what to change."""
+    if config.redis_url:
+        buffer = SampleBuffer(BufferConfig(redis_url=config.redis_url, run_id=config.run_id))
         buffer.wait_ready(30.0)
         intake = "nccl" if config.transport == "nccl" else "zmq"  # disk takes zmq buckets in
         buffer.agree_contract(RunContract(weight_transport=intake), "broker")
-    except (ConnectionError, ContractMismatchError) as exc:
-        return str(exc)
-    return ""
 
 
 if __name__ == "__main__":

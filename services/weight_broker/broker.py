@@ -68,7 +68,6 @@ class EngineState:
     syncing: bool = False
     last_error: str = ""
     last_sync_s: float = 0.0
-    last_sync_at: float = 0.0
     last_bytes_per_s: float = 0.0
     failures: int = 0
     retry_at: float = 0.0
@@ -88,6 +87,7 @@ class WeightBroker:
             "frames_rejected": 0,  # fetch requests and control messages that were not
             "versions_received": 0,
             "syncs_failed": 0,
+            "versions_refused": 0,  # complete, but not the trainer's (see `_unpublished`)
         }
         self.latest = -1  # the newest version the trainer handed us
         self.transport = make_transport(config, self.counters)
@@ -131,9 +131,14 @@ class WeightBroker:
         version = await self.transport.next_version(self._wake)
         if version < 0:
             return
-        self.latest = max(self.latest, version)
+        if why := self._unpublished(version):
+            self.counters["versions_refused"] += 1
+            log.error("refused weight version %d: %s", version, why)
+            await self.transport.refuse(version, why)
+            return
+        self.latest = version
         now = time.monotonic()
-        due = [e for e in self.engines.values() if e.version != version and now >= e.retry_at]
+        due = [e for e in self.engines.values() if e.version < version and now >= e.retry_at]
         for engine in due:
             engine.syncing = True
         try:
@@ -151,6 +156,28 @@ class WeightBroker:
                 self.mark_synced(engine, version, outcome)
         self.publish_version()
 
+    def _unpublished(self, version: int) -> str:
+        """Why `version` cannot be the trainer's, else ''. The trainer announces V in Redis
+        (`version:trainer`) right after sending it, so a version more than one ahead of the
+        announced one (once there is one) came from elsewhere."""
+        if version <= self.latest:
+            return ""
+        published = self._trainer_version()
+        if published >= 0 and version > published + 1:
+            return f"the trainer published version {published}; {version} is not its next"
+        return ""
+
+    def _trainer_version(self) -> int:
+        """`version:trainer` in Redis; -1 without Redis, before a trainer, or when Redis is
+        unavailable (the HMAC still guards the intake)."""
+        if self.buffer is None:
+            return -1
+        try:
+            return self.buffer.get_version("trainer")
+        except RedisError as exc:
+            log.warning("cannot read the trainer's version from Redis: %s", exc)
+            return -1
+
     async def _read_version(self, engine: EngineState) -> None:
         """The version an engine named at start serves (`/model_info`, then older routes)."""
         timeout_s = min(self.config.sync_timeout_s, 10.0)
@@ -165,7 +192,6 @@ class WeightBroker:
         engine.in_rotation = True
         engine.last_error = ""
         engine.last_sync_s = outcome.elapsed_s
-        engine.last_sync_at = time.time()
         engine.last_bytes_per_s = outcome.nbytes / outcome.elapsed_s if outcome.elapsed_s else 0.0
         log.info("engine %s on version %d in %.3fs", engine.url, version, outcome.elapsed_s)
 
@@ -207,9 +233,10 @@ class WeightBroker:
 
     def status(self) -> ServiceStatus:
         """What the broker waits for: engines that are not on the newest version (and why),
-        else the trainer's next version."""
+        else the trainer's next version, naming one the trainer announced that never came."""
         latest = self.latest
         behind = [e for e in self.engines.values() if latest >= 0 and e.version != latest]
+        announced = self._trainer_version()
         if behind:
             waiting = "engines on weight version {}: {}".format(
                 latest,
@@ -221,6 +248,15 @@ class WeightBroker:
                 ),
             )
             state = "syncing"
+        elif announced > max(latest, 0):
+            waiting = (
+                f"weight version {announced}, which the trainer announced but this broker has "
+                f"not received (it started after the trainer sent it?); engines stay on "
+                f"{latest if latest >= 0 else 'their load weights'} until the trainer's next "
+                "version. If the router waits for that version, restart the trainer from its "
+                "checkpoint (it sends its resumed version first)"
+            )
+            state = "waiting"
         else:
             first = "first" if latest < 0 else "next"
             waiting = f"the trainer's {first} weight version (at {self.intake_endpoint})"

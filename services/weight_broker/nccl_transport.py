@@ -56,13 +56,12 @@ from proto import (
     NcclCommand,
     NcclOffer,
     TensorMeta,
-    WeightBucketHeader,
     decode,
     encode,
 )
 from services.weight_broker.config import BrokerConfig
-from services.weight_broker.store import header_nbytes
 from services.weight_broker.transports import Outcome
+from services.weight_sync.safetensors_file import tensors_nbytes
 
 log = logging.getLogger("tandem.broker.nccl")
 # Tries per version: the first, plus one with a fresh group if an engine failed during it.
@@ -107,6 +106,12 @@ class NcclTransport:
 
     def stop(self) -> None:
         self.socket.close()
+
+    async def refuse(self, version: int, why: str) -> None:
+        """Answer the trainer's offer with `abort` (its sender raises, naming `why`)."""
+        assert self._offer is not None and self._offer[1].version == version
+        (identity, _offer), self._offer = self._offer, None
+        await self._command(identity, NcclCommand(action="abort", version=version, message=why))
 
     def forget(self, url: str) -> None:
         """A restarted engine left its group and lost the layouts it took: form a new one."""
@@ -202,10 +207,7 @@ class NcclTransport:
     def _nbytes(self, offer: NcclOffer) -> int:
         if offer.layout_id and self._layout_bytes and self._layout_bytes[0] == offer.layout_id:
             return self._layout_bytes[1]
-        nbytes = sum(  # thousands of tensors: once per layout
-            header_nbytes(WeightBucketHeader(version=0, bucket_index=0, num_buckets=1, tensors=b))
-            for b in offer.buckets
-        )
+        nbytes = sum(tensors_nbytes(b) for b in offer.buckets)  # once per layout
         self._layout_bytes = (offer.layout_id, nbytes)
         return nbytes
 
@@ -326,7 +328,7 @@ class NcclTransport:
                 await self._post(session, engine, path, {**short, **extra, "layout_id": layout_id})
                 return
             except EngineAnswerError as exc:
-                if exc.status != 409:
+                if exc.status != 409 or "layout_id" not in str(exc):  # not a version refusal
                     raise
                 log.info("%s no longer knows layout %s: sending it in full", engine, layout_id)
         self._known_layout.pop(engine, None)

@@ -5,6 +5,8 @@ A transport answers two questions for the broker's loop (broker.py), and calls n
   newest complete version they hold (at once when `wake` is set or a version completes, else
   after `POLL_S`); NCCL waits for the trainer's next offer (nccl_transport.py).
 - `sync(session, urls, version)`: bring these engines to `version`; one `Outcome` per URL.
+  Or `refuse(version, why)`: the broker will deliver it to no engine (the trainer never
+  published it); the transport forgets it.
 It also states `retry_backoff_s` (when an engine that failed is tried again: bucket transports
 can serve any engine at any time; an NCCL version needs the trainer, so a failed engine waits
 to be registered again) and `forget(url)`: an engine restarted or left, so whatever the
@@ -24,10 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import shutil
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -37,27 +37,16 @@ from typing import Protocol
 import aiohttp
 import zmq
 
-from proto import WeightBucketHeader, WeightRequest, decode
+from proto import WeightRequest, decode
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.store import Version, VersionStore
-from services.weight_sync.wire import AuthenticationError, frame_view, parse_bucket, secret_from_env
+from services.weight_sync.safetensors_file import write_safetensors
+from services.weight_sync.wire import AuthenticationError, parse_bucket, secret_from_env
 from services.weight_sync.zmq_transport import ERROR_FRAME
 
 log = logging.getLogger("tandem.broker")
 POLL_MS = 200  # socket threads look at the stop flag this often
 POLL_S = 1.0  # bucket transports: engines whose retry came due are seen within this
-SAFETENSORS_DTYPES = {
-    "float32": "F32",
-    "bfloat16": "BF16",
-    "float16": "F16",
-    "float64": "F64",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-}
 
 
 @dataclass
@@ -80,6 +69,8 @@ class WeightTransport(Protocol):
     async def sync(
         self, session: aiohttp.ClientSession, urls: list[str], version: int
     ) -> dict[str, Outcome]: ...
+
+    async def refuse(self, version: int, why: str) -> None: ...
 
     def forget(self, url: str) -> None: ...
 
@@ -179,6 +170,9 @@ class ZmqTransport:
 
         return dict(zip(urls, await asyncio.gather(*map(one, urls)), strict=True))
 
+    async def refuse(self, version: int, why: str) -> None:
+        self.store.discard(version)
+
     def prepare(self, version: Version) -> None:
         """Nothing to do: the store already holds the buckets the engines will fetch."""
 
@@ -275,32 +269,3 @@ class DiskTransport(ZmqTransport):
     async def update(self, session: aiohttp.ClientSession, url: str, version: int) -> None:
         body = {"model_path": str(self.version_dir(version)), "weight_version": str(version)}
         await _post(session, f"{url}/update_weights_from_disk", body)
-
-
-def write_safetensors(path: Path, messages: list[list]) -> int:
-    """Write every tensor of a version's buckets as one safetensors file (no torch needed)."""
-    header: dict[str, dict] = {}
-    frames = []
-    offset = 0
-    for message in messages:
-        bucket = decode(bytes(frame_view(message[0])), WeightBucketHeader)
-        for meta, frame in zip(bucket.tensors, message[1:], strict=True):
-            view = frame_view(frame)
-            if meta.dtype not in SAFETENSORS_DTYPES:
-                raise ValueError(f"cannot write dtype {meta.dtype} of {meta.name} to safetensors")
-            header[meta.name] = {
-                "dtype": SAFETENSORS_DTYPES[meta.dtype],
-                "shape": meta.shape,
-                "data_offsets": [offset, offset + view.nbytes],
-            }
-            frames.append(view)
-            offset += view.nbytes
-    header["__metadata__"] = {"format": "pt"}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(raw)))
-        out.write(raw)
-        for view in frames:
-            out.write(view)
-    return offset
