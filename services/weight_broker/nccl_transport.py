@@ -1,7 +1,9 @@
 """Broker side of the NCCL weight path: `NcclTransport` (a `WeightTransport`, transports.py).
 
 The trainer offers each version on the control socket (ZMQ ROUTER at the broker's intake
-endpoint). For one version, in this order:
+endpoint), HMAC-signed under TANDEM_WEIGHT_SECRET when one is set (the offer names the
+rendezvous engines join; an offer that fails the check is answered `abort`). For one version,
+in this order:
   1. If the set of engines changed or the last version failed, (re)form the weight group:
      read every engine's `/get_server_info` (TP size; whether it takes `bucket_sizes`), answer
      `init` to the trainer and, concurrently, POST `/init_weights_update_group` to every engine
@@ -62,6 +64,7 @@ from proto import (
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.transports import Outcome
 from services.weight_sync.safetensors_file import tensors_nbytes
+from services.weight_sync.wire import AuthenticationError, check_offer, secret_from_env
 
 log = logging.getLogger("tandem.broker.nccl")
 # Tries per version: the first, plus one with a fresh group if an engine failed during it.
@@ -83,7 +86,7 @@ class NcclTransport:
     retry_backoff_s = math.inf  # a dead member would make every version wait for its timeout
 
     def __init__(self, config: BrokerConfig, counters: dict[str, int]) -> None:
-        self.counters = counters
+        self.counters, self.secret = counters, secret_from_env()
         self.pause_mode = config.pause_mode
         self.load_format = config.nccl_load_format  # flattened_bucket | per_tensor
         self.timeout_s = config.sync_timeout_s
@@ -130,6 +133,14 @@ class NcclTransport:
             except ValueError as exc:  # e.g. a late ack of an aborted version, or garbage
                 self.counters["frames_rejected"] += 1
                 log.warning("ignored a message that is not a version offer: %s", exc)
+                continue
+            try:
+                check_offer(offer, self.secret)
+            except AuthenticationError as exc:  # answered, so a misconfigured trainer says why
+                self.counters["frames_rejected"] += 1
+                log.error("refused an offer: %s", exc)
+                abort = NcclCommand(action="abort", version=offer.version, message=str(exc))
+                await self._command(identity, abort)
                 continue
             self._offer = (identity, offer)
             return offer.version

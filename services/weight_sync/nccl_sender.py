@@ -1,6 +1,6 @@
 """Trainer side of the NCCL (or, on CPU, gloo) weight path: `NcclWeightSender`.
 
-Sequence for one version (the broker's `NcclCoordinator` drives it):
+Sequence for one version (the broker's `NcclTransport` drives it):
   1. `send(version, tensors)` offers the version's bucket metadata to the broker (`NcclOffer`),
      with `layout_id`, a hash of that metadata. When the same tensors over the same storage
      come back (the trainer's export returns the same objects each version), the buckets,
@@ -54,6 +54,8 @@ from services.weight_sync.wire import (
     WeightSyncError,
     check_weight_bind,
     group_by_bytes,
+    offer_mac,
+    secret_from_env,
 )
 
 if TYPE_CHECKING:
@@ -130,6 +132,7 @@ class NcclWeightSender:
             backend=backend,
             layout_id=layout.layout_id if self.layout_ids else "",
         )
+        offer.mac = offer_mac(offer, secret_from_env())
         self._socket.send(encode(offer))
         sent = 0
         while True:

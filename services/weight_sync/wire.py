@@ -16,7 +16,9 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from proto import TensorMeta, WeightBucketHeader, decode, encode
+import msgspec
+
+from proto import NcclOffer, TensorMeta, WeightBucketHeader, decode, encode
 from services.common.auth import is_loopback
 
 if TYPE_CHECKING:
@@ -83,6 +85,23 @@ def _mac(secret: bytes, header: WeightBucketHeader, frames: Sequence[Frame]) -> 
     for frame in frames:
         digest.update(frame_view(frame))
     return digest.digest()
+
+
+def offer_mac(offer: NcclOffer, secret: bytes | None) -> bytes:
+    """The MAC of an NCCL offer (b"" without a secret): it names the rendezvous the engines will
+    join, so an unsigned one must not reach them."""
+    if not secret:
+        return b""
+    return hmac.new(secret, encode(msgspec.structs.replace(offer, mac=b"")), "sha256").digest()
+
+
+def check_offer(offer: NcclOffer, secret: bytes | None) -> None:
+    """`AuthenticationError` unless the offer's MAC matches (anything passes without a secret)."""
+    if secret and not hmac.compare_digest(offer.mac, offer_mac(offer, secret)):
+        raise AuthenticationError(
+            f"weight version {offer.version} offer is unsigned or fails its HMAC check "
+            f"(is {SECRET_ENV} the same for trainer and broker?)"
+        )
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
