@@ -154,7 +154,8 @@ class WeightBroker:
                 self.mark_failed(engine, outcome.error)
             else:
                 self.mark_synced(engine, version, outcome)
-        self.publish_version()
+        if due:
+            self.publish_version()
 
     def _unpublished(self, version: int) -> str:
         """Why `version` cannot be the trainer's, else ''. The trainer announces V in Redis
