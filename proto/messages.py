@@ -134,6 +134,7 @@ class NcclOffer(msgspec.Struct, kw_only=True):
     master_port: int
     backend: str
     layout_id: str = ""  # a hash of `buckets`: the same id means the same names, dtypes, shapes
+    mac: bytes = b""  # HMAC-SHA256 of the offer with mac empty, under TANDEM_WEIGHT_SECRET
     schema_version: int = SCHEMA_VERSION
 
 

@@ -134,3 +134,51 @@ def test_the_trainer_skips_and_counts_a_malformed_control_frame() -> None:
     finally:
         sender.close()
         router.close()
+
+
+def test_the_trainers_rendezvous_refuses_a_public_address_without_the_weight_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.weight_sync.nccl_sender import NcclWeightSender
+
+    monkeypatch.delenv("TANDEM_WEIGHT_SECRET", raising=False)
+    with pytest.raises(ValueError, match="TANDEM_WEIGHT_SECRET") as refused:
+        NcclWeightSender("tcp://127.0.0.1:1", master_address="10.1.2.3")
+    assert "--weights-master-address 10.1.2.3" in str(refused.value)
+    NcclWeightSender("tcp://127.0.0.1:1", master_address="127.0.0.1").close()
+    monkeypatch.setenv("TANDEM_WEIGHT_SECRET", "a-secret")
+    NcclWeightSender("tcp://127.0.0.1:1", master_address="10.1.2.3").close()
+
+
+async def test_an_nccl_offer_that_fails_its_hmac_is_refused_naming_the_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    import torch
+
+    from services.weight_broker.config import BrokerConfig
+    from services.weight_broker.nccl_transport import NcclTransport
+    from services.weight_sync.nccl_sender import NcclWeightSender, WeightSyncError
+
+    monkeypatch.setenv("TANDEM_WEIGHT_SECRET", "right")
+    counters = {"frames_rejected": 0}
+    transport = NcclTransport(BrokerConfig(transport="nccl", sync_timeout_s=10), counters)
+    offers = asyncio.create_task(transport.next_version(asyncio.Event()))
+    monkeypatch.setenv("TANDEM_WEIGHT_SECRET", "wrong")  # the trainer's differs
+    sender = NcclWeightSender(transport.intake_endpoint, timeout_s=10)
+    try:
+        with pytest.raises(WeightSyncError, match="TANDEM_WEIGHT_SECRET"):
+            await asyncio.to_thread(sender.send, 1, [("w", torch.zeros(4))])
+        assert counters["frames_rejected"] == 1 and not offers.done()
+        monkeypatch.setenv("TANDEM_WEIGHT_SECRET", "right")  # a signed offer is taken
+        signed = asyncio.to_thread(sender.send, 2, [("w", torch.zeros(4))])
+        signing = asyncio.ensure_future(signed)
+        assert await asyncio.wait_for(offers, 10) == 2
+        await transport.refuse(2, "test over")
+        with pytest.raises(WeightSyncError, match="test over"):
+            await signing
+    finally:
+        offers.cancel()
+        sender.close()
+        transport.stop()

@@ -221,6 +221,31 @@ def test_a_late_engine_is_brought_to_the_current_version(
     sender.close()
 
 
+def test_a_version_the_trainer_did_not_publish_is_refused_and_its_next_one_delivered(
+    start_service, fake_engine, buffer: SampleBuffer
+) -> None:
+    engine = fake_engine("e")
+    redis = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    broker = start_service("broker", ["broker", "--port", "0", "--engine-urls", engine.url, *redis])
+    buffer.set_version("trainer", 1)  # the trainer announced version 1: it may send 2 next
+    # A broker (re)started after the trainer sent version 1 says it never got it.
+    waiting = httpx.get(f"{broker.url}/state").json()["waiting_for"]
+    assert "weight version 1, which the trainer announced but this broker has not" in waiting
+    sender = ZmqWeightSender(broker.info["intake_endpoint"])
+    sender.send(7, weights(7))
+    wait_until(
+        lambda: httpx.get(f"{broker.url}/state").json()["counters"]["versions_refused"] == 1,
+        "version 7 refused",
+    )
+    assert httpx.get(f"{engine.url}/checksums").json()["version"] == "0", "7 never delivered"
+    sender.send(2, weights(2))  # the trainer's real next version still gets through
+    wait_until(lambda: httpx.get(f"{engine.url}/checksums").json()["version"] == "2", "on 2")
+    assert httpx.get(f"{engine.url}/checksums").json()["sums"] == expected_sums(2)
+    state = httpx.get(f"{broker.url}/state").json()
+    assert state["version"] == 2 and state["counters"]["versions_refused"] == 1
+    sender.close()
+
+
 def test_a_bucket_with_a_bad_hmac_is_dropped_and_counted(
     start_service, fake_engine, monkeypatch
 ) -> None:

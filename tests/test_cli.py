@@ -41,7 +41,7 @@ def test_a_taken_port_is_refused_with_its_number(tmp_path: Path) -> None:
         sock.listen()
         port = sock.getsockname()[1]
         result = tandem("broker", "--port", str(port))
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert f"port {port}" in result.stderr and "--port" in result.stderr
 
 

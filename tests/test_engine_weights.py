@@ -142,6 +142,20 @@ def test_zmq_update_sets_the_version_and_logprobs_follow_the_new_weights(
     assert logprob_error(old, after) > 1e-3  # really the new weights, not the old ones
     assert httpx.get(f"{engine.url}/get_weight_version").json() == {"weight_version": "3"}
 
+    # Versions only go forward: a lower one is refused naming both (the same one is taken).
+    broker.versions[2] = perturbed(old, 0.9)
+    assert update(engine.url, broker.endpoint, "3").status_code == 200
+    for path, body in (
+        ("/update_weights_from_zmq", {"endpoint": broker.endpoint, "weight_version": "2"}),
+        ("/update_weights_from_disk", {"model_path": str(toy_model_dir), "weight_version": "1"}),
+    ):
+        resp = httpx.post(f"{engine.url}{path}", json=body, timeout=60)
+        assert resp.status_code == 409, resp.text
+        message = resp.json()["message"]
+        assert f"weight_version {body['weight_version']} is older than version 3" in message
+    assert broker.requests == [3, 3], "a refused version is not even fetched"
+    assert logprob_error(new, sample(engine.url)) < 1e-4
+
 
 @pytest.mark.parametrize("defect", ["unknown_name", "wrong_shape"])
 def test_a_bad_name_or_shape_is_refused_and_the_old_weights_stay(

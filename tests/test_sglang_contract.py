@@ -22,7 +22,7 @@ from services.common.engine_info import VersionUnavailableError, weight_version
 from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.rollout import RolloutLoop
 from services.rollout_router.samples import as_list
-from services.weight_broker.nccl_coordinator import NcclCoordinator
+from services.weight_broker.nccl_transport import NcclTransport as NcclCoordinator
 from services.weight_broker.transports import DiskTransport
 from tests import sglang_surface
 

@@ -36,7 +36,7 @@ def stack(start_service, toy_model_dir, buffer):  # type: ignore[no-untyped-def]
     first = start_service("engine0", engine_args(toy_model_dir))
     broker = start_service(
         "broker",
-        ["broker", "--port", "0", "--engine-urls", first.url, "--probe-interval-s", "0.5", *redis],
+        ["broker", "--port", "0", "--engine-urls", first.url, *redis],
     )
     router = start_service(
         "router",

@@ -1,4 +1,14 @@
-"""Run a FastAPI app under uvicorn on a socket we bind ourselves.
+"""Run a service: `run_service` (every service's `main`, one exit-code table) and `serve` (a
+FastAPI app under uvicorn on a socket we bind ourselves).
+
+Exit codes, the same for every `tandem` service:
+  0  the service ran as asked and stopped cleanly;
+  1  a run-time failure (`ServiceError`, a dependency that never answered: `ConnectionError`,
+     `TimeoutError`);
+  2  bad flags or configuration: argparse's own errors, `ValueError` (contract mismatches
+     included), a missing file, and a port that is taken (`PortInUseError`: the flag is what to
+     change).
+The message is one line on stderr, `tandem NAME: ...`, naming the flag or file to fix.
 
 Binding first means: `--port 0` lets the OS pick a free port with no race between choosing and
 listening, and a port that is taken fails at once with a message naming it and the flag. Once the
@@ -13,19 +23,61 @@ import errno
 import json
 import os
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 
 from services.common.body_limit import BodyLimitMiddleware
 
 MIB = 1 << 20
+T = TypeVar("T")
 
 
-class PortInUseError(RuntimeError):
-    pass
+class PortInUseError(ValueError):
+    """A port flag names a port that is taken (exit 2: pick another)."""
+
+
+class ServiceError(RuntimeError):
+    """A run-time failure to report in one line (exit 1)."""
+
+
+CONFIG_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, KeyError)
+RUN_ERRORS: tuple[type[Exception], ...] = (ServiceError, ConnectionError, TimeoutError)
+
+
+def run_service(
+    name: str,
+    start: Callable[[], T],
+    run: Callable[[T, socket.socket | None], int | None],
+    listen: tuple[str, int] | None = None,
+) -> int:
+    """The exit code of a service. `listen` (host, port) is bound first, so a taken port fails
+    at once, before any model load or wait; `start()` builds the service from its flags (an
+    error there is the user's to fix, unless it is a run-time one); `run(service, socket)` runs
+    it until it stops. What they raise is mapped by the table in the module docstring."""
+    sock = None
+    try:
+        sock = bind_socket(*listen) if listen else None
+        service = start()
+    except RUN_ERRORS as exc:
+        return _fail(name, 1, exc, sock)
+    except CONFIG_ERRORS as exc:
+        return _fail(name, 2, exc, sock)
+    try:
+        return int(run(service, sock) or 0)
+    except RUN_ERRORS as exc:
+        return _fail(name, 1, exc, sock)
+
+
+def _fail(name: str, code: int, exc: Exception, sock: socket.socket | None) -> int:
+    if sock is not None:
+        sock.close()
+    message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    print(f"tandem {name}: {message or repr(exc)}", file=sys.stderr, flush=True)
+    return code
 
 
 def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
@@ -83,6 +135,7 @@ def serve(
     max_request_bytes: int = 0,
     graceful_shutdown_s: float = 10.0,
     on_shutdown: Callable[[], None] | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
     """Serve `app` until SIGINT/SIGTERM; raise `PortInUseError` if the port is taken.
 
@@ -92,8 +145,9 @@ def serve(
     requests get `graceful_shutdown_s` to finish; then they are cancelled and the lifespan's
     shutdown runs (a request waiting on a paused engine never holds the process up).
     `on_shutdown` runs first, when SIGTERM arrives (the engine ends its queued requests there,
-    each answered with an abort finish reason instead of a dropped connection)."""
-    sock = bind_socket(host, port, flag)
+    each answered with an abort finish reason instead of a dropped connection). `sock`: one
+    `bind_socket` bound already (`run_service` binds before start-up)."""
+    sock = sock or bind_socket(host, port, flag)
     bound_port = sock.getsockname()[1]
     config = uvicorn.Config(
         BodyLimitMiddleware(app, max_request_bytes),

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
+from typing import Any
 
 from services.common.auth import check_bind, token_from_env
 from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
-from services.common.serving import add_serving_args
+from services.common.serving import add_serving_args, run_service, serve
 from services.engine.config import EngineConfig
 
 
@@ -39,30 +41,37 @@ def main(argv: list[str]) -> int:
     ns = parse_args(build_parser(), argv, "engine")
     config = config_from_args(EngineConfig, ns)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
-    try:
-        check_bind(ns.host, token_from_env(), "tandem engine")
-        config.validate()
-        from services.common.serving import PortInUseError, serve
-        from services.engine.server import create_app
+    return run_service(
+        "engine",
+        lambda: start(config, ns.host),
+        lambda app, sock: run(app, ns, sock),
+        listen=(ns.host, ns.port),
+    )
 
-        app = create_app(config)
-    except (ValueError, FileNotFoundError, OSError, RuntimeError) as exc:
-        print(f"tandem engine: {exc}", file=sys.stderr)
-        return 2
+
+def start(config: EngineConfig, host: str) -> Any:
+    """The engine's app with its model loaded; a bad flag, model or device is exit 2."""
+    check_bind(host, token_from_env(), "tandem engine")
+    config.validate()
+    from services.engine.server import create_app
+
     try:
-        serve(
-            app,
-            ns.host,
-            ns.port,
-            ns.ready_file,
-            max_request_bytes=ns.max_request_bytes,
-            graceful_shutdown_s=ns.graceful_shutdown_s,
-            on_shutdown=app.state.engine.shut_down_requests,
-        )
-    except PortInUseError as exc:
-        print(f"tandem engine: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return create_app(config)
+    except (OSError, RuntimeError) as exc:  # an unreadable model, a device torch does not see
+        raise ValueError(str(exc)) from exc
+
+
+def run(app: Any, ns: argparse.Namespace, sock: socket.socket | None) -> None:
+    serve(
+        app,
+        ns.host,
+        ns.port,
+        ns.ready_file,
+        max_request_bytes=ns.max_request_bytes,
+        graceful_shutdown_s=ns.graceful_shutdown_s,
+        on_shutdown=app.state.engine.shut_down_requests,
+        sock=sock,
+    )
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ async def read_json(request: Request) -> dict[str, Any]:
 UPDATE_ANSWERS: dict[int | str, dict[str, Any]] = {
     200: {"model": sg.UpdateWeightsReqOutput},
     400: {"model": sg.UpdateWeightsReqOutput},
+    409: {"model": sg.UpdateWeightsReqOutput},  # a version below the one served
 }
 
 

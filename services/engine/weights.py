@@ -121,6 +121,20 @@ class WeightUpdater:
             )
         return future.result()
 
+    def _check_forward(self, version: str | None) -> None:
+        """409 for a version below the one served: versions only go forward. An engine restarted
+        from its load weights serves version 0 and takes any; labels that are not integers
+        (SGLang allows any string) are not compared."""
+        served = self.scheduler.weight_version
+        if version is None or not (served.isdigit() and str(version).isdigit()):
+            return
+        if int(version) < int(served):
+            raise UpdateError(
+                f"weight_version {version} is older than version {served} this engine serves; "
+                "weights unchanged (versions only go forward)",
+                409,
+            )
+
     async def _apply(
         self,
         tensors: NamedTensors,
@@ -205,6 +219,7 @@ class WeightUpdater:
         else:
             wait_s, which = self.timeout_s, "--update-timeout-s"
         async with self._lock:
+            self._check_forward(version)
             try:
                 tensors = await self._in_thread(
                     lambda: fetch_weights(endpoint, number, secret_from_env(), wait_s),
@@ -223,6 +238,7 @@ class WeightUpdater:
     async def from_disk(self, model_path: str, version: str | None, abort_all: bool = False) -> str:
         """Reload every tensor found in an HF directory's safetensors (or .bin) files."""
         async with self._lock:
+            self._check_forward(version)
             try:
                 tensors = await self._in_thread(
                     lambda: read_checkpoint(model_path), "reading weights"
@@ -306,6 +322,7 @@ class WeightUpdater:
                 raise UpdateError(f"broadcast failed, weights unchanged: {exc}", 500) from exc
             if prepared.problem:  # refused only now: leaving the collective early hangs it
                 raise UpdateError(f"weights refused, model unchanged: {prepared.problem}", 400)
+            self._check_forward(body.get("weight_version"))
             abort_all = bool(body.get("abort_all_requests"))
             version = await self._apply(
                 tensors, body.get("weight_version"), abort_all, adopt=True, plan=plan

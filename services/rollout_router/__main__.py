@@ -7,16 +7,16 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
-from proto.contract import ContractMismatchError
 from services.common.auth import check_bind, token_from_env
 from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
-from services.common.serving import add_serving_args
+from services.common.serving import ServiceError, add_serving_args, run_service, serve
 from services.rollout_router.config import RouterConfig, WorkerPoolConfig
-from services.rollout_router.workers import EngineStartupError, WorkerPool
+from services.rollout_router.workers import WorkerPool
 from services.sample_buffer import SampleBuffer
 
 DESCRIPTION = """\
@@ -63,38 +63,38 @@ def main(argv: list[str]) -> int:
     )
     config = config_from_args(RouterConfig, args)
     config.api_token = config.api_token or token_from_env("TANDEM_ROUTER_TOKEN")
-    try:
-        check_bind(args.host, config.api_token, "tandem router")
-    except ValueError as exc:
-        print(f"tandem router: {exc}", file=sys.stderr)
-        return 2
+    return run_service(
+        "router",
+        lambda: start(config, args.host),
+        lambda app, sock: run(app, args, sock, config),
+        listen=(args.host, args.port),
+    )
+
+
+def start(config: RouterConfig, host: str) -> Any:
+    """The router's app, once Redis and every engine answer and the run contract agrees."""
+    check_bind(host, config.api_token, "tandem router")
     # The router needs no torch; keep any library that spins up thread pools to one thread,
     # since several services share the CPU.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-    from services.common.serving import PortInUseError, serve
     from services.rollout_router.app import create_app
+
+    app = create_app(config)
+    # Waiting here, before serving, turns a missing engine or Redis (or a run contract that
+    # contradicts the trainer's) into one clear line and no ready file; the lifespan then
+    # finds them answering at once.
+    buffer = SampleBuffer(config.buffer)
+    buffer.wait_ready(30.0)
+    buffer.agree_contract(config.rollout.contract(), "router")
+    asyncio.run(wait_for_engines(config.workers))
+    return app
+
+
+def run(
+    app: Any, args: argparse.Namespace, sock: socket.socket | None, config: RouterConfig
+) -> None:
     from services.rollout_router.fastpath import FastForwardMiddleware
 
-    try:
-        app = create_app(config)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"tandem router: {exc}", file=sys.stderr)
-        return 2
-    try:
-        # Waiting here, before serving, turns a missing engine or Redis (or a run contract
-        # that contradicts the trainer's) into one clear line and no ready file; the lifespan
-        # then finds them answering at once.
-        buffer = SampleBuffer(config.buffer)
-        buffer.wait_ready(30.0)
-        buffer.agree_contract(config.rollout.contract(), "router")
-        asyncio.run(wait_for_engines(config.workers))
-    except ContractMismatchError as exc:
-        print(f"tandem router: {exc}", file=sys.stderr)
-        return 2
-    except (EngineStartupError, ConnectionError) as exc:
-        print(f"tandem router: {exc}", file=sys.stderr)
-        return 1
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the handler that
     # was installed before it: a no-op one makes a clean stop exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -110,17 +110,12 @@ def main(argv: list[str]) -> int:
             },
             max_request_bytes=args.max_request_bytes,
             graceful_shutdown_s=args.graceful_shutdown_s,
+            sock=sock,
         )
-    except PortInUseError as exc:
-        print(f"tandem router: {exc}", file=sys.stderr)
-        return 1
     except SystemExit as exc:  # uvicorn exits 3 when the lifespan fails
-        print(f"tandem router: start-up failed: {app.state.startup_error}", file=sys.stderr)
-        return int(exc.code or 1)
+        raise ServiceError(f"start-up failed: {app.state.startup_error}") from exc
     if app.state.startup_error:
-        print(f"tandem router: start-up failed: {app.state.startup_error}", file=sys.stderr)
-        return 1
-    return 0
+        raise ServiceError(f"start-up failed: {app.state.startup_error}")
 
 
 if __name__ == "__main__":

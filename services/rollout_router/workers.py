@@ -16,8 +16,10 @@ serves at least the version the pool has reached (`target_version`, the highest 
 worker reports). A worker added at run time, or re-answering after an eviction, that serves an
 older version is registered pending; a worker whose reported version goes *down* restarted
 from its load weights and is taken out at once. In both cases, with `--broker-url`, the router
-registers the engine with the broker (`POST {broker}/engines`), which brings it to the current
-version; the health checks admit it once it reports that version.
+registers the engine with the broker (`POST {broker}/engines`: URL, the version it serves and
+whether it restarted; the router is the one owner of engine versions, the broker polls none),
+which brings it to the current version; the health checks admit it once it reports that
+version.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import aiohttp
 import orjson
 
 from services.common.auth import bearer_headers
+from services.common.serving import ServiceError
 from services.rollout_router.config import WorkerPoolConfig
 from services.rollout_router.http1 import Http1Pool
 from services.rollout_router.samples import parse_version
@@ -49,7 +52,7 @@ class NoWorkerError(RuntimeError):
     """No admitted worker can take the request."""
 
 
-class EngineStartupError(RuntimeError):
+class EngineStartupError(ServiceError):
     """An engine never answered during start-up."""
 
 
@@ -185,17 +188,23 @@ class WorkerPool:
     def _behind(worker: Worker, target: int) -> str:
         return f"serves weight version {worker.weight_version}, waiting for version {target}"
 
-    async def ask_broker_to_sync(self, worker: Worker) -> None:
+    async def ask_broker_to_sync(self, worker: Worker, restarted: bool = False) -> None:
         """Register a pending worker with the weight broker (`--broker-url`), which brings it
-        to the current weights. Failures are logged and kept in `last_error`; the worker then
-        stays pending until something else updates it."""
+        to the current weights: its URL, the version it serves (the router owns the engines'
+        versions; the broker does not poll) and whether it restarted. Failures are logged and
+        kept in `last_error`; the worker then stays pending until something else updates it."""
         if worker.healthy or not self.config.broker_url or self.session is None:
             return
         worker.broker_asked_at = time.monotonic()
         url = self.config.broker_url.rstrip("/") + "/engines"
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
         try:
-            body, headers = {"url": worker.url}, bearer_headers()
+            body = {
+                "url": worker.url,
+                "weight_version": max(worker.weight_version, -1),
+                "restarted": restarted,
+            }
+            headers = bearer_headers()
             async with self.session.post(url, json=body, headers=headers, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
@@ -378,7 +387,8 @@ class WorkerPool:
             worker.failures = 0
             worker.model_info = worker.model_info or info
             reported = parse_version(info.get("weight_version"))
-            if reported < worker.weight_version:  # restarted from its load weights
+            restarted = reported < worker.weight_version
+            if restarted:  # from its load weights
                 worker.healthy = False
                 worker.last_error = (
                     f"restarted: serves weight version {reported}, had {worker.weight_version}"
@@ -392,6 +402,8 @@ class WorkerPool:
                 worker.healthy, worker.last_error = True, ""
                 self.version_reached = max(self.version_reached, reported)
                 log.info("re-admitted %s at weight version %d", worker.url, reported)
+            elif restarted:  # at once: its weight group and fetched versions are gone
+                await self.ask_broker_to_sync(worker, restarted=True)
             elif time.monotonic() >= worker.broker_asked_at + BROKER_RETRY_S:
                 worker.last_error = self._behind(worker, target)
                 await self.ask_broker_to_sync(worker)

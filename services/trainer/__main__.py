@@ -7,9 +7,11 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
+from services.common.serving import ServiceError, run_service
 from services.trainer.config import TrainerConfig
 
 DESCRIPTION = """\
@@ -60,16 +62,20 @@ def check_model(cfg: TrainerConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), list(sys.argv[1:] if argv is None else argv), "trainer")
     cfg = config_from_args(TrainerConfig, args)
-    try:
-        cfg.validate()
-        check_model(cfg)
-        os.environ.setdefault("OMP_NUM_THREADS", str(cfg.num_threads))
-        from services.trainer.trainer import Trainer
+    return run_service("trainer", lambda: start(cfg), lambda trainer, _sock: run(trainer, args))
 
-        trainer = Trainer(cfg)
-    except (ValueError, FileNotFoundError, ConnectionError, KeyError) as exc:
-        print(f"tandem trainer: error: {exc}", file=sys.stderr)
-        return 2
+
+def start(cfg: TrainerConfig) -> Any:
+    """The trainer with its model loaded and the run contract agreed (a mismatch: exit 2)."""
+    cfg.validate()
+    check_model(cfg)
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.num_threads))
+    from services.trainer.trainer import Trainer
+
+    return Trainer(cfg)
+
+
+def run(trainer: Any, args: argparse.Namespace) -> None:
     from services.trainer.batching import BatchError
 
     trainer.install_signal_handlers()
@@ -82,12 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         steps = trainer.train()
     except (FloatingPointError, BatchError, TimeoutError) as exc:  # TimeoutError: broker gone
         error = str(exc)
-        print(f"tandem trainer: error: {exc}", file=sys.stderr)
-        return 1
+        raise ServiceError(str(exc)) from exc
     finally:
         trainer.close(error)
     print(f"[trainer] stopped after {steps} steps at version {trainer.version}", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -205,6 +205,10 @@ class TrainerConfig:
         """Raise ValueError with what to change when the numbers do not fit together."""
         if not self.model:
             raise ValueError("--model is required (a Hugging Face model directory)")
+        if self.weight_transport == "nccl" and self.weights_endpoint:
+            from services.weight_sync.wire import check_weight_bind
+
+            check_weight_bind("--weights-master-address", self.weights_master_address)
         for name in ("rollout_batch_size", "n_samples_per_prompt", "num_steps_per_rollout"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -1,6 +1,7 @@
 """Weight broker: brings every inference engine to the trainer's newest weight version.
 
-`broker.py` holds the ordering contract. Trainer side: `zmq_transport.ZmqWeightSender` (ZMQ frames,
-or shared-memory slots on one host, `shm.py`) and `nccl_sender.NcclWeightSender`. Engine side:
-`zmq_transport.fetch_weights` and `process_group.join_group`. Wire format: `wire.py`.
+`broker.py` holds the ordering contract, the engine registry and the one sync loop;
+`transports.py` the `WeightTransport` seam and its ZMQ and disk transports (`store.py` assembles
+their versions); `nccl_transport.py` the NCCL one. Both ends of the pipe (trainer senders,
+engine receivers) live in `services/weight_sync/`.
 """

@@ -71,13 +71,6 @@ class BrokerConfig:
             "choices": ["flattened_bucket", "per_tensor"],
         },
     )
-    probe_interval_s: float = field(
-        default=2.0,
-        metadata={
-            "help": "Seconds between checks of every engine's weight version (/model_info); an engine "
-            "that restarted (its version went down) is brought back to the current version."
-        },
-    )
     keep_versions: int = field(
         default=2,
         metadata={"help": "Complete versions held in memory (the newest is what engines get)."},

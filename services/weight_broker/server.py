@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from services.common.auth import WRITE, token_from_env
 from services.common.urls import HttpUrl
@@ -17,18 +17,20 @@ from services.weight_broker.config import BrokerConfig
 
 
 class EngineRequest(BaseModel):
-    """`POST /engines`: an engine to keep in sync (the router sends it)."""
+    """`POST /engines`: an engine to keep in sync (the router sends it, as it owns every
+    engine's version: the version it serves, -1 if unknown, and whether it restarted)."""
 
     url: HttpUrl
+    weight_version: int = Field(default=-1, ge=-1)
+    restarted: bool = False
 
 
 def create_app(config: BrokerConfig) -> FastAPI:
     broker = WeightBroker(config)
-    broker.start_sockets()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(broker.run_sync_loop())
+        task = asyncio.create_task(broker.run())
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -42,7 +44,7 @@ def create_app(config: BrokerConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         problem = broker.thread_problem()
-        body = {"status": "error" if problem else "ok", "version": broker.store.latest}
+        body = {"status": "error" if problem else "ok", "version": broker.latest}
         return JSONResponse(
             {**body, "problem": problem} if problem else body, 503 if problem else 200
         )
@@ -53,7 +55,7 @@ def create_app(config: BrokerConfig) -> FastAPI:
 
     @app.post("/engines", dependencies=WRITE)
     async def add_engine(req: EngineRequest) -> dict:
-        return vars(broker.add_engine(req.url)).copy()
+        return vars(broker.add_engine(req.url, req.weight_version, req.restarted)).copy()
 
     @app.delete("/engines", dependencies=WRITE)
     async def remove_engine(url: str) -> dict:
@@ -71,7 +73,7 @@ def create_app(config: BrokerConfig) -> FastAPI:
 def prometheus_text(broker: WeightBroker) -> str:
     lines = [
         "# TYPE tandem_broker_version gauge",
-        f"tandem_broker_version {broker.store.latest}",
+        f"tandem_broker_version {broker.latest}",
     ]
     for name, value in broker.counters.items():
         lines += [

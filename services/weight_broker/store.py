@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 from proto import WeightBucketHeader
+from services.weight_sync.safetensors_file import tensors_nbytes
 from services.weight_sync.wire import Frame, frame_view
 
 
@@ -27,31 +28,6 @@ class Version:
 
     def messages(self) -> list[list[Frame]]:
         return [self.buckets[i] for i in range(self.num_buckets)]
-
-
-_DTYPE_BYTES = {
-    "float64": 8,
-    "int64": 8,
-    "float32": 4,
-    "int32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
-
-
-def header_nbytes(header: WeightBucketHeader) -> int:
-    """Tensor bytes a bucket describes (for shared-memory buckets, which carry no frames)."""
-    total = 0
-    for meta in header.tensors:
-        count = 1
-        for dim in meta.shape:
-            count *= dim
-        total += count * _DTYPE_BYTES.get(meta.dtype, 4)
-    return total
 
 
 class VersionStore:
@@ -85,7 +61,7 @@ class VersionStore:
                 )
             entry.buckets[header.bucket_index] = message
             entry.nbytes += (
-                header_nbytes(header)
+                tensors_nbytes(header.tensors)
                 if header.shm_path
                 else sum(frame_view(f).nbytes for f in message[1:])
             )
@@ -100,6 +76,13 @@ class VersionStore:
             self.latest = header.version
             self._cond.notify_all()
             return entry
+
+    def discard(self, version: int) -> None:
+        """Forget a complete version (refused): `latest` falls back to the newest one left."""
+        with self._cond:
+            self._complete.pop(version, None)
+            if self.latest == version:
+                self.latest = max(self._complete, default=-1)
 
     def get(self, version: int) -> Version | None:
         with self._cond:

@@ -1,48 +1,96 @@
-"""How the broker gets a complete version into one engine: the `WeightTransport` seam.
+"""The broker's one transport seam: `WeightTransport`, and the bucket transports (ZMQ, disk).
 
-- `ZmqTransport`: the engine fetches the buckets from the broker's ROUTER socket
-  (`POST /update_weights_from_zmq`, Tandem's reference engine).
-- `DiskTransport`: the broker writes the version once as a Hugging Face directory
-  (`model.safetensors` plus the non-weight files of `--model-dir`) under `--disk-dir`, then each
-  engine reloads it (`POST /update_weights_from_disk`, which real SGLang servers implement). The
-  directory must be visible to the engines (same host or a shared volume).
+A transport answers two questions for the broker's loop (broker.py), and calls nothing back:
+- `next_version(wake)`: the version to bring engines to now. Bucket transports return the
+  newest complete version they hold (at once when `wake` is set or a version completes, else
+  after `POLL_S`); NCCL waits for the trainer's next offer (nccl_transport.py).
+- `sync(session, urls, version)`: bring these engines to `version`; one `Outcome` per URL.
+  Or `refuse(version, why)`: the broker will deliver it to no engine (the trainer never
+  published it); the transport forgets it.
+It also states `retry_backoff_s` (when an engine that failed is tried again: bucket transports
+can serve any engine at any time; an NCCL version needs the trainer, so a failed engine waits
+to be registered again) and `forget(url)`: an engine restarted or left, so whatever the
+transport knows of it is stale.
 
-`prepare` runs once per version, `update` once per engine; `update` raises `RuntimeError` with
-the engine's message when the engine refuses.
+Bucket transports take the trainer's buckets on a ZMQ PULL socket (intake thread, HMAC-checked,
+into `VersionStore`) and hand a version to each engine:
+- `ZmqTransport`: the engine fetches the buckets from our ROUTER socket (serve thread;
+  `POST /update_weights_from_zmq`, Tandem's reference engine).
+- `DiskTransport`: the version is written once as a Hugging Face directory (`model.safetensors`
+  plus the non-weight files of `--model-dir`) under `--disk-dir`, then each engine reloads it
+  (`POST /update_weights_from_disk`, which real SGLang servers implement). The directory must be
+  visible to the engines (same host or a shared volume).
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import contextlib
+import logging
 import shutil
-import struct
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import aiohttp
+import zmq
 
-from proto import WeightBucketHeader, decode
-from services.weight_broker.store import Version
-from services.weight_sync.wire import frame_view
+from proto import WeightRequest, decode
+from services.weight_broker.config import BrokerConfig
+from services.weight_broker.store import Version, VersionStore
+from services.weight_sync.safetensors_file import write_safetensors
+from services.weight_sync.wire import AuthenticationError, parse_bucket, secret_from_env
+from services.weight_sync.zmq_transport import ERROR_FRAME
 
-SAFETENSORS_DTYPES = {
-    "float32": "F32",
-    "bfloat16": "BF16",
-    "float16": "F16",
-    "float64": "F64",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-}
+log = logging.getLogger("tandem.broker")
+POLL_MS = 200  # socket threads look at the stop flag this often
+POLL_S = 1.0  # bucket transports: engines whose retry came due are seen within this
+
+
+@dataclass
+class Outcome:
+    """What one engine's sync came to: `error` '' means it acknowledged the version."""
+
+    error: str = ""
+    elapsed_s: float = 0.0
+    nbytes: int = 0
 
 
 class WeightTransport(Protocol):
-    def prepare(self, version: Version) -> None: ...
+    intake_endpoint: str  # where the trainer sends versions
+    serve_endpoint: str  # where engines fetch them ('' when they do not)
+    retry_backoff_s: float
+    threads: list[threading.Thread]  # socket threads (`/health` answers 503 if one died)
 
-    async def update(self, session: aiohttp.ClientSession, url: str, version: int) -> None: ...
+    async def next_version(self, wake: asyncio.Event) -> int: ...
+
+    async def sync(
+        self, session: aiohttp.ClientSession, urls: list[str], version: int
+    ) -> dict[str, Outcome]: ...
+
+    async def refuse(self, version: int, why: str) -> None: ...
+
+    def forget(self, url: str) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def make_transport(config: BrokerConfig, counters: dict[str, int]) -> WeightTransport:
+    """The configured transport, its sockets bound; `counters` is the broker's (it counts
+    rejected buckets and frames there)."""
+    if config.transport == "nccl":
+        from services.weight_broker.nccl_transport import NcclTransport
+
+        return NcclTransport(config, counters)
+    transport = (
+        DiskTransport(config.disk_dir, config.model_dir, config.keep_versions)
+        if config.transport == "disk"
+        else ZmqTransport(config.keep_versions)
+    )
+    transport.bind(config, counters)
+    return transport
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> None:
@@ -53,22 +101,138 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> None:
 
 
 class ZmqTransport:
-    def __init__(self, serve_endpoint: str) -> None:
-        self.serve_endpoint = serve_endpoint
+    """Buckets in from the trainer; engines fetch each version from our serve socket."""
+
+    retry_backoff_s = 5.0
+
+    def __init__(self, keep_versions: int = 2) -> None:
+        self.store = VersionStore(keep_versions)
+        self.counters: dict[str, int] = {}
+        self.threads: list[threading.Thread] = []
+        self.intake_endpoint = self.serve_endpoint = ""
+        self._stop = threading.Event()
+        self._prepared = -1
+        self._wake: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+    def bind(self, config: BrokerConfig, counters: dict[str, int]) -> None:
+        """Bind the intake (PULL) and serve (ROUTER) sockets and start their threads."""
+        self.counters, self.secret = counters, secret_from_env()
+        ctx = zmq.Context.instance()
+        intake = ctx.socket(zmq.PULL)
+        intake.bind(config.intake_endpoint)
+        self.intake_endpoint = intake.getsockopt_string(zmq.LAST_ENDPOINT)
+        serve = ctx.socket(zmq.ROUTER)
+        serve.setsockopt(zmq.LINGER, 0)
+        serve.bind(config.serve_endpoint)
+        self.serve_endpoint = serve.getsockopt_string(zmq.LAST_ENDPOINT)
+        if config.advertise_host and self.serve_endpoint.startswith("tcp://"):
+            port = self.serve_endpoint.rsplit(":", 1)[1]
+            self.serve_endpoint = f"tcp://{config.advertise_host}:{port}"
+        for target, sock in ((self._intake_loop, intake), (self._serve_loop, serve)):
+            name = target.__name__.strip("_")
+            thread = threading.Thread(target=target, args=(sock,), daemon=True, name=name)
+            thread.start()
+            self.threads.append(thread)
+        log.info("intake %s, serving %s", self.intake_endpoint, self.serve_endpoint)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self.threads:
+            thread.join(timeout=2)
+
+    def forget(self, url: str) -> None:
+        """Nothing kept per engine: a restarted engine fetches like any other."""
+
+    async def next_version(self, wake: asyncio.Event) -> int:
+        self._wake = (asyncio.get_running_loop(), wake)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), timeout=POLL_S)
+        wake.clear()
+        return self.store.latest
+
+    async def sync(
+        self, session: aiohttp.ClientSession, urls: list[str], version: int
+    ) -> dict[str, Outcome]:
+        entry = self.store.get(version)
+        if not urls or entry is None:
+            return {}
+        if self._prepared != version:  # once per version (the disk copy), before any engine
+            await asyncio.to_thread(self.prepare, entry)
+            self._prepared = version
+
+        async def one(url: str) -> Outcome:
+            start = time.monotonic()
+            try:
+                await self.update(session, url, version)
+            except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
+                return Outcome(f"update to version {version} failed: {exc!r}")
+            return Outcome("", time.monotonic() - start, entry.nbytes)
+
+        return dict(zip(urls, await asyncio.gather(*map(one, urls)), strict=True))
+
+    async def refuse(self, version: int, why: str) -> None:
+        self.store.discard(version)
 
     def prepare(self, version: Version) -> None:
-        """Nothing to do: the broker already holds the buckets the engines will fetch."""
+        """Nothing to do: the store already holds the buckets the engines will fetch."""
 
     async def update(self, session: aiohttp.ClientSession, url: str, version: int) -> None:
-        body = {
-            "endpoint": self.serve_endpoint,
-            "weight_version": str(version),
-            "flush_cache": True,
-        }
-        await _post(session, f"{url}/update_weights_from_zmq", body)
+        """Bring one engine to `version`; `RuntimeError` with the engine's message if refused."""
+        body = {"endpoint": self.serve_endpoint, "weight_version": str(version)}
+        await _post(session, f"{url}/update_weights_from_zmq", {**body, "flush_cache": True})
+
+    # --- socket threads -----------------------------------------------------------------------
+
+    def _intake_loop(self, sock: zmq.Socket) -> None:
+        """Trainer -> broker: assemble buckets; wake the broker's loop when a version is done."""
+        while not self._stop.is_set():
+            if not sock.poll(POLL_MS):
+                continue
+            message = sock.recv_multipart(copy=False)
+            try:
+                header, _frames = parse_bucket(message, self.secret)
+                done = self.store.add_bucket(header, message)
+            except (ValueError, AuthenticationError, TypeError, IndexError) as exc:
+                self.counters["buckets_rejected"] += 1
+                log.error("dropped a weight bucket: %s", exc)
+                continue
+            if done is not None:
+                self.counters["versions_received"] += 1
+                log.info("version %d complete (%.1f MB)", done.version, done.nbytes / 1e6)
+                if self._wake is not None:
+                    loop, wake = self._wake
+                    loop.call_soon_threadsafe(wake.set)
+        sock.close()
+
+    def _serve_loop(self, sock: zmq.Socket) -> None:
+        """Engine fetches: every bucket of the version asked for, or an error frame."""
+        while not self._stop.is_set():
+            if not sock.poll(POLL_MS):
+                continue
+            parts = sock.recv_multipart()
+            try:
+                if len(parts) != 2:
+                    raise ValueError(f"{len(parts) - 1} payload frames, expected 1 WeightRequest")
+                request = decode(parts[1], WeightRequest)
+            except ValueError as exc:
+                self.counters["frames_rejected"] += 1
+                sock.send_multipart([parts[0], ERROR_FRAME, str(exc).encode()])
+                continue
+            entry = self.store.get(request.version)
+            if entry is None:
+                msg = (
+                    f"broker holds no weight version {request.version} (latest {self.store.latest})"
+                )
+                sock.send_multipart([parts[0], ERROR_FRAME, msg.encode()])
+                continue
+            for message in entry.messages():
+                sock.send_multipart([parts[0], *message], copy=False)
+        sock.close()
 
 
-class DiskTransport:
+class DiskTransport(ZmqTransport):
+    """Buckets in from the trainer; each version out as a HF directory engines reload."""
+
     def __init__(self, disk_dir: str, model_dir: str, keep_versions: int = 2) -> None:
         if not disk_dir:
             raise ValueError("--transport disk needs --disk-dir (a folder the engines can read)")
@@ -77,6 +241,7 @@ class DiskTransport:
                 "--transport disk needs --model-dir, a HF directory with config.json whose "
                 "tokenizer and config files are copied next to each version's weights"
             )
+        super().__init__(keep_versions)
         self.root = Path(disk_dir)
         self.model_dir = Path(model_dir)
         self.keep_versions = keep_versions
@@ -104,32 +269,3 @@ class DiskTransport:
     async def update(self, session: aiohttp.ClientSession, url: str, version: int) -> None:
         body = {"model_path": str(self.version_dir(version)), "weight_version": str(version)}
         await _post(session, f"{url}/update_weights_from_disk", body)
-
-
-def write_safetensors(path: Path, messages: list[list]) -> int:
-    """Write every tensor of a version's buckets as one safetensors file (no torch needed)."""
-    header: dict[str, dict] = {}
-    frames = []
-    offset = 0
-    for message in messages:
-        bucket = decode(bytes(frame_view(message[0])), WeightBucketHeader)
-        for meta, frame in zip(bucket.tensors, message[1:], strict=True):
-            view = frame_view(frame)
-            if meta.dtype not in SAFETENSORS_DTYPES:
-                raise ValueError(f"cannot write dtype {meta.dtype} of {meta.name} to safetensors")
-            header[meta.name] = {
-                "dtype": SAFETENSORS_DTYPES[meta.dtype],
-                "shape": meta.shape,
-                "data_offsets": [offset, offset + view.nbytes],
-            }
-            frames.append(view)
-            offset += view.nbytes
-    header["__metadata__"] = {"format": "pt"}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(raw)))
-        out.write(raw)
-        for view in frames:
-            out.write(view)
-    return offset

@@ -7,6 +7,8 @@ broker import it, and none of them imports another's folder.
   the secret from `TANDEM_WEIGHT_SECRET`, `WeightSyncError`.
 - `zmq_transport`: `ZmqWeightSender` (trainer -> broker intake) and `fetch_weights` (engine <-
   broker serve socket).
+- `safetensors_file`: a version's buckets as one safetensors file (the disk path), tensor
+  bytes from a bucket's listing.
 - `shm`: one-host shared-memory slots (the trainer writes, engines map them copy-on-write).
 - `nccl_sender`: `NcclWeightSender`, the trainer's side of an NCCL (gloo on CPU) broadcast
   driven by the broker's coordinator.

@@ -1,6 +1,6 @@
 """Trainer side of the NCCL (or, on CPU, gloo) weight path: `NcclWeightSender`.
 
-Sequence for one version (the broker's `NcclCoordinator` drives it):
+Sequence for one version (the broker's `NcclTransport` drives it):
   1. `send(version, tensors)` offers the version's bucket metadata to the broker (`NcclOffer`),
      with `layout_id`, a hash of that metadata. When the same tensors over the same storage
      come back (the trainer's export returns the same objects each version), the buckets,
@@ -49,7 +49,14 @@ from proto import NcclAck, NcclCommand, NcclOffer, TensorMeta, decode, encode
 from services.weight_sync.process_group import join_group, leave_group
 
 __all__ = ["NcclWeightSender", "WeightSyncError"]
-from services.weight_sync.wire import DEFAULT_BUCKET_BYTES, WeightSyncError, group_by_bytes
+from services.weight_sync.wire import (
+    DEFAULT_BUCKET_BYTES,
+    WeightSyncError,
+    check_weight_bind,
+    group_by_bytes,
+    offer_mac,
+    secret_from_env,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +96,8 @@ class NcclWeightSender:
     ) -> None:
         """`layout_ids=False` offers no `layout_id` (engines then get every name each
         version; `bench/weight_sync.py --layout-id compare` measures what the id saves)."""
+        # The rendezvous (a TCP store this trainer hosts) must not face other machines unsigned.
+        check_weight_bind("--weights-master-address", master_address)
         self.control_endpoint = control_endpoint
         self.layout_ids = layout_ids
         self.master_address = master_address
@@ -123,6 +132,7 @@ class NcclWeightSender:
             backend=backend,
             layout_id=layout.layout_id if self.layout_ids else "",
         )
+        offer.mac = offer_mac(offer, secret_from_env())
         self._socket.send(encode(offer))
         sent = 0
         while True:

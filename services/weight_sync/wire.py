@@ -16,7 +16,10 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from proto import TensorMeta, WeightBucketHeader, decode, encode
+import msgspec
+
+from proto import NcclOffer, TensorMeta, WeightBucketHeader, decode, encode
+from services.common.auth import is_loopback
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +41,23 @@ class AuthenticationError(ValueError):
 def secret_from_env() -> bytes | None:
     value = os.environ.get(SECRET_ENV, "")
     return value.encode() if value else None
+
+
+def check_weight_bind(flag: str, address: str) -> None:
+    """Weight traffic from outside loopback must be signed: ValueError naming `flag` and
+    TANDEM_WEIGHT_SECRET when `address` (a host, or a tcp:// endpoint) is reachable from other
+    machines and no secret is set."""
+    if secret_from_env() is not None or not address:
+        return
+    if address.startswith(("ipc://", "inproc://")):
+        return
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0] if "://" in address else address
+    if not is_loopback(host):
+        raise ValueError(
+            f"{flag} {address} accepts weight traffic from other machines, but {SECRET_ENV} is "
+            f"not set: set {SECRET_ENV} (the same value for trainer, broker and engines; "
+            "`tandem up` generates one), or use 127.0.0.1"
+        )
 
 
 def frame_view(frame: Frame) -> memoryview:
@@ -65,6 +85,23 @@ def _mac(secret: bytes, header: WeightBucketHeader, frames: Sequence[Frame]) -> 
     for frame in frames:
         digest.update(frame_view(frame))
     return digest.digest()
+
+
+def offer_mac(offer: NcclOffer, secret: bytes | None) -> bytes:
+    """The MAC of an NCCL offer (b"" without a secret): it names the rendezvous the engines will
+    join, so an unsigned one must not reach them."""
+    if not secret:
+        return b""
+    return hmac.new(secret, encode(msgspec.structs.replace(offer, mac=b"")), "sha256").digest()
+
+
+def check_offer(offer: NcclOffer, secret: bytes | None) -> None:
+    """`AuthenticationError` unless the offer's MAC matches (anything passes without a secret)."""
+    if secret and not hmac.compare_digest(offer.mac, offer_mac(offer, secret)):
+        raise AuthenticationError(
+            f"weight version {offer.version} offer is unsigned or fails its HMAC check "
+            f"(is {SECRET_ENV} the same for trainer and broker?)"
+        )
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -1,7 +1,9 @@
-"""Broker side of the NCCL weight path: `NcclCoordinator`.
+"""Broker side of the NCCL weight path: `NcclTransport` (a `WeightTransport`, transports.py).
 
 The trainer offers each version on the control socket (ZMQ ROUTER at the broker's intake
-endpoint). For one version, in this order:
+endpoint), HMAC-signed under TANDEM_WEIGHT_SECRET when one is set (the offer names the
+rendezvous engines join; an offer that fails the check is answered `abort`). For one version,
+in this order:
   1. If the set of engines changed or the last version failed, (re)form the weight group:
      read every engine's `/get_server_info` (TP size; whether it takes `bucket_sizes`), answer
      `init` to the trainer and, concurrently, POST `/init_weights_update_group` to every engine
@@ -29,7 +31,8 @@ endpoint). For one version, in this order:
      Then wait for the trainer's single ack and for every engine's POST (or chain) to answer.
   4. `/continue_generation` to the engines paused in 2, then `done` to the trainer; engines
      are on the version.
-A failure or timeout anywhere takes the failing engine out of rotation, answers `abort` to the
+A failure or timeout anywhere is the failing engine's outcome (the broker takes it out of
+rotation); the version is tried once more without it, else `abort` goes to the
 trainer (the other engines keep serving the version they had or, where a chain or a whole
 version completed, the new one) and forces a fresh group for the next version. No step waits
 longer than `sync_timeout_s`; the transfer of a whole version is one step.
@@ -41,6 +44,8 @@ import asyncio
 import functools
 import itertools
 import logging
+import math
+import threading
 import time
 from typing import Any
 
@@ -53,12 +58,13 @@ from proto import (
     NcclCommand,
     NcclOffer,
     TensorMeta,
-    WeightBucketHeader,
     decode,
     encode,
 )
-from services.weight_broker.broker import EngineState, WeightBroker
-from services.weight_broker.store import header_nbytes
+from services.weight_broker.config import BrokerConfig
+from services.weight_broker.transports import Outcome
+from services.weight_sync.safetensors_file import tensors_nbytes
+from services.weight_sync.wire import AuthenticationError, check_offer, secret_from_env
 
 log = logging.getLogger("tandem.broker.nccl")
 # Tries per version: the first, plus one with a fresh group if an engine failed during it.
@@ -73,27 +79,50 @@ class EngineAnswerError(RuntimeError):
         self.status = status
 
 
-class NcclCoordinator:
-    def __init__(self, broker: WeightBroker, pause_mode: str, load_format: str) -> None:
-        self.broker = broker
-        self.pause_mode = pause_mode
-        self.load_format = load_format  # flattened_bucket | per_tensor
-        self.timeout_s = broker.config.sync_timeout_s
+class NcclTransport:
+    """`next_version` waits for the trainer's offer; `sync` runs steps 1-4 for it."""
+
+    serve_endpoint = ""  # engines receive by broadcast, they fetch nothing
+    retry_backoff_s = math.inf  # a dead member would make every version wait for its timeout
+
+    def __init__(self, config: BrokerConfig, counters: dict[str, int]) -> None:
+        self.counters, self.secret = counters, secret_from_env()
+        self.pause_mode = config.pause_mode
+        self.load_format = config.nccl_load_format  # flattened_bucket | per_tensor
+        self.timeout_s = config.sync_timeout_s
+        self.threads: list[threading.Thread] = []
         self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(broker.config.intake_endpoint)
-        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.socket.bind(config.intake_endpoint)
+        self.intake_endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info("NCCL control at %s", self.intake_endpoint)
         self.members: list[str] = []  # engine URLs of the current group, in rank order
         self.group_name = ""
         self._generation = itertools.count()
+        self._offer: tuple[bytes, NcclOffer] | None = None  # the trainer's, not yet answered
+        self._failed: dict[str, str] = {}  # engine URL -> why it failed this version
         self._tp_size: dict[str, int] = {}
         self._whole_version: dict[str, bool] = {}  # engine URL -> it takes bucket_sizes
         self._layout_ids: dict[str, bool] = {}  # engine URL -> it takes layout_id
         self._known_layout: dict[str, str] = {}  # engine URL -> the layout_id it last took
         self._layout_bytes: tuple[str, int] | None = None  # the last layout_id and its bytes
-        self.busy = False  # a version is being synced (the broker's probes wait meanwhile)
 
-    async def run(self, session: aiohttp.ClientSession) -> None:
+    def stop(self) -> None:
+        self.socket.close()
+
+    async def refuse(self, version: int, why: str) -> None:
+        """Answer the trainer's offer with `abort` (its sender raises, naming `why`)."""
+        assert self._offer is not None and self._offer[1].version == version
+        (identity, _offer), self._offer = self._offer, None
+        await self._command(identity, NcclCommand(action="abort", version=version, message=why))
+
+    def forget(self, url: str) -> None:
+        """A restarted engine left its group and lost the layouts it took: form a new one."""
+        self.members = []
+        self._known_layout.pop(url, None)
+
+    async def next_version(self, wake: asyncio.Event) -> int:
+        """The version of the trainer's next offer (every offer is answered by `sync`)."""
         while True:
             parts = await self.socket.recv_multipart()
             try:
@@ -102,38 +131,54 @@ class NcclCoordinator:
                 identity, payload = parts
                 offer = decode(payload, NcclOffer)
             except ValueError as exc:  # e.g. a late ack of an aborted version, or garbage
-                self.broker.counters["frames_rejected"] += 1
+                self.counters["frames_rejected"] += 1
                 log.warning("ignored a message that is not a version offer: %s", exc)
                 continue
             try:
-                await self.sync_version(session, identity, offer)
-            except Exception as exc:  # keep coordinating later versions whatever broke this one
-                log.exception("version %d: unexpected error", offer.version)
-                abort = NcclCommand(action="abort", version=offer.version, message=repr(exc))
+                check_offer(offer, self.secret)
+            except AuthenticationError as exc:  # answered, so a misconfigured trainer says why
+                self.counters["frames_rejected"] += 1
+                log.error("refused an offer: %s", exc)
+                abort = NcclCommand(action="abort", version=offer.version, message=str(exc))
                 await self._command(identity, abort)
+                continue
+            self._offer = (identity, offer)
+            return offer.version
 
-    async def sync_version(
-        self, session: aiohttp.ClientSession, identity: bytes, offer: NcclOffer
-    ) -> None:
-        """Bring every engine in rotation to `offer.version`; see the module docstring."""
-        self.busy = True
+    async def sync(
+        self, session: aiohttp.ClientSession, urls: list[str], version: int
+    ) -> dict[str, Outcome]:
+        """Bring `urls` to the offered `version` (see the module docstring); the trainer gets
+        `done` or `abort` whatever happens, so it never waits past its timeout."""
+        assert self._offer is not None and self._offer[1].version == version
+        (identity, offer), self._offer = self._offer, None
+        self._failed = {}
+        start = time.monotonic()
         try:
-            await self._sync_version(session, identity, offer)
-        finally:
-            self.busy = False
+            engines, error = await self._sync_version(session, identity, offer, urls)
+        except Exception as exc:  # keep coordinating later versions whatever broke this one
+            log.exception("version %d: unexpected error", version)
+            engines, error = [], repr(exc)
+        if engines:
+            await self._command(identity, NcclCommand(action="done", version=version))
+        else:
+            await self._command(
+                identity, NcclCommand(action="abort", version=version, message=error)
+            )
+        elapsed_s, nbytes = time.monotonic() - start, self._nbytes(offer)
+        # An engine that answered an error when another hung keeps its version, unblamed.
+        outcomes = {url: Outcome(error) for url, error in self._failed.items()}
+        return outcomes | {url: Outcome("", elapsed_s, nbytes) for url in engines}
 
     async def _sync_version(
-        self, session: aiohttp.ClientSession, identity: bytes, offer: NcclOffer
-    ) -> None:
-        start = time.monotonic()
+        self, session: aiohttp.ClientSession, identity: bytes, offer: NcclOffer, urls: list[str]
+    ) -> tuple[list[str], str]:
+        """(the engines now on the version, else [] and why)."""
         error = ""
         for attempt in range(MAX_ATTEMPTS):
-            # An engine taken out stays out until re-registered (POST /engines): a dead member
-            # would otherwise make every version wait for its timeout.
-            engines = [e for e in self.broker.engines.values() if e.in_rotation]
+            engines = [u for u in urls if u not in self._failed]
             if not engines:
-                error = error or "no engine in rotation"
-                break
+                return [], error or "no engine in rotation"
             try:
                 await self._attempt(session, identity, offer, engines, attempt)
             except (RuntimeError, TimeoutError) as exc:
@@ -141,20 +186,16 @@ class NcclCoordinator:
                 log.error("version %d attempt %d failed: %s", offer.version, attempt, error)
                 self.members = []  # a fresh group, without engines that failed
                 continue
-            self._finish(offer, engines, time.monotonic() - start)
-            await self._command(identity, NcclCommand(action="done", version=offer.version))
-            return
-        await self._command(
-            identity, NcclCommand(action="abort", version=offer.version, message=error)
-        )
-        self.broker.publish_version()
+            log.info("version %d on %d engines", offer.version, len(engines))
+            return engines, ""
+        return [], error
 
     async def _attempt(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
         paused = False
-        paused_engines: list[EngineState] = []
+        paused_engines: list[str] = []
         marks = [time.monotonic()]
         try:
-            if [e.url for e in engines] != self.members:
+            if engines != self.members:
                 await self._form_group(session, identity, offer, engines, attempt)
             marks.append(time.monotonic())
             paused_engines = [e for e in engines if not self._applies_with_abort(e)]
@@ -174,34 +215,24 @@ class NcclCoordinator:
             ", ".join(f"{name} {1e3 * (b - a):.1f} ms" for name, a, b in steps),
         )
 
-    def _finish(self, offer: NcclOffer, engines: list[EngineState], elapsed_s: float) -> None:
+    def _nbytes(self, offer: NcclOffer) -> int:
         if offer.layout_id and self._layout_bytes and self._layout_bytes[0] == offer.layout_id:
-            nbytes = self._layout_bytes[1]
-        else:  # thousands of tensors: once per layout
-            nbytes = sum(
-                header_nbytes(
-                    WeightBucketHeader(version=0, bucket_index=0, num_buckets=1, tensors=b)
-                )
-                for b in offer.buckets
-            )
-            self._layout_bytes = (offer.layout_id, nbytes)
-        for engine in engines:
-            self.broker.mark_synced(engine, offer.version, elapsed_s, nbytes)
-        self.broker.store.latest = offer.version
-        self.broker.publish_version()
-        log.info("version %d on %d engines in %.3fs", offer.version, len(engines), elapsed_s)
+            return self._layout_bytes[1]
+        nbytes = sum(tensors_nbytes(b) for b in offer.buckets)  # once per layout
+        self._layout_bytes = (offer.layout_id, nbytes)
+        return nbytes
 
     # --- steps ----------------------------------------------------------------------------------
 
     async def _form_group(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
         # Read at every new group: a restarted engine may be another build or configuration.
-        infos = [self._get(session, f"{e.url}/get_server_info") for e in engines]
+        infos = [self._get(session, f"{e}/get_server_info") for e in engines]
         for engine, info in zip(engines, await self._gather(infos, engines), strict=True):
-            self._tp_size[engine.url] = int(info.get("tp_size", 1))
-            self._whole_version[engine.url] = info.get("weight_update_bucket_sizes") is True
-            self._layout_ids[engine.url] = info.get("weight_update_layout_id") is True
-            self._known_layout.pop(engine.url, None)
-        world = 1 + sum(self._tp_size[e.url] for e in engines)
+            self._tp_size[engine] = int(info.get("tp_size", 1))
+            self._whole_version[engine] = info.get("weight_update_bucket_sizes") is True
+            self._layout_ids[engine] = info.get("weight_update_layout_id") is True
+            self._known_layout.pop(engine, None)
+        world = 1 + sum(self._tp_size[e] for e in engines)
         self.group_name = f"tandem_weights_{next(self._generation)}"
         await self._command(
             identity,
@@ -214,7 +245,7 @@ class NcclCoordinator:
                 timeout_s=self.timeout_s / 2,
             ),
         )
-        offsets = itertools.accumulate([1] + [self._tp_size[e.url] for e in engines])
+        offsets = itertools.accumulate([1] + [self._tp_size[e] for e in engines])
         calls = [
             self._post(
                 session, engine, "/init_weights_update_group", self._init_body(offer, offset, world)
@@ -222,14 +253,14 @@ class NcclCoordinator:
             for engine, offset in zip(engines, offsets, strict=False)
         ]
         await self._gather(calls, engines)
-        self.members = [e.url for e in engines]
+        self.members = list(engines)
 
     async def _transfer(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
         buckets = [b for b in offer.buckets if b] or [[]]
         whole = functools.cache(lambda: self._whole_version_body(offer, buckets))  # <= once
         calls = [
             self._post_version(session, e, offer, whole)
-            if self._whole_version.get(e.url)
+            if self._whole_version.get(e)
             else self._post_chain(session, e, offer, buckets)
             for e in engines
         ]
@@ -280,9 +311,9 @@ class NcclCoordinator:
             body["load_format"] = "flattened_bucket"
         return body
 
-    def _applies_with_abort(self, engine: EngineState) -> bool:
+    def _applies_with_abort(self, engine: str) -> bool:
         """Whether this engine's version update replaces the pause (see step 2 above)."""
-        return self.pause_mode == "abort" and bool(self._whole_version.get(engine.url))
+        return self.pause_mode == "abort" and bool(self._whole_version.get(engine))
 
     def _whole_version_body(self, offer: NcclOffer, buckets: list[list[TensorMeta]]) -> dict:
         body = self._update_body(offer, [m for b in buckets for m in b], flush_cache=True)
@@ -297,10 +328,10 @@ class NcclCoordinator:
         collective), the full request."""
         extra = {"abort_all_requests": True} if self._applies_with_abort(engine) else {}
         path, layout_id = "/update_weights_from_distributed", offer.layout_id
-        if not (layout_id and self._layout_ids.get(engine.url)):
+        if not (layout_id and self._layout_ids.get(engine)):
             await self._post(session, engine, path, {**whole(), **extra})
             return
-        if self._known_layout.get(engine.url) == layout_id:
+        if self._known_layout.get(engine) == layout_id:
             short = self._update_body(offer, [], flush_cache=True)
             for listed in ("names", "dtypes", "shapes"):
                 del short[listed]
@@ -308,12 +339,12 @@ class NcclCoordinator:
                 await self._post(session, engine, path, {**short, **extra, "layout_id": layout_id})
                 return
             except EngineAnswerError as exc:
-                if exc.status != 409:
+                if exc.status != 409 or "layout_id" not in str(exc):  # not a version refusal
                     raise
-                log.info("%s no longer knows layout %s: sending it in full", engine.url, layout_id)
-        self._known_layout.pop(engine.url, None)
+                log.info("%s no longer knows layout %s: sending it in full", engine, layout_id)
+        self._known_layout.pop(engine, None)
         await self._post(session, engine, path, {**whole(), **extra, "layout_id": layout_id})
-        self._known_layout[engine.url] = layout_id
+        self._known_layout[engine] = layout_id
 
     async def _post_chain(self, session, engine, offer, buckets) -> None:  # type: ignore[no-untyped-def]
         """One request per bucket, each after the previous one answered (SGLang); the whole
@@ -340,7 +371,7 @@ class NcclCoordinator:
             try:
                 ack = decode(parts[-1], NcclAck)
             except ValueError:
-                self.broker.counters["frames_rejected"] += 1
+                self.counters["frames_rejected"] += 1
                 log.error("expected an ack from the trainer, got another message; ignored")
                 continue
             if (ack.version, ack.attempt, ack.bucket) == (version, attempt, bucket):
@@ -364,7 +395,7 @@ class NcclCoordinator:
         else:
             await self._gather(calls, engines)
 
-    async def _gather(self, calls, engines: list[EngineState]) -> list:  # type: ignore[no-untyped-def]
+    async def _gather(self, calls, engines: list[str]) -> list:  # type: ignore[no-untyped-def]
         """Run one call per engine; engines whose call failed are taken out of rotation and
         a RuntimeError names them. Returns the results in engine order."""
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -376,14 +407,14 @@ class NcclCoordinator:
         # answer; those that did stay in rotation for the retry with a fresh group.
         silent = [(e, r) for e, r in failed if not isinstance(r, EngineAnswerError)]
         for engine, error in silent or failed:
-            self.broker.mark_failed(engine, f"NCCL update failed: {error!r}")
+            self._failed[engine] = f"NCCL update failed: {error!r}"
         if failed:
-            raise RuntimeError("; ".join(f"{e.url}: {r!r}" for e, r in failed))
+            raise RuntimeError("; ".join(f"{e}: {r!r}" for e, r in failed))
         return results
 
-    async def _post(self, session, engine: EngineState, path: str, body: dict) -> dict:  # type: ignore[no-untyped-def]
+    async def _post(self, session, engine: str, path: str, body: dict) -> dict:  # type: ignore[no-untyped-def]
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        async with session.post(f"{engine.url}{path}", json=body, timeout=timeout) as resp:
+        async with session.post(f"{engine}{path}", json=body, timeout=timeout) as resp:
             reply = await resp.json(content_type=None)
             if resp.status != 200 or (isinstance(reply, dict) and reply.get("success") is False):
                 raise EngineAnswerError(f"{path} answered HTTP {resp.status}: {reply}", resp.status)
