@@ -17,6 +17,8 @@ COMMANDS = {
     "broker": ("services.weight_broker.__main__", "weight broker: trainer -> engines"),
     "convert": ("services.trainer.convert", "Hugging Face <-> megatron checkpoint conversion"),
     "toy-model": ("tandem.toy_model_cli", "write the built-in tiny model as a HF directory"),
+    "metrics": ("tandem.metrics_cli", "print a run's metrics records from Redis"),
+    "timeline": ("tandem.timeline_cli", "write a run's timeline as Chrome-trace JSON"),
 }
 
 

@@ -117,6 +117,13 @@ class UpConfig:
     router_args: str = field(
         default="", metadata={"help": "Extra flags for `tandem router`, one quoted string."}
     )
+    wandb_project: str = field(
+        default_factory=lambda: os.environ.get("WANDB_PROJECT", ""),
+        metadata={
+            "help": "Also log the metrics to this Weights & Biases project (env WANDB_PROJECT; "
+            "needs the wandb package). TensorBoard files are always in RUN_DIR/tensorboard."
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,6 +280,8 @@ def service_args(
             str(config.save_interval),
             "--save-hf",
             str(run_dir / TRAINED_MODEL),
+            "--metrics-port",  # a free port, printed in the trainer's log
+            "0",
             *common,
             *batch,
             *shlex.split(config.trainer_args),
