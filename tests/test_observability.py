@@ -2,8 +2,8 @@
 `tandem metrics` reader and the run's Chrome-trace timeline.
 
 One real `tandem up` run (Redis, an engine, broker, router, trainer as processes) serves the
-module: the services are scraped while it trains, then it is stopped with Ctrl-C and its run
-folder is read back.
+module: the services are scraped while it trains, then it is stopped with Ctrl-C (exit code
+130, every child stopped) and its run folder is read back.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from services.sample_buffer import SampleBuffer
@@ -64,6 +65,12 @@ def parse_prometheus(text: str) -> dict[str, float]:
         key = f"{name}{{{labels}}}" if labels else name
         assert key not in samples, f"{key} twice"
         samples[key] = float(value.replace("Inf", "inf"))
+    try:  # the official parser too, when it is installed
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError:
+        pass
+    else:
+        assert {f.name for f in text_string_to_metric_families(text)}
     for family in (n for n, kind in types.items() if kind == "histogram"):
         buckets = [v for k, v in samples.items() if k.startswith(family + "_bucket")]
         assert buckets == sorted(buckets), f"{family} buckets are not cumulative"
@@ -80,6 +87,7 @@ def scrape(url: str) -> dict[str, float]:
 class Run:
     def __init__(self, run_dir: Path, proc: subprocess.Popen) -> None:
         self.run_dir, self.proc, self.output = run_dir, proc, ""
+        self.children: list[psutil.Process] = []
 
     def urls(self) -> dict[str, str]:
         logs = self.run_dir / "logs"
@@ -102,6 +110,13 @@ class Run:
             assert self.proc.returncode == 130, self.output
 
 
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     run_dir = tmp_path_factory.mktemp("obs") / "run"
@@ -118,6 +133,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     try:
         wait_until(lambda: proc.poll() is not None or handle.trainer_steps() >= 1, "step 1", 240)
         assert proc.poll() is None, proc.communicate()[0]
+        handle.children = psutil.Process(proc.pid).children(recursive=True)
         yield handle
     finally:
         if proc.returncode is None:
@@ -178,10 +194,14 @@ def test_every_service_serves_prometheus_metrics_that_move_with_the_work(run: Ru
 
 
 @pytest.mark.e2e
-def test_the_stopped_run_leaves_tensorboard_scalars_and_a_timeline_of_every_service(
+def test_ctrl_c_stops_every_service_and_leaves_tensorboard_scalars_and_a_timeline(
     run: Run,
 ) -> None:
-    run.stop()
+    assert len(run.children) >= 5  # redis, engine, broker, router, trainer
+    run.stop()  # exit code 130
+    time.sleep(0.5)
+    assert [c.cmdline() for c in run.children if alive(c)] == []
+    assert json.loads((run.run_dir / "summary.json").read_text())["outcome"] == "interrupted"
     (events,) = (run.run_dir / "tensorboard").glob("events.out.tfevents.*")
     scalars = read_scalars(events)  # checks each record's CRC-32C
     losses = [(step, v) for step, tag, v in scalars if tag == "train/loss"]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from redis.exceptions import RedisError
 
 from proto import SampleGroup
 from services.common.metrics import CONTENT_TYPE, Gauge, Metrics, gauge, labels
@@ -135,8 +136,11 @@ def render(loop: RolloutLoop | None, pool, buffer: SampleBuffer | None) -> str: 
     ]
     totals: list[Gauge] = []
     if buffer is not None:
-        more, totals = redis_gauges(buffer)
-        gauges += more
+        try:
+            more, totals = redis_gauges(buffer)
+            gauges += [*more, gauge("redis_up", "1 while the run's Redis answers.", 1)]
+        except RedisError:  # the scrape still shows the router's own numbers
+            gauges.append(gauge("redis_up", "1 while the run's Redis answers.", 0))
     if loop is None:
         return Metrics("tandem_router_").render(gauges, totals)
     gauges += [
