@@ -6,7 +6,6 @@ and W&B is left off: an observer must never end a run."""
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ class MetricSinks:
     def __init__(self, run_dir: Path, wandb_project: str, config: dict[str, Any]) -> None:
         self.tensorboard = EventWriter(run_dir / "tensorboard")
         self.wandb: Any = None
-        project = wandb_project or os.environ.get("WANDB_PROJECT", "")
+        project = wandb_project  # --wandb-project, whose default is env WANDB_PROJECT
         if project and importlib.util.find_spec("wandb") is None:
             say(f"W&B project {project!r} named but the wandb package is not installed: W&B off")
         elif project:

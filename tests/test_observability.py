@@ -216,7 +216,8 @@ def test_ctrl_c_stops_every_service_and_leaves_tensorboard_scalars_and_a_timelin
         acc.Reload()
         assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx([v for _, v in losses])
 
-    trace = json.loads((run.run_dir / "timeline.json").read_text())
+    text = (run.run_dir / "timeline.json").read_text()
+    trace = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
     events_x = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events_x)
     names = {
@@ -278,12 +279,13 @@ def test_timeline_spans_written_by_a_service_come_back_as_a_chrome_trace(
     buffer: SampleBuffer,
 ) -> None:
     timeline = Timeline(buffer.redis, buffer.config.run_id, "trainer", flush_s=0.05)
-    with timeline.span("step 1", "steps", loss=0.5):
+    with timeline.span("step 1", "steps", loss=math.nan):
         time.sleep(0.01)
     timeline.add("sync v1", 100.0, 100.5, "http://e0")
     timeline.close()
     spans = read_spans(buffer.redis, buffer.config.run_id)
     assert [s["name"] for s in spans] == ["step 1", "sync v1"]
+    assert spans[0]["args"] == {"loss": None}  # strict JSON: no NaN
     trace = chrome_trace(spans)["traceEvents"]
     (sync,) = [e for e in trace if e["name"] == "sync v1"]
     assert sync["ts"] == 0 and sync["dur"] == 500_000.0  # microseconds from the first span

@@ -93,7 +93,9 @@ class Metrics:
             series = self.counters.setdefault(name, {})
             series[pairs] = series.get(pairs, 0.0) + amount
 
-    def histogram(self, name: str, help_text: str, buckets: Iterable[float] = SECONDS_BUCKETS):
+    def histogram(
+        self, name: str, help_text: str, buckets: Iterable[float] = SECONDS_BUCKETS
+    ) -> Histogram:
         self.help[name] = help_text
         return self.histograms.setdefault(name, Histogram(buckets))
 

@@ -15,6 +15,7 @@ import collections
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +26,10 @@ import redis
 log = logging.getLogger("tandem.timeline")
 TIMELINE_LEN = 50_000
 PENDING_MAX = 10_000
+
+
+def _finite(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def timeline_key(run_id: str) -> str:
@@ -46,8 +51,8 @@ class Timeline:
     def add(self, name: str, start: float, end: float, lane: str = "main", **args: Any) -> None:
         """One span from wall-clock `start` to `end` (seconds since the epoch) on `lane`."""
         event = {"source": self.source, "lane": lane, "name": name, "start": start, "end": end}
-        if args:
-            event["args"] = args
+        if args:  # NaN is no JSON (Perfetto refuses the file): it becomes null
+            event["args"] = {k: _finite(v) for k, v in args.items()}
         self.pending.append(json.dumps(event).encode())
 
     @contextlib.contextmanager
