@@ -128,6 +128,7 @@ class Engine:
         seqs = [s for job in jobs for s in job.sequences]
         sent = [-1] * len(seqs)  # tokens in the last chunk sent for each sequence
         finished = [False] * len(seqs)
+        started = time.monotonic()
         self.scheduler.submit(jobs)
         try:
             while not all(finished):
@@ -146,6 +147,7 @@ class Engine:
             if not all(finished):  # the client went away mid-stream
                 for job in jobs:
                     self.scheduler.abort(job.rid, "client disconnected")
+        self.metrics.request_done(time.monotonic() - started)
 
     async def health_generate(self, timeout_s: float = 20.0) -> bool:
         """Generate one token end to end (what SGLang's /health_generate does)."""

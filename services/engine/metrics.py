@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class EngineMetrics:
     def __init__(self) -> None:
         self.metrics = Metrics("tandem_engine_")
-        self.metrics.counter("requests", "Generate requests answered (native and OpenAI).")
+        self.metrics.counter("requests", "Generate requests answered (native, OpenAI, streamed).")
         self.generate_seconds = self.metrics.histogram(
             "generate_seconds", "Time from a generate request's submit to its last token."
         )
