@@ -18,6 +18,8 @@ COMMANDS = {
     "convert": ("services.trainer.convert", "Hugging Face <-> megatron checkpoint conversion"),
     "config": ("tandem.config_cmd", "print the resolved configuration (show) or its reference"),
     "toy-model": ("tandem.toy_model_cli", "write the built-in tiny model as a HF directory"),
+    "metrics": ("tandem.metrics_cli", "print a run's metrics records from Redis"),
+    "timeline": ("tandem.timeline_cli", "write a run's timeline as Chrome-trace JSON"),
 }
 
 

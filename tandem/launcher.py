@@ -180,6 +180,13 @@ class UpConfig:
         default="",
         metadata={"help": "Extra flags for `tandem router`, one quoted string (or [router])."},
     )
+    wandb_project: str = field(
+        default_factory=lambda: os.environ.get("WANDB_PROJECT", ""),
+        metadata={
+            "help": "Also log the metrics to this Weights & Biases project (env WANDB_PROJECT; "
+            "needs the wandb package). TensorBoard files are always in RUN_DIR/tensorboard."
+        },
+    )
 
     def settled(self) -> UpConfig:
         """The automatic values made explicit: engine count and device, Redis from REDIS_URL."""
@@ -404,6 +411,8 @@ def service_args(
             str(config.save_interval),
             "--save-hf",
             str(run_dir / TRAINED_MODEL),
+            "--metrics-port",  # a free port, printed in the trainer's log
+            "0",
             *common,
             *batch,
             *extra["trainer"],

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import secrets
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
+
+from redis.exceptions import RedisError
 
 from services.common.auth import TOKEN_ENV
 from services.common.engine_info import VersionUnavailableError, weight_version
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from services.sample_buffer.timeline import chrome_trace, read_spans
 from services.weight_sync.wire import SECRET_ENV
 from tandem.launcher import (
     TRAINED_MODEL,
@@ -24,6 +28,8 @@ from tandem.launcher import (
     write_summary,
 )
 from tandem.progress import RunProgress
+from tandem.run_redis import REDIS_FILE
+from tandem.sinks import MetricSinks
 from tandem.supervisor import ChildFailedError, Supervisor, die_with_parent
 from tandem.up_args import save_config
 from tandem.up_config import render, write_run_config
@@ -64,6 +70,8 @@ class UpRun:
         share_run_secrets()
         started = time.monotonic()
         progress: RunProgress | None = None
+        buffer: SampleBuffer | None = None
+        sinks = MetricSinks(self.run_dir, self.config.wandb_project, asdict(self.config))
         try:
             buffer, urls = self.start_services()
             say(
@@ -72,7 +80,7 @@ class UpRun:
                 f"at most {self.config.max_steps} steps)"
             )
             progress = RunProgress(self.run_dir)
-            code = self.monitor(buffer, progress)
+            code = self.monitor(buffer, progress, sinks)
             engine_versions = self.engine_versions(urls)
         except ChildFailedError as exc:
             say(f"FAILED: {exc}")
@@ -81,6 +89,9 @@ class UpRun:
             # The trainer saves its last checkpoint and the trained model on SIGTERM.
             self.supervisor.stop_all(timeout_s=60.0)
             self.remove_weight_slots()
+            sinks.close()
+            if buffer is not None:  # the services wrote their last spans when they stopped
+                self.write_timeline(buffer)
             if self.redis is not None:
                 self.redis.stop()
         if progress is not None:
@@ -103,6 +114,8 @@ class UpRun:
             say(f"redis at {redis_url} (pid {self.redis.process.pid})")  # type: ignore[union-attr]
         buffer = SampleBuffer(BufferConfig(redis_url=redis_url, run_id=self.run_id))
         buffer.wait_ready()
+        where = {"url": redis_url, "run_id": self.run_id, "own": self.redis is not None}
+        (self.run_dir / REDIS_FILE).write_text(json.dumps(where))  # for tandem metrics/timeline
         model = Path(config.model) if config.model else self.write_model()
         save_config(self.run_dir, replace(config, model=str(model), resume=""))
         args = service_args(config, self.run_id, model, redis_url, self.run_dir)
@@ -183,7 +196,7 @@ class UpRun:
 
     # --- watching -----------------------------------------------------------------------------
 
-    def monitor(self, buffer: SampleBuffer, progress: RunProgress) -> int:
+    def monitor(self, buffer: SampleBuffer, progress: RunProgress, sinks: MetricSinks) -> int:
         config = self.config
         deadline = time.monotonic() + config.time_limit_s
         # A resumed run's stream holds the earlier records (metrics.jsonl has them already).
@@ -192,6 +205,7 @@ class UpRun:
         while True:
             for entry_id, record in buffer.read_metrics(after_id=last_id, block_ms=500):
                 last_id = entry_id
+                sinks.add(record)
                 line = progress.add(record)
                 if line:
                     print(line, flush=True)
@@ -243,6 +257,15 @@ class UpRun:
                 say(f"engines did not reach the final version {final} within {timeout_s:.0f}s")
                 return
             time.sleep(0.1)
+
+    def write_timeline(self, buffer: SampleBuffer) -> None:
+        """RUN_DIR/timeline.json: the run's spans as a Chrome trace (ui.perfetto.dev opens it)."""
+        try:
+            spans = read_spans(buffer.redis, self.run_id)
+        except RedisError as exc:
+            say(f"no timeline.json: Redis did not answer ({exc})")
+            return
+        (self.run_dir / "timeline.json").write_text(json.dumps(chrome_trace(spans)))
 
     def remove_weight_slots(self) -> None:
         """A killed trainer cannot remove its shared-memory weight slots: do it for it."""
@@ -310,6 +333,6 @@ class UpRun:
             say(f"trained model (Hugging Face, with tokenizer): {trained}")
         say(
             f"run folder: {self.run_dir} (config.toml, metrics.jsonl, summary.json"
-            f"{', metrics.png' if plot else ''}, logs/, checkpoints/, redis/); continue it with "
-            f"tandem up --resume {self.run_dir}"
+            f"{', metrics.png' if plot else ''}, tensorboard/, timeline.json, logs/, "
+            f"checkpoints/, redis/); continue it with tandem up --resume {self.run_dir}"
         )

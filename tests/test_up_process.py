@@ -109,19 +109,6 @@ def test_a_dying_service_stops_every_other_one_and_fails_the_run(tmp_path: Path)
     assert [c.cmdline() for c in children if alive(c.pid)] == []
 
 
-def test_ctrl_c_stops_everything_with_exit_code_130(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    proc = start_up_in_background(run_dir)
-    children = psutil.Process(proc.pid).children(recursive=True)
-    assert len(children) >= 6  # redis, two engines, broker, router, trainer
-    proc.send_signal(signal.SIGINT)
-    output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, output
-    time.sleep(0.5)
-    assert [c.cmdline() for c in children if alive(c.pid)] == []
-    assert json.loads((run_dir / "summary.json").read_text())["outcome"] == "interrupted"
-
-
 def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path) -> None:
     result = run_up(tmp_path / "run", "--model", str(tmp_path / "missing"), timeout_s=60)
     assert result.returncode == 2

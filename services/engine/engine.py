@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from services.engine import api
 from services.engine.config import EngineConfig
+from services.engine.metrics import EngineMetrics
 from services.engine.model_runner import ModelRunner
 from services.engine.sampling import RequestError
 from services.engine.scheduler import Job, Scheduler
@@ -53,6 +55,7 @@ class Engine:
             self.runner, self.scheduler, config.update_timeout_s, config.whole_version_updates
         )
         self.released = False  # weights moved off the device by /release_memory_occupation
+        self.metrics = EngineMetrics()
 
     def start(self) -> None:
         self.scheduler.start()
@@ -101,6 +104,7 @@ class Engine:
                 loop.call_soon_threadsafe(on_job_done)
 
         jobs = api.make_jobs(inp, notify)
+        started = time.monotonic()
         self.scheduler.submit(jobs)
         try:
             await finished
@@ -108,6 +112,7 @@ class Engine:
             for job in jobs:
                 self.scheduler.abort(job.rid, "client disconnected")
             raise
+        self.metrics.request_done(time.monotonic() - started)
         return api.response_json(jobs, inp, self.runner.tokenizer)
 
     async def stream(self, inp: api.GenerateInput) -> AsyncIterator[Any]:
@@ -123,6 +128,7 @@ class Engine:
         seqs = [s for job in jobs for s in job.sequences]
         sent = [-1] * len(seqs)  # tokens in the last chunk sent for each sequence
         finished = [False] * len(seqs)
+        started = time.monotonic()
         self.scheduler.submit(jobs)
         try:
             while not all(finished):
@@ -141,6 +147,7 @@ class Engine:
             if not all(finished):  # the client went away mid-stream
                 for job in jobs:
                     self.scheduler.abort(job.rid, "client disconnected")
+        self.metrics.request_done(time.monotonic() - started)
 
     async def health_generate(self, timeout_s: float = 20.0) -> bool:
         """Generate one token end to end (what SGLang's /health_generate does)."""

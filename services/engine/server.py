@@ -25,6 +25,7 @@ from proto import sglang as sg
 from services.common.auth import WRITE, token_from_env
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
+from services.engine.metrics import add_metrics_route
 from services.engine.openai_api import add_openai_routes
 from services.engine.sampling import RequestError
 from services.engine.scheduler import QueueFullError
@@ -118,6 +119,7 @@ def create_app(config: EngineConfig, engine: Engine | None = None) -> FastAPI:
     _add_control_routes(app, engine)
     _add_weight_routes(app, engine)
     add_openai_routes(app, engine)
+    add_metrics_route(app, engine)
     return app
 
 

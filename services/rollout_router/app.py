@@ -24,6 +24,7 @@ from proto.models import read_config
 from services.rollout_router.config import DataConfig, RouterConfig, SamplingConfig
 from services.rollout_router.control import RolloutController
 from services.rollout_router.environments import EnvClient, EpisodeRunner
+from services.rollout_router.metrics import router as metrics_router
 from services.rollout_router.rewards import make_reward
 from services.rollout_router.rollout import RolloutLoop
 from services.rollout_router.routes_agent import router as agent_router
@@ -186,4 +187,5 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.include_router(control_router)
     app.include_router(agent_router)
     app.include_router(dashboard_router)
+    app.include_router(metrics_router)
     return app

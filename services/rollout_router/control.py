@@ -139,6 +139,7 @@ class RolloutController:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        await asyncio.to_thread(self.loop.observe.close)  # writes its last timeline spans
 
     def pause(self) -> None:
         self.loop.pause()

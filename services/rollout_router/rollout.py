@@ -50,6 +50,7 @@ from proto import DropRecord, Sample, SampleGroup
 from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.environments import EnvError, EpisodeRunner, Generate
 from services.rollout_router.limiter import Limiter
+from services.rollout_router.metrics import LoopObserver
 from services.rollout_router.progress import (
     Backoff,
     Demand,
@@ -124,6 +125,7 @@ class RolloutLoop:
         self._redis_lost = 0  # groups lost while Redis was unavailable
         self.orders = EpochOrders()
         self.recent = RecentGroups()  # the newest put groups, for the dashboard
+        self.observe = LoopObserver(buffer)  # /metrics counters and timeline spans
 
     # --- versions, state and control -----------------------------------------------------------
 
@@ -133,6 +135,7 @@ class RolloutLoop:
     def set_state(self, state: str, waiting_for: str = "") -> None:
         """`waiting_for`: what would unblock the loop, as a sentence a user can act on."""
         if state != self.state:
+            self.observe.state_left(self.state, self.since, self.waiting_for)
             self.since = time.time()
             self.changed.set()
         self.state, self.waiting_for = state, waiting_for
@@ -380,10 +383,12 @@ class RolloutLoop:
         `session_id` keeps an episode's turns on one engine under session affinity."""
         async with self.limiter:
             self.in_flight += 1
+            started = time.monotonic()
             try:
                 data, worker = await self.pool.post_json("/generate", payload, session_id)
             finally:
                 self.in_flight -= 1
+            self.observe.request_seconds.observe(time.monotonic() - started)
         outs = as_list(data)
         for out in outs:
             v = parse_version(out.get("meta_info", {}).get("weight_version"))
@@ -488,6 +493,7 @@ class RolloutLoop:
             self._room -= 1
             self.groups_put += 1
             await asyncio.shield(asyncio.to_thread(self.buffer.put_group, group))
+            self.observe.group_put(group, self.config.rollout_batch_size)
             if self.state == "waiting_for_buffer":
                 self.set_state("generating")
 

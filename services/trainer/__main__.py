@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem trainer", description=DESCRIPTION)
     add_config_args(parser, TrainerConfig)
     parser.add_argument(
-        "--ready-file", default="", help="Write {pid, version} as JSON here once training starts."
+        "--ready-file",
+        default="",
+        help="Write {pid, version, metrics_url} as JSON here once training starts.",
     )
     return parser
 
@@ -80,9 +82,8 @@ def run(trainer: Any, args: argparse.Namespace) -> None:
 
     trainer.install_signal_handlers()
     if args.ready_file:
-        Path(args.ready_file).write_text(
-            json.dumps({"pid": os.getpid(), "version": trainer.version})
-        )
+        ready = {"pid": os.getpid(), "version": trainer.version}
+        Path(args.ready_file).write_text(json.dumps({**ready, "metrics_url": trainer.observe.url}))
     error = ""
     try:
         steps = trainer.train()

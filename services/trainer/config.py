@@ -40,6 +40,13 @@ class TrainerConfig:
         "127.0.0.1", "nccl transport: address engines use to reach this trainer's rendezvous."
     )
     consumer: str = _f("trainer-0", "Consumer name in the Redis consumer group.")
+    metrics_port: int = _f(
+        -1,
+        "Serve Prometheus metrics at http://--metrics-host:PORT/metrics (rank 0, a background "
+        "thread that never blocks training); 0 = any free port (printed at start), -1 = off. "
+        "`tandem up` passes 0.",
+    )
+    metrics_host: str = _f("127.0.0.1", "Address of the --metrics-port server.")
 
     # --- batch arithmetic ------------------------------------------------------------------
     rollout_batch_size: int = _f(

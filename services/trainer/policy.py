@@ -130,6 +130,8 @@ class Policy:
         """
         self.cfg = cfg
         self.value_head = value_head
+        # Told when a phase of `train_step` ends (the trainer's step clock and timeline).
+        self.on_phase: Callable[[str], None] = lambda _phase: None
         self.arch = arch or hf_convert.read_hf_arch(model_dir)
         self.hf_config_json = "" if arch else (Path(model_dir) / "config.json").read_text()
         if value_head:
@@ -266,6 +268,7 @@ class Policy:
         self.optimizer.zero_grad()
         stats = self._run(micro_batches, loss_fn, False, with_entropy, entropy_grad)
         grad_norm = self._global_grad_norm()
+        self.on_phase("forward_backward")
         if not torch.isfinite(torch.tensor(grad_norm)):
             self.optimizer.zero_grad()
             return stats, False, grad_norm

@@ -39,6 +39,7 @@ from services.sample_buffer import BufferConfig, SampleBuffer
 from services.trainer import batching, checkpoint, losses, routing_replay
 from services.trainer.batching import MicroBatch, TrainSample
 from services.trainer.config import TrainerConfig
+from services.trainer.observe import TrainerObserver
 from services.trainer.policy import Policy, init_distributed
 from services.trainer.stats import StepStats, comm_device
 from services.trainer.status import StatusReporter
@@ -85,7 +86,9 @@ class Trainer:
             self.buffer.agree_contract(cfg.run_contract(), "trainer")
             self.status = StatusReporter(self.buffer)
             self.status.update("loading the model", model=cfg.model)
+        self.observe = TrainerObserver(cfg, self.buffer)  # /metrics, timeline, step lines
         self.policy = Policy(cfg, cfg.model)
+        self.policy.on_phase = self.observe.mark
         self.ref = Policy(cfg, cfg.ref_load, train=False) if cfg.ref_load else None
         self.critic = None
         if cfg.advantage_estimator == "gae":
@@ -145,6 +148,7 @@ class Trainer:
         if self.status is not None:
             self.status.close("failed" if error else "stopped", error)
             self.status = None
+        self.observe.close()
         if self.sender is not None:
             self.sender.close()
             self.sender = None
@@ -163,23 +167,21 @@ class Trainer:
         if self.version > 0 and self.cfg.weights_endpoint:  # engines start from --model
             self.publish_weights(increment=False)
         while not self._done():
+            waiting_since = time.time()
             rollout = self.pull_rollout()
+            self.observe.waited(waiting_since, self.version)
             if rollout is None:  # stop requested while waiting for samples
                 break
             samples = self.prepare_samples(rollout)
             for step_samples in self.split_steps(samples, rollout):
-                t0 = time.perf_counter()
                 self._report("training", "", step=self.version + 1)
                 metrics = self.train_step(step_samples)
-                t1 = time.perf_counter()
+                self.observe.mark("optimizer")
                 params, nbytes = self.publish_weights()
-                t2 = time.perf_counter()
-                metrics["train/update_time_s"] = t1 - t0
-                metrics["train/publish_time_s"] = t2 - t1  # export + transfer to every engine
-                metrics["train/step_time_s"] = t2 - t0
+                self.observe.mark("publish")
                 metrics["train/weight_bytes"] = float(nbytes)
                 metrics["train/params"] = float(params)
-                self.log_step(metrics, rollout)
+                self.observe.step_done(self.version, metrics, rollout)  # record, line, spans
             self.count_consumed(len(rollout.groups))
             if self.buffer is not None:  # the lineage of these weights: which groups made them
                 self.buffer.record_trained(self.version, [g.group_id for g in rollout.groups])
@@ -342,6 +344,7 @@ class Trainer:
             missing = routing_replay.attach(mbs, mine, self.policy.arch)
             stats.add("routing_replay", len(mbs) - missing, len(mbs))
         recomputed = self._recompute(mbs, mine, stats)
+        self.observe.mark("recompute")
         if self.critic is not None:
             self.critic.fill_advantages(mbs, mine, stats)
         loss_fn = step_math.LossFunction(
@@ -474,24 +477,6 @@ class Trainer:
                 f"[trainer] wrote the Hugging Face model of version {self.version} to {out}",
                 flush=True,
             )
-
-    def log_step(self, metrics: dict[str, float], rollout: Rollout) -> None:
-        metrics["train/dropped_stale"] = float(rollout.dropped_stale)
-        for age, n in sorted(rollout.staleness_counts.items()):
-            metrics[f"train/staleness_hist/{age}"] = float(n)
-        if self.buffer is None:
-            return
-        self.buffer.publish_metrics("trainer", self.version, metrics)
-        m = metrics
-        print(
-            f"[trainer] step {self.version} loss {m['train/loss']:.4f} "
-            f"reward {m['train/reward_mean']:.3f} stale {m['train/staleness_mean']:.2f}/"
-            f"{m['train/staleness_max']:.0f} lp_diff {m['train/logprob_abs_diff_max']:.1e} "
-            f"grad {m['train/grad_norm']:.3f} samples {m['train/samples']:.0f} "
-            f"tokens {m['train/tokens']:.0f} dropped {m['train/dropped_stale']:.0f} "
-            f"{m['train/step_time_s']:.2f}s",
-            flush=True,
-        )
 
 
 SKIP_ADVICE = (

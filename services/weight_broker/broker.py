@@ -69,6 +69,7 @@ class EngineState:
     last_error: str = ""
     last_sync_s: float = 0.0
     last_bytes_per_s: float = 0.0
+    last_sync_at: float = 0.0  # wall time the last sync ended (read by observe.py)
     failures: int = 0
     retry_at: float = 0.0
 
@@ -194,6 +195,7 @@ class WeightBroker:
         engine.last_error = ""
         engine.last_sync_s = outcome.elapsed_s
         engine.last_bytes_per_s = outcome.nbytes / outcome.elapsed_s if outcome.elapsed_s else 0.0
+        engine.last_sync_at = time.time()
         log.info("engine %s on version %d in %.3fs", engine.url, version, outcome.elapsed_s)
 
     def mark_failed(self, engine: EngineState, error: str) -> None:

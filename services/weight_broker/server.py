@@ -7,13 +7,15 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, HTTPException
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from services.common.auth import WRITE, token_from_env
+from services.common.metrics import CONTENT_TYPE
 from services.common.urls import HttpUrl
 from services.weight_broker.broker import WeightBroker
 from services.weight_broker.config import BrokerConfig
+from services.weight_broker.observe import SyncObserver
 
 
 class EngineRequest(BaseModel):
@@ -27,15 +29,19 @@ class EngineRequest(BaseModel):
 
 def create_app(config: BrokerConfig) -> FastAPI:
     broker = WeightBroker(config)
+    syncs = SyncObserver(broker)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(broker.run())
+        watch = asyncio.create_task(syncs.run())
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for t in (task, watch):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
         broker.stop()
+        syncs.close()
 
     app = FastAPI(title="Tandem weight broker", lifespan=lifespan)
     app.state.broker = broker
@@ -63,14 +69,14 @@ def create_app(config: BrokerConfig) -> FastAPI:
             raise HTTPException(404, f"no engine {url!r} registered")
         return {"removed": url}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> str:
-        return prometheus_text(broker)
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(prometheus_text(broker, syncs), media_type=CONTENT_TYPE)
 
     return app
 
 
-def prometheus_text(broker: WeightBroker) -> str:
+def prometheus_text(broker: WeightBroker, syncs: SyncObserver) -> str:
     lines = [
         "# TYPE tandem_broker_version gauge",
         f"tandem_broker_version {broker.latest}",
@@ -93,4 +99,5 @@ def prometheus_text(broker: WeightBroker) -> str:
             lines.append(
                 f'tandem_broker_{metric}{{engine="{engine.url}"}} {float(getattr(engine, attr))}'
             )
-    return "\n".join(lines) + "\n"
+    syncs.poll()
+    return "\n".join(lines) + "\n" + syncs.metrics.render()

@@ -1,0 +1,71 @@
+"""The engine's `GET /metrics` (Prometheus text): requests, tokens, running and queued
+sequences, the served weight version, and a latency histogram of `/generate` requests.
+
+Counters live here and are fed by `Engine.generate` (one call per request, after it finished);
+the scheduler's numbers are read when scraped (its lock is held only to count).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from services.common.metrics import CONTENT_TYPE, Gauge, Metrics, gauge
+
+if TYPE_CHECKING:
+    from services.engine.engine import Engine
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        self.metrics = Metrics("tandem_engine_")
+        self.metrics.counter("requests", "Generate requests answered (native, OpenAI, streamed).")
+        self.generate_seconds = self.metrics.histogram(
+            "generate_seconds", "Time from a generate request's submit to its last token."
+        )
+
+    def request_done(self, seconds: float) -> None:
+        self.metrics.inc("requests")
+        self.generate_seconds.observe(seconds)
+
+    def render(self, engine: Engine) -> str:
+        load = engine.scheduler.load()
+        try:
+            version = float(engine.weight_version)
+        except ValueError:  # a weight version need not be a number (SGLang allows any string)
+            version = -1.0
+        totals: list[Gauge] = [
+            (
+                "generated_tokens",
+                "Tokens generated (sampled) by this engine.",
+                {(): float(engine.scheduler.stats["generated_tokens"])},
+            ),
+            (
+                "forward_passes",
+                "Model forward passes (prefill and decode).",
+                {(): float(engine.scheduler.stats["forward_passes"])},
+            ),
+        ]
+        gauges = [
+            gauge("running_sequences", "Sequences in the running batch.", load["num_running_reqs"]),
+            gauge(
+                "queued_sequences", "Sequences waiting for a batch slot.", load["num_waiting_reqs"]
+            ),
+            gauge(
+                "running_tokens",
+                "Tokens (prompt + output) of the running batch.",
+                load["num_tokens"],
+            ),
+            gauge("paused", "1 while generation is paused.", load["paused"]),
+            gauge("weight_version", "Weight version served (-1: not a number).", version),
+        ]
+        return self.metrics.render(gauges, totals)
+
+
+def add_metrics_route(app: FastAPI, engine: Engine) -> None:
+    @app.get("/metrics", tags=["observability"], response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus text exposition of this engine."""
+        return Response(engine.metrics.render(engine), media_type=CONTENT_TYPE)

@@ -1,0 +1,58 @@
+"""The broker's weight syncs as an operator sees them: a histogram of sync seconds, counts of
+syncs and bytes for `/metrics`, and one timeline span per engine sync.
+
+`SyncObserver.run()` (an asyncio task of the HTTP app) reads what the broker records when an
+engine finishes a sync (`EngineState.last_sync_at`, `last_sync_s`, `last_bytes_per_s`) every
+`poll_s`; it changes nothing in the broker, so the sync loop keeps no knowledge of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.common.metrics import Metrics
+from services.sample_buffer.timeline import Timeline
+from services.weight_broker.broker import WeightBroker
+
+
+class SyncObserver:
+    def __init__(self, broker: WeightBroker, poll_s: float = 0.1) -> None:
+        self.broker, self.poll_s = broker, poll_s
+        self.metrics = Metrics("tandem_broker_")
+        self.metrics.counter("syncs", "Engine weight syncs that completed.")
+        self.metrics.counter("synced_bytes", "Bytes of weights delivered to engines.")
+        self.sync_seconds = self.metrics.histogram("sync_seconds", "Seconds per engine sync.")
+        buffer = broker.buffer
+        self.timeline = Timeline(buffer.redis, buffer.config.run_id, "broker") if buffer else None
+        self.seen: dict[str, float] = {}  # engine url -> last_sync_at already counted
+
+    def poll(self) -> None:
+        for engine in list(self.broker.engines.values()):
+            done_at = engine.last_sync_at
+            if not done_at or self.seen.get(engine.url) == done_at:
+                continue
+            self.seen[engine.url] = done_at
+            seconds = engine.last_sync_s
+            self.metrics.inc("syncs")
+            self.metrics.inc("synced_bytes", engine.last_bytes_per_s * seconds)
+            self.sync_seconds.observe(seconds)
+            if self.timeline is not None:
+                gbps = engine.last_bytes_per_s / 1e9
+                self.timeline.add(
+                    f"sync v{engine.version}",
+                    done_at - seconds,
+                    done_at,
+                    engine.url,
+                    version=engine.version,
+                    gb_per_s=round(gbps, 3),
+                )
+
+    async def run(self) -> None:
+        while True:
+            self.poll()
+            await asyncio.sleep(self.poll_s)
+
+    def close(self) -> None:
+        self.poll()
+        if self.timeline is not None:
+            self.timeline.close()

@@ -1,0 +1,78 @@
+"""Find the Redis of a run for the read-only commands (`tandem metrics`, `tandem timeline`).
+
+A run is named either by `--redis-url` and `--run-id` (any run, e.g. services started by
+hand or by a cluster scheduler), or by a `tandem up` run folder: its `redis.json` says where its
+Redis is (written at start-up). When that Redis was the run's own and is gone (the run ended),
+a private server is started on the folder's saved data (`RUN_DIR/redis`) for the time of the
+read, as `tandem up --resume` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+
+from services.sample_buffer import RedisServer
+
+REDIS_FILE = "redis.json"  # {"url", "run_id", "own"}, written by `tandem up`
+
+
+class RunNotFoundError(ValueError):
+    """The flags do not name a run that can be read (exit code 2)."""
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", nargs="?", default="", help="A `tandem up` run folder.")
+    parser.add_argument("--redis-url", default="", help="Redis of the run (instead of RUN_DIR).")
+    parser.add_argument(
+        "--run-id",
+        "--run-name",
+        dest="run_id",
+        default="",
+        help="The run's --run-id (its Redis key prefix tandem:RUN_ID:); with --redis-url.",
+    )
+
+
+def _answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=2).ping())
+    except redis.RedisError:
+        return False
+
+
+@contextlib.contextmanager
+def open_run(args: argparse.Namespace) -> Iterator[tuple[redis.Redis, str, str]]:
+    """(client, run id, where) of the run named by the flags; raises RunNotFoundError."""
+    if not args.run_dir:
+        if not (args.redis_url and args.run_id):
+            raise RunNotFoundError("name a run: RUN_DIR, or --redis-url URL and --run-id ID")
+        yield redis.Redis.from_url(args.redis_url), args.run_id, args.redis_url
+        return
+    run_dir = Path(args.run_dir)
+    info_path = run_dir / REDIS_FILE
+    if not info_path.is_file():
+        raise RunNotFoundError(
+            f"{run_dir}: no {REDIS_FILE} there (not a `tandem up` run folder); for other runs "
+            "pass --redis-url and --run-id"
+        )
+    info = json.loads(info_path.read_text())
+    run_id = args.run_id or info["run_id"]
+    url = args.redis_url or info["url"]
+    if _answers(url) or not info.get("own") or args.redis_url:
+        yield redis.Redis.from_url(url), run_id, url
+        return
+    if not (run_dir / "redis").is_dir():
+        raise RunNotFoundError(f"{run_dir}: its Redis at {url} is gone and no redis/ data is left")
+    with RedisServer(log_dir=run_dir / "logs" / "read", data_dir=run_dir / "redis") as server:
+        yield redis.Redis.from_url(server.url), run_id, f"{run_dir}/redis (saved data)"
+
+
+def known_runs(client: redis.Redis, suffix: str) -> list[str]:
+    """Run ids that have a `tandem:{id}:{suffix}` key (to name them when the one asked is empty)."""
+    keys = client.scan_iter(match=f"tandem:*:{suffix}", count=1000)
+    return sorted(k.decode()[len("tandem:") : -len(suffix) - 1] for k in keys)

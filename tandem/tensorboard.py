@@ -1,0 +1,152 @@
+"""TensorBoard scalars without TensorBoard: a writer of TFRecord event files (what
+`tf.summary` and `torch.utils.tensorboard` write), so every run folder can be opened with
+`tensorboard --logdir RUN_DIR/tensorboard` while Tandem needs neither TensorFlow nor protobuf.
+
+The format, byte for byte: each record is `uint64 length, uint32 masked_crc32c(length), data,
+uint32 masked_crc32c(data)` (little-endian); each data is an `Event` protobuf: wall_time
+(field 1, double), step (2, varint), file_version (3, string, the first event only) or summary
+(5: repeated Value {tag (1, string), simple_value (2, float)}). `read_scalars` parses it back.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from pathlib import Path
+
+_POLY = 0x82F63B78  # CRC-32C (Castagnoli), reflected
+
+
+def _table() -> list[int]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ _POLY if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_TABLE = _table()
+
+
+def crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def masked_crc(data: bytes) -> int:
+    crc = crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # negative int64 as protobuf writes it (ten bytes)
+    out = bytearray()
+    while True:
+        low = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _event(wall_time: float, step: int, body: bytes) -> bytes:
+    return b"\x09" + struct.pack("<d", wall_time) + b"\x10" + _varint(step) + body
+
+
+class EventWriter:
+    """One `events.out.tfevents.*` file in `log_dir`; `add_scalars` appends one event."""
+
+    def __init__(self, log_dir: Path) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.tandem"
+        self.path = log_dir / name
+        self.file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+        self._write(_event(time.time(), 0, _field(3, b"brain.Event:2")))
+
+    def add_scalars(self, step: int, values: dict[str, float], wall_time: float) -> None:
+        summary = b"".join(
+            _field(1, _field(1, tag.encode()) + b"\x15" + struct.pack("<f", float(value)))
+            for tag, value in values.items()
+        )
+        if summary:
+            self._write(_event(wall_time, step, _field(5, summary)))
+
+    def _write(self, data: bytes) -> None:
+        header = struct.pack("<Q", len(data))
+        self.file.write(header + struct.pack("<I", masked_crc(header)))
+        self.file.write(data + struct.pack("<I", masked_crc(data)))
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _read_varint(data: bytes, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, i
+
+
+def _fields(data: bytes) -> list[tuple[int, int | float | bytes]]:
+    """(number, value) of a protobuf message's wire fields (varint, 64-bit, bytes, 32-bit)."""
+    out: list[tuple[int, int | float | bytes]] = []
+    i = 0
+    while i < len(data):
+        key, i = _read_varint(data, i)
+        number, wire = key >> 3, key & 7
+        value: int | float | bytes
+        if wire == 0:
+            value, i = _read_varint(data, i)
+        elif wire == 1:
+            value, i = struct.unpack_from("<d", data, i)[0], i + 8
+        elif wire == 2:
+            size, i = _read_varint(data, i)
+            value, i = data[i : i + size], i + size
+        elif wire == 5:
+            value, i = struct.unpack_from("<f", data, i)[0], i + 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        out.append((number, value))
+    return out
+
+
+def read_scalars(path: Path) -> list[tuple[int, str, float]]:
+    """(step, tag, value) of every scalar in an event file; checks every CRC."""
+    data, i, out = path.read_bytes(), 0, []
+    while i < len(data):
+        header = data[i : i + 8]
+        (size,) = struct.unpack("<Q", header)
+        if struct.unpack_from("<I", data, i + 8)[0] != masked_crc(header):
+            raise ValueError(f"{path}: bad length CRC at byte {i}")
+        body = data[i + 12 : i + 12 + size]
+        if struct.unpack_from("<I", data, i + 12 + size)[0] != masked_crc(body):
+            raise ValueError(f"{path}: bad data CRC at byte {i}")
+        i += 16 + size
+        event = _fields(body)
+        step = next((int(v) for n, v in event if n == 2 and isinstance(v, int)), 0)
+        for number, summary in event:
+            if number != 5 or not isinstance(summary, bytes):
+                continue
+            for _, value in _fields(summary):
+                parts = dict(_fields(value))  # type: ignore[arg-type]
+                out.append((step, parts[1].decode(), float(parts[2])))  # type: ignore[union-attr, arg-type]
+    return out

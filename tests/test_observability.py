@@ -1,0 +1,295 @@
+"""What an operator sees: Prometheus `/metrics` on every service, TensorBoard files, the
+`tandem metrics` reader and the run's Chrome-trace timeline.
+
+One real `tandem up` run (Redis, an engine, broker, router, trainer as processes) serves the
+module: the services are scraped while it trains, then it is stopped with Ctrl-C (exit code
+130, every child stopped) and its run folder is read back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from services.sample_buffer import SampleBuffer
+from services.sample_buffer.timeline import Timeline, chrome_trace, read_spans
+from tandem import metrics_cli, timeline_cli
+from tandem.tensorboard import crc32c, read_scalars
+from tests.helpers import wait_until
+
+# One sample line of the text format: name, optional {labels}, value (no timestamps here).
+NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
+VALUE = r"(?:[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+)|NaN|[-+]Inf)"
+SAMPLE = re.compile(rf"^({NAME})(?:\{{({LABEL}(?:,{LABEL})*)?\}})? ({VALUE})$")
+SUFFIXES = ("_bucket", "_sum", "_count", "_total")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Strict reading of the 0.0.4 text format: every line is HELP, TYPE or a sample of a
+    family declared before it; histograms are cumulative and end in +Inf == _count. Returns
+    {'name{labels}': value}."""
+    assert text.endswith("\n")
+    types: dict[str, str] = {}
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            assert re.match(rf"^# HELP {NAME} \S", line), line
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in ("counter", "gauge", "histogram"), line
+            assert name not in types, f"{name} declared twice"
+            types[name] = kind
+            continue
+        match = SAMPLE.match(line)
+        assert match, f"not a Prometheus sample line: {line!r}"
+        name, labels, value = match.groups()
+        family = (
+            name if name in types else next(n for n in types if name in (n + s for s in SUFFIXES))
+        )
+        if types[family] == "counter":
+            assert name.endswith("_total"), line
+        key = f"{name}{{{labels}}}" if labels else name
+        assert key not in samples, f"{key} twice"
+        samples[key] = float(value.replace("Inf", "inf"))
+    try:  # the official parser too, when it is installed
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError:
+        pass
+    else:
+        assert {f.name for f in text_string_to_metric_families(text)}
+    for family in (n for n, kind in types.items() if kind == "histogram"):
+        buckets = [v for k, v in samples.items() if k.startswith(family + "_bucket")]
+        assert buckets == sorted(buckets), f"{family} buckets are not cumulative"
+        assert buckets[-1] == samples[family + "_count"]
+    return samples
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        return parse_prometheus(resp.read().decode())
+
+
+class Run:
+    def __init__(self, run_dir: Path, proc: subprocess.Popen) -> None:
+        self.run_dir, self.proc, self.output = run_dir, proc, ""
+        self.children: list[psutil.Process] = []
+
+    def urls(self) -> dict[str, str]:
+        logs = self.run_dir / "logs"
+        urls = {
+            p.name.split(".")[0]: json.loads(p.read_text())["url"]
+            for p in logs.glob("*.ready.json")
+        }
+        found = re.search(r"metrics at (http://\S+)/metrics", (logs / "trainer.log").read_text())
+        return {**urls, "trainer": found.group(1)} if found else urls
+
+    def trainer_steps(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return max((r["step"] for r in rows if r["source"] == "trainer"), default=0)
+
+    def stop(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGINT)
+            self.output = self.proc.communicate(timeout=90)[0]
+            assert self.proc.returncode == 130, self.output
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    run_dir = tmp_path_factory.mktemp("obs") / "run"
+    flags = ["--max-steps", "10000", "--stop-accuracy", "0", "--num-engines", "1"]
+    flags += ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--save-interval", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "WANDB_PROJECT": "tandem-test", "WANDB_MODE": "offline"},
+    )
+    handle = Run(run_dir, proc)
+    try:
+        wait_until(lambda: proc.poll() is not None or handle.trainer_steps() >= 1, "step 1", 240)
+        assert proc.poll() is None, proc.communicate()[0]
+        handle.children = psutil.Process(proc.pid).children(recursive=True)
+        yield handle
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.e2e
+def test_every_service_serves_prometheus_metrics_that_move_with_the_work(run: Run) -> None:
+    urls = run.urls()
+    assert set(urls) >= {"router", "engine0", "broker", "trainer"}, urls
+    before = {name: scrape(url) for name, url in urls.items()}
+    steps = run.trainer_steps()
+    wait_until(lambda: run.trainer_steps() >= steps + 2, "two more trainer steps", 60)
+    after = {name: scrape(url) for name, url in urls.items()}
+
+    router = after["router"]
+    for series in (
+        "tandem_router_buffer_depth",
+        "tandem_router_requests_in_flight",
+        "tandem_router_groups_in_flight",
+        "tandem_router_trainer_version",
+        "tandem_router_engines_version",
+        "tandem_router_staleness_versions",
+        "tandem_router_rollout_idle_fraction",
+        "tandem_router_request_seconds_count",
+    ):
+        assert series in router, series
+    assert any(k.startswith("tandem_router_engine_weight_version{engine=") for k in router)
+    assert 0 <= router["tandem_router_rollout_idle_fraction"] <= 1
+    for moving in ("groups_put_total", "samples_generated_total", "tokens_generated_total"):
+        key = "tandem_router_" + moving
+        assert router[key] > before["router"].get(key, 0), key
+    assert router["tandem_router_trainer_version"] >= steps + 2
+
+    engine = after["engine0"]
+    for key in ("tandem_engine_requests_total", "tandem_engine_generated_tokens_total"):
+        assert engine[key] > before["engine0"][key], key
+    assert engine["tandem_engine_generate_seconds_count"] == engine["tandem_engine_requests_total"]
+    assert engine["tandem_engine_weight_version"] >= steps
+    assert {"tandem_engine_running_sequences", "tandem_engine_queued_sequences"} <= set(engine)
+
+    trainer = after["trainer"]
+    assert (
+        trainer["tandem_trainer_steps_total"] >= before["trainer"]["tandem_trainer_steps_total"] + 2
+    )
+    assert trainer["tandem_trainer_version"] >= steps + 2
+    assert trainer["tandem_trainer_tokens_trained_total"] > 0
+    assert trainer["tandem_trainer_step_seconds_count"] == trainer["tandem_trainer_steps_total"]
+    assert 0 <= trainer["tandem_trainer_idle_fraction"] <= 1
+    for gauge in ("loss", "reward_mean", "tokens_per_s", "last_step_seconds"):
+        assert math.isfinite(trainer[f"tandem_trainer_{gauge}"]), gauge
+
+    broker = after["broker"]
+    assert broker["tandem_broker_syncs_total"] > before["broker"]["tandem_broker_syncs_total"]
+    assert broker["tandem_broker_sync_seconds_count"] == broker["tandem_broker_syncs_total"]
+    assert broker["tandem_broker_synced_bytes_total"] > 0
+
+
+@pytest.mark.e2e
+def test_ctrl_c_stops_every_service_and_leaves_tensorboard_scalars_and_a_timeline(
+    run: Run,
+) -> None:
+    assert len(run.children) >= 5  # redis, engine, broker, router, trainer
+    run.stop()  # exit code 130
+    time.sleep(0.5)
+    assert [c.cmdline() for c in run.children if alive(c)] == []
+    assert json.loads((run.run_dir / "summary.json").read_text())["outcome"] == "interrupted"
+    (events,) = (run.run_dir / "tensorboard").glob("events.out.tfevents.*")
+    scalars = read_scalars(events)  # checks each record's CRC-32C
+    losses = [(step, v) for step, tag, v in scalars if tag == "train/loss"]
+    assert len(losses) >= 3 and [s for s, _ in losses] == sorted(s for s, _ in losses)
+    assert any(tag.startswith("rollout/") for _, tag, _ in scalars)
+    try:  # the reader TensorBoard itself uses, when it is installed
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        pass
+    else:
+        acc = EventAccumulator(str(events.parent))
+        acc.Reload()
+        assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx([v for _, v in losses])
+
+    text = (run.run_dir / "timeline.json").read_text()
+    trace = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    events_x = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events_x)
+    names = {
+        e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"
+    }
+    by_source: dict[str, set[str]] = {}
+    for e in events_x:
+        by_source.setdefault(names[e["pid"]], set()).add(re.sub(r" \d+$", "", e["name"]))
+    assert {"rollout batch", "waiting_for_trainer"} <= by_source["router"], by_source
+    assert {"wait for data", "step", "forward_backward", "optimizer", "publish"} <= by_source[
+        "trainer"
+    ]
+    assert any(name.startswith("sync v") for name in by_source["broker"])
+
+    # W&B: the project is named in the environment; without the package the run says so.
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        assert "the wandb package is not installed: W&B off" in run.output
+    else:
+        assert (run.run_dir / "wandb").is_dir()
+
+
+@pytest.mark.e2e
+def test_tandem_metrics_and_timeline_read_a_finished_run_folder(
+    run: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run.stop()
+    assert metrics_cli.main([str(run.run_dir), "--json", "--source", "trainer"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) >= 3 and all("train/loss" in r for r in rows)
+    out = tmp_path / "t.json"
+    assert timeline_cli.main([str(run.run_dir), "-o", str(out)]) == 0
+    assert "trainer" in capsys.readouterr().out
+    assert len(json.loads(out.read_text())["traceEvents"]) >= 10
+
+
+def test_tandem_metrics_prints_the_stream_of_any_run(
+    buffer: SampleBuffer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_args = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    assert metrics_cli.main(run_args) == 1  # nothing published yet: said, not silent
+    assert "no records" in capsys.readouterr().err
+    buffer.publish_metrics("trainer", 1, {"train/loss": 0.5, "train/reward_mean": 0.25})
+    buffer.publish_metrics("router", 1, {"rollout/samples_per_s": 12.0})
+    assert metrics_cli.main([*run_args, "--keys", "train/*"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert (
+        "trainer" in lines[0]
+        and "train/loss=0.5" in lines[0]
+        and "train/reward_mean=0.25" in lines[0]
+    )
+    assert "router" in lines[1] and "samples_per_s" not in lines[1]
+    assert metrics_cli.main([]) == 2
+
+
+def test_timeline_spans_written_by_a_service_come_back_as_a_chrome_trace(
+    buffer: SampleBuffer,
+) -> None:
+    timeline = Timeline(buffer.redis, buffer.config.run_id, "trainer", flush_s=0.05)
+    with timeline.span("step 1", "steps", loss=math.nan):
+        time.sleep(0.01)
+    timeline.add("sync v1", 100.0, 100.5, "http://e0")
+    timeline.close()
+    spans = read_spans(buffer.redis, buffer.config.run_id)
+    assert [s["name"] for s in spans] == ["step 1", "sync v1"]
+    assert spans[0]["args"] == {"loss": None}  # strict JSON: no NaN
+    trace = chrome_trace(spans)["traceEvents"]
+    (sync,) = [e for e in trace if e["name"] == "sync v1"]
+    assert sync["ts"] == 0 and sync["dur"] == 500_000.0  # microseconds from the first span
+
+
+def test_crc32c_is_the_castagnoli_checksum_tensorboard_expects() -> None:
+    assert crc32c(b"123456789") == 0xE3069283  # the standard check value
