@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 
 from services.trainer.config import TrainerConfig
+from services.trainer.lineage import TRACKER
 
-TRACKER = "latest_checkpointed_iteration.txt"
 # Flags of the learning-rate schedule; a resume compares them with the checkpoint's.
 SCHEDULER_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters")
 log = logging.getLogger("tandem.trainer")
