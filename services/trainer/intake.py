@@ -126,7 +126,7 @@ def _check_group(
     if max(stamps) > version:
         detail = f"weight version {max(stamps)}; the trainer has published up to {version}"
         return reject(DeadLetterReason.FUTURE_VERSION, detail)
-    if min(stamps) < lineage_floor:
+    if lineage_floor and min(stamps) < lineage_floor:
         detail = (
             f"weight version {min(stamps)}, made before this lineage's first version "
             f"{lineage_floor} (--new-lineage)"
