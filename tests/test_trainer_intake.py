@@ -73,18 +73,21 @@ def bad_entries(good: SampleGroup) -> dict[str, tuple[R, dict[bytes, bytes]]]:
         ),
         "nan_reward": (R.NONFINITE_REWARD, variant(lambda s: setattr(s, "reward", math.nan))),
         "future": (R.FUTURE_VERSION, variant(lambda s: None, weight_version=10**6)),
+        "foreign": (  # made by weights older than the lineage's first version
+            R.FOREIGN_LINEAGE,
+            variant(lambda s: setattr(s, "weight_version", good.weight_version - 1)),
+        ),
     }
 
 
 def test_each_bad_entry_is_rejected_with_its_reason_and_a_good_group_passes() -> None:
-    good = group(0, [0.0, 1.0], gid="ok")
-    assert check_entry({b"d": encode(good)}, LIMITS, version=0) == good
+    good = group(5, [0.0, 1.0], gid="ok")  # a new lineage's first version is 5
+    assert check_entry({b"d": encode(good)}, LIMITS, version=5, lineage_floor=5) == good
     for name, (reason, fields) in bad_entries(good).items():
-        rejected = check_entry(fields, LIMITS, version=0)
+        rejected = check_entry(fields, LIMITS, version=5, lineage_floor=5)
         assert isinstance(rejected, Rejected) and rejected.reason == reason, (name, rejected)
-    # a group made before a new lineage's first version is foreign to it
-    foreign = check_entry({b"d": encode(good)}, LIMITS, version=5, lineage_floor=5)
-    assert isinstance(foreign, Rejected) and foreign.reason == R.FOREIGN_LINEAGE
+    old = msgspec.structs.replace(good, weight_version=-3)  # stale, not foreign, by default
+    assert check_entry({b"d": encode(old)}, LIMITS, version=5) == old
 
 
 def test_dead_letter_keeps_the_raw_entry_acks_and_deletes_it_and_records_the_drop(
@@ -183,9 +186,13 @@ def trainer_args(toy_model_dir: Path, buffer: SampleBuffer, *extra: str) -> list
 def test_bad_entries_are_dead_lettered_skipped_updates_not_trained_and_pending_trained_once(
     buffer: SampleBuffer, toy_model_dir: Path
 ) -> None:
-    good = renamed(sample_groups(toy_model_dir, 6, 2, seed=21), "good")
+    # The run's trainer published version 20 and died without a checkpoint: this one starts a
+    # new lineage at 21 (--new-lineage), and groups made by version 20 are foreign to it.
+    buffer.set_version("trainer", 20)
+    buffer.record_trained(20, ["old"])
+    good = renamed(sample_groups(toy_model_dir, 6, 2, weight_version=21, seed=21), "good")
     bad = bad_entries(good[0])
-    nan_logp = renamed(sample_groups(toy_model_dir, 2, 2, seed=22), "nanlogp")
+    nan_logp = renamed(sample_groups(toy_model_dir, 2, 2, weight_version=21, seed=22), "nanlogp")
     for g in nan_logp:  # a broken engine: the step's loss is NaN and its update skipped
         for s in g.samples:
             s.response_logprobs = [math.nan] * len(s.response_ids)
@@ -193,7 +200,7 @@ def test_bad_entries_are_dead_lettered_skipped_updates_not_trained_and_pending_t
         ["garbage", good[0], "wrong_fields", good[1]],  # read before the start, never acked
         ["schema_2", "nan_reward", good[2], "oov", good[3]],  # the NaN-reward group is not in it
         [nan_logp[0], "lengths", nan_logp[1]],  # skipped
-        ["beyond_context", "long_response", "future", "no_group_id", good[4], good[5]],
+        ["beyond_context", "long_response", "future", "foreign", "no_group_id", good[4], good[5]],
     ]
     order = [item for step in steps for item in step]
     bad_ids = {}
@@ -206,9 +213,10 @@ def test_bad_entries_are_dead_lettered_skipped_updates_not_trained_and_pending_t
     # restart before): one under another --consumer, gone for good, and one under this one's.
     assert len(buffer.read_entries("old-trainer", 2, ">")) == 2
     assert len(buffer.read_entries("trainer-0", 2, ">")) == 2
-    args = trainer_args(toy_model_dir, buffer, "--max-steps", "4", "--reclaim-min-idle-s", "0")
-    done = run_trainer(args)
+    args = trainer_args(toy_model_dir, buffer, "--max-steps", "25", "--reclaim-min-idle-s", "0")
+    done = run_trainer([*args, "--new-lineage"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "--new-lineage: starting from --model as version 21" in done.stdout
     assert "took over 4 pending groups" in done.stdout  # the old consumer's and its own
 
     letters = buffer.dead_letters()
@@ -218,21 +226,30 @@ def test_bad_entries_are_dead_lettered_skipped_updates_not_trained_and_pending_t
     assert all(letter.fields == bad[bad_ids[letter.entry_id]][1] for letter in letters)
     for reason in {bad[name][0] for name in bad_ids.values()}:  # the first of each is logged
         assert done.stdout.count(f"({reason}, at version") == 1, reason
-    assert buffer.trained() == {
-        1: ["good0", "good1"],  # each pending group trained once
-        2: ["good2", "good3"],
-        3: [],  # the skipped update trained nothing
-        4: ["good4", "good5"],
+    assert buffer.trained() == {  # the old lineage's record is gone
+        22: ["good0", "good1"],  # each pending group trained once
+        23: ["good2", "good3"],
+        24: [],  # the skipped update trained nothing
+        25: ["good4", "good5"],
     }
     drops = buffer.drop_counts()
     assert drops[DropReason.SKIPPED_UPDATE] == 4  # the 2 samples of each NaN-log-prob group
-    decoded = {"oov", "lengths", "beyond_context", "long_response", "nan_reward", "future"}
+    decoded = {
+        "oov",
+        "lengths",
+        "beyond_context",
+        "long_response",
+        "nan_reward",
+        "future",
+        "foreign",
+    }
     assert drops[DropReason.DEAD_LETTERED] == sum(  # samples where the group decoded, else 1
         len(good[0].samples) if name in decoded else 1 for name in bad_ids.values()
     )
     metrics = {r.step: r.values for _, r in buffer.read_metrics() if r.source == "trainer"}
-    assert math.isfinite(metrics[2]["train/loss"])  # one NaN-reward group poisons nothing
-    assert metrics[3]["train/skipped_updates"] == 1 and metrics[4]["train/skipped_updates"] == 1
+    assert math.isfinite(metrics[23]["train/loss"])  # one NaN-reward group poisons nothing
+    assert metrics[24]["train/skipped_updates"] == 1 and metrics[25]["train/skipped_updates"] == 1
+    assert buffer.get_version("trainer") == 25
     assert buffer.depth() == 0 and buffer.pending_count() == 0
     assert buffer.counters()["groups_consumed"] == len(order)
 
