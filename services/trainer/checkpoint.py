@@ -25,8 +25,10 @@ without training. So no group is lost or trained twice. The cost: up to `save_in
 rollouts of groups stay in the stream, which must fit the buffer's `max_groups`.
 
 The `groups_consumed` counter (Redis `counters` hash; the router's demand gate reads it) counts
-every group the trainer is done with for good: trained, or dropped stale. Dropped groups are
-acked with the trained ones, so both follow the contract above. A checkpoint stores the
+every group the trainer is done with for good: trained, dropped stale, or dead-lettered. Stale
+groups are acked with the trained ones, so both follow the contract above; a dead-lettered entry
+leaves the stream at once (it is never trained), so a resume to an older checkpoint does not
+count it again: the counter then lags by the dead letters written after that checkpoint. A checkpoint stores the
 counter's value at save, and a resume of the same run id SETs the counter back to it: the
 groups consumed after that checkpoint are pending again, and will be trained (or dropped) and
 counted again. A checkpoint of another run id leaves the counter as it is. A drop
