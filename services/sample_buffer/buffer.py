@@ -13,7 +13,8 @@ Keys (all under `tandem:{run_id}:`):
 - `contract`  hash term -> JSON value (`proto.contract.RunContract`), plus `by:{term}` naming the
               service that set it; written once per run, term by term (HSETNX).
 - `counters`  hash name -> integer: `groups_put` (incremented in the same transaction as the
-              XADD), and what the services count beside it (e.g. `groups_consumed`).
+              XADD), `groups_dead_lettered` (in the transaction of the move), and what the
+              services count beside it (e.g. `groups_consumed`).
 - `redraw`    sorted set of prompt draws given back (a group stopped before it was put): the
               next draws take them, lowest first, before the cursor `prompts_drawn` moves on.
 - `status:{role}`  the `ServiceStatus` a service last reported (it expires when not refreshed).
@@ -233,6 +234,7 @@ class SampleBuffer:
             self.dead_letter_key, letter, maxlen=self.config.dead_letter_len, approximate=True
         )
         self._drop(pipe, drop)
+        pipe.hincrby(self.counters_key, "groups_dead_lettered", 1)
         pipe.xack(self.samples_key, CONSUMER_GROUP, entry_id)
         pipe.xdel(self.samples_key, entry_id)
         pipe.execute()

@@ -62,7 +62,6 @@ class Intake:
         self.backlog: list[Entry] = []  # read from Redis, not yet used
         self.unacked: list[str] = []  # trained or dropped stale, waiting for a checkpoint
         self.already_trained: set[str] = set()  # pending ids a loaded checkpoint already holds
-        self.groups_consumed = 0  # the run's counter, as this trainer last set it
         self.dead_lettered: Counter[str] = Counter()
 
     def read_rollout(self, version: int, stop: Callable[[], bool]) -> Rollout | None:
@@ -132,7 +131,7 @@ class Intake:
     def count_consumed(self, groups: int) -> None:
         """The run's `groups_consumed` counter, which the router's demand gate reads."""
         if groups:
-            self.groups_consumed = self.buffer.incr_counter("groups_consumed", groups)
+            self.buffer.incr_counter("groups_consumed", groups)
 
     def _dead_letter(
         self, entry_id: str, fields: dict[bytes, bytes], bad: Rejected, version: int

@@ -121,8 +121,7 @@ class Trainer:
                 shm_dir=cfg.weights_shm_dir,
                 master_address=cfg.weights_master_address,
             )
-        if self.buffer is not None and self.intake is not None:
-            self.intake.groups_consumed = self.buffer.counters().get("groups_consumed", 0)
+        if self.buffer is not None:
             self.buffer.set_version("trainer", self.version)
 
     def _resume(self, root: Path, found_by: str) -> None:
@@ -133,8 +132,12 @@ class Trainer:
         if self.intake is not None:
             self.intake.already_trained = set(resumed.trained_entry_ids)
         if self.buffer is not None and resumed.groups_consumed is not None:
-            # The groups consumed after the save are pending again (see checkpoint.py).
-            self.buffer.set_counter("groups_consumed", resumed.groups_consumed)
+            # The groups consumed after the save are pending again, but for the dead letters
+            # written since (see checkpoint.py).
+            now = self.buffer.counters().get("groups_dead_lettered", 0)
+            saved = resumed.groups_dead_lettered
+            since = max(now - (now if saved is None else saved), 0)
+            self.buffer.set_counter("groups_consumed", resumed.groups_consumed + since)
         if self.is_main:
             print(f"[trainer] resumed from iteration {self.version} ({root})", flush=True)
 
@@ -395,8 +398,13 @@ class Trainer:
             if not self.checkpointer.due(self.version, final):
                 return
             self._report("saving a checkpoint", step=self.version)
-            consumed = self.intake.groups_consumed if self.intake is not None else 0
-            self.checkpointer.save(self.version, self.unacked, consumed)
+            counters = self.buffer.counters() if self.buffer is not None else {}
+            self.checkpointer.save(
+                self.version,
+                self.unacked,
+                counters.get("groups_consumed", 0),
+                counters.get("groups_dead_lettered", 0),
+            )
         if self.cfg.save_hf and (final or self.checkpointer.enabled):
             self.write_hf()
         if self.buffer is not None:
