@@ -142,14 +142,23 @@ def test_the_samples_stream_is_never_trimmed_a_full_buffer_waits_and_ack_removes
 def test_a_lost_redis_is_waited_for_and_after_the_bound_named_by_its_url(tmp_path: Path) -> None:
     server = RedisServer(log_dir=tmp_path).start()
     try:
-        client = patient_client(server.url, timeout_s=20.0, read_block_ms=100)
-        client.set("k", "1")
-        server.stop()
+        client = patient_client(server.url, timeout_s=20.0, read_block_ms=2000)
+        buffer = SampleBuffer(BufferConfig(redis_url=server.url, run_id="lost"), client)
+        buffer.put_group(group(0, [1.0], gid="g0"))
+        assert len(buffer.read_entries("trainer-0", 1, ">")) == 1
         server.requested_port = server.port  # come back where the client looks
-        restart = threading.Timer(0.5, server.start)
-        restart.start()
-        assert client.get("k") is None  # the same server, back (no persistence): answered
-        restart.join()
+
+        def restart() -> None:  # while the read below blocks: gone for 0.5 s, back empty
+            server.stop()
+            time.sleep(0.5)
+            server.start()
+
+        outage = threading.Timer(0.3, restart)
+        outage.start()
+        assert buffer.read_entries("trainer-0", 1, ">", block_ms=2000) == []  # no crash
+        outage.join()
+        buffer.put_group(group(0, [1.0], gid="g1"))  # the same client goes on
+        assert [g.group_id for _, g in buffer.read_groups("trainer-0", 1, 100)] == ["g1"]
         server.stop()
         impatient = patient_client(server.url, timeout_s=0.5, read_block_ms=100)
         with pytest.raises(RedisUnavailableError, match=server.url.replace("/", ".")) as err:

@@ -173,9 +173,14 @@ class SampleBuffer:
         """Up to `count` raw entries for `consumer`: new ones (`start` ">"), or this consumer's
         pending ones after `start` ("0" = all). A pending entry deleted meanwhile is acked."""
         self.ensure_consumer_group()
-        reply = self.redis.xreadgroup(
-            CONSUMER_GROUP, consumer, {self.samples_key: start}, count=count, block=block_ms
-        )
+        try:
+            reply = self.redis.xreadgroup(
+                CONSUMER_GROUP, consumer, {self.samples_key: start}, count=count, block=block_ms
+            )
+        except redis.ResponseError as exc:  # a server restarted without its data meanwhile
+            if "NOGROUP" not in str(exc):
+                raise
+            return []
         out, gone = [], []
         for _stream, entries in reply or []:
             for entry_id, fields in entries:

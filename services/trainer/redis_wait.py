@@ -68,13 +68,19 @@ class PatientRetry(Retry):
                     ) from error
                 time.sleep(min(0.1 * 2**failures, 2.0))
                 continue
-            if failures:
-                print(
-                    f"[trainer] Redis at {self.url} answers again after "
-                    f"{time.monotonic() - since:.1f}s",
-                    flush=True,
-                )
+            except Exception:  # an answer, if an error (e.g. a server back without its data)
+                self._back(failures, since)
+                raise
+            self._back(failures, since)
             return result
+
+    def _back(self, failures: int, since: float) -> None:
+        if failures:
+            print(
+                f"[trainer] Redis at {self.url} answers again after "
+                f"{time.monotonic() - since:.1f}s",
+                flush=True,
+            )
 
 
 def patient_client(url: str, timeout_s: float, read_block_ms: int) -> redis.Redis:
