@@ -118,9 +118,11 @@ def _check_group(
                 "(the model's context or --max-tokens-per-gpu; --max-response-len)"
             )
             return reject(DeadLetterReason.TOO_LONG, detail)
-        bad = [t for t in (*s.prompt_ids, *s.response_ids) if not 0 <= t < limits.vocab_size]
-        if bad:
-            detail = f"{where}: token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})"
+        ids = (s.prompt_ids, s.response_ids) if n else (s.prompt_ids,)
+        low, high = min(min(i) for i in ids), max(max(i) for i in ids)  # C loops: fast
+        if low < 0 or high >= limits.vocab_size:
+            token = low if low < 0 else high
+            detail = f"{where}: token id {token} outside the vocabulary [0, {limits.vocab_size})"
             return reject(DeadLetterReason.TOKEN_OUT_OF_VOCAB, detail)
         stamps += [s.weight_version, *s.token_versions]
     if max(stamps) > version:
