@@ -145,20 +145,18 @@ def test_pending_groups_a_loaded_checkpoint_already_trained_are_acked_not_traine
     """The crash-between-save-and-ack case: the groups are still pending for the consumer, and
     the checkpoint lists them as trained; the next read acks them and hands out only the rest."""
     from services.trainer.config import TrainerConfig
-    from services.trainer.trainer import Trainer
+    from services.trainer.intake import Limits
+    from services.trainer.rollout import Intake
     from tests.test_trainer_batching import group
 
     for i in range(3):
         buffer.put_group(group(0, [0.0, 1.0], gid=f"g{i}"))
     pending = buffer.read_groups("trainer-0", 3, block_ms=100)  # read, never acked: a crash
     assert len(pending) == 3
-    trainer = Trainer.__new__(Trainer)  # only the pull path: no model needed
-    trainer.cfg = TrainerConfig(model="m", rollout_batch_size=2, read_block_ms=100)
-    trainer.buffer, trainer.version, trainer.stop_requested = buffer, 0, False
-    trainer.pending_first, trainer.backlog = True, []
-    trainer.status, trainer.unacked, trainer.groups_consumed = None, [], 0
-    trainer.already_trained = {pending[0][0]}
-    rollout = trainer._read_rollout()
+    cfg = TrainerConfig(model="m", rollout_batch_size=2, read_block_ms=100)
+    intake = Intake(cfg, buffer, Limits(1000, 1000, 1000), lambda *a, **k: None)
+    intake.already_trained = {pending[0][0]}
+    rollout = intake.read_rollout(0, lambda: False)
     assert rollout is not None
     assert [g.group_id for g in rollout.groups] == ["g1", "g2"]
     assert buffer.depth() == 2  # g0 acked (and deleted) without training

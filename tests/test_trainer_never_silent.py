@@ -30,7 +30,7 @@ def nan_groups(toy_model_dir: Path, n: int) -> list:  # type: ignore[type-arg]
     groups = sample_groups(toy_model_dir, n, 2, seed=5)
     for g in groups:
         for s in g.samples:
-            s.reward = math.nan  # a broken reward function
+            s.response_logprobs = [math.nan] * len(s.response_ids)  # a broken engine
     return groups
 
 

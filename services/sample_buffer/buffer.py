@@ -13,7 +13,8 @@ Keys (all under `tandem:{run_id}:`):
 - `contract`  hash term -> JSON value (`proto.contract.RunContract`), plus `by:{term}` naming the
               service that set it; written once per run, term by term (HSETNX).
 - `counters`  hash name -> integer: `groups_put` (incremented in the same transaction as the
-              XADD), and what the services count beside it (e.g. `groups_consumed`).
+              XADD), `groups_dead_lettered` (in the transaction of the move), and what the
+              services count beside it (e.g. `groups_consumed`).
 - `redraw`    sorted set of prompt draws given back (a group stopped before it was put): the
               next draws take them, lowest first, before the cursor `prompts_drawn` moves on.
 - `status:{role}`  the `ServiceStatus` a service last reported (it expires when not refreshed).
@@ -21,9 +22,15 @@ Keys (all under `tandem:{run_id}:`):
               optimizer step made that version. A version trained again after a resume from an
               older checkpoint replaces its entry, so the hash describes the lineage of the
               newest weights: no id may appear twice in it.
+- `dead_letter`  stream of entries the trainer would not train (capped at `dead_letter_len`):
+              `reason` (a `proto.drops.DeadLetterReason`), `detail`, `entry_id` (its id in
+              `samples`), and the entry's own fields as they were (`d` = the raw payload).
 
 A group read but not acked (trainer died mid-step) stays pending in the consumer group;
-`read_groups(pending_first=True)` hands it out again, so no group is lost on restart.
+`read_groups(pending_first=True)` hands it out again, so no group is lost on restart, and
+`reclaim` (XAUTOCLAIM) moves the pending groups of a consumer gone for good to another. The
+samples stream is never trimmed (no MAXLEN): an entry leaves it only by `ack` or `dead_letter`,
+both of which ack it first.
 """
 
 from __future__ import annotations
@@ -55,9 +62,21 @@ class BufferConfig:
     # Logs are for humans; exact counts live in the `drops` hash.
     drop_log_len: int = field(default=10_000, metadata={"help": "Drop records kept."})
     metrics_len: int = field(default=100_000, metadata={"help": "Metrics records kept."})
+    dead_letter_len: int = field(default=10_000, metadata={"help": "Dead-letter entries kept."})
 
 
 CONSUMER_GROUP = "trainer"
+Entry = tuple[str, dict[bytes, bytes]]  # a stream entry: id and raw fields
+
+
+@dataclass
+class DeadLetter:
+    """One entry of the dead-letter stream."""
+
+    entry_id: str  # its id in the samples stream
+    reason: str  # a `proto.drops.DeadLetterReason`
+    detail: str
+    fields: dict[bytes, bytes]  # the entry's own fields (`d`: the payload) as they were
 
 
 class SampleBuffer:
@@ -77,6 +96,7 @@ class SampleBuffer:
         self.status_prefix = prefix + "status:"
         self.trained_key = prefix + "trained"
         self.redraw_key = prefix + "redraw"
+        self.dead_letter_key = prefix + "dead_letter"
 
     # --- connection -------------------------------------------------------------------------
 
@@ -142,17 +162,57 @@ class SampleBuffer:
     def _read(
         self, consumer: str, count: int, start: str, block_ms: int | None
     ) -> list[tuple[str, SampleGroup]]:
-        reply = self.redis.xreadgroup(
-            CONSUMER_GROUP, consumer, {self.samples_key: start}, count=count, block=block_ms
-        )
-        out = []
+        return [
+            (i, decode(f[b"d"], SampleGroup))
+            for i, f in self.read_entries(consumer, count, start, block_ms)
+        ]
+
+    def read_entries(
+        self, consumer: str, count: int, start: str = ">", block_ms: int | None = None
+    ) -> list[Entry]:
+        """Up to `count` raw entries for `consumer`: new ones (`start` ">"), or this consumer's
+        pending ones after `start` ("0" = all). A pending entry deleted meanwhile is acked."""
+        self.ensure_consumer_group()
+        try:
+            reply = self.redis.xreadgroup(
+                CONSUMER_GROUP, consumer, {self.samples_key: start}, count=count, block=block_ms
+            )
+        except redis.ResponseError as exc:  # a server restarted without its data meanwhile
+            if "NOGROUP" not in str(exc):
+                raise
+            return []
+        out, gone = [], []
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
-                if not fields:  # pending entry deleted meanwhile
-                    continue
                 key = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                out.append((key, decode(fields[b"d"], SampleGroup)))
+                if fields:
+                    out.append((key, dict(fields)))
+                else:  # pending entry deleted meanwhile
+                    gone.append(key)
+        if gone:
+            self.redis.xack(self.samples_key, CONSUMER_GROUP, *gone)
         return out
+
+    def reclaim(self, consumer: str, min_idle_ms: int) -> int:
+        """Make every entry pending for `min_idle_ms` or longer (whichever consumer read it)
+        pending for `consumer` (XAUTOCLAIM); `read_entries(start="0")` then hands them out.
+        Returns how many were claimed."""
+        self.ensure_consumer_group()
+        claimed, start = 0, "0-0"
+        while True:
+            # (not JUSTID: redis-py then drops the cursor of the next call)
+            reply = self.redis.xautoclaim(
+                self.samples_key, CONSUMER_GROUP, consumer, min_idle_ms, start, 100
+            )
+            start = reply[0]
+            claimed += len(reply[1])
+            if start in (b"0-0", "0-0"):
+                return claimed
+
+    def pending_count(self) -> int:
+        """Entries read by some consumer and not yet acked."""
+        self.ensure_consumer_group()
+        return int(self.redis.xpending(self.samples_key, CONSUMER_GROUP)["pending"])
 
     def ack(self, entry_ids: list[str]) -> None:
         """Mark groups as trained and delete them (this is what frees buffer space)."""
@@ -163,12 +223,49 @@ class SampleBuffer:
         pipe.xdel(self.samples_key, *entry_ids)
         pipe.execute()
 
+    def dead_letter(
+        self, entry_id: str, fields: dict[bytes, bytes], reason: str, detail: str, drop: DropRecord
+    ) -> None:
+        """Move an entry to the dead-letter stream (with `reason`, a `DeadLetterReason`, and
+        `detail`), record `drop`, and ack and delete it from the samples stream: one transaction."""
+        letter: dict[str | bytes, str | bytes] = {
+            "reason": reason,
+            "detail": detail,
+            "entry_id": entry_id,
+            **{k: v for k, v in fields.items() if k not in (b"reason", b"detail", b"entry_id")},
+        }
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(
+            self.dead_letter_key, letter, maxlen=self.config.dead_letter_len, approximate=True
+        )
+        self._drop(pipe, drop)
+        pipe.hincrby(self.counters_key, "groups_dead_lettered", 1)
+        pipe.xack(self.samples_key, CONSUMER_GROUP, entry_id)
+        pipe.xdel(self.samples_key, entry_id)
+        pipe.execute()
+
+    def dead_letters(self, count: int = 100) -> list[DeadLetter]:
+        """The newest `count` dead letters, oldest first."""
+        out = []
+        for _id, f in reversed(self.redis.xrevrange(self.dead_letter_key, count=count)):
+            own = {k: v for k, v in f.items() if k not in (b"reason", b"detail", b"entry_id")}
+            out.append(
+                DeadLetter(
+                    f[b"entry_id"].decode(), f[b"reason"].decode(), f[b"detail"].decode(), own
+                )
+            )
+        return out
+
     # --- drops --------------------------------------------------------------------------------
 
     def record_drop(self, record: DropRecord) -> None:
+        pipe = self.redis.pipeline()
+        self._drop(pipe, record)
+        pipe.execute()
+
+    def _drop(self, pipe: redis.client.Pipeline, record: DropRecord) -> None:
         if not record.created_at:
             record.created_at = time.time()
-        pipe = self.redis.pipeline()
         pipe.hincrby(self.drops_key, record.reason, record.count)
         pipe.xadd(
             self.drop_log_key,
@@ -176,7 +273,6 @@ class SampleBuffer:
             maxlen=self.config.drop_log_len,
             approximate=True,
         )
-        pipe.execute()
 
     def drop_counts(self) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in self.redis.hgetall(self.drops_key).items()}

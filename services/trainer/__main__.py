@@ -22,8 +22,12 @@ step sends the new weights (Hugging Face names) to the weight broker at --weight
 publishes the version and train/* metrics to Redis. Version 0 is the --model weights.
 Resume: --load DIR, or a --save DIR that already holds a checkpoint (--no-resume starts over);
 the resumed version is sent to the broker before training. --save-hf DIR keeps the trained
-model as a Hugging Face directory. Exit codes: 0 = the run trained as asked; 1 = it failed
-(e.g. --max-skipped-in-a-row non-finite updates); 2 = bad flags or a run-contract mismatch.
+model as a Hugging Face directory. A bad entry in the buffer (undecodable, wrong lengths, too
+long, non-finite reward, ...) is moved to the run's dead-letter stream, never trained. A start
+without a checkpoint on a run that already trained is refused (--new-lineage starts over).
+Exit codes: 0 = the run trained as asked; 1 = it failed (e.g. --max-skipped-in-a-row non-finite
+updates, Redis gone past --redis-timeout-s); 2 = bad flags, a run-contract mismatch or a
+lineage refusal.
 Multi-process: torchrun --nproc-per-node N -m services.trainer ... (TP x DP = N)."""
 
 
@@ -61,6 +65,17 @@ def check_model(cfg: TrainerConfig) -> None:
     check_sliding_window(hf_cfg, path, context, "--max-tokens-per-gpu (dynamic batch size)")
 
 
+def check_lineage(cfg: TrainerConfig) -> None:
+    """Refuse a start without checkpoint on a run that already trained (see `lineage.py`)
+    before importing torch."""
+    from services.sample_buffer import BufferConfig, SampleBuffer
+    from services.trainer.lineage import finds_checkpoint, lineage_start
+
+    buffer = SampleBuffer(BufferConfig(redis_url=cfg.redis_url, run_id=cfg.run_id))
+    buffer.wait_ready(timeout_s=10.0)
+    lineage_start(cfg, buffer, finds_checkpoint(cfg))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), list(sys.argv[1:] if argv is None else argv), "trainer")
     cfg = config_from_args(TrainerConfig, args)
@@ -71,6 +86,7 @@ def start(cfg: TrainerConfig) -> Any:
     """The trainer with its model loaded and the run contract agreed (a mismatch: exit 2)."""
     cfg.validate()
     check_model(cfg)
+    check_lineage(cfg)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.num_threads))
     from services.trainer.trainer import Trainer
 
@@ -79,6 +95,7 @@ def start(cfg: TrainerConfig) -> Any:
 
 def run(trainer: Any, args: argparse.Namespace) -> None:
     from services.trainer.batching import BatchError
+    from services.trainer.redis_wait import RedisUnavailableError
 
     trainer.install_signal_handlers()
     if args.ready_file:
@@ -87,7 +104,8 @@ def run(trainer: Any, args: argparse.Namespace) -> None:
     error = ""
     try:
         steps = trainer.train()
-    except (FloatingPointError, BatchError, TimeoutError) as exc:  # TimeoutError: broker gone
+    except (FloatingPointError, BatchError, TimeoutError, RedisUnavailableError) as exc:
+        # TimeoutError: broker gone; RedisUnavailableError: Redis gone past --redis-timeout-s
         error = str(exc)
         raise ServiceError(str(exc)) from exc
     finally:

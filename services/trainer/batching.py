@@ -39,6 +39,7 @@ class TrainSample:
     weight_version: int
     reward: float
     routed_experts: bytes = b""  # `Sample.routed_experts`, for routing replay
+    group: int = -1  # index of its group in the rollout
 
     @property
     def input_len(self) -> int:
@@ -89,7 +90,7 @@ def compute_advantages(
 def flatten(groups: list[SampleGroup], advantages: list[list[list[float]]]) -> list[TrainSample]:
     """TrainSamples in group order; samples with no response token are left out."""
     out = []
-    for g, group_adv in zip(groups, advantages, strict=True):
+    for index, (g, group_adv) in enumerate(zip(groups, advantages, strict=True)):
         for s, adv in zip(g.samples, group_adv, strict=True):
             if not s.response_ids:
                 continue
@@ -103,6 +104,7 @@ def flatten(groups: list[SampleGroup], advantages: list[list[list[float]]]) -> l
                     weight_version=s.weight_version,
                     reward=s.reward,
                     routed_experts=s.routed_experts,
+                    group=index,
                 )
             )
     return out

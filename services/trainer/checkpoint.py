@@ -6,7 +6,8 @@ Layout under `--save DIR`:
       (common)   scheduler, version, trained_entry_ids, hf_config (the model's config.json, so
                  `tandem convert` can write HF weights back without the original directory),
                  hf_source (the --model directory, where `tandem convert` finds the tokenizer),
-                 run_id, groups_consumed, scheduler_config (the --lr... flags it was saved with)
+                 run_id, groups_consumed, groups_dead_lettered, scheduler_config (the --lr...
+                 flags it was saved with)
       rng_rank{r}.pt         torch / python / numpy (/ cuda) RNG state of each rank, as plain
                              tensors and numbers (loaded with `weights_only=True`)
   DIR/latest_checkpointed_iteration.txt   the newest complete iteration; written last, so a save
@@ -25,8 +26,11 @@ without training. So no group is lost or trained twice. The cost: up to `save_in
 rollouts of groups stay in the stream, which must fit the buffer's `max_groups`.
 
 The `groups_consumed` counter (Redis `counters` hash; the router's demand gate reads it) counts
-every group the trainer is done with for good: trained, or dropped stale. Dropped groups are
-acked with the trained ones, so both follow the contract above. A checkpoint stores the
+every group the trainer is done with for good: trained, dropped stale, or dead-lettered. Stale
+groups are acked with the trained ones, so both follow the contract above; a dead-lettered entry
+leaves the stream at once (it is never trained, never read again), so a resume adds the dead
+letters written since the checkpoint (the `groups_dead_lettered` counter, never set back, minus
+its value at save) to the checkpoint's count. A checkpoint stores the
 counter's value at save, and a resume of the same run id SETs the counter back to it: the
 groups consumed after that checkpoint are pending again, and will be trained (or dropped) and
 counted again. A checkpoint of another run id leaves the counter as it is. A drop
@@ -48,8 +52,8 @@ import torch
 import torch.distributed as dist
 
 from services.trainer.config import TrainerConfig
+from services.trainer.lineage import TRACKER
 
-TRACKER = "latest_checkpointed_iteration.txt"
 # Flags of the learning-rate schedule; a resume compares them with the checkpoint's.
 SCHEDULER_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters")
 log = logging.getLogger("tandem.trainer")
@@ -117,6 +121,7 @@ class Resumed:
     trained_entry_ids: list[str]
     groups_consumed: int | None  # None: not recorded, or saved by another run id
     path: Path
+    groups_dead_lettered: int | None = None  # the run's dead letters at save (None: unknown)
 
 
 class Checkpointer:
@@ -151,7 +156,13 @@ class Checkpointer:
             )
         return state
 
-    def save(self, version: int, trained_entry_ids: list[str], groups_consumed: int) -> Path:
+    def save(
+        self,
+        version: int,
+        trained_entry_ids: list[str],
+        groups_consumed: int,
+        groups_dead_lettered: int = 0,
+    ) -> Path:
         from megatron.core import dist_checkpointing
 
         path = iteration_dir(self.cfg.save, version)
@@ -168,6 +179,7 @@ class Checkpointer:
             hf_source=str(Path(self.cfg.model).resolve()),
             run_id=self.cfg.run_id,
             groups_consumed=groups_consumed,
+            groups_dead_lettered=groups_dead_lettered,
             scheduler_config={k: getattr(self.cfg, k) for k in SCHEDULER_FLAGS},
             padded_vocab_size=self.policy.model.vocab_size,
             expert_model_parallel_size=self.cfg.expert_model_parallel_size,
@@ -244,6 +256,7 @@ class Checkpointer:
             list(loaded.get("trained_entry_ids", [])),
             None if consumed is None else int(consumed),
             path,
+            common.get("groups_dead_lettered"),
         )
 
     def _load_scheduler(self, scheduler: Any, state: dict, common: dict[str, Any]) -> None:

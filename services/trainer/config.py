@@ -73,6 +73,25 @@ class TrainerConfig:
         1, "Drop (and count) a group whose weight version is more than this behind the trainer's."
     )
     read_block_ms: int = _f(1000, "How long one Redis read waits for new groups.")
+    max_response_len: int = _f(
+        32768,
+        "Longest response (tokens) the trainer takes; a longer sample's group is moved to the "
+        "dead-letter stream (so are samples beyond the model's context or --max-tokens-per-gpu).",
+    )
+    redis_timeout_s: float = _f(
+        120.0, "How long a lost Redis connection is waited for (retrying) before exit 1."
+    )
+    reclaim_min_idle_s: float = _f(
+        60.0,
+        "At start, groups another consumer read and left unacked this long (a trainer gone for "
+        "good) are claimed and trained by this one.",
+    )
+    new_lineage: bool = _f(
+        False,
+        "Start from --model on a run whose Redis already holds trained versions (without it "
+        "such a start, with no checkpoint found, is refused): versions go on from the "
+        "published one, and groups made by the old weights are dead-lettered.",
+    )
 
     # --- optimizer -------------------------------------------------------------------------
     lr: float = _f(1e-3, "Peak learning rate (AdamW).")
@@ -255,6 +274,10 @@ class TrainerConfig:
             raise ValueError(
                 "--expert-model-parallel-size > 1 needs --use-dynamic-batch-size, "
                 "--tensor-model-parallel-size 1 and no critic (--advantage-estimator gae)"
+            )
+        if self.max_response_len < 1 or self.redis_timeout_s <= 0 or self.reclaim_min_idle_s < 0:
+            raise ValueError(
+                "--max-response-len and --redis-timeout-s must be > 0, --reclaim-min-idle-s >= 0"
             )
         if self.eps_clip_c and self.eps_clip_c <= 1.0:
             raise ValueError("--eps-clip-c must be > 1 (or 0 to disable dual clip)")

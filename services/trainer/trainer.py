@@ -1,23 +1,27 @@
 """The RL training loop: pull a rollout from Redis, train, publish the new weight version.
 
 Loop (rank 0 talks to Redis and the broker; every rank computes):
-  pull     read groups until `rollout_batch_size` are in hand; a group older than
-           `max_staleness` versions is recorded as a drop, acked and not trained on.
+  pull     read groups until `rollout_batch_size` fit to train are in hand (`rollout.py`: a bad
+           entry is dead-lettered, a group older than `max_staleness` versions dropped).
   train    per optimizer step: advantages -> micro-batches -> forward-only recompute of the
            trainer's log-probs -> forward+backward with the RL loss -> optimizer step.
   publish  version V += 1; HF-named weights to the broker (`ZmqWeightSender`), then
            `set_version("trainer", V)`, so a reader of the version can fetch it.
-  commit   the counter `groups_consumed` grows by the rollout's groups (stale drops are counted
+  commit   the counter `groups_consumed` grows by the rollout's groups (drops are counted
            when dropped); the groups leave the stream (ack) only now, and with --save only once
            a checkpoint holds their update: a crash before leaves them pending, and the next
-           start trains them (`pending_first`); see `checkpoint.py` for the exact contract.
+           start trains them; see `checkpoint.py` for the exact contract. A step whose update
+           was skipped records its groups as `skipped_update` drops, never as trained.
   log      metrics to Redis (`train/*`) and one line to stdout.
-Start-up: the run contract is agreed in Redis before the model loads (a mismatch is exit 2);
-a resumed version v > 0 is sent to the broker before the first pull, so the engines serve v
-(the router's demand gate waits for that). Status (`status.py`) says what the loop waits for.
+Start-up: the run contract is agreed in Redis before the model loads (a mismatch is exit 2),
+and so is the lineage: a start without a checkpoint on a run that already has trained versions
+is refused (exit 2) unless --new-lineage. A resumed version v > 0 is sent to the broker before
+the first pull, so the engines serve v (the router's demand gate waits for that). Status
+(`status.py`) says what the loop waits for.
 Ends with an error (exit 1) after `max_skipped_in_a_row` skipped updates in a row, or when every
 update of the run was skipped: exit code 0 means the weights were trained as asked.
-Waits for: Redis (blocking reads of at most `read_block_ms`, so SIGTERM is seen within it).
+Waits for: Redis (blocking reads of at most `read_block_ms`, so SIGTERM is seen within it; a
+lost connection for at most --redis-timeout-s, `redis_wait.py`, then exit 1).
 Bounded by: the buffer's `max_groups` (producers wait), the sender's HWM and timeout.
 """
 
@@ -27,39 +31,29 @@ import logging
 import math
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from proto import DropRecord, SampleGroup
 from services.sample_buffer import BufferConfig, SampleBuffer
 from services.trainer import batching, checkpoint, losses, routing_replay
 from services.trainer.batching import MicroBatch, TrainSample
 from services.trainer.config import TrainerConfig
+from services.trainer.intake import Limits
+from services.trainer.lineage import begin_lineage, lineage_start
 from services.trainer.observe import TrainerObserver
 from services.trainer.policy import Policy, init_distributed
+from services.trainer.redis_wait import patient_client
+from services.trainer.rollout import Intake, Rollout
 from services.trainer.stats import StepStats, comm_device
 from services.trainer.status import StatusReporter
 from services.weight_sync import make_sender
 from services.weight_sync.wire import WeightSyncError
 
 log = logging.getLogger("tandem.trainer")
-# Groups taken in the one read that drains the pending list at start-up; the stream itself is
-# bounded by the buffer's max_groups, so this only has to be larger than that.
-RESUME_READ_MAX = 1_000_000
-
-
-@dataclass
-class Rollout:
-    """Groups to train on (with their stream ids) and how many samples were dropped stale."""
-
-    entry_ids: list[str]
-    groups: list[SampleGroup]
-    dropped_stale: int
-    staleness_counts: dict[int, int]
 
 
 class SkippedUpdatesError(FloatingPointError):
@@ -78,14 +72,24 @@ class Trainer:
         # A bad --load, or --no-resume over another run's checkpoint, fails before anything else.
         resume_root, found_by = checkpoint.find_resume(cfg)
         self.buffer: SampleBuffer | None = None
+        self.intake: Intake | None = None
         self.status: StatusReporter | None = None
         self.sender = None
+        start_version = 0
         if self.is_main:
-            self.buffer = SampleBuffer(BufferConfig(redis_url=cfg.redis_url, run_id=cfg.run_id))
-            self.buffer.wait_ready(timeout_s=10.0)
-            self.buffer.agree_contract(cfg.run_contract(), "trainer")
-            self.status = StatusReporter(self.buffer)
+            # Start-up checks fail fast on this client; the loop's waits out a lost connection.
+            plain = SampleBuffer(BufferConfig(redis_url=cfg.redis_url, run_id=cfg.run_id))
+            plain.wait_ready(timeout_s=10.0)
+            plain.agree_contract(cfg.run_contract(), "trainer")
+            start_version = lineage_start(cfg, plain, resume_root is not None)
+            if start_version:
+                begin_lineage(plain, start_version)
+            self.status = StatusReporter(plain)
             self.status.update("loading the model", model=cfg.model)
+            client = patient_client(cfg.redis_url, cfg.redis_timeout_s, cfg.read_block_ms)
+            self.buffer = SampleBuffer(plain.config, client)
+            self.intake = Intake(cfg, self.buffer, intake_limits(cfg), self._report)
+            self.intake.lineage_floor = start_version
         self.observe = TrainerObserver(cfg, self.buffer)  # /metrics, timeline, step lines
         self.policy = Policy(cfg, cfg.model)
         self.policy.on_phase = self.observe.mark
@@ -102,17 +106,15 @@ class Trainer:
                 if k in losses.PolicyLossConfig.__dataclass_fields__
             }
         )
-        self.version = 0
-        self.pending_first = True  # after a (re)start, groups read but never acked come first
-        self.backlog: list[tuple[str, SampleGroup]] = []  # read from Redis, not yet used
+        self.version = broadcast_int(start_version)
         self.skipped_updates = 0
         self.skipped_in_a_row: list[int] = []  # steps whose update was skipped, latest streak
         self.stop_requested = False
         critic_model = self.critic.model if self.critic is not None else None
         self.checkpointer = checkpoint.Checkpointer(cfg, self.policy, critic_model)
-        self.unacked: list[str] = []  # trained, waiting for a checkpoint (only with --save)
-        self.already_trained: set[str] = set()  # pending ids a loaded checkpoint already holds
-        self.groups_consumed = 0  # rank 0: the run's counter, as this trainer last set it
+        # Trained or dropped, waiting for a checkpoint (only with --save); rank 0's is the
+        # intake's list (it adds stale drops), so that a checkpoint names them too.
+        self.unacked: list[str] = self.intake.unacked if self.intake is not None else []
         if resume_root is not None:
             self._resume(resume_root, found_by)
         if self.is_main and cfg.weights_endpoint:
@@ -123,7 +125,6 @@ class Trainer:
                 master_address=cfg.weights_master_address,
             )
         if self.buffer is not None:
-            self.groups_consumed = self.buffer.counters().get("groups_consumed", 0)
             self.buffer.set_version("trainer", self.version)
 
     def _resume(self, root: Path, found_by: str) -> None:
@@ -131,10 +132,15 @@ class Trainer:
             print(f"[trainer] resuming from {root} {found_by}", flush=True)
         resumed = self.checkpointer.load(root)
         self.version = resumed.version
-        self.already_trained = set(resumed.trained_entry_ids)
+        if self.intake is not None:
+            self.intake.already_trained = set(resumed.trained_entry_ids)
         if self.buffer is not None and resumed.groups_consumed is not None:
-            # The groups consumed after the save are pending again (see checkpoint.py).
-            self.buffer.set_counter("groups_consumed", resumed.groups_consumed)
+            # The groups consumed after the save are pending again, but for the dead letters
+            # written since (see checkpoint.py).
+            now = self.buffer.counters().get("groups_dead_lettered", 0)
+            saved = resumed.groups_dead_lettered
+            since = max(now - (now if saved is None else saved), 0)
+            self.buffer.set_counter("groups_consumed", resumed.groups_consumed + since)
         if self.is_main:
             print(f"[trainer] resumed from iteration {self.version} ({root})", flush=True)
 
@@ -173,18 +179,20 @@ class Trainer:
             if rollout is None:  # stop requested while waiting for samples
                 break
             samples = self.prepare_samples(rollout)
+            skipped: set[int] = set()  # groups (indices) with a sample in a skipped step
             for step_samples in self.split_steps(samples, rollout):
                 self._report("training", "", step=self.version + 1)
+                before = self.skipped_updates
                 metrics = self.train_step(step_samples)
                 self.observe.mark("optimizer")
+                if self.skipped_updates > before:
+                    skipped |= {s.group for s in step_samples}
                 params, nbytes = self.publish_weights()
                 self.observe.mark("publish")
                 metrics["train/weight_bytes"] = float(nbytes)
                 metrics["train/params"] = float(params)
                 self.observe.step_done(self.version, metrics, rollout)  # record, line, spans
-            self.count_consumed(len(rollout.groups))
-            if self.buffer is not None:  # the lineage of these weights: which groups made them
-                self.buffer.record_trained(self.version, [g.group_id for g in rollout.groups])
+            self.record_rollout(rollout, skipped)
             self.commit(rollout.entry_ids, final=False)
         self.commit([], final=True)
         steps = self.version - start_version
@@ -194,6 +202,16 @@ class Trainer:
                 f"norm was not finite (NaN/Inf) at each; {SKIP_ADVICE}"
             )
         return steps
+
+    def record_rollout(self, rollout: Rollout, skipped: set[int]) -> None:
+        """Count the rollout's groups consumed; the lineage of these weights (`trained`) names
+        the groups trained, those of a skipped update are recorded as drops instead."""
+        if self.intake is None or self.buffer is None:
+            return
+        self.intake.count_consumed(len(rollout.groups))
+        self.intake.drop_skipped([rollout.groups[i] for i in sorted(skipped)], self.version)
+        trained = [g.group_id for i, g in enumerate(rollout.groups) if i not in skipped]
+        self.buffer.record_trained(self.version, trained)
 
     def _report(self, state: str, waiting_for: str = "", **detail: float | int | str) -> None:
         if self.status is not None:
@@ -210,87 +228,14 @@ class Trainer:
 
     def pull_rollout(self) -> Rollout | None:
         """Rank 0 reads from Redis; every rank receives the same Rollout (or None on stop)."""
-        rollout = self._read_rollout() if self.is_main else None
+        rollout = None
+        if self.intake is not None:
+            rollout = self.intake.read_rollout(self.version, lambda: self.stop_requested)
         if dist.get_world_size() > 1:
             box = [rollout]
             dist.broadcast_object_list(box, src=0)
             rollout = box[0]
         return rollout
-
-    def _read_rollout(self) -> Rollout | None:
-        assert self.buffer is not None
-        rollout = Rollout([], [], 0, {})
-        while len(rollout.groups) < self.cfg.rollout_batch_size:
-            if self.stop_requested:
-                return None
-            self._report_waiting(len(rollout.groups))
-            read = self._next_groups(self.cfg.rollout_batch_size - len(rollout.groups))
-            if self.already_trained:  # in the loaded checkpoint; only their ack was lost
-                self.buffer.ack([i for i, _ in read if i in self.already_trained])
-                read = [(i, g) for i, g in read if i not in self.already_trained]
-            fresh, stale = batching.split_stale(read, self.version, self.cfg.max_staleness)
-            for entry_id, group in stale:
-                self._drop_stale(entry_id, group)
-                rollout.dropped_stale += len(group.samples)
-            for entry_id, group in fresh:
-                rollout.entry_ids.append(entry_id)
-                rollout.groups.append(group)
-        return rollout
-
-    def _next_groups(self, count: int) -> list[tuple[str, SampleGroup]]:
-        """Up to `count` groups: first (once per start) every group this consumer read before a
-        restart and never acked, in stream order; then new ones, waiting `read_block_ms`."""
-        assert self.buffer is not None
-        if self.pending_first:
-            self.pending_first = False
-            # One read drains the whole pending list (it can exceed a rollout when acks wait
-            # for checkpoints); it may also take new groups, which simply queue behind.
-            self.backlog = self.buffer.read_groups(
-                self.cfg.consumer, RESUME_READ_MAX, block_ms=1, pending_first=True
-            )
-        if self.backlog:
-            taken, self.backlog = self.backlog[:count], self.backlog[count:]
-            return taken
-        return self.buffer.read_groups(self.cfg.consumer, count, self.cfg.read_block_ms)
-
-    def _report_waiting(self, in_hand: int) -> None:
-        """Status while the rollout is incomplete (called each time a blocking read wakes)."""
-        if self.status is None or self.buffer is None:
-            return
-        need, counters = self.cfg.rollout_batch_size, self.buffer.counters()
-        put, consumed = counters.get("groups_put", 0), counters.get("groups_consumed", 0)
-        untrained = max(self.buffer.depth() - in_hand - len(self.unacked), 0)  # not yet in hand
-        self._report(
-            "waiting for samples",
-            f"sample groups: {in_hand} of {need} for step {self.version + 1} (buffer holds "
-            f"{untrained} untrained; groups put {put}, consumed {consumed})",
-            groups_in_hand=in_hand,
-            groups_needed=need,
-            groups_put=put,
-            groups_consumed=consumed,
-        )
-
-    def count_consumed(self, groups: int) -> None:
-        """The run's `groups_consumed` counter, which the router's demand gate reads."""
-        if self.buffer is not None and groups:
-            self.groups_consumed = self.buffer.incr_counter("groups_consumed", groups)
-
-    def _drop_stale(self, entry_id: str, group: SampleGroup) -> None:
-        assert self.buffer is not None
-        self.buffer.record_drop(
-            DropRecord(
-                source="trainer",
-                reason="stale",
-                count=len(group.samples),
-                group_id=group.group_id,
-                weight_version=group.weight_version,
-                detail=f"trainer at version {self.version}, max_staleness {self.cfg.max_staleness}",
-            )
-        )
-        # Acked with the trained groups (after their checkpoint), counted now: the router
-        # replaces it at once, and a resume that resets the counter drops it again.
-        self.unacked.append(entry_id)
-        self.count_consumed(1)
 
     def prepare_samples(self, rollout: Rollout) -> list[TrainSample]:
         """Advantages per group, then one TrainSample per sample (in group order)."""
@@ -456,12 +401,18 @@ class Trainer:
             if not self.checkpointer.due(self.version, final):
                 return
             self._report("saving a checkpoint", step=self.version)
-            self.checkpointer.save(self.version, self.unacked, self.groups_consumed)
+            counters = self.buffer.counters() if self.buffer is not None else {}
+            self.checkpointer.save(
+                self.version,
+                self.unacked,
+                counters.get("groups_consumed", 0),
+                counters.get("groups_dead_lettered", 0),
+            )
         if self.cfg.save_hf and (final or self.checkpointer.enabled):
             self.write_hf()
         if self.buffer is not None:
             self.buffer.ack(self.unacked)
-        self.unacked = []
+        self.unacked.clear()
 
     def write_hf(self) -> None:
         """--save-hf: this version as a complete HF directory (collective at TP > 1)."""
@@ -483,3 +434,27 @@ SKIP_ADVICE = (
     "check --lr (too high?), the rewards and log-probs of the samples (NaN?), or pass "
     "--on-nonfinite fail to stop at the first"
 )
+
+
+def intake_limits(cfg: TrainerConfig) -> Limits:
+    """What a sample may hold: the model's vocabulary and context, the token budget of a
+    micro-batch (its inputs are all tokens but the last), and --max-response-len."""
+    from proto.models import read_config
+
+    hf_cfg, _ = read_config(cfg.model)
+    text = hf_cfg.get("text_config") or hf_cfg
+    context = int(text.get("max_position_embeddings", 4096))
+    return Limits(
+        vocab_size=int(text["vocab_size"]),
+        max_tokens=min(context, cfg.max_tokens_per_gpu + 1),
+        max_response_len=cfg.max_response_len,
+    )
+
+
+def broadcast_int(value: int) -> int:
+    """Rank 0's `value` on every rank."""
+    if dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])

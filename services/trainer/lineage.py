@@ -1,0 +1,53 @@
+"""Which lineage of weights a trainer start continues: refuse to mix two silently.
+
+A run's Redis remembers its trainer's published version and the groups each version trained.
+A start that finds no checkpoint trains from --model, version 0: on a run that already has
+trained versions it would feed on the samples the old weights made and publish versions the
+broker already holds as old, and the run would stall without a word. `lineage_start` refuses
+that start (ValueError: exit 2, naming the fix) unless --new-lineage: then the new lineage's
+versions begin after the published one (its first, --model's weights, is sent at start so the
+engines take it), and groups stamped with an older version are dead-lettered as foreign.
+Knows nothing of torch, so the CLI refuses before loading it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.sample_buffer import SampleBuffer
+from services.trainer.config import TrainerConfig
+
+TRACKER = "latest_checkpointed_iteration.txt"  # names a --save folder's newest checkpoint
+
+
+def finds_checkpoint(cfg: TrainerConfig) -> bool:
+    """Whether this start resumes from a checkpoint (as `checkpoint.find_resume` decides)."""
+    return bool(cfg.load) or bool(cfg.save and cfg.resume and (Path(cfg.save) / TRACKER).is_file())
+
+
+def lineage_start(cfg: TrainerConfig, buffer: SampleBuffer, resumed: bool) -> int:
+    """The version this start begins at when not resumed (0, or with --new-lineage the
+    published one + 1); raises ValueError for a start without checkpoint on a trained run."""
+    published = buffer.get_version("trainer", 0)
+    trained = int(buffer.redis.hlen(buffer.trained_key))
+    if resumed or (published <= 0 and not trained):
+        return 0
+    if not cfg.new_lineage:
+        raise ValueError(
+            f"run {cfg.run_id!r} in Redis ({cfg.redis_url}) already has trainer version "
+            f"{published} and {trained} trained steps, but no checkpoint was found (--save "
+            f"{cfg.save or '(none)'}, --load {cfg.load or '(none)'}): point --save/--load at "
+            "this run's checkpoint folder to resume, or use a new --run-id (or an empty Redis), "
+            "or pass --new-lineage to start over from --model in this run"
+        )
+    return published + 1
+
+
+def begin_lineage(buffer: SampleBuffer, version: int) -> None:
+    """--new-lineage: the lineage of the newest weights (`trained`) starts anew at `version`."""
+    buffer.redis.delete(buffer.trained_key)
+    print(
+        f"[trainer] --new-lineage: starting from --model as version {version}; groups made by "
+        f"older versions are dead-lettered (foreign_lineage)",
+        flush=True,
+    )

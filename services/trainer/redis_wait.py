@@ -1,0 +1,96 @@
+"""The trainer's Redis client waits out a lost connection instead of dying on the first error.
+
+Every command (pipelines included) that fails with a connection error or a timeout is retried
+until it succeeds or `timeout_s` have passed since the first failure; the wait is logged once
+when it starts and once when Redis answers again. After the bound, `RedisUnavailableError`
+names the URL and the flag. A command Redis ran whose reply was lost is run again: the stream
+commands the trainer retries (XREADGROUP, XACK, XDEL, SET) are idempotent or harmless twice; a
+counter increment (HINCRBY) cut off that way may count once more.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+log = logging.getLogger("tandem.trainer")
+T = TypeVar("T")
+
+
+class RedisUnavailableError(redis.ConnectionError):
+    """Redis did not answer within the trainer's --redis-timeout-s."""
+
+
+class PatientRetry(Retry):
+    """redis-py retry policy bounded by time, not by count (see the module docstring)."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        errors = (redis.ConnectionError, redis.TimeoutError, socket.timeout)
+        super().__init__(NoBackoff(), -1, errors)
+        self.url, self.timeout_s = url, timeout_s
+
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        since, failures = 0.0, 0
+        while True:
+            try:
+                result = do()
+            except self._supported_errors as error:
+                if is_retryable and not is_retryable(error):
+                    raise
+                failures += 1
+                fail(error, failures) if with_failure_count else fail(error)
+                now = time.monotonic()
+                if failures == 1:
+                    since = now
+                    print(
+                        f"[trainer] Redis at {self.url} does not answer ({error}); waiting up to "
+                        f"{self.timeout_s:.0f}s (--redis-timeout-s)",
+                        flush=True,
+                    )
+                if now - since >= self.timeout_s:
+                    raise RedisUnavailableError(
+                        f"Redis at {self.url} did not answer for {self.timeout_s:.0f}s "
+                        f"(--redis-timeout-s; last error: {error}): is the server running? "
+                        "(--redis-url)"
+                    ) from error
+                time.sleep(min(0.1 * 2**failures, 2.0))
+                continue
+            except Exception:  # an answer, if an error (e.g. a server back without its data)
+                self._back(failures, since)
+                raise
+            self._back(failures, since)
+            return result
+
+    def _back(self, failures: int, since: float) -> None:
+        if failures:
+            print(
+                f"[trainer] Redis at {self.url} answers again after "
+                f"{time.monotonic() - since:.1f}s",
+                flush=True,
+            )
+
+
+def patient_client(url: str, timeout_s: float, read_block_ms: int) -> redis.Redis:
+    """A client whose commands wait out a lost connection for up to `timeout_s`. The socket
+    timeout outlasts the longest blocking read, so a server that vanished without closing the
+    connection is noticed too."""
+    return redis.Redis.from_url(
+        url,
+        retry=PatientRetry(url, timeout_s),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        socket_connect_timeout=5.0,
+        socket_timeout=read_block_ms / 1000 + 30.0,
+    )

@@ -1,0 +1,276 @@
+"""The trainer's intake of sample groups is robust and exactly-once: a bad entry is dead-lettered
+(never trained, never a crash), a skipped update never counts as trained, a restart trains what
+was read but not trained exactly once (a dead consumer's pending groups included), the stream
+never loses an unacked entry, a fresh trainer on a used run is refused, and a lost Redis is
+waited for (real Valkey, real CLI subprocesses with the toy model)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import redis
+
+from proto import SampleGroup, encode
+from proto.drops import DeadLetterReason as R
+from proto.drops import DropReason
+from services.sample_buffer import BufferConfig, BufferFullError, RedisServer, SampleBuffer
+from services.trainer.intake import Limits, Rejected, check_entry
+from services.trainer.redis_wait import RedisUnavailableError, patient_client
+from tests.test_trainer_batching import group
+from tests.test_trainer_process import run_trainer, sample_groups
+
+LIMITS = Limits(vocab_size=16, max_tokens=64, max_response_len=8)  # the toy model's
+
+
+def renamed(groups: list[SampleGroup], prefix: str) -> list[SampleGroup]:
+    for i, g in enumerate(groups):
+        g.group_id = f"{prefix}{i}"
+    return groups
+
+
+def bad_entries(good: SampleGroup) -> dict[str, tuple[R, dict[bytes, bytes]]]:
+    """One entry of each kind the trainer must not train: name -> (reason, raw fields)."""
+
+    def variant(change, **group_fields) -> dict[bytes, bytes]:  # type: ignore[no-untyped-def]
+        g = msgspec.structs.replace(good, **group_fields)
+        g.samples = [msgspec.structs.replace(s) for s in good.samples]
+        change(g.samples[0])
+        return {b"d": encode(g)}
+
+    raw = msgspec.msgpack.decode(encode(good))
+    no_id = {k: v for k, v in raw.items() if k != "group_id"}
+    return {
+        "garbage": (R.UNDECODABLE, {b"d": b"\x00\xffnot msgpack at all"}),
+        "wrong_fields": (R.UNDECODABLE, {b"payload": encode(good)}),
+        "schema_2": (
+            R.SCHEMA_VERSION,
+            {b"d": msgspec.msgpack.encode({**raw, "schema_version": 2})},
+        ),
+        "no_group_id": (R.MISSING_FIELD, {b"d": msgspec.msgpack.encode(no_id)}),
+        "oov": (
+            R.TOKEN_OUT_OF_VOCAB,
+            variant(lambda s: setattr(s, "response_ids", [99, *s.response_ids[1:]])),
+        ),
+        "lengths": (R.LENGTH_MISMATCH, variant(lambda s: setattr(s, "loss_mask", [1] * 9))),
+        "beyond_context": (
+            R.TOO_LONG,
+            variant(lambda s: setattr(s, "prompt_ids", [1] * 100_000), group_id="long"),
+        ),
+        "long_response": (
+            R.TOO_LONG,
+            variant(
+                lambda s: (
+                    setattr(s, "response_ids", [5] * 20),
+                    setattr(s, "response_logprobs", [-1.0] * 20),
+                    setattr(s, "loss_mask", [1] * 20),
+                )
+            ),
+        ),
+        "nan_reward": (R.NONFINITE_REWARD, variant(lambda s: setattr(s, "reward", math.nan))),
+        "future": (R.FUTURE_VERSION, variant(lambda s: None, weight_version=10**6)),
+        "foreign": (  # made by weights older than the lineage's first version
+            R.FOREIGN_LINEAGE,
+            variant(lambda s: setattr(s, "weight_version", good.weight_version - 1)),
+        ),
+    }
+
+
+def test_each_bad_entry_is_rejected_with_its_reason_and_a_good_group_passes() -> None:
+    good = group(5, [0.0, 1.0], gid="ok")  # a new lineage's first version is 5
+    assert check_entry({b"d": encode(good)}, LIMITS, version=5, lineage_floor=5) == good
+    for name, (reason, fields) in bad_entries(good).items():
+        rejected = check_entry(fields, LIMITS, version=5, lineage_floor=5)
+        assert isinstance(rejected, Rejected) and rejected.reason == reason, (name, rejected)
+    old = msgspec.structs.replace(good, weight_version=-3)  # stale, not foreign, by default
+    assert check_entry({b"d": encode(old)}, LIMITS, version=5) == old
+
+
+def test_dead_letter_keeps_the_raw_entry_acks_and_deletes_it_and_records_the_drop(
+    buffer: SampleBuffer,
+) -> None:
+    from proto import DropRecord
+
+    entry_id = buffer.redis.xadd(buffer.samples_key, {"d": b"\x00junk"}).decode()
+    ((read_id, fields),) = buffer.read_entries("trainer-0", 10, ">")
+    assert read_id == entry_id
+    drop = DropRecord(source="trainer", reason=DropReason.DEAD_LETTERED, count=1, detail="x")
+    buffer.dead_letter(entry_id, fields, R.UNDECODABLE, "not msgpack", drop)
+    (letter,) = buffer.dead_letters()
+    assert (letter.entry_id, letter.reason, letter.detail) == (
+        entry_id,
+        "undecodable",
+        "not msgpack",
+    )
+    assert letter.fields == {b"d": b"\x00junk"}
+    assert buffer.depth() == 0 and buffer.pending_count() == 0
+    assert buffer.drop_counts() == {"dead_lettered": 1}
+
+
+def test_reclaim_moves_a_dead_consumers_pending_groups_only_once_they_are_idle(
+    buffer: SampleBuffer,
+) -> None:
+    ids = [buffer.put_group(group(0, [1.0], gid=f"g{i}")) for i in range(3)]
+    assert [i for i, _ in buffer.read_entries("dead-trainer", 3, ">")] == ids
+    assert buffer.reclaim("trainer-0", min_idle_ms=60_000) == 0  # it may still be alive
+    assert buffer.read_entries("trainer-0", 10, "0") == []
+    time.sleep(0.05)
+    assert buffer.reclaim("trainer-0", min_idle_ms=20) == 3
+    assert [i for i, _ in buffer.read_entries("trainer-0", 10, "0")] == ids
+    assert buffer.read_entries("dead-trainer", 10, "0") == []
+
+
+def test_the_samples_stream_is_never_trimmed_a_full_buffer_waits_and_ack_removes_only_acked(
+    redis_server: RedisServer, buffer: SampleBuffer
+) -> None:
+    small = SampleBuffer(BufferConfig(redis_url=redis_server.url, run_id=buffer.config.run_id))
+    small.config.max_groups = 4
+    ids = [small.put_group(group(0, [1.0], gid=f"g{i}")) for i in range(4)]
+    small.read_entries("trainer-0", 4, ">")  # all read, none acked
+    with pytest.raises(BufferFullError, match="max-groups"):
+        small.put_group(group(0, [1.0], gid="g4"), timeout_s=0.2)
+    small.ack(ids[:2])
+    assert small.depth() == 2 and small.pending_count() == 2
+    assert [i for i, _ in small.read_entries("trainer-0", 10, "0")] == ids[2:]
+    small.put_group(group(0, [1.0], gid="g4"))  # room again once acked
+
+
+def test_a_lost_redis_is_waited_for_and_after_the_bound_named_by_its_url(tmp_path: Path) -> None:
+    server = RedisServer(log_dir=tmp_path).start()
+    try:
+        client = patient_client(server.url, timeout_s=20.0, read_block_ms=2000)
+        buffer = SampleBuffer(BufferConfig(redis_url=server.url, run_id="lost"), client)
+        buffer.put_group(group(0, [1.0], gid="g0"))
+        assert len(buffer.read_entries("trainer-0", 1, ">")) == 1
+        server.requested_port = server.port  # come back where the client looks
+
+        def restart() -> None:  # while the read below blocks: gone for 0.5 s, back empty
+            server.stop()
+            time.sleep(0.5)
+            server.start()
+
+        outage = threading.Timer(0.3, restart)
+        outage.start()
+        assert buffer.read_entries("trainer-0", 1, ">", block_ms=2000) == []  # no crash
+        outage.join()
+        buffer.put_group(group(0, [1.0], gid="g1"))  # the same client goes on
+        assert [g.group_id for _, g in buffer.read_groups("trainer-0", 1, 100)] == ["g1"]
+        server.stop()
+        impatient = patient_client(server.url, timeout_s=0.5, read_block_ms=100)
+        with pytest.raises(RedisUnavailableError, match=server.url.replace("/", ".")) as err:
+            impatient.ping()
+        assert isinstance(err.value, redis.ConnectionError) and "--redis-timeout-s" in str(
+            err.value
+        )
+    finally:
+        server.stop()
+
+
+def trainer_args(toy_model_dir: Path, buffer: SampleBuffer, *extra: str) -> list[str]:
+    return [
+        "--model",
+        str(toy_model_dir),
+        "--redis-url",
+        buffer.config.redis_url,
+        "--run-id",
+        buffer.config.run_id,
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--read-block-ms",
+        "200",
+        "--max-staleness",
+        "10",
+        "--max-response-len",
+        "8",
+        *extra,
+    ]
+
+
+def test_bad_entries_are_dead_lettered_skipped_updates_not_trained_and_pending_trained_once(
+    buffer: SampleBuffer, toy_model_dir: Path
+) -> None:
+    # The run's trainer published version 20 and died without a checkpoint: this one starts a
+    # new lineage at 21 (--new-lineage), and groups made by version 20 are foreign to it.
+    buffer.set_version("trainer", 20)
+    buffer.record_trained(20, ["old"])
+    good = renamed(sample_groups(toy_model_dir, 6, 2, weight_version=21, seed=21), "good")
+    bad = bad_entries(good[0])
+    nan_logp = renamed(sample_groups(toy_model_dir, 2, 2, weight_version=21, seed=22), "nanlogp")
+    for g in nan_logp:  # a broken engine: the step's loss is NaN and its update skipped
+        for s in g.samples:
+            s.response_logprobs = [math.nan] * len(s.response_ids)
+    steps: list[list[SampleGroup | str]] = [
+        ["garbage", good[0], "wrong_fields", good[1]],  # read before the start, never acked
+        ["schema_2", "nan_reward", good[2], "oov", good[3]],  # the NaN-reward group is not in it
+        [nan_logp[0], "lengths", nan_logp[1]],  # skipped
+        ["beyond_context", "long_response", "future", "foreign", "no_group_id", good[4], good[5]],
+    ]
+    order = [item for step in steps for item in step]
+    bad_ids = {}
+    for item in order:
+        if isinstance(item, str):
+            bad_ids[buffer.redis.xadd(buffer.samples_key, bad[item][1]).decode()] = item
+        else:
+            buffer.put_group(item)
+    # Trainers that died with groups read and not trained (bad ones too, which crashed every
+    # restart before): one under another --consumer, gone for good, and one under this one's.
+    assert len(buffer.read_entries("old-trainer", 2, ">")) == 2
+    assert len(buffer.read_entries("trainer-0", 2, ">")) == 2
+    args = trainer_args(toy_model_dir, buffer, "--max-steps", "25", "--reclaim-min-idle-s", "0")
+    done = run_trainer([*args, "--new-lineage"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "--new-lineage: starting from --model as version 21" in done.stdout
+    assert "took over 4 pending groups" in done.stdout  # the old consumer's and its own
+
+    letters = buffer.dead_letters()
+    assert {letter.entry_id: letter.reason for letter in letters} == {
+        i: bad[name][0] for i, name in bad_ids.items()
+    }
+    assert all(letter.fields == bad[bad_ids[letter.entry_id]][1] for letter in letters)
+    for reason in {bad[name][0] for name in bad_ids.values()}:  # the first of each is logged
+        assert done.stdout.count(f"({reason}, at version") == 1, reason
+    assert buffer.trained() == {  # the old lineage's record is gone
+        22: ["good0", "good1"],  # each pending group trained once
+        23: ["good2", "good3"],
+        24: [],  # the skipped update trained nothing
+        25: ["good4", "good5"],
+    }
+    drops = buffer.drop_counts()
+    assert drops[DropReason.SKIPPED_UPDATE] == 4  # the 2 samples of each NaN-log-prob group
+    decoded = {
+        "oov",
+        "lengths",
+        "beyond_context",
+        "long_response",
+        "nan_reward",
+        "future",
+        "foreign",
+    }
+    assert drops[DropReason.DEAD_LETTERED] == sum(  # samples where the group decoded, else 1
+        len(good[0].samples) if name in decoded else 1 for name in bad_ids.values()
+    )
+    metrics = {r.step: r.values for _, r in buffer.read_metrics() if r.source == "trainer"}
+    assert math.isfinite(metrics[23]["train/loss"])  # one NaN-reward group poisons nothing
+    assert metrics[24]["train/skipped_updates"] == 1 and metrics[25]["train/skipped_updates"] == 1
+    assert buffer.get_version("trainer") == 25
+    assert buffer.depth() == 0 and buffer.pending_count() == 0
+    assert buffer.counters()["groups_consumed"] == len(order)
+
+
+def test_a_fresh_trainer_on_a_run_that_already_trained_is_refused_with_exit_2(
+    buffer: SampleBuffer, toy_model_dir: Path
+) -> None:
+    buffer.set_version("trainer", 20)  # a run's trainer published version 20, then died
+    buffer.record_trained(20, ["g"])
+    done = run_trainer(trainer_args(toy_model_dir, buffer, "--max-steps", "1"))
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "already has trainer version 20" in done.stderr
+    assert "point --save/--load at this run's checkpoint folder" in done.stderr
+    assert "new --run-id" in done.stderr and "--new-lineage" in done.stderr
+    assert buffer.get_version("trainer") == 20  # nothing was published
