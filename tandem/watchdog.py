@@ -2,8 +2,11 @@
 
 Two checks, both run from the launcher's monitor loop (no thread of their own):
 - Health: every `HEALTH_INTERVAL_S`, `GET /health` of each HTTP service (router, broker). A
-  service whose main loop died answers 503 with its error; two failed checks in a row end the
-  run, naming the service, its answer and its log.
+  service whose main loop died answers 503 with its error, a dead one refuses the connection;
+  two such checks in a row end the run, naming the service, its answer and its log. A service
+  that accepts the connection but does not answer (paused with SIGSTOP, swapping, overloaded)
+  may come back: the watchdog says so at once and again when it answers, and ends the run only
+  when it stays silent for `stall_fail_s`.
 - Stall: when no trainer step has completed for `stall_warn_s`, print what each service waits
   for (the `ServiceStatus` records they keep in Redis, `proto/contract.py`), again every
   `stall_warn_s` while the stall lasts; after `stall_fail_s` end the run with that diagnosis.
@@ -28,21 +31,26 @@ from services.sample_buffer import SampleBuffer
 
 HEALTH_INTERVAL_S = 2.0
 HEALTH_FAILURES = 2  # in a row: one slow answer under load is not a death
+HEALTH_TIMEOUT_S = 3.0
 ROLES = ("trainer", "router", "broker")
 
 
-def health_problem(url: str, timeout_s: float = 3.0) -> str:
-    """ "" when `GET url/health` answers 200; else what it answered (or why it did not)."""
+def health_problem(url: str) -> tuple[str, bool]:
+    """("", False) when `GET url/health` answers 200; else what it answered (or why it did not)
+    and whether it was silent (connected, no answer within `HEALTH_TIMEOUT_S`) rather than failed."""
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
-            return "" if resp.status == 200 else f"HTTP {resp.status}"
+        with urllib.request.urlopen(f"{url}/health", timeout=HEALTH_TIMEOUT_S) as resp:
+            return ("" if resp.status == 200 else f"HTTP {resp.status}"), False
     except urllib.error.HTTPError as exc:
         body = exc.read().decode(errors="replace")[:500]
         with contextlib.suppress(ValueError, AttributeError):
             body = json.loads(body).get("error") or body
-        return f"HTTP {exc.code}: {body}"
+        return f"HTTP {exc.code}: {body}", False
+    except urllib.error.URLError as exc:
+        silent = isinstance(exc.reason, TimeoutError)
+        return f"no answer ({exc.reason})", silent
     except (OSError, TimeoutError) as exc:
-        return f"no answer ({exc})"
+        return f"no answer ({exc})", isinstance(exc, TimeoutError)
 
 
 def diagnosis(statuses: dict[str, ServiceStatus], now: float) -> list[str]:
@@ -80,6 +88,7 @@ class Watchdog:
         self.last_step_at = self.last_warned_at = time.monotonic()
         self.last_health_at = 0.0
         self.failures = dict.fromkeys(health_urls, 0)
+        self.silent_since: dict[str, float] = {}
         self.last_step = 0
 
     def step_done(self, step: int) -> None:
@@ -119,8 +128,31 @@ class Watchdog:
 
     def _health(self) -> str:
         for name, url in self.health_urls.items():
-            problem = health_problem(url)
+            problem, silent = health_problem(url)
+            if silent:
+                self.failures[name] = 0
+                if problem := self._silent(name, url, problem):
+                    return problem
+                continue
+            if name in self.silent_since:
+                waited = time.monotonic() - self.silent_since.pop(name)
+                self.say(f"{name} answers GET {url}/health again after {waited:.0f} s")
             self.failures[name] = self.failures[name] + 1 if problem else 0
             if self.failures[name] >= HEALTH_FAILURES:
                 return f"{name} is unhealthy: GET {url}/health: {problem}"
+        return ""
+
+    def _silent(self, name: str, url: str, problem: str) -> str:
+        """A service that takes connections but does not answer: say so once, end the run only
+        after `stall_fail_s` of silence."""
+        now = time.monotonic()
+        since = self.silent_since.setdefault(name, now)
+        if since == now:
+            self.say(
+                f"{name} does not answer GET {url}/health: {problem}; paused (SIGSTOP), swapping or"
+                f" overloaded? The run ends if it stays silent for {self.stall_fail_s:.0f} s"
+                " (--stall-fail-s)"
+            )
+        if now - since >= self.stall_fail_s:
+            return f"{name} has not answered GET {url}/health for {now - since:.0f} s: {problem}"
         return ""

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import httpx
@@ -156,6 +159,39 @@ def test_an_in_flight_request_to_a_worker_that_dies_is_retried_on_another(
     assert [o["output_ids"] for o in result["r"].json()] == [[5, 4, 2], [4, 5, 5, 5]]
     assert workers_by_url(router)[slow.url]["errors"] == 1
     assert httpx.get(router.url + "/rollout/status").json()["retries"] == 1
+
+
+def test_requests_waiting_on_a_hung_worker_go_to_another_once_it_is_evicted(
+    buffer, start_service, engines
+):
+    """SIGSTOP: the engine keeps its connections open and never answers. Its waiting requests
+    are asked of the other engine when the health checks evict it, not after the request
+    timeout (600 s by default)."""
+    hung, ok = engines("--delay-ms", "300"), engines()
+    flags = ["--policy", "round_robin", "--health-failures", "2", "--health-timeout-s", "0.5"]
+    router = start_router(start_service, buffer, [hung.url, ok.url], *flags)
+    results: list[int] = []
+
+    def send() -> None:
+        results.append(httpx.post(router.url + "/generate", json=GEN, timeout=60).status_code)
+
+    threads = [threading.Thread(target=send) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: workers_by_url(router)[hung.url]["outstanding"] > 0, "requests on hung")
+    os.kill(hung.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        for thread in threads:
+            thread.join(30)
+        waited = time.monotonic() - started
+        assert results == [200] * 6, results
+        assert waited < 10, f"waiting requests were reissued only after {waited:.1f} s"
+        worker = workers_by_url(router)[hung.url]
+        assert not worker["healthy"] and worker["outstanding"] == 0
+        assert "taken out while waiting" in worker["last_error"] or worker["errors"] > 0
+    finally:
+        os.kill(hung.proc.pid, signal.SIGCONT)
 
 
 def test_session_affinity_sends_a_session_to_the_same_worker(buffer, start_service, engines):

@@ -5,6 +5,8 @@ status records from a real Redis server and real /health answers over HTTP."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from http.server import HTTPServer
@@ -15,6 +17,7 @@ import pytest
 from proto.contract import ServiceStatus
 from services.sample_buffer import SampleBuffer
 from tandem import launcher
+from tandem import watchdog as watchdog_module
 from tandem.up_args import join_passthrough
 from tandem.watchdog import Watchdog
 from tests.helpers import JsonHandler
@@ -106,6 +109,37 @@ def test_the_watchdog_ends_the_run_when_a_service_answers_unhealthy(buffer: Samp
         assert "router is unhealthy" in problems[1] and "rollout loop died" in problems[1]
     finally:
         server.shutdown()
+
+
+def test_a_paused_broker_raises_an_alarm_and_the_run_goes_on_after_sigcont(
+    buffer: SampleBuffer, start_service, monkeypatch
+) -> None:
+    monkeypatch.setattr(watchdog_module, "HEALTH_TIMEOUT_S", 0.3)
+    broker = start_service("broker", ["broker", "--port", "0"])
+    said: list[str] = []
+    watchdog = Watchdog(buffer, {"broker": broker.url}, 60, stall_fail_s=3.0, say=said.append)
+
+    def check() -> str:
+        watchdog.last_health_at = 0.0  # do not wait out the interval
+        watchdog.step_done(1)  # steps go on: only the broker's silence counts here
+        return watchdog.check()
+
+    os.kill(broker.proc.pid, signal.SIGSTOP)
+    try:
+        assert [check() for _ in range(3)] == ["", "", ""], "a paused service is no death yet"
+        assert len(said) == 1 and "broker does not answer" in said[0] and "SIGSTOP" in said[0]
+    finally:
+        os.kill(broker.proc.pid, signal.SIGCONT)
+    assert check() == ""
+    assert "broker answers GET" in said[-1] and "again after" in said[-1]
+    os.kill(broker.proc.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 10
+        while not (problem := check()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert problem.startswith("broker has not answered GET"), problem
+    finally:
+        os.kill(broker.proc.pid, signal.SIGCONT)
 
 
 @pytest.mark.parametrize("interval", [20])

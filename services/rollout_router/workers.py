@@ -44,6 +44,8 @@ from services.rollout_router.http1 import Http1Pool
 from services.rollout_router.samples import parse_version
 
 log = logging.getLogger("tandem.router.workers")
+# The cancel message a request's task gets when its worker is taken out while it waits.
+TAKEN_OUT = "tandem: worker taken out of the rotation"
 # A pending worker is handed to the broker again after this long (e.g. the broker restarted).
 BROKER_RETRY_S = 30.0
 
@@ -80,6 +82,7 @@ class Worker:
     last_error: str = ""
     model_info: dict[str, Any] = field(default_factory=dict)
     broker_asked_at: float = -math.inf  # monotonic time of the last POST {broker}/engines
+    waiting: set[asyncio.Task[Any]] = field(default_factory=set)  # tasks awaiting its answer
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -298,9 +301,12 @@ class WorkerPool:
         assert self.session is not None, "WorkerPool.start() was not called"
         tried: set[str] = set()
         last = "no attempt made"
+        task = asyncio.current_task()
+        assert task is not None
         for attempt, worker in enumerate(self.attempts(tried, session_id)):
             worker.outstanding += 1
             worker.requests += 1
+            worker.waiting.add(task)
             try:
                 status, data = await self._send(worker.url, path, body)
                 if status < 500:
@@ -310,8 +316,15 @@ class WorkerPool:
                 last = f"{worker.url}{path}: {type(exc).__name__}: {exc}"
                 if isinstance(exc, aiohttp.ClientConnectionError | ConnectionError):
                     self._mark_failed(worker, last)
+            except asyncio.CancelledError as exc:
+                # Taken out while this request waited (e.g. a hung engine): ask another one,
+                # unless the caller itself was cancelled too.
+                if exc.args != (TAKEN_OUT,) or task.uncancel() > 0:
+                    raise
+                last = f"{worker.url}{path}: taken out while waiting ({worker.last_error})"
             finally:
                 worker.outstanding -= 1
+                worker.waiting.discard(task)
             worker.errors += 1
             worker.last_error = last
             log.warning("attempt %d failed: %s", attempt + 1, last)
@@ -371,8 +384,19 @@ class WorkerPool:
         worker.failures += 1
         worker.last_error = reason
         if worker.healthy and worker.failures >= self.config.health_failures:
-            worker.healthy = False
             log.warning("evicted %s after %d failures: %s", worker.url, worker.failures, reason)
+            self._take_out(worker)
+
+    @staticmethod
+    def _take_out(worker: Worker) -> None:
+        """Out of the rotation; the requests waiting on it are asked of another worker."""
+        worker.healthy = False
+        for task in list(worker.waiting):
+            task.cancel(TAKEN_OUT)
+        if worker.waiting:
+            log.warning(
+                "%s: %d waiting request(s) go to other workers", worker.url, len(worker.waiting)
+            )
 
     async def check_once(self) -> None:
         """One health round over every registered worker (concurrently)."""
@@ -389,7 +413,7 @@ class WorkerPool:
             reported = parse_version(info.get("weight_version"))
             restarted = reported < worker.weight_version
             if restarted:  # from its load weights
-                worker.healthy = False
+                self._take_out(worker)
                 worker.last_error = (
                     f"restarted: serves weight version {reported}, had {worker.weight_version}"
                 )
