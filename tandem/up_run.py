@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import secrets
@@ -9,6 +10,8 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+
+from redis.exceptions import RedisError
 
 from services.common.auth import TOKEN_ENV
 from services.common.engine_info import VersionUnavailableError, weight_version
@@ -55,12 +58,14 @@ class UpRun:
         self.interrupted: list[bool] = []
         self.outcome = "running"
         self.health_urls: dict[str, str] = {}
+        self.ledger: dict | None = None  # written at exit (ledger.json)
 
     def run(self) -> int:
         install_interrupt_handler(self.interrupted)
         share_run_secrets()
         started = time.monotonic()
         progress: RunProgress | None = None
+        buffer: SampleBuffer | None = None
         try:
             buffer, urls = self.start_services()
             say(
@@ -78,8 +83,11 @@ class UpRun:
             # The trainer saves its last checkpoint and the trained model on SIGTERM.
             self.supervisor.stop_all(timeout_s=60.0)
             self.remove_weight_slots()
+            if buffer is not None:
+                self.write_ledger(buffer)
             if self.redis is not None:
                 self.redis.stop()
+                (self.run_dir / "redis.url").unlink(missing_ok=True)
         if progress is not None:
             progress.close()
             self.finish(progress, engine_versions, time.monotonic() - started)
@@ -98,6 +106,7 @@ class UpRun:
             )
             redis_url = self.redis.start().url
             say(f"redis at {redis_url} (pid {self.redis.process.pid})")  # type: ignore[union-attr]
+            (self.run_dir / "redis.url").write_text(redis_url)  # `tandem ledger RUN` reads it
         buffer = SampleBuffer(BufferConfig(redis_url=redis_url, run_id=self.run_id))
         buffer.wait_ready()
         model = Path(config.model) if config.model else self.write_model()
@@ -234,6 +243,18 @@ class UpRun:
 
     # --- summary ------------------------------------------------------------------------------
 
+    def write_ledger(self, buffer: SampleBuffer) -> None:
+        """RUN_DIR/ledger.json: where every generated group went (`tandem ledger` prints it)."""
+        try:
+            ledger = buffer.ledger()
+        except RedisError as exc:
+            say(f"no ledger.json: Redis did not answer ({exc})")
+            return
+        (self.run_dir / "ledger.json").write_text(json.dumps(ledger.as_dict(), indent=1) + "\n")
+        self.ledger = ledger.as_dict()
+        verdict = "balanced" if ledger.balanced else f"UNBALANCED by {ledger.difference}"
+        say(f"ledger: {ledger.sentence()} ({verdict}); see ledger.json or `tandem ledger`")
+
     def finish(self, progress: RunProgress, engine_versions: list[str], wall_s: float) -> None:
         trained = self.run_dir / TRAINED_MODEL
         plot = None
@@ -258,6 +279,7 @@ class UpRun:
             "engine_weight_versions": engine_versions,
             "run_dir": str(self.run_dir),
             "trained_model": str(trained) if trained.is_dir() else None,
+            "ledger": self.ledger,
         }
         write_summary(self.run_dir, summary)
         acc = f"{progress.first_accuracy:.2f} -> {progress.accuracy:.2f}"

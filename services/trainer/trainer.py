@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from proto import DropRecord, SampleGroup
+from proto import DropReason, DropRecord, SampleGroup
 from services.sample_buffer import BufferConfig, SampleBuffer
 from services.trainer import batching, checkpoint, losses, routing_replay
 from services.trainer.batching import MicroBatch, TrainSample
@@ -131,7 +131,7 @@ class Trainer:
         self.already_trained = set(resumed.trained_entry_ids)
         if self.buffer is not None and resumed.groups_consumed is not None:
             # The groups consumed after the save are pending again (see checkpoint.py).
-            self.buffer.set_counter("groups_consumed", resumed.groups_consumed)
+            self.buffer.rewind_trainer(resumed.groups_consumed, self.version)
         if self.is_main:
             print(f"[trainer] resumed from iteration {self.version} ({root})", flush=True)
 
@@ -278,8 +278,8 @@ class Trainer:
         self.buffer.record_drop(
             DropRecord(
                 source="trainer",
-                reason="stale",
-                count=len(group.samples),
+                reason=DropReason.STALE,
+                samples=len(group.samples),
                 group_id=group.group_id,
                 weight_version=group.weight_version,
                 detail=f"trainer at version {self.version}, max_staleness {self.cfg.max_staleness}",
@@ -481,7 +481,7 @@ class Trainer:
             metrics[f"train/staleness_hist/{age}"] = float(n)
         if self.buffer is None:
             return
-        self.buffer.publish_metrics("trainer", self.version, metrics)
+        self.buffer.publish_metrics("trainer", self.version, metrics, once_per_step=True)
         m = metrics
         print(
             f"[trainer] step {self.version} loss {m['train/loss']:.4f} "
