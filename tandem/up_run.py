@@ -298,7 +298,7 @@ class UpRun:
         if trained.is_dir():
             say(f"trained model (Hugging Face, with tokenizer): {trained}")
         say(
-            f"run folder: {self.run_dir} (metrics.jsonl, summary.json"
+            f"run folder: {self.run_dir} (metrics.jsonl, summary.json, ledger.json"
             f"{', metrics.png' if plot else ''}, logs/, checkpoints/, redis/); continue it with "
             f"tandem up --resume {self.run_dir}"
         )

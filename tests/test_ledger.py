@@ -92,6 +92,34 @@ def test_each_event_keeps_the_ledger_balanced_and_tandem_ledger_says_so(
     assert done.returncode == 1 and "UNBALANCED: difference 1" in done.stdout, done.stdout
 
 
+def test_a_trainer_resumed_from_an_older_checkpoint_takes_back_what_it_counted_after_it(
+    buffer: SampleBuffer,
+) -> None:
+    for draw in range(3):
+        assert buffer.start_group() == draw
+        buffer.put_group(make_group(f"p{draw}"))
+
+    def consume(version: int) -> None:  # at `version`: p1 dropped stale, p2 trained
+        buffer.set_version("trainer", version)
+        stale = DropRecord(source="trainer", reason=DropReason.STALE, samples=2, group_id="p1")
+        buffer.record_drop(stale)
+        buffer.incr_counter("groups_consumed", 2)
+        assert buffer.record_trained(version + 1, ["p2"]).balanced
+
+    buffer.set_version("trainer", 0)
+    buffer.incr_counter("groups_consumed", 1)
+    buffer.record_trained(1, ["p0"])  # the checkpoint of version 1 holds consumed = 1
+    consume(1)
+    assert buffer.ledger().dropped_groups == {"stale": 1}
+    buffer.rewind_trainer(1, 1)  # died before its next checkpoint; resumed at version 1
+    ledger = buffer.ledger()
+    assert (ledger.trained, ledger.dropped, ledger.buffered) == (1, 0, 2) and ledger.balanced
+    consume(1)  # the same groups again: counted once
+    ledger = buffer.ledger()
+    assert (ledger.trained, ledger.dropped, ledger.buffered) == (2, 1, 0) and ledger.balanced
+    assert ledger.dropped_samples == {"stale": 2} and ledger.violations == 0
+
+
 def test_a_run_folder_is_read_from_its_redis_data_and_a_step_is_written_once(
     tmp_path: Path,
 ) -> None:

@@ -85,6 +85,7 @@ class SampleBuffer:
         self.redraw_key = prefix + "redraw"
         self.in_flight_key = prefix + "in_flight"
         self.metrics_steps_key = prefix + "metrics_steps"
+        self.trainer_drops_key = prefix + "trainer_drops"
         self.scripts = {
             "start": self.redis.register_script(ledger.START),
             "put": self.redis.register_script(ledger.PUT),

@@ -10,8 +10,9 @@ Fates, in groups (hash `counters` unless said otherwise):
 - `groups_trained`    trained (grows with the `trained` hash, rewound with it on a resume).
 - `drops`             hash `{reason}:groups` and `{reason}:samples`; dropped = the sum of the
                       `:groups` fields. A drop recorded by the trainer is of a put group
-                      (it must also be counted consumed); any other drop of a whole group
-                      ends that group's flight.
+                      (it must also be counted consumed; `trainer_drops` notes it with the
+                      trainer's version, for `rewind_trainer`); any other drop of a whole
+                      group ends that group's flight.
 Balance: generated == trained + dropped + buffered + in_flight. Each event changes its counters
 in one Lua script or MULTI, so a reading (one MULTI) never sees half an event of the router;
 the trainer's own steps are sequential, so its check after a step is exact.
@@ -56,14 +57,19 @@ end
 return id
 """
 
+# KEYS: drops, drop_log, counters, in_flight, redraw, version:trainer, trainer_drops.
 # ARGV: reason, groups, samples, record, drop_log_len, group id, by a consumer (1/0), draw to
-# give back ('' = none).
+# give back ('' = none). A consumer's drop of a named group is also noted with the trainer's
+# version, so that a resume to an older checkpoint can take it back (`rewind_trainer`).
 DROP = """
 local groups, samples = tonumber(ARGV[2]), tonumber(ARGV[3])
 if groups ~= 0 then redis.call('HINCRBY', KEYS[1], ARGV[1] .. ':groups', groups) end
 if samples ~= 0 then redis.call('HINCRBY', KEYS[1], ARGV[1] .. ':samples', samples) end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'd', ARGV[4])
-if groups > 0 and ARGV[7] == '0' then
+if ARGV[7] == '1' and ARGV[6] ~= '' then
+  local v = redis.call('GET', KEYS[6]) or '-1'
+  redis.call('HSET', KEYS[7], ARGV[6], v .. ' ' .. ARGV[1] .. ' ' .. groups .. ' ' .. samples)
+elseif groups > 0 and ARGV[7] == '0' then
   local ended = redis.call('HDEL', KEYS[4], ARGV[6])
   if groups > ended then redis.call('HINCRBY', KEYS[3], 'groups_generated', groups - ended) end
 end
@@ -198,6 +204,8 @@ def drop(buffer: SampleBuffer, record: DropRecord, give_back: int | None = None)
             buffer.counters_key,
             buffer.in_flight_key,
             buffer.redraw_key,
+            buffer.version_prefix + "trainer",
+            buffer.trainer_drops_key,
         ],
         args=[
             str(record.reason),
@@ -233,7 +241,9 @@ def recover_in_flight(buffer: SampleBuffer, source: str) -> int:
 
 def rewind_trainer(buffer: SampleBuffer, groups_consumed: int, version: int) -> None:
     """A trainer resumed at `version` from a checkpoint that had consumed `groups_consumed`:
-    the groups trained after it are pending again, so they leave `trained` and its count."""
+    the groups it trained or dropped after that checkpoint are pending again, so they leave
+    `trained`, `groups_trained` and the drop counts (they will be counted when consumed again).
+    Drops noted at a trainer version >= `version` came after the checkpoint was saved."""
     trained = buffer.trained()
     kept = sum(len(ids) for v, ids in trained.items() if v <= version)
     pipe = buffer.redis.pipeline(transaction=True)
@@ -242,4 +252,10 @@ def rewind_trainer(buffer: SampleBuffer, groups_consumed: int, version: int) -> 
     later = [str(v) for v in trained if v > version]
     if later:
         pipe.hdel(buffer.trained_key, *later)
+    for group_id, noted in buffer.redis.hgetall(buffer.trainer_drops_key).items():
+        at, reason, groups, samples = noted.decode().split(" ")
+        if int(at) >= version:
+            pipe.hincrby(buffer.drops_key, f"{reason}:groups", -int(groups))
+            pipe.hincrby(buffer.drops_key, f"{reason}:samples", -int(samples))
+            pipe.hdel(buffer.trainer_drops_key, group_id)
     pipe.execute()
