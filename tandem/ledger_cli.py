@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem ledger", description=__doc__.split("\n")[0])
     parser.add_argument("run", nargs="?", help="run folder of `tandem up`")
     parser.add_argument("--redis-url", default="", help="Redis of the run (instead of RUN)")
-    parser.add_argument("--run-id", default="", help="run id (default: up-<RUN folder name>)")
+    parser.add_argument(
+        "--run-id", "--run-name", default="", help="run id (default: up-<RUN folder name>)"
+    )
     parser.add_argument("--json", action="store_true", help="print the ledger as JSON")
     args = parser.parse_args(argv)
     run_dir = Path(args.run) if args.run else None
@@ -64,17 +66,21 @@ def read_ledger(run_dir: Path | None, redis_url: str, run_id: str) -> Ledger:
     )
 
 
-def live_url(run_dir: Path | None) -> str:
-    """The URL of the run's Redis while `tandem up` runs it ("" when it does not answer)."""
+def live_url(run_dir: Path | None, wait_s: float = 5.0) -> str:
+    """The URL of the run's Redis while `tandem up` runs it; "" when there is none, or it does
+    not answer within `wait_s` (its `tandem up` was killed: the file outlived the server)."""
     path = run_dir / "redis.url" if run_dir else None
     if path is None or not path.is_file():
         return ""
     url = path.read_text().strip()
-    try:
-        redis.Redis.from_url(url, socket_timeout=2).ping()
-    except redis.RedisError:
-        return ""
-    return url
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:  # a busy server may be slow: never start a second one
+        try:
+            redis.Redis.from_url(url, socket_timeout=2).ping()
+            return url
+        except redis.RedisError:
+            time.sleep(0.5)
+    return ""
 
 
 def read_live(buffer: SampleBuffer) -> Ledger:

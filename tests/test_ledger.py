@@ -192,9 +192,8 @@ def test_a_router_killed_mid_run_resumes_without_replaying_losing_or_a_stale_bur
     buffer, toy_model_dir, start_service, engines
 ):
     engine = engines("--delay-ms", "100")  # groups stay in flight long enough to be killed
-    args = router_args(
-        buffer, toy_model_dir, [engine.url], "--max-staleness", str(MAX_STALENESS), batch=BATCH
-    )
+    flags = ["--max-staleness", str(MAX_STALENESS), "--eval-interval", "0"]
+    args = router_args(buffer, toy_model_dir, [engine.url], *flags, batch=BATCH)
     trainer = PlayTrainer(buffer, engine.url)
     try:
         first = start_service("router", args)
@@ -210,6 +209,8 @@ def test_a_router_killed_mid_run_resumes_without_replaying_losing_or_a_stale_bur
         second = start_service("router", args)
         wait_until(lambda: trainer.version >= steps_at_kill + 3, "three more steps")
         wait_until(lambda: left <= set(trainer.seen), "the killed groups' prompts put again")
+        status = httpx.get(second.url + "/rollout/status", timeout=10).json()
+        assert status["ledger"]["generated"] > at_kill.generated, status
     finally:
         trainer.close()
     os.killpg(second.proc.pid, signal.SIGKILL)  # killed again: what it had in flight stays so
