@@ -18,8 +18,7 @@ reporting unit: `rollout/*` metrics are published every `rollout_batch_size` gro
 Prompts come from a cursor in Redis (`counters.prompts_drawn`): draw p is prompt p % len(train)
 of a permutation of the train set seeded by (`seed`, epoch p // len(train)); its group id is
 `p{p}` and its sampling seed derives from (seed, p), so a restarted router neither repeats nor
-skips a prompt; the groups a killed router left in flight (in Redis: `sample_buffer/ledger.py`)
-are dropped (`cancelled`) when the next one starts, and their prompts are drawn first.
+skips a prompt: what a killed one left in flight is drawn again first (`sample_buffer/ledger.py`).
 
 The engines' version is `max(version:engines in Redis, lowest version any admitted engine
 reported)`: the broker sets the Redis key once every engine has loaded a version; engines
@@ -81,8 +80,7 @@ DEPENDENCY_REASONS = {DropReason.ENGINE_ERROR, DropReason.ENV_ALL_FAILED, DropRe
 
 
 class GroupDroppedError(Exception):
-    """A group will not be trained on; `reason` is its drop counter. `samples`: the samples
-    dropped with it (None: all n_samples_per_prompt; 0 when each was recorded already)."""
+    """A group will not be trained on, for `reason`; `samples` dropped with it (None: all)."""
 
     def __init__(self, reason: DropReason, detail: str, samples: int | None = None) -> None:
         super().__init__(detail)
@@ -124,7 +122,7 @@ class RolloutLoop:
         self._failure: BaseException | None = None  # a group task's unexpected exception
         self._redis_error: Exception | None = None
         self._redis_lost: list[str] = []  # groups lost while Redis was unavailable
-        self.orders, self._recovered = EpochOrders(), False  # recovered: see run()
+        self.orders = EpochOrders()
 
     # --- versions, state and control -----------------------------------------------------------
 
@@ -167,7 +165,9 @@ class RolloutLoop:
     async def run(self) -> None:
         """Start groups as the gate allows, until cancelled. A Redis outage stops new groups;
         once Redis answers again, the groups it made us lose are counted (`redis_unavailable`)
-        and the loop goes on. A group task's unexpected exception ends the loop (`failed`)."""
+        and the loop goes on. A group task's unexpected exception ends the loop (`failed`).
+        First, groups a killed router left in flight are dropped, their prompts given back."""
+        recovered = False
         try:
             while True:
                 if self.paused:
@@ -177,9 +177,9 @@ class RolloutLoop:
                 try:
                     if self._redis_error is not None:
                         await self._wait_for_redis()
-                    if not self._recovered:  # groups a killed router left in flight
+                    if not recovered:
                         await asyncio.to_thread(self.buffer.recover_in_flight, "router")
-                        self._recovered = True
+                        recovered = True
                     await self.wait_for_workers()
                     started = await self._start_groups()
                 except RedisError as exc:
