@@ -90,6 +90,7 @@ def test_each_event_keeps_the_ledger_balanced_and_tandem_ledger_says_so(
     assert buffer.counters()["ledger_violations"] == 1
     done = tandem_ledger(*where)
     assert done.returncode == 1 and "UNBALANCED: difference 1" in done.stdout, done.stdout
+    assert "violations" in done.stdout
 
 
 def test_a_trainer_resumed_from_an_older_checkpoint_takes_back_what_it_counted_after_it(

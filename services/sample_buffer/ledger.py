@@ -138,6 +138,8 @@ class Ledger:
                 self.dropped_samples.get(reason, 0),
             )
             rows.append((f"  {reason}", groups, f"groups ({samples} samples)"))
+        if self.violations:
+            rows.append(("violations", self.violations, "trainer checks that did not balance"))
         lines = [f"{name:<22}{count:>10}  {note}".rstrip() for name, count, note in rows]
         verdict = "balanced" if self.balanced else f"UNBALANCED: difference {self.difference}"
         lines.append(f"{self.sentence()}: {verdict}")
