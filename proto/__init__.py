@@ -4,6 +4,7 @@ Each message is a msgspec struct encoded with msgpack. A message's docstring say
 and who receives it. Nothing here imports torch: tensors travel as raw bytes beside a header.
 """
 
+from proto.drops import DeadLetterReason, DropReason
 from proto.messages import (
     SCHEMA_VERSION,
     DropRecord,
@@ -22,6 +23,8 @@ from proto.messages import (
 
 __all__ = [
     "SCHEMA_VERSION",
+    "DeadLetterReason",
+    "DropReason",
     "DropRecord",
     "MetricsRecord",
     "NcclAck",

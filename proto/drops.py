@@ -25,7 +25,8 @@ class DropReason(StrEnum):
     REWARD_ERROR = "reward_error"  # router: the reward function raised or returned None
     REWARD_NONFINITE = "reward_nonfinite"  # router: the reward was NaN or infinite
     ABORTED = "aborted"  # router: a generation stayed aborted after its retries
-    FILTERED = "filtered"  # router or trainer: removed by a filter (e.g. zero reward variance)
+    ALL_REWARDS_EQUAL = "all_rewards_equal"  # router: dynamic sampling, no GRPO signal
+    FILTERED = "filtered"  # router or trainer: removed by another filter
     DEAD_LETTERED = "dead_lettered"  # trainer: a bad entry, moved to the dead-letter stream
     SKIPPED_UPDATE = "skipped_update"  # trainer: its step's update was skipped (non-finite)
 

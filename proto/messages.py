@@ -57,11 +57,17 @@ class SampleGroup(msgspec.Struct, kw_only=True):
 
 
 class DropRecord(msgspec.Struct, kw_only=True):
-    """A group or sample that will not be trained on, and why. Any service -> Redis."""
+    """Groups or samples that will not be trained on, and why. Any service -> Redis.
+
+    `reason` is a `proto.drops.DropReason` value. `count` is in whole groups: 1 (the default)
+    for a group dropped, 0 when only some samples of a group that is still put are dropped. `samples` is
+    the number of samples dropped (those of the dropped group, or the single ones). The buffer
+    counts each in its own unit (`{reason}:groups`, `{reason}:samples`)."""
 
     source: str
     reason: str
-    count: int
+    count: int = 1
+    samples: int = 0
     group_id: str = ""
     detail: str = ""
     weight_version: int = -1

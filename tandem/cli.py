@@ -15,6 +15,7 @@ COMMANDS = {
     "router": ("services.rollout_router.__main__", "rollout router: balancing, rollouts, API"),
     "trainer": ("services.trainer.__main__", "megatron-core RL trainer"),
     "broker": ("services.weight_broker.__main__", "weight broker: trainer -> engines"),
+    "ledger": ("tandem.ledger_cli", "where every generated group of a run went (balanced?)"),
     "convert": ("services.trainer.convert", "Hugging Face <-> megatron checkpoint conversion"),
     "config": ("tandem.config_cmd", "print the resolved configuration (show) or its reference"),
     "toy-model": ("tandem.toy_model_cli", "write the built-in tiny model as a HF directory"),

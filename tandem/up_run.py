@@ -64,6 +64,7 @@ class UpRun:
         self.outcome = "running"
         self.health_urls: dict[str, str] = {}
         self.eval_task = ""
+        self.ledger: dict | None = None  # written at exit (ledger.json)
 
     def run(self) -> int:
         install_interrupt_handler(self.interrupted)
@@ -92,8 +93,11 @@ class UpRun:
             sinks.close()
             if buffer is not None:  # the services wrote their last spans when they stopped
                 self.write_timeline(buffer)
+            if buffer is not None:
+                self.write_ledger(buffer)
             if self.redis is not None:
                 self.redis.stop()
+                (self.run_dir / "redis.url").unlink(missing_ok=True)
         if progress is not None:
             progress.close()
             self.finish(progress, engine_versions, time.monotonic() - started)
@@ -112,6 +116,7 @@ class UpRun:
             )
             redis_url = self.redis.start().url
             say(f"redis at {redis_url} (pid {self.redis.process.pid})")  # type: ignore[union-attr]
+            (self.run_dir / "redis.url").write_text(redis_url)  # `tandem ledger RUN` reads it
         buffer = SampleBuffer(BufferConfig(redis_url=redis_url, run_id=self.run_id))
         buffer.wait_ready()
         where = {"url": redis_url, "run_id": self.run_id, "own": self.redis is not None}
@@ -288,6 +293,18 @@ class UpRun:
 
     # --- summary ------------------------------------------------------------------------------
 
+    def write_ledger(self, buffer: SampleBuffer) -> None:
+        """RUN_DIR/ledger.json: where every generated group went (`tandem ledger` prints it)."""
+        try:
+            ledger = buffer.ledger()
+        except RedisError as exc:
+            say(f"no ledger.json: Redis did not answer ({exc})")
+            return
+        (self.run_dir / "ledger.json").write_text(json.dumps(ledger.as_dict(), indent=1) + "\n")
+        self.ledger = ledger.as_dict()
+        verdict = "balanced" if ledger.balanced else f"UNBALANCED by {ledger.difference}"
+        say(f"ledger: {ledger.sentence()} ({verdict}); see ledger.json or `tandem ledger`")
+
     def finish(self, progress: RunProgress, engine_versions: list[str], wall_s: float) -> None:
         trained = self.run_dir / TRAINED_MODEL
         plot = None
@@ -313,6 +330,7 @@ class UpRun:
             "engine_weight_versions": engine_versions,
             "run_dir": str(self.run_dir),
             "trained_model": str(trained) if trained.is_dir() else None,
+            "ledger": self.ledger,
         }
         write_summary(self.run_dir, summary)
         acc = f"{progress.first_accuracy:.2f} -> {progress.accuracy:.2f}"
@@ -332,7 +350,7 @@ class UpRun:
         if trained.is_dir():
             say(f"trained model (Hugging Face, with tokenizer): {trained}")
         say(
-            f"run folder: {self.run_dir} (config.toml, metrics.jsonl, summary.json"
+            f"run folder: {self.run_dir} (config.toml, metrics.jsonl, summary.json, ledger.json"
             f"{', metrics.png' if plot else ''}, tensorboard/, timeline.json, logs/, "
             f"checkpoints/, redis/); continue it with tandem up --resume {self.run_dir}"
         )

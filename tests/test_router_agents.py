@@ -144,7 +144,7 @@ def test_a_hung_environment_fails_only_its_episodes_and_the_batch_goes_on(
     wait_until(lambda: buffer.depth() >= 4, "two batches despite the hung episodes")
     groups = read_all(buffer)
     assert all(len(g.samples) == 2 for g in groups), "episode e1 of each group failed"
-    assert buffer.drop_counts()["env_timeout"] >= 4
+    assert buffer.drop_counts("samples")["env_timeout"] >= 4
 
 
 def test_an_episode_past_its_deadline_fails_even_when_each_call_is_in_time(
@@ -163,7 +163,7 @@ def test_an_episode_past_its_deadline_fails_even_when_each_call_is_in_time(
         "0.6",
     )
     start_service("router", args)
-    wait_until(lambda: buffer.drop_counts().get("env_timeout", 0) >= 6, "deadline drops")
+    wait_until(lambda: buffer.drop_counts("samples").get("env_timeout", 0) >= 6, "deadline drops")
     assert any("passed its deadline" in d.detail for d in buffer.drop_log(20))
     assert buffer.depth() == 0
 
@@ -176,7 +176,7 @@ def test_a_failing_environment_is_counted_per_episode_and_group(
     )
     start_service("router", args)
     wait_until(lambda: buffer.drop_counts().get("env_all_failed", 0) >= 2, "failed groups")
-    drops = buffer.drop_counts()
+    drops = buffer.drop_counts("samples")
     assert drops["env_error"] >= 6 and buffer.depth() == 0
 
 
@@ -203,7 +203,7 @@ def test_the_example_guess_environment_runs_under_the_router(
         )
         start_service("router", args)
         wait_until(lambda: buffer.depth() >= 2, "episodes of the guessing game")
-        drops = buffer.drop_counts()  # before the environment stops under the running router
+        drops = buffer.drop_counts("samples")  # before the environment stops under the router
     finally:
         env.terminate()
         env.wait()
@@ -560,7 +560,7 @@ def test_the_example_calculator_environment_answers_tool_calls_under_the_router(
             tool_router_args(buffer, tool_model_dir, tool_engine.url, f"http://127.0.0.1:{port}"),
         )
         wait_until(lambda: buffer.depth() >= 2, "episodes of the calculator environment")
-        drops = buffer.drop_counts()  # before the environment stops under the running router
+        drops = buffer.drop_counts("samples")  # before the environment stops under the router
     finally:
         env.terminate()
         env.wait()
@@ -655,7 +655,7 @@ def test_the_example_calculator_runs_on_the_toy_model_without_a_chat_template(
             ),
         )
         wait_until(lambda: buffer.depth() >= 2, "episodes on the toy model")
-        drops = buffer.drop_counts()  # before the environment stops under the running router
+        drops = buffer.drop_counts("samples")  # before the environment stops under the router
     finally:
         env.terminate()
         env.wait()

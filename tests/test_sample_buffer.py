@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from proto import DropRecord, Sample, SampleGroup
+from proto import DropReason, DropRecord, Sample, SampleGroup
 from proto.contract import ContractMismatchError, RunContract, ServiceStatus
 from services.sample_buffer import BufferConfig, BufferFullError, SampleBuffer
 
@@ -87,12 +87,19 @@ def test_a_buffer_that_stays_full_raises_an_error_naming_the_flag(buffer: Sample
         small.put_group(make_group("b"), timeout_s=0.2)
 
 
-def test_drops_are_counted_by_reason_and_logged(buffer: SampleBuffer) -> None:
-    buffer.record_drop(DropRecord(source="trainer", reason="stale", count=8, group_id="g1"))
-    buffer.record_drop(DropRecord(source="trainer", reason="stale", count=8, group_id="g2"))
-    buffer.record_drop(DropRecord(source="router", reason="engine_error", count=1))
-    assert buffer.drop_counts() == {"stale": 16, "engine_error": 1}
-    assert [r.group_id for r in buffer.drop_log()][:2] == ["", "g2"]
+def test_drops_are_counted_by_reason_in_groups_and_in_samples_and_logged(
+    buffer: SampleBuffer,
+) -> None:
+    stale = DropReason.STALE
+    buffer.record_drop(DropRecord(source="trainer", reason=stale, samples=8, group_id="g1"))
+    buffer.record_drop(DropRecord(source="trainer", reason=stale, samples=8, group_id="g2"))
+    buffer.record_drop(
+        DropRecord(source="router", reason=DropReason.REWARD_ERROR, count=0, samples=1)
+    )
+    buffer.record_drop(DropRecord(source="router", reason=DropReason.ENGINE_ERROR, samples=2))
+    assert buffer.drop_counts() == {"stale": 2, "engine_error": 1}
+    assert buffer.drop_counts("samples") == {"stale": 16, "reward_error": 1, "engine_error": 2}
+    assert [r.group_id for r in buffer.drop_log()][:3] == ["", "", "g2"]
 
 
 def test_versions_and_metrics_round_trip(buffer: SampleBuffer) -> None:
@@ -141,12 +148,21 @@ def test_the_first_service_sets_the_run_contract_and_a_contradiction_names_the_f
 def test_puts_are_counted_with_the_entry_and_statuses_expire(buffer: SampleBuffer) -> None:
     for i in range(3):
         buffer.put_group(make_group(f"g{i}"))
+    buffer.incr_counter("groups_consumed", 1)
+    assert buffer.record_trained(1, ["g0"]).balanced
+    buffer.incr_counter("groups_consumed", 1)
+    assert buffer.record_trained(2, ["g1"]).balanced
+    buffer.rewind_trainer(1, 1)  # resumed from the checkpoint of step 1: g1 is pending again
+    assert buffer.trained() == {1: ["g0"]}
     buffer.incr_counter("groups_consumed", 2)
-    buffer.record_trained(2, ["g1"])
-    buffer.record_trained(1, ["g0"])
-    buffer.record_trained(2, ["g2"])  # step 2 trained again (after a resume): replaced
-    assert buffer.trained() == {1: ["g0"], 2: ["g2"]}
-    assert buffer.counters() == {"groups_put": 3, "groups_consumed": 2}
+    assert buffer.record_trained(2, ["g1", "g2"]).balanced  # step 2 trained again: replaced
+    assert buffer.trained() == {1: ["g0"], 2: ["g1", "g2"]}
+    assert buffer.counters() == {
+        "groups_put": 3,
+        "groups_generated": 3,  # put without being started: generated and put at once
+        "groups_consumed": 3,
+        "groups_trained": 3,
+    }
     buffer.set_status(ServiceStatus(role="trainer", state="waiting", waiting_for="groups"))
     buffer.set_status(ServiceStatus(role="router", state="generating"), ttl_s=0.05)
     time.sleep(0.2)

@@ -160,7 +160,8 @@ def test_stale_groups_are_recorded_as_drops_and_not_trained_on(buffer, toy_model
         [*common_args(toy_model_dir, buffer), "--max-steps", "1", "--max-staleness", "1"]
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert buffer.drop_counts() == {"stale": 4}
+    assert buffer.drop_counts() == {"stale": 1} and buffer.drop_counts("samples") == {"stale": 4}
+    assert buffer.ledger().balanced, buffer.ledger().table()
     (record,) = buffer.drop_log()
     assert record.source == "trainer" and record.group_id == "g0" and record.weight_version == -2
     values = next(r.values for _, r in buffer.read_metrics() if r.source == "trainer")

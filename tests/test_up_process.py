@@ -69,6 +69,14 @@ def test_a_short_run_changes_the_engines_weights_and_raises_the_reward(tmp_path:
     assert "[engine]" in (run_dir / "config.toml").read_text()  # what every service ran with
     # The shared-memory weight slots do not outlive the run.
     assert not list(Path("/dev/shm").glob("tandem-weights-*"))
+    # Where every generated group went: written at exit, in the router's metrics, and balanced.
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["balanced"] and ledger["trained"] > 0 and ledger["violations"] == 0, ledger
+    assert summary["ledger"] == ledger
+    assert any("ledger/generated" in r for r in rows if r["source"] == "router")
+    ledger_cmd = [sys.executable, "-m", "tandem.cli", "ledger", str(run_dir)]
+    printed = subprocess.run(ledger_cmd, capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0 and "balanced" in printed.stdout, printed.stdout + printed.stderr
 
 
 def start_up_in_background(run_dir: Path) -> subprocess.Popen:

@@ -118,6 +118,13 @@ def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
     with RedisServer(log_dir=tmp_path / "redis-logs", data_dir=run_dir / "redis") as server:
         buffer = SampleBuffer(BufferConfig(redis_url=server.url, run_id=f"up-{run_dir.name}"))
         trained = buffer.trained()
+        ledger = buffer.ledger()
+    # Every generated group has one fate across the kill and the resume, checked at each step.
+    assert ledger.balanced and ledger.violations == 0, ledger.table()
+    assert ledger.as_dict() == json.loads((run_dir / "ledger.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    written = [r["step"] for r in rows if r["source"] == "trainer"]
+    assert len(written) == len(set(written)), "a step trained again was written twice"
     steps = sorted(trained)
     assert steps == list(range(1, steps[-1] + 1)), "every step of the final lineage is recorded"
     ids = [group_id for step in steps for group_id in trained[step]]

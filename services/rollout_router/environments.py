@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from proto import Sample
+from proto import DropReason, Sample
 from services.rollout_router.config import EnvConfig
 from services.rollout_router.samples import Partial
 from services.rollout_router.tasks import Item, encode_prompt
@@ -23,7 +23,7 @@ from services.rollout_router.tool_calls import PARSERS
 class EnvError(RuntimeError):
     """An episode failed; `reason` is its drop counter (`env_error` or `env_timeout`)."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: DropReason, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
 
@@ -40,14 +40,16 @@ class EnvClient:
         try:
             async with self.session.post(self.url + route, json=body, timeout=self.timeout) as r:
                 if r.status != 200:
-                    raise EnvError("env_error", f"{self.url}{route}: HTTP {r.status}")
+                    raise EnvError(DropReason.ENV_ERROR, f"{self.url}{route}: HTTP {r.status}")
                 data = await r.json(content_type=None)
         except TimeoutError as exc:
-            raise EnvError("env_timeout", f"{self.url}{route}: no answer in time") from exc
+            raise EnvError(DropReason.ENV_TIMEOUT, f"{self.url}{route}: no answer in time") from exc
         except (aiohttp.ClientError, ValueError) as exc:
-            raise EnvError("env_error", f"{self.url}{route}: {type(exc).__name__}: {exc}") from exc
+            raise EnvError(
+                DropReason.ENV_ERROR, f"{self.url}{route}: {type(exc).__name__}: {exc}"
+            ) from exc
         if not isinstance(data, dict):
-            raise EnvError("env_error", f"{self.url}{route}: expected a JSON object")
+            raise EnvError(DropReason.ENV_ERROR, f"{self.url}{route}: expected a JSON object")
         return data
 
 
@@ -61,7 +63,9 @@ HISTORY_USER, HISTORY_TURN = "Hello.", "TANDEM-ASSISTANT-TURN"
 
 def as_messages(value: list[Any], what: str) -> Messages:
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
-        raise EnvError("env_error", f"{what}: chat messages must be objects with a role string")
+        raise EnvError(
+            DropReason.ENV_ERROR, f"{what}: chat messages must be objects with a role string"
+        )
     return value
 
 
@@ -69,7 +73,7 @@ def as_tools(value: Any) -> Tools:
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise EnvError("env_error", "/reset tools: expected a list of function schemas")
+        raise EnvError(DropReason.ENV_ERROR, "/reset tools: expected a list of function schemas")
     return value
 
 
@@ -91,7 +95,9 @@ class EpisodeRunner:
                 self._run(item, episode_id, seed, generate), self.config.env_episode_timeout_s
             )
         except TimeoutError as exc:
-            raise EnvError("env_timeout", f"episode {episode_id} passed its deadline") from exc
+            raise EnvError(
+                DropReason.ENV_TIMEOUT, f"episode {episode_id} passed its deadline"
+            ) from exc
 
     async def run_all(
         self, item: Item, group_id: str, seed: int, n: int, turn_of: Callable[[str], Generate]
@@ -132,7 +138,9 @@ class EpisodeRunner:
             try:
                 reward += float(step.get("reward", 0.0))
             except (TypeError, ValueError) as exc:
-                raise EnvError("env_error", f"step reward is not a number: {step!r}") from exc
+                raise EnvError(
+                    DropReason.ENV_ERROR, f"step reward is not a number: {step!r}"
+                ) from exc
             done = bool(step.get("done", False))
             if done or turn == self.config.env_max_turns - 1:
                 break  # no model turn follows: a last observation would be dead weight
@@ -163,7 +171,7 @@ class EpisodeRunner:
         # A chat template is code shipped with the model: whatever it raises on an
         # environment's messages fails that episode, not the rollout loop.
         except Exception as exc:
-            raise EnvError("env_error", f"chat template failed on /reset: {exc}") from exc
+            raise EnvError(DropReason.ENV_ERROR, f"chat template failed on /reset: {exc}") from exc
 
     def step_body(self, episode_id: str, action: str) -> dict[str, Any]:
         body: dict[str, Any] = {"episode_id": episode_id, "action": action}
@@ -177,7 +185,7 @@ class EpisodeRunner:
             return observation or ""
         if not isinstance(observation, list):
             raise EnvError(
-                "env_error",
+                DropReason.ENV_ERROR,
                 f"/step observation: expected a string or chat messages, got "
                 f"{type(observation).__name__}",
             )
@@ -194,11 +202,13 @@ class EpisodeRunner:
                 history + messages, tools=tools, add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # as in prompt_ids
-            raise EnvError("env_error", f"chat template failed on /step messages: {exc}") from exc
+            raise EnvError(
+                DropReason.ENV_ERROR, f"chat template failed on /step messages: {exc}"
+            ) from exc
         end = base.rfind(HISTORY_TURN) + len(HISTORY_TURN)
         if end < len(HISTORY_TURN) or full[:end] != base[:end]:
             raise EnvError(
-                "env_error",
+                DropReason.ENV_ERROR,
                 "the chat template of --model renders the history differently "
                 "when messages follow it: return the /step observation as a string",
             )

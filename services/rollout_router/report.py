@@ -1,11 +1,13 @@
-"""What the rollout loop reports: `rollout/*` metrics per batch of groups put, the loop's
-status (`GET /rollout/status`) and its `ServiceStatus` record for `tandem up`'s watchdog.
-Reads the loop's fields and Redis; changes nothing in the loop."""
+"""What the rollout loop reports: `rollout/*` metrics per batch of groups put, its drops (with
+their reason, in groups and in samples), the loop's status (`GET /rollout/status`, with the
+run's ledger) and its `ServiceStatus` record for `tandem up`'s watchdog. Reads the loop's
+fields and Redis; changes nothing in the loop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -13,11 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
-from proto import SampleGroup
+from proto import DropReason, DropRecord, SampleGroup
 from proto.contract import ServiceStatus
+from services.sample_buffer import SampleBuffer
+from services.sample_buffer.ledger import Ledger
 
 if TYPE_CHECKING:
     from services.rollout_router.rollout import RolloutLoop
+
+log = logging.getLogger("tandem.router.rollout")
 
 
 @dataclass
@@ -34,7 +40,9 @@ class BatchStats:
 
     async def add(self, group: SampleGroup, loop: RolloutLoop) -> None:
         """Count a put group; at rollout_batch_size groups publish the metrics and start anew.
-        `rollout/batch` is the index of the run's batch just completed (groups put // B - 1)."""
+        `rollout/batch` is the index of the run's batch just completed (groups put // B - 1);
+        `rollout/groups_dropped` the groups dropped by the router since the last report;
+        `drops/{reason}/groups|samples` and `ledger/*` the run's totals so far."""
         self.kept += 1
         self.finished += 1
         self.samples += len(group.samples)
@@ -48,19 +56,70 @@ class BatchStats:
         loop.stats = BatchStats()
         elapsed = max(time.monotonic() - self.started, 1e-9)
         loop.samples_per_s = self.samples / elapsed
-        put = (await asyncio.to_thread(loop.buffer.counters)).get("groups_put", 0)
+        ledger = await asyncio.to_thread(loop.buffer.ledger)
         values = {
-            "rollout/batch": float(max(put // batch - 1, 0)),
+            "rollout/batch": float(max(ledger.put // batch - 1, 0)),
             "rollout/reward_mean": self.reward_sum / self.samples,
             "rollout/samples_per_s": loop.samples_per_s,
             "rollout/response_len_mean": self.length_sum / self.samples,
             "rollout/groups": float(self.kept),
             "rollout/prompts_generated": float(self.finished),
+            "rollout/groups_dropped": float(self.finished - self.kept),
             "rollout/batch_time_s": elapsed,
             "rollout/engines_version": float(loop.engines_version()),
+            **ledger_metrics(ledger),
         }
         step = self.min_version if self.min_version is not None else 0
         await asyncio.to_thread(loop.buffer.publish_metrics, "router", step, values)
+
+
+def backoff_reason(loop: RolloutLoop, left_s: float) -> str:
+    """What the backing-off loop waits for, as the status says it."""
+    reason = loop.backoff.reason
+    if reason == DropReason.ENGINE_ERROR:
+        what = "the engines (see GET /workers)"
+    elif reason == DropReason.REWARD_ERROR:
+        what = loop.reward.source
+    else:
+        what = f"environment {loop.episodes.client.url if loop.episodes else '?'}"
+    return loop.backoff.sentence(what, left_s)
+
+
+def record_drop(
+    buffer: SampleBuffer,
+    group_id: str,
+    reason: DropReason,
+    detail: str,
+    samples: int,
+    groups: int = 1,
+    give_back: int | None = None,
+    quiet: bool = False,
+) -> None:
+    """Record a router drop (blocking): a whole group (`groups` 1, with its `samples`), or
+    `samples` of a group that is still put (`groups` 0). `give_back`: draw that prompt again."""
+    if not quiet:
+        what = "group" if groups else f"{samples} sample(s) of"
+        log.warning("dropping %s %s: %s (%s)", what, group_id, reason, detail[:300])
+    record = DropRecord(
+        source="router",
+        reason=reason,
+        count=groups,
+        samples=samples,
+        group_id=group_id,
+        detail=detail[:500],
+    )
+    buffer.record_drop(record, give_back=give_back)
+
+
+def ledger_metrics(ledger: Ledger) -> dict[str, float]:
+    """The run's ledger as metric paths (every drop reason in both units)."""
+    out = {
+        f"ledger/{name}": float(getattr(ledger, name))
+        for name in ("generated", "put", "trained", "dropped", "buffered", "in_flight")
+    }
+    for unit, counts in (("groups", ledger.dropped_groups), ("samples", ledger.dropped_samples)):
+        out.update({f"drops/{reason}/{unit}": float(n) for reason, n in counts.items()})
+    return out
 
 
 def service_status(loop: RolloutLoop, error: str = "") -> ServiceStatus:
@@ -90,19 +149,20 @@ def service_status(loop: RolloutLoop, error: str = "") -> ServiceStatus:
 
 
 def status(loop: RolloutLoop) -> dict[str, Any]:
-    """The loop's state; the Redis-backed fields are None while Redis is unavailable."""
-    redis_fields: dict[str, Any] = dict.fromkeys(
-        ("engines_version", "trainer_version", "buffer_depth", "drops", "batch", "groups_consumed")
-    )
+    """The loop's state; the Redis-backed fields are None while Redis is unavailable.
+    `drops` is in groups by reason; `ledger` says where every group of the run went."""
+    names = "engines_version trainer_version buffer_depth drops batch groups_consumed ledger"
+    redis_fields: dict[str, Any] = dict.fromkeys(names.split())
     with contextlib.suppress(RedisError):
-        counters = loop.buffer.counters()
+        ledger = loop.buffer.ledger()
         redis_fields = {
             "engines_version": loop.engines_version(),
             "trainer_version": loop.buffer.get_version("trainer"),
             "buffer_depth": loop.buffer.depth(),
-            "drops": loop.buffer.drop_counts(),
-            "batch": counters.get("groups_put", 0) // loop.config.rollout_batch_size,
-            "groups_consumed": counters.get("groups_consumed", 0),
+            "drops": ledger.dropped_groups,
+            "batch": ledger.put // loop.config.rollout_batch_size,
+            "groups_consumed": ledger.consumed,
+            "ledger": ledger.as_dict(),
         }
     return {
         "state": loop.state,

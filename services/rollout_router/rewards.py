@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 
+from proto import DropReason
 from services.rollout_router.toy_task import reverse_digits_reward
 
 log = logging.getLogger("tandem.router.rewards")
@@ -42,7 +43,7 @@ class RewardError(RuntimeError):
     """A reward could not be computed; `reason` is its drop counter (`reward_error`,
     `reward_nonfinite`)."""
 
-    def __init__(self, detail: str, reason: str = "reward_error") -> None:
+    def __init__(self, detail: str, reason: DropReason = DropReason.REWARD_ERROR) -> None:
         super().__init__(detail)
         self.reason = reason
 
@@ -56,7 +57,7 @@ def as_reward(value: Any, source: str) -> float:
     except (TypeError, ValueError) as exc:
         raise RewardError(f"{source} returned {value!r}, not a number") from exc
     if not math.isfinite(reward):
-        raise RewardError(f"{source} returned {reward}", "reward_nonfinite")
+        raise RewardError(f"{source} returned {reward}", DropReason.REWARD_NONFINITE)
     return reward
 
 

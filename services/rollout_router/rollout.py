@@ -18,7 +18,7 @@ reporting unit: `rollout/*` metrics are published every `rollout_batch_size` gro
 Prompts come from a cursor in Redis (`counters.prompts_drawn`): draw p is prompt p % len(train)
 of a permutation of the train set seeded by (`seed`, epoch p // len(train)); its group id is
 `p{p}` and its sampling seed derives from (seed, p), so a restarted router neither repeats nor
-skips a prompt (a group in flight when the router died is lost).
+skips a prompt: what a killed one left in flight is drawn again first (`sample_buffer/ledger.py`).
 
 The engines' version is `max(version:engines in Redis, lowest version any admitted engine
 reported)`: the broker sets the Redis key once every engine has loaded a version; engines
@@ -31,7 +31,8 @@ token is its last response token and the text ends where the matched stop ends (
 Dynamic sampling (DAPO): a group whose rewards are all equal carries no GRPO signal; it is
 dropped (`all_rewards_equal`) and the gate starts another. A sample whose reward fails is
 dropped alone (`reward_error`, `reward_nonfinite`). Every group or sample that is not put is
-recorded with its reason (`engine_error`, `aborted`, `reward_error`, ...); none is lost silently.
+recorded with its `proto.drops.DropReason` (`engine_error`, `aborted`, ...), in groups and in
+samples; none is lost silently.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from proto import DropRecord, Sample, SampleGroup
+from proto import DropReason, Sample, SampleGroup
 from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.environments import EnvError, EpisodeRunner, Generate
 from services.rollout_router.limiter import Limiter
@@ -60,7 +61,7 @@ from services.rollout_router.progress import (
     read_demand,
 )
 from services.rollout_router.recent import RecentGroups
-from services.rollout_router.report import BatchStats
+from services.rollout_router.report import BatchStats, backoff_reason, record_drop
 from services.rollout_router.rewards import Reward, RewardError
 from services.rollout_router.samples import (
     Partial,
@@ -76,15 +77,15 @@ from services.sample_buffer import SampleBuffer
 log = logging.getLogger("tandem.router.rollout")
 
 # Group drop reasons that say a dependency is failing: repeated, they make the loop back off.
-DEPENDENCY_REASONS = {"engine_error", "env_all_failed", "reward_error"}
+DEPENDENCY_REASONS = {DropReason.ENGINE_ERROR, DropReason.ENV_ALL_FAILED, DropReason.REWARD_ERROR}
 
 
 class GroupDroppedError(Exception):
-    """A group will not be trained on; `reason` is its drop counter."""
+    """A group will not be trained on, for `reason`; `samples` dropped with it (None: all)."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: DropReason, detail: str, samples: int | None = None) -> None:
         super().__init__(detail)
-        self.reason = reason
+        self.reason, self.samples = reason, samples
 
 
 class RolloutLoop:
@@ -122,7 +123,7 @@ class RolloutLoop:
         self._room = 0  # groups we may still put before reading the stream's depth again
         self._failure: BaseException | None = None  # a group task's unexpected exception
         self._redis_error: Exception | None = None
-        self._redis_lost = 0  # groups lost while Redis was unavailable
+        self._redis_lost: list[str] = []  # groups lost while Redis was unavailable
         self.orders = EpochOrders()
         self.recent = RecentGroups()  # the newest put groups, for the dashboard
         self.observe = LoopObserver(buffer)  # /metrics counters and timeline spans
@@ -169,7 +170,9 @@ class RolloutLoop:
     async def run(self) -> None:
         """Start groups as the gate allows, until cancelled. A Redis outage stops new groups;
         once Redis answers again, the groups it made us lose are counted (`redis_unavailable`)
-        and the loop goes on. A group task's unexpected exception ends the loop (`failed`)."""
+        and the loop goes on. A group task's unexpected exception ends the loop (`failed`).
+        First, groups a killed router left in flight are dropped, their prompts given back."""
+        recovered = False
         try:
             while True:
                 if self.paused:
@@ -179,6 +182,9 @@ class RolloutLoop:
                 try:
                     if self._redis_error is not None:
                         await self._wait_for_redis()
+                    if not recovered:
+                        await asyncio.to_thread(self.buffer.recover_in_flight, "router")
+                        recovered = True
                     await self.wait_for_workers()
                     started = await self._start_groups()
                 except RedisError as exc:
@@ -218,7 +224,7 @@ class RolloutLoop:
         if backoff.active:
             left = backoff.until - time.monotonic()
             if left > 0 or self.groups:  # wait out the delay, then probe with one group
-                self.set_state("backing_off", self._backoff_reason(left))
+                self.set_state("backing_off", backoff_reason(self, left))
                 return 0
         in_flight = len(self.groups)  # read before the counters: a group is never missed
         room = (cfg.rollout_max_concurrency or cfg.rollout_batch_size) - in_flight
@@ -234,7 +240,7 @@ class RolloutLoop:
             return 0
         self.set_state("generating")
         for _ in range(n):
-            p = await asyncio.to_thread(self.buffer.draw_prompt)
+            p = await asyncio.to_thread(self.buffer.start_group)
             group = asyncio.create_task(self.run_group(p, self.prompt(p)), name=f"group p{p}")
             self.groups.add(group)
             group.add_done_callback(self._group_ended)
@@ -260,16 +266,6 @@ class RolloutLoop:
             self._failure = group.exception()
         self._wake.set()
 
-    def _backoff_reason(self, left_s: float) -> str:
-        reason = self.backoff.reason
-        if reason == "engine_error":
-            what = "the engines (see GET /workers)"
-        elif reason == "reward_error":
-            what = self.reward.source
-        else:
-            what = f"environment {self.episodes.client.url if self.episodes else '?'}"
-        return self.backoff.sentence(what, left_s)
-
     async def _wait_for_redis(self) -> None:
         exc = self._redis_error
         self.error = f"{type(exc).__name__}: {exc}"
@@ -281,9 +277,9 @@ class RolloutLoop:
                 break
             except RedisError:
                 await asyncio.sleep(1.0)
-        if self._redis_lost:
-            await self._drop("redis", "redis_unavailable", str(exc), self._redis_lost)
-        self._redis_lost, self._redis_error, self._room, self.error = 0, None, 0, ""
+        for group_id in self._redis_lost:
+            await self._drop(group_id, DropReason.REDIS_UNAVAILABLE, str(exc))
+        self._redis_lost, self._redis_error, self._room, self.error = [], None, 0, ""
 
     # --- one group -----------------------------------------------------------------------------
 
@@ -292,7 +288,7 @@ class RolloutLoop:
         try:
             await self._group(p, item)
         except RedisError as exc:
-            self._redis_lost += 1
+            self._redis_lost.append(f"p{p}")
             self._redis_error = exc
 
     async def _group(self, p: int, item: Item) -> None:
@@ -302,26 +298,28 @@ class RolloutLoop:
             group = await self.make_group(p, item, group_id)
             if self.config.dynamic_sampling and len({s.reward for s in group.samples}) == 1:
                 raise GroupDroppedError(
-                    "all_rewards_equal", f"every reward is {group.samples[0].reward}"
+                    DropReason.ALL_REWARDS_EQUAL,
+                    f"every reward is {group.samples[0].reward}",
+                    len(group.samples),
                 )
             await self.put(group, committed)
         except GroupDroppedError as exc:
             self.stats.finished += 1
             reason = exc.reason
-            if reason in DEPENDENCY_REASONS and (reason != "reward_error" or self.reward.url):
+            if reason in DEPENDENCY_REASONS and (
+                reason != DropReason.REWARD_ERROR or self.reward.url
+            ):
                 self.backoff.failed(reason, str(exc), started, time.monotonic())
-            await self._drop(group_id, reason, str(exc))
+            await self._drop(group_id, reason, str(exc), exc.samples)
             return
         except asyncio.CancelledError:
             # Stopped mid-group: say so, and give the prompt back to be drawn again at the next
             # start (synchronously: a cancelled task cannot reliably await).
             if not committed[0]:
                 detail = "rollout stopped; its prompt is drawn again at the next start"
-                drop = DropRecord(source="router", reason="cancelled", count=1, detail=detail)
+                n = self.config.n_samples_per_prompt
                 with contextlib.suppress(RedisError):
-                    drop.group_id = group_id
-                    self.buffer.record_drop(drop)
-                    self.buffer.give_back_prompt(p)
+                    record_drop(self.buffer, group_id, DropReason.CANCELLED, detail, n, give_back=p)
             raise
         self.backoff.succeeded()
         self.recent.add(group)
@@ -336,7 +334,7 @@ class RolloutLoop:
             else:
                 outcomes = await self._single_turn_samples(item, seed)
         except (EngineRequestError, NoWorkerError) as exc:
-            raise GroupDroppedError("engine_error", str(exc)) from exc
+            raise GroupDroppedError(DropReason.ENGINE_ERROR, str(exc)) from exc
         samples = await self._scored(group_id, outcomes)
         return SampleGroup(
             group_id=group_id,
@@ -354,16 +352,17 @@ class RolloutLoop:
         samples = []
         for k, outcome in enumerate(outcomes):
             if isinstance(outcome, Sample) and not math.isfinite(outcome.reward):
-                outcome = RewardError(f"reward {outcome.reward}", "reward_nonfinite")
+                outcome = RewardError(f"reward {outcome.reward}", DropReason.REWARD_NONFINITE)
             if isinstance(outcome, RewardError):
                 failed.append((k, outcome))
             else:
                 samples.append(outcome)
         if not samples:
             error = failed[0][1]
-            raise GroupDroppedError(error.reason, f"all {len(outcomes)} samples: {error}")
+            detail = f"all {len(outcomes)} samples: {error}"
+            raise GroupDroppedError(error.reason, detail, len(outcomes))
         for k, error in failed:
-            await self._drop(f"{group_id}-s{k}", error.reason, str(error), quiet=True)
+            await self._drop(f"{group_id}-s{k}", error.reason, str(error), 1, groups=0, quiet=True)
         return samples
 
     # --- requests -----------------------------------------------------------------------------
@@ -411,7 +410,7 @@ class RolloutLoop:
                 partials[k] = partial
         if any(p.finish == "abort" for p in partials):
             raise GroupDroppedError(
-                "aborted", f"still aborted after {self.config.max_continues} tries"
+                DropReason.ABORTED, f"still aborted after {self.config.max_continues} tries"
             )
         rewards = await self.reward.score_all(
             item.prompt, [(p.text, p.finish) for p in partials], item.label
@@ -430,7 +429,7 @@ class RolloutLoop:
             out = await self.generate(payload, episode_id)
             partial = await self.complete(context, Partial.of(out[0]), turn_seed, episode_id)
             if partial.finish == "abort":
-                raise EnvError("aborted", "a model turn stayed aborted")
+                raise EnvError(DropReason.ABORTED, "a model turn stayed aborted")
             return partial
 
         return turn
@@ -443,10 +442,12 @@ class RolloutLoop:
         n = self.config.n_samples_per_prompt
         samples, failed = await self.episodes.run_all(item, group_id, seed, n, self.episode_turn)
         for episode_id, error in failed:
-            await self._drop(episode_id, error.reason, str(error))
+            await self._drop(episode_id, error.reason, str(error), 1, groups=0)
         if not samples:
             first = f"{failed[0][1].reason}: {failed[0][1]}"
-            raise GroupDroppedError("env_all_failed", f"all {n} episodes failed; first: {first}")
+            raise GroupDroppedError(
+                DropReason.ENV_ALL_FAILED, f"all {n} episodes failed; first: {first}", 0
+            )
         return list(samples)
 
     async def complete(
@@ -498,11 +499,16 @@ class RolloutLoop:
                 self.set_state("generating")
 
     async def _drop(
-        self, group_id: str, reason: str, detail: str, count: int = 1, quiet: bool = False
+        self,
+        group_id: str,
+        reason: DropReason,
+        detail: str,
+        samples: int | None = None,
+        groups: int = 1,
+        quiet: bool = False,
     ) -> None:
-        if not quiet:
-            log.warning("dropping %d group(s) %s: %s (%s)", count, group_id, reason, detail[:300])
-        record = DropRecord(
-            source="router", reason=reason, count=count, group_id=group_id, detail=detail[:500]
+        """`report.record_drop`; `samples` None: the whole group's n_samples_per_prompt."""
+        n = self.config.n_samples_per_prompt if samples is None else samples
+        await asyncio.to_thread(
+            record_drop, self.buffer, group_id, reason, detail, n, groups, quiet=quiet
         )
-        await asyncio.to_thread(self.buffer.record_drop, record)

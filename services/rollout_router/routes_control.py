@@ -94,7 +94,8 @@ def control_of(request: Request) -> RolloutController:
 @router.get("/rollout/status", tags=["rollout"])
 async def rollout_status(request: Request) -> dict[str, Any]:
     """State, what the loop waits for (`waiting_for`, a sentence), batch index, versions,
-    in-flight requests and groups, samples/s, buffer depth, drops."""
+    in-flight requests and groups, samples/s, buffer depth, drops (groups by reason) and the
+    run's `ledger` (where every generated group went, and whether that balances)."""
     pool = pool_of(request)
     base = {
         "workers": len(pool.admitted()),

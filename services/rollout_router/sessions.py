@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proto import DropRecord, Sample, SampleGroup
+from proto import DropReason, DropRecord, Sample, SampleGroup
 from services.rollout_router.chat_input import (
     TurnError,
     check_messages,
@@ -286,5 +286,7 @@ class AgentSessions:
     async def expire(self) -> None:
         for key in self.store.expire():
             self.first_messages.pop(key, None)
-            record = DropRecord(source="router", reason="session_expired", count=1, group_id=key)
+            record = DropRecord(
+                source="router", reason=DropReason.SESSION_EXPIRED, count=1, group_id=key
+            )
             await asyncio.to_thread(self.buffer.record_drop, record)

@@ -6,22 +6,26 @@ Keys (all under `tandem:{run_id}:`):
               of groups produced but not yet trained. The producer blocks while that length is at
               `max_groups` (backpressure): the buffer never grows without bound and nothing is
               trimmed away unseen.
-- `drops`     hash reason -> count; `drop_log` stream of `DropRecord` (capped at `drop_log_len`,
-              the counters are exact).
+- `drops`     hash `{reason}:groups` and `{reason}:samples` -> count (each drop in its own
+              unit); `drop_log` stream of `DropRecord` (capped at `drop_log_len`, the counters
+              are exact).
 - `version:{role}`  integer weight version last reported by a role (trainer, engines).
-- `metrics`   stream of `MetricsRecord` (capped at `metrics_len`).
+- `metrics`   stream of `MetricsRecord` (capped at `metrics_len`); `metrics_steps` hash source ->
+              last step written once (`publish_metrics(once_per_step=True)`).
 - `contract`  hash term -> JSON value (`proto.contract.RunContract`), plus `by:{term}` naming the
               service that set it; written once per run, term by term (HSETNX).
 - `counters`  hash name -> integer: `groups_put` (incremented in the same transaction as the
               XADD), `groups_dead_lettered` (in the transaction of the move), and what the
-              services count beside it (e.g. `groups_consumed`).
+              services count beside it (e.g. `groups_consumed`); the ledger's counters and
+              `in_flight` hash: see `ledger.py`.
 - `redraw`    sorted set of prompt draws given back (a group stopped before it was put): the
               next draws take them, lowest first, before the cursor `prompts_drawn` moves on.
 - `status:{role}`  the `ServiceStatus` a service last reported (it expires when not refreshed).
 - `trained`   hash trainer version -> JSON list of the group ids of the rollout whose last
               optimizer step made that version. A version trained again after a resume from an
               older checkpoint replaces its entry, so the hash describes the lineage of the
-              newest weights: no id may appear twice in it.
+              newest weights: no id may appear twice in it. A resumed trainer removes the
+              versions above its own (`rewind_trainer`).
 - `dead_letter`  stream of entries the trainer would not train (capped at `dead_letter_len`):
               `reason` (a `proto.drops.DeadLetterReason`), `detail`, `entry_id` (its id in
               `samples`), and the entry's own fields as they were (`d` = the raw payload).
@@ -43,6 +47,8 @@ import redis
 
 from proto import DropRecord, MetricsRecord, SampleGroup, decode, encode
 from proto.contract import ContractMismatchError, RunContract, ServiceStatus, mismatch
+from services.sample_buffer import ledger
+from services.sample_buffer.ledger import Ledger
 
 
 class BufferFullError(RuntimeError):
@@ -97,6 +103,15 @@ class SampleBuffer:
         self.trained_key = prefix + "trained"
         self.redraw_key = prefix + "redraw"
         self.dead_letter_key = prefix + "dead_letter"
+        self.in_flight_key = prefix + "in_flight"
+        self.metrics_steps_key = prefix + "metrics_steps"
+        self.trainer_drops_key = prefix + "trainer_drops"
+        self.scripts = {
+            "start": self.redis.register_script(ledger.START),
+            "put": self.redis.register_script(ledger.PUT),
+            "drop": self.redis.register_script(ledger.DROP),
+            "metrics_once": self.redis.register_script(ledger.METRICS_ONCE),
+        }
 
     # --- connection -------------------------------------------------------------------------
 
@@ -139,10 +154,9 @@ class SampleBuffer:
                     f"{timeout_s:.0f}s: is the trainer running? (raise --max-groups to buffer more)"
                 )
             time.sleep(0.05)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.samples_key, {"d": encode(group)})
-        pipe.hincrby(self.counters_key, "groups_put", 1)
-        entry_id = pipe.execute()[0]
+        # One script: the XADD, `groups_put` and the end of the group's flight (ledger.py).
+        keys = [self.samples_key, self.counters_key, self.in_flight_key]
+        entry_id = self.scripts["put"](keys=keys, args=[encode(group), group.group_id])
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     def read_groups(
@@ -238,7 +252,9 @@ class SampleBuffer:
         pipe.xadd(
             self.dead_letter_key, letter, maxlen=self.config.dead_letter_len, approximate=True
         )
-        self._drop(pipe, drop)
+        if not drop.created_at:
+            drop.created_at = time.time()
+        ledger.drop(self, drop, client=pipe)
         pipe.hincrby(self.counters_key, "groups_dead_lettered", 1)
         pipe.xack(self.samples_key, CONSUMER_GROUP, entry_id)
         pipe.xdel(self.samples_key, entry_id)
@@ -258,24 +274,18 @@ class SampleBuffer:
 
     # --- drops --------------------------------------------------------------------------------
 
-    def record_drop(self, record: DropRecord) -> None:
-        pipe = self.redis.pipeline()
-        self._drop(pipe, record)
-        pipe.execute()
-
-    def _drop(self, pipe: redis.client.Pipeline, record: DropRecord) -> None:
+    def record_drop(self, record: DropRecord, give_back: int | None = None) -> None:
+        """Count the drop in groups and in samples and log it (one script, `ledger.drop`);
+        with `give_back`, that prompt draw is drawn again first."""
         if not record.created_at:
             record.created_at = time.time()
-        pipe.hincrby(self.drops_key, record.reason, record.count)
-        pipe.xadd(
-            self.drop_log_key,
-            {"d": encode(record)},
-            maxlen=self.config.drop_log_len,
-            approximate=True,
-        )
+        ledger.drop(self, record, give_back)
 
-    def drop_counts(self) -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in self.redis.hgetall(self.drops_key).items()}
+    def drop_counts(self, unit: str = "groups") -> dict[str, int]:
+        """Drops by reason in `unit` ("groups" or "samples"); reasons at 0 are left out."""
+        raw = {k.decode(): int(v) for k, v in self.redis.hgetall(self.drops_key).items()}
+        groups, samples = ledger.split_drops(raw)
+        return {"groups": groups, "samples": samples}[unit]
 
     def drop_log(self, count: int = 100) -> list[DropRecord]:
         entries = self.redis.xrevrange(self.drop_log_key, count=count)
@@ -327,19 +337,33 @@ class SampleBuffer:
     def counters(self) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in self.redis.hgetall(self.counters_key).items()}
 
-    def draw_prompt(self) -> int:
-        """The next prompt draw of the run: one given back first, else the cursor's next."""
-        given_back = self.redis.zpopmin(self.redraw_key)
-        if given_back:
-            return int(given_back[0][1])
-        return self.incr_counter("prompts_drawn") - 1
+    def start_group(self) -> int:
+        """Draw the run's next prompt (one given back first, else the cursor's next) and count
+        its group generated and in flight as `p{draw}`, in one script. Returns the draw."""
+        keys = [self.redraw_key, self.counters_key, self.in_flight_key]
+        return int(self.scripts["start"](keys=keys, args=["p"]))
 
-    def give_back_prompt(self, draw: int) -> None:
-        """Draw `draw` was not used (its group stopped before it was put): draw it again."""
-        self.redis.zadd(self.redraw_key, {str(draw): draw})
+    def recover_in_flight(self, source: str) -> int:
+        """At a router's start: end the flight of the groups a killed one left (`ledger.py`)."""
+        return ledger.recover_in_flight(self, source)
 
-    def record_trained(self, step: int, group_ids: list[str]) -> None:
-        self.redis.hset(self.trained_key, str(step), msgspec.json.encode(group_ids))
+    def record_trained(self, step: int, group_ids: list[str]) -> Ledger:
+        """The groups whose rollout made version `step` (and `groups_trained`), after the
+        trainer counted them consumed; then the ledger's balance is checked (`ledger.check`:
+        a violation is logged and counted in `ledger_violations`)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.trained_key, str(step), msgspec.json.encode(group_ids))
+        pipe.hincrby(self.counters_key, "groups_trained", len(group_ids))
+        pipe.execute()
+        return ledger.check(self, "trainer")
+
+    def rewind_trainer(self, groups_consumed: int, version: int) -> None:
+        """A trainer resumed at `version` with `groups_consumed` from its checkpoint."""
+        ledger.rewind_trainer(self, groups_consumed, version)
+
+    def ledger(self) -> Ledger:
+        """Where every group went, as of now (`ledger.read`)."""
+        return ledger.read(self)
 
     def trained(self) -> dict[int, list[str]]:
         """Group ids trained at each optimizer step of the newest weights' lineage."""
@@ -369,14 +393,24 @@ class SampleBuffer:
 
     # --- metrics ------------------------------------------------------------------------------
 
-    def publish_metrics(self, source: str, step: int, values: dict[str, float]) -> None:
+    def publish_metrics(
+        self, source: str, step: int, values: dict[str, float], once_per_step: bool = False
+    ) -> bool:
+        """Append a record; with `once_per_step`, only when `step` is above the last step of
+        `source` written so (a step trained again after a resume is not written twice).
+        Returns whether it was written."""
         record = MetricsRecord(source=source, step=step, values=values, time=time.time())
+        if once_per_step:
+            keys = [self.metrics_key, self.metrics_steps_key]
+            args = [source, step, encode(record), self.config.metrics_len]
+            return bool(self.scripts["metrics_once"](keys=keys, args=args))
         self.redis.xadd(
             self.metrics_key,
             {"d": encode(record)},
             maxlen=self.config.metrics_len,
             approximate=True,
         )
+        return True
 
     def last_metrics_id(self) -> str:
         """Id of the newest metrics record ("0" when there is none)."""

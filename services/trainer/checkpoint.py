@@ -33,8 +33,8 @@ letters written since the checkpoint (the `groups_dead_lettered` counter, never 
 its value at save) to the checkpoint's count. A checkpoint stores the
 counter's value at save, and a resume of the same run id SETs the counter back to it: the
 groups consumed after that checkpoint are pending again, and will be trained (or dropped) and
-counted again. A checkpoint of another run id leaves the counter as it is. A drop
-that is repeated this way is recorded twice in the drop counters.
+counted again. A checkpoint of another run id leaves the counter as it is. The drops and
+trained groups counted after the checkpoint are taken back with it (`SampleBuffer.rewind_trainer`).
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class TrainerObserver:
         self.clock = StepClock()  # the next step of the same rollout starts now
         if self.buffer is None:
             return
-        self.buffer.publish_metrics("trainer", version, metrics)
+        self.buffer.publish_metrics("trainer", version, metrics, once_per_step=True)
         self.version, self.last = version, metrics
         self.metrics.inc("steps")
         self.metrics.inc("samples_trained", metrics.get("train/samples", 0.0))

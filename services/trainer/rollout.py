@@ -141,7 +141,7 @@ class Intake:
         drop = DropRecord(
             source="trainer",
             reason=DropReason.DEAD_LETTERED,
-            count=max(bad.samples, 1),
+            samples=bad.samples,
             group_id=bad.group_id,
             weight_version=bad.weight_version,
             detail=f"{bad.reason}: {bad.detail}",
@@ -164,7 +164,7 @@ class Intake:
             DropRecord(
                 source="trainer",
                 reason=DropReason.STALE,
-                count=len(group.samples),
+                samples=len(group.samples),
                 group_id=group.group_id,
                 weight_version=group.weight_version,
                 detail=f"trainer at version {version}, max_staleness {self.cfg.max_staleness}",
@@ -182,7 +182,7 @@ class Intake:
                 DropRecord(
                     source="trainer",
                     reason=DropReason.SKIPPED_UPDATE,
-                    count=len(group.samples),
+                    samples=len(group.samples),
                     group_id=group.group_id,
                     weight_version=group.weight_version,
                     detail=f"the update of step {version} was skipped (non-finite)",

@@ -140,7 +140,7 @@ class Trainer:
             now = self.buffer.counters().get("groups_dead_lettered", 0)
             saved = resumed.groups_dead_lettered
             since = max(now - (now if saved is None else saved), 0)
-            self.buffer.set_counter("groups_consumed", resumed.groups_consumed + since)
+            self.buffer.rewind_trainer(resumed.groups_consumed + since, self.version)
         if self.is_main:
             print(f"[trainer] resumed from iteration {self.version} ({root})", flush=True)
 

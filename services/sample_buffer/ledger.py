@@ -1,0 +1,270 @@
+"""The run's ledger: where every generated group went, counted in Redis as it happens.
+
+Fates, in groups (hash `counters` unless said otherwise):
+- `groups_generated`  the router drew a prompt and started its group (`start_group`); a group
+                      that was never started this way (an agent session's) counts when it is
+                      put or dropped.
+- `in_flight`         hash group id -> prompt draw: started, neither put nor dropped yet.
+- `groups_put`        put into the stream; `groups_consumed` taken off it by the trainer
+                      (trained or dropped); buffered = put - consumed.
+- `groups_trained`    trained (grows with the `trained` hash, rewound with it on a resume).
+- `drops`             hash `{reason}:groups` and `{reason}:samples`; dropped = the sum of the
+                      `:groups` fields. A drop recorded by the trainer is of a put group
+                      (it must also be counted consumed; `trainer_drops` notes it with the
+                      trainer's version, for `rewind_trainer`); any other drop of a whole
+                      group ends that group's flight.
+Balance: generated == trained + dropped + buffered + in_flight. Each event changes its counters
+in one Lua script or MULTI, so a reading (one MULTI) never sees half an event of the router;
+the trainer's own steps are sequential, so its check after a step is exact.
+
+A router that dies leaves its groups in `in_flight`; the next router start drops them as
+`cancelled` and gives their prompts back (`recover_in_flight`): one router per run id.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from proto import DropRecord, encode
+from proto.drops import DropReason
+
+if TYPE_CHECKING:
+    from services.sample_buffer.buffer import SampleBuffer
+
+log = logging.getLogger("tandem.ledger")
+
+# Sources whose drops are of groups already put (and counted consumed by that source).
+CONSUMERS = frozenset({"trainer"})
+
+START = """
+local given = redis.call('ZPOPMIN', KEYS[1])
+local p
+if given[1] then p = tonumber(given[2])
+else p = redis.call('HINCRBY', KEYS[2], 'prompts_drawn', 1) - 1 end
+redis.call('HINCRBY', KEYS[2], 'groups_generated', 1)
+redis.call('HSET', KEYS[3], ARGV[1] .. p, p)
+return p
+"""
+
+PUT = """
+local id = redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
+redis.call('HINCRBY', KEYS[2], 'groups_put', 1)
+if redis.call('HDEL', KEYS[3], ARGV[2]) == 0 then
+  redis.call('HINCRBY', KEYS[2], 'groups_generated', 1)
+end
+return id
+"""
+
+# KEYS: drops, drop_log, counters, in_flight, redraw, version:trainer, trainer_drops.
+# ARGV: reason, groups, samples, record, drop_log_len, group id, by a consumer (1/0), draw to
+# give back ('' = none). A consumer's drop of a named group is also noted with the trainer's
+# version, so that a resume to an older checkpoint can take it back (`rewind_trainer`), but for a
+# dead letter: that entry left the stream for good and is never consumed again.
+DROP = """
+local groups, samples = tonumber(ARGV[2]), tonumber(ARGV[3])
+if groups ~= 0 then redis.call('HINCRBY', KEYS[1], ARGV[1] .. ':groups', groups) end
+if samples ~= 0 then redis.call('HINCRBY', KEYS[1], ARGV[1] .. ':samples', samples) end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'd', ARGV[4])
+if ARGV[7] == '1' and ARGV[6] ~= '' and ARGV[1] ~= 'dead_lettered' then
+  local v = redis.call('GET', KEYS[6]) or '-1'
+  redis.call('HSET', KEYS[7], ARGV[6], v .. ' ' .. ARGV[1] .. ' ' .. groups .. ' ' .. samples)
+elseif ARGV[7] == '1' then
+  -- a consumer's drop of a put group: its flight ended at the put
+elseif groups > 0 then
+  local ended = redis.call('HDEL', KEYS[4], ARGV[6])
+  if groups > ended then redis.call('HINCRBY', KEYS[3], 'groups_generated', groups - ended) end
+end
+if ARGV[8] ~= '' then redis.call('ZADD', KEYS[5], tonumber(ARGV[8]), ARGV[8]) end
+return 1
+"""
+
+# ARGV: source, step, record, metrics_len. Refuses a step not above the source's last one.
+METRICS_ONCE = """
+local last = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '-1')
+if tonumber(ARGV[2]) <= last then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', 'd', ARGV[3])
+return 1
+"""
+
+
+@dataclass
+class Ledger:
+    """One consistent reading of the fates, in groups (drops also in samples, by reason)."""
+
+    generated: int = 0
+    put: int = 0
+    consumed: int = 0
+    trained: int = 0
+    dropped: int = 0
+    in_flight: int = 0
+    buffered: int = 0
+    violations: int = 0
+    dropped_groups: dict[str, int] = field(default_factory=dict)
+    dropped_samples: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def difference(self) -> int:
+        """generated - (trained + dropped + buffered + in flight); 0 when balanced."""
+        return self.generated - (self.trained + self.dropped + self.buffered + self.in_flight)
+
+    @property
+    def balanced(self) -> bool:
+        return self.difference == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "difference": self.difference, "balanced": self.balanced}
+
+    def sentence(self) -> str:
+        return (
+            f"generated {self.generated} = trained {self.trained} + dropped {self.dropped} + "
+            f"buffered {self.buffered} + in flight {self.in_flight}"
+            + ("" if self.balanced else f" is off by {self.difference}")
+        )
+
+    def table(self) -> str:
+        """The fates and the drops by reason, as lines for a terminal."""
+        rows = [
+            ("generated", self.generated, ""),
+            ("put", self.put, ""),
+            ("consumed", self.consumed, ""),
+            ("trained", self.trained, ""),
+            ("buffered", self.buffered, "put - consumed"),
+            ("in flight", self.in_flight, ""),
+            ("dropped", self.dropped, "groups"),
+        ]
+        for reason in sorted(set(self.dropped_groups) | set(self.dropped_samples)):
+            groups, samples = (
+                self.dropped_groups.get(reason, 0),
+                self.dropped_samples.get(reason, 0),
+            )
+            rows.append((f"  {reason}", groups, f"groups ({samples} samples)"))
+        if self.violations:
+            rows.append(("violations", self.violations, "trainer checks that did not balance"))
+        lines = [f"{name:<22}{count:>10}  {note}".rstrip() for name, count, note in rows]
+        verdict = "balanced" if self.balanced else f"UNBALANCED: difference {self.difference}"
+        lines.append(f"{self.sentence()}: {verdict}")
+        return "\n".join(lines)
+
+
+def read(buffer: SampleBuffer) -> Ledger:
+    """The ledger as of one instant (a MULTI of three reads)."""
+    pipe = buffer.redis.pipeline(transaction=True)
+    pipe.hgetall(buffer.counters_key)
+    pipe.hgetall(buffer.drops_key)
+    pipe.hlen(buffer.in_flight_key)
+    raw_counters, raw_drops, in_flight = pipe.execute()
+    counters = {k.decode(): int(v) for k, v in raw_counters.items()}
+    groups, samples = split_drops({k.decode(): int(v) for k, v in raw_drops.items()})
+    put, consumed = counters.get("groups_put", 0), counters.get("groups_consumed", 0)
+    return Ledger(
+        generated=counters.get("groups_generated", 0),
+        put=put,
+        consumed=consumed,
+        trained=counters.get("groups_trained", 0),
+        dropped=sum(groups.values()),
+        in_flight=int(in_flight),
+        buffered=put - consumed,
+        violations=counters.get("ledger_violations", 0),
+        dropped_groups=groups,
+        dropped_samples=samples,
+    )
+
+
+def split_drops(raw: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """The drops hash as (groups by reason, samples by reason), zero counts left out."""
+    out: dict[str, dict[str, int]] = {"groups": {}, "samples": {}}
+    for key, value in raw.items():
+        reason, _, unit = key.rpartition(":")
+        if unit in out and value:
+            out[unit][reason] = value
+    return out["groups"], out["samples"]
+
+
+def check(buffer: SampleBuffer, who: str) -> Ledger:
+    """Read the ledger; when it does not balance, say so loudly and count `ledger_violations`."""
+    ledger = read(buffer)
+    if not ledger.balanced:
+        ledger.violations = buffer.incr_counter("ledger_violations")
+        log.error(
+            "LEDGER UNBALANCED (%s check #%d): %s; drops by reason %s",
+            who,
+            ledger.violations,
+            ledger.sentence(),
+            ledger.dropped_groups,
+        )
+        print(f"[{who}] LEDGER UNBALANCED: {ledger.sentence()}", flush=True)
+    return ledger
+
+
+def drop(
+    buffer: SampleBuffer, record: DropRecord, give_back: int | None = None, client: Any = None
+) -> None:
+    """Count `record` in its units, log it, and end its group's flight (see the module
+    docstring); with `give_back`, that prompt draw is drawn again first. `client`: a pipeline
+    to run it in (default: at once)."""
+    buffer.scripts["drop"](
+        keys=[
+            buffer.drops_key,
+            buffer.drop_log_key,
+            buffer.counters_key,
+            buffer.in_flight_key,
+            buffer.redraw_key,
+            buffer.version_prefix + "trainer",
+            buffer.trainer_drops_key,
+        ],
+        args=[
+            str(record.reason),
+            record.count,
+            record.samples,
+            encode(record),
+            buffer.config.drop_log_len,
+            record.group_id,
+            int(record.source in CONSUMERS),
+            "" if give_back is None else give_back,
+        ],
+        client=client,
+    )
+
+
+def recover_in_flight(buffer: SampleBuffer, source: str) -> int:
+    """Groups a router left in flight when it died: dropped as `cancelled`, prompts given
+    back. Call once, at the start of the run's (only) router. Returns how many."""
+    left = buffer.redis.hgetall(buffer.in_flight_key)
+    for group_id, draw in left.items():
+        record = DropRecord(
+            source=source,
+            reason=DropReason.CANCELLED,
+            count=1,
+            group_id=group_id.decode(),
+            detail="in flight when the router stopped without ending it (killed); its prompt "
+            "is drawn again",
+        )
+        drop(buffer, record, give_back=int(draw))
+    if left:
+        log.warning("%d groups were in flight when the last router died: drawn again", len(left))
+    return len(left)
+
+
+def rewind_trainer(buffer: SampleBuffer, groups_consumed: int, version: int) -> None:
+    """A trainer resumed at `version` from a checkpoint that had consumed `groups_consumed`:
+    the groups it trained or dropped after that checkpoint are pending again, so they leave
+    `trained`, `groups_trained` and the drop counts (they will be counted when consumed again).
+    Drops noted at a trainer version >= `version` came after the checkpoint was saved."""
+    trained = buffer.trained()
+    kept = sum(len(ids) for v, ids in trained.items() if v <= version)
+    pipe = buffer.redis.pipeline(transaction=True)
+    pipe.hset(buffer.counters_key, "groups_consumed", groups_consumed)
+    pipe.hset(buffer.counters_key, "groups_trained", kept)
+    later = [str(v) for v in trained if v > version]
+    if later:
+        pipe.hdel(buffer.trained_key, *later)
+    for group_id, noted in buffer.redis.hgetall(buffer.trainer_drops_key).items():
+        at, reason, groups, samples = noted.decode().split(" ")
+        if int(at) >= version:
+            pipe.hincrby(buffer.drops_key, f"{reason}:groups", -int(groups))
+            pipe.hincrby(buffer.drops_key, f"{reason}:samples", -int(samples))
+            pipe.hdel(buffer.trainer_drops_key, group_id)
+    pipe.execute()

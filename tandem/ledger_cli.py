@@ -1,0 +1,98 @@
+"""`tandem ledger RUN`: where every generated group of a run went, and whether it balances.
+
+RUN is a `tandem up` run folder: its live Redis when the run is going (`RUN/redis.url`), else
+a private server started on its data (`RUN/redis/`), else the `RUN/ledger.json` written when
+the run ended. Or name the Redis yourself: `--redis-url URL --run-id ID`. Prints the counts by
+fate and by drop reason and "balanced" or the difference; exit 0 balanced, 1 unbalanced,
+2 bad flags or nothing to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from services.sample_buffer.ledger import Ledger
+
+# A live trainer counts a rollout consumed, then trained: a reading between the two is off by
+# that rollout for a moment, so an unbalanced reading of a live run is taken again.
+LIVE_READS, LIVE_READ_GAP_S = 5, 0.3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem ledger", description=__doc__.split("\n")[0])
+    parser.add_argument("run", nargs="?", help="run folder of `tandem up`")
+    parser.add_argument("--redis-url", default="", help="Redis of the run (instead of RUN)")
+    parser.add_argument(
+        "--run-id", "--run-name", default="", help="run id (default: up-<RUN folder name>)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the ledger as JSON")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run) if args.run else None
+    run_id = args.run_id or (f"up-{run_dir.resolve().name}" if run_dir else "")
+    if not run_id:
+        parser.error("name a run folder, or --redis-url with --run-id")
+    try:
+        ledger = read_ledger(run_dir, args.redis_url, run_id)
+    except (FileNotFoundError, ConnectionError) as exc:
+        print(f"tandem ledger: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(ledger.as_dict(), indent=1) if args.json else ledger.table())
+    return 0 if ledger.balanced else 1
+
+
+def read_ledger(run_dir: Path | None, redis_url: str, run_id: str) -> Ledger:
+    """The ledger from the first source that answers (see the module docstring)."""
+    live = redis_url or live_url(run_dir)
+    if live:
+        return read_live(SampleBuffer(BufferConfig(redis_url=live, run_id=run_id)))
+    assert run_dir is not None
+    if (run_dir / "redis").is_dir():
+        with RedisServer(data_dir=run_dir / "redis") as server:
+            return SampleBuffer(BufferConfig(redis_url=server.url, run_id=run_id)).ledger()
+    saved = run_dir / "ledger.json"
+    if saved.is_file():
+        fields = json.loads(saved.read_text())
+        return Ledger(**{k: v for k, v in fields.items() if k in Ledger.__dataclass_fields__})
+    raise FileNotFoundError(
+        f"{run_dir} has no redis/ folder and no ledger.json: is it a `tandem up` run folder? "
+        "(or pass --redis-url and --run-id)"
+    )
+
+
+def live_url(run_dir: Path | None, wait_s: float = 5.0) -> str:
+    """The URL of the run's Redis while `tandem up` runs it; "" when there is none, or it does
+    not answer within `wait_s` (its `tandem up` was killed: the file outlived the server)."""
+    path = run_dir / "redis.url" if run_dir else None
+    if path is None or not path.is_file():
+        return ""
+    url = path.read_text().strip()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:  # a busy server may be slow: never start a second one
+        try:
+            redis.Redis.from_url(url, socket_timeout=2).ping()
+            return url
+        except redis.RedisError:
+            time.sleep(0.5)
+    return ""
+
+
+def read_live(buffer: SampleBuffer) -> Ledger:
+    buffer.wait_ready(timeout_s=10.0)
+    ledger = buffer.ledger()
+    for _ in range(LIVE_READS - 1):
+        if ledger.balanced:
+            break
+        time.sleep(LIVE_READ_GAP_S)
+        ledger = buffer.ledger()
+    return ledger
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""The run's ledger: every generated group has one fate (trained, dropped, buffered, in flight),
+the counts balance, and a router killed mid-run resumes without replaying or losing a group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from proto import DropReason, DropRecord, Sample, SampleGroup
+from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from tests.helpers import router_args, wait_until
+
+MAX_STALENESS = 1
+BATCH = 4
+
+
+def make_group(group_id: str, version: int = 0, n: int = 2) -> SampleGroup:
+    sample = Sample(
+        prompt_ids=[1, 4],
+        response_ids=[6],
+        response_logprobs=[-0.5],
+        loss_mask=[1],
+        reward=1.0,
+        weight_version=version,
+    )
+    return SampleGroup(
+        group_id=group_id,
+        prompt="1>",
+        label="1",
+        samples=[sample] * n,
+        weight_version=version,
+        created_at=time.time(),
+    )
+
+
+def tandem_ledger(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "ledger", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_each_event_keeps_the_ledger_balanced_and_tandem_ledger_says_so(
+    buffer: SampleBuffer,
+) -> None:
+    draws = [buffer.start_group() for _ in range(4)]  # the router starts p0..p3
+    assert draws == [0, 1, 2, 3] and buffer.ledger().in_flight == 4
+    buffer.put_group(make_group("p0"))
+    buffer.put_group(make_group("p1"))
+    router = "router"
+    buffer.record_drop(DropRecord(source=router, reason=DropReason.ENGINE_ERROR, group_id="p2"))
+    cancel = DropRecord(source=router, reason=DropReason.CANCELLED, samples=2, group_id="p3")
+    buffer.record_drop(cancel, give_back=3)
+    one = DropRecord(source=router, reason=DropReason.REWARD_ERROR, count=0, samples=1)
+    buffer.record_drop(one)  # one sample of a group that is still put: no group's fate
+    assert buffer.start_group() == 3, "the given-back draw comes first"
+    assert buffer.counters()["prompts_drawn"] == 4
+    assert buffer.ledger().balanced, buffer.ledger().table()
+    # The trainer: p0 is dropped stale, p1 trained; then p3 is put and an agent's group too.
+    read = buffer.read_groups("trainer", 2, block_ms=100)
+    stale = DropRecord(source="trainer", reason=DropReason.STALE, samples=2, group_id="p0")
+    buffer.record_drop(stale)
+    buffer.incr_counter("groups_consumed", 2)
+    assert buffer.record_trained(1, ["p1"]).balanced
+    buffer.ack([entry for entry, _ in read])
+    buffer.put_group(make_group("p3"))
+    buffer.put_group(make_group("session-a"))  # never started: generated when put
+    ledger = buffer.ledger()
+    print(ledger.table())
+    assert (ledger.generated, ledger.trained, ledger.dropped, ledger.buffered) == (6, 1, 3, 2)
+    assert ledger.in_flight == 0 and ledger.balanced and ledger.violations == 0
+    assert ledger.dropped_groups == {"engine_error": 1, "cancelled": 1, "stale": 1}
+    assert ledger.dropped_samples == {"cancelled": 2, "stale": 2, "reward_error": 1}
+
+    where = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    done = tandem_ledger(*where)
+    assert done.returncode == 0 and "balanced" in done.stdout, done.stdout + done.stderr
+    assert "stale" in done.stdout and "engine_error" in done.stdout
+    buffer.incr_counter("groups_generated")  # a group nobody accounts for
+    assert not buffer.record_trained(2, []).balanced
+    assert buffer.counters()["ledger_violations"] == 1
+    done = tandem_ledger(*where)
+    assert done.returncode == 1 and "UNBALANCED: difference 1" in done.stdout, done.stdout
+    assert "violations" in done.stdout
+
+
+def test_a_trainer_resumed_from_an_older_checkpoint_takes_back_what_it_counted_after_it(
+    buffer: SampleBuffer,
+) -> None:
+    for draw in range(3):
+        assert buffer.start_group() == draw
+        buffer.put_group(make_group(f"p{draw}"))
+
+    def consume(version: int) -> None:  # at `version`: p1 dropped stale, p2 trained
+        buffer.set_version("trainer", version)
+        stale = DropRecord(source="trainer", reason=DropReason.STALE, samples=2, group_id="p1")
+        buffer.record_drop(stale)
+        buffer.incr_counter("groups_consumed", 2)
+        assert buffer.record_trained(version + 1, ["p2"]).balanced
+
+    buffer.set_version("trainer", 0)
+    buffer.incr_counter("groups_consumed", 1)
+    buffer.record_trained(1, ["p0"])  # the checkpoint of version 1 holds consumed = 1
+    consume(1)
+    assert buffer.ledger().dropped_groups == {"stale": 1}
+    buffer.rewind_trainer(1, 1)  # died before its next checkpoint; resumed at version 1
+    ledger = buffer.ledger()
+    assert (ledger.trained, ledger.dropped, ledger.buffered) == (1, 0, 2) and ledger.balanced
+    consume(1)  # the same groups again: counted once
+    ledger = buffer.ledger()
+    assert (ledger.trained, ledger.dropped, ledger.buffered) == (2, 1, 0) and ledger.balanced
+    assert ledger.dropped_samples == {"stale": 2} and ledger.violations == 0
+
+
+def test_a_run_folder_is_read_from_its_redis_data_and_a_step_is_written_once(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run7"
+    with RedisServer(data_dir=run / "redis", log_dir=tmp_path / "logs") as server:
+        buf = SampleBuffer(BufferConfig(redis_url=server.url, run_id="up-run7"))
+        buf.start_group()
+        assert buf.publish_metrics("trainer", 1, {"train/loss": 1.0}, once_per_step=True)
+        assert not buf.publish_metrics("trainer", 1, {"train/loss": 2.0}, once_per_step=True)
+        assert buf.publish_metrics("trainer", 2, {"train/loss": 3.0}, once_per_step=True)
+        losses = [r.values["train/loss"] for _, r in buf.read_metrics()]
+        assert losses == [1.0, 3.0], "a step trained again after a resume is not written twice"
+        time.sleep(1.2)  # appendfsync everysec
+    done = tandem_ledger(str(run))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "generated 1 = trained 0 + dropped 0 + buffered 0 + in flight 1" in done.stdout
+
+
+class PlayTrainer:
+    """Plays the trainer through the SampleBuffer API it uses: reads BATCH groups, drops the
+    stale ones, 'trains' the rest (counts them consumed, records them trained, which checks
+    the ledger), raises the version, moves the engine to it, acks."""
+
+    def __init__(self, buffer: SampleBuffer, engine_url: str) -> None:
+        self.buffer, self.engine_url = buffer, engine_url
+        self.version = 0
+        self.seen: list[str] = []  # every group id read, in order
+        self.unbalanced: list[str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        buffer, hand = self.buffer, []
+        while not self.stop.is_set():
+            hand += buffer.read_groups("trainer", BATCH - len(hand), block_ms=100)
+            if len(hand) < BATCH:
+                continue
+            fresh = []
+            for _entry, group in hand:
+                self.seen.append(group.group_id)
+                if self.version - group.weight_version > MAX_STALENESS:
+                    record = DropRecord(
+                        source="trainer",
+                        reason=DropReason.STALE,
+                        samples=len(group.samples),
+                        group_id=group.group_id,
+                    )
+                    buffer.record_drop(record)
+                else:
+                    fresh.append(group.group_id)
+            buffer.incr_counter("groups_consumed", len(hand))
+            self.version += 1
+            ledger = buffer.record_trained(self.version, fresh)
+            if not ledger.balanced:
+                self.unbalanced.append(ledger.sentence())
+            buffer.set_version("trainer", self.version)
+            body = {"model_path": "m", "weight_version": str(self.version)}
+            httpx.post(self.engine_url + "/update_weights_from_disk", json=body, timeout=10)
+            buffer.set_version("engines", self.version)
+            buffer.ack([entry for entry, _ in hand])
+            hand = []
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+
+
+def test_a_router_killed_mid_run_resumes_without_replaying_losing_or_a_stale_burst(
+    buffer, toy_model_dir, start_service, engines
+):
+    engine = engines("--delay-ms", "100")  # groups stay in flight long enough to be killed
+    flags = ["--max-staleness", str(MAX_STALENESS), "--eval-interval", "0"]
+    args = router_args(buffer, toy_model_dir, [engine.url], *flags, batch=BATCH)
+    trainer = PlayTrainer(buffer, engine.url)
+    try:
+        first = start_service("router", args)
+        wait_until(lambda: trainer.version >= 2, "two steps before the kill")
+        wait_until(lambda: buffer.ledger().in_flight >= 2, "groups in flight to kill")
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        first.proc.wait()
+        left = {k.decode() for k in buffer.redis.hkeys(buffer.in_flight_key)}
+        at_kill = buffer.ledger()
+        assert at_kill.balanced, at_kill.table()  # the groups it left are still in flight
+        drawn_at_kill, steps_at_kill = buffer.counters()["prompts_drawn"], trainer.version
+
+        second = start_service("router", args)
+        wait_until(lambda: trainer.version >= steps_at_kill + 3, "three more steps")
+        wait_until(lambda: left <= set(trainer.seen), "the killed groups' prompts put again")
+        status = httpx.get(second.url + "/rollout/status", timeout=10).json()
+        assert status["ledger"]["generated"] > at_kill.generated, status
+    finally:
+        trainer.close()
+    os.killpg(second.proc.pid, signal.SIGKILL)  # killed again: what it had in flight stays so
+    second.proc.wait()
+    ledger = buffer.ledger()
+    print(f"\nleft in flight by the kill: {sorted(left)}; at the kill:\n{at_kill.table()}")
+    print(f"after the restart ({trainer.version} steps):\n{ledger.table()}")
+    assert len(trainer.seen) == len(set(trainer.seen)), "a group id was put twice"
+    assert ledger.dropped_groups.get("cancelled", 0) >= len(left)
+    assert ledger.dropped_groups.get("stale", 0) <= BATCH, "a burst of stale groups"
+    assert buffer.counters()["prompts_drawn"] > drawn_at_kill, "the cursor went on"
+    assert not trainer.unbalanced and ledger.violations == 0, trainer.unbalanced
+    assert ledger.balanced, ledger.table()
