@@ -68,7 +68,7 @@ def test_malformed_frames_are_rejected_and_counted_and_every_thread_lives(broker
     assert httpx.get(url + "/state").json()["version"] == -1
 
 
-def test_engine_registration_checks_the_url_and_the_token(broker) -> None:  # type: ignore[no-untyped-def]
+def test_engine_registration_checks_the_url_the_size_and_the_token(broker) -> None:  # type: ignore[no-untyped-def]
     auth = {"Authorization": f"Bearer {TOKEN}"}
     for bad in ("not a url", "", "ftp://x", "http://", "http://h:99999"):
         reply = httpx.post(broker.url + "/engines", json={"url": bad}, headers=auth)
@@ -79,6 +79,13 @@ def test_engine_registration_checks_the_url_and_the_token(broker) -> None:  # ty
     delete = httpx.delete(broker.url + "/engines", params=good)
     assert delete.status_code == 401
     assert httpx.get(broker.url + "/state").status_code == 200, "reads stay open"
+    huge = {"url": "http://127.0.0.1:9/" + "a" * (2 << 20)}  # over the 1 MiB default
+    reply = httpx.post(broker.url + "/engines", json=huge, headers=auth)
+    assert reply.status_code == 413 and "--max-request-bytes" in reply.text
+    spec = httpx.get(broker.url + "/openapi.json").json()
+    ids = [op["operationId"] for item in spec["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    assert "requestBody" in spec["paths"]["/engines"]["post"]
 
 
 def test_a_dead_weight_thread_makes_health_503() -> None:

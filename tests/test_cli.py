@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,21 @@ def test_a_sliding_window_shorter_than_the_context_is_refused_naming_the_field(
     result = tandem(*command, "--model", str(tmp_path))
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"{tmp_path / 'config.json'}: sliding_window 32" in result.stderr
+
+
+def test_tandem_up_gives_each_run_its_own_token_and_weight_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tandem.up_run import share_run_secrets
+
+    names = ("TANDEM_API_TOKEN", "TANDEM_WEIGHT_SECRET")
+    runs = []
+    for _ in range(2):
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+        share_run_secrets()
+        runs.append([os.environ[name] for name in names])
+    assert all(len(value) == 64 for value in runs[0]) and runs[0] != runs[1]
+    monkeypatch.setenv("TANDEM_WEIGHT_SECRET", "chosen")
+    share_run_secrets()
+    assert os.environ["TANDEM_WEIGHT_SECRET"] == "chosen"

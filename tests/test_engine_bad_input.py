@@ -40,7 +40,11 @@ def post(url: str, body: object, auth: bool = True, timeout: float = 30) -> http
         ("/get_weights_by_name", {"name": {}}, "name"),
         ("/get_weights_by_name", {"name": "lm_head.weight", "truncate_size": 0}, "truncate_size"),
         ("/update_weights_from_zmq", {"endpoint": "garbage", "weight_version": "1"}, "endpoint"),
-        ("/init_weights_update_group", {"world_size": 0}, "world_size"),
+        (
+            "/init_weights_update_group",
+            {"master_address": "127.0.0.1", "master_port": 1, "world_size": 0},
+            "world_size",
+        ),
         (
             "/init_weights_update_group",
             {"master_address": "x", "master_port": 1, "world_size": 2, "rank_offset": 2},
@@ -95,6 +99,8 @@ def test_mutating_routes_need_the_token_and_reads_stay_open(engine: str) -> None
     body = {"new_version": "9", "abort_all_requests": False}
     assert post(engine + "/update_weight_version", body, auth=False).status_code == 401
     assert post(engine + "/pause_generation", {}, auth=False).status_code == 401
+    disk = {"model_path": "/nonexistent", "weight_version": "38"}
+    assert post(engine + "/update_weights_from_disk", disk, auth=False).status_code == 401
     assert post(engine + "/update_weight_version", body).status_code == 200
     assert httpx.get(engine + "/model_info").json()["weight_version"] == "9"
     wrong = {"Authorization": "Bearer nope"}

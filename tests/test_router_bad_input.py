@@ -4,6 +4,9 @@ reference engine (the toy model with a chat template: a context of 64 tokens).""
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +16,7 @@ import httpx
 import pytest
 
 from services.sample_buffer import RedisServer
-from tests.helpers import with_chat_template
+from tests.helpers import router_args, with_chat_template
 
 TOKEN = "router-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -90,6 +93,36 @@ def test_bad_session_turns_are_400_naming_the_field_and_engine_refusals_pass_thr
     # a body that is not an object is refused on the path without a session, too
     reply = httpx.post(router + "/v1/chat/completions", json=[1], timeout=30)
     assert reply.status_code == 400
+
+
+def test_a_refused_turn_leaves_the_connection_open_for_the_next_one(router: str) -> None:
+    valid = {"messages": user("12"), "max_tokens": 2}
+    with httpx.Client(headers={"X-Session-Id": "s-keep", **AUTH}, timeout=60) as client:
+        for bad in ({"messages": [[None, None]]}, [1, 2]):
+            refused = client.post(router + "/v1/chat/completions", json=bad)
+            reply = client.post(router + "/v1/chat/completions", json=valid)
+            assert reply.status_code == 200, reply.text
+            assert refused.status_code == 400, refused.text
+
+
+def test_sigterm_ends_a_router_whose_requests_wait_on_a_paused_engine(
+    start_service, engines, buffer, toy_model_dir: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """The paused engine here is the SGLang stand-in: only SIGTERM can end the request."""
+    engine = engines()
+    args = router_args(buffer, toy_model_dir, [engine.url], "--no-rollout")
+    service = start_service("router", [*args, "--graceful-shutdown-s", "1"])
+    assert httpx.post(engine.url + "/pause_generation", json={"mode": "in_place"}).is_success
+    body = {"input_ids": [1, 5, 14], "sampling_params": {"max_new_tokens": 2}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, service.url + "/generate", json=body, timeout=60)
+        time.sleep(0.5)  # the request waits on the paused engine (nothing else would end it)
+        assert not held.done()
+        os.kill(service.proc.pid, signal.SIGTERM)
+        service.proc.wait(timeout=20)  # bounded by --graceful-shutdown-s, not by the engine
+        with pytest.raises(httpx.HTTPError):
+            held.result(timeout=20).raise_for_status()
+    httpx.post(engine.url + "/continue_generation", json={})  # lets the stand-in stop at once
 
 
 def test_a_turn_without_max_tokens_is_clipped_to_the_context(router: str) -> None:

@@ -161,3 +161,34 @@ def test_pending_groups_a_loaded_checkpoint_already_trained_are_acked_not_traine
     assert [g.group_id for g in rollout.groups] == ["g1", "g2"]
     assert buffer.depth() == 2  # g0 acked (and deleted) without training
     assert buffer.drop_counts() == {}
+
+
+def test_rng_state_loads_without_unpickling_and_restores_every_generator(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    from services.trainer.checkpoint import _rng_state, _set_rng_state
+
+    torch.save(_rng_state(), tmp_path / "rng.pt")
+    expected = (random.random(), float(np.random.rand()), torch.rand(1).item())
+    _set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == expected
+
+
+def test_no_torch_load_in_the_project_unpickles() -> None:
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    unsafe = []
+    for path in [*root.glob("services/**/*.py"), *root.glob("tandem/**/*.py")]:
+        text = path.read_text()
+        if "torch.load" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if not (isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load"):
+                continue
+            flags = {k.arg: ast.unparse(k.value) for k in node.keywords}
+            if flags.get("weights_only") != "True":
+                unsafe.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert unsafe == [], unsafe
