@@ -241,8 +241,9 @@ def test_bad_entries_are_dead_lettered_skipped_updates_not_trained_and_pending_t
         24: [],  # the skipped update trained nothing
         25: ["good4", "good5"],
     }
-    drops = buffer.drop_counts()
-    assert drops[DropReason.SKIPPED_UPDATE] == 4  # the 2 samples of each NaN-log-prob group
+    drops, drop_samples = buffer.drop_counts(), buffer.drop_counts("samples")
+    assert drops[DropReason.SKIPPED_UPDATE] == 2  # the two NaN-log-prob groups
+    assert drop_samples[DropReason.SKIPPED_UPDATE] == 4  # their 2 samples each
     decoded = {
         "oov",
         "lengths",
@@ -252,8 +253,9 @@ def test_bad_entries_are_dead_lettered_skipped_updates_not_trained_and_pending_t
         "future",
         "foreign",
     }
-    assert drops[DropReason.DEAD_LETTERED] == sum(  # samples where the group decoded, else 1
-        len(good[0].samples) if name in decoded else 1 for name in bad_ids.values()
+    assert drops[DropReason.DEAD_LETTERED] == len(bad_ids)  # one group per entry
+    assert drop_samples[DropReason.DEAD_LETTERED] == sum(  # samples where the group decoded
+        len(good[0].samples) for name in bad_ids.values() if name in decoded
     )
     metrics = {r.step: r.values for _, r in buffer.read_metrics() if r.source == "trainer"}
     assert math.isfinite(metrics[23]["train/loss"])  # one NaN-reward group poisons nothing
