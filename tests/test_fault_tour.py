@@ -4,8 +4,9 @@ killed with SIGKILL mid-run in turn and started again the same way, the run goin
 One run, one tour (starting a trainer costs more than a fault): engine, router, broker, Redis
 (AOF in its data folder) and trainer (resumes from its --save checkpoint) are killed in that
 order; after each restart the run must train `STEPS_AFTER` more steps within `PHASE_S`. At the
-end no group id was trained twice and every group the buffer took is accounted for. The counts
-of each phase are printed.
+end no group id was trained twice, the ledger balances (generated = trained + dropped +
+buffered + in flight) and the trainer never saw it unbalanced. The ledger of each phase is
+printed.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Run:
     def __init__(self, root: Path, model: Path) -> None:
         self.root = root
         self.redis = RedisServer(port=free_port(), data_dir=root / "redis").start()
-        config = UpConfig(max_steps=10_000, save_interval=2)
+        config = UpConfig(max_steps=10_000, save_interval=2).settled()
         self.args = service_args(config, "tour", model, self.redis.url, root)
         engine_port, broker_port, intake = free_port(), free_port(), free_port()
         engine_url = f"http://127.0.0.1:{engine_port}"
@@ -126,13 +127,12 @@ def test_each_service_killed_mid_run_and_restarted_the_run_goes_on_and_nothing_i
             time.sleep(1.0)
             run.restart_redis() if name == "redis" else run.start(name)
             steps = run.wait_steps(steps + STEPS_AFTER, f"after killing the {name}")
-            counters = run.buffer.counters()
-            print(
-                f"{name} killed and restarted: {steps} steps, counters {counters},"
-                f" drops {run.buffer.drop_counts()}"
-            )
+            print(f"{name} killed and restarted: {steps} steps; {run.buffer.ledger().sentence()}")
         trained = [gid for ids in run.buffer.trained().values() for gid in ids]
         twice = [gid for gid, n in Counter(trained).items() if n > 1]
         assert not twice, f"groups trained twice: {twice[:10]}"
+        ledger = run.buffer.ledger()
+        assert ledger.balanced(), ledger.sentence()
+        assert run.buffer.counters().get("ledger_violations", 0) == 0
     finally:
         run.stop()

@@ -58,6 +58,7 @@ class Intake:
     ) -> None:
         self.cfg, self.buffer, self.limits, self.report = cfg, buffer, limits, report
         self.lineage_floor = 0  # --new-lineage: groups stamped below it are foreign
+        self.published_before = 0  # on resume: the highest version published before the crash
         self.pending_first = True  # after a (re)start, groups read but never acked come first
         self.backlog: list[Entry] = []  # read from Redis, not yet used
         self.unacked: list[str] = []  # trained or dropped stale, waiting for a checkpoint
@@ -77,7 +78,8 @@ class Intake:
                 read = [(i, f) for i, f in read if i not in self.already_trained]
             checked = []
             for entry_id, fields in read:
-                group = check_entry(fields, self.limits, version, self.lineage_floor)
+                newest = max(version, self.published_before)  # a stamp above it is from the future
+                group = check_entry(fields, self.limits, newest, self.lineage_floor)
                 if isinstance(group, Rejected):
                     self._dead_letter(entry_id, fields, group, version)
                 else:

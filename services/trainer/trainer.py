@@ -134,6 +134,9 @@ class Trainer:
         self.version = resumed.version
         if self.intake is not None:
             self.intake.already_trained = set(resumed.trained_entry_ids)
+            # Engines may serve a version this checkpoint precedes (published before a crash):
+            # their groups are of this lineage, not from the future.
+            self.intake.published_before = self.buffer.get_version("trainer") if self.buffer else 0
         if self.buffer is not None and resumed.groups_consumed is not None:
             # The groups consumed after the save are pending again, but for the dead letters
             # written since (see checkpoint.py).
