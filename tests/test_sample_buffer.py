@@ -54,37 +54,33 @@ def test_acked_groups_free_space_and_unacked_ones_are_handed_out_again(
     assert [g.group_id for _, g in again] == ["g1", "g2", "g3"]
 
 
-def test_a_full_buffer_makes_the_producer_wait_until_the_consumer_acks(
+def test_a_full_buffer_makes_the_producer_wait_until_the_trainer_consumes(
     buffer: SampleBuffer,
 ) -> None:
-    small = SampleBuffer(
-        BufferConfig(redis_url=buffer.config.redis_url, run_id=buffer.config.run_id, max_groups=2)
-    )
-    small.put_group(make_group("a"))
-    small.put_group(make_group("b"))
+    buffer.put_group(make_group("a"), max_depth=2)
+    buffer.put_group(make_group("b"), max_depth=2)
     done = threading.Event()
 
     def produce() -> None:
-        small.put_group(make_group("c"), timeout_s=30)
+        buffer.put_group(make_group("c"), max_depth=2, timeout_s=30)
         done.set()
 
     thread = threading.Thread(target=produce)
     thread.start()
     assert not done.wait(0.5), "producer should block while the buffer is full"
-    entries = small.read_groups("t0", count=1, block_ms=100)
-    small.ack([entries[0][0]])
+    entries = buffer.read_groups("t0", count=1, block_ms=100)
+    buffer.ack([entries[0][0]])
+    assert not done.wait(0.3), "an ack alone does not count the group consumed"
+    buffer.incr_counter("groups_consumed", 1)
     thread.join(timeout=10)
     assert done.is_set()
-    assert small.depth() == 2
+    assert buffer.backlog() == 2 and buffer.depth() == 2
 
 
 def test_a_buffer_that_stays_full_raises_an_error_naming_the_flag(buffer: SampleBuffer) -> None:
-    small = SampleBuffer(
-        BufferConfig(redis_url=buffer.config.redis_url, run_id=buffer.config.run_id, max_groups=1)
-    )
-    small.put_group(make_group("a"))
-    with pytest.raises(BufferFullError, match="--max-groups"):
-        small.put_group(make_group("b"), timeout_s=0.2)
+    buffer.put_group(make_group("a"), max_depth=1)
+    with pytest.raises(BufferFullError, match=r"depth 1 of 1.*--max-buffer-depth"):
+        buffer.put_group(make_group("b"), max_depth=1, timeout_s=0.2)
 
 
 def test_drops_are_counted_by_reason_and_logged(buffer: SampleBuffer) -> None:

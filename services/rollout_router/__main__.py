@@ -13,7 +13,7 @@ from proto.contract import ContractMismatchError
 from services.common.auth import check_bind, token_from_env
 from services.common.flags import add_config_args, config_from_args
 from services.common.serving import add_serving_args
-from services.rollout_router.config import RouterConfig, WorkerPoolConfig
+from services.rollout_router.config import RouterConfig, WorkerPoolConfig, check_buffer_depth
 from services.rollout_router.workers import EngineStartupError, WorkerPool
 from services.sample_buffer import SampleBuffer
 
@@ -77,9 +77,11 @@ def main(argv: list[str]) -> int:
         # then finds them answering at once.
         buffer = SampleBuffer(config.buffer)
         buffer.wait_ready(30.0)
-        buffer.agree_contract(config.rollout.contract(), "router")
+        run = buffer.agree_contract(config.rollout.contract(), "router")
+        # The trainer's batch (with --no-rollout the router states none of its own).
+        check_buffer_depth(config.rollout.buffer_depth_bound(), run.rollout_batch_size or 0)
         asyncio.run(wait_for_engines(config.workers))
-    except ContractMismatchError as exc:
+    except (ContractMismatchError, ValueError) as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return 2
     except (EngineStartupError, ConnectionError) as exc:

@@ -16,9 +16,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from services.rollout_router.config import RolloutConfig
-from services.sample_buffer import SampleBuffer
-
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 
@@ -33,10 +30,14 @@ class Demand:
     trainer_version: int
     engines_version: int
 
+    def backlog(self) -> int:
+        """Groups put and not yet consumed (never below 0: a trainer resumed on a fresh Redis
+        may count more consumed than were put)."""
+        return max(self.put - self.consumed, 0)
+
     def ahead(self) -> int:
-        """Groups the trainer has yet to consume, in flight included (never below 0: a
-        trainer resumed on a fresh Redis may count more consumed than were put)."""
-        return max(self.put - self.consumed, 0) + self.in_flight
+        """Groups the trainer has yet to consume, in flight included."""
+        return self.backlog() + self.in_flight
 
 
 def allowance(d: Demand, batch: int, steps_per_rollout: int, max_staleness: int) -> int:
@@ -120,21 +121,3 @@ class Backoff:
 
     def succeeded(self) -> None:
         self.delay_s, self.until, self.streak, self.reason = 0.0, 0.0, 0, ""
-
-
-def read_demand(
-    buffer: SampleBuffer, config: RolloutConfig, in_flight: int, engines_version: int
-) -> Demand:
-    """The gate's inputs from Redis (blocking reads)."""
-    counters = buffer.counters()
-    trainer = buffer.get_version("trainer")
-    # A trainer that does not count `groups_consumed` (an older one) has consumed exactly
-    # one rollout_batch_size per rollout it finished: the gate is then the old batch gate.
-    rollouts_done = max(trainer, 0) // config.num_steps_per_rollout
-    return Demand(
-        put=counters.get("groups_put", 0),
-        consumed=counters.get("groups_consumed", rollouts_done * config.rollout_batch_size),
-        in_flight=in_flight,
-        trainer_version=trainer,
-        engines_version=engines_version,
-    )

@@ -4,7 +4,6 @@ Reads the loop's fields and Redis; changes nothing in the loop."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import time
@@ -15,6 +14,7 @@ from redis.exceptions import RedisError
 
 from proto import SampleGroup
 from proto.contract import ServiceStatus
+from services.sample_buffer.keys import backlog
 
 if TYPE_CHECKING:
     from services.rollout_router.rollout import RolloutLoop
@@ -48,7 +48,7 @@ class BatchStats:
         loop.stats = BatchStats()
         elapsed = max(time.monotonic() - self.started, 1e-9)
         loop.samples_per_s = self.samples / elapsed
-        put = (await asyncio.to_thread(loop.buffer.counters)).get("groups_put", 0)
+        put = (await loop.buffer.counters()).get("groups_put", 0)
         values = {
             "rollout/batch": float(max(put // batch - 1, 0)),
             "rollout/reward_mean": self.reward_sum / self.samples,
@@ -57,21 +57,21 @@ class BatchStats:
             "rollout/groups": float(self.kept),
             "rollout/prompts_generated": float(self.finished),
             "rollout/batch_time_s": elapsed,
-            "rollout/engines_version": float(loop.engines_version()),
+            "rollout/engines_version": float(await loop.engines_version()),
         }
         step = self.min_version if self.min_version is not None else 0
-        await asyncio.to_thread(loop.buffer.publish_metrics, "router", step, values)
+        await loop.buffer.publish_metrics("router", step, values)
 
 
-def service_status(loop: RolloutLoop, error: str = "") -> ServiceStatus:
-    """The status record (blocking Redis reads); `failed` with `error` when a task died."""
+async def service_status(loop: RolloutLoop, error: str = "") -> ServiceStatus:
+    """The status record; `failed` with `error` when a task died."""
     detail: dict[str, float | int | str] = {
         "groups_put_here": loop.groups_put,
         "groups_in_flight": len(loop.groups),
         "requests_in_flight": loop.in_flight,
     }
     with contextlib.suppress(RedisError):
-        demand = loop.read_demand(len(loop.groups))
+        demand = await loop.read_demand(len(loop.groups))
         detail.update(
             groups_put=demand.put,
             groups_consumed=demand.consumed,
@@ -89,18 +89,23 @@ def service_status(loop: RolloutLoop, error: str = "") -> ServiceStatus:
     )
 
 
-def status(loop: RolloutLoop) -> dict[str, Any]:
-    """The loop's state; the Redis-backed fields are None while Redis is unavailable."""
+async def status(loop: RolloutLoop) -> dict[str, Any]:
+    """The loop's state; the Redis-backed fields are None while Redis is unavailable.
+    `buffer_depth` is the backlog the depth bound counts (groups put, not yet consumed);
+    `waiting` says when producers wait for it ("buffer full (depth N of M)")."""
     redis_fields: dict[str, Any] = dict.fromkeys(
         ("engines_version", "trainer_version", "buffer_depth", "drops", "batch", "groups_consumed")
     )
+    redis_fields["waiting"] = ""
     with contextlib.suppress(RedisError):
-        counters = loop.buffer.counters()
+        counters = await loop.buffer.counters()
+        depth = backlog(counters)
         redis_fields = {
-            "engines_version": loop.engines_version(),
-            "trainer_version": loop.buffer.get_version("trainer"),
-            "buffer_depth": loop.buffer.depth(),
-            "drops": loop.buffer.drop_counts(),
+            "engines_version": await loop.engines_version(),
+            "trainer_version": await loop.buffer.get_version("trainer"),
+            "buffer_depth": depth,
+            "waiting": loop.bound.sentence(depth),
+            "drops": await loop.buffer.drop_counts(),
             "batch": counters.get("groups_put", 0) // loop.config.rollout_batch_size,
             "groups_consumed": counters.get("groups_consumed", 0),
         }
@@ -113,6 +118,8 @@ def status(loop: RolloutLoop) -> dict[str, Any]:
         "groups_in_flight": len(loop.groups),
         "samples_per_s": loop.samples_per_s,
         "groups_put": loop.groups_put,
+        "max_buffer_depth": loop.bound.max_depth,
+        "producers_waiting": loop.bound.waiting,
         "last_eval_version": loop.last_eval_version,
         "last_eval": loop.last_eval,
         **redis_fields,

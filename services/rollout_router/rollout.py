@@ -11,9 +11,12 @@ unblocked by a group ending (put or dropped: a drop reopens the gate, so a repla
 by the trainer's counters and the engines' version moving, and by `resume()`. At most
 `rollout_max_concurrency` groups (else `rollout_batch_size`) are in flight.
 
-Each group task puts its group as soon as it is complete. Puts are serialized and wait, in the
-event loop, while the buffer holds `max_groups` untrained groups. Batches are only the
-reporting unit: `rollout/*` metrics are published every `rollout_batch_size` groups put.
+Each group task puts its group as soon as it is complete. Puts take turns with agent sessions'
+and wait, in the event loop, while the buffer's backlog is at `--max-buffer-depth`
+(backpressure.py); the loop also starts no group while the backlog and the groups in flight
+fill that bound. Batches are only the reporting unit: `rollout/*` metrics are published every
+`rollout_batch_size` groups put. Redis is reached through `AsyncSampleBuffer`: no call blocks the
+event loop.
 
 Prompts come from a cursor in Redis (`counters.prompts_drawn`): draw p is prompt p % len(train)
 of a permutation of the train set seeded by (`seed`, epoch p // len(train)); its group id is
@@ -48,6 +51,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from proto import DropRecord, Sample, SampleGroup
+from services.rollout_router.backpressure import BufferBound
 from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.environments import EnvError, EpisodeRunner
 from services.rollout_router.limiter import Limiter
@@ -57,7 +61,6 @@ from services.rollout_router.progress import (
     EpochOrders,
     allowance,
     closed_gate_reason,
-    read_demand,
 )
 from services.rollout_router.report import BatchStats
 from services.rollout_router.rewards import Reward, RewardError
@@ -70,7 +73,8 @@ from services.rollout_router.samples import (
 )
 from services.rollout_router.tasks import Item, Task
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
-from services.sample_buffer import SampleBuffer
+from services.sample_buffer import AsyncSampleBuffer
+from services.sample_buffer.keys import full_sentence
 
 log = logging.getLogger("tandem.router.rollout")
 
@@ -94,7 +98,7 @@ class RolloutLoop:
         config: RolloutConfig,
         sampling: SamplingConfig,
         pool: WorkerPool,
-        buffer: SampleBuffer,
+        buffer: AsyncSampleBuffer,
         task: Task,
         reward: Reward,
         stop_token_ids: list[int],
@@ -116,8 +120,8 @@ class RolloutLoop:
         self._resume = asyncio.Event()
         self._resume.set()
         self._wake = asyncio.Event()  # set when a group ends
-        self._put_lock = asyncio.Lock()
-        self._room = 0  # groups we may still put before reading the stream's depth again
+        self.bound = BufferBound(buffer, config.buffer_depth_bound())
+        self._give_backs: set[asyncio.Task] = set()  # drops of cancelled groups being written
         self._failure: BaseException | None = None  # a group task's unexpected exception
         self._redis_error: Exception | None = None
         self._redis_lost = 0  # groups lost while Redis was unavailable
@@ -125,8 +129,8 @@ class RolloutLoop:
 
     # --- versions, state and control -----------------------------------------------------------
 
-    def engines_version(self) -> int:
-        return max(self.buffer.get_version("engines"), self.pool.min_version())
+    async def engines_version(self) -> int:
+        return max(await self.buffer.get_version("engines"), self.pool.min_version())
 
     def set_state(self, state: str, waiting_for: str = "") -> None:
         """`waiting_for`: what would unblock the loop, as a sentence a user can act on."""
@@ -206,6 +210,10 @@ class RolloutLoop:
         for group in groups:
             group.cancel()
         await asyncio.gather(*groups, return_exceptions=True)
+        if self._give_backs:  # bounded: a Redis that does not answer loses them (logged)
+            _done, lost = await asyncio.wait(set(self._give_backs), timeout=5.0)
+            if lost:
+                log.warning("%d cancelled groups not recorded (Redis did not answer)", len(lost))
 
     async def _start_groups(self) -> int:
         """Start as many groups as the gate, the concurrency bound and the backoff allow."""
@@ -221,15 +229,21 @@ class RolloutLoop:
             room = min(room, 1)
         if room <= 0:
             return 0
-        demand = await asyncio.to_thread(self.read_demand, in_flight)
+        demand = await self.read_demand(in_flight)
         n = min(room, allowance(demand, *self._gate_terms()))
         if n <= 0:
             who = "weights" if demand.engines_version < demand.trainer_version else "trainer"
             self.set_state(f"waiting_for_{who}", closed_gate_reason(demand, *self._gate_terms()))
             return 0
+        if self.bound.max_depth:  # the groups in flight are put before any new one
+            n = min(n, self.bound.max_depth - demand.ahead())
+            if n <= 0:
+                sentence = full_sentence(demand.backlog(), self.bound.max_depth)
+                self._buffer_full(f"{sentence}, {in_flight} more in flight")
+                return 0
         self.set_state("generating")
         for _ in range(n):
-            p = await asyncio.to_thread(self.buffer.draw_prompt)
+            p = await self.buffer.draw_prompt()
             group = asyncio.create_task(self.run_group(p, self.prompt(p)), name=f"group p{p}")
             self.groups.add(group)
             group.add_done_callback(self._group_ended)
@@ -239,9 +253,22 @@ class RolloutLoop:
         cfg = self.config
         return cfg.rollout_batch_size, cfg.num_steps_per_rollout, cfg.max_staleness
 
-    def read_demand(self, in_flight: int) -> Demand:
-        """The gate's inputs (blocking Redis reads)."""
-        return read_demand(self.buffer, self.config, in_flight, self.engines_version())
+    async def read_demand(self, in_flight: int) -> Demand:
+        """The gate's inputs, read from Redis."""
+        counters = await self.buffer.counters()
+        trainer = await self.buffer.get_version("trainer")
+        # A trainer that does not count `groups_consumed` (an older one) has consumed exactly
+        # one rollout_batch_size per rollout it finished: the gate is then the old batch gate.
+        rollouts_done = max(trainer, 0) // self.config.num_steps_per_rollout
+        return Demand(
+            put=counters.get("groups_put", 0),
+            consumed=counters.get(
+                "groups_consumed", rollouts_done * self.config.rollout_batch_size
+            ),
+            in_flight=in_flight,
+            trainer_version=trainer,
+            engines_version=await self.engines_version(),
+        )
 
     def prompt(self, p: int) -> Item:
         """Draw p: prompt p % len(train) of epoch p // len(train)'s permutation."""
@@ -272,13 +299,13 @@ class RolloutLoop:
         log.warning("Redis unavailable (%s); waiting for it", exc)
         while True:
             try:
-                await asyncio.to_thread(self.buffer.redis.ping)
+                await self.buffer.ping()
                 break
             except RedisError:
                 await asyncio.sleep(1.0)
         if self._redis_lost:
             await self._drop("redis", "redis_unavailable", str(exc), self._redis_lost)
-        self._redis_lost, self._redis_error, self._room, self.error = 0, None, 0, ""
+        self._redis_lost, self._redis_error, self.error = 0, None, ""
 
     # --- one group -----------------------------------------------------------------------------
 
@@ -309,17 +336,24 @@ class RolloutLoop:
             return
         except asyncio.CancelledError:
             # Stopped mid-group: say so, and give the prompt back to be drawn again at the next
-            # start (synchronously: a cancelled task cannot reliably await).
+            # start (in a task of its own, which `_cancel_groups` waits for: a cancelled task
+            # cannot reliably await).
             if not committed[0]:
-                detail = "rollout stopped; its prompt is drawn again at the next start"
-                drop = DropRecord(source="router", reason="cancelled", count=1, detail=detail)
-                with contextlib.suppress(RedisError):
-                    drop.group_id = group_id
-                    self.buffer.record_drop(drop)
-                    self.buffer.give_back_prompt(p)
+                task = asyncio.create_task(self._give_back(p, group_id))
+                self._give_backs.add(task)
+                task.add_done_callback(self._give_backs.discard)
             raise
         self.backoff.succeeded()
         await self.stats.add(group, self)
+
+    async def _give_back(self, p: int, group_id: str) -> None:
+        detail = "rollout stopped; its prompt is drawn again at the next start"
+        drop = DropRecord(
+            source="router", reason="cancelled", count=1, group_id=group_id, detail=detail
+        )
+        with contextlib.suppress(RedisError):
+            await self.buffer.record_drop(drop)
+            await self.buffer.give_back_prompt(p)
 
     async def make_group(self, p: int, item: Item, group_id: str) -> SampleGroup:
         """Generate (single turns or environment episodes) and reward one prompt's group."""
@@ -461,29 +495,22 @@ class RolloutLoop:
         return partial
 
     async def put(self, group: SampleGroup, committed: list[bool]) -> None:
-        """Serialized put that waits in the event loop (not a thread) while the buffer is full,
-        so that cancellation at shutdown is immediate. Once the XADD starts it is shielded
-        from cancellation and `committed[0]` is set.
-
-        The stream's depth only falls between our reads (the trainer acks), so after reading
-        depth d we may put max_groups - d groups before reading it again."""
-        async with self._put_lock:
-            while self._room <= 0:
-                depth = await asyncio.to_thread(self.buffer.depth)
-                self._room = self.buffer.config.max_groups - depth
-                if self._room <= 0:
-                    self.set_state(
-                        "waiting_for_buffer",
-                        f"the trainer to ack groups: the buffer holds --max-groups "
-                        f"{self.buffer.config.max_groups} untrained groups",
-                    )
-                    await asyncio.sleep(0.05)
+        """Put in turn with the other producers, waiting (in the event loop, so cancellation
+        at shutdown is immediate) while the buffer is full. Once the XADD starts it is
+        shielded from cancellation and `committed[0]` is set."""
+        async with self.bound.turn(None, self._buffer_full):
             committed[0] = True
-            self._room -= 1
             self.groups_put += 1
-            await asyncio.shield(asyncio.to_thread(self.buffer.put_group, group))
+            await asyncio.shield(self.buffer.put_group(group))
             if self.state == "waiting_for_buffer":
                 self.set_state("generating")
+
+    def _buffer_full(self, sentence: str) -> None:
+        self.set_state(
+            "waiting_for_buffer",
+            f"{sentence}: the trainer to consume groups (--max-buffer-depth bounds the groups "
+            "put and not yet consumed)",
+        )
 
     async def _drop(
         self, group_id: str, reason: str, detail: str, count: int = 1, quiet: bool = False
@@ -493,4 +520,4 @@ class RolloutLoop:
         record = DropRecord(
             source="router", reason=reason, count=count, group_id=group_id, detail=detail[:500]
         )
-        await asyncio.to_thread(self.buffer.record_drop, record)
+        await self.buffer.record_drop(record)

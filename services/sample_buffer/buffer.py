@@ -2,10 +2,10 @@
 
 Keys (all under `tandem:{run_id}:`):
 - `samples`   stream of `SampleGroup`, consumer group `trainer`. The router XADDs; the trainer
-              XREADGROUPs, and after training XACKs and XDELs, so the stream length is the number
-              of groups produced but not yet trained. The producer blocks while that length is at
-              `max_groups` (backpressure): the buffer never grows without bound and nothing is
-              trimmed away unseen.
+              XREADGROUPs, and after training XACKs and XDELs. A producer waits while the
+              backlog (`groups_put - groups_consumed`, keys.py) is at its `max_depth`
+              (backpressure): the buffer never grows without bound and nothing is trimmed
+              away unseen.
 - `drops`     hash reason -> count; `drop_log` stream of `DropRecord` (capped at `drop_log_len`,
               the counters are exact).
 - `version:{role}`  integer weight version last reported by a role (trainer, engines).
@@ -24,6 +24,9 @@ Keys (all under `tandem:{run_id}:`):
 
 A group read but not acked (trainer died mid-step) stays pending in the consumer group;
 `read_groups(pending_first=True)` hands it out again, so no group is lost on restart.
+
+Key names, writes and reply decoding live in keys.py, shared with the router's asyncio face
+(aio.py); this class is the blocking one.
 """
 
 from __future__ import annotations
@@ -34,49 +37,30 @@ from dataclasses import dataclass, field
 import msgspec
 import redis
 
-from proto import DropRecord, MetricsRecord, SampleGroup, decode, encode
-from proto.contract import ContractMismatchError, RunContract, ServiceStatus, mismatch
-
-
-class BufferFullError(RuntimeError):
-    """The stream stayed full for longer than the producer's timeout."""
+from proto import DropRecord, MetricsRecord, SampleGroup
+from proto.contract import RunContract, ServiceStatus
+from services.sample_buffer import keys
+from services.sample_buffer.keys import CONSUMER_GROUP, PUT_POLL_S, BufferKeys
 
 
 @dataclass
 class BufferConfig:
-    """Where the buffer lives and how big it may get."""
+    """Where the buffer lives and how long its logs get (producers pass their own bound)."""
 
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis URL."})
     run_id: str = field(default="default", metadata={"help": "Key prefix: one run per id."})
-    max_groups: int = field(
-        default=1024,
-        metadata={"help": "Most untrained groups held; producers wait beyond this."},
-    )
     # Logs are for humans; exact counts live in the `drops` hash.
     drop_log_len: int = field(default=10_000, metadata={"help": "Drop records kept."})
     metrics_len: int = field(default=100_000, metadata={"help": "Metrics records kept."})
 
 
-CONSUMER_GROUP = "trainer"
-
-
-class SampleBuffer:
+class SampleBuffer(BufferKeys):
     """Typed access to one run's keys. Thread-safe as far as redis-py clients are."""
 
     def __init__(self, config: BufferConfig, client: redis.Redis | None = None) -> None:
+        super().__init__(config.run_id)
         self.config = config
         self.redis = client or redis.Redis.from_url(config.redis_url)
-        prefix = f"tandem:{config.run_id}:"
-        self.samples_key = prefix + "samples"
-        self.drops_key = prefix + "drops"
-        self.drop_log_key = prefix + "drop_log"
-        self.metrics_key = prefix + "metrics"
-        self.version_prefix = prefix + "version:"
-        self.contract_key = prefix + "contract"
-        self.counters_key = prefix + "counters"
-        self.status_prefix = prefix + "status:"
-        self.trained_key = prefix + "trained"
-        self.redraw_key = prefix + "redraw"
 
     # --- connection -------------------------------------------------------------------------
 
@@ -106,24 +90,24 @@ class SampleBuffer:
                 raise
 
     def depth(self) -> int:
-        """Groups produced and not yet trained (acked)."""
+        """Entries in the stream: groups produced and not yet acked."""
         return int(self.redis.xlen(self.samples_key))
 
-    def put_group(self, group: SampleGroup, timeout_s: float = 600.0) -> str:
-        """Append a group, waiting while the buffer is full. Returns the stream id."""
+    def backlog(self) -> int:
+        """Groups put and not yet consumed by the trainer (what `max_depth` bounds)."""
+        return keys.backlog(self.counters())
+
+    def put_group(self, group: SampleGroup, max_depth: int = 0, timeout_s: float = 600.0) -> str:
+        """Append a group, waiting while the backlog is at `max_depth` (0: no bound); raises
+        `BufferFullError` after `timeout_s`. Returns the stream id."""
         deadline = time.monotonic() + timeout_s
-        while self.depth() >= self.config.max_groups:
+        while max_depth > 0 and (depth := self.backlog()) >= max_depth:
             if time.monotonic() > deadline:
-                raise BufferFullError(
-                    f"{self.samples_key} held {self.config.max_groups} untrained groups for "
-                    f"{timeout_s:.0f}s: is the trainer running? (raise --max-groups to buffer more)"
-                )
-            time.sleep(0.05)
+                raise keys.full_error(self.samples_key, depth, max_depth, timeout_s)
+            time.sleep(PUT_POLL_S)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.samples_key, {"d": encode(group)})
-        pipe.hincrby(self.counters_key, "groups_put", 1)
-        entry_id = pipe.execute()[0]
-        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        self.queue_put(pipe, group)
+        return keys.entry_id(pipe.execute()[0])
 
     def read_groups(
         self, consumer: str, count: int, block_ms: int = 1000, pending_first: bool = False
@@ -145,14 +129,7 @@ class SampleBuffer:
         reply = self.redis.xreadgroup(
             CONSUMER_GROUP, consumer, {self.samples_key: start}, count=count, block=block_ms
         )
-        out = []
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                if not fields:  # pending entry deleted meanwhile
-                    continue
-                key = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                out.append((key, decode(fields[b"d"], SampleGroup)))
-        return out
+        return keys.stream_entries(reply, SampleGroup)
 
     def ack(self, entry_ids: list[str]) -> None:
         """Mark groups as trained and delete them (this is what frees buffer space)."""
@@ -166,24 +143,15 @@ class SampleBuffer:
     # --- drops --------------------------------------------------------------------------------
 
     def record_drop(self, record: DropRecord) -> None:
-        if not record.created_at:
-            record.created_at = time.time()
         pipe = self.redis.pipeline()
-        pipe.hincrby(self.drops_key, record.reason, record.count)
-        pipe.xadd(
-            self.drop_log_key,
-            {"d": encode(record)},
-            maxlen=self.config.drop_log_len,
-            approximate=True,
-        )
+        self.queue_drop(pipe, record, self.config.drop_log_len)
         pipe.execute()
 
     def drop_counts(self) -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in self.redis.hgetall(self.drops_key).items()}
+        return keys.int_hash(self.redis.hgetall(self.drops_key))
 
     def drop_log(self, count: int = 100) -> list[DropRecord]:
-        entries = self.redis.xrevrange(self.drop_log_key, count=count)
-        return [decode(fields[b"d"], DropRecord) for _id, fields in entries]
+        return keys.drop_records(self.redis.xrevrange(self.drop_log_key, count=count))
 
     # --- versions -----------------------------------------------------------------------------
 
@@ -191,8 +159,7 @@ class SampleBuffer:
         self.redis.set(self.version_prefix + role, version)
 
     def get_version(self, role: str, default: int = -1) -> int:
-        value = self.redis.get(self.version_prefix + role)
-        return int(value) if value is not None else default
+        return keys.version_of(self.redis.get(self.version_prefix + role), default)
 
     # --- run contract, counters, status ---------------------------------------------------------
 
@@ -200,27 +167,14 @@ class SampleBuffer:
         """Set each term of `mine` that the run does not have yet, then check every term `mine`
         states against the run's. Returns the run's whole contract as it stands; raises
         `ContractMismatchError` (naming the flag) on the first contradiction."""
-        encoder = msgspec.json.Encoder()
         pipe = self.redis.pipeline(transaction=True)
-        for term, value in mine.terms().items():
-            pipe.hsetnx(self.contract_key, term, encoder.encode(value))
-            pipe.hsetnx(self.contract_key, f"by:{term}", who)
+        self.queue_contract(pipe, mine, who)
         pipe.execute()
-        stored = {k.decode(): v.decode() for k, v in self.redis.hgetall(self.contract_key).items()}
-        run = {k: msgspec.json.decode(v) for k, v in stored.items() if not k.startswith("by:")}
-        for term, value in mine.terms().items():
-            if run.get(term) != value:
-                by = stored.get(f"by:{term}", "?")
-                raise ContractMismatchError(mismatch(term, run.get(term), by, value, who))
-        return msgspec.convert(run, RunContract)
+        return keys.check_contract(mine, self.redis.hgetall(self.contract_key), who)
 
     def contract(self) -> RunContract:
         """The run's contract as stated so far (terms nobody stated are None)."""
-        raw = self.redis.hgetall(self.contract_key)
-        run = {
-            k.decode(): msgspec.json.decode(v) for k, v in raw.items() if not k.startswith(b"by:")
-        }
-        return msgspec.convert(run, RunContract)
+        return keys.contract_of(self.redis.hgetall(self.contract_key))
 
     def incr_counter(self, name: str, amount: int = 1) -> int:
         return int(self.redis.hincrby(self.counters_key, name, amount))
@@ -229,7 +183,7 @@ class SampleBuffer:
         self.redis.hset(self.counters_key, name, value)
 
     def counters(self) -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in self.redis.hgetall(self.counters_key).items()}
+        return keys.int_hash(self.redis.hgetall(self.counters_key))
 
     def draw_prompt(self) -> int:
         """The next prompt draw of the run: one given back first, else the cursor's next."""
@@ -247,57 +201,31 @@ class SampleBuffer:
 
     def trained(self) -> dict[int, list[str]]:
         """Group ids trained at each optimizer step of the newest weights' lineage."""
-        raw = self.redis.hgetall(self.trained_key)
-        return {
-            int(k): msgspec.json.decode(v)
-            for k, v in sorted(raw.items(), key=lambda kv: int(kv[0]))
-        }
+        return keys.trained_of(self.redis.hgetall(self.trained_key))
 
     def set_status(self, status: ServiceStatus, ttl_s: float = 30.0) -> None:
         """Report what this service is doing; gone after `ttl_s` unless reported again."""
-        if not status.updated_at:
-            status.updated_at = time.time()
-        key = self.status_prefix + status.role
-        self.redis.set(key, msgspec.json.encode(status), px=int(ttl_s * 1000))
+        key, value, ttl_ms = self.status_write(status, ttl_s)
+        self.redis.set(key, value, px=ttl_ms)
 
     def statuses(self) -> dict[str, ServiceStatus]:
         """The last status of every service that reported one recently, by role."""
-        keys = sorted(self.redis.scan_iter(self.status_prefix + "*"))
-        values = self.redis.mget(keys) if keys else []
-        out = {}
-        for value in values:
-            if value is not None:
-                status = msgspec.json.decode(value, type=ServiceStatus)
-                out[status.role] = status
-        return out
+        names = sorted(self.redis.scan_iter(self.status_prefix + "*"))
+        return keys.statuses_of(self.redis.mget(names) if names else [])
 
     # --- metrics ------------------------------------------------------------------------------
 
     def publish_metrics(self, source: str, step: int, values: dict[str, float]) -> None:
-        record = MetricsRecord(source=source, step=step, values=values, time=time.time())
-        self.redis.xadd(
-            self.metrics_key,
-            {"d": encode(record)},
-            maxlen=self.config.metrics_len,
-            approximate=True,
-        )
+        entry = self.metrics_entry(source, step, values)
+        self.redis.xadd(self.metrics_key, entry, maxlen=self.config.metrics_len, approximate=True)
 
     def last_metrics_id(self) -> str:
         """Id of the newest metrics record ("0" when there is none)."""
-        newest = self.redis.xrevrange(self.metrics_key, count=1)
-        if not newest:
-            return "0"
-        entry_id = newest[0][0]
-        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        return keys.newest_id(self.redis.xrevrange(self.metrics_key, count=1))
 
     def read_metrics(
         self, after_id: str = "0", block_ms: int | None = None
     ) -> list[tuple[str, MetricsRecord]]:
         """Records after `after_id` (exclusive), oldest first."""
         reply = self.redis.xread({self.metrics_key: after_id}, block=block_ms)
-        out = []
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                key = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                out.append((key, decode(fields[b"d"], MetricsRecord)))
-        return out
+        return keys.stream_entries(reply, MetricsRecord)

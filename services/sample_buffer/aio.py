@@ -1,0 +1,171 @@
+"""AsyncSampleBuffer: the router's face of the sample buffer, on redis.asyncio.
+
+The same keys, writes and decoding as `SampleBuffer` (keys.py), as coroutines, so that the
+router's event loop never blocks on Redis nor hands a call to a thread. It has what the router
+does with the buffer: put groups (waiting while the backlog is at a bound), record drops, the
+prompt cursor, counters and versions, status, the run contract, and metrics. The trainer's
+consumer side (read, ack, trained lineage) stays in the blocking `SampleBuffer`.
+
+Waits: `put_group` and `wait_for_room` poll the counters every `PUT_POLL_S` while the backlog
+(`groups_put - groups_consumed`) is at `max_depth`; they are unblocked by the trainer counting
+groups consumed, and give up with `BufferFullError` after their timeout (None: never).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from proto import DropRecord, MetricsRecord, SampleGroup
+from proto.contract import RunContract, ServiceStatus
+from services.sample_buffer import keys
+from services.sample_buffer.buffer import BufferConfig
+from services.sample_buffer.keys import PUT_POLL_S, BufferKeys
+
+
+class AsyncSampleBuffer(BufferKeys):
+    """One run's keys through an asyncio client (one per event loop)."""
+
+    def __init__(self, config: BufferConfig, client: aioredis.Redis | None = None) -> None:
+        super().__init__(config.run_id)
+        self.config = config
+        self.redis = client or aioredis.Redis.from_url(config.redis_url)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> None:
+        await self.redis.ping()
+
+    async def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Ping until the server answers; raise naming the URL if it never does."""
+        deadline = time.monotonic() + timeout_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                await self.redis.ping()
+                return
+            except RedisConnectionError as exc:
+                last = exc
+                await asyncio.sleep(0.1)
+        raise ConnectionError(
+            f"no Redis server answered at {self.config.redis_url} within {timeout_s:.0f}s "
+            f"(last error: {last}); check --redis-url or REDIS_URL"
+        )
+
+    # --- samples ------------------------------------------------------------------------------
+
+    async def depth(self) -> int:
+        """Entries in the stream: groups produced and not yet acked."""
+        return int(await self.redis.xlen(self.samples_key))
+
+    async def backlog(self) -> int:
+        """Groups put and not yet consumed by the trainer (what `max_depth` bounds)."""
+        return keys.backlog(await self.counters())
+
+    async def wait_for_room(
+        self,
+        max_depth: int,
+        timeout_s: float | None,
+        on_full: Callable[[int], None] | None = None,
+    ) -> int:
+        """Wait while the backlog is at `max_depth` (0: no bound), calling `on_full(backlog)`
+        at each read that finds it so; returns the backlog last read. `BufferFullError` after
+        `timeout_s` (None: wait as long as it takes)."""
+        if max_depth <= 0:
+            return 0
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while (depth := await self.backlog()) >= max_depth:
+            if deadline is not None and time.monotonic() > deadline:
+                raise keys.full_error(self.samples_key, depth, max_depth, timeout_s or 0.0)
+            if on_full is not None:
+                on_full(depth)
+            await asyncio.sleep(PUT_POLL_S)
+        return depth
+
+    async def put_group(
+        self, group: SampleGroup, max_depth: int = 0, timeout_s: float | None = 600.0
+    ) -> str:
+        """Append a group once the backlog is below `max_depth` (0: no bound). Returns the
+        stream id."""
+        await self.wait_for_room(max_depth, timeout_s)
+        pipe = self.redis.pipeline(transaction=True)
+        self.queue_put(pipe, group)
+        return keys.entry_id((await pipe.execute())[0])
+
+    # --- drops --------------------------------------------------------------------------------
+
+    async def record_drop(self, record: DropRecord) -> None:
+        pipe = self.redis.pipeline()
+        self.queue_drop(pipe, record, self.config.drop_log_len)
+        await pipe.execute()
+
+    async def drop_counts(self) -> dict[str, int]:
+        return keys.int_hash(await self.redis.hgetall(self.drops_key))
+
+    async def drop_log(self, count: int = 100) -> list[DropRecord]:
+        return keys.drop_records(await self.redis.xrevrange(self.drop_log_key, count=count))
+
+    # --- versions, counters, prompt cursor ---------------------------------------------------
+
+    async def get_version(self, role: str, default: int = -1) -> int:
+        return keys.version_of(await self.redis.get(self.version_prefix + role), default)
+
+    async def counters(self) -> dict[str, int]:
+        return keys.int_hash(await self.redis.hgetall(self.counters_key))
+
+    async def incr_counter(self, name: str, amount: int = 1) -> int:
+        return int(await self.redis.hincrby(self.counters_key, name, amount))
+
+    async def draw_prompt(self) -> int:
+        """The next prompt draw of the run: one given back first, else the cursor's next."""
+        given_back = await self.redis.zpopmin(self.redraw_key)
+        if given_back:
+            return int(given_back[0][1])
+        return await self.incr_counter("prompts_drawn") - 1
+
+    async def give_back_prompt(self, draw: int) -> None:
+        """Draw `draw` was not used (its group stopped before it was put): draw it again."""
+        await self.redis.zadd(self.redraw_key, {str(draw): draw})
+
+    # --- run contract, status ------------------------------------------------------------------
+
+    async def agree_contract(self, mine: RunContract, who: str) -> RunContract:
+        """As `SampleBuffer.agree_contract`."""
+        pipe = self.redis.pipeline(transaction=True)
+        self.queue_contract(pipe, mine, who)
+        await pipe.execute()
+        return keys.check_contract(mine, await self.redis.hgetall(self.contract_key), who)
+
+    async def contract(self) -> RunContract:
+        return keys.contract_of(await self.redis.hgetall(self.contract_key))
+
+    async def set_status(self, status: ServiceStatus, ttl_s: float = 30.0) -> None:
+        key, value, ttl_ms = self.status_write(status, ttl_s)
+        await self.redis.set(key, value, px=ttl_ms)
+
+    async def statuses(self) -> dict[str, ServiceStatus]:
+        names = sorted([name async for name in self.redis.scan_iter(self.status_prefix + "*")])
+        return keys.statuses_of(await self.redis.mget(names) if names else [])
+
+    # --- metrics ------------------------------------------------------------------------------
+
+    async def publish_metrics(self, source: str, step: int, values: dict[str, float]) -> None:
+        entry = self.metrics_entry(source, step, values)
+        await self.redis.xadd(
+            self.metrics_key, entry, maxlen=self.config.metrics_len, approximate=True
+        )
+
+    async def last_metrics_id(self) -> str:
+        return keys.newest_id(await self.redis.xrevrange(self.metrics_key, count=1))
+
+    async def read_metrics(
+        self, after_id: str = "0", block_ms: int | None = None
+    ) -> list[tuple[str, MetricsRecord]]:
+        """Records after `after_id` (exclusive), oldest first."""
+        reply = await self.redis.xread({self.metrics_key: after_id}, block=block_ms)
+        return keys.stream_entries(reply, MetricsRecord)
