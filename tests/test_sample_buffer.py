@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 
 from proto import DropRecord, Sample, SampleGroup
 from proto.contract import ContractMismatchError, RunContract, ServiceStatus
-from services.sample_buffer import BufferConfig, BufferFullError, SampleBuffer
+from services.sample_buffer import BufferConfig, SampleBuffer
 
 
 def make_group(group_id: str, version: int = 0) -> SampleGroup:
@@ -52,35 +51,6 @@ def test_acked_groups_free_space_and_unacked_ones_are_handed_out_again(
     # A restarted consumer gets its unacked group back before new ones: nothing is lost.
     again = buffer.read_groups("t0", count=3, block_ms=100, pending_first=True)
     assert [g.group_id for _, g in again] == ["g1", "g2", "g3"]
-
-
-def test_a_full_buffer_makes_the_producer_wait_until_the_trainer_consumes(
-    buffer: SampleBuffer,
-) -> None:
-    buffer.put_group(make_group("a"), max_depth=2)
-    buffer.put_group(make_group("b"), max_depth=2)
-    done = threading.Event()
-
-    def produce() -> None:
-        buffer.put_group(make_group("c"), max_depth=2, timeout_s=30)
-        done.set()
-
-    thread = threading.Thread(target=produce)
-    thread.start()
-    assert not done.wait(0.5), "producer should block while the buffer is full"
-    entries = buffer.read_groups("t0", count=1, block_ms=100)
-    buffer.ack([entries[0][0]])
-    assert not done.wait(0.3), "an ack alone does not count the group consumed"
-    buffer.incr_counter("groups_consumed", 1)
-    thread.join(timeout=10)
-    assert done.is_set()
-    assert buffer.backlog() == 2 and buffer.depth() == 2
-
-
-def test_a_buffer_that_stays_full_raises_an_error_naming_the_flag(buffer: SampleBuffer) -> None:
-    buffer.put_group(make_group("a"), max_depth=1)
-    with pytest.raises(BufferFullError, match=r"depth 1 of 1.*--max-buffer-depth"):
-        buffer.put_group(make_group("b"), max_depth=1, timeout_s=0.2)
 
 
 def test_drops_are_counted_by_reason_and_logged(buffer: SampleBuffer) -> None:

@@ -10,8 +10,6 @@ import time
 from http.server import HTTPServer
 from pathlib import Path
 
-import pytest
-
 from proto.contract import ServiceStatus
 from services.sample_buffer import SampleBuffer
 from tandem import launcher
@@ -106,9 +104,3 @@ def test_the_watchdog_ends_the_run_when_a_service_answers_unhealthy(buffer: Samp
         assert "router is unhealthy" in problems[1] and "rollout loop died" in problems[1]
     finally:
         server.shutdown()
-
-
-@pytest.mark.parametrize("interval", [20])
-def test_a_save_interval_the_buffer_cannot_hold_is_refused(interval: int, capsys) -> None:
-    assert launcher.main(["--save-interval", str(interval), "--max-steps", "1"]) == 2
-    assert "lower --save-interval" in capsys.readouterr().err

@@ -1,15 +1,17 @@
-"""The buffer's depth bound, one rule for every producer of the router: the rollout loop's
-groups and agent sessions' rewards.
+"""The buffer's depth bound, one rule for every producer of the router (the rollout loop's
+groups, agent sessions' rewards), and the router's one way of putting groups.
 
 The backlog is `groups_put - groups_consumed` (sample_buffer/keys.py): groups in the buffer that
-the trainer has yet to train or drop. At `--max-buffer-depth` producers wait: the rollout loop
-starts no group (rollout.py) and a group that is complete waits to be put; a reward post that
-would put a group waits up to `--session-put-timeout-s`, then is answered 503 with Retry-After
-and its session is kept, so the agent posts again and nothing is lost.
+the trainer has yet to train or drop. A producer first takes a slot (`slot()`), waiting while
+the backlog is at `--max-buffer-depth`: the rollout loop as long as it takes (its status says
+`waiting_for_buffer`); a reward post up to `--session-put-timeout-s`, then it is answered 503
+with Retry-After and its session is kept, so the agent posts again and nothing is lost. Slots
+are handed out in arrival order and the bound is exact for this router (one router per run):
+the free room is read from Redis only when the slots known free run out, and a slot is taken
+before its group is written, so a read never misses a group on its way.
 
-Puts take turns (one asyncio lock): a producer holds the turn from the backlog read that found
-room to the end of its XADD, so the bound is exact for this router (one router per run). The
-turn is taken in arrival order; a waiter is unblocked by the trainer counting groups consumed.
+Writes are group commits: a group put while another write is under way joins the next
+transaction, so puts from many tasks cost one round trip per batch, not per group.
 
 Consistency with the demand gate (progress.py): the gate lets rollouts run up to
 `staleness_reach()` groups ahead of the trainer; the depth bound must leave room for the
@@ -21,13 +23,31 @@ stops the rollout; `depth_note` says so at start-up.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+from proto import SampleGroup
 from services.rollout_router.config import RolloutConfig
 from services.sample_buffer import AsyncSampleBuffer
-from services.sample_buffer.keys import full_error, full_sentence
+
+UNBOUNDED = 1 << 62
+PUT_POLL_S = 0.05  # how often a producer waiting for room reads the counters again
+
+
+class BufferFullError(RuntimeError):
+    """The buffer stayed at its bound for longer than the producer's timeout."""
+
+
+def full_sentence(depth: int, max_depth: int) -> str:
+    """What a producer at the bound waits for (the status's `waiting`)."""
+    return f"buffer full (depth {depth} of {max_depth})"
+
+
+def full_error(key: str, depth: int, max_depth: int, timeout_s: float) -> BufferFullError:
+    return BufferFullError(
+        f"{full_sentence(depth, max_depth)} for {timeout_s:.0f}s: {key} holds groups put and "
+        "not yet consumed; is the trainer running? (raise --max-buffer-depth to buffer more)"
+    )
 
 
 def depth_note(config: RolloutConfig) -> str:
@@ -43,12 +63,16 @@ def depth_note(config: RolloutConfig) -> str:
 
 
 class BufferBound:
-    """Turns at putting groups, each taken only while the backlog is below `max_depth`."""
+    """Slots for groups under the depth bound, and the writer that puts them."""
 
     def __init__(self, buffer: AsyncSampleBuffer, max_depth: int) -> None:
         self.buffer, self.max_depth = buffer, max_depth
-        self.waiting = 0  # producers waiting for a turn
-        self._turn = asyncio.Lock()
+        self.waiting = 0  # producers waiting for a slot
+        self._room = 0  # slots known free: max_depth - backlog read - slots taken since
+        self._unwritten = 0  # slots taken whose group is not yet in the counters
+        self._turn = asyncio.Lock()  # slots in arrival order
+        self._queue: list[tuple[SampleGroup, asyncio.Future[str]]] = []
+        self._writer: asyncio.Task | None = None
 
     def sentence(self, depth: int) -> str:
         """`waiting` of the status: why producers wait ("" when they do not)."""
@@ -57,31 +81,75 @@ class BufferBound:
         return ""
 
     @asynccontextmanager
-    async def turn(
+    async def slot(
         self, timeout_s: float | None, on_full: Callable[[str], None] | None = None
-    ) -> AsyncIterator[int]:
-        """Hold the put turn once the backlog (yielded) is below the bound; `on_full` hears
-        the sentence while it is not. `BufferFullError` after `timeout_s` (None: never)."""
-        started = time.monotonic()
+    ) -> AsyncIterator[Callable[[SampleGroup], Awaitable[str]]]:
+        """Room for one group, waiting while the buffer is full (`on_full` hears why);
+        yields `put(group) -> stream id`. A slot left unused is given back. `BufferFullError`
+        after `timeout_s` (None: never)."""
+        await self._take(timeout_s, on_full)
+        used = False
+
+        def put(group: SampleGroup) -> Awaitable[str]:
+            nonlocal used
+            used = True
+            return self._write(group)
+
+        try:
+            yield put
+        finally:
+            if not used:
+                self._room += 1
+                self._unwritten -= 1
+
+    async def _take(self, timeout_s: float | None, on_full: Callable[[str], None] | None) -> None:
         self.waiting += 1
         try:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await self._turn.acquire()
-            except TimeoutError:
-                depth = await self.buffer.backlog()
-                error = full_error(self.buffer.samples_key, depth, self.max_depth, timeout_s or 0)
-                raise error from None
-            left = None if timeout_s is None else timeout_s - (time.monotonic() - started)
-            heard = None if on_full is None else (lambda depth: on_full(self.sentence(depth)))
-            try:
-                depth = await self.buffer.wait_for_room(self.max_depth, left, heard)
-            except BaseException:
-                self._turn.release()
-                raise
+            async with asyncio.timeout(timeout_s):
+                async with self._turn:
+                    while self._room <= 0:
+                        self._room = await self._free()
+                        if self._room <= 0:
+                            depth = self.max_depth - self._room
+                            if on_full is not None:
+                                on_full(self.sentence(depth))
+                            await asyncio.sleep(PUT_POLL_S)
+                    self._room -= 1
+                    self._unwritten += 1
+        except TimeoutError:
+            depth = self.max_depth - await self._free()
+            error = full_error(self.buffer.samples_key, depth, self.max_depth, timeout_s or 0)
+            raise error from None
         finally:
             self.waiting -= 1
-        try:
-            yield depth
-        finally:
-            self._turn.release()
+
+    async def _free(self) -> int:
+        """Slots free now (conservative: a group being written may count twice)."""
+        if not self.max_depth:
+            return UNBOUNDED
+        unwritten = self._unwritten  # before the read: a group written meanwhile is counted
+        return self.max_depth - await self.buffer.backlog() - unwritten
+
+    def _write(self, group: SampleGroup) -> Awaitable[str]:
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._queue.append((group, future))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_queued(), name="buffer writer")
+        return future
+
+    async def _write_queued(self) -> None:
+        """Write what is queued, one transaction per round, until the queue is empty."""
+        while self._queue:
+            batch, self._queue = self._queue, []
+            try:
+                ids = await self.buffer.put_groups([group for group, _ in batch])
+            except Exception as exc:  # the producers see it (a RedisError: Redis is down)
+                for _group, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            finally:
+                self._unwritten -= len(batch)
+            for (_group, future), entry in zip(batch, ids, strict=True):
+                if not future.done():
+                    future.set_result(entry)

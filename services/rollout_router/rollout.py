@@ -51,7 +51,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from proto import DropRecord, Sample, SampleGroup
-from services.rollout_router.backpressure import BufferBound
+from services.rollout_router.backpressure import BufferBound, full_sentence
 from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.environments import EnvError, EpisodeRunner
 from services.rollout_router.limiter import Limiter
@@ -74,7 +74,6 @@ from services.rollout_router.samples import (
 from services.rollout_router.tasks import Item, Task
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
 from services.sample_buffer import AsyncSampleBuffer
-from services.sample_buffer.keys import full_sentence
 
 log = logging.getLogger("tandem.router.rollout")
 
@@ -498,10 +497,10 @@ class RolloutLoop:
         """Put in turn with the other producers, waiting (in the event loop, so cancellation
         at shutdown is immediate) while the buffer is full. Once the XADD starts it is
         shielded from cancellation and `committed[0]` is set."""
-        async with self.bound.turn(None, self._buffer_full):
+        async with self.bound.slot(None, self._buffer_full) as put_group:
             committed[0] = True
             self.groups_put += 1
-            await asyncio.shield(self.buffer.put_group(group))
+            await asyncio.shield(put_group(group))
             if self.state == "waiting_for_buffer":
                 self.set_state("generating")
 

@@ -18,10 +18,10 @@ from pydantic import BaseModel
 
 from proto import sglang as sg
 from services.common.auth import WRITE, require_token
+from services.rollout_router.backpressure import BufferFullError
 from services.rollout_router.routes_engine import SESSION_HEADER, forward
 from services.rollout_router.sessions import AgentSessions
 from services.rollout_router.workers import EngineRequestError, NoWorkerError
-from services.sample_buffer import BufferFullError
 
 router = APIRouter()
 RETRY_AFTER_S = 5  # a reward refused for a full buffer: when to post it again

@@ -292,12 +292,12 @@ class AgentSessions:
             pending = self._close(session_id, reward, group, size)
             assert isinstance(pending, dict), "a group that is not complete is not put"
             return pending
-        async with self.bound.turn(self.config.session_put_timeout_s):
+        async with self.bound.slot(self.config.session_put_timeout_s) as put_group:
             if session_id not in self.store.sessions:  # expired while waiting
                 raise KeyError(session_id)
             closed = self._close(session_id, reward, group, size)
             if isinstance(closed, SampleGroup):
-                entry = await self.buffer.put_group(closed)
+                entry = await put_group(closed)
                 count = len(closed.samples)
                 return {
                     "status": "put",

@@ -2,13 +2,11 @@
 
 from services.sample_buffer.aio import AsyncSampleBuffer
 from services.sample_buffer.buffer import BufferConfig, SampleBuffer
-from services.sample_buffer.keys import BufferFullError
 from services.sample_buffer.server import RedisServer, find_server_binary
 
 __all__ = [
     "AsyncSampleBuffer",
     "BufferConfig",
-    "BufferFullError",
     "RedisServer",
     "SampleBuffer",
     "find_server_binary",

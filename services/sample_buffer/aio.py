@@ -2,20 +2,17 @@
 
 The same keys, writes and decoding as `SampleBuffer` (keys.py), as coroutines, so that the
 router's event loop never blocks on Redis nor hands a call to a thread. It has what the router
-does with the buffer: put groups (waiting while the backlog is at a bound), record drops, the
-prompt cursor, counters and versions, status, the run contract, and metrics. The trainer's
-consumer side (read, ack, trained lineage) stays in the blocking `SampleBuffer`.
-
-Waits: `put_group` and `wait_for_room` poll the counters every `PUT_POLL_S` while the backlog
-(`groups_put - groups_consumed`) is at `max_depth`; they are unblocked by the trainer counting
-groups consumed, and give up with `BufferFullError` after their timeout (None: never).
+does with the buffer: put groups (several in one transaction), record drops, the prompt
+cursor, counters and the backlog, versions, status, the run contract, and metrics. The
+trainer's consumer side (read, ack, trained lineage) stays in the blocking `SampleBuffer`.
+Nothing here waits for room: the router's depth bound (rollout_router/backpressure.py) decides
+when a group may be put.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -24,7 +21,7 @@ from proto import DropRecord, MetricsRecord, SampleGroup
 from proto.contract import RunContract, ServiceStatus
 from services.sample_buffer import keys
 from services.sample_buffer.buffer import BufferConfig
-from services.sample_buffer.keys import PUT_POLL_S, BufferKeys
+from services.sample_buffer.keys import PUT_COMMANDS, BufferKeys
 
 
 class AsyncSampleBuffer(BufferKeys):
@@ -64,38 +61,20 @@ class AsyncSampleBuffer(BufferKeys):
         return int(await self.redis.xlen(self.samples_key))
 
     async def backlog(self) -> int:
-        """Groups put and not yet consumed by the trainer (what `max_depth` bounds)."""
+        """Groups put and not yet consumed by the trainer (what --max-buffer-depth bounds)."""
         return keys.backlog(await self.counters())
 
-    async def wait_for_room(
-        self,
-        max_depth: int,
-        timeout_s: float | None,
-        on_full: Callable[[int], None] | None = None,
-    ) -> int:
-        """Wait while the backlog is at `max_depth` (0: no bound), calling `on_full(backlog)`
-        at each read that finds it so; returns the backlog last read. `BufferFullError` after
-        `timeout_s` (None: wait as long as it takes)."""
-        if max_depth <= 0:
-            return 0
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while (depth := await self.backlog()) >= max_depth:
-            if deadline is not None and time.monotonic() > deadline:
-                raise keys.full_error(self.samples_key, depth, max_depth, timeout_s or 0.0)
-            if on_full is not None:
-                on_full(depth)
-            await asyncio.sleep(PUT_POLL_S)
-        return depth
-
-    async def put_group(
-        self, group: SampleGroup, max_depth: int = 0, timeout_s: float | None = 600.0
-    ) -> str:
-        """Append a group once the backlog is below `max_depth` (0: no bound). Returns the
-        stream id."""
-        await self.wait_for_room(max_depth, timeout_s)
+    async def put_groups(self, groups: list[SampleGroup]) -> list[str]:
+        """Append groups in one transaction (each XADD with its `groups_put` count); their
+        stream ids. The depth bound is the producer's (the router's backpressure.py)."""
         pipe = self.redis.pipeline(transaction=True)
-        self.queue_put(pipe, group)
-        return keys.entry_id((await pipe.execute())[0])
+        for group in groups:
+            self.queue_put(pipe, group)
+        replies = await pipe.execute()
+        return [keys.entry_id(replies[k * PUT_COMMANDS]) for k in range(len(groups))]
+
+    async def put_group(self, group: SampleGroup) -> str:
+        return (await self.put_groups([group]))[0]
 
     # --- drops --------------------------------------------------------------------------------
 

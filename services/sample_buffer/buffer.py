@@ -2,8 +2,8 @@
 
 Keys (all under `tandem:{run_id}:`):
 - `samples`   stream of `SampleGroup`, consumer group `trainer`. The router XADDs; the trainer
-              XREADGROUPs, and after training XACKs and XDELs. A producer waits while the
-              backlog (`groups_put - groups_consumed`, keys.py) is at its `max_depth`
+              XREADGROUPs, and after training XACKs and XDELs. The router waits while the
+              backlog (`groups_put - groups_consumed`, keys.py) is at `--max-buffer-depth`
               (backpressure): the buffer never grows without bound and nothing is trimmed
               away unseen.
 - `drops`     hash reason -> count; `drop_log` stream of `DropRecord` (capped at `drop_log_len`,
@@ -40,7 +40,7 @@ import redis
 from proto import DropRecord, MetricsRecord, SampleGroup
 from proto.contract import RunContract, ServiceStatus
 from services.sample_buffer import keys
-from services.sample_buffer.keys import CONSUMER_GROUP, PUT_POLL_S, BufferKeys
+from services.sample_buffer.keys import CONSUMER_GROUP, BufferKeys
 
 
 @dataclass
@@ -94,17 +94,12 @@ class SampleBuffer(BufferKeys):
         return int(self.redis.xlen(self.samples_key))
 
     def backlog(self) -> int:
-        """Groups put and not yet consumed by the trainer (what `max_depth` bounds)."""
+        """Groups put and not yet consumed by the trainer (what --max-buffer-depth bounds)."""
         return keys.backlog(self.counters())
 
-    def put_group(self, group: SampleGroup, max_depth: int = 0, timeout_s: float = 600.0) -> str:
-        """Append a group, waiting while the backlog is at `max_depth` (0: no bound); raises
-        `BufferFullError` after `timeout_s`. Returns the stream id."""
-        deadline = time.monotonic() + timeout_s
-        while max_depth > 0 and (depth := self.backlog()) >= max_depth:
-            if time.monotonic() > deadline:
-                raise keys.full_error(self.samples_key, depth, max_depth, timeout_s)
-            time.sleep(PUT_POLL_S)
+    def put_group(self, group: SampleGroup) -> str:
+        """Append a group (the router's depth bound is its own: rollout_router/backpressure.py).
+        Returns the stream id."""
         pipe = self.redis.pipeline(transaction=True)
         self.queue_put(pipe, group)
         return keys.entry_id(pipe.execute()[0])

@@ -3,10 +3,10 @@ for the trainer, the broker and `tandem up`) and `AsyncSampleBuffer` (asyncio, f
 share. Knows no connection: a write is queued on a pipeline of either client (redis-py's sync
 and asyncio pipelines queue commands the same way), a read's reply is decoded here.
 
-The backlog rule both producers follow: `groups_put - groups_consumed` (counters) is the number
-of groups produced and not yet trained or dropped by the trainer; a producer waits while it is
-at the bound. The stream's length is not used for it: with `--save` the trainer acks only once
-a checkpoint holds the update, so the stream may hold groups the trainer has already consumed.
+The backlog: `groups_put - groups_consumed` (counters) is the number of groups produced and not
+yet trained or dropped by the trainer; the router's producers wait while it is at
+`--max-buffer-depth`. The stream's length is not used for it: with `--save` the trainer acks
+only once a checkpoint holds the update, so the stream may hold groups already consumed.
 """
 
 from __future__ import annotations
@@ -22,11 +22,7 @@ from proto.contract import ContractMismatchError, RunContract, ServiceStatus, mi
 T = TypeVar("T")
 
 CONSUMER_GROUP = "trainer"
-PUT_POLL_S = 0.05  # how often a waiting producer reads the counters again
-
-
-class BufferFullError(RuntimeError):
-    """The buffer stayed at its bound for longer than the producer's timeout."""
+PUT_COMMANDS = 2  # commands `queue_put` queues per group (the first one's reply is the id)
 
 
 class BufferKeys:
@@ -153,15 +149,3 @@ def backlog(counters: dict[str, int]) -> int:
     """Groups put and not yet consumed by the trainer (never below 0: a trainer resumed on a
     fresh Redis may count more consumed than were put)."""
     return max(counters.get("groups_put", 0) - counters.get("groups_consumed", 0), 0)
-
-
-def full_sentence(depth: int, max_depth: int) -> str:
-    """What a producer at the bound waits for (the status's `waiting`)."""
-    return f"buffer full (depth {depth} of {max_depth})"
-
-
-def full_error(key: str, depth: int, max_depth: int, timeout_s: float) -> BufferFullError:
-    return BufferFullError(
-        f"{full_sentence(depth, max_depth)} for {timeout_s:.0f}s: {key} holds groups put and "
-        "not yet consumed; is the trainer running? (raise --max-buffer-depth to buffer more)"
-    )

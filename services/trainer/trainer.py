@@ -18,7 +18,7 @@ a resumed version v > 0 is sent to the broker before the first pull, so the engi
 Ends with an error (exit 1) after `max_skipped_in_a_row` skipped updates in a row, or when every
 update of the run was skipped: exit code 0 means the weights were trained as asked.
 Waits for: Redis (blocking reads of at most `read_block_ms`, so SIGTERM is seen within it).
-Bounded by: the buffer's `max_groups` (producers wait), the sender's HWM and timeout.
+Bounded by: the router's `--max-buffer-depth` (producers wait), the sender's HWM and timeout.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from services.weight_sync import make_sender
 from services.weight_sync.wire import WeightSyncError
 
 log = logging.getLogger("tandem.trainer")
-# Groups taken in the one read that drains the pending list at start-up; the stream itself is
-# bounded by the buffer's max_groups, so this only has to be larger than that.
+# Groups taken in the one read that drains the pending list at start-up; the stream holds at
+# most --max-buffer-depth untrained groups plus save_interval rollouts, far fewer than this.
 RESUME_READ_MAX = 1_000_000
 
 
