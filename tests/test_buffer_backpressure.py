@@ -196,3 +196,21 @@ async def test_a_reward_refused_for_a_full_buffer_keeps_its_session_for_the_retr
         assert again.json()["status"] == "put" and again.json()["samples"] == 2
     got = buffer.read_groups("trainer-0", 10, block_ms=None)
     assert [g.group_id for _, g in got] == ["group-g"]
+
+
+async def test_a_task_cancelled_in_the_middle_of_redis_calls_stops(aio: AsyncSampleBuffer) -> None:
+    """redis.asyncio may swallow a cancel that lands mid-command; the buffer raises it again,
+    so the router's loops stop when they are told to."""
+
+    async def reads() -> None:
+        while True:
+            await aio.counters()
+            await aio.get_version("trainer")
+            await aio.draw_prompt()
+
+    for k in range(30):
+        task = asyncio.create_task(reads())
+        await asyncio.sleep(0.002 + (k % 7) * 0.001)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=2.0)
+        assert done and task.cancelled(), f"cancel {k} was lost"

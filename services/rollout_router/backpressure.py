@@ -31,7 +31,7 @@ from services.rollout_router.config import RolloutConfig
 from services.sample_buffer import AsyncSampleBuffer
 
 UNBOUNDED = 1 << 62
-PUT_POLL_S = 0.05  # how often a producer waiting for room reads the counters again
+PUT_POLL_S = 0.01  # how often a producer waiting for room reads the counters (one HGETALL)
 
 
 class BufferFullError(RuntimeError):

@@ -113,8 +113,9 @@ class RolloutController:
         buffer = self.loop.buffer
         while True:
             self.loop.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.loop.changed.wait(), STATUS_INTERVAL_S)
+            with contextlib.suppress(TimeoutError):  # not wait_for: see RolloutLoop.run
+                async with asyncio.timeout(STATUS_INTERVAL_S):
+                    await self.loop.changed.wait()
             status = await service_status(self.loop, self.failure())
             try:
                 await buffer.set_status(status, STATUS_TTL_S)

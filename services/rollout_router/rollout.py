@@ -184,8 +184,11 @@ class RolloutLoop:
                     continue
                 if not started:
                     self._wake.clear()
+                    # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that
+                    # comes as the event is set, and the loop would never stop
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), self.config.version_poll_s)
+                        async with asyncio.timeout(self.config.version_poll_s):
+                            await self._wake.wait()
         except asyncio.CancelledError:
             self.set_state("stopped")
             await self._cancel_groups()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -21,7 +23,20 @@ from proto import DropRecord, MetricsRecord, SampleGroup
 from proto.contract import RunContract, ServiceStatus
 from services.sample_buffer import keys
 from services.sample_buffer.buffer import BufferConfig
-from services.sample_buffer.keys import PUT_COMMANDS, BufferKeys
+from services.sample_buffer.keys import BufferKeys
+
+T = TypeVar("T")
+
+
+async def io(call: Awaitable[T]) -> T:
+    """Await one Redis call, then raise the cancellation redis-py lost: redis.asyncio (8.1, on
+    Python 3.11) swallows a task's CancelledError that arrives mid-command, and a loop around
+    its calls would then never stop. A task with a cancel pending never goes on from here."""
+    result = await call
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+    return result
 
 
 class AsyncSampleBuffer(BufferKeys):
@@ -33,10 +48,10 @@ class AsyncSampleBuffer(BufferKeys):
         self.redis = client or aioredis.Redis.from_url(config.redis_url)
 
     async def aclose(self) -> None:
-        await self.redis.aclose()
+        await self.redis.aclose()  # closing: no cancel to keep
 
     async def ping(self) -> None:
-        await self.redis.ping()
+        await io(self.redis.ping())
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Ping until the server answers; raise naming the URL if it never does."""
@@ -44,7 +59,7 @@ class AsyncSampleBuffer(BufferKeys):
         last: Exception | None = None
         while time.monotonic() < deadline:
             try:
-                await self.redis.ping()
+                await io(self.redis.ping())
                 return
             except RedisConnectionError as exc:
                 last = exc
@@ -58,7 +73,7 @@ class AsyncSampleBuffer(BufferKeys):
 
     async def depth(self) -> int:
         """Entries in the stream: groups produced and not yet acked."""
-        return int(await self.redis.xlen(self.samples_key))
+        return int(await io(self.redis.xlen(self.samples_key)))
 
     async def backlog(self) -> int:
         """Groups put and not yet consumed by the trainer (what --max-buffer-depth bounds)."""
@@ -68,10 +83,9 @@ class AsyncSampleBuffer(BufferKeys):
         """Append groups in one transaction (each XADD with its `groups_put` count); their
         stream ids. The depth bound is the producer's (the router's backpressure.py)."""
         pipe = self.redis.pipeline(transaction=True)
-        for group in groups:
-            self.queue_put(pipe, group)
-        replies = await pipe.execute()
-        return [keys.entry_id(replies[k * PUT_COMMANDS]) for k in range(len(groups))]
+        self.queue_puts(pipe, groups)
+        replies = await io(pipe.execute())
+        return [keys.entry_id(raw) for raw in replies[: len(groups)]]
 
     async def put_group(self, group: SampleGroup) -> str:
         return (await self.put_groups([group]))[0]
@@ -81,35 +95,35 @@ class AsyncSampleBuffer(BufferKeys):
     async def record_drop(self, record: DropRecord) -> None:
         pipe = self.redis.pipeline()
         self.queue_drop(pipe, record, self.config.drop_log_len)
-        await pipe.execute()
+        await io(pipe.execute())
 
     async def drop_counts(self) -> dict[str, int]:
-        return keys.int_hash(await self.redis.hgetall(self.drops_key))
+        return keys.int_hash(await io(self.redis.hgetall(self.drops_key)))
 
     async def drop_log(self, count: int = 100) -> list[DropRecord]:
-        return keys.drop_records(await self.redis.xrevrange(self.drop_log_key, count=count))
+        return keys.drop_records(await io(self.redis.xrevrange(self.drop_log_key, count=count)))
 
     # --- versions, counters, prompt cursor ---------------------------------------------------
 
     async def get_version(self, role: str, default: int = -1) -> int:
-        return keys.version_of(await self.redis.get(self.version_prefix + role), default)
+        return keys.version_of(await io(self.redis.get(self.version_prefix + role)), default)
 
     async def counters(self) -> dict[str, int]:
-        return keys.int_hash(await self.redis.hgetall(self.counters_key))
+        return keys.int_hash(await io(self.redis.hgetall(self.counters_key)))
 
     async def incr_counter(self, name: str, amount: int = 1) -> int:
-        return int(await self.redis.hincrby(self.counters_key, name, amount))
+        return int(await io(self.redis.hincrby(self.counters_key, name, amount)))
 
     async def draw_prompt(self) -> int:
         """The next prompt draw of the run: one given back first, else the cursor's next."""
-        given_back = await self.redis.zpopmin(self.redraw_key)
+        given_back = await io(self.redis.zpopmin(self.redraw_key))
         if given_back:
             return int(given_back[0][1])
         return await self.incr_counter("prompts_drawn") - 1
 
     async def give_back_prompt(self, draw: int) -> None:
         """Draw `draw` was not used (its group stopped before it was put): draw it again."""
-        await self.redis.zadd(self.redraw_key, {str(draw): draw})
+        await io(self.redis.zadd(self.redraw_key, {str(draw): draw}))
 
     # --- run contract, status ------------------------------------------------------------------
 
@@ -117,34 +131,39 @@ class AsyncSampleBuffer(BufferKeys):
         """As `SampleBuffer.agree_contract`."""
         pipe = self.redis.pipeline(transaction=True)
         self.queue_contract(pipe, mine, who)
-        await pipe.execute()
-        return keys.check_contract(mine, await self.redis.hgetall(self.contract_key), who)
+        await io(pipe.execute())
+        return keys.check_contract(mine, await io(self.redis.hgetall(self.contract_key)), who)
 
     async def contract(self) -> RunContract:
-        return keys.contract_of(await self.redis.hgetall(self.contract_key))
+        return keys.contract_of(await io(self.redis.hgetall(self.contract_key)))
+
+    async def _scan(self, pattern: str) -> list[bytes]:
+        return [name async for name in self.redis.scan_iter(pattern)]
 
     async def set_status(self, status: ServiceStatus, ttl_s: float = 30.0) -> None:
         key, value, ttl_ms = self.status_write(status, ttl_s)
-        await self.redis.set(key, value, px=ttl_ms)
+        await io(self.redis.set(key, value, px=ttl_ms))
 
     async def statuses(self) -> dict[str, ServiceStatus]:
-        names = sorted([name async for name in self.redis.scan_iter(self.status_prefix + "*")])
-        return keys.statuses_of(await self.redis.mget(names) if names else [])
+        names = sorted(await io(self._scan(self.status_prefix + "*")))
+        return keys.statuses_of(await io(self.redis.mget(names)) if names else [])
 
     # --- metrics ------------------------------------------------------------------------------
 
     async def publish_metrics(self, source: str, step: int, values: dict[str, float]) -> None:
         entry = self.metrics_entry(source, step, values)
-        await self.redis.xadd(
-            self.metrics_key, entry, maxlen=self.config.metrics_len, approximate=True
+        await io(
+            self.redis.xadd(
+                self.metrics_key, entry, maxlen=self.config.metrics_len, approximate=True
+            )
         )
 
     async def last_metrics_id(self) -> str:
-        return keys.newest_id(await self.redis.xrevrange(self.metrics_key, count=1))
+        return keys.newest_id(await io(self.redis.xrevrange(self.metrics_key, count=1)))
 
     async def read_metrics(
         self, after_id: str = "0", block_ms: int | None = None
     ) -> list[tuple[str, MetricsRecord]]:
         """Records after `after_id` (exclusive), oldest first."""
-        reply = await self.redis.xread({self.metrics_key: after_id}, block=block_ms)
+        reply = await io(self.redis.xread({self.metrics_key: after_id}, block=block_ms))
         return keys.stream_entries(reply, MetricsRecord)

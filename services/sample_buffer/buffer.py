@@ -101,7 +101,7 @@ class SampleBuffer(BufferKeys):
         """Append a group (the router's depth bound is its own: rollout_router/backpressure.py).
         Returns the stream id."""
         pipe = self.redis.pipeline(transaction=True)
-        self.queue_put(pipe, group)
+        self.queue_puts(pipe, [group])
         return keys.entry_id(pipe.execute()[0])
 
     def read_groups(

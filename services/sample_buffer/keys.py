@@ -22,7 +22,6 @@ from proto.contract import ContractMismatchError, RunContract, ServiceStatus, mi
 T = TypeVar("T")
 
 CONSUMER_GROUP = "trainer"
-PUT_COMMANDS = 2  # commands `queue_put` queues per group (the first one's reply is the id)
 
 
 class BufferKeys:
@@ -43,11 +42,13 @@ class BufferKeys:
 
     # --- writes, queued on a pipeline ---------------------------------------------------------
 
-    def queue_put(self, pipe: Any, group: SampleGroup) -> None:
-        """The XADD and its `groups_put` count, in one transaction (the reply's first item is
-        the entry id)."""
-        pipe.xadd(self.samples_key, {"d": encode(group)})
-        pipe.hincrby(self.counters_key, "groups_put", 1)
+    def queue_puts(self, pipe: Any, groups: list[SampleGroup]) -> None:
+        """One XADD per group, then their `groups_put` count: queue on a transaction, so the
+        count never differs from the groups added. The first len(groups) replies are the
+        entry ids."""
+        for group in groups:
+            pipe.xadd(self.samples_key, {"d": encode(group)})
+        pipe.hincrby(self.counters_key, "groups_put", len(groups))
 
     def queue_drop(self, pipe: Any, record: DropRecord, drop_log_len: int) -> None:
         if not record.created_at:
