@@ -1,5 +1,6 @@
 """The rollout loop's progress rules, as plain arithmetic: the demand gate, the prompt cursor's
-order, and the backoff after a dependency fails. No I/O here; `rollout.py` feeds it numbers.
+order, and the backoff after a dependency fails. No I/O but `read_demand`, which reads the
+gate's numbers from Redis for `rollout.py`.
 
 Demand gate. B = rollout_batch_size, k = num_steps_per_rollout, s = max_staleness, v = the
 trainer's version (optimizer steps done), e = the engines' version. The trainer fills rollout
@@ -15,6 +16,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+
+from services.rollout_router.config import RolloutConfig
+from services.sample_buffer import AsyncSampleBuffer
 
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -121,3 +125,21 @@ class Backoff:
 
     def succeeded(self) -> None:
         self.delay_s, self.until, self.streak, self.reason = 0.0, 0.0, 0, ""
+
+
+async def read_demand(
+    buffer: AsyncSampleBuffer, config: RolloutConfig, in_flight: int, engines_version: int
+) -> Demand:
+    """The gate's inputs from Redis."""
+    counters = await buffer.counters()
+    trainer = await buffer.get_version("trainer")
+    # A trainer that does not count `groups_consumed` (an older one) has consumed exactly
+    # one rollout_batch_size per rollout it finished: the gate is then the old batch gate.
+    rollouts_done = max(trainer, 0) // config.num_steps_per_rollout
+    return Demand(
+        put=counters.get("groups_put", 0),
+        consumed=counters.get("groups_consumed", rollouts_done * config.rollout_batch_size),
+        in_flight=in_flight,
+        trainer_version=trainer,
+        engines_version=engines_version,
+    )

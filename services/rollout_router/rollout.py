@@ -11,12 +11,10 @@ unblocked by a group ending (put or dropped: a drop reopens the gate, so a repla
 by the trainer's counters and the engines' version moving, and by `resume()`. At most
 `rollout_max_concurrency` groups (else `rollout_batch_size`) are in flight.
 
-Each group task puts its group as soon as it is complete. Puts take turns with agent sessions'
-and wait, in the event loop, while the buffer's backlog is at `--max-buffer-depth`
-(backpressure.py); the loop also starts no group while the backlog and the groups in flight
-fill that bound. Batches are only the reporting unit: `rollout/*` metrics are published every
-`rollout_batch_size` groups put. Redis is reached through `AsyncSampleBuffer`: no call blocks the
-event loop.
+Each group task puts its group as soon as it is complete, in turn with agent sessions, waiting
+while the backlog is at `--max-buffer-depth` (backpressure.py); no group starts while the
+backlog and the groups in flight fill that bound. `rollout/*` metrics are published every
+`rollout_batch_size` groups put. Redis calls go through `AsyncSampleBuffer` (never blocking).
 
 Prompts come from a cursor in Redis (`counters.prompts_drawn`): draw p is prompt p % len(train)
 of a permutation of the train set seeded by (`seed`, epoch p // len(train)); its group id is
@@ -61,6 +59,7 @@ from services.rollout_router.progress import (
     EpochOrders,
     allowance,
     closed_gate_reason,
+    read_demand,
 )
 from services.rollout_router.report import BatchStats
 from services.rollout_router.rewards import Reward, RewardError
@@ -257,20 +256,8 @@ class RolloutLoop:
 
     async def read_demand(self, in_flight: int) -> Demand:
         """The gate's inputs, read from Redis."""
-        counters = await self.buffer.counters()
-        trainer = await self.buffer.get_version("trainer")
-        # A trainer that does not count `groups_consumed` (an older one) has consumed exactly
-        # one rollout_batch_size per rollout it finished: the gate is then the old batch gate.
-        rollouts_done = max(trainer, 0) // self.config.num_steps_per_rollout
-        return Demand(
-            put=counters.get("groups_put", 0),
-            consumed=counters.get(
-                "groups_consumed", rollouts_done * self.config.rollout_batch_size
-            ),
-            in_flight=in_flight,
-            trainer_version=trainer,
-            engines_version=await self.engines_version(),
-        )
+        engines = await self.engines_version()
+        return await read_demand(self.buffer, self.config, in_flight, engines)
 
     def prompt(self, p: int) -> Item:
         """Draw p: prompt p % len(train) of epoch p // len(train)'s permutation."""
