@@ -43,6 +43,14 @@ def full_sentence(depth: int, max_depth: int) -> str:
     return f"buffer full (depth {depth} of {max_depth})"
 
 
+def waiting_for_room(sentence: str) -> str:
+    """A producer's `waiting_for` while the buffer is full."""
+    return (
+        f"{sentence}: the trainer to consume groups (--max-buffer-depth bounds the groups put "
+        "and not yet consumed)"
+    )
+
+
 def full_error(key: str, depth: int, max_depth: int, timeout_s: float) -> BufferFullError:
     return BufferFullError(
         f"{full_sentence(depth, max_depth)} for {timeout_s:.0f}s: {key} holds groups put and "

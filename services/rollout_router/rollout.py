@@ -49,7 +49,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from proto import DropRecord, Sample, SampleGroup
-from services.rollout_router.backpressure import BufferBound, full_sentence
+from services.rollout_router.backpressure import BufferBound, full_sentence, waiting_for_room
 from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.environments import EnvError, EpisodeRunner
 from services.rollout_router.limiter import Limiter
@@ -183,8 +183,7 @@ class RolloutLoop:
                     continue
                 if not started:
                     self._wake.clear()
-                    # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that
-                    # comes as the event is set, and the loop would never stop
+                    # not wait_for: 3.11's loses a cancel that comes as the event is set
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(self.config.version_poll_s):
                             await self._wake.wait()
@@ -207,8 +206,7 @@ class RolloutLoop:
         await self._resume.wait()
 
     async def _cancel_groups(self) -> None:
-        groups = list(self.groups)
-        for group in groups:
+        for group in (groups := list(self.groups)):
             group.cancel()
         await asyncio.gather(*groups, return_exceptions=True)
         if self._give_backs:  # bounded: a Redis that does not answer loses them (logged)
@@ -337,11 +335,8 @@ class RolloutLoop:
 
     async def _give_back(self, p: int, group_id: str) -> None:
         detail = "rollout stopped; its prompt is drawn again at the next start"
-        drop = DropRecord(
-            source="router", reason="cancelled", count=1, group_id=group_id, detail=detail
-        )
         with contextlib.suppress(RedisError):
-            await self.buffer.record_drop(drop)
+            await self._drop(group_id, "cancelled", detail, quiet=True)
             await self.buffer.give_back_prompt(p)
 
     async def make_group(self, p: int, item: Item, group_id: str) -> SampleGroup:
@@ -484,9 +479,8 @@ class RolloutLoop:
         return partial
 
     async def put(self, group: SampleGroup, committed: list[bool]) -> None:
-        """Put in turn with the other producers, waiting (in the event loop, so cancellation
-        at shutdown is immediate) while the buffer is full. Once the XADD starts it is
-        shielded from cancellation and `committed[0]` is set."""
+        """Put in turn with the other producers, waiting while the buffer is full; once the
+        write is queued it is shielded from cancellation and `committed[0]` is set."""
         async with self.bound.slot(None, self._buffer_full) as put_group:
             committed[0] = True
             self.groups_put += 1
@@ -495,11 +489,7 @@ class RolloutLoop:
                 self.set_state("generating")
 
     def _buffer_full(self, sentence: str) -> None:
-        self.set_state(
-            "waiting_for_buffer",
-            f"{sentence}: the trainer to consume groups (--max-buffer-depth bounds the groups "
-            "put and not yet consumed)",
-        )
+        self.set_state("waiting_for_buffer", waiting_for_room(sentence))
 
     async def _drop(
         self, group_id: str, reason: str, detail: str, count: int = 1, quiet: bool = False
