@@ -263,14 +263,6 @@ def validate(config: UpConfig) -> list[str]:
         problems.append("--stop-accuracy must be within [0, 1]")
     if config.max_steps < 1:
         problems.append("--max-steps must be at least 1")
-    # With checkpoints, a rollout's groups leave the stream only once a checkpoint holds their
-    # update: the stream must hold save_interval rollouts plus the ones rollout runs ahead.
-    held = (config.save_interval + config.max_staleness + 1) * config.rollout_batch_size
-    if config.save_interval and held > MAX_GROUPS:
-        problems.append(
-            f"--save-interval {config.save_interval} keeps up to {held} groups in the buffer "
-            f"(of {MAX_GROUPS}) until a checkpoint holds them: lower --save-interval"
-        )
     own = service_args(config, "run", Path(config.model or "model"), "redis://", passthrough=False)
     passthrough = {
         "engine": config.engine_args,
@@ -308,7 +300,6 @@ def validate(config: UpConfig) -> list[str]:
 
 
 TRAINED_MODEL = "trained_model"  # the Hugging Face model the run trained, in its folder
-MAX_GROUPS = 1024  # the sample buffer's default --max-groups
 
 
 def trainer_on_gpu(config: UpConfig) -> bool:

@@ -91,7 +91,7 @@ def router_args(
     batch: int = 4,
     n: int = 2,
     response_len: int = 4,
-    max_groups: int = 1000,
+    max_buffer_depth: int = 1000,
 ) -> list[str]:
     """`tandem router` flags of a test: any free port, the test's buffer and run id, small
     batches; `extra` flags come last (argparse keeps the last value of a flag given twice)."""
@@ -113,7 +113,7 @@ def router_args(
         str(n),
         "--rollout-max-response-len",
         str(response_len),
-        "--max-groups",
-        str(max_groups),
+        "--max-buffer-depth",
+        str(max_buffer_depth),
         *extra,
     ]

@@ -16,7 +16,7 @@ TOKEN = {"Authorization": "Bearer t0ken"}
 
 def router_args(buffer: SampleBuffer, model: Path, urls: list[str], *extra: str) -> list[str]:
     flags = ["--no-rollout", "--max-staleness", "1000", "--api-token", "t0ken", *extra]
-    return shared_router_args(buffer, model, urls, *flags, max_groups=100000)
+    return shared_router_args(buffer, model, urls, *flags, max_buffer_depth=100000)
 
 
 def status(router) -> dict:

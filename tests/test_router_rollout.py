@@ -181,20 +181,22 @@ def test_router_answers_generate_like_an_engine_and_stops_cleanly_on_sigterm(
     assert "Traceback" not in router.log()
 
 
-def test_rollout_waits_while_the_buffer_is_full_and_goes_on_when_the_trainer_acks(
+def test_rollout_waits_while_the_buffer_is_full_and_goes_on_when_the_trainer_consumes(
     buffer, toy_model_dir, start_service, engines
 ):
     urls = [engines().url]
     args = router_args(buffer, toy_model_dir, urls, "--max-staleness", "1000")
-    args[args.index("--max-groups") + 1] = "6"
+    args[args.index("--max-buffer-depth") + 1] = "6"
     router = start_service("router", args)
     wait_until(
-        lambda: get_json(router.url + "/rollout/status")["state"] == "waiting_for_buffer",
+        lambda: get_json(router.url + "/rollout/status")["waiting"] == "buffer full (depth 6 of 6)",
         "the full buffer to hold the rollout",
     )
+    assert get_json(router.url + "/rollout/status")["state"] == "waiting_for_buffer"
     assert buffer.depth() == 6
     entries = buffer.read_groups("trainer-1", 4, block_ms=None)
     buffer.ack([entry_id for entry_id, _g in entries])
+    buffer.incr_counter("groups_consumed", 4)  # what the trainer counts after training
     wait_until(
         lambda: get_json(router.url + "/rollout/status")["groups_put"] == 10, "4 more groups"
     )

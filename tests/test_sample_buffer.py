@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 
 from proto import DropReason, DropRecord, Sample, SampleGroup
 from proto.contract import ContractMismatchError, RunContract, ServiceStatus
-from services.sample_buffer import BufferConfig, BufferFullError, SampleBuffer
+from services.sample_buffer import BufferConfig, SampleBuffer
 
 
 def make_group(group_id: str, version: int = 0) -> SampleGroup:
@@ -52,39 +51,6 @@ def test_acked_groups_free_space_and_unacked_ones_are_handed_out_again(
     # A restarted consumer gets its unacked group back before new ones: nothing is lost.
     again = buffer.read_groups("t0", count=3, block_ms=100, pending_first=True)
     assert [g.group_id for _, g in again] == ["g1", "g2", "g3"]
-
-
-def test_a_full_buffer_makes_the_producer_wait_until_the_consumer_acks(
-    buffer: SampleBuffer,
-) -> None:
-    small = SampleBuffer(
-        BufferConfig(redis_url=buffer.config.redis_url, run_id=buffer.config.run_id, max_groups=2)
-    )
-    small.put_group(make_group("a"))
-    small.put_group(make_group("b"))
-    done = threading.Event()
-
-    def produce() -> None:
-        small.put_group(make_group("c"), timeout_s=30)
-        done.set()
-
-    thread = threading.Thread(target=produce)
-    thread.start()
-    assert not done.wait(0.5), "producer should block while the buffer is full"
-    entries = small.read_groups("t0", count=1, block_ms=100)
-    small.ack([entries[0][0]])
-    thread.join(timeout=10)
-    assert done.is_set()
-    assert small.depth() == 2
-
-
-def test_a_buffer_that_stays_full_raises_an_error_naming_the_flag(buffer: SampleBuffer) -> None:
-    small = SampleBuffer(
-        BufferConfig(redis_url=buffer.config.redis_url, run_id=buffer.config.run_id, max_groups=1)
-    )
-    small.put_group(make_group("a"))
-    with pytest.raises(BufferFullError, match="--max-groups"):
-        small.put_group(make_group("b"), timeout_s=0.2)
 
 
 def test_drops_are_counted_by_reason_in_groups_and_in_samples_and_logged(

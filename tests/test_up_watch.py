@@ -12,8 +12,6 @@ import time
 from http.server import HTTPServer
 from pathlib import Path
 
-import pytest
-
 from proto.contract import ServiceStatus
 from services.sample_buffer import SampleBuffer
 from tandem import launcher
@@ -140,9 +138,3 @@ def test_a_paused_broker_raises_an_alarm_and_the_run_goes_on_after_sigcont(
         assert problem.startswith("broker has not answered GET"), problem
     finally:
         os.kill(broker.proc.pid, signal.SIGCONT)
-
-
-@pytest.mark.parametrize("interval", [20])
-def test_a_save_interval_the_buffer_cannot_hold_is_refused(interval: int, capsys) -> None:
-    assert launcher.main(["--save-interval", str(interval), "--max-steps", "1"]) == 2
-    assert "lower --save-interval" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from services.common.auth import check_bind, token_from_env
 from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
 from services.common.serving import ServiceError, add_serving_args, run_service, serve
-from services.rollout_router.config import RouterConfig, WorkerPoolConfig
+from services.rollout_router.config import RouterConfig, WorkerPoolConfig, check_buffer_depth
 from services.rollout_router.workers import WorkerPool
 from services.sample_buffer import SampleBuffer
 
@@ -85,7 +85,10 @@ def start(config: RouterConfig, host: str) -> Any:
     # finds them answering at once.
     buffer = SampleBuffer(config.buffer)
     buffer.wait_ready(30.0)
-    buffer.agree_contract(config.rollout.contract(), "router")
+    run = buffer.agree_contract(config.rollout.contract(), "router")
+    # The trainer's batch (with --no-rollout the router states none of its own): a ValueError
+    # (exit 2) when --max-buffer-depth cannot hold one rollout batch.
+    check_buffer_depth(config.rollout.buffer_depth_bound(), run.rollout_batch_size or 0)
     asyncio.run(wait_for_engines(config.workers))
     return app
 

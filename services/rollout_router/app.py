@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from proto.models import read_config
+from services.rollout_router.backpressure import depth_note
 from services.rollout_router.config import DataConfig, RouterConfig, SamplingConfig
 from services.rollout_router.control import RolloutController
 from services.rollout_router.environments import EnvClient, EpisodeRunner
@@ -40,7 +41,7 @@ from services.rollout_router.tasks import (
     toy_reverse_digits,
 )
 from services.rollout_router.workers import WorkerPool
-from services.sample_buffer import SampleBuffer
+from services.sample_buffer import AsyncSampleBuffer
 
 log = logging.getLogger("tandem.router")
 
@@ -101,7 +102,7 @@ def default_response_len(config: RouterConfig, task: Task) -> int:
 
 
 async def build_control(
-    config: RouterConfig, pool: WorkerPool, buffer: SampleBuffer
+    config: RouterConfig, pool: WorkerPool, buffer: AsyncSampleBuffer
 ) -> RolloutController:
     """Tokenizer, task and reward, loaded once; the rollout loop and its controller."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.rollout.model)
@@ -137,10 +138,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     pool = WorkerPool(config.workers)
     await pool.start()
     app.state.control = app.state.sessions = None
+    buffer = AsyncSampleBuffer(config.buffer)
     try:
         await pool.add_all(config.workers.engine_urls, config.workers.engine_wait_timeout_s)
-        buffer = SampleBuffer(config.buffer)
-        await asyncio.to_thread(buffer.wait_ready, 30.0)
+        await buffer.wait_ready(30.0)
         app.state.pool, app.state.buffer = pool, buffer
         pool.start_health_checks()
         if config.rollout.model:
@@ -148,11 +149,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             app.state.sessions = AgentSessions(
                 config.sessions,
                 pool,
-                buffer,
+                control.loop.bound,
                 control.tokenizer,
                 control.loop.stop_token_ids,
                 config.rollout.n_samples_per_prompt,
             )
+            if note := depth_note(config.rollout):
+                log.info("%s", note)
             control.start_evaluations()
             if config.rollout.rollout:
                 control.start()
@@ -170,6 +173,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if app.state.control is not None:
             await app.state.control.close()
         await pool.close()
+        await buffer.aclose()
         log.info("router stopped: tasks cancelled, engine session closed")
 
 

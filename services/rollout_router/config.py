@@ -17,6 +17,19 @@ from services.rollout_router.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from services.sample_buffer import BufferConfig
 
 POLICIES = ("least_outstanding", "round_robin", "session_affinity")
+DEFAULT_DEPTH_BATCHES = 4  # --max-buffer-depth -1: room for the trainer's rollout and 3 more
+
+
+def check_buffer_depth(depth: int, batch: int) -> None:
+    """The trainer trains on `batch` groups at once: a bound below that would stall the run
+    (producers wait for the trainer, the trainer for a full rollout)."""
+    if 0 < depth < batch:
+        raise ValueError(
+            f"--max-buffer-depth {depth} is below the rollout batch size {batch}: the trainer "
+            f"needs {batch} groups in the buffer to train, so the run would stall; raise "
+            f"--max-buffer-depth to at least {batch} (-1 = {DEFAULT_DEPTH_BATCHES} batches, "
+            "0 = unbounded)"
+        )
 
 
 @dataclass
@@ -134,6 +147,25 @@ class RolloutConfig:
         default=0.05,
         metadata={"help": "How often a waiting rollout re-reads the engines' weight version."},
     )
+    max_buffer_depth: int = field(
+        default=-1,
+        metadata={
+            "help": "Most groups put and not yet consumed by the trainer; rollouts and agent "
+            "sessions wait at it (-1 = 4 rollout batches; 0 = unbounded)."
+        },
+    )
+
+    def buffer_depth_bound(self) -> int:
+        """The backlog producers wait at, in groups (0 = unbounded)."""
+        if self.max_buffer_depth < 0:
+            return DEFAULT_DEPTH_BATCHES * self.rollout_batch_size
+        return self.max_buffer_depth
+
+    def staleness_reach(self) -> int:
+        """Most groups the demand gate lets rollouts run ahead of the trainer (in flight
+        included): the trainer's rollout and the ceil(s / k) after it (progress.py)."""
+        ahead = -(-self.max_staleness // self.num_steps_per_rollout)
+        return (ahead + 1) * self.rollout_batch_size
 
     def validate(self) -> None:
         if self.rollout and not self.model:
@@ -150,6 +182,7 @@ class RolloutConfig:
             raise ValueError("--rollout-max-concurrency must be >= 0")
         if self.num_steps_per_rollout < 1:
             raise ValueError("--num-steps-per-rollout must be >= 1")
+        check_buffer_depth(self.buffer_depth_bound(), self.rollout_batch_size)
 
     def contract(self) -> RunContract:
         """The run-contract terms this router states: the batch arithmetic and staleness when
@@ -293,6 +326,13 @@ class SessionConfig:
     )
     session_max_new_tokens: int = field(
         default=1024, metadata={"help": "max_tokens of a chat turn when the agent sets none."}
+    )
+    session_put_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "How long a reward waits for room in a full buffer (--max-buffer-depth) "
+            "before it is answered 503 with Retry-After (the session stays open)."
+        },
     )
 
 

@@ -30,7 +30,7 @@ from services.rollout_router.rollout import RolloutLoop
 log = logging.getLogger("tandem.router.control")
 
 # Fields a running router may change; the model and the run identity may not.
-FROZEN = {"model", "rollout", "version_poll_s"}
+FROZEN = {"model", "rollout", "version_poll_s", "max_buffer_depth"}
 # Terms of the run contract (proto/contract.py): the trainer relies on them, so they are fixed
 # for the run's life.
 CONTRACT_TERMS = (
@@ -113,11 +113,12 @@ class RolloutController:
         buffer = self.loop.buffer
         while True:
             self.loop.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.loop.changed.wait(), STATUS_INTERVAL_S)
-            status = await asyncio.to_thread(service_status, self.loop, self.failure())
+            with contextlib.suppress(TimeoutError):  # not wait_for: see RolloutLoop.run
+                async with asyncio.timeout(STATUS_INTERVAL_S):
+                    await self.loop.changed.wait()
+            status = await service_status(self.loop, self.failure())
             try:
-                await asyncio.to_thread(buffer.set_status, status, STATUS_TTL_S)
+                await buffer.set_status(status, STATUS_TTL_S)
             except RedisError as exc:  # the rollout loop reports the outage; retried next time
                 log.debug("status not written: %s", exc)
 

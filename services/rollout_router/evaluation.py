@@ -38,7 +38,7 @@ async def run_evaluations(loop: RolloutLoop) -> None:
     last_bucket: int | None = None
     while True:
         try:
-            version = max(loop.engines_version(), 0)
+            version = max(await loop.engines_version(), 0)
         except RedisError:
             await asyncio.sleep(1.0)
             continue
@@ -128,6 +128,6 @@ async def _publish(
         "eval/num_prompts": float(len(exact)),
         "eval/failed": float(failed),
     }
-    await asyncio.to_thread(loop.buffer.publish_metrics, "router", version, values)
+    await loop.buffer.publish_metrics("router", version, values)
     loop.last_eval, loop.last_eval_version = values, version
     log.info("eval at version %d: %s", version, values)

@@ -9,17 +9,17 @@ pool when `/metrics` is scraped.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING
 
+import redis
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from redis.exceptions import RedisError
 
 from proto import SampleGroup
 from services.common.metrics import CONTENT_TYPE, Gauge, Metrics, gauge, labels
-from services.sample_buffer import SampleBuffer
+from services.sample_buffer import AsyncSampleBuffer
 from services.sample_buffer.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ GENERATING = "generating"  # the loop state in which engines get work; any other
 class LoopObserver:
     """Counters, request latency, time per loop state and timeline spans of one rollout loop."""
 
-    def __init__(self, buffer: SampleBuffer | None) -> None:
+    def __init__(self, buffer: AsyncSampleBuffer | None) -> None:
         self.metrics = Metrics("tandem_router_")
         self.metrics.counter("groups_put", "Sample groups put into the buffer by rollouts.")
         self.metrics.counter("samples_generated", "Samples in the groups put.")
@@ -43,8 +43,11 @@ class LoopObserver:
         self.request_seconds = self.metrics.histogram(
             "request_seconds", "Latency of the rollout's /generate requests to the engines."
         )
+        # The timeline's background writer is a thread: it has a blocking client of its own.
         self.timeline = (
-            Timeline(buffer.redis, buffer.config.run_id, "router") if buffer is not None else None
+            Timeline(redis.Redis.from_url(buffer.config.redis_url), buffer.config.run_id, "router")
+            if buffer is not None
+            else None
         )
         self.started = time.time()
         self.batch_started, self.batch_groups, self.batch_index = time.time(), 0, 0
@@ -94,12 +97,14 @@ class LoopObserver:
             self.timeline.close()
 
 
-def redis_gauges(buffer: SampleBuffer) -> tuple[list[Gauge], list[Gauge]]:
+async def redis_gauges(buffer: AsyncSampleBuffer) -> tuple[list[Gauge], list[Gauge]]:
     """Buffer depth, versions, staleness (gauges) and drops by reason (totals), from Redis."""
-    trainer, engines = buffer.get_version("trainer"), buffer.get_version("engines")
-    counters = buffer.counters()
+    trainer = await buffer.get_version("trainer")
+    engines = await buffer.get_version("engines")
+    counters = await buffer.counters()
+    depth = await buffer.depth()
     gauges = [
-        gauge("buffer_depth", "Groups in the buffer not yet trained (acked).", buffer.depth()),
+        gauge("buffer_depth", "Groups in the buffer not yet trained (acked).", depth),
         gauge("trainer_version", "Weight version the trainer last published.", trainer),
         gauge("engines_version", "Weight version every engine in rotation has loaded.", engines),
         gauge(
@@ -108,7 +113,7 @@ def redis_gauges(buffer: SampleBuffer) -> tuple[list[Gauge], list[Gauge]]:
             max(trainer - engines, 0),
         ),
     ]
-    drops = {labels(reason=r): float(n) for r, n in buffer.drop_counts().items()}
+    drops = {labels(reason=r): float(n) for r, n in (await buffer.drop_counts()).items()}
     totals = [
         ("drops", "Samples dropped in this run, by reason (router and trainer).", drops),
         ("run_groups_put", "Groups put in this run (all routers).", _one(counters, "groups_put")),
@@ -125,8 +130,8 @@ def _one(counters: dict[str, int], name: str) -> dict:
     return {(): float(counters.get(name, 0))}
 
 
-def render(loop: RolloutLoop | None, pool, buffer: SampleBuffer | None) -> str:  # type: ignore[no-untyped-def]
-    """The exposition text (blocking Redis reads: call it in a thread)."""
+async def render(loop: RolloutLoop | None, pool, buffer: AsyncSampleBuffer | None) -> str:  # type: ignore[no-untyped-def]
+    """The exposition text."""
     workers = list(pool.workers.values()) if pool is not None else []
     versions = {labels(engine=w.url): float(w.weight_version) for w in workers}
     outstanding = {labels(engine=w.url): float(w.outstanding) for w in workers}
@@ -137,7 +142,7 @@ def render(loop: RolloutLoop | None, pool, buffer: SampleBuffer | None) -> str: 
     totals: list[Gauge] = []
     if buffer is not None:
         try:
-            more, totals = redis_gauges(buffer)
+            more, totals = await redis_gauges(buffer)
             gauges += [*more, gauge("redis_up", "1 while the run's Redis answers.", 1)]
         except RedisError:  # the scrape still shows the router's own numbers
             gauges.append(gauge("redis_up", "1 while the run's Redis answers.", 0))
@@ -171,7 +176,5 @@ async def metrics(request: Request) -> Response:
     state = request.app.state
     control = getattr(state, "control", None)
     loop = control.loop if control is not None else None
-    text = await asyncio.to_thread(
-        render, loop, getattr(state, "pool", None), getattr(state, "buffer", None)
-    )
+    text = await render(loop, getattr(state, "pool", None), getattr(state, "buffer", None))
     return Response(text, media_type=CONTENT_TYPE)

@@ -1,5 +1,6 @@
 """The rollout loop's progress rules, as plain arithmetic: the demand gate, the prompt cursor's
-order, and the backoff after a dependency fails. No I/O here; `rollout.py` feeds it numbers.
+order, and the backoff after a dependency fails. No I/O but `read_demand`, which reads the
+gate's numbers from Redis for `rollout.py`.
 
 Demand gate. B = rollout_batch_size, k = num_steps_per_rollout, s = max_staleness, v = the
 trainer's version (optimizer steps done), e = the engines' version. The trainer fills rollout
@@ -17,7 +18,7 @@ import random
 from dataclasses import dataclass
 
 from services.rollout_router.config import RolloutConfig
-from services.sample_buffer import SampleBuffer
+from services.sample_buffer import AsyncSampleBuffer
 
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -33,10 +34,14 @@ class Demand:
     trainer_version: int
     engines_version: int
 
+    def backlog(self) -> int:
+        """Groups put and not yet consumed (never below 0: a trainer resumed on a fresh Redis
+        may count more consumed than were put)."""
+        return max(self.put - self.consumed, 0)
+
     def ahead(self) -> int:
-        """Groups the trainer has yet to consume, in flight included (never below 0: a
-        trainer resumed on a fresh Redis may count more consumed than were put)."""
-        return max(self.put - self.consumed, 0) + self.in_flight
+        """Groups the trainer has yet to consume, in flight included."""
+        return self.backlog() + self.in_flight
 
 
 def allowance(d: Demand, batch: int, steps_per_rollout: int, max_staleness: int) -> int:
@@ -122,12 +127,12 @@ class Backoff:
         self.delay_s, self.until, self.streak, self.reason = 0.0, 0.0, 0, ""
 
 
-def read_demand(
-    buffer: SampleBuffer, config: RolloutConfig, in_flight: int, engines_version: int
+async def read_demand(
+    buffer: AsyncSampleBuffer, config: RolloutConfig, in_flight: int, engines_version: int
 ) -> Demand:
-    """The gate's inputs from Redis (blocking reads)."""
-    counters = buffer.counters()
-    trainer = buffer.get_version("trainer")
+    """The gate's inputs from Redis."""
+    counters = await buffer.counters()
+    trainer = await buffer.get_version("trainer")
     # A trainer that does not count `groups_consumed` (an older one) has consumed exactly
     # one rollout_batch_size per rollout it finished: the gate is then the old batch gate.
     rollouts_done = max(trainer, 0) // config.num_steps_per_rollout

@@ -5,7 +5,6 @@ fields and Redis; changes nothing in the loop."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -17,7 +16,7 @@ from redis.exceptions import RedisError
 
 from proto import DropReason, DropRecord, SampleGroup
 from proto.contract import ServiceStatus
-from services.sample_buffer import SampleBuffer
+from services.sample_buffer import AsyncSampleBuffer
 from services.sample_buffer.ledger import Ledger
 
 if TYPE_CHECKING:
@@ -56,7 +55,7 @@ class BatchStats:
         loop.stats = BatchStats()
         elapsed = max(time.monotonic() - self.started, 1e-9)
         loop.samples_per_s = self.samples / elapsed
-        ledger = await asyncio.to_thread(loop.buffer.ledger)
+        ledger = await loop.buffer.ledger()
         values = {
             "rollout/batch": float(max(ledger.put // batch - 1, 0)),
             "rollout/reward_mean": self.reward_sum / self.samples,
@@ -66,11 +65,11 @@ class BatchStats:
             "rollout/prompts_generated": float(self.finished),
             "rollout/groups_dropped": float(self.finished - self.kept),
             "rollout/batch_time_s": elapsed,
-            "rollout/engines_version": float(loop.engines_version()),
+            "rollout/engines_version": float(await loop.engines_version()),
             **ledger_metrics(ledger),
         }
         step = self.min_version if self.min_version is not None else 0
-        await asyncio.to_thread(loop.buffer.publish_metrics, "router", step, values)
+        await loop.buffer.publish_metrics("router", step, values)
 
 
 def backoff_reason(loop: RolloutLoop, left_s: float) -> str:
@@ -85,8 +84,8 @@ def backoff_reason(loop: RolloutLoop, left_s: float) -> str:
     return loop.backoff.sentence(what, left_s)
 
 
-def record_drop(
-    buffer: SampleBuffer,
+async def record_drop(
+    buffer: AsyncSampleBuffer,
     group_id: str,
     reason: DropReason,
     detail: str,
@@ -95,7 +94,7 @@ def record_drop(
     give_back: int | None = None,
     quiet: bool = False,
 ) -> None:
-    """Record a router drop (blocking): a whole group (`groups` 1, with its `samples`), or
+    """Record a router drop: a whole group (`groups` 1, with its `samples`), or
     `samples` of a group that is still put (`groups` 0). `give_back`: draw that prompt again."""
     if not quiet:
         what = "group" if groups else f"{samples} sample(s) of"
@@ -108,7 +107,7 @@ def record_drop(
         group_id=group_id,
         detail=detail[:500],
     )
-    buffer.record_drop(record, give_back=give_back)
+    await buffer.record_drop(record, give_back=give_back)
 
 
 def ledger_metrics(ledger: Ledger) -> dict[str, float]:
@@ -122,15 +121,15 @@ def ledger_metrics(ledger: Ledger) -> dict[str, float]:
     return out
 
 
-def service_status(loop: RolloutLoop, error: str = "") -> ServiceStatus:
-    """The status record (blocking Redis reads); `failed` with `error` when a task died."""
+async def service_status(loop: RolloutLoop, error: str = "") -> ServiceStatus:
+    """The status record; `failed` with `error` when a task died."""
     detail: dict[str, float | int | str] = {
         "groups_put_here": loop.groups_put,
         "groups_in_flight": len(loop.groups),
         "requests_in_flight": loop.in_flight,
     }
     with contextlib.suppress(RedisError):
-        demand = loop.read_demand(len(loop.groups))
+        demand = await loop.read_demand(len(loop.groups))
         detail.update(
             groups_put=demand.put,
             groups_consumed=demand.consumed,
@@ -148,17 +147,22 @@ def service_status(loop: RolloutLoop, error: str = "") -> ServiceStatus:
     )
 
 
-def status(loop: RolloutLoop) -> dict[str, Any]:
+async def status(loop: RolloutLoop) -> dict[str, Any]:
     """The loop's state; the Redis-backed fields are None while Redis is unavailable.
-    `drops` is in groups by reason; `ledger` says where every group of the run went."""
+    `drops` is in groups by reason; `ledger` says where every group of the run went.
+    `buffer_depth` is the backlog the depth bound counts (groups put, not yet consumed);
+    `waiting` says when producers wait for it ("buffer full (depth N of M)")."""
     names = "engines_version trainer_version buffer_depth drops batch groups_consumed ledger"
     redis_fields: dict[str, Any] = dict.fromkeys(names.split())
+    redis_fields["waiting"] = ""
     with contextlib.suppress(RedisError):
-        ledger = loop.buffer.ledger()
+        ledger = await loop.buffer.ledger()
+        depth = max(ledger.buffered, 0)  # keys.backlog
         redis_fields = {
-            "engines_version": loop.engines_version(),
-            "trainer_version": loop.buffer.get_version("trainer"),
-            "buffer_depth": loop.buffer.depth(),
+            "engines_version": await loop.engines_version(),
+            "trainer_version": await loop.buffer.get_version("trainer"),
+            "buffer_depth": depth,
+            "waiting": loop.bound.sentence(depth),
             "drops": ledger.dropped_groups,
             "batch": ledger.put // loop.config.rollout_batch_size,
             "groups_consumed": ledger.consumed,
@@ -173,6 +177,8 @@ def status(loop: RolloutLoop) -> dict[str, Any]:
         "groups_in_flight": len(loop.groups),
         "samples_per_s": loop.samples_per_s,
         "groups_put": loop.groups_put,
+        "max_buffer_depth": loop.bound.max_depth,
+        "producers_waiting": loop.bound.waiting,
         "last_eval_version": loop.last_eval_version,
         "last_eval": loop.last_eval,
         **redis_fields,

@@ -11,9 +11,10 @@ unblocked by a group ending (put or dropped: a drop reopens the gate, so a repla
 by the trainer's counters and the engines' version moving, and by `resume()`. At most
 `rollout_max_concurrency` groups (else `rollout_batch_size`) are in flight.
 
-Each group task puts its group as soon as it is complete. Puts are serialized and wait, in the
-event loop, while the buffer holds `max_groups` untrained groups. Batches are only the
-reporting unit: `rollout/*` metrics are published every `rollout_batch_size` groups put.
+Each group task puts its group as soon as it is complete, in turn with agent sessions, waiting
+while the backlog is at `--max-buffer-depth` (backpressure.py); no group starts while the
+backlog and the groups in flight fill that bound. `rollout/*` metrics are published every
+`rollout_batch_size` groups put. Redis calls go through `AsyncSampleBuffer` (never blocking).
 
 Prompts come from a cursor in Redis (`counters.prompts_drawn`): draw p is prompt p % len(train)
 of a permutation of the train set seeded by (`seed`, epoch p // len(train)); its group id is
@@ -48,6 +49,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from proto import DropReason, Sample, SampleGroup
+from services.rollout_router.backpressure import BufferBound, full_sentence, waiting_for_room
 from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.environments import EnvError, EpisodeRunner, Generate
 from services.rollout_router.limiter import Limiter
@@ -72,7 +74,7 @@ from services.rollout_router.samples import (
 )
 from services.rollout_router.tasks import Item, Task
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
-from services.sample_buffer import SampleBuffer
+from services.sample_buffer import AsyncSampleBuffer
 
 log = logging.getLogger("tandem.router.rollout")
 
@@ -96,7 +98,7 @@ class RolloutLoop:
         config: RolloutConfig,
         sampling: SamplingConfig,
         pool: WorkerPool,
-        buffer: SampleBuffer,
+        buffer: AsyncSampleBuffer,
         task: Task,
         reward: Reward,
         stop_token_ids: list[int],
@@ -119,8 +121,8 @@ class RolloutLoop:
         self._resume = asyncio.Event()
         self._resume.set()
         self._wake = asyncio.Event()  # set when a group ends
-        self._put_lock = asyncio.Lock()
-        self._room = 0  # groups we may still put before reading the stream's depth again
+        self.bound = BufferBound(buffer, config.buffer_depth_bound())
+        self._give_backs: set[asyncio.Task] = set()  # drops of cancelled groups being written
         self._failure: BaseException | None = None  # a group task's unexpected exception
         self._redis_error: Exception | None = None
         self._redis_lost: list[str] = []  # groups lost while Redis was unavailable
@@ -130,8 +132,8 @@ class RolloutLoop:
 
     # --- versions, state and control -----------------------------------------------------------
 
-    def engines_version(self) -> int:
-        return max(self.buffer.get_version("engines"), self.pool.min_version())
+    async def engines_version(self) -> int:
+        return max(await self.buffer.get_version("engines"), self.pool.min_version())
 
     def set_state(self, state: str, waiting_for: str = "") -> None:
         """`waiting_for`: what would unblock the loop, as a sentence a user can act on."""
@@ -183,7 +185,7 @@ class RolloutLoop:
                     if self._redis_error is not None:
                         await self._wait_for_redis()
                     if not recovered:
-                        await asyncio.to_thread(self.buffer.recover_in_flight, "router")
+                        await self.buffer.recover_in_flight("router")
                         recovered = True
                     await self.wait_for_workers()
                     started = await self._start_groups()
@@ -192,8 +194,10 @@ class RolloutLoop:
                     continue
                 if not started:
                     self._wake.clear()
+                    # not wait_for: 3.11's loses a cancel that comes as the event is set
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), self.config.version_poll_s)
+                        async with asyncio.timeout(self.config.version_poll_s):
+                            await self._wake.wait()
         except asyncio.CancelledError:
             self.set_state("stopped")
             await self._cancel_groups()
@@ -213,10 +217,13 @@ class RolloutLoop:
         await self._resume.wait()
 
     async def _cancel_groups(self) -> None:
-        groups = list(self.groups)
-        for group in groups:
+        for group in (groups := list(self.groups)):
             group.cancel()
         await asyncio.gather(*groups, return_exceptions=True)
+        if self._give_backs:  # bounded: a Redis that does not answer loses them (logged)
+            _done, lost = await asyncio.wait(set(self._give_backs), timeout=5.0)
+            if lost:
+                log.warning("%d cancelled groups not recorded (Redis did not answer)", len(lost))
 
     async def _start_groups(self) -> int:
         """Start as many groups as the gate, the concurrency bound and the backoff allow."""
@@ -232,15 +239,21 @@ class RolloutLoop:
             room = min(room, 1)
         if room <= 0:
             return 0
-        demand = await asyncio.to_thread(self.read_demand, in_flight)
+        demand = await self.read_demand(in_flight)
         n = min(room, allowance(demand, *self._gate_terms()))
         if n <= 0:
             who = "weights" if demand.engines_version < demand.trainer_version else "trainer"
             self.set_state(f"waiting_for_{who}", closed_gate_reason(demand, *self._gate_terms()))
             return 0
+        if self.bound.max_depth:  # the groups in flight are put before any new one
+            n = min(n, self.bound.max_depth - demand.ahead())
+            if n <= 0:
+                sentence = full_sentence(demand.backlog(), self.bound.max_depth)
+                self._buffer_full(f"{sentence}, {in_flight} more in flight")
+                return 0
         self.set_state("generating")
         for _ in range(n):
-            p = await asyncio.to_thread(self.buffer.start_group)
+            p = await self.buffer.start_group()
             group = asyncio.create_task(self.run_group(p, self.prompt(p)), name=f"group p{p}")
             self.groups.add(group)
             group.add_done_callback(self._group_ended)
@@ -250,9 +263,10 @@ class RolloutLoop:
         cfg = self.config
         return cfg.rollout_batch_size, cfg.num_steps_per_rollout, cfg.max_staleness
 
-    def read_demand(self, in_flight: int) -> Demand:
-        """The gate's inputs (blocking Redis reads)."""
-        return read_demand(self.buffer, self.config, in_flight, self.engines_version())
+    async def read_demand(self, in_flight: int) -> Demand:
+        """The gate's inputs, read from Redis."""
+        engines = await self.engines_version()
+        return await read_demand(self.buffer, self.config, in_flight, engines)
 
     def prompt(self, p: int) -> Item:
         """Draw p: prompt p % len(train) of epoch p // len(train)'s permutation."""
@@ -273,13 +287,13 @@ class RolloutLoop:
         log.warning("Redis unavailable (%s); waiting for it", exc)
         while True:
             try:
-                await asyncio.to_thread(self.buffer.redis.ping)
+                await self.buffer.ping()
                 break
             except RedisError:
                 await asyncio.sleep(1.0)
         for group_id in self._redis_lost:
             await self._drop(group_id, DropReason.REDIS_UNAVAILABLE, str(exc))
-        self._redis_lost, self._redis_error, self._room, self.error = [], None, 0, ""
+        self._redis_lost, self._redis_error, self.error = [], None, ""
 
     # --- one group -----------------------------------------------------------------------------
 
@@ -314,16 +328,21 @@ class RolloutLoop:
             return
         except asyncio.CancelledError:
             # Stopped mid-group: say so, and give the prompt back to be drawn again at the next
-            # start (synchronously: a cancelled task cannot reliably await).
+            # start (in a task of its own, which `_cancel_groups` waits for: a cancelled task
+            # cannot reliably await).
             if not committed[0]:
-                detail = "rollout stopped; its prompt is drawn again at the next start"
-                n = self.config.n_samples_per_prompt
-                with contextlib.suppress(RedisError):
-                    record_drop(self.buffer, group_id, DropReason.CANCELLED, detail, n, give_back=p)
+                task = asyncio.create_task(self._give_back(p, group_id))
+                self._give_backs.add(task)
+                task.add_done_callback(self._give_backs.discard)
             raise
         self.backoff.succeeded()
         self.recent.add(group)
         await self.stats.add(group, self)
+
+    async def _give_back(self, p: int, group_id: str) -> None:
+        detail = "rollout stopped; its prompt is drawn again at the next start"
+        with contextlib.suppress(RedisError):  # one DROP: the group's end and its prompt back
+            await self._drop(group_id, DropReason.CANCELLED, detail, quiet=True, give_back=p)
 
     async def make_group(self, p: int, item: Item, group_id: str) -> SampleGroup:
         """Generate (single turns or environment episodes) and reward one prompt's group."""
@@ -473,30 +492,18 @@ class RolloutLoop:
         return partial
 
     async def put(self, group: SampleGroup, committed: list[bool]) -> None:
-        """Serialized put that waits in the event loop (not a thread) while the buffer is full,
-        so that cancellation at shutdown is immediate. Once the XADD starts it is shielded
-        from cancellation and `committed[0]` is set.
-
-        The stream's depth only falls between our reads (the trainer acks), so after reading
-        depth d we may put max_groups - d groups before reading it again."""
-        async with self._put_lock:
-            while self._room <= 0:
-                depth = await asyncio.to_thread(self.buffer.depth)
-                self._room = self.buffer.config.max_groups - depth
-                if self._room <= 0:
-                    self.set_state(
-                        "waiting_for_buffer",
-                        f"the trainer to ack groups: the buffer holds --max-groups "
-                        f"{self.buffer.config.max_groups} untrained groups",
-                    )
-                    await asyncio.sleep(0.05)
+        """Put in turn with the other producers, waiting while the buffer is full; once the
+        write is queued it is shielded from cancellation and `committed[0]` is set."""
+        async with self.bound.slot(None, self._buffer_full) as put_group:
             committed[0] = True
-            self._room -= 1
             self.groups_put += 1
-            await asyncio.shield(asyncio.to_thread(self.buffer.put_group, group))
+            await asyncio.shield(put_group(group))
             self.observe.group_put(group, self.config.rollout_batch_size)
             if self.state == "waiting_for_buffer":
                 self.set_state("generating")
+
+    def _buffer_full(self, sentence: str) -> None:
+        self.set_state("waiting_for_buffer", waiting_for_room(sentence))
 
     async def _drop(
         self,
@@ -506,9 +513,8 @@ class RolloutLoop:
         samples: int | None = None,
         groups: int = 1,
         quiet: bool = False,
+        give_back: int | None = None,
     ) -> None:
         """`report.record_drop`; `samples` None: the whole group's n_samples_per_prompt."""
         n = self.config.n_samples_per_prompt if samples is None else samples
-        await asyncio.to_thread(
-            record_drop, self.buffer, group_id, reason, detail, n, groups, quiet=quiet
-        )
+        await record_drop(self.buffer, group_id, reason, detail, n, groups, give_back, quiet)

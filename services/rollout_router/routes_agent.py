@@ -18,11 +18,13 @@ from pydantic import BaseModel
 
 from proto import sglang as sg
 from services.common.auth import WRITE, require_token
+from services.rollout_router.backpressure import BufferFullError
 from services.rollout_router.routes_engine import SESSION_HEADER, forward
 from services.rollout_router.sessions import AgentSessions
 from services.rollout_router.workers import EngineRequestError, NoWorkerError
 
 router = APIRouter()
+RETRY_AFTER_S = 5  # a reward refused for a full buffer: when to post it again
 
 
 def sessions_of(request: Request) -> AgentSessions:
@@ -106,10 +108,15 @@ class RewardIn(BaseModel):
 
 @router.post("/sessions/{session_id}/reward", tags=["agents"], dependencies=WRITE)
 async def session_reward(request: Request, session_id: str, body: RewardIn) -> dict[str, Any]:
-    """Close a session with its reward; its turns become training samples."""
+    """Close a session with its reward; its turns become training samples. While the buffer is
+    full (`--max-buffer-depth`) the post waits up to `--session-put-timeout-s`, then is answered
+    503 with Retry-After; the session stays open for the retry."""
     try:
         return await sessions_of(request).reward(
             session_id, body.reward, body.group, body.group_size
         )
     except KeyError as exc:
         raise HTTPException(404, f"no open session {session_id!r} (unknown or expired)") from exc
+    except BufferFullError as exc:  # the session stays open: the agent posts the reward again
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        raise HTTPException(503, f"{exc}; post the reward again", headers=retry) from exc

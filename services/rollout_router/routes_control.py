@@ -6,7 +6,6 @@ Mutating routes require `Authorization: Bearer <token>` when the router has a to
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
@@ -105,7 +104,7 @@ async def rollout_status(request: Request) -> dict[str, Any]:
     control = request.app.state.control
     if control is None:
         return {**base, "state": "disabled"}
-    status = await asyncio.to_thread(loop_status, control.loop)
+    status = await loop_status(control.loop)
     failure = control.failure()
     if failure:
         status.update(state="failed", error=failure)

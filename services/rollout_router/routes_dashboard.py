@@ -12,7 +12,6 @@ the user pastes.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,7 +20,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import FileResponse
 from redis.exceptions import RedisError
 
-from services.sample_buffer import SampleBuffer
+from services.sample_buffer import AsyncSampleBuffer
 
 router = APIRouter()
 
@@ -47,10 +46,12 @@ def finite(values: dict[str, float]) -> dict[str, float | None]:
     return {k: v if math.isfinite(v) else None for k, v in values.items()}
 
 
-def metrics_page(buffer: SampleBuffer, after: str, limit: int, keys: str) -> dict[str, Any]:
+async def metrics_page(
+    buffer: AsyncSampleBuffer, after: str, limit: int, keys: str
+) -> dict[str, Any]:
     """A page of records; with `keys` (comma-separated names) only those values, and only the
     records that have one (the dashboard asks for the few it draws)."""
-    records = buffer.read_metrics(after, count=limit)
+    records = await buffer.read_metrics(after, count=limit)
     wanted = set(keys.split(",")) if keys else None
     page = []
     for entry_id, r in records:
@@ -77,7 +78,7 @@ async def rollout_metrics(
     `after=last_id`). `keys` (comma-separated metric names) keeps only those values."""
     buffer = request.app.state.buffer
     try:
-        return await asyncio.to_thread(metrics_page, buffer, after, limit, keys)
+        return await metrics_page(buffer, after, limit, keys)
     except RedisError as exc:
         raise HTTPException(503, f"the metrics stream is unavailable: Redis: {exc}") from exc
 

@@ -2,11 +2,15 @@
 
 The protocol (`POST /v1/chat/completions` with a session id, then `POST /sessions/{id}/reward`),
 how turns merge into samples by exact prefix and the session bounds are in docs/protocols.md.
+
+A reward that would put a group waits for room in the buffer (`--max-buffer-depth`,
+backpressure.py) up to `session_put_timeout_s`, then fails with `BufferFullError` (answered 503
+with Retry-After) and leaves its session open, so the agent's retry finds it: nothing is
+dropped for a full buffer.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -18,6 +22,7 @@ import aiohttp
 import orjson
 
 from proto import DropReason, DropRecord, Sample, SampleGroup
+from services.rollout_router.backpressure import BufferBound
 from services.rollout_router.chat_input import (
     TurnError,
     check_messages,
@@ -31,7 +36,7 @@ from services.rollout_router.config import SessionConfig
 from services.rollout_router.samples import Partial, as_list
 from services.rollout_router.tasks import encode_prompt
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
-from services.sample_buffer import SampleBuffer
+from services.sample_buffer import AsyncSampleBuffer
 
 
 @dataclass
@@ -108,6 +113,11 @@ class SessionStore:
         """Remove and return the session; KeyError when unknown (or expired)."""
         return self.sessions.pop(session_id)
 
+    def completes(self, group: str | None, size: int) -> bool:
+        """Whether one more session's reward puts a group (a lone session always does)."""
+        pending = self.groups.get(group) if group else None
+        return not group or (pending.sessions if pending else 0) + 1 >= size
+
     def add_to_group(self, group: str, samples: list[Sample], size: int) -> list[Sample] | None:
         """Collect samples under `group`; all of them once `size` sessions have reported."""
         pending = self.groups.setdefault(group, PendingGroup(time.monotonic()))
@@ -178,13 +188,14 @@ class AgentSessions:
         self,
         config: SessionConfig,
         pool: WorkerPool,
-        buffer: SampleBuffer,
+        bound: BufferBound,
         tokenizer: Any,
         stop_token_ids: list[int],
         default_group_size: int,
     ) -> None:
         self.config = config
-        self.pool, self.buffer, self.tokenizer = pool, buffer, tokenizer
+        self.pool, self.bound, self.tokenizer = pool, bound, tokenizer
+        self.buffer: AsyncSampleBuffer = bound.buffer
         self.stop_token_ids = stop_token_ids
         self.default_group_size = default_group_size
         self.store = SessionStore(config)
@@ -260,28 +271,50 @@ class AgentSessions:
         self, session_id: str, reward: float, group: str | None, group_size: int | None
     ) -> dict[str, Any]:
         """Close the session; put its samples (or its group's, once complete). KeyError when
-        the session is unknown."""
+        the session is unknown; `BufferFullError` (the session stays open) when the buffer
+        stays full for `session_put_timeout_s`."""
+        if session_id not in self.store.sessions:
+            raise KeyError(session_id)
+        size = group_size or self.default_group_size
+        if not self.store.completes(group, size):  # nothing is put: no room needed
+            pending = self._close(session_id, reward, group, size)
+            assert isinstance(pending, dict), "a group that is not complete is not put"
+            return pending
+        async with self.bound.slot(self.config.session_put_timeout_s) as put_group:
+            if session_id not in self.store.sessions:  # expired while waiting
+                raise KeyError(session_id)
+            closed = self._close(session_id, reward, group, size)
+            if isinstance(closed, SampleGroup):
+                entry = await put_group(closed)
+                count = len(closed.samples)
+                return {
+                    "status": "put",
+                    "group_id": closed.group_id,
+                    "samples": count,
+                    "entry": entry,
+                }
+            return closed
+
+    def _close(
+        self, session_id: str, reward: float, group: str | None, size: int
+    ) -> SampleGroup | dict[str, Any]:
+        """Close the session: the group to put, or the pending answer."""
         session = self.store.close(session_id)
         prompt = self.first_messages.pop(session_id, "")
         samples = session_samples(session, reward)
         if group:
-            complete = self.store.add_to_group(
-                group, samples, group_size or self.default_group_size
-            )
+            complete = self.store.add_to_group(group, samples, size)
             if complete is None:
                 return {"status": "pending", "group": group, "samples": len(samples)}
             samples = complete
-        group_id = f"group-{group}" if group else f"session-{session_id}"
-        sample_group = SampleGroup(
-            group_id=group_id,
+        return SampleGroup(
+            group_id=f"group-{group}" if group else f"session-{session_id}",
             prompt=prompt,
             label="",
             samples=samples,
             weight_version=min(s.weight_version for s in samples),
             created_at=time.time(),
         )
-        entry = await asyncio.to_thread(self.buffer.put_group, sample_group)
-        return {"status": "put", "group_id": group_id, "samples": len(samples), "entry": entry}
 
     async def expire(self) -> None:
         for key in self.store.expire():
@@ -289,4 +322,4 @@ class AgentSessions:
             record = DropRecord(
                 source="router", reason=DropReason.SESSION_EXPIRED, count=1, group_id=key
             )
-            await asyncio.to_thread(self.buffer.record_drop, record)
+            await self.buffer.record_drop(record)

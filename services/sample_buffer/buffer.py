@@ -2,10 +2,10 @@
 
 Keys (all under `tandem:{run_id}:`):
 - `samples`   stream of `SampleGroup`, consumer group `trainer`. The router XADDs; the trainer
-              XREADGROUPs, and after training XACKs and XDELs, so the stream length is the number
-              of groups produced but not yet trained. The producer blocks while that length is at
-              `max_groups` (backpressure): the buffer never grows without bound and nothing is
-              trimmed away unseen.
+              XREADGROUPs, and after training XACKs and XDELs. The router waits while the
+              backlog (`groups_put - groups_consumed`, keys.py) is at `--max-buffer-depth`
+              (backpressure, rollout_router/backpressure.py): the buffer never grows without
+              bound and nothing is trimmed away unseen.
 - `drops`     hash `{reason}:groups` and `{reason}:samples` -> count (each drop in its own
               unit); `drop_log` stream of `DropRecord` (capped at `drop_log_len`, the counters
               are exact).
@@ -35,6 +35,9 @@ A group read but not acked (trainer died mid-step) stays pending in the consumer
 `reclaim` (XAUTOCLAIM) moves the pending groups of a consumer gone for good to another. The
 samples stream is never trimmed (no MAXLEN): an entry leaves it only by `ack` or `dead_letter`,
 both of which ack it first.
+
+Key names, writes and reply decoding live in keys.py (and the ledger's scripts in ledger.py),
+shared with the router's asyncio face (aio.py); this class is the blocking one.
 """
 
 from __future__ import annotations
@@ -45,33 +48,25 @@ from dataclasses import dataclass, field
 import msgspec
 import redis
 
-from proto import DropRecord, MetricsRecord, SampleGroup, decode, encode
-from proto.contract import ContractMismatchError, RunContract, ServiceStatus, mismatch
-from services.sample_buffer import ledger
+from proto import DropRecord, MetricsRecord, SampleGroup, decode
+from proto.contract import RunContract, ServiceStatus
+from services.sample_buffer import keys, ledger
+from services.sample_buffer.keys import CONSUMER_GROUP, BufferKeys
 from services.sample_buffer.ledger import Ledger
-
-
-class BufferFullError(RuntimeError):
-    """The stream stayed full for longer than the producer's timeout."""
 
 
 @dataclass
 class BufferConfig:
-    """Where the buffer lives and how big it may get."""
+    """Where the buffer lives and how long its logs get (producers pass their own bound)."""
 
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis URL."})
     run_id: str = field(default="default", metadata={"help": "Key prefix: one run per id."})
-    max_groups: int = field(
-        default=1024,
-        metadata={"help": "Most untrained groups held; producers wait beyond this."},
-    )
     # Logs are for humans; exact counts live in the `drops` hash.
     drop_log_len: int = field(default=10_000, metadata={"help": "Drop records kept."})
     metrics_len: int = field(default=100_000, metadata={"help": "Metrics records kept."})
     dead_letter_len: int = field(default=10_000, metadata={"help": "Dead-letter entries kept."})
 
 
-CONSUMER_GROUP = "trainer"
 Entry = tuple[str, dict[bytes, bytes]]  # a stream entry: id and raw fields
 
 
@@ -85,27 +80,13 @@ class DeadLetter:
     fields: dict[bytes, bytes]  # the entry's own fields (`d`: the payload) as they were
 
 
-class SampleBuffer:
+class SampleBuffer(BufferKeys):
     """Typed access to one run's keys. Thread-safe as far as redis-py clients are."""
 
     def __init__(self, config: BufferConfig, client: redis.Redis | None = None) -> None:
+        super().__init__(config.run_id)
         self.config = config
         self.redis = client or redis.Redis.from_url(config.redis_url)
-        prefix = f"tandem:{config.run_id}:"
-        self.samples_key = prefix + "samples"
-        self.drops_key = prefix + "drops"
-        self.drop_log_key = prefix + "drop_log"
-        self.metrics_key = prefix + "metrics"
-        self.version_prefix = prefix + "version:"
-        self.contract_key = prefix + "contract"
-        self.counters_key = prefix + "counters"
-        self.status_prefix = prefix + "status:"
-        self.trained_key = prefix + "trained"
-        self.redraw_key = prefix + "redraw"
-        self.dead_letter_key = prefix + "dead_letter"
-        self.in_flight_key = prefix + "in_flight"
-        self.metrics_steps_key = prefix + "metrics_steps"
-        self.trainer_drops_key = prefix + "trainer_drops"
         self.scripts = {
             "start": self.redis.register_script(ledger.START),
             "put": self.redis.register_script(ledger.PUT),
@@ -144,20 +125,16 @@ class SampleBuffer:
         """Groups produced and not yet trained (acked)."""
         return int(self.redis.xlen(self.samples_key))
 
-    def put_group(self, group: SampleGroup, timeout_s: float = 600.0) -> str:
-        """Append a group, waiting while the buffer is full. Returns the stream id."""
-        deadline = time.monotonic() + timeout_s
-        while self.depth() >= self.config.max_groups:
-            if time.monotonic() > deadline:
-                raise BufferFullError(
-                    f"{self.samples_key} held {self.config.max_groups} untrained groups for "
-                    f"{timeout_s:.0f}s: is the trainer running? (raise --max-groups to buffer more)"
-                )
-            time.sleep(0.05)
-        # One script: the XADD, `groups_put` and the end of the group's flight (ledger.py).
-        keys = [self.samples_key, self.counters_key, self.in_flight_key]
-        entry_id = self.scripts["put"](keys=keys, args=[encode(group), group.group_id])
-        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    def backlog(self) -> int:
+        """Groups put and not yet consumed by the trainer (what --max-buffer-depth bounds)."""
+        return keys.backlog(self.counters())
+
+    def put_group(self, group: SampleGroup) -> str:
+        """Append a group (the router's depth bound is its own: rollout_router/backpressure.py)
+        in one script: the XADD, `groups_put` and the end of the group's flight (ledger.py).
+        Returns the stream id."""
+        script_keys, args = ledger.put_call(self, group)
+        return keys.entry_id(self.scripts["put"](keys=script_keys, args=args))
 
     def read_groups(
         self, consumer: str, count: int, block_ms: int = 1000, pending_first: bool = False
@@ -252,8 +229,6 @@ class SampleBuffer:
         pipe.xadd(
             self.dead_letter_key, letter, maxlen=self.config.dead_letter_len, approximate=True
         )
-        if not drop.created_at:
-            drop.created_at = time.time()
         ledger.drop(self, drop, client=pipe)
         pipe.hincrby(self.counters_key, "groups_dead_lettered", 1)
         pipe.xack(self.samples_key, CONSUMER_GROUP, entry_id)
@@ -277,8 +252,6 @@ class SampleBuffer:
     def record_drop(self, record: DropRecord, give_back: int | None = None) -> None:
         """Count the drop in groups and in samples and log it (one script, `ledger.drop`);
         with `give_back`, that prompt draw is drawn again first."""
-        if not record.created_at:
-            record.created_at = time.time()
         ledger.drop(self, record, give_back)
 
     def drop_counts(self, unit: str = "groups") -> dict[str, int]:
@@ -288,8 +261,7 @@ class SampleBuffer:
         return {"groups": groups, "samples": samples}[unit]
 
     def drop_log(self, count: int = 100) -> list[DropRecord]:
-        entries = self.redis.xrevrange(self.drop_log_key, count=count)
-        return [decode(fields[b"d"], DropRecord) for _id, fields in entries]
+        return keys.drop_records(self.redis.xrevrange(self.drop_log_key, count=count))
 
     # --- versions -----------------------------------------------------------------------------
 
@@ -297,8 +269,7 @@ class SampleBuffer:
         self.redis.set(self.version_prefix + role, version)
 
     def get_version(self, role: str, default: int = -1) -> int:
-        value = self.redis.get(self.version_prefix + role)
-        return int(value) if value is not None else default
+        return keys.version_of(self.redis.get(self.version_prefix + role), default)
 
     # --- run contract, counters, status ---------------------------------------------------------
 
@@ -306,27 +277,14 @@ class SampleBuffer:
         """Set each term of `mine` that the run does not have yet, then check every term `mine`
         states against the run's. Returns the run's whole contract as it stands; raises
         `ContractMismatchError` (naming the flag) on the first contradiction."""
-        encoder = msgspec.json.Encoder()
         pipe = self.redis.pipeline(transaction=True)
-        for term, value in mine.terms().items():
-            pipe.hsetnx(self.contract_key, term, encoder.encode(value))
-            pipe.hsetnx(self.contract_key, f"by:{term}", who)
+        self.queue_contract(pipe, mine, who)
         pipe.execute()
-        stored = {k.decode(): v.decode() for k, v in self.redis.hgetall(self.contract_key).items()}
-        run = {k: msgspec.json.decode(v) for k, v in stored.items() if not k.startswith("by:")}
-        for term, value in mine.terms().items():
-            if run.get(term) != value:
-                by = stored.get(f"by:{term}", "?")
-                raise ContractMismatchError(mismatch(term, run.get(term), by, value, who))
-        return msgspec.convert(run, RunContract)
+        return keys.check_contract(mine, self.redis.hgetall(self.contract_key), who)
 
     def contract(self) -> RunContract:
         """The run's contract as stated so far (terms nobody stated are None)."""
-        raw = self.redis.hgetall(self.contract_key)
-        run = {
-            k.decode(): msgspec.json.decode(v) for k, v in raw.items() if not k.startswith(b"by:")
-        }
-        return msgspec.convert(run, RunContract)
+        return keys.contract_of(self.redis.hgetall(self.contract_key))
 
     def incr_counter(self, name: str, amount: int = 1) -> int:
         return int(self.redis.hincrby(self.counters_key, name, amount))
@@ -335,13 +293,13 @@ class SampleBuffer:
         self.redis.hset(self.counters_key, name, value)
 
     def counters(self) -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in self.redis.hgetall(self.counters_key).items()}
+        return keys.int_hash(self.redis.hgetall(self.counters_key))
 
     def start_group(self) -> int:
         """Draw the run's next prompt (one given back first, else the cursor's next) and count
         its group generated and in flight as `p{draw}`, in one script. Returns the draw."""
-        keys = [self.redraw_key, self.counters_key, self.in_flight_key]
-        return int(self.scripts["start"](keys=keys, args=["p"]))
+        script_keys, args = ledger.start_call(self)
+        return int(self.scripts["start"](keys=script_keys, args=args))
 
     def recover_in_flight(self, source: str) -> int:
         """At a router's start: end the flight of the groups a killed one left (`ledger.py`)."""
@@ -367,29 +325,17 @@ class SampleBuffer:
 
     def trained(self) -> dict[int, list[str]]:
         """Group ids trained at each optimizer step of the newest weights' lineage."""
-        raw = self.redis.hgetall(self.trained_key)
-        return {
-            int(k): msgspec.json.decode(v)
-            for k, v in sorted(raw.items(), key=lambda kv: int(kv[0]))
-        }
+        return keys.trained_of(self.redis.hgetall(self.trained_key))
 
     def set_status(self, status: ServiceStatus, ttl_s: float = 30.0) -> None:
         """Report what this service is doing; gone after `ttl_s` unless reported again."""
-        if not status.updated_at:
-            status.updated_at = time.time()
-        key = self.status_prefix + status.role
-        self.redis.set(key, msgspec.json.encode(status), px=int(ttl_s * 1000))
+        key, value, ttl_ms = self.status_write(status, ttl_s)
+        self.redis.set(key, value, px=ttl_ms)
 
     def statuses(self) -> dict[str, ServiceStatus]:
         """The last status of every service that reported one recently, by role."""
-        keys = sorted(self.redis.scan_iter(self.status_prefix + "*"))
-        values = self.redis.mget(keys) if keys else []
-        out = {}
-        for value in values:
-            if value is not None:
-                status = msgspec.json.decode(value, type=ServiceStatus)
-                out[status.role] = status
-        return out
+        names = sorted(self.redis.scan_iter(self.status_prefix + "*"))
+        return keys.statuses_of(self.redis.mget(names) if names else [])
 
     # --- metrics ------------------------------------------------------------------------------
 
@@ -399,35 +345,21 @@ class SampleBuffer:
         """Append a record; with `once_per_step`, only when `step` is above the last step of
         `source` written so (a step trained again after a resume is not written twice).
         Returns whether it was written."""
-        record = MetricsRecord(source=source, step=step, values=values, time=time.time())
+        entry = self.metrics_entry(source, step, values)
         if once_per_step:
-            keys = [self.metrics_key, self.metrics_steps_key]
-            args = [source, step, encode(record), self.config.metrics_len]
-            return bool(self.scripts["metrics_once"](keys=keys, args=args))
-        self.redis.xadd(
-            self.metrics_key,
-            {"d": encode(record)},
-            maxlen=self.config.metrics_len,
-            approximate=True,
-        )
+            script_keys = [self.metrics_key, self.metrics_steps_key]
+            args = [source, step, entry["d"], self.config.metrics_len]
+            return bool(self.scripts["metrics_once"](keys=script_keys, args=args))
+        self.redis.xadd(self.metrics_key, entry, maxlen=self.config.metrics_len, approximate=True)
         return True
 
     def last_metrics_id(self) -> str:
         """Id of the newest metrics record ("0" when there is none)."""
-        newest = self.redis.xrevrange(self.metrics_key, count=1)
-        if not newest:
-            return "0"
-        entry_id = newest[0][0]
-        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        return keys.newest_id(self.redis.xrevrange(self.metrics_key, count=1))
 
     def read_metrics(
         self, after_id: str = "0", block_ms: int | None = None, count: int | None = None
     ) -> list[tuple[str, MetricsRecord]]:
         """Records after `after_id` (exclusive), oldest first; at most `count` when given."""
         reply = self.redis.xread({self.metrics_key: after_id}, count=count, block=block_ms)
-        out = []
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                key = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                out.append((key, decode(fields[b"d"], MetricsRecord)))
-        return out
+        return keys.stream_entries(reply, MetricsRecord)

@@ -19,19 +19,27 @@ the trainer's own steps are sequential, so its check after a step is exact.
 
 A router that dies leaves its groups in `in_flight`; the next router start drops them as
 `cancelled` and gives their prompts back (`recover_in_flight`): one router per run id.
+
+The scripts' keys and arguments come from `start_call`, `put_call` and `drop_call`, so the
+blocking `SampleBuffer` and the router's `AsyncSampleBuffer` run the same writes (either may
+queue a script on a pipeline: several puts in one transaction are one PUT each).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from proto import DropRecord, encode
+from proto import DropRecord, SampleGroup, encode
 from proto.drops import DropReason
+from services.sample_buffer.keys import BufferKeys
 
 if TYPE_CHECKING:
     from services.sample_buffer.buffer import SampleBuffer
+
+Call = tuple[list[str], list[Any]]  # a script's keys and arguments
 
 log = logging.getLogger("tandem.ledger")
 
@@ -149,13 +157,16 @@ class Ledger:
         return "\n".join(lines)
 
 
-def read(buffer: SampleBuffer) -> Ledger:
-    """The ledger as of one instant (a MULTI of three reads)."""
-    pipe = buffer.redis.pipeline(transaction=True)
-    pipe.hgetall(buffer.counters_key)
-    pipe.hgetall(buffer.drops_key)
-    pipe.hlen(buffer.in_flight_key)
-    raw_counters, raw_drops, in_flight = pipe.execute()
+def queue_read(keys: BufferKeys, pipe: Any) -> None:
+    """Queue the ledger's reads on a transaction (one instant); `of_replies` decodes them."""
+    pipe.hgetall(keys.counters_key)
+    pipe.hgetall(keys.drops_key)
+    pipe.hlen(keys.in_flight_key)
+
+
+def of_replies(
+    raw_counters: dict[bytes, bytes], raw_drops: dict[bytes, bytes], in_flight: int
+) -> Ledger:
     counters = {k.decode(): int(v) for k, v in raw_counters.items()}
     groups, samples = split_drops({k.decode(): int(v) for k, v in raw_drops.items()})
     put, consumed = counters.get("groups_put", 0), counters.get("groups_consumed", 0)
@@ -171,6 +182,13 @@ def read(buffer: SampleBuffer) -> Ledger:
         dropped_groups=groups,
         dropped_samples=samples,
     )
+
+
+def read(buffer: SampleBuffer) -> Ledger:
+    """The ledger as of one instant (a MULTI of three reads)."""
+    pipe = buffer.redis.pipeline(transaction=True)
+    queue_read(buffer, pipe)
+    return of_replies(*pipe.execute())
 
 
 def split_drops(raw: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
@@ -199,33 +217,63 @@ def check(buffer: SampleBuffer, who: str) -> Ledger:
     return ledger
 
 
+def start_call(keys: BufferKeys) -> Call:
+    """START: draw the next prompt, count its group generated and in flight as `p{draw}`."""
+    return [keys.redraw_key, keys.counters_key, keys.in_flight_key], ["p"]
+
+
+def put_call(keys: BufferKeys, group: SampleGroup) -> Call:
+    """PUT: the XADD, `groups_put` and the end of the group's flight."""
+    return [keys.samples_key, keys.counters_key, keys.in_flight_key], [
+        encode(group),
+        group.group_id,
+    ]
+
+
+def drop_call(
+    keys: BufferKeys, record: DropRecord, drop_log_len: int, give_back: int | None = None
+) -> Call:
+    """DROP: `record` in its units, logged, its group's flight ended (see the module
+    docstring); with `give_back`, that prompt draw is drawn again first."""
+    if not record.created_at:
+        record.created_at = time.time()
+    return [
+        keys.drops_key,
+        keys.drop_log_key,
+        keys.counters_key,
+        keys.in_flight_key,
+        keys.redraw_key,
+        keys.version_prefix + "trainer",
+        keys.trainer_drops_key,
+    ], [
+        str(record.reason),
+        record.count,
+        record.samples,
+        encode(record),
+        drop_log_len,
+        record.group_id,
+        int(record.source in CONSUMERS),
+        "" if give_back is None else give_back,
+    ]
+
+
 def drop(
     buffer: SampleBuffer, record: DropRecord, give_back: int | None = None, client: Any = None
 ) -> None:
-    """Count `record` in its units, log it, and end its group's flight (see the module
-    docstring); with `give_back`, that prompt draw is drawn again first. `client`: a pipeline
-    to run it in (default: at once)."""
-    buffer.scripts["drop"](
-        keys=[
-            buffer.drops_key,
-            buffer.drop_log_key,
-            buffer.counters_key,
-            buffer.in_flight_key,
-            buffer.redraw_key,
-            buffer.version_prefix + "trainer",
-            buffer.trainer_drops_key,
-        ],
-        args=[
-            str(record.reason),
-            record.count,
-            record.samples,
-            encode(record),
-            buffer.config.drop_log_len,
-            record.group_id,
-            int(record.source in CONSUMERS),
-            "" if give_back is None else give_back,
-        ],
-        client=client,
+    """Run DROP (`drop_call`) at once, or queued on `client`, a pipeline."""
+    keys, args = drop_call(buffer, record, buffer.config.drop_log_len, give_back)
+    buffer.scripts["drop"](keys=keys, args=args, client=client)
+
+
+def in_flight_drop(source: str, group_id: bytes) -> DropRecord:
+    """The drop of a group a killed router left in flight."""
+    return DropRecord(
+        source=source,
+        reason=DropReason.CANCELLED,
+        count=1,
+        group_id=group_id.decode(),
+        detail="in flight when the router stopped without ending it (killed); its prompt "
+        "is drawn again",
     )
 
 
@@ -234,15 +282,7 @@ def recover_in_flight(buffer: SampleBuffer, source: str) -> int:
     back. Call once, at the start of the run's (only) router. Returns how many."""
     left = buffer.redis.hgetall(buffer.in_flight_key)
     for group_id, draw in left.items():
-        record = DropRecord(
-            source=source,
-            reason=DropReason.CANCELLED,
-            count=1,
-            group_id=group_id.decode(),
-            detail="in flight when the router stopped without ending it (killed); its prompt "
-            "is drawn again",
-        )
-        drop(buffer, record, give_back=int(draw))
+        drop(buffer, in_flight_drop(source, group_id), give_back=int(draw))
     if left:
         log.warning("%d groups were in flight when the last router died: drawn again", len(left))
     return len(left)

@@ -23,7 +23,7 @@ that contains their update is written (`trained_entry_ids`). A crash before the 
 them pending and they are trained again from the older weights; a crash between the save and
 the ack leaves them pending too, and `load` returns their ids so the trainer acks them
 without training. So no group is lost or trained twice. The cost: up to `save_interval`
-rollouts of groups stay in the stream, which must fit the buffer's `max_groups`.
+rollouts of groups stay in the stream (the router's `--max-buffer-depth` does not count them).
 
 The `groups_consumed` counter (Redis `counters` hash; the router's demand gate reads it) counts
 every group the trainer is done with for good: trained, dropped stale, or dead-lettered. Stale

@@ -31,8 +31,8 @@ from services.trainer.config import TrainerConfig
 from services.trainer.intake import Limits, Rejected, check_entry
 
 log = logging.getLogger("tandem.trainer")
-# Entries taken in the one read that drains the pending list at start-up; the stream itself is
-# bounded by the buffer's max_groups, so this only has to be larger than that.
+# Entries taken in the one read that drains the pending list at start-up; the stream holds at
+# most --max-buffer-depth untrained groups plus save_interval rollouts, far fewer than this.
 RESUME_READ_MAX = 1_000_000
 
 

@@ -22,7 +22,7 @@ Ends with an error (exit 1) after `max_skipped_in_a_row` skipped updates in a ro
 update of the run was skipped: exit code 0 means the weights were trained as asked.
 Waits for: Redis (blocking reads of at most `read_block_ms`, so SIGTERM is seen within it; a
 lost connection for at most --redis-timeout-s, `redis_wait.py`, then exit 1).
-Bounded by: the buffer's `max_groups` (producers wait), the sender's HWM and timeout.
+Bounded by: the router's `--max-buffer-depth` (producers wait), the sender's HWM and timeout.
 """
 
 from __future__ import annotations

@@ -1,0 +1,250 @@
+"""Sample buffer throughput: groups/s through the router's and the trainer's paths, against raw
+XADD on the same server in the same run, and enqueue-to-dequeue latency.
+
+Phases: raw XADD and the pipeline at full speed, `--seconds` each (groups/s; the latency at
+full speed is mostly queueing, since the buffer then sits at its bound); then the pipeline
+paced at half the consume rate it measured, `--seconds` / 2 (the latency figures: the buffer's
+own delay, not a queue's).
+
+Produce: `--producers` asyncio tasks (groups in flight in the router) each take a slot of the
+router's `BufferBound` (depth bound `--max-depth`, as `--max-buffer-depth`) and put a group
+through it: `AsyncSampleBuffer.put_groups` group commits, each XADD with its `groups_put` count.
+Consume, in a process of its own like the trainer: `SampleBuffer.read_groups` (`--read-count`
+per read), `incr_counter("groups_consumed")`, `ack`. Groups are realistic: `--group-bytes`
+(~4 KB) of msgpack, n samples of token ids, log-probs and masks. Latency: a group's
+`created_at` is set when its put starts (after its slot: a producer's wait for room is not time
+in the buffer) and read by the consumer when it dequeues it.
+
+The limit: `valkey-benchmark`/`redis-benchmark` XADD of the same payload size when such a
+binary sits beside the server binary or on PATH (`-P 64`); otherwise raw XADD through a
+redis-py pipeline of 64, and the output says which.
+
+    python bench/buffer_throughput.py --seconds 10
+Last line: `buffer_consume_vs_raw_xadd: X` (consumed groups/s over raw XADD/s; target >= 0.5,
+with p99 latency <= 50 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from proto import Sample, SampleGroup, encode
+from services.rollout_router.backpressure import BufferBound
+from services.sample_buffer import (
+    AsyncSampleBuffer,
+    BufferConfig,
+    RedisServer,
+    SampleBuffer,
+    find_server_binary,
+)
+
+RAW_PIPELINE = 64
+PACED_SHARE = 0.5  # the latency phase offers this share of the measured consume rate
+
+
+def make_group(group_bytes: int, samples: int = 4) -> SampleGroup:
+    """A group of `samples` samples whose msgpack encoding is about `group_bytes` long."""
+    response = 8
+    while True:
+        sample = Sample(
+            prompt_ids=[100_000 + k for k in range(32)],
+            response_ids=[120_000 + k for k in range(response)],
+            response_logprobs=[-0.1 - k / 997 for k in range(response)],
+            loss_mask=[1] * response,
+            reward=1.0,
+            weight_version=3,
+        )
+        group = SampleGroup(
+            group_id="p0",
+            prompt="reverse 12345",
+            label="54321",
+            samples=[sample] * samples,
+            weight_version=3,
+            created_at=time.time(),
+        )
+        if len(encode(group)) >= group_bytes:
+            return group
+        response += 4
+
+
+def benchmark_binary() -> str | None:
+    """valkey-benchmark/redis-benchmark beside the server binary, else on PATH."""
+    folder = Path(find_server_binary()).parent
+    for name in ("valkey-benchmark", "redis-benchmark"):
+        if (folder / name).is_file():
+            return str(folder / name)
+        if found := shutil.which(name):
+            return found
+    return None
+
+
+def raw_xadd(url: str, payload: bytes, seconds: float) -> tuple[float, str]:
+    """(XADD/s, how it was measured)."""
+    config = BufferConfig(redis_url=url, run_id="raw")
+    client = SampleBuffer(config).redis
+    binary = benchmark_binary()
+    if binary is not None:
+        port = str(client.connection_pool.connection_kwargs["port"])
+        n = str(max(int(seconds * 20_000), 1000))
+        cmd = [binary, "-p", port, "-n", n, "-P", str(RAW_PIPELINE), "--csv"]
+        cmd += ["XADD", "tandem:raw:xadd", "*", "d", payload.decode("latin-1")]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300)
+        rate = float(out.stdout.strip().splitlines()[-1].split(",")[1].strip('"'))
+        client.delete("tandem:raw:xadd")
+        return rate, f"{Path(binary).name} -P {RAW_PIPELINE}"
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        pipe = client.pipeline(transaction=False)
+        for _ in range(RAW_PIPELINE):
+            pipe.xadd("tandem:raw:xadd", {"d": payload})
+        pipe.execute()
+        done += RAW_PIPELINE
+        if done % (RAW_PIPELINE * 64) == 0:
+            client.delete("tandem:raw:xadd")  # keep the server's memory flat
+    rate = done / (time.perf_counter() - started)
+    client.delete("tandem:raw:xadd")
+    how = f"redis-py pipeline of {RAW_PIPELINE} (no valkey-benchmark/redis-benchmark binary)"
+    return rate, how
+
+
+def consume(url: str, run_id: str, read_count: int, target: Any, out: Any) -> None:
+    """The trainer's side, in a process of its own, until `target` (set by the producer once
+    it is done) groups are consumed."""
+    buffer = SampleBuffer(BufferConfig(redis_url=url, run_id=run_id))
+    buffer.wait_ready()
+    buffer.ensure_consumer_group()
+    out.put("ready")
+    latencies: list[float] = []
+    first = last = 0.0
+    while target.value < 0 or len(latencies) < target.value:
+        entries = buffer.read_groups("bench-trainer", read_count, block_ms=100)
+        now = time.time()
+        if not entries:
+            continue
+        first = first or time.perf_counter()
+        latencies += [now - group.created_at for _, group in entries]
+        buffer.incr_counter("groups_consumed", len(entries))
+        buffer.ack([entry_id for entry_id, _ in entries])
+        last = time.perf_counter()
+    out.put((last - first, latencies))
+
+
+async def produce(
+    url: str,
+    run_id: str,
+    group: SampleGroup,
+    args: argparse.Namespace,
+    seconds: float,
+    rate: float | None,
+) -> int:
+    """The router's side: `--producers` tasks putting groups for `seconds`, as fast as the
+    bound lets them or, with `rate`, paced at `rate` groups/s in all."""
+    buffer = AsyncSampleBuffer(BufferConfig(redis_url=url, run_id=run_id))
+    bound = BufferBound(buffer, args.max_depth)
+    started = time.perf_counter()
+    deadline = started + seconds
+    put_count = 0
+
+    async def producer(index: int) -> None:
+        nonlocal put_count
+        k = 0
+        while time.perf_counter() < deadline:
+            if rate is not None:  # this task's k-th turn of the schedule
+                await asyncio.sleep(
+                    started + (index + k * args.producers) / rate - time.perf_counter()
+                )
+                k += 1
+            async with bound.slot(None) as put:
+                await put(msgspec.structs.replace(group, created_at=time.time()))
+                put_count += 1
+
+    await asyncio.gather(*(producer(i) for i in range(args.producers)))
+    await buffer.aclose()
+    return put_count
+
+
+def phase(
+    url: str,
+    run_id: str,
+    group: SampleGroup,
+    args: argparse.Namespace,
+    seconds: float,
+    rate: float | None = None,
+) -> tuple[float, float, list[float]]:
+    """(produced groups/s, consumed groups/s, latencies in s) of one producer/consumer run."""
+    context = mp.get_context("fork")  # before any event loop or client thread exists
+    results, target = context.Queue(), context.Value("q", -1)
+    consumer = context.Process(target=consume, args=(url, run_id, args.read_count, target, results))
+    consumer.start()
+    if results.get(timeout=60) != "ready":
+        raise RuntimeError("the consumer process did not start")
+    started = time.perf_counter()
+    produced = asyncio.run(produce(url, run_id, group, args, seconds, rate))
+    produce_s = time.perf_counter() - started
+    target.value = produced
+    consume_s, latencies = results.get(timeout=120)
+    consumer.join(timeout=10)
+    if len(latencies) != produced:
+        raise RuntimeError(f"produced {produced} groups, consumed {len(latencies)}")
+    return produced / produce_s, len(latencies) / max(consume_s, 1e-9), latencies
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="Length of each phase.")
+    parser.add_argument("--group-bytes", type=int, default=4096, help="Encoded group size.")
+    parser.add_argument("--producers", type=int, default=64, help="Concurrent producer tasks.")
+    parser.add_argument("--read-count", type=int, default=64, help="Groups per trainer read.")
+    parser.add_argument("--max-depth", type=int, default=256, help="The depth bound (groups).")
+    parser.add_argument("--redis-url", default="", help="Use this server (default: start one).")
+    args = parser.parse_args(argv)
+    server = None if args.redis_url else RedisServer().start()
+    url = args.redis_url or server.url  # type: ignore[union-attr]
+    try:
+        group = make_group(args.group_bytes)
+        raw_rate, how = raw_xadd(url, encode(group), args.seconds)
+        produce_rate, consume_rate, full = phase(url, "bench-full", group, args, args.seconds)
+        paced = consume_rate * PACED_SHARE
+        _, _, latencies = phase(url, "bench-paced", group, args, args.seconds / 2, paced)
+    except RuntimeError as exc:
+        print(f"buffer_throughput: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if server is not None:
+            server.stop()
+    p50, p99 = percentile(latencies, 0.5) * 1000, percentile(latencies, 0.99) * 1000
+    ratio = consume_rate / raw_rate
+    print(f"group_bytes: {len(encode(group))}")
+    print(f"raw_xadd_per_s: {raw_rate:.0f} ({how})")
+    print(f"produce_groups_per_s: {produce_rate:.0f}")
+    print(f"consume_groups_per_s: {consume_rate:.0f}")
+    print(
+        f"latency_at_full_speed_p99_ms: {percentile(full, 0.99) * 1000:.1f} (depth bound {args.max_depth}: mostly queueing)"
+    )
+    print(f"latency_p50_ms: {p50:.1f} (paced at {paced:.0f} groups/s)")
+    print(f"latency_p99_ms: {p99:.1f}")
+    met = ratio >= 0.5 and p99 <= 50
+    print(f"targets (consume >= 0.5x raw XADD, p99 <= 50 ms): {'met' if met else 'missed'}")
+    print(f"buffer_consume_vs_raw_xadd: {ratio:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,163 @@
+"""The buffer's depth bound, one rule for every producer of the router (the rollout loop's
+groups, agent sessions' rewards), and the router's one way of putting groups.
+
+The backlog is `groups_put - groups_consumed` (sample_buffer/keys.py): groups in the buffer that
+the trainer has yet to train or drop. A producer first takes a slot (`slot()`), waiting while
+the backlog is at `--max-buffer-depth`: the rollout loop as long as it takes (its status says
+`waiting_for_buffer`); a reward post up to `--session-put-timeout-s`, then it is answered 503
+with Retry-After and its session is kept, so the agent posts again and nothing is lost. Slots
+are handed out in arrival order and the bound is exact for this router (one router per run):
+the free room is read from Redis only when the slots known free run out, and a slot is taken
+before its group is written, so a read never misses a group on its way.
+
+Writes are group commits: a group put while another write is under way joins the next
+transaction, so puts from many tasks cost one round trip per batch, not per group.
+
+Consistency with the demand gate (progress.py): the gate lets rollouts run up to
+`staleness_reach()` groups ahead of the trainer; the depth bound must leave room for the
+trainer's whole rollout (>= rollout_batch_size, checked at start-up), or the trainer would wait
+for groups that wait for the trainer. Below `staleness_reach()` it, not staleness, is what
+stops the rollout; `depth_note` says so at start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from proto import SampleGroup
+from services.rollout_router.config import RolloutConfig
+from services.sample_buffer import AsyncSampleBuffer
+
+UNBOUNDED = 1 << 62
+PUT_POLL_S = 0.01  # how often a producer waiting for room reads the counters (one HGETALL)
+
+
+class BufferFullError(RuntimeError):
+    """The buffer stayed at its bound for longer than the producer's timeout."""
+
+
+def full_sentence(depth: int, max_depth: int) -> str:
+    """What a producer at the bound waits for (the status's `waiting`)."""
+    return f"buffer full (depth {depth} of {max_depth})"
+
+
+def waiting_for_room(sentence: str) -> str:
+    """A producer's `waiting_for` while the buffer is full."""
+    return (
+        f"{sentence}: the trainer to consume groups (--max-buffer-depth bounds the groups put "
+        "and not yet consumed)"
+    )
+
+
+def full_error(key: str, depth: int, max_depth: int, timeout_s: float) -> BufferFullError:
+    return BufferFullError(
+        f"{full_sentence(depth, max_depth)} for {timeout_s:.0f}s: {key} holds groups put and "
+        "not yet consumed; is the trainer running? (raise --max-buffer-depth to buffer more)"
+    )
+
+
+def depth_note(config: RolloutConfig) -> str:
+    """A start-up line when the depth bound, not staleness, limits how far rollouts run ahead."""
+    bound, reach = config.buffer_depth_bound(), config.staleness_reach()
+    if not config.rollout or bound == 0 or bound >= reach:
+        return ""
+    return (
+        f"--max-buffer-depth {bound} holds rollouts to {bound} groups ahead of the trainer, "
+        f"fewer than --max-staleness {config.max_staleness} allows ({reach}); raise "
+        f"--max-buffer-depth to {reach} to let them run as far ahead as staleness allows"
+    )
+
+
+class BufferBound:
+    """Slots for groups under the depth bound, and the writer that puts them."""
+
+    def __init__(self, buffer: AsyncSampleBuffer, max_depth: int) -> None:
+        self.buffer, self.max_depth = buffer, max_depth
+        self.waiting = 0  # producers waiting for a slot
+        self._room = 0  # slots known free: max_depth - backlog read - slots taken since
+        self._unwritten = 0  # slots taken whose group is not yet in the counters
+        self._turn = asyncio.Lock()  # slots in arrival order
+        self._queue: list[tuple[SampleGroup, asyncio.Future[str]]] = []
+        self._writer: asyncio.Task | None = None
+
+    def sentence(self, depth: int) -> str:
+        """`waiting` of the status: why producers wait ("" when they do not)."""
+        if self.max_depth and depth >= self.max_depth:
+            return full_sentence(depth, self.max_depth)
+        return ""
+
+    @asynccontextmanager
+    async def slot(
+        self, timeout_s: float | None, on_full: Callable[[str], None] | None = None
+    ) -> AsyncIterator[Callable[[SampleGroup], Awaitable[str]]]:
+        """Room for one group, waiting while the buffer is full (`on_full` hears why);
+        yields `put(group) -> stream id`. A slot left unused is given back. `BufferFullError`
+        after `timeout_s` (None: never)."""
+        await self._take(timeout_s, on_full)
+        used = False
+
+        def put(group: SampleGroup) -> Awaitable[str]:
+            nonlocal used
+            used = True
+            return self._write(group)
+
+        try:
+            yield put
+        finally:
+            if not used:
+                self._room += 1
+                self._unwritten -= 1
+
+    async def _take(self, timeout_s: float | None, on_full: Callable[[str], None] | None) -> None:
+        self.waiting += 1
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._turn:
+                    while self._room <= 0:
+                        self._room = await self._free()
+                        if self._room <= 0:
+                            depth = self.max_depth - self._room
+                            if on_full is not None:
+                                on_full(self.sentence(depth))
+                            await asyncio.sleep(PUT_POLL_S)
+                    self._room -= 1
+                    self._unwritten += 1
+        except TimeoutError:
+            depth = self.max_depth - await self._free()
+            error = full_error(self.buffer.samples_key, depth, self.max_depth, timeout_s or 0)
+            raise error from None
+        finally:
+            self.waiting -= 1
+
+    async def _free(self) -> int:
+        """Slots free now (conservative: a group being written may count twice)."""
+        if not self.max_depth:
+            return UNBOUNDED
+        unwritten = self._unwritten  # before the read: a group written meanwhile is counted
+        return self.max_depth - await self.buffer.backlog() - unwritten
+
+    def _write(self, group: SampleGroup) -> Awaitable[str]:
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._queue.append((group, future))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_queued(), name="buffer writer")
+        return future
+
+    async def _write_queued(self) -> None:
+        """Write what is queued, one transaction per round, until the queue is empty."""
+        while self._queue:
+            batch, self._queue = self._queue, []
+            try:
+                ids = await self.buffer.put_groups([group for group, _ in batch])
+            except Exception as exc:  # the producers see it (a RedisError: Redis is down)
+                for _group, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            finally:
+                self._unwritten -= len(batch)
+            for (_group, future), entry in zip(batch, ids, strict=True):
+                if not future.done():
+                    future.set_result(entry)

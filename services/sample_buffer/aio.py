@@ -1,0 +1,197 @@
+"""AsyncSampleBuffer: the router's face of the sample buffer, on redis.asyncio.
+
+The same keys, writes and decoding as `SampleBuffer` (keys.py), as coroutines, so that the
+router's event loop never blocks on Redis nor hands a call to a thread. It has what the router
+does with the buffer: start groups, put groups (several in one transaction), record drops
+and give prompts back, recover what a killed router left in flight, read the ledger, counters
+and the backlog, versions, status, the run contract, and metrics. Every write the ledger
+counts runs its Lua script (ledger.py), registered on this client as on the blocking one. The
+trainer's consumer side (read, ack, trained lineage) stays in the blocking `SampleBuffer`.
+Nothing here waits for room: the router's depth bound (rollout_router/backpressure.py) decides
+when a group may be put.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from proto import DropRecord, MetricsRecord, SampleGroup
+from proto.contract import RunContract, ServiceStatus
+from services.sample_buffer import keys, ledger
+from services.sample_buffer.buffer import BufferConfig
+from services.sample_buffer.keys import BufferKeys
+from services.sample_buffer.ledger import Ledger
+
+T = TypeVar("T")
+
+
+async def io(call: Awaitable[T]) -> T:
+    """Await one Redis call, then raise the cancellation redis-py lost: redis.asyncio (8.1, on
+    Python 3.11) swallows a task's CancelledError that arrives mid-command, and a loop around
+    its calls would then never stop. A task with a cancel pending never goes on from here."""
+    result = await call
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+    return result
+
+
+class AsyncSampleBuffer(BufferKeys):
+    """One run's keys through an asyncio client (one per event loop)."""
+
+    def __init__(self, config: BufferConfig, client: aioredis.Redis | None = None) -> None:
+        super().__init__(config.run_id)
+        self.config = config
+        self.redis = client or aioredis.Redis.from_url(config.redis_url)
+        self.scripts = {
+            "start": self.redis.register_script(ledger.START),
+            "put": self.redis.register_script(ledger.PUT),
+            "drop": self.redis.register_script(ledger.DROP),
+        }
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()  # closing: no cancel to keep
+
+    async def ping(self) -> None:
+        await io(self.redis.ping())
+
+    async def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Ping until the server answers; raise naming the URL if it never does."""
+        deadline = time.monotonic() + timeout_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                await io(self.redis.ping())
+                return
+            except RedisConnectionError as exc:
+                last = exc
+                await asyncio.sleep(0.1)
+        raise ConnectionError(
+            f"no Redis server answered at {self.config.redis_url} within {timeout_s:.0f}s "
+            f"(last error: {last}); check --redis-url or REDIS_URL"
+        )
+
+    # --- samples ------------------------------------------------------------------------------
+
+    async def depth(self) -> int:
+        """Entries in the stream: groups produced and not yet acked."""
+        return int(await io(self.redis.xlen(self.samples_key)))
+
+    async def backlog(self) -> int:
+        """Groups put and not yet consumed by the trainer (what --max-buffer-depth bounds)."""
+        return keys.backlog(await self.counters())
+
+    async def put_groups(self, groups: list[SampleGroup]) -> list[str]:
+        """Append groups in one transaction, one ledger PUT each (its XADD, `groups_put` and
+        the end of its flight); their stream ids. The depth bound is the producer's (the
+        router's backpressure.py)."""
+        pipe = self.redis.pipeline(transaction=True)
+        for group in groups:
+            script_keys, args = ledger.put_call(self, group)
+            await self.scripts["put"](keys=script_keys, args=args, client=pipe)  # queued
+        replies = await io(pipe.execute())
+        return [keys.entry_id(raw) for raw in replies]
+
+    async def put_group(self, group: SampleGroup) -> str:
+        return (await self.put_groups([group]))[0]
+
+    # --- drops, the ledger ----------------------------------------------------------------------
+
+    async def record_drop(self, record: DropRecord, give_back: int | None = None) -> None:
+        """As `SampleBuffer.record_drop` (one DROP script)."""
+        script_keys, args = ledger.drop_call(self, record, self.config.drop_log_len, give_back)
+        await io(self.scripts["drop"](keys=script_keys, args=args))
+
+    async def drop_counts(self, unit: str = "groups") -> dict[str, int]:
+        """Drops by reason in `unit` ("groups" or "samples"); reasons at 0 are left out."""
+        raw = keys.int_hash(await io(self.redis.hgetall(self.drops_key)))
+        groups, samples = ledger.split_drops(raw)
+        return {"groups": groups, "samples": samples}[unit]
+
+    async def drop_log(self, count: int = 100) -> list[DropRecord]:
+        return keys.drop_records(await io(self.redis.xrevrange(self.drop_log_key, count=count)))
+
+    async def start_group(self) -> int:
+        """As `SampleBuffer.start_group` (one START script): the draw, counted in flight."""
+        script_keys, args = ledger.start_call(self)
+        return int(await io(self.scripts["start"](keys=script_keys, args=args)))
+
+    async def recover_in_flight(self, source: str) -> int:
+        """As `ledger.recover_in_flight`: at a router's start, the groups a killed one left in
+        flight are dropped (`cancelled`) and their prompts given back. Returns how many."""
+        left = await io(self.redis.hgetall(self.in_flight_key))
+        for group_id, draw in left.items():
+            await self.record_drop(ledger.in_flight_drop(source, group_id), give_back=int(draw))
+        if left:
+            ledger.log.warning(
+                "%d groups were in flight when the last router died: drawn again", len(left)
+            )
+        return len(left)
+
+    async def ledger(self) -> Ledger:
+        """Where every group went, as of now (one MULTI, as `ledger.read`)."""
+        pipe = self.redis.pipeline(transaction=True)
+        ledger.queue_read(self, pipe)
+        return ledger.of_replies(*await io(pipe.execute()))
+
+    # --- versions, counters ---------------------------------------------------------------------
+
+    async def get_version(self, role: str, default: int = -1) -> int:
+        return keys.version_of(await io(self.redis.get(self.version_prefix + role)), default)
+
+    async def counters(self) -> dict[str, int]:
+        return keys.int_hash(await io(self.redis.hgetall(self.counters_key)))
+
+    async def incr_counter(self, name: str, amount: int = 1) -> int:
+        return int(await io(self.redis.hincrby(self.counters_key, name, amount)))
+
+    # --- run contract, status ------------------------------------------------------------------
+
+    async def agree_contract(self, mine: RunContract, who: str) -> RunContract:
+        """As `SampleBuffer.agree_contract`."""
+        pipe = self.redis.pipeline(transaction=True)
+        self.queue_contract(pipe, mine, who)
+        await io(pipe.execute())
+        return keys.check_contract(mine, await io(self.redis.hgetall(self.contract_key)), who)
+
+    async def contract(self) -> RunContract:
+        return keys.contract_of(await io(self.redis.hgetall(self.contract_key)))
+
+    async def _scan(self, pattern: str) -> list[bytes]:
+        return [name async for name in self.redis.scan_iter(pattern)]
+
+    async def set_status(self, status: ServiceStatus, ttl_s: float = 30.0) -> None:
+        key, value, ttl_ms = self.status_write(status, ttl_s)
+        await io(self.redis.set(key, value, px=ttl_ms))
+
+    async def statuses(self) -> dict[str, ServiceStatus]:
+        names = sorted(await io(self._scan(self.status_prefix + "*")))
+        return keys.statuses_of(await io(self.redis.mget(names)) if names else [])
+
+    # --- metrics ------------------------------------------------------------------------------
+
+    async def publish_metrics(self, source: str, step: int, values: dict[str, float]) -> None:
+        entry = self.metrics_entry(source, step, values)
+        await io(
+            self.redis.xadd(
+                self.metrics_key, entry, maxlen=self.config.metrics_len, approximate=True
+            )
+        )
+
+    async def last_metrics_id(self) -> str:
+        return keys.newest_id(await io(self.redis.xrevrange(self.metrics_key, count=1)))
+
+    async def read_metrics(
+        self, after_id: str = "0", block_ms: int | None = None, count: int | None = None
+    ) -> list[tuple[str, MetricsRecord]]:
+        """Records after `after_id` (exclusive), oldest first; at most `count` when given."""
+        reply = await io(
+            self.redis.xread({self.metrics_key: after_id}, count=count, block=block_ms)
+        )
+        return keys.stream_entries(reply, MetricsRecord)

@@ -1,0 +1,26 @@
+"""The buffer throughput bench runs end to end (a short run; its numbers are not checked)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_buffer_bench_runs_and_ends_with_the_ratio_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench/buffer_throughput.py"), "--seconds", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    names = [line.split(":")[0] for line in lines]
+    for name in ("raw_xadd_per_s", "consume_groups_per_s", "latency_p50_ms", "latency_p99_ms"):
+        assert name in names, proc.stdout
+    assert re.fullmatch(r"buffer_consume_vs_raw_xadd: \d+\.\d\d", lines[-1]), lines[-1]
