@@ -108,7 +108,14 @@ class Run:
                 return steps
             time.sleep(0.5)
         logs = "\n".join(f"--- {n}\n{p.log()[-1500:]}" for n, p in self.procs.items())
-        pytest.fail(f"{phase}: fewer than {at_least} steps after {PHASE_S:.0f} s\n{logs}")
+        waits = "\n".join(f"{r}: {s.state}: {s.waiting_for}" for r, s in self.statuses().items())
+        pytest.fail(f"{phase}: fewer than {at_least} steps after {PHASE_S:.0f} s\n{waits}\n{logs}")
+
+    def statuses(self) -> dict:
+        try:
+            return self.buffer.statuses()
+        except RedisError:
+            return {}
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -132,7 +139,7 @@ def test_each_service_killed_mid_run_and_restarted_the_run_goes_on_and_nothing_i
         twice = [gid for gid, n in Counter(trained).items() if n > 1]
         assert not twice, f"groups trained twice: {twice[:10]}"
         ledger = run.buffer.ledger()
-        assert ledger.balanced(), ledger.sentence()
+        assert ledger.balanced, ledger.sentence()
         assert run.buffer.counters().get("ledger_violations", 0) == 0
     finally:
         run.stop()

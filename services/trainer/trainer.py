@@ -108,6 +108,7 @@ class Trainer:
         )
         self.version = broadcast_int(start_version)
         self.skipped_updates = 0
+        self.resent = 0  # the last version re-sent on the broker's request
         self.skipped_in_a_row: list[int] = []  # steps whose update was skipped, latest streak
         self.stop_requested = False
         critic_model = self.critic.model if self.critic is not None else None
@@ -233,7 +234,7 @@ class Trainer:
         """Rank 0 reads from Redis; every rank receives the same Rollout (or None on stop)."""
         rollout = None
         if self.intake is not None:
-            rollout = self.intake.read_rollout(self.version, lambda: self.stop_requested)
+            rollout = self.intake.read_rollout(self.version, self._between_reads)
         if dist.get_world_size() > 1:
             box = [rollout]
             dist.broadcast_object_list(box, src=0)
@@ -375,6 +376,18 @@ class Trainer:
         return recompute
 
     # --- publish, ack, log --------------------------------------------------------------------
+
+    def _between_reads(self) -> bool:
+        """Each time a wait for samples wakes: send the current version again when the broker
+        asks (`version:resend`: it restarted after taking a version it never delivered);
+        True to stop waiting. At one process only: the export is collective at TP/DP > 1."""
+        assert self.buffer is not None
+        asked = self.buffer.get_version("resend")
+        if asked == self.version > self.resent and dist.get_world_size() == 1:
+            self.resent = self.version
+            print(f"[trainer] the broker asks for version {asked} again: re-sending", flush=True)
+            self.publish_weights(increment=False)
+        return self.stop_requested
 
     def publish_weights(self, increment: bool = True) -> tuple[int, int]:
         """V += 1 (unless re-sending a resumed V); send V's HF-named weights; then announce V in

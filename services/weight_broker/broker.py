@@ -57,6 +57,7 @@ from services.sample_buffer import BufferConfig, SampleBuffer
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.transports import Outcome, make_transport
 
+RESEND_AFTER_S = 4.0  # an announced version still missing after this is asked for again
 log = logging.getLogger("tandem.broker")
 
 
@@ -92,6 +93,8 @@ class WeightBroker:
         }
         self.latest = -1  # the newest version the trainer handed us
         self.transport = make_transport(config, self.counters)
+        self._unpublished_engines = False  # version:engines waits for Redis to come back
+        self._missing, self._missing_since = -1, 0.0  # an announced version not received
         self._threads = self.transport.threads
         self._wake = asyncio.Event()
 
@@ -208,9 +211,17 @@ class WeightBroker:
         log.error("engine %s out of rotation: %s", engine.url, error)
 
     def publish_version(self) -> None:
+        """`version:engines` in Redis; while Redis is unavailable the status loop tries again
+        (the sync loop must outlive a Redis restart)."""
         versions = [e.version for e in self.engines.values() if e.in_rotation and e.version >= 0]
-        if self.buffer is not None and versions:
+        if self.buffer is None or not versions:
+            return
+        try:
             self.buffer.set_version("engines", min(versions))
+            self._unpublished_engines = False
+        except RedisError as exc:
+            self._unpublished_engines = True
+            log.warning("cannot publish the engines' version to Redis (retried): %s", exc)
 
     # --- engines and state --------------------------------------------------------------------
 
@@ -255,11 +266,12 @@ class WeightBroker:
             waiting = (
                 f"weight version {announced}, which the trainer announced but this broker has "
                 f"not received (it started after the trainer sent it?); engines stay on "
-                f"{latest if latest >= 0 else 'their load weights'} until the trainer's next "
-                "version. If the router waits for that version, restart the trainer from its "
-                "checkpoint (it sends its resumed version first)"
+                f"{latest if latest >= 0 else 'their load weights'}. The trainer is asked to "
+                "send it again (it does while it waits for samples, at one process; at TP or "
+                "DP > 1 restart the trainer from its checkpoint: it sends its resumed version)"
             )
             state = "waiting"
+            self._ask_resend(announced)
         else:
             first = "first" if latest < 0 else "next"
             waiting = f"the trainer's {first} weight version (at {self.intake_endpoint})"
@@ -267,12 +279,24 @@ class WeightBroker:
         detail: dict[str, float | int | str] = {"version": latest, "engines": len(self.engines)}
         return ServiceStatus(role="broker", state=state, waiting_for=waiting, detail=detail)
 
+    def _ask_resend(self, version: int) -> None:
+        """A version the trainer announced has not come for `RESEND_AFTER_S` (lost with a
+        broker restart): ask for it again (`version:resend`; see the trainer's intake wait)."""
+        now = time.monotonic()
+        if self._missing != version:
+            self._missing, self._missing_since = version, now
+        elif now - self._missing_since >= RESEND_AFTER_S and self.buffer is not None:
+            with contextlib.suppress(RedisError):
+                self.buffer.set_version("resend", version)
+
     async def _status_loop(self, interval_s: float = 2.0) -> None:
         """Report `status()` to Redis for `tandem up`'s progress watchdog."""
         if self.buffer is None:
             return
         since, last = time.time(), ""
         while True:
+            if self._unpublished_engines:
+                self.publish_version()
             status = self.status()
             if status.waiting_for != last:
                 since, last = time.time(), status.waiting_for
