@@ -27,6 +27,18 @@ from tests.fake_sglang import FakeEngineProcess
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def no_leaked_run_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tandem up` code run in-process sets a per-run API token and weight secret in
+    `os.environ`; none may outlive its test (every later service would then demand it)."""
+    for name in ("TANDEM_API_TOKEN", "TANDEM_WEIGHT_SECRET"):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])  # restored as it was after the test
+        else:
+            monkeypatch.setenv(name, "")  # recorded as absent: deleted after the test
+            monkeypatch.delenv(name)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     with RedisServer(
