@@ -140,10 +140,12 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_the_gate_replaces_them(
         "0",
     )
     router = start_service("router", args)
-    wait_until(
-        lambda: httpx.get(router.url + "/rollout/status").json()["state"] == "waiting_for_trainer",
-        "rollout 0 done",
-    )
+
+    def rollout_done() -> bool:  # the gate closes as the 4th group starts: wait for its put
+        status = httpx.get(router.url + "/rollout/status").json()
+        return status["state"] == "waiting_for_trainer" and status["groups_in_flight"] == 0
+
+    wait_until(rollout_done, "rollout 0 done")
     groups = read_all(buffer)
     assert len(groups) == 4, "exactly rollout_batch_size groups for rollout 0"
     assert all(len({s.reward for s in g.samples}) == 2 for g in groups)
