@@ -70,6 +70,7 @@ class Run:
             f"tcp://127.0.0.1:{intake}",
         ]
         self.procs: dict[str, ServiceProcess] = {}
+        self.killed: list[int] = []
         self.buffer = SampleBuffer(BufferConfig(redis_url=self.redis.url, run_id="tour"))
         for name in ("engine", "broker", "router", "trainer"):
             self.start(name)
@@ -86,6 +87,7 @@ class Run:
         proc = self.procs[name].proc
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        self.killed.append(proc.pid)
 
     def restart_redis(self) -> None:
         self.redis = RedisServer(port=self.redis.port, data_dir=self.root / "redis").start()
@@ -121,6 +123,9 @@ class Run:
         for proc in self.procs.values():
             proc.stop()
         self.redis.stop()
+        for pid in self.killed:  # a killed trainer cannot remove its shared-memory weight slots
+            for slot in Path("/dev/shm").glob(f"tandem-weights-{pid}-*"):
+                slot.unlink(missing_ok=True)
 
 
 def test_each_service_killed_mid_run_and_restarted_the_run_goes_on_and_nothing_is_lost(
