@@ -70,13 +70,14 @@ class Run:
             f"tcp://127.0.0.1:{intake}",
         ]
         self.procs: dict[str, ServiceProcess] = {}
-        self.killed: list[int] = []
+        self.pids: list[int] = []  # every process started, killed ones included
         self.buffer = SampleBuffer(BufferConfig(redis_url=self.redis.url, run_id="tour"))
         for name in ("engine", "broker", "router", "trainer"):
             self.start(name)
 
     def start(self, name: str) -> None:
         self.procs[name] = ServiceProcess(self.args[name], self.root, name, timeout_s=PHASE_S)
+        self.pids.append(self.procs[name].proc.pid)
 
     def kill(self, name: str) -> None:
         if name == "redis":
@@ -87,7 +88,6 @@ class Run:
         proc = self.procs[name].proc
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        self.killed.append(proc.pid)
 
     def restart_redis(self) -> None:
         self.redis = RedisServer(port=self.redis.port, data_dir=self.root / "redis").start()
@@ -123,7 +123,7 @@ class Run:
         for proc in self.procs.values():
             proc.stop()
         self.redis.stop()
-        for pid in self.killed:  # a killed trainer cannot remove its shared-memory weight slots
+        for pid in self.pids:  # a killed trainer cannot remove its shared-memory weight slots
             for slot in Path("/dev/shm").glob(f"tandem-weights-{pid}-*"):
                 slot.unlink(missing_ok=True)
 
