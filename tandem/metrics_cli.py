@@ -18,6 +18,7 @@ import time
 import redis
 
 from proto import MetricsRecord, decode
+from services.sample_buffer.keys import BufferKeys
 from tandem.run_redis import RunNotFoundError, add_run_args, known_runs, open_run
 
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with open_run(args) as (client, run_id, where):
-            key = f"tandem:{run_id}:metrics"
+            key = BufferKeys(run_id).metrics_key
             try:
                 seen = print_records(client, key, args)
             except KeyboardInterrupt:

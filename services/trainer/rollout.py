@@ -162,16 +162,8 @@ class Intake:
             print(f"[trainer] {n} entries dead-lettered as {bad.reason} so far", flush=True)
 
     def _drop_stale(self, entry_id: str, group: SampleGroup, version: int) -> None:
-        self.buffer.record_drop(
-            DropRecord(
-                source="trainer",
-                reason=DropReason.STALE,
-                samples=len(group.samples),
-                group_id=group.group_id,
-                weight_version=group.weight_version,
-                detail=f"trainer at version {version}, max_staleness {self.cfg.max_staleness}",
-            )
-        )
+        detail = f"trainer at version {version}, max_staleness {self.cfg.max_staleness}"
+        self._drop_group(group, DropReason.STALE, detail)
         # Acked with the trained groups (after their checkpoint), counted now: the router
         # replaces it at once, and a resume that resets the counter drops it again.
         self.unacked.append(entry_id)
@@ -180,13 +172,17 @@ class Intake:
     def drop_skipped(self, groups: list[SampleGroup], version: int) -> None:
         """Groups whose step's update was skipped (non-finite loss or gradient): not trained."""
         for group in groups:
-            self.buffer.record_drop(
-                DropRecord(
-                    source="trainer",
-                    reason=DropReason.SKIPPED_UPDATE,
-                    samples=len(group.samples),
-                    group_id=group.group_id,
-                    weight_version=group.weight_version,
-                    detail=f"the update of step {version} was skipped (non-finite)",
-                )
-            )
+            detail = f"the update of step {version} was skipped (non-finite)"
+            self._drop_group(group, DropReason.SKIPPED_UPDATE, detail)
+
+    def _drop_group(self, group: SampleGroup, reason: DropReason, detail: str) -> None:
+        """Record a put group the trainer will not train (one group, its samples)."""
+        record = DropRecord(
+            source="trainer",
+            reason=reason,
+            samples=len(group.samples),
+            group_id=group.group_id,
+            weight_version=group.weight_version,
+            detail=detail,
+        )
+        self.buffer.record_drop(record)
