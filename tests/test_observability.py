@@ -148,6 +148,14 @@ def test_every_service_serves_prometheus_metrics_that_move_with_the_work(run: Ru
     before = {name: scrape(url) for name, url in urls.items()}
     steps = run.trainer_steps()
     wait_until(lambda: run.trainer_steps() >= steps + 2, "two more trainer steps", 60)
+    # The router may have sent the next batch's requests before `before` and wait for weights
+    # now: the engine's and broker's counters move with the next sync, not with a step.
+    for name, key in (
+        ("engine0", "tandem_engine_requests_total"),
+        ("broker", "tandem_broker_syncs_total"),
+    ):
+        moved = lambda n=name, k=key: scrape(urls[n])[k] > before[n][k]  # noqa: E731
+        wait_until(moved, f"{name} {key} to move", 60)
     after = {name: scrape(url) for name, url in urls.items()}
 
     router = after["router"]

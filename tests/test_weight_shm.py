@@ -24,14 +24,15 @@ def test_a_reader_sees_exactly_the_version_it_was_told_about(tmp_path) -> None:
     assert torch.equal(views[0][1], torch.full((4, 4), 1.0))
     assert views[1][1].dtype == torch.bfloat16 and views[1][1][-1].item() == 6.0
     lease.release()
-    slots.write(3, tensors(3.0))  # same slot (3 % 2 == 1): version 1 is gone
+    slots.write(2, tensors(2.0))  # the other slot: never the newest version's
+    slots.write(3, tensors(3.0))  # back to version 1's slot, which no reader holds
     with pytest.raises(LookupError, match="holds version 3, not 1"):
         read_slot(header)
     slots.close()
 
 
 def test_the_writer_waits_until_readers_leave_the_slot(tmp_path) -> None:
-    slots = ShmSlots(str(tmp_path), timeout_s=0.3)
+    slots = ShmSlots(str(tmp_path), timeout_s=0.3, grow_after_s=60)
     header = slots.write(1, tensors(1.0))
     views, lease = read_slot(header)
     slots.write(2, tensors(2.0))  # the other slot: no wait
@@ -43,6 +44,26 @@ def test_the_writer_waits_until_readers_leave_the_slot(tmp_path) -> None:
     released.start()
     slots.write(3, tensors(3.0))  # proceeds once the lease is released
     slots.close()
+
+
+def test_a_slot_is_added_while_readers_hold_every_other_one(tmp_path) -> None:
+    # Engines two versions behind (a version was lost with a killed broker) hold the slot the
+    # next version would reuse: after `grow_after_s` the writer adds one instead of stalling.
+    slots = ShmSlots(str(tmp_path), timeout_s=1, grow_after_s=0.1, max_count=3)
+    _, lease1 = read_slot(slots.write(1, tensors(1.0)))
+    _, lease2 = read_slot(slots.write(2, tensors(2.0)))
+    views3, lease3 = read_slot(slots.write(3, tensors(3.0)))
+    assert torch.equal(views3[0][1], torch.full((4, 4), 3.0))
+    assert len(list(tmp_path.iterdir())) == 3
+    with pytest.raises(SlotBusyError, match="all 3 weight slots"):
+        slots.write(4, tensors(4.0))  # `max_count` reached: it waits, then says so
+    lease1.release()
+    views4, lease4 = read_slot(slots.write(4, tensors(4.0)))
+    assert torch.equal(views4[0][1], torch.full((4, 4), 4.0))
+    for lease in (lease2, lease3, lease4):
+        lease.release()
+    slots.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_real_engine_adopts_shared_memory_weights_and_serves_them(

@@ -1,16 +1,17 @@
 """Weights through shared memory on one host: double-buffered slot files with locks.
 
-Writer (trainer): `ShmSlots` keeps `count` files in `shm_dir`, each mapped once (warm pages:
-writing a version runs at memcpy speed; fresh tmpfs pages cost ~10x more). Version N goes to
-slot N % count: take an exclusive `flock` on the slot (waits while a reader still holds it),
-set the stamp to -1, copy the tensors in, set the stamp to N, unlock.
+Writer (trainer): `ShmSlots` keeps slot files in `shm_dir`, each mapped once (warm pages:
+writing a version runs at memcpy speed; fresh tmpfs pages cost ~10x more). Version N goes to a
+slot no reader holds: take an exclusive `flock` on it, set the stamp to -1, copy the tensors in,
+set the stamp to N, unlock. Two slots suffice while engines keep up; when engines hold both
+(engines two versions behind, e.g. a version lost with a killed broker, or engines at two
+different versions) for `grow_after_s`, a slot is added, up to `max_count`.
 
 Reader (engine): `read_slot` takes a shared `flock`, checks that the stamp equals the version it
 was told about (else the slot already holds a newer version: `LookupError`), and maps the file
 copy-on-write. The returned `SlotLease` must be kept for as long as the views are in use: an
 engine that adopts the views as its parameter storage keeps the lease until it has moved to
-the next version, which is what lets the writer reuse the slot safely. With two slots, the
-trainer can write version N+1 while engines serve N; writing N+2 waits for them to leave N.
+the next version, which is what lets the writer reuse the slot safely.
 
 Files are created mode 0600: only the trainer's user can write weights this way.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import logging
 import math
 import mmap
 import os
@@ -38,6 +40,7 @@ FILE_PREFIX = "tandem-weights-"  # then the writer's pid: see remove_stale_slots
 HEADER_BYTES = 64  # the stamp (int64 version) lives here; tensors start after it
 ALIGN = 64
 WRITING = -1
+log = logging.getLogger("tandem.weight_sync.shm")
 
 
 class SlotBusyError(TimeoutError):
@@ -68,6 +71,8 @@ class _Slot:
 class ShmSlots:
     shm_dir: str
     count: int = 2
+    max_count: int = 4
+    grow_after_s: float = 10.0
     timeout_s: float = 120.0
     prefix: str = field(default_factory=lambda: f"{FILE_PREFIX}{os.getpid()}-{time.time_ns()}")
     _slots: list[_Slot] = field(default_factory=list)
@@ -84,10 +89,10 @@ class ShmSlots:
         for _name, t in tensors:
             offsets.append(size)
             size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        slot = self._slot(version % self.count, size)
-        self._last = version % self.count
+        index = self._take_free_slot()
+        slot = self._grow(index, size)
+        self._last = index
         assert slot.mapping is not None
-        _lock(slot.fd, fcntl.LOCK_EX, self.timeout_s, f"weight slot {slot.path} (engines reading)")
         try:
             slot.mapping[:8] = struct.pack("<q", WRITING)
             target = torch.frombuffer(slot.mapping, dtype=torch.uint8)
@@ -110,13 +115,45 @@ class ShmSlots:
             shm_offsets=offsets,
         )
 
-    def _slot(self, index: int, size: int) -> _Slot:
+    def _take_free_slot(self) -> int:
+        """Index of a slot now locked for writing: one no reader holds, never the newest
+        version's (its sync may be on the way). While readers hold all the others for
+        `grow_after_s`, a slot is added (up to `max_count`); a writer waits `timeout_s` in all."""
         if not self._slots:  # files in RAM must not outlive the writer, even on an early exit
             atexit.register(self.close, linger_s=15.0)
-        while len(self._slots) <= index:
-            path = os.path.join(self.shm_dir, f"{self.prefix}-slot{len(self._slots)}")
-            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-            self._slots.append(_Slot(path, fd))
+        while len(self._slots) < self.count:
+            self._add_slot()
+        start = time.monotonic()
+        while True:
+            for index in (i for i in range(len(self._slots)) if i != self._last):
+                try:
+                    fcntl.flock(self._slots[index].fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return index
+                except BlockingIOError:
+                    continue
+            waited = time.monotonic() - start
+            if waited > self.grow_after_s and len(self._slots) < self.max_count:
+                log.warning(
+                    "engines hold every free weight slot for %.0fs (engines two or more versions "
+                    "behind): adding slot %d in %s",
+                    waited,
+                    len(self._slots),
+                    self.shm_dir,
+                )
+                self._add_slot()
+            elif waited > self.timeout_s:
+                raise SlotBusyError(
+                    f"all {len(self._slots)} weight slots in {self.shm_dir} stayed locked by "
+                    f"engines for {self.timeout_s:.0f}s"
+                )
+            time.sleep(0.001)
+
+    def _add_slot(self) -> None:
+        path = os.path.join(self.shm_dir, f"{self.prefix}-slot{len(self._slots)}")
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+        self._slots.append(_Slot(path, fd))
+
+    def _grow(self, index: int, size: int) -> _Slot:
         slot = self._slots[index]
         if slot.size < size:  # grow (first use, or a larger model): remap
             if slot.mapping is not None:
