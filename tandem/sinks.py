@@ -31,7 +31,7 @@ class MetricSinks:
                 self.wandb = wandb.init(
                     project=project, name=run_dir.name, dir=str(run_dir), config=config
                 )
-                say(f"W&B run {self.wandb.url}")
+                say(f"W&B run {self.wandb.url or 'offline, in ' + self.wandb.dir}")
             except Exception as exc:  # wandb raises its own types (login, network): report all
                 say(f"W&B failed to start ({exc!r}): W&B off")
 

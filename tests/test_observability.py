@@ -245,8 +245,11 @@ def test_ctrl_c_stops_every_service_and_leaves_tensorboard_scalars_and_a_timelin
         import wandb  # noqa: F401
     except ImportError:
         assert "the wandb package is not installed: W&B off" in run.output
-    else:
-        assert (run.run_dir / "wandb").is_dir()
+    else:  # WANDB_MODE=offline: the run's records are in its .wandb file (protobuf, raw strings)
+        (records,) = (run.run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+        assert "W&B run offline, in" in run.output
+        data = records.read_bytes()
+        assert all(s in data for s in (b"tandem-test", b"train/loss", b"rollout/", b"trainer/step"))
 
 
 @pytest.mark.e2e
