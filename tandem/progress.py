@@ -72,9 +72,13 @@ class RunProgress:
 
     def line(self) -> str:
         elapsed = time.monotonic() - self.started_at
+        accuracy = (  # none yet: the first evaluation (of this launch) has not reported
+            "-" if math.isnan(self.accuracy) else f"{self.accuracy:.2f} (v{self.accuracy_version})"
+        )
+        rate = "-" if math.isnan(self.samples_per_s) else f"{self.samples_per_s:.0f}"
         return (
-            f"step {self.step:4d} | reward {self.reward:.3f} | held-out acc {self.accuracy:.2f} "
-            f"(v{self.accuracy_version}) | {self.samples_per_s:6.0f} samples/s | "
+            f"step {self.step:4d} | reward {self.reward:.3f} | held-out acc {accuracy} | "
+            f"{rate:>6} samples/s | "
             f"staleness {self.staleness:.2f} | {self.step_time_s:.2f} s/step | "
             f"{int(elapsed // 60)}:{int(elapsed % 60):02d}"
         )
