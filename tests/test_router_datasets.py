@@ -141,9 +141,12 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_the_gate_replaces_them(
     )
     router = start_service("router", args)
 
-    def rollout_done() -> bool:  # the gate closes as the 4th group starts: wait for its put
+    def rollout_done() -> bool:
+        # The gate closes as the 4th group starts; a drop reopens it, and until the loop's next
+        # reading the state still says waiting with nothing in flight: wait for the 4th put too.
         status = httpx.get(router.url + "/rollout/status").json()
-        return status["state"] == "waiting_for_trainer" and status["groups_in_flight"] == 0
+        closed = status["state"] == "waiting_for_trainer" and status["groups_in_flight"] == 0
+        return closed and buffer.depth() >= 4
 
     wait_until(rollout_done, "rollout 0 done")
     groups = read_all(buffer)
