@@ -67,8 +67,11 @@ def start(config: BrokerConfig, host: str) -> Any:
 
 
 def run(app: Any, args: argparse.Namespace, sock: socket.socket | None) -> None:
-    broker = app.state.broker
-    endpoints = {"intake_endpoint": broker.intake_endpoint, "serve_endpoint": broker.serve_endpoint}
+    transport = app.state.broker.transport
+    endpoints = {
+        "intake_endpoint": transport.intake_endpoint,
+        "serve_endpoint": transport.serve_endpoint,
+    }
     serve(
         app,
         args.host,

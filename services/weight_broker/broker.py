@@ -10,13 +10,9 @@ Ordering contract (each arrow is checked by tests/test_broker_*.py):
      `serve_endpoint` and N. The engine pauses its generation between batches (requests that
      arrive meanwhile wait), fetches N's buckets (ZMQ DEALER -> our ROUTER), checks every name
      and shape before copying any tensor, flushes its cache, resumes, and from then on reports
-     `weight_version` N in every response. No response mixes weights of two versions.
-     NCCL (nccl_transport.py): the trainer broadcasts the whole version. SGLang servers are
-     paused first and apply it bucket by bucket, then resume. Tandem's engine receives it
-     into memory of its own while it keeps generating, then applies it at once; in pause mode
-     `abort` it ends the requests still running at that moment (partial output, continued by
-     the router on version N) instead of being paused, and in mode `in_place` it is paused
-     like SGLang.
+     `weight_version` N in every response. No response mixes weights of two versions. Disk:
+     the engine reloads N from a directory. NCCL: the trainer broadcasts N into the engines'
+     weight group, between a pause and a resume (nccl_transport.py).
   4. Once an engine acknowledged N, its version is N here; `version:engines` in Redis is set to
      the minimum version over engines in rotation, which the router uses as its staleness gate.
   5. An engine that fails or exceeds `sync_timeout_s` is taken out of rotation (reported in
@@ -31,10 +27,9 @@ Ordering contract (each arrow is checked by tests/test_broker_*.py):
      optimizer steps). Until an engine reports the newest version the router keeps it out of
      rotation (see services/rollout_router/workers.py).
 
-Loop: `run` asks the transport (transports.py) for the version to sync to, picks the engines
-not on it whose retry is due, asks the transport to sync them and marks each outcome; the
-transport never calls the broker. The socket threads belong to the transport; `add_engine`
-sets the loop's `wake` so a new engine does not wait for the next poll.
+Loop: `run` asks the transport (transports.py) for the version to sync to, has it sync the
+engines not on it whose retry is due and marks each outcome; `add_engine` sets the loop's
+`wake` so a new engine does not wait for the next poll.
 """
 
 from __future__ import annotations
@@ -97,17 +92,6 @@ class WeightBroker:
         self._missing, self._missing_since = -1, 0.0  # an announced version not received
         self._threads = self.transport.threads
         self._wake = asyncio.Event()
-
-    @property
-    def intake_endpoint(self) -> str:
-        return self.transport.intake_endpoint
-
-    @property
-    def serve_endpoint(self) -> str:
-        return self.transport.serve_endpoint
-
-    def stop(self) -> None:
-        self.transport.stop()
 
     def thread_problem(self) -> str:
         """'' while every socket thread runs; else which one died (`/health` answers 503)."""
@@ -274,7 +258,7 @@ class WeightBroker:
             self._ask_resend(announced)
         else:
             first = "first" if latest < 0 else "next"
-            waiting = f"the trainer's {first} weight version (at {self.intake_endpoint})"
+            waiting = f"the trainer's {first} weight version (at {self.transport.intake_endpoint})"
             state = "idle"
         detail: dict[str, float | int | str] = {"version": latest, "engines": len(self.engines)}
         return ServiceStatus(role="broker", state=state, waiting_for=waiting, detail=detail)
@@ -312,8 +296,8 @@ class WeightBroker:
         return {
             "version": self.latest,
             "waiting_for": self.status().waiting_for,
-            "intake_endpoint": self.intake_endpoint,
-            "serve_endpoint": self.serve_endpoint,
+            "intake_endpoint": self.transport.intake_endpoint,
+            "serve_endpoint": self.transport.serve_endpoint,
             "counters": dict(self.counters),
             "engines": engines,
         }
