@@ -135,13 +135,8 @@ class WeightBroker:
             for engine in due:
                 engine.syncing = False
         for engine in due:
-            outcome = outcomes.get(engine.url)
-            if outcome is None:
-                continue
-            if outcome.error:
-                self.mark_failed(engine, outcome.error)
-            else:
-                self.mark_synced(engine, version, outcome)
+            if engine.url in outcomes:
+                self.mark(engine, version, outcomes[engine.url])
         if due:
             self.publish_version()
 
@@ -149,9 +144,7 @@ class WeightBroker:
         """Why `version` cannot be the trainer's, else ''. The trainer announces V in Redis
         (`version:trainer`) right after sending it, so a version more than one ahead of the
         announced one (once there is one) came from elsewhere."""
-        if version <= self.latest:
-            return ""
-        published = self._trainer_version()
+        published = self._trainer_version() if version > self.latest else -1
         if published >= 0 and version > published + 1:
             return f"the trainer published version {published}; {version} is not its next"
         return ""
@@ -176,23 +169,23 @@ class WeightBroker:
             engine.last_error = f"version unknown: {exc}"
             log.warning("engine %s: %s", engine.url, engine.last_error)
 
-    def mark_synced(self, engine: EngineState, version: int, outcome: Outcome) -> None:
+    def mark(self, engine: EngineState, version: int, outcome: Outcome) -> None:
+        """An engine's outcome: on `version`, or out of rotation (reported in /state) until a
+        retry after the transport's backoff."""
+        engine.last_error = outcome.error
+        if outcome.error:
+            engine.in_rotation = False
+            engine.failures += 1
+            engine.retry_at = time.monotonic() + self.transport.retry_backoff_s
+            self.counters["syncs_failed"] += 1
+            log.error("engine %s out of rotation: %s", engine.url, outcome.error)
+            return
         engine.version = version
         engine.in_rotation = True
-        engine.last_error = ""
         engine.last_sync_s = outcome.elapsed_s
         engine.last_bytes_per_s = outcome.nbytes / outcome.elapsed_s if outcome.elapsed_s else 0.0
         engine.last_sync_at = time.time()
         log.info("engine %s on version %d in %.3fs", engine.url, version, outcome.elapsed_s)
-
-    def mark_failed(self, engine: EngineState, error: str) -> None:
-        """Take an engine out of rotation (reported in /state), retry after a backoff."""
-        engine.in_rotation = False
-        engine.failures += 1
-        engine.last_error = error
-        engine.retry_at = time.monotonic() + self.transport.retry_backoff_s
-        self.counters["syncs_failed"] += 1
-        log.error("engine %s out of rotation: %s", engine.url, error)
 
     def publish_version(self) -> None:
         """`version:engines` in Redis; while Redis is unavailable the status loop tries again
@@ -236,15 +229,13 @@ class WeightBroker:
         behind = [e for e in self.engines.values() if latest >= 0 and e.version != latest]
         announced = self._trainer_version()
         if behind:
-            waiting = "engines on weight version {}: {}".format(
-                latest,
-                "; ".join(
-                    f"{e.url} serves {e.version}"
-                    + (" (syncing)" if e.syncing else "")
-                    + (f", last error: {e.last_error[:200]}" if e.last_error else "")
-                    for e in behind
-                ),
+            engines = "; ".join(
+                f"{e.url} serves {e.version}"
+                + (" (syncing)" if e.syncing else "")
+                + (f", last error: {e.last_error[:200]}" if e.last_error else "")
+                for e in behind
             )
+            waiting = f"engines on weight version {latest}: {engines}"
             state = "syncing"
         elif announced > max(latest, 0):
             waiting = (

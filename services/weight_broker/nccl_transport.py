@@ -36,14 +36,7 @@ import aiohttp
 import zmq
 import zmq.asyncio
 
-from proto import (
-    NcclAck,
-    NcclCommand,
-    NcclOffer,
-    TensorMeta,
-    decode,
-    encode,
-)
+from proto import NcclAck, NcclCommand, NcclOffer, TensorMeta, decode, encode
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.transports import Outcome
 from services.weight_sync.safetensors_file import tensors_nbytes
@@ -151,12 +144,9 @@ class NcclTransport:
         except Exception as exc:  # keep coordinating later versions whatever broke this one
             log.exception("version %d: unexpected error", version)
             engines, error = [], repr(exc)
-        if engines:
-            await self._command(identity, NcclCommand(action="done", version=version))
-        else:
-            await self._command(
-                identity, NcclCommand(action="abort", version=version, message=error)
-            )
+        done = NcclCommand(action="done", version=version)
+        abort = NcclCommand(action="abort", version=version, message=error)
+        await self._command(identity, done if engines else abort)
         elapsed_s, nbytes = time.monotonic() - start, self._nbytes(offer)
         # An engine that answered an error when another hung keeps its version, unblamed.
         outcomes = {url: Outcome(error) for url, error in self._failed.items()}
@@ -184,11 +174,8 @@ class NcclTransport:
             await asyncio.gather(*resume, return_exceptions=True)
         marks.append(time.monotonic())
         steps = zip(("group", "pause", "transfer", "continue"), marks, marks[1:], strict=False)
-        log.info(
-            "version %d phases: %s",
-            offer.version,
-            ", ".join(f"{name} {1e3 * (b - a):.1f} ms" for name, a, b in steps),
-        )
+        phases = ", ".join(f"{name} {1e3 * (b - a):.1f} ms" for name, a, b in steps)
+        log.info("version %d phases: %s", offer.version, phases)
 
     def _nbytes(self, offer: NcclOffer) -> int:
         if offer.layout_id and self._layout_bytes and self._layout_bytes[0] == offer.layout_id:
@@ -233,7 +220,14 @@ class NcclTransport:
 
     async def _transfer(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
         buckets = [b for b in offer.buckets if b] or [[]]
-        whole = functools.cache(lambda: self._whole_version_body(offer, buckets))  # <= once
+
+        @functools.cache  # built at most once per version, for the engines that take it
+        def whole() -> dict:
+            body = self._update_body(offer, [m for b in buckets for m in b], flush_cache=True)
+            if self.load_format == "flattened_bucket":
+                body["bucket_sizes"] = [len(b) for b in buckets if b]
+            return body
+
         calls = [
             self._post_version(session, e, offer, whole)
             if self._whole_version.get(e)
@@ -250,7 +244,6 @@ class NcclTransport:
                 load_format=self.load_format,
             ),
         )
-        ack_error = ""
         try:
             ack = await self._ack(offer.version, attempt)
             ack_error = "" if ack.ok else f"trainer failed to broadcast: {ack.error}"
@@ -289,12 +282,6 @@ class NcclTransport:
     def _applies_with_abort(self, engine: str) -> bool:
         """Whether this engine's version update replaces the pause (see step 2 above)."""
         return self.pause_mode == "abort" and bool(self._whole_version.get(engine))
-
-    def _whole_version_body(self, offer: NcclOffer, buckets: list[list[TensorMeta]]) -> dict:
-        body = self._update_body(offer, [m for b in buckets for m in b], flush_cache=True)
-        if self.load_format == "flattened_bucket":
-            body["bucket_sizes"] = [len(b) for b in buckets if b]
-        return body
 
     async def _post_version(self, session, engine, offer: NcclOffer, whole) -> None:  # type: ignore[no-untyped-def]
         """The whole version in one request (engines that take `bucket_sizes`); `whole()`
@@ -371,17 +358,15 @@ class NcclTransport:
             raise RuntimeError("; ".join(f"{e}: {r!r}" for e, r in failed))
         return results
 
-    async def _post(self, session, engine: str, path: str, body: dict) -> dict:  # type: ignore[no-untyped-def]
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        async with session.post(f"{engine}{path}", json=body, timeout=timeout) as resp:
+    # The session's timeout (the broker's) is `sync_timeout_s`: no request waits longer.
+    async def _post(self, session, engine: str, path: str, body: dict) -> None:  # type: ignore[no-untyped-def]
+        async with session.post(f"{engine}{path}", json=body) as resp:
             reply = await resp.json(content_type=None)
             if resp.status != 200 or (isinstance(reply, dict) and reply.get("success") is False):
                 raise EngineAnswerError(f"{path} answered HTTP {resp.status}: {reply}", resp.status)
-            return reply if isinstance(reply, dict) else {}
 
     async def _get(self, session, url: str) -> dict:  # type: ignore[no-untyped-def]
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        async with session.get(url, timeout=timeout) as resp:
+        async with session.get(url) as resp:
             resp.raise_for_status()
             return await resp.json(content_type=None)
 

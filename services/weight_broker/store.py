@@ -22,10 +22,6 @@ class Version:
     buckets: dict[int, list[Frame]] = field(default_factory=dict)
     nbytes: int = 0
 
-    @property
-    def complete(self) -> bool:
-        return len(self.buckets) == self.num_buckets
-
     def messages(self) -> list[list[Frame]]:
         return [self.buckets[i] for i in range(self.num_buckets)]
 
@@ -65,11 +61,10 @@ class VersionStore:
                 if header.shm_path
                 else sum(frame_view(f).nbytes for f in message[1:])
             )
-            if not entry.complete:
+            if len(entry.buckets) < entry.num_buckets:
                 return None
-            del self._partial[header.version]
-            for older in [v for v in self._partial if v < header.version]:
-                del self._partial[older]  # superseded before it was complete
+            # This version and older incomplete ones (superseded) leave the partial set.
+            self._partial = {v: e for v, e in self._partial.items() if v > header.version}
             self._complete[header.version] = entry
             for old in sorted(self._complete)[: -self.keep_versions]:
                 del self._complete[old]
