@@ -45,14 +45,13 @@ class SyncObserver:
             self.metrics.inc("synced_bytes", engine.last_bytes_per_s * seconds)
             self.sync_seconds.observe(seconds)
             if self.timeline is not None:
-                gbps = engine.last_bytes_per_s / 1e9
                 self.timeline.add(
                     f"sync v{engine.version}",
                     done_at - seconds,
                     done_at,
                     engine.url,
                     version=engine.version,
-                    gb_per_s=round(gbps, 3),
+                    gb_per_s=round(engine.last_bytes_per_s / 1e9, 3),
                 )
 
     def render(self) -> str:

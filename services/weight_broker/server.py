@@ -33,13 +33,12 @@ def create_app(config: BrokerConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(broker.run())
-        watch = asyncio.create_task(syncs.run())
+        tasks = [asyncio.create_task(broker.run()), asyncio.create_task(syncs.run())]
         yield
-        for t in (task, watch):
-            t.cancel()
+        for task in tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await t
+                await task
         broker.transport.stop()
         syncs.close()
 
