@@ -68,10 +68,7 @@ def start(config: BrokerConfig, host: str) -> Any:
 
 def run(app: Any, args: argparse.Namespace, sock: socket.socket | None) -> None:
     transport = app.state.broker.transport
-    endpoints = {
-        "intake_endpoint": transport.intake_endpoint,
-        "serve_endpoint": transport.serve_endpoint,
-    }
+    endpoints = {name: getattr(transport, name) for name in ("intake_endpoint", "serve_endpoint")}
     serve(
         app,
         args.host,

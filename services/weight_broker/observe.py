@@ -18,7 +18,7 @@ ENGINE_GAUGES = {  # metric -> (EngineState attribute, help)
     "engine_version": ("version", "Weight version the engine serves (-1: unknown)."),
     "engine_in_rotation": ("in_rotation", "1 while the engine is in rotation."),
     "engine_last_sync_seconds": ("last_sync_s", "Seconds the engine's last sync took."),
-    "engine_last_sync_bytes_per_second": ("last_bytes_per_s", "Bytes/s of its last sync."),
+    "engine_last_sync_bytes_per_second": ("last_bytes_per_s", "Bytes/s of the engine's last sync."),
     "engine_sync_failures": ("failures", "Syncs of the engine that failed."),
 }
 
