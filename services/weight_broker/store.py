@@ -1,8 +1,8 @@
 """VersionStore: assembles buckets into complete versions and keeps the newest few.
 
 Thread-safe: the intake thread adds buckets, the serve thread and the sync loop read versions.
-Memory is bounded by `keep_versions` complete versions plus at most one
-version being assembled per sender (a newer version evicts older incomplete ones).
+Memory is bounded by `keep_versions` complete versions plus at most one version being
+assembled per sender (a newer version evicts older incomplete ones).
 """
 
 from __future__ import annotations
