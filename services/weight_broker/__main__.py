@@ -67,8 +67,8 @@ def start(config: BrokerConfig, host: str) -> Any:
 
 
 def run(app: Any, args: argparse.Namespace, sock: socket.socket | None) -> None:
-    broker = app.state.broker
-    endpoints = {"intake_endpoint": broker.intake_endpoint, "serve_endpoint": broker.serve_endpoint}
+    transport = app.state.broker.transport
+    endpoints = {name: getattr(transport, name) for name in ("intake_endpoint", "serve_endpoint")}
     serve(
         app,
         args.host,

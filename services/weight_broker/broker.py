@@ -10,13 +10,9 @@ Ordering contract (each arrow is checked by tests/test_broker_*.py):
      `serve_endpoint` and N. The engine pauses its generation between batches (requests that
      arrive meanwhile wait), fetches N's buckets (ZMQ DEALER -> our ROUTER), checks every name
      and shape before copying any tensor, flushes its cache, resumes, and from then on reports
-     `weight_version` N in every response. No response mixes weights of two versions.
-     NCCL (nccl_transport.py): the trainer broadcasts the whole version. SGLang servers are
-     paused first and apply it bucket by bucket, then resume. Tandem's engine receives it
-     into memory of its own while it keeps generating, then applies it at once; in pause mode
-     `abort` it ends the requests still running at that moment (partial output, continued by
-     the router on version N) instead of being paused, and in mode `in_place` it is paused
-     like SGLang.
+     `weight_version` N in every response. No response mixes weights of two versions. Disk:
+     the engine reloads N from a directory. NCCL: the trainer broadcasts N into the engines'
+     weight group, between a pause and a resume (nccl_transport.py).
   4. Once an engine acknowledged N, its version is N here; `version:engines` in Redis is set to
      the minimum version over engines in rotation, which the router uses as its staleness gate.
   5. An engine that fails or exceeds `sync_timeout_s` is taken out of rotation (reported in
@@ -31,10 +27,9 @@ Ordering contract (each arrow is checked by tests/test_broker_*.py):
      optimizer steps). Until an engine reports the newest version the router keeps it out of
      rotation (see services/rollout_router/workers.py).
 
-Loop: `run` asks the transport (transports.py) for the version to sync to, picks the engines
-not on it whose retry is due, asks the transport to sync them and marks each outcome; the
-transport never calls the broker. The socket threads belong to the transport; `add_engine`
-sets the loop's `wake` so a new engine does not wait for the next poll.
+Loop: `run` asks the transport (transports.py) for the version to sync to, has it sync the
+engines not on it whose retry is due and marks each outcome; `add_engine` sets the loop's
+`wake` so a new engine does not wait for the next poll.
 """
 
 from __future__ import annotations
@@ -98,17 +93,6 @@ class WeightBroker:
         self._threads = self.transport.threads
         self._wake = asyncio.Event()
 
-    @property
-    def intake_endpoint(self) -> str:
-        return self.transport.intake_endpoint
-
-    @property
-    def serve_endpoint(self) -> str:
-        return self.transport.serve_endpoint
-
-    def stop(self) -> None:
-        self.transport.stop()
-
     def thread_problem(self) -> str:
         """'' while every socket thread runs; else which one died (`/health` answers 503)."""
         dead = [t.name for t in self._threads if not t.is_alive()]
@@ -151,13 +135,8 @@ class WeightBroker:
             for engine in due:
                 engine.syncing = False
         for engine in due:
-            outcome = outcomes.get(engine.url)
-            if outcome is None:
-                continue
-            if outcome.error:
-                self.mark_failed(engine, outcome.error)
-            else:
-                self.mark_synced(engine, version, outcome)
+            if engine.url in outcomes:
+                self.mark(engine, version, outcomes[engine.url])
         if due:
             self.publish_version()
 
@@ -165,9 +144,7 @@ class WeightBroker:
         """Why `version` cannot be the trainer's, else ''. The trainer announces V in Redis
         (`version:trainer`) right after sending it, so a version more than one ahead of the
         announced one (once there is one) came from elsewhere."""
-        if version <= self.latest:
-            return ""
-        published = self._trainer_version()
+        published = self._trainer_version() if version > self.latest else -1
         if published >= 0 and version > published + 1:
             return f"the trainer published version {published}; {version} is not its next"
         return ""
@@ -192,23 +169,23 @@ class WeightBroker:
             engine.last_error = f"version unknown: {exc}"
             log.warning("engine %s: %s", engine.url, engine.last_error)
 
-    def mark_synced(self, engine: EngineState, version: int, outcome: Outcome) -> None:
+    def mark(self, engine: EngineState, version: int, outcome: Outcome) -> None:
+        """An engine's outcome: on `version`, or out of rotation (reported in /state) until a
+        retry after the transport's backoff."""
+        engine.last_error = outcome.error
+        if outcome.error:
+            engine.in_rotation = False
+            engine.failures += 1
+            engine.retry_at = time.monotonic() + self.transport.retry_backoff_s
+            self.counters["syncs_failed"] += 1
+            log.error("engine %s out of rotation: %s", engine.url, outcome.error)
+            return
         engine.version = version
         engine.in_rotation = True
-        engine.last_error = ""
         engine.last_sync_s = outcome.elapsed_s
         engine.last_bytes_per_s = outcome.nbytes / outcome.elapsed_s if outcome.elapsed_s else 0.0
         engine.last_sync_at = time.time()
         log.info("engine %s on version %d in %.3fs", engine.url, version, outcome.elapsed_s)
-
-    def mark_failed(self, engine: EngineState, error: str) -> None:
-        """Take an engine out of rotation (reported in /state), retry after a backoff."""
-        engine.in_rotation = False
-        engine.failures += 1
-        engine.last_error = error
-        engine.retry_at = time.monotonic() + self.transport.retry_backoff_s
-        self.counters["syncs_failed"] += 1
-        log.error("engine %s out of rotation: %s", engine.url, error)
 
     def publish_version(self) -> None:
         """`version:engines` in Redis; while Redis is unavailable the status loop tries again
@@ -252,15 +229,13 @@ class WeightBroker:
         behind = [e for e in self.engines.values() if latest >= 0 and e.version != latest]
         announced = self._trainer_version()
         if behind:
-            waiting = "engines on weight version {}: {}".format(
-                latest,
-                "; ".join(
-                    f"{e.url} serves {e.version}"
-                    + (" (syncing)" if e.syncing else "")
-                    + (f", last error: {e.last_error[:200]}" if e.last_error else "")
-                    for e in behind
-                ),
+            engines = "; ".join(
+                f"{e.url} serves {e.version}"
+                + (" (syncing)" if e.syncing else "")
+                + (f", last error: {e.last_error[:200]}" if e.last_error else "")
+                for e in behind
             )
+            waiting = f"engines on weight version {latest}: {engines}"
             state = "syncing"
         elif announced > max(latest, 0):
             waiting = (
@@ -274,7 +249,7 @@ class WeightBroker:
             self._ask_resend(announced)
         else:
             first = "first" if latest < 0 else "next"
-            waiting = f"the trainer's {first} weight version (at {self.intake_endpoint})"
+            waiting = f"the trainer's {first} weight version (at {self.transport.intake_endpoint})"
             state = "idle"
         detail: dict[str, float | int | str] = {"version": latest, "engines": len(self.engines)}
         return ServiceStatus(role="broker", state=state, waiting_for=waiting, detail=detail)
@@ -312,8 +287,8 @@ class WeightBroker:
         return {
             "version": self.latest,
             "waiting_for": self.status().waiting_for,
-            "intake_endpoint": self.intake_endpoint,
-            "serve_endpoint": self.serve_endpoint,
+            "intake_endpoint": self.transport.intake_endpoint,
+            "serve_endpoint": self.transport.serve_endpoint,
             "counters": dict(self.counters),
             "engines": engines,
         }

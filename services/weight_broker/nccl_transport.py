@@ -1,41 +1,24 @@
-"""Broker side of the NCCL weight path: `NcclTransport` (a `WeightTransport`, transports.py).
+"""Broker side of the NCCL weight path: `NcclTransport` (a `WeightTransport`, transports.py),
+which drives the trainer's `NcclWeightSender` (its sequence: services/weight_sync/nccl_sender.py;
+the commands: proto `NcclCommand`).
 
-The trainer offers each version on the control socket (ZMQ ROUTER at the broker's intake
-endpoint), HMAC-signed under TANDEM_WEIGHT_SECRET when one is set (the offer names the
-rendezvous engines join; an offer that fails the check is answered `abort`). For one version,
-in this order:
-  1. If the set of engines changed or the last version failed, (re)form the weight group:
-     read every engine's `/get_server_info` (TP size; whether it takes `bucket_sizes`), answer
-     `init` to the trainer and, concurrently, POST `/init_weights_update_group` to every engine
-     in rotation (rank_offset = 1 + the TP ranks before it; world = 1 + all TP ranks).
-  2. Pause generation (`/pause_generation`, configured mode) unless mode "none". An engine that
-     takes a whole version per request (below) in mode "abort" is not paused: it keeps
-     generating on the old weights while the version arrives in memory of its own, and its
-     request carries `abort_all_requests`, so it ends the requests still running (partial
-     output, for the router to continue) at the moment it applies the version. That saves two
-     HTTP round trips per version and the pause's idle time.
-  3. Transfer, with one command to the trainer for the whole version:
-     - an engine that advertises `weight_update_bucket_sizes` (Tandem's engine) gets ONE POST
-       `/update_weights_from_distributed` with every name, dtype and shape of the version, the
-       load format (`--nccl-load-format`), `bucket_sizes` (flattened_bucket), flush_cache and
-       weight_version; it receives every bucket, then applies the version once. If it also
-       advertises `weight_update_layout_id`, the request carries the offer's `layout_id` (a
-       hash of names, dtypes, shapes and buckets); once the engine took a layout, later
-       versions of it send only the id. An engine that answers 409 (it restarted and lost
-       the id) gets the full request at once: the trainer's broadcast waits for it;
-     - any other engine (SGLang) gets a chain of POSTs, one per bucket, each sent when the
-       previous one answered (each applied on arrival), flush_cache on the last;
-     - right after the first POSTs are sent, `broadcast` (bucket -1 = all) tells the trainer
-       to send every bucket back to back; the engines' requests join those collectives in
-       order as they arrive.
-     Then wait for the trainer's single ack and for every engine's POST (or chain) to answer.
-  4. `/continue_generation` to the engines paused in 2, then `done` to the trainer; engines
-     are on the version.
-A failure or timeout anywhere is the failing engine's outcome (the broker takes it out of
-rotation); the version is tried once more without it, else `abort` goes to the
-trainer (the other engines keep serving the version they had or, where a chain or a whole
-version completed, the new one) and forces a fresh group for the next version. No step waits
-longer than `sync_timeout_s`; the transfer of a whole version is one step.
+The trainer offers each version on the control socket (ZMQ ROUTER at the intake endpoint); an
+offer that fails its HMAC check is answered `abort`. For one version, in this order:
+  1. If the set of engines changed or the last attempt failed, form a new weight group: read
+     every engine's `/get_server_info` (TP size, whether it takes `bucket_sizes` and
+     `layout_id`), answer `init` and POST `/init_weights_update_group` to every engine
+     (rank_offset = 1 + the TP ranks before it; world = 1 + all TP ranks).
+  2. `/pause_generation` (`--pause-mode`, unless "none"), except for an engine that takes a
+     whole version per request in mode "abort": it keeps generating on the old weights while
+     the version arrives, and its request carries `abort_all_requests`.
+  3. `broadcast` to the trainer and, to each engine, either ONE `/update_weights_from_distributed`
+     with the whole version (Tandem's engine: `bucket_sizes`; once it took a layout, only its
+     `layout_id`, and in full again if it answers 409) or one POST per bucket, each sent when
+     the previous one answered (SGLang). Then the trainer's ack and every engine's answer.
+  4. `/continue_generation` to the engines paused in 2, then `done` to the trainer.
+A failure or timeout is the failing engine's outcome (the broker takes it out of rotation); the
+version is tried once more without it, else the trainer gets `abort` and the next version a
+fresh group. No step waits longer than `sync_timeout_s`; the transfer of a whole version is one.
 """
 
 from __future__ import annotations
@@ -53,14 +36,7 @@ import aiohttp
 import zmq
 import zmq.asyncio
 
-from proto import (
-    NcclAck,
-    NcclCommand,
-    NcclOffer,
-    TensorMeta,
-    decode,
-    encode,
-)
+from proto import NcclAck, NcclCommand, NcclOffer, TensorMeta, decode, encode
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.transports import Outcome
 from services.weight_sync.safetensors_file import tensors_nbytes
@@ -101,7 +77,6 @@ class NcclTransport:
         self._generation = itertools.count()
         self._offer: tuple[bytes, NcclOffer] | None = None  # the trainer's, not yet answered
         self._failed: dict[str, str] = {}  # engine URL -> why it failed this version
-        self._tp_size: dict[str, int] = {}
         self._whole_version: dict[str, bool] = {}  # engine URL -> it takes bucket_sizes
         self._layout_ids: dict[str, bool] = {}  # engine URL -> it takes layout_id
         self._known_layout: dict[str, str] = {}  # engine URL -> the layout_id it last took
@@ -152,68 +127,55 @@ class NcclTransport:
         `done` or `abort` whatever happens, so it never waits past its timeout."""
         assert self._offer is not None and self._offer[1].version == version
         (identity, offer), self._offer = self._offer, None
-        self._failed = {}
-        start = time.monotonic()
+        self._failed, error, start = {}, "no engine in rotation", time.monotonic()
+        engines: list[str] = []
         try:
-            engines, error = await self._sync_version(session, identity, offer, urls)
+            for attempt in range(MAX_ATTEMPTS):
+                if not (engines := [u for u in urls if u not in self._failed]):
+                    break
+                try:
+                    await self._attempt(session, identity, offer, engines, attempt)
+                    log.info("version %d on %d engines", version, len(engines))
+                    break
+                except (RuntimeError, TimeoutError) as exc:
+                    error, engines = str(exc) or repr(exc), []
+                    log.error("version %d attempt %d failed: %s", version, attempt, error)
+                    self.members = []  # a fresh group, without engines that failed
         except Exception as exc:  # keep coordinating later versions whatever broke this one
             log.exception("version %d: unexpected error", version)
             engines, error = [], repr(exc)
-        if engines:
-            await self._command(identity, NcclCommand(action="done", version=version))
-        else:
-            await self._command(
-                identity, NcclCommand(action="abort", version=version, message=error)
-            )
+        done = NcclCommand(action="done", version=version)
+        abort = NcclCommand(action="abort", version=version, message=error)
+        await self._command(identity, done if engines else abort)
         elapsed_s, nbytes = time.monotonic() - start, self._nbytes(offer)
         # An engine that answered an error when another hung keeps its version, unblamed.
         outcomes = {url: Outcome(error) for url, error in self._failed.items()}
         return outcomes | {url: Outcome("", elapsed_s, nbytes) for url in engines}
 
-    async def _sync_version(
-        self, session: aiohttp.ClientSession, identity: bytes, offer: NcclOffer, urls: list[str]
-    ) -> tuple[list[str], str]:
-        """(the engines now on the version, else [] and why)."""
-        error = ""
-        for attempt in range(MAX_ATTEMPTS):
-            engines = [u for u in urls if u not in self._failed]
-            if not engines:
-                return [], error or "no engine in rotation"
-            try:
-                await self._attempt(session, identity, offer, engines, attempt)
-            except (RuntimeError, TimeoutError) as exc:
-                error = str(exc) or repr(exc)
-                log.error("version %d attempt %d failed: %s", offer.version, attempt, error)
-                self.members = []  # a fresh group, without engines that failed
-                continue
-            log.info("version %d on %d engines", offer.version, len(engines))
-            return engines, ""
-        return [], error
-
     async def _attempt(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
-        paused = False
-        paused_engines: list[str] = []
+        paused: list[str] = []
         marks = [time.monotonic()]
         try:
             if engines != self.members:
                 await self._form_group(session, identity, offer, engines, attempt)
             marks.append(time.monotonic())
-            paused_engines = [e for e in engines if not self._applies_with_abort(e)]
-            await self._each(session, paused_engines, self._pause)
-            paused = True
+            if self.pause_mode != "none":
+                pause = [e for e in engines if not self._applies_with_abort(e)]
+                body = {"mode": self.pause_mode}
+                await self._gather(
+                    [self._post(session, e, "/pause_generation", body) for e in pause], pause
+                )
+                paused = pause
             marks.append(time.monotonic())
             await self._transfer(session, identity, offer, engines, attempt)
             marks.append(time.monotonic())
-        finally:
-            if paused:  # engines that failed are out of rotation; resume the others
-                await self._each(session, paused_engines, self._continue, ignore_errors=True)
+        finally:  # engines that failed are out of rotation; resume the others
+            resume = [self._post(session, e, "/continue_generation", {}) for e in paused]
+            await asyncio.gather(*resume, return_exceptions=True)
         marks.append(time.monotonic())
         steps = zip(("group", "pause", "transfer", "continue"), marks, marks[1:], strict=False)
-        log.info(
-            "version %d phases: %s",
-            offer.version,
-            ", ".join(f"{name} {1e3 * (b - a):.1f} ms" for name, a, b in steps),
-        )
+        phases = ", ".join(f"{name} {1e3 * (b - a):.1f} ms" for name, a, b in steps)
+        log.info("version %d phases: %s", offer.version, phases)
 
     def _nbytes(self, offer: NcclOffer) -> int:
         if offer.layout_id and self._layout_bytes and self._layout_bytes[0] == offer.layout_id:
@@ -227,12 +189,13 @@ class NcclTransport:
     async def _form_group(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
         # Read at every new group: a restarted engine may be another build or configuration.
         infos = [self._get(session, f"{e}/get_server_info") for e in engines]
+        tp_sizes = []
         for engine, info in zip(engines, await self._gather(infos, engines), strict=True):
-            self._tp_size[engine] = int(info.get("tp_size", 1))
+            tp_sizes.append(int(info.get("tp_size", 1)))
             self._whole_version[engine] = info.get("weight_update_bucket_sizes") is True
             self._layout_ids[engine] = info.get("weight_update_layout_id") is True
             self._known_layout.pop(engine, None)
-        world = 1 + sum(self._tp_size[e] for e in engines)
+        world = 1 + sum(tp_sizes)
         self.group_name = f"tandem_weights_{next(self._generation)}"
         await self._command(
             identity,
@@ -245,7 +208,7 @@ class NcclTransport:
                 timeout_s=self.timeout_s / 2,
             ),
         )
-        offsets = itertools.accumulate([1] + [self._tp_size[e] for e in engines])
+        offsets = itertools.accumulate([1, *tp_sizes])
         calls = [
             self._post(
                 session, engine, "/init_weights_update_group", self._init_body(offer, offset, world)
@@ -257,7 +220,14 @@ class NcclTransport:
 
     async def _transfer(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
         buckets = [b for b in offer.buckets if b] or [[]]
-        whole = functools.cache(lambda: self._whole_version_body(offer, buckets))  # <= once
+
+        @functools.cache  # built at most once per version, for the engines that take it
+        def whole() -> dict:
+            body = self._update_body(offer, [m for b in buckets for m in b], flush_cache=True)
+            if self.load_format == "flattened_bucket":
+                body["bucket_sizes"] = [len(b) for b in buckets if b]
+            return body
+
         calls = [
             self._post_version(session, e, offer, whole)
             if self._whole_version.get(e)
@@ -271,13 +241,11 @@ class NcclTransport:
                 action="broadcast",
                 version=offer.version,
                 attempt=attempt,
-                bucket=-1,
                 load_format=self.load_format,
             ),
         )
-        ack_error = ""
         try:
-            ack = await self._ack(offer.version, attempt, -1)
+            ack = await self._ack(offer.version, attempt)
             ack_error = "" if ack.ok else f"trainer failed to broadcast: {ack.error}"
         except TimeoutError:
             ack_error = f"no ack from the trainer within {self.timeout_s:.0f}s"
@@ -315,12 +283,6 @@ class NcclTransport:
         """Whether this engine's version update replaces the pause (see step 2 above)."""
         return self.pause_mode == "abort" and bool(self._whole_version.get(engine))
 
-    def _whole_version_body(self, offer: NcclOffer, buckets: list[list[TensorMeta]]) -> dict:
-        body = self._update_body(offer, [m for b in buckets for m in b], flush_cache=True)
-        if self.load_format == "flattened_bucket":
-            body["bucket_sizes"] = [len(b) for b in buckets if b]
-        return body
-
     async def _post_version(self, session, engine, offer: NcclOffer, whole) -> None:  # type: ignore[no-untyped-def]
         """The whole version in one request (engines that take `bucket_sizes`); `whole()`
         makes its body. An engine that took this layout before gets its `layout_id` instead
@@ -333,8 +295,7 @@ class NcclTransport:
             return
         if self._known_layout.get(engine) == layout_id:
             short = self._update_body(offer, [], flush_cache=True)
-            for listed in ("names", "dtypes", "shapes"):
-                del short[listed]
+            short = {k: v for k, v in short.items() if k not in ("names", "dtypes", "shapes")}
             try:
                 await self._post(session, engine, path, {**short, **extra, "layout_id": layout_id})
                 return
@@ -362,7 +323,7 @@ class NcclTransport:
                 f"{len(buckets)} bucket requests took longer than {self.timeout_s:.0f}s"
             ) from exc
 
-    async def _ack(self, version: int, attempt: int, bucket: int) -> NcclAck:
+    async def _ack(self, version: int, attempt: int) -> NcclAck:
         """The trainer's ack of this broadcast; late acks of abandoned attempts are skipped."""
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -374,26 +335,11 @@ class NcclTransport:
                 self.counters["frames_rejected"] += 1
                 log.error("expected an ack from the trainer, got another message; ignored")
                 continue
-            if (ack.version, ack.attempt, ack.bucket) == (version, attempt, bucket):
+            if (ack.version, ack.attempt, ack.bucket) == (version, attempt, -1):
                 return ack
             log.warning("skipped a stale ack (%d/%d/%d)", ack.version, ack.attempt, ack.bucket)
 
-    async def _pause(self, session, engine) -> None:  # type: ignore[no-untyped-def]
-        if self.pause_mode != "none":
-            await self._post(session, engine, "/pause_generation", {"mode": self.pause_mode})
-
-    async def _continue(self, session, engine) -> None:  # type: ignore[no-untyped-def]
-        if self.pause_mode != "none":
-            await self._post(session, engine, "/continue_generation", {})
-
     # --- plumbing -------------------------------------------------------------------------------
-
-    async def _each(self, session, engines, step, ignore_errors: bool = False) -> None:  # type: ignore[no-untyped-def]
-        calls = [step(session, e) for e in engines]
-        if ignore_errors:
-            await asyncio.gather(*calls, return_exceptions=True)
-        else:
-            await self._gather(calls, engines)
 
     async def _gather(self, calls, engines: list[str]) -> list:  # type: ignore[no-untyped-def]
         """Run one call per engine; engines whose call failed are taken out of rotation and
@@ -412,17 +358,15 @@ class NcclTransport:
             raise RuntimeError("; ".join(f"{e}: {r!r}" for e, r in failed))
         return results
 
-    async def _post(self, session, engine: str, path: str, body: dict) -> dict:  # type: ignore[no-untyped-def]
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        async with session.post(f"{engine}{path}", json=body, timeout=timeout) as resp:
+    # The session's timeout (the broker's) is `sync_timeout_s`: no request waits longer.
+    async def _post(self, session, engine: str, path: str, body: dict) -> None:  # type: ignore[no-untyped-def]
+        async with session.post(f"{engine}{path}", json=body) as resp:
             reply = await resp.json(content_type=None)
             if resp.status != 200 or (isinstance(reply, dict) and reply.get("success") is False):
                 raise EngineAnswerError(f"{path} answered HTTP {resp.status}: {reply}", resp.status)
-            return reply if isinstance(reply, dict) else {}
 
     async def _get(self, session, url: str) -> dict:  # type: ignore[no-untyped-def]
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        async with session.get(url, timeout=timeout) as resp:
+        async with session.get(url) as resp:
             resp.raise_for_status()
             return await resp.json(content_type=None)
 

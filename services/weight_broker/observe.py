@@ -1,5 +1,5 @@
-"""The broker's weight syncs as an operator sees them: a histogram of sync seconds, counts of
-syncs and bytes for `/metrics`, and one timeline span per engine sync.
+"""The broker as an operator sees it: `/metrics` (a histogram of sync seconds, counts of syncs
+and bytes, the broker's counters and each engine's state) and one timeline span per engine sync.
 
 `SyncObserver.run()` (an asyncio task of the HTTP app) reads what the broker records when an
 engine finishes a sync (`EngineState.last_sync_at`, `last_sync_s`, `last_bytes_per_s`) every
@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common.metrics import Metrics
+from services.common.metrics import Gauge, Metrics, gauge, labels
 from services.sample_buffer.timeline import Timeline
 from services.weight_broker.broker import WeightBroker
+
+ENGINE_GAUGES = {  # metric -> (EngineState attribute, help)
+    "engine_version": ("version", "Weight version the engine serves (-1: unknown)."),
+    "engine_in_rotation": ("in_rotation", "1 while the engine is in rotation."),
+    "engine_last_sync_seconds": ("last_sync_s", "Seconds the engine's last sync took."),
+    "engine_last_sync_bytes_per_second": ("last_bytes_per_s", "Bytes/s of the engine's last sync."),
+    "engine_sync_failures": ("failures", "Syncs of the engine that failed."),
+}
 
 
 class SyncObserver:
@@ -37,15 +45,28 @@ class SyncObserver:
             self.metrics.inc("synced_bytes", engine.last_bytes_per_s * seconds)
             self.sync_seconds.observe(seconds)
             if self.timeline is not None:
-                gbps = engine.last_bytes_per_s / 1e9
                 self.timeline.add(
                     f"sync v{engine.version}",
                     done_at - seconds,
                     done_at,
                     engine.url,
                     version=engine.version,
-                    gb_per_s=round(gbps, 3),
+                    gb_per_s=round(engine.last_bytes_per_s / 1e9, 3),
                 )
+
+    def render(self) -> str:
+        """The `/metrics` text, engines and counters read now."""
+        self.poll()
+        totals: list[Gauge] = [
+            (name, name.replace("_", " ").capitalize() + ".", {(): float(value)})
+            for name, value in self.broker.counters.items()
+        ]
+        gauges = [gauge("version", "Newest weight version the broker holds.", self.broker.latest)]
+        for metric, (attr, help_text) in ENGINE_GAUGES.items():
+            engines = self.broker.engines.values()
+            series = {labels(engine=e.url): float(getattr(e, attr)) for e in engines}
+            gauges.append((metric, help_text, series))
+        return self.metrics.render(gauges, totals)
 
     async def run(self) -> None:
         while True:

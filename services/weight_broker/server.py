@@ -1,4 +1,4 @@
-"""HTTP face of the weight broker: state, Prometheus metrics, engine registration."""
+"""HTTP face of the weight broker: health, state, Prometheus metrics, engine registration."""
 
 from __future__ import annotations
 
@@ -33,14 +33,13 @@ def create_app(config: BrokerConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(broker.run())
-        watch = asyncio.create_task(syncs.run())
+        tasks = [asyncio.create_task(broker.run()), asyncio.create_task(syncs.run())]
         yield
-        for t in (task, watch):
-            t.cancel()
+        for task in tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await t
-        broker.stop()
+                await task
+        broker.transport.stop()
         syncs.close()
 
     app = FastAPI(title="Tandem weight broker", lifespan=lifespan)
@@ -71,33 +70,6 @@ def create_app(config: BrokerConfig) -> FastAPI:
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
-        return Response(prometheus_text(broker, syncs), media_type=CONTENT_TYPE)
+        return Response(syncs.render(), media_type=CONTENT_TYPE)
 
     return app
-
-
-def prometheus_text(broker: WeightBroker, syncs: SyncObserver) -> str:
-    lines = [
-        "# TYPE tandem_broker_version gauge",
-        f"tandem_broker_version {broker.latest}",
-    ]
-    for name, value in broker.counters.items():
-        lines += [
-            f"# TYPE tandem_broker_{name}_total counter",
-            f"tandem_broker_{name}_total {value}",
-        ]
-    gauges = {
-        "engine_version": "version",
-        "engine_in_rotation": "in_rotation",
-        "engine_last_sync_seconds": "last_sync_s",
-        "engine_last_sync_bytes_per_second": "last_bytes_per_s",
-        "engine_sync_failures": "failures",
-    }
-    for metric, attr in gauges.items():
-        lines.append(f"# TYPE tandem_broker_{metric} gauge")
-        for engine in broker.engines.values():
-            lines.append(
-                f'tandem_broker_{metric}{{engine="{engine.url}"}} {float(getattr(engine, attr))}'
-            )
-    syncs.poll()
-    return "\n".join(lines) + "\n" + syncs.metrics.render()

@@ -1,8 +1,8 @@
 """VersionStore: assembles buckets into complete versions and keeps the newest few.
 
-Thread-safe: the intake thread adds buckets, the serve thread reads versions, the sync loop
-waits for new ones. Memory is bounded by `keep_versions` complete versions plus at most one
-version being assembled per sender (a newer version evicts older incomplete ones).
+Thread-safe: the intake thread adds buckets, the serve thread and the sync loop read versions.
+Memory is bounded by `keep_versions` complete versions plus at most one version being
+assembled per sender (a newer version evicts older incomplete ones).
 """
 
 from __future__ import annotations
@@ -22,10 +22,6 @@ class Version:
     buckets: dict[int, list[Frame]] = field(default_factory=dict)
     nbytes: int = 0
 
-    @property
-    def complete(self) -> bool:
-        return len(self.buckets) == self.num_buckets
-
     def messages(self) -> list[list[Frame]]:
         return [self.buckets[i] for i in range(self.num_buckets)]
 
@@ -35,7 +31,7 @@ class VersionStore:
         self.keep_versions = max(1, keep_versions)
         self._partial: dict[int, Version] = {}
         self._complete: dict[int, Version] = {}
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self.latest = -1
 
     def add_bucket(self, header: WeightBucketHeader, message: list[Frame]) -> Version | None:
@@ -45,7 +41,7 @@ class VersionStore:
                 f"version {header.version}: bucket index {header.bucket_index} is outside "
                 f"0..{header.num_buckets - 1}"
             )
-        with self._cond:
+        with self._lock:
             if header.version <= self.latest:
                 raise ValueError(
                     f"weight version {header.version} arrived after version {self.latest}: "
@@ -65,31 +61,23 @@ class VersionStore:
                 if header.shm_path
                 else sum(frame_view(f).nbytes for f in message[1:])
             )
-            if not entry.complete:
+            if len(entry.buckets) < entry.num_buckets:
                 return None
-            del self._partial[header.version]
-            for older in [v for v in self._partial if v < header.version]:
-                del self._partial[older]  # superseded before it was complete
+            # This version and older incomplete ones (superseded) leave the partial set.
+            self._partial = {v: e for v, e in self._partial.items() if v > header.version}
             self._complete[header.version] = entry
             for old in sorted(self._complete)[: -self.keep_versions]:
                 del self._complete[old]
             self.latest = header.version
-            self._cond.notify_all()
             return entry
 
     def discard(self, version: int) -> None:
         """Forget a complete version (refused): `latest` falls back to the newest one left."""
-        with self._cond:
+        with self._lock:
             self._complete.pop(version, None)
             if self.latest == version:
                 self.latest = max(self._complete, default=-1)
 
     def get(self, version: int) -> Version | None:
-        with self._cond:
+        with self._lock:
             return self._complete.get(version)
-
-    def wait_newer(self, than: int, timeout_s: float) -> int:
-        """Block until a version newer than `than` is complete (or timeout); return latest."""
-        with self._cond:
-            self._cond.wait_for(lambda: self.latest > than, timeout=timeout_s)
-            return self.latest

@@ -1,25 +1,19 @@
-"""The broker's one transport seam: `WeightTransport`, and the bucket transports (ZMQ, disk).
+"""The broker's one transport seam, `WeightTransport`, and the bucket transports (ZMQ, disk).
 
-A transport answers two questions for the broker's loop (broker.py), and calls nothing back:
+A transport answers the broker's loop (broker.py) and calls nothing back:
 - `next_version(wake)`: the version to bring engines to now. Bucket transports return the
   newest complete version they hold (at once when `wake` is set or a version completes, else
   after `POLL_S`); NCCL waits for the trainer's next offer (nccl_transport.py).
-- `sync(session, urls, version)`: bring these engines to `version`; one `Outcome` per URL.
-  Or `refuse(version, why)`: the broker will deliver it to no engine (the trainer never
-  published it); the transport forgets it.
-It also states `retry_backoff_s` (when an engine that failed is tried again: bucket transports
-can serve any engine at any time; an NCCL version needs the trainer, so a failed engine waits
-to be registered again) and `forget(url)`: an engine restarted or left, so whatever the
-transport knows of it is stale.
+- `sync(session, urls, version)`: one `Outcome` per engine; `refuse(version, why)`: deliver it
+  to no engine (the trainer never published it); `forget(url)`: an engine restarted or left.
+- `retry_backoff_s`: when an engine that failed is tried again (an NCCL version needs the
+  trainer, so there a failed engine waits until it is registered again).
 
 Bucket transports take the trainer's buckets on a ZMQ PULL socket (intake thread, HMAC-checked,
-into `VersionStore`) and hand a version to each engine:
-- `ZmqTransport`: the engine fetches the buckets from our ROUTER socket (serve thread;
-  `POST /update_weights_from_zmq`, Tandem's reference engine).
-- `DiskTransport`: the version is written once as a Hugging Face directory (`model.safetensors`
-  plus the non-weight files of `--model-dir`) under `--disk-dir`, then each engine reloads it
-  (`POST /update_weights_from_disk`, which real SGLang servers implement). The directory must be
-  visible to the engines (same host or a shared volume).
+into `VersionStore`). `ZmqTransport`: engines fetch them from our ROUTER socket (serve thread;
+`POST /update_weights_from_zmq`, Tandem's engine). `DiskTransport`: each version is written once
+as a Hugging Face directory under `--disk-dir` (visible to the engines), which each engine
+reloads (`POST /update_weights_from_disk`, as SGLang servers do).
 """
 
 from __future__ import annotations
@@ -107,7 +101,6 @@ class ZmqTransport:
 
     def __init__(self, keep_versions: int = 2) -> None:
         self.store = VersionStore(keep_versions)
-        self.counters: dict[str, int] = {}
         self.threads: list[threading.Thread] = []
         self.intake_endpoint = self.serve_endpoint = ""
         self._stop = threading.Event()
@@ -244,7 +237,6 @@ class DiskTransport(ZmqTransport):
         super().__init__(keep_versions)
         self.root = Path(disk_dir)
         self.model_dir = Path(model_dir)
-        self.keep_versions = keep_versions
 
     def version_dir(self, version: int) -> Path:
         return self.root / f"v{version}"
@@ -263,7 +255,7 @@ class DiskTransport(ZmqTransport):
         tmp.rename(target)  # engines only ever see complete directories
         for old in self.root.glob("v*"):
             number = old.name[1:]
-            if number.isdigit() and int(number) <= version.version - self.keep_versions:
+            if number.isdigit() and int(number) <= version.version - self.store.keep_versions:
                 shutil.rmtree(old, ignore_errors=True)
 
     async def update(self, session: aiohttp.ClientSession, url: str, version: int) -> None:
