@@ -16,6 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from services.sample_buffer import BufferConfig, SampleBuffer
+from tandem.run_redis import REDIS_FILE
+from tests.helpers import wait_until
+
 pytestmark = pytest.mark.e2e
 
 
@@ -154,24 +158,37 @@ def test_a_tensor_parallel_trainer_under_torchrun_syncs_engines_by_broadcast(
     tmp_path: Path,
 ) -> None:
     """The four-GPU topology in miniature: TP=2 trainer (torchrun, gloo), two engines, the
-    broker's NCCL transport (gloo on CPU) broadcasting from trainer rank 0."""
+    broker's NCCL transport (gloo on CPU) broadcasting from trainer rank 0. Mid-run the
+    trainer is asked to send its version again (as a restarted broker asks): every rank joins
+    the collective export and the run goes on."""
     run_dir = tmp_path / "run"
-    result = run_up(
-        run_dir,
-        "--max-steps",
-        "6",
-        "--stop-accuracy",
-        "0",
-        "--weight-transport",
-        "nccl",
-        "--trainer-procs",
-        "2",
-        "--trainer-args",
-        "--tensor-model-parallel-size 2",
-        "--max-staleness",
-        "0",
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    flags = ["--max-steps", "6", "--stop-accuracy", "0", "--weight-transport", "nccl"]
+    flags += ["--trainer-procs", "2", "--trainer-args", "--tensor-model-parallel-size 2"]
+    command = [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir), *flags]
+    console = tmp_path / "console.txt"
+    with console.open("w") as out:
+        proc = subprocess.Popen([*command, "--max-staleness", "0"], stdout=out, stderr=out)
+    trainer_log, asked = run_dir / "logs" / "trainer.log", "again: re-sending"
+    try:
+        wait_until(lambda: (run_dir / REDIS_FILE).exists() or proc.poll() is not None, "Redis")
+        assert proc.poll() is None, console.read_text()
+        where = json.loads((run_dir / REDIS_FILE).read_text())
+        buffer = SampleBuffer(BufferConfig(redis_url=where["url"], run_id=where["run_id"]))
+
+        def resent() -> bool:  # ask for whatever version the trainer is at, until it re-sends
+            if (version := buffer.get_version("trainer")) >= 2:
+                buffer.set_version("resend", version)
+            done = proc.poll() is not None
+            return done or (
+                trainer_log.exists() and asked in trainer_log.read_text(errors="replace")
+            )
+
+        wait_until(resent, "the trainer to re-send its version", 240)
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, console.read_text()[-3000:] + trainer_log.read_text()[-3000:]
+    assert asked in trainer_log.read_text()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["engine_weight_versions"] == ["6", "6"]
     assert summary["logprob_abs_diff_max_step0"] < 1e-3

@@ -53,6 +53,8 @@ from services.trainer.status import StatusReporter
 from services.weight_sync import make_sender
 from services.weight_sync.wire import WeightSyncError
 
+RESEND = "resend"  # broadcast by rank 0 instead of a rollout: every rank re-sends the version
+
 log = logging.getLogger("tandem.trainer")
 
 
@@ -236,9 +238,12 @@ class Trainer:
         if self.intake is not None:
             rollout = self.intake.read_rollout(self.version, self._between_reads)
         if dist.get_world_size() > 1:
-            box = [rollout]
+            box: list[Rollout | str | None] = [rollout]
             dist.broadcast_object_list(box, src=0)
-            rollout = box[0]
+            while box[0] == RESEND:  # rank 0 re-sends the version while it waits: join it
+                self.publish_weights(increment=False)
+                dist.broadcast_object_list(box, src=0)
+            rollout = box[0] if isinstance(box[0], Rollout) else None
         return rollout
 
     def prepare_samples(self, rollout: Rollout) -> list[TrainSample]:
@@ -380,12 +385,15 @@ class Trainer:
     def _between_reads(self) -> bool:
         """Each time a wait for samples wakes: send the current version again when the broker
         asks (`version:resend`: it restarted after taking a version it never delivered);
-        True to stop waiting. At one process only: the export is collective at TP/DP > 1."""
+        True to stop waiting. The export is collective: at TP/DP > 1 rank 0 first tells the
+        other ranks, which wait in `pull_rollout`'s broadcast."""
         assert self.buffer is not None
         asked = self.buffer.get_version("resend")
-        if asked == self.version > self.resent and dist.get_world_size() == 1:
+        if asked == self.version > self.resent:
             self.resent = self.version
             print(f"[trainer] the broker asks for version {asked} again: re-sending", flush=True)
+            if dist.get_world_size() > 1:
+                dist.broadcast_object_list([RESEND], src=0)
             self.publish_weights(increment=False)
         return self.stop_requested
 

@@ -242,8 +242,7 @@ class WeightBroker:
                 f"weight version {announced}, which the trainer announced but this broker has "
                 f"not received (it started after the trainer sent it?); engines stay on "
                 f"{latest if latest >= 0 else 'their load weights'}. The trainer is asked to "
-                "send it again (it does while it waits for samples, at one process; at TP or "
-                "DP > 1 restart the trainer from its checkpoint: it sends its resumed version)"
+                "send it again (it does while it waits for samples)"
             )
             state = "waiting"
             self._ask_resend(announced)

@@ -127,7 +127,8 @@ class NcclTransport:
         `done` or `abort` whatever happens, so it never waits past its timeout."""
         assert self._offer is not None and self._offer[1].version == version
         (identity, offer), self._offer = self._offer, None
-        self._failed, error, start = {}, "no engine in rotation", time.monotonic()
+        self._failed, start = {}, time.monotonic()
+        error = "no engine to bring to it (all serve it already, or none is in rotation)"
         engines: list[str] = []
         try:
             for attempt in range(MAX_ATTEMPTS):
@@ -146,6 +147,8 @@ class NcclTransport:
             engines, error = [], repr(exc)
         done = NcclCommand(action="done", version=version)
         abort = NcclCommand(action="abort", version=version, message=error)
+        if not engines:  # the trainer leaves its group on `abort`: the next version forms one
+            self.members = []
         await self._command(identity, done if engines else abort)
         elapsed_s, nbytes = time.monotonic() - start, self._nbytes(offer)
         # An engine that answered an error when another hung keeps its version, unblamed.
