@@ -81,7 +81,7 @@ async def test_what_the_router_writes_the_trainer_reads_and_the_ledger_counts(
     aio: AsyncSampleBuffer, buffer: SampleBuffer
 ) -> None:
     assert [await aio.start_group() for _ in range(3)] == [0, 1, 2]
-    ids = await aio.put_groups([group("p0"), group("p1")])  # one transaction, a PUT each
+    ids = await aio.put_groups([group("p0"), group("p1")])  # one PUT for both
     ids.append(await aio.put_group(group("s0")))  # an agent session's group: never started
     got = buffer.read_groups("trainer-0", 10, block_ms=None)
     assert [entry_id for entry_id, _ in got] == ids
@@ -145,12 +145,25 @@ async def test_producers_wait_at_the_depth_bound_and_go_on_when_the_trainer_cons
     assert [await produce(n) for n in ("e", "f")] and await aio.backlog() == 3
 
 
-async def test_puts_from_many_tasks_share_transactions(
+async def test_one_put_of_started_and_unstarted_groups_counts_each_group_once(
     aio: AsyncSampleBuffer, buffer: SampleBuffer
 ) -> None:
-    def execs() -> int:
-        stats = buffer.redis.info("commandstats").get("cmdstat_exec", {})
-        return int(stats.get("calls", 0))
+    assert await aio.start_group() == 0
+    ids = await aio.put_groups([group("s0"), group("p0"), group("s0")])  # s0: never started
+    assert len(set(ids)) == 3 and ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
+    ledger = await aio.ledger()
+    assert (ledger.put, ledger.generated, ledger.in_flight) == (3, 3, 0), ledger.sentence()
+    assert ledger.balanced and await aio.backlog() == 3
+
+
+async def test_puts_from_many_tasks_share_script_calls(
+    aio: AsyncSampleBuffer, buffer: SampleBuffer
+) -> None:
+    def puts() -> int:  # PUT script calls (EVALSHA; EVAL when the script was not loaded yet)
+        stats = buffer.redis.info("commandstats")
+        return sum(
+            int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval")
+        )
 
     bound = BufferBound(aio, max_depth=0)
 
@@ -158,10 +171,10 @@ async def test_puts_from_many_tasks_share_transactions(
         async with bound.slot(None) as put:
             return await put(group(f"g{k}"))
 
-    before = execs()
+    before = puts()
     ids = await asyncio.gather(*(produce(k) for k in range(200)))
     assert len(set(ids)) == 200 and buffer.counters()["groups_put"] == 200
-    assert execs() - before < 100, "concurrent puts are written as group commits"
+    assert puts() - before < 100, "concurrent puts are written as group commits"
     got = buffer.read_groups("trainer-0", 300, block_ms=None)
     assert sorted(g.group_id for _, g in got) == sorted(f"g{k}" for k in range(200))
 

@@ -10,8 +10,9 @@ are handed out in arrival order and the bound is exact for this router (one rout
 the free room is read from Redis only when the slots known free run out, and a slot is taken
 before its group is written, so a read never misses a group on its way.
 
-Writes are group commits: a group put while another write is under way joins the next
-transaction, so puts from many tasks cost one round trip per batch, not per group.
+Writes are group commits: a group put while another write is under way joins the next batch,
+one ledger PUT script call, so puts from many tasks cost one round trip per batch, not per
+group.
 
 Consistency with the demand gate (progress.py): the gate lets rollouts run up to
 `staleness_reach()` groups ahead of the trainer; the depth bound must leave room for the
@@ -31,7 +32,11 @@ from services.rollout_router.config import RolloutConfig
 from services.sample_buffer import AsyncSampleBuffer
 
 UNBOUNDED = 1 << 62
-PUT_POLL_S = 0.01  # how often a producer waiting for room reads the counters (one HGETALL)
+# How often a producer waiting for room reads the counters (one HGETALL): soon after a read that
+# found room (the trainer is consuming: room comes in a few ms), then twice as long after each
+# read that found none, up to the longest (the trainer is training: room comes in seconds).
+PUT_POLL_S = 0.001
+PUT_POLL_MAX_S = 0.01
 
 
 class BufferFullError(RuntimeError):
@@ -111,17 +116,23 @@ class BufferBound:
                 self._unwritten -= 1
 
     async def _take(self, timeout_s: float | None, on_full: Callable[[str], None] | None) -> None:
+        if self._room > 0 and not self.waiting:  # room known and nobody before this producer
+            self._room -= 1
+            self._unwritten += 1
+            return
         self.waiting += 1
         try:
             async with asyncio.timeout(timeout_s):
                 async with self._turn:
+                    poll_s = PUT_POLL_S
                     while self._room <= 0:
                         self._room = await self._free()
                         if self._room <= 0:
                             depth = self.max_depth - self._room
                             if on_full is not None:
                                 on_full(self.sentence(depth))
-                            await asyncio.sleep(PUT_POLL_S)
+                            await asyncio.sleep(poll_s)
+                            poll_s = min(poll_s * 2, PUT_POLL_MAX_S)
                     self._room -= 1
                     self._unwritten += 1
         except TimeoutError:
@@ -146,7 +157,7 @@ class BufferBound:
         return future
 
     async def _write_queued(self) -> None:
-        """Write what is queued, one transaction per round, until the queue is empty."""
+        """Write what is queued, one PUT per round, until the queue is empty."""
         while self._queue:
             batch, self._queue = self._queue, []
             try:
