@@ -14,7 +14,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from proto import DropReason, DropRecord, Sample, SampleGroup
+from proto import DropReason, DropRecord, Sample, SampleGroup, decode
 from proto.contract import RunContract, ServiceStatus
 from services.rollout_router.backpressure import BufferBound, BufferFullError, depth_note
 from services.rollout_router.config import RolloutConfig, SessionConfig
@@ -156,27 +156,54 @@ async def test_one_put_of_started_and_unstarted_groups_counts_each_group_once(
     assert ledger.balanced and await aio.backlog() == 3
 
 
+def script_calls(buffer: SampleBuffer) -> int:
+    """Script calls the server ran (EVALSHA; EVAL when a script was not loaded yet)."""
+    stats = buffer.redis.info("commandstats")
+    return sum(
+        int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval")
+    )
+
+
 async def test_puts_from_many_tasks_share_script_calls(
     aio: AsyncSampleBuffer, buffer: SampleBuffer
 ) -> None:
-    def puts() -> int:  # PUT script calls (EVALSHA; EVAL when the script was not loaded yet)
-        stats = buffer.redis.info("commandstats")
-        return sum(
-            int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval")
-        )
-
     bound = BufferBound(aio, max_depth=0)
 
     async def produce(k: int) -> str:
         async with bound.slot(None) as put:
             return await put(group(f"g{k}"))
 
-    before = puts()
+    before = script_calls(buffer)
     ids = await asyncio.gather(*(produce(k) for k in range(200)))
     assert len(set(ids)) == 200 and buffer.counters()["groups_put"] == 200
-    assert puts() - before < 100, "concurrent puts are written as group commits"
+    assert script_calls(buffer) - before < 100, "concurrent puts are written as group commits"
     got = buffer.read_groups("trainer-0", 300, block_ms=None)
     assert sorted(g.group_id for _, g in got) == sorted(f"g{k}" for k in range(200))
+
+
+async def test_producers_let_go_by_room_at_the_bound_put_in_one_batch_in_arrival_order(
+    aio: AsyncSampleBuffer, buffer: SampleBuffer
+) -> None:
+    bound = BufferBound(aio, max_depth=16)
+
+    async def produce(k: int) -> str:
+        async with bound.slot(None) as put:
+            return await put(group(f"g{k}"))
+
+    await asyncio.gather(*(produce(k) for k in range(16)))  # the bound is reached
+    waiting = [asyncio.create_task(produce(k)) for k in range(16, 48)]
+    while bound.waiting < 32:
+        await asyncio.sleep(0.01)
+    before = script_calls(buffer)
+    await asyncio.to_thread(consume, buffer, 16)  # room for 16 of the 32 in line
+    await asyncio.wait_for(asyncio.gather(*waiting[:16]), 10)
+    assert script_calls(buffer) - before == 1, "the producers let go together put in one PUT"
+    assert bound.waiting == 16 and not any(task.done() for task in waiting[16:])
+    in_stream = [decode(f[b"d"], SampleGroup) for _, f in buffer.redis.xrange(aio.samples_key)]
+    assert [g.group_id for g in in_stream] == [f"g{k}" for k in range(16, 32)]
+    await asyncio.to_thread(consume, buffer, 100)
+    await asyncio.wait_for(asyncio.gather(*waiting[16:]), 10)
+    assert await aio.backlog() == 16 and bound.waiting == 0
 
 
 async def test_a_reward_refused_for_a_full_buffer_keeps_its_session_for_the_retry(
