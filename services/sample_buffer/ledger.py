@@ -59,14 +59,17 @@ return p
 
 # KEYS: samples, counters, in_flight. ARGV: payload, group id, payload, group id, ... (a batch
 # of groups, one script call: the router's group commit). Returns the stream ids, in order.
+# Each group's counts follow its XADD at once: a call that fails midway (a script is not rolled
+# back) leaves whole groups only.
 PUT = """
-local ids, unstarted = {}, 0
+local ids = {}
 for i = 1, #ARGV, 2 do
   ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[i])
-  if redis.call('HDEL', KEYS[3], ARGV[i + 1]) == 0 then unstarted = unstarted + 1 end
+  redis.call('HINCRBY', KEYS[2], 'groups_put', 1)
+  if redis.call('HDEL', KEYS[3], ARGV[i + 1]) == 0 then
+    redis.call('HINCRBY', KEYS[2], 'groups_generated', 1)
+  end
 end
-redis.call('HINCRBY', KEYS[2], 'groups_put', #ids)
-if unstarted > 0 then redis.call('HINCRBY', KEYS[2], 'groups_generated', unstarted) end
 return ids
 """
 
