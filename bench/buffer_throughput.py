@@ -8,11 +8,12 @@ own delay, not a queue's).
 
 Produce: `--producers` asyncio tasks (groups in flight in the router) each take a slot of the
 router's `BufferBound` (depth bound `--max-depth`, as `--max-buffer-depth`) and put a group
-through it: `AsyncSampleBuffer.put_groups` group commits, each XADD with its `groups_put` count.
-Consume, in a process of its own like the trainer: `SampleBuffer.read_groups` (`--read-count`
-per read), `incr_counter("groups_consumed")`, `ack`, with the collector tuned as the trainer's
-(`tune_gc_for_reads`). Groups are realistic: `--group-bytes`
-(~4 KB) of msgpack, n samples of token ids, log-probs and masks. Latency: a group's
+through it: `AsyncSampleBuffer.put_groups` group commits, one ledger PUT script per batch (each
+group's XADD, `groups_put` and the end of its flight). Consume, in a process of its own like
+the trainer: `SampleBuffer.read_groups` (`--read-count` per read), `incr_counter(
+"groups_consumed")`, `ack`, with the collector tuned as the trainer's (`tune_gc_for_reads`).
+Groups are realistic: `--group-bytes` (~4 KB) of msgpack, n samples of token ids, log-probs
+and masks. Latency: a group's
 `created_at` is set when its put starts (after its slot: a producer's wait for room is not time
 in the buffer) and read by the consumer when it dequeues it.
 
