@@ -8,16 +8,25 @@ own delay, not a queue's).
 
 Produce: `--producers` asyncio tasks (groups in flight in the router) each take a slot of the
 router's `BufferBound` (depth bound `--max-depth`, as `--max-buffer-depth`) and put a group
-through it: `AsyncSampleBuffer.put_groups` group commits, each XADD with its `groups_put` count.
-Consume, in a process of its own like the trainer: `SampleBuffer.read_groups` (`--read-count`
-per read), `incr_counter("groups_consumed")`, `ack`. Groups are realistic: `--group-bytes`
-(~4 KB) of msgpack, n samples of token ids, log-probs and masks. Latency: a group's
+through it: `AsyncSampleBuffer.put_groups` group commits, one ledger PUT script per batch (each
+group's XADD, `groups_put` and the end of its flight). Consume, in a process of its own like
+the trainer: `SampleBuffer.read_groups` (`--read-count` per read), `incr_counter(
+"groups_consumed")`, `ack`, with the collector tuned as the trainer's (`tune_gc_for_reads`).
+Groups are realistic: `--group-bytes` (~4 KB) of msgpack, n samples of token ids, log-probs
+and masks. Latency: a group's
 `created_at` is set when its put starts (after its slot: a producer's wait for room is not time
 in the buffer) and read by the consumer when it dequeues it.
 
 The limit: `valkey-benchmark`/`redis-benchmark` XADD of the same payload size when such a
 binary sits beside the server binary or on PATH (`-P 64`); otherwise raw XADD through a
 redis-py pipeline of 64, and the output says which.
+
+The breakdown explains the figures in the same run: CPU time per group of the producer, the
+server (its INFO cpu) and the consumer in the full-speed phase, per XADD of the client and the
+server in the raw phase, and the msgpack encode and decode of one group; from them the ceiling
+of the pipeline on this machine's cores (all three processes CPU-bound, none waiting) and its
+ratio to raw XADD. The 1-minute load average is printed too: other work on the machine takes
+cores from both figures.
 
     python bench/buffer_throughput.py --seconds 10
 Last line: `buffer_consume_vs_raw_xadd: X` (consumed groups/s over raw XADD/s; target >= 0.5,
@@ -27,8 +36,11 @@ with p99 latency <= 50 ms).
 from __future__ import annotations
 
 import argparse
+import array
 import asyncio
 import multiprocessing as mp
+import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -40,7 +52,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proto import Sample, SampleGroup, encode
+from proto import Sample, SampleGroup, decode, encode
 from services.rollout_router.backpressure import BufferBound
 from services.sample_buffer import (
     AsyncSampleBuffer,
@@ -48,6 +60,7 @@ from services.sample_buffer import (
     RedisServer,
     SampleBuffer,
     find_server_binary,
+    tune_gc_for_reads,
 )
 
 RAW_PIPELINE = 64
@@ -90,33 +103,61 @@ def benchmark_binary() -> str | None:
     return None
 
 
-def raw_xadd(url: str, payload: bytes, seconds: float) -> tuple[float, str]:
-    """(XADD/s, how it was measured)."""
+def server_cpu_s(url: str) -> float:
+    """CPU seconds the server has used (user + system, its INFO cpu)."""
+    info = SampleBuffer(BufferConfig(redis_url=url)).redis.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and its waited-for children (a benchmark binary)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def codec_us(group: SampleGroup, reps: int = 2000) -> tuple[float, float]:
+    """CPU microseconds of one msgpack encode and one decode (with its checks) of `group`."""
+    payload = encode(group)
+    started = time.process_time()
+    for _ in range(reps):
+        encode(group)
+    encoded = time.process_time()
+    for _ in range(reps):
+        decode(payload, SampleGroup)
+    done = time.process_time()
+    return (encoded - started) * 1e6 / reps, (done - encoded) * 1e6 / reps
+
+
+def raw_xadd(url: str, payload: bytes, seconds: float) -> tuple[float, str, float, float]:
+    """(XADD/s, how it was measured, client and server CPU µs per XADD)."""
     config = BufferConfig(redis_url=url, run_id="raw")
     client = SampleBuffer(config).redis
     binary = benchmark_binary()
+    cpu, server = own_cpu_s(), server_cpu_s(url)
     if binary is not None:
         port = str(client.connection_pool.connection_kwargs["port"])
-        n = str(max(int(seconds * 20_000), 1000))
-        cmd = [binary, "-p", port, "-n", n, "-P", str(RAW_PIPELINE), "--csv"]
+        n = max(int(seconds * 20_000), 1000)
+        cmd = [binary, "-p", port, "-n", str(n), "-P", str(RAW_PIPELINE), "--csv"]
         cmd += ["XADD", "tandem:raw:xadd", "*", "d", payload.decode("latin-1")]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300)
         rate = float(out.stdout.strip().splitlines()[-1].split(",")[1].strip('"'))
-        client.delete("tandem:raw:xadd")
-        return rate, f"{Path(binary).name} -P {RAW_PIPELINE}"
-    done, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        pipe = client.pipeline(transaction=False)
-        for _ in range(RAW_PIPELINE):
-            pipe.xadd("tandem:raw:xadd", {"d": payload})
-        pipe.execute()
-        done += RAW_PIPELINE
-        if done % (RAW_PIPELINE * 64) == 0:
-            client.delete("tandem:raw:xadd")  # keep the server's memory flat
-    rate = done / (time.perf_counter() - started)
+        how, done = f"{Path(binary).name} -P {RAW_PIPELINE}", n
+    else:
+        done, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            pipe = client.pipeline(transaction=False)
+            for _ in range(RAW_PIPELINE):
+                pipe.xadd("tandem:raw:xadd", {"d": payload})
+            pipe.execute()
+            done += RAW_PIPELINE
+            if done % (RAW_PIPELINE * 64) == 0:
+                client.delete("tandem:raw:xadd")  # keep the server's memory flat
+        rate = done / (time.perf_counter() - started)
+        how = f"redis-py pipeline of {RAW_PIPELINE} (no valkey-benchmark/redis-benchmark binary)"
+    client_us = (own_cpu_s() - cpu) * 1e6 / done
+    server_us = (server_cpu_s(url) - server) * 1e6 / done
     client.delete("tandem:raw:xadd")
-    how = f"redis-py pipeline of {RAW_PIPELINE} (no valkey-benchmark/redis-benchmark binary)"
-    return rate, how
+    return rate, how, client_us, server_us
 
 
 def consume(url: str, run_id: str, read_count: int, target: Any, out: Any) -> None:
@@ -125,20 +166,24 @@ def consume(url: str, run_id: str, read_count: int, target: Any, out: Any) -> No
     buffer = SampleBuffer(BufferConfig(redis_url=url, run_id=run_id))
     buffer.wait_ready()
     buffer.ensure_consumer_group()
+    tune_gc_for_reads()  # as the trainer's process does before its first read
     out.put("ready")
-    latencies: list[float] = []
+    # Unboxed: ~100k float objects kept alive would scatter the decoder's allocations (the
+    # same size class) over half-full pools, a cost the trainer does not have.
+    latencies = array.array("d")
     first = last = 0.0
+    cpu = time.process_time()
     while target.value < 0 or len(latencies) < target.value:
         entries = buffer.read_groups("bench-trainer", read_count, block_ms=100)
         now = time.time()
         if not entries:
             continue
         first = first or time.perf_counter()
-        latencies += [now - group.created_at for _, group in entries]
+        latencies.extend([now - group.created_at for _, group in entries])
         buffer.incr_counter("groups_consumed", len(entries))
         buffer.ack([entry_id for entry_id, _ in entries])
         last = time.perf_counter()
-    out.put((last - first, latencies))
+    out.put((last - first, latencies.tolist(), time.process_time() - cpu))
 
 
 async def produce(
@@ -182,28 +227,52 @@ def phase(
     args: argparse.Namespace,
     seconds: float,
     rate: float | None = None,
-) -> tuple[float, float, list[float]]:
-    """(produced groups/s, consumed groups/s, latencies in s) of one producer/consumer run."""
+) -> tuple[float, float, list[float], tuple[float, float, float]]:
+    """(produced groups/s, consumed groups/s, latencies in s, CPU µs per group of the
+    producer, the server and the consumer) of one producer/consumer run."""
     context = mp.get_context("fork")  # before any event loop or client thread exists
     results, target = context.Queue(), context.Value("q", -1)
     consumer = context.Process(target=consume, args=(url, run_id, args.read_count, target, results))
     consumer.start()
     if results.get(timeout=60) != "ready":
         raise RuntimeError("the consumer process did not start")
-    started = time.perf_counter()
+    started, cpu, server = time.perf_counter(), time.process_time(), server_cpu_s(url)
     produced = asyncio.run(produce(url, run_id, group, args, seconds, rate))
-    produce_s = time.perf_counter() - started
+    produce_s, produce_cpu = time.perf_counter() - started, time.process_time() - cpu
     target.value = produced
-    consume_s, latencies = results.get(timeout=120)
+    consume_s, latencies, consume_cpu = results.get(timeout=120)
     consumer.join(timeout=10)
     if len(latencies) != produced:
         raise RuntimeError(f"produced {produced} groups, consumed {len(latencies)}")
-    return produced / produce_s, len(latencies) / max(consume_s, 1e-9), latencies
+    n = max(produced, 1) / 1e6
+    cpu_us = (produce_cpu / n, (server_cpu_s(url) - server) / n, consume_cpu / n)
+    return produced / produce_s, len(latencies) / max(consume_s, 1e-9), latencies, cpu_us
 
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
+
+
+def breakdown(
+    cpu_us: tuple[float, float, float],
+    raw_us: tuple[float, float],
+    encode_us: float,
+    decode_us: float,
+    raw_rate: float,
+) -> str:
+    """The CPU line: where a group's time goes, and the most groups/s this machine's cores
+    allow when the producer, the server and the consumer are each busy all the time."""
+    producer, server, consumer = cpu_us
+    cores = os.cpu_count() or 1
+    ceiling = min(cores / sum(cpu_us), 1 / max(cpu_us)) * 1e6
+    return (
+        f"cpu_us_per_group: producer {producer:.1f} (msgpack encode {encode_us:.1f}) + server "
+        f"{server:.1f} + consumer {consumer:.1f} (msgpack decode {decode_us:.1f}) = "
+        f"{sum(cpu_us):.1f}; raw XADD: client {raw_us[0]:.1f} + server {raw_us[1]:.1f} = "
+        f"{sum(raw_us):.1f}; ceiling on {cores} cores: {ceiling:.0f} groups/s = "
+        f"{ceiling / raw_rate:.2f}x raw XADD; load average {os.getloadavg()[0]:.1f}"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -219,10 +288,13 @@ def main(argv: list[str]) -> int:
     url = args.redis_url or server.url  # type: ignore[union-attr]
     try:
         group = make_group(args.group_bytes)
-        raw_rate, how = raw_xadd(url, encode(group), args.seconds)
-        produce_rate, consume_rate, full = phase(url, "bench-full", group, args, args.seconds)
+        raw_rate, how, raw_client_us, raw_server_us = raw_xadd(url, encode(group), args.seconds)
+        produce_rate, consume_rate, full, cpu_us = phase(
+            url, "bench-full", group, args, args.seconds
+        )
         paced = consume_rate * PACED_SHARE
-        _, _, latencies = phase(url, "bench-paced", group, args, args.seconds / 2, paced)
+        _, _, latencies, _ = phase(url, "bench-paced", group, args, args.seconds / 2, paced)
+        encode_us, decode_us = codec_us(group)
     except RuntimeError as exc:
         print(f"buffer_throughput: {exc}", file=sys.stderr)
         return 1
@@ -240,6 +312,7 @@ def main(argv: list[str]) -> int:
     )
     print(f"latency_p50_ms: {p50:.1f} (paced at {paced:.0f} groups/s)")
     print(f"latency_p99_ms: {p99:.1f}")
+    print(breakdown(cpu_us, (raw_client_us, raw_server_us), encode_us, decode_us, raw_rate))
     met = ratio >= 0.5 and p99 <= 50
     print(f"targets (consume >= 0.5x raw XADD, p99 <= 50 ms): {'met' if met else 'missed'}")
     print(f"buffer_consume_vs_raw_xadd: {ratio:.2f}")

@@ -182,6 +182,7 @@ class NcclAck(msgspec.Struct, kw_only=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
+_decoders: dict[Any, msgspec.msgpack.Decoder] = {}  # one per message type: built once, not per call
 T = TypeVar("T")
 
 
@@ -192,8 +193,11 @@ def encode(message: Any) -> bytes:
 
 def decode(data: bytes, message_type: type[T]) -> T:
     """Decode and check `schema_version`; raises `ValueError` naming the message type."""
+    decoder = _decoders.get(message_type)
+    if decoder is None:
+        decoder = _decoders[message_type] = msgspec.msgpack.Decoder(message_type)
     try:
-        message = msgspec.msgpack.decode(data, type=message_type)
+        message = decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise ValueError(f"malformed {message_type.__name__}: {exc}") from exc
     version = getattr(message, "schema_version", SCHEMA_VERSION)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from proto import DropReason, DropRecord, Sample, SampleGroup
+from proto import DropReason, DropRecord, Sample, SampleGroup, decode
 from proto.contract import RunContract, ServiceStatus
 from services.rollout_router.backpressure import BufferBound, BufferFullError, depth_note
 from services.rollout_router.config import RolloutConfig, SessionConfig
@@ -81,7 +81,7 @@ async def test_what_the_router_writes_the_trainer_reads_and_the_ledger_counts(
     aio: AsyncSampleBuffer, buffer: SampleBuffer
 ) -> None:
     assert [await aio.start_group() for _ in range(3)] == [0, 1, 2]
-    ids = await aio.put_groups([group("p0"), group("p1")])  # one transaction, a PUT each
+    ids = await aio.put_groups([group("p0"), group("p1")])  # one PUT for both
     ids.append(await aio.put_group(group("s0")))  # an agent session's group: never started
     got = buffer.read_groups("trainer-0", 10, block_ms=None)
     assert [entry_id for entry_id, _ in got] == ids
@@ -145,25 +145,65 @@ async def test_producers_wait_at_the_depth_bound_and_go_on_when_the_trainer_cons
     assert [await produce(n) for n in ("e", "f")] and await aio.backlog() == 3
 
 
-async def test_puts_from_many_tasks_share_transactions(
+async def test_one_put_of_started_and_unstarted_groups_counts_each_group_once(
     aio: AsyncSampleBuffer, buffer: SampleBuffer
 ) -> None:
-    def execs() -> int:
-        stats = buffer.redis.info("commandstats").get("cmdstat_exec", {})
-        return int(stats.get("calls", 0))
+    assert await aio.start_group() == 0
+    ids = await aio.put_groups([group("s0"), group("p0"), group("s0")])  # s0: never started
+    assert len(set(ids)) == 3 and ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
+    ledger = await aio.ledger()
+    assert (ledger.put, ledger.generated, ledger.in_flight) == (3, 3, 0), ledger.sentence()
+    assert ledger.balanced and await aio.backlog() == 3
 
+
+def script_calls(buffer: SampleBuffer) -> int:
+    """Script calls the server ran (EVALSHA; EVAL when a script was not loaded yet)."""
+    stats = buffer.redis.info("commandstats")
+    return sum(
+        int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval")
+    )
+
+
+async def test_puts_from_many_tasks_share_script_calls(
+    aio: AsyncSampleBuffer, buffer: SampleBuffer
+) -> None:
     bound = BufferBound(aio, max_depth=0)
 
     async def produce(k: int) -> str:
         async with bound.slot(None) as put:
             return await put(group(f"g{k}"))
 
-    before = execs()
+    before = script_calls(buffer)
     ids = await asyncio.gather(*(produce(k) for k in range(200)))
     assert len(set(ids)) == 200 and buffer.counters()["groups_put"] == 200
-    assert execs() - before < 100, "concurrent puts are written as group commits"
+    assert script_calls(buffer) - before < 100, "concurrent puts are written as group commits"
     got = buffer.read_groups("trainer-0", 300, block_ms=None)
     assert sorted(g.group_id for _, g in got) == sorted(f"g{k}" for k in range(200))
+
+
+async def test_producers_let_go_by_room_at_the_bound_put_in_one_batch_in_arrival_order(
+    aio: AsyncSampleBuffer, buffer: SampleBuffer
+) -> None:
+    bound = BufferBound(aio, max_depth=16)
+
+    async def produce(k: int) -> str:
+        async with bound.slot(None) as put:
+            return await put(group(f"g{k}"))
+
+    await asyncio.gather(*(produce(k) for k in range(16)))  # the bound is reached
+    waiting = [asyncio.create_task(produce(k)) for k in range(16, 48)]
+    while bound.waiting < 32:
+        await asyncio.sleep(0.01)
+    before = script_calls(buffer)
+    await asyncio.to_thread(consume, buffer, 16)  # room for 16 of the 32 in line
+    await asyncio.wait_for(asyncio.gather(*waiting[:16]), 10)
+    assert script_calls(buffer) - before == 1, "the producers let go together put in one PUT"
+    assert bound.waiting == 16 and not any(task.done() for task in waiting[16:])
+    in_stream = [decode(f[b"d"], SampleGroup) for _, f in buffer.redis.xrange(aio.samples_key)]
+    assert [g.group_id for g in in_stream] == [f"g{k}" for k in range(16, 32)]
+    await asyncio.to_thread(consume, buffer, 100)
+    await asyncio.wait_for(asyncio.gather(*waiting[16:]), 10)
+    assert await aio.backlog() == 16 and bound.waiting == 0
 
 
 async def test_a_reward_refused_for_a_full_buffer_keeps_its_session_for_the_retry(

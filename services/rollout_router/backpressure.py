@@ -10,8 +10,9 @@ are handed out in arrival order and the bound is exact for this router (one rout
 the free room is read from Redis only when the slots known free run out, and a slot is taken
 before its group is written, so a read never misses a group on its way.
 
-Writes are group commits: a group put while another write is under way joins the next
-transaction, so puts from many tasks cost one round trip per batch, not per group.
+Writes are group commits: a group put while another write is under way joins the next batch,
+one ledger PUT script call, so puts from many tasks cost one round trip per batch, not per
+group.
 
 Consistency with the demand gate (progress.py): the gate lets rollouts run up to
 `staleness_reach()` groups ahead of the trainer; the depth bound must leave room for the
@@ -23,15 +24,29 @@ stops the rollout; `depth_note` says so at start-up.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from proto import SampleGroup
 from services.rollout_router.config import RolloutConfig
 from services.sample_buffer import AsyncSampleBuffer
 
 UNBOUNDED = 1 << 62
-PUT_POLL_S = 0.01  # how often a producer waiting for room reads the counters (one HGETALL)
+# How often a producer waiting for room reads the counters (one HGETALL): soon after a read that
+# found room (the trainer is consuming: room comes in a few ms), then twice as long after each
+# read that found none, up to the longest (the trainer is training: room comes in seconds).
+PUT_POLL_S = 0.001
+PUT_POLL_MAX_S = 0.01
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A producer in line for a slot (`slot` is set once the slot is taken for it)."""
+
+    slot: asyncio.Future[None]
+    on_full: Callable[[str], None] | None
 
 
 class BufferFullError(RuntimeError):
@@ -71,16 +86,28 @@ def depth_note(config: RolloutConfig) -> str:
 
 
 class BufferBound:
-    """Slots for groups under the depth bound, and the writer that puts them."""
+    """Slots for groups under the depth bound, and the writer that puts them.
+
+    A producer that finds no room known free joins the line; one task (`_grant`) reads the
+    free room while anyone is in line and lets the head of the line go, as many producers at
+    once as there is room for, so that they put their groups in one turn of the event loop
+    (one batch for the writer)."""
 
     def __init__(self, buffer: AsyncSampleBuffer, max_depth: int) -> None:
         self.buffer, self.max_depth = buffer, max_depth
-        self.waiting = 0  # producers waiting for a slot
         self._room = 0  # slots known free: max_depth - backlog read - slots taken since
         self._unwritten = 0  # slots taken whose group is not yet in the counters
-        self._turn = asyncio.Lock()  # slots in arrival order
+        # Producers waiting for a slot, in arrival order: a future set when its slot is taken,
+        # and who hears that the buffer is full. At most one per producer task.
+        self._line: deque[Waiter] = deque()
+        self._granter: asyncio.Task | None = None
         self._queue: list[tuple[SampleGroup, asyncio.Future[str]]] = []
         self._writer: asyncio.Task | None = None
+
+    @property
+    def waiting(self) -> int:
+        """Producers waiting for a slot."""
+        return len(self._line)
 
     def sentence(self, depth: int) -> str:
         """`waiting` of the status: why producers wait ("" when they do not)."""
@@ -107,29 +134,75 @@ class BufferBound:
             yield put
         finally:
             if not used:
-                self._room += 1
-                self._unwritten -= 1
+                self._give_back()
+
+    def _give_back(self) -> None:
+        self._room += 1
+        self._unwritten -= 1
 
     async def _take(self, timeout_s: float | None, on_full: Callable[[str], None] | None) -> None:
-        self.waiting += 1
+        if self._room > 0 and not self._line:  # room known and nobody before this producer
+            self._room -= 1
+            self._unwritten += 1
+            return
+        waiter = Waiter(asyncio.get_running_loop().create_future(), on_full)
+        self._line.append(waiter)
+        if self._granter is None or self._granter.done():
+            self._granter = asyncio.create_task(self._grant(), name="buffer slots")
         try:
             async with asyncio.timeout(timeout_s):
-                async with self._turn:
-                    while self._room <= 0:
-                        self._room = await self._free()
-                        if self._room <= 0:
-                            depth = self.max_depth - self._room
-                            if on_full is not None:
-                                on_full(self.sentence(depth))
-                            await asyncio.sleep(PUT_POLL_S)
-                    self._room -= 1
-                    self._unwritten += 1
+                await waiter.slot
         except TimeoutError:
+            self._leave(waiter)
             depth = self.max_depth - await self._free()
             error = full_error(self.buffer.samples_key, depth, self.max_depth, timeout_s or 0)
             raise error from None
-        finally:
-            self.waiting -= 1
+        except BaseException:
+            self._leave(waiter)
+            raise
+
+    def _leave(self, waiter: Waiter) -> None:
+        """A producer gave up waiting (timeout, cancel): out of the line, or its slot given
+        back when it was let go in the same turn."""
+        if waiter in self._line:
+            self._line.remove(waiter)
+        elif waiter.slot.done() and not waiter.slot.cancelled() and not waiter.slot.exception():
+            self._give_back()
+
+    async def _grant(self) -> None:
+        """While anyone is in line: read the free room (after PUT_POLL_S, doubling up to
+        PUT_POLL_MAX_S while none comes; at once after room came) and let that many go, head
+        first. A failed read (Redis down) fails the head's take, as it would have its own."""
+        poll_s = PUT_POLL_S
+        try:
+            while self._line:
+                try:
+                    if self._room <= 0:
+                        self._room = await self._free()
+                except Exception as exc:
+                    head = self._line.popleft().slot
+                    if not head.done():
+                        head.set_exception(exc)
+                    continue
+                let_go = 0
+                while self._room > 0 and self._line:
+                    waiter = self._line.popleft()
+                    if waiter.slot.done():  # cancelled: its producer is on its way out
+                        continue
+                    self._room -= 1
+                    self._unwritten += 1
+                    waiter.slot.set_result(None)
+                    let_go += 1
+                if let_go or not self._line:
+                    poll_s = PUT_POLL_S
+                    continue
+                if self._line[0].on_full is not None:
+                    self._line[0].on_full(self.sentence(self.max_depth - self._room))
+                await asyncio.sleep(poll_s)
+                poll_s = min(poll_s * 2, PUT_POLL_MAX_S)
+        finally:  # cancelled (the loop is closing): nobody is left waiting for nothing
+            while self._line:
+                self._line.popleft().slot.cancel()
 
     async def _free(self) -> int:
         """Slots free now (conservative: a group being written may count twice)."""
@@ -146,7 +219,7 @@ class BufferBound:
         return future
 
     async def _write_queued(self) -> None:
-        """Write what is queued, one transaction per round, until the queue is empty."""
+        """Write what is queued, one PUT per round, until the queue is empty."""
         while self._queue:
             batch, self._queue = self._queue, []
             try:

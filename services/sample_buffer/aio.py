@@ -2,7 +2,7 @@
 
 The same keys, writes and decoding as `SampleBuffer` (keys.py), as coroutines, so that the
 router's event loop never blocks on Redis nor hands a call to a thread. It has what the router
-does with the buffer: start groups, put groups (several in one transaction), record drops
+does with the buffer: start groups, put groups (several in one script call), record drops
 and give prompts back, recover what a killed router left in flight, read the ledger, counters
 and the backlog, versions, status, the run contract, and metrics. Every write the ledger
 counts runs its Lua script (ledger.py), registered on this client as on the blocking one. The
@@ -88,14 +88,11 @@ class AsyncSampleBuffer(BufferKeys):
         return keys.backlog(await self.counters())
 
     async def put_groups(self, groups: list[SampleGroup]) -> list[str]:
-        """Append groups in one transaction, one ledger PUT each (its XADD, `groups_put` and
-        the end of its flight); their stream ids. The depth bound is the producer's (the
-        router's backpressure.py)."""
-        pipe = self.redis.pipeline(transaction=True)
-        for group in groups:
-            script_keys, args = ledger.put_call(self, group)
-            await self.scripts["put"](keys=script_keys, args=args, client=pipe)  # queued
-        replies = await io(pipe.execute())
+        """Append groups in one ledger PUT (one script call, atomic: each group's XADD and
+        the end of its flight, and `groups_put`); their stream ids. The depth bound is the
+        producer's (the router's backpressure.py)."""
+        script_keys, args = ledger.put_call(self, groups)
+        replies = await io(self.scripts["put"](keys=script_keys, args=args))
         return [keys.entry_id(raw) for raw in replies]
 
     async def put_group(self, group: SampleGroup) -> str:

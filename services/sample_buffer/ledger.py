@@ -22,7 +22,8 @@ A router that dies leaves its groups in `in_flight`; the next router start drops
 
 The scripts' keys and arguments come from `start_call`, `put_call` and `drop_call`, so the
 blocking `SampleBuffer` and the router's `AsyncSampleBuffer` run the same writes (either may
-queue a script on a pipeline: several puts in one transaction are one PUT each).
+queue a script on a pipeline). One PUT writes a batch of groups: the router's group commit is
+one script call, as atomic as a transaction and without its per-command round of replies.
 """
 
 from __future__ import annotations
@@ -56,13 +57,20 @@ redis.call('HSET', KEYS[3], ARGV[1] .. p, p)
 return p
 """
 
+# KEYS: samples, counters, in_flight. ARGV: payload, group id, payload, group id, ... (a batch
+# of groups, one script call: the router's group commit). Returns the stream ids, in order.
+# Each group's counts follow its XADD at once: a call that fails midway (a script is not rolled
+# back) leaves whole groups only.
 PUT = """
-local id = redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
-redis.call('HINCRBY', KEYS[2], 'groups_put', 1)
-if redis.call('HDEL', KEYS[3], ARGV[2]) == 0 then
-  redis.call('HINCRBY', KEYS[2], 'groups_generated', 1)
+local ids = {}
+for i = 1, #ARGV, 2 do
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[i])
+  redis.call('HINCRBY', KEYS[2], 'groups_put', 1)
+  if redis.call('HDEL', KEYS[3], ARGV[i + 1]) == 0 then
+    redis.call('HINCRBY', KEYS[2], 'groups_generated', 1)
+  end
 end
-return id
+return ids
 """
 
 # KEYS: drops, drop_log, counters, in_flight, redraw, version:trainer, trainer_drops.
@@ -222,12 +230,12 @@ def start_call(keys: BufferKeys) -> Call:
     return [keys.redraw_key, keys.counters_key, keys.in_flight_key], ["p"]
 
 
-def put_call(keys: BufferKeys, group: SampleGroup) -> Call:
-    """PUT: the XADD, `groups_put` and the end of the group's flight."""
-    return [keys.samples_key, keys.counters_key, keys.in_flight_key], [
-        encode(group),
-        group.group_id,
-    ]
+def put_call(keys: BufferKeys, groups: list[SampleGroup]) -> Call:
+    """PUT of a batch: each group's XADD and the end of its flight, and `groups_put`."""
+    args: list[Any] = []
+    for group in groups:
+        args += (encode(group), group.group_id)
+    return [keys.samples_key, keys.counters_key, keys.in_flight_key], args
 
 
 def drop_call(

@@ -97,10 +97,12 @@ def start(cfg: TrainerConfig) -> Any:
 
 
 def run(trainer: Any, args: argparse.Namespace) -> None:
+    from services.sample_buffer import tune_gc_for_reads
     from services.trainer.batching import BatchError
     from services.trainer.redis_wait import RedisUnavailableError
 
     trainer.install_signal_handlers()
+    tune_gc_for_reads()  # the model is built: what the process holds now lives all run
     if args.ready_file:
         ready = {"pid": os.getpid(), "version": trainer.version}
         Path(args.ready_file).write_text(json.dumps({**ready, "metrics_url": trainer.observe.url}))
