@@ -7,7 +7,9 @@ be observed: version pushed -> complete -> every engine fetched it -> Redis vers
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from services.sample_buffer import SampleBuffer
-from services.weight_sync.zmq_transport import ZmqWeightSender
+from services.weight_sync.zmq_transport import BrokerGoneError, ZmqWeightSender, fetch_weights
 from tests.helpers import wait_until
 
 FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
@@ -330,3 +332,28 @@ def test_the_disk_transport_without_a_model_dir_is_refused_naming_the_flag(tmp_p
     )
     assert result.returncode != 0
     assert "--model-dir" in result.stderr
+
+
+KILLED_BROKER = """
+import os, signal, sys, zmq
+sock = zmq.Context.instance().socket(zmq.ROUTER)
+sock.bind("tcp://127.0.0.1:*")
+print(sock.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
+sock.recv_multipart()  # the engine's request for a version: killed before answering
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_fetch_from_a_broker_killed_mid_request_ends_at_once_not_at_its_timeout() -> None:
+    # An engine that waited its whole timeout here held its weight lock that long, and the
+    # restarted broker's first update to it timed out behind it.
+    broker = subprocess.Popen(
+        [sys.executable, "-c", KILLED_BROKER], stdout=subprocess.PIPE, text=True
+    )
+    assert broker.stdout is not None
+    endpoint = broker.stdout.readline().strip()
+    started = time.monotonic()
+    with pytest.raises(BrokerGoneError, match="closed the connection while sending version 3"):
+        fetch_weights(endpoint, 3, timeout_s=60)
+    assert time.monotonic() - started < 10
+    assert broker.wait(timeout=10) == -9

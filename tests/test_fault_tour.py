@@ -135,11 +135,15 @@ def test_each_service_killed_mid_run_and_restarted_the_run_goes_on_and_nothing_i
     try:
         steps = run.wait_steps(3, "start")
         for name in ("engine", "router", "broker", "redis", "trainer"):
+            started = time.monotonic()
             run.kill(name)
             time.sleep(1.0)
             run.restart_redis() if name == "redis" else run.start(name)
             steps = run.wait_steps(steps + STEPS_AFTER, f"after killing the {name}")
-            print(f"{name} killed and restarted: {steps} steps; {run.buffer.ledger().sentence()}")
+            took = f"{time.monotonic() - started:.0f} s"
+            print(
+                f"{name} killed and restarted: {steps} steps in {took}; {run.buffer.ledger().sentence()}"
+            )
         trained = [gid for ids in run.buffer.trained().values() for gid in ids]
         twice = [gid for gid, n in Counter(trained).items() if n > 1]
         assert not twice, f"groups trained twice: {twice[:10]}"

@@ -208,7 +208,7 @@ class WeightUpdater:
         import zmq
 
         from services.weight_sync.wire import AuthenticationError, secret_from_env
-        from services.weight_sync.zmq_transport import fetch_weights
+        from services.weight_sync.zmq_transport import BrokerGoneError, fetch_weights
 
         try:
             number = int(version)
@@ -227,6 +227,8 @@ class WeightUpdater:
                 )
             except (LookupError, AuthenticationError, ValueError, zmq.ZMQError) as exc:
                 raise UpdateError(f"weight broker at {endpoint}: {exc}", 400) from exc
+            except BrokerGoneError as exc:
+                raise UpdateError(str(exc), 502) from exc
             except TimeoutError as exc:
                 raise UpdateError(
                     f"weight broker at {endpoint} sent nothing within {wait_s:g}s ({which})", 504

@@ -5,7 +5,9 @@
   a send that cannot complete within `timeout_s` raises instead of blocking the trainer forever.
 - `fetch_weights` (engine): DEALER-connects to the broker's serve endpoint, asks for a version
   (`WeightRequest`) and receives its buckets, or an error frame if the broker does not hold it.
-  Every receive has a deadline.
+  Every receive has a deadline, and a broker that goes away mid-fetch (its connection closes:
+  killed or restarted) ends the fetch at once with `BrokerGoneError`, so the engine's next
+  weight command does not queue behind a wait for a reply that cannot come.
 
 Wire format and authentication: `services.weight_sync.wire`.
 """
@@ -35,6 +37,12 @@ if TYPE_CHECKING:
     import torch
 
 ERROR_FRAME = b"ERR"
+
+
+class BrokerGoneError(ConnectionError):
+    """The broker's connection closed while a fetch waited for it."""
+
+
 # Buckets queued per socket before send blocks: a couple of versions of a small model, or a few
 # 512 MiB buckets of a large one. Beyond it the trainer waits (bounded by timeout_s).
 SEND_HWM = 64
@@ -123,6 +131,7 @@ def fetch_weights(
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     # a DEALER with no peer blocks its send forever: a broker that is not there is a timeout
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(endpoint)
     try:
         try:
@@ -134,14 +143,22 @@ def fetch_weights(
         tensors = FetchedWeights()
         expected: int | None = None
         received = 0
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while expected is None or received < expected:
-            try:
-                message: list[Frame] = sock.recv_multipart(copy=False)
-            except zmq.Again as exc:
+            ready = dict(poller.poll(int(timeout_s * 1000)))
+            if sock not in ready and monitor in ready:
+                raise BrokerGoneError(
+                    f"weight broker at {endpoint} closed the connection while sending version "
+                    f"{version} (it stopped or restarted: ask the new one)"
+                )
+            if sock not in ready:
                 raise TimeoutError(
                     f"weight broker at {endpoint} sent nothing for {timeout_s:g}s "
                     f"while fetching version {version}"
-                ) from exc
+                )
+            message: list[Frame] = sock.recv_multipart(copy=False)
             if bytes(frame_view(message[0])) == ERROR_FRAME:
                 raise LookupError(bytes(frame_view(message[1])).decode(errors="replace"))
             header, frames = parse_bucket(message, secret)
@@ -156,4 +173,6 @@ def fetch_weights(
                 tensors.extend(bucket_tensors(header, frames))
         return tensors
     finally:
+        sock.disable_monitor()
+        monitor.close()
         sock.close()
