@@ -164,17 +164,18 @@ def script_calls(buffer: SampleBuffer) -> int:
     )
 
 
+async def put_through(bound: BufferBound, k: int) -> str:
+    """A producer: take a slot (waiting for room), put group `g{k}` in it."""
+    async with bound.slot(None) as put:
+        return await put(group(f"g{k}"))
+
+
 async def test_puts_from_many_tasks_share_script_calls(
     aio: AsyncSampleBuffer, buffer: SampleBuffer
 ) -> None:
     bound = BufferBound(aio, max_depth=0)
-
-    async def produce(k: int) -> str:
-        async with bound.slot(None) as put:
-            return await put(group(f"g{k}"))
-
     before = script_calls(buffer)
-    ids = await asyncio.gather(*(produce(k) for k in range(200)))
+    ids = await asyncio.gather(*(put_through(bound, k) for k in range(200)))
     assert len(set(ids)) == 200 and buffer.counters()["groups_put"] == 200
     assert script_calls(buffer) - before < 100, "concurrent puts are written as group commits"
     got = buffer.read_groups("trainer-0", 300, block_ms=None)
@@ -185,13 +186,8 @@ async def test_producers_let_go_by_room_at_the_bound_put_in_one_batch_in_arrival
     aio: AsyncSampleBuffer, buffer: SampleBuffer
 ) -> None:
     bound = BufferBound(aio, max_depth=16)
-
-    async def produce(k: int) -> str:
-        async with bound.slot(None) as put:
-            return await put(group(f"g{k}"))
-
-    await asyncio.gather(*(produce(k) for k in range(16)))  # the bound is reached
-    waiting = [asyncio.create_task(produce(k)) for k in range(16, 48)]
+    await asyncio.gather(*(put_through(bound, k) for k in range(16)))  # the bound is reached
+    waiting = [asyncio.create_task(put_through(bound, k)) for k in range(16, 48)]
     while bound.waiting < 32:
         await asyncio.sleep(0.01)
     before = script_calls(buffer)
