@@ -61,20 +61,19 @@ def test_staleness_gate_holds_new_groups_until_the_trainer_consumes_or_engines_c
         "router",
         router_args(buffer, toy_model_dir, urls, "--max-staleness", "1", "--eval-interval", "0"),
     )
-    # The gate closes once the 8th group starts; it is put a moment later.
+    # The gate closes once the 8th group starts (its sentence then says put 7); when that group
+    # is put and ends, the loop reads the counters again and the sentence says put 8.
+    waiting = "the trainer to consume groups (put 8, consumed 0, trainer at version -1)"
     status = wait_until(
         lambda: (
             (s := get_json(router.url + "/rollout/status"))["state"] == "waiting_for_trainer"
-            and s["groups_put"] == 8
+            and s["waiting_for"] == waiting
             and s
         ),
-        "the gate to close with every allowed group put",
+        f"the gate to close with every allowed group put ({waiting!r})",
     )
     # no trainer: engines and trainer at version 0 allow rollouts 0 and 1 (2 x 4 groups)
-    assert status["batch"] == 2
-    assert status["waiting_for"] == (
-        "the trainer to consume groups (put 8, consumed 0, trainer at version -1)"
-    )
+    assert status["batch"] == 2 and status["groups_put"] == 8
     assert {g.group_id for g in read_all(buffer)} == {f"p{i}" for i in range(8)}
     buffer.set_version("engines", 1)
     # Groups are streamed one by one, and each read returns only groups not read before:
