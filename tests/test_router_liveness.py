@@ -147,13 +147,17 @@ def test_the_status_names_the_engines_version_when_the_trainer_is_ahead(
         "engines on weight version >= 4 (they serve 0); the broker brings them there: "
         "see its /state"
     )
+    # (before the engine is admitted the loop waits for workers: not this wait)
     status = wait_until(
-        lambda: (s := get_json(router.url + "/rollout/status"))["waiting_for"] and s,
-        "the router to wait",
+        lambda: (
+            (s := get_json(router.url + "/rollout/status"))["state"] == "waiting_for_weights" and s
+        ),
+        "the router to wait for weights",
     )
-    assert (status["state"], status["waiting_for"]) == ("waiting_for_weights", expected)
+    assert status["waiting_for"] == expected
     record = wait_until(
-        lambda: (r := buffer.statuses().get("router")) and r.waiting_for and r, "the record"
+        lambda: (r := buffer.statuses().get("router")) and r.state == "waiting_for_weights" and r,
+        "the record",
     )
     assert (record.state, record.waiting_for) == ("waiting_for_weights", expected)
     assert record.detail["trainer_version"] == 5 and record.detail["engines_version"] == 0

@@ -187,11 +187,15 @@ def test_rollout_waits_while_the_buffer_is_full_and_goes_on_when_the_trainer_con
     args = router_args(buffer, toy_model_dir, urls, "--max-staleness", "1000")
     args[args.index("--max-buffer-depth") + 1] = "6"
     router = start_service("router", args)
+    # One read for both: the state turns to waiting_for_buffer when the loop next tries to
+    # start a group, a moment after the 6th put that made the buffer full.
     wait_until(
-        lambda: get_json(router.url + "/rollout/status")["waiting"] == "buffer full (depth 6 of 6)",
-        "the full buffer to hold the rollout",
+        lambda: (
+            (s := get_json(router.url + "/rollout/status"))["state"] == "waiting_for_buffer"
+            and s["waiting"] == "buffer full (depth 6 of 6)"
+        ),
+        "the full buffer to hold the rollout (state waiting_for_buffer)",
     )
-    assert get_json(router.url + "/rollout/status")["state"] == "waiting_for_buffer"
     assert buffer.depth() == 6
     entries = buffer.read_groups("trainer-1", 4, block_ms=None)
     buffer.ack([entry_id for entry_id, _g in entries])
