@@ -108,17 +108,17 @@ class Supervisor:
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
     def stop_all(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM every child (newest first), then SIGKILL what is left after `timeout_s`."""
+        """SIGTERM every child's process group (newest first), then SIGKILL what is left of
+        each group after `timeout_s`. A child that already exited is signalled too: a service
+        killed by SIGKILL leaves its own children (its session) behind otherwise."""
         for child in reversed(self.children):
-            if child.proc.poll() is None:
-                _signal_group(child.proc.pid, signal.SIGTERM)
+            _signal_group(child.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for child in reversed(self.children):
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(child.proc.pid, signal.SIGKILL)
-                child.proc.wait()
+            _signal_group(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
 
 
 def _signal_group(pid: int, sig: int) -> None:

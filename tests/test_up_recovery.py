@@ -102,6 +102,10 @@ def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
         for c in psutil.Process(first.pid).children(recursive=True)
         if "trainer" in c.cmdline() and "tandem.cli" in " ".join(c.cmdline())
     )
+    # Two checkpoints are saved by now; megatron's default would have spawned a Manager
+    # process for their results, which a SIGKILL leaves running.
+    left = trainer.children(recursive=True)
+    assert not [" ".join(c.cmdline())[:200] for c in left], "the trainer starts no process"
     os.kill(trainer.pid, signal.SIGKILL)
     output, _ = first.communicate(timeout=120)
     assert first.returncode == 1 and "trainer exited" in output, output[-3000:]

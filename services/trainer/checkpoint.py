@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import queue
 import random
 import shutil
 from dataclasses import dataclass
@@ -164,7 +165,13 @@ class Checkpointer:
         groups_dead_lettered: int = 0,
     ) -> Path:
         from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+        # Saves are synchronous, so the writer's results come back in this process: a plain
+        # queue serves. Megatron's default is a multiprocessing Manager, a spawned server
+        # process (~300 MB, and seconds to start) that outlives a trainer killed by SIGKILL.
+        if filesystem_async._results_queue is None:
+            filesystem_async._results_queue = queue.Queue()
         path = iteration_dir(self.cfg.save, version)
         if dist.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
