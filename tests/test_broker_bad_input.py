@@ -1,12 +1,14 @@
-"""The weight broker survives malformed frames (rejected and counted, no thread dies), reports a
-dead thread as unhealthy, checks engine URLs, and lets only the run's token change its engines."""
+"""The weight broker survives malformed frames (rejected and counted, no loop dies) and a disk it
+cannot write, reports a dead loop as unhealthy, checks engine URLs, and lets only the run's
+token change its engines."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
-import threading
+import time
 
 import httpx
 import numpy as np
@@ -34,7 +36,7 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"no metric {name}")
 
 
-def test_malformed_frames_are_rejected_and_counted_and_every_thread_lives(broker) -> None:  # type: ignore[no-untyped-def]
+def test_malformed_frames_are_rejected_and_counted_and_every_loop_lives(broker) -> None:  # type: ignore[no-untyped-def]
     ctx = zmq.Context.instance()
     push = ctx.socket(zmq.PUSH)
     push.connect(broker.info["intake_endpoint"])
@@ -56,7 +58,7 @@ def test_malformed_frames_are_rejected_and_counted_and_every_thread_lives(broker
     assert dealer.recv_multipart()[0] == ERROR_FRAME
     dealer.send_multipart([b"\xc1"])  # not msgpack
     assert dealer.recv_multipart()[0] == ERROR_FRAME
-    dealer.send(encode(WeightRequest(version=1)))  # the serve thread still answers
+    dealer.send(encode(WeightRequest(version=1)))  # the fetch loop still answers
     reply = dealer.recv_multipart()
     assert reply[0] == ERROR_FRAME and b"no weight version 1" in reply[1]
     push.close()
@@ -88,21 +90,46 @@ def test_engine_registration_checks_the_url_the_size_and_the_token(broker) -> No
     assert "requestBody" in spec["paths"]["/engines"]["post"]
 
 
-def test_a_dead_weight_thread_makes_health_503() -> None:
+def test_a_loop_that_fails_makes_health_503_naming_its_error() -> None:
     from fastapi.testclient import TestClient
 
     from services.weight_broker.config import BrokerConfig
     from services.weight_broker.server import create_app
 
     app = create_app(BrokerConfig())
+    failing = asyncio.Event()
+
+    async def next_version(wake: asyncio.Event) -> int:
+        await failing.wait()
+        raise RuntimeError("the intake broke")
+
+    app.state.broker.transport.next_version = next_version
     with TestClient(app) as client:
         assert client.get("/health").status_code == 200
-        dead = threading.Thread(target=lambda: None, name="serve_loop")
-        dead.start()
-        dead.join()
-        app.state.broker._threads.append(dead)
-        reply = client.get("/health")
-        assert reply.status_code == 503 and "serve_loop" in reply.json()["problem"]
+        client.portal.call(failing.set)
+        deadline = time.monotonic() + 10
+        while (reply := client.get("/health")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reply.status_code == 503, reply.text
+        assert "the intake broke" in reply.json()["problem"]
+
+
+async def test_a_disk_the_broker_cannot_write_fails_the_engines_not_the_loop(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import aiohttp
+
+    from services.weight_broker.transports import DiskTransport
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (tmp_path / "file").write_text("")
+    disk = DiskTransport(str(tmp_path / "file" / "versions"), str(model))  # under a file
+    meta = [TensorMeta("w", "float32", [4])]
+    header = WeightBucketHeader(version=1, bucket_index=0, num_buckets=1, tensors=meta)
+    disk.store.add_bucket(header, [encode(header), np.zeros(4, np.float32).tobytes()])
+    async with aiohttp.ClientSession() as session:
+        outcomes = await disk.sync(session, ["http://127.0.0.1:9"], 1)
+    assert "cannot prepare version 1" in outcomes["http://127.0.0.1:9"].error
 
 
 @pytest.mark.parametrize(

@@ -1,35 +1,13 @@
 """WeightBroker: brings every inference engine to the trainer's newest weight version.
 
-Ordering contract (each arrow is checked by tests/test_broker_*.py):
-  1. The trainer finishes optimizer step N and pushes version N, bucket by bucket (ZMQ PUSH ->
-     our PULL `intake_endpoint`). Versions only increase; a bucket that fails its HMAC or is
-     malformed is dropped and counted, never applied.
-  2. When all buckets of N have arrived the version is complete; older incomplete versions are
-     discarded (latest wins: an engine never gets a version older than one it could get).
-  3. For each engine not yet on N (concurrently): POST `/update_weights_from_zmq` naming our
-     `serve_endpoint` and N. The engine pauses its generation between batches (requests that
-     arrive meanwhile wait), fetches N's buckets (ZMQ DEALER -> our ROUTER), checks every name
-     and shape before copying any tensor, flushes its cache, resumes, and from then on reports
-     `weight_version` N in every response. No response mixes weights of two versions. Disk:
-     the engine reloads N from a directory. NCCL: the trainer broadcasts N into the engines'
-     weight group, between a pause and a resume (nccl_transport.py).
-  4. Once an engine acknowledged N, its version is N here; `version:engines` in Redis is set to
-     the minimum version over engines in rotation, which the router uses as its staleness gate.
-  5. An engine that fails or exceeds `sync_timeout_s` is taken out of rotation (reported in
-     `/state` and metrics) and retried after the transport's `retry_backoff_s`; the others
-     complete regardless.
-  6. Late and restarted engines: the router owns every engine's version (it polls them) and
-     registers an engine added at run time or found restarted with `POST /engines` (URL, the
-     version it serves, whether it restarted). The broker does not poll engines; it reads the
-     version of an engine named by `--engine-urls` once at start. ZMQ/disk: an engine behind
-     is synced to the newest version at once. NCCL: the next version forms a new weight group
-     that includes it (a broadcast needs the trainer, which offers versions only after
-     optimizer steps). Until an engine reports the newest version the router keeps it out of
-     rotation (see services/rollout_router/workers.py).
+The ordering contract it keeps (versions only increase, latest wins, an engine that fails is
+taken out of rotation and retried, `version:engines` is the minimum over engines in rotation)
+is in docs/architecture.md, "Weight sync"; tests/test_broker_*.py check each point.
 
 Loop: `run` asks the transport (transports.py) for the version to sync to, has it sync the
 engines not on it whose retry is due and marks each outcome; `add_engine` sets the loop's
-`wake` so a new engine does not wait for the next poll.
+`wake` so a new engine does not wait for the next poll. The transport's socket loops and the
+status report run beside it: if one of them fails, `run` raises and `/health` says so.
 """
 
 from __future__ import annotations
@@ -40,6 +18,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -90,13 +69,8 @@ class WeightBroker:
         self.transport = make_transport(config, self.counters)
         self._unpublished_engines = False  # version:engines waits for Redis to come back
         self._missing, self._missing_since = -1, 0.0  # an announced version not received
-        self._threads = self.transport.threads
         self._wake = asyncio.Event()
-
-    def thread_problem(self) -> str:
-        """'' while every socket thread runs; else which one died (`/health` answers 503)."""
-        dead = [t.name for t in self._threads if not t.is_alive()]
-        return f"weight thread(s) {', '.join(dead)} stopped; see the broker's log" if dead else ""
+        self.on_sync: Callable[[EngineState], None] | None = None  # observe.py's record
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -107,13 +81,18 @@ class WeightBroker:
         async with aiohttp.ClientSession(timeout=timeout, headers=bearer_headers()) as session:
             await asyncio.gather(*(self._read_version(e) for e in self.engines.values()))
             self.publish_version()
-            reports = asyncio.create_task(self._status_loop(), name="status")
             try:
-                while True:
-                    await self._sync_once(session)
-            finally:
-                reports.cancel()
-                await asyncio.gather(reports, return_exceptions=True)
+                async with asyncio.TaskGroup() as loops:  # one fails: every loop stops
+                    loops.create_task(self._sync_loop(session))
+                    loops.create_task(self._status_loop())
+                    loops.create_task(self.transport.serve())
+            except ExceptionGroup as failed:
+                log.error("the broker's loop stopped", exc_info=failed)
+                raise failed.exceptions[0] from None
+
+    async def _sync_loop(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await self._sync_once(session)
 
     async def _sync_once(self, session: aiohttp.ClientSession) -> None:
         version = await self.transport.next_version(self._wake)
@@ -185,6 +164,8 @@ class WeightBroker:
         engine.last_sync_s = outcome.elapsed_s
         engine.last_bytes_per_s = outcome.nbytes / outcome.elapsed_s if outcome.elapsed_s else 0.0
         engine.last_sync_at = time.time()
+        if self.on_sync is not None:
+            self.on_sync(engine)
         log.info("engine %s on version %d in %.3fs", engine.url, version, outcome.elapsed_s)
 
     def publish_version(self) -> None:

@@ -54,20 +54,16 @@ class BrokerConfig:
         default="abort",
         metadata={
             "help": "nccl transport: /pause_generation mode around a broadcast. abort: running "
-            "requests return their partial output (the router continues them on the new "
-            "weights, each token keeping its version); in_place / retract: they continue after "
-            "the update, so a response that spans it mixes two versions under the newer label; "
-            "none: no pause.",
+            "requests end (the router continues them on the new weights); in_place / retract: "
+            "they continue after it, a response then mixes two versions; none: no pause.",
             "choices": ["abort", "in_place", "retract", "none"],
         },
     )
     nccl_load_format: str = field(
         default="flattened_bucket",
         metadata={
-            "help": "nccl transport: how tensors travel. flattened_bucket: one broadcast per "
-            "bucket of the tensors' bytes packed back to back (fast; needs an SGLang whose "
-            "/update_weights_from_distributed takes load_format); per_tensor: one broadcast "
-            "per tensor (any SGLang version).",
+            "help": "nccl transport: flattened_bucket (one broadcast per bucket, fast; needs "
+            "an SGLang that takes load_format) or per_tensor (one per tensor, any SGLang).",
             "choices": ["flattened_bucket", "per_tensor"],
         },
     )

@@ -1,24 +1,7 @@
-"""Broker side of the NCCL weight path: `NcclTransport` (a `WeightTransport`, transports.py),
-which drives the trainer's `NcclWeightSender` (its sequence: services/weight_sync/nccl_sender.py;
-the commands: proto `NcclCommand`).
-
-The trainer offers each version on the control socket (ZMQ ROUTER at the intake endpoint); an
-offer that fails its HMAC check is answered `abort`. For one version, in this order:
-  1. If the set of engines changed or the last attempt failed, form a new weight group: read
-     every engine's `/get_server_info` (TP size, whether it takes `bucket_sizes` and
-     `layout_id`), answer `init` and POST `/init_weights_update_group` to every engine
-     (rank_offset = 1 + the TP ranks before it; world = 1 + all TP ranks).
-  2. `/pause_generation` (`--pause-mode`, unless "none"), except for an engine that takes a
-     whole version per request in mode "abort": it keeps generating on the old weights while
-     the version arrives, and its request carries `abort_all_requests`.
-  3. `broadcast` to the trainer and, to each engine, either ONE `/update_weights_from_distributed`
-     with the whole version (Tandem's engine: `bucket_sizes`; once it took a layout, only its
-     `layout_id`, and in full again if it answers 409) or one POST per bucket, each sent when
-     the previous one answered (SGLang). Then the trainer's ack and every engine's answer.
-  4. `/continue_generation` to the engines paused in 2, then `done` to the trainer.
-A failure or timeout is the failing engine's outcome (the broker takes it out of rotation); the
-version is tried once more without it, else the trainer gets `abort` and the next version a
-fresh group. No step waits longer than `sync_timeout_s`; the transfer of a whole version is one.
+"""Broker side of the NCCL weight path: `NcclTransport` (a `WeightTransport`, transports.py)
+drives the trainer's `NcclWeightSender` (services/weight_sync/nccl_sender.py) with proto's
+`NcclCommand`s. The sequence of one version (group, pause, transfer, continue) and what a
+failure does are in docs/architecture.md, "Weight sync".
 """
 
 from __future__ import annotations
@@ -28,7 +11,6 @@ import functools
 import itertools
 import logging
 import math
-import threading
 import time
 from typing import Any
 
@@ -38,21 +20,13 @@ import zmq.asyncio
 
 from proto import NcclAck, NcclCommand, NcclOffer, TensorMeta, decode, encode
 from services.weight_broker.config import BrokerConfig
-from services.weight_broker.transports import Outcome
+from services.weight_broker.transports import EngineAnswerError, Outcome, post
 from services.weight_sync.safetensors_file import tensors_nbytes
 from services.weight_sync.wire import AuthenticationError, check_offer, secret_from_env
 
 log = logging.getLogger("tandem.broker.nccl")
 # Tries per version: the first, plus one with a fresh group if an engine failed during it.
 MAX_ATTEMPTS = 2
-
-
-class EngineAnswerError(RuntimeError):
-    """An engine answered a request with an error (it is alive and reachable)."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class NcclTransport:
@@ -66,7 +40,6 @@ class NcclTransport:
         self.pause_mode = config.pause_mode
         self.load_format = config.nccl_load_format  # flattened_bucket | per_tensor
         self.timeout_s = config.sync_timeout_s
-        self.threads: list[threading.Thread] = []
         self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(config.intake_endpoint)
@@ -80,16 +53,18 @@ class NcclTransport:
         self._whole_version: dict[str, bool] = {}  # engine URL -> it takes bucket_sizes
         self._layout_ids: dict[str, bool] = {}  # engine URL -> it takes layout_id
         self._known_layout: dict[str, str] = {}  # engine URL -> the layout_id it last took
-        self._layout_bytes: tuple[str, int] | None = None  # the last layout_id and its bytes
 
     def stop(self) -> None:
         self.socket.close()
+
+    async def serve(self) -> None:
+        """Nothing beside the loop: offers and acks are read by `next_version` and `sync`."""
 
     async def refuse(self, version: int, why: str) -> None:
         """Answer the trainer's offer with `abort` (its sender raises, naming `why`)."""
         assert self._offer is not None and self._offer[1].version == version
         (identity, _offer), self._offer = self._offer, None
-        await self._command(identity, NcclCommand(action="abort", version=version, message=why))
+        await self._command(identity, "abort", version, message=why)
 
     def forget(self, url: str) -> None:
         """A restarted engine left its group and lost the layouts it took: form a new one."""
@@ -114,8 +89,7 @@ class NcclTransport:
             except AuthenticationError as exc:  # answered, so a misconfigured trainer says why
                 self.counters["frames_rejected"] += 1
                 log.error("refused an offer: %s", exc)
-                abort = NcclCommand(action="abort", version=offer.version, message=str(exc))
-                await self._command(identity, abort)
+                await self._command(identity, "abort", offer.version, message=str(exc))
                 continue
             self._offer = (identity, offer)
             return offer.version
@@ -145,12 +119,13 @@ class NcclTransport:
         except Exception as exc:  # keep coordinating later versions whatever broke this one
             log.exception("version %d: unexpected error", version)
             engines, error = [], repr(exc)
-        done = NcclCommand(action="done", version=version)
-        abort = NcclCommand(action="abort", version=version, message=error)
-        if not engines:  # the trainer leaves its group on `abort`: the next version forms one
+        if engines:
+            await self._command(identity, "done", version)
+        else:  # the trainer leaves its group on `abort`: the next version forms one
             self.members = []
-        await self._command(identity, done if engines else abort)
-        elapsed_s, nbytes = time.monotonic() - start, self._nbytes(offer)
+            await self._command(identity, "abort", version, message=error)
+        elapsed_s = time.monotonic() - start
+        nbytes = sum(tensors_nbytes(b) for b in offer.buckets)
         # An engine that answered an error when another hung keeps its version, unblamed.
         outcomes = {url: Outcome(error) for url, error in self._failed.items()}
         return outcomes | {url: Outcome("", elapsed_s, nbytes) for url in engines}
@@ -166,32 +141,25 @@ class NcclTransport:
                 pause = [e for e in engines if not self._applies_with_abort(e)]
                 body = {"mode": self.pause_mode}
                 await self._gather(
-                    [self._post(session, e, "/pause_generation", body) for e in pause], pause
+                    [post(session, f"{e}/pause_generation", body) for e in pause], pause
                 )
                 paused = pause
             marks.append(time.monotonic())
             await self._transfer(session, identity, offer, engines, attempt)
             marks.append(time.monotonic())
         finally:  # engines that failed are out of rotation; resume the others
-            resume = [self._post(session, e, "/continue_generation", {}) for e in paused]
+            resume = [post(session, f"{e}/continue_generation", {}) for e in paused]
             await asyncio.gather(*resume, return_exceptions=True)
         marks.append(time.monotonic())
         steps = zip(("group", "pause", "transfer", "continue"), marks, marks[1:], strict=False)
         phases = ", ".join(f"{name} {1e3 * (b - a):.1f} ms" for name, a, b in steps)
         log.info("version %d phases: %s", offer.version, phases)
 
-    def _nbytes(self, offer: NcclOffer) -> int:
-        if offer.layout_id and self._layout_bytes and self._layout_bytes[0] == offer.layout_id:
-            return self._layout_bytes[1]
-        nbytes = sum(tensors_nbytes(b) for b in offer.buckets)  # once per layout
-        self._layout_bytes = (offer.layout_id, nbytes)
-        return nbytes
-
     # --- steps ----------------------------------------------------------------------------------
 
     async def _form_group(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
         # Read at every new group: a restarted engine may be another build or configuration.
-        infos = [self._get(session, f"{e}/get_server_info") for e in engines]
+        infos = [self._server_info(session, e) for e in engines]
         tp_sizes = []
         for engine, info in zip(engines, await self._gather(infos, engines), strict=True):
             tp_sizes.append(int(info.get("tp_size", 1)))
@@ -200,24 +168,13 @@ class NcclTransport:
             self._known_layout.pop(engine, None)
         world = 1 + sum(tp_sizes)
         self.group_name = f"tandem_weights_{next(self._generation)}"
+        group = {"world_size": world, "group_name": self.group_name}
         await self._command(
-            identity,
-            NcclCommand(
-                action="init",
-                version=offer.version,
-                attempt=attempt,
-                world_size=world,
-                group_name=self.group_name,
-                timeout_s=self.timeout_s / 2,
-            ),
+            identity, "init", offer.version, attempt=attempt, timeout_s=self.timeout_s / 2, **group
         )
-        offsets = itertools.accumulate([1, *tp_sizes])
-        calls = [
-            self._post(
-                session, engine, "/init_weights_update_group", self._init_body(offer, offset, world)
-            )
-            for engine, offset in zip(engines, offsets, strict=False)
-        ]
+        offsets = zip(engines, itertools.accumulate([1, *tp_sizes]), strict=False)
+        path = "/init_weights_update_group"
+        calls = [post(session, e + path, self._init_body(offer, o, world)) for e, o in offsets]
         await self._gather(calls, engines)
         self.members = list(engines)
 
@@ -239,13 +196,7 @@ class NcclTransport:
         ]
         engine_calls = asyncio.ensure_future(self._gather(calls, engines))
         await self._command(
-            identity,
-            NcclCommand(
-                action="broadcast",
-                version=offer.version,
-                attempt=attempt,
-                load_format=self.load_format,
-            ),
+            identity, "broadcast", offer.version, attempt=attempt, load_format=self.load_format
         )
         try:
             ack = await self._ack(offer.version, attempt)
@@ -294,20 +245,20 @@ class NcclTransport:
         extra = {"abort_all_requests": True} if self._applies_with_abort(engine) else {}
         path, layout_id = "/update_weights_from_distributed", offer.layout_id
         if not (layout_id and self._layout_ids.get(engine)):
-            await self._post(session, engine, path, {**whole(), **extra})
+            await post(session, engine + path, {**whole(), **extra})
             return
         if self._known_layout.get(engine) == layout_id:
             short = self._update_body(offer, [], flush_cache=True)
             short = {k: v for k, v in short.items() if k not in ("names", "dtypes", "shapes")}
             try:
-                await self._post(session, engine, path, {**short, **extra, "layout_id": layout_id})
+                await post(session, engine + path, {**short, **extra, "layout_id": layout_id})
                 return
             except EngineAnswerError as exc:
                 if exc.status != 409 or "layout_id" not in str(exc):  # not a version refusal
                     raise
                 log.info("%s no longer knows layout %s: sending it in full", engine, layout_id)
         self._known_layout.pop(engine, None)
-        await self._post(session, engine, path, {**whole(), **extra, "layout_id": layout_id})
+        await post(session, engine + path, {**whole(), **extra, "layout_id": layout_id})
         self._known_layout[engine] = layout_id
 
     async def _post_chain(self, session, engine, offer, buckets) -> None:  # type: ignore[no-untyped-def]
@@ -317,7 +268,7 @@ class NcclTransport:
         async def chain() -> None:
             for index, bucket in enumerate(buckets):
                 body = self._update_body(offer, bucket, flush_cache=index == len(buckets) - 1)
-                await self._post(session, engine, "/update_weights_from_distributed", body)
+                await post(session, f"{engine}/update_weights_from_distributed", body)
 
         try:
             await asyncio.wait_for(chain(), self.timeout_s)
@@ -361,17 +312,11 @@ class NcclTransport:
             raise RuntimeError("; ".join(f"{e}: {r!r}" for e, r in failed))
         return results
 
-    # The session's timeout (the broker's) is `sync_timeout_s`: no request waits longer.
-    async def _post(self, session, engine: str, path: str, body: dict) -> None:  # type: ignore[no-untyped-def]
-        async with session.post(f"{engine}{path}", json=body) as resp:
-            reply = await resp.json(content_type=None)
-            if resp.status != 200 or (isinstance(reply, dict) and reply.get("success") is False):
-                raise EngineAnswerError(f"{path} answered HTTP {resp.status}: {reply}", resp.status)
-
-    async def _get(self, session, url: str) -> dict:  # type: ignore[no-untyped-def]
-        async with session.get(url) as resp:
+    async def _server_info(self, session, engine: str) -> dict:  # type: ignore[no-untyped-def]
+        async with session.get(f"{engine}/get_server_info") as resp:
             resp.raise_for_status()
             return await resp.json(content_type=None)
 
-    async def _command(self, identity: bytes, command: NcclCommand) -> None:
+    async def _command(self, identity: bytes, action: str, version: int, **fields: Any) -> None:
+        command = NcclCommand(action=action, version=version, **fields)
         await self.socket.send_multipart([identity, encode(command)])

@@ -33,12 +33,10 @@ def create_app(config: BrokerConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(broker.run()), asyncio.create_task(syncs.run())]
+        app.state.loop = task = asyncio.create_task(broker.run(), name="broker")
         yield
-        for task in tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         broker.transport.stop()
         syncs.close()
 
@@ -48,7 +46,9 @@ def create_app(config: BrokerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        problem = broker.thread_problem()
+        task = app.state.loop
+        stopped = task.done() and not task.cancelled() and task.exception()
+        problem = f"the broker's loop stopped: {stopped!r}; see its log" if stopped else ""
         body = {"status": "error" if problem else "ok", "version": broker.latest}
         return JSONResponse(
             {**body, "problem": problem} if problem else body, 503 if problem else 200

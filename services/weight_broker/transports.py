@@ -1,4 +1,4 @@
-"""The broker's one transport seam, `WeightTransport`, and the bucket transports (ZMQ, disk).
+"""The broker's transport seam, `WeightTransport`, and the bucket transports (ZMQ, disk).
 
 A transport answers the broker's loop (broker.py) and calls nothing back:
 - `next_version(wake)`: the version to bring engines to now. Bucket transports return the
@@ -6,14 +6,13 @@ A transport answers the broker's loop (broker.py) and calls nothing back:
   after `POLL_S`); NCCL waits for the trainer's next offer (nccl_transport.py).
 - `sync(session, urls, version)`: one `Outcome` per engine; `refuse(version, why)`: deliver it
   to no engine (the trainer never published it); `forget(url)`: an engine restarted or left.
-- `retry_backoff_s`: when an engine that failed is tried again (an NCCL version needs the
-  trainer, so there a failed engine waits until it is registered again).
+- `serve()`: its socket loops, run beside the broker's (a bucket transport's intake and fetch
+  sockets); `retry_backoff_s`: when an engine that failed is tried again (an NCCL version
+  needs the trainer, so there a failed engine waits until it is registered again).
 
-Bucket transports take the trainer's buckets on a ZMQ PULL socket (intake thread, HMAC-checked,
-into `VersionStore`). `ZmqTransport`: engines fetch them from our ROUTER socket (serve thread;
-`POST /update_weights_from_zmq`, Tandem's engine). `DiskTransport`: each version is written once
-as a Hugging Face directory under `--disk-dir` (visible to the engines), which each engine
-reloads (`POST /update_weights_from_disk`, as SGLang servers do).
+`ZmqTransport`: engines fetch versions from our ROUTER socket (`/update_weights_from_zmq`,
+Tandem's engine). `DiskTransport`: each version is written once as a Hugging Face directory
+under `--disk-dir`, which each engine reloads (`/update_weights_from_disk`, as SGLang does).
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,16 +28,16 @@ from typing import Protocol
 
 import aiohttp
 import zmq
+import zmq.asyncio
 
 from proto import WeightRequest, decode
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.store import Version, VersionStore
 from services.weight_sync.safetensors_file import write_safetensors
-from services.weight_sync.wire import AuthenticationError, parse_bucket, secret_from_env
+from services.weight_sync.wire import AuthenticationError, Frame, parse_bucket, secret_from_env
 from services.weight_sync.zmq_transport import ERROR_FRAME
 
 log = logging.getLogger("tandem.broker")
-POLL_MS = 200  # socket threads look at the stop flag this often
 POLL_S = 1.0  # bucket transports: engines whose retry came due are seen within this
 
 
@@ -52,11 +50,18 @@ class Outcome:
     nbytes: int = 0
 
 
+class EngineAnswerError(RuntimeError):
+    """An engine answered a request with an error (it is alive and reachable)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class WeightTransport(Protocol):
     intake_endpoint: str  # where the trainer sends versions
     serve_endpoint: str  # where engines fetch them ('' when they do not)
     retry_backoff_s: float
-    threads: list[threading.Thread]  # socket threads (`/health` answers 503 if one died)
 
     async def next_version(self, wake: asyncio.Event) -> int: ...
 
@@ -65,6 +70,8 @@ class WeightTransport(Protocol):
     ) -> dict[str, Outcome]: ...
 
     async def refuse(self, version: int, why: str) -> None: ...
+
+    async def serve(self) -> None: ...
 
     def forget(self, url: str) -> None: ...
 
@@ -87,57 +94,52 @@ def make_transport(config: BrokerConfig, counters: dict[str, int]) -> WeightTran
     return transport
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> None:
+async def post(session: aiohttp.ClientSession, url: str, body: dict) -> None:
+    """POST `body`; `EngineAnswerError` unless the engine answers 200 without `success: false`.
+    The session's timeout (the broker's `sync_timeout_s`) bounds it."""
     async with session.post(url, json=body) as resp:
         reply = await resp.json(content_type=None)
-        if resp.status != 200 or not reply.get("success", False):
-            raise RuntimeError(f"HTTP {resp.status}: {reply.get('message', reply)}")
+        if resp.status != 200 or (isinstance(reply, dict) and reply.get("success") is False):
+            raise EngineAnswerError(f"{url} answered HTTP {resp.status}: {reply}", resp.status)
 
 
 class ZmqTransport:
-    """Buckets in from the trainer; engines fetch each version from our serve socket."""
+    """Buckets in from the trainer (PULL, HMAC-checked, into `VersionStore`); engines fetch
+    each version from our ROUTER socket."""
 
     retry_backoff_s = 5.0
 
     def __init__(self, keep_versions: int = 2) -> None:
         self.store = VersionStore(keep_versions)
-        self.threads: list[threading.Thread] = []
         self.intake_endpoint = self.serve_endpoint = ""
-        self._stop = threading.Event()
         self._prepared = -1
-        self._wake: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._wake: asyncio.Event | None = None
 
     def bind(self, config: BrokerConfig, counters: dict[str, int]) -> None:
-        """Bind the intake (PULL) and serve (ROUTER) sockets and start their threads."""
+        """Bind the intake (PULL) and serve (ROUTER) sockets; `serve()` reads them."""
         self.counters, self.secret = counters, secret_from_env()
-        ctx = zmq.Context.instance()
-        intake = ctx.socket(zmq.PULL)
-        intake.bind(config.intake_endpoint)
-        self.intake_endpoint = intake.getsockopt_string(zmq.LAST_ENDPOINT)
-        serve = ctx.socket(zmq.ROUTER)
-        serve.setsockopt(zmq.LINGER, 0)
-        serve.bind(config.serve_endpoint)
-        self.serve_endpoint = serve.getsockopt_string(zmq.LAST_ENDPOINT)
+        ctx = zmq.asyncio.Context.instance()
+        self.intake = ctx.socket(zmq.PULL)
+        self.intake.bind(config.intake_endpoint)
+        self.intake_endpoint = self.intake.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.fetch = ctx.socket(zmq.ROUTER)
+        self.fetch.setsockopt(zmq.LINGER, 0)
+        self.fetch.bind(config.serve_endpoint)
+        self.serve_endpoint = self.fetch.getsockopt_string(zmq.LAST_ENDPOINT)
         if config.advertise_host and self.serve_endpoint.startswith("tcp://"):
             port = self.serve_endpoint.rsplit(":", 1)[1]
             self.serve_endpoint = f"tcp://{config.advertise_host}:{port}"
-        for target, sock in ((self._intake_loop, intake), (self._serve_loop, serve)):
-            name = target.__name__.strip("_")
-            thread = threading.Thread(target=target, args=(sock,), daemon=True, name=name)
-            thread.start()
-            self.threads.append(thread)
         log.info("intake %s, serving %s", self.intake_endpoint, self.serve_endpoint)
 
     def stop(self) -> None:
-        self._stop.set()
-        for thread in self.threads:
-            thread.join(timeout=2)
+        self.intake.close(linger=0)
+        self.fetch.close()
 
     def forget(self, url: str) -> None:
         """Nothing kept per engine: a restarted engine fetches like any other."""
 
     async def next_version(self, wake: asyncio.Event) -> int:
-        self._wake = (asyncio.get_running_loop(), wake)
+        self._wake = wake
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(wake.wait(), timeout=POLL_S)
         wake.clear()
@@ -150,7 +152,10 @@ class ZmqTransport:
         if not urls or entry is None:
             return {}
         if self._prepared != version:  # once per version (the disk copy), before any engine
-            await asyncio.to_thread(self.prepare, entry)
+            try:
+                await asyncio.to_thread(self.prepare, entry)
+            except OSError as exc:  # e.g. a full disk: every engine waits for its retry
+                return {url: Outcome(f"cannot prepare version {version}: {exc}") for url in urls}
             self._prepared = version
 
         async def one(url: str) -> Outcome:
@@ -170,21 +175,22 @@ class ZmqTransport:
         """Nothing to do: the store already holds the buckets the engines will fetch."""
 
     async def update(self, session: aiohttp.ClientSession, url: str, version: int) -> None:
-        """Bring one engine to `version`; `RuntimeError` with the engine's message if refused."""
+        """Bring one engine to `version`; `EngineAnswerError` with its message if refused."""
         body = {"endpoint": self.serve_endpoint, "weight_version": str(version)}
-        await _post(session, f"{url}/update_weights_from_zmq", {**body, "flush_cache": True})
+        await post(session, f"{url}/update_weights_from_zmq", {**body, "flush_cache": True})
 
-    # --- socket threads -----------------------------------------------------------------------
+    # --- socket loops -------------------------------------------------------------------------
 
-    def _intake_loop(self, sock: zmq.Socket) -> None:
-        """Trainer -> broker: assemble buckets; wake the broker's loop when a version is done."""
-        while not self._stop.is_set():
-            if not sock.poll(POLL_MS):
-                continue
-            message = sock.recv_multipart(copy=False)
+    async def serve(self) -> None:
+        await asyncio.gather(self._intake_loop(), self._fetch_loop())
+
+    async def _intake_loop(self) -> None:
+        """Trainer -> broker: assemble buckets (the HMAC is checked off the event loop); wake
+        the broker's loop when a version is complete."""
+        while True:
+            message = await self.intake.recv_multipart(copy=False)
             try:
-                header, _frames = parse_bucket(message, self.secret)
-                done = self.store.add_bucket(header, message)
+                done = await asyncio.to_thread(self._add_bucket, message)
             except (ValueError, AuthenticationError, TypeError, IndexError) as exc:
                 self.counters["buckets_rejected"] += 1
                 log.error("dropped a weight bucket: %s", exc)
@@ -193,34 +199,33 @@ class ZmqTransport:
                 self.counters["versions_received"] += 1
                 log.info("version %d complete (%.1f MB)", done.version, done.nbytes / 1e6)
                 if self._wake is not None:
-                    loop, wake = self._wake
-                    loop.call_soon_threadsafe(wake.set)
-        sock.close()
+                    self._wake.set()
 
-    def _serve_loop(self, sock: zmq.Socket) -> None:
+    def _add_bucket(self, message: list[Frame]) -> Version | None:
+        header, _frames = parse_bucket(message, self.secret)
+        return self.store.add_bucket(header, message)
+
+    async def _fetch_loop(self) -> None:
         """Engine fetches: every bucket of the version asked for, or an error frame."""
-        while not self._stop.is_set():
-            if not sock.poll(POLL_MS):
-                continue
-            parts = sock.recv_multipart()
+        while True:
+            identity, *parts = await self.fetch.recv_multipart()
             try:
-                if len(parts) != 2:
-                    raise ValueError(f"{len(parts) - 1} payload frames, expected 1 WeightRequest")
-                request = decode(parts[1], WeightRequest)
+                if len(parts) != 1:
+                    raise ValueError(f"{len(parts)} payload frames, expected 1 WeightRequest")
+                request = decode(parts[0], WeightRequest)
             except ValueError as exc:
                 self.counters["frames_rejected"] += 1
-                sock.send_multipart([parts[0], ERROR_FRAME, str(exc).encode()])
+                await self.fetch.send_multipart([identity, ERROR_FRAME, str(exc).encode()])
                 continue
             entry = self.store.get(request.version)
             if entry is None:
                 msg = (
                     f"broker holds no weight version {request.version} (latest {self.store.latest})"
                 )
-                sock.send_multipart([parts[0], ERROR_FRAME, msg.encode()])
+                await self.fetch.send_multipart([identity, ERROR_FRAME, msg.encode()])
                 continue
             for message in entry.messages():
-                sock.send_multipart([parts[0], *message], copy=False)
-        sock.close()
+                await self.fetch.send_multipart([identity, *message], copy=False)
 
 
 class DiskTransport(ZmqTransport):
@@ -260,4 +265,4 @@ class DiskTransport(ZmqTransport):
 
     async def update(self, session: aiohttp.ClientSession, url: str, version: int) -> None:
         body = {"model_path": str(self.version_dir(version)), "weight_version": str(version)}
-        await _post(session, f"{url}/update_weights_from_disk", body)
+        await post(session, f"{url}/update_weights_from_disk", body)
