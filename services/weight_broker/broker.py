@@ -44,7 +44,7 @@ class EngineState:
     last_error: str = ""
     last_sync_s: float = 0.0
     last_bytes_per_s: float = 0.0
-    last_sync_at: float = 0.0  # wall time the last sync ended (read by observe.py)
+    last_sync_at: float = 0.0  # wall time the last sync ended (read by server.py)
     failures: int = 0
     retry_at: float = 0.0
 
@@ -70,7 +70,7 @@ class WeightBroker:
         self._unpublished_engines = False  # version:engines waits for Redis to come back
         self._missing, self._missing_since = -1, 0.0  # an announced version not received
         self._wake = asyncio.Event()
-        self.on_sync: Callable[[EngineState], None] | None = None  # observe.py's record
+        self.on_sync: Callable[[EngineState], None] | None = None  # server.py: SyncObserver.record
 
     # --- the loop -----------------------------------------------------------------------------
 

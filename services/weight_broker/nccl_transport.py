@@ -104,21 +104,20 @@ class NcclTransport:
         self._failed, start = {}, time.monotonic()
         error = "no engine to bring to it (all serve it already, or none is in rotation)"
         engines: list[str] = []
-        try:
-            for attempt in range(MAX_ATTEMPTS):
-                if not (engines := [u for u in urls if u not in self._failed]):
-                    break
-                try:
-                    await self._attempt(session, identity, offer, engines, attempt)
-                    log.info("version %d on %d engines", version, len(engines))
-                    break
-                except (RuntimeError, TimeoutError) as exc:
-                    error, engines = str(exc) or repr(exc), []
-                    log.error("version %d attempt %d failed: %s", version, attempt, error)
-                    self.members = []  # a fresh group, without engines that failed
-        except Exception as exc:  # keep coordinating later versions whatever broke this one
-            log.exception("version %d: unexpected error", version)
-            engines, error = [], repr(exc)
+        for attempt in range(MAX_ATTEMPTS):
+            if not (engines := [u for u in urls if u not in self._failed]):
+                break
+            try:
+                await self._attempt(session, identity, offer, engines, attempt)
+                log.info("version %d on %d engines", version, len(engines))
+                break
+            except Exception as exc:  # whatever broke, later versions are still coordinated
+                error, engines = str(exc) or repr(exc), []
+                unexpected = not isinstance(exc, RuntimeError | TimeoutError)
+                log.error(
+                    "version %d attempt %d failed: %s", version, attempt, error, exc_info=unexpected
+                )
+                self.members = []  # a fresh group, without engines that failed
         if engines:
             await self._command(identity, "done", version)
         else:  # the trainer leaves its group on `abort`: the next version forms one

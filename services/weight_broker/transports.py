@@ -1,18 +1,12 @@
 """The broker's transport seam, `WeightTransport`, and the bucket transports (ZMQ, disk).
 
-A transport answers the broker's loop (broker.py) and calls nothing back:
-- `next_version(wake)`: the version to bring engines to now. Bucket transports return the
-  newest complete version they hold (at once when `wake` is set or a version completes, else
-  after `POLL_S`); NCCL waits for the trainer's next offer (nccl_transport.py).
-- `sync(session, urls, version)`: one `Outcome` per engine; `refuse(version, why)`: deliver it
-  to no engine (the trainer never published it); `forget(url)`: an engine restarted or left.
-- `serve()`: its socket loops, run beside the broker's (a bucket transport's intake and fetch
-  sockets); `retry_backoff_s`: when an engine that failed is tried again (an NCCL version
-  needs the trainer, so there a failed engine waits until it is registered again).
-
-`ZmqTransport`: engines fetch versions from our ROUTER socket (`/update_weights_from_zmq`,
-Tandem's engine). `DiskTransport`: each version is written once as a Hugging Face directory
-under `--disk-dir`, which each engine reloads (`/update_weights_from_disk`, as SGLang does).
+A transport answers the broker's loop and calls nothing back: `next_version(wake)` is the
+version to bring engines to now (bucket transports: the newest complete one, within `POLL_S`
+or at once when `wake` is set; NCCL: the trainer's next offer); `sync` brings engines to it,
+one `Outcome` each; `refuse` delivers it to none; `forget` drops what it knew of an engine;
+`serve` runs its socket loops. `ZmqTransport`: engines fetch versions from our ROUTER socket
+(`/update_weights_from_zmq`). `DiskTransport`: each version becomes a Hugging Face directory
+under `--disk-dir` that engines reload (`/update_weights_from_disk`, as SGLang does).
 """
 
 from __future__ import annotations
@@ -61,7 +55,7 @@ class EngineAnswerError(RuntimeError):
 class WeightTransport(Protocol):
     intake_endpoint: str  # where the trainer sends versions
     serve_endpoint: str  # where engines fetch them ('' when they do not)
-    retry_backoff_s: float
+    retry_backoff_s: float  # when a failed engine is tried again (NCCL: once registered again)
 
     async def next_version(self, wake: asyncio.Event) -> int: ...
 
