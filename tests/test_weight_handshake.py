@@ -1,5 +1,5 @@
-"""Router <-> broker handshake: an engine that joins late or restarts gets no traffic until the
-broker has brought it to the current weight version.
+"""Router <-> broker handshake: an engine that joins late, restarts, or misses an NCCL version
+while it stays up gets no traffic until the broker has brought it to the current weight version.
 
 Real processes throughout: reference engines with the toy model, the broker (ZMQ transport),
 the router with `--broker-url`, and a trainer-side `ZmqWeightSender` pushing real weights.
@@ -7,12 +7,15 @@ the router with `--broker-url`, and a trainer-side `ZmqWeightSender` pushing rea
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from urllib.parse import urlparse
 
 import httpx
 import pytest
 
+from services.weight_sync.nccl_sender import NcclWeightSender
 from services.weight_sync.zmq_transport import ZmqWeightSender
 from tests.helpers import wait_until
 from tests.test_broker_nccl import perturbed_weights
@@ -124,3 +127,55 @@ def test_a_restarted_engine_gets_no_traffic_until_it_is_back_on_the_current_vers
     assert versions and set(versions) == {"1"}, "a response came from version-0 weights"
     engines = {e["url"]: e for e in httpx.get(f"{broker.url}/state").json()["engines"]}
     assert engines[first.url]["version"] == 1
+
+
+def test_an_engine_whose_nccl_update_failed_is_taken_out_and_rejoins_at_the_next_version(
+    start_service, toy_model_dir, buffer
+) -> None:
+    """An engine hangs through one NCCL broadcast but stays up for the router: the broker leaves
+    it out of its weight group. The router sees it lag the pool's version, takes it out and
+    hands it back to the broker, whose next version includes it again."""
+    redis = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    engines = [
+        start_service(f"engine{i}", [*engine_args(toy_model_dir), "--update-timeout-s", "20"])
+        for i in range(2)
+    ]
+    urls = [e.url for e in engines]
+    flags = ["--transport", "nccl", "--sync-timeout-s", "6", "--engine-urls", *urls]
+    broker = start_service("broker", ["broker", "--port", "0", *flags, *redis])
+    router_flags = ["--health-interval-s", "0.2", "--health-failures", "1000"]  # never evicts
+    router_flags += ["--engine-urls", *urls, "--broker-url", broker.url, "--no-rollout"]
+    router = start_service(
+        "router", ["router", "--port", "0", "--model", str(toy_model_dir), *router_flags, *redis]
+    )
+    sender = NcclWeightSender(broker.info["intake_endpoint"], bucket_bytes=16 * 1024, timeout_s=30)
+    try:
+        sender.send(1, perturbed_weights(toy_model_dir, seed=1)[0])
+        healthy, victim = engines
+        wait_until(lambda: worker(router.url, victim.url)["weight_version"] == 1, "v1", 30)
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            sender.send(2, perturbed_weights(toy_model_dir, seed=2)[0])  # goes on without it
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        state = {e["url"]: e for e in httpx.get(f"{broker.url}/state").json()["engines"]}
+        assert state[victim.url]["in_rotation"] is False and state[victim.url]["version"] == 1
+        assert worker(router.url, victim.url)["healthy"], "the router never saw it fail"
+        # Behind the pool (version 2) for BROKER_RETRY_S: out, and registered with the broker.
+        wait_until(lambda: not worker(router.url, victim.url)["healthy"], "victim out", 60)
+        assert "waiting for version 2" in worker(router.url, victim.url)["last_error"]
+
+        def back_in_rotation() -> bool:
+            engines = httpx.get(f"{broker.url}/state").json()["engines"]
+            return any(e["url"] == victim.url and e["in_rotation"] for e in engines)
+
+        wait_until(back_in_rotation, "the victim registered with the broker again", 30)
+        sender.send(3, perturbed_weights(toy_model_dir, seed=3)[0])
+        wait_until(
+            lambda: (w := worker(router.url, victim.url))["healthy"] and w["weight_version"] == 3,
+            "the victim re-admitted on version 3",
+            30,
+        )
+        assert worker(router.url, healthy.url)["weight_version"] == 3
+    finally:
+        sender.close()

@@ -19,7 +19,10 @@ from its load weights and is taken out at once. In both cases, with `--broker-ur
 registers the engine with the broker (`POST {broker}/engines`: URL, the version it serves and
 whether it restarted; the router is the one owner of engine versions, the broker polls none),
 which brings it to the current version; the health checks admit it once it reports that
-version.
+version. An admitted worker that serves an older version than the pool's for `BROKER_RETRY_S`
+(its weight sync failed while it stayed up, e.g. an NCCL update it answered with an error; the
+broker then leaves it out of its weight group) is taken out and handed to the broker the same
+way: its samples would only be dropped as stale.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class Worker:
     last_error: str = ""
     model_info: dict[str, Any] = field(default_factory=dict)
     broker_asked_at: float = -math.inf  # monotonic time of the last POST {broker}/engines
+    behind_since: float = 0.0  # monotonic time it first served an older version than the pool's
     waiting: set[asyncio.Task[Any]] = field(default_factory=set)  # tasks awaiting its answer
 
     def to_json(self) -> dict[str, Any]:
@@ -390,7 +394,7 @@ class WorkerPool:
     @staticmethod
     def _take_out(worker: Worker) -> None:
         """Out of the rotation; the requests waiting on it are asked of another worker."""
-        worker.healthy = False
+        worker.healthy, worker.behind_since = False, 0.0
         for task in list(worker.waiting):
             task.cancel(TAKEN_OUT)
         if worker.waiting:
@@ -421,7 +425,11 @@ class WorkerPool:
             worker.weight_version = reported
             if worker.healthy:
                 self.version_reached = max(self.version_reached, reported)
-                return
+                if not self._lags(worker, target):
+                    return
+                self._take_out(worker)
+                worker.last_error = f"{self._behind(worker, target)}, for {BROKER_RETRY_S:.0f} s"
+                log.warning("took %s out: %s", worker.url, worker.last_error)
             if reported >= target:
                 worker.healthy, worker.last_error = True, ""
                 self.version_reached = max(self.version_reached, reported)
@@ -433,6 +441,16 @@ class WorkerPool:
                 await self.ask_broker_to_sync(worker)
 
         await asyncio.gather(*(check(w) for w in list(self.workers.values())))
+
+    @staticmethod
+    def _lags(worker: Worker, target: int) -> bool:
+        """Whether an admitted worker has served an older version than `target` for
+        `BROKER_RETRY_S` (a moment behind is every sync's normal course)."""
+        if worker.weight_version >= target:
+            worker.behind_since = 0.0
+            return False
+        worker.behind_since = worker.behind_since or time.monotonic()
+        return time.monotonic() - worker.behind_since >= BROKER_RETRY_S
 
     async def run_health_checks(self) -> None:
         while True:
