@@ -149,8 +149,9 @@ class NcclCommand(msgspec.Struct, kw_only=True):
     `world_size` ranks as rank 0, collectives bounded by `timeout_s`), `broadcast` (send every
     bucket of the version now, back to back, in `load_format`; `bucket` is -1 = all), `done`
     (every engine in rotation has the version) or `abort` (give up this version; `message`
-    says why). After a failure the broker may start a new `attempt` of the same version (a
-    fresh group without the failed engines, from the first bucket).
+    says why; the sequence: proto/sglang.py). After a failure the broker may start a new
+    `attempt` of the same version (a fresh group without the failed engines, from the first
+    bucket).
 
     `load_format` is the broker's `--nccl-load-format`: `flattened_bucket` = one broadcast per
     bucket of a 1-D uint8 tensor holding the bucket's tensors' bytes back to back in offer

@@ -5,6 +5,26 @@ reference engine, which publishes them in its OpenAPI schema and answers a body 
 fit with 400 naming the field (as SGLang does). Each class lists every field of its io_struct
 namesake (`tests/test_sglang_contract.py` checks it against the installed `sglang` source), plus
 Tandem's extensions where marked. Unknown fields are refused.
+
+The NCCL weight protocol (broker `--transport nccl`), stated here once. The trainer offers each
+version to the broker (`proto.NcclOffer`: bucketed names, dtypes, shapes; the tensors stay on
+the trainer's device); an offer that fails its HMAC check is answered `abort`. Then, in order:
+  1. Group, if the engines changed or the last attempt failed: the broker reads each engine's
+     `GET /get_server_info` (`tp_size`; whether it takes `bucket_sizes` and `layout_id`), sends
+     the trainer `init` (`proto.NcclCommand`) and each engine `InitWeightsUpdateGroupReqInput`
+     (rank_offset = 1 + the TP ranks before it; world = 1 + all TP ranks).
+  2. Pause: `PauseGenerationReqInput` (`--pause-mode`, unless none), except to an engine that
+     takes a whole version per request in mode abort: it generates on the old weights until
+     the version is in, and its request carries `abort_all_requests`.
+  3. Transfer: `broadcast` to the trainer, which sends every bucket from rank 0 in the
+     command's `load_format` and acks (`proto.NcclAck`); each engine gets one
+     `UpdateWeightsFromDistributedReqInput` with the whole version (Tandem's engine:
+     `bucket_sizes`; once it took a layout, only its `layout_id`, in full again after a 409)
+     or one per bucket, each sent when the previous one answered (SGLang).
+  4. Resume: `ContinueGenerationReqInput` to the engines paused in 2; `done` to the trainer.
+A failure or timeout takes the failing engine out of rotation; the version is tried once more
+in a fresh group without it, else the trainer gets `abort` (engines keep their version) and the
+next version forms a fresh group. No step waits longer than the broker's `--sync-timeout-s`.
 """
 
 from __future__ import annotations

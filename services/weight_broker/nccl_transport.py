@@ -1,7 +1,7 @@
 """Broker side of the NCCL weight path: `NcclTransport` (a `WeightTransport`, transports.py)
 drives the trainer's `NcclWeightSender` (services/weight_sync/nccl_sender.py) with proto's
-`NcclCommand`s. The sequence of one version (group, pause, transfer, continue) and what a
-failure does are in docs/architecture.md, "Weight sync".
+`NcclCommand`s through the sequence stated in proto/sglang.py's docstring (group, pause,
+transfer, continue; what a failure does).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class NcclTransport:
     async def sync(
         self, session: aiohttp.ClientSession, urls: list[str], version: int
     ) -> dict[str, Outcome]:
-        """Bring `urls` to the offered `version` (see the module docstring); the trainer gets
+        """Bring `urls` to the offered `version` (proto/sglang.py); the trainer gets
         `done` or `abort` whatever happens, so it never waits past its timeout."""
         assert self._offer is not None and self._offer[1].version == version
         (identity, offer), self._offer = self._offer, None
@@ -233,7 +233,7 @@ class NcclTransport:
         return body
 
     def _applies_with_abort(self, engine: str) -> bool:
-        """Whether this engine's version update replaces the pause (see step 2 above)."""
+        """Whether this engine's version update replaces the pause (step 2 of the sequence)."""
         return self.pause_mode == "abort" and bool(self._whole_version.get(engine))
 
     async def _post_version(self, session, engine, offer: NcclOffer, whole) -> None:  # type: ignore[no-untyped-def]

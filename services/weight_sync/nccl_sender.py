@@ -1,29 +1,26 @@
-"""Trainer side of the NCCL (or, on CPU, gloo) weight path: `NcclWeightSender`.
-
-Sequence for one version (the broker's `NcclTransport` drives it):
-  1. `send(version, tensors)` offers the version's bucket metadata to the broker (`NcclOffer`),
-     with `layout_id`, a hash of that metadata. When the same tensors over the same storage
-     come back (the trainer's export returns the same objects each version), the buckets,
-     metadata and byte views of the last version are reused: no per-tensor work.
-  2. If the broker answers `init`, join the weight group as rank 0 (engines join concurrently).
-  3. On `broadcast` (one per version), send every bucket from rank 0, back to back, in the
-     command's `load_format`, then ack once:
-     - `flattened_bucket`: bucket k is packed into a flat uint8 buffer (its tensors' bytes in
-       offer order, no padding) and broadcast with `async_op=True`. Two buffers, sized to the
-       largest bucket, take turns: before packing into one, we `wait()` on the broadcast that
-       last read it. On NCCL that wait makes the current CUDA stream wait, not the host, so
-       the host queues every pack and broadcast at once and the device overlaps packing
-       bucket k+1 with sending bucket k. A bucket of one tensor is sent from the tensor itself.
-       On CUDA, packing is one device-to-device copy per tensor: on H200s, packing 16 GiB with
-       one `torch.cat` kernel per bucket slowed the concurrent broadcasts by 5.6 ms (53.0 ms
-       vs 47.4 for the same buckets unpacked), plain copies by 2.9 ms. On CPU, one `cat`.
-       The first buckets are smaller (1/8, 1/4, 1/2 of the bucket size,
-       `group_by_bytes(ramp=True)`), so the first broadcast starts after a short pack.
-     - `per_tensor`: each tensor is broadcast as it is, back to back with `async_op=True`.
-     Then wait for every collective, synchronize the device and ack (`NcclAck`).
-     A failed collective is acked as failed and the group dropped; the broker then either
-     starts a new attempt (`init` again, without the failed engine) or aborts.
-  4. `done` ends the version; `abort` abandons it (engines keep their previous version).
+"""Trainer side of the NCCL (or, on CPU, gloo) weight path: `NcclWeightSender`, rank 0 of the
+weight group. The protocol it follows with the broker is stated in proto/sglang.py's docstring;
+what the sender does at each command:
+  - `send(version, tensors)` offers the bucket metadata (`NcclOffer`) with `layout_id`, a hash
+    of it. When the same tensors over the same storage come back (the trainer's export returns
+    the same objects each version), the buckets, metadata and byte views of the last version
+    are reused: no per-tensor work.
+  - `init`: join the weight group as rank 0 (engines join concurrently).
+  - `broadcast`: send every bucket back to back in the command's `load_format`, then ack once.
+    `flattened_bucket`: bucket k is packed into a flat uint8 buffer (its tensors' bytes in
+    offer order, no padding) and broadcast with `async_op=True`. Two buffers, sized to the
+    largest bucket, take turns: before packing into one, we `wait()` on the broadcast that
+    last read it. On NCCL that wait makes the current CUDA stream wait, not the host, so the
+    host queues every pack and broadcast at once and the device overlaps packing bucket k+1
+    with sending bucket k. A bucket of one tensor is sent from the tensor itself. On CUDA,
+    packing is one device-to-device copy per tensor: on H200s, packing 16 GiB with one
+    `torch.cat` kernel per bucket slowed the concurrent broadcasts by 5.6 ms (53.0 ms vs 47.4
+    for the same buckets unpacked), plain copies by 2.9 ms. On CPU, one `cat`. The first
+    buckets are smaller (1/8, 1/4, 1/2 of the bucket size, `group_by_bytes(ramp=True)`), so
+    the first broadcast starts after a short pack. `per_tensor`: each tensor is broadcast as
+    it is, back to back. Then wait for every collective, synchronize the device and ack
+    (`NcclAck`); a failed collective is acked as failed and the group dropped.
+  - `done` ends the version; `abort` abandons it (engines keep their previous version).
 Every wait is bounded (receives by `timeout_s`, the rendezvous and collectives by the timeout
 the broker sends with `init`: gloo's waits time out, NCCL's watchdog aborts a collective that
 runs past it), so a dead or hung engine never blocks the trainer for good. Only trainer rank 0
