@@ -17,13 +17,14 @@ import aiohttp
 import httpx
 import pytest
 
+from proto import sglang as sg
 from proto.messages import NcclOffer, TensorMeta
 from services.common.engine_info import VersionUnavailableError, weight_version
 from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.rollout import RolloutLoop
 from services.rollout_router.samples import as_list
 from services.weight_broker.nccl_transport import NcclTransport as NcclCoordinator
-from services.weight_broker.transports import DiskTransport
+from services.weight_broker.transports import DiskTransport, as_json
 from tests import sglang_surface
 
 
@@ -130,14 +131,18 @@ async def test_broker_weight_update_bodies_are_accepted(
     )
     for load_format in ("per_tensor", "flattened_bucket"):
         me: Any = SimpleNamespace(group_name="tandem_weights_1", load_format=load_format)
-        body = NcclCoordinator._update_body(me, offer, offer.buckets[0], True)
+        body = as_json(NcclCoordinator._update_body(me, offer, offer.buckets[0], True))
         assert sglang_surface.check_body("UpdateWeightsFromDistributedReqInput", body) is None
-    init = NcclCoordinator._init_body(me, offer, 1, 2)
+        assert ("load_format" in body) == (load_format == "flattened_bucket")
+    init = as_json(NcclCoordinator._init_body(me, offer, 1, 2))
     assert sglang_surface.check_body("InitWeightsUpdateGroupReqInput", init) is None
     for mode in ("abort", "in_place", "retract"):
-        reply = httpx.post(f"{url}/pause_generation", json={"mode": mode})
-        assert reply.status_code == 200
-    assert httpx.post(f"{url}/continue_generation", json={}).status_code == 200
+        pause = as_json(sg.PauseGenerationReqInput.model_validate({"mode": mode}))
+        assert sglang_surface.check_body("PauseGenerationReqInput", pause) is None
+        assert httpx.post(f"{url}/pause_generation", json=pause).status_code == 200
+    resume = as_json(sg.ContinueGenerationReqInput())
+    assert sglang_surface.check_body("ContinueGenerationReqInput", resume) is None
+    assert httpx.post(f"{url}/continue_generation", json=resume).status_code == 200
 
 
 # Tandem's additions to SGLang's request classes (documented in proto/sglang.py).

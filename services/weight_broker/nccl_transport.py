@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from proto import NcclAck, NcclCommand, NcclOffer, TensorMeta, decode, encode
+from proto import sglang as sg
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.transports import EngineAnswerError, Outcome, post
 from services.weight_sync.safetensors_file import tensors_nbytes
@@ -138,7 +139,7 @@ class NcclTransport:
             marks.append(time.monotonic())
             if self.pause_mode != "none":
                 pause = [e for e in engines if not self._applies_with_abort(e)]
-                body = {"mode": self.pause_mode}
+                body = sg.PauseGenerationReqInput.model_validate({"mode": self.pause_mode})
                 await self._gather(
                     [post(session, f"{e}/pause_generation", body) for e in pause], pause
                 )
@@ -147,7 +148,10 @@ class NcclTransport:
             await self._transfer(session, identity, offer, engines, attempt)
             marks.append(time.monotonic())
         finally:  # engines that failed are out of rotation; resume the others
-            resume = [post(session, f"{e}/continue_generation", {}) for e in paused]
+            resume = [
+                post(session, f"{e}/continue_generation", sg.ContinueGenerationReqInput())
+                for e in paused
+            ]
             await asyncio.gather(*resume, return_exceptions=True)
         marks.append(time.monotonic())
         steps = zip(("group", "pause", "transfer", "continue"), marks, marks[1:], strict=False)
@@ -181,11 +185,10 @@ class NcclTransport:
         buckets = [b for b in offer.buckets if b] or [[]]
 
         @functools.cache  # built at most once per version, for the engines that take it
-        def whole() -> dict:
-            body = self._update_body(offer, [m for b in buckets for m in b], flush_cache=True)
-            if self.load_format == "flattened_bucket":
-                body["bucket_sizes"] = [len(b) for b in buckets if b]
-            return body
+        def whole() -> sg.UpdateWeightsFromDistributedReqInput:
+            flat = self.load_format == "flattened_bucket"
+            sizes = [len(b) for b in buckets if b] if flat else None
+            return self._update_body(offer, [m for b in buckets for m in b], bucket_sizes=sizes)
 
         calls = [
             self._post_version(session, e, offer, whole)
@@ -206,31 +209,34 @@ class NcclTransport:
         if ack_error:
             raise RuntimeError(ack_error)
 
-    def _init_body(self, offer: NcclOffer, rank_offset: int, world_size: int) -> dict[str, Any]:
-        """SGLang's InitWeightsUpdateGroupReqInput for one engine."""
-        return {
-            "master_address": offer.master_address,
-            "master_port": offer.master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": self.group_name,
-            "backend": offer.backend,
-        }
+    def _init_body(
+        self, offer: NcclOffer, rank_offset: int, world_size: int
+    ) -> sg.InitWeightsUpdateGroupReqInput:
+        return sg.InitWeightsUpdateGroupReqInput(
+            master_address=offer.master_address,
+            master_port=offer.master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=self.group_name,
+            backend=offer.backend,
+        )
 
     def _update_body(
-        self, offer: NcclOffer, tensors: list[TensorMeta], flush_cache: bool
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "names": [m.name for m in tensors],
-            "dtypes": [m.dtype for m in tensors],
-            "shapes": [m.shape for m in tensors],
-            "group_name": self.group_name,
-            "weight_version": str(offer.version),
-            "flush_cache": flush_cache,
-        }
-        if self.load_format == "flattened_bucket":  # per_tensor: SGLang's default, no field
-            body["load_format"] = "flattened_bucket"
-        return body
+        self, offer: NcclOffer, tensors: list[TensorMeta] | None, flush: bool = True, **extra: Any
+    ) -> sg.UpdateWeightsFromDistributedReqInput:
+        """`tensors` None: named by the `layout_id` in `extra`. per_tensor is SGLang's default
+        `load_format`: then the field is left out."""
+        flat = "flattened_bucket" if self.load_format == "flattened_bucket" else None
+        if tensors is not None:
+            extra |= {"names": [m.name for m in tensors], "dtypes": [m.dtype for m in tensors]}
+            extra["shapes"] = [m.shape for m in tensors]
+        return sg.UpdateWeightsFromDistributedReqInput(
+            group_name=self.group_name,
+            weight_version=str(offer.version),
+            flush_cache=flush,
+            load_format=flat,
+            **extra,
+        )
 
     def _applies_with_abort(self, engine: str) -> bool:
         """Whether this engine's version update replaces the pause (step 2 of the sequence)."""
@@ -244,20 +250,20 @@ class NcclTransport:
         extra = {"abort_all_requests": True} if self._applies_with_abort(engine) else {}
         path, layout_id = "/update_weights_from_distributed", offer.layout_id
         if not (layout_id and self._layout_ids.get(engine)):
-            await post(session, engine + path, {**whole(), **extra})
+            await post(session, engine + path, whole().model_copy(update=extra))
             return
         if self._known_layout.get(engine) == layout_id:
-            short = self._update_body(offer, [], flush_cache=True)
-            short = {k: v for k, v in short.items() if k not in ("names", "dtypes", "shapes")}
+            short = self._update_body(offer, None, layout_id=layout_id, **extra)
             try:
-                await post(session, engine + path, {**short, **extra, "layout_id": layout_id})
+                await post(session, engine + path, short)
                 return
             except EngineAnswerError as exc:
                 if exc.status != 409 or "layout_id" not in str(exc):  # not a version refusal
                     raise
                 log.info("%s no longer knows layout %s: sending it in full", engine, layout_id)
         self._known_layout.pop(engine, None)
-        await post(session, engine + path, {**whole(), **extra, "layout_id": layout_id})
+        full = whole().model_copy(update={**extra, "layout_id": layout_id})
+        await post(session, engine + path, full)
         self._known_layout[engine] = layout_id
 
     async def _post_chain(self, session, engine, offer, buckets) -> None:  # type: ignore[no-untyped-def]
@@ -266,7 +272,7 @@ class NcclTransport:
 
         async def chain() -> None:
             for index, bucket in enumerate(buckets):
-                body = self._update_body(offer, bucket, flush_cache=index == len(buckets) - 1)
+                body = self._update_body(offer, bucket, flush=index == len(buckets) - 1)
                 await post(session, f"{engine}/update_weights_from_distributed", body)
 
         try:

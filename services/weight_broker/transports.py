@@ -23,8 +23,10 @@ from typing import Protocol
 import aiohttp
 import zmq
 import zmq.asyncio
+from pydantic import BaseModel
 
 from proto import WeightRequest, decode
+from proto import sglang as sg
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.store import Version, VersionStore
 from services.weight_sync.safetensors_file import write_safetensors
@@ -88,10 +90,15 @@ def make_transport(config: BrokerConfig, counters: dict[str, int]) -> WeightTran
     return transport
 
 
-async def post(session: aiohttp.ClientSession, url: str, body: dict) -> None:
-    """POST `body`; `EngineAnswerError` unless the engine answers 200 without `success: false`.
-    The session's timeout (the broker's `sync_timeout_s`) bounds it."""
-    async with session.post(url, json=body) as resp:
+def as_json(body: BaseModel) -> dict:
+    """One of SGLang's request bodies (proto/sglang.py) as sent: the fields set, none null."""
+    return body.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: BaseModel) -> None:
+    """POST `body`; `EngineAnswerError` unless the engine answers 200 without `success:
+    false`. The session's timeout (the broker's `sync_timeout_s`) bounds it."""
+    async with session.post(url, json=as_json(body)) as resp:
         reply = await resp.json(content_type=None)
         if resp.status != 200 or (isinstance(reply, dict) and reply.get("success") is False):
             raise EngineAnswerError(f"{url} answered HTTP {resp.status}: {reply}", resp.status)
@@ -170,8 +177,10 @@ class ZmqTransport:
 
     async def update(self, session: aiohttp.ClientSession, url: str, version: int) -> None:
         """Bring one engine to `version`; `EngineAnswerError` with its message if refused."""
-        body = {"endpoint": self.serve_endpoint, "weight_version": str(version)}
-        await post(session, f"{url}/update_weights_from_zmq", {**body, "flush_cache": True})
+        body = sg.UpdateWeightsFromZmqReqInput(
+            endpoint=self.serve_endpoint, weight_version=str(version), flush_cache=True
+        )
+        await post(session, f"{url}/update_weights_from_zmq", body)
 
     # --- socket loops -------------------------------------------------------------------------
 
@@ -258,5 +267,6 @@ class DiskTransport(ZmqTransport):
                 shutil.rmtree(old, ignore_errors=True)
 
     async def update(self, session: aiohttp.ClientSession, url: str, version: int) -> None:
-        body = {"model_path": str(self.version_dir(version)), "weight_version": str(version)}
+        path = str(self.version_dir(version))
+        body = sg.UpdateWeightFromDiskReqInput(model_path=path, weight_version=str(version))
         await post(session, f"{url}/update_weights_from_disk", body)
