@@ -235,6 +235,54 @@ def test_an_engine_that_no_longer_knows_the_layout_gets_the_full_request(
         proxy.server_close()
 
 
+class PauseLostProxy(JsonHandler):
+    """Passes every request to a real engine (`target`), but answers its `/pause_generation`
+    with 500 after the engine paused (as if the answer were lost on the way back)."""
+
+    target = ""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server names it
+        reply = httpx.get(self.target + self.path, timeout=60)
+        self.send_json(reply.status_code, reply.json())
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server names it
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        reply = httpx.post(self.target + self.path, json=body, timeout=60)
+        lost = self.path == "/pause_generation"
+        self.send_json(
+            500 if lost else reply.status_code, {"error": "lost"} if lost else reply.json()
+        )
+
+
+def test_an_engine_paused_by_a_version_that_failed_is_resumed(start_service, toy_model_dir) -> None:
+    """The only engine's pause answers an error although it paused: the version is aborted, and
+    the engine is resumed (before, a failed pause left every engine that did pause paused for
+    good, the run with it)."""
+    engine = start_service(
+        "engine",
+        ["engine", "--model", str(toy_model_dir), "--port", "0", "--update-timeout-s", "20"],
+    )
+    handler = type("Proxy", (PauseLostProxy,), {"target": engine.url})
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        proxy_url = f"http://127.0.0.1:{proxy.server_address[1]}"
+        flags = ["--transport", "nccl", "--pause-mode", "in_place", "--sync-timeout-s", "10"]
+        broker = start_service(
+            "broker", ["broker", "--port", "0", *flags, "--engine-urls", proxy_url]
+        )
+        sender = NcclWeightSender(broker.info["intake_endpoint"], timeout_s=30)
+        with pytest.raises(WeightSyncError, match="aborted"):
+            sender.send(1, perturbed_weights(toy_model_dir, seed=1)[0])
+        sender.close()
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        reply = httpx.post(f"{engine.url}/generate", json=body, timeout=10)  # paused: no answer
+        assert reply.status_code == 200 and reply.json()["meta_info"]["weight_version"] == "0"
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
 def test_a_hung_then_dead_engine_is_dropped_and_the_others_keep_getting_versions(
     stack, toy_model_dir
 ) -> None:

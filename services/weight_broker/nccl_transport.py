@@ -137,22 +137,18 @@ class NcclTransport:
             if engines != self.members:
                 await self._form_group(session, identity, offer, engines, attempt)
             marks.append(time.monotonic())
-            if self.pause_mode != "none":
-                pause = [e for e in engines if not self._applies_with_abort(e)]
-                body = sg.PauseGenerationReqInput.model_validate({"mode": self.pause_mode})
-                await self._gather(
-                    [post(session, f"{e}/pause_generation", body) for e in pause], pause
-                )
-                paused = pause
+            if self.pause_mode != "none":  # all resumed below, also when one pause failed
+                paused = [e for e in engines if not self._applies_with_abort(e)]
+                pause = sg.PauseGenerationReqInput.model_validate({"mode": self.pause_mode})
+                calls = [post(session, f"{e}/pause_generation", pause) for e in paused]
+                await self._gather(calls, paused)
             marks.append(time.monotonic())
             await self._transfer(session, identity, offer, engines, attempt)
             marks.append(time.monotonic())
         finally:  # engines that failed are out of rotation; resume the others
-            resume = [
-                post(session, f"{e}/continue_generation", sg.ContinueGenerationReqInput())
-                for e in paused
-            ]
-            await asyncio.gather(*resume, return_exceptions=True)
+            resume = sg.ContinueGenerationReqInput()
+            calls = [post(session, f"{e}/continue_generation", resume) for e in paused]
+            await asyncio.gather(*calls, return_exceptions=True)
         marks.append(time.monotonic())
         steps = zip(("group", "pause", "transfer", "continue"), marks, marks[1:], strict=False)
         phases = ", ".join(f"{name} {1e3 * (b - a):.1f} ms" for name, a, b in steps)
