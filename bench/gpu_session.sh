@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU measurements (issues 4, 5, 7), as run on H200 machines through the device tool.
-#   bash bench/gpu_session.sh tests     # the CUDA/NCCL tests (TP and DP trainer, engine on CUDA): 2 GPUs
+#   bash bench/gpu_session.sh tests     # the engine's CUDA/NCCL tests: 2 GPUs, ~2 min
+#   bash bench/gpu_session.sh trainer   # the TP/DP/EP trainer tests: 2 GPUs, a minute or more a case
 #   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3: 4 GPUs
 #   bash bench/gpu_session.sh mfu       # trainer tokens/s and MFU, packed vs padded (GPU 0)
 #   bash bench/gpu_session.sh moe       # MFU on active parameters: ~1.1B-active Qwen3-MoE vs its dense twin (GPU 0; ~65 GB)
@@ -12,10 +13,10 @@
 # to $OUT (or /tmp/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage() { echo "usage: $0 tests|run|mfu|moe|sync|benches|all ..." >&2; exit 2; }
+usage() { echo "usage: $0 tests|trainer|run|mfu|moe|sync|benches|all ..." >&2; exit 2; }
 [ $# -gt 0 ] || usage
 for name in "$@"; do
-    case "$name" in tests|run|mfu|moe|sync|benches|all) ;; *) usage ;; esac
+    case "$name" in tests|trainer|run|mfu|moe|sync|benches|all) ;; *) usage ;; esac
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >/dev/null || exit 1
@@ -48,13 +49,18 @@ case "$1" in
 tests)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     # The engines' NCCL heartbeat warnings can outlast pytest: keep everything, show the summary.
-    # 300 s ran out once inside tests/test_engine_models.py; alone, its CUDA cases take 14 s on
-    # an H100. --durations says where the time goes.
-    timeout 420 python3 -m pytest -q -p no:cacheprovider --durations=15 tests/test_trainer_parallel.py \
+    # On 2xH200 (2026-11-26) these and 3 of the trainer's 10 cases filled a 330 s call (the
+    # trainer's cases take a minute or more each), so the trainer's run as a part of their own.
+    timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=15 \
         tests/test_engine_cuda.py tests/test_engine_models.py \
         "tests/test_trainer_hf_convert.py::test_on_device_export_is_the_same_tensors_each_time_and_follows_the_weights" \
         > "$OUT/tests.txt" 2>&1
     grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/tests.txt"
+    ;;
+trainer)  # ${TESTS_K:-} selects cases (pytest -k) when one device call cannot hold them all
+    timeout 560 python3 -m pytest -v -p no:cacheprovider tests/test_trainer_parallel.py \
+        ${TESTS_K:+-k "$TESTS_K"} > "$OUT/trainer-tests.txt" 2>&1
+    grep -E "PASSED|FAILED|ERROR|[0-9]+ (passed|failed)" "$OUT/trainer-tests.txt"
     ;;
 mfu)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -96,6 +102,7 @@ run)
     ;;
 all)
     part tests
+    part trainer
     part run
     part benches
     ;;

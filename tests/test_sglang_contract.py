@@ -58,18 +58,21 @@ def test_weight_version_is_read_from_model_info_on_sglang_0_5_23(engines) -> Non
     assert weight_version(url) == "7"
 
 
-def test_the_broker_learns_a_sglang_engines_version_without_a_sync(engines, start_service) -> None:  # type: ignore[no-untyped-def]
+def test_the_router_learns_a_sglang_engines_version_without_a_sync(  # type: ignore[no-untyped-def]
+    engines, start_service, buffer, toy_model_dir
+) -> None:
     from tests.helpers import wait_until
 
-    url = engines("--weight-version", "7").url
-    args = ["broker", "--port", "0", "--engine-urls", url]  # read once at start (/model_info)
-    broker = start_service("broker", args).url
+    url = engines("--weight-version", "7").url  # the router owns engine versions (/model_info)
+    args = ["router", "--port", "0", "--engine-urls", url, "--model", str(toy_model_dir)]
+    args += ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    router = start_service("router", [*args, "--no-rollout"]).url
 
     def version() -> object:
-        engines = httpx.get(broker + "/state").json()["engines"]
-        return next(e["version"] for e in engines if e["url"] == url) == 7
+        workers = httpx.get(router + "/workers").json()["workers"]
+        return next(w["weight_version"] for w in workers if w["url"] == url) == 7
 
-    wait_until(version, "the broker to read version 7 from the engine at start", 30)
+    wait_until(version, "the router to read version 7 from the engine", 30)
 
 
 def test_weight_version_falls_back_to_get_weight_version_on_older_servers() -> None:

@@ -26,7 +26,6 @@ from redis.exceptions import RedisError
 
 from proto.contract import ServiceStatus
 from services.common.auth import bearer_headers
-from services.common.engine_info import VersionUnavailableError, weight_version
 from services.sample_buffer import BufferConfig, SampleBuffer
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.transports import Outcome, make_transport
@@ -79,8 +78,6 @@ class WeightBroker:
         self._wake = asyncio.Event()
         timeout = aiohttp.ClientTimeout(total=self.config.sync_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout, headers=bearer_headers()) as session:
-            await asyncio.gather(*(self._read_version(e) for e in self.engines.values()))
-            self.publish_version()
             try:
                 async with asyncio.TaskGroup() as loops:  # one fails: every loop stops
                     loops.create_task(self._sync_loop(session))
@@ -138,15 +135,6 @@ class WeightBroker:
         except RedisError as exc:
             log.warning("cannot read the trainer's version from Redis: %s", exc)
             return -1
-
-    async def _read_version(self, engine: EngineState) -> None:
-        """The version an engine named at start serves (`/model_info`, then older routes)."""
-        timeout_s = min(self.config.sync_timeout_s, 10.0)
-        try:
-            engine.version = int(await asyncio.to_thread(weight_version, engine.url, timeout_s))
-        except (VersionUnavailableError, ValueError) as exc:
-            engine.last_error = f"version unknown: {exc}"
-            log.warning("engine %s: %s", engine.url, engine.last_error)
 
     def mark(self, engine: EngineState, version: int, outcome: Outcome) -> None:
         """An engine's outcome: on `version`, or out of rotation (reported in /state) until a
