@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU measurements (issues 4, 5, 7), as run on H200 machines through the device tool.
 #   bash bench/gpu_session.sh tests     # the engine's CUDA/NCCL tests: 2 GPUs, ~2 min
-#   bash bench/gpu_session.sh trainer   # the TP/DP/EP trainer tests: 2 GPUs, a minute or more a case
+#   bash bench/gpu_session.sh trainer   # the TP/DP/EP trainer tests: 2 GPUs, ~1 min a case, 12 cases: split with TESTS_K
 #   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3: 4 GPUs
 #   bash bench/gpu_session.sh mfu       # trainer tokens/s and MFU, packed vs padded (GPU 0)
 #   bash bench/gpu_session.sh moe       # MFU on active parameters: ~1.1B-active Qwen3-MoE vs its dense twin (GPU 0; ~65 GB)
@@ -49,8 +49,8 @@ case "$1" in
 tests)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     # The engines' NCCL heartbeat warnings can outlast pytest: keep everything, show the summary.
-    # On 2xH200 (2026-11-26) these and 3 of the trainer's 10 cases filled a 330 s call (the
-    # trainer's cases take a minute or more each), so the trainer's run as a part of their own.
+    # On 2xH200 (2026-11-26) these and 3 of the trainer's 12 cases filled a 330 s call, so the
+    # trainer's run as a part of their own; 8 of them took ~560 s: split them with TESTS_K.
     timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=15 \
         tests/test_engine_cuda.py tests/test_engine_models.py \
         "tests/test_trainer_hf_convert.py::test_on_device_export_is_the_same_tensors_each_time_and_follows_the_weights" \
