@@ -53,6 +53,10 @@ def test_bad_flags_and_a_taken_port_exit_2_with_one_line_naming_the_flag(
     expected = {  # name: (argv, words the last stderr line must hold)
         "broker flag": (["broker", "--port", "0", "--transport", "disk"], "--disk-dir"),
         "router flag": (["router", "--port", "0", "--host", "0.0.0.0"], "TANDEM_API_TOKEN"),
+        "router pool flag": (
+            ["router", "--port", "0", *model, "--broker-retry-s", "0"],
+            "--broker-retry-s must be > 0",
+        ),
         "engine flag": (
             ["engine", *model, "--port", "0", "--max-batch-size", "0"],
             "--max-batch-size must be at least 1",

@@ -145,6 +145,7 @@ def test_an_engine_whose_nccl_update_failed_is_taken_out_and_rejoins_at_the_next
     broker = start_service("broker", ["broker", "--port", "0", *flags, *redis])
     router_flags = ["--health-interval-s", "0.2", "--health-failures", "1000"]  # never evicts
     router_flags += ["--engine-urls", *urls, "--broker-url", broker.url, "--no-rollout"]
+    router_flags += ["--broker-retry-s", "4"]
     router = start_service(
         "router", ["router", "--port", "0", "--model", str(toy_model_dir), *router_flags, *redis]
     )
@@ -161,7 +162,7 @@ def test_an_engine_whose_nccl_update_failed_is_taken_out_and_rejoins_at_the_next
         state = {e["url"]: e for e in httpx.get(f"{broker.url}/state").json()["engines"]}
         assert state[victim.url]["in_rotation"] is False and state[victim.url]["version"] == 1
         assert worker(router.url, victim.url)["healthy"], "the router never saw it fail"
-        # Behind the pool (version 2) for BROKER_RETRY_S: out, and registered with the broker.
+        # Behind the pool (version 2) for --broker-retry-s: out, and registered with the broker.
         wait_until(lambda: not worker(router.url, victim.url)["healthy"], "victim out", 60)
         assert "waiting for version 2" in worker(router.url, victim.url)["last_error"]
 

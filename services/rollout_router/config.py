@@ -79,12 +79,21 @@ class WorkerPoolConfig:
             "is registered there to be brought to the current weights before it gets traffic."
         },
     )
+    broker_retry_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds an engine may serve an older weight version than the others (its "
+            "sync failed) before it is taken out and registered with the broker again."
+        },
+    )
 
     def validate(self) -> None:
         if self.max_retries < 0:
             raise ValueError("--max-retries must be >= 0")
         if self.health_interval_s <= 0 or self.health_failures < 1:
             raise ValueError("--health-interval-s must be > 0 and --health-failures >= 1")
+        if self.broker_retry_s <= 0:
+            raise ValueError("--broker-retry-s must be > 0")
 
 
 @dataclass

@@ -19,7 +19,7 @@ from its load weights and is taken out at once. In both cases, with `--broker-ur
 registers the engine with the broker (`POST {broker}/engines`: URL, the version it serves and
 whether it restarted; the router is the one owner of engine versions, the broker polls none),
 which brings it to the current version; the health checks admit it once it reports that
-version. An admitted worker that serves an older version than the pool's for `BROKER_RETRY_S`
+version. An admitted worker that serves an older version than the pool's for `--broker-retry-s`
 (its weight sync failed while it stayed up, e.g. an NCCL update it answered with an error; the
 broker then leaves it out of its weight group) is taken out and handed to the broker the same
 way: its samples would only be dropped as stale.
@@ -50,7 +50,6 @@ log = logging.getLogger("tandem.router.workers")
 # The cancel message a request's task gets when its worker is taken out while it waits.
 TAKEN_OUT = "tandem: worker taken out of the rotation"
 # A pending worker is handed to the broker again after this long (e.g. the broker restarted).
-BROKER_RETRY_S = 30.0
 
 
 class NoWorkerError(RuntimeError):
@@ -428,7 +427,9 @@ class WorkerPool:
                 if not self._lags(worker, target):
                     return
                 self._take_out(worker)
-                worker.last_error = f"{self._behind(worker, target)}, for {BROKER_RETRY_S:.0f} s"
+                worker.last_error = (
+                    f"{self._behind(worker, target)}, for {self.config.broker_retry_s:g} s"
+                )
                 log.warning("took %s out: %s", worker.url, worker.last_error)
             if reported >= target:
                 worker.healthy, worker.last_error = True, ""
@@ -436,21 +437,20 @@ class WorkerPool:
                 log.info("re-admitted %s at weight version %d", worker.url, reported)
             elif restarted:  # at once: its weight group and fetched versions are gone
                 await self.ask_broker_to_sync(worker, restarted=True)
-            elif time.monotonic() >= worker.broker_asked_at + BROKER_RETRY_S:
+            elif time.monotonic() >= worker.broker_asked_at + self.config.broker_retry_s:
                 worker.last_error = self._behind(worker, target)
                 await self.ask_broker_to_sync(worker)
 
         await asyncio.gather(*(check(w) for w in list(self.workers.values())))
 
-    @staticmethod
-    def _lags(worker: Worker, target: int) -> bool:
+    def _lags(self, worker: Worker, target: int) -> bool:
         """Whether an admitted worker has served an older version than `target` for
-        `BROKER_RETRY_S` (a moment behind is every sync's normal course)."""
+        `--broker-retry-s` (a moment behind is every sync's normal course)."""
         if worker.weight_version >= target:
             worker.behind_since = 0.0
             return False
         worker.behind_since = worker.behind_since or time.monotonic()
-        return time.monotonic() - worker.behind_since >= BROKER_RETRY_S
+        return time.monotonic() - worker.behind_since >= self.config.broker_retry_s
 
     async def run_health_checks(self) -> None:
         while True:
