@@ -138,7 +138,8 @@ def raw_xadd(url: str, payload: bytes, seconds: float) -> tuple[float, str, floa
         port = str(client.connection_pool.connection_kwargs["port"])
         n = max(int(seconds * 20_000), 1000)
         cmd = [binary, "-p", port, "-n", str(n), "-P", str(RAW_PIPELINE), "--csv"]
-        cmd += ["XADD", "tandem:raw:xadd", "*", "d", payload.decode("latin-1")]
+        # argv holds no NUL byte: a payload of the same size; MAXLEN keeps the memory flat
+        cmd += ["XADD", "tandem:raw:xadd", "MAXLEN", "~", "10000", "*", "d", "x" * len(payload)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300)
         rate = float(out.stdout.strip().splitlines()[-1].split(",")[1].strip('"'))
         how, done = f"{Path(binary).name} -P {RAW_PIPELINE}", n
