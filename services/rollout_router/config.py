@@ -83,7 +83,8 @@ class WorkerPoolConfig:
         default=30.0,
         metadata={
             "help": "Seconds an engine may serve an older weight version than the others (its "
-            "sync failed) before it is taken out and registered with the broker again."
+            "sync failed) before it is taken out and registered with the broker again; also how "
+            "often an engine still waiting for its version is registered again."
         },
     )
 

@@ -49,7 +49,6 @@ from services.rollout_router.samples import parse_version
 log = logging.getLogger("tandem.router.workers")
 # The cancel message a request's task gets when its worker is taken out while it waits.
 TAKEN_OUT = "tandem: worker taken out of the rotation"
-# A pending worker is handed to the broker again after this long (e.g. the broker restarted).
 
 
 class NoWorkerError(RuntimeError):
