@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 import httpx
+import redis
 
 from proto import DropReason, DropRecord, Sample, SampleGroup
-from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from services.sample_buffer import AsyncSampleBuffer, BufferConfig, RedisServer, SampleBuffer
 from tests.helpers import router_args, wait_until
 
 MAX_STALENESS = 1
@@ -119,6 +120,41 @@ def test_a_trainer_resumed_from_an_older_checkpoint_takes_back_what_it_counted_a
     ledger = buffer.ledger()
     assert (ledger.trained, ledger.dropped, ledger.buffered) == (2, 1, 0) and ledger.balanced
     assert ledger.dropped_samples == {"stale": 2} and ledger.violations == 0
+
+
+async def test_a_batch_put_counts_each_group_once_and_a_full_server_takes_whole_batches_or_none(
+    tmp_path: Path,
+) -> None:
+    with RedisServer(log_dir=tmp_path / "logs") as server:
+        buf = AsyncSampleBuffer(BufferConfig(redis_url=server.url, run_id="batch"))
+        blocking = SampleBuffer(BufferConfig(redis_url=server.url, run_id="batch"))
+        assert [blocking.start_group() for _ in range(3)] == [0, 1, 2]
+        # p0 twice (one flight ends, the other counts generated), an agent's group, p2 left
+        batch = [make_group("p0"), make_group("p1"), make_group("p0"), make_group("agent-a")]
+        assert len(await buf.put_groups(batch)) == 4
+        ledger = blocking.ledger()
+        assert (ledger.generated, ledger.put, ledger.in_flight) == (5, 4, 1) and ledger.balanced
+        assert await buf.put_groups([]) == []
+
+        # A server at its maxmemory refuses a batch's first XADD: nothing of it is written.
+        # One that reaches the bound within a batch writes that batch whole.
+        big = make_group("agent-b", n=1)
+        big.samples[0].response_ids = [7] * 2000
+        used = int(blocking.redis.info("memory")["used_memory"])
+        blocking.redis.config_set("maxmemory", used + 1_000_000)
+        blocking.redis.config_set("maxmemory-policy", "noeviction")
+        refused = 0
+        for _ in range(40):
+            try:
+                await buf.put_groups([big] * 20)
+            except redis.ResponseError as exc:
+                assert "maxmemory" in str(exc)
+                refused += 1
+        await buf.aclose()
+        ledger = blocking.ledger()
+        print(ledger.table())
+        assert refused > 0 and ledger.balanced
+        assert ledger.put == blocking.redis.xlen(blocking.samples_key) == 4 + 20 * (40 - refused)
 
 
 def test_a_run_folder_is_read_from_its_redis_data_and_a_step_is_written_once(

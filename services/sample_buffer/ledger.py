@@ -59,17 +59,23 @@ return p
 
 # KEYS: samples, counters, in_flight. ARGV: payload, group id, payload, group id, ... (a batch
 # of groups, one script call: the router's group commit). Returns the stream ids, in order.
-# Each group's counts follow its XADD at once: a call that fails midway (a script is not rolled
-# back) leaves whole groups only.
+# The counts are written once per batch, after its XADDs (a group id written twice in a batch
+# ends one flight and counts the other generated, as one call per group would). Only a script's
+# first write can fail on a full server (later ones are let through to keep it atomic), so a
+# call leaves its whole batch counted or nothing. One HINCRBY and one HDEL per batch instead of
+# per group: 2.5 µs less server CPU a group (bench/buffer_throughput.py, 4 KB groups).
 PUT = """
-local ids = {}
+local ids, names = {}, {}
 for i = 1, #ARGV, 2 do
   ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[i])
-  redis.call('HINCRBY', KEYS[2], 'groups_put', 1)
-  if redis.call('HDEL', KEYS[3], ARGV[i + 1]) == 0 then
-    redis.call('HINCRBY', KEYS[2], 'groups_generated', 1)
-  end
+  names[#names + 1] = ARGV[i + 1]
 end
+redis.call('HINCRBY', KEYS[2], 'groups_put', #names)
+local ended = 0
+for i = 1, #names, 1000 do -- unpack's bound: a few thousand values
+  ended = ended + redis.call('HDEL', KEYS[3], unpack(names, i, math.min(i + 999, #names)))
+end
+if ended < #names then redis.call('HINCRBY', KEYS[2], 'groups_generated', #names - ended) end
 return ids
 """
 
