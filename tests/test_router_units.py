@@ -232,7 +232,7 @@ def test_rollout_requests_carry_the_sampling_settings_and_stops():
         rollout_stop=["</a>"],
     )
     loop = RolloutLoop(RolloutConfig(), sampling, None, None, None, None, [2, 7])  # type: ignore[arg-type]
-    body = loop.payload([1, 5], n=8, max_new=9, greedy=False, seed=42)
+    body = loop.gen.payload([1, 5], n=8, max_new=9, greedy=False, seed=42)
     # n samples = a batch of n copies, each its own seed (SGLang's `n` shares one seed)
     assert body["input_ids"] == [[1, 5]] * 8 and body["return_logprob"] is True
     seeds = [p.pop("sampling_seed") for p in body["sampling_params"]]
@@ -254,6 +254,6 @@ def test_rollout_requests_carry_the_sampling_settings_and_stops():
         ]
         * 8
     )
-    single = loop.payload([1, 5], n=1, max_new=9, greedy=False, seed=42)
+    single = loop.gen.payload([1, 5], n=1, max_new=9, greedy=False, seed=42)
     assert single["input_ids"] == [1, 5] and single["sampling_params"]["sampling_seed"] == 42
-    assert loop.payload([1], 1, 9, True, 0)["sampling_params"]["temperature"] == 0.0
+    assert loop.gen.payload([1], 1, 9, True, 0)["sampling_params"]["temperature"] == 0.0

@@ -108,12 +108,17 @@ def rollout_loop() -> RolloutLoop:
 def test_rollout_generate_bodies_are_accepted_and_give_n_samples(engines) -> None:  # type: ignore[no-untyped-def]
     url, loop = engines().url, rollout_loop()
     prompt = [1, 5, 6, 14]
-    for body in (loop.payload(prompt, 4, 6, False, 11), loop.payload(prompt, 1, 6, True, 0)):
+    for body in (
+        loop.gen.payload(prompt, 4, 6, False, 11),
+        loop.gen.payload(prompt, 1, 6, True, 0),
+    ):
         assert sglang_surface.generate_problem(body) is None
-    outs = as_list(httpx.post(f"{url}/generate", json=loop.payload(prompt, 4, 6, False, 11)).json())
+    outs = as_list(
+        httpx.post(f"{url}/generate", json=loop.gen.payload(prompt, 4, 6, False, 11)).json()
+    )
     assert len(outs) == 4
     assert len({tuple(o["output_ids"]) for o in outs}) == 2, "copy k answers by its index"
-    one = httpx.post(f"{url}/generate", json=loop.payload(prompt, 1, 6, False, 3)).json()
+    one = httpx.post(f"{url}/generate", json=loop.gen.payload(prompt, 1, 6, False, 3)).json()
     assert isinstance(one, dict) and one["output_ids"]
 
 

@@ -128,7 +128,9 @@ async def build_control(
         stop_ids(tokenizer, config.sampling),
         episodes,
     )
-    loop.context_len = int(read_config(config.rollout.model)[0].get("max_position_embeddings", 0))
+    loop.gen.context_len = int(
+        read_config(config.rollout.model)[0].get("max_position_embeddings", 0)
+    )
     return RolloutController(loop, config.data, tokenizer, build_task)
 
 
@@ -151,7 +153,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                 pool,
                 control.loop.bound,
                 control.tokenizer,
-                control.loop.stop_token_ids,
+                control.loop.gen.stop_token_ids,
                 config.rollout.n_samples_per_prompt,
             )
             if note := depth_note(config.rollout):

@@ -72,7 +72,10 @@ async def evaluate(loop: RolloutLoop, version: int) -> dict[str, float]:
         return loop.last_eval
     max_new = loop.sampling.rollout_max_response_len
     outs = await asyncio.gather(
-        *(loop.generate(loop.payload(list(it.input_ids), 1, max_new, True, 0)) for it in items),
+        *(
+            loop.gen.generate(loop.gen.payload(list(it.input_ids), 1, max_new, True, 0))
+            for it in items
+        ),
         return_exceptions=True,
     )
     rewards, exact, failed = [], [], 0
@@ -102,7 +105,7 @@ async def _evaluate_episodes(loop: RolloutLoop, version: int) -> None:
 
     async def one(k: int, item: Item) -> float:
         episode_id = f"eval-v{version}-{k}"
-        turn = loop.episode_turn(episode_id, greedy=True)
+        turn = loop.gen.episode_turn(episode_id, greedy=True)
         return (await episodes.run(item, episode_id, EVAL_SEED + k, turn)).reward
 
     outs = await asyncio.gather(

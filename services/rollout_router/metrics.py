@@ -149,7 +149,7 @@ async def render(loop: RolloutLoop | None, pool, buffer: AsyncSampleBuffer | Non
     if loop is None:
         return Metrics("tandem_router_").render(gauges, totals)
     gauges += [
-        gauge("requests_in_flight", "Rollout /generate requests in flight.", loop.in_flight),
+        gauge("requests_in_flight", "Rollout /generate requests in flight.", loop.gen.in_flight),
         gauge(
             "groups_in_flight",
             "Rollout groups started and not yet put or dropped.",

@@ -126,7 +126,7 @@ async def service_status(loop: RolloutLoop, error: str = "") -> ServiceStatus:
     detail: dict[str, float | int | str] = {
         "groups_put_here": loop.groups_put,
         "groups_in_flight": len(loop.groups),
-        "requests_in_flight": loop.in_flight,
+        "requests_in_flight": loop.gen.in_flight,
     }
     with contextlib.suppress(RedisError):
         demand = await loop.read_demand(len(loop.groups))
@@ -173,7 +173,7 @@ async def status(loop: RolloutLoop) -> dict[str, Any]:
         "waiting_for": loop.waiting_for,
         "paused": loop.paused,
         "error": loop.error,
-        "in_flight": loop.in_flight,
+        "in_flight": loop.gen.in_flight,
         "groups_in_flight": len(loop.groups),
         "samples_per_s": loop.samples_per_s,
         "groups_put": loop.groups_put,

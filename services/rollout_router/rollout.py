@@ -40,19 +40,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import time
-from typing import Any
 
 from redis.exceptions import RedisError
 
 from proto import DropReason, Sample, SampleGroup
 from services.rollout_router.backpressure import BufferBound, full_sentence, waiting_for_room
 from services.rollout_router.config import RolloutConfig, SamplingConfig
-from services.rollout_router.environments import EnvError, EpisodeRunner, Generate
-from services.rollout_router.limiter import Limiter
+from services.rollout_router.environments import EpisodeRunner
+from services.rollout_router.generation import Generation
 from services.rollout_router.metrics import LoopObserver
 from services.rollout_router.progress import (
     Backoff,
@@ -65,13 +63,7 @@ from services.rollout_router.progress import (
 from services.rollout_router.recent import RecentGroups
 from services.rollout_router.report import BatchStats, backoff_reason, record_drop
 from services.rollout_router.rewards import Reward, RewardError
-from services.rollout_router.samples import (
-    Partial,
-    as_list,
-    generate_body,
-    parse_version,
-    sampling_seed,
-)
+from services.rollout_router.samples import sampling_seed
 from services.rollout_router.tasks import Item, Task
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
 from services.sample_buffer import AsyncSampleBuffer
@@ -106,15 +98,12 @@ class RolloutLoop:
     ) -> None:
         self.config, self.sampling = config, sampling
         self.pool, self.buffer, self.task, self.reward = pool, buffer, task, reward
-        self.stop_token_ids, self.episodes = stop_token_ids, episodes
-        self.context_len = 0  # the model's positions (0 = unknown): an episode's turns fit in it
+        self.episodes = episodes
         self.state, self.waiting_for, self.since = "idle", "", time.time()
-        self.in_flight = 0  # /generate requests
         self.groups: set[asyncio.Task] = set()  # groups started, not yet put or dropped
         self.samples_per_s, self.groups_put, self.error = 0.0, 0, ""
         self.last_eval: dict[str, float] = {}
         self.last_eval_version = -1
-        self.limiter = Limiter(config.rollout_max_concurrency)
         self.backoff = Backoff()
         self.stats = BatchStats()
         self.changed = asyncio.Event()  # set on each state change (the status reporter waits)
@@ -129,6 +118,7 @@ class RolloutLoop:
         self.orders = EpochOrders()
         self.recent = RecentGroups()  # the newest put groups, for the dashboard
         self.observe = LoopObserver(buffer)  # /metrics counters and timeline spans
+        self.gen = Generation(config, sampling, pool, stop_token_ids, self.observe)
 
     # --- versions, state and control -----------------------------------------------------------
 
@@ -165,7 +155,7 @@ class RolloutLoop:
     def apply(self, rollout: RolloutConfig, sampling: SamplingConfig) -> None:
         """Use validated new settings from the next request (and the next group) on."""
         self.config, self.sampling = rollout, sampling
-        self.limiter.set_limit(rollout.rollout_max_concurrency)
+        self.gen.apply(rollout, sampling)
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -384,49 +374,9 @@ class RolloutLoop:
             await self._drop(f"{group_id}-s{k}", error.reason, str(error), 1, groups=0, quiet=True)
         return samples
 
-    # --- requests -----------------------------------------------------------------------------
-
-    def payload(self, input_ids: list[int], n: int, max_new: int, greedy: bool, seed: int) -> dict:
-        """One /generate body with this loop's sampling settings (`samples.generate_body`)."""
-        if self.context_len:  # an episode's later turns get the positions that are left
-            max_new = max(1, min(max_new, self.context_len - len(input_ids)))
-        return generate_body(
-            self.sampling, self.stop_token_ids, input_ids, n, max_new, greedy, seed
-        )
-
-    async def generate(
-        self, payload: dict[str, Any], session_id: str | None = None
-    ) -> list[dict[str, Any]]:
-        """One /generate (retried across engines by the pool); notes the reported versions.
-        `session_id` keeps an episode's turns on one engine under session affinity."""
-        async with self.limiter:
-            self.in_flight += 1
-            started = time.monotonic()
-            try:
-                data, worker = await self.pool.post_json("/generate", payload, session_id)
-            finally:
-                self.in_flight -= 1
-            self.observe.request_seconds.observe(time.monotonic() - started)
-        outs = as_list(data)
-        for out in outs:
-            v = parse_version(out.get("meta_info", {}).get("weight_version"))
-            worker.weight_version = max(worker.weight_version, v)
-        return outs
-
     async def _single_turn_samples(self, item: Item, seed: int) -> list[Sample | RewardError]:
-        n, max_new = self.config.n_samples_per_prompt, self.sampling.rollout_max_response_len
         prompt_ids = list(item.input_ids)
-        outs = await self.generate(self.payload(prompt_ids, n, max_new, False, seed))
-        if len(outs) != n:
-            raise EngineRequestError(f"engine returned {len(outs)} samples, asked for {n}")
-        partials = [Partial.of(out) for out in outs]
-        aborted = [k for k, p in enumerate(partials) if p.finish == "abort"]
-        if aborted:  # only these need more requests; tasks for the rest would be pure overhead
-            redone = await asyncio.gather(
-                *(self.complete(prompt_ids, partials[k], seed + k) for k in aborted)
-            )
-            for k, partial in zip(aborted, redone, strict=True):
-                partials[k] = partial
+        partials = await self.gen.partials(prompt_ids, seed)
         if any(p.finish == "abort" for p in partials):
             raise GroupDroppedError(
                 DropReason.ABORTED, f"still aborted after {self.config.max_continues} tries"
@@ -439,27 +389,15 @@ class RolloutLoop:
             for p, r in zip(partials, rewards, strict=True)
         ]
 
-    def episode_turn(self, episode_id: str, greedy: bool = False) -> Generate:
-        """The model-turn function of one episode (its turns stay on one engine)."""
-        max_new = self.sampling.rollout_max_response_len
-
-        async def turn(context: list[int], turn_seed: int) -> Partial:
-            payload = self.payload(context, 1, max_new, greedy, turn_seed)
-            out = await self.generate(payload, episode_id)
-            partial = await self.complete(context, Partial.of(out[0]), turn_seed, episode_id)
-            if partial.finish == "abort":
-                raise EnvError(DropReason.ABORTED, "a model turn stayed aborted")
-            return partial
-
-        return turn
-
     async def _episode_samples(
         self, item: Item, group_id: str, seed: int
     ) -> list[Sample | RewardError]:
         """n episodes; a failed one is recorded as a drop and the others are kept."""
         assert self.episodes is not None
         n = self.config.n_samples_per_prompt
-        samples, failed = await self.episodes.run_all(item, group_id, seed, n, self.episode_turn)
+        samples, failed = await self.episodes.run_all(
+            item, group_id, seed, n, self.gen.episode_turn
+        )
         for episode_id, error in failed:
             await self._drop(episode_id, error.reason, str(error), 1, groups=0)
         if not samples:
@@ -468,28 +406,6 @@ class RolloutLoop:
                 DropReason.ENV_ALL_FAILED, f"all {n} episodes failed; first: {first}", 0
             )
         return list(samples)
-
-    async def complete(
-        self, prompt_ids: list[int], partial: Partial, seed: int, session_id: str | None = None
-    ) -> Partial:
-        """Continue (partial rollout) or restart an aborted sample, at most `max_continues`
-        times. A continuation sends prompt + the tokens so far and asks for the rest."""
-        max_new = self.sampling.rollout_max_response_len
-        while partial.finish == "abort" and partial.continues < self.config.max_continues:
-            partial.continues += 1
-            seed = sampling_seed(seed, partial.continues)
-            if not self.config.partial_rollout:  # start over; the aborted tokens are discarded
-                payload = self.payload(prompt_ids, 1, max_new, False, seed)
-                out = await self.generate(payload, session_id)
-                partial = dataclasses.replace(Partial.of(out[0]), continues=partial.continues)
-                continue
-            left = max_new - len(partial.ids)
-            if left <= 0:
-                partial.finish = "length"
-                break
-            payload = self.payload(prompt_ids + partial.ids, 1, left, False, seed)
-            partial.extend((await self.generate(payload, session_id))[0])
-        return partial
 
     async def put(self, group: SampleGroup, committed: list[bool]) -> None:
         """Put in turn with the other producers, waiting while the buffer is full; once the

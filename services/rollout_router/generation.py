@@ -1,0 +1,127 @@
+"""The rollout's /generate requests: bodies with the run's sampling settings (samples.py), sent
+through the worker pool (retried across engines) under `rollout_max_concurrency`, and aborted
+samples continued (partial rollout) or started over, at most `max_continues` times."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+from proto import DropReason
+from services.rollout_router.config import RolloutConfig, SamplingConfig
+from services.rollout_router.environments import EnvError, Generate
+from services.rollout_router.limiter import Limiter
+from services.rollout_router.metrics import LoopObserver
+from services.rollout_router.samples import (
+    Partial,
+    as_list,
+    generate_body,
+    parse_version,
+    sampling_seed,
+)
+from services.rollout_router.workers import EngineRequestError, WorkerPool
+
+
+class Generation:
+    """The rollout loop's and the evaluations' requests to the engines."""
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        sampling: SamplingConfig,
+        pool: WorkerPool,
+        stop_token_ids: list[int],
+        observe: LoopObserver,
+    ) -> None:
+        self.config, self.sampling, self.pool = config, sampling, pool
+        self.stop_token_ids, self.observe = stop_token_ids, observe
+        self.context_len = 0  # the model's positions (0 = unknown): an episode's turns fit in it
+        self.in_flight = 0  # /generate requests
+        self.limiter = Limiter(config.rollout_max_concurrency)
+
+    def apply(self, rollout: RolloutConfig, sampling: SamplingConfig) -> None:
+        """Use validated new settings from the next request on."""
+        self.config, self.sampling = rollout, sampling
+        self.limiter.set_limit(rollout.rollout_max_concurrency)
+
+    def payload(self, input_ids: list[int], n: int, max_new: int, greedy: bool, seed: int) -> dict:
+        """One /generate body with this loop's sampling settings (`samples.generate_body`)."""
+        if self.context_len:  # an episode's later turns get the positions that are left
+            max_new = max(1, min(max_new, self.context_len - len(input_ids)))
+        return generate_body(
+            self.sampling, self.stop_token_ids, input_ids, n, max_new, greedy, seed
+        )
+
+    async def generate(
+        self, payload: dict[str, Any], session_id: str | None = None
+    ) -> list[dict[str, Any]]:
+        """One /generate (retried across engines by the pool); notes the reported versions.
+        `session_id` keeps an episode's turns on one engine under session affinity."""
+        async with self.limiter:
+            self.in_flight += 1
+            started = time.monotonic()
+            try:
+                data, worker = await self.pool.post_json("/generate", payload, session_id)
+            finally:
+                self.in_flight -= 1
+            self.observe.request_seconds.observe(time.monotonic() - started)
+        outs = as_list(data)
+        for out in outs:
+            v = parse_version(out.get("meta_info", {}).get("weight_version"))
+            worker.weight_version = max(worker.weight_version, v)
+        return outs
+
+    async def partials(self, prompt_ids: list[int], seed: int) -> list[Partial]:
+        """The `n_samples_per_prompt` samples of one prompt, the aborted ones completed (some
+        may still be aborted after `max_continues` tries)."""
+        n, max_new = self.config.n_samples_per_prompt, self.sampling.rollout_max_response_len
+        outs = await self.generate(self.payload(prompt_ids, n, max_new, False, seed))
+        if len(outs) != n:
+            raise EngineRequestError(f"engine returned {len(outs)} samples, asked for {n}")
+        partials = [Partial.of(out) for out in outs]
+        aborted = [k for k, p in enumerate(partials) if p.finish == "abort"]
+        if aborted:  # only these need more requests; tasks for the rest would be pure overhead
+            redone = await asyncio.gather(
+                *(self.complete(prompt_ids, partials[k], seed + k) for k in aborted)
+            )
+            for k, partial in zip(aborted, redone, strict=True):
+                partials[k] = partial
+        return partials
+
+    def episode_turn(self, episode_id: str, greedy: bool = False) -> Generate:
+        """The model-turn function of one episode (its turns stay on one engine)."""
+        max_new = self.sampling.rollout_max_response_len
+
+        async def turn(context: list[int], turn_seed: int) -> Partial:
+            payload = self.payload(context, 1, max_new, greedy, turn_seed)
+            out = await self.generate(payload, episode_id)
+            partial = await self.complete(context, Partial.of(out[0]), turn_seed, episode_id)
+            if partial.finish == "abort":
+                raise EnvError(DropReason.ABORTED, "a model turn stayed aborted")
+            return partial
+
+        return turn
+
+    async def complete(
+        self, prompt_ids: list[int], partial: Partial, seed: int, session_id: str | None = None
+    ) -> Partial:
+        """Continue (partial rollout) or restart an aborted sample, at most `max_continues`
+        times. A continuation sends prompt + the tokens so far and asks for the rest."""
+        max_new = self.sampling.rollout_max_response_len
+        while partial.finish == "abort" and partial.continues < self.config.max_continues:
+            partial.continues += 1
+            seed = sampling_seed(seed, partial.continues)
+            if not self.config.partial_rollout:  # start over; the aborted tokens are discarded
+                payload = self.payload(prompt_ids, 1, max_new, False, seed)
+                out = await self.generate(payload, session_id)
+                partial = dataclasses.replace(Partial.of(out[0]), continues=partial.continues)
+                continue
+            left = max_new - len(partial.ids)
+            if left <= 0:
+                partial.finish = "length"
+                break
+            payload = self.payload(prompt_ids + partial.ids, 1, left, False, seed)
+            partial.extend((await self.generate(payload, session_id))[0])
+        return partial
