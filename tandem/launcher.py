@@ -341,38 +341,24 @@ def service_args(
         )
     }
     common = ["--redis-url", redis_url, "--run-id", run_id]
-    batch = [
-        "--rollout-batch-size",
-        str(config.rollout_batch_size),
-        "--n-samples-per-prompt",
-        str(config.n_samples_per_prompt),
-        "--num-steps-per-rollout",
-        str(config.num_steps_per_rollout),
-        "--max-staleness",
-        str(config.max_staleness),
-    ]
+    batch = _flags(
+        ("--rollout-batch-size", config.rollout_batch_size),
+        ("--n-samples-per-prompt", config.n_samples_per_prompt),
+        ("--num-steps-per-rollout", config.num_steps_per_rollout),
+        ("--max-staleness", config.max_staleness),
+    )
+    shm = ["--weights-shm-dir", shm_dir()] if config.weight_transport == "zmq" else []
     return {
         "engine": [
             "engine",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--device",
-            config.engine_device,
+            *_flags(("--model", model), ("--host", "127.0.0.1"), ("--port", 0)),
+            *_flags(("--device", config.engine_device)),
             *extra["engine"],
         ],
         "broker": ["broker", "--port", "0", "--transport", config.weight_transport, *common],
         "router": [
             "router",
-            "--model",
-            str(model),
-            "--port",
-            "0",
-            "--seed",
-            str(config.seed),
+            *_flags(("--model", model), ("--port", 0), ("--seed", config.seed)),
             *common,
             *batch,
             *_given("--prompt-data", config.prompt_data),
@@ -385,30 +371,24 @@ def service_args(
         ],
         "trainer": [
             "trainer",
-            "--model",
-            str(model),
-            "--seed",
-            str(config.seed),
-            "--lr",
-            str(config.lr),
-            "--weight-transport",
-            config.weight_transport,
-            *(["--weights-shm-dir", shm_dir()] if config.weight_transport == "zmq" else []),
-            "--max-steps",
-            str(config.max_steps),
-            "--save",
-            config.save or str(run_dir / "checkpoints"),
-            "--save-interval",
-            str(config.save_interval),
-            "--save-hf",
-            str(run_dir / TRAINED_MODEL),
-            "--metrics-port",  # a free port, printed in the trainer's log
-            "0",
+            *_flags(("--model", model), ("--seed", config.seed), ("--lr", config.lr)),
+            *_flags(("--weight-transport", config.weight_transport)),
+            *shm,
+            *_flags(("--max-steps", config.max_steps)),
+            *_flags(("--save", config.save or run_dir / "checkpoints")),
+            *_flags(("--save-interval", config.save_interval)),
+            *_flags(("--save-hf", run_dir / TRAINED_MODEL)),
+            *_flags(("--metrics-port", 0)),  # a free port, printed in the trainer's log
             *common,
             *batch,
             *extra["trainer"],
         ],
     }
+
+
+def _flags(*pairs: tuple[str, object]) -> list[str]:
+    """`[flag, value, flag, value, ...]` of (flag, value) pairs, each value as a string."""
+    return [part for flag, value in pairs for part in (flag, str(value))]
 
 
 def shm_dir() -> str:

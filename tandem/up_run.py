@@ -107,20 +107,7 @@ class UpRun:
 
     def start_services(self) -> tuple[SampleBuffer, list[str]]:
         config = self.config
-        redis_url = config.redis_url
-        if not redis_url:
-            self.redis = RedisServer(
-                log_dir=self.run_dir / "logs",
-                data_dir=self.run_dir / "redis",  # the run's buffer outlives it: --resume
-                preexec_fn=die_with_parent,
-            )
-            redis_url = self.redis.start().url
-            say(f"redis at {redis_url} (pid {self.redis.process.pid})")  # type: ignore[union-attr]
-            (self.run_dir / "redis.url").write_text(redis_url)  # `tandem ledger RUN` reads it
-        buffer = SampleBuffer(BufferConfig(redis_url=redis_url, run_id=self.run_id))
-        buffer.wait_ready()
-        where = {"url": redis_url, "run_id": self.run_id, "own": self.redis is not None}
-        (self.run_dir / REDIS_FILE).write_text(json.dumps(where))  # for tandem metrics/timeline
+        buffer, redis_url = self.start_redis()
         model = Path(config.model) if config.model else self.write_model()
         save_config(self.run_dir, replace(config, model=str(model), resume=""))
         args = service_args(config, self.run_id, model, redis_url, self.run_dir)
@@ -153,7 +140,37 @@ class UpRun:
         )
         self.supervisor.wait_ready([router], config.startup_timeout_s)
         self.health_urls = {"router": router.info["url"], "broker": broker.info["url"]}
-        self.eval_task = str(router.info.get("eval_task", "?"))
+        self.say_router_terms(router.info)
+        say(
+            f"broker at {broker.info['url']} (weights in at {broker.info['intake_endpoint']}), "
+            f"router at {router.info['url']} (dashboard: {router.info['url']}/)"
+        )
+        self.start_trainer(args["trainer"], broker.info["intake_endpoint"])
+        say(f"logs in {self.supervisor.log_dir}")
+        return buffer, urls
+
+    def start_redis(self) -> tuple[SampleBuffer, str]:
+        """The run's Redis (`--redis-url`, else one of its own, its data in the run folder)."""
+        redis_url = self.config.redis_url
+        if not redis_url:
+            self.redis = RedisServer(
+                log_dir=self.run_dir / "logs",
+                data_dir=self.run_dir / "redis",  # the run's buffer outlives it: --resume
+                preexec_fn=die_with_parent,
+            )
+            redis_url = self.redis.start().url
+            say(f"redis at {redis_url} (pid {self.redis.process.pid})")  # type: ignore[union-attr]
+            (self.run_dir / "redis.url").write_text(redis_url)  # `tandem ledger RUN` reads it
+        buffer = SampleBuffer(BufferConfig(redis_url=redis_url, run_id=self.run_id))
+        buffer.wait_ready()
+        where = {"url": redis_url, "run_id": self.run_id, "own": self.redis is not None}
+        (self.run_dir / REDIS_FILE).write_text(json.dumps(where))  # for tandem metrics/timeline
+        return buffer, redis_url
+
+    def say_router_terms(self, info: dict) -> None:
+        """What the router chose that the user may not expect (its ready line's terms)."""
+        config = self.config
+        self.eval_task = str(info.get("eval_task", "?"))
         say(f"held-out accuracy scores {self.eval_task}")
         if ": none" in self.eval_task and config.stop_accuracy:
             say(
@@ -161,7 +178,7 @@ class UpRun:
                 "(give --eval-prompt-data, or --stop-accuracy 0 to train --max-steps)"
             )
         say(
-            f"responses up to {router.info.get('rollout_max_response_len', '?')} tokens"
+            f"responses up to {info.get('rollout_max_response_len', '?')} tokens"
             + (
                 ""
                 if config.rollout_max_response_len
@@ -169,11 +186,11 @@ class UpRun:
                 "--rollout-max-response-len)"
             )
         )
-        say(
-            f"broker at {broker.info['url']} (weights in at {broker.info['intake_endpoint']}), "
-            f"router at {router.info['url']} (dashboard: {router.info['url']}/)"
-        )
-        trainer_args = [*args["trainer"], "--weights-endpoint", broker.info["intake_endpoint"]]
+
+    def start_trainer(self, args: list[str], intake_endpoint: str) -> None:
+        """Start the trainer (under torchrun with --trainer-procs > 1), not waited for here."""
+        config = self.config
+        trainer_args = [*args, "--weights-endpoint", intake_endpoint]
         program = None
         if config.trainer_procs > 1:  # torchrun: one process per rank, same flags
             program = [
@@ -189,8 +206,6 @@ class UpRun:
         self.supervisor.start(
             "trainer", trainer_args, ready=False, env=gpu_env(config.trainer_gpus), program=program
         )
-        say(f"logs in {self.supervisor.log_dir}")
-        return buffer, urls
 
     def write_model(self) -> Path:
         from tandem.toy_model import write_toy_model
