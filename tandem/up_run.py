@@ -222,8 +222,25 @@ class UpRun:
         # A resumed run's stream holds the earlier records (metrics.jsonl has them already).
         last_id = buffer.last_metrics_id() if config.resume else "0"
         watchdog = Watchdog(buffer, self.health_urls, config.stall_warn_s, config.stall_fail_s, say)
+        redis_lost_at = 0.0  # when Redis stopped answering (0: it answers)
         while True:
-            for entry_id, record in buffer.read_metrics(after_id=last_id, block_ms=500):
+            asked = time.monotonic()
+            try:
+                records = buffer.read_metrics(after_id=last_id, block_ms=500)
+            except RedisError as exc:
+                first = not redis_lost_at
+                redis_lost_at = redis_lost_at or asked
+                lost_s = time.monotonic() - redis_lost_at
+                if problem := self.redis_outage(buffer, exc, lost_s, first):
+                    say(f"FAILED: {problem}")
+                    return 1
+                time.sleep(0.5)
+                continue
+            if redis_lost_at:  # its outage is not the trainer's stall
+                say(f"Redis answers again after {time.monotonic() - redis_lost_at:.0f} s")
+                redis_lost_at = 0.0
+                watchdog.step_done(watchdog.last_step)
+            for entry_id, record in records:
                 last_id = entry_id
                 sinks.add(record)
                 line = progress.add(record)
@@ -255,6 +272,30 @@ class UpRun:
                 say(f"time limit of {config.time_limit_s:.0f}s reached")
                 return 1
 
+    def redis_outage(
+        self, buffer: SampleBuffer, exc: RedisError, lost_s: float, first: bool
+    ) -> str:
+        """What to say while Redis does not answer (said once, at the start); a problem that
+        ends the run once its own server has exited or after --stall-fail-s."""
+        url, bound = buffer.config.redis_url, self.config.stall_fail_s
+        own = self.redis.process if self.redis is not None else None
+        if own is not None and own.poll() is not None:
+            self.outcome = "redis_failed"
+            return (
+                f"the run's Redis (pid {own.pid}) exited with code {own.returncode} (log: "
+                f"{self.run_dir / 'logs' / 'redis.log'}); what it saved is in "
+                f"{self.run_dir / 'redis'}: tandem up --resume {self.run_dir} goes on from there"
+            )
+        if first:
+            say(
+                f"Redis at {url} does not answer ({exc}); every service waits for it; the run "
+                f"fails after {bound:.0f} s without it (--stall-fail-s)"
+            )
+        if lost_s >= bound:
+            self.outcome = "redis_unavailable"
+            return f"Redis at {url} did not answer for {lost_s:.0f} s (--stall-fail-s {bound:.0f})"
+        return ""
+
     def child_exited(self, child) -> int:  # type: ignore[no-untyped-def]
         if child.name == "trainer" and child.proc.returncode == 0:
             reached = self.config.stop_accuracy == 0
@@ -270,13 +311,16 @@ class UpRun:
 
     def wait_engines_synced(self, buffer: SampleBuffer, timeout_s: float = 30.0) -> None:
         """After the trainer's last step, let the broker bring the engines to its last version."""
-        final = buffer.get_version("trainer")
         deadline = time.monotonic() + timeout_s
-        while buffer.get_version("engines") < final:
-            if time.monotonic() > deadline:
-                say(f"engines did not reach the final version {final} within {timeout_s:.0f}s")
-                return
-            time.sleep(0.1)
+        try:
+            final = buffer.get_version("trainer")
+            while buffer.get_version("engines") < final:
+                if time.monotonic() > deadline:
+                    say(f"engines did not reach the final version {final} within {timeout_s:.0f}s")
+                    return
+                time.sleep(0.1)
+        except RedisError as exc:
+            say(f"cannot tell whether the engines reached the final version: Redis: {exc}")
 
     def write_timeline(self, buffer: SampleBuffer) -> None:
         """RUN_DIR/timeline.json: the run's spans as a Chrome trace (ui.perfetto.dev opens it)."""
@@ -322,10 +366,9 @@ class UpRun:
 
     def finish(self, progress: RunProgress, engine_versions: list[str], wall_s: float) -> None:
         trained = self.run_dir / TRAINED_MODEL
-        plot = None
         if progress.history:
             try:
-                plot = progress.plot(self.run_dir / "metrics.png")
+                progress.plot(self.run_dir / "metrics.png")
             except ImportError:  # matplotlib is a dependency, but a GPU image may lack it
                 say("matplotlib is not installed: no metrics.png (metrics.jsonl has it all)")
         summary = {
@@ -364,8 +407,10 @@ class UpRun:
             )
         if trained.is_dir():
             say(f"trained model (Hugging Face, with tokenizer): {trained}")
+        names = "config.toml metrics.jsonl summary.json ledger.json metrics.png tensorboard/ "
+        names += "timeline.json logs/ checkpoints/ redis/"
+        there = ", ".join(n for n in names.split() if (self.run_dir / n).exists())
         say(
-            f"run folder: {self.run_dir} (config.toml, metrics.jsonl, summary.json, ledger.json"
-            f"{', metrics.png' if plot else ''}, tensorboard/, timeline.json, logs/, "
-            f"checkpoints/, redis/); continue it with tandem up --resume {self.run_dir}"
+            f"run folder: {self.run_dir} ({there}); continue it with tandem up --resume "
+            f"{self.run_dir}"
         )

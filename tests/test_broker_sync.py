@@ -7,6 +7,7 @@ be observed: version pushed -> complete -> every engine fetched it -> Redis vers
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from services.sample_buffer import SampleBuffer
+from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from services.weight_sync.zmq_transport import BrokerGoneError, ZmqWeightSender, fetch_weights
 from tests.helpers import wait_until
 
@@ -209,6 +210,8 @@ def test_a_hung_engine_is_timed_out_and_reported(start_service, fake_engine, buf
     error = wait_until(out_of_rotation, "hung engine taken out", timeout_s=15)
     assert "version 1" in error
     sender.close()
+    hung.proc.kill()  # its hung request would hold a graceful stop for 10 s
+    hung.proc.wait()
 
 
 def test_a_late_engine_is_brought_to_the_current_version(
@@ -232,9 +235,14 @@ def test_a_version_the_trainer_did_not_publish_is_refused_and_its_next_one_deliv
     redis = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
     broker = start_service("broker", ["broker", "--port", "0", "--engine-urls", engine.url, *redis])
     buffer.set_version("trainer", 1)  # the trainer announced version 1: it may send 2 next
-    # A broker (re)started after the trainer sent version 1 says it never got it.
-    waiting = httpx.get(f"{broker.url}/state").json()["waiting_for"]
-    assert "weight version 1, which the trainer announced but this broker has not" in waiting
+    # A broker (re)started after the trainer sent version 1 says it never got it (its Redis
+    # loop reads the announced version every 2 s).
+    missing = "weight version 1, which the trainer announced but this broker has not"
+    wait_until(
+        lambda: missing in httpx.get(f"{broker.url}/state").json()["waiting_for"],
+        "the announced version missing",
+        timeout_s=5,
+    )
     sender = ZmqWeightSender(broker.info["intake_endpoint"])
     sender.send(7, weights(7))
     wait_until(
@@ -359,3 +367,37 @@ def test_a_fetch_from_a_broker_killed_mid_request_ends_at_once_not_at_its_timeou
         fetch_weights(endpoint, 3, timeout_s=60)
     assert time.monotonic() - started < 10
     assert broker.wait(timeout=10) == -9
+
+
+def test_a_redis_that_stops_answering_delays_no_sync_and_no_health_answer(
+    start_service, fake_engine, tmp_path: Path
+) -> None:
+    engine = fake_engine("e")
+    with RedisServer(log_dir=tmp_path / "redis") as server:
+        buffer = SampleBuffer(BufferConfig(redis_url=server.url, run_id="paused"))
+        redis = ["--redis-url", server.url, "--run-id", "paused", "--redis-call-timeout-s", "2"]
+        argv = ["broker", "--port", "0", "--engine-urls", engine.url, *redis]
+        broker = start_service("broker", argv)
+        sender = ZmqWeightSender(broker.info["intake_endpoint"])
+        sender.send(1, weights(1))
+        wait_until(lambda: buffer.get_version("engines") == 1, "version:engines 1")
+        server.process.send_signal(signal.SIGSTOP)  # a paused host: connections hang
+        try:
+            time.sleep(2.5)  # the status loop is mid-call
+            sender.send(2, weights(2))
+            started = time.monotonic()
+            for _ in range(10):  # on its event loop Redis would hold each answer forever
+                assert httpx.get(f"{broker.url}/health", timeout=1.0).status_code == 200
+                assert httpx.get(f"{broker.url}/state", timeout=1.0).json()["engines"]
+                time.sleep(0.2)
+            wait_until(
+                lambda: httpx.get(f"{engine.url}/checksums").json()["version"] == "2",
+                "the engine on version 2 while Redis is paused",
+                timeout_s=10,
+            )
+            print(f"version 2 delivered {time.monotonic() - started:.1f} s after it was sent")
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        wait_until(lambda: buffer.get_version("engines") == 2, "version:engines 2 once resumed")
+        assert httpx.get(f"{broker.url}/health").status_code == 200
+        sender.close()

@@ -57,6 +57,14 @@ def test_bad_flags_and_a_taken_port_exit_2_with_one_line_naming_the_flag(
             ["router", "--port", "0", *model, "--broker-retry-s", "0"],
             "--broker-retry-s must be > 0",
         ),
+        "router buffer flag": (
+            ["router", "--port", "0", *model, "--redis-call-timeout-s", "-1"],
+            "--redis-call-timeout-s must be > 0",
+        ),
+        "broker redis flag": (
+            ["broker", "--port", "0", "--redis-call-timeout-s", "0"],
+            "--redis-call-timeout-s must be > 0",
+        ),
         "engine flag": (
             ["engine", *model, "--port", "0", "--max-batch-size", "0"],
             "--max-batch-size must be at least 1",

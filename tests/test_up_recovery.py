@@ -1,5 +1,6 @@
 """`tandem up` after something went wrong: a run that stalls says why and stops, a run whose
-trainer was killed resumes with `--resume` and trains no group twice.
+Redis paused goes on, a run whose trainer was killed resumes with `--resume` and trains no
+group twice, a run whose Redis died stops at once naming it.
 
 Real processes throughout (Redis with its AOF in the run folder, engines, broker, router,
 trainer); the slowest tests of the suite after the full demo run.
@@ -52,7 +53,7 @@ def test_a_run_that_makes_no_progress_says_what_each_service_waits_for_and_fails
         "--stall-warn-s",
         "4",
         "--stall-fail-s",
-        "20",
+        "12",
         "--stop-accuracy",
         "0",
         "--max-steps",
@@ -70,8 +71,9 @@ def test_a_run_that_makes_no_progress_says_what_each_service_waits_for_and_fails
 def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
     tmp_path: Path,
 ) -> None:
-    """The default run (toy task, seed 0), killed at step 7 and resumed, reaches 90% held-out
-    accuracy (this is also the suite's check that the default run reaches its goal)."""
+    """The default run (toy task, seed 0), its Redis paused for 12 s at step 3, its trainer
+    killed at step 7 and the run resumed, reaches 90% held-out accuracy (this is also the
+    suite's check that the default run reaches its goal)."""
     run_dir = tmp_path / "run"
     first = subprocess.Popen(
         [
@@ -93,10 +95,22 @@ def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
         text=True,
     )
     deadline = time.monotonic() + 240
-    while trainer_steps(run_dir) < 7:
-        assert first.poll() is None, first.communicate()[0]
-        assert time.monotonic() < deadline, "the first run made no 7 steps in 240 s"
-        time.sleep(0.2)
+
+    def wait_for_step(step: int) -> None:
+        while trainer_steps(run_dir) < step:
+            assert first.poll() is None, first.communicate()[0]
+            assert time.monotonic() < deadline, f"the first run made no {step} steps in 240 s"
+            time.sleep(0.2)
+
+    wait_for_step(3)
+    # Redis paused past the services' 10 s call timeout (a stalled host): the run waits for it,
+    # says so, and goes on; the ledger below accounts for what the outage cost.
+    children = psutil.Process(first.pid).children(recursive=True)
+    redis = next(c for c in children if c.name() in ("valkey-server", "redis-server"))
+    redis.suspend()
+    time.sleep(12)
+    redis.resume()
+    wait_for_step(7)
     trainer = next(
         c
         for c in psutil.Process(first.pid).children(recursive=True)
@@ -109,6 +123,7 @@ def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
     os.kill(trainer.pid, signal.SIGKILL)
     output, _ = first.communicate(timeout=120)
     assert first.returncode == 1 and "trainer exited" in output, output[-3000:]
+    assert "does not answer" in output and "Redis answers again after 1" in output, output
 
     second = up(run_dir, "--resume", str(run_dir), timeout_s=600)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-2000:]
@@ -135,3 +150,33 @@ def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
     # Group ids name the prompt cursor (p0, p1, ...): had the resumed router drawn prompts from
     # the start again, the early ids would repeat here.
     assert len(ids) == len(set(ids)), "a group was trained twice in the final weights' lineage"
+
+
+def test_a_run_whose_redis_dies_stops_at_once_naming_it_and_where_its_data_is(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir)]
+    run = subprocess.Popen(
+        [*argv, "--router-args", "--no-rollout", "--stop-accuracy", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (run_dir / "logs" / "trainer.log").exists():  # the last service to start
+        assert run.poll() is None, run.communicate()[0]
+        assert time.monotonic() < deadline, "the services did not start in 120 s"
+        time.sleep(0.2)
+    children = psutil.Process(run.pid).children(recursive=True)
+    redis = next(c for c in children if c.name() in ("valkey-server", "redis-server"))
+    redis.kill()
+    killed = time.monotonic()
+    output, _ = run.communicate(timeout=90)
+    print(output[-2000:])
+    assert run.returncode == 1, output[-3000:]
+    assert f"FAILED: the run's Redis (pid {redis.pid}) exited with code -9" in output
+    assert f"tandem up --resume {run_dir} goes on from there" in output
+    assert "Traceback" not in output
+    assert json.loads((run_dir / "summary.json").read_text())["outcome"] == "redis_failed"
+    assert time.monotonic() - killed < 60, "stopped within a minute of the kill"

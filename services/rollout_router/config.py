@@ -370,3 +370,4 @@ class RouterConfig:
         self.workers.validate()
         self.rollout.validate()
         self.sampling.validate()
+        self.buffer.validate()

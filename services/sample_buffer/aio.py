@@ -48,7 +48,7 @@ class AsyncSampleBuffer(BufferKeys):
     def __init__(self, config: BufferConfig, client: aioredis.Redis | None = None) -> None:
         super().__init__(config.run_id)
         self.config = config
-        self.redis = client or aioredis.Redis.from_url(config.redis_url)
+        self.redis = client or aioredis.Redis.from_url(config.redis_url, **config.client_options())
         self.scripts = {
             "start": self.redis.register_script(ledger.START),
             "put": self.redis.register_script(ledger.PUT),

@@ -66,6 +66,25 @@ class BufferConfig:
     drop_log_len: int = field(default=10_000, metadata={"help": "Drop records kept."})
     metrics_len: int = field(default=100_000, metadata={"help": "Metrics records kept."})
     dead_letter_len: int = field(default=10_000, metadata={"help": "Dead-letter entries kept."})
+    redis_call_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "Seconds a Redis call may take: a server that stops answering (a paused or "
+            "partitioned host) fails the call then, and the service waits for Redis as for "
+            "one that is down, saying so."
+        },
+    )
+
+    def validate(self) -> None:
+        if not self.redis_call_timeout_s > 0:
+            raise ValueError(f"--redis-call-timeout-s must be > 0, got {self.redis_call_timeout_s}")
+
+    def client_options(self) -> dict[str, float]:
+        """redis-py's socket timeouts (blocking reads must ask for less)."""
+        return {
+            "socket_timeout": self.redis_call_timeout_s,
+            "socket_connect_timeout": self.redis_call_timeout_s,
+        }
 
 
 Entry = tuple[str, dict[bytes, bytes]]  # a stream entry: id and raw fields
@@ -104,7 +123,7 @@ class SampleBuffer(BufferKeys):
     def __init__(self, config: BufferConfig, client: redis.Redis | None = None) -> None:
         super().__init__(config.run_id)
         self.config = config
-        self.redis = client or redis.Redis.from_url(config.redis_url)
+        self.redis = client or redis.Redis.from_url(config.redis_url, **config.client_options())
         self.scripts = {
             "start": self.redis.register_script(ledger.START),
             "put": self.redis.register_script(ledger.PUT),

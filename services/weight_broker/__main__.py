@@ -15,7 +15,7 @@ from services.common.auth import check_bind, token_from_env
 from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
 from services.common.serving import add_serving_args, run_service, serve
-from services.sample_buffer import BufferConfig, SampleBuffer
+from services.sample_buffer import SampleBuffer
 from services.weight_broker.config import BrokerConfig
 from services.weight_sync.wire import check_weight_bind
 
@@ -54,6 +54,7 @@ def start(config: BrokerConfig, host: str) -> Any:
     """The broker's app, its sockets bound; ValueError (exit 2) names what to change."""
     from services.weight_broker.server import create_app
 
+    config.buffer_config().validate()
     agree_contract(config)
     check_bind(host, token_from_env(), "tandem broker")
     check_weight_bind("--intake-endpoint", config.intake_endpoint)
@@ -85,7 +86,7 @@ def agree_contract(config: BrokerConfig) -> None:
     """State the broker's term of the run contract (how versions arrive: the trainer's
     `--weight-transport`); `ContractMismatchError` (exit 2) names what to change."""
     if config.redis_url:
-        buffer = SampleBuffer(BufferConfig(redis_url=config.redis_url, run_id=config.run_id))
+        buffer = SampleBuffer(config.buffer_config())
         buffer.wait_ready(30.0)
         intake = "nccl" if config.transport == "nccl" else "zmq"  # disk takes zmq buckets in
         buffer.agree_contract(RunContract(weight_transport=intake), "broker")

@@ -7,7 +7,12 @@ is in docs/architecture.md, "Weight sync"; tests/test_broker_*.py check each poi
 Loop: `run` asks the transport (transports.py) for the version to sync to, has it sync the
 engines not on it whose retry is due and marks each outcome; `add_engine` sets the loop's
 `wake` so a new engine does not wait for the next poll. The transport's socket loops and the
-status report run beside it: if one of them fails, `run` raises and `/health` says so.
+Redis loop run beside it: if one of them fails, `run` raises and `/health` says so.
+
+Redis is only touched off the event loop (`asyncio.to_thread`, each call bounded by
+`--redis-call-timeout-s`): the Redis loop publishes `version:engines` as soon as it changes, reads the
+trainer's announced version and writes the status; a Redis that stops answering delays those,
+never the syncs, the sockets or `/health`.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from redis.exceptions import RedisError
 
 from proto.contract import ServiceStatus
 from services.common.auth import bearer_headers
-from services.sample_buffer import BufferConfig, SampleBuffer
+from services.sample_buffer import SampleBuffer
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.transports import Outcome, make_transport
 
@@ -52,11 +57,7 @@ class WeightBroker:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
         self.engines: dict[str, EngineState] = {u: EngineState(u) for u in config.engine_urls}
-        self.buffer = (
-            SampleBuffer(BufferConfig(redis_url=config.redis_url, run_id=config.run_id))
-            if config.redis_url
-            else None
-        )
+        self.buffer = SampleBuffer(config.buffer_config()) if config.redis_url else None
         self.counters = {
             "buckets_rejected": 0,
             "frames_rejected": 0,  # fetch requests and control messages that were not
@@ -66,7 +67,10 @@ class WeightBroker:
         }
         self.latest = -1  # the newest version the trainer handed us
         self.transport = make_transport(config, self.counters)
-        self._unpublished_engines = False  # version:engines waits for Redis to come back
+        self._unpublished_engines = False  # version:engines not written yet (the Redis loop)
+        self._redis_due = asyncio.Event()  # set when the Redis loop has something to write
+        self.announced = -1  # version:trainer as last read (the Redis loop)
+        self._resend = -1  # a version to ask the trainer for again (the Redis loop writes it)
         self._missing, self._missing_since = -1, 0.0  # an announced version not received
         self._wake = asyncio.Event()
         self.on_sync: Callable[[EngineState], None] | None = None  # server.py: SyncObserver.record
@@ -75,13 +79,13 @@ class WeightBroker:
 
     async def run(self) -> None:
         """Keep every engine on the newest version until cancelled."""
-        self._wake = asyncio.Event()
+        self._wake, self._redis_due = asyncio.Event(), asyncio.Event()
         timeout = aiohttp.ClientTimeout(total=self.config.sync_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout, headers=bearer_headers()) as session:
             try:
                 async with asyncio.TaskGroup() as loops:  # one fails: every loop stops
                     loops.create_task(self._sync_loop(session))
-                    loops.create_task(self._status_loop())
+                    loops.create_task(self._redis_loop())
                     loops.create_task(self.transport.serve())
             except ExceptionGroup as failed:
                 log.error("the broker's loop stopped", exc_info=failed)
@@ -95,7 +99,7 @@ class WeightBroker:
         version = await self.transport.next_version(self._wake)
         if version < 0:
             return
-        if why := self._unpublished(version):
+        if why := await self._unpublished(version):
             self.counters["versions_refused"] += 1
             log.error("refused weight version %d: %s", version, why)
             await self.transport.refuse(version, why)
@@ -116,11 +120,13 @@ class WeightBroker:
         if due:
             self.publish_version()
 
-    def _unpublished(self, version: int) -> str:
+    async def _unpublished(self, version: int) -> str:
         """Why `version` cannot be the trainer's, else ''. The trainer announces V in Redis
         (`version:trainer`) right after sending it, so a version more than one ahead of the
         announced one (once there is one) came from elsewhere."""
-        published = self._trainer_version() if version > self.latest else -1
+        published = -1
+        if version > self.latest:
+            published = await asyncio.to_thread(self._trainer_version)
         if published >= 0 and version > published + 1:
             return f"the trainer published version {published}; {version} is not its next"
         return ""
@@ -157,14 +163,19 @@ class WeightBroker:
         log.info("engine %s on version %d in %.3fs", engine.url, version, outcome.elapsed_s)
 
     def publish_version(self) -> None:
-        """`version:engines` in Redis; while Redis is unavailable the status loop tries again
-        (the sync loop must outlive a Redis restart)."""
+        """Have the Redis loop write `version:engines` (it keeps trying while Redis is
+        unavailable: the sync loop must outlive a Redis restart)."""
+        self._unpublished_engines = True
+        self._redis_due.set()
+
+    def _write_engines_version(self) -> None:
+        """In the Redis loop: `version:engines`, the minimum over engines in rotation."""
         versions = [e.version for e in self.engines.values() if e.in_rotation and e.version >= 0]
+        self._unpublished_engines = False
         if self.buffer is None or not versions:
             return
         try:
             self.buffer.set_version("engines", min(versions))
-            self._unpublished_engines = False
         except RedisError as exc:
             self._unpublished_engines = True
             log.warning("cannot publish the engines' version to Redis (retried): %s", exc)
@@ -196,7 +207,7 @@ class WeightBroker:
         else the trainer's next version, naming one the trainer announced that never came."""
         latest = self.latest
         behind = [e for e in self.engines.values() if latest >= 0 and e.version != latest]
-        announced = self._trainer_version()
+        announced = self.announced
         if behind:
             engines = "; ".join(
                 f"{e.url} serves {e.version}"
@@ -224,29 +235,44 @@ class WeightBroker:
 
     def _ask_resend(self, version: int) -> None:
         """A version the trainer announced has not come for `RESEND_AFTER_S` (lost with a
-        broker restart): ask for it again (`version:resend`; see the trainer's intake wait)."""
+        broker restart): ask for it again (`version:resend`, written by the Redis loop; see the
+        trainer's intake wait)."""
         now = time.monotonic()
         if self._missing != version:
             self._missing, self._missing_since = version, now
-        elif now - self._missing_since >= RESEND_AFTER_S and self.buffer is not None:
-            with contextlib.suppress(RedisError):
-                self.buffer.set_version("resend", version)
+        elif now - self._missing_since >= RESEND_AFTER_S:
+            self._resend = version
 
-    async def _status_loop(self, interval_s: float = 2.0) -> None:
-        """Report `status()` to Redis for `tandem up`'s progress watchdog."""
+    async def _redis_loop(self, interval_s: float = 2.0) -> None:
+        """Everything the broker writes to Redis, off the event loop: `version:engines` when
+        it changes, and every `interval_s` the trainer's announced version and `status()` (for
+        `tandem up`'s progress watchdog)."""
         if self.buffer is None:
             return
-        since, last = time.time(), ""
+        buffer = self.buffer
+        since, last, next_status = time.time(), "", 0.0
         while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(next_status - time.monotonic(), 0)):
+                    await self._redis_due.wait()
+            self._redis_due.clear()
             if self._unpublished_engines:
-                self.publish_version()
+                await asyncio.to_thread(self._write_engines_version)
+            if time.monotonic() < next_status:
+                continue
+            next_status = time.monotonic() + interval_s
+            self.announced = await asyncio.to_thread(self._trainer_version)
             status = self.status()
             if status.waiting_for != last:
                 since, last = time.time(), status.waiting_for
             status.since, status.pid = since, os.getpid()
             with contextlib.suppress(RedisError):
-                await asyncio.to_thread(self.buffer.set_status, status, 4 * interval_s)
-            await asyncio.sleep(interval_s)
+                await asyncio.to_thread(buffer.set_status, status, 4 * interval_s)
+                if self._resend >= 0:
+                    await asyncio.to_thread(buffer.set_version, "resend", self._resend)
+                    self._resend = -1
+            if self._unpublished_engines:  # failed above: try again in a second
+                next_status = min(next_status, time.monotonic() + 1.0)
 
     def state(self) -> dict:
         engines = [vars(e).copy() for e in self.engines.values()]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.sample_buffer import BufferConfig
+
 
 @dataclass
 class BrokerConfig:
@@ -30,6 +32,13 @@ class BrokerConfig:
         default="", metadata={"help": "Redis URL; when set, the synced version is published there."}
     )
     run_id: str = field(default="default", metadata={"help": "Run id (Redis key prefix)."})
+    redis_call_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "Seconds a Redis call may take (off the event loop: a Redis that stops "
+            "answering delays the published version and the status, never the syncs)."
+        },
+    )
     sync_timeout_s: float = field(
         default=60.0,
         metadata={"help": "Longest one engine may take to load a version before it is taken out."},
@@ -71,3 +80,8 @@ class BrokerConfig:
         default=2,
         metadata={"help": "Complete versions held in memory (the newest is what engines get)."},
     )
+
+    def buffer_config(self) -> BufferConfig:
+        return BufferConfig(
+            self.redis_url, self.run_id, redis_call_timeout_s=self.redis_call_timeout_s
+        )
