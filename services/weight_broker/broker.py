@@ -10,9 +10,9 @@ engines not on it whose retry is due and marks each outcome; `add_engine` sets t
 Redis loop run beside it: if one of them fails, `run` raises and `/health` says so.
 
 Redis is only touched off the event loop (`asyncio.to_thread`, each call bounded by
-`--redis-call-timeout-s`): the Redis loop publishes `version:engines` as soon as it changes, reads the
-trainer's announced version and writes the status; a Redis that stops answering delays those,
-never the syncs, the sockets or `/health`.
+`--redis-call-timeout-s`): the Redis loop publishes `version:engines` as soon as it changes,
+reads the trainer's announced version and writes the status; a Redis that stops answering
+delays those, never the syncs, the sockets or `/health`.
 """
 
 from __future__ import annotations
@@ -168,14 +168,15 @@ class WeightBroker:
         self._unpublished_engines = True
         self._redis_due.set()
 
-    def _write_engines_version(self) -> None:
-        """In the Redis loop: `version:engines`, the minimum over engines in rotation."""
+    async def _write_engines_version(self) -> None:
+        """In the Redis loop: `version:engines`, the minimum over engines in rotation (read on
+        the event loop, which alone changes the engines)."""
         versions = [e.version for e in self.engines.values() if e.in_rotation and e.version >= 0]
         self._unpublished_engines = False
         if self.buffer is None or not versions:
             return
         try:
-            self.buffer.set_version("engines", min(versions))
+            await asyncio.to_thread(self.buffer.set_version, "engines", min(versions))
         except RedisError as exc:
             self._unpublished_engines = True
             log.warning("cannot publish the engines' version to Redis (retried): %s", exc)
@@ -257,7 +258,7 @@ class WeightBroker:
                     await self._redis_due.wait()
             self._redis_due.clear()
             if self._unpublished_engines:
-                await asyncio.to_thread(self._write_engines_version)
+                await self._write_engines_version()
             if time.monotonic() < next_status:
                 continue
             next_status = time.monotonic() + interval_s
