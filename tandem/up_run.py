@@ -48,6 +48,10 @@ def share_run_secrets() -> None:
         os.environ.setdefault(name, secrets.token_hex(32))
 
 
+class RedisUnreachableError(RuntimeError):
+    """The run's Redis did not answer at start-up."""
+
+
 def say(message: str) -> None:
     print(f"[up] {message}", flush=True)
 
@@ -86,6 +90,9 @@ class UpRun:
         except ChildFailedError as exc:
             say(f"FAILED: {exc}")
             self.outcome, code, engine_versions = "child_failed", 1, []
+        except RedisUnreachableError as exc:
+            say(f"FAILED: {exc}")
+            self.outcome, code, engine_versions = "redis_unavailable", 1, []
         finally:
             # The trainer saves its last checkpoint and the trained model on SIGTERM.
             self.supervisor.stop_all(timeout_s=60.0)
@@ -162,7 +169,10 @@ class UpRun:
             say(f"redis at {redis_url} (pid {self.redis.process.pid})")  # type: ignore[union-attr]
             (self.run_dir / "redis.url").write_text(redis_url)  # `tandem ledger RUN` reads it
         buffer = SampleBuffer(BufferConfig(redis_url=redis_url, run_id=self.run_id))
-        buffer.wait_ready()
+        try:
+            buffer.wait_ready(min(30.0, self.config.startup_timeout_s))
+        except ConnectionError as exc:  # its message names the URL and --redis-url
+            raise RedisUnreachableError(str(exc)) from exc
         where = {"url": redis_url, "run_id": self.run_id, "own": self.redis is not None}
         (self.run_dir / REDIS_FILE).write_text(json.dumps(where))  # for tandem metrics/timeline
         return buffer, redis_url

@@ -180,3 +180,12 @@ def test_a_run_whose_redis_dies_stops_at_once_naming_it_and_where_its_data_is(
     assert "Traceback" not in output
     assert json.loads((run_dir / "summary.json").read_text())["outcome"] == "redis_failed"
     assert time.monotonic() - killed < 60, "stopped within a minute of the kill"
+
+
+def test_a_redis_url_nobody_answers_fails_the_start_naming_the_flag(tmp_path: Path) -> None:
+    url = "redis://127.0.0.1:1/0"
+    result = up(tmp_path / "run", "--redis-url", url, "--startup-timeout-s", "2", timeout_s=60)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert f"FAILED: no Redis server answered at {url} within 2s" in out
+    assert "check --redis-url or REDIS_URL" in out and "Traceback" not in out
