@@ -33,6 +33,22 @@ def up(run_dir: Path, *flags: str, timeout_s: float = 600) -> subprocess.Complet
     )
 
 
+def start_up(run_dir: Path, *flags: str) -> subprocess.Popen:
+    """`tandem up` in the background, its console captured (stdout and stderr)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def redis_of(run: subprocess.Popen) -> psutil.Process:
+    """The Redis server `tandem up` started for its run."""
+    children = psutil.Process(run.pid).children(recursive=True)
+    return next(c for c in children if c.name() in ("valkey-server", "redis-server"))
+
+
 def trainer_steps(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -75,25 +91,7 @@ def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
     killed at step 7 and the run resumed, reaches 90% held-out accuracy (this is also the
     suite's check that the default run reaches its goal)."""
     run_dir = tmp_path / "run"
-    first = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tandem.cli",
-            "up",
-            "--run-dir",
-            str(run_dir),
-            "--save-interval",
-            "3",
-            "--seed",
-            "0",
-            "--time-limit-s",
-            "300",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    first = start_up(run_dir, "--save-interval", "3", "--seed", "0", "--time-limit-s", "300")
     deadline = time.monotonic() + 240
 
     def wait_for_step(step: int) -> None:
@@ -105,8 +103,7 @@ def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
     wait_for_step(3)
     # Redis paused past the services' 10 s call timeout (a stalled host): the run waits for it,
     # says so, and goes on; the ledger below accounts for what the outage cost.
-    children = psutil.Process(first.pid).children(recursive=True)
-    redis = next(c for c in children if c.name() in ("valkey-server", "redis-server"))
+    redis = redis_of(first)
     redis.suspend()
     time.sleep(12)
     redis.resume()
@@ -156,20 +153,13 @@ def test_a_run_whose_redis_dies_stops_at_once_naming_it_and_where_its_data_is(
     tmp_path: Path,
 ) -> None:
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir)]
-    run = subprocess.Popen(
-        [*argv, "--router-args", "--no-rollout", "--stop-accuracy", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    run = start_up(run_dir, "--router-args", "--no-rollout", "--stop-accuracy", "0")
     deadline = time.monotonic() + 120
     while not (run_dir / "logs" / "trainer.log").exists():  # the last service to start
         assert run.poll() is None, run.communicate()[0]
         assert time.monotonic() < deadline, "the services did not start in 120 s"
         time.sleep(0.2)
-    children = psutil.Process(run.pid).children(recursive=True)
-    redis = next(c for c in children if c.name() in ("valkey-server", "redis-server"))
+    redis = redis_of(run)
     redis.kill()
     killed = time.monotonic()
     output, _ = run.communicate(timeout=90)

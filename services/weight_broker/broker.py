@@ -168,15 +168,15 @@ class WeightBroker:
         self._unpublished_engines = True
         self._redis_due.set()
 
-    async def _write_engines_version(self) -> None:
+    async def _write_engines_version(self, buffer: SampleBuffer) -> None:
         """In the Redis loop: `version:engines`, the minimum over engines in rotation (read on
         the event loop, which alone changes the engines)."""
         versions = [e.version for e in self.engines.values() if e.in_rotation and e.version >= 0]
         self._unpublished_engines = False
-        if self.buffer is None or not versions:
+        if not versions:
             return
         try:
-            await asyncio.to_thread(self.buffer.set_version, "engines", min(versions))
+            await asyncio.to_thread(buffer.set_version, "engines", min(versions))
         except RedisError as exc:
             self._unpublished_engines = True
             log.warning("cannot publish the engines' version to Redis (retried): %s", exc)
@@ -246,8 +246,8 @@ class WeightBroker:
 
     async def _redis_loop(self, interval_s: float = 2.0) -> None:
         """Everything the broker writes to Redis, off the event loop: `version:engines` when
-        it changes, and every `interval_s` the trainer's announced version and `status()` (for
-        `tandem up`'s progress watchdog)."""
+        it changes (and, after a failed write, again at each tick), and every `interval_s` the
+        trainer's announced version and `status()` (for `tandem up`'s progress watchdog)."""
         if self.buffer is None:
             return
         buffer = self.buffer
@@ -258,7 +258,7 @@ class WeightBroker:
                     await self._redis_due.wait()
             self._redis_due.clear()
             if self._unpublished_engines:
-                await self._write_engines_version()
+                await self._write_engines_version(buffer)
             if time.monotonic() < next_status:
                 continue
             next_status = time.monotonic() + interval_s
@@ -272,8 +272,6 @@ class WeightBroker:
                 if self._resend >= 0:
                     await asyncio.to_thread(buffer.set_version, "resend", self._resend)
                     self._resend = -1
-            if self._unpublished_engines:  # failed above: try again in a second
-                next_status = min(next_status, time.monotonic() + 1.0)
 
     def state(self) -> dict:
         engines = [vars(e).copy() for e in self.engines.values()]
