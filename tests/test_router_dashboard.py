@@ -112,7 +112,10 @@ def run_the_dashboard(
         assert worker == "0", "the engine serves version 0 (--model)"
         for chart in ("reward", "throughput", "staleness"):
             wait_until(lambda c=chart: browser.evaluate(JS_POINTS.format(c)) >= 2, chart, 20)
-        assert browser.evaluate(JS_POINTS.format("accuracy")) >= 1, "the start-up evaluation"
+        # The start-up evaluation runs beside the rollouts, once the engine is admitted.
+        wait_until(
+            lambda: browser.evaluate(JS_POINTS.format("accuracy")) >= 1, "the start-up eval", 20
+        )
         wait_until(
             lambda: browser.evaluate("document.querySelectorAll('#samples pre').length") > 0,
             "recent samples",
