@@ -2,7 +2,7 @@
 # GPU measurements (issues 4, 5, 7), as run on H200 machines through the device tool.
 #   bash bench/gpu_session.sh tests     # the engine's CUDA/NCCL tests: 2 GPUs, ~2 min
 #   bash bench/gpu_session.sh trainer   # the TP/DP/EP trainer tests: 2 GPUs, ~1 min a case, 12 cases: split with TESTS_K
-#   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3: 4 GPUs
+#   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3 (2 GPUs: 0 and 1)
 #   bash bench/gpu_session.sh mfu       # trainer tokens/s and MFU, packed vs padded (GPU 0)
 #   bash bench/gpu_session.sh moe       # MFU on active parameters: ~1.1B-active Qwen3-MoE vs its dense twin (GPU 0; ~65 GB)
 #   bash bench/gpu_session.sh sync      # NCCL weight sync GPU 0 -> 1 (and 2 if there) vs raw broadcast
@@ -30,15 +30,25 @@ model() {  # a ~1.1B-parameter random-init Llama (bf16, 23 layers of hidden 2048
 from weight_sync import synthetic_model; print(synthetic_model(Path('/tmp/tandem-gpu'), 2, 'bfloat16'))"
 }
 
+# 4 GPUs: a TP=2 trainer on 0-1 and engines on 2, 3; fewer: a trainer on 0, one engine on 1
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 4 ]; then
+    TRAINER_GPUS=2 PLACEMENT="--engine-gpus 2 3 --trainer-gpus 0 1 --trainer-procs 2"
+    TRAINER_ARGS="--tensor-model-parallel-size 2 --bf16"
+else
+    TRAINER_GPUS=1 PLACEMENT="--engine-gpus 1 --trainer-gpus 0 --trainer-procs 1"
+    TRAINER_ARGS="--bf16"
+fi
+
 up() {  # $1 = name, $2 = max staleness
+    # shellcheck disable=SC2086
     python3 -m tandem.cli up --model "$(model)" --run-dir "/tmp/$1" \
-        --engine-device cuda --engine-gpus 2 3 --trainer-gpus 0 1 --trainer-procs 2 \
+        --engine-device cuda $PLACEMENT \
         --weight-transport nccl --engine-args "--dtype bfloat16" \
-        --trainer-args "--tensor-model-parallel-size 2 --bf16" \
+        --trainer-args "$TRAINER_ARGS" \
         --router-args "--rollout-max-response-len 256" \
         --rollout-batch-size 16 --n-samples-per-prompt 8 --max-staleness "$2" --lr "${LR:-1e-5}" \
         --max-steps "${STEPS:-8}" --stop-accuracy 0 --time-limit-s "${LIMIT_S:-120}" --startup-timeout-s 150 2>&1 | tail -8
-    python3 bench/run_report.py --trainer-gpus 2 "/tmp/$1" > "$OUT/$1-report.txt"
+    python3 bench/run_report.py --trainer-gpus "$TRAINER_GPUS" "/tmp/$1" > "$OUT/$1-report.txt"
     cp "/tmp/$1/summary.json" "$OUT/$1-summary.json"
     cp "/tmp/$1/metrics.jsonl" "$OUT/$1-metrics.jsonl"
     tail -c 20000 "/tmp/$1/logs/broker.log" > "$OUT/$1-broker.log"
@@ -98,7 +108,7 @@ benches)
 run)
     up gpu-async 1
     up gpu-sync 0
-    python3 bench/run_report.py --trainer-gpus 2 /tmp/gpu-async /tmp/gpu-sync | tee "$OUT/run_report.txt"
+    python3 bench/run_report.py --trainer-gpus "$TRAINER_GPUS" /tmp/gpu-async /tmp/gpu-sync | tee "$OUT/run_report.txt"
     ;;
 all)
     part tests
