@@ -250,7 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from tandem.up_run import UpRun
 
-    return UpRun(config).run()
+    try:
+        run = UpRun(config)  # makes the run folder
+    except OSError as exc:
+        print(f"tandem up: --run-dir: cannot make {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    return run.run()
 
 
 def validate(config: UpConfig) -> list[str]:

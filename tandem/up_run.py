@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import secrets
+import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -17,6 +21,7 @@ from services.common.auth import TOKEN_ENV
 from services.common.engine_info import VersionUnavailableError, weight_version
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from services.sample_buffer.timeline import chrome_trace, read_spans
+from services.trainer.lineage import TRACKER
 from services.weight_sync.wire import SECRET_ENV
 from tandem.launcher import (
     TRAINED_MODEL,
@@ -56,6 +61,29 @@ def say(message: str) -> None:
     print(f"[up] {message}", flush=True)
 
 
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)  # of the run folder
+LOW_DISK_BYTES = 16 << 20
+
+
+def disk_note(run_dir: Path, said: set[Path]) -> str:
+    """A sentence when the disk holding the run folder is (nearly) full, once (`said`): a
+    service that dies there may not have been able to write why into its log."""
+    if run_dir in said:
+        return ""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return ""
+    if free >= LOW_DISK_BYTES:
+        return ""
+    said.add(run_dir)
+    return (
+        f"\nthe disk holding {run_dir} is full ({free >> 10} KiB free): free space there (df -h "
+        f"{run_dir}) and go on with tandem up --resume {run_dir}, or start again with --run-dir "
+        "on a disk with room"
+    )
+
+
 class UpRun:
     def __init__(self, config: UpConfig) -> None:
         self.config = config
@@ -69,6 +97,7 @@ class UpRun:
         self.health_urls: dict[str, str] = {}
         self.eval_task = ""
         self.ledger: dict | None = None  # written at exit (ledger.json)
+        self.disk_said: set[Path] = set()  # the full-disk note is said once
 
     def run(self) -> int:
         install_interrupt_handler(self.interrupted)
@@ -93,20 +122,31 @@ class UpRun:
         except RedisUnreachableError as exc:
             say(f"FAILED: {exc}")
             self.outcome, code, engine_versions = "redis_unavailable", 1, []
+        except OSError as exc:  # metrics.jsonl and the other files of the run folder
+            if exc.errno not in WRITE_ERRORS:
+                raise
+            note = disk_note(self.run_dir, self.disk_said)
+            say(f"FAILED: could not write {exc.filename or self.run_dir}: {exc.strerror}{note}")
+            self.outcome, code, engine_versions = "run_dir_unwritable", 1, []
         finally:
+            if note := disk_note(self.run_dir, self.disk_said):  # whatever stopped the run
+                say(note.strip())
             # The trainer saves its last checkpoint and the trained model on SIGTERM.
             self.supervisor.stop_all(timeout_s=60.0)
             self.remove_weight_slots()
-            sinks.close()
+            with self.writing("metrics.jsonl and tensorboard/"):
+                sinks.close()
             if buffer is not None:  # the services wrote their last spans when they stopped
-                self.write_timeline(buffer)
-            if buffer is not None:
-                self.write_ledger(buffer)
+                with self.writing("timeline.json", "timeline.json"):
+                    self.write_timeline(buffer)
+                with self.writing("ledger.json", "ledger.json"):
+                    self.write_ledger(buffer)
             if self.redis is not None:
                 self.redis.stop()
                 (self.run_dir / "redis.url").unlink(missing_ok=True)
         if progress is not None:
-            progress.close()
+            with self.writing("metrics.jsonl"):
+                progress.close()
             self.finish(progress, engine_versions, time.monotonic() - started)
         return 130 if self.interrupted else code
 
@@ -201,6 +241,15 @@ class UpRun:
         """Start the trainer (under torchrun with --trainer-procs > 1), not waited for here."""
         config = self.config
         trainer_args = [*args, "--weights-endpoint", intake_endpoint]
+        checkpoints = Path(config.save or self.run_dir / "checkpoints")
+        if config.resume and not (checkpoints / TRACKER).is_file():
+            say(
+                f"{checkpoints} holds no checkpoint (the trainer stopped before its first "
+                f"save, every --save-interval {config.save_interval} steps): the trainer goes "
+                "on from --model with versions after the published one (--new-lineage); "
+                "groups made by the old weights are dead-lettered (foreign_lineage)"
+            )
+            trainer_args.append("--new-lineage")
         program = None
         if config.trainer_procs > 1:  # torchrun: one process per rank, same flags
             program = [
@@ -306,6 +355,20 @@ class UpRun:
             return f"Redis at {url} did not answer for {lost_s:.0f} s (--stall-fail-s {bound:.0f})"
         return ""
 
+    @contextmanager
+    def writing(self, what: str, whole: str = "") -> Iterator[None]:
+        """A file of the run folder that cannot be written is named on the console; the rest
+        of the summary still comes (a full disk must not end the run in a traceback). `whole`:
+        a file written at once, removed when its write failed (never left cut short)."""
+        try:
+            yield
+        except OSError as exc:
+            if whole:
+                (self.run_dir / whole).unlink(missing_ok=True)
+            say(
+                f"could not write {what} in {self.run_dir}: {exc.strerror or exc}{disk_note(self.run_dir, self.disk_said)}"
+            )
+
     def child_exited(self, child) -> int:  # type: ignore[no-untyped-def]
         if child.name == "trainer" and child.proc.returncode == 0:
             reached = self.config.stop_accuracy == 0
@@ -315,7 +378,7 @@ class UpRun:
         self.outcome = "child_failed"
         say(
             f"FAILED: {child.name} exited with code {child.proc.returncode} "
-            f"(log: {child.log_path}):\n{child.log_tail()}"
+            f"(log: {child.log_path}):\n{child.log_tail()}{disk_note(self.run_dir, self.disk_said)}"
         )
         return 1
 
@@ -369,16 +432,17 @@ class UpRun:
         except RedisError as exc:
             say(f"no ledger.json: Redis did not answer ({exc})")
             return
-        (self.run_dir / "ledger.json").write_text(json.dumps(ledger.as_dict(), indent=1) + "\n")
         self.ledger = ledger.as_dict()
         verdict = "balanced" if ledger.balanced else f"UNBALANCED by {ledger.difference}"
         say(f"ledger: {ledger.sentence()} ({verdict}); see ledger.json or `tandem ledger`")
+        (self.run_dir / "ledger.json").write_text(json.dumps(self.ledger, indent=1) + "\n")
 
     def finish(self, progress: RunProgress, engine_versions: list[str], wall_s: float) -> None:
         trained = self.run_dir / TRAINED_MODEL
         if progress.history:
             try:
-                progress.plot(self.run_dir / "metrics.png")
+                with self.writing("metrics.png"):
+                    progress.plot(self.run_dir / "metrics.png")
             except ImportError:  # matplotlib is a dependency, but a GPU image may lack it
                 say("matplotlib is not installed: no metrics.png (metrics.jsonl has it all)")
         summary = {
@@ -400,7 +464,8 @@ class UpRun:
             "trained_model": str(trained) if trained.is_dir() else None,
             "ledger": self.ledger,
         }
-        write_summary(self.run_dir, summary)
+        with self.writing("summary.json", "summary.json"):
+            write_summary(self.run_dir, summary)
         acc = f"{progress.first_accuracy:.2f} -> {progress.accuracy:.2f}"
         say(
             f"{self.outcome}: {progress.step} steps in {wall_s / 60:.1f} min, held-out accuracy "

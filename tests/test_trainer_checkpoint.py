@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
 import torch
 
-from services.trainer.checkpoint import TRACKER, resolve_iteration
+from services.trainer.checkpoint import TRACKER, SaveError, resolve_iteration, saving
 from tests.test_trainer_process import bind_pull, receive_version, run_trainer, sample_groups
 
 
@@ -192,3 +193,19 @@ def test_no_torch_load_in_the_project_unpickles() -> None:
             if flags.get("weights_only") != "True":
                 unsafe.append(f"{path.relative_to(root)}:{node.lineno}")
     assert unsafe == [], unsafe
+
+
+def test_a_save_that_fails_names_the_version_the_folders_and_the_fix() -> None:
+    """A full disk (as megatron's writer or safetensors report it) and a folder not writable."""
+    where = "--save /ckpt, --save-hf /hf"
+    full = OSError(errno.ENOSPC, "No space left on device")
+    for raised in (full, RuntimeError("I/O error: No space left on device (os error 28)\nmore")):
+        with pytest.raises(SaveError) as caught, saving(7, where):
+            raise raised
+        message = str(caught.value)
+        assert message.startswith(f"could not save version 7 ({where}): ")
+        assert "the disk is full" in message and "\n" not in message
+        assert "a resumed run (--load, or tandem up --resume RUN) trains them again" in message
+    unwritable = "check that the folders exist and are writable"
+    with pytest.raises(SaveError, match=unwritable), saving(7, where):
+        raise PermissionError(errno.EACCES, "Permission denied", "/ckpt")

@@ -125,6 +125,11 @@ def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "--model" in result.stderr and "config.json" in result.stderr
     assert not (tmp_path / "run" / "logs").exists()
+    (tmp_path / "file").write_text("")  # a run folder that cannot be made: a clear exit 2
+    result = run_up(tmp_path / "file" / "run", timeout_s=60)
+    assert result.returncode == 2, result.stderr
+    assert f"--run-dir: cannot make {tmp_path / 'file' / 'run'}: Not a directory" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_the_loop_also_runs_with_the_nccl_weight_transport_on_gloo(tmp_path: Path) -> None:

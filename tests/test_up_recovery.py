@@ -172,6 +172,42 @@ def test_a_run_whose_redis_dies_stops_at_once_naming_it_and_where_its_data_is(
     assert time.monotonic() - killed < 60, "stopped within a minute of the kill"
 
 
+def test_a_full_disk_stops_the_run_naming_it_and_after_freeing_space_resume_goes_on(
+    tmp_path: Path,
+) -> None:
+    """The run folder on a 1.8 MB disk: it fills by the first checkpoint (model, checkpoint,
+    Redis AOF, logs). Whichever write fails first (the checkpoint, the AOF, a log), the run
+    stops naming the full disk, without a traceback; once there is room, --resume goes on
+    (from the checkpoint, or with a new lineage when none was written) and loses nothing."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1800k", "tmpfs", str(disk)]
+    mounted = subprocess.run(mount, capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        run_dir = disk / "run"
+        flags = ["--stop-accuracy", "0", "--max-steps", "6", "--num-engines", "1"]
+        full = up(run_dir, *flags, "--save-interval", "2", timeout_s=300)
+        print(full.stdout[-3000:])
+        assert full.returncode == 1, full.stdout[-3000:] + full.stderr[-3000:]
+        assert "Traceback" not in full.stderr, full.stderr[-3000:]
+        assert full.stdout.count(f"the disk holding {run_dir} is full") == 1, full.stdout
+        assert f"go on with tandem up --resume {run_dir}" in full.stdout
+
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        resumed = up(run_dir, "--resume", str(run_dir), *flags, timeout_s=300)
+        print(resumed.stdout[-2000:])
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["outcome"] == "max_steps" and summary["steps"] == 6
+        ledger = summary["ledger"]
+        assert ledger["balanced"] and ledger["violations"] == 0, ledger
+        assert ledger["trained"] >= 4 * 64, "the resumed steps trained their groups"
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
 def test_a_redis_url_nobody_answers_fails_the_start_naming_the_flag(tmp_path: Path) -> None:
     url = "redis://127.0.0.1:1/0"
     result = up(tmp_path / "run", "--redis-url", url, "--startup-timeout-s", "2", timeout_s=60)

@@ -99,6 +99,7 @@ def start(cfg: TrainerConfig) -> Any:
 def run(trainer: Any, args: argparse.Namespace) -> None:
     from services.sample_buffer import tune_gc_for_reads
     from services.trainer.batching import BatchError
+    from services.trainer.checkpoint import SaveError
     from services.trainer.redis_wait import RedisUnavailableError
 
     trainer.install_signal_handlers()
@@ -109,8 +110,9 @@ def run(trainer: Any, args: argparse.Namespace) -> None:
     error = ""
     try:
         steps = trainer.train()
-    except (FloatingPointError, BatchError, TimeoutError, RedisUnavailableError) as exc:
-        # TimeoutError: broker gone; RedisUnavailableError: Redis gone past --redis-timeout-s
+    except (FloatingPointError, BatchError, TimeoutError, RedisUnavailableError, SaveError) as exc:
+        # TimeoutError: broker gone; RedisUnavailableError: Redis gone past --redis-timeout-s;
+        # SaveError: a checkpoint or HF model not written (a full disk)
         error = str(exc)
         raise ServiceError(str(exc)) from exc
     finally:

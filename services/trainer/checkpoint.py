@@ -39,11 +39,14 @@ trained groups counted after the checkpoint are taken back with it (`SampleBuffe
 
 from __future__ import annotations
 
+import errno
 import logging
 import pickle
 import queue
 import random
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +61,34 @@ from services.trainer.lineage import TRACKER
 # Flags of the learning-rate schedule; a resume compares them with the checkpoint's.
 SCHEDULER_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters")
 log = logging.getLogger("tandem.trainer")
+
+
+class SaveError(RuntimeError):
+    """A checkpoint or Hugging Face model that could not be written (a full disk, a folder
+    that is not writable): the trainer stops with this, naming what to fix."""
+
+
+@contextmanager
+def saving(version: int, where: str) -> Iterator[None]:
+    """Turns a failed write of version `version`'s checkpoint or HF model (`where`: the flags
+    and folders) into a `SaveError`. Nothing is acked before the save ends, so the groups of
+    the steps since the last checkpoint stay in the buffer for a resumed run."""
+    try:
+        yield
+    except Exception as exc:
+        log.exception("saving version %d failed", version)
+        first = (str(exc).strip().splitlines() or [repr(exc)])[0][:300]
+        full = getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc)
+        advice = (
+            "the disk is full: free space there or point them at a disk with room"
+            if full
+            else "check that the folders exist and are writable"
+        )
+        raise SaveError(
+            f"could not save version {version} ({where}): {first}; {advice}. The groups "
+            "trained since the last checkpoint stay in the buffer, unacknowledged: a resumed "
+            "run (--load, or tandem up --resume RUN) trains them again"
+        ) from exc
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:

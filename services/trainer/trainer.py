@@ -421,19 +421,22 @@ class Trainer:
         """Ack trained groups; with --save only once a checkpoint holds their update.
         --save-hf: a HF directory at each checkpoint and at the end."""
         self.unacked += entry_ids
-        if self.checkpointer.enabled:
-            if not self.checkpointer.due(self.version, final):
-                return
-            self._report("saving a checkpoint", step=self.version)
-            counters = self.buffer.counters() if self.buffer is not None else {}
-            self.checkpointer.save(
-                self.version,
-                self.unacked,
-                counters.get("groups_consumed", 0),
-                counters.get("groups_dead_lettered", 0),
-            )
-        if self.cfg.save_hf and (final or self.checkpointer.enabled):
-            self.write_hf()
+        if self.checkpointer.enabled and not self.checkpointer.due(self.version, final):
+            return
+        where = f"--save {self.cfg.save}" if self.checkpointer.enabled else ""
+        where += f"{', ' if where else ''}--save-hf {self.cfg.save_hf}" if self.cfg.save_hf else ""
+        with checkpoint.saving(self.version, where):
+            if self.checkpointer.enabled:
+                self._report("saving a checkpoint", step=self.version)
+                counters = self.buffer.counters() if self.buffer is not None else {}
+                self.checkpointer.save(
+                    self.version,
+                    self.unacked,
+                    counters.get("groups_consumed", 0),
+                    counters.get("groups_dead_lettered", 0),
+                )
+            if self.cfg.save_hf and (final or self.checkpointer.enabled):
+                self.write_hf()
         if self.buffer is not None:
             self.buffer.ack(self.unacked)
         self.unacked.clear()
