@@ -248,12 +248,16 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"tandem up: {problem}", file=sys.stderr)
         return 2
+    from tandem.run_dir import RunDirBusyError
     from tandem.up_run import UpRun
 
     try:
-        run = UpRun(config)  # makes the run folder
+        run = UpRun(config)  # makes the run folder and locks it
     except OSError as exc:
         print(f"tandem up: --run-dir: cannot make {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except RunDirBusyError as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
         return 2
     return run.run()
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
 import secrets
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -33,6 +31,7 @@ from tandem.launcher import (
     write_summary,
 )
 from tandem.progress import RunProgress
+from tandem.run_dir import WRITE_ERRORS, disk_note, lock_run_dir
 from tandem.run_redis import REDIS_FILE
 from tandem.sinks import MetricSinks
 from tandem.supervisor import ChildFailedError, Supervisor, die_with_parent
@@ -61,34 +60,12 @@ def say(message: str) -> None:
     print(f"[up] {message}", flush=True)
 
 
-WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)  # of the run folder
-LOW_DISK_BYTES = 16 << 20
-
-
-def disk_note(run_dir: Path, said: set[Path]) -> str:
-    """A sentence when the disk holding the run folder is (nearly) full, once (`said`): a
-    service that dies there may not have been able to write why into its log."""
-    if run_dir in said:
-        return ""
-    try:
-        free = shutil.disk_usage(run_dir).free
-    except OSError:
-        return ""
-    if free >= LOW_DISK_BYTES:
-        return ""
-    said.add(run_dir)
-    return (
-        f"\nthe disk holding {run_dir} is full ({free >> 10} KiB free): free space there (df -h "
-        f"{run_dir}) and go on with tandem up --resume {run_dir}, or start again with --run-dir "
-        "on a disk with room"
-    )
-
-
 class UpRun:
     def __init__(self, config: UpConfig) -> None:
         self.config = config
         self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.seed)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = lock_run_dir(self.run_dir)
         self.run_id = f"up-{self.run_dir.name}"
         self.supervisor = Supervisor(self.run_dir / "logs")
         self.redis: RedisServer | None = None
@@ -181,6 +158,8 @@ class UpRun:
         say(f"engines at {' '.join(urls)}")
         broker = self.supervisor.start("broker", [*args["broker"], "--engine-urls", *urls])
         self.supervisor.wait_ready([broker], config.startup_timeout_s)
+        # The trainer loads while the router starts (it needs only Redis and the broker).
+        self.start_trainer(args["trainer"], broker.info["intake_endpoint"])
         # The router hands engines added or restarted at run time to the broker.
         router = self.supervisor.start(
             "router", [*args["router"], "--engine-urls", *urls, "--broker-url", broker.info["url"]]
@@ -192,7 +171,6 @@ class UpRun:
             f"broker at {broker.info['url']} (weights in at {broker.info['intake_endpoint']}), "
             f"router at {router.info['url']} (dashboard: {router.info['url']}/)"
         )
-        self.start_trainer(args["trainer"], broker.info["intake_endpoint"])
         say(f"logs in {self.supervisor.log_dir}")
         return buffer, urls
 

@@ -159,6 +159,10 @@ def test_a_run_whose_redis_dies_stops_at_once_naming_it_and_where_its_data_is(
         assert run.poll() is None, run.communicate()[0]
         assert time.monotonic() < deadline, "the services did not start in 120 s"
         time.sleep(0.2)
+    # A second tandem up in the same folder (a resume typed too early) is refused at once.
+    second = up(run_dir, "--resume", str(run_dir), timeout_s=60)
+    assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+    assert f"{run_dir} is in use by another tandem up (pid {run.pid})" in second.stderr
     redis = redis_of(run)
     redis.kill()
     killed = time.monotonic()

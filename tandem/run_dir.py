@@ -1,0 +1,58 @@
+"""The run folder of `tandem up`: one run at a time in it (a lock), and what to say when the
+disk under it is full."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+from pathlib import Path
+from typing import IO
+
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)  # of the run folder
+LOW_DISK_BYTES = 16 << 20
+
+
+def disk_note(run_dir: Path, said: set[Path]) -> str:
+    """A sentence when the disk holding the run folder is (nearly) full, once (`said`): a
+    service that dies there may not have been able to write why into its log."""
+    if run_dir in said:
+        return ""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return ""
+    if free >= LOW_DISK_BYTES:
+        return ""
+    said.add(run_dir)
+    return (
+        f"\nthe disk holding {run_dir} is full ({free >> 10} KiB free): free space there (df -h "
+        f"{run_dir}) and go on with tandem up --resume {run_dir}, or start again with --run-dir "
+        "on a disk with room"
+    )
+
+
+class RunDirBusyError(RuntimeError):
+    """Another `tandem up` runs in this run folder."""
+
+
+def lock_run_dir(run_dir: Path) -> IO[str]:
+    """RUN_DIR/up.lock, locked while this `tandem up` lives (the kernel drops the lock when the
+    process ends, however it ends): a second run in the same folder would start a second Redis
+    on the same data and services writing the same checkpoints."""
+    lock = open(run_dir / "up.lock", "a+")  # noqa: SIM115 - held for the process's life
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise RunDirBusyError(
+            f"{run_dir} is in use by another tandem up (pid {holder}): stop it first (Ctrl-C "
+            "there), or give another --run-dir"
+        ) from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
