@@ -47,11 +47,17 @@ class Child:
         return text[-chars:]
 
 
+class StartInterruptedError(RuntimeError):
+    """Ctrl-C or SIGTERM while a child was starting: stop now, not after every start-up."""
+
+
 class Supervisor:
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, interrupted: list[bool] | None = None) -> None:
+        """`interrupted`: a flag (non-empty = set) that ends `wait_ready` at once."""
         self.log_dir = log_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
+        self.interrupted = interrupted if interrupted is not None else []
 
     def start(
         self,
@@ -85,11 +91,13 @@ class Supervisor:
 
     def wait_ready(self, children: list[Child], timeout_s: float) -> None:
         """Wait until each child wrote its ready file; raise ChildFailedError naming the first
-        child that exited or timed out, with its log tail."""
+        child that exited or timed out, with its log tail (StartInterruptedError on Ctrl-C)."""
         deadline = time.monotonic() + timeout_s
         for child in children:
             assert child.ready_file is not None
             while not child.ready_file.exists():
+                if self.interrupted:
+                    raise StartInterruptedError(f"interrupted while {child.name} was starting")
                 if child.proc.poll() is not None:
                     raise ChildFailedError(
                         f"{child.name} exited with code {child.proc.returncode} during start-up "

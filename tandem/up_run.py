@@ -34,7 +34,12 @@ from tandem.progress import RunProgress
 from tandem.run_dir import WRITE_ERRORS, disk_note, lock_run_dir
 from tandem.run_redis import REDIS_FILE
 from tandem.sinks import MetricSinks
-from tandem.supervisor import ChildFailedError, Supervisor, die_with_parent
+from tandem.supervisor import (
+    ChildFailedError,
+    StartInterruptedError,
+    Supervisor,
+    die_with_parent,
+)
 from tandem.up_args import save_config
 from tandem.up_config import render, write_run_config
 from tandem.watchdog import Watchdog
@@ -67,9 +72,9 @@ class UpRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.lock = lock_run_dir(self.run_dir)
         self.run_id = f"up-{self.run_dir.name}"
-        self.supervisor = Supervisor(self.run_dir / "logs")
         self.redis: RedisServer | None = None
         self.interrupted: list[bool] = []
+        self.supervisor = Supervisor(self.run_dir / "logs", self.interrupted)
         self.outcome = "running"
         self.health_urls: dict[str, str] = {}
         self.eval_task = ""
@@ -96,6 +101,9 @@ class UpRun:
         except ChildFailedError as exc:
             say(f"FAILED: {exc}")
             self.outcome, code, engine_versions = "child_failed", 1, []
+        except StartInterruptedError as exc:
+            say(f"{exc}: stopping every service")
+            self.outcome, code, engine_versions = "interrupted", 130, []
         except RedisUnreachableError as exc:
             say(f"FAILED: {exc}")
             self.outcome, code, engine_versions = "redis_unavailable", 1, []

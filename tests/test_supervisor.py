@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import psutil
+import pytest
 
-from tandem.supervisor import Supervisor
+from tandem.supervisor import StartInterruptedError, Supervisor
 from tests.helpers import wait_until
 
 
@@ -31,3 +34,18 @@ def test_stopping_a_run_ends_what_a_service_that_already_died_left_running(
     assert not gone(left), "the service's own process outlives it"
     supervisor.stop_all(timeout_s=5)
     wait_until(lambda: gone(left), f"process {left} to end with the run", timeout_s=10)
+
+
+def test_ctrl_c_while_a_service_starts_ends_the_wait_at_once(tmp_path: Path) -> None:
+    """A real model's engine may take minutes to start: Ctrl-C must not wait for it."""
+    interrupted: list[bool] = []
+    supervisor = Supervisor(tmp_path / "logs", interrupted)
+    # A service that never becomes ready (sh ignores the --ready-file it is given).
+    engine = supervisor.start("engine0", ["-c", "sleep 300", "sh"], program=["sh"])
+    threading.Timer(0.5, interrupted.append, [True]).start()
+    started = time.monotonic()
+    with pytest.raises(StartInterruptedError, match="interrupted while engine0 was starting"):
+        supervisor.wait_ready([engine], timeout_s=60)
+    assert time.monotonic() - started < 5
+    supervisor.stop_all(timeout_s=5)
+    assert gone(engine.proc.pid)
