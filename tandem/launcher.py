@@ -125,6 +125,14 @@ class UpConfig:
             "help": "End the run (exit 1, with the diagnosis) after this long without a step."
         },
     )
+    stop_timeout_s: float = field(
+        default=300.0,
+        metadata={
+            "help": "At the end, how long the services may take to stop (the trainer saves its "
+            "last checkpoint and the trained model then; a real model's save takes minutes) "
+            "before they are killed."
+        },
+    )
     rollout_batch_size: int = field(default=64, metadata={"help": "Prompts per rollout batch."})
     n_samples_per_prompt: int = field(default=8, metadata={"help": "Samples per prompt (group)."})
     num_steps_per_rollout: int = field(
@@ -272,6 +280,8 @@ def validate(config: UpConfig) -> list[str]:
         problems.append("--stop-accuracy must be within [0, 1]")
     if config.max_steps < 1:
         problems.append("--max-steps must be at least 1")
+    if config.stop_timeout_s <= 0:
+        problems.append("--stop-timeout-s must be positive")
     own = service_args(config, "run", Path(config.model or "model"), "redis://", passthrough=False)
     passthrough = {
         "engine": config.engine_args,

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,18 +116,32 @@ class Supervisor:
         """The first child that has exited, if any."""
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
-    def stop_all(self, timeout_s: float = 10.0) -> None:
+    def stop_all(
+        self,
+        timeout_s: float = 10.0,
+        on_slow: Callable[[list[str]], None] | None = None,
+        slow_s: float = 5.0,
+    ) -> list[str]:
         """SIGTERM every child's process group (newest first), then SIGKILL what is left of
-        each group after `timeout_s`. A child that already exited is signalled too: a service
-        killed by SIGKILL leaves its own children (its session) behind otherwise."""
+        each group after `timeout_s`; returns the names of the children that had to be killed.
+        `on_slow` hears once which children still run after `slow_s`. A child that already
+        exited is signalled too: a service killed by SIGKILL leaves its own children (its
+        session) behind otherwise."""
         for child in reversed(self.children):
             _signal_group(child.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
+        running = [c for c in self.children if c.proc.poll() is None]
+        while running and time.monotonic() < deadline:
+            if on_slow is not None and time.monotonic() - started >= slow_s:
+                on_slow([c.name for c in running])
+                on_slow = None
+            time.sleep(0.05)
+            running = [c for c in running if c.proc.poll() is None]
         for child in reversed(self.children):
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             _signal_group(child.proc.pid, signal.SIGKILL)
             child.proc.wait()
+        return [c.name for c in running]
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -116,8 +116,7 @@ class UpRun:
         finally:
             if note := disk_note(self.run_dir, self.disk_said):  # whatever stopped the run
                 say(note.strip())
-            # The trainer saves its last checkpoint and the trained model on SIGTERM.
-            self.supervisor.stop_all(timeout_s=60.0)
+            self.stop_services()
             self.remove_weight_slots()
             with self.writing("metrics.jsonl and tensorboard/"):
                 sinks.close()
@@ -340,6 +339,27 @@ class UpRun:
             self.outcome = "redis_unavailable"
             return f"Redis at {url} did not answer for {lost_s:.0f} s (--stall-fail-s {bound:.0f})"
         return ""
+
+    def stop_services(self) -> None:
+        """SIGTERM every service: the trainer saves its last checkpoint and the trained model
+        then, for up to --stop-timeout-s; what is still running after it is killed."""
+        bound = self.config.stop_timeout_s
+
+        def slow(names: list[str]) -> None:
+            say(
+                f"waiting for {', '.join(names)} to stop (the trainer saves its last checkpoint; up to {bound:.0f} s, --stop-timeout-s)"
+            )
+
+        for name in self.supervisor.stop_all(bound, slow):
+            say(
+                f"{name} did not stop within {bound:.0f} s (--stop-timeout-s): killed"
+                + (
+                    "; its last save may be cut short (--resume goes on from the last complete "
+                    "checkpoint)"
+                    if name == "trainer"
+                    else ""
+                )
+            )
 
     @contextmanager
     def writing(self, what: str, whole: str = "") -> Iterator[None]:

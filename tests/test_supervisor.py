@@ -49,3 +49,20 @@ def test_ctrl_c_while_a_service_starts_ends_the_wait_at_once(tmp_path: Path) -> 
     assert time.monotonic() - started < 5
     supervisor.stop_all(timeout_s=5)
     assert gone(engine.proc.pid)
+
+
+def test_stop_all_says_who_is_slow_to_stop_and_names_who_it_had_to_kill(tmp_path: Path) -> None:
+    """The trainer saves on SIGTERM: tandem up says it waits for it, and says so when the
+    wait (--stop-timeout-s) ran out and it killed it."""
+    supervisor = Supervisor(tmp_path / "logs")
+    quick = supervisor.start("router", [], ready=False, program=["sleep", "300"])
+    stubborn = supervisor.start(
+        "trainer", [], ready=False, program=["sh", "-c", "trap '' TERM; sleep 300"]
+    )
+    time.sleep(0.3)  # sh has set its trap
+    heard: list[list[str]] = []
+    started = time.monotonic()
+    killed = supervisor.stop_all(timeout_s=1.5, on_slow=heard.append, slow_s=0.5)
+    assert 1.4 < time.monotonic() - started < 5
+    assert killed == ["trainer"] and heard == [["trainer"]]
+    assert quick.proc.returncode == -15 and stubborn.proc.returncode == -9
