@@ -124,15 +124,16 @@ class Supervisor:
     ) -> list[str]:
         """SIGTERM every child's process group (newest first), then SIGKILL what is left of
         each group after `timeout_s`; returns the names of the children that had to be killed.
-        `on_slow` hears once which children still run after `slow_s`. A child that already
-        exited is signalled too: a service killed by SIGKILL leaves its own children (its
-        session) behind otherwise."""
+        `on_slow` hears once which children still run after `slow_s`; an interrupt (Ctrl-C)
+        that comes meanwhile ends the wait at once. A child that already exited is signalled
+        too: a service killed by SIGKILL leaves its own children (its session) behind
+        otherwise."""
         for child in reversed(self.children):
             _signal_group(child.proc.pid, signal.SIGTERM)
-        started = time.monotonic()
+        started, interrupts = time.monotonic(), len(self.interrupted)
         deadline = started + timeout_s
         running = [c for c in self.children if c.proc.poll() is None]
-        while running and time.monotonic() < deadline:
+        while running and time.monotonic() < deadline and len(self.interrupted) == interrupts:
             if on_slow is not None and time.monotonic() - started >= slow_s:
                 on_slow([c.name for c in running])
                 on_slow = None

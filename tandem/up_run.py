@@ -347,18 +347,15 @@ class UpRun:
 
         def slow(names: list[str]) -> None:
             say(
-                f"waiting for {', '.join(names)} to stop (the trainer saves its last checkpoint; up to {bound:.0f} s, --stop-timeout-s)"
+                f"waiting for {', '.join(names)} to stop (the trainer saves its last checkpoint; "
+                f"up to {bound:.0f} s, --stop-timeout-s; Ctrl-C again kills them now)"
             )
 
         for name in self.supervisor.stop_all(bound, slow):
+            cut = "; its last save may be cut short (--resume goes on from the last complete one)"
             say(
-                f"{name} did not stop within {bound:.0f} s (--stop-timeout-s): killed"
-                + (
-                    "; its last save may be cut short (--resume goes on from the last complete "
-                    "checkpoint)"
-                    if name == "trainer"
-                    else ""
-                )
+                f"{name} did not stop in time (--stop-timeout-s {bound:.0f}, or Ctrl-C): killed"
+                + (cut if name == "trainer" else "")
             )
 
     @contextmanager

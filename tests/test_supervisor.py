@@ -66,3 +66,16 @@ def test_stop_all_says_who_is_slow_to_stop_and_names_who_it_had_to_kill(tmp_path
     assert 1.4 < time.monotonic() - started < 5
     assert killed == ["trainer"] and heard == [["trainer"]]
     assert quick.proc.returncode == -15 and stubborn.proc.returncode == -9
+
+
+def test_a_second_ctrl_c_while_services_stop_kills_them_at_once(tmp_path: Path) -> None:
+    interrupted: list[bool] = [True]  # the Ctrl-C that began the stop
+    supervisor = Supervisor(tmp_path / "logs", interrupted)
+    stubborn = supervisor.start(
+        "trainer", [], ready=False, program=["sh", "-c", "trap '' TERM; sleep 300"]
+    )
+    time.sleep(0.3)  # sh has set its trap
+    threading.Timer(1.0, interrupted.append, [True]).start()
+    started = time.monotonic()
+    assert supervisor.stop_all(timeout_s=60) == ["trainer"]
+    assert time.monotonic() - started < 5 and stubborn.proc.returncode == -9
