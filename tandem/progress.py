@@ -83,6 +83,41 @@ class RunProgress:
             f"{int(elapsed // 60)}:{int(elapsed % 60):02d}"
         )
 
+    def summary(self) -> dict:
+        """The fields of summary.json that come from the metrics."""
+        return {
+            "steps": self.step,
+            "accuracy_first": self.first_accuracy,
+            "accuracy_last": self.accuracy,
+            "accuracy_best": self.best_accuracy,
+            "accuracy_version": self.accuracy_version,
+            "samples_trained": self.samples_trained,
+            "logprob_abs_diff_max_step0": self.logprob_diff_step0,
+            "logprob_abs_diff_max_same_version": self.logprob_diff_max,
+            "steps_with_same_version_samples": self.logprob_diff_steps,
+        }
+
+    def sentences(
+        self, outcome: str, wall_s: float, eval_task: str, versions: list[str]
+    ) -> list[str]:
+        """The console's summary of the run."""
+        acc = f"{self.first_accuracy:.2f} -> {self.accuracy:.2f}"
+        out = [
+            f"{outcome}: {self.step} steps in {wall_s / 60:.1f} min, held-out accuracy {acc} "
+            f"(best {self.best_accuracy:.2f}; {eval_task}), {self.samples_trained} samples "
+            f"trained, engines on versions {', '.join(versions) or '?'}"
+        ]
+        if not math.isnan(self.logprob_diff_step0):
+            out.append(
+                f"step-0 trainer/engine log-prob max abs diff: {self.logprob_diff_step0:.2e}"
+            )
+        if self.logprob_diff_steps:
+            out.append(
+                f"trainer/engine log-prob max abs diff on same-version samples, over "
+                f"{self.logprob_diff_steps} steps: {self.logprob_diff_max:.2e}"
+            )
+        return out
+
     def close(self) -> None:
         self.jsonl.close()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import secrets
 import sys
@@ -79,6 +78,7 @@ class UpRun:
         self.health_urls: dict[str, str] = {}
         self.eval_task = ""
         self.ledger: dict | None = None  # written at exit (ledger.json)
+        self.last_metrics_id = "0"  # the last record of the metrics stream read
         self.disk_said: set[Path] = set()  # the full-disk note is said once
 
     def run(self) -> int:
@@ -117,6 +117,8 @@ class UpRun:
             if note := disk_note(self.run_dir, self.disk_said):  # whatever stopped the run
                 say(note.strip())
             self.stop_services()
+            if buffer is not None and progress is not None:
+                self.drain_metrics(buffer, progress, sinks)
             self.remove_weight_slots()
             with self.writing("metrics.jsonl and tensorboard/"):
                 sinks.close()
@@ -264,13 +266,13 @@ class UpRun:
         config = self.config
         deadline = time.monotonic() + config.time_limit_s
         # A resumed run's stream holds the earlier records (metrics.jsonl has them already).
-        last_id = buffer.last_metrics_id() if config.resume else "0"
+        self.last_metrics_id = buffer.last_metrics_id() if config.resume else "0"
         watchdog = Watchdog(buffer, self.health_urls, config.stall_warn_s, config.stall_fail_s, say)
         redis_lost_at = 0.0  # when Redis stopped answering (0: it answers)
         while True:
             asked = time.monotonic()
             try:
-                records = buffer.read_metrics(after_id=last_id, block_ms=500)
+                records = buffer.read_metrics(after_id=self.last_metrics_id, block_ms=500)
             except RedisError as exc:
                 first = not redis_lost_at
                 redis_lost_at = redis_lost_at or asked
@@ -285,7 +287,7 @@ class UpRun:
                 redis_lost_at = 0.0
                 watchdog.step_done(watchdog.last_step)
             for entry_id, record in records:
-                last_id = entry_id
+                self.last_metrics_id = entry_id
                 sinks.add(record)
                 line = progress.add(record)
                 if line:
@@ -339,6 +341,22 @@ class UpRun:
             self.outcome = "redis_unavailable"
             return f"Redis at {url} did not answer for {lost_s:.0f} s (--stall-fail-s {bound:.0f})"
         return ""
+
+    def drain_metrics(
+        self, buffer: SampleBuffer, progress: RunProgress, sinks: MetricSinks
+    ) -> None:
+        """What the services wrote while they stopped (the trainer's last step, saved with
+        its last checkpoint): into metrics.jsonl and the summary like every other record, or
+        a resume, which reads on after the stream's end, would never write it."""
+        try:
+            while records := buffer.read_metrics(after_id=self.last_metrics_id, count=1000):
+                for entry_id, record in records:
+                    self.last_metrics_id = entry_id
+                    sinks.add(record)
+                    if line := progress.add(record):
+                        print(line, flush=True)
+        except RedisError as exc:
+            say(f"the services' last metrics are not in metrics.jsonl: Redis: {exc}")
 
     def stop_services(self) -> None:
         """SIGTERM every service: the trainer saves its last checkpoint and the trained model
@@ -451,17 +469,9 @@ class UpRun:
         summary = {
             "outcome": self.outcome,
             "seed": self.config.seed,
-            "steps": progress.step,
+            **progress.summary(),
             "wall_s": round(wall_s, 1),
-            "accuracy_first": progress.first_accuracy,
-            "accuracy_last": progress.accuracy,
-            "accuracy_best": progress.best_accuracy,
-            "accuracy_version": progress.accuracy_version,
             "eval_task": self.eval_task,
-            "samples_trained": progress.samples_trained,
-            "logprob_abs_diff_max_step0": progress.logprob_diff_step0,
-            "logprob_abs_diff_max_same_version": progress.logprob_diff_max,
-            "steps_with_same_version_samples": progress.logprob_diff_steps,
             "engine_weight_versions": engine_versions,
             "run_dir": str(self.run_dir),
             "trained_model": str(trained) if trained.is_dir() else None,
@@ -469,20 +479,8 @@ class UpRun:
         }
         with self.writing("summary.json", "summary.json"):
             write_summary(self.run_dir, summary)
-        acc = f"{progress.first_accuracy:.2f} -> {progress.accuracy:.2f}"
-        say(
-            f"{self.outcome}: {progress.step} steps in {wall_s / 60:.1f} min, held-out accuracy "
-            f"{acc} (best {progress.best_accuracy:.2f}; {self.eval_task}), "
-            f"{progress.samples_trained} samples "
-            f"trained, engines on versions {', '.join(engine_versions) or '?'}"
-        )
-        if not math.isnan(progress.logprob_diff_step0):
-            say(f"step-0 trainer/engine log-prob max abs diff: {progress.logprob_diff_step0:.2e}")
-        if progress.logprob_diff_steps:
-            say(
-                f"trainer/engine log-prob max abs diff on same-version samples, over "
-                f"{progress.logprob_diff_steps} steps: {progress.logprob_diff_max:.2e}"
-            )
+        for sentence in progress.sentences(self.outcome, wall_s, self.eval_task, engine_versions):
+            say(sentence)
         if trained.is_dir():
             say(f"trained model (Hugging Face, with tokenizer): {trained}")
         names = "config.toml metrics.jsonl summary.json ledger.json metrics.png tensorboard/ "

@@ -162,7 +162,9 @@ class Trainer:
             self.status = None
         self.observe.close()
         if self.sender is not None:
-            self.sender.close()
+            # Stopped by a signal (tandem up stops every service at once): no engine is left
+            # to take the last version, so its shared-memory slot is not held for them.
+            self.sender.close(linger_s=0.0 if self.stop_requested else 15.0)
             self.sender = None
         if dist.is_initialized():
             dist.destroy_process_group()

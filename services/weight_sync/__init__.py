@@ -27,7 +27,8 @@ class WeightSender(Protocol):
 
     def send(self, version: int, named_tensors: Any) -> int: ...
 
-    def close(self) -> None: ...
+    def close(self, linger_s: float = 15.0) -> None:
+        """`linger_s`: how long the last version may wait for the engines to take it."""
 
 
 def make_sender(

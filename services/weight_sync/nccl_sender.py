@@ -302,7 +302,7 @@ class NcclWeightSender:
             except Exception as exc:  # a broken communicator may refuse a clean shutdown
                 log.warning("leaving the old weight group: %s", exc)
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:  # a broadcast is over when send returns
         self._drop_group()
         self._socket.close()
 
