@@ -15,7 +15,7 @@ from pathlib import Path
 from redis.exceptions import RedisError
 
 from services.common.auth import TOKEN_ENV
-from services.common.engine_info import VersionUnavailableError, weight_version
+from services.common.engine_info import versions_or_why
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from services.sample_buffer.timeline import chrome_trace, read_spans
 from services.trainer.lineage import TRACKER
@@ -97,10 +97,10 @@ class UpRun:
             )
             progress = RunProgress(self.run_dir)
             code = self.monitor(buffer, progress, sinks)
-            engine_versions = self.engine_versions(urls)
-        except ChildFailedError as exc:
-            say(f"FAILED: {exc}")
+            engine_versions = versions_or_why(urls)  # proof the weights moved
+        except ChildFailedError as exc:  # at start-up
             self.outcome, code, engine_versions = "child_failed", 1, []
+            say(f"FAILED: {self.own_redis_gone() or exc}")
         except StartInterruptedError as exc:
             say(f"{exc}: stopping every service")
             self.outcome, code, engine_versions = "interrupted", 130, []
@@ -168,7 +168,8 @@ class UpRun:
         broker = self.supervisor.start("broker", [*args["broker"], "--engine-urls", *urls])
         self.supervisor.wait_ready([broker], config.startup_timeout_s)
         # The trainer loads while the router starts (it needs only Redis and the broker).
-        self.start_trainer(args["trainer"], broker.info["intake_endpoint"])
+        trained = buffer.get_version("trainer", 0) > 0  # by an earlier trainer of this run
+        self.start_trainer(args["trainer"], broker.info["intake_endpoint"], trained)
         # The router hands engines added or restarted at run time to the broker.
         router = self.supervisor.start(
             "router", [*args["router"], "--engine-urls", *urls, "--broker-url", broker.info["url"]]
@@ -224,12 +225,13 @@ class UpRun:
             )
         )
 
-    def start_trainer(self, args: list[str], intake_endpoint: str) -> None:
-        """Start the trainer (under torchrun with --trainer-procs > 1), not waited for here."""
+    def start_trainer(self, args: list[str], intake_endpoint: str, trained: bool) -> None:
+        """Start the trainer (under torchrun with --trainer-procs > 1), not waited for here.
+        `trained`: the run's Redis holds versions an earlier trainer published."""
         config = self.config
         trainer_args = [*args, "--weights-endpoint", intake_endpoint]
         checkpoints = Path(config.save or self.run_dir / "checkpoints")
-        if config.resume and not (checkpoints / TRACKER).is_file():
+        if config.resume and trained and not (checkpoints / TRACKER).is_file():
             say(
                 f"{checkpoints} holds no checkpoint (the trainer stopped before its first "
                 f"save, every --save-interval {config.save_interval} steps): the trainer goes "
@@ -324,14 +326,8 @@ class UpRun:
         """What to say while Redis does not answer (said once, at the start); a problem that
         ends the run once its own server has exited or after --stall-fail-s."""
         url, bound = buffer.config.redis_url, self.config.stall_fail_s
-        own = self.redis.process if self.redis is not None else None
-        if own is not None and own.poll() is not None:
-            self.outcome = "redis_failed"
-            return (
-                f"the run's Redis (pid {own.pid}) exited with code {own.returncode} (log: "
-                f"{self.run_dir / 'logs' / 'redis.log'}); what it saved is in "
-                f"{self.run_dir / 'redis'}: tandem up --resume {self.run_dir} goes on from there"
-            )
+        if gone := self.own_redis_gone():
+            return gone
         if first:
             say(
                 f"Redis at {url} does not answer ({exc}); every service waits for it; the run "
@@ -341,6 +337,19 @@ class UpRun:
             self.outcome = "redis_unavailable"
             return f"Redis at {url} did not answer for {lost_s:.0f} s (--stall-fail-s {bound:.0f})"
         return ""
+
+    def own_redis_gone(self) -> str:
+        """The problem when the run's own Redis has exited (outcome redis_failed), else "": it
+        comes first, since every service fails after it."""
+        own = self.redis.process if self.redis is not None else None
+        if own is None or own.poll() is None:
+            return ""
+        self.outcome = "redis_failed"
+        return (
+            f"the run's Redis (pid {own.pid}) exited with code {own.returncode} (log: "
+            f"{self.run_dir / 'logs' / 'redis.log'}); what it saved is in "
+            f"{self.run_dir / 'redis'}: tandem up --resume {self.run_dir} goes on from there"
+        )
 
     def drain_metrics(
         self, buffer: SampleBuffer, progress: RunProgress, sinks: MetricSinks
@@ -397,6 +406,9 @@ class UpRun:
             say(f"trainer finished {self.config.max_steps} steps")
             return 0 if reached else 1
         self.outcome = "child_failed"
+        if gone := self.own_redis_gone():
+            say(f"FAILED: {gone}")
+            return 1
         say(
             f"FAILED: {child.name} exited with code {child.proc.returncode} "
             f"(log: {child.log_path}):\n{child.log_tail()}{disk_note(self.run_dir, self.disk_said)}"
@@ -433,16 +445,6 @@ class UpRun:
         for child in self.supervisor.children:
             if child.name == "trainer":
                 remove_stale_slots(shm_dir(), child.proc.pid)
-
-    def engine_versions(self, urls: list[str]) -> list[str]:
-        """Weight version each engine serves now (proof the weights moved)."""
-        versions = []
-        for url in urls:
-            try:
-                versions.append(weight_version(url))
-            except VersionUnavailableError as exc:
-                versions.append(f"unreachable: {exc}")
-        return versions
 
     # --- summary ------------------------------------------------------------------------------
 

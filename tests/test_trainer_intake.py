@@ -163,6 +163,12 @@ def test_a_lost_redis_is_waited_for_and_after_the_bound_named_by_its_url(tmp_pat
         assert isinstance(err.value, redis.ConnectionError) and "--redis-timeout-s" in str(
             err.value
         )
+        # A trainer asked to stop does not wait out --redis-timeout-s for a Redis that is gone.
+        stopping = patient_client(server.url, 60.0, 100, give_up=lambda: True)
+        started = time.monotonic()
+        with pytest.raises(RedisUnavailableError, match="a stop was asked for"):
+            stopping.ping()
+        assert time.monotonic() - started < 10
     finally:
         server.stop()
 

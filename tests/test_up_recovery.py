@@ -155,7 +155,7 @@ def test_a_run_whose_redis_dies_stops_at_once_naming_it_and_where_its_data_is(
     run_dir = tmp_path / "run"
     run = start_up(run_dir, "--router-args", "--no-rollout", "--stop-accuracy", "0")
     deadline = time.monotonic() + 120
-    while not (run_dir / "logs" / "trainer.log").exists():  # the last service to start
+    while not (run_dir / "metrics.jsonl").exists():  # written once every service is up
         assert run.poll() is None, run.communicate()[0]
         assert time.monotonic() < deadline, "the services did not start in 120 s"
         time.sleep(0.2)

@@ -41,3 +41,14 @@ def weight_version(url: str, timeout_s: float = 5.0) -> str:
             return str(version)
         problems.append(f"{route}: no weight_version field")
     raise VersionUnavailableError(f"engine {url}: " + "; ".join(problems))
+
+
+def versions_or_why(urls: list[str]) -> list[str]:
+    """The version each engine serves, or `unreachable: why` in its place."""
+    versions = []
+    for url in urls:
+        try:
+            versions.append(weight_version(url))
+        except VersionUnavailableError as exc:
+            versions.append(f"unreachable: {exc}")
+    return versions

@@ -31,10 +31,10 @@ class RedisUnavailableError(redis.ConnectionError):
 class PatientRetry(Retry):
     """redis-py retry policy bounded by time, not by count (see the module docstring)."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float, give_up: Callable[[], bool]) -> None:
         errors = (redis.ConnectionError, redis.TimeoutError, socket.timeout)
         super().__init__(NoBackoff(), -1, errors)
-        self.url, self.timeout_s = url, timeout_s
+        self.url, self.timeout_s, self.give_up = url, timeout_s, give_up
 
     def call_with_retry(
         self,
@@ -60,6 +60,12 @@ class PatientRetry(Retry):
                         f"{self.timeout_s:.0f}s (--redis-timeout-s)",
                         flush=True,
                     )
+                if self.give_up():  # a stop was asked for: waiting would only delay it
+                    raise RedisUnavailableError(
+                        f"Redis at {self.url} does not answer ({error}) and a stop was asked "
+                        "for: stopping without waiting for it (what was not checkpointed stays "
+                        "in Redis, unacknowledged)"
+                    ) from error
                 if now - since >= self.timeout_s:
                     raise RedisUnavailableError(
                         f"Redis at {self.url} did not answer for {self.timeout_s:.0f}s "
@@ -83,13 +89,15 @@ class PatientRetry(Retry):
             )
 
 
-def patient_client(url: str, timeout_s: float, read_block_ms: int) -> redis.Redis:
-    """A client whose commands wait out a lost connection for up to `timeout_s`. The socket
-    timeout outlasts the longest blocking read, so a server that vanished without closing the
-    connection is noticed too."""
+def patient_client(
+    url: str, timeout_s: float, read_block_ms: int, give_up: Callable[[], bool] = lambda: False
+) -> redis.Redis:
+    """A client whose commands wait out a lost connection for up to `timeout_s`, or until
+    `give_up()` (the trainer's stop) says not to. The socket timeout outlasts the longest
+    blocking read, so a server that vanished without closing the connection is noticed too."""
     return redis.Redis.from_url(
         url,
-        retry=PatientRetry(url, timeout_s),
+        retry=PatientRetry(url, timeout_s, give_up),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         socket_connect_timeout=5.0,
         socket_timeout=read_block_ms / 1000 + 30.0,

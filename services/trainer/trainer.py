@@ -77,6 +77,7 @@ class Trainer:
         self.intake: Intake | None = None
         self.status: StatusReporter | None = None
         self.sender = None
+        self.stop_requested = False  # SIGTERM/SIGINT: finish the step, save, leave
         start_version = 0
         if self.is_main:
             # Start-up checks fail fast on this client; the loop's waits out a lost connection.
@@ -88,7 +89,9 @@ class Trainer:
                 begin_lineage(plain, start_version)
             self.status = StatusReporter(plain)
             self.status.update("loading the model", model=cfg.model)
-            client = patient_client(cfg.redis_url, cfg.redis_timeout_s, cfg.read_block_ms)
+            client = patient_client(
+                cfg.redis_url, cfg.redis_timeout_s, cfg.read_block_ms, lambda: self.stop_requested
+            )
             self.buffer = SampleBuffer(plain.config, client)
             self.intake = Intake(cfg, self.buffer, intake_limits(cfg), self._report)
             self.intake.lineage_floor = start_version
@@ -112,7 +115,6 @@ class Trainer:
         self.skipped_updates = 0
         self.resent = 0  # the last version re-sent on the broker's request
         self.skipped_in_a_row: list[int] = []  # steps whose update was skipped, latest streak
-        self.stop_requested = False
         critic_model = self.critic.model if self.critic is not None else None
         self.checkpointer = checkpoint.Checkpointer(cfg, self.policy, critic_model)
         # Trained or dropped, waiting for a checkpoint (only with --save); rank 0's is the
