@@ -361,6 +361,8 @@ class UpRun:
             while records := buffer.read_metrics(after_id=self.last_metrics_id, count=1000):
                 for entry_id, record in records:
                     self.last_metrics_id = entry_id
+                    if record.source != "trainer":  # an eval of engines stopping: no score
+                        continue
                     sinks.add(record)
                     if line := progress.add(record):
                         print(line, flush=True)
