@@ -14,23 +14,28 @@ WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)  # of the
 LOW_DISK_BYTES = 16 << 20
 
 
-def disk_note(run_dir: Path, said: set[Path]) -> str:
-    """A sentence when the disk holding the run folder is (nearly) full, once (`said`): a
-    service that dies there may not have been able to write why into its log."""
-    if run_dir in said:
-        return ""
-    try:
-        free = shutil.disk_usage(run_dir).free
-    except OSError:
-        return ""
-    if free >= LOW_DISK_BYTES:
-        return ""
-    said.add(run_dir)
-    return (
-        f"\nthe disk holding {run_dir} is full ({free >> 10} KiB free): free space there (df -h "
-        f"{run_dir}) and go on with tandem up --resume {run_dir}, or start again with --run-dir "
-        "on a disk with room"
-    )
+class DiskWatch:
+    """Says, once, when the disk holding the run folder is (nearly) full: a service that dies
+    there may not have been able to write why into its log."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.said = run_dir, False
+
+    def note(self) -> str:
+        """The sentence (with a leading newline) the first time the disk is full, else ""."""
+        try:
+            free = shutil.disk_usage(self.run_dir).free
+        except OSError:
+            return ""
+        if self.said or free >= LOW_DISK_BYTES:
+            return ""
+        self.said = True
+        run_dir = self.run_dir
+        return (
+            f"\nthe disk holding {run_dir} is full ({free >> 10} KiB free): free space there "
+            f"(df -h {run_dir}) and go on with tandem up --resume {run_dir}, or start again "
+            "with --run-dir on a disk with room"
+        )
 
 
 class RunDirBusyError(RuntimeError):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
+from proto import MetricsRecord
 from services.common.auth import TOKEN_ENV
 from services.common.engine_info import versions_or_why
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
@@ -30,7 +31,7 @@ from tandem.launcher import (
     write_summary,
 )
 from tandem.progress import RunProgress
-from tandem.run_dir import WRITE_ERRORS, disk_note, lock_run_dir
+from tandem.run_dir import WRITE_ERRORS, DiskWatch, lock_run_dir
 from tandem.run_redis import REDIS_FILE
 from tandem.sinks import MetricSinks
 from tandem.supervisor import (
@@ -79,7 +80,7 @@ class UpRun:
         self.eval_task = ""
         self.ledger: dict | None = None  # written at exit (ledger.json)
         self.last_metrics_id = "0"  # the last record of the metrics stream read
-        self.disk_said: set[Path] = set()  # the full-disk note is said once
+        self.disk = DiskWatch(self.run_dir)
 
     def run(self) -> int:
         install_interrupt_handler(self.interrupted)
@@ -110,11 +111,11 @@ class UpRun:
         except OSError as exc:  # metrics.jsonl and the other files of the run folder
             if exc.errno not in WRITE_ERRORS:
                 raise
-            note = disk_note(self.run_dir, self.disk_said)
+            note = self.disk.note()
             say(f"FAILED: could not write {exc.filename or self.run_dir}: {exc.strerror}{note}")
             self.outcome, code, engine_versions = "run_dir_unwritable", 1, []
         finally:
-            if note := disk_note(self.run_dir, self.disk_said):  # whatever stopped the run
+            if note := self.disk.note():  # whatever stopped the run
                 say(note.strip())
             self.stop_services()
             if buffer is not None and progress is not None:
@@ -123,9 +124,9 @@ class UpRun:
             with self.writing("metrics.jsonl and tensorboard/"):
                 sinks.close()
             if buffer is not None:  # the services wrote their last spans when they stopped
-                with self.writing("timeline.json", "timeline.json"):
+                with self.writing("timeline.json", whole=True):
                     self.write_timeline(buffer)
-                with self.writing("ledger.json", "ledger.json"):
+                with self.writing("ledger.json", whole=True):
                     self.write_ledger(buffer)
             if self.redis is not None:
                 self.redis.stop()
@@ -168,8 +169,7 @@ class UpRun:
         broker = self.supervisor.start("broker", [*args["broker"], "--engine-urls", *urls])
         self.supervisor.wait_ready([broker], config.startup_timeout_s)
         # The trainer loads while the router starts (it needs only Redis and the broker).
-        trained = buffer.get_version("trainer", 0) > 0  # by an earlier trainer of this run
-        self.start_trainer(args["trainer"], broker.info["intake_endpoint"], trained)
+        self.start_trainer(args["trainer"], broker.info["intake_endpoint"], buffer)
         # The router hands engines added or restarted at run time to the broker.
         router = self.supervisor.start(
             "router", [*args["router"], "--engine-urls", *urls, "--broker-url", broker.info["url"]]
@@ -225,13 +225,13 @@ class UpRun:
             )
         )
 
-    def start_trainer(self, args: list[str], intake_endpoint: str, trained: bool) -> None:
-        """Start the trainer (under torchrun with --trainer-procs > 1), not waited for here.
-        `trained`: the run's Redis holds versions an earlier trainer published."""
+    def start_trainer(self, args: list[str], intake_endpoint: str, buffer: SampleBuffer) -> None:
+        """Start the trainer (under torchrun with --trainer-procs > 1), not waited for here."""
         config = self.config
         trainer_args = [*args, "--weights-endpoint", intake_endpoint]
         checkpoints = Path(config.save or self.run_dir / "checkpoints")
-        if config.resume and trained and not (checkpoints / TRACKER).is_file():
+        published = config.resume and not (checkpoints / TRACKER).is_file()
+        if published and buffer.get_version("trainer", 0) > 0:  # by an earlier trainer
             say(
                 f"{checkpoints} holds no checkpoint (the trainer stopped before its first "
                 f"save, every --save-interval {config.save_interval} steps): the trainer goes "
@@ -289,11 +289,7 @@ class UpRun:
                 redis_lost_at = 0.0
                 watchdog.step_done(watchdog.last_step)
             for entry_id, record in records:
-                self.last_metrics_id = entry_id
-                sinks.add(record)
-                line = progress.add(record)
-                if line:
-                    print(line, flush=True)
+                if self.take(entry_id, record, progress, sinks):
                     watchdog.step_done(record.step)
             problem = watchdog.check()
             if problem:
@@ -351,6 +347,16 @@ class UpRun:
             f"{self.run_dir / 'redis'}: tandem up --resume {self.run_dir} goes on from there"
         )
 
+    def take(
+        self, entry_id: str, record: MetricsRecord, progress: RunProgress, sinks: MetricSinks
+    ) -> bool:
+        """One metrics record into the files and the console; True when a step's line came."""
+        self.last_metrics_id = entry_id
+        sinks.add(record)
+        if line := progress.add(record):
+            print(line, flush=True)
+        return bool(line)
+
     def drain_metrics(
         self, buffer: SampleBuffer, progress: RunProgress, sinks: MetricSinks
     ) -> None:
@@ -360,12 +366,9 @@ class UpRun:
         try:
             while records := buffer.read_metrics(after_id=self.last_metrics_id, count=1000):
                 for entry_id, record in records:
+                    if record.source == "trainer":  # not an eval of engines stopping (no score)
+                        self.take(entry_id, record, progress, sinks)
                     self.last_metrics_id = entry_id
-                    if record.source != "trainer":  # an eval of engines stopping: no score
-                        continue
-                    sinks.add(record)
-                    if line := progress.add(record):
-                        print(line, flush=True)
         except RedisError as exc:
             say(f"the services' last metrics are not in metrics.jsonl: Redis: {exc}")
 
@@ -388,17 +391,17 @@ class UpRun:
             )
 
     @contextmanager
-    def writing(self, what: str, whole: str = "") -> Iterator[None]:
+    def writing(self, what: str, whole: bool = False) -> Iterator[None]:
         """A file of the run folder that cannot be written is named on the console; the rest
         of the summary still comes (a full disk must not end the run in a traceback). `whole`:
-        a file written at once, removed when its write failed (never left cut short)."""
+        `what` is a file written at once, removed when its write failed (never cut short)."""
         try:
             yield
         except OSError as exc:
             if whole:
-                (self.run_dir / whole).unlink(missing_ok=True)
+                (self.run_dir / what).unlink(missing_ok=True)
             say(
-                f"could not write {what} in {self.run_dir}: {exc.strerror or exc}{disk_note(self.run_dir, self.disk_said)}"
+                f"could not write {what} in {self.run_dir}: {exc.strerror or exc}{self.disk.note()}"
             )
 
     def child_exited(self, child) -> int:  # type: ignore[no-untyped-def]
@@ -413,7 +416,7 @@ class UpRun:
             return 1
         say(
             f"FAILED: {child.name} exited with code {child.proc.returncode} "
-            f"(log: {child.log_path}):\n{child.log_tail()}{disk_note(self.run_dir, self.disk_said)}"
+            f"(log: {child.log_path}):\n{child.log_tail()}{self.disk.note()}"
         )
         return 1
 
@@ -481,7 +484,7 @@ class UpRun:
             "trained_model": str(trained) if trained.is_dir() else None,
             "ledger": self.ledger,
         }
-        with self.writing("summary.json", "summary.json"):
+        with self.writing("summary.json", whole=True):
             write_summary(self.run_dir, summary)
         for sentence in progress.sentences(self.outcome, wall_s, self.eval_task, engine_versions):
             say(sentence)

@@ -427,9 +427,9 @@ class Trainer:
         self.unacked += entry_ids
         if self.checkpointer.enabled and not self.checkpointer.due(self.version, final):
             return
-        where = f"--save {self.cfg.save}" if self.checkpointer.enabled else ""
-        where += f"{', ' if where else ''}--save-hf {self.cfg.save_hf}" if self.cfg.save_hf else ""
-        with checkpoint.saving(self.version, where):
+        where = [f"--save {self.cfg.save}"] if self.checkpointer.enabled else []
+        where += [f"--save-hf {self.cfg.save_hf}"] if self.cfg.save_hf else []
+        with checkpoint.saving(self.version, ", ".join(where)):
             if self.checkpointer.enabled:
                 self._report("saving a checkpoint", step=self.version)
                 counters = self.buffer.counters() if self.buffer is not None else {}
