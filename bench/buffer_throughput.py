@@ -8,16 +8,19 @@ own delay, not a queue's).
 
 Produce: `--producers` asyncio tasks (groups in flight in the router) each take a slot of the
 router's `BufferBound` (depth bound `--max-depth`, as `--max-buffer-depth`) and put a group
-through it: `AsyncSampleBuffer.put_groups` group commits, one ledger PUT script per batch (each
-group's XADD, `groups_put` and the end of its flight). Consume, in a process of its own like
-the trainer: `SampleBuffer.read_groups` (`--read-count` per read), `incr_counter(
-"groups_consumed")`, `ack`, with the collector tuned as the trainer's (`tune_gc_for_reads`).
-Groups are realistic: `--group-bytes` (~4 KB) of msgpack, n samples of token ids, log-probs
-and masks. Latency: a group's
+through it, packed there (`proto.packed.pack`, from the lists the router holds): group commits,
+one ledger PUT script per batch writing it as one stream entry (`groups_put`, the end of each
+group's flight). Consume, in a process of its own, as the trainer's intake does
+(services/trainer/rollout.py): read `--read-count` entries (`read_entries`), the trainer's
+status reads (counters, depth), decode their groups and run the trainer's checks on each
+(`intake.decode_groups`, `check_group`), `incr_counter("groups_consumed")`, ack the entries,
+with the collector tuned as the trainer's (`tune_gc_for_reads`). Groups are realistic:
+`--group-bytes` (~4 KB) as stored (packed), 4 samples of token ids, log-probs and masks.
+Latency: a group's
 `created_at` is set when its put starts (after its slot: a producer's wait for room is not time
 in the buffer) and read by the consumer when it dequeues it.
 
-The limit: `valkey-benchmark`/`redis-benchmark` XADD of the same payload size when such a
+The limit: `valkey-benchmark`/`redis-benchmark` XADD of the group's stored size when such a
 binary sits beside the server binary or on PATH (`-P 64`); otherwise raw XADD through a
 redis-py pipeline of 64, and the output says which.
 
@@ -52,7 +55,8 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proto import Sample, SampleGroup, decode, encode
+from proto import Sample, SampleGroup, encode
+from proto.packed import decode_entry, encode_entry, pack
 from services.rollout_router.backpressure import BufferBound
 from services.sample_buffer import (
     AsyncSampleBuffer,
@@ -62,34 +66,49 @@ from services.sample_buffer import (
     find_server_binary,
     tune_gc_for_reads,
 )
+from services.trainer.intake import Limits, Rejected, check_group, decode_groups
+
+LIMITS = Limits(vocab_size=1 << 20, max_tokens=1 << 20, max_response_len=1 << 20)
 
 RAW_PIPELINE = 64
+ARGV_PAYLOAD_MAX = 100_000
 PACED_SHARE = 0.5  # the latency phase offers this share of the measured consume rate
 
 
 def make_group(group_bytes: int, samples: int = 4) -> SampleGroup:
-    """A group of `samples` samples whose msgpack encoding is about `group_bytes` long."""
+    """A group of `samples` samples about `group_bytes` long as the buffer stores it, made as
+    the router makes one (samples.py): one prompt list shared, each sample its own lists, a
+    loss mask of 1s and a version per token."""
     response = 8
     while True:
-        sample = Sample(
-            prompt_ids=[100_000 + k for k in range(32)],
-            response_ids=[120_000 + k for k in range(response)],
-            response_logprobs=[-0.1 - k / 997 for k in range(response)],
-            loss_mask=[1] * response,
-            reward=1.0,
-            weight_version=3,
-        )
+        prompt = [100_000 + k for k in range(32)]
+        rows = [
+            Sample(
+                prompt_ids=prompt,
+                response_ids=[120_000 + j + k for k in range(response)],
+                response_logprobs=[-0.1 - (j + k) / 997 for k in range(response)],
+                loss_mask=[1] * response,
+                reward=1.0,
+                weight_version=3,
+                token_versions=[3] * response,
+            )
+            for j in range(samples)
+        ]
         group = SampleGroup(
             group_id="p0",
             prompt="reverse 12345",
             label="54321",
-            samples=[sample] * samples,
+            samples=rows,
             weight_version=3,
             created_at=time.time(),
         )
-        if len(encode(group)) >= group_bytes:
+        if stored_bytes(group) >= group_bytes:
             return group
         response += 4
+
+
+def stored_bytes(group: SampleGroup) -> int:
+    return len(encode_entry([pack(group)]))
 
 
 def benchmark_binary() -> str | None:
@@ -116,14 +135,14 @@ def own_cpu_s() -> float:
 
 
 def codec_us(group: SampleGroup, reps: int = 2000) -> tuple[float, float]:
-    """CPU microseconds of one msgpack encode and one decode (with its checks) of `group`."""
-    payload = encode(group)
+    """CPU microseconds of one pack and encode, and one decode, of `group`."""
+    payload = encode_entry([pack(group)])
     started = time.process_time()
     for _ in range(reps):
-        encode(group)
+        encode_entry([pack(group)])
     encoded = time.process_time()
     for _ in range(reps):
-        decode(payload, SampleGroup)
+        decode_entry(payload)
     done = time.process_time()
     return (encoded - started) * 1e6 / reps, (done - encoded) * 1e6 / reps
 
@@ -132,7 +151,9 @@ def raw_xadd(url: str, payload: bytes, seconds: float) -> tuple[float, str, floa
     """(XADD/s, how it was measured, client and server CPU µs per XADD)."""
     config = BufferConfig(redis_url=url, run_id="raw")
     client = SampleBuffer(config).redis
-    binary = benchmark_binary()
+    # (an argument of the binary's command line holds at most 128 KiB: larger payloads go
+    # through redis-py)
+    binary = benchmark_binary() if len(payload) <= ARGV_PAYLOAD_MAX else None
     cpu, server = own_cpu_s(), server_cpu_s(url)
     if binary is not None:
         port = str(client.connection_pool.connection_kwargs["port"])
@@ -154,7 +175,7 @@ def raw_xadd(url: str, payload: bytes, seconds: float) -> tuple[float, str, floa
             if done % (RAW_PIPELINE * 64) == 0:
                 client.delete("tandem:raw:xadd")  # keep the server's memory flat
         rate = done / (time.perf_counter() - started)
-        how = f"redis-py pipeline of {RAW_PIPELINE} (no valkey-benchmark/redis-benchmark binary)"
+        how = f"redis-py pipeline of {RAW_PIPELINE} (no valkey-benchmark/redis-benchmark binary, or a payload over {ARGV_PAYLOAD_MAX} bytes)"
     client_us = (own_cpu_s() - cpu) * 1e6 / done
     server_us = (server_cpu_s(url) - server) * 1e6 / done
     client.delete("tandem:raw:xadd")
@@ -175,13 +196,20 @@ def consume(url: str, run_id: str, read_count: int, target: Any, out: Any) -> No
     first = last = 0.0
     cpu = time.process_time()
     while target.value < 0 or len(latencies) < target.value:
-        entries = buffer.read_groups("bench-trainer", read_count, block_ms=100)
+        buffer.counters(), buffer.depth()  # the intake's status, once per read
+        entries = buffer.read_entries("bench-trainer", read_count, ">", block_ms=100)
         now = time.time()
         if not entries:
             continue
         first = first or time.perf_counter()
-        latencies.extend([now - group.created_at for _, group in entries])
-        buffer.incr_counter("groups_consumed", len(entries))
+        groups = []
+        for entry_id, fields in entries:
+            decoded = decode_groups(entry_id, fields)
+            if isinstance(decoded, Rejected):
+                raise RuntimeError(f"entry {entry_id} rejected: {decoded.detail}")
+            groups += [check_group(group, LIMITS, version=3) for _, group in decoded]
+        latencies.extend([now - group.created_at for group in groups])
+        buffer.incr_counter("groups_consumed", len(groups))
         buffer.ack([entry_id for entry_id, _ in entries])
         last = time.perf_counter()
     out.put((last - first, latencies.tolist(), time.process_time() - cpu))
@@ -268,8 +296,8 @@ def breakdown(
     cores = os.cpu_count() or 1
     ceiling = min(cores / sum(cpu_us), 1 / max(cpu_us)) * 1e6
     return (
-        f"cpu_us_per_group: producer {producer:.1f} (msgpack encode {encode_us:.1f}) + server "
-        f"{server:.1f} + consumer {consumer:.1f} (msgpack decode {decode_us:.1f}) = "
+        f"cpu_us_per_group: producer {producer:.1f} (pack and encode {encode_us:.1f}) + server "
+        f"{server:.1f} + consumer {consumer:.1f} (decode {decode_us:.1f}) = "
         f"{sum(cpu_us):.1f}; raw XADD: client {raw_us[0]:.1f} + server {raw_us[1]:.1f} = "
         f"{sum(raw_us):.1f}; ceiling on {cores} cores: {ceiling:.0f} groups/s = "
         f"{ceiling / raw_rate:.2f}x raw XADD; load average {os.getloadavg()[0]:.1f}"
@@ -289,7 +317,8 @@ def main(argv: list[str]) -> int:
     url = args.redis_url or server.url  # type: ignore[union-attr]
     try:
         group = make_group(args.group_bytes)
-        raw_rate, how, raw_client_us, raw_server_us = raw_xadd(url, encode(group), args.seconds)
+        payload = encode_entry([pack(group)])
+        raw_rate, how, raw_client_us, raw_server_us = raw_xadd(url, payload, args.seconds)
         produce_rate, consume_rate, full, cpu_us = phase(
             url, "bench-full", group, args, args.seconds
         )
@@ -304,7 +333,7 @@ def main(argv: list[str]) -> int:
             server.stop()
     p50, p99 = percentile(latencies, 0.5) * 1000, percentile(latencies, 0.99) * 1000
     ratio = consume_rate / raw_rate
-    print(f"group_bytes: {len(encode(group))}")
+    print(f"group_bytes: {stored_bytes(group)} (as stored, packed; {len(encode(group))} as lists)")
     print(f"raw_xadd_per_s: {raw_rate:.0f} ({how})")
     print(f"produce_groups_per_s: {produce_rate:.0f}")
     print(f"consume_groups_per_s: {consume_rate:.0f}")

@@ -154,7 +154,7 @@ async def test_a_batch_put_counts_each_group_once_and_a_full_server_takes_whole_
         ledger = blocking.ledger()
         print(ledger.table())
         assert refused > 0 and ledger.balanced
-        assert ledger.put == blocking.redis.xlen(blocking.samples_key) == 4 + 20 * (40 - refused)
+        assert ledger.put == blocking.depth() == 4 + 20 * (40 - refused)
 
 
 def test_a_run_folder_is_read_from_its_redis_data_and_a_step_is_written_once(

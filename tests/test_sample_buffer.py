@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from proto import DropReason, DropRecord, Sample, SampleGroup
 from proto.contract import ContractMismatchError, RunContract, ServiceStatus
+from proto.packed import decode_entry, encode_entry, pack, unpack
 from services.sample_buffer import BufferConfig, SampleBuffer
 
 
@@ -16,7 +18,7 @@ def make_group(group_id: str, version: int = 0) -> SampleGroup:
     sample = Sample(
         prompt_ids=[1, 4, 5],
         response_ids=[6, 2],
-        response_logprobs=[-0.5, -0.1],
+        response_logprobs=[-0.5, -0.125],  # float32 on the stream: exact
         loss_mask=[1, 1],
         reward=1.0,
         weight_version=version,
@@ -36,7 +38,7 @@ def test_groups_come_out_in_order_with_their_contents(buffer: SampleBuffer) -> N
         buffer.put_group(make_group(f"g{i}", version=i))
     got = buffer.read_groups("t0", count=10, block_ms=100)
     assert [g.group_id for _, g in got] == ["g0", "g1", "g2"]
-    assert got[1][1].samples[0].response_logprobs == [-0.5, -0.1]
+    assert got[1][1].samples[0].response_logprobs == [-0.5, -0.125]
     assert got[2][1].weight_version == 2
 
 
@@ -153,3 +155,22 @@ def test_a_server_on_a_data_folder_comes_back_with_its_keys_after_kill_9(tmp_pat
         assert [g.group_id for _, g in again.read_groups("t", 10, block_ms=None)] == ["g0"]
         assert again.counters()["groups_put"] == 1
         assert again.contract().rollout_batch_size == 8
+
+
+def test_packed_groups_come_back_as_they_were_put_and_a_value_that_does_not_fit_is_named() -> None:
+    group = make_group("g0", version=2)
+    group.samples[0].token_versions = [1, 2]  # a partial rollout continued on newer weights
+    group.samples.append(msgspec.structs.replace(group.samples[0], loss_mask=[0, 1]))
+    packed = pack(group)
+    assert packed.samples[0].mask == b"" and packed.samples[0].versions != b""
+    back = unpack(decode_entry(encode_entry([packed]))[0])  # type: ignore[index]
+    assert back.samples[1].loss_mask == [0, 1] and back.samples[0].token_versions == [1, 2]
+    assert back.samples[0].response_ids == [6, 2] and back.samples[0].response_logprobs == [
+        -0.5,
+        -0.125,
+    ]
+    assert unpack(pack(make_group("g1", 4))).samples[0].token_versions == [4, 4], "written out"
+    too_big = make_group("g2")
+    too_big.samples[0].response_ids = [6, 1 << 40]
+    with pytest.raises(ValueError, match="group g2: response_ids holds a value that is no int32"):
+        pack(too_big)

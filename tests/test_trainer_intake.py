@@ -114,7 +114,7 @@ def test_dead_letter_keeps_the_raw_entry_acks_and_deletes_it_and_records_the_dro
 def test_reclaim_moves_a_dead_consumers_pending_groups_only_once_they_are_idle(
     buffer: SampleBuffer,
 ) -> None:
-    ids = [buffer.put_group(group(0, [1.0], gid=f"g{i}")) for i in range(3)]
+    ids = [buffer.put_group(group(0, [1.0], gid=f"g{i}")).split("/")[0] for i in range(3)]
     assert [i for i, _ in buffer.read_entries("dead-trainer", 3, ">")] == ids
     assert buffer.reclaim("trainer-0", min_idle_ms=60_000) == 0  # it may still be alive
     assert buffer.read_entries("trainer-0", 10, "0") == []
@@ -129,7 +129,7 @@ def test_the_samples_stream_is_never_trimmed_and_ack_removes_only_acked(
 ) -> None:
     # The bound on what producers put is the router's (--max-buffer-depth,
     # tests/test_buffer_backpressure.py); the stream itself drops nothing unread.
-    ids = [buffer.put_group(group(0, [1.0], gid=f"g{i}")) for i in range(4)]
+    ids = [buffer.put_group(group(0, [1.0], gid=f"g{i}")).split("/")[0] for i in range(4)]
     buffer.read_entries("trainer-0", 4, ">")  # all read, none acked
     buffer.ack(ids[:2])
     assert buffer.depth() == 2 and buffer.pending_count() == 2
@@ -279,3 +279,74 @@ def test_a_fresh_trainer_on_a_run_that_already_trained_is_refused_with_exit_2(
     assert "point --save/--load at this run's checkpoint folder" in done.stderr
     assert "new --run-id" in done.stderr and "--new-lineage" in done.stderr
     assert buffer.get_version("trainer") == 20  # nothing was published
+
+
+def intake_of(buffer: SampleBuffer, batch: int):  # type: ignore[no-untyped-def]
+    from services.trainer.config import TrainerConfig
+    from services.trainer.rollout import Intake
+
+    cfg = TrainerConfig(model="m", rollout_batch_size=batch, read_block_ms=100)
+    return Intake(cfg, buffer, LIMITS, lambda *a, **k: None)
+
+
+def test_an_entry_of_several_groups_split_across_steps_is_acked_once_all_are_trained_exactly_once(
+    buffer: SampleBuffer,
+) -> None:
+    keys = buffer.put_groups([group(0, [0.0, 1.0], gid=f"g{i}") for i in range(3)])
+    entry = keys[0].split("/")[0]
+    assert [k.split("/")[0] for k in keys] == [entry] * 3 and buffer.depth() == 3
+    first = intake_of(buffer, 2)
+    rollout = first.read_rollout(0, lambda: False)
+    assert rollout is not None and [g.group_id for g in rollout.groups] == ["g0", "g1"]
+    first.unacked += rollout.entry_ids  # trained; a checkpoint is saved, then the acks
+    saved = first.checkpoint_keys()
+    assert sorted(saved) == keys[:2]
+    first.ack_done()
+    assert buffer.depth() == 3 and buffer.pending_count() == 1, "g2 is not trained yet"
+    # A crash here: a trainer resumed from that checkpoint trains g2 only.
+    resumed = intake_of(buffer, 1)
+    resumed.already_trained = set(saved)
+    again = resumed.read_rollout(0, lambda: False)
+    assert again is not None and [g.group_id for g in again.groups] == ["g2"]
+    assert sorted(resumed.checkpoint_keys()) == keys[:2], "a checkpoint keeps g0 and g1 named"
+    resumed.unacked += again.entry_ids
+    resumed.ack_done()
+    assert buffer.depth() == 0 and buffer.pending_count() == 0
+    assert resumed.checkpoint_keys() == [] and resumed.open == {}
+
+
+def test_a_bad_group_in_an_entry_is_dead_lettered_alone_and_its_neighbours_are_trained(
+    buffer: SampleBuffer,
+) -> None:
+    groups = [group(0, [0.0, 1.0], gid=f"g{i}") for i in range(3)]
+    groups[1].samples[0].reward = math.nan
+    keys = buffer.put_groups(groups)
+    intake = intake_of(buffer, 2)
+    rollout = intake.read_rollout(0, lambda: False)
+    assert rollout is not None and [g.group_id for g in rollout.groups] == ["g0", "g2"]
+    assert all(k.split("/")[0] != keys[0].split("/")[0] for k in rollout.entry_ids), "re-written"
+    (letter,) = buffer.dead_letters()
+    assert (letter.entry_id, letter.reason) == (keys[1], R.NONFINITE_REWARD)
+    assert buffer.counters()["groups_dead_lettered"] == 1
+    assert buffer.drop_counts() == {"dead_lettered": 1}
+    assert buffer.depth() == 2 and buffer.pending_count() == 1  # the new entry, in hand
+    intake.unacked += rollout.entry_ids
+    intake.ack_done()
+    assert buffer.depth() == 0 and buffer.pending_count() == 0
+
+
+def test_a_torn_packed_array_is_dead_lettered_as_undecodable_not_a_crash(
+    buffer: SampleBuffer,
+) -> None:
+    from proto.packed import encode_entry, pack
+
+    packed = pack(group(0, [0.0, 1.0], gid="torn"))
+    torn = msgspec.structs.replace(packed.samples[0], response=packed.samples[0].response[:-1])
+    bad = msgspec.structs.replace(packed, samples=[torn, packed.samples[1]])
+    buffer.redis.xadd(
+        buffer.samples_key, {"d": encode_entry([bad, pack(group(0, [1.0], gid="ok"))])}
+    )
+    rollout = intake_of(buffer, 1).read_rollout(0, lambda: False)
+    assert rollout is not None and [g.group_id for g in rollout.groups] == ["ok"]
+    (letter,) = buffer.dead_letters()
+    assert letter.reason == R.UNDECODABLE and "not whole 4-byte values" in letter.detail

@@ -11,8 +11,8 @@ the free room is read from Redis only when the slots known free run out, and a s
 before its group is written, so a read never misses a group on its way.
 
 Writes are group commits: a group put while another write is under way joins the next batch,
-one ledger PUT script call, so puts from many tasks cost one round trip per batch, not per
-group.
+one ledger PUT script call writing the batch as one stream entry (or a few: ledger.py), so puts
+from many tasks cost one round trip, one XADD and one trainer read per batch, not per group.
 
 Consistency with the demand gate (progress.py): the gate lets rollouts run up to
 `staleness_reach()` groups ahead of the trainer; the depth bound must leave room for the
@@ -30,6 +30,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from proto import SampleGroup
+from proto.packed import PackedGroup, pack
 from services.rollout_router.config import RolloutConfig
 from services.sample_buffer import AsyncSampleBuffer
 
@@ -101,7 +102,7 @@ class BufferBound:
         # and who hears that the buffer is full. At most one per producer task.
         self._line: deque[Waiter] = deque()
         self._granter: asyncio.Task | None = None
-        self._queue: list[tuple[SampleGroup, asyncio.Future[str]]] = []
+        self._queue: list[tuple[PackedGroup, asyncio.Future[str]]] = []
         self._writer: asyncio.Task | None = None
 
     @property
@@ -212,8 +213,11 @@ class BufferBound:
         return self.max_depth - await self.buffer.backlog() - unwritten
 
     def _write(self, group: SampleGroup) -> Awaitable[str]:
+        """Queue `group` for the next PUT, packed now: a group that does not pack fails its
+        own producer (ValueError naming the field), not the batch it would have joined."""
+        packed = pack(group)
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._queue.append((group, future))
+        self._queue.append((packed, future))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_queued(), name="buffer writer")
         return future

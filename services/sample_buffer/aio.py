@@ -23,6 +23,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from proto import DropRecord, MetricsRecord, SampleGroup
 from proto.contract import RunContract, ServiceStatus
+from proto.packed import PackedGroup
 from services.sample_buffer import keys, ledger
 from services.sample_buffer.buffer import BufferConfig
 from services.sample_buffer.keys import BufferKeys
@@ -80,22 +81,24 @@ class AsyncSampleBuffer(BufferKeys):
     # --- samples ------------------------------------------------------------------------------
 
     async def depth(self) -> int:
-        """Entries in the stream: groups produced and not yet acked."""
-        return int(await io(self.redis.xlen(self.samples_key)))
+        """Groups in the stream: produced and not yet acked."""
+        pipe = self.redis.pipeline(transaction=True)
+        self.queue_depth(pipe)
+        return keys.depth_of(*await io(pipe.execute()))
 
     async def backlog(self) -> int:
         """Groups put and not yet consumed by the trainer (what --max-buffer-depth bounds)."""
         return keys.backlog(await self.counters())
 
-    async def put_groups(self, groups: list[SampleGroup]) -> list[str]:
-        """Append groups in one ledger PUT (one script call, atomic: each group's XADD and
-        the end of its flight, and `groups_put`); their stream ids. The depth bound is the
-        producer's (the router's backpressure.py)."""
-        script_keys, args = ledger.put_call(self, groups)
+    async def put_groups(self, groups: list[SampleGroup | PackedGroup]) -> list[str]:
+        """Append groups in one ledger PUT (one script call, atomic: the XADDs of their
+        entries, the end of each group's flight, and `groups_put`); each group's key
+        (`entry/index`). The depth bound is the producer's (the router's backpressure.py)."""
+        (script_keys, args), counts = ledger.put_call(self, groups)
         replies = await io(self.scripts["put"](keys=script_keys, args=args))
-        return [keys.entry_id(raw) for raw in replies]
+        return ledger.group_keys([keys.entry_id(raw) for raw in replies], counts)
 
-    async def put_group(self, group: SampleGroup) -> str:
+    async def put_group(self, group: SampleGroup | PackedGroup) -> str:
         return (await self.put_groups([group]))[0]
 
     # --- drops, the ledger ----------------------------------------------------------------------

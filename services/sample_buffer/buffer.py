@@ -1,8 +1,11 @@
 """SampleBuffer: sample groups, drops, versions and metrics of one run, kept in Redis.
 
 Keys (all under `tandem:{run_id}:`):
-- `samples`   stream of `SampleGroup`, consumer group `trainer`. The router XADDs; the trainer
-              XREADGROUPs, and after training XACKs and XDELs. The router waits while the
+- `samples`   stream of entries of one or more groups (`d`: `proto.packed`, the groups of
+              one PUT; a `SampleGroup` is read too), consumer group `trainer`; `entry_groups`
+              hash entry id -> its number of groups when more than one (`depth`). The router
+              XADDs; the trainer XREADGROUPs, and once every group of an entry is trained
+              (or dropped) XACKs and XDELs it (the ACK script). The router waits while the
               backlog (`groups_put - groups_consumed`, keys.py) is at `--max-buffer-depth`
               (backpressure, rollout_router/backpressure.py): the buffer never grows without
               bound and nothing is trimmed away unseen.
@@ -49,8 +52,9 @@ from dataclasses import dataclass, field
 import msgspec
 import redis
 
-from proto import DropRecord, MetricsRecord, SampleGroup, decode
+from proto import DropRecord, MetricsRecord, SampleGroup
 from proto.contract import RunContract, ServiceStatus
+from proto.packed import PackedGroup, encode_entry, groups_of, unpack
 from services.sample_buffer import keys, ledger
 from services.sample_buffer.keys import CONSUMER_GROUP, BufferKeys
 from services.sample_buffer.ledger import Ledger
@@ -88,6 +92,7 @@ class BufferConfig:
 
 
 Entry = tuple[str, dict[bytes, bytes]]  # a stream entry: id and raw fields
+DEAD_LETTER_FIELDS = (b"reason", b"detail", b"entry_id")  # a letter's own fields
 
 # A group read decodes into ~20 containers the collector tracks (its lists of token ids,
 # log-probs and masks), alive until the reader is done with its batch. At the collector's
@@ -127,6 +132,7 @@ class SampleBuffer(BufferKeys):
         self.scripts = {
             "start": self.redis.register_script(ledger.START),
             "put": self.redis.register_script(ledger.PUT),
+            "ack": self.redis.register_script(ledger.ACK),
             "drop": self.redis.register_script(ledger.DROP),
             "metrics_once": self.redis.register_script(ledger.METRICS_ONCE),
         }
@@ -162,24 +168,31 @@ class SampleBuffer(BufferKeys):
 
     def depth(self) -> int:
         """Groups produced and not yet trained (acked)."""
-        return int(self.redis.xlen(self.samples_key))
+        pipe = self.redis.pipeline(transaction=True)
+        self.queue_depth(pipe)
+        return keys.depth_of(*pipe.execute())
 
     def backlog(self) -> int:
         """Groups put and not yet consumed by the trainer (what --max-buffer-depth bounds)."""
         return keys.backlog(self.counters())
 
-    def put_group(self, group: SampleGroup) -> str:
-        """Append a group (the router's depth bound is its own: rollout_router/backpressure.py)
-        in one script: the XADD, `groups_put` and the end of the group's flight (ledger.py).
-        Returns the stream id."""
-        script_keys, args = ledger.put_call(self, [group])
-        return keys.entry_id(self.scripts["put"](keys=script_keys, args=args)[0])
+    def put_groups(self, groups: list[SampleGroup | PackedGroup]) -> list[str]:
+        """Append groups (the router's depth bound is its own: rollout_router/backpressure.py)
+        in one script: the XADDs of their entries, `groups_put` and the end of each group's
+        flight (ledger.py). Returns each group's key (`entry/index`)."""
+        (script_keys, args), counts = ledger.put_call(self, groups)
+        reply = self.scripts["put"](keys=script_keys, args=args)
+        return ledger.group_keys([keys.entry_id(raw) for raw in reply], counts)
+
+    def put_group(self, group: SampleGroup | PackedGroup) -> str:
+        return self.put_groups([group])[0]
 
     def read_groups(
         self, consumer: str, count: int, block_ms: int = 1000, pending_first: bool = False
     ) -> list[tuple[str, SampleGroup]]:
-        """Up to `count` groups for `consumer`. With `pending_first`, groups this consumer read
-        earlier but never acked come first (resume after a crash)."""
+        """The groups of up to `count` entries for `consumer`, by key (`entry/index`), in list
+        form (`proto.packed.unpack`). With `pending_first`, groups this consumer read earlier
+        but never acked come first (resume after a crash)."""
         out: list[tuple[str, SampleGroup]] = []
         if pending_first:
             out += self._read(consumer, count, "0", None)
@@ -192,8 +205,9 @@ class SampleBuffer(BufferKeys):
         self, consumer: str, count: int, start: str, block_ms: int | None
     ) -> list[tuple[str, SampleGroup]]:
         return [
-            (i, decode(f[b"d"], SampleGroup))
+            (key, unpack(group))
             for i, f in self.read_entries(consumer, count, start, block_ms)
+            for key, group in groups_of(i, f[b"d"])
         ]
 
     def read_entries(
@@ -245,41 +259,68 @@ class SampleBuffer(BufferKeys):
         self.ensure_consumer_group()
         return int(self.redis.xpending(self.samples_key, CONSUMER_GROUP)["pending"])
 
-    def ack(self, entry_ids: list[str]) -> None:
-        """Mark groups as trained and delete them (this is what frees buffer space)."""
-        if not entry_ids:
-            return
-        pipe = self.redis.pipeline()
-        pipe.xack(self.samples_key, CONSUMER_GROUP, *entry_ids)
-        pipe.xdel(self.samples_key, *entry_ids)
-        pipe.execute()
+    def ack(self, ids: list[str]) -> None:
+        """Ack and delete the entries of `ids` (entry ids or group keys `entry/index`; a key
+        acks its whole entry): what frees buffer space."""
+        if ids:
+            script_keys, args = ledger.ack_call(self, CONSUMER_GROUP, ids)
+            self.scripts["ack"](keys=script_keys, args=args)
 
     def dead_letter(
         self, entry_id: str, fields: dict[bytes, bytes], reason: str, detail: str, drop: DropRecord
     ) -> None:
-        """Move an entry to the dead-letter stream (with `reason`, a `DeadLetterReason`, and
-        `detail`), record `drop`, and ack and delete it from the samples stream: one transaction."""
-        letter: dict[str | bytes, str | bytes] = {
-            "reason": reason,
-            "detail": detail,
-            "entry_id": entry_id,
-            **{k: v for k, v in fields.items() if k not in (b"reason", b"detail", b"entry_id")},
-        }
+        """Move a whole entry to the dead-letter stream (with `reason`, a `DeadLetterReason`,
+        and `detail`), record `drop`, and ack and delete it: one transaction."""
+        self.dead_letter_groups(entry_id, [(DeadLetter(entry_id, reason, detail, fields), drop)])
+
+    def dead_letter_groups(
+        self,
+        entry_id: str,
+        letters: list[tuple[DeadLetter, DropRecord]],
+        keep: list[PackedGroup] | None = None,
+    ) -> None:
+        """In one transaction: each letter into the dead-letter stream with its drop recorded,
+        the groups of the entry to `keep` written again as a new entry (read later, counted
+        once: `groups_put` is not touched), and the entry acked and deleted."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(
-            self.dead_letter_key, letter, maxlen=self.config.dead_letter_len, approximate=True
-        )
-        ledger.drop(self, drop, client=pipe)
-        pipe.hincrby(self.counters_key, "groups_dead_lettered", 1)
-        pipe.xack(self.samples_key, CONSUMER_GROUP, entry_id)
-        pipe.xdel(self.samples_key, entry_id)
+        for letter, drop in letters:
+            fields: dict[str | bytes, str | bytes] = {
+                "reason": letter.reason,
+                "detail": letter.detail,
+                "entry_id": letter.entry_id,
+                **{k: v for k, v in letter.fields.items() if k not in DEAD_LETTER_FIELDS},
+            }
+            pipe.xadd(
+                self.dead_letter_key, fields, maxlen=self.config.dead_letter_len, approximate=True
+            )
+            ledger.drop(self, drop, client=pipe)
+        pipe.hincrby(self.counters_key, "groups_dead_lettered", len(letters))
+        if keep:
+            self._queue_entry(pipe, keep)
+        script_keys, args = ledger.ack_call(self, CONSUMER_GROUP, [entry_id])
+        self.scripts["ack"](keys=script_keys, args=args, client=pipe)
         pipe.execute()
+
+    def _queue_entry(self, pipe: redis.client.Pipeline, groups: list[PackedGroup]) -> None:
+        """An entry of `groups` (not counted put: groups already put, written again)."""
+        if len(groups) == 1:
+            pipe.xadd(self.samples_key, {"d": encode_entry(groups)})
+        else:  # its id, for `entry_groups`, is not known before the transaction runs
+            pipe.eval(
+                "local id = redis.call('XADD', KEYS[1], '*', 'd', ARGV[1]) "
+                "redis.call('HSET', KEYS[2], id, ARGV[2]) return id",
+                2,
+                self.samples_key,
+                self.entry_groups_key,
+                encode_entry(groups),
+                len(groups),
+            )
 
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:
         """The newest `count` dead letters, oldest first."""
         out = []
         for _id, f in reversed(self.redis.xrevrange(self.dead_letter_key, count=count)):
-            own = {k: v for k, v in f.items() if k not in (b"reason", b"detail", b"entry_id")}
+            own = {k: v for k, v in f.items() if k not in DEAD_LETTER_FIELDS}
             out.append(
                 DeadLetter(
                     f[b"entry_id"].decode(), f[b"reason"].decode(), f[b"detail"].decode(), own

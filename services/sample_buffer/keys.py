@@ -45,6 +45,7 @@ class BufferKeys:
         self.in_flight_key = prefix + "in_flight"
         self.metrics_steps_key = prefix + "metrics_steps"
         self.trainer_drops_key = prefix + "trainer_drops"
+        self.entry_groups_key = prefix + "entry_groups"
 
     # --- writes, queued on a pipeline ---------------------------------------------------------
 
@@ -61,6 +62,11 @@ class BufferKeys:
             status.updated_at = time.time()
         return self.status_prefix + status.role, msgspec.json.encode(status), int(ttl_s * 1000)
 
+    def queue_depth(self, pipe: Any) -> None:
+        """Queue the reads of the depth (`depth_of` decodes their replies)."""
+        pipe.xlen(self.samples_key)
+        pipe.hvals(self.entry_groups_key)
+
     def metrics_entry(self, source: str, step: int, values: dict[str, float]) -> dict[str, bytes]:
         record = MetricsRecord(source=source, step=step, values=values, time=time.time())
         return {"d": encode(record)}
@@ -71,6 +77,11 @@ class BufferKeys:
 
 def entry_id(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def depth_of(entries: int, counts: list[bytes]) -> int:
+    """Groups in the stream: one per entry, more for an entry noted in `entry_groups`."""
+    return int(entries) + sum(int(n) - 1 for n in counts)
 
 
 def int_hash(raw: dict[bytes, bytes]) -> dict[str, int]:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from proto import DropRecord, SampleGroup, encode
 from proto.drops import DropReason
+from proto.packed import PackedGroup, encode_entry, pack
 from services.sample_buffer.keys import BufferKeys
 
 if TYPE_CHECKING:
@@ -43,6 +44,12 @@ if TYPE_CHECKING:
 Call = tuple[list[str], list[Any]]  # a script's keys and arguments
 
 log = logging.getLogger("tandem.ledger")
+
+# A PUT writes its groups into entries of at most ENTRY_GROUPS groups and ENTRY_BYTES bytes of
+# token arrays: one XADD, one read and one ack carry many groups (bench/buffer_throughput.py),
+# and an entry stays small enough to copy at once.
+ENTRY_GROUPS = 64
+ENTRY_BYTES = 1 << 20
 
 # Sources whose drops are of groups already put (and counted consumed by that source).
 CONSUMERS = frozenset({"trainer"})
@@ -57,19 +64,22 @@ redis.call('HSET', KEYS[3], ARGV[1] .. p, p)
 return p
 """
 
-# KEYS: samples, counters, in_flight. ARGV: payload, group id, payload, group id, ... (a batch
-# of groups, one script call: the router's group commit). Returns the stream ids, in order.
+# KEYS: samples, counters, in_flight, entry_groups. ARGV: e (entries), e payloads, e group
+# counts, then every group id (a batch of groups, one script call: the router's group commit).
+# Each entry holds several groups (proto/packed.py); `entry_groups` notes the count of an entry
+# of more than one (the buffer's depth, `ACK`). Returns the entries' stream ids, in order.
 # The counts are written once per batch, after its XADDs (a group id written twice in a batch
 # ends one flight and counts the other generated, as one call per group would). Only a script's
 # first write can fail on a full server (later ones are let through to keep it atomic), so a
-# call leaves its whole batch counted or nothing. One HINCRBY and one HDEL per batch instead of
-# per group: 2.5 µs less server CPU a group (bench/buffer_throughput.py, 4 KB groups).
+# call leaves its whole batch counted or nothing.
 PUT = """
+local e = tonumber(ARGV[1])
 local ids, names = {}, {}
-for i = 1, #ARGV, 2 do
-  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[i])
-  names[#names + 1] = ARGV[i + 1]
+for i = 1, e do
+  ids[i] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[1 + i])
+  if ARGV[1 + e + i] ~= '1' then redis.call('HSET', KEYS[4], ids[i], ARGV[1 + e + i]) end
 end
+for i = 2 + 2 * e, #ARGV do names[#names + 1] = ARGV[i] end
 redis.call('HINCRBY', KEYS[2], 'groups_put', #names)
 local ended = 0
 for i = 1, #names, 1000 do -- unpack's bound: a few thousand values
@@ -77,6 +87,16 @@ for i = 1, #names, 1000 do -- unpack's bound: a few thousand values
 end
 if ended < #names then redis.call('HINCRBY', KEYS[2], 'groups_generated', #names - ended) end
 return ids
+"""
+
+# KEYS: samples, entry_groups. ARGV: consumer group, entry ids. Acks and deletes each entry and
+# forgets its group count.
+ACK = """
+for i = 2, #ARGV do
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+  if redis.call('XDEL', KEYS[1], ARGV[i]) == 1 then redis.call('HDEL', KEYS[2], ARGV[i]) end
+end
+return #ARGV - 1
 """
 
 # KEYS: drops, drop_log, counters, in_flight, redraw, version:trainer, trainer_drops.
@@ -236,12 +256,47 @@ def start_call(keys: BufferKeys) -> Call:
     return [keys.redraw_key, keys.counters_key, keys.in_flight_key], ["p"]
 
 
-def put_call(keys: BufferKeys, groups: list[SampleGroup]) -> Call:
-    """PUT of a batch: each group's XADD and the end of its flight, and `groups_put`."""
-    args: list[Any] = []
+def entries_of(groups: list[PackedGroup]) -> list[list[PackedGroup]]:
+    """`groups` cut into stream entries: in order, at most ENTRY_GROUPS groups and (but for an
+    entry of one group) ENTRY_BYTES of token arrays each."""
+    out: list[list[PackedGroup]] = []
+    size = 0
     for group in groups:
-        args += (encode(group), group.group_id)
-    return [keys.samples_key, keys.counters_key, keys.in_flight_key], args
+        nbytes = sum(
+            len(s.prompt) + len(s.response) + len(s.logprobs) + len(s.mask) + len(s.routed_experts)
+            for s in group.samples
+        )
+        if not out or len(out[-1]) >= ENTRY_GROUPS or size + nbytes > ENTRY_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(group)
+        size += nbytes
+    return out
+
+
+def put_call(keys: BufferKeys, groups: list[SampleGroup | PackedGroup]) -> tuple[Call, list[int]]:
+    """PUT of a batch: its entries' XADDs, the end of each group's flight, and `groups_put`;
+    and the number of groups of each entry. ValueError (naming the group and field) when a
+    group does not pack (`proto.packed.pack`)."""
+    entries = entries_of([pack(group) for group in groups])
+    counts = [len(entry) for entry in entries]
+    args: list[Any] = [len(entries), *(encode_entry(entry) for entry in entries), *counts]
+    args += [group.group_id for group in groups]
+    return (
+        [keys.samples_key, keys.counters_key, keys.in_flight_key, keys.entry_groups_key],
+        args,
+    ), counts
+
+
+def group_keys(entry_ids: list[str], counts: list[int]) -> list[str]:
+    """The key of each group written by one PUT: `{entry id}/{index in the entry}`."""
+    return [f"{entry}/{i}" for entry, n in zip(entry_ids, counts, strict=True) for i in range(n)]
+
+
+def ack_call(keys: BufferKeys, group: str, ids: list[str]) -> Call:
+    """ACK of entries, given their ids or their groups' keys (`entry/index`)."""
+    entries = list(dict.fromkeys(i.split("/")[0] for i in ids))
+    return [keys.samples_key, keys.entry_groups_key], [group, *entries]
 
 
 def drop_call(

@@ -9,13 +9,14 @@ response tokens with `loss_mask` 1 carry loss.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from proto import SampleGroup
+from proto.packed import AnySample, Group
 from services.trainer import losses
 
 
@@ -46,9 +47,13 @@ class TrainSample:
         return len(self.tokens) - 1
 
 
+def all_samples(group: Group) -> Sequence[AnySample]:
+    return group.samples
+
+
 def split_stale(
-    groups: list[tuple[str, SampleGroup]], version: int, max_staleness: int
-) -> tuple[list[tuple[str, SampleGroup]], list[tuple[str, SampleGroup]]]:
+    groups: list[tuple[str, Group]], version: int, max_staleness: int
+) -> tuple[list[tuple[str, Group]], list[tuple[str, Group]]]:
     """(fresh, stale): stale when `version - group.weight_version > max_staleness`."""
     fresh = [g for g in groups if version - g[1].weight_version <= max_staleness]
     stale = [g for g in groups if version - g[1].weight_version > max_staleness]
@@ -56,7 +61,7 @@ def split_stale(
 
 
 def compute_advantages(
-    groups: list[SampleGroup], estimator: str, normalize_std: bool, eps: float, gamma: float = 1.0
+    groups: list[Group], estimator: str, normalize_std: bool, eps: float, gamma: float = 1.0
 ) -> list[list[list[float]]]:
     """Per group, per sample, per response token advantages (outcome reward on the last token).
 
@@ -66,7 +71,7 @@ def compute_advantages(
     """
     rewards = [torch.tensor([s.reward for s in g.samples], dtype=torch.float64) for g in groups]
     if estimator == "gae":  # per-token advantages come from the critic, later in the step
-        return [[[0.0] * len(s.response_ids) for s in g.samples] for g in groups]
+        return [[[0.0] * len(s.response_ids) for s in all_samples(g)] for g in groups]
     if estimator in ("grpo", "dr_grpo"):
         std = normalize_std and estimator == "grpo"
         per_sample = [losses.grpo_advantages(r, std, eps) for r in rewards]
@@ -77,7 +82,8 @@ def compute_advantages(
     out = []
     for g, adv in zip(groups, per_sample, strict=True):
         rows = []
-        for s, a in zip(g.samples, adv.tolist(), strict=True):
+        samples: Sequence[AnySample] = g.samples
+        for s, a in zip(samples, adv.tolist(), strict=True):
             n = len(s.response_ids)
             if gamma == 1.0 or n == 0:
                 rows.append([a] * n)
@@ -87,11 +93,12 @@ def compute_advantages(
     return out
 
 
-def flatten(groups: list[SampleGroup], advantages: list[list[list[float]]]) -> list[TrainSample]:
+def flatten(groups: list[Group], advantages: list[list[list[float]]]) -> list[TrainSample]:
     """TrainSamples in group order; samples with no response token are left out."""
     out = []
     for index, (g, group_adv) in enumerate(zip(groups, advantages, strict=True)):
-        for s, adv in zip(g.samples, group_adv, strict=True):
+        samples: Sequence[AnySample] = g.samples
+        for s, adv in zip(samples, group_adv, strict=True):
             if not s.response_ids:
                 continue
             out.append(

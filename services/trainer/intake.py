@@ -1,7 +1,9 @@
 """Checks of one stream entry before it may reach a batch: pure logic over its raw fields.
 
-`check_entry` answers a `SampleGroup` fit to train, or a `Rejected` naming the
-`DeadLetterReason`: not a SampleGroup, another schema version, a required field absent or empty,
+An entry holds one group or several (proto/packed.py). `decode_entry` answers its groups by
+key (`entry/index`), or a `Rejected` for the whole entry when it decodes to none: not packed
+groups nor a SampleGroup, no payload, another schema version. `check_group` answers the group
+fit to train, or a `Rejected` naming the `DeadLetterReason`: another schema version, a required field absent or empty,
 a token id outside the vocabulary, per-token arrays of different lengths, a sample longer than
 the model's context (or the micro-batch token budget) or a response beyond --max-response-len, a
 non-finite reward, a weight version the trainer has not published, or one from before this
@@ -11,13 +13,15 @@ lineage's first version (`--new-lineage`). Knows nothing of Redis or torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 
-from proto import SampleGroup
 from proto.drops import DeadLetterReason
 from proto.messages import SCHEMA_VERSION
+from proto.packed import AnySample, Group, PackedGroup, PackedSample, groups_of
 
 
 @dataclass(frozen=True)
@@ -41,25 +45,27 @@ class Rejected:
     weight_version: int = -1
 
 
-_decoder = msgspec.msgpack.Decoder(SampleGroup)
-
-
-def check_entry(
-    fields: dict[bytes, bytes], limits: Limits, version: int, lineage_floor: int = 0
-) -> SampleGroup | Rejected:
-    """`fields` as read from the stream; `version` = the trainer's latest published version;
-    a group stamped below `lineage_floor` was made by weights of another lineage."""
+def decode_groups(entry_id: str, fields: dict[bytes, bytes]) -> list[tuple[str, Group]] | Rejected:
+    """The groups of an entry as read from the stream, by key (`entry/index`)."""
     payload = fields.get(b"d")
     if payload is None:
         names = sorted(k.decode(errors="replace") for k in fields)
         return Rejected(DeadLetterReason.UNDECODABLE, f"no payload field 'd' (fields: {names})")
     try:
-        group = _decoder.decode(payload)
+        groups = groups_of(entry_id, payload)
     except msgspec.DecodeError as exc:
         return _classify(payload, exc)
-    if group.schema_version != SCHEMA_VERSION:
-        return _schema(group.schema_version)
-    return _check_group(group, limits, version, lineage_floor)
+    return groups or Rejected(DeadLetterReason.MISSING_FIELD, "an entry of no group")
+
+
+def check_entry(
+    fields: dict[bytes, bytes], limits: Limits, version: int, lineage_floor: int = 0
+) -> Group | Rejected:
+    """The first group of an entry, checked (`check_group`), or why the entry is rejected."""
+    groups = decode_groups("", fields)
+    if isinstance(groups, Rejected):
+        return groups
+    return check_group(groups[0][1], limits, version, lineage_floor)
 
 
 def _schema(seen: object) -> Rejected:
@@ -85,46 +91,103 @@ def _classify(payload: bytes, exc: msgspec.DecodeError) -> Rejected:
     return Rejected(DeadLetterReason.UNDECODABLE, f"not a SampleGroup: {exc}")
 
 
-def _check_group(
-    group: SampleGroup, limits: Limits, version: int, lineage_floor: int
-) -> SampleGroup | Rejected:
+def _lengths(s: AnySample) -> tuple[int, int, int, int, int]:
+    """Lengths of (prompt_ids, response_ids, response_logprobs, loss_mask, token_versions);
+    ValueError when a packed array is not whole values."""
+    if not isinstance(s, PackedSample):
+        return (
+            len(s.prompt_ids),
+            len(s.response_ids),
+            len(s.response_logprobs),
+            len(s.loss_mask),
+            len(s.token_versions),
+        )
+    if (len(s.prompt) | len(s.response) | len(s.logprobs) | len(s.versions)) & 3:
+        sizes = [len(b) for b in (s.prompt, s.response, s.logprobs, s.versions)]
+        raise ValueError(f"packed arrays of {sizes} bytes, not whole 4-byte values")
+    return (
+        len(s.prompt) // 4,
+        len(s.response) // 4,
+        len(s.logprobs) // 4,
+        len(s.mask),
+        len(s.versions) // 4,
+    )
+
+
+def _ids_in(s: AnySample, vocab_size: int) -> str:
+    """'' when every token id of the sample is in [0, vocab_size), else the first one outside."""
+    if isinstance(s, PackedSample):
+        ids = np.frombuffer(s.prompt + s.response, "<i4")
+        low, high = int(ids.min()), int(ids.max())
+    else:
+        both = (s.prompt_ids, s.response_ids) if s.response_ids else (s.prompt_ids,)
+        low, high = min(min(i) for i in both), max(max(i) for i in both)  # C loops: fast
+    if low < 0 or high >= vocab_size:
+        return f"token id {low if low < 0 else high} outside the vocabulary [0, {vocab_size})"
+    return ""
+
+
+def _all_ids_in(group: Group, vocab_size: int) -> bool:
+    """Every token id of a packed group in [0, vocab_size) (one pass: the common case)."""
+    if not isinstance(group, PackedGroup):
+        return False
+    raw = b"".join(s.prompt + s.response for s in group.samples)
+    if not raw or len(raw) % 4:  # (a sample at fault: `_check_sample` names it)
+        return False
+    ids = np.frombuffer(raw, "<i4")
+    return True and int(ids.min()) >= 0 and int(ids.max()) < vocab_size
+
+
+def _check_sample(
+    s: AnySample, limits: Limits, ids_checked: bool
+) -> tuple[DeadLetterReason, str] | None:
+    """Why one sample must not be trained (None: it may)."""
+    try:
+        p, n, logprobs, mask, versions = _lengths(s)
+    except ValueError as exc:
+        return DeadLetterReason.UNDECODABLE, str(exc)
+    if not p:
+        return DeadLetterReason.MISSING_FIELD, "empty prompt_ids"
+    if not math.isfinite(s.reward):
+        return DeadLetterReason.NONFINITE_REWARD, f"reward {s.reward}"
+    if logprobs != n or mask not in (0, n) or versions not in (0, n):  # empty: see Sample
+        lengths = {"response_logprobs": logprobs, "loss_mask": mask, "token_versions": versions}
+        wrong = {k: v for k, v in lengths.items() if v != n and (v or k == "response_logprobs")}
+        return DeadLetterReason.LENGTH_MISMATCH, f"{n} response_ids but {wrong}"
+    if p + n > limits.max_tokens or n > limits.max_response_len:
+        return DeadLetterReason.TOO_LONG, (
+            f"{p} prompt + {n} response tokens; the trainer takes at most {limits.max_tokens} "
+            f"in all and {limits.max_response_len} of response (the model's context or "
+            "--max-tokens-per-gpu; --max-response-len)"
+        )
+    outside = "" if ids_checked else _ids_in(s, limits.vocab_size)
+    return (DeadLetterReason.TOKEN_OUT_OF_VOCAB, outside) if outside else None
+
+
+def check_group(
+    group: Group, limits: Limits, version: int, lineage_floor: int = 0
+) -> Group | Rejected:
+    """`group` if fit to train; `version` = the trainer's latest published version; a group
+    stamped below `lineage_floor` was made by weights of another lineage."""
+    if group.schema_version != SCHEMA_VERSION:
+        return _schema(group.schema_version)
+
     def reject(reason: DeadLetterReason, detail: str) -> Rejected:
         return Rejected(reason, detail, group.group_id, len(group.samples), group.weight_version)
 
     if not group.group_id or not group.samples:
         return reject(DeadLetterReason.MISSING_FIELD, "empty group_id or no samples")
     stamps = [group.weight_version]
-    for i, s in enumerate(group.samples):
-        where = f"sample {i}"
-        if not s.prompt_ids:
-            return reject(DeadLetterReason.MISSING_FIELD, f"{where}: empty prompt_ids")
-        if not math.isfinite(s.reward):
-            return reject(DeadLetterReason.NONFINITE_REWARD, f"{where}: reward {s.reward}")
-        n = len(s.response_ids)
-        lengths = {
-            "response_logprobs": len(s.response_logprobs),
-            "loss_mask": len(s.loss_mask) or n,  # empty = every token trains
-            "token_versions": len(s.token_versions) or n,  # empty = all `weight_version`
-        }
-        wrong = {k: v for k, v in lengths.items() if v != n}
-        if wrong:
-            detail = f"{where}: {n} response_ids but {wrong}"
-            return reject(DeadLetterReason.LENGTH_MISMATCH, detail)
-        total = len(s.prompt_ids) + n
-        if total > limits.max_tokens or n > limits.max_response_len:
-            detail = (
-                f"{where}: {len(s.prompt_ids)} prompt + {n} response tokens; the trainer takes "
-                f"at most {limits.max_tokens} in all and {limits.max_response_len} of response "
-                "(the model's context or --max-tokens-per-gpu; --max-response-len)"
-            )
-            return reject(DeadLetterReason.TOO_LONG, detail)
-        ids = (s.prompt_ids, s.response_ids) if n else (s.prompt_ids,)
-        low, high = min(min(i) for i in ids), max(max(i) for i in ids)  # C loops: fast
-        if low < 0 or high >= limits.vocab_size:
-            token = low if low < 0 else high
-            detail = f"{where}: token id {token} outside the vocabulary [0, {limits.vocab_size})"
-            return reject(DeadLetterReason.TOKEN_OUT_OF_VOCAB, detail)
-        stamps += [s.weight_version, *s.token_versions]
+    ids_checked = _all_ids_in(group, limits.vocab_size)
+    samples: Sequence[AnySample] = group.samples
+    for i, s in enumerate(samples):
+        why = _check_sample(s, limits, ids_checked)
+        if why is not None:
+            return reject(why[0], f"sample {i}: {why[1]}")
+        stamps.append(s.weight_version)
+        if isinstance(s, PackedSample) and not s.versions:
+            continue
+        stamps += s.token_versions
     if max(stamps) > version:
         detail = f"weight version {max(stamps)}; the trainer has published up to {version}"
         return reject(DeadLetterReason.FUTURE_VERSION, detail)

@@ -5,13 +5,19 @@ Reads (`Intake.read_rollout`) until `rollout_batch_size` groups fit to train are
   for `reclaim_min_idle_s` (a trainer gone for good, whatever its --consumer) are claimed
   (XAUTOCLAIM), then every entry pending for this consumer is read, in stream order;
   then new entries, each blocking read waiting at most `read_block_ms` (so a stop is seen).
-Each entry is checked (`intake.check_entry`) before it may reach a batch. A bad one is moved to
-the dead-letter stream, acked, and recorded as a `DropReason.DEAD_LETTERED` drop whose detail
-names the `DeadLetterReason` (the first of each reason is logged with its detail, later ones as
-counts); it never stops the trainer. A group a loaded checkpoint already trained is acked and
-skipped; one older than `max_staleness` versions is recorded as a stale drop and acked with the
-trained groups. Every group done with for good (trained, stale, dead-lettered) counts in the
-run's `groups_consumed`, which the router's demand gate reads.
+An entry holds one group or several (the router's group commit, proto/packed.py); a group is
+known by its key `entry/index`, and groups of an entry read beyond the rollout wait in hand for
+the next. Each group is checked (`intake.check_group`) before it may reach a batch. A bad one
+(or a whole entry that does not decode) is moved to the dead-letter stream and recorded as a
+`DropReason.DEAD_LETTERED` drop whose detail names the `DeadLetterReason` (the first of each
+reason is logged with its detail, later ones as counts), in one transaction that also writes
+the entry's good groups again as a new entry and acks the old one: it never stops the trainer,
+and no group is lost or counted twice. A group a loaded checkpoint already trained is skipped;
+one older than `max_staleness` versions is recorded as a stale drop. An entry is acked once
+every group of it is done with (trained or dropped stale, and in a checkpoint: `ack_done`);
+until then the keys of its done groups go into each checkpoint (`checkpoint_keys`), so a resume
+trains the rest of the entry and nothing twice. Every group done with for good (trained, stale,
+dead-lettered) counts in the run's `groups_consumed`, which the router's demand gate reads.
 """
 
 from __future__ import annotations
@@ -22,13 +28,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proto import DropRecord, SampleGroup
+from proto import DropRecord
 from proto.drops import DropReason
+from proto.packed import PackedGroup, encode_entry, pack
 from services.sample_buffer import SampleBuffer
-from services.sample_buffer.buffer import Entry
+from services.sample_buffer.buffer import DeadLetter, Entry
 from services.trainer import batching
 from services.trainer.config import TrainerConfig
-from services.trainer.intake import Limits, Rejected, check_entry
+from services.trainer.intake import Group, Limits, Rejected, check_group, decode_groups
 
 log = logging.getLogger("tandem.trainer")
 # Entries taken in the one read that drains the pending list at start-up; the stream holds at
@@ -38,10 +45,10 @@ RESUME_READ_MAX = 1_000_000
 
 @dataclass
 class Rollout:
-    """Groups to train on (with their stream ids) and how many samples were dropped stale."""
+    """Groups to train on (with their keys) and how many samples were dropped stale."""
 
-    entry_ids: list[str]
-    groups: list[SampleGroup]
+    entry_ids: list[str]  # the groups' keys, `entry/index`
+    groups: list[Group]
     dropped_stale: int
     staleness_counts: dict[int, int]
 
@@ -61,37 +68,69 @@ class Intake:
         self.published_before = 0  # on resume: the highest version published before the crash
         self.pending_first = True  # after a (re)start, groups read but never acked come first
         self.backlog: list[Entry] = []  # read from Redis, not yet used
-        self.unacked: list[str] = []  # trained or dropped stale, waiting for a checkpoint
-        self.already_trained: set[str] = set()  # pending ids a loaded checkpoint already holds
+        self.in_hand: list[tuple[str, Group]] = []  # checked groups beyond the last rollout
+        self.open: dict[str, int] = {}  # entry id -> its groups not yet done and checkpointed
+        self.held: set[str] = set()  # keys of groups done and checkpointed of open entries
+        self.unacked: list[str] = []  # keys trained or dropped stale, waiting for a checkpoint
+        self.already_trained: set[str] = set()  # keys (or entry ids) a loaded checkpoint holds
         self.dead_lettered: Counter[str] = Counter()
 
     def read_rollout(self, version: int, stop: Callable[[], bool]) -> Rollout | None:
         """`rollout_batch_size` groups fit to train at `version` (None: a stop was requested)."""
         rollout = Rollout([], [], 0, {})
-        while len(rollout.groups) < self.cfg.rollout_batch_size:
+        need = self.cfg.rollout_batch_size
+        while len(rollout.groups) < need:
             if stop():
                 return None
-            self._report_waiting(len(rollout.groups), version)
-            read = self._next_entries(self.cfg.rollout_batch_size - len(rollout.groups))
-            if self.already_trained:  # in the loaded checkpoint; only their ack was lost
-                self.buffer.ack([i for i, _ in read if i in self.already_trained])
-                read = [(i, f) for i, f in read if i not in self.already_trained]
-            checked = []
-            for entry_id, fields in read:
-                newest = max(version, self.published_before)  # a stamp above it is from the future
-                group = check_entry(fields, self.limits, newest, self.lineage_floor)
-                if isinstance(group, Rejected):
-                    self._dead_letter(entry_id, fields, group, version)
-                else:
-                    checked.append((entry_id, group))
+            if not self.in_hand:
+                self._report_waiting(len(rollout.groups), version)
+                for entry_id, fields in self._next_entries(need - len(rollout.groups)):
+                    self.in_hand += self._take_entry(entry_id, fields, version)
+            taken = need - len(rollout.groups)
+            checked, self.in_hand = self.in_hand[:taken], self.in_hand[taken:]
             fresh, stale = batching.split_stale(checked, version, self.cfg.max_staleness)
-            for entry_id, group in stale:
-                self._drop_stale(entry_id, group, version)
+            for key, group in stale:
+                self._drop_stale(key, group, version)
                 rollout.dropped_stale += len(group.samples)
-            for entry_id, group in fresh:
-                rollout.entry_ids.append(entry_id)
+            for key, group in fresh:
+                rollout.entry_ids.append(key)
                 rollout.groups.append(group)
         return rollout
+
+    def _take_entry(
+        self, entry_id: str, fields: dict[bytes, bytes], version: int
+    ) -> list[tuple[str, Group]]:
+        """The groups of an entry fit to train, not trained yet; the rest dead-lettered (the
+        good ones then come back as a new entry) or, trained by the loaded checkpoint, held."""
+        groups = decode_groups(entry_id, fields)
+        if isinstance(groups, Rejected):
+            self._dead_letter(entry_id, [(entry_id, fields, groups)], [], version)
+            return []
+        done = [
+            k for k, _ in groups if k in self.already_trained or entry_id in self.already_trained
+        ]
+        newest = max(version, self.published_before)  # a stamp above it is from the future
+        good, bad = [], []
+        for key, group in groups:
+            if key in done:
+                continue
+            checked = check_group(group, self.limits, newest, self.lineage_floor)
+            if isinstance(checked, Rejected):
+                if len(groups) == 1:  # the whole entry, as it was
+                    bad.append((entry_id, fields, checked))
+                else:
+                    bad.append((key, {b"d": encode_entry([pack(group)])}, checked))
+            else:
+                good.append((key, checked))
+        if bad:
+            self._dead_letter(entry_id, bad, [pack(g) for _, g in good], version)
+            return []
+        if not good:  # every group in the loaded checkpoint; only the ack was lost
+            self.buffer.ack([entry_id])
+            return []
+        self.open[entry_id] = len(good)
+        self.held.update(done)
+        return good
 
     def _next_entries(self, count: int) -> list[Entry]:
         """Up to `count` entries: first (once per start) every entry pending for this consumer,
@@ -119,7 +158,8 @@ class Intake:
         """Status while the rollout is incomplete (called each time a blocking read wakes)."""
         need, counters = self.cfg.rollout_batch_size, self.buffer.counters()
         put, consumed = counters.get("groups_put", 0), counters.get("groups_consumed", 0)
-        untrained = max(self.buffer.depth() - in_hand - len(self.unacked), 0)  # not yet in hand
+        known = in_hand + len(self.in_hand) + len(self.unacked) + len(self.held)
+        untrained = max(self.buffer.depth() - known, 0)  # not yet in hand
         self.report(
             "waiting for samples",
             f"sample groups: {in_hand} of {need} for step {version + 1} (buffer holds "
@@ -136,46 +176,77 @@ class Intake:
             self.buffer.incr_counter("groups_consumed", groups)
 
     def _dead_letter(
-        self, entry_id: str, fields: dict[bytes, bytes], bad: Rejected, version: int
+        self,
+        entry_id: str,
+        bad: list[tuple[str, dict[bytes, bytes], Rejected]],
+        keep: list[PackedGroup],
+        version: int,
     ) -> None:
-        """Move a bad entry out of the stream for good (counted as consumed at once: the router
-        replaces it). Logged with its detail the first time per reason, then as counts."""
-        drop = DropRecord(
-            source="trainer",
-            reason=DropReason.DEAD_LETTERED,
-            samples=bad.samples,
-            group_id=bad.group_id,
-            weight_version=bad.weight_version,
-            detail=f"{bad.reason}: {bad.detail}",
-        )
-        self.buffer.dead_letter(entry_id, fields, bad.reason, bad.detail, drop)
-        self.count_consumed(1)
-        self.dead_lettered[bad.reason] += 1
-        n = self.dead_lettered[bad.reason]
-        if n == 1:
-            print(
-                f"[trainer] entry {entry_id} moved to {self.buffer.dead_letter_key} "
-                f"({bad.reason}, at version {version}): {bad.detail}",
-                flush=True,
+        """Move bad groups (or a whole bad entry) out of the stream for good, counted as
+        consumed at once (the router replaces them); the entry's groups to `keep` are written
+        again as a new entry. Logged with the detail the first time per reason, then as counts."""
+        letters = []
+        for key, fields, why in bad:
+            drop = DropRecord(
+                source="trainer",
+                reason=DropReason.DEAD_LETTERED,
+                samples=why.samples,
+                group_id=why.group_id,
+                weight_version=why.weight_version,
+                detail=f"{why.reason}: {why.detail}",
             )
-        elif math.log10(n).is_integer():
-            print(f"[trainer] {n} entries dead-lettered as {bad.reason} so far", flush=True)
+            letters.append((DeadLetter(key, why.reason, why.detail, fields), drop))
+        self.buffer.dead_letter_groups(entry_id, letters, keep)
+        self.count_consumed(len(bad))
+        for key, _fields, why in bad:
+            self.dead_lettered[why.reason] += 1
+            n = self.dead_lettered[why.reason]
+            if n == 1:
+                print(
+                    f"[trainer] entry {key} moved to {self.buffer.dead_letter_key} "
+                    f"({why.reason}, at version {version}): {why.detail}",
+                    flush=True,
+                )
+            elif math.log10(n).is_integer():
+                print(f"[trainer] {n} entries dead-lettered as {why.reason} so far", flush=True)
 
-    def _drop_stale(self, entry_id: str, group: SampleGroup, version: int) -> None:
+    def checkpoint_keys(self) -> list[str]:
+        """The keys a checkpoint records as trained: done and not yet acked."""
+        return [*self.held, *self.unacked]
+
+    def ack_done(self) -> None:
+        """Once a checkpoint holds them (or none is kept): ack each entry whose every group is
+        done; the keys of the others are held until theirs are."""
+        finished = []
+        for key in self.unacked:
+            entry = key.split("/")[0]
+            left = self.open.get(entry, 1) - 1  # an entry not read this run: of one group
+            if left > 0:
+                self.open[entry] = left
+                self.held.add(key)
+            else:
+                self.open.pop(entry, None)
+                finished.append(entry)
+        self.buffer.ack(finished)
+        gone = set(finished)
+        self.held = {k for k in self.held if k.split("/")[0] not in gone}
+        self.unacked.clear()
+
+    def _drop_stale(self, key: str, group: Group, version: int) -> None:
         detail = f"trainer at version {version}, max_staleness {self.cfg.max_staleness}"
         self._drop_group(group, DropReason.STALE, detail)
         # Acked with the trained groups (after their checkpoint), counted now: the router
         # replaces it at once, and a resume that resets the counter drops it again.
-        self.unacked.append(entry_id)
+        self.unacked.append(key)
         self.count_consumed(1)
 
-    def drop_skipped(self, groups: list[SampleGroup], version: int) -> None:
+    def drop_skipped(self, groups: list[Group], version: int) -> None:
         """Groups whose step's update was skipped (non-finite loss or gradient): not trained."""
         for group in groups:
             detail = f"the update of step {version} was skipped (non-finite)"
             self._drop_group(group, DropReason.SKIPPED_UPDATE, detail)
 
-    def _drop_group(self, group: SampleGroup, reason: DropReason, detail: str) -> None:
+    def _drop_group(self, group: Group, reason: DropReason, detail: str) -> None:
         """Record a put group the trainer will not train (one group, its samples)."""
         record = DropRecord(
             source="trainer",

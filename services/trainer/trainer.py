@@ -435,14 +435,14 @@ class Trainer:
                 counters = self.buffer.counters() if self.buffer is not None else {}
                 self.checkpointer.save(
                     self.version,
-                    self.unacked,
+                    self.intake.checkpoint_keys() if self.intake is not None else self.unacked,
                     counters.get("groups_consumed", 0),
                     counters.get("groups_dead_lettered", 0),
                 )
             if self.cfg.save_hf and (final or self.checkpointer.enabled):
                 self.write_hf()
-        if self.buffer is not None:
-            self.buffer.ack(self.unacked)
+        if self.intake is not None:
+            self.intake.ack_done()
         self.unacked.clear()
 
     def write_hf(self) -> None:
