@@ -26,7 +26,6 @@ import msgspec
 from proto.messages import SCHEMA_VERSION, Sample, SampleGroup
 
 IDS, LOGPROBS, MASK = "i", "f", "B"  # array and struct typecodes: int32, float32, uint8
-SIZES = {IDS: 4, LOGPROBS: 4, MASK: 1}
 _SWAP = sys.byteorder != "little"  # arrays are in the host's order, the stream's is little
 
 
@@ -187,9 +186,19 @@ def decode_entry(payload: bytes) -> list[PackedGroup] | SampleGroup:
     return _entry_decoder.decode(payload)
 
 
+def group_key(entry_id: str, index: int) -> str:
+    """The key of group `index` of stream entry `entry_id`."""
+    return f"{entry_id}/{index}"
+
+
+def entry_of(key: str) -> str:
+    """The stream entry of a group key (an entry id is its own)."""
+    return key.split("/")[0]
+
+
 def groups_of(entry_id: str, payload: bytes) -> list[tuple[str, PackedGroup | SampleGroup]]:
     """The groups of entry `entry_id` whose `d` is `payload`, by key (`entry/index`);
     `msgspec.DecodeError` when it is neither packed groups nor a `SampleGroup`."""
     decoded = decode_entry(payload)
     groups: Sequence[Group] = [decoded] if isinstance(decoded, SampleGroup) else decoded
-    return [(f"{entry_id}/{i}", group) for i, group in enumerate(groups)]
+    return [(group_key(entry_id, i), group) for i, group in enumerate(groups)]

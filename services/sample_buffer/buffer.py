@@ -133,6 +133,7 @@ class SampleBuffer(BufferKeys):
             "start": self.redis.register_script(ledger.START),
             "put": self.redis.register_script(ledger.PUT),
             "ack": self.redis.register_script(ledger.ACK),
+            "reput": self.redis.register_script(ledger.REPUT),
             "drop": self.redis.register_script(ledger.DROP),
             "metrics_once": self.redis.register_script(ledger.METRICS_ONCE),
         }
@@ -296,25 +297,12 @@ class SampleBuffer(BufferKeys):
             ledger.drop(self, drop, client=pipe)
         pipe.hincrby(self.counters_key, "groups_dead_lettered", len(letters))
         if keep:
-            self._queue_entry(pipe, keep)
+            script_keys = [self.samples_key, self.entry_groups_key]
+            args = [encode_entry(keep), len(keep)]
+            self.scripts["reput"](keys=script_keys, args=args, client=pipe)
         script_keys, args = ledger.ack_call(self, CONSUMER_GROUP, [entry_id])
         self.scripts["ack"](keys=script_keys, args=args, client=pipe)
         pipe.execute()
-
-    def _queue_entry(self, pipe: redis.client.Pipeline, groups: list[PackedGroup]) -> None:
-        """An entry of `groups` (not counted put: groups already put, written again)."""
-        if len(groups) == 1:
-            pipe.xadd(self.samples_key, {"d": encode_entry(groups)})
-        else:  # its id, for `entry_groups`, is not known before the transaction runs
-            pipe.eval(
-                "local id = redis.call('XADD', KEYS[1], '*', 'd', ARGV[1]) "
-                "redis.call('HSET', KEYS[2], id, ARGV[2]) return id",
-                2,
-                self.samples_key,
-                self.entry_groups_key,
-                encode_entry(groups),
-                len(groups),
-            )
 
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:
         """The newest `count` dead letters, oldest first."""

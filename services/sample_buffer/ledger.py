@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from proto import DropRecord, SampleGroup, encode
 from proto.drops import DropReason
-from proto.packed import PackedGroup, encode_entry, pack
+from proto.packed import PackedGroup, encode_entry, entry_of, group_key, pack
 from services.sample_buffer.keys import BufferKeys
 
 if TYPE_CHECKING:
@@ -87,6 +87,14 @@ for i = 1, #names, 1000 do -- unpack's bound: a few thousand values
 end
 if ended < #names then redis.call('HINCRBY', KEYS[2], 'groups_generated', #names - ended) end
 return ids
+"""
+
+# KEYS: samples, entry_groups. ARGV: payload, its number of groups. An entry of groups already
+# put and counted (the good neighbours of a dead-lettered group), written again; its id.
+REPUT = """
+local id = redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
+if ARGV[2] ~= '1' then redis.call('HSET', KEYS[2], id, ARGV[2]) end
+return id
 """
 
 # KEYS: samples, entry_groups. ARGV: consumer group, entry ids. Acks and deletes each entry and
@@ -263,7 +271,7 @@ def entries_of(groups: list[PackedGroup]) -> list[list[PackedGroup]]:
     size = 0
     for group in groups:
         nbytes = sum(
-            len(s.prompt) + len(s.response) + len(s.logprobs) + len(s.mask) + len(s.routed_experts)
+            len(s.prompt) + len(s.response) + len(s.logprobs) + len(s.mask) + len(s.versions)
             for s in group.samples
         )
         if not out or len(out[-1]) >= ENTRY_GROUPS or size + nbytes > ENTRY_BYTES:
@@ -290,12 +298,12 @@ def put_call(keys: BufferKeys, groups: list[SampleGroup | PackedGroup]) -> tuple
 
 def group_keys(entry_ids: list[str], counts: list[int]) -> list[str]:
     """The key of each group written by one PUT: `{entry id}/{index in the entry}`."""
-    return [f"{entry}/{i}" for entry, n in zip(entry_ids, counts, strict=True) for i in range(n)]
+    return [group_key(e, i) for e, n in zip(entry_ids, counts, strict=True) for i in range(n)]
 
 
 def ack_call(keys: BufferKeys, group: str, ids: list[str]) -> Call:
     """ACK of entries, given their ids or their groups' keys (`entry/index`)."""
-    entries = list(dict.fromkeys(i.split("/")[0] for i in ids))
+    entries = list(dict.fromkeys(entry_of(i) for i in ids))
     return [keys.samples_key, keys.entry_groups_key], [group, *entries]
 
 

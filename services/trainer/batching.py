@@ -48,6 +48,7 @@ class TrainSample:
 
 
 def all_samples(group: Group) -> Sequence[AnySample]:
+    """A group's samples, list-form or packed (one type for the checker)."""
     return group.samples
 
 
@@ -82,8 +83,7 @@ def compute_advantages(
     out = []
     for g, adv in zip(groups, per_sample, strict=True):
         rows = []
-        samples: Sequence[AnySample] = g.samples
-        for s, a in zip(samples, adv.tolist(), strict=True):
+        for s, a in zip(all_samples(g), adv.tolist(), strict=True):
             n = len(s.response_ids)
             if gamma == 1.0 or n == 0:
                 rows.append([a] * n)
@@ -97,8 +97,7 @@ def flatten(groups: list[Group], advantages: list[list[list[float]]]) -> list[Tr
     """TrainSamples in group order; samples with no response token are left out."""
     out = []
     for index, (g, group_adv) in enumerate(zip(groups, advantages, strict=True)):
-        samples: Sequence[AnySample] = g.samples
-        for s, adv in zip(samples, group_adv, strict=True):
+        for s, adv in zip(all_samples(g), group_adv, strict=True):
             if not s.response_ids:
                 continue
             out.append(

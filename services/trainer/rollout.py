@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from proto import DropRecord
 from proto.drops import DropReason
-from proto.packed import PackedGroup, encode_entry, pack
+from proto.packed import PackedGroup, encode_entry, entry_of, pack
 from services.sample_buffer import SampleBuffer
 from services.sample_buffer.buffer import DeadLetter, Entry
 from services.trainer import batching
@@ -106,9 +106,8 @@ class Intake:
         if isinstance(groups, Rejected):
             self._dead_letter(entry_id, [(entry_id, fields, groups)], [], version)
             return []
-        done = [
-            k for k, _ in groups if k in self.already_trained or entry_id in self.already_trained
-        ]
+        whole = entry_id in self.already_trained  # (a checkpoint older than group keys)
+        done = {k for k, _ in groups if whole or k in self.already_trained}
         newest = max(version, self.published_before)  # a stamp above it is from the future
         good, bad = [], []
         for key, group in groups:
@@ -219,7 +218,7 @@ class Intake:
         done; the keys of the others are held until theirs are."""
         finished = []
         for key in self.unacked:
-            entry = key.split("/")[0]
+            entry = entry_of(key)
             left = self.open.get(entry, 1) - 1  # an entry not read this run: of one group
             if left > 0:
                 self.open[entry] = left
@@ -229,7 +228,7 @@ class Intake:
                 finished.append(entry)
         self.buffer.ack(finished)
         gone = set(finished)
-        self.held = {k for k in self.held if k.split("/")[0] not in gone}
+        self.held = {k for k in self.held if entry_of(k) not in gone}
         self.unacked.clear()
 
     def _drop_stale(self, key: str, group: Group, version: int) -> None:
