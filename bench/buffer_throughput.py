@@ -13,7 +13,7 @@ one ledger PUT script per batch writing it as one stream entry (`groups_put`, th
 group's flight). Consume, in a process of its own, as the trainer's intake does
 (services/trainer/rollout.py): read `--read-count` entries (`read_entries`), the trainer's
 status reads (counters, depth), decode their groups and run the trainer's checks on each
-(`intake.decode_groups`, `check_group`), `incr_counter("groups_consumed")`, ack the entries,
+(`intake.decode_groups`, `check_groups`), `incr_counter("groups_consumed")`, ack the entries,
 with the collector tuned as the trainer's (`tune_gc_for_reads`). Groups are realistic:
 `--group-bytes` (~4 KB) as stored (packed), 4 samples of token ids, log-probs and masks.
 Latency: a group's
@@ -66,7 +66,7 @@ from services.sample_buffer import (
     find_server_binary,
     tune_gc_for_reads,
 )
-from services.trainer.intake import Limits, Rejected, check_group, decode_groups
+from services.trainer.intake import Limits, Rejected, check_groups, decode_groups
 
 LIMITS = Limits(vocab_size=1 << 20, max_tokens=1 << 20, max_response_len=1 << 20)
 
@@ -207,7 +207,7 @@ def consume(url: str, run_id: str, read_count: int, target: Any, out: Any) -> No
             decoded = decode_groups(entry_id, fields)
             if isinstance(decoded, Rejected):
                 raise RuntimeError(f"entry {entry_id} rejected: {decoded.detail}")
-            groups += [check_group(group, LIMITS, version=3) for _, group in decoded]
+            groups += check_groups([group for _, group in decoded], LIMITS, version=3)
         latencies.extend([now - group.created_at for group in groups])
         buffer.incr_counter("groups_consumed", len(groups))
         buffer.ack([entry_id for entry_id, _ in entries])

@@ -98,14 +98,14 @@ def _bytes(typecode: str, values: list, what: str, group_id: str) -> bytes:
 
 
 def _pack_sample(s: Sample, prompt: bytes, gid: str) -> PackedSample:
-    mask, versions = s.loss_mask, s.token_versions
+    mask, versions, n = s.loss_mask, s.token_versions, len(s.response_ids)
     return PackedSample(
         prompt,
         _bytes(IDS, s.response_ids, "response_ids", gid),
         _bytes(LOGPROBS, s.response_logprobs, "response_logprobs", gid),
-        b"" if mask.count(1) == len(mask) else _bytes(MASK, mask, "loss_mask", gid),
+        b"" if mask.count(1) == len(mask) == n else _bytes(MASK, mask, "loss_mask", gid),
         b""
-        if versions.count(s.weight_version) == len(versions)
+        if versions.count(s.weight_version) == len(versions) == n
         else _bytes(IDS, versions, "token_versions", gid),
         s.reward,
         s.weight_version,
@@ -117,7 +117,8 @@ def _pack_sample(s: Sample, prompt: bytes, gid: str) -> PackedSample:
 
 def pack(group: SampleGroup | PackedGroup) -> PackedGroup:
     """The packed form of `group`; ValueError naming the field when a value does not fit. A
-    loss mask of all 1 and token versions all the sample's are stored empty (what empty means),
+    loss mask of all 1 and token versions all the sample's, one per response token, are stored
+    empty (what empty means; of another length they are kept, for the trainer to reject),
     and a prompt the samples share (one list) is packed once."""
     if isinstance(group, PackedGroup):
         return group

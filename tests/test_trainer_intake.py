@@ -7,6 +7,7 @@ waited for (real Valkey, real CLI subprocesses with the toy model)."""
 from __future__ import annotations
 
 import math
+import struct
 import threading
 import time
 from pathlib import Path
@@ -18,8 +19,9 @@ import redis
 from proto import SampleGroup, encode
 from proto.drops import DeadLetterReason as R
 from proto.drops import DropReason
+from proto.packed import pack
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
-from services.trainer.intake import Limits, Rejected, check_entry
+from services.trainer.intake import Limits, Rejected, check_entry, check_group, check_groups
 from services.trainer.redis_wait import RedisUnavailableError, patient_client
 from tests.test_trainer_batching import group
 from tests.test_trainer_process import run_trainer, sample_groups
@@ -88,6 +90,42 @@ def test_each_bad_entry_is_rejected_with_its_reason_and_a_good_group_passes() ->
         assert isinstance(rejected, Rejected) and rejected.reason == reason, (name, rejected)
     old = msgspec.structs.replace(good, weight_version=-3)  # stale, not foreign, by default
     assert check_entry({b"d": encode(old)}, LIMITS, version=5) == old
+
+
+def test_an_entry_checked_at_once_rejects_exactly_what_each_group_check_rejects() -> None:
+    """`check_groups` checks a whole packed entry in one pass: each bad group among good ones
+    gets the reason `check_group` gives it, and the good ones pass."""
+    good = group(5, [0.0, 1.0], gid="ok")
+    packed = pack(good)
+    assert check_groups([packed, packed], LIMITS, version=5, lineage_floor=5) == [packed, packed]
+    first = packed.samples[0]
+    bad = {
+        name: pack(msgspec.msgpack.decode(fields[b"d"], type=SampleGroup))
+        for name, (_, fields) in bad_entries(good).items()
+        if name not in ("garbage", "wrong_fields", "schema_2", "no_group_id")
+    }
+    bad["schema_2"] = msgspec.structs.replace(packed, schema_version=2)
+    bad["no_group_id"] = msgspec.structs.replace(packed, group_id="")
+    for name, raw in {
+        "torn": first.response[:-1],
+        "negative_id": struct.pack("<i", -1) + first.response[4:],
+        "future_token": None,
+        "short_mask": None,
+    }.items():
+        sample = msgspec.structs.replace(first, response=raw) if raw else first
+        if name == "future_token":
+            sample = msgspec.structs.replace(first, versions=struct.pack("<2i", 5, 6))
+        if name == "short_mask":
+            sample = msgspec.structs.replace(first, mask=b"\x01")
+        bad[name] = msgspec.structs.replace(packed, samples=[sample, *packed.samples[1:]])
+    assert len(bad) == 13
+    for name, group_ in bad.items():
+        expected = check_group(group_, LIMITS, version=5, lineage_floor=5)
+        assert isinstance(expected, Rejected), name
+        verdicts = check_groups([packed, group_, packed], LIMITS, version=5, lineage_floor=5)
+        assert verdicts == [packed, expected, packed], name
+    older = msgspec.structs.replace(packed, weight_version=-1)  # no lineage floor: stale only
+    assert check_groups([older], LIMITS, version=5) == [older]
 
 
 def test_dead_letter_keeps_the_raw_entry_acks_and_deletes_it_and_records_the_drop(

@@ -7,7 +7,10 @@ fit to train, or a `Rejected` naming the `DeadLetterReason`: another schema vers
 a token id outside the vocabulary, per-token arrays of different lengths, a sample longer than
 the model's context (or the micro-batch token budget) or a response beyond --max-response-len, a
 non-finite reward, a weight version the trainer has not published, or one from before this
-lineage's first version (`--new-lineage`). Knows nothing of Redis or torch.
+lineage's first version (`--new-lineage`). `check_groups` checks the groups of an entry in one
+pass (the token ids and versions of the whole entry in one numpy array each: ~2 µs a 4 KB group,
+~16 one by one) and each group alone only when one may fail, for its reason. Knows nothing of
+Redis or torch.
 """
 
 from __future__ import annotations
@@ -127,20 +130,57 @@ def _ids_in(s: AnySample, vocab_size: int) -> str:
     return ""
 
 
-def _all_ids_in(group: Group, vocab_size: int) -> bool:
-    """Every token id of a packed group in [0, vocab_size) (one pass: the common case)."""
-    if not isinstance(group, PackedGroup):
-        return False
-    raw = b"".join(s.prompt + s.response for s in group.samples)
-    if not raw or len(raw) % 4:  # (a sample at fault: `_check_sample` names it)
-        return False
-    ids = np.frombuffer(raw, "<i4")
-    return True and int(ids.min()) >= 0 and int(ids.max()) < vocab_size
+def _in(arrays: list[bytes], low: int, high: int) -> bool:
+    """Every int32 of `arrays` (whole 4-byte values) in [low, high]."""
+    values = np.frombuffer(b"".join(arrays), "<i4")
+    return not len(values) or (int(values.min()) >= low and int(values.max()) <= high)
 
 
-def _check_sample(
-    s: AnySample, limits: Limits, ids_checked: bool
-) -> tuple[DeadLetterReason, str] | None:
+def _all_fine(groups: Sequence[Group], limits: Limits, version: int, lineage_floor: int) -> bool:
+    """Every group packed and fit to train: `check_group`'s checks in one pass over the whole
+    entry (the common case). False when any may fail: `check_group` then names the fault."""
+    ids: list[bytes] = []
+    versions: list[bytes] = []
+    stamps: list[int] = []
+    max_bytes, max_response = 4 * limits.max_tokens, 4 * limits.max_response_len
+    for group in groups:
+        if not isinstance(group, PackedGroup) or group.schema_version != SCHEMA_VERSION:
+            return False
+        if not group.group_id or not group.samples:
+            return False
+        stamps.append(group.weight_version)
+        prompt = None
+        for s in group.samples:
+            p, n, v = len(s.prompt), len(s.response), len(s.versions)
+            if not p or (p | n | v) & 3 or len(s.logprobs) != n or v not in (0, n):
+                return False
+            if len(s.mask) not in (0, n >> 2) or p + n > max_bytes or n > max_response:
+                return False
+            if not math.isfinite(s.reward):
+                return False
+            stamps.append(s.weight_version)
+            if s.prompt != prompt:
+                prompt = s.prompt
+                ids.append(prompt)
+            ids.append(s.response)
+            if v:
+                versions.append(s.versions)
+    low = lineage_floor if lineage_floor else -(1 << 31)
+    if not low <= min(stamps) <= max(stamps) <= version:
+        return False
+    return _in(ids, 0, limits.vocab_size - 1) and _in(versions, low, version)
+
+
+def check_groups(
+    groups: Sequence[Group], limits: Limits, version: int, lineage_floor: int = 0
+) -> list[Group | Rejected]:
+    """`check_group` of each of `groups` (an entry's), the whole entry checked at once first."""
+    if _all_fine(groups, limits, version, lineage_floor):
+        return list(groups)
+    return [check_group(group, limits, version, lineage_floor) for group in groups]
+
+
+def _check_sample(s: AnySample, limits: Limits) -> tuple[DeadLetterReason, str] | None:
     """Why one sample must not be trained (None: it may)."""
     try:
         p, n, logprobs, mask, versions = _lengths(s)
@@ -160,7 +200,7 @@ def _check_sample(
             f"in all and {limits.max_response_len} of response (the model's context or "
             "--max-tokens-per-gpu; --max-response-len)"
         )
-    outside = "" if ids_checked else _ids_in(s, limits.vocab_size)
+    outside = _ids_in(s, limits.vocab_size)
     return (DeadLetterReason.TOKEN_OUT_OF_VOCAB, outside) if outside else None
 
 
@@ -178,10 +218,9 @@ def check_group(
     if not group.group_id or not group.samples:
         return reject(DeadLetterReason.MISSING_FIELD, "empty group_id or no samples")
     stamps = [group.weight_version]
-    ids_checked = _all_ids_in(group, limits.vocab_size)
     samples: Sequence[AnySample] = group.samples
     for i, s in enumerate(samples):
-        why = _check_sample(s, limits, ids_checked)
+        why = _check_sample(s, limits)
         if why is not None:
             return reject(why[0], f"sample {i}: {why[1]}")
         stamps.append(s.weight_version)

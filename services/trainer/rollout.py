@@ -7,7 +7,7 @@ Reads (`Intake.read_rollout`) until `rollout_batch_size` groups fit to train are
   then new entries, each blocking read waiting at most `read_block_ms` (so a stop is seen).
 An entry holds one group or several (the router's group commit, proto/packed.py); a group is
 known by its key `entry/index`, and groups of an entry read beyond the rollout wait in hand for
-the next. Each group is checked (`intake.check_group`) before it may reach a batch. A bad one
+the next. Each group is checked (`intake.check_groups`) before it may reach a batch. A bad one
 (or a whole entry that does not decode) is moved to the dead-letter stream and recorded as a
 `DropReason.DEAD_LETTERED` drop whose detail names the `DeadLetterReason` (the first of each
 reason is logged with its detail, later ones as counts), in one transaction that also writes
@@ -35,7 +35,7 @@ from services.sample_buffer import SampleBuffer
 from services.sample_buffer.buffer import DeadLetter, Entry
 from services.trainer import batching
 from services.trainer.config import TrainerConfig
-from services.trainer.intake import Group, Limits, Rejected, check_group, decode_groups
+from services.trainer.intake import Group, Limits, Rejected, check_groups, decode_groups
 
 log = logging.getLogger("tandem.trainer")
 # Entries taken in the one read that drains the pending list at start-up; the stream holds at
@@ -110,10 +110,9 @@ class Intake:
         done = {k for k, _ in groups if whole or k in self.already_trained}
         newest = max(version, self.published_before)  # a stamp above it is from the future
         good, bad = [], []
-        for key, group in groups:
-            if key in done:
-                continue
-            checked = check_group(group, self.limits, newest, self.lineage_floor)
+        todo = [(key, group) for key, group in groups if key not in done]
+        verdicts = check_groups([g for _, g in todo], self.limits, newest, self.lineage_floor)
+        for (key, group), checked in zip(todo, verdicts, strict=True):
             if isinstance(checked, Rejected):
                 if len(groups) == 1:  # the whole entry, as it was
                     bad.append((entry_id, fields, checked))
