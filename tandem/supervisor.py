@@ -20,6 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+# A service imports Tandem's `proto`, `services` and `tandem` from this checkout or install,
+# never from the directory `tandem up` runs in: `python -m` would put that directory first on
+# sys.path, and a `services/` or `proto/` folder of the user's project would shadow ours
+# (PYTHONSAFEPATH; the checkout stays importable where Tandem is not installed).
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env(extra: dict[str, str] | None) -> dict[str, str]:
+    """A service's environment: ours, Tandem's packages first (see ROOT), and `extra`."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    safe = {"PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", "PYTHONPATH": path}
+    return {**os.environ, **safe, **(extra or {})}
 
 
 def die_with_parent() -> None:
@@ -84,7 +96,7 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=die_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                env=child_env(env),
             )
         child = Child(name, proc, log_path, ready_file, {})
         self.children.append(child)

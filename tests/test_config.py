@@ -134,11 +134,14 @@ def test_an_unknown_passthrough_flag_is_refused_before_anything_starts() -> None
     assert "unrecognized arguments: --rollout-max-respons-len" in problems[0]
 
 
-def test_a_reward_is_a_module_or_a_file_looked_up_from_the_current_directory(
+def test_a_reward_is_a_module_or_a_file_looked_up_from_the_current_directory_and_a_file_imports_its_neighbours(
     tmp_path: Path, monkeypatch
 ) -> None:
     (tmp_path / "rw").mkdir()
-    (tmp_path / "rw" / "reward_file.py").write_text("def fn(text, label, stopped):\n    return 2\n")
+    (tmp_path / "rw" / "helper_beside.py").write_text("TWO = 2\n")
+    (tmp_path / "rw" / "reward_file.py").write_text(
+        "from helper_beside import TWO\n\ndef fn(text, label, stopped):\n    return TWO\n"
+    )
     (tmp_path / "cwd_reward_mod.py").write_text("def fn(text, label, stopped):\n    return 3\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])

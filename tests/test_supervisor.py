@@ -79,3 +79,18 @@ def test_a_second_ctrl_c_while_services_stop_kills_them_at_once(tmp_path: Path) 
     started = time.monotonic()
     assert supervisor.stop_all(timeout_s=60) == ["trainer"]
     assert time.monotonic() - started < 5 and stubborn.proc.returncode == -9
+
+
+def test_a_service_imports_tandems_packages_not_the_users_folders_of_the_same_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tandem up` run in a project with folders of its own named `proto`, `services` and
+    `tandem`: `python -m` would look in the current directory first and import those."""
+    for name in ("proto", "services", "tandem"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "README.md").write_text("the user's own")
+    monkeypatch.chdir(tmp_path)
+    supervisor = Supervisor(tmp_path / "logs")
+    broker = supervisor.start("broker", ["broker", "--help"], ready=False)
+    assert broker.proc.wait(timeout=60) == 0, broker.log_tail()
+    assert broker.log_path.read_text().startswith("usage: tandem broker")

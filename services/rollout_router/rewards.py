@@ -116,8 +116,8 @@ BUILTIN: dict[str, Callable[[str, str, bool], float]] = {
 
 def load_function(path: str) -> Callable[..., Any]:
     """`package.module:function`, `package.module.function` or `path/to/file.py:function`;
-    a module or file is looked up from the current directory first (as under `python -m`).
-    The error names the path."""
+    a module or file is looked up from the current directory first (as under `python -m`); a
+    file imports modules beside it. The error names the path."""
     module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
     try:
         if module_name.endswith(".py"):
@@ -125,6 +125,8 @@ def load_function(path: str) -> Callable[..., Any]:
             spec = importlib.util.spec_from_file_location(file.stem, file)
             if spec is None or spec.loader is None or not file.is_file():
                 raise ImportError(f"no Python file {file}")
+            if str(file.parent) not in sys.path:  # its own imports, as when run as a script
+                sys.path.append(str(file.parent))
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         else:
