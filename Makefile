@@ -6,6 +6,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 TORCH  ?= torch==2.13.0
 ARGS   ?=
+# Test processes: most tests wait on services they start (imports, start-up), so two workers
+# take ~17 min of a 2-core machine where one takes ~29.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint install clean
 
@@ -33,7 +36,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: lint
-	$(PY) -m pytest -q -ra --durations=30 $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -ra --durations=30 $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -98,6 +98,7 @@ def test_an_entry_checked_at_once_rejects_exactly_what_each_group_check_rejects(
     good = group(5, [0.0, 1.0], gid="ok")
     packed = pack(good)
     assert check_groups([packed, packed], LIMITS, version=5, lineage_floor=5) == [packed, packed]
+    assert check_groups([], LIMITS, version=5) == []  # every group of the entry trained before
     first = packed.samples[0]
     bad = {
         name: pack(msgspec.msgpack.decode(fields[b"d"], type=SampleGroup))

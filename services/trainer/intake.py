@@ -175,7 +175,7 @@ def check_groups(
     groups: Sequence[Group], limits: Limits, version: int, lineage_floor: int = 0
 ) -> list[Group | Rejected]:
     """`check_group` of each of `groups` (an entry's), the whole entry checked at once first."""
-    if _all_fine(groups, limits, version, lineage_floor):
+    if not groups or _all_fine(groups, limits, version, lineage_floor):
         return list(groups)
     return [check_group(group, limits, version, lineage_floor) for group in groups]
 
