@@ -210,20 +210,16 @@ class UpRun:
         config = self.config
         self.eval_task = str(info.get("eval_task", "?"))
         say(f"held-out accuracy scores {self.eval_task}")
+        for note in info.get("task_notes", []):
+            say(note)
         if ": none" in self.eval_task and config.stop_accuracy:
             say(
                 f"no held-out prompts: --stop-accuracy {config.stop_accuracy} cannot be reached "
                 "(give --eval-prompt-data, or --stop-accuracy 0 to train --max-steps)"
             )
-        say(
-            f"responses up to {info.get('rollout_max_response_len', '?')} tokens"
-            + (
-                ""
-                if config.rollout_max_response_len
-                else " (the router's default for this task and model; set it with "
-                "--rollout-max-response-len)"
-            )
-        )
+        length = info.get("rollout_max_response_len", "?")
+        why = " (the router's default for this task and model: --rollout-max-response-len)"
+        say(f"responses up to {length} tokens{'' if config.rollout_max_response_len else why}")
 
     def start_trainer(self, args: list[str], intake_endpoint: str, buffer: SampleBuffer) -> None:
         """Start the trainer (under torchrun with --trainer-procs > 1), not waited for here."""

@@ -10,6 +10,7 @@ import json
 import sys
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -180,3 +181,22 @@ def test_a_dataset_without_eval_data_holds_a_fraction_out_of_training(tmp_path: 
     assert dataset_task(*args, heldout_fraction=0.05, seed=1).heldout == task.heldout
     assert dataset_task(*args, heldout_fraction=0.0).heldout == []
     assert toy_reverse_digits(DigitTokenizer(), 1234).response_len == 4
+    assert task.notes == ()
+
+
+def test_data_whose_rows_have_no_label_is_named_on_the_console(tmp_path: Path, capsys) -> None:
+    """Labels under another key than --label-key: every reward that compares with the label
+    would score 0, a run that trains on nothing without a word."""
+    from tandem.up_run import UpRun
+
+    rows = [{"prompt": f"{i}>", "answer": f"l{i}"} for i in range(40)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    args = (DigitTokenizer(), str(tmp_path / "train.jsonl"), "", "prompt", "label", False)
+    task = dataset_task(*args, heldout_fraction=0.05, seed=1)
+    assert task.notes == (
+        f"no row of {tmp_path / 'train.jsonl'} has a 'label' (--label-key): every label is "
+        "empty, so a reward that compares the response with its label scores 0",
+    )
+    run = SimpleNamespace(config=launcher.UpConfig(), eval_task="")
+    UpRun.say_router_terms(run, {"eval_task": "t", "task_notes": list(task.notes)})  # type: ignore[arg-type]
+    assert f"[up] {task.notes[0]}" in capsys.readouterr().out.splitlines()

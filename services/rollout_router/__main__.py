@@ -109,6 +109,9 @@ def run(
             args.ready_file,
             extra={
                 "eval_task": lambda: eval_task(app),
+                "task_notes": lambda: (
+                    list(app.state.control.loop.task.notes) if app.state.control is not None else []
+                ),
                 "rollout_max_response_len": lambda: config.sampling.rollout_max_response_len,
             },
             max_request_bytes=args.max_request_bytes,

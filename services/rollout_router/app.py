@@ -107,6 +107,8 @@ async def build_control(
     """Tokenizer, task and reward, loaded once; the rollout loop and its controller."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.rollout.model)
     task = await asyncio.to_thread(build_task, config.data, tokenizer)
+    for note in task.notes:
+        log.warning("%s", note)
     if not config.sampling.rollout_max_response_len:
         config.sampling.rollout_max_response_len = default_response_len(config, task)
     r = config.reward

@@ -47,6 +47,7 @@ class Task:
     exact: Callable[[str, str, bool], bool] | None = None
     heldout_source: str = ""
     response_len: int = DATASET_RESPONSE_LEN  # the default max_new_tokens of this task
+    notes: tuple[str, ...] = ()  # what the operator should know of the data (`tandem up` says)
 
 
 def encode_prompt(
@@ -125,12 +126,15 @@ def dataset_task(
     of `train_path`'s (at least one, chosen by `seed`, then not trained on)."""
     train = load_items(tokenizer, train_path, input_key, label_key, chat)
     name = Path(train_path).stem
+    notes = label_notes(train_path, train, label_key)
     if eval_path:
         heldout = load_items(tokenizer, eval_path, input_key, label_key, chat)
-        return Task(name, train, heldout, heldout_source=f"{len(heldout)} prompts of {eval_path}")
+        notes += label_notes(eval_path, heldout, label_key)
+        source = f"{len(heldout)} prompts of {eval_path}"
+        return Task(name, train, heldout, heldout_source=source, notes=notes)
     count = min(max(1, round(heldout_fraction * len(train))), len(train) - 1)
     if heldout_fraction <= 0 or count < 1:
-        return Task(name, train, [], heldout_source="none (no --eval-prompt-data)")
+        return Task(name, train, [], heldout_source="none (no --eval-prompt-data)", notes=notes)
     order = list(range(len(train)))
     random.Random(seed).shuffle(order)
     held = set(order[:count])
@@ -143,4 +147,15 @@ def dataset_task(
         [it for i, it in enumerate(train) if i not in held],
         [train[i] for i in sorted(held)],
         heldout_source=source,
+        notes=notes,
+    )
+
+
+def label_notes(path: str, items: list[Item], label_key: str) -> tuple[str, ...]:
+    """A note when no row of `path` has a label: most likely the labels are under another key."""
+    if any(item.label for item in items):
+        return ()
+    return (
+        f"no row of {path} has a {label_key!r} (--label-key): every label is empty, so a "
+        "reward that compares the response with its label scores 0",
     )
