@@ -194,8 +194,9 @@ def test_data_whose_rows_have_no_label_is_named_on_the_console(tmp_path: Path, c
     args = (DigitTokenizer(), str(tmp_path / "train.jsonl"), "", "prompt", "label", False)
     task = dataset_task(*args, heldout_fraction=0.05, seed=1)
     assert task.notes == (
-        f"no row of {tmp_path / 'train.jsonl'} has a 'label' (--label-key): every label is "
-        "empty, so a reward that compares the response with its label scores 0",
+        f"no row of {tmp_path / 'train.jsonl'} has a 'label': every label is empty, so a "
+        "reward that compares the response with its label scores 0 (the router's --label-key "
+        'names the label\'s field; tandem up: --router-args "--label-key NAME")',
     )
     run = SimpleNamespace(config=launcher.UpConfig(), eval_task="")
     UpRun.say_router_terms(run, {"eval_task": "t", "task_notes": list(task.notes)})  # type: ignore[arg-type]

@@ -88,7 +88,10 @@ def load_items(tokenizer: Any, path: str, input_key: str, label_key: str, chat: 
     items = []
     for number, row in enumerate(read_rows(path), 1):
         if input_key not in row:
-            raise ValueError(f"{path}: row {number} has no {input_key!r} (see --input-key)")
+            raise ValueError(
+                f"{path}: row {number} has no {input_key!r} (the router's --input-key names the "
+                'prompt\'s field; tandem up: --router-args "--input-key NAME")'
+            )
         prompt, label = row[input_key], row.get(label_key, "")
         label = label if isinstance(label, str) else json.dumps(label)
         messages = (
@@ -156,6 +159,7 @@ def label_notes(path: str, items: list[Item], label_key: str) -> tuple[str, ...]
     if any(item.label for item in items):
         return ()
     return (
-        f"no row of {path} has a {label_key!r} (--label-key): every label is empty, so a "
-        "reward that compares the response with its label scores 0",
+        f"no row of {path} has a {label_key!r}: every label is empty, so a reward that compares "
+        "the response with its label scores 0 (the router's --label-key names the label's "
+        'field; tandem up: --router-args "--label-key NAME")',
     )
