@@ -1,14 +1,18 @@
-"""The run folder of `tandem up`: one run at a time in it (a lock), and what to say when the
-disk under it is full."""
+"""The run folder of `tandem up`: one run at a time in it (a lock), what to say when the disk
+under it is full, and the run's secrets (the API token kept there)."""
 
 from __future__ import annotations
 
 import errno
 import fcntl
 import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import IO
+
+from services.common.auth import TOKEN_ENV, TOKEN_FILE
+from services.weight_sync.wire import SECRET_ENV
 
 WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)  # of the run folder
 LOW_DISK_BYTES = 16 << 20
@@ -61,3 +65,20 @@ def lock_run_dir(run_dir: Path) -> IO[str]:
     lock.write(str(os.getpid()))
     lock.flush()
     return lock
+
+
+def share_run_secrets(run_dir: Path) -> str:
+    """A per-run API token (every mutating route) and weight-frame secret (HMAC of every weight
+    bucket), inherited by every child; values already in the environment are kept. A token made
+    here goes to RUN_DIR/api_token (owner-only), for the dashboard's and the API's writes.
+    Returns where the token is."""
+    yours = TOKEN_ENV in os.environ
+    for name in (TOKEN_ENV, SECRET_ENV):
+        os.environ.setdefault(name, secrets.token_hex(32))
+    if yours:
+        return f"${TOKEN_ENV}"
+    path = run_dir / TOKEN_FILE
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+        out.write(os.environ[TOKEN_ENV] + "\n")
+    path.chmod(0o600)  # (a file of an earlier run may have other modes)
+    return str(path)

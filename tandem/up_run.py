@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import sys
 import time
 from collections.abc import Iterator
@@ -15,12 +13,10 @@ from pathlib import Path
 from redis.exceptions import RedisError
 
 from proto import MetricsRecord
-from services.common.auth import TOKEN_ENV
 from services.common.engine_info import versions_or_why
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from services.sample_buffer.timeline import chrome_trace, read_spans
 from services.trainer.lineage import TRACKER
-from services.weight_sync.wire import SECRET_ENV
 from tandem.launcher import (
     TRAINED_MODEL,
     UpConfig,
@@ -31,7 +27,7 @@ from tandem.launcher import (
     write_summary,
 )
 from tandem.progress import RunProgress
-from tandem.run_dir import WRITE_ERRORS, DiskWatch, lock_run_dir
+from tandem.run_dir import WRITE_ERRORS, DiskWatch, lock_run_dir, share_run_secrets
 from tandem.run_redis import REDIS_FILE
 from tandem.sinks import MetricSinks
 from tandem.supervisor import (
@@ -48,13 +44,6 @@ from tandem.watchdog import Watchdog
 def gpu_env(gpus: list[int]) -> dict[str, str] | None:
     """CUDA_VISIBLE_DEVICES for a child given GPU indices (None: inherit)."""
     return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else None
-
-
-def share_run_secrets() -> None:
-    """A per-run API token (every mutating route) and weight-frame secret (HMAC of every weight
-    bucket), inherited by every child; values already in the environment are kept."""
-    for name in (TOKEN_ENV, SECRET_ENV):
-        os.environ.setdefault(name, secrets.token_hex(32))
 
 
 class RedisUnreachableError(RuntimeError):
@@ -81,10 +70,11 @@ class UpRun:
         self.ledger: dict | None = None  # written at exit (ledger.json)
         self.last_metrics_id = "0"  # the last record of the metrics stream read
         self.disk = DiskWatch(self.run_dir)
+        self.token_at = ""  # where the API token is (share_run_secrets)
 
     def run(self) -> int:
         install_interrupt_handler(self.interrupted)
-        share_run_secrets()
+        self.token_at = share_run_secrets(self.run_dir)
         started = time.monotonic()
         progress: RunProgress | None = None
         buffer: SampleBuffer | None = None
@@ -179,7 +169,8 @@ class UpRun:
         self.say_router_terms(router.info)
         say(
             f"broker at {broker.info['url']} (weights in at {broker.info['intake_endpoint']}), "
-            f"router at {router.info['url']} (dashboard: {router.info['url']}/)"
+            f"router at {router.info['url']} (dashboard: {router.info['url']}/; its writes and "
+            f"the API's need the token in {self.token_at})"
         )
         say(f"logs in {self.supervisor.log_dir}")
         return buffer, urls

@@ -87,19 +87,28 @@ def test_a_sliding_window_shorter_than_the_context_is_refused_naming_the_field(
     assert f"{tmp_path / 'config.json'}: sliding_window 32" in result.stderr
 
 
-def test_tandem_up_gives_each_run_its_own_token_and_weight_secret(
-    monkeypatch: pytest.MonkeyPatch,
+def test_tandem_up_gives_each_run_its_own_token_and_weight_secret_and_keeps_the_token(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from tandem.up_run import share_run_secrets
+    """The token is in the run folder, readable by its owner only (the dashboard's pause and
+    the API's writes need it); a token of the user's own stays where it is."""
+    from tandem.run_dir import share_run_secrets
 
     names = ("TANDEM_API_TOKEN", "TANDEM_WEIGHT_SECRET")
     runs = []
     for _ in range(2):
         for name in names:
             monkeypatch.delenv(name, raising=False)
-        share_run_secrets()
+        assert share_run_secrets(tmp_path) == str(tmp_path / "api_token")
         runs.append([os.environ[name] for name in names])
+        assert (tmp_path / "api_token").read_text() == os.environ["TANDEM_API_TOKEN"] + "\n"
+        assert (tmp_path / "api_token").stat().st_mode & 0o777 == 0o600
     assert all(len(value) == 64 for value in runs[0]) and runs[0] != runs[1]
     monkeypatch.setenv("TANDEM_WEIGHT_SECRET", "chosen")
-    share_run_secrets()
-    assert os.environ["TANDEM_WEIGHT_SECRET"] == "chosen"
+    monkeypatch.setenv("TANDEM_API_TOKEN", "mine")
+    (tmp_path / "api_token").unlink()
+    assert share_run_secrets(tmp_path) == "$TANDEM_API_TOKEN"
+    assert (
+        os.environ["TANDEM_WEIGHT_SECRET"] == "chosen" and os.environ["TANDEM_API_TOKEN"] == "mine"
+    )
+    assert not (tmp_path / "api_token").exists()

@@ -16,10 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -62,7 +64,7 @@ def test_a_run_that_makes_no_progress_says_what_each_service_waits_for_and_fails
 ) -> None:
     run_dir = tmp_path / "run"
     # No rollouts: the trainer waits for samples that never come.
-    result = up(
+    run = start_up(
         run_dir,
         "--router-args",
         "--no-rollout",
@@ -75,8 +77,24 @@ def test_a_run_that_makes_no_progress_says_what_each_service_waits_for_and_fails
         "--max-steps",
         "3",
     )
-    out = result.stdout
-    assert result.returncode == 1, out + result.stderr
+    # Meanwhile the run's writes (the dashboard's pause, the API's) take the token tandem up
+    # keeps in the run folder, and a request without it is told where that is.
+    ready = run_dir / "logs" / "router.ready.json"
+    try:
+        info = wait_until(lambda: ready.exists() and ready.read_text(), "the router", 180)
+        url = json.loads(info)["url"]
+        refused = httpx.post(f"{url}/rollout/pause")
+        assert refused.status_code == 401 and "RUN_DIR/api_token" in refused.text
+        token = (run_dir / "api_token").read_text().strip()
+        headers = {"Authorization": f"Bearer {token}"}
+        assert httpx.post(f"{url}/rollout/pause", headers=headers).json() == {"paused": True}
+    except BaseException:
+        run.terminate()  # it stops its services
+        run.communicate(timeout=60)
+        raise
+    out, _ = run.communicate(timeout=180)
+    assert run.returncode == 1, out
+    assert f"the token in {run_dir / 'api_token'}" in out
     assert "no trainer step for" in out
     assert "trainer [waiting for samples" in out and "waits for sample groups: 0 of 64" in out
     assert "router [rollouts off" in out and "rollouts are off (--no-rollout)" in out

@@ -16,6 +16,7 @@ import os
 from fastapi import Depends, HTTPException, Request
 
 TOKEN_ENV = "TANDEM_API_TOKEN"
+TOKEN_FILE = "api_token"  # where `tandem up` keeps the token it made, in the run folder
 
 
 def token_from_env(*older: str) -> str:
@@ -53,7 +54,9 @@ def require_token(request: Request) -> None:
     given = request.headers.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
         raise HTTPException(
-            401, f"missing or wrong bearer token (Authorization: Bearer ${TOKEN_ENV})"
+            401,
+            f"missing or wrong bearer token (Authorization: Bearer ${TOKEN_ENV}; a `tandem up` "
+            f"run keeps its token in RUN_DIR/{TOKEN_FILE})",
         )
 
 

@@ -231,7 +231,7 @@ async function control(action) {
   try {
     const resp = await fetch(`/rollout/${action}`, { method: "POST", headers });
     const body = await resp.json().catch(() => ({}));
-    if (resp.status === 401) msg.textContent = "401: paste the run's API token (TANDEM_API_TOKEN)";
+    if (resp.status === 401) msg.textContent = "401: paste the run's API token (TANDEM_API_TOKEN; tandem up: RUN_DIR/api_token)";
     else if (!resp.ok) msg.textContent = `${action}: HTTP ${resp.status} ${body.detail || ""}`;
     else msg.textContent = `${action} requested`;
   } catch (err) {
