@@ -476,7 +476,8 @@ class UpRun:
         for sentence in progress.sentences(self.outcome, wall_s, self.eval_task, engine_versions):
             say(sentence)
         if trained.is_dir():
-            say(f"trained model (Hugging Face, with tokenizer): {trained}")
+            what = "trained model" if summary["steps"] else "model, untrained (no step ran)"
+            say(f"{what} (Hugging Face, with tokenizer): {trained}")
         names = "config.toml metrics.jsonl summary.json ledger.json metrics.png tensorboard/ "
         names += "timeline.json logs/ checkpoints/ redis/"
         there = ", ".join(n for n in names.split() if (self.run_dir / n).exists())

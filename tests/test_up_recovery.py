@@ -95,6 +95,7 @@ def test_a_run_that_makes_no_progress_says_what_each_service_waits_for_and_fails
     out, _ = run.communicate(timeout=180)
     assert run.returncode == 1, out
     assert f"the token in {run_dir / 'api_token'}" in out
+    assert f"model, untrained (no step ran) (Hugging Face, with tokenizer): {run_dir}" in out
     assert "no trainer step for" in out
     assert "trainer [waiting for samples" in out and "waits for sample groups: 0 of 64" in out
     assert "router [rollouts off" in out and "rollouts are off (--no-rollout)" in out
@@ -148,6 +149,9 @@ def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
     assert summary["outcome"] == "reached_accuracy"
     assert summary["accuracy_last"] >= 0.9
     assert summary["trained_model"] and (Path(summary["trained_model"]) / "config.json").exists()
+    assert (
+        f"trained model (Hugging Face, with tokenizer): {summary['trained_model']}" in second.stdout
+    )
 
     with RedisServer(log_dir=tmp_path / "redis-logs", data_dir=run_dir / "redis") as server:
         buffer = SampleBuffer(BufferConfig(redis_url=server.url, run_id=f"up-{run_dir.name}"))
