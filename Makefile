@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.tandem-installed
 TORCH  ?= torch==2.13.0
 ARGS   ?=
 # Test processes: most tests wait on services they start (imports, start-up), so two workers
-# take ~17 min of a 2-core machine where one takes ~29.
+# take ~18-20 min of a 2-core machine where one takes ~29.
 TEST_WORKERS ?= 2
 
 .PHONY: demo test lint install clean

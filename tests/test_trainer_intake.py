@@ -107,17 +107,13 @@ def test_an_entry_checked_at_once_rejects_exactly_what_each_group_check_rejects(
     }
     bad["schema_2"] = msgspec.structs.replace(packed, schema_version=2)
     bad["no_group_id"] = msgspec.structs.replace(packed, group_id="")
-    for name, raw in {
-        "torn": first.response[:-1],
-        "negative_id": struct.pack("<i", -1) + first.response[4:],
-        "future_token": None,
-        "short_mask": None,
+    for name, change in {  # the first sample's packed arrays, changed
+        "torn": {"response": first.response[:-1]},
+        "negative_id": {"response": struct.pack("<i", -1) + first.response[4:]},
+        "future_token": {"versions": struct.pack("<2i", 5, 6)},
+        "short_mask": {"mask": b"\x01"},
     }.items():
-        sample = msgspec.structs.replace(first, response=raw) if raw else first
-        if name == "future_token":
-            sample = msgspec.structs.replace(first, versions=struct.pack("<2i", 5, 6))
-        if name == "short_mask":
-            sample = msgspec.structs.replace(first, mask=b"\x01")
+        sample = msgspec.structs.replace(first, **change)
         bad[name] = msgspec.structs.replace(packed, samples=[sample, *packed.samples[1:]])
     assert len(bad) == 13
     for name, group_ in bad.items():
