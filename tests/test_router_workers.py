@@ -146,7 +146,12 @@ def test_an_in_flight_request_to_a_worker_that_dies_is_retried_on_another(
     buffer, start_service, engines
 ):
     slow, fast = engines("--delay-ms", "5000"), engines()
-    router = start_router(start_service, buffer, [slow.url, fast.url], "--policy", "round_robin")
+    # One failure evicts: the request's own lost connection takes the worker out, which must
+    # not cancel the request's next attempt on the other worker.
+    urls = [slow.url, fast.url]
+    router = start_router(
+        start_service, buffer, urls, "--policy", "round_robin", "--health-failures", "1"
+    )
     result: dict[str, httpx.Response] = {}
     thread = threading.Thread(
         target=lambda: result.update(r=httpx.post(router.url + "/generate", json=GEN, timeout=30))
@@ -158,6 +163,7 @@ def test_an_in_flight_request_to_a_worker_that_dies_is_retried_on_another(
     assert result["r"].status_code == 200
     assert [o["output_ids"] for o in result["r"].json()] == [[5, 4, 2], [4, 5, 5, 5]]
     assert workers_by_url(router)[slow.url]["errors"] == 1
+    assert workers_by_url(router)[fast.url]["errors"] == 0
     assert httpx.get(router.url + "/rollout/status").json()["retries"] == 1
 
 

@@ -309,6 +309,7 @@ class WorkerPool:
             worker.outstanding += 1
             worker.requests += 1
             worker.waiting.add(task)
+            lost = False  # no connection: counts toward evicting the worker
             try:
                 status, data = await self._send(worker.url, path, body)
                 if status < 500:
@@ -316,8 +317,7 @@ class WorkerPool:
                 last = f"{worker.url}{path}: HTTP {status} {data[:200]!r}"
             except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
                 last = f"{worker.url}{path}: {type(exc).__name__}: {exc}"
-                if isinstance(exc, aiohttp.ClientConnectionError | ConnectionError):
-                    self._mark_failed(worker, last)
+                lost = isinstance(exc, aiohttp.ClientConnectionError | ConnectionError)
             except asyncio.CancelledError as exc:
                 # Taken out while this request waited (e.g. a hung engine): ask another one,
                 # unless the caller itself was cancelled too.
@@ -327,6 +327,8 @@ class WorkerPool:
             finally:
                 worker.outstanding -= 1
                 worker.waiting.discard(task)
+            if lost:  # (after leaving `waiting`: an eviction now must not cancel this request)
+                self._mark_failed(worker, last)
             worker.errors += 1
             worker.last_error = last
             log.warning("attempt %d failed: %s", attempt + 1, last)
