@@ -57,6 +57,14 @@ class UpConfig:
             "--prompt-data, the router's --eval-heldout-fraction)."
         },
     )
+    input_key: str = field(
+        default="",
+        metadata={"help": "Field of a --prompt-data row holding the prompt (default: prompt)."},
+    )
+    label_key: str = field(
+        default="",
+        metadata={"help": "Field of a --prompt-data row holding the label (default: label)."},
+    )
     rm_type: str = field(
         default="",
         metadata={
@@ -382,6 +390,8 @@ def service_args(
             *batch,
             *_given("--prompt-data", config.prompt_data),
             *_given("--eval-prompt-data", config.eval_prompt_data),
+            *_given("--input-key", config.input_key),
+            *_given("--label-key", config.label_key),
             *_given("--rm-type", config.rm_type),
             *_given("--custom-rm-path", config.custom_rm_path),
             *_given("--env-url", config.env_url),

@@ -195,9 +195,26 @@ def test_data_whose_rows_have_no_label_is_named_on_the_console(tmp_path: Path, c
     task = dataset_task(*args, heldout_fraction=0.05, seed=1)
     assert task.notes == (
         f"no row of {tmp_path / 'train.jsonl'} has a 'label': every label is empty, so a "
-        "reward that compares the response with its label scores 0 (the router's --label-key "
-        'names the label\'s field; tandem up: --router-args "--label-key NAME")',
+        "reward that compares the response with its label scores 0 (--label-key, a flag of "
+        "tandem up and of the router, names the label's field)",
     )
     run = SimpleNamespace(config=launcher.UpConfig(), eval_task="")
     UpRun.say_router_terms(run, {"eval_task": "t", "task_notes": list(task.notes)})  # type: ignore[arg-type]
     assert f"[up] {task.notes[0]}" in capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("flags", "keys"),
+    [
+        ([], ("prompt", "label")),
+        (["--input-key", "question", "--label-key", "answer"], ("question", "answer")),
+    ],
+)
+def test_tandem_up_names_the_fields_of_a_dataset_row_for_the_router(
+    flags: list[str], keys: tuple[str, str]
+) -> None:
+    config, problems = launcher.parse(["--prompt-data", "train.jsonl", *flags])
+    assert problems == []
+    router = launcher.service_args(config, "r", Path("m"), "redis://x")["router"]
+    ns = parse_args(router_parser(), router[1:], "router")
+    assert (ns.prompt_data, ns.input_key, ns.label_key) == ("train.jsonl", *keys)

@@ -89,8 +89,8 @@ def load_items(tokenizer: Any, path: str, input_key: str, label_key: str, chat: 
     for number, row in enumerate(read_rows(path), 1):
         if input_key not in row:
             raise ValueError(
-                f"{path}: row {number} has no {input_key!r} (the router's --input-key names the "
-                'prompt\'s field; tandem up: --router-args "--input-key NAME")'
+                f"{path}: row {number} has no {input_key!r} (--input-key, a flag of tandem up and "
+                "of the router, names the prompt's field)"
             )
         prompt, label = row[input_key], row.get(label_key, "")
         label = label if isinstance(label, str) else json.dumps(label)
@@ -160,6 +160,6 @@ def label_notes(path: str, items: list[Item], label_key: str) -> tuple[str, ...]
         return ()
     return (
         f"no row of {path} has a {label_key!r}: every label is empty, so a reward that compares "
-        "the response with its label scores 0 (the router's --label-key names the label's "
-        'field; tandem up: --router-args "--label-key NAME")',
+        "the response with its label scores 0 (--label-key, a flag of tandem up and of the "
+        "router, names the label's field)",
     )
