@@ -10,6 +10,8 @@ which is answered wholly by the old weights.
 from __future__ import annotations
 
 import concurrent.futures
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -370,3 +372,20 @@ def test_a_weight_group_on_another_backend_is_refused_naming_the_fix(
     reply = httpx.post(f"{engine_url}/init_weights_update_group", json=body, timeout=30)
     assert reply.status_code == 400
     assert "--device cuda" in reply.text and "zmq" in reply.text
+
+
+def test_weights_received_in_read_only_frames_print_no_warning() -> None:
+    """A received bucket's tensors lie over its frames (read-only, not copied): torch's warning
+    about it would reach every engine's console."""
+    code = (
+        "import torch\n"
+        "from services.weight_sync.wire import bucket_tensors, make_buckets, parse_bucket\n"
+        "message = [bytes(f) for f in make_buckets([('w', torch.ones(4))], 1)[0]]\n"
+        "[(name, tensor)] = bucket_tensors(*parse_bucket(message, None))\n"
+        "assert name == 'w' and tensor.tolist() == [1.0] * 4\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr

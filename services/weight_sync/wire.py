@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -190,10 +191,14 @@ def parse_bucket(
 def bucket_tensors(
     header: WeightBucketHeader, frames: Sequence[Frame]
 ) -> list[tuple[str, torch.Tensor]]:
-    """Tensors of a frames bucket. They share memory with the frames (no copy).
-    (A shared-memory bucket is read with `services.weight_sync.shm.read_slot`.)"""
+    """Tensors of a frames bucket. They share memory with the frames (no copy), read-only:
+    the receiver copies them into its weights. (A shared-memory bucket is read with
+    `services.weight_sync.shm.read_slot`.)"""
     import torch
 
+    # torch warns (once a process, on the console) that a tensor over a read-only frame could
+    # write to it; these are only ever read.
+    warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
     out = []
     for meta, frame in zip(header.tensors, frames, strict=True):
         dtype = getattr(torch, meta.dtype, None)
