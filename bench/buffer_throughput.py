@@ -1,16 +1,19 @@
 """Sample buffer throughput: groups/s through the router's and the trainer's paths, against raw
 XADD on the same server in the same run, and enqueue-to-dequeue latency.
 
-Phases: raw XADD and the pipeline at full speed, `--seconds` each (groups/s; the latency at
-full speed is mostly queueing, since the buffer then sits at its bound); then the pipeline
-paced at half the consume rate it measured, `--seconds` / 2 (the latency figures: the buffer's
-own delay, not a queue's).
+Phases: raw XADD, then the pipeline at full speed twice, `--seconds` each (groups/s; the latency
+at full speed is mostly queueing, since the buffer then sits at its bound): groups handed to the
+buffer as it stores them (packed: the buffer's own throughput, the last line) and groups as the
+router holds them (Python lists, packed on the way in: the router's whole put path); then the
+pipeline paced at half the consume rate it measured, `--seconds` / 2 (the latency figures: the
+buffer's own delay, not a queue's).
 
-Produce: `--producers` asyncio tasks (groups in flight in the router) each take a slot of the
+Produce: `--producers` asyncio tasks (groups in flight in the router) on the event loop the
+router serves on (uvloop, as uvicorn picks it; asyncio's own without it) each take a slot of the
 router's `BufferBound` (depth bound `--max-depth`, as `--max-buffer-depth`) and put a group
-through it, packed there (`proto.packed.pack`, from the lists the router holds): group commits,
-one ledger PUT script per batch writing it as one stream entry (`groups_put`, the end of each
-group's flight). Consume, in a process of its own, as the trainer's intake does
+through it (packed there when it is lists: `proto.packed.pack`): group commits, one ledger PUT
+script per batch writing it as one stream entry (`groups_put`, the end of each group's
+flight). Consume, in a process of its own, as the trainer's intake does
 (services/trainer/rollout.py): read `--read-count` entries (`read_entries`), the trainer's
 status reads (counters, depth), decode their groups and run the trainer's checks on each
 (`intake.decode_groups`, `check_groups`), `incr_counter("groups_consumed")`, ack the entries,
@@ -25,7 +28,7 @@ binary sits beside the server binary or on PATH (`-P 64`); otherwise raw XADD th
 redis-py pipeline of 64, and the output says which.
 
 The breakdown explains the figures in the same run: CPU time per group of the producer, the
-server (its INFO cpu) and the consumer in the full-speed phase, per XADD of the client and the
+server (its INFO cpu) and the consumer in each full-speed phase, per XADD of the client and the
 server in the raw phase, and the msgpack encode and decode of one group; from them the ceiling
 of the pipeline on this machine's cores (all three processes CPU-bound, none waiting) and its
 ratio to raw XADD, the same with a core for each process (the slowest one the bound), and the
@@ -34,8 +37,8 @@ XADD only writes them). The 1-minute load average is printed too: other work on 
 cores from both figures.
 
     python bench/buffer_throughput.py --seconds 10
-Last line: `buffer_consume_vs_raw_xadd: X` (consumed groups/s over raw XADD/s; target >= 0.5,
-with p99 latency <= 50 ms).
+Last line: `buffer_consume_vs_raw_xadd: X` (consumed groups/s of packed groups over raw XADD/s;
+target >= 0.5, with p99 latency <= 50 ms); the line before gives the router's whole put path.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +62,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proto import Sample, SampleGroup, encode
-from proto.packed import decode_entry, encode_entry, pack
+from proto.packed import Group, decode_entry, encode_entry, pack
 from services.rollout_router.backpressure import BufferBound
 from services.sample_buffer import (
     AsyncSampleBuffer,
@@ -198,7 +202,7 @@ def consume(url: str, run_id: str, read_count: int, target: Any, out: Any) -> No
     first = last = 0.0
     cpu = time.process_time()
     while target.value < 0 or len(latencies) < target.value:
-        buffer.counters(), buffer.depth()  # the intake's status, once per read
+        buffer.counters_and_depth()  # the intake's status, once per read
         entries = buffer.read_entries("bench-trainer", read_count, ">", block_ms=100)
         now = time.time()
         if not entries:
@@ -209,7 +213,11 @@ def consume(url: str, run_id: str, read_count: int, target: Any, out: Any) -> No
             decoded = decode_groups(entry_id, fields)
             if isinstance(decoded, Rejected):
                 raise RuntimeError(f"entry {entry_id} rejected: {decoded.detail}")
-            groups += check_groups([group for _, group in decoded], LIMITS, version=3)
+            checked = check_groups([group for _, group in decoded], LIMITS, version=3)
+            fine = [group for group in checked if not isinstance(group, Rejected)]
+            if len(fine) < len(checked):
+                raise RuntimeError(f"a group of entry {entry_id} was rejected: {checked}")
+            groups += fine
         latencies.extend([now - group.created_at for group in groups])
         buffer.incr_counter("groups_consumed", len(groups))
         buffer.ack([entry_id for entry_id, _ in entries])
@@ -220,7 +228,7 @@ def consume(url: str, run_id: str, read_count: int, target: Any, out: Any) -> No
 async def produce(
     url: str,
     run_id: str,
-    group: SampleGroup,
+    group: Group,
     args: argparse.Namespace,
     seconds: float,
     rate: float | None,
@@ -254,7 +262,7 @@ async def produce(
 def phase(
     url: str,
     run_id: str,
-    group: SampleGroup,
+    group: Group,
     args: argparse.Namespace,
     seconds: float,
     rate: float | None = None,
@@ -268,7 +276,7 @@ def phase(
     if results.get(timeout=60) != "ready":
         raise RuntimeError("the consumer process did not start")
     started, cpu, server = time.perf_counter(), time.process_time(), server_cpu_s(url)
-    produced = asyncio.run(produce(url, run_id, group, args, seconds, rate))
+    produced = run_loop(produce(url, run_id, group, args, seconds, rate))
     produce_s, produce_cpu = time.perf_counter() - started, time.process_time() - cpu
     target.value = produced
     consume_s, latencies, consume_cpu = results.get(timeout=120)
@@ -280,33 +288,34 @@ def phase(
     return produced / produce_s, len(latencies) / max(consume_s, 1e-9), latencies, cpu_us
 
 
+def run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run `main` on uvloop when it is installed (uvicorn then serves the router on it)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
 
 
-def breakdown(
-    cpu_us: tuple[float, float, float],
-    raw_us: tuple[float, float],
-    encode_us: float,
-    decode_us: float,
-    raw_rate: float,
-) -> str:
-    """The CPU line: where a group's time goes, and the most groups/s this machine's cores
-    allow when the producer, the server and the consumer are each busy all the time."""
+def breakdown(form: str, cpu_us: tuple[float, float, float], raw_rate: float) -> str:
+    """A phase's CPU line: where a group's time goes, and the most groups/s this machine's
+    cores allow when the producer, the server and the consumer are each busy all the time."""
     producer, server, consumer = cpu_us
     cores = os.cpu_count() or 1
     ceiling = min(cores / sum(cpu_us), 1 / max(cpu_us)) * 1e6
     spare = 1e6 / max(cpu_us)  # each process on a core of its own
     bound = ("producer", "server", "consumer")[cpu_us.index(max(cpu_us))]
     return (
-        f"cpu_us_per_group: producer {producer:.1f} (pack and encode {encode_us:.1f}) + server "
-        f"{server:.1f} + consumer {consumer:.1f} (decode {decode_us:.1f}) = "
-        f"{sum(cpu_us):.1f}; raw XADD: client {raw_us[0]:.1f} + server {raw_us[1]:.1f} = "
-        f"{sum(raw_us):.1f}; ceiling on {cores} cores: {ceiling:.0f} groups/s = "
+        f"cpu_us_per_group ({form}): producer {producer:.1f} + server {server:.1f} + consumer "
+        f"{consumer:.1f} = {sum(cpu_us):.1f}; ceiling on {cores} cores: {ceiling:.0f} groups/s = "
         f"{ceiling / raw_rate:.2f}x raw XADD; with a core for each process: {spare:.0f} = "
         f"{spare / raw_rate:.2f}x (the {bound} the bound; the server alone "
-        f"{1e6 / server / raw_rate:.2f}x); load average {os.getloadavg()[0]:.1f}"
+        f"{1e6 / server / raw_rate:.2f}x)"
     )
 
 
@@ -323,13 +332,16 @@ def main(argv: list[str]) -> int:
     url = args.redis_url or server.url  # type: ignore[union-attr]
     try:
         group = make_group(args.group_bytes)
-        payload = encode_entry([pack(group)])
-        raw_rate, how, raw_client_us, raw_server_us = raw_xadd(url, payload, args.seconds)
-        produce_rate, consume_rate, full, cpu_us = phase(
-            url, "bench-full", group, args, args.seconds
+        packed = pack(group)
+        raw_rate, how, raw_client_us, raw_server_us = raw_xadd(
+            url, encode_entry([packed]), args.seconds
         )
-        paced = consume_rate * PACED_SHARE
-        _, _, latencies, _ = phase(url, "bench-paced", group, args, args.seconds / 2, paced)
+        full = {
+            form: phase(url, f"bench-{form}", given, args, args.seconds)
+            for form, given in (("packed", packed), ("lists", group))
+        }
+        paced = full["packed"][1] * PACED_SHARE
+        _, _, latencies, _ = phase(url, "bench-paced", packed, args, args.seconds / 2, paced)
         encode_us, decode_us = codec_us(group)
     except RuntimeError as exc:
         print(f"buffer_throughput: {exc}", file=sys.stderr)
@@ -338,19 +350,27 @@ def main(argv: list[str]) -> int:
         if server is not None:
             server.stop()
     p50, p99 = percentile(latencies, 0.5) * 1000, percentile(latencies, 0.99) * 1000
+    (produce_rate, consume_rate, at_full, cpu_us), lists = full["packed"], full["lists"]
     ratio = consume_rate / raw_rate
     print(f"group_bytes: {stored_bytes(group)} (as stored, packed; {len(encode(group))} as lists)")
     print(f"raw_xadd_per_s: {raw_rate:.0f} ({how})")
-    print(f"produce_groups_per_s: {produce_rate:.0f}")
-    print(f"consume_groups_per_s: {consume_rate:.0f}")
+    print(f"produce_groups_per_s: {produce_rate:.0f} (packed; {lists[0]:.0f} from lists)")
+    print(f"consume_groups_per_s: {consume_rate:.0f} (packed; {lists[1]:.0f} from lists)")
     print(
-        f"latency_at_full_speed_p99_ms: {percentile(full, 0.99) * 1000:.1f} (depth bound {args.max_depth}: mostly queueing)"
+        f"latency_at_full_speed_p99_ms: {percentile(at_full, 0.99) * 1000:.1f} (depth bound {args.max_depth}: mostly queueing)"
     )
     print(f"latency_p50_ms: {p50:.1f} (paced at {paced:.0f} groups/s)")
     print(f"latency_p99_ms: {p99:.1f}")
-    print(breakdown(cpu_us, (raw_client_us, raw_server_us), encode_us, decode_us, raw_rate))
+    print(breakdown("packed", cpu_us, raw_rate))
+    print(breakdown("from lists", lists[3], raw_rate))
+    print(
+        f"cpu_us: raw XADD client {raw_client_us:.1f} + server {raw_server_us:.1f}; a group's "
+        f"pack and encode {encode_us:.1f}, decode {decode_us:.1f}; load average "
+        f"{os.getloadavg()[0]:.1f} (other work takes cores from every figure)"
+    )
     met = ratio >= 0.5 and p99 <= 50
     print(f"targets (consume >= 0.5x raw XADD, p99 <= 50 ms): {'met' if met else 'missed'}")
+    print(f"router_put_path_consume_vs_raw_xadd: {lists[1] / raw_rate:.2f} (groups from lists)")
     print(f"buffer_consume_vs_raw_xadd: {ratio:.2f}")
     return 0
 

@@ -50,6 +50,7 @@ def test_acked_groups_free_space_and_unacked_ones_are_handed_out_again(
     first = buffer.read_groups("t0", count=2, block_ms=100)
     buffer.ack([first[0][0]])
     assert buffer.depth() == 3
+    assert buffer.counters_and_depth() == ({"groups_put": 4, "groups_generated": 4}, 3)
     # A restarted consumer gets its unacked group back before new ones: nothing is lost.
     again = buffer.read_groups("t0", count=3, block_ms=100, pending_first=True)
     assert [g.group_id for _, g in again] == ["g1", "g2", "g3"]

@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from proto import SampleGroup
-from proto.packed import PackedGroup, pack
+from proto.packed import Group, PackedGroup, pack
 from services.rollout_router.config import RolloutConfig
 from services.sample_buffer import AsyncSampleBuffer
 
@@ -86,6 +84,30 @@ def depth_note(config: RolloutConfig) -> str:
     )
 
 
+class Slot:
+    """One group's room under a `BufferBound` (a class, not a generator: it is taken for
+    every group the router puts)."""
+
+    __slots__ = ("bound", "on_full", "timeout_s", "used")
+
+    def __init__(
+        self, bound: BufferBound, timeout_s: float | None, on_full: Callable[[str], None] | None
+    ) -> None:
+        self.bound, self.timeout_s, self.on_full, self.used = bound, timeout_s, on_full, False
+
+    async def __aenter__(self) -> Callable[[Group], Awaitable[str]]:
+        await self.bound._take(self.timeout_s, self.on_full)
+        return self.put
+
+    def put(self, group: Group) -> Awaitable[str]:
+        self.used = True
+        return self.bound._write(group)
+
+    async def __aexit__(self, *_exc: object) -> None:
+        if not self.used:
+            self.bound._give_back()
+
+
 class BufferBound:
     """Slots for groups under the depth bound, and the writer that puts them.
 
@@ -116,26 +138,11 @@ class BufferBound:
             return full_sentence(depth, self.max_depth)
         return ""
 
-    @asynccontextmanager
-    async def slot(
-        self, timeout_s: float | None, on_full: Callable[[str], None] | None = None
-    ) -> AsyncIterator[Callable[[SampleGroup], Awaitable[str]]]:
-        """Room for one group, waiting while the buffer is full (`on_full` hears why);
-        yields `put(group) -> stream id`. A slot left unused is given back. `BufferFullError`
-        after `timeout_s` (None: never)."""
-        await self._take(timeout_s, on_full)
-        used = False
-
-        def put(group: SampleGroup) -> Awaitable[str]:
-            nonlocal used
-            used = True
-            return self._write(group)
-
-        try:
-            yield put
-        finally:
-            if not used:
-                self._give_back()
+    def slot(self, timeout_s: float | None, on_full: Callable[[str], None] | None = None) -> Slot:
+        """Room for one group, waiting while the buffer is full (`on_full` hears why):
+        `async with bound.slot(...) as put`, then `await put(group)` -> its stream id. A slot
+        left unused is given back. `BufferFullError` after `timeout_s` (None: never)."""
+        return Slot(self, timeout_s, on_full)
 
     def _give_back(self) -> None:
         self._room += 1
@@ -212,7 +219,7 @@ class BufferBound:
         unwritten = self._unwritten  # before the read: a group written meanwhile is counted
         return self.max_depth - await self.buffer.backlog() - unwritten
 
-    def _write(self, group: SampleGroup) -> Awaitable[str]:
+    def _write(self, group: Group) -> Awaitable[str]:
         """Queue `group` for the next PUT, packed now: a group that does not pack fails its
         own producer (ValueError naming the field), not the batch it would have joined."""
         packed = pack(group)

@@ -177,6 +177,15 @@ class SampleBuffer(BufferKeys):
         """Groups put and not yet consumed by the trainer (what --max-buffer-depth bounds)."""
         return keys.backlog(self.counters())
 
+    def counters_and_depth(self) -> tuple[dict[str, int], int]:
+        """`counters()` and `depth()` of one moment, in one round trip (the trainer's status
+        while it waits, once per read)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(self.counters_key)
+        self.queue_depth(pipe)
+        raw, *depth = pipe.execute()
+        return keys.int_hash(raw), keys.depth_of(*depth)
+
     def put_groups(self, groups: list[SampleGroup | PackedGroup]) -> list[str]:
         """Append groups (the router's depth bound is its own: rollout_router/backpressure.py)
         in one script: the XADDs of their entries, `groups_put` and the end of each group's

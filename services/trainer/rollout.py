@@ -154,10 +154,10 @@ class Intake:
 
     def _report_waiting(self, in_hand: int, version: int) -> None:
         """Status while the rollout is incomplete (called each time a blocking read wakes)."""
-        need, counters = self.cfg.rollout_batch_size, self.buffer.counters()
+        need, (counters, depth) = self.cfg.rollout_batch_size, self.buffer.counters_and_depth()
         put, consumed = counters.get("groups_put", 0), counters.get("groups_consumed", 0)
         known = in_hand + len(self.in_hand) + len(self.unacked) + len(self.held)
-        untrained = max(self.buffer.depth() - known, 0)  # not yet in hand
+        untrained = max(depth - known, 0)  # not yet in hand
         self.report(
             "waiting for samples",
             f"sample groups: {in_hand} of {need} for step {version + 1} (buffer holds "
