@@ -112,6 +112,8 @@ def test_rewards_that_raise_return_none_or_nan_drop_their_samples_and_groups_kee
         [engines().url],
         "--custom-rm-path",
         "flaky_rewards:flaky",
+        "--rm-workers",
+        "0",  # in the router's process: the function counts every call of the run
         "--max-staleness",
         "1000",
     )
@@ -136,6 +138,56 @@ def test_rewards_that_raise_return_none_or_nan_drop_their_samples_and_groups_kee
     log = router.log()
     assert "Traceback" not in log
     assert log.count("raised ZeroDivisionError: boom") == 1, "the first error's text, once"
+
+
+HANGS_ONCE = """
+import os
+import time
+
+
+def once(text, label, stopped):
+    \"\"\"The first call of the run hangs (its marker file made), every other returns 1.0.\"\"\"
+    try:
+        os.close(os.open(os.environ["HANG_MARKER"], os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return 1.0
+    time.sleep(3600)
+"""
+
+
+def test_a_reward_function_that_hangs_drops_its_sample_and_the_router_goes_on(
+    buffer, toy_model_dir, start_service, engines, tmp_path, monkeypatch
+):
+    """A --custom-rm-path function runs in worker processes (--rm-workers): a call that hangs
+    holds up neither the router's API nor the other rollouts, and its sample is dropped once
+    --rm-timeout-s has passed."""
+    (tmp_path / "hangs_once.py").write_text(HANGS_ONCE)
+    marker = tmp_path / "hung"
+    monkeypatch.setenv("HANG_MARKER", str(marker))
+    args = router_args(
+        buffer,
+        toy_model_dir,
+        [engines().url],
+        "--custom-rm-path",
+        f"{tmp_path / 'hangs_once.py'}:once",
+        "--rm-timeout-s",
+        "5",
+        "--max-staleness",
+        "1000",
+    )
+    router = start_service("router", args)
+    wait_until(marker.exists, "the hanging call")
+    started = time.monotonic()
+    assert get_json(router.url + "/health")["status"] == "ok"
+    assert time.monotonic() - started < 2, "the router answered while the function hung"
+    wait_until(lambda: buffer.drop_counts("samples").get("reward_error") == 1, "its drop", 60)
+    wait_until(lambda: buffer.depth() >= 8, "groups after it")
+    [drop] = [d for d in buffer.drop_log(100) if d.reason == "reward_error"]
+    assert drop.detail == (
+        "reward function once did not return within 5s (--rm-timeout-s): its worker process "
+        "was killed and is replaced"
+    )
+    assert all(s.reward == 1.0 for g in read_all(buffer) for s in g.samples)
 
 
 def test_the_status_names_the_engines_version_when_the_trainer_is_ahead(

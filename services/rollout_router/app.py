@@ -113,7 +113,13 @@ async def build_control(
         config.sampling.rollout_max_response_len = default_response_len(config, task)
     r = config.reward
     reward = make_reward(
-        r.rm_type, r.custom_rm_path, r.rm_url, r.rm_timeout_s, r.rm_retries, pool.session
+        r.rm_type,
+        r.custom_rm_path,
+        r.rm_url,
+        r.rm_timeout_s,
+        r.rm_retries,
+        pool.session,
+        r.rm_workers,
     )
     episodes = None
     if config.env.env_url:

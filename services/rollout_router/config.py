@@ -296,7 +296,28 @@ class RewardConfig:
         },
     )
     rm_url: str = field(default="", metadata={"help": "Remote reward service URL (POST)."})
-    rm_timeout_s: float = field(default=30.0, metadata={"help": "Timeout of one remote call."})
+    rm_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "Timeout of one reward call: to --rm-url, or of a --custom-rm-path function "
+            "(in --rm-workers processes, or async); a call that overruns it drops its sample as "
+            "reward_error."
+        },
+    )
+    rm_workers: int = field(
+        default=2,
+        metadata={
+            "help": "Processes that run a --custom-rm-path function (not async) beside the "
+            "router's event loop, one call each at a time; a call past --rm-timeout-s has its "
+            "process killed and replaced. 0 = in the event loop itself: only for a function "
+            "that takes microseconds (a slow or hung one holds up the whole router)."
+        },
+    )
+
+    def validate(self) -> None:
+        if self.rm_timeout_s <= 0 or self.rm_workers < 0 or self.rm_retries < 0:
+            raise ValueError("--rm-timeout-s must be > 0, --rm-workers and --rm-retries >= 0")
+
     rm_retries: int = field(default=2, metadata={"help": "Retries of a failed remote call."})
 
 
@@ -370,4 +391,5 @@ class RouterConfig:
         self.workers.validate()
         self.rollout.validate()
         self.sampling.validate()
+        self.reward.validate()
         self.buffer.validate()

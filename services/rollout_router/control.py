@@ -141,6 +141,7 @@ class RolloutController:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         await asyncio.to_thread(self.loop.observe.close)  # writes its last timeline spans
+        self.loop.reward.close()
 
     def pause(self) -> None:
         self.loop.pause()

@@ -25,13 +25,14 @@ import os
 import re
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from proto import DropReason
+from services.rollout_router.reward_workers import RewardCallError, RewardWorkers
 from services.rollout_router.toy_task import reverse_digits_reward
 
 log = logging.getLogger("tandem.router.rewards")
@@ -151,11 +152,12 @@ class Reward:
         timeout_s: float = 30.0,
         retries: int = 2,
         session: aiohttp.ClientSession | None = None,
+        workers: RewardWorkers | None = None,
     ) -> None:
         if (fn is None) == (not url):
             raise ValueError("a Reward needs exactly one of a function or a URL")
         self.fn, self.url, self.timeout_s, self.retries = fn, url, timeout_s, retries
-        self.session = session
+        self.session, self.workers = session, workers
         self.failures: Counter[str] = Counter()
         name = getattr(fn, "__qualname__", repr(fn))
         self.source = f"reward service {url}" if url else f"reward function {name}"
@@ -165,17 +167,35 @@ class Reward:
         try:
             if self.fn is None:
                 return await self._remote(prompt, text, label, finish_reason)
-            value = self.fn(text, label, finish_reason == "stop")
-            if inspect.isawaitable(value):
-                value = await value
+            if self.workers is not None:
+                value = await self.workers.call(text, label, finish_reason == "stop")
+            else:
+                value = self.fn(text, label, finish_reason == "stop")
+                if inspect.isawaitable(value):
+                    value = await self._bounded(value)
             return as_reward(value, self.source)
-        except RewardError as exc:
-            self._note(exc)
-            raise
+        except (RewardError, RewardCallError) as exc:
+            error = exc if isinstance(exc, RewardError) else RewardError(f"{self.source} {exc}")
+            self._note(error)
+            raise error from None
         except Exception as exc:  # a user's function: anything it raises fails this sample only
             error = RewardError(f"{self.source} raised {type(exc).__name__}: {exc}")
             self._note(error)
             raise error from exc
+
+    async def _bounded(self, value: Awaitable[Any]) -> Any:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await value
+        except TimeoutError:
+            raise RewardCallError(
+                f"did not return within {self.timeout_s:g}s (--rm-timeout-s)"
+            ) from None
+
+    def close(self) -> None:
+        """Stop the worker processes, if any."""
+        if self.workers is not None:
+            self.workers.close()
 
     async def score_all(
         self, prompt: Any, outputs: list[tuple[str, str]], label: str
@@ -189,7 +209,11 @@ class Reward:
             except RewardError as exc:
                 return exc
 
-        if self.fn is not None and not inspect.iscoroutinefunction(self.fn):
+        if (
+            self.fn is not None
+            and self.workers is None
+            and not inspect.iscoroutinefunction(self.fn)
+        ):
             return [await one(text, finish) for text, finish in outputs]
         return list(await asyncio.gather(*(one(t, f) for t, f in outputs)))
 
@@ -228,12 +252,18 @@ def make_reward(
     timeout_s: float,
     retries: int,
     session: aiohttp.ClientSession | None,
+    workers: int = 0,
 ) -> Reward:
-    """The reward the flags ask for: `--rm-url` over `--custom-rm-path` over `--rm-type`."""
+    """The reward the flags ask for: `--rm-url` over `--custom-rm-path` over `--rm-type`; a
+    plain (not async) `--custom-rm-path` function runs in `workers` processes (0: inline)."""
     if rm_url:
         return Reward(url=rm_url, timeout_s=timeout_s, retries=retries, session=session)
     if custom_rm_path:
-        return Reward(load_function(custom_rm_path))
+        fn = load_function(custom_rm_path)  # here too: a bad path fails the start
+        if workers and not inspect.iscoroutinefunction(fn):
+            pool = RewardWorkers(custom_rm_path, workers, timeout_s)
+            return Reward(fn, timeout_s=timeout_s, workers=pool)
+        return Reward(fn, timeout_s=timeout_s)
     if rm_type not in BUILTIN:
         raise ValueError(f"--rm-type {rm_type!r}: choose one of {', '.join(BUILTIN)}")
     return Reward(BUILTIN[rm_type])

@@ -1,0 +1,169 @@
+"""Worker processes for a `--custom-rm-path` function (`--rm-workers`).
+
+A reward function runs user code: a math verifier that takes a second on one answer, or never
+returns on another, would hold up the router's event loop (its HTTP API, the engines' health
+checks, every other rollout) for as long. So each call goes to an idle worker process and is
+bounded by `--rm-timeout-s`: a worker that overruns it is killed and replaced and its sample
+dropped as `reward_error`, naming the flag; a worker that dies is replaced the same way. Workers
+are spawned (the router has threads: no fork), load the function themselves from its path, say
+when they are ready (the timeout counts from then), and die with the router (Linux: their parent's
+death signals them, even while the function hangs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import multiprocessing as mp
+import signal
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+START_TIMEOUT_S = 60.0  # a worker's start: the interpreter, then the function's imports
+PR_SET_PDEATHSIG = 1
+
+
+class RewardCallError(RuntimeError):
+    """A call that got no value: the function raised, overran the timeout or its worker died.
+    The text completes "reward function NAME ..."."""
+
+
+def _serve(path: str, conn: Connection) -> None:
+    """A worker's life: load the function, say ready (or why not), then answer each call with
+    ("ok", value) or ("raised", text) until the router closes the pipe."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: killed by close() only
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    from services.rollout_router.rewards import load_function
+
+    try:
+        fn = load_function(path)
+    except ValueError as exc:
+        conn.send(("failed", str(exc)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            args = conn.recv()
+        except EOFError:
+            return
+        try:
+            reply: tuple[str, Any] = ("ok", fn(*args))
+        except Exception as exc:  # the user's function: its error is the sample's
+            reply = ("raised", f"{type(exc).__name__}: {exc}")
+        try:
+            conn.send(reply)
+        except Exception:  # a value that does not pickle: its text (not a number)
+            conn.send(("ok", repr(reply[1])))
+
+
+class Worker:
+    """One process and its end of the pipe."""
+
+    def __init__(self, path: str) -> None:
+        self.conn, child = mp.get_context("spawn").Pipe()
+        self.process: BaseProcess = mp.get_context("spawn").Process(
+            target=_serve, args=(path, child), daemon=True, name="reward worker"
+        )
+        self.process.start()
+        child.close()
+        self.ready = False
+
+    async def receive(self) -> tuple[str, Any]:
+        """The next message; RewardCallError when the process died."""
+        loop = asyncio.get_running_loop()
+        arrived: asyncio.Future[None] = loop.create_future()
+        fd = self.conn.fileno()
+
+        def readable() -> None:
+            if not arrived.done():
+                arrived.set_result(None)
+
+        loop.add_reader(fd, readable)
+        try:
+            await arrived
+        finally:
+            loop.remove_reader(fd)
+        try:
+            return self.conn.recv()  # type: ignore[no-any-return]
+        except (EOFError, OSError):
+            self.process.join(1.0)
+            raise RewardCallError(
+                f"ended its worker process (exit code {self.process.exitcode})"
+            ) from None
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(5.0)
+        self.conn.close()
+
+
+class RewardWorkers:
+    """Up to `count` workers for the function at `path`, started when first needed."""
+
+    def __init__(self, path: str, count: int, timeout_s: float) -> None:
+        self.path, self.count, self.timeout_s = path, count, timeout_s
+        self.idle: list[Worker] = []
+        self.busy: set[Worker] = set()
+        self._freed: asyncio.Condition | None = None
+
+    async def call(self, text: str, label: str, stopped: bool) -> Any:
+        """The function's value for one response; RewardCallError naming what went wrong."""
+        worker = await self._take()
+        try:
+            worker.conn.send((text, label, stopped))
+            async with asyncio.timeout(self.timeout_s):
+                status, value = await worker.receive()
+        except TimeoutError:
+            worker.kill()
+            raise RewardCallError(
+                f"did not return within {self.timeout_s:g}s (--rm-timeout-s): its worker "
+                "process was killed and is replaced"
+            ) from None
+        except BaseException:
+            worker.kill()
+            raise
+        finally:
+            await self._give_back(worker)
+        if status == "raised":
+            raise RewardCallError(f"raised {value}")
+        return value
+
+    async def _take(self) -> Worker:
+        if self._freed is None:
+            self._freed = asyncio.Condition()
+        async with self._freed:
+            await self._freed.wait_for(lambda: self.idle or len(self.busy) < self.count)
+            worker = self.idle.pop() if self.idle else Worker(self.path)
+            self.busy.add(worker)
+        if not worker.ready:
+            try:
+                async with asyncio.timeout(START_TIMEOUT_S):
+                    status, detail = await worker.receive()
+            except TimeoutError:
+                status, detail = "failed", f"not ready within {START_TIMEOUT_S:g}s"
+            except BaseException:
+                worker.kill()
+                await self._give_back(worker)
+                raise
+            if status != "ready":
+                worker.kill()
+                await self._give_back(worker)
+                raise RewardCallError(f"could not start in a worker process: {detail}")
+            worker.ready = True
+        return worker
+
+    async def _give_back(self, worker: Worker) -> None:
+        assert self._freed is not None
+        async with self._freed:
+            self.busy.discard(worker)
+            if worker.process.is_alive() and not worker.conn.closed:
+                self.idle.append(worker)
+            self._freed.notify()
+
+    def close(self) -> None:
+        for worker in [*self.idle, *self.busy]:
+            worker.kill()
+        self.idle.clear()
+        self.busy.clear()

@@ -1,0 +1,144 @@
+"""A `--custom-rm-path` function in worker processes (`--rm-workers`): a call that hangs, dies
+or raises fails its own sample with a reason naming the flag, the router's event loop runs on
+meanwhile, and the workers die with the router even while the function hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.rollout_router.rewards import RewardError, make_reward
+from tests.helpers import wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+
+REWARD = '''
+import os
+import time
+
+
+def score(text, label, stopped):
+    """The reward of each text: see the test."""
+    if text == "hang":
+        time.sleep(3600)
+    if text == "die":
+        os._exit(3)
+    if text == "boom":
+        raise ZeroDivisionError("boom")
+    if text == "nan":
+        return float("nan")
+    if text == "pid":
+        return os.getpid()
+    return float(len(text)) if stopped else 0.0
+'''
+
+
+@pytest.fixture
+def reward_file(tmp_path: Path) -> str:
+    (tmp_path / "reward.py").write_text(REWARD)
+    return f"{tmp_path / 'reward.py'}:score"
+
+
+async def max_gap_while(work: asyncio.Future, tick_s: float = 0.01) -> float:
+    """The longest the event loop went without running this ticker while `work` ran."""
+    gap, last = 0.0, time.monotonic()
+    while not work.done():
+        await asyncio.sleep(tick_s)
+        now = time.monotonic()
+        gap, last = max(gap, now - last), now
+    return gap
+
+
+def test_each_failing_call_fails_its_own_sample_and_the_event_loop_runs_on(reward_file) -> None:
+    reward = make_reward("", reward_file, "", 2.0, 0, None, workers=2)
+    texts = ["ok", "hang", "die", "boom", "nan", "four"]
+
+    async def run() -> tuple[list[float | RewardError], float, list[float | RewardError]]:
+        work = asyncio.ensure_future(reward.score_all("p", [(t, "stop") for t in texts], "l"))
+        gap = await max_gap_while(work)
+        after = await reward.score_all("p", [("again", "stop"), ("x", "length")], "l")
+        return work.result(), gap, after
+
+    try:
+        out, gap, after = asyncio.run(run())
+    finally:
+        reward.close()
+    assert out[0] == 2.0 and out[5] == 4.0
+    why = {
+        t: (o.reason, str(o)) for t, o in zip(texts, out, strict=True) if isinstance(o, RewardError)
+    }
+    assert set(why) == {"hang", "die", "boom", "nan"}
+    name = "reward function score"
+    assert why["hang"] == (
+        "reward_error",
+        f"{name} did not return within 2s (--rm-timeout-s): its worker process was killed and "
+        "is replaced",
+    )
+    assert why["die"] == ("reward_error", f"{name} ended its worker process (exit code 3)")
+    assert why["boom"] == ("reward_error", f"{name} raised ZeroDivisionError: boom")
+    assert why["nan"] == ("reward_nonfinite", f"{name} returned nan")
+    # A call that hangs for 2 s would have stopped the loop for as long in the loop itself.
+    assert gap < 1.0, f"the event loop stalled for {gap:.2f}s"
+    assert after == [5.0, 0.0], "workers replaced: later calls are answered"
+    assert reward.workers is not None and not reward.workers.idle and not reward.workers.busy
+
+
+def test_inline_functions_and_async_ones_keep_to_the_event_loop(reward_file) -> None:
+    """--rm-workers 0 runs the function in the router's own process (no worker); an async
+    function is bounded by the timeout there."""
+    inline = make_reward("", reward_file, "", 2.0, 0, None, workers=0)
+    assert inline.workers is None
+    assert asyncio.run(inline.score("p", "pid", "l", "stop")) == os.getpid()
+
+    async def forever(text: str, label: str, stopped: bool) -> float:
+        await asyncio.sleep(3600)
+        return 1.0
+
+    from services.rollout_router.rewards import Reward
+
+    bounded = Reward(forever, timeout_s=0.2)
+    [out] = asyncio.run(bounded.score_all("p", [("t", "stop")], "l"))
+    assert isinstance(out, RewardError)
+    assert str(out).endswith("did not return within 0.2s (--rm-timeout-s)")
+
+
+def test_workers_die_with_the_router_even_while_the_function_hangs(reward_file, tmp_path) -> None:
+    """kill -9 of the router leaves no worker behind (Linux: the parent's death signals it)."""
+    script = (
+        "import asyncio, sys\n"
+        "from services.rollout_router.rewards import make_reward\n"
+        f"reward = make_reward('', {reward_file!r}, '', 3600.0, 0, None, workers=1)\n"
+        "async def main():\n"
+        "    print(await reward.score('p', 'pid', 'l', 'stop'), flush=True)\n"
+        "    await reward.score('p', 'hang', 'l', 'stop')\n"
+        "asyncio.run(main())\n"
+    )
+    router = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert router.stdout is not None
+        worker = int(float(router.stdout.readline()))
+        time.sleep(0.5)  # the worker is in the hanging call
+        os.kill(router.pid, signal.SIGKILL)
+        router.wait(10)
+        wait_until(
+            lambda: not Path(f"/proc/{worker}").exists() or zombie(worker), "the worker's end", 10
+        )
+    finally:
+        router.kill()
+
+
+def zombie(pid: int) -> bool:
+    """A dead process not yet reaped (its parent is gone: init reaps it soon)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+    except OSError:
+        return True
