@@ -64,6 +64,12 @@ def test_each_failing_call_fails_its_own_sample_and_the_event_loop_runs_on(rewar
         work = asyncio.ensure_future(reward.score_all("p", [(t, "stop") for t in texts], "l"))
         gap = await max_gap_while(work)
         after = await reward.score_all("p", [("again", "stop"), ("x", "length")], "l")
+        assert reward.workers is not None
+        for worker in reward.workers.idle:  # killed while idle: its next call says so
+            worker.process.kill()
+            worker.process.join(5)
+        after += await reward.score_all("p", [("a", "stop")] * len(reward.workers.idle), "l")
+        after.append(await reward.score("p", "again", "l", "stop"))
         return work.result(), gap, after
 
     try:
@@ -86,7 +92,10 @@ def test_each_failing_call_fails_its_own_sample_and_the_event_loop_runs_on(rewar
     assert why["nan"] == ("reward_nonfinite", f"{name} returned nan")
     # A call that hangs for 2 s would have stopped the loop for as long in the loop itself.
     assert gap < 1.0, f"the event loop stalled for {gap:.2f}s"
-    assert after == [5.0, 0.0], "workers replaced: later calls are answered"
+    assert after[:2] == [5.0, 0.0], "workers replaced: later calls are answered"
+    ended = [str(e) for e in after[2:-1] if isinstance(e, RewardError)]
+    assert ended and ended == [f"{name} ended its worker process (exit code -9)"] * len(after[2:-1])
+    assert after[-1] == 5.0
     assert reward.workers is not None and not reward.workers.idle and not reward.workers.busy
 
 

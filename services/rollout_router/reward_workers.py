@@ -88,10 +88,17 @@ class Worker:
         try:
             return self.conn.recv()  # type: ignore[no-any-return]
         except (EOFError, OSError):
-            self.process.join(1.0)
-            raise RewardCallError(
-                f"ended its worker process (exit code {self.process.exitcode})"
-            ) from None
+            raise self.ended() from None
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        try:
+            self.conn.send(message)
+        except OSError:  # it died while idle
+            raise self.ended() from None
+
+    def ended(self) -> RewardCallError:
+        self.process.join(1.0)
+        return RewardCallError(f"ended its worker process (exit code {self.process.exitcode})")
 
     def kill(self) -> None:
         self.process.kill()
@@ -112,7 +119,7 @@ class RewardWorkers:
         """The function's value for one response; RewardCallError naming what went wrong."""
         worker = await self._take()
         try:
-            worker.conn.send((text, label, stopped))
+            worker.send((text, label, stopped))
             async with asyncio.timeout(self.timeout_s):
                 status, value = await worker.receive()
         except TimeoutError:
