@@ -151,3 +151,13 @@ def zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_the_number_of_workers_defaults_to_the_cores_up_to_8() -> None:
+    from services.rollout_router.config import RewardConfig
+
+    assert RewardConfig().reward_workers() == min(os.cpu_count() or 1, 8)
+    assert RewardConfig(rm_workers=0).reward_workers() == 0
+    assert RewardConfig(rm_workers=12).reward_workers() == 12
+    with pytest.raises(ValueError, match="--rm-workers >= -1"):
+        RewardConfig(rm_workers=-2).validate()

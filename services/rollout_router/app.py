@@ -119,7 +119,7 @@ async def build_control(
         r.rm_timeout_s,
         r.rm_retries,
         pool.session,
-        r.rm_workers,
+        r.reward_workers(),
     )
     episodes = None
     if config.env.env_url:

@@ -8,6 +8,7 @@ Flag names follow slime where the concept is the same (`--rollout-batch-size`,
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -305,18 +306,23 @@ class RewardConfig:
         },
     )
     rm_workers: int = field(
-        default=2,
+        default=-1,
         metadata={
             "help": "Processes that run a --custom-rm-path function (not async) beside the "
-            "router's event loop, one call each at a time; a call past --rm-timeout-s has its "
-            "process killed and replaced. 0 = in the event loop itself: only for a function "
-            "that takes microseconds (a slow or hung one holds up the whole router)."
+            "router's event loop, one call each at a time, started as calls need them; a call "
+            "past --rm-timeout-s has its process killed and replaced. -1 = one per CPU core, "
+            "up to 8; 0 = in the event loop itself: only for a function that takes "
+            "microseconds (a slow or hung one holds up the whole router)."
         },
     )
 
     def validate(self) -> None:
-        if self.rm_timeout_s <= 0 or self.rm_workers < 0 or self.rm_retries < 0:
-            raise ValueError("--rm-timeout-s must be > 0, --rm-workers and --rm-retries >= 0")
+        if self.rm_timeout_s <= 0 or self.rm_workers < -1 or self.rm_retries < 0:
+            raise ValueError("--rm-timeout-s must be > 0, --rm-workers >= -1, --rm-retries >= 0")
+
+    def reward_workers(self) -> int:
+        """--rm-workers resolved: -1 is one per CPU core, up to 8."""
+        return min(os.cpu_count() or 1, 8) if self.rm_workers < 0 else self.rm_workers
 
     rm_retries: int = field(default=2, metadata={"help": "Retries of a failed remote call."})
 

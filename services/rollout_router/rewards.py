@@ -261,6 +261,13 @@ def make_reward(
     if custom_rm_path:
         fn = load_function(custom_rm_path)  # here too: a bad path fails the start
         if workers and not inspect.iscoroutinefunction(fn):
+            log.info(
+                "reward function %s runs in up to %d worker processes (--rm-workers), each call "
+                "bounded by --rm-timeout-s %gs",
+                custom_rm_path,
+                workers,
+                timeout_s,
+            )
             pool = RewardWorkers(custom_rm_path, workers, timeout_s)
             return Reward(fn, timeout_s=timeout_s, workers=pool)
         return Reward(fn, timeout_s=timeout_s)
