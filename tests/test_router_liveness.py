@@ -172,6 +172,8 @@ def test_a_reward_function_that_hangs_drops_its_sample_and_the_router_goes_on(
         f"{tmp_path / 'hangs_once.py'}:once",
         "--rm-timeout-s",
         "5",
+        "--eval-interval",
+        "0",  # the hanging call is a rollout's (an evaluation's failure is no drop)
         "--max-staleness",
         "1000",
     )
