@@ -67,7 +67,7 @@ def test_each_failing_call_fails_its_own_sample_and_the_event_loop_runs_on(rewar
         assert reward.workers is not None
         for worker in reward.workers.idle:  # killed while idle: its next call says so
             worker.process.kill()
-            worker.process.join(5)
+            worker.process.wait(5)
         after += await reward.score_all("p", [("a", "stop")] * len(reward.workers.idle), "l")
         after.append(await reward.score("p", "again", "l", "stop"))
         return work.result(), gap, after
@@ -161,3 +161,21 @@ def test_the_number_of_workers_defaults_to_the_cores_up_to_8() -> None:
     assert RewardConfig(rm_workers=12).reward_workers() == 12
     with pytest.raises(ValueError, match="--rm-workers >= -1"):
         RewardConfig(rm_workers=-2).validate()
+
+
+def test_a_terminals_ctrl_c_is_left_to_the_router(reward_file) -> None:
+    """Ctrl-C reaches a terminal's whole process group: a worker ignores it (no traceback, no
+    lost call); the router decides when its workers stop."""
+    reward = make_reward("", reward_file, "", 10.0, 0, None, workers=1)
+
+    async def run() -> tuple[float, float]:
+        first = await reward.score("p", "pid", "l", "stop")
+        os.kill(int(first), signal.SIGINT)
+        await asyncio.sleep(0.5)
+        return first, await reward.score("p", "pid", "l", "stop")
+
+    try:
+        first, second = asyncio.run(run())
+    finally:
+        reward.close()
+    assert first == second, "the same worker answered after its Ctrl-C"

@@ -5,9 +5,9 @@ returns on another, would hold up the router's event loop (its HTTP API, the eng
 checks, every other rollout) for as long. So each call goes to an idle worker process and is
 bounded by `--rm-timeout-s`: a worker that overruns it is killed and replaced and its sample
 dropped as `reward_error`, naming the flag; a worker that dies is replaced the same way. Workers
-are spawned (the router has threads: no fork), load the function themselves from its path, say
-when they are ready (the timeout counts from then), and die with the router (Linux: their parent's
-death signals them, even while the function hangs).
+are new interpreters (the router has threads: no fork), load the function themselves from its
+path, say when they are ready (the timeout counts from then), and die with the router (Linux:
+their parent's death signals them, even while the function hangs).
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import multiprocessing as mp
+import os
 import signal
+import socket
+import subprocess
+import sys
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 START_TIMEOUT_S = 60.0  # a worker's start: the interpreter, then the function's imports
@@ -35,6 +37,7 @@ def _serve(path: str, conn: Connection) -> None:
     ("ok", value) or ("raised", text) until the router closes the pipe."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: killed by close() only
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the router's to handle
     from services.rollout_router.rewards import load_function
 
     try:
@@ -59,15 +62,21 @@ def _serve(path: str, conn: Connection) -> None:
 
 
 class Worker:
-    """One process and its end of the pipe."""
+    """One process (`python -m` this module: nothing of the router's own start is run again)
+    and its end of a socket pair."""
 
     def __init__(self, path: str) -> None:
-        self.conn, child = mp.get_context("spawn").Pipe()
-        self.process: BaseProcess = mp.get_context("spawn").Process(
-            target=_serve, args=(path, child), daemon=True, name="reward worker"
+        mine, theirs = socket.socketpair()
+        # The router's module search path, so `module:fn` is found where the router found it.
+        search = [entry or os.getcwd() for entry in sys.path]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __name__, path, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(search)},
+            stdin=subprocess.DEVNULL,
         )
-        self.process.start()
-        child.close()
+        theirs.close()
+        self.conn = Connection(mine.detach())
         self.ready = False
 
     async def receive(self) -> tuple[str, Any]:
@@ -97,12 +106,18 @@ class Worker:
             raise self.ended() from None
 
     def ended(self) -> RewardCallError:
-        self.process.join(1.0)
-        return RewardCallError(f"ended its worker process (exit code {self.process.exitcode})")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(1.0)
+        return RewardCallError(f"ended its worker process (exit code {self.process.returncode})")
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None and not self.conn.closed
 
     def kill(self) -> None:
         self.process.kill()
-        self.process.join(5.0)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(5.0)
         self.conn.close()
 
 
@@ -165,7 +180,7 @@ class RewardWorkers:
         assert self._freed is not None
         async with self._freed:
             self.busy.discard(worker)
-            if worker.process.is_alive() and not worker.conn.closed:
+            if worker.alive:
                 self.idle.append(worker)
             self._freed.notify()
 
@@ -174,3 +189,7 @@ class RewardWorkers:
             worker.kill()
         self.idle.clear()
         self.busy.clear()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], Connection(int(sys.argv[2])))
