@@ -315,6 +315,7 @@ class RewardConfig:
             "microseconds (a slow or hung one holds up the whole router)."
         },
     )
+    rm_retries: int = field(default=2, metadata={"help": "Retries of a failed remote call."})
 
     def validate(self) -> None:
         if self.rm_timeout_s <= 0 or self.rm_workers < -1 or self.rm_retries < 0:
@@ -323,8 +324,6 @@ class RewardConfig:
     def reward_workers(self) -> int:
         """--rm-workers resolved: -1 is one per CPU core, up to 8."""
         return min(os.cpu_count() or 1, 8) if self.rm_workers < 0 else self.rm_workers
-
-    rm_retries: int = field(default=2, metadata={"help": "Retries of a failed remote call."})
 
 
 @dataclass

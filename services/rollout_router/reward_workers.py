@@ -161,20 +161,24 @@ class RewardWorkers:
             self.busy.add(worker)
         if not worker.ready:
             try:
-                async with asyncio.timeout(START_TIMEOUT_S):
-                    status, detail = await worker.receive()
-            except TimeoutError:
-                status, detail = "failed", f"not ready within {START_TIMEOUT_S:g}s"
+                await self._wait_ready(worker)
             except BaseException:
                 worker.kill()
                 await self._give_back(worker)
                 raise
-            if status != "ready":
-                worker.kill()
-                await self._give_back(worker)
-                raise RewardCallError(f"could not start in a worker process: {detail}")
-            worker.ready = True
         return worker
+
+    @staticmethod
+    async def _wait_ready(worker: Worker) -> None:
+        """A new worker's first message: ready, or why it could not load the function."""
+        try:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                status, detail = await worker.receive()
+        except TimeoutError:
+            status, detail = "failed", f"not ready within {START_TIMEOUT_S:g}s"
+        if status != "ready":
+            raise RewardCallError(f"could not start in a worker process: {detail}")
+        worker.ready = True
 
     async def _give_back(self, worker: Worker) -> None:
         assert self._freed is not None

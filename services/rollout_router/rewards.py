@@ -174,8 +174,11 @@ class Reward:
                 if inspect.isawaitable(value):
                     value = await self._bounded(value)
             return as_reward(value, self.source)
-        except (RewardError, RewardCallError) as exc:
-            error = exc if isinstance(exc, RewardError) else RewardError(f"{self.source} {exc}")
+        except RewardError as exc:
+            self._note(exc)
+            raise
+        except RewardCallError as exc:  # (its text completes the source's name)
+            error = RewardError(f"{self.source} {exc}")
             self._note(error)
             raise error from None
         except Exception as exc:  # a user's function: anything it raises fails this sample only
