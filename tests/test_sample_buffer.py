@@ -175,3 +175,26 @@ def test_packed_groups_come_back_as_they_were_put_and_a_value_that_does_not_fit_
     too_big.samples[0].response_ids = [6, 1 << 40]
     with pytest.raises(ValueError, match="group g2: response_ids holds a value that is no int32"):
         pack(too_big)
+
+
+def test_a_batch_is_cut_into_entries_by_count_and_encoded_size_and_read_back_in_order(
+    buffer: SampleBuffer,
+) -> None:
+    small = [pack(make_group(f"s{i}")) for i in range(130)]
+    keys = buffer.put_groups(small)  # 64 + 64 + 2 groups an entry
+    assert [key.split("/")[1] for key in keys[62:66]] == ["62", "63", "0", "1"]
+    assert len({key.split("/")[0] for key in keys}) == 3 and buffer.depth() == 130
+    # 6 groups of ~300 KB each: 1.8 MB encoded, halved until each entry is under 1 MiB
+    big = make_group("b")
+    big.samples[0].response_ids = list(range(37_500))
+    big.samples[0].response_logprobs = [-0.5] * 37_500
+    big.samples[0].loss_mask = [1] * 37_500
+    large = [msgspec.structs.replace(pack(big), group_id=f"b{i}") for i in range(6)]
+    entries = [key.split("/")[0] for key in buffer.put_groups(large)]
+    assert [entries.count(e) for e in dict.fromkeys(entries)] == [3, 3]
+    got = buffer.read_groups("t0", count=10, block_ms=100)
+    assert [g.group_id for _, g in got] == [f"s{i}" for i in range(130)] + [
+        f"b{i}" for i in range(6)
+    ]
+    assert got[-1][1].samples[0].response_ids == list(range(37_500))
+    assert buffer.depth() == 136

@@ -45,8 +45,8 @@ Call = tuple[list[str], list[Any]]  # a script's keys and arguments
 
 log = logging.getLogger("tandem.ledger")
 
-# A PUT writes its groups into entries of at most ENTRY_GROUPS groups and ENTRY_BYTES bytes of
-# token arrays: one XADD, one read and one ack carry many groups (bench/buffer_throughput.py),
+# A PUT writes its groups into entries of at most ENTRY_GROUPS groups and ENTRY_BYTES bytes
+# encoded (but an entry of one group): one XADD, one read and one ack carry many groups (bench/buffer_throughput.py),
 # and an entry stays small enough to copy at once.
 ENTRY_GROUPS = 64
 ENTRY_BYTES = 1 << 20
@@ -264,21 +264,20 @@ def start_call(keys: BufferKeys) -> Call:
     return [keys.redraw_key, keys.counters_key, keys.in_flight_key], ["p"]
 
 
-def entries_of(groups: list[PackedGroup]) -> list[list[PackedGroup]]:
-    """`groups` cut into stream entries: in order, at most ENTRY_GROUPS groups and (but for an
-    entry of one group) ENTRY_BYTES of token arrays each."""
-    out: list[list[PackedGroup]] = []
-    size = 0
-    for group in groups:
-        nbytes = sum(
-            len(s.prompt) + len(s.response) + len(s.logprobs) + len(s.mask) + len(s.versions)
-            for s in group.samples
-        )
-        if not out or len(out[-1]) >= ENTRY_GROUPS or size + nbytes > ENTRY_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(group)
-        size += nbytes
+def entries_of(groups: list[PackedGroup]) -> list[tuple[bytes, int]]:
+    """`groups` cut into stream entries, in order, each as (payload, number of groups): at most
+    ENTRY_GROUPS groups each, an entry encoded over ENTRY_BYTES cut in halves until it fits or
+    holds one group (encoded once in the common case: sizing each group first cost more)."""
+    out: list[tuple[bytes, int]] = []
+    todo = [groups[i : i + ENTRY_GROUPS] for i in range(0, len(groups), ENTRY_GROUPS)][::-1]
+    while todo:
+        entry = todo.pop()
+        payload = encode_entry(entry)
+        if len(payload) > ENTRY_BYTES and len(entry) > 1:
+            half = len(entry) // 2
+            todo += [entry[half:], entry[:half]]
+        else:
+            out.append((payload, len(entry)))
     return out
 
 
@@ -287,8 +286,8 @@ def put_call(keys: BufferKeys, groups: list[SampleGroup | PackedGroup]) -> tuple
     and the number of groups of each entry. ValueError (naming the group and field) when a
     group does not pack (`proto.packed.pack`)."""
     entries = entries_of([pack(group) for group in groups])
-    counts = [len(entry) for entry in entries]
-    args: list[Any] = [len(entries), *(encode_entry(entry) for entry in entries), *counts]
+    counts = [count for _, count in entries]
+    args: list[Any] = [len(entries), *(payload for payload, _ in entries), *counts]
     args += [group.group_id for group in groups]
     return (
         [keys.samples_key, keys.counters_key, keys.in_flight_key, keys.entry_groups_key],
