@@ -69,7 +69,8 @@ class ServiceStatus(msgspec.Struct, kw_only=True):
     read by `tandem up`'s progress watchdog, which prints `waiting_for` of every service when no
     step has completed for a while. `waiting_for` is a sentence a user can act on, e.g. "engines
     on weight version >= 71 (they serve 0): is the broker syncing them?"; `since` is when that
-    wait began (unix seconds); `detail` holds the numbers behind it."""
+    wait began (unix seconds); `detail` holds the numbers behind it, and `note` there a sentence
+    the watchdog prints too (the router's: groups dropped since the last one put, and why)."""
 
     role: str
     state: str

@@ -179,3 +179,28 @@ def test_a_terminals_ctrl_c_is_left_to_the_router(reward_file) -> None:
     finally:
         reward.close()
     assert first == second, "the same worker answered after its Ctrl-C"
+
+
+def test_a_function_that_fails_on_every_sample_is_broken_after_the_bound_and_a_reward_resets_it(
+    reward_file,
+) -> None:
+    """--rm-max-errors-in-a-row: failures in a row, of any kind, make the function `broken`
+    (the rollout loop then stops with that sentence); one reward between them starts anew."""
+    reward = make_reward("", reward_file, "", 2.0, 0, None, workers=0, max_errors_in_a_row=3)
+
+    async def run(texts: list[str]) -> list[str]:
+        await reward.score_all("p", [(t, "stop") for t in texts], "l")
+        return [reward.broken()]
+
+    assert asyncio.run(run(["boom", "nan", "ok", "boom", "boom"])) == [""]
+    [broken] = asyncio.run(run(["nan"]))
+    assert broken == (
+        "reward function score failed on 3 samples in a row (--rm-max-errors-in-a-row 3), the "
+        "last: reward function score returned nan; fix the function (--custom-rm-path; a wrong "
+        "or unparsable answer should score 0, not fail), or raise the router's "
+        '--rm-max-errors-in-a-row (tandem up --router-args "--rm-max-errors-in-a-row N"; 0 = '
+        "never stop)"
+    )
+    never = make_reward("", reward_file, "", 2.0, 0, None, workers=0, max_errors_in_a_row=0)
+    asyncio.run(never.score_all("p", [("boom", "stop")] * 20, "l"))
+    assert never.in_a_row == 20 and never.broken() == ""

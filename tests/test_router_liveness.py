@@ -5,12 +5,14 @@ engines, a real Valkey server; the test itself plays the trainer and the broker 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from proto.contract import RunContract
@@ -190,6 +192,69 @@ def test_a_reward_function_that_hangs_drops_its_sample_and_the_router_goes_on(
         "was killed and is replaced"
     )
     assert all(s.reward == 1.0 for g in read_all(buffer) for s in g.samples)
+
+
+CONSTANT_REWARDS = """
+def fails(text, label, stopped):
+    raise ValueError("no answer found")
+
+
+def zero(text, label, stopped):
+    return 0.0
+"""
+
+
+def test_a_reward_function_that_fails_on_every_sample_stops_the_rollout_naming_it(
+    buffer, toy_model_dir, start_service, engines, tmp_path
+):
+    """Not a run that drops every group for good, logging each: past --rm-max-errors-in-a-row
+    failures in a row the rollout loop stops (/health 503, which ends `tandem up` with it), and
+    the log holds the first drops of the reason, then counts."""
+    (tmp_path / "constant.py").write_text(CONSTANT_REWARDS)
+    path = f"{tmp_path / 'constant.py'}:fails"
+    args = router_args(buffer, toy_model_dir, [engines().url], "--custom-rm-path", path)
+    router = start_service(
+        "router", [*args, "--rm-max-errors-in-a-row", "60", "--eval-interval", "0"]
+    )
+    answer = wait_until(
+        lambda: (r := httpx.get(router.url + "/health")).status_code == 503 and r.json(),
+        "the rollout to stop",
+        60,
+    )
+    failed = re.match(
+        r"rollout task failed: RewardError: reward function fails failed on (\d+) samples in a "
+        r"row \(--rm-max-errors-in-a-row 60\), the last: reward function fails raised "
+        r"ValueError: no answer found; fix the function \(--custom-rm-path; a wrong or "
+        r"unparsable answer should score 0, not fail\)",
+        answer["error"],
+    )
+    assert failed and int(failed[1]) >= 60, answer  # (groups in flight may add a few)
+    ledger = buffer.ledger()
+    assert ledger.balanced and ledger.put == 0 and ledger.dropped_groups["reward_error"] >= 10
+    log = router.log()
+    assert log.count("dropping group") == 10
+    assert "later reward_error drops are logged as counts" in log
+
+
+def test_the_status_says_why_no_group_is_put_while_every_one_is_dropped(
+    buffer, toy_model_dir, start_service, engines, tmp_path
+):
+    (tmp_path / "constant.py").write_text(CONSTANT_REWARDS)
+    path = f"{tmp_path / 'constant.py'}:zero"
+    args = router_args(buffer, toy_model_dir, [engines().url], "--custom-rm-path", path)
+    router = start_service("router", [*args, "--dynamic-sampling", "--rm-workers", "0"])
+    record = wait_until(
+        lambda: (r := buffer.statuses().get("router")) and "note" in r.detail and r,
+        "a note in the router's status",
+    )
+    assert re.fullmatch(
+        r"\d+ groups dropped since the last one put \(all_rewards_equal \d+; the last: "
+        r"every reward is 0.0\)",
+        str(record.detail["note"]),
+    ), record.detail
+    status = get_json(router.url + "/rollout/status")
+    assert "(all_rewards_equal" in status["note"] and "every reward is 0.0" in status["note"]
+    assert buffer.depth() == 0
 
 
 def test_the_status_names_the_engines_version_when_the_trainer_is_ahead(

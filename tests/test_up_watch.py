@@ -74,6 +74,8 @@ def test_the_watchdog_prints_what_each_service_waits_for_then_ends_a_stalled_run
         since=time.time() - 30,
     )
     buffer.set_status(status)
+    note = "9 groups dropped since the last one put (env_error 9; the last: HTTP 500)"
+    buffer.set_status(ServiceStatus(role="broker", state="idle", detail={"note": note}))
     watchdog = Watchdog(buffer, {}, stall_warn_s=0.2, stall_fail_s=0.6, say=said.append)
     assert watchdog.check() == ""
     time.sleep(0.3)
@@ -82,6 +84,7 @@ def test_the_watchdog_prints_what_each_service_waits_for_then_ends_a_stalled_run
     assert "no trainer step for" in text
     assert "router [waiting, 30 s]: waits for engines on weight version >= 71" in text
     assert "trainer: no status reported" in text
+    assert f"broker [idle]: is not waiting; {note}" in text
     watchdog.step_done(3)
     assert watchdog.check() == ""  # a step completed: the stall clock starts again
     time.sleep(0.7)

@@ -120,6 +120,7 @@ async def build_control(
         r.rm_retries,
         pool.session,
         r.reward_workers(),
+        r.rm_max_errors_in_a_row,
     )
     episodes = None
     if config.env.env_url:

@@ -316,10 +316,23 @@ class RewardConfig:
         },
     )
     rm_retries: int = field(default=2, metadata={"help": "Retries of a failed remote call."})
+    rm_max_errors_in_a_row: int = field(
+        default=256,
+        metadata={
+            "help": "A --custom-rm-path function that fails (raises, returns None or NaN, "
+            "overruns --rm-timeout-s) on this many samples in a row stops the rollout with its "
+            "last error, rather than dropping every group of the run (0 = never stop)."
+        },
+    )
 
     def validate(self) -> None:
         if self.rm_timeout_s <= 0 or self.rm_workers < -1 or self.rm_retries < 0:
             raise ValueError("--rm-timeout-s must be > 0, --rm-workers >= -1, --rm-retries >= 0")
+        if self.rm_max_errors_in_a_row < 0:
+            raise ValueError(
+                f"--rm-max-errors-in-a-row must be >= 0 (0 = never stop), got "
+                f"{self.rm_max_errors_in_a_row}"
+            )
 
     def reward_workers(self) -> int:
         """--rm-workers resolved: -1 is one per CPU core, up to 8."""

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,47 @@ if TYPE_CHECKING:
     from services.rollout_router.rollout import RolloutLoop
 
 log = logging.getLogger("tandem.router.rollout")
+
+LOGGED_ONE_BY_ONE = 10  # drops of a reason logged each with its detail; later ones as counts
+
+
+class Drops:
+    """The router's drops: logged (the first `LOGGED_ONE_BY_ONE` of each reason one by one,
+    then the count at 100, 1,000, ...: a run dropping every group does not flood its log; the
+    drop log and the ledger in Redis keep every one), and those since the last group put, for
+    the status (`note`: why no group is put)."""
+
+    def __init__(self) -> None:
+        self.seen: Counter[str] = Counter()
+        self.since_put: Counter[str] = Counter()
+        self.last = ""
+
+    def log(self, what: str, group_id: str, reason: str, detail: str) -> None:
+        self.seen[reason] += 1
+        count = self.seen[reason]
+        if count <= LOGGED_ONE_BY_ONE:
+            log.warning("dropping %s %s: %s (%s)", what, group_id, reason, detail[:300])
+            if count == LOGGED_ONE_BY_ONE:
+                log.warning(
+                    "later %s drops are logged as counts (every one is in the run's drop log "
+                    "and ledger: tandem ledger)",
+                    reason,
+                )
+        elif math.log10(count).is_integer():
+            log.warning("%d drops of %s so far (the last: %s)", count, reason, detail[:300])
+
+    def group_dropped(self, reason: str, detail: str) -> None:
+        self.since_put[reason] += 1
+        self.last = detail
+
+    def note(self) -> str:
+        """ "" once a group is put; else the groups dropped since, by reason, and the last one's
+        detail."""
+        if not self.since_put:
+            return ""
+        reasons = ", ".join(f"{r} {n}" for r, n in self.since_put.most_common())
+        total = sum(self.since_put.values())
+        return f"{total} groups dropped since the last one put ({reasons}; the last: {self.last[:200]})"
 
 
 @dataclass
@@ -86,6 +129,7 @@ def backoff_reason(loop: RolloutLoop, left_s: float) -> str:
 
 async def record_drop(
     buffer: AsyncSampleBuffer,
+    drops: Drops,
     group_id: str,
     reason: DropReason,
     detail: str,
@@ -95,10 +139,12 @@ async def record_drop(
     quiet: bool = False,
 ) -> None:
     """Record a router drop: a whole group (`groups` 1, with its `samples`), or
-    `samples` of a group that is still put (`groups` 0). `give_back`: draw that prompt again."""
+    `samples` of a group that is still put (`groups` 0). `give_back`: draw that prompt again.
+    `quiet` (a cancelled group): not logged, nor counted as a reason no group is put."""
     if not quiet:
-        what = "group" if groups else f"{samples} sample(s) of"
-        log.warning("dropping %s %s: %s (%s)", what, group_id, reason, detail[:300])
+        drops.log("group" if groups else f"{samples} sample(s) of", group_id, reason, detail)
+        if groups:
+            drops.group_dropped(reason, detail)
     record = DropRecord(
         source="router",
         reason=reason,
@@ -128,6 +174,8 @@ async def service_status(loop: RolloutLoop, error: str = "") -> ServiceStatus:
         "groups_in_flight": len(loop.groups),
         "requests_in_flight": loop.gen.in_flight,
     }
+    if note := loop.drops.note():
+        detail["note"] = note
     with contextlib.suppress(RedisError):
         demand = await loop.read_demand(len(loop.groups))
         detail.update(
@@ -151,7 +199,8 @@ async def status(loop: RolloutLoop) -> dict[str, Any]:
     """The loop's state; the Redis-backed fields are None while Redis is unavailable.
     `drops` is in groups by reason; `ledger` says where every group of the run went.
     `buffer_depth` is the backlog the depth bound counts (groups put, not yet consumed);
-    `waiting` says when producers wait for it ("buffer full (depth N of M)")."""
+    `waiting` says when producers wait for it ("buffer full (depth N of M)"); `note` the groups
+    dropped since the last one put, by reason ("" once one is put)."""
     names = "engines_version trainer_version buffer_depth drops batch groups_consumed ledger"
     redis_fields: dict[str, Any] = dict.fromkeys(names.split())
     redis_fields["waiting"] = ""
@@ -171,6 +220,7 @@ async def status(loop: RolloutLoop) -> dict[str, Any]:
     return {
         "state": loop.state,
         "waiting_for": loop.waiting_for,
+        "note": loop.drops.note(),
         "paused": loop.paused,
         "error": loop.error,
         "in_flight": loop.gen.in_flight,

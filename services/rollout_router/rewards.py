@@ -153,12 +153,16 @@ class Reward:
         retries: int = 2,
         session: aiohttp.ClientSession | None = None,
         workers: RewardWorkers | None = None,
+        max_errors_in_a_row: int = 0,
     ) -> None:
         if (fn is None) == (not url):
             raise ValueError("a Reward needs exactly one of a function or a URL")
         self.fn, self.url, self.timeout_s, self.retries = fn, url, timeout_s, retries
         self.session, self.workers = session, workers
         self.failures: Counter[str] = Counter()
+        # a function's failures since its last reward, and the bound (0: none) past which it
+        # is broken, not unlucky (`broken`)
+        self.in_a_row, self.max_in_a_row, self.last_error = 0, max_errors_in_a_row, ""
         name = getattr(fn, "__qualname__", repr(fn))
         self.source = f"reward service {url}" if url else f"reward function {name}"
 
@@ -166,14 +170,15 @@ class Reward:
         """The reward, or RewardError (also for an exception of the function: its text)."""
         try:
             if self.fn is None:
-                return await self._remote(prompt, text, label, finish_reason)
-            if self.workers is not None:
+                reward = await self._remote(prompt, text, label, finish_reason)
+            elif self.workers is not None:
                 value = await self.workers.call(text, label, finish_reason == "stop")
+                reward = as_reward(value, self.source)
             else:
                 value = self.fn(text, label, finish_reason == "stop")
                 if inspect.isawaitable(value):
                     value = await self._bounded(value)
-            return as_reward(value, self.source)
+                reward = as_reward(value, self.source)
         except RewardError as exc:
             self._note(exc)
             raise
@@ -185,6 +190,21 @@ class Reward:
             error = RewardError(f"{self.source} raised {type(exc).__name__}: {exc}")
             self._note(error)
             raise error from exc
+        self.in_a_row = 0
+        return reward
+
+    def broken(self) -> str:
+        """Why the run must stop, or "": a function that failed on `max_in_a_row` samples in a
+        row is broken, not unlucky (a remote service may come back: the loop backs off)."""
+        if self.url or not self.max_in_a_row or self.in_a_row < self.max_in_a_row:
+            return ""
+        return (
+            f"{self.source} failed on {self.in_a_row} samples in a row "
+            f"(--rm-max-errors-in-a-row {self.max_in_a_row}), the last: {self.last_error}; fix "
+            "the function (--custom-rm-path; a wrong or unparsable answer should score 0, not "
+            "fail), or raise the router's --rm-max-errors-in-a-row (tandem up --router-args "
+            '"--rm-max-errors-in-a-row N"; 0 = never stop)'
+        )
 
     async def _bounded(self, value: Awaitable[Any]) -> Any:
         try:
@@ -223,6 +243,7 @@ class Reward:
     def _note(self, error: RewardError) -> None:
         """Log the first failure of each reason with its text, then at 10, 100, 1000, ..."""
         self.failures[error.reason] += 1
+        self.in_a_row, self.last_error = self.in_a_row + 1, str(error)[:300]
         count = self.failures[error.reason]
         if count == 1:
             log.warning(
@@ -256,9 +277,11 @@ def make_reward(
     retries: int,
     session: aiohttp.ClientSession | None,
     workers: int = 0,
+    max_errors_in_a_row: int = 0,
 ) -> Reward:
     """The reward the flags ask for: `--rm-url` over `--custom-rm-path` over `--rm-type`; a
-    plain (not async) `--custom-rm-path` function runs in `workers` processes (0: inline)."""
+    plain (not async) `--custom-rm-path` function runs in `workers` processes (0: inline) and
+    is `broken` after `max_errors_in_a_row` failures in a row (0: never)."""
     if rm_url:
         return Reward(url=rm_url, timeout_s=timeout_s, retries=retries, session=session)
     if custom_rm_path:
@@ -271,9 +294,12 @@ def make_reward(
                 workers,
                 timeout_s,
             )
-            pool = RewardWorkers(custom_rm_path, workers, timeout_s)
-            return Reward(fn, timeout_s=timeout_s, workers=pool)
-        return Reward(fn, timeout_s=timeout_s)
+            pool: RewardWorkers | None = RewardWorkers(custom_rm_path, workers, timeout_s)
+        else:
+            pool = None
+        return Reward(
+            fn, timeout_s=timeout_s, workers=pool, max_errors_in_a_row=max_errors_in_a_row
+        )
     if rm_type not in BUILTIN:
         raise ValueError(f"--rm-type {rm_type!r}: choose one of {', '.join(BUILTIN)}")
     return Reward(BUILTIN[rm_type])

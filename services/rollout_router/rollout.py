@@ -61,7 +61,7 @@ from services.rollout_router.progress import (
     read_demand,
 )
 from services.rollout_router.recent import RecentGroups
-from services.rollout_router.report import BatchStats, backoff_reason, record_drop
+from services.rollout_router.report import BatchStats, Drops, backoff_reason, record_drop
 from services.rollout_router.rewards import Reward, RewardError
 from services.rollout_router.samples import sampling_seed
 from services.rollout_router.tasks import Item, Task
@@ -106,6 +106,7 @@ class RolloutLoop:
         self.last_eval_version = -1
         self.backoff = Backoff()
         self.stats = BatchStats()
+        self.drops = Drops()
         self.changed = asyncio.Event()  # set on each state change (the status reporter waits)
         self._resume = asyncio.Event()
         self._resume.set()
@@ -315,6 +316,8 @@ class RolloutLoop:
             ):
                 self.backoff.failed(reason, str(exc), started, time.monotonic())
             await self._drop(group_id, reason, str(exc), exc.samples)
+            if broken := self.reward.broken():  # ends the loop: every group would be dropped
+                raise RewardError(broken) from None
             return
         except asyncio.CancelledError:
             # Stopped mid-group: say so, and give the prompt back to be drawn again at the next
@@ -326,6 +329,7 @@ class RolloutLoop:
                 task.add_done_callback(self._give_backs.discard)
             raise
         self.backoff.succeeded()
+        self.drops.since_put.clear()
         self.recent.add(group)
         await self.stats.add(group, self)
 
@@ -433,4 +437,6 @@ class RolloutLoop:
     ) -> None:
         """`report.record_drop`; `samples` None: the whole group's n_samples_per_prompt."""
         n = self.config.n_samples_per_prompt if samples is None else samples
-        await record_drop(self.buffer, group_id, reason, detail, n, groups, give_back, quiet)
+        await record_drop(
+            self.buffer, self.drops, group_id, reason, detail, n, groups, give_back, quiet
+        )
