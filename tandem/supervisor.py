@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,6 +59,16 @@ class Child:
     def log_tail(self, chars: int = 3000) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return text[-chars:]
+
+    def exit_reason(self) -> str:
+        """Why the child exited: its own one-line error when it ended on one (every service
+        ends a failure it understands with `tandem NAME: what to fix`), else its log's tail
+        (a traceback before that line is in the log, not on the console)."""
+        tail = self.log_tail()
+        lines = [line for line in tail.splitlines() if line.strip()]
+        if lines and re.match(r"tandem [\w-]+: ", lines[-1]):
+            return lines[-1]
+        return tail
 
 
 class StartInterruptedError(RuntimeError):
@@ -114,7 +125,7 @@ class Supervisor:
                 if child.proc.poll() is not None:
                     raise ChildFailedError(
                         f"{child.name} exited with code {child.proc.returncode} during start-up "
-                        f"(log: {child.log_path}):\n{child.log_tail()}"
+                        f"(log: {child.log_path}):\n{child.exit_reason()}"
                     )
                 if time.monotonic() > deadline:
                     raise ChildFailedError(

@@ -403,7 +403,7 @@ class UpRun:
             return 1
         say(
             f"FAILED: {child.name} exited with code {child.proc.returncode} "
-            f"(log: {child.log_path}):\n{child.log_tail()}{self.disk.note()}"
+            f"(log: {child.log_path}):\n{child.exit_reason()}{self.disk.note()}"
         )
         return 1
 

@@ -137,6 +137,23 @@ def test_a_reward_function_loads_by_dotted_path_or_fails_naming_it():
     assert load_function("services.rollout_router.rewards.boxed") is boxed
     with pytest.raises(ValueError, match="no_such_module:f"):
         load_function("no_such_module:f")
+    # a function Tandem cannot call with (response_text, label, stopped) fails the start
+    with pytest.raises(ValueError) as error:
+        load_function("tests.test_router_units:two_parameters")
+    assert str(error.value) == (
+        "--custom-rm-path 'tests.test_router_units:two_parameters': two_parameters(response, "
+        "label) cannot be called as two_parameters(response_text, label, stopped) (too many "
+        "positional arguments); give it those three parameters (docs/train-your-model.md)"
+    )
+    assert load_function("tests.test_router_units:with_defaults")("a", "b", True) == 1.0
+
+
+def two_parameters(response, label):  # type: ignore[no-untyped-def]
+    return 1.0
+
+
+def with_defaults(response, label, stopped=True, *rest, **kwargs):  # type: ignore[no-untyped-def]
+    return 1.0
 
 
 async def test_the_limiter_admits_at_most_its_limit_and_can_be_raised_while_tasks_wait():

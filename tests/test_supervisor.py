@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tandem.supervisor import StartInterruptedError, Supervisor
+from tandem.supervisor import ChildFailedError, StartInterruptedError, Supervisor
 from tests.helpers import wait_until
 
 
@@ -34,6 +34,25 @@ def test_stopping_a_run_ends_what_a_service_that_already_died_left_running(
     assert not gone(left), "the service's own process outlives it"
     supervisor.stop_all(timeout_s=5)
     wait_until(lambda: gone(left), f"process {left} to end with the run", timeout_s=10)
+
+
+def test_a_service_that_fails_to_start_is_reported_by_its_own_one_line_error(
+    tmp_path: Path,
+) -> None:
+    """Its traceback stays in its log; a crash without that line shows the log's tail."""
+    supervisor = Supervisor(tmp_path / "logs")
+    said = "echo 'Traceback (most recent call last):'; echo '  ValueError: x'; echo"
+    clean = f"{said}; echo 'tandem router: start-up failed: --x 3: must be even'; exit 1"
+    crash = f"{said}; echo 'Segmentation fault'; exit 139"
+    for script, shown, hidden in ((clean, "must be even", "Traceback"), (crash, "Traceback", "")):
+        child = supervisor.start("router", ["-c", script, "sh"], program=["sh"])
+        with pytest.raises(ChildFailedError) as failed:
+            supervisor.wait_ready([child], timeout_s=30)
+        message = str(failed.value)
+        assert message.startswith("router exited with code") and shown in message
+        assert not hidden or hidden not in message
+    assert message.endswith("ValueError: x\n\nSegmentation fault\n")
+    supervisor.stop_all(timeout_s=5)
 
 
 def test_ctrl_c_while_a_service_starts_ends_the_wait_at_once(tmp_path: Path) -> None:

@@ -139,6 +139,17 @@ def load_function(path: str) -> Callable[..., Any]:
         raise ValueError(f"--custom-rm-path {path!r}: cannot import it ({exc})") from exc
     if not callable(fn):
         raise ValueError(f"--custom-rm-path {path!r} is not callable")
+    try:  # at start-up, not as a TypeError on every sample of the run
+        signature = inspect.signature(fn)
+        signature.bind("response_text", "label", True)
+    except TypeError as exc:
+        raise ValueError(
+            f"--custom-rm-path {path!r}: {attr}{signature} cannot be called as "
+            f"{attr}(response_text, label, stopped) ({exc}); give it those three parameters "
+            "(docs/train-your-model.md)"
+        ) from None
+    except ValueError:  # no signature to read (some built-ins): called as it is
+        pass
     return fn
 
 
