@@ -213,6 +213,24 @@ class UpConfig:
         redis_url = self.redis_url or os.environ.get("REDIS_URL", "")
         return replace(self, num_engines=engines, engine_device=device, redis_url=redis_url)
 
+    def absolute(self) -> UpConfig:
+        """Files and folders given relative to the current directory made absolute, so that the
+        run folder's saved configuration (--resume) holds wherever it is resumed from."""
+
+        def full(path: str) -> str:
+            return str(Path(path).resolve()) if path and Path(path).exists() else path
+
+        module, colon, fn = self.custom_rm_path.rpartition(":")
+        rm_path = f"{full(module)}{colon}{fn}" if module.endswith(".py") else self.custom_rm_path
+        return replace(
+            self,
+            model=full(self.model),
+            prompt_data=full(self.prompt_data),
+            eval_prompt_data=full(self.eval_prompt_data),
+            custom_rm_path=rm_path,
+            save=str(Path(self.save).resolve()) if self.save else "",
+        )
+
 
 EPILOG = """Every flag can also come from --config FILE's [up] table (and TANDEM_UP_<KEY> variables); the
 [router], [trainer], [broker] and [engine] tables configure each service with the keys of
@@ -246,6 +264,8 @@ def parse(argv: list[str]) -> tuple[UpConfig, list[str]]:
         recorded = Path(config.resume) / "config.toml"  # the services' tables of that run
         if "config" not in given and recorded.is_file():
             config = replace(config, config=str(recorded))
+    else:
+        config = config.absolute()
     problems += validate(config)
     if not problems:
         from services.common.config_file import ConfigError

@@ -57,7 +57,10 @@ def say(message: str) -> None:
 class UpRun:
     def __init__(self, config: UpConfig) -> None:
         self.config = config
-        self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.seed)
+        # absolute: the paths saved in it (the toy model's) hold wherever --resume runs
+        self.run_dir = (
+            Path(config.run_dir) if config.run_dir else default_run_dir(config.seed)
+        ).absolute()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.lock = lock_run_dir(self.run_dir)
         self.run_id = f"up-{self.run_dir.name}"

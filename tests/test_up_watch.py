@@ -63,6 +63,29 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     assert "not a tandem up run folder" in capsys.readouterr().err
 
 
+def test_a_new_run_saves_absolute_paths_so_it_resumes_from_any_folder(
+    tmp_path: Path, monkeypatch
+) -> None:
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "rewards.py").write_text("def score(text, label, stopped):\n    return 1.0\n")
+    (project / "data" / "train.jsonl").write_text('{"prompt": "1", "label": "1"}\n')
+    monkeypatch.chdir(project)
+    started = []
+    monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self) or 0)
+    flags = ["--custom-rm-path", "rewards.py:score", "--prompt-data", "data/train.jsonl"]
+    assert launcher.main([*flags, "--run-dir", "run", "--save", "ck", "--label-key", "label"]) == 0
+    config, run_dir = started[0].config, started[0].run_dir
+    assert config.custom_rm_path == f"{project / 'rewards.py'}:score"
+    assert (config.prompt_data, config.save) == (
+        str(project / "data" / "train.jsonl"),
+        str(project / "ck"),
+    )
+    assert run_dir == project / "run"
+    assert launcher.main(["--custom-rm-path", "my_rewards:score", "--run-dir", "r2"]) == 0
+    assert started[1].config.custom_rm_path == "my_rewards:score", "a module path stays as it is"
+
+
 def test_the_watchdog_prints_what_each_service_waits_for_then_ends_a_stalled_run(
     buffer: SampleBuffer,
 ) -> None:
