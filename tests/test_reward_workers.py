@@ -204,3 +204,30 @@ def test_a_function_that_fails_on_every_sample_is_broken_after_the_bound_and_a_r
     never = make_reward("", reward_file, "", 2.0, 0, None, workers=0, max_errors_in_a_row=0)
     asyncio.run(never.score_all("p", [("boom", "stop")] * 20, "l"))
     assert never.in_a_row == 20 and never.broken() == ""
+
+
+def test_a_worker_may_take_as_long_as_rm_timeout_s_to_load_a_slow_module(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from services.rollout_router import reward_workers
+
+    monkeypatch.setattr(reward_workers, "START_TIMEOUT_S", 0.5)
+    (tmp_path / "slow.py").write_text(
+        "import time\ntime.sleep(1.5)  # a model loaded at import\n\n"
+        "def score(text, label, stopped):\n    return 2.0\n"
+    )
+    path = f"{tmp_path / 'slow.py'}:score"
+    patient = make_reward("", path, "", 4.0, 0, None, workers=1)
+    hasty = make_reward("", path, "", 1.0, 0, None, workers=1)
+    try:
+        assert asyncio.run(patient.score("p", "t", "l", "stop")) == 2.0
+        with pytest.raises(RewardError) as error:
+            asyncio.run(hasty.score("p", "t", "l", "stop"))
+    finally:
+        patient.close()
+        hasty.close()
+    assert str(error.value) == (
+        "reward function score could not start in a worker process: not ready within 1s "
+        "(loading the function's module: raise --rm-timeout-s, which bounds a worker's start "
+        "too when longer than 60 s)"
+    )

@@ -23,7 +23,9 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
-START_TIMEOUT_S = 60.0  # a worker's start: the interpreter, then the function's imports
+# A worker's start (the interpreter, then the function's imports) may take the longer of this
+# and --rm-timeout-s: a function whose module loads a model raises --rm-timeout-s.
+START_TIMEOUT_S = 60.0
 PR_SET_PDEATHSIG = 1
 
 
@@ -161,7 +163,7 @@ class RewardWorkers:
             self.busy.add(worker)
         if not worker.ready:
             try:
-                await self._wait_ready(worker)
+                await self._wait_ready(worker, max(START_TIMEOUT_S, self.timeout_s))
             except BaseException:
                 worker.kill()
                 await self._give_back(worker)
@@ -169,13 +171,16 @@ class RewardWorkers:
         return worker
 
     @staticmethod
-    async def _wait_ready(worker: Worker) -> None:
+    async def _wait_ready(worker: Worker, bound_s: float) -> None:
         """A new worker's first message: ready, or why it could not load the function."""
         try:
-            async with asyncio.timeout(START_TIMEOUT_S):
+            async with asyncio.timeout(bound_s):
                 status, detail = await worker.receive()
         except TimeoutError:
-            status, detail = "failed", f"not ready within {START_TIMEOUT_S:g}s"
+            status, detail = "failed", (
+                f"not ready within {bound_s:g}s (loading the function's module: raise "
+                "--rm-timeout-s, which bounds a worker's start too when longer than 60 s)"
+            )
         if status != "ready":
             raise RewardCallError(f"could not start in a worker process: {detail}")
         worker.ready = True
