@@ -10,6 +10,7 @@ goes to the test's temporary folder, so that a test run leaves the working tree 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -62,6 +63,7 @@ def play_trainer(buffer: SampleBuffer, stop: threading.Event) -> None:
 JS_WORKER = "document.querySelector('#workers tr[data-worker] .version')?.textContent"
 JS_POINTS = "Number(document.getElementById('chart-{}').dataset.points || 0)"
 JS_STATE = "document.getElementById('state').textContent"
+JS_WAITING = "document.getElementById('waiting').textContent"
 
 
 def test_the_dashboard_shows_workers_state_curves_and_samples_and_pauses_the_loop(
@@ -144,7 +146,14 @@ def run_the_dashboard(
         browser.evaluate(f"document.getElementById('token').value = '{TOKEN}'")
         browser.evaluate("document.getElementById('pause').click()")
         wait_until(lambda: browser.evaluate(JS_STATE) == "paused", "'paused' on the page", 20)
-        assert httpx.get(url + "/rollout/status").json()["state"] == "paused"
+        status = httpx.get(url + "/rollout/status").json()
+        assert status["state"] == "paused"
+        waiting = "waiting for POST /rollout/resume (the loop was paused on request)"
+        wait_until(lambda: browser.evaluate(JS_WAITING) == waiting, "why it waits", 20)
+        # while no group is put, the status's note says what was dropped instead, and why
+        note = "3 groups dropped since the last one put (env_error 3; the last: HTTP 500)"
+        shown = f"showStatus({json.dumps({**status, 'note': note})}); {JS_WAITING}"
+        assert browser.evaluate(shown) == f"{waiting}; {note}"
         browser.evaluate("document.getElementById('resume').click()")
         wait_until(lambda: browser.evaluate(JS_STATE) != "paused", "resumed on the page", 20)
         assert browser.evaluate("document.getElementById('banner').textContent") == ""

@@ -112,7 +112,7 @@ async def build_control(
     if not config.sampling.rollout_max_response_len:
         config.sampling.rollout_max_response_len = default_response_len(config, task)
     r = config.reward
-    reward = make_reward(
+    reward = await make_reward(
         r.rm_type,
         r.custom_rm_path,
         r.rm_url,

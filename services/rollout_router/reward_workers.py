@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import inspect
 import os
 import signal
 import socket
@@ -35,8 +36,9 @@ class RewardCallError(RuntimeError):
 
 
 def _serve(path: str, conn: Connection) -> None:
-    """A worker's life: load the function, say ready (or why not), then answer each call with
-    ("ok", value) or ("raised", text) until the router closes the pipe."""
+    """A worker's life: load the function, say ready (and whether it is `async`) or why not,
+    then answer each call with ("ok", value) or ("raised", text) until the router closes the
+    pipe."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: killed by close() only
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the router's to handle
@@ -47,7 +49,7 @@ def _serve(path: str, conn: Connection) -> None:
     except ValueError as exc:
         conn.send(("failed", str(exc)))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", inspect.iscoroutinefunction(fn)))
     while True:
         try:
             args = conn.recv()
@@ -80,6 +82,7 @@ class Worker:
         theirs.close()
         self.conn = Connection(mine.detach())
         self.ready = False
+        self.is_async = False  # the function is `async def` (said once ready)
 
     async def receive(self) -> tuple[str, Any]:
         """The next message; RewardCallError when the process died."""
@@ -132,6 +135,19 @@ class RewardWorkers:
         self.busy: set[Worker] = set()
         self._freed: asyncio.Condition | None = None
 
+    async def start(self) -> bool:
+        """Start the first worker now: a function that does not load fails the router's start
+        (RewardCallError), not every sample. Whether it is `async` (then the router's loop runs
+        it, not these workers)."""
+        worker = Worker(self.path)
+        try:
+            await self._wait_ready(worker, max(START_TIMEOUT_S, self.timeout_s))
+        except BaseException:
+            worker.kill()
+            raise
+        self.idle.append(worker)
+        return worker.is_async
+
     async def call(self, text: str, label: str, stopped: bool) -> Any:
         """The function's value for one response; RewardCallError naming what went wrong."""
         worker = await self._take()
@@ -177,13 +193,16 @@ class RewardWorkers:
             async with asyncio.timeout(bound_s):
                 status, detail = await worker.receive()
         except TimeoutError:
-            status, detail = "failed", (
-                f"not ready within {bound_s:g}s (loading the function's module: raise "
-                "--rm-timeout-s, which bounds a worker's start too when longer than 60 s)"
+            status, detail = (
+                "failed",
+                (
+                    f"not ready within {bound_s:g}s (loading the function's module: raise "
+                    "--rm-timeout-s, which bounds a worker's start too when longer than 60 s)"
+                ),
             )
         if status != "ready":
             raise RewardCallError(f"could not start in a worker process: {detail}")
-        worker.ready = True
+        worker.ready, worker.is_async = True, bool(detail)
 
     async def _give_back(self, worker: Worker) -> None:
         assert self._freed is not None

@@ -154,7 +154,9 @@ def load_function(path: str) -> Callable[..., Any]:
 
 
 class Reward:
-    """One of: a local function (built-in or dotted path) or a remote service."""
+    """One of: a local function (built-in or dotted path) in the router's loop, the same run by
+    worker processes (`workers`: the router never imports it; `name` names it), or a remote
+    service."""
 
     def __init__(
         self,
@@ -165,27 +167,29 @@ class Reward:
         session: aiohttp.ClientSession | None = None,
         workers: RewardWorkers | None = None,
         max_errors_in_a_row: int = 0,
+        name: str = "",
     ) -> None:
-        if (fn is None) == (not url):
-            raise ValueError("a Reward needs exactly one of a function or a URL")
+        if sum((fn is not None, bool(url), workers is not None)) != 1:
+            raise ValueError("a Reward needs exactly one of a function, workers or a URL")
         self.fn, self.url, self.timeout_s, self.retries = fn, url, timeout_s, retries
         self.session, self.workers = session, workers
         self.failures: Counter[str] = Counter()
         # a function's failures since its last reward, and the bound (0: none) past which it
         # is broken, not unlucky (`broken`)
         self.in_a_row, self.max_in_a_row, self.last_error = 0, max_errors_in_a_row, ""
-        name = getattr(fn, "__qualname__", repr(fn))
+        name = name or getattr(fn, "__qualname__", repr(fn))
         self.source = f"reward service {url}" if url else f"reward function {name}"
 
     async def score(self, prompt: Any, text: str, label: str, finish_reason: str) -> float:
         """The reward, or RewardError (also for an exception of the function: its text)."""
         try:
-            if self.fn is None:
+            if self.url:
                 reward = await self._remote(prompt, text, label, finish_reason)
             elif self.workers is not None:
                 value = await self.workers.call(text, label, finish_reason == "stop")
                 reward = as_reward(value, self.source)
             else:
+                assert self.fn is not None
                 value = self.fn(text, label, finish_reason == "stop")
                 if inspect.isawaitable(value):
                     value = await self._bounded(value)
@@ -280,7 +284,7 @@ class Reward:
         raise RewardError(f"reward service {self.url} failed {self.retries + 1} times: {last}")
 
 
-def make_reward(
+async def make_reward(
     rm_type: str,
     custom_rm_path: str,
     rm_url: str,
@@ -292,25 +296,39 @@ def make_reward(
 ) -> Reward:
     """The reward the flags ask for: `--rm-url` over `--custom-rm-path` over `--rm-type`; a
     plain (not async) `--custom-rm-path` function runs in `workers` processes (0: inline) and
-    is `broken` after `max_errors_in_a_row` failures in a row (0: never)."""
+    is `broken` after `max_errors_in_a_row` failures in a row (0: never). With workers, the
+    first one loads the function before the router serves (a bad path, or a function that
+    cannot be called so, fails the start) and the router never imports it (a verifier that
+    loads a model, starts threads or sets up logging at import does so in its workers only);
+    an `async` one is imported by the router and runs in its loop."""
     if rm_url:
         return Reward(url=rm_url, timeout_s=timeout_s, retries=retries, session=session)
     if custom_rm_path:
-        fn = load_function(custom_rm_path)  # here too: a bad path fails the start
-        if workers and not inspect.iscoroutinefunction(fn):
-            log.info(
-                "reward function %s runs in up to %d worker processes (--rm-workers), each call "
-                "bounded by --rm-timeout-s %gs",
-                custom_rm_path,
-                workers,
-                timeout_s,
-            )
-            pool: RewardWorkers | None = RewardWorkers(custom_rm_path, workers, timeout_s)
-        else:
-            pool = None
-        return Reward(
-            fn, timeout_s=timeout_s, workers=pool, max_errors_in_a_row=max_errors_in_a_row
-        )
+        if workers:
+            pool = RewardWorkers(custom_rm_path, workers, timeout_s)
+            try:
+                is_async = await pool.start()
+            except RewardCallError as exc:  # its text names the path when the import failed
+                said = str(exc)
+                named = "--custom-rm-path" in said
+                message = said if named else f"--custom-rm-path {custom_rm_path!r}: {said}"
+                raise ValueError(message) from None
+            if not is_async:
+                log.info(
+                    "reward function %s runs in up to %d worker processes (--rm-workers), each "
+                    "call bounded by --rm-timeout-s %gs",
+                    custom_rm_path,
+                    workers,
+                    timeout_s,
+                )
+                name = custom_rm_path.rpartition(":" if ":" in custom_rm_path else ".")[2]
+                limit = max_errors_in_a_row
+                return Reward(
+                    timeout_s=timeout_s, workers=pool, max_errors_in_a_row=limit, name=name
+                )
+            pool.close()
+        fn = load_function(custom_rm_path)  # a bad path fails the start
+        return Reward(fn, timeout_s=timeout_s, max_errors_in_a_row=max_errors_in_a_row)
     if rm_type not in BUILTIN:
         raise ValueError(f"--rm-type {rm_type!r}: choose one of {', '.join(BUILTIN)}")
     return Reward(BUILTIN[rm_type])
