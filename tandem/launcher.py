@@ -23,6 +23,7 @@ from pathlib import Path
 
 from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
+from services.rollout_router.config import reward_problem
 from tandem.up_args import conflicts, given_fields, join_passthrough, resumed_config
 
 
@@ -68,7 +69,8 @@ class UpConfig:
     rm_type: str = field(
         default="",
         metadata={
-            "help": "Built-in reward (the router's --rm-type; default: reverse_digits).",
+            "help": "Built-in reward (the router's --rm-type; default: the toy task's, "
+            "reverse_digits; with --prompt-data choose one, or --custom-rm-path).",
             "choices": ["", "reverse_digits", "exact_match", "last_number", "boxed"],
         },
     )
@@ -317,6 +319,17 @@ def validate(config: UpConfig) -> list[str]:
         "trainer": config.trainer_args,
     }
     problems += conflicts(own, passthrough)
+    reward_flags = {"--rm-type", "--rm-url", "--custom-rm-path"}  # the router's own count too
+    routed = {flag.split("=")[0] for flag in shlex.split(config.router_args)} & reward_flags
+    scored = bool(config.rm_type or config.custom_rm_path or config.env_url or routed)
+    if problem := reward_problem(config.prompt_data, scored):
+        problems.append(problem)
+    for flag, data in (
+        ("--prompt-data", config.prompt_data),
+        ("--eval-prompt-data", config.eval_prompt_data),
+    ):
+        if data and not Path(data).is_file():
+            problems.append(f"{flag} {data}: no such file")
     if config.custom_rm_path.rpartition(":")[0].endswith(".py"):
         file = config.custom_rm_path.rpartition(":")[0]
         if not Path(file).is_file():

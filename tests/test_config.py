@@ -201,6 +201,18 @@ def test_data_whose_rows_have_no_label_is_named_on_the_console(tmp_path: Path, c
     run = SimpleNamespace(config=launcher.UpConfig(), eval_task="")
     UpRun.say_router_terms(run, {"eval_task": "t", "task_notes": list(task.notes)})  # type: ignore[arg-type]
     assert f"[up] {task.notes[0]}" in capsys.readouterr().out.splitlines()
+    # some rows without one: left out (an empty label would be compared with the responses)
+    rows = [{"prompt": f"{i}>", "label": None if i in (3, 7) else f"l{i}"} for i in range(40)]
+    rows[12]["label"] = ""
+    del rows[20]["label"]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    task = dataset_task(*args)
+    assert len(task.train) == 36 and all(item.label for item in task.train)
+    assert task.notes == (
+        f"4 of 40 rows of {tmp_path / 'train.jsonl'} have no 'label' (the first: row 4): left "
+        "out, a reward would compare their responses with an empty label (--label-key, a flag "
+        "of tandem up and of the router, names the label's field)",
+    )
 
 
 @pytest.mark.parametrize(
@@ -211,10 +223,19 @@ def test_data_whose_rows_have_no_label_is_named_on_the_console(tmp_path: Path, c
     ],
 )
 def test_tandem_up_names_the_fields_of_a_dataset_row_for_the_router(
-    flags: list[str], keys: tuple[str, str]
+    flags: list[str], keys: tuple[str, str], tmp_path: Path, monkeypatch
 ) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1", "label": "1"}\n')
     config, problems = launcher.parse(["--prompt-data", "train.jsonl", *flags])
-    assert problems == []
+    assert problems == [
+        f"--prompt-data {tmp_path / 'train.jsonl'}: choose how its responses are scored: "
+        "--rm-type exact_match|last_number|boxed, --custom-rm-path FILE.py:fn, or the router's "
+        "--rm-url (the default, reverse_digits, is the toy task's verifier)"
+    ]
+    for reward in (["--rm-type", "boxed"], ["--router-args", "--rm-url=http://x/score"]):
+        config, problems = launcher.parse(["--prompt-data", "train.jsonl", *flags, *reward])
+        assert problems == []
     router = launcher.service_args(config, "r", Path("m"), "redis://x")["router"]
     ns = parse_args(router_parser(), router[1:], "router")
-    assert (ns.prompt_data, ns.input_key, ns.label_key) == ("train.jsonl", *keys)
+    assert (ns.prompt_data, ns.input_key, ns.label_key) == (str(tmp_path / "train.jsonl"), *keys)

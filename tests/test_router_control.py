@@ -72,7 +72,8 @@ def test_patching_the_config_validates_and_changes_later_requests(
         ({"rollout_top_p": 0}, "--rollout-top-p"),
         ({"model": "/elsewhere"}, "model"),
         ({"no_such_field": 1}, "no_such_field"),
-        ({"prompt_data": str(tmp_path / "missing.jsonl")}, "no such file"),
+        # started without a reward: a dataset would be scored by the toy task's verifier
+        ({"prompt_data": str(tmp_path / "d.jsonl")}, "choose how its responses are scored"),
         ({"rollout_max_response_len": 2, "rollout_max_concurrency": -1}, "concurrency"),
     ]:
         resp = httpx.patch(url, json=bad, headers=TOKEN)
@@ -132,10 +133,14 @@ def test_patching_the_dataset_switches_the_prompts_of_later_batches(
 ):
     data = tmp_path / "digits.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": "99>", "label": "99"}) for _ in range(3)))
-    router = start_service("router", router_args(buffer, toy_model_dir, [engines().url]))
+    scored_by = router_args(buffer, toy_model_dir, [engines().url], "--rm-type", "reverse_digits")
+    router = start_service("router", scored_by)
     patch = {"prompt_data": str(data), "rm_type": "exact_match"}
     resp = httpx.patch(router.url + "/rollout/config", json=patch, headers=TOKEN)
     assert resp.status_code == 422 and "rm_type" in resp.json()["detail"], "rewards are fixed"
+    missing = {"prompt_data": str(tmp_path / "missing.jsonl")}
+    resp = httpx.patch(router.url + "/rollout/config", json=missing, headers=TOKEN)
+    assert resp.status_code == 422 and "no such file" in resp.json()["detail"]
     resp = httpx.patch(
         router.url + "/rollout/config", json={"prompt_data": str(data)}, headers=TOKEN
     )

@@ -112,10 +112,12 @@ def test_a_bad_dataset_row_fails_startup_naming_the_file(
 ):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "12>", "label": "21"}\n{not json\n')
+    args = router_args(buffer, toy_model_dir, [engines().url], "--prompt-data", str(bad))
     with pytest.raises(RuntimeError, match=r"bad.jsonl:2: not JSON"):
-        start_service(
-            "router", router_args(buffer, toy_model_dir, [engines().url], "--prompt-data", str(bad))
-        )
+        start_service("router", [*args, "--rm-type", "exact_match"])
+    # a dataset without a reward: the default verifier is the toy task's (exit 2, at once)
+    with pytest.raises(RuntimeError, match=r"choose how its responses are scored: --rm-type"):
+        start_service("router", args)
 
 
 REWARD_MODULE = '''

@@ -119,6 +119,12 @@ def test_a_sample_carries_the_routing_of_its_latest_engine_output_in_compact_for
 
 
 def test_builtin_verifiers_judge_answers():
+    from services.rollout_router.toy_task import reverse_digits_reward
+
+    assert reverse_digits_reward("21", "21", True) == 1.0
+    assert reverse_digits_reward("2", "21", False) == 1 / 3
+    assert reverse_digits_reward("21", "2", True) == 2 / 3  # a short label: no error
+    assert reverse_digits_reward("", "", False) == 0.0
     assert exact_match(" 42\n", "42", True) == 1.0
     assert exact_match("42.", "42", True) == 0.0
     assert last_number("so 3 apples and 1,200 pears", "1200", True) == 1.0

@@ -86,6 +86,17 @@ def test_a_new_run_saves_absolute_paths_so_it_resumes_from_any_folder(
     assert started[1].config.custom_rm_path == "my_rewards:score", "a module path stays as it is"
 
 
+def test_a_data_file_that_is_not_there_is_refused_before_anything_starts(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert launcher.main(["--prompt-data", "train.jsonl", "--eval-prompt-data", "ev.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt-data train.jsonl: no such file" in err
+    assert "--eval-prompt-data ev.jsonl: no such file" in err
+    assert not (tmp_path / "runs").exists(), "nothing started"
+
+
 def test_the_watchdog_prints_what_each_service_waits_for_then_ends_a_stalled_run(
     buffer: SampleBuffer,
 ) -> None:

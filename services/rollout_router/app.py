@@ -140,7 +140,7 @@ async def build_control(
     loop.gen.context_len = int(
         read_config(config.rollout.model)[0].get("max_position_embeddings", 0)
     )
-    return RolloutController(loop, config.data, tokenizer, build_task)
+    return RolloutController(loop, config.data, tokenizer, build_task, config.scored())
 
 
 @asynccontextmanager

@@ -283,10 +283,11 @@ class RewardConfig:
     """How a response is scored: --rm-url, else --custom-rm-path, else --rm-type."""
 
     rm_type: str = field(
-        default="reverse_digits",
+        default="",
         metadata={
-            "help": "Built-in verifier.",
-            "choices": ("reverse_digits", "exact_match", "last_number", "boxed"),
+            "help": "Built-in verifier (default: the toy task's, reverse_digits; with "
+            "--prompt-data, choose one, or --custom-rm-path or --rm-url).",
+            "choices": ("", "reverse_digits", "exact_match", "last_number", "boxed"),
         },
     )
     custom_rm_path: str = field(
@@ -411,3 +412,23 @@ class RouterConfig:
         self.sampling.validate()
         self.reward.validate()
         self.buffer.validate()
+        if problem := reward_problem(self.data.prompt_data, self.scored()):
+            raise ValueError(problem)
+
+    def scored(self) -> bool:
+        """A reward was chosen (or an environment gives them): not the toy task's default."""
+        r = self.reward
+        return bool(r.rm_type or r.custom_rm_path or r.rm_url or self.env.env_url)
+
+
+def reward_problem(prompt_data: str, scored: bool) -> str:
+    """Why a dataset's run has no reward (`scored`: a reward flag or an environment is set):
+    the default verifier is the toy task's (it scores the first two characters of a reversed
+    pair), not one for your prompts. "" when it has one."""
+    if not prompt_data or scored:
+        return ""
+    return (
+        f"--prompt-data {prompt_data}: choose how its responses are scored: --rm-type "
+        "exact_match|last_number|boxed, --custom-rm-path FILE.py:fn, or the router's --rm-url "
+        "(the default, reverse_digits, is the toy task's verifier)"
+    )

@@ -22,7 +22,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from proto.contract import FLAGS
-from services.rollout_router.config import DataConfig
+from services.rollout_router.config import DataConfig, reward_problem
 from services.rollout_router.evaluation import run_evaluations
 from services.rollout_router.report import service_status
 from services.rollout_router.rollout import RolloutLoop
@@ -81,9 +81,17 @@ def patch_dataclass(obj: Any, changes: dict[str, Any]) -> tuple[Any, dict[str, A
 class RolloutController:
     """Owns the rollout loop's tasks; the control routes call one method each."""
 
-    def __init__(self, loop: RolloutLoop, data: DataConfig, tokenizer: Any, build_task: Any):
+    def __init__(
+        self,
+        loop: RolloutLoop,
+        data: DataConfig,
+        tokenizer: Any,
+        build_task: Any,
+        scored: bool = True,
+    ):
         self.loop = loop
         self.data = data
+        self.scored = scored  # a reward was chosen: a dataset may be patched in (reward_problem)
         self.tokenizer = tokenizer
         self.build_task = build_task  # (data config, tokenizer) -> Task
         self.task: asyncio.Task | None = None
@@ -171,6 +179,8 @@ class RolloutController:
             except ValueError as exc:
                 raise ConfigPatchError(str(exc)) from exc
         if data != self.data:
+            if problem := reward_problem(data.prompt_data, self.scored):
+                raise ConfigPatchError(problem)
             try:
                 task = await asyncio.to_thread(self.build_task, data, self.tokenizer)
             except ValueError as exc:

@@ -329,6 +329,7 @@ async def make_reward(
             pool.close()
         fn = load_function(custom_rm_path)  # a bad path fails the start
         return Reward(fn, timeout_s=timeout_s, max_errors_in_a_row=max_errors_in_a_row)
+    rm_type = rm_type or "reverse_digits"  # the toy task's (a dataset's run chooses one)
     if rm_type not in BUILTIN:
         raise ValueError(f"--rm-type {rm_type!r}: choose one of {', '.join(BUILTIN)}")
     return Reward(BUILTIN[rm_type])

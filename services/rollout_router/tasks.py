@@ -6,6 +6,8 @@ Does not know: engines, rewards, batching or Redis.
 
 A dataset row has the prompt under `--input-key` (a string, or a list of chat messages
 `{"role", "content"}`) and the label under `--label-key` (any JSON value; kept as a string).
+A row without a label (absent, null or "") is left out when other rows have one, with a note
+naming how many and the first (a reward would compare its responses with an empty label).
 """
 
 from __future__ import annotations
@@ -65,11 +67,11 @@ def encode_prompt(
     return tuple(tokenizer(prompt)["input_ids"])
 
 
-def read_rows(path: str) -> list[dict[str, Any]]:
-    """Rows of a `.jsonl` or `.parquet` file; errors name the file and line."""
+def read_rows(path: str, flag: str = "--prompt-data") -> list[dict[str, Any]]:
+    """Rows of a `.jsonl` or `.parquet` file; errors name the file and line (or the flag)."""
     file = Path(path)
     if not file.exists():
-        raise ValueError(f"--prompt-data {path}: no such file")
+        raise ValueError(f"{flag} {path}: no such file")
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -84,24 +86,33 @@ def read_rows(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def load_items(tokenizer: Any, path: str, input_key: str, label_key: str, chat: bool) -> list[Item]:
-    items = []
-    for number, row in enumerate(read_rows(path), 1):
+def load_items(
+    tokenizer: Any, path: str, input_key: str, label_key: str, chat: bool, flag: str
+) -> tuple[list[Item], tuple[str, ...]]:
+    """The rows of `path` as items, and notes for the console (`label_notes`): rows without a
+    label (absent, null or empty) are left out when others have one."""
+    items, unlabeled = [], []
+    for number, row in enumerate(read_rows(path, flag), 1):
         if input_key not in row:
             raise ValueError(
                 f"{path}: row {number} has no {input_key!r} (--input-key, a flag of tandem up and "
                 "of the router, names the prompt's field)"
             )
-        prompt, label = row[input_key], row.get(label_key, "")
-        label = label if isinstance(label, str) else json.dumps(label)
+        prompt, label = row[input_key], row.get(label_key)
+        label = "" if label is None else label if isinstance(label, str) else json.dumps(label)
+        if not label:
+            unlabeled.append(number)
         messages = (
             tuple((m["role"], m["content"]) for m in prompt) if isinstance(prompt, list) else ()
         )
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)
         items.append(Item(text, label, encode_prompt(tokenizer, prompt, chat), messages))
     if not items:
-        raise ValueError(f"--prompt-data {path}: no rows")
-    return items
+        raise ValueError(f"{flag} {path}: no rows")
+    notes = label_notes(path, len(items), unlabeled, label_key)
+    if unlabeled and len(unlabeled) < len(items):
+        items = [item for item in items if item.label]
+    return items, notes
 
 
 def toy_reverse_digits(tokenizer: Any, seed: int) -> Task:
@@ -127,12 +138,13 @@ def dataset_task(
 ) -> Task:
     """The dataset's prompts; held out for evaluation: `eval_path`'s, else `heldout_fraction`
     of `train_path`'s (at least one, chosen by `seed`, then not trained on)."""
-    train = load_items(tokenizer, train_path, input_key, label_key, chat)
+    train, notes = load_items(tokenizer, train_path, input_key, label_key, chat, "--prompt-data")
     name = Path(train_path).stem
-    notes = label_notes(train_path, train, label_key)
     if eval_path:
-        heldout = load_items(tokenizer, eval_path, input_key, label_key, chat)
-        notes += label_notes(eval_path, heldout, label_key)
+        heldout, more = load_items(
+            tokenizer, eval_path, input_key, label_key, chat, "--eval-prompt-data"
+        )
+        notes += more
         source = f"{len(heldout)} prompts of {eval_path}"
         return Task(name, train, heldout, heldout_source=source, notes=notes)
     count = min(max(1, round(heldout_fraction * len(train))), len(train) - 1)
@@ -154,12 +166,19 @@ def dataset_task(
     )
 
 
-def label_notes(path: str, items: list[Item], label_key: str) -> tuple[str, ...]:
-    """A note when no row of `path` has a label: most likely the labels are under another key."""
-    if any(item.label for item in items):
-        return ()
-    return (
-        f"no row of {path} has a {label_key!r}: every label is empty, so a reward that compares "
-        "the response with its label scores 0 (--label-key, a flag of tandem up and of the "
-        "router, names the label's field)",
-    )
+def label_notes(path: str, rows: int, unlabeled: list[int], label_key: str) -> tuple[str, ...]:
+    """When no row of `path` has a label (most likely the labels are under another key), or
+    some have none (their rows are left out: a reward would compare responses with "")."""
+    flag = "--label-key, a flag of tandem up and of the router, names the label's field"
+    if len(unlabeled) == rows:
+        return (
+            f"no row of {path} has a {label_key!r}: every label is empty, so a reward that "
+            f"compares the response with its label scores 0 ({flag})",
+        )
+    if unlabeled:
+        return (
+            f"{len(unlabeled)} of {rows} rows of {path} have no {label_key!r} (the first: row "
+            f"{unlabeled[0]}): left out, a reward would compare their responses with an empty "
+            f"label ({flag})",
+        )
+    return ()

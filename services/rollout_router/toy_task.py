@@ -33,7 +33,7 @@ def reverse_digits_reward(response_text: str, label: str, stopped: bool) -> floa
 
     `stopped` is True when generation ended on the end-of-sequence token (finish_reason "stop").
     """
-    score = sum(1.0 for i in range(2) if i < len(response_text) and response_text[i] == label[i])
+    score = sum(1.0 for i in range(2) if response_text[i : i + 1] == label[i : i + 1] != "")
     score += 1.0 if stopped and len(response_text) == 2 else 0.0
     return score / 3.0
 
