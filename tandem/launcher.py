@@ -148,7 +148,13 @@ class UpConfig:
     num_steps_per_rollout: int = field(
         default=1, metadata={"help": "Optimizer steps per rollout batch."}
     )
-    lr: float = field(default=1e-3, metadata={"help": "Trainer learning rate."})
+    lr: float = field(
+        default=0.0,
+        metadata={
+            "help": "Trainer learning rate (0 = 1e-3 for the toy model, 1e-6 for a --model: "
+            "a toy's rate would wreck a pretrained model in a few steps)."
+        },
+    )
     max_staleness: int = field(
         default=1, metadata={"help": "Versions a sample may lag the trainer before it is dropped."}
     )
@@ -214,6 +220,10 @@ class UpConfig:
             device = "cuda" if self.engine_gpus else "cpu"
         redis_url = self.redis_url or os.environ.get("REDIS_URL", "")
         return replace(self, num_engines=engines, engine_device=device, redis_url=redis_url)
+
+    def learning_rate(self) -> float:
+        """--lr, or its default: the toy model's rate, or one for a pretrained --model."""
+        return self.lr or (1e-6 if self.model else 1e-3)
 
     def absolute(self) -> UpConfig:
         """Files and folders given relative to the current directory made absolute, so that the
@@ -433,7 +443,7 @@ def service_args(
         ],
         "trainer": [
             "trainer",
-            *_flags(("--model", model), ("--seed", config.seed), ("--lr", config.lr)),
+            *_flags(("--model", model), ("--seed", config.seed), ("--lr", config.learning_rate())),
             *_flags(("--weight-transport", config.weight_transport)),
             *shm,
             *_flags(("--max-steps", config.max_steps)),

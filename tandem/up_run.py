@@ -136,7 +136,9 @@ class UpRun:
         config = self.config
         buffer, redis_url = self.start_redis()
         model = Path(config.model) if config.model else self.write_model()
-        save_config(self.run_dir, replace(config, model=str(model), resume=""))
+        # (the rate resolved while --model still says whether the model is the toy one)
+        resolved = replace(config, model=str(model), lr=config.learning_rate(), resume="")
+        save_config(self.run_dir, resolved)
         args = service_args(config, self.run_id, model, redis_url, self.run_dir)
         # Each service reads its table of the recorded configuration, then its flags.
         text = render(config, config.config, model, redis_url, self.run_id, self.run_dir)
@@ -210,6 +212,10 @@ class UpRun:
             say(
                 f"no held-out prompts: --stop-accuracy {config.stop_accuracy} cannot be reached "
                 "(give --eval-prompt-data, or --stop-accuracy 0 to train --max-steps)"
+            )
+        if config.model and not config.lr:
+            say(
+                f"learning rate {config.learning_rate():g} (the default for a --model; --lr sets it)"
             )
         length = info.get("rollout_max_response_len", "?")
         why = " (the router's default for this task and model: --rollout-max-response-len)"

@@ -30,6 +30,29 @@ def toml_file(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
     return path
 
 
+def test_the_learning_rate_defaults_to_one_for_the_model_trained(tmp_path: Path, capsys) -> None:
+    """The toy model's 1e-3 would wreck a pretrained --model in a few steps: 1e-6 there."""
+    from tandem.up_run import UpRun
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+
+    def trainer_lr(*argv: str) -> str:
+        config, problems = launcher.parse(list(argv))
+        assert problems == []
+        trainer = launcher.service_args(config, "r", model, "redis://x")["trainer"]
+        return trainer[trainer.index("--lr") + 1]
+
+    assert trainer_lr() == "0.001"
+    assert trainer_lr("--model", str(model)) == "1e-06"
+    assert trainer_lr("--model", str(model), "--lr", "3e-6") == "3e-06"
+    run = SimpleNamespace(config=launcher.parse(["--model", str(model)])[0], eval_task="")
+    UpRun.say_router_terms(run, {"eval_task": "t"})  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert "[up] learning rate 1e-06 (the default for a --model; --lr sets it)" in out
+
+
 def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatch) -> None:
     path = toml_file(
         tmp_path,

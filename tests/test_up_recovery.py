@@ -145,6 +145,8 @@ def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-2000:]
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "resumed from iteration" in trainer_log
+    saved = json.loads((run_dir / "up_config.json").read_text())
+    assert saved["lr"] == 1e-3, "the toy model's rate, resolved before the model path was saved"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "reached_accuracy"
     assert summary["accuracy_last"] >= 0.9
