@@ -106,9 +106,20 @@ class UpConfig:
         default=0.9,
         metadata={"help": "Stop once held-out greedy accuracy reaches this (0 = never)."},
     )
-    time_limit_s: float = field(default=900.0, metadata={"help": "Wall-clock limit of the run."})
+    time_limit_s: float = field(
+        default=-1.0,
+        metadata={
+            "help": "Wall-clock limit of the run in seconds (0 = none; -1 = 900 for the toy "
+            "model, none with a --model: a run that makes no progress still ends after "
+            "--stall-fail-s)."
+        },
+    )
     startup_timeout_s: float = field(
-        default=180.0, metadata={"help": "Longest any service may take to start."}
+        default=-1.0,
+        metadata={
+            "help": "Longest any service may take to start (-1 = 180 s for the toy model, 900 s "
+            "with a --model: an engine loads its weights and may compile)."
+        },
     )
     resume: str = field(
         default="",
@@ -224,6 +235,30 @@ class UpConfig:
     def learning_rate(self) -> float:
         """--lr, or its default: the toy model's rate, or one for a pretrained --model."""
         return self.lr or (1e-6 if self.model else 1e-3)
+
+    def wall_limit_s(self) -> float:
+        """--time-limit-s resolved (0 = none)."""
+        return self.time_limit_s if self.time_limit_s >= 0 else (0.0 if self.model else 900.0)
+
+    def start_limit_s(self) -> float:
+        """--startup-timeout-s resolved."""
+        return (
+            self.startup_timeout_s
+            if self.startup_timeout_s > 0
+            else (900.0 if self.model else 180.0)
+        )
+
+    def resolved(self, model: str) -> UpConfig:
+        """What a run folder saves: the defaults that depend on --model resolved while it still
+        says whether the model is the toy one, then the model directory actually used."""
+        return replace(
+            self,
+            lr=self.learning_rate(),
+            time_limit_s=self.wall_limit_s(),
+            startup_timeout_s=self.start_limit_s(),
+            model=model,
+            resume="",
+        )
 
     def absolute(self) -> UpConfig:
         """Files and folders given relative to the current directory made absolute, so that the

@@ -129,8 +129,8 @@ class Supervisor:
                     )
                 if time.monotonic() > deadline:
                     raise ChildFailedError(
-                        f"{child.name} was not ready after {timeout_s:.0f}s "
-                        f"(log: {child.log_path}):\n{child.log_tail()}"
+                        f"{child.name} was not ready after {timeout_s:.0f}s (tandem up's "
+                        f"--startup-timeout-s; log: {child.log_path}):\n{child.log_tail()}"
                     )
                 time.sleep(0.1)
             child.info = json.loads(child.ready_file.read_text())

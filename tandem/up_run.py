@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from redis.exceptions import RedisError
@@ -136,9 +137,7 @@ class UpRun:
         config = self.config
         buffer, redis_url = self.start_redis()
         model = Path(config.model) if config.model else self.write_model()
-        # (the rate resolved while --model still says whether the model is the toy one)
-        resolved = replace(config, model=str(model), lr=config.learning_rate(), resume="")
-        save_config(self.run_dir, resolved)
+        save_config(self.run_dir, config.resolved(str(model)))
         args = service_args(config, self.run_id, model, redis_url, self.run_dir)
         # Each service reads its table of the recorded configuration, then its flags.
         text = render(config, config.config, model, redis_url, self.run_id, self.run_dir)
@@ -158,18 +157,18 @@ class UpRun:
             )
             for i in range(config.num_engines)
         ]
-        self.supervisor.wait_ready(engines, config.startup_timeout_s)
+        self.supervisor.wait_ready(engines, config.start_limit_s())
         urls = [e.info["url"] for e in engines]
         say(f"engines at {' '.join(urls)}")
         broker = self.supervisor.start("broker", [*args["broker"], "--engine-urls", *urls])
-        self.supervisor.wait_ready([broker], config.startup_timeout_s)
+        self.supervisor.wait_ready([broker], config.start_limit_s())
         # The trainer loads while the router starts (it needs only Redis and the broker).
         self.start_trainer(args["trainer"], broker.info["intake_endpoint"], buffer)
         # The router hands engines added or restarted at run time to the broker.
         router = self.supervisor.start(
             "router", [*args["router"], "--engine-urls", *urls, "--broker-url", broker.info["url"]]
         )
-        self.supervisor.wait_ready([router], config.startup_timeout_s)
+        self.supervisor.wait_ready([router], config.start_limit_s())
         self.health_urls = {"router": router.info["url"], "broker": broker.info["url"]}
         self.say_router_terms(router.info)
         say(
@@ -194,7 +193,7 @@ class UpRun:
             (self.run_dir / "redis.url").write_text(redis_url)  # `tandem ledger RUN` reads it
         buffer = SampleBuffer(BufferConfig(redis_url=redis_url, run_id=self.run_id))
         try:
-            buffer.wait_ready(min(30.0, self.config.startup_timeout_s))
+            buffer.wait_ready(min(30.0, self.config.start_limit_s()))
         except ConnectionError as exc:  # its message names the URL and --redis-url
             raise RedisUnreachableError(str(exc)) from exc
         where = {"url": redis_url, "run_id": self.run_id, "own": self.redis is not None}
@@ -213,10 +212,19 @@ class UpRun:
                 f"no held-out prompts: --stop-accuracy {config.stop_accuracy} cannot be reached "
                 "(give --eval-prompt-data, or --stop-accuracy 0 to train --max-steps)"
             )
-        if config.model and not config.lr:
-            say(
-                f"learning rate {config.learning_rate():g} (the default for a --model; --lr sets it)"
-            )
+        if config.model and not config.resume:
+            taken = [
+                (not config.lr, f"learning rate {config.learning_rate():g}", "--lr"),
+                (config.time_limit_s < 0, "no wall-clock limit", "--time-limit-s"),
+                (
+                    config.startup_timeout_s < 0,
+                    "900 s for a service to start",
+                    "--startup-timeout-s",
+                ),
+            ]
+            if said := [(what, flag) for default, what, flag in taken if default]:
+                whats, flags = ", ".join(w for w, _ in said), ", ".join(f for _, f in said)
+                say(f"{whats} (the defaults for a --model; {flags} set them)")
         length = info.get("rollout_max_response_len", "?")
         why = " (the router's default for this task and model: --rollout-max-response-len)"
         say(f"responses up to {length} tokens{'' if config.rollout_max_response_len else why}")
@@ -262,7 +270,8 @@ class UpRun:
 
     def monitor(self, buffer: SampleBuffer, progress: RunProgress, sinks: MetricSinks) -> int:
         config = self.config
-        deadline = time.monotonic() + config.time_limit_s
+        limit_s = config.wall_limit_s()
+        deadline = time.monotonic() + limit_s if limit_s else math.inf
         # A resumed run's stream holds the earlier records (metrics.jsonl has them already).
         self.last_metrics_id = buffer.last_metrics_id() if config.resume else "0"
         watchdog = Watchdog(buffer, self.health_urls, config.stall_warn_s, config.stall_fail_s, say)
@@ -309,7 +318,7 @@ class UpRun:
                 return code
             if time.monotonic() > deadline:
                 self.outcome = "time_limit"
-                say(f"time limit of {config.time_limit_s:.0f}s reached")
+                say(f"time limit of {limit_s:.0f}s reached (--time-limit-s)")
                 return 1
 
     def redis_outage(

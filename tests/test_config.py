@@ -30,7 +30,9 @@ def toml_file(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
     return path
 
 
-def test_the_learning_rate_defaults_to_one_for_the_model_trained(tmp_path: Path, capsys) -> None:
+def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
+    tmp_path: Path, capsys
+) -> None:
     """The toy model's 1e-3 would wreck a pretrained --model in a few steps: 1e-6 there."""
     from tandem.up_run import UpRun
 
@@ -50,7 +52,16 @@ def test_the_learning_rate_defaults_to_one_for_the_model_trained(tmp_path: Path,
     run = SimpleNamespace(config=launcher.parse(["--model", str(model)])[0], eval_task="")
     UpRun.say_router_terms(run, {"eval_task": "t"})  # type: ignore[arg-type]
     out = capsys.readouterr().out
-    assert "[up] learning rate 1e-06 (the default for a --model; --lr sets it)" in out
+    assert (
+        "[up] learning rate 1e-06, no wall-clock limit, 900 s for a service to start (the "
+        "defaults for a --model; --lr, --time-limit-s, --startup-timeout-s set them)"
+    ) in out.splitlines()
+    toy = launcher.parse([])[0]
+    assert (toy.wall_limit_s(), toy.start_limit_s()) == (900.0, 180.0)
+    real = launcher.parse(["--model", str(model), "--time-limit-s", "60"])[0]
+    assert (real.wall_limit_s(), real.start_limit_s()) == (60.0, 900.0)
+    saved = real.resolved(str(model))
+    assert (saved.lr, saved.time_limit_s, saved.startup_timeout_s) == (1e-6, 60.0, 900.0)
 
 
 def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatch) -> None:
