@@ -138,12 +138,13 @@ class UpConfig:
     )
     stall_warn_s: float = field(
         default=60.0,
-        metadata={"help": "Print what each service waits for when no step completed this long."},
+        metadata={"help": "Print what each service waits for after this long without progress."},
     )
     stall_fail_s: float = field(
         default=600.0,
         metadata={
-            "help": "End the run (exit 1, with the diagnosis) after this long without a step."
+            "help": "End the run (exit 1, with the diagnosis) after this long without progress "
+            "(no trainer step, and no new group in the trainer's hands for its next one)."
         },
     )
     stop_timeout_s: float = field(

@@ -7,9 +7,11 @@ Two checks, both run from the launcher's monitor loop (no thread of their own):
   that accepts the connection but does not answer (paused with SIGSTOP, swapping, overloaded)
   may come back: the watchdog says so at once and again when it answers, and ends the run only
   when it stays silent for `stall_fail_s`.
-- Stall: when no trainer step has completed for `stall_warn_s`, print what each service waits
-  for (the `ServiceStatus` records they keep in Redis, `proto/contract.py`), again every
-  `stall_warn_s` while the stall lasts; after `stall_fail_s` end the run with that diagnosis.
+- Stall: when no trainer step has completed and the trainer got no new group for its next
+  step (its status's `groups_in_hand`: a first rollout of a real model may take longer than
+  `stall_warn_s`, and is progress; groups put and dropped are not) for `stall_warn_s`, print what each service waits for (the `ServiceStatus`
+  records they keep in Redis, `proto/contract.py`), again every `stall_warn_s` while the stall
+  lasts; after `stall_fail_s` end the run with that diagnosis.
 
 Knows: the status records and the health routes. Does not know why a service waits: each
 service says that itself, in words a user can act on.
@@ -91,10 +93,27 @@ class Watchdog:
         self.failures = dict.fromkeys(health_urls, 0)
         self.silent_since: dict[str, float] = {}
         self.last_step = 0
+        self.in_hand = -1  # the trainer's groups for its next step at the last look
+        self.last_look_at = 0.0
 
     def step_done(self, step: int) -> None:
         self.last_step_at = time.monotonic()
         self.last_step = step
+
+    def groups_arrived(self, now: float) -> bool:
+        """Whether the trainer holds more groups for its next step than at the last look (its
+        status's `groups_in_hand`; read at most every HEALTH_INTERVAL_S; False when Redis does
+        not answer: its outage is said elsewhere). Groups put and then dropped are no progress."""
+        if now - self.last_look_at < HEALTH_INTERVAL_S:
+            return False
+        self.last_look_at = now
+        try:
+            trainer = self.buffer.statuses().get("trainer")
+        except RedisError:
+            return False
+        in_hand = int(trainer.detail.get("groups_in_hand", 0)) if trainer else 0
+        arrived, self.in_hand = in_hand > self.in_hand >= 0, in_hand
+        return arrived
 
     def check(self) -> str:
         now = time.monotonic()
@@ -103,20 +122,22 @@ class Watchdog:
             problem = self._health()
             if problem:
                 return problem
+        if self.groups_arrived(now):  # a step is on its way
+            self.last_step_at = now
         stalled = now - self.last_step_at
         if stalled < self.stall_warn_s:
             return ""
+        what = f"no progress for {stalled:.0f} s (no trainer step, no new group in its hands"
         if stalled >= self.stall_fail_s:
             lines = self.report(stalled)
-            return f"no trainer step for {stalled:.0f} s (--stall-fail-s):\n" + "\n".join(lines)
+            return f"{what}; --stall-fail-s):\n" + "\n".join(lines)
         if now - self.last_warned_at >= self.stall_warn_s:
             self.last_warned_at = now
-            last = f"last: step {self.last_step}"
-            self.say(f"no trainer step for {stalled:.0f} s ({last}); what each service waits for:")
+            self.say(f"{what}; last: step {self.last_step}); what each service waits for:")
             for line in self.report(stalled):
                 self.say(line)
             self.say(
-                f"(the run ends after {self.stall_fail_s:.0f} s without a step: --stall-fail-s)"
+                f"(the run ends after {self.stall_fail_s:.0f} s without progress: --stall-fail-s)"
             )
         return ""
 

@@ -96,10 +96,10 @@ def test_a_run_that_makes_no_progress_says_what_each_service_waits_for_and_fails
     assert run.returncode == 1, out
     assert f"the token in {run_dir / 'api_token'}" in out
     assert f"model, untrained (no step ran) (Hugging Face, with tokenizer): {run_dir}" in out
-    assert "no trainer step for" in out
+    assert "no progress for" in out
     assert "trainer [waiting for samples" in out and "waits for sample groups: 0 of 64" in out
     assert "router [rollouts off" in out and "rollouts are off (--no-rollout)" in out
-    assert "(--stall-fail-s)" in out
+    assert "no new group in its hands; --stall-fail-s)" in out
     assert json.loads((run_dir / "summary.json").read_text())["outcome"] == "stalled"
 
 

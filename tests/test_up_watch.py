@@ -115,7 +115,7 @@ def test_the_watchdog_prints_what_each_service_waits_for_then_ends_a_stalled_run
     time.sleep(0.3)
     assert watchdog.check() == ""
     text = "\n".join(said)
-    assert "no trainer step for" in text
+    assert "no progress for" in text
     assert "router [waiting, 30 s]: waits for engines on weight version >= 71" in text
     assert "trainer: no status reported" in text
     assert f"broker [idle]: is not waiting; {note}" in text
@@ -123,7 +123,32 @@ def test_the_watchdog_prints_what_each_service_waits_for_then_ends_a_stalled_run
     assert watchdog.check() == ""  # a step completed: the stall clock starts again
     time.sleep(0.7)
     problem = watchdog.check()
-    assert problem.startswith("no trainer step for") and "weight version >= 71" in problem
+    assert problem.startswith("no progress for") and "weight version >= 71" in problem
+
+
+def test_groups_reaching_the_trainer_are_progress_and_groups_dropped_are_not(
+    buffer: SampleBuffer, monkeypatch
+) -> None:
+    """A real model's first rollout may take longer than --stall-warn-s: groups arriving in the
+    trainer's hands keep the run alive; a trainer whose groups stop coming stalls it."""
+    monkeypatch.setattr(watchdog_module, "HEALTH_INTERVAL_S", 0.05)
+    said: list[str] = []
+    watchdog = Watchdog(buffer, {}, stall_warn_s=0.3, stall_fail_s=0.6, say=said.append)
+
+    def trainer(in_hand: int) -> None:
+        detail: dict[str, float | int | str] = {"groups_in_hand": in_hand, "groups_put": 99}
+        buffer.set_status(ServiceStatus(role="trainer", state="waiting", detail=detail))
+
+    for in_hand in range(12):  # 1.2 s, twice --stall-fail-s
+        trainer(in_hand)
+        time.sleep(0.1)
+        assert watchdog.check() == "", in_hand
+    assert said == []
+    deadline = time.monotonic() + 3
+    while not (problem := watchdog.check()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert problem.startswith("no progress for") and "--stall-fail-s" in problem
+    assert said and said[0].startswith("no progress for")
 
 
 def test_the_watchdog_ends_the_run_when_a_service_answers_unhealthy(buffer: SampleBuffer) -> None:
