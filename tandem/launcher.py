@@ -141,10 +141,11 @@ class UpConfig:
         metadata={"help": "Print what each service waits for after this long without progress."},
     )
     stall_fail_s: float = field(
-        default=600.0,
+        default=-1.0,
         metadata={
             "help": "End the run (exit 1, with the diagnosis) after this long without progress "
-            "(no trainer step, and no new group in the trainer's hands for its next one)."
+            "(no trainer step, and no new group in the trainer's hands for its next one; -1 = "
+            "600 s for the toy model, 3600 s with a --model: a long response takes a while)."
         },
     )
     stop_timeout_s: float = field(
@@ -241,6 +242,10 @@ class UpConfig:
         """--time-limit-s resolved (0 = none)."""
         return self.time_limit_s if self.time_limit_s >= 0 else (0.0 if self.model else 900.0)
 
+    def stall_limit_s(self) -> float:
+        """--stall-fail-s resolved."""
+        return self.stall_fail_s if self.stall_fail_s > 0 else (3600.0 if self.model else 600.0)
+
     def start_limit_s(self) -> float:
         """--startup-timeout-s resolved."""
         return (
@@ -257,6 +262,7 @@ class UpConfig:
             lr=self.learning_rate(),
             time_limit_s=self.wall_limit_s(),
             startup_timeout_s=self.start_limit_s(),
+            stall_fail_s=self.stall_limit_s(),
             model=model,
             resume="",
         )

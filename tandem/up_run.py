@@ -221,6 +221,7 @@ class UpRun:
                     "900 s for a service to start",
                     "--startup-timeout-s",
                 ),
+                (config.stall_fail_s < 0, "3600 s without progress", "--stall-fail-s"),
             ]
             if said := [(what, flag) for default, what, flag in taken if default]:
                 whats, flags = ", ".join(w for w, _ in said), ", ".join(f for _, f in said)
@@ -274,7 +275,9 @@ class UpRun:
         deadline = time.monotonic() + limit_s if limit_s else math.inf
         # A resumed run's stream holds the earlier records (metrics.jsonl has them already).
         self.last_metrics_id = buffer.last_metrics_id() if config.resume else "0"
-        watchdog = Watchdog(buffer, self.health_urls, config.stall_warn_s, config.stall_fail_s, say)
+        watchdog = Watchdog(
+            buffer, self.health_urls, config.stall_warn_s, config.stall_limit_s(), say
+        )
         redis_lost_at = 0.0  # when Redis stopped answering (0: it answers)
         while True:
             asked = time.monotonic()
@@ -326,7 +329,7 @@ class UpRun:
     ) -> str:
         """What to say while Redis does not answer (said once, at the start); a problem that
         ends the run once its own server has exited or after --stall-fail-s."""
-        url, bound = buffer.config.redis_url, self.config.stall_fail_s
+        url, bound = buffer.config.redis_url, self.config.stall_limit_s()
         if gone := self.own_redis_gone():
             return gone
         if first:

@@ -53,13 +53,14 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
     UpRun.say_router_terms(run, {"eval_task": "t"})  # type: ignore[arg-type]
     out = capsys.readouterr().out
     assert (
-        "[up] learning rate 1e-06, no wall-clock limit, 900 s for a service to start (the "
-        "defaults for a --model; --lr, --time-limit-s, --startup-timeout-s set them)"
+        "[up] learning rate 1e-06, no wall-clock limit, 900 s for a service to start, 3600 s "
+        "without progress (the defaults for a --model; --lr, --time-limit-s, "
+        "--startup-timeout-s, --stall-fail-s set them)"
     ) in out.splitlines()
     toy = launcher.parse([])[0]
-    assert (toy.wall_limit_s(), toy.start_limit_s()) == (900.0, 180.0)
+    assert (toy.wall_limit_s(), toy.start_limit_s(), toy.stall_limit_s()) == (900, 180, 600)
     real = launcher.parse(["--model", str(model), "--time-limit-s", "60"])[0]
-    assert (real.wall_limit_s(), real.start_limit_s()) == (60.0, 900.0)
+    assert (real.wall_limit_s(), real.start_limit_s(), real.stall_limit_s()) == (60, 900, 3600)
     saved = real.resolved(str(model))
     assert (saved.lr, saved.time_limit_s, saved.startup_timeout_s) == (1e-6, 60.0, 900.0)
 
