@@ -11,13 +11,9 @@ passes, a child dies, or Ctrl-C. Exit code: 0 when the run reached its goal, 1 o
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import shlex
-import signal
 import sys
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -25,6 +21,7 @@ from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
 from services.rollout_router.config import reward_problem
 from tandem.up_args import conflicts, given_fields, join_passthrough, resumed_config
+from tandem.up_services import service_args, trainer_on_gpu
 
 
 @dataclass
@@ -254,6 +251,23 @@ class UpConfig:
             else (900.0 if self.model else 180.0)
         )
 
+    def model_defaults(self) -> str:
+        """What a new run with a --model took by default of what depends on the model ("" for
+        the toy model, a resume, or none taken)."""
+        if not self.model or self.resume:
+            return ""
+        taken = [
+            (not self.lr, f"learning rate {self.learning_rate():g}", "--lr"),
+            (self.time_limit_s < 0, "no wall-clock limit", "--time-limit-s"),
+            (self.startup_timeout_s < 0, "900 s for a service to start", "--startup-timeout-s"),
+            (self.stall_fail_s < 0, "3600 s without progress", "--stall-fail-s"),
+        ]
+        said = [(what, flag) for default, what, flag in taken if default]
+        if not said:
+            return ""
+        whats, flags = ", ".join(w for w, _ in said), ", ".join(f for _, f in said)
+        return f"{whats} (the defaults for a --model; {flags} set them)"
+
     def resolved(self, model: str) -> UpConfig:
         """What a run folder saves: the defaults that depend on --model resolved while it still
         says whether the model is the toy one, then the model directory actually used."""
@@ -409,130 +423,6 @@ def validate(config: UpConfig) -> list[str]:
             "--weight-transport zmq"
         )
     return problems
-
-
-TRAINED_MODEL = "trained_model"  # the Hugging Face model the run trained, in its folder
-
-
-def trainer_on_gpu(config: UpConfig) -> bool:
-    """Whether the trainer will see a CUDA device (it uses one whenever it can)."""
-    if config.trainer_gpus:
-        return True
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def shared_gpus(config: UpConfig) -> list[int]:
-    """GPUs that engines and trainer share (the one-GPU layout)."""
-    return sorted(set(config.engine_gpus) & set(config.trainer_gpus))
-
-
-def _given(flag: str, value: object) -> list[str]:
-    """`[flag, value]` when the value is set: a flag tandem up leaves to the service's own
-    default (or its config table) otherwise."""
-    return [flag, str(value)] if value else []
-
-
-def service_args(
-    config: UpConfig,
-    run_id: str,
-    model: Path,
-    redis_url: str,
-    run_dir: Path = Path("run"),
-    passthrough: bool = True,
-) -> dict[str, list[str]]:
-    """Command lines of the services (without engine/broker addresses, known only later);
-    `passthrough=False`: without the --*-args strings."""
-    extra = {
-        name: shlex.split(value) if passthrough else []
-        for name, value in (
-            ("engine", config.engine_args),
-            ("router", config.router_args),
-            ("trainer", config.trainer_args),
-        )
-    }
-    common = ["--redis-url", redis_url, "--run-id", run_id]
-    batch = _flags(
-        ("--rollout-batch-size", config.rollout_batch_size),
-        ("--n-samples-per-prompt", config.n_samples_per_prompt),
-        ("--num-steps-per-rollout", config.num_steps_per_rollout),
-        ("--max-staleness", config.max_staleness),
-    )
-    shm = ["--weights-shm-dir", shm_dir()] if config.weight_transport == "zmq" else []
-    return {
-        "engine": [
-            "engine",
-            *_flags(("--model", model), ("--host", "127.0.0.1"), ("--port", 0)),
-            *_flags(("--device", config.engine_device)),
-            *extra["engine"],
-        ],
-        "broker": ["broker", "--port", "0", "--transport", config.weight_transport, *common],
-        "router": [
-            "router",
-            *_flags(("--model", model), ("--port", 0), ("--seed", config.seed)),
-            *common,
-            *batch,
-            *_given("--prompt-data", config.prompt_data),
-            *_given("--eval-prompt-data", config.eval_prompt_data),
-            *_given("--input-key", config.input_key),
-            *_given("--label-key", config.label_key),
-            *_given("--rm-type", config.rm_type),
-            *_given("--custom-rm-path", config.custom_rm_path),
-            *_given("--env-url", config.env_url),
-            *_given("--rollout-max-response-len", config.rollout_max_response_len),
-            *extra["router"],
-        ],
-        "trainer": [
-            "trainer",
-            *_flags(("--model", model), ("--seed", config.seed), ("--lr", config.learning_rate())),
-            *_flags(("--weight-transport", config.weight_transport)),
-            *shm,
-            *_flags(("--max-steps", config.max_steps)),
-            *_flags(("--save", config.save or run_dir / "checkpoints")),
-            *_flags(("--save-interval", config.save_interval)),
-            *_flags(("--save-hf", run_dir / TRAINED_MODEL)),
-            *_flags(("--metrics-port", 0)),  # a free port, printed in the trainer's log
-            *common,
-            *batch,
-            *extra["trainer"],
-        ],
-    }
-
-
-def _flags(*pairs: tuple[str, object]) -> list[str]:
-    """`[flag, value, flag, value, ...]` of (flag, value) pairs, each value as a string."""
-    return [part for flag, value in pairs for part in (flag, str(value))]
-
-
-def shm_dir() -> str:
-    """Where one-host weight slots go: /dev/shm (RAM) when there is one, else the temp dir."""
-    import tempfile
-
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def default_run_dir(seed: int) -> Path:
-    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-seed{seed}"
-
-
-def write_summary(run_dir: Path, summary: dict) -> None:
-    def clean(value: object) -> object:
-        return None if isinstance(value, float) and math.isnan(value) else value
-
-    (run_dir / "summary.json").write_text(
-        json.dumps({k: clean(v) for k, v in summary.items()}, indent=2)
-    )
-
-
-def install_interrupt_handler(flag: list[bool]) -> None:
-    """Ctrl-C / SIGTERM set a flag the monitor loop checks (children are stopped there)."""
-
-    def handler(signum: int, _frame: object) -> None:
-        flag.append(True)
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
-"""The run folder of `tandem up`: one run at a time in it (a lock), what to say when the disk
-under it is full, and the run's secrets (the API token kept there)."""
+"""The run folder of `tandem up`: its default name, one run at a time in it (a lock), what to
+say when the disk under it is full, the run's secrets (the API token kept there) and its
+summary; and the flag Ctrl-C and SIGTERM set."""
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import json
+import math
 import os
 import secrets
 import shutil
+import signal
+import time
 from pathlib import Path
 from typing import IO
 
@@ -82,3 +87,26 @@ def share_run_secrets(run_dir: Path) -> str:
         out.write(os.environ[TOKEN_ENV] + "\n")
     path.chmod(0o600)  # (a file of an earlier run may have other modes)
     return str(path)
+
+
+def default_run_dir(seed: int) -> Path:
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-seed{seed}"
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    def clean(value: object) -> object:
+        return None if isinstance(value, float) and math.isnan(value) else value
+
+    (run_dir / "summary.json").write_text(
+        json.dumps({k: clean(v) for k, v in summary.items()}, indent=2)
+    )
+
+
+def install_interrupt_handler(flag: list[bool]) -> None:
+    """Ctrl-C / SIGTERM set a flag the monitor loop checks (children are stopped there)."""
+
+    def handler(signum: int, _frame: object) -> None:
+        flag.append(True)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)

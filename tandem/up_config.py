@@ -25,7 +25,8 @@ from services.common.config_file import (
     options,
     to_toml,
 )
-from tandem.launcher import UpConfig, build_parser, service_args
+from tandem.launcher import UpConfig, build_parser
+from tandem.up_services import service_args
 
 
 def _router() -> argparse.ArgumentParser:

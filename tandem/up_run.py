@@ -18,17 +18,17 @@ from services.common.engine_info import versions_or_why
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from services.sample_buffer.timeline import chrome_trace, read_spans
 from services.trainer.lineage import TRACKER
-from tandem.launcher import (
-    TRAINED_MODEL,
-    UpConfig,
+from tandem.launcher import UpConfig
+from tandem.progress import RunProgress
+from tandem.run_dir import (
+    WRITE_ERRORS,
+    DiskWatch,
     default_run_dir,
     install_interrupt_handler,
-    service_args,
-    shared_gpus,
+    lock_run_dir,
+    share_run_secrets,
     write_summary,
 )
-from tandem.progress import RunProgress
-from tandem.run_dir import WRITE_ERRORS, DiskWatch, lock_run_dir, share_run_secrets
 from tandem.run_redis import REDIS_FILE
 from tandem.sinks import MetricSinks
 from tandem.supervisor import (
@@ -39,6 +39,7 @@ from tandem.supervisor import (
 )
 from tandem.up_args import save_config
 from tandem.up_config import render, write_run_config
+from tandem.up_services import TRAINED_MODEL, service_args, shared_gpus
 from tandem.watchdog import Watchdog
 
 
@@ -212,20 +213,8 @@ class UpRun:
                 f"no held-out prompts: --stop-accuracy {config.stop_accuracy} cannot be reached "
                 "(give --eval-prompt-data, or --stop-accuracy 0 to train --max-steps)"
             )
-        if config.model and not config.resume:
-            taken = [
-                (not config.lr, f"learning rate {config.learning_rate():g}", "--lr"),
-                (config.time_limit_s < 0, "no wall-clock limit", "--time-limit-s"),
-                (
-                    config.startup_timeout_s < 0,
-                    "900 s for a service to start",
-                    "--startup-timeout-s",
-                ),
-                (config.stall_fail_s < 0, "3600 s without progress", "--stall-fail-s"),
-            ]
-            if said := [(what, flag) for default, what, flag in taken if default]:
-                whats, flags = ", ".join(w for w, _ in said), ", ".join(f for _, f in said)
-                say(f"{whats} (the defaults for a --model; {flags} set them)")
+        if note := config.model_defaults():
+            say(note)
         length = info.get("rollout_max_response_len", "?")
         why = " (the router's default for this task and model: --rollout-max-response-len)"
         say(f"responses up to {length} tokens{'' if config.rollout_max_response_len else why}")
@@ -453,7 +442,7 @@ class UpRun:
     def remove_weight_slots(self) -> None:
         """A killed trainer cannot remove its shared-memory weight slots: do it for it."""
         from services.weight_sync.shm import remove_stale_slots
-        from tandem.launcher import shm_dir
+        from tandem.up_services import shm_dir
 
         for child in self.supervisor.children:
             if child.name == "trainer":

@@ -18,7 +18,7 @@ from services.common.config_file import parse_args
 from services.rollout_router.__main__ import build_parser as router_parser
 from services.rollout_router.rewards import load_function
 from services.rollout_router.tasks import DATASET_RESPONSE_LEN, dataset_task, toy_reverse_digits
-from tandem import config_cmd, launcher
+from tandem import config_cmd, launcher, up_services
 from tandem.up_config import RUN_CONFIG, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ def test_one_gpu_for_engine_and_trainer_is_a_layout(capsys) -> None:
     config, problems = launcher.parse(["--engine-gpus", "0", "--trainer-gpus", "0"])
     assert problems == []
     assert (config.num_engines, config.engine_device) == (1, "cuda")
-    assert launcher.shared_gpus(config) == [0]
+    assert up_services.shared_gpus(config) == [0]
     assert launcher.main(["--engine-gpus", "0", "--num-engines", "2"]) == 2
     assert "give one per engine" in capsys.readouterr().err
 

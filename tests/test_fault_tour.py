@@ -23,7 +23,8 @@ from redis.exceptions import RedisError
 
 from services.sample_buffer import BufferConfig, SampleBuffer
 from services.sample_buffer.server import RedisServer
-from tandem.launcher import UpConfig, service_args
+from tandem.launcher import UpConfig
+from tandem.up_services import service_args
 from tests.conftest import ServiceProcess
 
 PHASE_S = 120.0
