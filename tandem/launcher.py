@@ -23,6 +23,15 @@ from services.rollout_router.config import reward_problem
 from tandem.up_args import conflicts, given_fields, join_passthrough, resumed_config
 from tandem.up_services import service_args, trainer_on_gpu
 
+# Defaults that depend on the model trained: field -> (the toy model's, a pretrained --model's,
+# how the start of a run says the latter).
+MODEL_DEFAULTS: dict[str, tuple[float, float, str]] = {
+    "lr": (1e-3, 1e-6, "learning rate {:g}"),
+    "time_limit_s": (900.0, 0.0, "no wall-clock limit"),
+    "startup_timeout_s": (180.0, 900.0, "{:g} s for a service to start"),
+    "stall_fail_s": (600.0, 3600.0, "{:g} s without progress"),
+}
+
 
 @dataclass
 class UpConfig:
@@ -231,55 +240,36 @@ class UpConfig:
         redis_url = self.redis_url or os.environ.get("REDIS_URL", "")
         return replace(self, num_engines=engines, engine_device=device, redis_url=redis_url)
 
-    def learning_rate(self) -> float:
-        """--lr, or its default: the toy model's rate, or one for a pretrained --model."""
-        return self.lr or (1e-6 if self.model else 1e-3)
+    def unset(self, name: str) -> bool:
+        """Whether a field of MODEL_DEFAULTS was left to its default: below 0, or 0 (no rate or
+        bound) but for --time-limit-s, where 0 is no limit."""
+        value = getattr(self, name)
+        return value < 0 or (value == 0 and name != "time_limit_s")
 
-    def wall_limit_s(self) -> float:
-        """--time-limit-s resolved (0 = none)."""
-        return self.time_limit_s if self.time_limit_s >= 0 else (0.0 if self.model else 900.0)
-
-    def stall_limit_s(self) -> float:
-        """--stall-fail-s resolved."""
-        return self.stall_fail_s if self.stall_fail_s > 0 else (3600.0 if self.model else 600.0)
-
-    def start_limit_s(self) -> float:
-        """--startup-timeout-s resolved."""
-        return (
-            self.startup_timeout_s
-            if self.startup_timeout_s > 0
-            else (900.0 if self.model else 180.0)
-        )
+    def by_model(self, name: str) -> float:
+        """A field of MODEL_DEFAULTS as given, or its default for the model trained."""
+        toy, pretrained, _ = MODEL_DEFAULTS[name]
+        return (pretrained if self.model else toy) if self.unset(name) else getattr(self, name)
 
     def model_defaults(self) -> str:
         """What a new run with a --model took by default of what depends on the model ("" for
         the toy model, a resume, or none taken)."""
         if not self.model or self.resume:
             return ""
-        taken = [
-            (not self.lr, f"learning rate {self.learning_rate():g}", "--lr"),
-            (self.time_limit_s < 0, "no wall-clock limit", "--time-limit-s"),
-            (self.startup_timeout_s < 0, "900 s for a service to start", "--startup-timeout-s"),
-            (self.stall_fail_s < 0, "3600 s without progress", "--stall-fail-s"),
-        ]
-        said = [(what, flag) for default, what, flag in taken if default]
-        if not said:
+        taken = [name for name in MODEL_DEFAULTS if self.unset(name)]
+        if not taken:
             return ""
-        whats, flags = ", ".join(w for w, _ in said), ", ".join(f for _, f in said)
+        whats = ", ".join(MODEL_DEFAULTS[n][2].format(self.by_model(n)) for n in taken)
+        flags = ", ".join("--" + n.replace("_", "-") for n in taken)
         return f"{whats} (the defaults for a --model; {flags} set them)"
 
     def resolved(self, model: str) -> UpConfig:
         """What a run folder saves: the defaults that depend on --model resolved while it still
         says whether the model is the toy one, then the model directory actually used."""
-        return replace(
-            self,
-            lr=self.learning_rate(),
-            time_limit_s=self.wall_limit_s(),
-            startup_timeout_s=self.start_limit_s(),
-            stall_fail_s=self.stall_limit_s(),
-            model=model,
-            resume="",
-        )
+        out = replace(self, model=model, resume="")
+        for name in MODEL_DEFAULTS:
+            setattr(out, name, self.by_model(name))
+        return out
 
     def absolute(self) -> UpConfig:
         """Files and folders given relative to the current directory made absolute, so that the

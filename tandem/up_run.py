@@ -158,18 +158,18 @@ class UpRun:
             )
             for i in range(config.num_engines)
         ]
-        self.supervisor.wait_ready(engines, config.start_limit_s())
+        self.supervisor.wait_ready(engines, config.by_model("startup_timeout_s"))
         urls = [e.info["url"] for e in engines]
         say(f"engines at {' '.join(urls)}")
         broker = self.supervisor.start("broker", [*args["broker"], "--engine-urls", *urls])
-        self.supervisor.wait_ready([broker], config.start_limit_s())
+        self.supervisor.wait_ready([broker], config.by_model("startup_timeout_s"))
         # The trainer loads while the router starts (it needs only Redis and the broker).
         self.start_trainer(args["trainer"], broker.info["intake_endpoint"], buffer)
         # The router hands engines added or restarted at run time to the broker.
         router = self.supervisor.start(
             "router", [*args["router"], "--engine-urls", *urls, "--broker-url", broker.info["url"]]
         )
-        self.supervisor.wait_ready([router], config.start_limit_s())
+        self.supervisor.wait_ready([router], config.by_model("startup_timeout_s"))
         self.health_urls = {"router": router.info["url"], "broker": broker.info["url"]}
         self.say_router_terms(router.info)
         say(
@@ -194,7 +194,7 @@ class UpRun:
             (self.run_dir / "redis.url").write_text(redis_url)  # `tandem ledger RUN` reads it
         buffer = SampleBuffer(BufferConfig(redis_url=redis_url, run_id=self.run_id))
         try:
-            buffer.wait_ready(min(30.0, self.config.start_limit_s()))
+            buffer.wait_ready(min(30.0, self.config.by_model("startup_timeout_s")))
         except ConnectionError as exc:  # its message names the URL and --redis-url
             raise RedisUnreachableError(str(exc)) from exc
         where = {"url": redis_url, "run_id": self.run_id, "own": self.redis is not None}
@@ -260,12 +260,12 @@ class UpRun:
 
     def monitor(self, buffer: SampleBuffer, progress: RunProgress, sinks: MetricSinks) -> int:
         config = self.config
-        limit_s = config.wall_limit_s()
+        limit_s = config.by_model("time_limit_s")
         deadline = time.monotonic() + limit_s if limit_s else math.inf
         # A resumed run's stream holds the earlier records (metrics.jsonl has them already).
         self.last_metrics_id = buffer.last_metrics_id() if config.resume else "0"
         watchdog = Watchdog(
-            buffer, self.health_urls, config.stall_warn_s, config.stall_limit_s(), say
+            buffer, self.health_urls, config.stall_warn_s, config.by_model("stall_fail_s"), say
         )
         redis_lost_at = 0.0  # when Redis stopped answering (0: it answers)
         while True:
@@ -318,7 +318,7 @@ class UpRun:
     ) -> str:
         """What to say while Redis does not answer (said once, at the start); a problem that
         ends the run once its own server has exited or after --stall-fail-s."""
-        url, bound = buffer.config.redis_url, self.config.stall_limit_s()
+        url, bound = buffer.config.redis_url, self.config.by_model("stall_fail_s")
         if gone := self.own_redis_gone():
             return gone
         if first:

@@ -87,7 +87,7 @@ def service_args(
         ],
         "trainer": [
             "trainer",
-            *_flags(("--model", model), ("--seed", config.seed), ("--lr", config.learning_rate())),
+            *_flags(("--model", model), ("--seed", config.seed), ("--lr", config.by_model("lr"))),
             *_flags(("--weight-transport", config.weight_transport)),
             *shm,
             *_flags(("--max-steps", config.max_steps)),

@@ -8,10 +8,11 @@ Two checks, both run from the launcher's monitor loop (no thread of their own):
   may come back: the watchdog says so at once and again when it answers, and ends the run only
   when it stays silent for `stall_fail_s`.
 - Stall: when no trainer step has completed and the trainer got no new group for its next
-  step (its status's `groups_in_hand`: a first rollout of a real model may take longer than
-  `stall_warn_s`, and is progress; groups put and dropped are not) for `stall_warn_s`, print what each service waits for (the `ServiceStatus`
-  records they keep in Redis, `proto/contract.py`), again every `stall_warn_s` while the stall
-  lasts; after `stall_fail_s` end the run with that diagnosis.
+  step (its status's `groups_in_hand`, read with the health checks: a first rollout of a real
+  model may take longer than `stall_warn_s`, and is progress; groups put and dropped are not)
+  for `stall_warn_s`, print what each service waits for (the `ServiceStatus` records they keep
+  in Redis, `proto/contract.py`), again every `stall_warn_s` while the stall lasts; after
+  `stall_fail_s` end the run with that diagnosis.
 
 Knows: the status records and the health routes. Does not know why a service waits: each
 service says that itself, in words a user can act on.
@@ -94,19 +95,15 @@ class Watchdog:
         self.silent_since: dict[str, float] = {}
         self.last_step = 0
         self.in_hand = -1  # the trainer's groups for its next step at the last look
-        self.last_look_at = 0.0
 
     def step_done(self, step: int) -> None:
         self.last_step_at = time.monotonic()
         self.last_step = step
 
-    def groups_arrived(self, now: float) -> bool:
+    def groups_arrived(self) -> bool:
         """Whether the trainer holds more groups for its next step than at the last look (its
-        status's `groups_in_hand`; read at most every HEALTH_INTERVAL_S; False when Redis does
-        not answer: its outage is said elsewhere). Groups put and then dropped are no progress."""
-        if now - self.last_look_at < HEALTH_INTERVAL_S:
-            return False
-        self.last_look_at = now
+        status's `groups_in_hand`; False when Redis does not answer: its outage is said
+        elsewhere). Groups put and then dropped are no progress."""
         try:
             trainer = self.buffer.statuses().get("trainer")
         except RedisError:
@@ -122,8 +119,8 @@ class Watchdog:
             problem = self._health()
             if problem:
                 return problem
-        if self.groups_arrived(now):  # a step is on its way
-            self.last_step_at = now
+            if self.groups_arrived():  # a step is on its way
+                self.last_step_at = now
         stalled = now - self.last_step_at
         if stalled < self.stall_warn_s:
             return ""

@@ -58,9 +58,10 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
         "--startup-timeout-s, --stall-fail-s set them)"
     ) in out.splitlines()
     toy = launcher.parse([])[0]
-    assert (toy.wall_limit_s(), toy.start_limit_s(), toy.stall_limit_s()) == (900, 180, 600)
+    limits = ("time_limit_s", "startup_timeout_s", "stall_fail_s")
+    assert tuple(toy.by_model(n) for n in limits) == (900, 180, 600)
     real = launcher.parse(["--model", str(model), "--time-limit-s", "60"])[0]
-    assert (real.wall_limit_s(), real.start_limit_s(), real.stall_limit_s()) == (60, 900, 3600)
+    assert tuple(real.by_model(n) for n in limits) == (60, 900, 3600)
     saved = real.resolved(str(model))
     assert (saved.lr, saved.time_limit_s, saved.startup_timeout_s) == (1e-6, 60.0, 900.0)
 

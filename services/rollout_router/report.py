@@ -58,9 +58,12 @@ class Drops:
         self.since_put[reason] += 1
         self.last = detail
 
+    def group_put(self) -> None:
+        self.since_put.clear()
+
     def note(self) -> str:
-        """ "" once a group is put; else the groups dropped since, by reason, and the last one's
-        detail."""
+        """The groups dropped since the last one put, by reason, and the last one's detail
+        (empty once a group is put)."""
         if not self.since_put:
             return ""
         reasons = ", ".join(f"{r} {n}" for r, n in self.since_put.most_common())

@@ -140,11 +140,7 @@ class RewardWorkers:
         (RewardCallError), not every sample. Whether it is `async` (then the router's loop runs
         it, not these workers)."""
         worker = Worker(self.path)
-        try:
-            await self._wait_ready(worker, max(START_TIMEOUT_S, self.timeout_s))
-        except BaseException:
-            worker.kill()
-            raise
+        await self._ready(worker)
         self.idle.append(worker)
         return worker.is_async
 
@@ -179,16 +175,17 @@ class RewardWorkers:
             self.busy.add(worker)
         if not worker.ready:
             try:
-                await self._wait_ready(worker, max(START_TIMEOUT_S, self.timeout_s))
+                await self._ready(worker)
             except BaseException:
-                worker.kill()
                 await self._give_back(worker)
                 raise
         return worker
 
-    @staticmethod
-    async def _wait_ready(worker: Worker, bound_s: float) -> None:
-        """A new worker's first message: ready, or why it could not load the function."""
+    async def _ready(self, worker: Worker) -> None:
+        """A new worker's first message: ready, or why it could not load the function (the
+        worker is killed then). Its start may take the longer of START_TIMEOUT_S and the
+        calls' timeout."""
+        bound_s = max(START_TIMEOUT_S, self.timeout_s)
         try:
             async with asyncio.timeout(bound_s):
                 status, detail = await worker.receive()
@@ -200,7 +197,11 @@ class RewardWorkers:
                     "--rm-timeout-s, which bounds a worker's start too when longer than 60 s)"
                 ),
             )
+        except BaseException:
+            worker.kill()
+            raise
         if status != "ready":
+            worker.kill()
             raise RewardCallError(f"could not start in a worker process: {detail}")
         worker.ready, worker.is_async = True, bool(detail)
 

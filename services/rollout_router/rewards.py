@@ -115,11 +115,17 @@ BUILTIN: dict[str, Callable[[str, str, bool], float]] = {
 }
 
 
+def split_path(path: str) -> tuple[str, str]:
+    """(module or file, function name) of a --custom-rm-path."""
+    module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
+    return module, name
+
+
 def load_function(path: str) -> Callable[..., Any]:
     """`package.module:function`, `package.module.function` or `path/to/file.py:function`;
     a module or file is looked up from the current directory first (as under `python -m`); a
     file imports modules beside it. The error names the path."""
-    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
+    module_name, attr = split_path(path)
     try:
         if module_name.endswith(".py"):
             file = Path(module_name).resolve()
@@ -321,8 +327,7 @@ async def make_reward(
                     workers,
                     timeout_s,
                 )
-                name = custom_rm_path.rpartition(":" if ":" in custom_rm_path else ".")[2]
-                limit = max_errors_in_a_row
+                limit, name = max_errors_in_a_row, split_path(custom_rm_path)[1]
                 return Reward(
                     timeout_s=timeout_s, workers=pool, max_errors_in_a_row=limit, name=name
                 )

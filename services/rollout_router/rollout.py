@@ -329,7 +329,7 @@ class RolloutLoop:
                 task.add_done_callback(self._give_backs.discard)
             raise
         self.backoff.succeeded()
-        self.drops.since_put.clear()
+        self.drops.group_put()
         self.recent.add(group)
         await self.stats.add(group, self)
 

@@ -176,9 +176,9 @@ def label_notes(path: str, rows: int, unlabeled: list[int], label_key: str) -> t
             f"compares the response with its label scores 0 ({flag})",
         )
     if unlabeled:
+        have = "has" if len(unlabeled) == 1 else "have"
         return (
-            f"{len(unlabeled)} of {rows} rows of {path} {'has' if len(unlabeled) == 1 else 'have'} "
-            f"no {label_key!r} (the first: row "
+            f"{len(unlabeled)} of {rows} rows of {path} {have} no {label_key!r} (the first: row "
             f"{unlabeled[0]}): left out, a reward would compare their responses with an empty "
             f"label ({flag})",
         )
