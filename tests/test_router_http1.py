@@ -104,3 +104,38 @@ async def test_a_refused_connection_and_a_timeout_raise_what_the_retry_logic_exp
         await pool.post(url, "/slow", b"")
     assert await pool.post(url, "/echo", b"ok") == (200, b"ok"), "usable after a timeout"
     pool.close()
+
+
+def test_a_connection_whose_transport_closed_before_its_loss_was_seen_is_replaced() -> None:
+    """On uvloop (the loop the router serves on) a write to a transport closed under the
+    connection raises RuntimeError, not an OSError: an engine killed between two requests made
+    that escape the retry logic and end the rollout loop. It is a broken connection: replaced."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> tuple[int, bytes]:
+        async def echo(request: web.Request) -> web.Response:
+            return web.Response(body=await request.read())
+
+        app = web.Application()
+        app.router.add_post("/echo", echo)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        pool = Http1Pool(timeout_s=5)
+        try:
+            await pool.post(url, "/echo", b"1")
+            [idle] = pool.idle[url]
+            assert idle.transport is not None
+            # the transport closes, and its connection_lost has not reached the connection yet
+            idle.connection_lost = lambda _exc: None  # type: ignore[method-assign]
+            idle.transport.close()
+            await asyncio.sleep(0.05)
+            assert not idle.closed
+            return await pool.post(url, "/echo", b"2")
+        finally:
+            pool.close()
+            await runner.cleanup()
+
+    assert uvloop.run(main()) == (200, b"2")

@@ -10,7 +10,8 @@ Failure modes, all raised as `ConnectionError` subclasses or `TimeoutError` so t
 retry logic treats them as "no answer": refused or reset connections, a connection closed
 before a complete response, an unparsable response, and the per-request timeout. A reused idle
 connection that the server had closed is retried once on a fresh connection before any byte of
-the answer arrived (the request never reached the server).
+the answer arrived (the request never reached the server), and so is one whose transport had
+closed before its loss was delivered (uvloop then raises RuntimeError on the write).
 """
 
 from __future__ import annotations
@@ -76,7 +77,11 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.chunks, self.received = [], False
         self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.writelines((head, body))
+        try:
+            self.transport.writelines((head, body))
+        except RuntimeError as exc:  # uvloop: the transport closed before its loss reached us
+            self.closed = True
+            raise ResponseError(f"connection closed before the request was sent ({exc})") from None
         return self.waiter
 
 
