@@ -14,10 +14,12 @@ router's `BufferBound` (depth bound `--max-depth`, as `--max-buffer-depth`) and 
 through it (packed there when it is lists: `proto.packed.pack`): group commits, one ledger PUT
 script per batch writing it as one stream entry (`groups_put`, the end of each group's
 flight). Consume, in a process of its own, as the trainer's intake does
-(services/trainer/rollout.py): read `--read-count` entries (`read_entries`), the trainer's
-status reads (counters, depth), decode their groups and run the trainer's checks on each
-(`intake.decode_groups`, `check_groups`), `incr_counter("groups_consumed")`, ack the entries,
-with the collector tuned as the trainer's (`tune_gc_for_reads`). Groups are realistic:
+(services/trainer/rollout.py, `Intake.read_rollout`): rollouts of `--rollout` groups, each
+read entry by entry (`read_entries`, a count of one entry per group still needed), the status
+(counters and depth read, status written) at a rollout's first read and then at most every
+`WAIT_REPORT_S`, each entry's groups decoded and checked (`intake.decode_groups`,
+`check_groups`); at the rollout's end (the step) `incr_counter("groups_consumed")` and the ack
+of its entries; the collector tuned as the trainer's (`tune_gc_for_reads`). Groups are realistic:
 `--group-bytes` (~4 KB) as stored (packed), 4 samples of token ids, log-probs and masks.
 Latency: a group's
 `created_at` is set when its put starts (after its slot: a producer's wait for room is not time
@@ -46,6 +48,7 @@ from __future__ import annotations
 import argparse
 import array
 import asyncio
+import math
 import multiprocessing as mp
 import os
 import resource
@@ -62,6 +65,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proto import Sample, SampleGroup, encode
+from proto.contract import ServiceStatus
 from proto.packed import Group, decode_entry, encode_entry, pack
 from services.rollout_router.backpressure import BufferBound
 from services.sample_buffer import (
@@ -73,6 +77,7 @@ from services.sample_buffer import (
     tune_gc_for_reads,
 )
 from services.trainer.intake import Limits, Rejected, check_groups, decode_groups
+from services.trainer.rollout import WAIT_REPORT_S
 
 LIMITS = Limits(vocab_size=1 << 20, max_tokens=1 << 20, max_response_len=1 << 20)
 
@@ -188,9 +193,10 @@ def raw_xadd(url: str, payload: bytes, seconds: float) -> tuple[float, str, floa
     return rate, how, client_us, server_us
 
 
-def consume(url: str, run_id: str, read_count: int, target: Any, out: Any) -> None:
+def consume(url: str, run_id: str, rollout: int, target: Any, out: Any) -> None:
     """The trainer's side, in a process of its own, until `target` (set by the producer once
-    it is done) groups are consumed."""
+    it is done) groups are consumed: rollouts of `rollout` groups read as the trainer's intake
+    reads them (`Intake.read_rollout`)."""
     buffer = SampleBuffer(BufferConfig(redis_url=url, run_id=run_id))
     buffer.wait_ready()
     buffer.ensure_consumer_group()
@@ -201,26 +207,34 @@ def consume(url: str, run_id: str, read_count: int, target: Any, out: Any) -> No
     latencies = array.array("d")
     first = last = 0.0
     cpu = time.process_time()
+    reported, in_rollout, read_ids = -math.inf, 0, []
     while target.value < 0 or len(latencies) < target.value:
-        buffer.counters_and_depth()  # the intake's status, once per read
-        entries = buffer.read_entries("bench-trainer", read_count, ">", block_ms=100)
+        if not in_rollout or time.monotonic() - reported >= WAIT_REPORT_S:
+            reported = time.monotonic()  # the intake's status (`_report_waiting`)
+            counters, _depth = buffer.counters_and_depth()
+            buffer.set_status(
+                ServiceStatus(role="trainer", state="waiting for samples", detail=counters)
+            )
+        # (as the trainer: a count of entries, one per group still needed)
+        entries = buffer.read_entries("bench-trainer", rollout - in_rollout, ">", block_ms=100)
         now = time.time()
         if not entries:
             continue
         first = first or time.perf_counter()
-        groups = []
         for entry_id, fields in entries:
             decoded = decode_groups(entry_id, fields)
             if isinstance(decoded, Rejected):
                 raise RuntimeError(f"entry {entry_id} rejected: {decoded.detail}")
             checked = check_groups([group for _, group in decoded], LIMITS, version=3)
-            fine = [group for group in checked if not isinstance(group, Rejected)]
-            if len(fine) < len(checked):
+            if any(isinstance(group, Rejected) for group in checked):
                 raise RuntimeError(f"a group of entry {entry_id} was rejected: {checked}")
-            groups += fine
-        latencies.extend([now - group.created_at for group in groups])
-        buffer.incr_counter("groups_consumed", len(groups))
-        buffer.ack([entry_id for entry_id, _ in entries])
+            latencies.extend([now - group.created_at for group in checked])  # type: ignore[union-attr]
+            in_rollout += len(checked)
+        read_ids += [entry_id for entry_id, _ in entries]
+        if in_rollout >= rollout or len(latencies) == target.value:  # the step's count, acks
+            buffer.incr_counter("groups_consumed", in_rollout)
+            buffer.ack(read_ids)
+            in_rollout, read_ids = 0, []
         last = time.perf_counter()
     out.put((last - first, latencies.tolist(), time.process_time() - cpu))
 
@@ -271,7 +285,7 @@ def phase(
     producer, the server and the consumer) of one producer/consumer run."""
     context = mp.get_context("fork")  # before any event loop or client thread exists
     results, target = context.Queue(), context.Value("q", -1)
-    consumer = context.Process(target=consume, args=(url, run_id, args.read_count, target, results))
+    consumer = context.Process(target=consume, args=(url, run_id, args.rollout, target, results))
     consumer.start()
     if results.get(timeout=60) != "ready":
         raise RuntimeError("the consumer process did not start")
@@ -324,8 +338,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="Length of each phase.")
     parser.add_argument("--group-bytes", type=int, default=4096, help="Encoded group size.")
     parser.add_argument("--producers", type=int, default=64, help="Concurrent producer tasks.")
-    parser.add_argument("--read-count", type=int, default=64, help="Groups per trainer read.")
-    parser.add_argument("--max-depth", type=int, default=256, help="The depth bound (groups).")
+    parser.add_argument(
+        "--rollout", type=int, default=64, help="Groups per trainer step (rollout_batch_size)."
+    )
+    parser.add_argument(
+        "--max-depth",
+        type=int,
+        default=256,
+        help="The depth bound (groups; the router's is 4 rollouts).",
+    )
     parser.add_argument("--redis-url", default="", help="Use this server (default: start one).")
     args = parser.parse_args(argv)
     server = None if args.redis_url else RedisServer().start()

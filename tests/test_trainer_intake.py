@@ -385,3 +385,30 @@ def test_a_torn_packed_array_is_dead_lettered_as_undecodable_not_a_crash(
     assert rollout is not None and [g.group_id for g in rollout.groups] == ["ok"]
     (letter,) = buffer.dead_letters()
     assert letter.reason == R.UNDECODABLE and "not whole 4-byte values" in letter.detail
+
+
+def test_reading_groups_back_to_back_reports_the_status_once_a_rollout_not_once_a_read(
+    buffer: SampleBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.trainer import rollout as rollout_module
+
+    for i in range(8):  # eight entries of one group, read one at a time: eight reads a rollout
+        buffer.put_group(group(0, [0.0, 1.0], gid=f"g{i}"))
+    reports: list[int] = []
+    intake = intake_of(buffer, 4)
+    intake.report = lambda *a, **k: reports.append(k["groups_in_hand"])  # type: ignore[method-assign]
+    read, reads = buffer.read_entries, []
+
+    def one_at_a_time(consumer: str, count: int, start: str = ">", block_ms: int | None = None):  # type: ignore[no-untyped-def]
+        reads.append(count)
+        return read(consumer, 1, start, block_ms)
+
+    monkeypatch.setattr(buffer, "read_entries", one_at_a_time)
+    for _ in range(2):
+        assert intake.read_rollout(0, lambda: False) is not None
+    assert len(reads) >= 8 and reports == [0, 0], "one status a rollout, at its first read"
+    monkeypatch.setattr(rollout_module, "WAIT_REPORT_S", 0.0)  # later reads report when due
+    for i in range(4):
+        buffer.put_group(group(0, [0.0, 1.0], gid=f"h{i}"))
+    assert intake.read_rollout(0, lambda: False) is not None
+    assert reports[2:] == [0, 1, 2, 3]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,10 @@ log = logging.getLogger("tandem.trainer")
 # Entries taken in the one read that drains the pending list at start-up; the stream holds at
 # most --max-buffer-depth untrained groups plus save_interval rollouts, far fewer than this.
 RESUME_READ_MAX = 1_000_000
+# While reads return groups back to back, the most often the intake reads the counters for its
+# status (and writes it): at each read, two Redis round trips of four per read were a third of
+# the intake's CPU (bench/buffer_throughput.py). A rollout's first read always reports.
+WAIT_REPORT_S = 0.25
 
 
 @dataclass
@@ -74,6 +79,7 @@ class Intake:
         self.unacked: list[str] = []  # keys trained or dropped stale, waiting for a checkpoint
         self.already_trained: set[str] = set()  # keys (or entry ids) a loaded checkpoint holds
         self.dead_lettered: Counter[str] = Counter()
+        self.reported_at = -math.inf  # monotonic time of the last status while reading
 
     def read_rollout(self, version: int, stop: Callable[[], bool]) -> Rollout | None:
         """`rollout_batch_size` groups fit to train at `version` (None: a stop was requested)."""
@@ -153,7 +159,12 @@ class Intake:
         return self.buffer.read_entries(consumer, count, ">", self.cfg.read_block_ms)
 
     def _report_waiting(self, in_hand: int, version: int) -> None:
-        """Status while the rollout is incomplete (called each time a blocking read wakes)."""
+        """Status while the rollout is incomplete (called before each read): at a rollout's
+        first read, then at most every WAIT_REPORT_S."""
+        now = time.monotonic()
+        if in_hand and now - self.reported_at < WAIT_REPORT_S:
+            return
+        self.reported_at = now
         need, (counters, depth) = self.cfg.rollout_batch_size, self.buffer.counters_and_depth()
         put, consumed = counters.get("groups_put", 0), counters.get("groups_consumed", 0)
         known = in_hand + len(self.in_hand) + len(self.unacked) + len(self.held)
