@@ -16,8 +16,7 @@ script per batch writing it as one stream entry (`groups_put`, the end of each g
 flight). Consume, in a process of its own, as the trainer's intake does
 (services/trainer/rollout.py, `Intake.read_rollout`): rollouts of `--rollout` groups, each
 read entry by entry (`read_entries`, a count of one entry per group still needed), the status
-(counters and depth read, status written) at a rollout's first read and then at most every
-`WAIT_REPORT_S`, each entry's groups decoded and checked (`intake.decode_groups`,
+(counters and depth read, status written) at most every `WAIT_REPORT_S`, each entry's groups decoded and checked (`intake.decode_groups`,
 `check_groups`); at the rollout's end (the step) `incr_counter("groups_consumed")` and the ack
 of its entries; the collector tuned as the trainer's (`tune_gc_for_reads`). Groups are realistic:
 `--group-bytes` (~4 KB) as stored (packed), 4 samples of token ids, log-probs and masks.
@@ -209,7 +208,7 @@ def consume(url: str, run_id: str, rollout: int, target: Any, out: Any) -> None:
     cpu = time.process_time()
     reported, in_rollout, read_ids = -math.inf, 0, []
     while target.value < 0 or len(latencies) < target.value:
-        if not in_rollout or time.monotonic() - reported >= WAIT_REPORT_S:
+        if time.monotonic() - reported >= WAIT_REPORT_S:
             reported = time.monotonic()  # the intake's status (`_report_waiting`)
             counters, _depth = buffer.counters_and_depth()
             buffer.set_status(

@@ -7,8 +7,9 @@ the backlog is at `--max-buffer-depth`: the rollout loop as long as it takes (it
 `waiting_for_buffer`); a reward post up to `--session-put-timeout-s`, then it is answered 503
 with Retry-After and its session is kept, so the agent posts again and nothing is lost. Slots
 are handed out in arrival order and the bound is exact for this router (one router per run):
-the free room is read from Redis only when the slots known free run out, and a slot is taken
-before its group is written, so a read never misses a group on its way.
+the free room is learned from each write's reply (the backlog after it) and read from Redis
+only when the slots known free run out, and a slot is taken before its group is written, so a
+read never misses a group on its way.
 
 Writes are group commits: a group put while another write is under way joins the next batch,
 one ledger PUT script call writing the batch as one stream entry (or a few: ledger.py), so puts
@@ -192,16 +193,7 @@ class BufferBound:
                     if not head.done():
                         head.set_exception(exc)
                     continue
-                let_go = 0
-                while self._room > 0 and self._line:
-                    waiter = self._line.popleft()
-                    if waiter.slot.done():  # cancelled: its producer is on its way out
-                        continue
-                    self._room -= 1
-                    self._unwritten += 1
-                    waiter.slot.set_result(None)
-                    let_go += 1
-                if let_go or not self._line:
+                if self._let_go() or not self._line:
                     poll_s = PUT_POLL_S
                     continue
                 if self._line[0].on_full is not None:
@@ -211,6 +203,19 @@ class BufferBound:
         finally:  # cancelled (the loop is closing): nobody is left waiting for nothing
             while self._line:
                 self._line.popleft().slot.cancel()
+
+    def _let_go(self) -> int:
+        """Let as many of the line go, head first, as there is room known free; how many."""
+        let_go = 0
+        while self._room > 0 and self._line:
+            waiter = self._line.popleft()
+            if waiter.slot.done():  # cancelled: its producer is on its way out
+                continue
+            self._room -= 1
+            self._unwritten += 1
+            waiter.slot.set_result(None)
+            let_go += 1
+        return let_go
 
     async def _free(self) -> int:
         """Slots free now (conservative: a group being written may count twice)."""
@@ -234,7 +239,7 @@ class BufferBound:
         while self._queue:
             batch, self._queue = self._queue, []
             try:
-                ids = await self.buffer.put_groups([group for group, _ in batch])
+                ids, backlog = await self.buffer.put_batch([group for group, _ in batch])
             except Exception as exc:  # the producers see it (a RedisError: Redis is down)
                 for _group, future in batch:
                     if not future.done():
@@ -242,6 +247,10 @@ class BufferBound:
                 continue
             finally:
                 self._unwritten -= len(batch)
+            if self.max_depth:  # the room as of the put: never less than known (the trainer
+                # only consumes meanwhile), and no read of the counters of its own
+                self._room = max(self._room, self.max_depth - backlog - self._unwritten)
+                self._let_go()
             for (_group, future), entry in zip(batch, ids, strict=True):
                 if not future.done():
                     future.set_result(entry)

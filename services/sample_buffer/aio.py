@@ -90,13 +90,17 @@ class AsyncSampleBuffer(BufferKeys):
         """Groups put and not yet consumed by the trainer (what --max-buffer-depth bounds)."""
         return keys.backlog(await self.counters())
 
-    async def put_groups(self, groups: list[SampleGroup | PackedGroup]) -> list[str]:
+    async def put_batch(self, groups: list[SampleGroup | PackedGroup]) -> tuple[list[str], int]:
         """Append groups in one ledger PUT (one script call, atomic: the XADDs of their
         entries, the end of each group's flight, and `groups_put`); each group's key
-        (`entry/index`). The depth bound is the producer's (the router's backpressure.py)."""
+        (`entry/index`), and the backlog after the put. The depth bound is the producer's (the
+        router's backpressure.py)."""
         (script_keys, args), counts = ledger.put_call(self, groups)
-        replies = await io(self.scripts["put"](keys=script_keys, args=args))
-        return ledger.group_keys([keys.entry_id(raw) for raw in replies], counts)
+        return ledger.put_reply(await io(self.scripts["put"](keys=script_keys, args=args)), counts)
+
+    async def put_groups(self, groups: list[SampleGroup | PackedGroup]) -> list[str]:
+        """`put_batch`'s keys."""
+        return (await self.put_batch(groups))[0]
 
     async def put_group(self, group: SampleGroup | PackedGroup) -> str:
         return (await self.put_groups([group]))[0]

@@ -191,8 +191,7 @@ class SampleBuffer(BufferKeys):
         in one script: the XADDs of their entries, `groups_put` and the end of each group's
         flight (ledger.py). Returns each group's key (`entry/index`)."""
         (script_keys, args), counts = ledger.put_call(self, groups)
-        reply = self.scripts["put"](keys=script_keys, args=args)
-        return ledger.group_keys([keys.entry_id(raw) for raw in reply], counts)
+        return ledger.put_reply(self.scripts["put"](keys=script_keys, args=args), counts)[0]
 
     def put_group(self, group: SampleGroup | PackedGroup) -> str:
         return self.put_groups([group])[0]

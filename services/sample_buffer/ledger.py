@@ -38,7 +38,7 @@ import msgspec
 from proto import DropRecord, SampleGroup, encode
 from proto.drops import DropReason
 from proto.packed import PackedGroup, encode_entry, entry_of, group_key, pack
-from services.sample_buffer.keys import BufferKeys
+from services.sample_buffer.keys import BufferKeys, entry_id
 
 if TYPE_CHECKING:
     from services.sample_buffer.buffer import SampleBuffer
@@ -70,7 +70,9 @@ return p
 # counts, then every group id as one msgpack array (a batch of groups, one script call: the
 # router's group commit; one argument, not one a group: each costs the client ~1 µs).
 # Each entry holds several groups (proto/packed.py); `entry_groups` notes the count of an entry
-# of more than one (the buffer's depth, `ACK`). Returns the entries' stream ids, in order.
+# of more than one (the buffer's depth, `ACK`). Returns the entries' stream ids, in order,
+# then the backlog after the put (groups_put - groups_consumed: the router's room, read
+# without a round trip of its own).
 # The counts are written once per batch, after its XADDs (a group id written twice in a batch
 # ends one flight and counts the other generated, as one call per group would). Only a script's
 # first write can fail on a full server (later ones are let through to keep it atomic), so a
@@ -89,6 +91,8 @@ for i = 1, #names, 1000 do -- unpack's bound: a few thousand values
   ended = ended + redis.call('HDEL', KEYS[3], unpack(names, i, math.min(i + 999, #names)))
 end
 if ended < #names then redis.call('HINCRBY', KEYS[2], 'groups_generated', #names - ended) end
+local c = redis.call('HMGET', KEYS[2], 'groups_put', 'groups_consumed')
+ids[#ids + 1] = (tonumber(c[1]) or 0) - (tonumber(c[2]) or 0)
 return ids
 """
 
@@ -296,6 +300,12 @@ def put_call(keys: BufferKeys, groups: list[SampleGroup | PackedGroup]) -> tuple
         [keys.samples_key, keys.counters_key, keys.in_flight_key, keys.entry_groups_key],
         args,
     ), counts
+
+
+def put_reply(reply: list[Any], counts: list[int]) -> tuple[list[str], int]:
+    """A PUT's reply: the key of each group it wrote, and the backlog after it (>= 0)."""
+    *ids, backlog = reply
+    return group_keys([entry_id(raw) for raw in ids], counts), max(int(backlog), 0)
 
 
 def group_keys(entry_ids: list[str], counts: list[int]) -> list[str]:

@@ -44,7 +44,8 @@ log = logging.getLogger("tandem.trainer")
 RESUME_READ_MAX = 1_000_000
 # While reads return groups back to back, the most often the intake reads the counters for its
 # status (and writes it): at each read, two Redis round trips of four per read were a third of
-# the intake's CPU (bench/buffer_throughput.py). A rollout's first read always reports.
+# the intake's CPU (bench/buffer_throughput.py). The status is then at most this plus one read
+# (--read-block-ms) old.
 WAIT_REPORT_S = 0.25
 
 
@@ -159,10 +160,10 @@ class Intake:
         return self.buffer.read_entries(consumer, count, ">", self.cfg.read_block_ms)
 
     def _report_waiting(self, in_hand: int, version: int) -> None:
-        """Status while the rollout is incomplete (called before each read): at a rollout's
-        first read, then at most every WAIT_REPORT_S."""
+        """Status while the rollout is incomplete (called before each read), at most every
+        WAIT_REPORT_S."""
         now = time.monotonic()
-        if in_hand and now - self.reported_at < WAIT_REPORT_S:
+        if now - self.reported_at < WAIT_REPORT_S:
             return
         self.reported_at = now
         need, (counters, depth) = self.cfg.rollout_batch_size, self.buffer.counters_and_depth()
