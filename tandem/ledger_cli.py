@@ -17,8 +17,9 @@ from pathlib import Path
 
 import redis
 
-from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from services.sample_buffer import BufferConfig, SampleBuffer
 from services.sample_buffer.ledger import Ledger
+from tandem.run_redis import saved_redis
 
 # A live trainer counts a rollout consumed, then trained: a reading between the two is off by
 # that rollout for a moment, so an unbalanced reading of a live run is taken again.
@@ -54,7 +55,7 @@ def read_ledger(run_dir: Path | None, redis_url: str, run_id: str) -> Ledger:
         return read_live(SampleBuffer(BufferConfig(redis_url=live, run_id=run_id)))
     assert run_dir is not None
     if (run_dir / "redis").is_dir():
-        with RedisServer(data_dir=run_dir / "redis") as server:
+        with saved_redis(run_dir) as server:
             return SampleBuffer(BufferConfig(redis_url=server.url, run_id=run_id)).ledger()
     saved = run_dir / "ledger.json"
     if saved.is_file():

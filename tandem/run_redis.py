@@ -18,8 +18,15 @@ from pathlib import Path
 import redis
 
 from services.sample_buffer import RedisServer
+from tandem.supervisor import die_with_parent
 
 REDIS_FILE = "redis.json"  # {"url", "run_id", "own"}, written by `tandem up`
+
+
+def saved_redis(run_dir: Path, log_dir: Path | None = None) -> RedisServer:
+    """A private server on a run folder's saved data (`RUN_DIR/redis`), for the time of a
+    read; it dies with the command that started it, even one killed with SIGKILL."""
+    return RedisServer(log_dir=log_dir, data_dir=run_dir / "redis", preexec_fn=die_with_parent)
 
 
 class RunNotFoundError(ValueError):
@@ -68,7 +75,7 @@ def open_run(args: argparse.Namespace) -> Iterator[tuple[redis.Redis, str, str]]
         return
     if not (run_dir / "redis").is_dir():
         raise RunNotFoundError(f"{run_dir}: its Redis at {url} is gone and no redis/ data is left")
-    with RedisServer(log_dir=run_dir / "logs" / "read", data_dir=run_dir / "redis") as server:
+    with saved_redis(run_dir, run_dir / "logs" / "read") as server:
         yield redis.Redis.from_url(server.url), run_id, f"{run_dir}/redis (saved data)"
 
 

@@ -48,6 +48,10 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
 
     assert trainer_lr() == "0.001"
     assert trainer_lr("--model", str(model)) == "1e-06"
+    # the trainer run on its own (compose, a cluster's launcher) takes a pretrained model's rate
+    from services.trainer.config import TrainerConfig
+
+    assert TrainerConfig(model=str(model)).lr == 1e-6
     assert trainer_lr("--model", str(model), "--lr", "3e-6") == "3e-06"
     run = SimpleNamespace(config=launcher.parse(["--model", str(model)])[0], eval_task="")
     UpRun.say_router_terms(run, {"eval_task": "t"})  # type: ignore[arg-type]

@@ -314,3 +314,45 @@ def test_timeline_spans_written_by_a_service_come_back_as_a_chrome_trace(
 
 def test_crc32c_is_the_castagnoli_checksum_tensorboard_expects() -> None:
     assert crc32c(b"123456789") == 0xE3069283  # the standard check value
+
+
+def test_a_read_command_killed_with_sigkill_takes_its_private_redis_with_it(
+    tmp_path: Path,
+) -> None:
+    """`tandem metrics/timeline/ledger RUN` start a server on a finished run's saved data; a
+    command killed outright must not leave it running (the orphan held the folder's AOF)."""
+    (tmp_path / "redis").mkdir()
+    info = {"url": "redis://127.0.0.1:1/0", "run_id": "r", "own": True}  # gone: nothing answers
+    (tmp_path / "redis.json").write_text(json.dumps(info))
+    code = (
+        "import argparse, time\n"
+        "from tandem.run_redis import open_run\n"
+        f"args = argparse.Namespace(run_dir={str(tmp_path)!r}, redis_url='', run_id='')\n"
+        "with open_run(args) as (client, run_id, where):\n"
+        "    print(client.info('server')['process_id'], flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    reader = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
+    try:
+        server = psutil.Process(int(reader.stdout.readline()))  # type: ignore[union-attr]
+        assert server.is_running() and "server" in server.name()
+    finally:
+        reader.kill()
+        reader.wait(timeout=10)
+
+    def gone() -> bool:
+        try:
+            return not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    try:
+        wait_until(gone, "the private Redis gone with its command", timeout_s=15)
+    finally:
+        if not gone():
+            server.kill()

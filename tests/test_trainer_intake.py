@@ -226,6 +226,8 @@ def trainer_args(toy_model_dir: Path, buffer: SampleBuffer, *extra: str) -> list
         "10",
         "--max-response-len",
         "8",
+        "--lr",
+        "1e-3",  # the toy model's rate, as tandem up passes it
         *extra,
     ]
 

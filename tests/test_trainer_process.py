@@ -117,6 +117,8 @@ def common_args(toy_model_dir: Path, buffer, endpoint: str = "") -> list[str]:  
         "4",
         "--read-block-ms",
         "200",
+        "--lr",
+        "1e-3",  # the toy model's rate, as tandem up passes it
     ]
 
 

@@ -94,7 +94,11 @@ class TrainerConfig:
     )
 
     # --- optimizer -------------------------------------------------------------------------
-    lr: float = _f(1e-3, "Peak learning rate (AdamW).")
+    lr: float = _f(
+        1e-6,
+        "Peak learning rate (AdamW). The default suits a pretrained model; `tandem up` passes "
+        "1e-3 for its toy model, whose rate would wreck a pretrained one in a few steps.",
+    )
     min_lr: float = _f(0.0, "Learning rate at the end of the decay.")
     lr_decay_style: str = _f(
         "constant", "Schedule after warm-up.", choices=["constant", "linear", "cosine"]
