@@ -37,6 +37,9 @@ def score(text, label, stopped):
         return float("nan")
     if text == "pid":
         return os.getpid()
+    if text == "slow":
+        time.sleep(0.5)
+        return -1.0
     return float(len(text)) if stopped else 0.0
 '''
 
@@ -281,3 +284,29 @@ def test_the_router_leaves_the_function_to_its_workers_and_a_bad_one_fails_its_s
         f"could not start in a worker process: --custom-rm-path '{path}:one': one(text) cannot "
         "be called as one(response_text, label, stopped)"
     )
+
+
+def test_a_cancelled_call_keeps_its_worker_and_its_late_answer_goes_to_no_other_call(
+    reward_file,
+) -> None:
+    """A stopped rollout cancels its calls: the worker finishes the call and is used again (a
+    new one would load the function's module again), and the next call gets its own value."""
+    from services.rollout_router.reward_workers import RewardWorkers
+
+    async def scenario() -> tuple[Any, ...]:
+        pool = RewardWorkers(reward_file, 1, 5.0)
+        await pool.start()
+        try:
+            before = await pool.call("pid", "l", True)
+            call = asyncio.create_task(pool.call("slow", "l", True))
+            await asyncio.sleep(0.1)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            return before, await pool.call("pid", "l", True), await pool.call("abc", "l", True)
+        finally:
+            pool.close()
+
+    before, after, value = asyncio.run(scenario())
+    assert after == before, "the same worker process answers after the cancel"
+    assert value == 3.0

@@ -4,7 +4,8 @@ A reward function runs user code: a math verifier that takes a second on one ans
 returns on another, would hold up the router's event loop (its HTTP API, the engines' health
 checks, every other rollout) for as long. So each call goes to an idle worker process and is
 bounded by `--rm-timeout-s`: a worker that overruns it is killed and replaced and its sample
-dropped as `reward_error`, naming the flag; a worker that dies is replaced the same way. Workers
+dropped as `reward_error`, naming the flag; a worker that dies is replaced the same way; a
+call cancelled (the rollout stopped) leaves its worker to finish it before the next. Workers
 are new interpreters (the router has threads: no fork), load the function themselves from its
 path, say when they are ready (the timeout counts from then), and die with the router (Linux:
 their parent's death signals them, even while the function hangs).
@@ -134,6 +135,7 @@ class RewardWorkers:
         self.idle: list[Worker] = []
         self.busy: set[Worker] = set()
         self._freed: asyncio.Condition | None = None
+        self._drains: set[asyncio.Task] = set()
 
     async def start(self) -> bool:
         """Start the first worker now: a function that does not load fails the router's start
@@ -146,7 +148,7 @@ class RewardWorkers:
 
     async def call(self, text: str, label: str, stopped: bool) -> Any:
         """The function's value for one response; RewardCallError naming what went wrong."""
-        worker = await self._take()
+        worker, draining = await self._take(), False
         try:
             worker.send((text, label, stopped))
             async with asyncio.timeout(self.timeout_s):
@@ -157,14 +159,32 @@ class RewardWorkers:
                 f"did not return within {self.timeout_s:g}s (--rm-timeout-s): its worker "
                 "process was killed and is replaced"
             ) from None
+        except asyncio.CancelledError:  # (the rollout stopped): its answer is still to come
+            draining = True
+            drain = asyncio.create_task(self._drain(worker), name="reward worker drain")
+            self._drains.add(drain)
+            drain.add_done_callback(self._drains.discard)
+            raise
         except BaseException:
             worker.kill()
             raise
         finally:
-            await self._give_back(worker)
+            if not draining:
+                await self._give_back(worker)
         if status == "raised":
             raise RewardCallError(f"raised {value}")
         return value
+
+    async def _drain(self, worker: Worker) -> None:
+        """Read the answer of a cancelled call, within --rm-timeout-s, before the worker
+        takes another call: killed, it would load the function's module again (a verifier's
+        model, minutes). Killed when it overruns, as a call would be."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await worker.receive()
+        except BaseException:  # overran, died, or the loop is closing
+            worker.kill()
+        await self._give_back(worker)
 
     async def _take(self) -> Worker:
         if self._freed is None:
