@@ -19,7 +19,8 @@ from pathlib import Path
 
 from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
-from services.rollout_router.config import reward_problem
+from services.rollout_router.config import DataConfig, reward_problem
+from services.rollout_router.tasks import first_row_problem
 from tandem.up_args import conflicts, given_fields, join_passthrough, resumed_config
 from tandem.up_services import service_args, trainer_on_gpu
 
@@ -356,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     return run.run()
 
 
+INPUT_KEY = DataConfig().input_key  # the router's, when --input-key is not given
+
+
 def validate(config: UpConfig) -> list[str]:
     problems = []
     if config.num_engines < 1:
@@ -386,6 +390,8 @@ def validate(config: UpConfig) -> list[str]:
     ):
         if data and not Path(data).is_file():
             problems.append(f"{flag} {data}: no such file")
+        elif data and (problem := first_row_problem(data, config.input_key or INPUT_KEY)):
+            problems.append(problem)
     if config.custom_rm_path.rpartition(":")[0].endswith(".py"):
         file = config.custom_rm_path.rpartition(":")[0]
         if not Path(file).is_file():

@@ -25,6 +25,7 @@ from services.common.config_file import (
     options,
     to_toml,
 )
+from services.common.flags import config_from_args
 from tandem.launcher import UpConfig, build_parser
 from tandem.up_services import service_args
 
@@ -112,12 +113,33 @@ def service_table(
         values = vars(parser.parse_args(own + extra))
     except ConfigError as exc:  # only the pass-through flags can be unknown here
         raise ConfigError(f"--{name}-args: {exc}") from exc
+    _check(name, values)
     table = {key: values[key] for key in options(parser)}
     notes = {key: _origin(name, key) for key in managed}
     for key in table:
         if key.endswith("token") and table[key]:  # a secret stays out of the run folder
             table[key], notes[key] = "", "not recorded (a secret): give it again"
     return table, notes
+
+
+def _check(name: str, values: dict[str, Any]) -> None:
+    """The router's and the trainer's own checks of their resolved settings, before anything
+    starts (they refused them only once Redis and the engines were up: minutes for a real
+    model); ConfigError naming the service and the flag. The model's folder is checked when
+    it is there (the toy model is written at the start)."""
+    flags = argparse.Namespace(**values)
+    try:
+        if name == "router":
+            from services.rollout_router.config import RouterConfig
+
+            router = config_from_args(RouterConfig, flags)
+            router.validate(model=Path(router.rollout.model).is_dir())
+        elif name == "trainer":
+            from services.trainer.config import TrainerConfig
+
+            config_from_args(TrainerConfig, flags).validate()
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
 
 
 UP_KEYS = {f.name for f in dataclasses.fields(UpConfig)}

@@ -38,7 +38,7 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
 
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text('{"model_type": "llama"}')
 
     def trainer_lr(*argv: str) -> str:
         config, problems = launcher.parse(list(argv))
@@ -266,7 +266,7 @@ def test_tandem_up_names_the_fields_of_a_dataset_row_for_the_router(
     flags: list[str], keys: tuple[str, str], tmp_path: Path, monkeypatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.jsonl").write_text('{"prompt": "1", "label": "1"}\n')
+    (tmp_path / "train.jsonl").write_text(json.dumps(dict.fromkeys(keys, "1")) + "\n")
     config, problems = launcher.parse(["--prompt-data", "train.jsonl", *flags])
     assert problems == [
         f"--prompt-data {tmp_path / 'train.jsonl'}: choose how its responses are scored: "

@@ -54,7 +54,7 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     started = []
     monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self.config) or 0)
     (run / "model").mkdir()
-    (run / "model" / "config.json").write_text("{}")
+    (run / "model" / "config.json").write_text('{"model_type": "llama"}')
     assert launcher.main(["--resume", str(run), "--max-steps", "5"]) == 0
     config = started[0]
     assert (config.seed, config.max_steps, config.run_dir) == (7, 5, str(run))
@@ -94,6 +94,37 @@ def test_a_data_file_that_is_not_there_is_refused_before_anything_starts(
     err = capsys.readouterr().err
     assert "--prompt-data train.jsonl: no such file" in err
     assert "--eval-prompt-data ev.jsonl: no such file" in err
+    assert not (tmp_path / "runs").exists(), "nothing started"
+
+
+def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """The router's and trainer's own checks, and a data file's first row, run in tandem up's
+    parse: they failed only after Redis and the engines had started (minutes for a model)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "q.jsonl").write_text('\n{"question": "1+1", "label": "2"}\n')
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    cases = {
+        ("--rollout-batch-size", "0"): (
+            "router: --rollout-batch-size and --n-samples-per-prompt must be >= 1"
+        ),
+        ("--trainer-args=--kl-coef=0.1",): (
+            "trainer: --kl-coef > 0 needs --ref-load (the frozen reference model)"
+        ),
+        ("--prompt-data", "q.jsonl", "--rm-type", "exact_match"): (
+            "q.jsonl: row 2 has no 'prompt' (--input-key, a flag of tandem up and of the router, "
+            "names the prompt's field): it has ['label', 'question']"
+        ),
+        ("--prompt-data", "bad.jsonl", "--rm-type", "exact_match"): "bad.jsonl:1: not JSON",
+    }
+    for argv, expected in cases.items():
+        assert launcher.main(list(argv)) == 2, argv
+        assert expected in capsys.readouterr().err, argv
+    _config, problems = launcher.parse(
+        ["--prompt-data", "q.jsonl", "--input-key", "question", "--rm-type", "exact_match"]
+    )
+    assert problems == []
     assert not (tmp_path / "runs").exists(), "nothing started"
 
 

@@ -178,12 +178,13 @@ class RolloutConfig:
         ahead = -(-self.max_staleness // self.num_steps_per_rollout)
         return (ahead + 1) * self.rollout_batch_size
 
-    def validate(self) -> None:
-        if self.rollout and not self.model:
+    def validate(self, model: bool = True) -> None:
+        """ValueError naming the flag to change; `model`: check the model's folder too."""
+        if model and self.rollout and not self.model:
             raise ValueError("--model is required for rollouts (or pass --no-rollout)")
-        if self.model and not Path(self.model).is_dir():
+        if model and self.model and not Path(self.model).is_dir():
             raise ValueError(f"--model {self.model}: not a directory (expected a HF model dir)")
-        if self.model:  # the engines serve this model: refuse what no Tandem service runs
+        if model and self.model:  # the engines serve this model: refuse what none runs
             check_model_config(*read_config(self.model))
         if self.rollout_batch_size < 1 or self.n_samples_per_prompt < 1:
             raise ValueError("--rollout-batch-size and --n-samples-per-prompt must be >= 1")
@@ -406,9 +407,11 @@ class RouterConfig:
         },
     )
 
-    def validate(self) -> None:
+    def validate(self, model: bool = True) -> None:
+        """ValueError naming the flag to change (`model`: the model's folder too; tandem up
+        checks the rest before anything starts, when the toy model is not yet written)."""
         self.workers.validate()
-        self.rollout.validate()
+        self.rollout.validate(model)
         self.sampling.validate()
         self.reward.validate()
         self.buffer.validate()

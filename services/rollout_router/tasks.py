@@ -86,6 +86,36 @@ def read_rows(path: str, flag: str = "--prompt-data") -> list[dict[str, Any]]:
     return rows
 
 
+def no_input_key(path: str, number: int, input_key: str) -> str:
+    return (
+        f"{path}: row {number} has no {input_key!r} (--input-key, a flag of tandem up and of the "
+        "router, names the prompt's field)"
+    )
+
+
+def first_row_problem(path: str, input_key: str) -> str:
+    """Why the first row of `path` cannot be read as a prompt ("" when it can): a cheap look
+    for `tandem up` before anything starts (the router reads every row at its start)."""
+    if Path(path).suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        names = pq.read_schema(path).names
+        return "" if input_key in names else f"{no_input_key(path, 1, input_key)}: it has {names}"
+    with open(path, encoding="utf-8", errors="replace") as rows:
+        for number, line in enumerate(rows, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                return f"{path}:{number}: not JSON ({exc})"
+            if not isinstance(row, dict) or input_key not in row:
+                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+                return f"{no_input_key(path, number, input_key)}: it has {keys}"
+            return ""
+    return f"{path}: no rows"
+
+
 def load_items(
     tokenizer: Any, path: str, input_key: str, label_key: str, chat: bool, flag: str
 ) -> tuple[list[Item], tuple[str, ...]]:
@@ -94,10 +124,7 @@ def load_items(
     items, unlabeled = [], []
     for number, row in enumerate(read_rows(path, flag), 1):
         if input_key not in row:
-            raise ValueError(
-                f"{path}: row {number} has no {input_key!r} (--input-key, a flag of tandem up and "
-                "of the router, names the prompt's field)"
-            )
+            raise ValueError(no_input_key(path, number, input_key))
         prompt, label = row[input_key], row.get(label_key)
         label = "" if label is None else label if isinstance(label, str) else json.dumps(label)
         if not label:
