@@ -117,4 +117,22 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
     merged = {k: v for k, v in saved.items() if k in known}
     merged.update({name: getattr(config, name) for name in given})
     merged.update(run_dir=str(run_dir), resume=str(run_dir), model=saved.get("model", ""))
-    return type(config)(**merged), problems
+    resumed = type(config)(**merged)
+    done = steps_saved(Path(resumed.save or run_dir / "checkpoints"))
+    if done >= resumed.max_steps:
+        problems.append(
+            f"--resume {run_dir}: its checkpoint is at step {done}, and --max-steps "
+            f"{resumed.max_steps} is the run's total: nothing to train; continue it with a "
+            f"higher --max-steps (tandem up --resume {run_dir} --max-steps {done + resumed.max_steps})"
+        )
+    return resumed, problems
+
+
+def steps_saved(checkpoints: Path) -> int:
+    """The step of the newest checkpoint in a --save folder (0 when none)."""
+    from services.trainer.lineage import TRACKER
+
+    try:
+        return int((checkpoints / TRACKER).read_text().strip())
+    except (OSError, ValueError):
+        return 0

@@ -58,6 +58,16 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     assert launcher.main(["--resume", str(run), "--max-steps", "5"]) == 0
     config = started[0]
     assert (config.seed, config.max_steps, config.run_dir) == (7, 5, str(run))
+    # a run whose checkpoint reached --max-steps (the run's total) has nothing to train
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("5")
+    assert launcher.main(["--resume", str(run), "--max-steps", "5"]) == 2
+    assert (
+        f"--resume {run}: its checkpoint is at step 5, and --max-steps 5 is the run's total: "
+        f"nothing to train; continue it with a higher --max-steps (tandem up --resume {run} "
+        "--max-steps 10)"
+    ) in capsys.readouterr().err
+    assert launcher.main(["--resume", str(run), "--max-steps", "6"]) == 0
     assert not (tmp_path / "missing" / "up_config.json").exists()
     assert launcher.main(["--resume", str(tmp_path / "missing")]) == 2
     assert "not a tandem up run folder" in capsys.readouterr().err
