@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import httpx
 import numpy as np
@@ -216,3 +217,20 @@ async def test_an_nccl_offer_that_fails_its_hmac_is_refused_naming_the_secret(
         offers.cancel()
         sender.close()
         transport.stop()
+
+
+def test_a_version_sent_again_or_an_older_one_is_refused_saying_which() -> None:
+    from services.weight_broker.store import VersionStore
+
+    store = VersionStore()
+
+    def bucket(version: int) -> Any:
+        meta = [TensorMeta("w", "float32", [4])]
+        header = WeightBucketHeader(version=version, bucket_index=0, num_buckets=1, tensors=meta)
+        return store.add_bucket(header, [encode(header), np.zeros(4, np.float32).tobytes()])
+
+    assert bucket(2) is not None and store.latest == 2
+    with pytest.raises(ValueError, match=r"^weight version 2 arrived again: it is held$"):
+        bucket(2)
+    with pytest.raises(ValueError, match="arrived after version 2: versions must increase"):
+        bucket(1)

@@ -181,7 +181,11 @@ class Trainer:
         """Run until `max_steps` optimizer steps are done or a stop is requested; returns steps."""
         start_version = self.version
         if self.version > 0 and self.cfg.weights_endpoint:  # engines start from --model
+            # a broker that asked for this version before (it started while this trainer loaded
+            # its checkpoint) has it with this send: not sent twice
+            asked = self.buffer.get_version("resend") if self.buffer is not None else -1
             self.publish_weights(increment=False)
+            self.resent = self.version if asked == self.version else self.resent
         while not self._done():
             waiting_since = time.time()
             rollout = self.pull_rollout()

@@ -42,7 +42,9 @@ class VersionStore:
                 f"0..{header.num_buckets - 1}"
             )
         with self._lock:
-            if header.version <= self.latest:
+            if header.version == self.latest:
+                raise ValueError(f"weight version {header.version} arrived again: it is held")
+            if header.version < self.latest:
                 raise ValueError(
                     f"weight version {header.version} arrived after version {self.latest}: "
                     "versions must increase (was the trainer restarted without --load?)"
