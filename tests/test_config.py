@@ -246,8 +246,16 @@ def test_data_whose_rows_have_no_label_is_named_on_the_console(tmp_path: Path, c
     rows[12]["label"] = ""
     del rows[20]["label"]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    task = dataset_task(*args)
+    tokenized: list[str] = []
+
+    class Counting(DigitTokenizer):
+        def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+            tokenized.append(text)
+            return super().__call__(text, add_special_tokens)
+
+    task = dataset_task(Counting(), *args[1:])
     assert len(task.train) == 36 and all(item.label for item in task.train)
+    assert sorted(tokenized) == sorted(f"{i}>" for i in range(40) if i not in (3, 7, 12, 20))
     assert task.notes == (
         f"4 of 40 rows of {tmp_path / 'train.jsonl'} have no 'label' (the first: row 4): left "
         "out, a reward would compare their responses with an empty label (--label-key, a flag "

@@ -120,25 +120,29 @@ def load_items(
     tokenizer: Any, path: str, input_key: str, label_key: str, chat: bool, flag: str
 ) -> tuple[list[Item], tuple[str, ...]]:
     """The rows of `path` as items, and notes for the console (`label_notes`): rows without a
-    label (absent, null or empty) are left out when others have one."""
-    items, unlabeled = [], []
+    label (absent, null or empty) are left out, before their prompts are tokenized, when others
+    have one."""
+    rows, unlabeled = [], []
     for number, row in enumerate(read_rows(path, flag), 1):
         if input_key not in row:
             raise ValueError(no_input_key(path, number, input_key))
-        prompt, label = row[input_key], row.get(label_key)
+        label = row.get(label_key)
         label = "" if label is None else label if isinstance(label, str) else json.dumps(label)
         if not label:
             unlabeled.append(number)
+        rows.append((row[input_key], label))
+    if not rows:
+        raise ValueError(f"{flag} {path}: no rows")
+    notes = label_notes(path, len(rows), unlabeled, label_key)
+    if unlabeled and len(unlabeled) < len(rows):
+        rows = [(prompt, label) for prompt, label in rows if label]
+    items = []
+    for prompt, label in rows:
         messages = (
             tuple((m["role"], m["content"]) for m in prompt) if isinstance(prompt, list) else ()
         )
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)
         items.append(Item(text, label, encode_prompt(tokenizer, prompt, chat), messages))
-    if not items:
-        raise ValueError(f"{flag} {path}: no rows")
-    notes = label_notes(path, len(items), unlabeled, label_key)
-    if unlabeled and len(unlabeled) < len(items):
-        items = [item for item in items if item.label]
     return items, notes
 
 
