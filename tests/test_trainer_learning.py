@@ -97,6 +97,8 @@ def test_reward_and_heldout_accuracy_rise_on_the_toy_task(buffer, toy_model_dir:
         "0",
         "--read-block-ms",
         "100",
+        "--lr",
+        "1e-3",  # the toy model's rate, as tandem up passes it
         *os.environ.get("LEARN_ARGS", "").split(),
     ]
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"trainer-learn-{os.getpid()}.log", "w")  # noqa: SIM115
