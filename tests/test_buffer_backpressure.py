@@ -272,3 +272,57 @@ async def test_a_task_cancelled_in_the_middle_of_redis_calls_stops(aio: AsyncSam
         task.cancel()
         done, _ = await asyncio.wait({task}, timeout=2.0)
         assert done and task.cancelled(), f"cancel {k} was lost"
+
+
+async def test_room_learned_from_a_put_during_a_read_of_the_counters_is_not_counted_twice() -> None:
+    """The writer lets producers go on the backlog its put returns while the slot granter's
+    read of the counters is under way: that read must not hand their slots out again."""
+
+    class Buffer:  # the buffer's two answers, each held until the test lets it through
+        samples_key = "k"
+
+        def __init__(self) -> None:
+            self.written, self.consumed = 3, 0  # three groups wait for the trainer
+            self.permits: asyncio.Queue[None] = asyncio.Queue()
+            self.read = asyncio.Event()
+
+        async def put_batch(self, groups: list[Any]) -> tuple[list[str], int]:
+            await self.permits.get()
+            self.written += len(groups)
+            return [f"1-{self.written}/{i}" for i in range(len(groups))], self.backlog_now()
+
+        def backlog_now(self) -> int:
+            return self.written - self.consumed
+
+        async def backlog(self) -> int:
+            await self.read.wait()
+            return self.backlog_now()
+
+    buffer = Buffer()
+    bound = BufferBound(buffer, max_depth=4)  # type: ignore[arg-type]
+    holding: set[str] = set()  # producers with a slot whose group is not yet written
+
+    async def produce(name: str) -> None:
+        async with bound.slot(None) as put:
+            holding.add(name)
+            await put(group(name))
+            holding.discard(name)
+
+    buffer.read.set()
+    tasks = [asyncio.create_task(produce("p1"))]  # room for one: it waits in its put
+    await asyncio.sleep(0.05)
+    buffer.read.clear()  # the next read of the counters hangs
+    tasks += [asyncio.create_task(produce(f"p{i}")) for i in range(2, 7)]
+    await asyncio.sleep(0.05)
+    assert holding == {"p1"}
+    buffer.consumed = 3  # the trainer consumes the three: p1's put returns a backlog of 1
+    buffer.permits.put_nowait(None)
+    await asyncio.sleep(0.05)
+    assert len(holding) == 3, "the put's reply let three go"
+    buffer.read.set()  # the read returns: room 4 - 1 - p1's slot, but three went meanwhile
+    await asyncio.sleep(0.05)
+    assert len(holding) + buffer.backlog_now() == 4, "never more than the bound"
+    for _ in range(8):
+        buffer.permits.put_nowait(None)
+    buffer.consumed = 99
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)

@@ -121,6 +121,7 @@ class BufferBound:
         self.buffer, self.max_depth = buffer, max_depth
         self._room = 0  # slots known free: max_depth - backlog read - slots taken since
         self._unwritten = 0  # slots taken whose group is not yet in the counters
+        self._granted = 0  # slots taken so far (a read of the room subtracts those taken since)
         # Producers waiting for a slot, in arrival order: a future set when its slot is taken,
         # and who hears that the buffer is full. At most one per producer task.
         self._line: deque[Waiter] = deque()
@@ -153,6 +154,7 @@ class BufferBound:
         if self._room > 0 and not self._line:  # room known and nobody before this producer
             self._room -= 1
             self._unwritten += 1
+            self._granted += 1
             return
         waiter = Waiter(asyncio.get_running_loop().create_future(), on_full)
         self._line.append(waiter)
@@ -186,8 +188,11 @@ class BufferBound:
         try:
             while self._line:
                 try:
-                    if self._room <= 0:
-                        self._room = await self._free()
+                    if self._room <= 0:  # (slots the writer let go during the read are not in
+                        # it: taken after its count of unwritten ones, not yet in the counters)
+                        granted = self._granted
+                        free = await self._free()
+                        self._room = max(self._room, free - (self._granted - granted))
                 except Exception as exc:
                     head = self._line.popleft().slot
                     if not head.done():
@@ -213,6 +218,7 @@ class BufferBound:
                 continue
             self._room -= 1
             self._unwritten += 1
+            self._granted += 1
             waiter.slot.set_result(None)
             let_go += 1
         return let_go
