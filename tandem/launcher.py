@@ -108,7 +108,12 @@ class UpConfig:
     redis_url: str = field(
         default="", metadata={"help": "Use this Redis instead of starting one (env REDIS_URL)."}
     )
-    max_steps: int = field(default=300, metadata={"help": "Trainer steps at most."})
+    max_steps: int = field(
+        default=300,
+        metadata={
+            "help": "Trainer steps at most, in all (a resumed run counts the steps it had: raise it to go on)."
+        },
+    )
     stop_accuracy: float = field(
         default=0.9,
         metadata={"help": "Stop once held-out greedy accuracy reaches this (0 = never)."},
