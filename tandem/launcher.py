@@ -111,7 +111,8 @@ class UpConfig:
     max_steps: int = field(
         default=300,
         metadata={
-            "help": "Trainer steps at most, in all (a resumed run counts the steps it had: raise it to go on)."
+            "help": "Trainer steps at most, in all (a resumed run counts the steps it had: "
+            "raise it to go on)."
         },
     )
     stop_accuracy: float = field(

@@ -129,10 +129,11 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
 
 
 def steps_saved(checkpoints: Path) -> int:
-    """The step of the newest checkpoint in a --save folder (0 when none)."""
-    from services.trainer.lineage import TRACKER
+    """The step of the newest checkpoint in a --save folder (0 when none, or a tracker the
+    trainer will name as broken itself)."""
+    from services.trainer.lineage import saved_iteration
 
     try:
-        return int((checkpoints / TRACKER).read_text().strip())
+        return saved_iteration(checkpoints) or 0
     except (OSError, ValueError):
         return 0

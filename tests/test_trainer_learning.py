@@ -16,7 +16,7 @@ import zmq
 
 from proto import Sample, SampleGroup
 from services.rollout_router.toy_task import is_exact, reverse_digits_reward, reverse_digits_split
-from tests.test_trainer_process import bind_pull, receive_version
+from tests.test_trainer_process import bind_pull, common_args, receive_version
 
 EOS, DIGIT0, ARROW = 2, 4, 14
 
@@ -78,29 +78,12 @@ def test_reward_and_heldout_accuracy_rise_on_the_toy_task(buffer, toy_model_dir:
     acc_before = heldout_accuracy(model, heldout, gen)
     sock, endpoint = bind_pull()
     sock.setsockopt(zmq.RCVTIMEO, 60_000)
-    cmd = [
-        sys.executable,
-        "-m",
-        "tandem.cli",
-        "trainer",
-        "--model",
-        str(toy_model_dir),
-        "--redis-url",
-        buffer.config.redis_url,
-        "--run-id",
-        buffer.config.run_id,
-        "--weights-endpoint",
-        endpoint,
-        "--max-steps",
-        str(steps),
-        "--max-staleness",
-        "0",
-        "--read-block-ms",
-        "100",
-        "--lr",
-        "1e-3",  # the toy model's rate, as tandem up passes it
-        *os.environ.get("LEARN_ARGS", "").split(),
-    ]
+    # the common flags (the toy's --lr 1e-3 among them), then this test's batch and reads
+    cmd = [sys.executable, "-m", "tandem.cli", "trainer"]
+    cmd += common_args(toy_model_dir, buffer, endpoint)
+    cmd += ["--rollout-batch-size", str(groups_per_step), "--n-samples-per-prompt", str(n)]
+    cmd += ["--max-steps", str(steps), "--max-staleness", "0", "--read-block-ms", "100"]
+    cmd += os.environ.get("LEARN_ARGS", "").split()
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"trainer-learn-{os.getpid()}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     rewards = []

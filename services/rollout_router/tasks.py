@@ -76,14 +76,16 @@ def read_rows(path: str, flag: str = "--prompt-data") -> list[dict[str, Any]]:
         import pyarrow.parquet as pq
 
         return pq.read_table(file).to_pylist()
-    rows = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not JSON ({exc})") from exc
-    return rows
+    lines = enumerate(file.read_text().splitlines(), 1)
+    return [json_row(path, number, line) for number, line in lines if line.strip()]
+
+
+def json_row(path: str, number: int, line: str) -> Any:
+    """Line `number` of a .jsonl file, parsed; ValueError naming the file and line."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{number}: not JSON ({exc})") from exc
 
 
 def no_input_key(path: str, number: int, input_key: str) -> str:
@@ -106,9 +108,9 @@ def first_row_problem(path: str, input_key: str) -> str:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                return f"{path}:{number}: not JSON ({exc})"
+                row = json_row(path, number, line)
+            except ValueError as exc:
+                return str(exc)
             if not isinstance(row, dict) or input_key not in row:
                 keys = sorted(row) if isinstance(row, dict) else type(row).__name__
                 return f"{no_input_key(path, number, input_key)}: it has {keys}"

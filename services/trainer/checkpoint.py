@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from services.trainer.config import TrainerConfig
-from services.trainer.lineage import TRACKER
+from services.trainer.lineage import TRACKER, saved_iteration
 
 # Flags of the learning-rate schedule; a resume compares them with the checkpoint's.
 SCHEDULER_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters")
@@ -101,14 +101,14 @@ def resolve_iteration(root: str | Path, ckpt_step: int = -1) -> Path:
     if not root.is_dir():
         raise FileNotFoundError(f"--load {root}: no such directory")
     if ckpt_step < 0:
-        tracker = root / TRACKER
-        if not tracker.is_file():
+        saved = saved_iteration(root)
+        if saved is None:
             raise FileNotFoundError(
                 f"--load {root}: expected {TRACKER} (written by --save) naming the iteration; "
                 f"found {sorted(p.name for p in root.iterdir())[:10] or 'nothing'}. "
                 "Pass --ckpt-step N to pick iter_000000N/ explicitly."
             )
-        ckpt_step = int(tracker.read_text().strip())
+        ckpt_step = saved
     path = iteration_dir(root, ckpt_step)
     if not (path / "metadata.json").is_file():
         have = sorted(p.name for p in root.glob("iter_*"))

@@ -20,6 +20,13 @@ from services.trainer.config import TrainerConfig
 TRACKER = "latest_checkpointed_iteration.txt"  # names a --save folder's newest checkpoint
 
 
+def saved_iteration(root: str | Path) -> int | None:
+    """The iteration a --save folder's tracker names (None: no tracker there); ValueError when
+    the tracker holds no number."""
+    tracker = Path(root) / TRACKER
+    return int(tracker.read_text().strip()) if tracker.is_file() else None
+
+
 def finds_checkpoint(cfg: TrainerConfig) -> bool:
     """Whether this start resumes from a checkpoint (as `checkpoint.find_resume` decides)."""
     return bool(cfg.load) or bool(cfg.save and cfg.resume and (Path(cfg.save) / TRACKER).is_file())

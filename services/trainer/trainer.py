@@ -185,7 +185,8 @@ class Trainer:
             # its checkpoint) has it with this send: not sent twice
             asked = self.buffer.get_version("resend") if self.buffer is not None else -1
             self.publish_weights(increment=False)
-            self.resent = self.version if asked == self.version else self.resent
+            if asked == self.version:
+                self.resent = self.version
         while not self._done():
             waiting_since = time.time()
             rollout = self.pull_rollout()
