@@ -17,8 +17,9 @@ flight). Consume, in a process of its own, as the trainer's intake does
 (services/trainer/rollout.py, `Intake.read_rollout`): rollouts of `--rollout` groups, each
 read entry by entry (`read_entries`, a count of one entry per group still needed), the status
 (counters and depth read, status written) at most every `WAIT_REPORT_S`, each entry's groups decoded and checked (`intake.decode_groups`,
-`check_groups`); at the rollout's end (the step) `incr_counter("groups_consumed")` and the ack
-of its entries; the collector tuned as the trainer's (`tune_gc_for_reads`). Groups are realistic:
+`check_groups`); at the rollout's end (the step) the trainer's bookkeeping of a step without
+--save, one script (`record_trained`: its groups counted consumed and trained, its entries
+acked, the ledger read and checked); the collector tuned as the trainer's (`tune_gc_for_reads`). Groups are realistic:
 `--group-bytes` (~4 KB) as stored (packed), 4 samples of token ids, log-probs and masks.
 Latency: a group's
 `created_at` is set when its put starts (after its slot: a producer's wait for room is not time
@@ -213,7 +214,7 @@ def consume(url: str, run_id: str, rollout: int, target: Any, out: Any) -> None:
     latencies = array.array("d")
     first = last = 0.0
     cpu = time.process_time()
-    reported, in_rollout, read_ids = -math.inf, 0, []
+    reported, in_rollout, read_ids, group_ids, step = -math.inf, 0, [], [], 0
     while target.value < 0 or len(latencies) < target.value:
         if time.monotonic() - reported >= WAIT_REPORT_S:
             reported = time.monotonic()  # the intake's status (`_report_waiting`)
@@ -235,12 +236,13 @@ def consume(url: str, run_id: str, rollout: int, target: Any, out: Any) -> None:
             if any(isinstance(group, Rejected) for group in checked):
                 raise RuntimeError(f"a group of entry {entry_id} was rejected: {checked}")
             latencies.extend([now - group.created_at for group in checked])  # type: ignore[union-attr]
+            group_ids += [group.group_id for group in checked]  # type: ignore[union-attr]
             in_rollout += len(checked)
         read_ids += [entry_id for entry_id, _ in entries]
-        if in_rollout >= rollout or len(latencies) == target.value:  # the step's count, acks
-            buffer.incr_counter("groups_consumed", in_rollout)
-            buffer.ack(read_ids)
-            in_rollout, read_ids = 0, []
+        if in_rollout >= rollout or len(latencies) == target.value:  # the step's bookkeeping
+            step += 1
+            buffer.record_trained(step, group_ids, in_rollout, read_ids)
+            in_rollout, read_ids, group_ids = 0, [], []
         last = time.perf_counter()
     out.put((last - first, latencies.tolist(), time.process_time() - cpu))
 

@@ -10,7 +10,7 @@ import pytest
 
 from proto import DropReason, DropRecord, Sample, SampleGroup
 from proto.contract import ContractMismatchError, RunContract, ServiceStatus
-from proto.packed import decode_entry, encode_entry, pack, unpack
+from proto.packed import decode_entry, encode_entry, entry_of, pack, unpack
 from services.sample_buffer import BufferConfig, SampleBuffer
 
 
@@ -137,6 +137,20 @@ def test_puts_are_counted_with_the_entry_and_statuses_expire(buffer: SampleBuffe
     time.sleep(0.2)
     statuses = buffer.statuses()
     assert list(statuses) == ["trainer"] and statuses["trainer"].waiting_for == "groups"
+
+
+def test_a_trainer_step_counts_records_and_acks_in_one_script(buffer: SampleBuffer) -> None:
+    """`record_trained` with `consumed` and `ack` (a step without --save): the groups counted
+    consumed and trained, the lineage written, the entries acked and deleted, and the ledger
+    after it returned; an entry not acked stays pending."""
+    keys = [buffer.put_group(make_group(f"g{i}")) for i in range(3)]
+    assert len(buffer.read_entries("t0", 3)) == 3 and buffer.pending_count() == 3
+    after = buffer.record_trained(1, ["g0", "g1"], consumed=2, ack=keys[:2])
+    assert after.balanced and (after.trained, after.consumed, after.buffered) == (2, 2, 1)
+    assert after == buffer.ledger()
+    assert buffer.trained() == {1: ["g0", "g1"]}
+    assert buffer.pending_count() == 1 and buffer.depth() == 1
+    assert buffer.read_entries("t0", 3, "0")[0][0] == entry_of(keys[2])
 
 
 def test_a_server_on_a_data_folder_comes_back_with_its_keys_after_kill_9(tmp_path: Path) -> None:

@@ -49,7 +49,6 @@ import gc
 import time
 from dataclasses import dataclass, field
 
-import msgspec
 import redis
 
 from proto import DropRecord, MetricsRecord, SampleGroup
@@ -133,6 +132,7 @@ class SampleBuffer(BufferKeys):
             "start": self.redis.register_script(ledger.START),
             "put": self.redis.register_script(ledger.PUT),
             "ack": self.redis.register_script(ledger.ACK),
+            "step": self.redis.register_script(ledger.STEP),
             "reput": self.redis.register_script(ledger.REPUT),
             "drop": self.redis.register_script(ledger.DROP),
             "metrics_once": self.redis.register_script(ledger.METRICS_ONCE),
@@ -382,15 +382,19 @@ class SampleBuffer(BufferKeys):
         """At a router's start: end the flight of the groups a killed one left (`ledger.py`)."""
         return ledger.recover_in_flight(self, source)
 
-    def record_trained(self, step: int, group_ids: list[str]) -> Ledger:
-        """The groups whose rollout made version `step` (and `groups_trained`), after the
-        trainer counted them consumed; then the ledger's balance is checked (`ledger.check`:
-        a violation is logged and counted in `ledger_violations`)."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self.trained_key, str(step), msgspec.json.encode(group_ids))
-        pipe.hincrby(self.counters_key, "groups_trained", len(group_ids))
-        pipe.execute()
-        return ledger.check(self, "trainer")
+    def record_trained(
+        self, step: int, group_ids: list[str], consumed: int = 0, ack: list[str] | None = None
+    ) -> Ledger:
+        """The groups whose rollout made version `step` (and `groups_trained`), with the
+        step's `consumed` groups counted first (unless the trainer counted them already) and
+        the entries of `ack` acked (`ack`): one script, the trainer's step in one round trip.
+        Then the ledger's balance after it is checked (`ledger.check`: a violation is logged
+        and counted in `ledger_violations`)."""
+        script_keys, args = ledger.step_call(
+            self, CONSUMER_GROUP, step, group_ids, consumed, ack or []
+        )
+        after = ledger.step_reply(self.scripts["step"](keys=script_keys, args=args))
+        return ledger.check(self, "trainer", after)
 
     def rewind_trainer(self, groups_consumed: int, version: int) -> None:
         """A trainer resumed at `version` with `groups_consumed` from its checkpoint."""

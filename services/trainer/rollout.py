@@ -226,7 +226,12 @@ class Intake:
 
     def ack_done(self) -> None:
         """Once a checkpoint holds them (or none is kept): ack each entry whose every group is
-        done; the keys of the others are held until theirs are."""
+        done (`finished`)."""
+        self.buffer.ack(self.finished())
+
+    def finished(self) -> list[str]:
+        """The entries whose every group is done, to ack now (the keys of the others are held
+        until theirs are)."""
         finished = []
         for key in self.unacked:
             entry = entry_of(key)
@@ -237,10 +242,10 @@ class Intake:
             else:
                 self.open.pop(entry, None)
                 finished.append(entry)
-        self.buffer.ack(finished)
         gone = set(finished)
         self.held = {k for k in self.held if entry_of(k) not in gone}
         self.unacked.clear()
+        return finished
 
     def _drop_stale(self, key: str, group: Group, version: int) -> None:
         detail = f"trainer at version {version}, max_staleness {self.cfg.max_staleness}"

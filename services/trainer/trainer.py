@@ -207,9 +207,10 @@ class Trainer:
                 metrics["train/weight_bytes"] = float(nbytes)
                 metrics["train/params"] = float(params)
                 self.observe.step_done(self.version, metrics, rollout)  # record, line, spans
+            self.unacked += rollout.entry_ids
             self.record_rollout(rollout, skipped)
-            self.commit(rollout.entry_ids, final=False)
-        self.commit([], final=True)
+            self.commit(final=False)
+        self.commit(final=True)
         steps = self.version - start_version
         if steps and self.skipped_updates == steps:
             raise SkippedUpdatesError(
@@ -220,13 +221,14 @@ class Trainer:
 
     def record_rollout(self, rollout: Rollout, skipped: set[int]) -> None:
         """Count the rollout's groups consumed; the lineage of these weights (`trained`) names
-        the groups trained, those of a skipped update are recorded as drops instead."""
+        the groups trained, those of a skipped update are recorded as drops instead. With no
+        checkpoint to wait for (no --save), the entries done are acked in the same script."""
         if self.intake is None or self.buffer is None:
             return
-        self.intake.count_consumed(len(rollout.groups))
         self.intake.drop_skipped([rollout.groups[i] for i in sorted(skipped)], self.version)
         trained = [g.group_id for i, g in enumerate(rollout.groups) if i not in skipped]
-        self.buffer.record_trained(self.version, trained)
+        ack = [] if self.checkpointer.enabled else self.intake.finished()
+        self.buffer.record_trained(self.version, trained, len(rollout.groups), ack)
 
     def _report(self, state: str, waiting_for: str = "", **detail: float | int | str) -> None:
         if self.status is not None:
@@ -426,10 +428,9 @@ class Trainer:
             self.buffer.set_version("trainer", self.version)
         return params, nbytes
 
-    def commit(self, entry_ids: list[str], final: bool) -> None:
-        """Ack trained groups; with --save only once a checkpoint holds their update.
-        --save-hf: a HF directory at each checkpoint and at the end."""
-        self.unacked += entry_ids
+    def commit(self, final: bool) -> None:
+        """Ack trained groups (`unacked`) left unacked; with --save only once a checkpoint
+        holds their update. --save-hf: a HF directory at each checkpoint and at the end."""
         if self.checkpointer.enabled and not self.checkpointer.due(self.version, final):
             return
         where = [f"--save {self.cfg.save}"] if self.checkpointer.enabled else []
