@@ -31,7 +31,8 @@ redis-py pipeline of 64, and the output says which.
 
 The breakdown explains the figures in the same run: CPU time per group of the producer, the
 server (its INFO cpu) and the consumer in each full-speed phase, per XADD of the client and the
-server in the raw phase, and the msgpack encode and decode of one group; from them the ceiling
+server in the raw phase, and the msgpack encode and decode of one group, the consumer's CPU by part (read, decode,
+the intake's checks, the step's bookkeeping); from them the ceiling
 of the pipeline on this machine's cores (all three processes CPU-bound, none waiting) and its
 ratio to raw XADD, the same with a core for each process (the slowest one the bound), and the
 server's own bound (its CPU per group: each group's bytes are written, read and deleted, where raw
@@ -58,7 +59,7 @@ import sys
 import time
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -87,6 +88,9 @@ RAW_PIPELINE = 64
 RAW_RUNS = 3
 ARGV_PAYLOAD_MAX = 100_000
 PACED_SHARE = 0.5  # the latency phase offers this share of the measured consume rate
+# The consumer's CPU by part: the read (and its status), the decode, the intake's checks, the
+# step's bookkeeping (the rest: the bench's own latency and id lists).
+CONSUMER_PARTS = ("read", "decode", "checks", "step")
 
 
 def make_group(group_bytes: int, samples: int = 4) -> SampleGroup:
@@ -215,7 +219,9 @@ def consume(url: str, run_id: str, rollout: int, target: Any, out: Any) -> None:
     first = last = 0.0
     cpu = time.process_time()
     reported, in_rollout, read_ids, group_ids, step = -math.inf, 0, [], [], 0
+    split = dict.fromkeys(CONSUMER_PARTS, 0.0)  # CPU s of each part of the intake
     while target.value < 0 or len(latencies) < target.value:
+        mark = time.process_time()
         if time.monotonic() - reported >= WAIT_REPORT_S:
             reported = time.monotonic()  # the intake's status (`_report_waiting`)
             counters, _depth = buffer.counters_and_depth()
@@ -225,6 +231,7 @@ def consume(url: str, run_id: str, rollout: int, target: Any, out: Any) -> None:
         # (as the trainer: a count of entries, one per group still needed)
         entries = buffer.read_entries("bench-trainer", rollout - in_rollout, ">", block_ms=100)
         now = time.time()
+        mark = _count(split, "read", mark)
         if not entries:
             continue
         first = first or time.perf_counter()
@@ -232,7 +239,9 @@ def consume(url: str, run_id: str, rollout: int, target: Any, out: Any) -> None:
             decoded = decode_groups(entry_id, fields)
             if isinstance(decoded, Rejected):
                 raise RuntimeError(f"entry {entry_id} rejected: {decoded.detail}")
+            mark = _count(split, "decode", mark)
             checked = check_groups([group for _, group in decoded], LIMITS, version=3)
+            mark = _count(split, "checks", mark)
             if any(isinstance(group, Rejected) for group in checked):
                 raise RuntimeError(f"a group of entry {entry_id} was rejected: {checked}")
             latencies.extend([now - group.created_at for group in checked])  # type: ignore[union-attr]
@@ -243,8 +252,16 @@ def consume(url: str, run_id: str, rollout: int, target: Any, out: Any) -> None:
             step += 1
             buffer.record_trained(step, group_ids, in_rollout, read_ids)
             in_rollout, read_ids, group_ids = 0, [], []
+            _count(split, "step", mark)
         last = time.perf_counter()
-    out.put((last - first, latencies.tolist(), time.process_time() - cpu))
+    out.put((last - first, latencies.tolist(), time.process_time() - cpu, split))
+
+
+def _count(split: dict[str, float], part: str, since: float) -> float:
+    """Add the CPU time since `since` to `part`; now."""
+    now = time.process_time()
+    split[part] += now - since
+    return now
 
 
 async def produce(
@@ -281,6 +298,14 @@ async def produce(
     return put_count
 
 
+class Phase(NamedTuple):
+    produced: float  # groups/s
+    consumed: float  # groups/s
+    latencies: list[float]  # s, each group's
+    cpu_us: tuple[float, float, float]  # CPU µs a group: producer, server, consumer
+    consumer_us: dict[str, float]  # the consumer's CPU µs a group by part (CONSUMER_PARTS)
+
+
 def phase(
     url: str,
     run_id: str,
@@ -288,9 +313,8 @@ def phase(
     args: argparse.Namespace,
     seconds: float,
     rate: float | None = None,
-) -> tuple[float, float, list[float], tuple[float, float, float]]:
-    """(produced groups/s, consumed groups/s, latencies in s, CPU µs per group of the
-    producer, the server and the consumer) of one producer/consumer run."""
+) -> Phase:
+    """One producer/consumer run."""
     context = mp.get_context("fork")  # before any event loop or client thread exists
     results, target = context.Queue(), context.Value("q", -1)
     consumer = context.Process(target=consume, args=(url, run_id, args.rollout, target, results))
@@ -301,13 +325,15 @@ def phase(
     produced = run_loop(produce(url, run_id, group, args, seconds, rate))
     produce_s, produce_cpu = time.perf_counter() - started, time.process_time() - cpu
     target.value = produced
-    consume_s, latencies, consume_cpu = results.get(timeout=120)
+    consume_s, latencies, consume_cpu, split = results.get(timeout=120)
     consumer.join(timeout=10)
     if len(latencies) != produced:
         raise RuntimeError(f"produced {produced} groups, consumed {len(latencies)}")
     n = max(produced, 1) / 1e6
     cpu_us = (produce_cpu / n, (server_cpu_s(url) - server) / n, consume_cpu / n)
-    return produced / produce_s, len(latencies) / max(consume_s, 1e-9), latencies, cpu_us
+    consumer_us = {part: seconds / n for part, seconds in split.items()}
+    rates = produced / produce_s, len(latencies) / max(consume_s, 1e-9)
+    return Phase(*rates, latencies, cpu_us, consumer_us)
 
 
 def run_loop(main: Coroutine[Any, Any, int]) -> int:
@@ -369,8 +395,8 @@ def main(argv: list[str]) -> int:
             form: phase(url, f"bench-{form}", given, args, args.seconds)
             for form, given in (("packed", packed), ("lists", group))
         }
-        paced = full["packed"][1] * PACED_SHARE
-        _, _, latencies, _ = phase(url, "bench-paced", packed, args, args.seconds / 2, paced)
+        paced = full["packed"].consumed * PACED_SHARE
+        latencies = phase(url, "bench-paced", packed, args, args.seconds / 2, paced).latencies
         encode_us, decode_us = codec_us(group)
     except RuntimeError as exc:
         print(f"buffer_throughput: {exc}", file=sys.stderr)
@@ -379,19 +405,26 @@ def main(argv: list[str]) -> int:
         if server is not None:
             server.stop()
     p50, p99 = percentile(latencies, 0.5) * 1000, percentile(latencies, 0.99) * 1000
-    (produce_rate, consume_rate, at_full, cpu_us), lists = full["packed"], full["lists"]
-    ratio = consume_rate / raw_rate
+    packed_run, lists = full["packed"], full["lists"]
+    ratio = packed_run.consumed / raw_rate
     print(f"group_bytes: {stored_bytes(group)} (as stored, packed; {len(encode(group))} as lists)")
     print(f"raw_xadd_per_s: {raw_rate:.0f} ({how})")
-    print(f"produce_groups_per_s: {produce_rate:.0f} (packed; {lists[0]:.0f} from lists)")
-    print(f"consume_groups_per_s: {consume_rate:.0f} (packed; {lists[1]:.0f} from lists)")
     print(
-        f"latency_at_full_speed_p99_ms: {percentile(at_full, 0.99) * 1000:.1f} (depth bound {args.max_depth}: mostly queueing)"
+        f"produce_groups_per_s: {packed_run.produced:.0f} (packed; {lists.produced:.0f} from lists)"
+    )
+    print(
+        f"consume_groups_per_s: {packed_run.consumed:.0f} (packed; {lists.consumed:.0f} from lists)"
+    )
+    at_full = percentile(packed_run.latencies, 0.99) * 1000
+    print(
+        f"latency_at_full_speed_p99_ms: {at_full:.1f} (depth bound {args.max_depth}: mostly queueing)"
     )
     print(f"latency_p50_ms: {p50:.1f} (paced at {paced:.0f} groups/s)")
     print(f"latency_p99_ms: {p99:.1f}")
-    print(breakdown("packed", cpu_us, raw_rate))
-    print(breakdown("from lists", lists[3], raw_rate))
+    print(breakdown("packed", packed_run.cpu_us, raw_rate))
+    print(breakdown("from lists", lists.cpu_us, raw_rate))
+    parts = ", ".join(f"{part} {us:.1f}" for part, us in packed_run.consumer_us.items())
+    print(f"consumer_cpu_us_per_group (packed): {parts} (the trainer's intake, part by part)")
     print(
         f"cpu_us: raw XADD client {raw_client_us:.1f} + server {raw_server_us:.1f}; a group's "
         f"pack and encode {encode_us:.1f}, decode {decode_us:.1f}; load average "
@@ -399,7 +432,9 @@ def main(argv: list[str]) -> int:
     )
     met = ratio >= 0.5 and p99 <= 50
     print(f"targets (consume >= 0.5x raw XADD, p99 <= 50 ms): {'met' if met else 'missed'}")
-    print(f"router_put_path_consume_vs_raw_xadd: {lists[1] / raw_rate:.2f} (groups from lists)")
+    print(
+        f"router_put_path_consume_vs_raw_xadd: {lists.consumed / raw_rate:.2f} (groups from lists)"
+    )
     print(f"buffer_consume_vs_raw_xadd: {ratio:.2f}")
     return 0
 
