@@ -29,15 +29,14 @@ The limit: `valkey-benchmark`/`redis-benchmark` XADD of the group's stored size 
 binary sits beside the server binary or on PATH (`-P 64`, the best of `RAW_RUNS` runs); otherwise raw XADD through a
 redis-py pipeline of 64, and the output says which.
 
-The breakdown explains the figures in the same run: CPU time per group of the producer, the
-server (its INFO cpu) and the consumer in each full-speed phase, per XADD of the client and the
-server in the raw phase, and the msgpack encode and decode of one group, the consumer's CPU by part (read, decode,
-the intake's checks, the step's bookkeeping); from them the ceiling
-of the pipeline on this machine's cores (all three processes CPU-bound, none waiting) and its
-ratio to raw XADD, the same with a core for each process (the slowest one the bound), and the
-server's own bound (its CPU per group: each group's bytes are written, read and deleted, where raw
-XADD only writes them). The 1-minute load average is printed too: other work on the machine takes
-cores from both figures.
+The breakdown explains the figures in the same run: CPU time per group of the producer, the server
+(its INFO cpu) and the consumer in each full-speed phase, per XADD of the client and the server in
+the raw phase, and the msgpack encode and decode of one group, the consumer's CPU by part (read,
+decode, the intake's checks, the step's bookkeeping); from them the ceiling of the pipeline on this
+machine's cores (all three processes CPU-bound, none waiting) and its ratio to raw XADD, the same
+with a core for each process (the slowest one the bound), and the server's own bound (its CPU per
+group: each group's bytes are written, read and deleted, where raw XADD only writes them). The
+1-minute load average is printed too: other work on the machine takes cores from both figures.
 
     python bench/buffer_throughput.py --seconds 10
 Last line: `buffer_consume_vs_raw_xadd: X` (consumed groups/s of packed groups over raw XADD/s;
