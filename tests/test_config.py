@@ -125,9 +125,11 @@ def test_a_service_table_that_contradicts_up_is_refused(tmp_path: Path) -> None:
 
 
 def test_config_show_prints_every_table_and_its_output_repeats_the_run(
-    tmp_path: Path, capsys
+    tmp_path: Path, capsys, monkeypatch
 ) -> None:
     (tmp_path / "train.jsonl").write_text('{"prompt": "12>", "label": "21"}\n')
+    (tmp_path / "my_rewards.py").write_text("def score(text, label, stopped):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)  # where the module is found
     path = toml_file(
         tmp_path,
         f'[up]\nprompt_data = "{tmp_path / "train.jsonl"}"\nmax_steps = 5\n\n'

@@ -74,7 +74,7 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
 
 
 def test_a_new_run_saves_absolute_paths_so_it_resumes_from_any_folder(
-    tmp_path: Path, monkeypatch
+    tmp_path: Path, capsys, monkeypatch
 ) -> None:
     project = tmp_path / "project"
     (project / "data").mkdir(parents=True)
@@ -92,8 +92,27 @@ def test_a_new_run_saves_absolute_paths_so_it_resumes_from_any_folder(
         str(project / "ck"),
     )
     assert run_dir == project / "run"
+    (project / "my_rewards.py").write_text("def score(text, label, stopped):\n    return 1.0\n")
     assert launcher.main(["--custom-rm-path", "my_rewards:score", "--run-dir", "r2"]) == 0
     assert started[1].config.custom_rm_path == "my_rewards:score", "a module path stays as it is"
+    # A module path is looked up where the router will look, before anything starts: from
+    # another folder (a resume included) it is not there, and the refusal says what to do.
+    run = project / "r2"
+    (run / "up_config.json").write_text(json.dumps(started[1].config.__dict__))
+    started[1].lock.close()  # that run has ended
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for argv in (["--custom-rm-path", "my_rewards:score"], ["--resume", str(run)]):
+        assert launcher.main(argv) == 2, argv
+        assert (
+            f"--custom-rm-path my_rewards:score: no module my_rewards in the current folder "
+            f"({elsewhere}) or on PYTHONPATH: run tandem up from the folder that holds it"
+        ) in capsys.readouterr().err
+    monkeypatch.setenv("PYTHONPATH", str(project))  # as the router would find it then
+    monkeypatch.syspath_prepend(str(project))
+    assert launcher.main(["--resume", str(run)]) == 0
+    assert len(started) == 3
 
 
 def test_a_data_file_that_is_not_there_is_refused_before_anything_starts(
