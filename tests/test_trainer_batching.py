@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from proto import Sample, SampleGroup
+from proto.packed import pack
 from services.trainer import batching
 from services.trainer.config import TrainerConfig
 
@@ -44,9 +50,16 @@ def test_a_group_more_than_max_staleness_versions_old_is_stale() -> None:
 def test_grpo_advantages_are_broadcast_to_every_response_token() -> None:
     adv = batching.compute_advantages([group(0, [1.0, 0.0], response_len=3)], "grpo", True, 0.0)
     std = torch.tensor([1.0, 0.0], dtype=torch.float64).std().item()
-    assert adv == [[[pytest.approx(0.5 / std)] * 3, [pytest.approx(-0.5 / std)] * 3]]
+    assert [[t.tolist() for t in g] for g in adv] == [
+        [[pytest.approx(0.5 / std)] * 3, [pytest.approx(-0.5 / std)] * 3]
+    ]
     dr = batching.compute_advantages([group(0, [1.0, 0.0])], "dr_grpo", True, 0.0)
-    assert dr == [[[0.5, 0.5], [-0.5, -0.5]]]
+    assert [[t.tolist() for t in g] for g in dr] == [[[0.5, 0.5], [-0.5, -0.5]]]
+    three = [group(0, [1.0, 0.0], response_len=3)]
+    flat = batching.compute_advantages(three, "reinforce_plus_plus", False, 0.0)
+    discounted = batching.compute_advantages(three, "reinforce_plus_plus", False, 0.0, gamma=0.5)
+    for const, disc in zip(flat[0], discounted[0], strict=True):  # back from the last token
+        assert disc.tolist() == pytest.approx([float(const[0]) * k for k in (0.25, 0.5, 1.0)])
 
 
 def test_first_fit_decreasing_respects_the_budget_and_keeps_every_sample() -> None:
@@ -85,6 +98,33 @@ def test_padded_micro_batch_marks_padding_with_sequence_id_minus_one() -> None:
     assert mb.num_tokens == 10
 
 
+def test_packed_groups_make_the_same_micro_batches_as_lists() -> None:
+    """The trainer reads groups packed as bytes (proto/packed.py): their micro-batches, packed
+    and padded, hold exactly what the list form gives, masked tokens and log-probs included."""
+    groups = [group(0, [1.0, 0.0], response_len=3), group(0, [0.5], response_len=2)]
+    first = groups[0].samples[0]
+    first.loss_mask, first.response_ids = [1, 0, 1], [7, 15, 3]
+    first.response_logprobs = [-0.25, -1.5, -0.125]
+    packed = [pack(g) for g in groups]  # (the first's mask stored, the others' stored empty)
+    assert packed[0].samples[0].mask and not packed[0].samples[1].mask
+    adv = batching.compute_advantages(groups, "grpo", True, 0.0)
+    again = batching.compute_advantages(packed, "grpo", True, 0.0)
+    assert all(map(torch.equal, [t for g in adv for t in g], [t for g in again for t in g]))
+    lists, arrays = batching.flatten(groups, adv), batching.flatten(packed, adv)
+    for as_packed in (True, False):
+        want = batching.build_micro_batch(lists, [0, 1, 2], packed=as_packed)
+        got = batching.build_micro_batch(arrays, [0, 1, 2], packed=as_packed)
+        for name in ("input_ids", "position_ids", "targets", "seq_ids", "loss_mask"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert torch.equal(got.behaviour_logp, want.behaviour_logp)
+        assert torch.equal(got.advantages, want.advantages)
+        assert got.response_spans == want.response_spans
+    mb = batching.build_micro_batch(arrays, [0], packed=True)
+    assert mb.targets[0].tolist() == [5, 6, 14, 7, 15, 3]
+    assert mb.loss_mask[0].tolist() == [0, 0, 0, 1, 0, 1]
+    assert mb.behaviour_logp[0].tolist() == [0, 0, 0, -0.25, -1.5, -0.125]
+
+
 def test_batch_arithmetic_is_validated_with_the_flags_to_change() -> None:
     cfg = TrainerConfig(
         model="m", rollout_batch_size=4, n_samples_per_prompt=3, num_steps_per_rollout=5
@@ -98,3 +138,18 @@ def test_batch_arithmetic_is_validated_with_the_flags_to_change() -> None:
     with pytest.raises(ValueError, match="--lr-decay-iters"):
         cfg.validate()
     assert TrainerConfig(model="m", num_steps_per_rollout=2).global_batch_size == 256
+
+
+def test_the_batch_prep_bench_runs_and_ends_with_its_ratio() -> None:
+    root = Path(__file__).resolve().parents[1]
+    small = ["--groups", "2", "--samples", "2", "--prompt-len", "8", "--response-len", "16"]
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench/batch_prep.py"), *small, "--runs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "tokens: 96 (2 groups x 2 samples)"
+    assert re.fullmatch(r"batch_prep_vs_copy: \d+\.\d", lines[-1]), lines[-1]

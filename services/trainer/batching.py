@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from proto.packed import AnySample, Group
+from proto.packed import AnySample, Group, PackedSample
 from services.trainer import losses
 
 
@@ -30,13 +31,15 @@ class SampleTooLongError(BatchError):
 
 @dataclass
 class TrainSample:
-    """One sample flattened for training. `advantages` has one value per response token."""
+    """One sample flattened for training, its per-token values as tensors (a micro-batch is
+    then cut and joined, not built value by value: ~0.5 µs a token as Python lists).
+    `behaviour_logp`, `loss_mask` and `advantages` have one value per response token."""
 
-    tokens: list[int]  # prompt + response
+    tokens: torch.Tensor  # prompt + response, int64
     prompt_len: int
-    behaviour_logp: list[float]
-    loss_mask: list[int]
-    advantages: list[float]
+    behaviour_logp: torch.Tensor  # float32
+    loss_mask: torch.Tensor  # float32
+    advantages: torch.Tensor  # float32
     weight_version: int
     reward: float
     routed_experts: bytes = b""  # `Sample.routed_experts`, for routing replay
@@ -63,8 +66,9 @@ def split_stale(
 
 def compute_advantages(
     groups: list[Group], estimator: str, normalize_std: bool, eps: float, gamma: float = 1.0
-) -> list[list[list[float]]]:
-    """Per group, per sample, per response token advantages (outcome reward on the last token).
+) -> list[list[torch.Tensor]]:
+    """Per group, per sample, per response token advantages (outcome reward on the last token),
+    float32.
 
     grpo: (r - mean) / (std + eps) (std optional); dr_grpo: r - mean; reinforce_plus_plus[_baseline]:
     batch-whitened (group-baselined) returns, discounted by `gamma` from the last token;
@@ -72,7 +76,7 @@ def compute_advantages(
     """
     rewards = [torch.tensor([s.reward for s in g.samples], dtype=torch.float64) for g in groups]
     if estimator == "gae":  # per-token advantages come from the critic, later in the step
-        return [[[0.0] * len(s.response_ids) for s in all_samples(g)] for g in groups]
+        return [[torch.zeros(response_len(s)) for s in all_samples(g)] for g in groups]
     if estimator in ("grpo", "dr_grpo"):
         std = normalize_std and estimator == "grpo"
         per_sample = [losses.grpo_advantages(r, std, eps) for r in rewards]
@@ -84,28 +88,30 @@ def compute_advantages(
     for g, adv in zip(groups, per_sample, strict=True):
         rows = []
         for s, a in zip(all_samples(g), adv.tolist(), strict=True):
-            n = len(s.response_ids)
+            n = response_len(s)
             if gamma == 1.0 or n == 0:
-                rows.append([a] * n)
-            else:
-                rows.append([a * gamma ** (n - 1 - t) for t in range(n)])
+                rows.append(torch.full((n,), a))
+            else:  # (in float64, as the discount of each token always was)
+                discount = gamma ** torch.arange(n - 1, -1, -1, dtype=torch.float64)
+                rows.append((a * discount).float())
         out.append(rows)
     return out
 
 
-def flatten(groups: list[Group], advantages: list[list[list[float]]]) -> list[TrainSample]:
+def flatten(groups: list[Group], advantages: list[list[torch.Tensor]]) -> list[TrainSample]:
     """TrainSamples in group order; samples with no response token are left out."""
     out = []
     for index, (g, group_adv) in enumerate(zip(groups, advantages, strict=True)):
         for s, adv in zip(all_samples(g), group_adv, strict=True):
-            if not s.response_ids:
+            if not response_len(s):
                 continue
+            tokens, logp, mask = _arrays(s)
             out.append(
                 TrainSample(
-                    tokens=list(s.prompt_ids) + list(s.response_ids),
-                    prompt_len=len(s.prompt_ids),
-                    behaviour_logp=list(s.response_logprobs),
-                    loss_mask=list(s.loss_mask) or [1] * len(s.response_ids),
+                    tokens=tokens,
+                    prompt_len=len(tokens) - response_len(s),
+                    behaviour_logp=logp,
+                    loss_mask=mask,
                     advantages=adv,
                     weight_version=s.weight_version,
                     reward=s.reward,
@@ -114,6 +120,25 @@ def flatten(groups: list[Group], advantages: list[list[list[float]]]) -> list[Tr
                 )
             )
     return out
+
+
+def response_len(s: AnySample) -> int:
+    return len(s.response) // 4 if isinstance(s, PackedSample) else len(s.response_ids)
+
+
+def _arrays(s: AnySample) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sample's tokens (prompt + response, int64), behaviour log-probs and loss mask
+    (float32; an empty mask is all 1), read from the packed bytes at once where packed."""
+    n = response_len(s)
+    if isinstance(s, PackedSample):
+        tokens = torch.from_numpy(np.frombuffer(s.prompt + s.response, "<i4").astype(np.int64))
+        logp = torch.from_numpy(np.frombuffer(s.logprobs, "<f4").astype(np.float32))
+        mask = np.frombuffer(s.mask, np.uint8).astype(np.float32)
+        return tokens, logp, torch.from_numpy(mask) if s.mask else torch.ones(n)
+    tokens = torch.tensor([*s.prompt_ids, *s.response_ids], dtype=torch.long)
+    logp = torch.tensor(s.response_logprobs, dtype=torch.float32)
+    mask_t = torch.tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask else torch.ones(n)
+    return tokens, logp, mask_t
 
 
 def pack_first_fit(lengths: list[int], budget: int) -> list[list[int]]:
@@ -170,27 +195,18 @@ class MicroBatch:
         return int((self.seq_ids >= 0).sum())
 
 
-def _sample_rows(s: TrainSample, i: int) -> dict[str, list]:
-    """Per-position lists of one sample over its input positions (length input_len)."""
-    n_in, p = s.input_len, s.prompt_len
-    pad = [0.0] * (p - 1)
+def _sample_rows(s: TrainSample, i: int) -> dict[str, torch.Tensor]:
+    """Per-position values of one sample over its input positions (length input_len)."""
+    n_in, pad = s.input_len, torch.zeros(s.prompt_len - 1)
     return {
         "input_ids": s.tokens[:-1],
-        "position_ids": list(range(n_in)),
+        "position_ids": torch.arange(n_in),
         "targets": s.tokens[1:],
-        "loss_mask": pad + [float(m) for m in s.loss_mask],
-        "behaviour_logp": pad + s.behaviour_logp,
-        "advantages": pad + s.advantages,
-        "seq_ids": [i] * n_in,
+        "loss_mask": torch.cat([pad, s.loss_mask]),
+        "behaviour_logp": torch.cat([pad, s.behaviour_logp]),
+        "advantages": torch.cat([pad, s.advantages]),
+        "seq_ids": torch.full((n_in,), i, dtype=torch.long),
     }
-
-
-_DTYPES = {
-    "input_ids": torch.long,
-    "position_ids": torch.long,
-    "targets": torch.long,
-    "seq_ids": torch.long,
-}
 
 
 def build_micro_batch(samples: list[TrainSample], indices: list[int], packed: bool) -> MicroBatch:
@@ -198,7 +214,7 @@ def build_micro_batch(samples: list[TrainSample], indices: list[int], packed: bo
     rows = [_sample_rows(samples[j], k) for k, j in enumerate(indices)]
     keys = list(rows[0])
     if packed:
-        cols = {k: [[v for r in rows for v in r[k]]] for k in keys}
+        t = {k: torch.cat([r[k] for r in rows])[None] for k in keys}
         lengths = [samples[j].input_len for j in indices]
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         params = PackedSeqParams(
@@ -211,9 +227,13 @@ def build_micro_batch(samples: list[TrainSample], indices: list[int], packed: bo
     else:
         width = max(len(r["input_ids"]) for r in rows)
         pad_value = {"seq_ids": -1}
-        cols = {k: [r[k] + [pad_value.get(k, 0)] * (width - len(r[k])) for r in rows] for k in keys}
+        t = {
+            k: torch.stack(
+                [F.pad(r[k], (0, width - len(r[k])), value=pad_value.get(k, 0)) for r in rows]
+            )
+            for k in keys
+        }
         params = None
-    t = {k: torch.tensor(v, dtype=_DTYPES.get(k, torch.float32)) for k, v in cols.items()}
     spans, offset = [], 0
     for k, j in enumerate(indices):
         s = samples[j]
