@@ -31,15 +31,16 @@ class SampleTooLongError(BatchError):
 
 @dataclass
 class TrainSample:
-    """One sample flattened for training, its per-token values as tensors (a micro-batch is
-    then cut and joined, not built value by value: ~0.5 µs a token as Python lists).
-    `behaviour_logp`, `loss_mask` and `advantages` have one value per response token."""
+    """One sample flattened for training, its per-token values as numpy arrays: a micro-batch
+    is joined from them at once (`build_micro_batch`), not built value by value (~0.5 µs a
+    token as Python lists). `behaviour_logp`, `loss_mask` and `advantages` have one value per
+    response token."""
 
-    tokens: torch.Tensor  # prompt + response, int64
+    tokens: np.ndarray  # prompt + response (int32 or int64)
     prompt_len: int
-    behaviour_logp: torch.Tensor  # float32
-    loss_mask: torch.Tensor  # float32
-    advantages: torch.Tensor  # float32
+    behaviour_logp: np.ndarray
+    loss_mask: np.ndarray  # 0 or 1 (uint8 or float32)
+    advantages: np.ndarray
     weight_version: int
     reward: float
     routed_experts: bytes = b""  # `Sample.routed_experts`, for routing replay
@@ -66,7 +67,7 @@ def split_stale(
 
 def compute_advantages(
     groups: list[Group], estimator: str, normalize_std: bool, eps: float, gamma: float = 1.0
-) -> list[list[torch.Tensor]]:
+) -> list[list[np.ndarray]]:
     """Per group, per sample, per response token advantages (outcome reward on the last token),
     float32.
 
@@ -76,7 +77,7 @@ def compute_advantages(
     """
     rewards = [torch.tensor([s.reward for s in g.samples], dtype=torch.float64) for g in groups]
     if estimator == "gae":  # per-token advantages come from the critic, later in the step
-        return [[torch.zeros(response_len(s)) for s in all_samples(g)] for g in groups]
+        return [[np.zeros(response_len(s), np.float32) for s in all_samples(g)] for g in groups]
     if estimator in ("grpo", "dr_grpo"):
         std = normalize_std and estimator == "grpo"
         per_sample = [losses.grpo_advantages(r, std, eps) for r in rewards]
@@ -90,15 +91,15 @@ def compute_advantages(
         for s, a in zip(all_samples(g), adv.tolist(), strict=True):
             n = response_len(s)
             if gamma == 1.0 or n == 0:
-                rows.append(torch.full((n,), a))
+                rows.append(np.full(n, a, np.float32))
             else:  # (in float64, as the discount of each token always was)
-                discount = gamma ** torch.arange(n - 1, -1, -1, dtype=torch.float64)
-                rows.append((a * discount).float())
+                discount = gamma ** np.arange(n - 1, -1, -1, dtype=np.float64)
+                rows.append((a * discount).astype(np.float32))
         out.append(rows)
     return out
 
 
-def flatten(groups: list[Group], advantages: list[list[torch.Tensor]]) -> list[TrainSample]:
+def flatten(groups: list[Group], advantages: list[list[np.ndarray]]) -> list[TrainSample]:
     """TrainSamples in group order; samples with no response token are left out."""
     out = []
     for index, (g, group_adv) in enumerate(zip(groups, advantages, strict=True)):
@@ -126,19 +127,19 @@ def response_len(s: AnySample) -> int:
     return len(s.response) // 4 if isinstance(s, PackedSample) else len(s.response_ids)
 
 
-def _arrays(s: AnySample) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A sample's tokens (prompt + response, int64), behaviour log-probs and loss mask
-    (float32; an empty mask is all 1), read from the packed bytes at once where packed."""
-    n = response_len(s)
-    if isinstance(s, PackedSample):
-        tokens = torch.from_numpy(np.frombuffer(s.prompt + s.response, "<i4").astype(np.int64))
-        logp = torch.from_numpy(np.frombuffer(s.logprobs, "<f4").astype(np.float32))
-        mask = np.frombuffer(s.mask, np.uint8).astype(np.float32)
-        return tokens, logp, torch.from_numpy(mask) if s.mask else torch.ones(n)
-    tokens = torch.tensor([*s.prompt_ids, *s.response_ids], dtype=torch.long)
-    logp = torch.tensor(s.response_logprobs, dtype=torch.float32)
-    mask_t = torch.tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask else torch.ones(n)
-    return tokens, logp, mask_t
+def _arrays(s: AnySample) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A sample's tokens (prompt + response), behaviour log-probs and loss mask (an empty mask
+    is all 1); a packed sample's stored arrays as read-only views of its bytes, copied once,
+    into the micro-batch's types, by `build_micro_batch`."""
+    if not isinstance(s, PackedSample):
+        tokens = np.array([*s.prompt_ids, *s.response_ids], np.int64)
+        mask = np.array(s.loss_mask or [1] * len(s.response_ids), np.float32)
+        return tokens, np.array(s.response_logprobs, np.float32), mask
+    tokens = np.frombuffer(s.prompt + s.response, "<i4")
+    logp = np.frombuffer(s.logprobs, "<f4")
+    if not s.mask:
+        return tokens, logp, np.ones(len(s.response) // 4, np.float32)
+    return tokens, logp, np.frombuffer(s.mask, np.uint8)
 
 
 def pack_first_fit(lengths: list[int], budget: int) -> list[list[int]]:
@@ -195,53 +196,45 @@ class MicroBatch:
         return int((self.seq_ids >= 0).sum())
 
 
-def _sample_rows(s: TrainSample, i: int) -> dict[str, torch.Tensor]:
-    """Per-position values of one sample over its input positions (length input_len)."""
-    n_in, pad = s.input_len, torch.zeros(s.prompt_len - 1)
-    return {
-        "input_ids": s.tokens[:-1],
-        "position_ids": torch.arange(n_in),
-        "targets": s.tokens[1:],
-        "loss_mask": torch.cat([pad, s.loss_mask]),
-        "behaviour_logp": torch.cat([pad, s.behaviour_logp]),
-        "advantages": torch.cat([pad, s.advantages]),
-        "seq_ids": torch.full((n_in,), i, dtype=torch.long),
-    }
+_INTS = ("input_ids", "position_ids", "targets", "seq_ids")
+_FLOATS = ("loss_mask", "behaviour_logp", "advantages")
 
 
 def build_micro_batch(samples: list[TrainSample], indices: list[int], packed: bool) -> MicroBatch:
-    """Packed `[1, sum(len)]` with cu_seqlens, or right-padded `[len(indices), max(len)]`."""
-    rows = [_sample_rows(samples[j], k) for k, j in enumerate(indices)]
-    keys = list(rows[0])
-    if packed:
-        t = {k: torch.cat([r[k] for r in rows])[None] for k in keys}
-        lengths = [samples[j].input_len for j in indices]
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        params = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            max_seqlen_q=max(lengths),
-            max_seqlen_kv=max(lengths),
-        )
-    else:
-        width = max(len(r["input_ids"]) for r in rows)
-        pad_value = {"seq_ids": -1}
-        t = {
-            k: torch.stack(
-                [F.pad(r[k], (0, width - len(r[k])), value=pad_value.get(k, 0)) for r in rows]
-            )
-            for k in keys
-        }
-        params = None
+    """Packed `[1, sum(len)]` with cu_seqlens, or right-padded `[len(indices), max(len)]`
+    (padding: `seq_ids` -1, every other value 0). Each sample's arrays are copied in whole
+    (its inputs, targets, and its response values after its prompt), not value by value."""
+    chosen = [samples[j] for j in indices]
+    lengths = [s.input_len for s in chosen]
+    shape = (1, sum(lengths)) if packed else (len(chosen), max(lengths))
+    out = {name: np.zeros(shape, np.int64) for name in _INTS}
+    out["seq_ids"].fill(-1)
+    out.update({name: np.zeros(shape, np.float32) for name in _FLOATS})
+    positions = np.arange(max(lengths))
     spans, offset = [], 0
-    for k, j in enumerate(indices):
-        s = samples[j]
+    for k, s in enumerate(chosen):
         row, base = (0, offset) if packed else (k, 0)
-        spans.append((row, base + s.prompt_len - 1, base + s.input_len))
+        first, end = base + s.prompt_len - 1, base + s.input_len  # its response's targets
+        out["input_ids"][row, base:end] = s.tokens[:-1]
+        out["targets"][row, base:end] = s.tokens[1:]
+        out["position_ids"][row, base:end] = positions[: s.input_len]
+        out["seq_ids"][row, base:end] = k
+        for name in _FLOATS:
+            out[name][row, first:end] = getattr(s, name)
+        spans.append((row, first, end))
         offset += s.input_len
+    params = None
+    if packed:
+        cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32)
+        top = max(lengths)
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=top, max_seqlen_kv=top
+        )
     return MicroBatch(
-        sample_index=list(indices), packed_seq_params=params, response_spans=spans, **t
+        sample_index=list(indices),
+        packed_seq_params=params,
+        response_spans=spans,
+        **{name: torch.from_numpy(value) for name, value in out.items()},
     )
 
 
