@@ -427,10 +427,6 @@ def validate(config: UpConfig) -> list[str]:
     return problems
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def reward_path_problem(path: str) -> str:
     """Why the router could not import `--custom-rm-path` PATH ("" when it may): no file of
     `file.py:fn`, or no package or module `pkg` of `pkg.mod:fn` (`pkg.mod.fn`) where the router
@@ -439,6 +435,8 @@ def reward_path_problem(path: str) -> str:
     if not path:
         return ""
     module = path.rpartition(":")[0] if ":" in path else path.rpartition(".")[0]
+    if not module:
+        return f"--custom-rm-path {path}: give the module and the function (module:fn, file.py:fn)"
     if module.endswith(".py"):
         return "" if Path(module).is_file() else f"--custom-rm-path {path}: no file {module}"
     top = module.split(".")[0]
@@ -452,3 +450,7 @@ def reward_path_problem(path: str) -> str:
         "on PYTHONPATH: run tandem up from the folder that holds it (a resume too), put that "
         "folder on PYTHONPATH, or give the file (--custom-rm-path path/to/file.py:fn)"
     )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -109,6 +109,8 @@ def test_a_new_run_saves_absolute_paths_so_it_resumes_from_any_folder(
             f"--custom-rm-path my_rewards:score: no module my_rewards in the current folder "
             f"({elsewhere}) or on PYTHONPATH: run tandem up from the folder that holds it"
         ) in capsys.readouterr().err
+    assert launcher.main(["--custom-rm-path", "score"]) == 2  # no module named at all
+    assert "--custom-rm-path score: give the module and the function" in capsys.readouterr().err
     monkeypatch.setenv("PYTHONPATH", str(project))  # as the router would find it then
     monkeypatch.syspath_prepend(str(project))
     assert launcher.main(["--resume", str(run)]) == 0
