@@ -8,22 +8,21 @@ router holds them (Python lists, packed on the way in: the router's whole put pa
 pipeline paced at half the consume rate it measured, `--seconds` / 2 (the latency figures: the
 buffer's own delay, not a queue's).
 
-Produce: `--producers` asyncio tasks (groups in flight in the router) on the event loop the
-router serves on (uvloop, as uvicorn picks it; asyncio's own without it) each take a slot of the
-router's `BufferBound` (depth bound `--max-depth`, as `--max-buffer-depth`) and put a group
-through it (packed there when it is lists: `proto.packed.pack`): group commits, one ledger PUT
-script per batch writing it as one stream entry (`groups_put`, the end of each group's
-flight). Consume, in a process of its own, as the trainer's intake does
-(services/trainer/rollout.py, `Intake.read_rollout`): rollouts of `--rollout` groups, each
-read entry by entry (`read_entries`, a count of one entry per group still needed), the status
-(counters and depth read, status written) at most every `WAIT_REPORT_S`, each entry's groups decoded and checked (`intake.decode_groups`,
+Produce: `--producers` asyncio tasks (groups in flight in the router) on the event loop the router
+serves on (uvloop, as uvicorn picks it; asyncio's own without it) each take a slot of the router's
+`BufferBound` (depth bound `--max-depth`, as `--max-buffer-depth`) and put a group through it
+(packed there when it is lists: `proto.packed.pack`): group commits, one ledger PUT script per
+batch writing it as one stream entry (`groups_put`, the end of each group's flight). Consume, in a
+process of its own, as the trainer's intake does (services/trainer/rollout.py,
+`Intake.read_rollout`): rollouts of `--rollout` groups, each read entry by entry (`read_entries`, a
+count of one entry per group still needed), the status (counters and depth read, status written) at
+most every `WAIT_REPORT_S`, each entry's groups decoded and checked (`intake.decode_groups`,
 `check_groups`); at the rollout's end (the step) the trainer's bookkeeping of a step without
---save, one script (`record_trained`: its groups counted consumed and trained, its entries
-acked, the ledger read and checked); the collector tuned as the trainer's (`tune_gc_for_reads`). Groups are realistic:
-`--group-bytes` (~4 KB) as stored (packed), 4 samples of token ids, log-probs and masks.
-Latency: a group's
-`created_at` is set when its put starts (after its slot: a producer's wait for room is not time
-in the buffer) and read by the consumer when it dequeues it.
+--save, one script (`record_trained`: its groups counted consumed and trained, its entries acked,
+the ledger read and checked); the collector tuned as the trainer's (`tune_gc_for_reads`). Groups
+are realistic: `--group-bytes` (~4 KB) as stored (packed), 4 samples of token ids, log-probs and
+masks. Latency: a group's `created_at` is set when its put starts (after its slot: a producer's
+wait for room is not time in the buffer) and read by the consumer when it dequeues it.
 
 The limit: `valkey-benchmark`/`redis-benchmark` XADD of the group's stored size when such a
 binary sits beside the server binary or on PATH (`-P 64`, the best of `RAW_RUNS` runs); otherwise raw XADD through a

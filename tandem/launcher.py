@@ -11,12 +11,10 @@ passes, a child dies, or Ctrl-C. Exit code: 0 when the run reached its goal, 1 o
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shlex
 import sys
 from dataclasses import dataclass, field, replace
-from importlib.machinery import PathFinder
 from pathlib import Path
 
 from services.common.config_file import parse_args
@@ -400,8 +398,11 @@ def validate(config: UpConfig) -> list[str]:
             problems.append(f"{flag} {data}: no such file")
         elif data and (problem := first_row_problem(data, config.input_key or INPUT_KEY)):
             problems.append(problem)
-    if problem := reward_path_problem(config.custom_rm_path):
-        problems.append(problem)
+    if config.custom_rm_path:  # (the router's module: imported only when there is a path)
+        from services.rollout_router.rewards import import_problem
+
+        if problem := import_problem(config.custom_rm_path):
+            problems.append(problem)
     if config.engine_gpus and len(config.engine_gpus) != config.num_engines:
         problems.append(
             f"--engine-gpus names {len(config.engine_gpus)} GPUs for {config.num_engines} "
@@ -425,31 +426,6 @@ def validate(config: UpConfig) -> list[str]:
             "--weight-transport zmq"
         )
     return problems
-
-
-def reward_path_problem(path: str) -> str:
-    """Why the router could not import `--custom-rm-path` PATH ("" when it may): no file of
-    `file.py:fn`, or no package or module `pkg` of `pkg.mod:fn` (`pkg.mod.fn`) where the router
-    looks (the current folder, PYTHONPATH, the installed packages); looked up without running
-    any of it (the rest of a dotted path is the router's to find)."""
-    if not path:
-        return ""
-    module = path.rpartition(":")[0] if ":" in path else path.rpartition(".")[0]
-    if not module:
-        return f"--custom-rm-path {path}: give the module and the function (module:fn, file.py:fn)"
-    if module.endswith(".py"):
-        return "" if Path(module).is_file() else f"--custom-rm-path {path}: no file {module}"
-    top = module.split(".")[0]
-    try:
-        if PathFinder.find_spec(top, [os.getcwd()]) or importlib.util.find_spec(top):
-            return ""
-    except (ImportError, ValueError):  # a finder that fails: the router's import will say
-        return ""
-    return (
-        f"--custom-rm-path {path}: no module {top} in the current folder ({os.getcwd()}) or "
-        "on PYTHONPATH: run tandem up from the folder that holds it (a resume too), put that "
-        "folder on PYTHONPATH, or give the file (--custom-rm-path path/to/file.py:fn)"
-    )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import re
 import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,30 @@ def split_path(path: str) -> tuple[str, str]:
     """(module or file, function name) of a --custom-rm-path."""
     module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
     return module, name
+
+
+def import_problem(path: str) -> str:
+    """Why `load_function` could not import PATH ("" when it may), looked up as it looks
+    without running any of it: the file of `file.py:fn`, or the top-level package or module of
+    `pkg.mod:fn` in the current directory, on PYTHONPATH or installed (the rest of a dotted path
+    is the import's to find)."""
+    module_name, _ = split_path(path)
+    if not module_name:
+        return f"--custom-rm-path {path}: give the module and the function (module:fn, file.py:fn)"
+    if module_name.endswith(".py"):
+        found = Path(module_name).is_file()
+        return "" if found else f"--custom-rm-path {path}: no file {module_name}"
+    top = module_name.split(".")[0]
+    try:
+        if PathFinder.find_spec(top, [os.getcwd()]) or importlib.util.find_spec(top):
+            return ""
+    except (ImportError, ValueError):  # a finder that fails: the import itself will say
+        return ""
+    return (
+        f"--custom-rm-path {path}: no module {top} in the current folder ({os.getcwd()}) or "
+        "on PYTHONPATH: run tandem up from the folder that holds it (a resume too), put that "
+        "folder on PYTHONPATH, or give the file (--custom-rm-path path/to/file.py:fn)"
+    )
 
 
 def load_function(path: str) -> Callable[..., Any]:

@@ -104,13 +104,13 @@ def flatten(groups: list[Group], advantages: list[list[np.ndarray]]) -> list[Tra
     out = []
     for index, (g, group_adv) in enumerate(zip(groups, advantages, strict=True)):
         for s, adv in zip(all_samples(g), group_adv, strict=True):
-            if not response_len(s):
+            if not (n := response_len(s)):
                 continue
             tokens, logp, mask = _arrays(s)
             out.append(
                 TrainSample(
                     tokens=tokens,
-                    prompt_len=len(tokens) - response_len(s),
+                    prompt_len=len(tokens) - n,
                     behaviour_logp=logp,
                     loss_mask=mask,
                     advantages=adv,
