@@ -8,9 +8,12 @@ is refused before anything starts: two values for one setting is how router and 
 up waiting on each other for good.
 
 Resume: every run folder gets `up_config.json`, the resolved `[up]` configuration (with the
-model directory actually used), beside `config.toml` (every table, tandem/up_config.py), whose
-service tables a resumed run's services read again. `--resume RUN_DIR` starts from it; flags given beside `--resume`
-override it, except the run contract's terms, which the run's Redis already holds.
+model directory actually used) and the folder the run was first started from (`launch_dir`),
+beside `config.toml` (every table, tandem/up_config.py), whose service tables a resumed run's
+services read again. `--resume RUN_DIR` starts from it; flags given beside `--resume` override
+it, except the run contract's terms, which the run's Redis already holds. Paths are saved
+absolute; a module-form `--custom-rm-path pkg.mod:fn` that lives in the launch folder is found
+from there (`reach_launch_dir`), as it was at the first start.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
 PASSTHROUGH = ("--engine-args", "--router-args", "--trainer-args")
 CONFIG_FILE = "up_config.json"
+LAUNCH_DIR = "launch_dir"  # up_config.json's key beside the fields: where the run first started
 # Fields whose value is part of the run contract: fixed for the life of a run.
 CONTRACT_FIELDS = (
     "rollout_batch_size",
@@ -96,7 +102,33 @@ def _flag_values(args: list[str]) -> dict[str, list[str]]:
 
 
 def save_config(run_dir: Path, config: Any) -> None:
-    (run_dir / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(config), indent=2))
+    """`config` as the run folder's `up_config.json`, with the folder the run was first started
+    from (kept as it was on a resume)."""
+    path = run_dir / CONFIG_FILE
+    launch_dir = json.loads(path.read_text()).get(LAUNCH_DIR) if path.is_file() else None
+    saved = {**dataclasses.asdict(config), LAUNCH_DIR: launch_dir or os.getcwd()}
+    path.write_text(json.dumps(saved, indent=2))
+
+
+def reach_launch_dir(rm_path: str, launch_dir: str) -> str:
+    """For a resume from another folder: when the module of a module-form `rm_path` is not
+    found from here but is in `launch_dir`, put that folder first on PYTHONPATH (the router and
+    its reward workers inherit it) and on this process's path (the check before the start);
+    what was done, or "" ."""
+    from services.rollout_router.rewards import import_problem, split_path
+
+    module = split_path(rm_path)[0]
+    if not launch_dir or not module or module.endswith(".py") or not import_problem(rm_path):
+        return ""
+    top = module.split(".")[0]
+    here = Path(launch_dir)
+    if not ((here / top).is_dir() or (here / f"{top}.py").is_file()):
+        return ""
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [launch_dir, *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    sys.path.insert(0, launch_dir)
+    return f"--custom-rm-path {rm_path}: {top} is in {launch_dir}, where the run started: on PYTHONPATH"
 
 
 def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
@@ -118,6 +150,10 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
     merged.update({name: getattr(config, name) for name in given})
     merged.update(run_dir=str(run_dir), resume=str(run_dir), model=saved.get("model", ""))
     resumed = type(config)(**merged)
+    if resumed.custom_rm_path and (
+        found := reach_launch_dir(resumed.custom_rm_path, saved.get(LAUNCH_DIR) or "")
+    ):
+        print(f"[up] {found}", flush=True)
     done = steps_saved(Path(resumed.save or run_dir / "checkpoints"))
     if done >= resumed.max_steps:
         problems.append(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from http.server import HTTPServer
@@ -16,7 +17,7 @@ from proto.contract import ServiceStatus
 from services.sample_buffer import SampleBuffer
 from tandem import launcher
 from tandem import watchdog as watchdog_module
-from tandem.up_args import join_passthrough
+from tandem.up_args import join_passthrough, save_config
 from tandem.watchdog import Watchdog
 from tests.helpers import JsonHandler
 
@@ -96,25 +97,29 @@ def test_a_new_run_saves_absolute_paths_so_it_resumes_from_any_folder(
     assert launcher.main(["--custom-rm-path", "my_rewards:score", "--run-dir", "r2"]) == 0
     assert started[1].config.custom_rm_path == "my_rewards:score", "a module path stays as it is"
     # A module path is looked up where the router will look, before anything starts: from
-    # another folder (a resume included) it is not there, and the refusal says what to do.
+    # another folder it is not there, and the refusal says what to do; a resume finds it in the
+    # folder its run was started from (saved in the run folder), and gives that to the services.
     run = project / "r2"
-    (run / "up_config.json").write_text(json.dumps(started[1].config.__dict__))
+    save_config(run, started[1].config)  # (run() is replaced here: as start_services saves it)
     started[1].lock.close()  # that run has ended
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    for argv in (["--custom-rm-path", "my_rewards:score"], ["--resume", str(run)]):
-        assert launcher.main(argv) == 2, argv
-        assert (
-            f"--custom-rm-path my_rewards:score: no module my_rewards in the current folder "
-            f"({elsewhere}) or on PYTHONPATH: run tandem up from the folder that holds it"
-        ) in capsys.readouterr().err
+    assert launcher.main(["--custom-rm-path", "my_rewards:score"]) == 2
+    assert (
+        f"--custom-rm-path my_rewards:score: no module my_rewards in the current folder "
+        f"({elsewhere}) or on PYTHONPATH: run tandem up from the folder that holds it"
+    ) in capsys.readouterr().err
     assert launcher.main(["--custom-rm-path", "score"]) == 2  # no module named at all
     assert "--custom-rm-path score: give the module and the function" in capsys.readouterr().err
-    monkeypatch.setenv("PYTHONPATH", str(project))  # as the router would find it then
-    monkeypatch.syspath_prepend(str(project))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (both restored after the test)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere/lib")
     assert launcher.main(["--resume", str(run)]) == 0
     assert len(started) == 3
+    assert f"my_rewards is in {project}, where the run started" in capsys.readouterr().out
+    assert os.environ["PYTHONPATH"] == f"{project}{os.pathsep}/elsewhere/lib"
+    save_config(run, started[2].config)  # the resumed run saves it again, from elsewhere
+    assert json.loads((run / "up_config.json").read_text())["launch_dir"] == str(project)
 
 
 def test_a_data_file_that_is_not_there_is_refused_before_anything_starts(
