@@ -16,6 +16,7 @@ class RunProgress:
     """Folds the metrics stream into what the console and the summary show."""
 
     run_dir: Path
+    resumed: bool = False  # a resume: the run's metrics.jsonl so far is folded in first
     started_at: float = field(default_factory=time.monotonic)
     step: int = 0
     reward: float = math.nan
@@ -32,20 +33,33 @@ class RunProgress:
     logprob_diff_steps: int = 0
     samples_trained: int = 0
     history: list[dict] = field(default_factory=list)
+    steps_before: int = 0  # the run's step when this launch started (a resume's)
 
     def __post_init__(self) -> None:
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        path = self.run_dir / "metrics.jsonl"
+        if self.resumed and path.is_file():  # the totals and the plot are the whole run's
+            for line in path.read_text().splitlines():
+                try:
+                    self.fold(json.loads(line))
+                except (ValueError, TypeError, KeyError):  # a line cut by a kill: passed over
+                    continue
+            self.steps_before = self.step
+        self.jsonl = open(path, "a")  # noqa: SIM115 - closed in close()
 
     def add(self, record: MetricsRecord) -> str | None:
         """Record one metrics message; return a console line when a trainer step completed."""
         row = {"source": record.source, "step": record.step, "time": record.time, **record.values}
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
+        return self.fold(row)
+
+    def fold(self, row: dict) -> str | None:
+        """One row of metrics.jsonl into the totals; the console line of a trainer step."""
         self.history.append(row)
-        values = record.values
+        values = row
         if "eval/accuracy" in values:
             self.accuracy = values["eval/accuracy"]
-            self.accuracy_version = record.step
+            self.accuracy_version = row["step"]
             if math.isnan(self.first_accuracy):
                 self.first_accuracy = self.accuracy
             self.best_accuracy = max(
@@ -53,15 +67,15 @@ class RunProgress:
             )
         if "rollout/samples_per_s" in values:
             self.samples_per_s = values["rollout/samples_per_s"]
-        if record.source != "trainer":
+        if row["source"] != "trainer":
             return None
-        self.step = record.step
+        self.step = row["step"]
         self.reward = values.get("train/reward_mean", self.reward)
         self.staleness = values.get("train/staleness_mean", self.staleness)
         self.step_time_s = values.get("train/step_time_s", self.step_time_s)
         self.samples_trained += int(values.get("train/samples", 0))
         diff = values.get("train/logprob_abs_diff_max", math.nan)
-        if record.step == 1:
+        if row["step"] == 1:
             self.logprob_diff_step0 = diff
         if not math.isnan(diff):  # NaN: no sample of this step came from the trainer's version
             self.logprob_diff_max = max(
@@ -87,6 +101,7 @@ class RunProgress:
         """The fields of summary.json that come from the metrics."""
         return {
             "steps": self.step,
+            "steps_this_launch": self.step - self.steps_before,
             "accuracy_first": self.first_accuracy,
             "accuracy_last": self.accuracy,
             "accuracy_best": self.best_accuracy,
@@ -102,8 +117,9 @@ class RunProgress:
     ) -> list[str]:
         """The console's summary of the run."""
         acc = f"{self.first_accuracy:.2f} -> {self.accuracy:.2f}"
+        launch = f" ({self.step - self.steps_before} in this launch)" if self.resumed else ""
         out = [
-            f"{outcome}: {self.step} steps in {wall_s / 60:.1f} min, held-out accuracy {acc} "
+            f"{outcome}: {self.step} steps{launch} in {wall_s / 60:.1f} min, held-out accuracy {acc} "
             f"(best {self.best_accuracy:.2f}; {eval_task}), {self.samples_trained} samples "
             f"trained, engines on versions {', '.join(versions) or '?'}"
         ]

@@ -91,7 +91,7 @@ class UpRun:
                 f"(stop at held-out accuracy >= {self.config.stop_accuracy}, "
                 f"at most {self.config.max_steps} steps)"
             )
-            progress = RunProgress(self.run_dir)
+            progress = RunProgress(self.run_dir, resumed=bool(self.config.resume))
             code = self.monitor(buffer, progress, sinks)
             engine_versions = versions_or_why(urls)  # proof the weights moved
         except ChildFailedError as exc:  # at start-up

@@ -21,3 +21,35 @@ def test_the_console_line_shows_a_dash_until_accuracy_and_throughput_are_reporte
     assert second is not None and "held-out acc 0.25 (v1) |   1234 samples/s" in second
     progress.close()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_resumed_run_counts_the_whole_run_and_says_how_much_was_this_launch(
+    tmp_path: Path,
+) -> None:
+    def step(progress: RunProgress, n: int, accuracy: float) -> None:
+        values = {"train/samples": 512.0, "train/reward_mean": accuracy}
+        progress.add(MetricsRecord(source="trainer", step=n, values=values, time=0.0))
+        router = {"eval/accuracy": accuracy}
+        progress.add(MetricsRecord(source="router", step=n, values=router, time=0.0))
+
+    first = RunProgress(tmp_path)
+    for n in (1, 2, 3):
+        step(first, n, 0.1 * n)
+    first.close()
+    with (tmp_path / "metrics.jsonl").open("a") as jsonl:
+        jsonl.write('{"source": "trainer", "st')  # the launcher killed mid-line
+    resumed = RunProgress(tmp_path, resumed=True)
+    step(resumed, 4, 0.9)
+    summary = resumed.summary()
+    assert (summary["steps"], summary["steps_this_launch"]) == (4, 1)
+    assert summary["samples_trained"] == 4 * 512
+    assert (summary["accuracy_first"], summary["accuracy_last"]) == (0.1, 0.9)
+    assert len(resumed.history) == 8, "the plot shows the whole run"
+    assert resumed.sentences("done", 60.0, "task", ["4"])[0].startswith(
+        "done: 4 steps (1 in this launch) in 1.0 min, held-out accuracy 0.10 -> 0.90"
+    )
+    resumed.close()
+    fresh = RunProgress(tmp_path)  # a new run in that folder: only its own records count
+    step(fresh, 1, 0.5)
+    assert (fresh.summary()["samples_trained"], fresh.summary()["steps_this_launch"]) == (512, 1)
+    fresh.close()
