@@ -97,7 +97,12 @@ def _bytes(typecode: str, values: list, what: str, group_id: str) -> bytes:
         ) from None
 
 
-def _pack_sample(s: Sample, prompt: bytes, gid: str) -> PackedSample:
+def pack_sample(s: Sample, group_id: str, prompt: bytes | None = None) -> PackedSample:
+    """`s` packed (`pack`'s rules; `prompt`: its prompt ids packed already); ValueError naming
+    the field (and `group_id`) when a value does not fit."""
+    gid = group_id
+    if prompt is None:
+        prompt = _bytes(IDS, s.prompt_ids, "prompt_ids", gid)
     mask, versions, n = s.loss_mask, s.token_versions, len(s.response_ids)
     return PackedSample(
         prompt,
@@ -127,7 +132,7 @@ def pack(group: SampleGroup | PackedGroup) -> PackedGroup:
     for s in group.samples:
         if s.prompt_ids is not last:
             last, prompt = s.prompt_ids, _bytes(IDS, s.prompt_ids, "prompt_ids", gid)
-        samples.append(_pack_sample(s, prompt, gid))
+        samples.append(pack_sample(s, gid, prompt))
     return PackedGroup(
         gid,
         group.prompt,

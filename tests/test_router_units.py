@@ -202,7 +202,7 @@ def turn(prompt: list[int], ids: list[int], version: int = 0) -> tuple[list[int]
 
 
 def test_session_turns_merge_by_exact_prefix_and_split_when_the_history_was_re_rendered():
-    from services.rollout_router.sessions import Session, Turn, session_samples
+    from services.rollout_router.sessions import Session, session_samples
 
     session = Session("s")
     for prompt, partial in [
@@ -210,19 +210,75 @@ def test_session_turns_merge_by_exact_prefix_and_split_when_the_history_was_re_r
         turn([1, 5, 14, 6, 2, 7, 14], [8, 2], version=1),  # extends turn 1: merged
         turn([1, 9, 14], [4, 2], version=1),  # history rendered differently: a new sample
     ]:
-        session.turns.append(Turn(prompt, partial))
+        session.record(prompt, partial)
+    assert [t.prompt.tolist() for t in session.turns] == [[1, 5, 14], [7, 14], [1, 9, 14]], (
+        "a turn that extends the context holds only the tokens beyond it"
+    )
     first, second = session_samples(session, reward=0.5)
     assert first.prompt_ids == [1, 5, 14]
     assert first.response_ids == [6, 2, 7, 14, 8, 2]
     assert first.loss_mask == [1, 1, 0, 0, 1, 1]
     assert first.token_versions == [0, 0, 0, 0, 1, 1]
-    assert first.response_logprobs[2:4] == [0.0, 0.0]
+    assert first.response_logprobs == [-0.5, -1.0, 0.0, 0.0, -0.5, -1.0]
     assert (second.prompt_ids, second.response_ids, second.loss_mask) == (
         [1, 9, 14],
         [4, 2],
         [1, 1],
     )
     assert first.reward == second.reward == 0.5
+
+
+def merged_as_lists(turns: list[tuple[list[int], Partial]], reward: float) -> list:
+    """The merge as the router made it while it held each turn's whole prompt as a list."""
+    from services.rollout_router.sessions import _finish
+
+    samples, prompt, current, mask = [], [], None, []
+    for prompt_ids, partial in turns:
+        context = prompt + (current.ids if current else [])
+        if current is not None and prompt_ids[: len(context)] == context:
+            between = prompt_ids[len(context) :]
+            last = current.token_versions[-1] if current.token_versions else -1
+            current.ids += between
+            current.logprobs += [0.0] * len(between)
+            current.token_versions += [last] * len(between)
+            mask += [0] * len(between)
+            current.extend_partial(partial)
+            mask += [1] * len(partial.ids)
+            continue
+        if current is not None:
+            samples.append(_finish(current, prompt, mask, reward))
+        prompt, mask = list(prompt_ids), [1] * len(partial.ids)
+        current = Partial()
+        current.extend_partial(partial)
+    if current is not None:
+        samples.append(_finish(current, prompt, mask, reward))
+    return samples
+
+
+def test_sessions_held_as_arrays_merge_exactly_as_whole_prompts_did():
+    import random
+
+    from proto.packed import pack_sample
+    from services.rollout_router.sessions import Session, session_samples
+
+    rng = random.Random(7)
+    for case in range(200):
+        session, turns, context = Session(f"s{case}"), [], []
+        for version in range(rng.randrange(1, 8)):
+            roll = rng.random()
+            if not context or roll < 0.15:  # a first turn, or a history rendered anew
+                prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 6))]
+            elif roll < 0.25:  # a prompt cut short of the context: no merge
+                prompt = context[: rng.randrange(len(context))]
+            else:  # the context, then tool output or a user message (maybe none)
+                prompt = context + [rng.randrange(1, 50) for _ in range(rng.randrange(0, 4))]
+            ids = [rng.randrange(1, 50) for _ in range(rng.randrange(0, 4))]
+            partial = Partial.of(output(ids, version, "stop"))
+            session.record(prompt, partial)
+            turns.append((prompt, Partial.of(output(ids, version, "stop"))))
+            context = prompt + ids
+        got, want = session_samples(session, 1.0), merged_as_lists(turns, 1.0)
+        assert [pack_sample(s, "g") for s in got] == [pack_sample(s, "g") for s in want], case
 
 
 def test_the_session_store_is_bounded_in_number_and_age():
@@ -280,3 +336,27 @@ def test_rollout_requests_carry_the_sampling_settings_and_stops():
     single = loop.gen.payload([1, 5], n=1, max_new=9, greedy=False, seed=42)
     assert single["input_ids"] == [1, 5] and single["sampling_params"]["sampling_seed"] == 42
     assert loop.gen.payload([1], 1, 9, True, 0)["sampling_params"]["temperature"] == 0.0
+
+
+def test_the_session_memory_bench_runs_and_ends_with_its_ratio() -> None:
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    small = ["--sessions", "2", "--turns", "3", "--prompt-len", "8", "--response-len", "4"]
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench/session_memory.py"), *small, "--between-len", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    # each session: 8 prompt tokens, then 3 responses of 4 with 2 tokens between them
+    assert (
+        lines[0]
+        == "sessions: 2 x 3 turns, final context 24 tokens, 48 tokens in their samples (each once)"
+    )
+    assert re.fullmatch(r"session_memory_vs_stored: \d+\.\d\d", lines[-1]), lines[-1]

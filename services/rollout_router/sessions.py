@@ -7,6 +7,13 @@ A reward that would put a group waits for room in the buffer (`--max-buffer-dept
 backpressure.py) up to `session_put_timeout_s`, then fails with `BufferFullError` (answered 503
 with Retry-After) and leaves its session open, so the agent's retry finds it: nothing is
 dropped for a full buffer.
+
+Memory: an open session holds its tokens once, as arrays (`Turn`): a turn whose prompt extends
+the session's last context keeps only the tokens beyond it, so a session of T turns over a
+context of C tokens holds ~4 B a token of C and 12 a response token, where each turn's whole
+prompt as a list held ~36 B a token of every turn's context (T x C). The samples of sessions
+waiting for their group are held packed, as the buffer stores them. bench/session_memory.py
+measures both.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +29,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proto import DropReason, DropRecord, Sample, SampleGroup
+from proto import DropReason, DropRecord, Sample
+from proto.packed import IDS, LOGPROBS, PackedGroup, PackedSample, pack_sample
 from services.rollout_router.backpressure import BufferBound
 from services.rollout_router.chat_input import (
     TurnError,
@@ -41,8 +50,47 @@ from services.sample_buffer import AsyncSampleBuffer
 
 @dataclass
 class Turn:
-    prompt_ids: list[int]
-    partial: Partial
+    """A chat turn as its session holds it: `prompt` is the tokens beyond the session's last
+    context (its last prompt and response) when the prompt starts with that context exactly
+    (`extends`: the turn merges into the sample, docs/protocols.md), else the whole prompt;
+    the response's ids, log-probs (float32, as the buffer stores them) and token versions as
+    arrays, and the rest of its `Partial`."""
+
+    prompt: array
+    extends: bool
+    ids: array
+    logprobs: array
+    versions: array
+    text: str
+    finish: str
+    segment_versions: list[int]
+    routed_experts: str
+
+    @classmethod
+    def of(cls, prompt: array, extends: bool, partial: Partial) -> Turn:
+        return cls(
+            prompt,
+            extends,
+            array(IDS, partial.ids),
+            array(LOGPROBS, partial.logprobs),
+            array(IDS, partial.token_versions),
+            partial.text,
+            partial.finish,
+            partial.segment_versions,
+            partial.routed_experts,
+        )
+
+    def partial(self) -> Partial:
+        """The response as a `Partial` of lists."""
+        return Partial(
+            ids=self.ids.tolist(),
+            logprobs=self.logprobs.tolist(),
+            token_versions=self.versions.tolist(),
+            text=self.text,
+            finish=self.finish,
+            segment_versions=list(self.segment_versions),
+            routed_experts=self.routed_experts,
+        )
 
 
 @dataclass
@@ -50,6 +98,16 @@ class Session:
     session_id: str
     turns: list[Turn] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
+    context: array = field(default_factory=lambda: array(IDS))  # the last prompt + response
+
+    def record(self, prompt_ids: list[int], partial: Partial) -> None:
+        """Hold one turn; OverflowError when a token id is no int32."""
+        prompt = array(IDS, prompt_ids)
+        n = len(self.context)
+        extends = bool(self.turns) and prompt[:n] == self.context
+        turn = Turn.of(prompt[n:] if extends else prompt, extends, partial)
+        self.turns.append(turn)
+        self.context = prompt + turn.ids
 
 
 def session_samples(session: Session, reward: float) -> list[Sample]:
@@ -59,22 +117,22 @@ def session_samples(session: Session, reward: float) -> list[Sample]:
     current: Partial | None = None
     mask: list[int] = []
     for turn in session.turns:
-        context = prompt + (current.ids if current else [])
-        if current is not None and turn.prompt_ids[: len(context)] == context:
-            between = turn.prompt_ids[len(context) :]
+        partial = turn.partial()
+        if current is not None and turn.extends:
+            between = turn.prompt.tolist()
             last = current.token_versions[-1] if current.token_versions else -1
             current.ids += between
             current.logprobs += [0.0] * len(between)
             current.token_versions += [last] * len(between)
             mask += [0] * len(between)
-            current.extend_partial(turn.partial)
-            mask += [1] * len(turn.partial.ids)
+            current.extend_partial(partial)
+            mask += [1] * len(partial.ids)
             continue
         if current is not None:
             samples.append(_finish(current, prompt, mask, reward))
-        prompt, mask = list(turn.prompt_ids), [1] * len(turn.partial.ids)
+        prompt, mask = turn.prompt.tolist(), [1] * len(partial.ids)
         current = Partial()
-        current.extend_partial(turn.partial)
+        current.extend_partial(partial)
     if current is not None:
         samples.append(_finish(current, prompt, mask, reward))
     return samples
@@ -91,7 +149,7 @@ class PendingGroup:
     """Samples of the sessions of one group that have reported so far."""
 
     created: float
-    samples: list[Sample] = field(default_factory=list)
+    samples: list[PackedSample] = field(default_factory=list)
     sessions: int = 0
 
 
@@ -107,7 +165,7 @@ class SessionStore:
         session = self.sessions.get(session_id)
         if session is None:
             session = self.sessions[session_id] = Session(session_id)
-        session.turns.append(Turn(prompt_ids, partial))
+        session.record(prompt_ids, partial)
 
     def close(self, session_id: str) -> Session:
         """Remove and return the session; KeyError when unknown (or expired)."""
@@ -118,7 +176,9 @@ class SessionStore:
         pending = self.groups.get(group) if group else None
         return not group or (pending.sessions if pending else 0) + 1 >= size
 
-    def add_to_group(self, group: str, samples: list[Sample], size: int) -> list[Sample] | None:
+    def add_to_group(
+        self, group: str, samples: list[PackedSample], size: int
+    ) -> list[PackedSample] | None:
         """Collect samples under `group`; all of them once `size` sessions have reported."""
         pending = self.groups.setdefault(group, PendingGroup(time.monotonic()))
         pending.samples += samples
@@ -284,7 +344,7 @@ class AgentSessions:
             if session_id not in self.store.sessions:  # expired while waiting
                 raise KeyError(session_id)
             closed = self._close(session_id, reward, group, size)
-            if isinstance(closed, SampleGroup):
+            if isinstance(closed, PackedGroup):
                 entry = await put_group(closed)
                 count = len(closed.samples)
                 return {
@@ -297,23 +357,25 @@ class AgentSessions:
 
     def _close(
         self, session_id: str, reward: float, group: str | None, size: int
-    ) -> SampleGroup | dict[str, Any]:
-        """Close the session: the group to put, or the pending answer."""
+    ) -> PackedGroup | dict[str, Any]:
+        """Close the session: the group to put (packed), or the pending answer. ValueError
+        (naming the field) when a sample does not pack."""
         session = self.store.close(session_id)
         prompt = self.first_messages.pop(session_id, "")
-        samples = session_samples(session, reward)
+        group_id = f"group-{group}" if group else f"session-{session_id}"
+        samples = [pack_sample(s, group_id) for s in session_samples(session, reward)]
         if group:
             complete = self.store.add_to_group(group, samples, size)
             if complete is None:
                 return {"status": "pending", "group": group, "samples": len(samples)}
             samples = complete
-        return SampleGroup(
-            group_id=f"group-{group}" if group else f"session-{session_id}",
-            prompt=prompt,
-            label="",
-            samples=samples,
-            weight_version=min(s.weight_version for s in samples),
-            created_at=time.time(),
+        return PackedGroup(
+            group_id,
+            prompt,
+            "",
+            samples,
+            min(s.weight_version for s in samples),
+            time.time(),
         )
 
     async def expire(self) -> None:
