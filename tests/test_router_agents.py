@@ -3,6 +3,7 @@ call the router's OpenAI API (official `openai` client) and post rewards."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import operator
@@ -11,12 +12,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
+import aiohttp
 import httpx
+import psutil
 import pytest
 
 from services.sample_buffer import SampleBuffer
@@ -273,6 +277,71 @@ def test_sessions_of_one_group_become_one_sample_group(
     (group,) = read_all(buffer)
     assert group.group_id == "group-task-12"
     assert [s.reward for s in group.samples] == [0.0, 1.0, 2.0]
+
+
+SOAK_SESSIONS, SOAK_IN_FLIGHT, SOAK_GROUP = 1_000, 100, 4
+
+
+async def session_soak(url: str, pid: int, rss: list[float]) -> tuple[list[int], Counter]:
+    """SOAK_SESSIONS agent sessions of two turns each, SOAK_IN_FLIGHT at a time, their
+    rewards in groups of SOAK_GROUP; the statuses of the turns and the rewards' answers. The
+    router's RSS after every SOAK_IN_FLIGHT sessions goes into `rss`."""
+    statuses: list[int] = []
+    answers: Counter[str] = Counter()
+    limit = asyncio.Semaphore(SOAK_IN_FLIGHT)
+    connector = aiohttp.TCPConnector(limit=SOAK_IN_FLIGHT)
+    async with aiohttp.ClientSession(connector=connector) as http:
+
+        async def chat(sid: str, messages: list[dict[str, str]]) -> str:
+            body = {"model": "toy", "messages": messages, "max_tokens": 4}
+            headers = {"X-Session-Id": sid}
+            async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+                statuses.append(r.status)
+                return (await r.json())["choices"][0]["message"]["content"]
+
+        async def one(k: int) -> None:
+            sid = f"soak{k}"
+            async with limit:
+                messages = [{"role": "user", "content": "12"}]
+                reply = await chat(sid, messages)
+                messages += [{"role": "assistant", "content": reply}]
+                await chat(sid, [*messages, {"role": "user", "content": "34"}])
+                body = {"reward": 1.0, "group": f"t{k // SOAK_GROUP}", "group_size": SOAK_GROUP}
+                async with http.post(f"{url}/sessions/{sid}/reward", json=body) as r:
+                    statuses.append(r.status)
+                    answers[(await r.json())["status"]] += 1
+            done = sum(answers.values())
+            if done % SOAK_IN_FLIGHT == 0:
+                rss.append(psutil.Process(pid).memory_info().rss / 2**20)
+
+        await asyncio.gather(*(one(k) for k in range(SOAK_SESSIONS)))
+    return statuses, answers
+
+
+def test_a_thousand_agent_sessions_through_the_router_lose_nothing_and_keep_memory_flat(
+    buffer, chat_model_dir, start_service, engines
+):
+    """A bounded soak of the agent path: every turn answered, every session's sample put in its
+    group (none left open), the ledger balanced, and the router's memory flat once warm."""
+    urls = [engines().url, engines().url]
+    extra = ("--no-rollout", "--max-buffer-depth", "0")
+    router = start_service("router", router_args(buffer, chat_model_dir, urls, *extra))
+    rss: list[float] = []
+    statuses, answers = asyncio.run(session_soak(router.url, router.proc.pid, rss))
+    print("router RSS (MiB) after each 100 sessions:", " ".join(f"{m:.0f}" for m in rss))
+    groups = read_all(buffer)
+    print(f"turns and rewards {len(statuses)}, answers {dict(answers)}, groups {len(groups)}")
+    assert statuses == [200] * len(statuses) and len(statuses) == 3 * SOAK_SESSIONS
+    groups_put = SOAK_SESSIONS // SOAK_GROUP
+    assert answers == {"put": groups_put, "pending": SOAK_SESSIONS - groups_put}
+    assert len(groups) == groups_put
+    assert sum(len(g.samples) for g in groups) == SOAK_SESSIONS, "one merged sample a session"
+    ledger = buffer.ledger()
+    assert ledger.balanced and ledger.put == groups_put and ledger.in_flight == 0, ledger
+    status = httpx.get(router.url + "/rollout/status").json()
+    assert (status["sessions_open"], status["session_groups_pending"]) == (0, 0)
+    warm, end = rss[2], rss[-1]
+    assert end - warm < 40, f"router RSS grew {end - warm:.0f} MiB after warm-up: {rss}"
 
 
 def test_a_streamed_session_turn_is_recorded_and_arrives_as_openai_chunks(

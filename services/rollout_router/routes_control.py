@@ -94,13 +94,19 @@ def control_of(request: Request) -> RolloutController:
 async def rollout_status(request: Request) -> dict[str, Any]:
     """State, what the loop waits for (`waiting_for`, a sentence), batch index, versions,
     in-flight requests and groups, samples/s, buffer depth, drops (groups by reason) and the
-    run's `ledger` (where every generated group went, and whether that balances)."""
+    run's `ledger` (where every generated group went, and whether that balances); agent
+    sessions open and groups of sessions waiting for the rest of their group."""
     pool = pool_of(request)
-    base = {
+    base: dict[str, Any] = {
         "workers": len(pool.admitted()),
         "retries": pool.retries,
         "engines_min_version": pool.min_version(),
     }
+    if (sessions := request.app.state.sessions) is not None:
+        base.update(
+            sessions_open=len(sessions.store.sessions),
+            session_groups_pending=len(sessions.store.groups),
+        )
     control = request.app.state.control
     if control is None:
         return {**base, "state": "disabled"}
