@@ -25,6 +25,7 @@ class DropReason(StrEnum):
     REWARD_ERROR = "reward_error"  # router: the reward function raised or returned None
     REWARD_NONFINITE = "reward_nonfinite"  # router: the reward was NaN or infinite
     ABORTED = "aborted"  # router: a generation stayed aborted after its retries
+    PROMPT_TOO_LONG = "prompt_too_long"  # router: the prompt leaves the model no position
     ALL_REWARDS_EQUAL = "all_rewards_equal"  # router: dynamic sampling, no GRPO signal
     FILTERED = "filtered"  # router or trainer: removed by another filter
     DEAD_LETTERED = "dead_lettered"  # trainer: a bad entry, moved to the dead-letter stream

@@ -119,6 +119,57 @@ def test_episodes_keep_exact_tokens_and_mask_environment_tokens(
             assert s.prompt_ids[0] == 1 and s.prompt_ids[-1] == 14
 
 
+def test_an_episode_that_fills_the_context_ends_on_the_models_tokens(
+    buffer, toy_model_dir, start_service, engines, env_server
+):
+    """Each step answers 20 tokens of observation and the episode never ends: once the context
+    (64 positions) leaves no room for a model turn the episode stops there, its last
+    observation cut, with no engine error."""
+
+    def endless(self: ScriptedEnv) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/reset":
+            return self.send_json(200, {"observation": None})
+        assert body["episode_id"]
+        self.send_json(200, {"observation": "9" * 19 + ">", "reward": 0.25, "done": False})
+
+    url = env_server(do_POST=endless)
+    extra = ("--env-url", url, "--env-max-turns", "50")
+    router = start_service("router", router_args(buffer, toy_model_dir, [engines().url], *extra))
+    wait_until(lambda: buffer.depth() >= 2, "a batch of episodes")
+    for group in read_all(buffer):
+        for s in group.samples:
+            assert len(s.prompt_ids) + len(s.response_ids) <= 64
+            assert s.finish_reason == "length"
+            assert s.loss_mask[-1] == 1, "the last tokens are the model's"
+            assert s.loss_mask.count(0) % 20 == 0, "whole observations, the last one cut"
+            assert s.reward == pytest.approx(0.25 * (s.loss_mask.count(0) // 20 + 1))
+    status = httpx.get(router.url + "/rollout/status").json()
+    assert status["drops"] == {} and status["state"] != "backing_off", status
+
+
+def test_a_first_observation_that_fills_the_context_drops_its_episodes_with_the_fix(
+    buffer, toy_model_dir, start_service, engines, env_server
+):
+    def long_reset(self: ScriptedEnv) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_json(200, {"observation": "1" * 69 + ">", "reward": 0.0, "done": False})
+
+    url = env_server(do_POST=long_reset)
+    router = start_service(
+        "router", router_args(buffer, toy_model_dir, [engines().url], "--env-url", url)
+    )
+    wait_until(lambda: buffer.drop_counts().get("prompt_too_long", 0) >= 2, "groups dropped")
+    episode = next(r for r in buffer.drop_log(1000) if r.count == 0)
+    assert episode.reason == "prompt_too_long" and episode.samples == 1
+    assert episode.detail.startswith("the first observation: ") and episode.detail.endswith(
+        "tokens fill the model's context of 64 positions (max_position_embeddings); shorten "
+        "the environment's first observation or use a model with a longer context"
+    )
+    status = httpx.get(router.url + "/rollout/status").json()
+    assert set(status["drops"]) == {"prompt_too_long"} and status["state"] != "backing_off"
+
+
 def test_an_episode_cut_by_max_turns_ends_on_the_models_tokens(
     buffer, toy_model_dir, start_service, engines, env_server
 ):

@@ -107,6 +107,34 @@ def test_parquet_text_prompts_with_the_last_number_verifier(
     assert all([s.reward for s in g.samples] == [1.0, 0.0] for g in groups)
 
 
+def test_prompts_that_fill_the_context_are_left_out_at_start_and_said_so(
+    buffer, toy_model_dir, start_service, engines, tmp_path
+):
+    """The toy model has 64 positions: a 71-token prompt leaves no room for a response (the
+    engine would answer 400 at every draw of it, and the loop back off as if the engines were
+    down). It is left out when the data is read, with a note; a file of only such prompts
+    fails the start, naming it."""
+    rows = [{"prompt": "12>", "label": "21"}, {"prompt": "1" * 69 + ">", "label": "1"}]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    args = router_args(buffer, toy_model_dir, [engines().url], "--rm-type", "exact_match")
+    router = start_service("router", [*args, "--prompt-data", str(data)])
+    assert router.info["task_notes"] == [
+        f"1 of 2 rows of {data} have prompts of at least 64 tokens, the model's context "
+        "(max_position_embeddings; the first: row 2, 71 tokens): no response fits after "
+        "them: left out (shorten them, or train a model with a longer context)"
+    ]
+    wait_until(lambda: buffer.depth() >= 4, "a batch")
+    assert {g.prompt for g in read_all(buffer)} == {"12>"}
+    assert buffer.drop_counts() == {}
+    status = httpx.get(router.url + "/rollout/status").json()
+    assert status["state"] != "backing_off", status
+    router.stop()
+    data.write_text(json.dumps(rows[1]))
+    with pytest.raises(RuntimeError, match=r"train.jsonl: every row has prompts of at least 64"):
+        start_service("router", [*args, "--prompt-data", str(data)])
+
+
 def test_a_bad_dataset_row_fails_startup_naming_the_file(
     buffer, toy_model_dir, start_service, engines, tmp_path
 ):

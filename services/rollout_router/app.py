@@ -13,6 +13,7 @@ the dashboard page (`/`) and its read-only routes in `routes_dashboard.py`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -67,8 +68,9 @@ def stop_ids(tokenizer: Any, sampling: SamplingConfig) -> list[int]:
     return ids
 
 
-def build_task(data: DataConfig, tokenizer: Any) -> Task:
-    """The toy task, or the datasets named by `data`."""
+def build_task(data: DataConfig, tokenizer: Any, context_len: int = 0) -> Task:
+    """The toy task, or the datasets named by `data` (without the prompts that fill the
+    model's `context_len` positions)."""
     if not data.prompt_data:
         return toy_reverse_digits(tokenizer, data.task_seed)
     return dataset_task(
@@ -80,6 +82,7 @@ def build_task(data: DataConfig, tokenizer: Any) -> Task:
         data.apply_chat_template,
         data.eval_heldout_fraction,
         data.task_seed,
+        context_len,
     )
 
 
@@ -106,7 +109,9 @@ async def build_control(
 ) -> RolloutController:
     """Tokenizer, task and reward, loaded once; the rollout loop and its controller."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.rollout.model)
-    task = await asyncio.to_thread(build_task, config.data, tokenizer)
+    context = int(read_config(config.rollout.model)[0].get("max_position_embeddings", 0))
+    make_task = functools.partial(build_task, context_len=context)
+    task = await asyncio.to_thread(make_task, config.data, tokenizer)
     for note in task.notes:
         log.warning("%s", note)
     if not config.sampling.rollout_max_response_len:
@@ -137,10 +142,8 @@ async def build_control(
         stop_ids(tokenizer, config.sampling),
         episodes,
     )
-    loop.gen.context_len = int(
-        read_config(config.rollout.model)[0].get("max_position_embeddings", 0)
-    )
-    return RolloutController(loop, config.data, tokenizer, build_task, config.scored())
+    loop.gen.context_len = context
+    return RolloutController(loop, config.data, tokenizer, make_task, config.scored())
 
 
 @asynccontextmanager

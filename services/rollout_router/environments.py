@@ -28,6 +28,17 @@ class EnvError(RuntimeError):
         self.reason = reason
 
 
+class ContextFullError(Exception):
+    """The episode's context fills the model's positions: no model turn fits after it."""
+
+    def __init__(self, tokens: int, context_len: int) -> None:
+        super().__init__(
+            f"{tokens} tokens fill the model's context of {context_len} positions "
+            "(max_position_embeddings)"
+        )
+        self.tokens, self.context_len = tokens, context_len
+
+
 class EnvClient:
     """The two protocol calls, each with its own timeout, over the router's shared session."""
 
@@ -129,9 +140,19 @@ class EpisodeRunner:
         prompt_ids = self.prompt_ids(first.get("observation"), item, tools)
         trajectory = Partial()
         mask: list[int] = []
-        reward, done = 0.0, False
+        reward, done, kept = 0.0, False, (0, 0)
         for turn in range(self.config.env_max_turns):
-            turn_out = await generate(prompt_ids + trajectory.ids, seed + turn)
+            try:
+                turn_out = await generate(prompt_ids + trajectory.ids, seed + turn)
+            except ContextFullError as full:
+                if turn == 0:
+                    raise EnvError(
+                        DropReason.PROMPT_TOO_LONG,
+                        f"the first observation: {full}; shorten the environment's first "
+                        "observation or use a model with a longer context",
+                    ) from None
+                _cut_to(trajectory, mask, kept)  # the last observation: no model turn follows
+                break  # (the episode is cut short: finish "length")
             trajectory.extend_partial(turn_out)
             mask += [1] * len(turn_out.ids)
             step = await self.client.call("/step", self.step_body(episode_id, turn_out.text))
@@ -146,6 +167,7 @@ class EpisodeRunner:
                 break  # no model turn follows: a last observation would be dead weight
             obs = self.observation_text(step.get("observation"), turn_out, tools)
             obs_ids = self.tokenizer(obs, add_special_tokens=False)["input_ids"]
+            kept = len(trajectory.ids), len(trajectory.text)
             last_version = trajectory.token_versions[-1] if trajectory.token_versions else -1
             trajectory.ids += obs_ids
             trajectory.logprobs += [0.0] * len(obs_ids)
@@ -223,3 +245,11 @@ class EpisodeRunner:
 def joined(messages: Messages) -> str:
     """Messages without a chat template: their contents, one after the other."""
     return "".join(str(m.get("content") or "") for m in messages)
+
+
+def _cut_to(trajectory: Partial, mask: list[int], kept: tuple[int, int]) -> None:
+    """Cut `trajectory` (and its loss `mask`) back to `kept` (tokens, text characters)."""
+    tokens, chars = kept
+    del trajectory.ids[tokens:], trajectory.logprobs[tokens:], trajectory.token_versions[tokens:]
+    del mask[tokens:]
+    trajectory.text = trajectory.text[:chars]

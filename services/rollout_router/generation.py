@@ -11,7 +11,7 @@ from typing import Any
 
 from proto import DropReason
 from services.rollout_router.config import RolloutConfig, SamplingConfig
-from services.rollout_router.environments import EnvError, Generate
+from services.rollout_router.environments import ContextFullError, EnvError, Generate
 from services.rollout_router.limiter import Limiter
 from services.rollout_router.metrics import LoopObserver
 from services.rollout_router.samples import (
@@ -95,6 +95,8 @@ class Generation:
         max_new = self.sampling.rollout_max_response_len
 
         async def turn(context: list[int], turn_seed: int) -> Partial:
+            if self.context_len and len(context) >= self.context_len:
+                raise ContextFullError(len(context), self.context_len)
             payload = self.payload(context, 1, max_new, greedy, turn_seed)
             out = await self.generate(payload, episode_id)
             partial = await self.complete(context, Partial.of(out[0]), turn_seed, episode_id)

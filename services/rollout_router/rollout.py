@@ -406,8 +406,11 @@ class RolloutLoop:
             await self._drop(episode_id, error.reason, str(error), 1, groups=0)
         if not samples:
             first = f"{failed[0][1].reason}: {failed[0][1]}"
+            too_long = all(e.reason == DropReason.PROMPT_TOO_LONG for _, e in failed)
             raise GroupDroppedError(
-                DropReason.ENV_ALL_FAILED, f"all {n} episodes failed; first: {first}", 0
+                DropReason.PROMPT_TOO_LONG if too_long else DropReason.ENV_ALL_FAILED,
+                f"all {n} episodes failed; first: {first}",
+                0,
             )
         return list(samples)
 

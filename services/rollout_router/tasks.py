@@ -119,11 +119,18 @@ def first_row_problem(path: str, input_key: str) -> str:
 
 
 def load_items(
-    tokenizer: Any, path: str, input_key: str, label_key: str, chat: bool, flag: str
+    tokenizer: Any,
+    path: str,
+    input_key: str,
+    label_key: str,
+    chat: bool,
+    flag: str,
+    context_len: int = 0,
 ) -> tuple[list[Item], tuple[str, ...]]:
-    """The rows of `path` as items, and notes for the console (`label_notes`): rows without a
-    label (absent, null or empty) are left out, before their prompts are tokenized, when others
-    have one."""
+    """The rows of `path` as items, and notes for the console: rows without a label (absent,
+    null or empty) are left out, before their prompts are tokenized, when others have one
+    (`label_notes`); rows whose prompt fills the model's `context_len` positions (0: unknown)
+    are left out, since no response fits after them, and ValueError when that is every row."""
     rows, unlabeled = [], []
     for number, row in enumerate(read_rows(path, flag), 1):
         if input_key not in row:
@@ -132,19 +139,35 @@ def load_items(
         label = "" if label is None else label if isinstance(label, str) else json.dumps(label)
         if not label:
             unlabeled.append(number)
-        rows.append((row[input_key], label))
+        rows.append((number, row[input_key], label))
     if not rows:
         raise ValueError(f"{flag} {path}: no rows")
     notes = label_notes(path, len(rows), unlabeled, label_key)
     if unlabeled and len(unlabeled) < len(rows):
-        rows = [(prompt, label) for prompt, label in rows if label]
-    items = []
-    for prompt, label in rows:
+        rows = [(number, prompt, label) for number, prompt, label in rows if label]
+    items, too_long = [], []
+    for number, prompt, label in rows:
         messages = (
             tuple((m["role"], m["content"]) for m in prompt) if isinstance(prompt, list) else ()
         )
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)
-        items.append(Item(text, label, encode_prompt(tokenizer, prompt, chat), messages))
+        item = Item(text, label, encode_prompt(tokenizer, prompt, chat), messages)
+        if context_len and len(item.input_ids) >= context_len:
+            too_long.append((number, len(item.input_ids)))
+        else:
+            items.append(item)
+    if too_long:
+        number, length = too_long[0]
+        what = (
+            f"prompts of at least {context_len} tokens, the model's context (max_position_"
+            f"embeddings; the first: row {number}, {length} tokens): no response fits after them"
+        )
+        if not items:
+            raise ValueError(f"{flag} {path}: every row has {what}")
+        notes += (
+            f"{len(too_long)} of {len(rows)} rows of {path} have {what}: left out (shorten "
+            "them, or train a model with a longer context)",
+        )
     return items, notes
 
 
@@ -168,15 +191,16 @@ def dataset_task(
     chat: bool,
     heldout_fraction: float = 0.0,
     seed: int = 0,
+    context_len: int = 0,
 ) -> Task:
     """The dataset's prompts; held out for evaluation: `eval_path`'s, else `heldout_fraction`
-    of `train_path`'s (at least one, chosen by `seed`, then not trained on)."""
-    train, notes = load_items(tokenizer, train_path, input_key, label_key, chat, "--prompt-data")
+    of `train_path`'s (at least one, chosen by `seed`, then not trained on). Prompts that fill
+    the model's `context_len` positions are left out (`load_items`)."""
+    keys = (input_key, label_key, chat)
+    train, notes = load_items(tokenizer, train_path, *keys, "--prompt-data", context_len)
     name = Path(train_path).stem
     if eval_path:
-        heldout, more = load_items(
-            tokenizer, eval_path, input_key, label_key, chat, "--eval-prompt-data"
-        )
+        heldout, more = load_items(tokenizer, eval_path, *keys, "--eval-prompt-data", context_len)
         notes += more
         source = f"{len(heldout)} prompts of {eval_path}"
         return Task(name, train, heldout, heldout_source=source, notes=notes)
