@@ -144,24 +144,30 @@ class Supervisor:
         timeout_s: float = 10.0,
         on_slow: Callable[[list[str]], None] | None = None,
         slow_s: float = 5.0,
+        first: tuple[str, ...] = (),
     ) -> list[str]:
-        """SIGTERM every child's process group (newest first), then SIGKILL what is left of
-        each group after `timeout_s`; returns the names of the children that had to be killed.
-        `on_slow` hears once which children still run after `slow_s`; an interrupt (Ctrl-C)
-        that comes meanwhile ends the wait at once. A child that already exited is signalled
-        too: a service killed by SIGKILL leaves its own children (its session) behind
-        otherwise."""
-        for child in reversed(self.children):
-            _signal_group(child.proc.pid, signal.SIGTERM)
+        """SIGTERM every child's process group (newest first; the children named in `first`
+        before the others, once they have exited or `timeout_s` has passed), then SIGKILL what
+        is left of each group after `timeout_s`; returns the names of the children that had to
+        be killed. `on_slow` hears once which children still run after `slow_s`; an interrupt
+        (Ctrl-C) that comes meanwhile ends the wait at once. A child that already exited is
+        signalled too: a service killed by SIGKILL leaves its own children (its session)
+        behind otherwise."""
         started, interrupts = time.monotonic(), len(self.interrupted)
         deadline = started + timeout_s
-        running = [c for c in self.children if c.proc.poll() is None]
-        while running and time.monotonic() < deadline and len(self.interrupted) == interrupts:
-            if on_slow is not None and time.monotonic() - started >= slow_s:
-                on_slow([c.name for c in running])
-                on_slow = None
-            time.sleep(0.05)
-            running = [c for c in running if c.proc.poll() is None]
+        waves = [[c for c in self.children if c.name in first]]
+        waves.append([c for c in self.children if c.name not in first])
+        running: list[Child] = []
+        for wave in waves:
+            for child in reversed(wave):
+                _signal_group(child.proc.pid, signal.SIGTERM)
+            running += [c for c in wave if c.proc.poll() is None]
+            while running and time.monotonic() < deadline and len(self.interrupted) == interrupts:
+                if on_slow is not None and time.monotonic() - started >= slow_s:
+                    on_slow([c.name for c in running])
+                    on_slow = None
+                time.sleep(0.05)
+                running = [c for c in running if c.proc.poll() is None]
         for child in reversed(self.children):
             _signal_group(child.proc.pid, signal.SIGKILL)
             child.proc.wait()

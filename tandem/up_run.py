@@ -370,8 +370,9 @@ class UpRun:
             say(f"the services' last metrics are not in metrics.jsonl: Redis: {exc}")
 
     def stop_services(self) -> None:
-        """SIGTERM every service: the trainer saves its last checkpoint and the trained model
-        then, for up to --stop-timeout-s; what is still running after it is killed."""
+        """SIGTERM every service, the router first: the trainer saves its last checkpoint and
+        the trained model then, for up to --stop-timeout-s; what is still running after it is
+        killed."""
         bound = self.config.stop_timeout_s
 
         def slow(names: list[str]) -> None:
@@ -380,7 +381,9 @@ class UpRun:
                 f"up to {bound:.0f} s, --stop-timeout-s; Ctrl-C again kills them now)"
             )
 
-        for name in self.supervisor.stop_all(bound, slow):
+        # The router first: it ends its groups in flight as cancelled and gives their prompts
+        # back (drawn again on --resume), where engines stopping under it failed them.
+        for name in self.supervisor.stop_all(bound, slow, first=("router",)):
             cut = "; its last save may be cut short (--resume goes on from the last complete one)"
             say(
                 f"{name} did not stop in time (--stop-timeout-s {bound:.0f}, or Ctrl-C): killed"

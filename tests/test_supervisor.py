@@ -87,6 +87,28 @@ def test_stop_all_says_who_is_slow_to_stop_and_names_who_it_had_to_kill(tmp_path
     assert quick.proc.returncode == -15 and stubborn.proc.returncode == -9
 
 
+def test_the_services_named_first_have_stopped_before_the_others_are_signalled(
+    tmp_path: Path,
+) -> None:
+    """tandem up stops the router first: it ends its groups in flight as cancelled (their
+    prompts drawn again on a resume) while the engines still answer."""
+    supervisor = Supervisor(tmp_path / "logs")
+
+    def service(name: str, on_term: str) -> None:
+        script = f"trap '{on_term}; date +%s.%N > {tmp_path / name}; exit 0' TERM; "
+        supervisor.start(name, [], ready=False, program=["sh", "-c", script + "sleep 300 & wait"])
+
+    service("engine0", "true")
+    service("router", "sleep 1")  # ends its groups, then exits
+    service("trainer", "true")
+    time.sleep(0.3)  # the traps are set
+    assert supervisor.stop_all(timeout_s=10, first=("router",)) == []
+    router, engine, trainer = (
+        float((tmp_path / n).read_text()) for n in ("router", "engine0", "trainer")
+    )
+    assert engine > router and trainer > router
+
+
 def test_a_second_ctrl_c_while_services_stop_kills_them_at_once(tmp_path: Path) -> None:
     interrupted: list[bool] = [True]  # the Ctrl-C that began the stop
     supervisor = Supervisor(tmp_path / "logs", interrupted)
