@@ -173,3 +173,15 @@ def steps_saved(checkpoints: Path) -> int:
         return saved_iteration(checkpoints) or 0
     except (OSError, ValueError):
         return 0
+
+
+def lost_history(counters: dict[str, int]) -> str:
+    """What a resume says when its Redis (`counters`) holds none of the run's history: its
+    data was deleted or lost ("" when it holds some)."""
+    if counters.get("groups_generated"):
+        return ""
+    return (
+        "--resume: the run's Redis holds none of its history (its data deleted or lost): the "
+        "ledger, the drop log and the prompt order start over; the trainer goes on from its "
+        "checkpoint"
+    )

@@ -37,7 +37,7 @@ from tandem.supervisor import (
     Supervisor,
     die_with_parent,
 )
-from tandem.up_args import save_config
+from tandem.up_args import lost_history, save_config
 from tandem.up_config import render, write_run_config
 from tandem.up_services import TRAINED_MODEL, service_args, shared_gpus
 from tandem.watchdog import Watchdog
@@ -199,6 +199,8 @@ class UpRun:
             raise RedisUnreachableError(str(exc)) from exc
         where = {"url": redis_url, "run_id": self.run_id, "own": self.redis is not None}
         (self.run_dir / REDIS_FILE).write_text(json.dumps(where))  # for tandem metrics/timeline
+        if self.config.resume and (lost := lost_history(buffer.counters())):
+            say(lost)
         return buffer, redis_url
 
     def say_router_terms(self, info: dict) -> None:
@@ -370,9 +372,9 @@ class UpRun:
             say(f"the services' last metrics are not in metrics.jsonl: Redis: {exc}")
 
     def stop_services(self) -> None:
-        """SIGTERM every service, the router first: the trainer saves its last checkpoint and
-        the trained model then, for up to --stop-timeout-s; what is still running after it is
-        killed."""
+        """SIGTERM every service, the router first (its groups in flight end as cancelled, their
+        prompts given back, while the engines still answer); the trainer saves its last
+        checkpoint and the trained model, for up to --stop-timeout-s; then what runs is killed."""
         bound = self.config.stop_timeout_s
 
         def slow(names: list[str]) -> None:
@@ -381,8 +383,6 @@ class UpRun:
                 f"up to {bound:.0f} s, --stop-timeout-s; Ctrl-C again kills them now)"
             )
 
-        # The router first: it ends its groups in flight as cancelled and gives their prompts
-        # back (drawn again on --resume), where engines stopping under it failed them.
         for name in self.supervisor.stop_all(bound, slow, first=("router",)):
             cut = "; its last save may be cut short (--resume goes on from the last complete one)"
             say(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -171,6 +172,31 @@ def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
     # Group ids name the prompt cursor (p0, p1, ...): had the resumed router drawn prompts from
     # the start again, the early ids would repeat here.
     assert len(ids) == len(set(ids)), "a group was trained twice in the final weights' lineage"
+
+
+def test_a_resume_whose_redis_lost_the_runs_data_says_so_and_its_ledger_balances(
+    tmp_path: Path,
+) -> None:
+    """The run folder's redis/ deleted (or its disk lost) between a run and its resume: the
+    checkpoint trains on, and the new Redis's ledger counts from there (the trainer took the
+    checkpoint's 128 consumed groups back into a ledger that never held them: unbalanced by
+    that much at every step)."""
+    run_dir = tmp_path / "run"
+    first = up(run_dir, "--max-steps", "2", "--stop-accuracy", "0", timeout_s=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-2000:]
+    shutil.rmtree(run_dir / "redis")
+    second = up(run_dir, "--resume", str(run_dir), "--max-steps", "4", timeout_s=300)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-2000:]
+    assert "--resume: the run's Redis holds none of its history" in second.stdout
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert (
+        "the buffer holds no record of the groups version 2 trained (nor of the 128 this "
+        "checkpoint consumed): its Redis lost the run's data"
+    ) in trainer_log
+    assert "UNBALANCED" not in second.stdout + trainer_log
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["balanced"] and ledger["violations"] == 0 and ledger["trained"] == 128, ledger
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
 
 
 def test_a_run_whose_redis_dies_stops_at_once_naming_it_and_where_its_data_is(

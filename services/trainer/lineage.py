@@ -13,6 +13,7 @@ Knows nothing of torch, so the CLI refuses before loading it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from services.sample_buffer import SampleBuffer
 from services.trainer.config import TrainerConfig
@@ -58,3 +59,22 @@ def begin_lineage(buffer: SampleBuffer, version: int) -> None:
         f"older versions are dead-lettered (foreign_lineage)",
         flush=True,
     )
+
+
+def rewind_ledger(buffer: SampleBuffer, consumed: int, resumed: Any, version: int) -> str:
+    """On a resume at `version` from a checkpoint that had consumed `consumed` groups: the
+    groups consumed after its save are pending again, but for the dead letters written since
+    (checkpoint.py). A buffer with no record of the groups `version` trained lost the run's
+    data (a new Redis): nothing is rewound, its ledger counts from there; the sentence that
+    says so ("" when rewound)."""
+    if version and not buffer.redis.hexists(buffer.trained_key, str(version)):
+        return (
+            f"the buffer holds no record of the groups version {version} trained (nor of the "
+            f"{consumed} this checkpoint consumed): its Redis lost the run's data; its ledger "
+            "counts from here, and training goes on from the checkpoint"
+        )
+    now = buffer.counters().get("groups_dead_lettered", 0)
+    saved = resumed.groups_dead_lettered
+    since = max(now - (now if saved is None else saved), 0)
+    buffer.rewind_trainer(consumed + since, version)
+    return ""

@@ -43,7 +43,7 @@ from services.trainer import batching, checkpoint, losses, routing_replay
 from services.trainer.batching import MicroBatch, TrainSample
 from services.trainer.config import TrainerConfig
 from services.trainer.intake import Limits
-from services.trainer.lineage import begin_lineage, lineage_start
+from services.trainer.lineage import begin_lineage, lineage_start, rewind_ledger
 from services.trainer.observe import TrainerObserver
 from services.trainer.policy import Policy, init_distributed
 from services.trainer.redis_wait import patient_client
@@ -143,12 +143,9 @@ class Trainer:
             # their groups are of this lineage, not from the future.
             self.intake.published_before = self.buffer.get_version("trainer") if self.buffer else 0
         if self.buffer is not None and resumed.groups_consumed is not None:
-            # The groups consumed after the save are pending again, but for the dead letters
-            # written since (see checkpoint.py).
-            now = self.buffer.counters().get("groups_dead_lettered", 0)
-            saved = resumed.groups_dead_lettered
-            since = max(now - (now if saved is None else saved), 0)
-            self.buffer.rewind_trainer(resumed.groups_consumed + since, self.version)
+            lost = rewind_ledger(self.buffer, resumed.groups_consumed, resumed, self.version)
+            if lost and self.is_main:
+                print(f"[trainer] {lost}", flush=True)
         if self.is_main:
             print(f"[trainer] resumed from iteration {self.version} ({root})", flush=True)
 
