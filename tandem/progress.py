@@ -34,6 +34,7 @@ class RunProgress:
     samples_trained: int = 0
     history: list[dict] = field(default_factory=list)
     steps_before: int = 0  # the run's step when this launch started (a resume's)
+    eval_failed: int = 0  # held-out prompts of the last evaluation, when every one failed
 
     def __post_init__(self) -> None:
         path = self.run_dir / "metrics.jsonl"
@@ -57,7 +58,10 @@ class RunProgress:
         """One row of metrics.jsonl into the totals; the console line of a trainer step."""
         self.history.append(row)
         values = row
+        if values.get("eval/num_prompts") == 0 and values.get("eval/failed"):
+            self.eval_failed = int(values["eval/failed"])  # every held-out prompt failed
         if "eval/accuracy" in values:
+            self.eval_failed = 0
             self.accuracy = values["eval/accuracy"]
             self.accuracy_version = row["step"]
             if math.isnan(self.first_accuracy):
@@ -89,6 +93,8 @@ class RunProgress:
         accuracy = (  # none yet: the first evaluation (of this launch) has not reported
             "-" if math.isnan(self.accuracy) else f"{self.accuracy:.2f} (v{self.accuracy_version})"
         )
+        if self.eval_failed:
+            accuracy = f"- (all {self.eval_failed} failed)"
         rate = "-" if math.isnan(self.samples_per_s) else f"{self.samples_per_s:.0f}"
         return (
             f"step {self.step:4d} | reward {self.reward:.3f} | held-out acc {accuracy} | "
@@ -116,12 +122,16 @@ class RunProgress:
         self, outcome: str, wall_s: float, eval_task: str, versions: list[str]
     ) -> list[str]:
         """The console's summary of the run."""
-        acc = f"{self.first_accuracy:.2f} -> {self.accuracy:.2f}"
+        acc = f"{self.first_accuracy:.2f} -> {self.accuracy:.2f} (best {self.best_accuracy:.2f}; "
+        if math.isnan(self.first_accuracy):  # no evaluation scored a prompt
+            acc = "not measured ("
+            if self.eval_failed:
+                acc += f"every one of the {self.eval_failed} held-out prompts failed; "
         launch = f" ({self.step - self.steps_before} in this launch)" if self.resumed else ""
         out = [
-            f"{outcome}: {self.step} steps{launch} in {wall_s / 60:.1f} min, held-out accuracy {acc} "
-            f"(best {self.best_accuracy:.2f}; {eval_task}), {self.samples_trained} samples "
-            f"trained, engines on versions {', '.join(versions) or '?'}"
+            f"{outcome}: {self.step} steps{launch} in {wall_s / 60:.1f} min, held-out accuracy "
+            f"{acc}{eval_task}), {self.samples_trained} samples trained, engines on versions "
+            f"{', '.join(versions) or '?'}"
         ]
         if not math.isnan(self.logprob_diff_step0):
             out.append(

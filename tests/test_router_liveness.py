@@ -32,6 +32,10 @@ def flaky(text, label, stopped):
     if k == 0:
         raise ZeroDivisionError("boom")
     return [None, float("nan"), 1.0][k - 1]
+
+
+def broken(text, label, stopped):
+    raise ValueError("always")
 '''
 
 
@@ -101,6 +105,24 @@ def chat_model_dir(toy_model_dir, tmp_path_factory):
     from tests.test_router_agents import CHAT_TEMPLATE
 
     return with_chat_template(toy_model_dir, tmp_path_factory.mktemp("c") / "m", CHAT_TEMPLATE)
+
+
+def test_an_evaluation_whose_every_prompt_failed_reports_no_accuracy(
+    buffer, toy_model_dir, start_service, engines, tmp_path, monkeypatch
+):
+    """A reward that always raises: the evaluation publishes how many failed and no
+    accuracy (an accuracy of 0.0 over no prompt read as a measured one)."""
+    (tmp_path / "flaky_rewards.py").write_text(FLAKY_REWARDS)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{sys.path[0]}")
+    extra = ("--custom-rm-path", "flaky_rewards:broken", "--rm-max-errors-in-a-row", "0")
+    router = start_service("router", router_args(buffer, toy_model_dir, [engines().url], *extra))
+    evals = wait_until(
+        lambda: [r.values for _id, r in buffer.read_metrics() if "eval/failed" in r.values],
+        "an evaluation",
+    )
+    assert evals[0] == {"eval/num_prompts": 0.0, "eval/failed": 20.0}
+    last = httpx.get(router.url + "/rollout/status").json()["last_eval"]
+    assert "eval/accuracy" not in last
 
 
 def test_rewards_that_raise_return_none_or_nan_drop_their_samples_and_groups_keep_coming(

@@ -53,3 +53,26 @@ def test_a_resumed_run_counts_the_whole_run_and_says_how_much_was_this_launch(
     step(fresh, 1, 0.5)
     assert (fresh.summary()["samples_trained"], fresh.summary()["steps_this_launch"]) == (512, 1)
     fresh.close()
+
+
+def test_an_evaluation_whose_every_prompt_failed_reports_no_accuracy(tmp_path: Path) -> None:
+    """The router leaves eval/accuracy out when no held-out prompt was scored (a reward that
+    always raises): the console says so, never 'held-out accuracy 0.00'."""
+    progress = RunProgress(tmp_path)
+    failed = {"eval/num_prompts": 0.0, "eval/failed": 20.0}
+    progress.add(MetricsRecord(source="router", step=0, values=failed, time=0.0))
+    line = progress.add(MetricsRecord(source="trainer", step=1, values={}, time=0.0))
+    assert line is not None and "held-out acc - (all 20 failed) |" in line
+    assert progress.sentences("unhealthy", 60.0, "task", [])[0].startswith(
+        "unhealthy: 1 steps in 1.0 min, held-out accuracy not measured (every one of the 20 "
+        "held-out prompts failed; task), 0 samples trained"
+    )
+    scored = {"eval/accuracy": 0.5, "eval/num_prompts": 20.0, "eval/failed": 0.0}
+    progress.add(MetricsRecord(source="router", step=1, values=scored, time=0.0))
+    line = progress.add(MetricsRecord(source="trainer", step=2, values={}, time=0.0))
+    assert line is not None and "held-out acc 0.50 (v1) |" in line
+    assert (
+        "held-out accuracy 0.50 -> 0.50 (best 0.50; task)"
+        in progress.sentences("done", 60.0, "task", ["2"])[0]
+    )
+    progress.close()

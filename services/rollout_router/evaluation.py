@@ -9,7 +9,8 @@ reward >= 1).
 agents may be the only producers). It polls the engines' version and evaluates at start and
 whenever the version reaches a new multiple of `eval_interval`, publishing `eval/accuracy`
 (exact match: the task's judge, else reward >= 1) and `eval/reward_mean` at that version.
-A prompt whose generation or reward fails counts in `eval/failed`, never ends the task.
+A prompt whose generation or reward fails counts in `eval/failed`, never ends the task; when
+every one fails, `eval/accuracy` and `eval/reward_mean` are left out (none was measured).
 """
 
 from __future__ import annotations
@@ -125,12 +126,18 @@ EVAL_SEED = 1_000_000_000  # environment seeds of evaluation episodes, apart fro
 async def _publish(
     loop: RolloutLoop, version: int, rewards: list[float], exact: list[bool], failed: int
 ) -> None:
-    values = {
-        "eval/accuracy": sum(exact) / len(exact) if exact else 0.0,
-        "eval/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-        "eval/num_prompts": float(len(exact)),
-        "eval/failed": float(failed),
-    }
+    values = {"eval/num_prompts": float(len(exact)), "eval/failed": float(failed)}
+    if exact:  # (none scored: no accuracy was measured, and none is reported)
+        values["eval/accuracy"] = sum(exact) / len(exact)
+        values["eval/reward_mean"] = sum(rewards) / len(rewards)
     await loop.buffer.publish_metrics("router", version, values)
     loop.last_eval, loop.last_eval_version = values, version
-    log.info("eval at version %d: %s", version, values)
+    if exact:
+        log.info("eval at version %d: %s", version, values)
+    else:
+        log.warning(
+            "eval at version %d: every one of the %d held-out prompts failed (the reasons are "
+            "in this log): no accuracy measured",
+            version,
+            failed,
+        )
