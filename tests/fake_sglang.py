@@ -4,7 +4,8 @@ It answers the SGLang HTTP contract instantly (or after `--delay-ms`) with deter
 for a toy-task prompt `<bos> a b >` sample k of n answers `b a <eos>` when k is even (the exact
 answer) and `a b b b...` otherwise; greedy requests (temperature 0) always get the exact answer.
 Other prompts get `4 5 <eos>`. Output is cut at `max_new_tokens` (finish "length").
-`--fail-generate` makes `/generate` answer 500 (model info still answers), to test retries.
+`--fail-generate` makes `/generate` answer 500 (model info still answers), to test retries;
+`--fail-generate 400` answers 400 as SGLang refuses a request it finds at fault.
 `POST /update_weights_from_disk {"model_path": ..., "weight_version": "3"}` sets the reported
 weight version.
 
@@ -115,7 +116,7 @@ class FakeEngine:
         self,
         model_path: str,
         version: int,
-        fail_generate: bool,
+        fail_generate: int,
         delay_ms: float,
         token_delay_ms: float,
     ) -> None:
@@ -136,8 +137,11 @@ class FakeEngine:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         self.state["requests"] += 1
-        if self.fail_generate:
+        if self.fail_generate == 500:
             return js({"error": "injected failure"}, 500)
+        if self.fail_generate:
+            refusal = {"message": "injected refusal of the request", "code": self.fail_generate}
+            return js({"error": refusal}, self.fail_generate)
         body = request["json"]
         await self.running.wait()  # while paused, new requests wait (SGLang does the same)
         if self.delay_ms:
@@ -318,7 +322,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ready-file", default=None)
     parser.add_argument("--model-path", default="/nonexistent/fake-model")
     parser.add_argument("--weight-version", type=int, default=0)
-    parser.add_argument("--fail-generate", action="store_true")
+    parser.add_argument("--fail-generate", type=int, nargs="?", const=500, default=0)
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
     args = parser.parse_args(argv)

@@ -70,6 +70,8 @@ def test_patching_the_config_validates_and_changes_later_requests(
     for bad, words in [
         ({"rollout_temperature": "hot"}, "expected float"),
         ({"rollout_top_p": 0}, "--rollout-top-p"),
+        # an engine answers 400 to each request with it (SGLang's rule): refused here
+        ({"rollout_top_k": 0}, "--rollout-top-k must be -1 (all) or >= 1, got 0"),
         ({"model": "/elsewhere"}, "model"),
         ({"no_such_field": 1}, "no_such_field"),
         # started without a reward: a dataset would be scored by the toy task's verifier

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from proto import SampleGroup
@@ -158,6 +159,26 @@ def test_a_group_that_fails_on_every_engine_is_counted_as_a_drop(
     assert buffer.depth() == 0
     assert get_json(router.url + "/rollout/status")["drops"]["engine_error"] >= 4
     assert any(d.group_id == "p0" and "HTTP 500" in d.detail for d in buffer.drop_log(1000))
+
+
+def test_requests_the_engines_refuse_stop_the_loop_naming_their_message_without_backing_off(
+    buffer, toy_model_dir, start_service, engines
+):
+    """HTTP 400 to every request (a setting each request carries that the engines refuse): the
+    loop does not wait for the engines as if they were down, it stops after REFUSED_IN_A_ROW
+    groups with the engine's message, and /health says it (tandem up then stops with it)."""
+    from services.rollout_router.rollout import REFUSED_IN_A_ROW
+
+    urls = [engines("--fail-generate", "400").url, engines("--fail-generate", "400").url]
+    router = start_service("router", router_args(buffer, toy_model_dir, urls))
+    health = wait_until(
+        lambda: (r := httpx.get(router.url + "/health")).status_code == 503 and r.json(),
+        "the loop to stop",
+    )
+    assert f"refused the requests of {REFUSED_IN_A_ROW} groups in a row" in health["error"]
+    assert "injected refusal of the request" in health["error"]
+    assert "a setting every request carries is wrong" in health["error"]
+    assert buffer.drop_counts()["engine_error"] >= REFUSED_IN_A_ROW
 
 
 def test_router_answers_generate_like_an_engine_and_stops_cleanly_on_sigterm(

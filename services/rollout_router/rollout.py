@@ -72,14 +72,31 @@ log = logging.getLogger("tandem.router.rollout")
 
 # Group drop reasons that say a dependency is failing: repeated, they make the loop back off.
 DEPENDENCY_REASONS = {DropReason.ENGINE_ERROR, DropReason.ENV_ALL_FAILED, DropReason.REWARD_ERROR}
+# Groups in a row whose requests the engines refused (HTTP 4xx: the request's fault, not an
+# engine's) after which the loop stops, naming the engine's message: a setting every request
+# carries is wrong, and no wait mends it. Distinct prompts: one bad prompt never gets there.
+REFUSED_IN_A_ROW = 32
 
 
 class GroupDroppedError(Exception):
-    """A group will not be trained on, for `reason`; `samples` dropped with it (None: all)."""
+    """A group will not be trained on, for `reason`; `samples` dropped with it (None: all);
+    `refused`: the engines refused its request (HTTP 4xx)."""
 
-    def __init__(self, reason: DropReason, detail: str, samples: int | None = None) -> None:
+    def __init__(
+        self, reason: DropReason, detail: str, samples: int | None = None, refused: bool = False
+    ) -> None:
         super().__init__(detail)
-        self.reason, self.samples = reason, samples
+        self.reason, self.samples, self.refused = reason, samples, refused
+
+
+class RequestsRefusedError(RuntimeError):
+    """The engines refused the requests of REFUSED_IN_A_ROW groups in a row."""
+
+
+def refused(exc: Exception) -> bool:
+    """An engine's answer that the request is at fault (4xx but a timeout or a rate limit)."""
+    status = getattr(exc, "status", 0)
+    return 400 <= status < 500 and status not in (408, 429)
 
 
 class RolloutLoop:
@@ -105,6 +122,7 @@ class RolloutLoop:
         self.last_eval: dict[str, float] = {}
         self.last_eval_version = -1
         self.backoff = Backoff()
+        self.refused_in_a_row = 0  # groups whose requests the engines refused (4xx), in a row
         self.stats = BatchStats()
         self.drops = Drops()
         self.changed = asyncio.Event()  # set on each state change (the status reporter waits)
@@ -311,13 +329,23 @@ class RolloutLoop:
         except GroupDroppedError as exc:
             self.stats.finished += 1
             reason = exc.reason
-            if reason in DEPENDENCY_REASONS and (
-                reason != DropReason.REWARD_ERROR or self.reward.url
+            self.refused_in_a_row = self.refused_in_a_row + 1 if exc.refused else 0
+            if (
+                reason in DEPENDENCY_REASONS
+                and not exc.refused
+                and (reason != DropReason.REWARD_ERROR or self.reward.url)
             ):
                 self.backoff.failed(reason, str(exc), started, time.monotonic())
             await self._drop(group_id, reason, str(exc), exc.samples)
             if broken := self.reward.broken():  # ends the loop: every group would be dropped
                 raise RewardError(broken) from None
+            if self.refused_in_a_row >= REFUSED_IN_A_ROW:  # so would every group here
+                raise RequestsRefusedError(
+                    f"the engines refused the requests of {self.refused_in_a_row} groups in a "
+                    f"row ({str(exc)[:400]}): a setting every request carries is wrong (a "
+                    "sampling flag: --router-args), not the engines; fix what the engine's "
+                    "message names"
+                ) from None
             return
         except asyncio.CancelledError:
             # Stopped mid-group: say so, and give the prompt back to be drawn again at the next
@@ -329,6 +357,7 @@ class RolloutLoop:
                 task.add_done_callback(self._give_backs.discard)
             raise
         self.backoff.succeeded()
+        self.refused_in_a_row = 0
         self.drops.group_put()
         self.recent.add(group)
         await self.stats.add(group, self)
@@ -347,7 +376,9 @@ class RolloutLoop:
             else:
                 outcomes = await self._single_turn_samples(item, seed)
         except (EngineRequestError, NoWorkerError) as exc:
-            raise GroupDroppedError(DropReason.ENGINE_ERROR, str(exc)) from exc
+            raise GroupDroppedError(
+                DropReason.ENGINE_ERROR, str(exc), refused=refused(exc)
+            ) from exc
         samples = await self._scored(group_id, outcomes)
         return SampleGroup(
             group_id=group_id,
