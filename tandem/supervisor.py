@@ -75,13 +75,26 @@ class StartInterruptedError(RuntimeError):
     """Ctrl-C or SIGTERM while a child was starting: stop now, not after every start-up."""
 
 
+# How often `tandem up` says which service it is still waiting for at start-up (a real model's
+# engine may load for minutes).
+STARTING_NOTE_S = 30.0
+
+
 class Supervisor:
-    def __init__(self, log_dir: Path, interrupted: list[bool] | None = None) -> None:
-        """`interrupted`: a flag (non-empty = set) that ends `wait_ready` at once."""
+    def __init__(
+        self,
+        log_dir: Path,
+        interrupted: list[bool] | None = None,
+        note: Callable[[str], None] | None = None,
+        note_every_s: float = STARTING_NOTE_S,
+    ) -> None:
+        """`interrupted`: a flag (non-empty = set) that ends `wait_ready` at once. `note` hears
+        every `note_every_s` while a child starts, which one and its log's last line."""
         self.log_dir = log_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
         self.interrupted = interrupted if interrupted is not None else []
+        self.note, self.note_every_s = note, note_every_s
 
     def start(
         self,
@@ -116,10 +129,19 @@ class Supervisor:
     def wait_ready(self, children: list[Child], timeout_s: float) -> None:
         """Wait until each child wrote its ready file; raise ChildFailedError naming the first
         child that exited or timed out, with its log tail (StartInterruptedError on Ctrl-C)."""
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline, noted = started + timeout_s, started
         for child in children:
             assert child.ready_file is not None
             while not child.ready_file.exists():
+                if self.note is not None and time.monotonic() - noted >= self.note_every_s:
+                    noted = time.monotonic()
+                    last = next(reversed(child.log_tail(500).strip().splitlines()), "(empty)")
+                    self.note(
+                        f"{child.name} is still starting ({noted - started:.0f} s of "
+                        f"{timeout_s:.0f}, --startup-timeout-s); its log's last line: "
+                        f"{last.strip()[-200:]}"
+                    )
                 if self.interrupted:
                     raise StartInterruptedError(f"interrupted while {child.name} was starting")
                 if child.proc.poll() is not None:

@@ -68,7 +68,7 @@ class UpRun:
         self.run_id = f"up-{self.run_dir.name}"
         self.redis: RedisServer | None = None
         self.interrupted: list[bool] = []
-        self.supervisor = Supervisor(self.run_dir / "logs", self.interrupted)
+        self.supervisor = Supervisor(self.run_dir / "logs", self.interrupted, note=say)
         self.outcome = "running"
         self.health_urls: dict[str, str] = {}
         self.eval_task = ""

@@ -70,6 +70,23 @@ def test_ctrl_c_while_a_service_starts_ends_the_wait_at_once(tmp_path: Path) -> 
     assert gone(engine.proc.pid)
 
 
+def test_a_service_slow_to_start_is_named_with_its_logs_last_line_while_tandem_up_waits(
+    tmp_path: Path,
+) -> None:
+    """A real model's engine may load for minutes: the wait is never silent."""
+    heard: list[str] = []
+    supervisor = Supervisor(tmp_path / "logs", note=heard.append, note_every_s=0.3)
+    script = "echo loading; sleep 0.2; echo 'loading weights: 40%'; sleep 300"
+    engine = supervisor.start("engine0", ["-c", script, "sh"], program=["sh"])
+    with pytest.raises(ChildFailedError, match="engine0 was not ready after 2s"):
+        supervisor.wait_ready([engine], timeout_s=2)
+    assert len(heard) >= 3, heard
+    assert heard[-1].startswith("engine0 is still starting (") and heard[-1].endswith(
+        " s of 2, --startup-timeout-s); its log's last line: loading weights: 40%"
+    )
+    supervisor.stop_all(timeout_s=5)
+
+
 def test_stop_all_says_who_is_slow_to_stop_and_names_who_it_had_to_kill(tmp_path: Path) -> None:
     """The trainer saves on SIGTERM: tandem up says it waits for it, and says so when the
     wait (--stop-timeout-s) ran out and it killed it."""
