@@ -293,6 +293,18 @@ def test_an_openai_client_session_becomes_a_training_sample_with_exact_tokens(
     assert [t.token for t in second.choices[0].logprobs.content] == ["<eos>"]
     assert first.choices[0].logprobs is None, "only when asked for"
     assert buffer.depth() == 0, "nothing is trained before the reward"
+    for bad, words in [  # each refused before the session is touched: it stays open
+        ('{"reward": 1e400}', "finite number"),
+        ('{"reward": 1, "group": "g", "group_size": 0}', "greater than or equal to 1"),
+        ('{"reward": 1, "group": ""}', "at least 1 character"),
+        ('{"group_size": 1e400}', '"input":{"group_size":null}'),  # was a 500
+    ]:
+        resp = httpx.post(
+            router.url + "/sessions/s1/reward",
+            content=bad,
+            headers={"content-type": "application/json"},
+        )
+        assert resp.status_code == 422 and words in resp.text, (bad, resp.text)
     put = httpx.post(router.url + "/sessions/s1/reward", json={"reward": 0.5}).json()
     assert put["status"] == "put"
     (group,) = read_all(buffer)

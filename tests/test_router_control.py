@@ -11,6 +11,7 @@ from services.sample_buffer import SampleBuffer
 from tests.helpers import router_args as shared_router_args
 from tests.helpers import wait_until
 
+JSON = "application/json"
 TOKEN = {"Authorization": "Bearer t0ken"}
 
 
@@ -72,13 +73,17 @@ def test_patching_the_config_validates_and_changes_later_requests(
         ({"rollout_top_p": 0}, "--rollout-top-p"),
         # an engine answers 400 to each request with it (SGLang's rule): refused here
         ({"rollout_top_k": 0}, "--rollout-top-k must be -1 (all) or >= 1, got 0"),
+        ('{"rollout_temperature": 1e400}', "a finite number"),  # JSON's number past a float
         ({"model": "/elsewhere"}, "model"),
         ({"no_such_field": 1}, "no_such_field"),
         # started without a reward: a dataset would be scored by the toy task's verifier
         ({"prompt_data": str(tmp_path / "d.jsonl")}, "choose how its responses are scored"),
         ({"rollout_max_response_len": 2, "rollout_max_concurrency": -1}, "concurrency"),
     ]:
-        resp = httpx.patch(url, json=bad, headers=TOKEN)
+        if isinstance(bad, str):
+            resp = httpx.patch(url, content=bad, headers={**TOKEN, "content-type": JSON})
+        else:
+            resp = httpx.patch(url, json=bad, headers=TOKEN)
         assert resp.status_code == 422 and words in resp.json()["detail"], bad
     for term, flag in [
         ("rollout_batch_size", "--rollout-batch-size 8"),

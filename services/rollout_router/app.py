@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from proto.models import read_config
+from services.common.validation import answer_invalid_bodies
 from services.rollout_router.backpressure import depth_note
 from services.rollout_router.config import DataConfig, RouterConfig, SamplingConfig
 from services.rollout_router.control import RolloutController
@@ -206,4 +207,5 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.include_router(agent_router)
     app.include_router(dashboard_router)
     app.include_router(metrics_router)
+    answer_invalid_bodies(app)
     return app

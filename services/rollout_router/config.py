@@ -8,6 +8,7 @@ Flag names follow slime where the concept is the same (`--rollout-batch-size`,
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,8 +248,10 @@ class SamplingConfig:
     def validate(self) -> None:
         if self.rollout_max_response_len < 0:
             raise ValueError("--rollout-max-response-len must be >= 1 (or 0: the task's)")
-        if self.rollout_temperature < 0 or not 0 < self.rollout_top_p <= 1:
-            raise ValueError("--rollout-temperature must be >= 0 and --rollout-top-p in (0, 1]")
+        if not 0 <= self.rollout_temperature < math.inf or not 0 < self.rollout_top_p <= 1:
+            raise ValueError(
+                "--rollout-temperature must be a finite number >= 0 and --rollout-top-p in (0, 1]"
+            )
         if self.rollout_top_k < 1 and self.rollout_top_k != -1:  # (SGLang's own rule)
             raise ValueError(f"--rollout-top-k must be -1 (all) or >= 1, got {self.rollout_top_k}")
         if any(t < 0 for t in self.rollout_stop_token_ids):

@@ -8,13 +8,14 @@ as OpenAI stream chunks of the finished turn.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from proto import sglang as sg
 from services.common.auth import WRITE, require_token
@@ -101,9 +102,12 @@ async def as_chunks(answer: dict[str, Any]) -> AsyncIterator[bytes]:
 
 
 class RewardIn(BaseModel):
-    reward: float
-    group: str | None = None
-    group_size: int | None = None
+    """A session's reward (a finite number: the trainer cannot train on another), and the group
+    it joins with how many sessions make that group."""
+
+    reward: float  # (checked finite in the route: pydantic's error would echo inf, not JSON)
+    group: str | None = Field(default=None, min_length=1)
+    group_size: int | None = Field(default=None, ge=1)
 
 
 @router.post("/sessions/{session_id}/reward", tags=["agents"], dependencies=WRITE)
@@ -111,6 +115,8 @@ async def session_reward(request: Request, session_id: str, body: RewardIn) -> d
     """Close a session with its reward; its turns become training samples. While the buffer is
     full (`--max-buffer-depth`) the post waits up to `--session-put-timeout-s`, then is answered
     503 with Retry-After; the session stays open for the retry."""
+    if not math.isfinite(body.reward):
+        raise HTTPException(422, f"reward must be a finite number, got {body.reward}")
     try:
         return await sessions_of(request).reward(
             session_id, body.reward, body.group, body.group_size

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 from services.common.auth import WRITE, token_from_env
 from services.common.metrics import CONTENT_TYPE, Gauge, Metrics, gauge, labels
 from services.common.urls import HttpUrl
+from services.common.validation import answer_invalid_bodies
 from services.sample_buffer.timeline import Timeline
 from services.weight_broker.broker import EngineState, WeightBroker
 from services.weight_broker.config import BrokerConfig
@@ -96,6 +97,7 @@ def create_app(config: BrokerConfig) -> FastAPI:
         syncs.close()
 
     app = FastAPI(title="Tandem weight broker", lifespan=lifespan)
+    answer_invalid_bodies(app)
     app.state.broker = broker
     app.state.api_token = token_from_env()
 
