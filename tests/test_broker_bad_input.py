@@ -76,6 +76,16 @@ def test_engine_registration_checks_the_url_the_size_and_the_token(broker) -> No
     for bad in ("not a url", "", "ftp://x", "http://", "http://h:99999"):
         reply = httpx.post(broker.url + "/engines", json={"url": bad}, headers=auth)
         assert reply.status_code == 422 and "url" in reply.text, bad
+    # a number past a float in a refused body: 422 with it as null (FastAPI's own: a 500)
+    inf = '{"url": "x", "weight_version": 1e400}'
+    reply = httpx.post(
+        broker.url + "/engines", content=inf, headers={**auth, "content-type": "application/json"}
+    )
+    assert (
+        reply.status_code == 422
+        and '"finite_number"' in reply.text
+        and '"input":null' in reply.text
+    ), reply.text
     good = {"url": "http://127.0.0.1:9"}
     assert httpx.post(broker.url + "/engines", json=good).status_code == 401
     assert httpx.post(broker.url + "/engines", json=good, headers=auth).status_code == 200
