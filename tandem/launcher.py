@@ -349,9 +349,14 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"tandem up: {problem}", file=sys.stderr)
         return 2
+    from services.common.paths import unwritable
     from tandem.run_dir import RunDirBusyError
     from tandem.up_run import UpRun
 
+    # (here, not in `parse`: the check makes the folder, and `tandem config show` parses too)
+    if config.save and (problem := unwritable(config.save, "--save")):
+        print(f"tandem up: {problem}", file=sys.stderr)
+        return 2
     try:
         run = UpRun(config)  # makes the run folder and locks it
     except OSError as exc:

@@ -13,6 +13,8 @@ import time
 from http.server import HTTPServer
 from pathlib import Path
 
+import pytest
+
 from proto.contract import ServiceStatus
 from services.sample_buffer import SampleBuffer
 from tandem import launcher
@@ -267,3 +269,26 @@ def test_a_paused_broker_raises_an_alarm_and_the_run_goes_on_after_sigcont(
         assert problem.startswith("broker has not answered GET"), problem
     finally:
         os.kill(broker.proc.pid, signal.SIGCONT)
+
+
+def test_a_save_folder_that_cannot_be_written_is_refused_before_anything_starts(
+    tmp_path: Path, capsys, monkeypatch, toy_model_dir: Path
+) -> None:
+    """The trainer's first checkpoint may come hours into a run: its folder is tried at the
+    start, by tandem up and by the trainer itself."""
+    from services.trainer.__main__ import start
+    from services.trainer.config import TrainerConfig
+
+    monkeypatch.chdir(tmp_path)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    assert launcher.main(["--save", str(blocked / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert f"tandem up: --save {blocked / 'ck'}: cannot write there (Not a directory)" in err
+    assert not (tmp_path / "runs").exists(), "nothing started"
+    cfg = TrainerConfig(model=str(toy_model_dir), save=str(blocked / "ck"))
+    with pytest.raises(ValueError, match=r"--save .*: cannot write there \(Not a directory\)"):
+        start(cfg)  # before it asks Redis anything (there is none here)
+    monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: 0)
+    assert launcher.main(["--save", str(tmp_path / "new" / "ck")]) == 0
+    assert (tmp_path / "new" / "ck").is_dir() and not list((tmp_path / "new" / "ck").iterdir())

@@ -11,6 +11,7 @@ from typing import Any
 
 from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
+from services.common.paths import unwritable
 from services.common.serving import ServiceError, run_service
 from services.trainer.config import TrainerConfig
 
@@ -89,6 +90,8 @@ def start(cfg: TrainerConfig) -> Any:
     """The trainer with its model loaded and the run contract agreed (a mismatch: exit 2)."""
     cfg.validate()
     check_model(cfg)
+    if cfg.save and (problem := unwritable(cfg.save, "--save")):  # (its first save: hours in)
+        raise ValueError(problem)
     check_lineage(cfg)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.num_threads))
     from services.trainer.trainer import Trainer
