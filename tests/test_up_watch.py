@@ -289,6 +289,9 @@ def test_a_save_folder_that_cannot_be_written_is_refused_before_anything_starts(
     cfg = TrainerConfig(model=str(toy_model_dir), save=str(blocked / "ck"))
     with pytest.raises(ValueError, match=r"--save .*: cannot write there \(Not a directory\)"):
         start(cfg)  # before it asks Redis anything (there is none here)
+    cfg = TrainerConfig(model=str(toy_model_dir), save_hf=str(blocked / "hf"))
+    with pytest.raises(ValueError, match=r"--save-hf .*/hf: its folder .*: cannot write there"):
+        start(cfg)
     monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: 0)
     assert launcher.main(["--save", str(tmp_path / "new" / "ck")]) == 0
     assert (tmp_path / "new" / "ck").is_dir() and not list((tmp_path / "new" / "ck").iterdir())

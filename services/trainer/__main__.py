@@ -90,8 +90,11 @@ def start(cfg: TrainerConfig) -> Any:
     """The trainer with its model loaded and the run contract agreed (a mismatch: exit 2)."""
     cfg.validate()
     check_model(cfg)
-    if cfg.save and (problem := unwritable(cfg.save, "--save")):  # (its first save: hours in)
-        raise ValueError(problem)
+    # (the first save may come hours in; --save-hf writes beside its folder, then renames)
+    hf_parent = str(Path(cfg.save_hf).parent) if cfg.save_hf else ""
+    for path, flag in ((cfg.save, "--save"), (hf_parent, f"--save-hf {cfg.save_hf}: its folder")):
+        if path and (problem := unwritable(path, flag)):
+            raise ValueError(problem)
     check_lineage(cfg)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.num_threads))
     from services.trainer.trainer import Trainer
