@@ -414,3 +414,40 @@ def test_reading_groups_back_to_back_reports_the_status_at_most_every_wait_repor
         buffer.put_group(group(0, [0.0, 1.0], gid=f"h{i}"))
     assert intake.read_rollout(0, lambda: False) is not None
     assert reports[1:] == [0, 1, 2, 3]
+
+
+def test_groups_dead_lettered_in_a_row_are_said_while_waiting_and_then_stop_the_trainer(
+    buffer: SampleBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Samples that cannot fit this trainer (its token budget, here set to 2): every group is
+    dead-lettered, the router replaces it, and the trainer would wait for good ones for ever.
+    Its status says why it waits, and after DEAD_LETTERS_IN_A_ROW it stops, naming it; a bad
+    group among good ones resets nothing but itself."""
+    from services.trainer import rollout as rollout_module
+    from services.trainer.rollout import DeadLettersError
+
+    monkeypatch.setattr(rollout_module, "DEAD_LETTERS_IN_A_ROW", 6)
+    monkeypatch.setattr(rollout_module, "WAIT_REPORT_S", 0.0)
+    mixed = [group(0, [0.0, 1.0], gid=f"m{i}") for i in range(10)]
+    for bad in mixed[::2]:  # every other one: five in all, never two in a row
+        bad.samples[0].reward = math.nan
+    for g in mixed:
+        buffer.put_group(g)
+    intake = intake_of(buffer, 5)
+    rollout = intake.read_rollout(0, lambda: False)
+    assert rollout is not None and len(rollout.groups) == 5 and intake.letters_in_a_row == 0
+    for i in range(8):
+        buffer.put_group(group(0, [0.0, 1.0], gid=f"long{i}"))
+    details: list[str] = []
+    intake = intake_of(buffer, 2)
+    intake.limits = Limits(vocab_size=16, max_tokens=2, max_response_len=8)
+    intake.report = lambda state, detail, **k: details.append(detail)  # type: ignore[method-assign]
+    with pytest.raises(DeadLettersError) as stopped:
+        intake.read_rollout(0, lambda: False)
+    assert str(stopped.value).startswith(
+        "the last 6 groups were all dead-lettered (none fit to train among them), the last as "
+        "too_long: sample 0: "
+    ) and str(stopped.value).endswith("the samples do not fit this trainer; fix what that names")
+    assert any(" groups were dead-lettered, the last as too_long: sample 0" in d for d in details)
+    ledger = buffer.ledger()
+    assert ledger.balanced and ledger.dropped_groups == {"dead_lettered": 11}, ledger.table()

@@ -107,6 +107,7 @@ def run(trainer: Any, args: argparse.Namespace) -> None:
     from services.trainer.batching import BatchError
     from services.trainer.checkpoint import SaveError
     from services.trainer.redis_wait import RedisUnavailableError
+    from services.trainer.rollout import DeadLettersError
 
     trainer.install_signal_handlers()
     tune_gc_for_reads()  # the model is built: what the process holds now lives all run
@@ -116,9 +117,17 @@ def run(trainer: Any, args: argparse.Namespace) -> None:
     error = ""
     try:
         steps = trainer.train()
-    except (FloatingPointError, BatchError, TimeoutError, RedisUnavailableError, SaveError) as exc:
+    except (
+        FloatingPointError,
+        BatchError,
+        TimeoutError,
+        RedisUnavailableError,
+        SaveError,
+        DeadLettersError,
+    ) as exc:
         # TimeoutError: broker gone; RedisUnavailableError: Redis gone past --redis-timeout-s;
-        # SaveError: a checkpoint or HF model not written (a full disk)
+        # SaveError: a checkpoint or HF model not written (a full disk); DeadLettersError:
+        # no group fits this trainer
         error = str(exc)
         raise ServiceError(str(exc)) from exc
     finally:

@@ -47,6 +47,15 @@ RESUME_READ_MAX = 1_000_000
 # the intake's CPU (bench/buffer_throughput.py). The status is then at most this plus one read
 # (--read-block-ms) old.
 WAIT_REPORT_S = 0.25
+# Groups dead-lettered in a row, none fit to train among them, after which the trainer stops
+# naming the last one's reason: the samples do not fit this trainer (its --max-tokens-per-gpu,
+# its model's vocabulary, another Tandem version), and waiting mends nothing. A bad group among
+# good ones resets nothing but itself.
+DEAD_LETTERS_IN_A_ROW = 256
+
+
+class DeadLettersError(RuntimeError):
+    """DEAD_LETTERS_IN_A_ROW groups dead-lettered in a row."""
 
 
 @dataclass
@@ -80,6 +89,7 @@ class Intake:
         self.unacked: list[str] = []  # keys trained or dropped stale, waiting for a checkpoint
         self.already_trained: set[str] = set()  # keys (or entry ids) a loaded checkpoint holds
         self.dead_lettered: Counter[str] = Counter()
+        self.letters_in_a_row, self.last_letter = 0, ""  # since the last group fit to train
         self.reported_at = -math.inf  # monotonic time of the last status while reading
 
     def read_rollout(self, version: int, stop: Callable[[], bool]) -> Rollout | None:
@@ -133,6 +143,7 @@ class Intake:
         if not good:  # every group in the loaded checkpoint; only the ack was lost
             self.buffer.ack([entry_id])
             return []
+        self.letters_in_a_row = 0
         self.open[entry_id] = len(good)
         self.held.update(done)
         return good
@@ -170,10 +181,16 @@ class Intake:
         put, consumed = counters.get("groups_put", 0), counters.get("groups_consumed", 0)
         known = in_hand + len(self.in_hand) + len(self.unacked) + len(self.held)
         untrained = max(depth - known, 0)  # not yet in hand
+        letters = (
+            f"; the last {self.letters_in_a_row} groups were dead-lettered, the last as "
+            f"{self.last_letter[:300]}"
+            if self.letters_in_a_row
+            else ""
+        )
         self.report(
             "waiting for samples",
             f"sample groups: {in_hand} of {need} for step {version + 1} (buffer holds "
-            f"{untrained} untrained; groups put {put}, consumed {consumed})",
+            f"{untrained} untrained; groups put {put}, consumed {consumed}){letters}",
             groups_in_hand=in_hand,
             groups_needed=need,
             groups_put=put,
@@ -208,6 +225,14 @@ class Intake:
             letters.append((DeadLetter(key, why.reason, why.detail, fields), drop))
         self.buffer.dead_letter_groups(entry_id, letters, keep)
         self.count_consumed(len(bad))
+        self.letters_in_a_row += len(bad)
+        self.last_letter = f"{bad[-1][2].reason}: {bad[-1][2].detail}"
+        if self.letters_in_a_row >= DEAD_LETTERS_IN_A_ROW:
+            raise DeadLettersError(
+                f"the last {self.letters_in_a_row} groups were all dead-lettered (none fit to "
+                f"train among them), the last as {self.last_letter[:500]}: the samples do not "
+                "fit this trainer; fix what that names"
+            )
         for key, _fields, why in bad:
             self.dead_lettered[why.reason] += 1
             n = self.dead_lettered[why.reason]
