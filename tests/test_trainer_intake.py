@@ -436,6 +436,18 @@ def test_groups_dead_lettered_in_a_row_are_said_while_waiting_and_then_stop_the_
     intake = intake_of(buffer, 5)
     rollout = intake.read_rollout(0, lambda: False)
     assert rollout is not None and len(rollout.groups) == 5 and intake.letters_in_a_row == 0
+    intake.unacked += rollout.entry_ids  # trained
+    intake.ack_done()
+    # Groups of versions from the buffer's past (here: not yet published) are dead-lettered
+    # without counting: a backlog of them drains by itself.
+    for i in range(8):
+        buffer.put_group(group(99, [0.0, 1.0], gid=f"future{i}"))
+    buffer.put_groups([group(0, [0.0, 1.0], gid=f"ok{i}") for i in range(2)])
+    intake = intake_of(buffer, 2)
+    rollout = intake.read_rollout(0, lambda: False)
+    assert rollout is not None and [g.group_id for g in rollout.groups] == ["ok0", "ok1"]
+    intake.unacked += rollout.entry_ids
+    intake.ack_done()
     for i in range(8):
         buffer.put_group(group(0, [0.0, 1.0], gid=f"long{i}"))
     details: list[str] = []
@@ -450,4 +462,4 @@ def test_groups_dead_lettered_in_a_row_are_said_while_waiting_and_then_stop_the_
     ) and str(stopped.value).endswith("the samples do not fit this trainer; fix what that names")
     assert any(" groups were dead-lettered, the last as too_long: sample 0" in d for d in details)
     ledger = buffer.ledger()
-    assert ledger.balanced and ledger.dropped_groups == {"dead_lettered": 11}, ledger.table()
+    assert ledger.balanced and ledger.dropped_groups == {"dead_lettered": 19}, ledger.table()

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proto import DropRecord
-from proto.drops import DropReason
+from proto.drops import DeadLetterReason, DropReason
 from proto.packed import PackedGroup, encode_entry, entry_of, pack
 from services.sample_buffer import SampleBuffer
 from services.sample_buffer.buffer import DeadLetter, Entry
@@ -50,8 +50,10 @@ WAIT_REPORT_S = 0.25
 # Groups dead-lettered in a row, none fit to train among them, after which the trainer stops
 # naming the last one's reason: the samples do not fit this trainer (its --max-tokens-per-gpu,
 # its model's vocabulary, another Tandem version), and waiting mends nothing. A bad group among
-# good ones resets nothing but itself.
+# good ones resets nothing but itself. Versions from the buffer's past (another lineage, a
+# version this trainer has not published) do not count: a backlog of them drains by itself.
 DEAD_LETTERS_IN_A_ROW = 256
+PAST = (DeadLetterReason.FOREIGN_LINEAGE, DeadLetterReason.FUTURE_VERSION)
 
 
 class DeadLettersError(RuntimeError):
@@ -225,8 +227,10 @@ class Intake:
             letters.append((DeadLetter(key, why.reason, why.detail, fields), drop))
         self.buffer.dead_letter_groups(entry_id, letters, keep)
         self.count_consumed(len(bad))
-        self.letters_in_a_row += len(bad)
-        self.last_letter = f"{bad[-1][2].reason}: {bad[-1][2].detail}"
+        unfit = [why for _key, _fields, why in bad if why.reason not in PAST]
+        if unfit:
+            self.letters_in_a_row += len(unfit)
+            self.last_letter = f"{unfit[-1].reason}: {unfit[-1].detail}"
         if self.letters_in_a_row >= DEAD_LETTERS_IN_A_ROW:
             raise DeadLettersError(
                 f"the last {self.letters_in_a_row} groups were all dead-lettered (none fit to "
