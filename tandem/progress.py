@@ -57,28 +57,27 @@ class RunProgress:
     def fold(self, row: dict) -> str | None:
         """One row of metrics.jsonl into the totals; the console line of a trainer step."""
         self.history.append(row)
-        values = row
-        if values.get("eval/num_prompts") == 0 and values.get("eval/failed"):
-            self.eval_failed = int(values["eval/failed"])  # every held-out prompt failed
-        if "eval/accuracy" in values:
+        if row.get("eval/num_prompts") == 0 and row.get("eval/failed"):
+            self.eval_failed = int(row["eval/failed"])  # every held-out prompt failed
+        if "eval/accuracy" in row:
             self.eval_failed = 0
-            self.accuracy = values["eval/accuracy"]
+            self.accuracy = row["eval/accuracy"]
             self.accuracy_version = row["step"]
             if math.isnan(self.first_accuracy):
                 self.first_accuracy = self.accuracy
             self.best_accuracy = max(
                 self.accuracy, 0.0 if math.isnan(self.best_accuracy) else self.best_accuracy
             )
-        if "rollout/samples_per_s" in values:
-            self.samples_per_s = values["rollout/samples_per_s"]
+        if "rollout/samples_per_s" in row:
+            self.samples_per_s = row["rollout/samples_per_s"]
         if row["source"] != "trainer":
             return None
         self.step = row["step"]
-        self.reward = values.get("train/reward_mean", self.reward)
-        self.staleness = values.get("train/staleness_mean", self.staleness)
-        self.step_time_s = values.get("train/step_time_s", self.step_time_s)
-        self.samples_trained += int(values.get("train/samples", 0))
-        diff = values.get("train/logprob_abs_diff_max", math.nan)
+        self.reward = row.get("train/reward_mean", self.reward)
+        self.staleness = row.get("train/staleness_mean", self.staleness)
+        self.step_time_s = row.get("train/step_time_s", self.step_time_s)
+        self.samples_trained += int(row.get("train/samples", 0))
+        diff = row.get("train/logprob_abs_diff_max", math.nan)
         if row["step"] == 1:
             self.logprob_diff_step0 = diff
         if not math.isnan(diff):  # NaN: no sample of this step came from the trainer's version

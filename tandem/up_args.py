@@ -24,6 +24,7 @@ import json
 import os
 import shlex
 import sys
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any
 
@@ -121,8 +122,7 @@ def reach_launch_dir(rm_path: str, launch_dir: str) -> str:
     if not launch_dir or not module or module.endswith(".py") or not import_problem(rm_path):
         return ""
     top = module.split(".")[0]
-    here = Path(launch_dir)
-    if not ((here / top).is_dir() or (here / f"{top}.py").is_file()):
+    if PathFinder.find_spec(top, [launch_dir]) is None:  # (the lookup import_problem makes)
         return ""
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [launch_dir, *filter(None, [os.environ.get("PYTHONPATH")])]

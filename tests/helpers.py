@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -117,3 +119,16 @@ def router_args(
         str(max_buffer_depth),
         *extra,
     ]
+
+
+def run_bench(script: str, *args: str, timeout_s: float = 120) -> list[str]:
+    """The stdout lines of `python bench/SCRIPT ARGS`, which must exit 0."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip().splitlines()

@@ -340,20 +340,11 @@ def test_rollout_requests_carry_the_sampling_settings_and_stops():
 
 def test_the_session_memory_bench_runs_and_ends_with_its_ratio() -> None:
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    from tests.helpers import run_bench
+
     small = ["--sessions", "2", "--turns", "3", "--prompt-len", "8", "--response-len", "4"]
-    proc = subprocess.run(
-        [sys.executable, str(root / "bench/session_memory.py"), *small, "--between-len", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.strip().splitlines()
+    lines = run_bench("session_memory.py", *small, "--between-len", "2")
     # each session: 8 prompt tokens, then 3 responses of 4 with 2 tokens between them
     assert (
         lines[0]

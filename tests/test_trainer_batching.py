@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +12,7 @@ from proto import Sample, SampleGroup
 from proto.packed import pack
 from services.trainer import batching
 from services.trainer.config import TrainerConfig
+from tests.helpers import run_bench
 
 
 def group(version: int, rewards: list[float], response_len: int = 2, gid: str = "g") -> SampleGroup:
@@ -142,15 +140,7 @@ def test_batch_arithmetic_is_validated_with_the_flags_to_change() -> None:
 
 
 def test_the_batch_prep_bench_runs_and_ends_with_its_ratio() -> None:
-    root = Path(__file__).resolve().parents[1]
     small = ["--groups", "2", "--samples", "2", "--prompt-len", "8", "--response-len", "16"]
-    proc = subprocess.run(
-        [sys.executable, str(root / "bench/batch_prep.py"), *small, "--runs", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.strip().splitlines()
+    lines = run_bench("batch_prep.py", *small, "--runs", "1")
     assert lines[0] == "tokens: 96 (2 groups x 2 samples)"
     assert re.fullmatch(r"batch_prep_vs_copy: \d+\.\d", lines[-1]), lines[-1]

@@ -87,12 +87,11 @@ def build_task(data: DataConfig, tokenizer: Any, context_len: int = 0) -> Task:
     )
 
 
-def default_response_len(config: RouterConfig, task: Task) -> int:
+def default_response_len(config: RouterConfig, task: Task, context: int) -> int:
     """The task's response length (an environment's: a dataset's), within the model's context
-    after the longest prompt; logged, since no flag set it."""
+    after the longest prompt (`context` positions, 0: unknown); logged, since no flag set it."""
     length = DATASET_RESPONSE_LEN if config.env.env_url else task.response_len
     what = f"environment {config.env.env_url}" if config.env.env_url else f"task {task.name}"
-    context = int(read_config(config.rollout.model)[0].get("max_position_embeddings", 0))
     longest = max(len(item.input_ids) for item in task.train + task.heldout)
     if context and length > context - longest:
         length = max(1, context - longest)
@@ -116,7 +115,7 @@ async def build_control(
     for note in task.notes:
         log.warning("%s", note)
     if not config.sampling.rollout_max_response_len:
-        config.sampling.rollout_max_response_len = default_response_len(config, task)
+        config.sampling.rollout_max_response_len = default_response_len(config, task, context)
     r = config.reward
     reward = await make_reward(
         r.rm_type,

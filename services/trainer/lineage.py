@@ -61,12 +61,13 @@ def begin_lineage(buffer: SampleBuffer, version: int) -> None:
     )
 
 
-def rewind_ledger(buffer: SampleBuffer, consumed: int, resumed: Any, version: int) -> str:
-    """On a resume at `version` from a checkpoint that had consumed `consumed` groups: the
-    groups consumed after its save are pending again, but for the dead letters written since
-    (checkpoint.py). A buffer with no record of the groups `version` trained lost the run's
+def rewind_ledger(buffer: SampleBuffer, resumed: Any, version: int) -> str:
+    """On a resume at `version` from a checkpoint (`resumed`, checkpoint.py) that had consumed
+    `resumed.groups_consumed` groups: the groups consumed after its save are pending again, but
+    for the dead letters written since. A buffer with no record of the groups `version` trained lost the run's
     data (a new Redis): nothing is rewound, its ledger counts from there; the sentence that
     says so ("" when rewound)."""
+    consumed = resumed.groups_consumed
     if version and not buffer.redis.hexists(buffer.trained_key, str(version)):
         return (
             f"the buffer holds no record of the groups version {version} trained (nor of the "

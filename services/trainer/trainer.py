@@ -143,7 +143,7 @@ class Trainer:
             # their groups are of this lineage, not from the future.
             self.intake.published_before = self.buffer.get_version("trainer") if self.buffer else 0
         if self.buffer is not None and resumed.groups_consumed is not None:
-            lost = rewind_ledger(self.buffer, resumed.groups_consumed, resumed, self.version)
+            lost = rewind_ledger(self.buffer, resumed, self.version)
             if lost and self.is_main:
                 print(f"[trainer] {lost}", flush=True)
         if self.is_main:
