@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -175,7 +176,9 @@ def test_requests_the_engines_refuse_stop_the_loop_naming_their_message_without_
         lambda: (r := httpx.get(router.url + "/health")).status_code == 503 and r.json(),
         "the loop to stop",
     )
-    assert f"refused the requests of {REFUSED_IN_A_ROW} groups in a row" in health["error"]
+    # (groups run concurrently: others may fail between the bound and the stop, so >=)
+    counted = re.search(r"refused the requests of (\d+) groups in a row", health["error"])
+    assert counted and int(counted.group(1)) >= REFUSED_IN_A_ROW, health["error"]
     assert "injected refusal of the request" in health["error"]
     assert "a setting every request carries is wrong" in health["error"]
     assert buffer.drop_counts()["engine_error"] >= REFUSED_IN_A_ROW
