@@ -8,10 +8,10 @@ prints docs/configuration.md, generated from the commands' flags (their config d
 
 from __future__ import annotations
 
-import re
 import sys
 
 from services.common.config_file import ConfigError, options, toml_value
+from services.common.flags import shown_default
 
 USAGE = """usage: tandem config show [--config FILE] [tandem up flags]
        tandem config reference   (the Markdown of docs/configuration.md)"""
@@ -123,7 +123,9 @@ def reference() -> str:
             out.append("\n| key | flag | default | meaning |\n| --- | --- | --- | --- |")
             for action in actions:
                 default = "not set" if action.default is None else toml_value(action.default)
-                meaning = re.sub(r" \(default: [^()]*\)$", "", action.help or "")
+                meaning = (action.help or "").removesuffix(
+                    f" (default: {shown_default(action.default)})"
+                )
                 if action.choices:
                     choices = (toml_value(c) if c == "" else str(c) for c in action.choices)
                     meaning += f" One of: {', '.join(choices)}."

@@ -26,6 +26,9 @@ def test_every_subcommand_explains_itself(command: str) -> None:
     assert result.returncode == 0, result.stderr
     assert f"tandem {command}" in result.stdout
     assert len(result.stdout) > 300  # flags with their explanations, not a bare usage line
+    # each flag states its default once, and only a default there is
+    flags = " ".join(result.stdout.split()).split(" --")
+    assert not [f for f in flags if "(default: )" in f or f.count("(default:") > 1]
 
 
 def test_an_unknown_subcommand_fails_and_lists_the_real_ones() -> None:

@@ -50,7 +50,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str | Non
                 nargs="*",
                 type=args[0],
                 default=default,
-                help=f"{help_text} (default: {' '.join(map(str, default)) or 'none'})",
+                help=_with_default(help_text, shown_default(default)),
             )
         else:
             base = next((a for a in args if a is not type(None)), str) if args else kind
@@ -59,8 +59,23 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str | Non
                 type=base,
                 default=default,
                 choices=choices,
-                help=f"{help_text} (default: {default})",
+                help=_with_default(help_text, shown_default(default)),
             )
+
+
+def shown_default(default: object) -> object:
+    """A default as `--help` shows it (a list as its flag's words)."""
+    if isinstance(default, list):
+        return " ".join(map(str, default)) or "none"
+    return default
+
+
+def _with_default(help_text: str, default: object) -> str:
+    """`help_text` ending with its default, unless it states it already or the default is
+    empty (a help text then says what empty means)."""
+    if default == "" or "(default:" in help_text or "(empty =" in help_text:
+        return help_text
+    return f"{help_text} (default: {default})"
 
 
 def config_from_args(cls: type[T], ns: argparse.Namespace) -> T:
