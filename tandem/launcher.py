@@ -329,8 +329,7 @@ def parse(argv: list[str]) -> tuple[UpConfig, list[str]]:
         recorded = Path(config.resume) / "config.toml"  # the services' tables of that run
         if "config" not in given and recorded.is_file():
             config = replace(config, config=str(recorded))
-    else:
-        config = config.absolute()
+    config = config.absolute()  # (a resume's flags too: its up_config.json is saved again)
     problems += validate(config)
     if not problems:
         from services.common.config_file import ConfigError

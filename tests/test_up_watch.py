@@ -122,6 +122,12 @@ def test_a_new_run_saves_absolute_paths_so_it_resumes_from_any_folder(
     assert os.environ["PYTHONPATH"] == f"{project}{os.pathsep}/elsewhere/lib"
     save_config(run, started[2].config)  # the resumed run saves it again, from elsewhere
     assert json.loads((run / "up_config.json").read_text())["launch_dir"] == str(project)
+    # a resume's own flags are made absolute too (its up_config.json is saved again)
+    started[2].lock.close()
+    (elsewhere / "more.jsonl").write_text('{"prompt": "2", "label": "2"}\n')
+    flags = ["--prompt-data", "more.jsonl", "--label-key", "label"]
+    assert launcher.main(["--resume", str(run), *flags]) == 0
+    assert started[3].config.prompt_data == str(elsewhere / "more.jsonl")
 
 
 def test_a_data_file_that_is_not_there_is_refused_before_anything_starts(

@@ -39,6 +39,8 @@ from services.rollout_router.tasks import (
     DATASET_RESPONSE_LEN,
     TOY_RESPONSE_LEN,
     Task,
+    data_change_note,
+    data_record,
     dataset_task,
     toy_reverse_digits,
 )
@@ -112,6 +114,10 @@ async def build_control(
     context = int(read_config(config.rollout.model)[0].get("max_position_embeddings", 0))
     make_task = functools.partial(build_task, context_len=context)
     task = await asyncio.to_thread(make_task, config.data, tokenizer)
+    now = data_record(task, config.data.prompt_data or "the built-in toy task")
+    before = await buffer.swap_data(now)
+    changed = data_change_note(before, now, (await buffer.counters()).get("prompts_drawn", 0))
+    task.notes += (changed,) if changed else ()
     for note in task.notes:
         log.warning("%s", note)
     if not config.sampling.rollout_max_response_len:

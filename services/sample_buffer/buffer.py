@@ -29,6 +29,8 @@ Keys (all under `tandem:{run_id}:`):
               older checkpoint replaces its entry, so the hash describes the lineage of the
               newest weights: no id may appear twice in it. A resumed trainer removes the
               versions above its own (`rewind_trainer`).
+- `data`      hash: what the router draws prompts from (`source`, `rows`, `digest`), so that a
+              router started on other data says so.
 - `dead_letter`  stream of entries the trainer would not train (capped at `dead_letter_len`):
               `reason` (a `proto.drops.DeadLetterReason`), `detail`, `entry_id` (its id in
               `samples`), and the entry's own fields as they were (`d` = the raw payload).

@@ -46,6 +46,7 @@ class BufferKeys:
         self.metrics_steps_key = prefix + "metrics_steps"
         self.trainer_drops_key = prefix + "trainer_drops"
         self.entry_groups_key = prefix + "entry_groups"
+        self.data_key = prefix + "data"
 
     # --- writes, queued on a pipeline ---------------------------------------------------------
 
