@@ -20,11 +20,12 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 MOE_MODEL_TYPES = ("qwen3_moe",)
 
 
-def read_config(model_dir: str | Path) -> tuple[dict[str, Any], str]:
-    """(parsed `config.json`, its path) of a HF model directory; FileNotFoundError names it."""
+def read_config(model_dir: str | Path, flag: str = "--model") -> tuple[dict[str, Any], str]:
+    """(parsed `config.json`, its path) of a HF model directory given as `flag`;
+    FileNotFoundError names it."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: --model must be a Hugging Face model directory")
+        raise FileNotFoundError(f"{path} not found: {flag} must be a Hugging Face model directory")
     return json.loads(path.read_text()), str(path)
 
 

@@ -85,10 +85,15 @@ def test_megatron_logits_from_a_converted_checkpoint_equal_transformers_logits(
     assert diff < 1e-5
 
 
-def test_convert_names_the_missing_tracker(tmp_path: Path) -> None:
+def test_convert_names_the_missing_tracker_and_the_flag_of_a_model_that_is_not_there(
+    tmp_path: Path,
+) -> None:
     done = convert("megatron-to-hf", "--load", str(tmp_path), "--out", str(tmp_path / "o"))
     assert done.returncode == 2
     assert "latest_checkpointed_iteration.txt" in done.stderr
+    done = convert("hf-to-megatron", "--hf-dir", str(tmp_path), "--save", str(tmp_path / "c"))
+    assert done.returncode == 2
+    assert "config.json not found: --hf-dir must be a Hugging Face model directory" in done.stderr
 
 
 def test_the_trainer_starts_from_a_converted_checkpoint(

@@ -69,7 +69,7 @@ def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Pat
     from services.trainer.policy import init_distributed
 
     init_distributed(tp_size=1, seed=0)
-    arch = hf_convert.read_hf_arch(hf_dir)
+    arch = hf_convert.read_hf_arch(hf_dir, "--hf-dir")
     model = hf_convert.build_gpt_model(
         arch, hf_convert.transformer_config(arch), vocab_divisible_by
     )

@@ -57,9 +57,10 @@ class HfArch:
         return -(-self.vocab_size // multiple) * multiple
 
 
-def read_hf_arch(model_dir: str | Path) -> HfArch:
-    """Parse `config.json` of a HF model directory; errors name the file and the field."""
-    cfg, path = read_config(model_dir)
+def read_hf_arch(model_dir: str | Path, flag: str = "--model") -> HfArch:
+    """Parse `config.json` of a HF model directory (given as `flag`); errors name the file and
+    the field."""
+    cfg, path = read_config(model_dir, flag)
     return arch_from_config(cfg, path)
 
 
