@@ -20,7 +20,7 @@ from pathlib import Path
 from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
 from services.rollout_router.config import DataConfig, reward_problem
-from services.rollout_router.tasks import first_row_problem
+from services.rollout_router.tasks import first_row_problem, not_a_file
 from tandem.up_args import conflicts, given_fields, join_passthrough, resumed_config
 from tandem.up_services import service_args, trainer_on_gpu
 
@@ -398,9 +398,8 @@ def validate(config: UpConfig) -> list[str]:
         ("--prompt-data", config.prompt_data),
         ("--eval-prompt-data", config.eval_prompt_data),
     ):
-        if data and not Path(data).is_file():
-            problems.append(f"{flag} {data}: no such file")
-        elif data and (problem := first_row_problem(data, config.input_key or INPUT_KEY)):
+        key = config.input_key or INPUT_KEY
+        if data and (problem := not_a_file(data, flag) or first_row_problem(data, key)):
             problems.append(problem)
     if config.custom_rm_path:  # (the router's module: imported only when there is a path)
         from services.rollout_router.rewards import import_problem

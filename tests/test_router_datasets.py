@@ -131,6 +131,9 @@ def test_prompts_that_fill_the_context_are_left_out_at_start_and_said_so(
     status = httpx.get(router.url + "/rollout/status").json()
     assert status["state"] != "backing_off", status
     router.stop()
+    data.write_text(json.dumps(rows[0]) + "\n5")  # (tandem up's look reads the first row only)
+    with pytest.raises(RuntimeError, match=r"train.jsonl: row 2 has no 'prompt' .*: it has int"):
+        start_service("router", [*args, "--prompt-data", str(data)])
     data.write_text(json.dumps(rows[1]))
     with pytest.raises(RuntimeError, match=r"train.jsonl: every row has prompts of at least 64"):
         start_service("router", [*args, "--prompt-data", str(data)])

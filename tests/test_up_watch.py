@@ -149,6 +149,9 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "q.jsonl").write_text('\n{"question": "1+1", "label": "2"}\n')
     (tmp_path / "bad.jsonl").write_text("not json\n")
+    (tmp_path / "rows.csv").write_text("prompt,label\n")
+    (tmp_path / "broken.parquet").write_text("not parquet")
+    (tmp_path / "folder.jsonl").mkdir()
     cases = {
         ("--rollout-batch-size", "0"): (
             "router: --rollout-batch-size and --n-samples-per-prompt must be >= 1"
@@ -161,6 +164,14 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
             "names the prompt's field): it has ['label', 'question']"
         ),
         ("--prompt-data", "bad.jsonl", "--rm-type", "exact_match"): "bad.jsonl:1: not JSON",
+        ("--prompt-data", "rows.csv", "--rm-type", "exact_match"): (
+            "rows.csv:1: not JSON (Expecting value: line 1 column 1 (char 0); files not named "
+            ".parquet are read as JSONL)"
+        ),
+        ("--prompt-data", "broken.parquet", "--rm-type", "exact_match"): (
+            "broken.parquet: not a Parquet file (Parquet magic bytes not found"
+        ),
+        ("--prompt-data", "folder.jsonl", "--rm-type", "exact_match"): ("folder.jsonl: not a file"),
     }
     for argv, expected in cases.items():
         assert launcher.main(list(argv)) == 2, argv

@@ -19,9 +19,11 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from services.rollout_router.toy_task import is_exact, reverse_digits_split
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,30 @@ def encode_prompt(
 
 def read_rows(path: str, flag: str = "--prompt-data") -> list[dict[str, Any]]:
     """Rows of a `.jsonl` or `.parquet` file; errors name the file and line (or the flag)."""
-    file = Path(path)
-    if not file.exists():
-        raise ValueError(f"{flag} {path}: no such file")
-    if file.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(file).to_pylist()
-    lines = enumerate(file.read_text().splitlines(), 1)
+    if problem := not_a_file(path, flag):
+        raise ValueError(problem)
+    if Path(path).suffix == ".parquet":
+        return parquet(path, lambda pq: pq.read_table(path).to_pylist())
+    lines = enumerate(Path(path).read_text().splitlines(), 1)
     return [json_row(path, number, line) for number, line in lines if line.strip()]
+
+
+def not_a_file(path: str, flag: str) -> str:
+    """Why `path` given as `flag` cannot be read at all ("" when it can be)."""
+    if Path(path).is_file():
+        return ""
+    return f"{flag} {path}: {'not a file' if Path(path).exists() else 'no such file'}"
+
+
+def parquet(path: str, read: Callable[[Any], T]) -> T:
+    """`read(pyarrow.parquet)` of a .parquet file; ValueError naming it when it is none."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return read(pq)
+    except pa.ArrowException as exc:
+        raise ValueError(f"{path}: not a Parquet file ({exc})") from exc
 
 
 def json_row(path: str, number: int, line: str) -> Any:
@@ -87,7 +104,8 @@ def json_row(path: str, number: int, line: str) -> Any:
     try:
         return json.loads(line)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}:{number}: not JSON ({exc})") from exc
+        hint = "" if path.endswith(".jsonl") else "; files not named .parquet are read as JSONL"
+        raise ValueError(f"{path}:{number}: not JSON ({exc}{hint})") from exc
 
 
 def no_input_key(path: str, number: int, input_key: str) -> str:
@@ -101,9 +119,10 @@ def first_row_problem(path: str, input_key: str) -> str:
     """Why the first row of `path` cannot be read as a prompt ("" when it can): a cheap look
     for `tandem up` before anything starts (the router reads every row at its start)."""
     if Path(path).suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        names = pq.read_schema(path).names
+        try:
+            names = parquet(path, lambda pq: pq.read_schema(path).names)
+        except ValueError as exc:
+            return str(exc)
         return "" if input_key in names else f"{no_input_key(path, 1, input_key)}: it has {names}"
     with open(path, encoding="utf-8", errors="replace") as rows:
         for number, line in enumerate(rows, 1):
@@ -135,8 +154,9 @@ def load_items(
     are left out, since no response fits after them, and ValueError when that is every row."""
     rows, unlabeled = [], []
     for number, row in enumerate(read_rows(path, flag), 1):
-        if input_key not in row:
-            raise ValueError(no_input_key(path, number, input_key))
+        if not isinstance(row, dict) or input_key not in row:
+            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ValueError(f"{no_input_key(path, number, input_key)}: it has {keys}")
         label = row.get(label_key)
         label = "" if label is None else label if isinstance(label, str) else json.dumps(label)
         if not label:
