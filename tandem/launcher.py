@@ -149,6 +149,13 @@ class UpConfig:
             "end); the trained model is written to RUN_DIR/trained_model at each save."
         },
     )
+    keep_checkpoints: int = field(
+        default=2,
+        metadata={
+            "help": "Checkpoints kept in RUN_DIR/checkpoints, the newest (0 = all): a real "
+            "model's checkpoint holds its optimizer state, ~14 bytes a parameter."
+        },
+    )
     stall_warn_s: float = field(
         default=60.0,
         metadata={"help": "Print what each service waits for after this long without progress."},

@@ -93,6 +93,7 @@ def service_args(
             *_flags(("--max-steps", config.max_steps)),
             *_flags(("--save", config.save or run_dir / "checkpoints")),
             *_flags(("--save-interval", config.save_interval)),
+            *_flags(("--keep-last-checkpoints", config.keep_checkpoints)),
             *_flags(("--save-hf", run_dir / TRAINED_MODEL)),
             *_flags(("--metrics-port", 0)),  # a free port, printed in the trainer's log
             *common,

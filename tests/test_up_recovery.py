@@ -151,6 +151,10 @@ def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "reached_accuracy"
     assert summary["accuracy_last"] >= 0.9
+    kept = sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*"))
+    assert len(kept) == 2, (
+        f"--keep-checkpoints 2 by default, of the {summary['steps']} steps: {kept}"
+    )
     assert summary["trained_model"] and (Path(summary["trained_model"]) / "config.json").exists()
     assert (
         f"trained model (Hugging Face, with tokenizer): {summary['trained_model']}" in second.stdout
