@@ -68,6 +68,8 @@ def diagnosis(statuses: dict[str, ServiceStatus], now: float) -> list[str]:
             continue
         waited = f", {now - status.since:.0f} s" if status.since and status.waiting_for else ""
         what = f"waits for {status.waiting_for}" if status.waiting_for else "is not waiting"
+        if busy := not status.waiting_for and status.detail.get("busy"):
+            what = f"is busy with {busy}"
         error = f"; error: {status.error}" if status.error else ""
         note = f"; {status.detail['note']}" if status.detail.get("note") else ""
         lines.append(f"  {role} [{status.state}{waited}]: {what}{error}{note}")

@@ -206,6 +206,13 @@ def test_a_reward_function_that_hangs_drops_its_sample_and_the_router_goes_on(
     started = time.monotonic()
     assert get_json(router.url + "/health")["status"] == "ok"
     assert time.monotonic() - started < 2, "the router answered while the function hung"
+    # where the groups in flight are: the status says the function holds one (a stalled run's
+    # diagnosis prints it)
+    busy = re.compile(
+        r"\d+ groups in flight: \d+ requests at the engines; \d+ calls to reward function once "
+        r"in flight \(the oldest [1-5] s; --rm-timeout-s 5, \d+ --rm-workers\)"
+    )
+    wait_until(lambda: busy.fullmatch(get_json(router.url + "/rollout/status")["busy"]), "busy")
     wait_until(lambda: buffer.drop_counts("samples").get("reward_error") == 1, "its drop", 60)
     wait_until(lambda: buffer.depth() >= 8, "groups after it")
     [drop] = [d for d in buffer.drop_log(100) if d.reason == "reward_error"]

@@ -20,7 +20,7 @@ from services.sample_buffer import SampleBuffer
 from tandem import launcher
 from tandem import watchdog as watchdog_module
 from tandem.up_args import join_passthrough, save_config
-from tandem.watchdog import Watchdog
+from tandem.watchdog import Watchdog, diagnosis
 from tests.helpers import JsonHandler
 
 
@@ -205,6 +205,9 @@ def test_the_watchdog_prints_what_each_service_waits_for_then_ends_a_stalled_run
     assert "router [waiting, 30 s]: waits for engines on weight version >= 71" in text
     assert "trainer: no status reported" in text
     assert f"broker [idle]: is not waiting; {note}" in text
+    busy = "64 groups in flight: 0 requests at the engines; 512 calls to reward function f ..."
+    generating = ServiceStatus(role="router", state="generating", detail={"busy": busy})
+    assert f"  router [generating]: is busy with {busy}" in diagnosis({"router": generating}, 0)
     watchdog.step_done(3)
     assert watchdog.check() == ""  # a step completed: the stall clock starts again
     time.sleep(0.7)

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 
 from proto import DropReason, Sample
+from services.rollout_router.calls import InFlight
 from services.rollout_router.config import EnvConfig
 from services.rollout_router.samples import Partial
 from services.rollout_router.tasks import Item, encode_prompt
@@ -46,8 +47,13 @@ class EnvClient:
         self.url = url.rstrip("/")
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.calls = InFlight(f"calls to {self.url}", f"--env-call-timeout-s {timeout_s:g}")
 
     async def call(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        with self.calls.one():
+            return await self._call(route, body)
+
+    async def _call(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
             async with self.session.post(self.url + route, json=body, timeout=self.timeout) as r:
                 if r.status != 200:

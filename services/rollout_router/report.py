@@ -170,6 +170,17 @@ def ledger_metrics(ledger: Ledger) -> dict[str, float]:
     return out
 
 
+def busy(loop: RolloutLoop) -> str:
+    """Where the groups in flight are: at the engines, the environment, the reward (a run that
+    makes no progress while its loop waits for nothing says which one holds it)."""
+    parts = [f"{loop.gen.in_flight} requests at the engines"]
+    if loop.episodes is not None and (env := loop.episodes.client.calls.describe()):
+        parts.append(env)
+    if calls := loop.reward.activity():
+        parts.append(calls)
+    return f"{len(loop.groups)} groups in flight: {'; '.join(parts)}"
+
+
 async def service_status(loop: RolloutLoop, error: str = "") -> ServiceStatus:
     """The status record; `failed` with `error` when a task died."""
     detail: dict[str, float | int | str] = {
@@ -179,6 +190,8 @@ async def service_status(loop: RolloutLoop, error: str = "") -> ServiceStatus:
     }
     if note := loop.drops.note():
         detail["note"] = note
+    if loop.groups:
+        detail["busy"] = busy(loop)
     with contextlib.suppress(RedisError):
         demand = await loop.read_demand(len(loop.groups))
         detail.update(
@@ -203,7 +216,8 @@ async def status(loop: RolloutLoop) -> dict[str, Any]:
     `drops` is in groups by reason; `ledger` says where every group of the run went.
     `buffer_depth` is the backlog the depth bound counts (groups put, not yet consumed);
     `waiting` says when producers wait for it ("buffer full (depth N of M)"); `note` the groups
-    dropped since the last one put, by reason ("" once one is put)."""
+    dropped since the last one put, by reason ("" once one is put); `busy` where the groups in
+    flight are."""
     names = "engines_version trainer_version buffer_depth drops batch groups_consumed ledger"
     redis_fields: dict[str, Any] = dict.fromkeys(names.split())
     redis_fields["waiting"] = ""
@@ -223,6 +237,7 @@ async def status(loop: RolloutLoop) -> dict[str, Any]:
     return {
         "state": loop.state,
         "waiting_for": loop.waiting_for,
+        "busy": busy(loop) if loop.groups else "",
         "note": loop.drops.note(),
         "paused": loop.paused,
         "error": loop.error,

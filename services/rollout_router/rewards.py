@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 
 from proto import DropReason
+from services.rollout_router.calls import InFlight
 from services.rollout_router.reward_workers import RewardCallError, RewardWorkers
 from services.rollout_router.toy_task import reverse_digits_reward
 
@@ -210,9 +211,21 @@ class Reward:
         self.in_a_row, self.max_in_a_row, self.last_error = 0, max_errors_in_a_row, ""
         name = name or getattr(fn, "__qualname__", repr(fn))
         self.source = f"reward service {url}" if url else f"reward function {name}"
+        bound = f"--rm-timeout-s {timeout_s:g}"
+        bound += f", {workers.count} --rm-workers" if workers is not None else ""
+        self.calls = InFlight(f"calls to {self.source}", bound)
+
+    def activity(self) -> str:
+        """The calls in flight, the oldest's age, and the failures in a row ("" when idle)."""
+        failed = f"; the last {self.in_a_row} failed, the last: {self.last_error}"
+        return self.calls.describe() + (failed if self.calls.started and self.in_a_row else "")
 
     async def score(self, prompt: Any, text: str, label: str, finish_reason: str) -> float:
         """The reward, or RewardError (also for an exception of the function: its text)."""
+        with self.calls.one():
+            return await self._score(prompt, text, label, finish_reason)
+
+    async def _score(self, prompt: Any, text: str, label: str, finish_reason: str) -> float:
         try:
             if self.url:
                 reward = await self._remote(prompt, text, label, finish_reason)
