@@ -149,6 +149,13 @@ class UpConfig:
             "end); the trained model is written to RUN_DIR/trained_model at each save."
         },
     )
+    engine_restarts: int = field(
+        default=3,
+        metadata={
+            "help": "Times in a run an engine that exits is started again on its port (its "
+            "requests go to the other engines meanwhile); past that the run ends naming it."
+        },
+    )
     keep_checkpoints: int = field(
         default=2,
         metadata={

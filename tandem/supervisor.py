@@ -55,6 +55,7 @@ class Child:
     log_path: Path
     ready_file: Path | None
     info: dict
+    env: dict[str, str] | None = None
 
     def log_tail(self, chars: int = 3000) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -106,13 +107,34 @@ class Supervisor:
     ) -> Child:
         """Start `tandem ARGS` (or `PROGRAM ARGS`) as `name`; with `ready`, add
         `--ready-file` and wait for it in `wait_ready`. `env` adds to our environment."""
-        log_path = self.log_dir / f"{name}.log"
         ready_file = self.log_dir / f"{name}.ready.json" if ready else None
         cmd = [*(program or [sys.executable, "-m", "tandem.cli"]), *args]
         if ready_file is not None:
-            ready_file.unlink(missing_ok=True)
             cmd += ["--ready-file", str(ready_file)]
-        with open(log_path, "wb") as log:
+        return self._spawn(name, cmd, ready_file, env, "wb")
+
+    def restart(self, child: Child, more_args: list[str]) -> Child:
+        """Start an exited child again, its command line with `more_args` (a later flag wins),
+        its log appended to; it takes the old one's place (`wait_ready` or its ready file says
+        when it is up)."""
+        self.children.remove(child)
+        cmd = [*child.proc.args, *more_args]  # type: ignore[misc]
+        restarted = self._spawn(child.name, cmd, child.ready_file, child.env, "ab")
+        restarted.info = dict(child.info)
+        return restarted
+
+    def _spawn(
+        self,
+        name: str,
+        cmd: list[str],
+        ready_file: Path | None,
+        env: dict[str, str] | None,
+        mode: str,
+    ) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
+        with open(log_path, mode) as log:
             proc = subprocess.Popen(
                 cmd,
                 stdout=log,
@@ -122,7 +144,7 @@ class Supervisor:
                 preexec_fn=die_with_parent,
                 env=child_env(env),
             )
-        child = Child(name, proc, log_path, ready_file, {})
+        child = Child(name, proc, log_path, ready_file, {}, env)
         self.children.append(child)
         return child
 

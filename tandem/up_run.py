@@ -39,6 +39,7 @@ from tandem.supervisor import (
 )
 from tandem.up_args import lost_history, save_config
 from tandem.up_config import render, write_run_config
+from tandem.up_engines import EngineRestarts, wait_engines_synced
 from tandem.up_services import TRAINED_MODEL, service_args, shared_gpus
 from tandem.watchdog import Watchdog
 
@@ -269,6 +270,9 @@ class UpRun:
         watchdog = Watchdog(
             buffer, self.health_urls, config.stall_warn_s, config.by_model("stall_fail_s"), say
         )
+        restarts = EngineRestarts(
+            self.supervisor, config.engine_restarts, config.by_model("startup_timeout_s"), say
+        )
         redis_lost_at = 0.0  # when Redis stopped answering (0: it answers)
         while True:
             asked = time.monotonic()
@@ -305,11 +309,15 @@ class UpRun:
                 self.outcome = "interrupted"
                 return 130
             child = self.supervisor.exited()
-            if child is not None:
+            if child is not None and not restarts.restart(child):
                 code = self.child_exited(child)
                 if child.name == "trainer" and child.proc.returncode == 0:
-                    self.wait_engines_synced(buffer)
+                    wait_engines_synced(buffer, say)
                 return code
+            if problem := restarts.check():
+                self.outcome = "child_failed"
+                say(f"FAILED: {problem}")
+                return 1
             if time.monotonic() > deadline:
                 self.outcome = "time_limit"
                 say(f"time limit of {limit_s:.0f}s reached (--time-limit-s)")
@@ -419,19 +427,6 @@ class UpRun:
             f"(log: {child.log_path}):\n{child.exit_reason()}{self.disk.note()}"
         )
         return 1
-
-    def wait_engines_synced(self, buffer: SampleBuffer, timeout_s: float = 30.0) -> None:
-        """After the trainer's last step, let the broker bring the engines to its last version."""
-        deadline = time.monotonic() + timeout_s
-        try:
-            final = buffer.get_version("trainer")
-            while buffer.get_version("engines") < final:
-                if time.monotonic() > deadline:
-                    say(f"engines did not reach the final version {final} within {timeout_s:.0f}s")
-                    return
-                time.sleep(0.1)
-        except RedisError as exc:
-            say(f"cannot tell whether the engines reached the final version: Redis: {exc}")
 
     def write_timeline(self, buffer: SampleBuffer) -> None:
         """RUN_DIR/timeline.json: the run's spans as a Chrome trace (ui.perfetto.dev opens it)."""

@@ -8,6 +8,7 @@ trainer); the slowest tests of the suite after the full demo run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -273,3 +274,56 @@ def test_a_redis_url_nobody_answers_fails_the_start_naming_the_flag(tmp_path: Pa
     assert result.returncode == 1, out
     assert f"FAILED: no Redis server answered at {url} within 2s" in out
     assert "check --redis-url or REDIS_URL" in out and "Traceback" not in out
+
+
+def test_an_engine_that_dies_mid_run_is_started_again_and_past_the_bound_the_run_ends(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of an engine (an engine OOM-killed): tandem up starts it again on its port, the
+    router has it brought to the current weights and sends it requests again, the run trains
+    on; a death past --engine-restarts ends the run naming it. No group is lost either way."""
+    run_dir = tmp_path / "run"
+    flags = ("--engine-restarts", "1", "--stop-accuracy", "0", "--max-steps", "100000")
+    run = start_up(run_dir, *flags, "--time-limit-s", "300")
+    ready = run_dir / "logs" / "router.ready.json"
+
+    def engine0() -> psutil.Process | None:
+        for child in psutil.Process(run.pid).children():
+            with contextlib.suppress(psutil.Error):  # (the killed one, not yet reaped)
+                if "engine0.ready.json" in " ".join(child.cmdline()):
+                    return child
+        return None
+
+    try:
+        wait_until(lambda: trainer_steps(run_dir) >= 2, "two steps", 180)
+        router = json.loads(ready.read_text())["url"]
+        first = engine0()
+        assert first is not None
+        url = json.loads((run_dir / "logs" / "engine0.ready.json").read_text())["url"]
+        first.kill()
+        wait_until(lambda: (e := engine0()) is not None and e.pid != first.pid, "a new engine0")
+
+        def serving() -> bool:
+            workers = httpx.get(f"{router}/workers").json()["workers"]
+            again = next(w for w in workers if w["url"] == url)
+            return again["healthy"] and again["weight_version"] > 2
+
+        wait_until(serving, "engine0 back in the rotation at the current weights", 120)
+        step = trainer_steps(run_dir)
+        wait_until(lambda: trainer_steps(run_dir) >= step + 3, "steps after it", 120)
+        engine0().kill()  # type: ignore[union-attr]
+        out, _ = run.communicate(timeout=180)
+    finally:
+        if run.poll() is None:
+            run.terminate()
+            run.communicate(timeout=60)
+    assert run.returncode == 1, out[-3000:]
+    assert (
+        f"engine0 was killed by SIGKILL (out of memory?) (log: {run_dir / 'logs' / 'engine0.log'}); "
+        f"starting it again on port {url.rsplit(':', 1)[1]} (restart 1 of 1, --engine-restarts)"
+    ) in out
+    assert "engine0 is up again (" in out
+    assert "engine0 exited after 1 restarts (--engine-restarts)" in out
+    assert "FAILED: engine0 exited with code -9" in out
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["balanced"] and ledger["violations"] == 0, ledger
