@@ -4,6 +4,7 @@ dynamic sampling and partial rollout (fake engines, real Valkey)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Callable, Iterator
 from http.server import ThreadingHTTPServer
@@ -13,7 +14,8 @@ import httpx
 import pytest
 
 from proto import SampleGroup
-from services.rollout_router.tasks import data_change_note
+from services.rollout_router.app import load_tokenizer
+from services.rollout_router.tasks import data_change_note, load_items
 from services.sample_buffer import SampleBuffer
 from tests.helpers import JsonHandler, read_all, router_args, wait_until, with_chat_template
 
@@ -366,3 +368,25 @@ def test_a_router_started_on_other_prompts_than_the_runs_says_so(
     same = {"source": str(first), "rows": "3", "digest": "a"}
     edited = data_change_note(same, {**same, "digest": "b"}, 7)
     assert edited is not None and f"{first} (3 to train on; changed since, 3)" in edited
+
+
+def test_prompts_that_cannot_be_encoded_are_refused_naming_the_row(toy_model_dir, tmp_path):
+    """Chat messages for a tokenizer without a chat template (the toy model's), messages
+    without a role, a prompt that is neither text nor messages: the row and the fix, where
+    the tokenizer raised its own error or a KeyError."""
+    tokenizer = load_tokenizer(str(toy_model_dir))
+    data = tmp_path / "train.jsonl"
+    cases = {
+        '[{"role": "user", "content": "12"}]': "row 2: a chat-message prompt needs the "
+        "tokenizer's chat template, and the --model tokenizer has none",
+        '[{"content": "12"}]': 'row 2: chat messages must be objects with "role" and "content"',
+        '{"q": 1}': "row 2: the prompt must be a string or a list of chat messages, not dict",
+    }
+    for prompt, expected in cases.items():
+        data.write_text(f'{{"prompt": "12>", "label": "21"}}\n{{"prompt": {prompt}, "label": "1"}}')
+        with pytest.raises(ValueError, match=re.escape(f"{data}: {expected}")):
+            load_items(tokenizer, str(data), "prompt", "label", False, "--prompt-data")
+    data.write_text('{"prompt": "12>", "label": "21"}')
+    with pytest.raises(ValueError, match="--apply-chat-template needs the tokenizer's chat"):
+        load_items(tokenizer, str(data), "prompt", "label", True, "--prompt-data")
+    assert len(load_items(tokenizer, str(data), "prompt", "label", False, "--prompt-data")[0]) == 1

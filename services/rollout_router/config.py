@@ -279,7 +279,10 @@ class DataConfig:
     label_key: str = field(default="label", metadata={"help": "Field holding the label."})
     apply_chat_template: bool = field(
         default=False,
-        metadata={"help": "Wrap text prompts in the chat template (message lists always are)."},
+        metadata={
+            "help": "Wrap --prompt-data's text prompts in the chat template (message lists "
+            "always are; the toy task's prompts are its own)."
+        },
     )
     task_seed: int = field(
         default=1234, metadata={"help": "Seed of the train/held-out split (toy task, dataset)."}

@@ -71,6 +71,24 @@ def encode_prompt(
     return tuple(tokenizer(prompt)["input_ids"])
 
 
+def prompt_problem(tokenizer: Any, prompt: Any, chat: bool) -> str:
+    """Why `prompt` (a row's) cannot be encoded ("" when it can)."""
+    if isinstance(prompt, list):
+        if not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt):
+            return 'chat messages must be objects with "role" and "content"'
+    elif not isinstance(prompt, str):
+        return (
+            f"the prompt must be a string or a list of chat messages, not {type(prompt).__name__}"
+        )
+    if (isinstance(prompt, list) or chat) and not getattr(tokenizer, "chat_template", None):
+        what = "--apply-chat-template" if chat else "a chat-message prompt"
+        return (
+            f"{what} needs the tokenizer's chat template, and the --model tokenizer has none "
+            "(chat_template in tokenizer_config.json): give text prompts, or a model with one"
+        )
+    return ""
+
+
 def read_rows(path: str, flag: str = "--prompt-data") -> list[dict[str, Any]]:
     """Rows of a `.jsonl` or `.parquet` file; errors name the file and line (or the flag)."""
     if problem := not_a_file(path, flag):
@@ -169,6 +187,8 @@ def load_items(
         rows = [(number, prompt, label) for number, prompt, label in rows if label]
     items, too_long = [], []
     for number, prompt, label in rows:
+        if problem := prompt_problem(tokenizer, prompt, chat):
+            raise ValueError(f"{path}: row {number}: {problem}")
         messages = (
             tuple((m["role"], m["content"]) for m in prompt) if isinstance(prompt, list) else ()
         )
