@@ -394,8 +394,10 @@ def validate(config: UpConfig) -> list[str]:
         problems.append("--stop-accuracy must be within [0, 1]")
     if config.max_steps < 1:
         problems.append("--max-steps must be at least 1")
-    if config.stop_timeout_s <= 0:
-        problems.append("--stop-timeout-s must be positive")
+    if config.stop_timeout_s <= 0 or config.stall_warn_s <= 0:
+        problems.append("--stop-timeout-s and --stall-warn-s must be positive")
+    if min(config.save_interval, config.keep_checkpoints, config.engine_restarts) < 0:
+        problems.append("--save-interval, --keep-checkpoints and --engine-restarts must be >= 0")
     own = service_args(config, "run", Path(config.model or "model"), "redis://", passthrough=False)
     passthrough = {
         "engine": config.engine_args,

@@ -131,8 +131,13 @@ def test_batch_arithmetic_is_validated_with_the_flags_to_change() -> None:
     with pytest.raises(ValueError, match="--num-steps-per-rollout 5"):
         cfg.validate()
     cfg = TrainerConfig(model="m", rollout_batch_size=3, n_samples_per_prompt=1)
+    with pytest.raises(ValueError, match=r"its advantage \(reward minus the group's mean\) is 0"):
+        cfg.validate()  # GRPO's baseline is the group's mean: a group of one learns nothing
+    cfg.advantage_estimator = "reinforce_plus_plus"  # (its baseline is the batch's)
     with pytest.raises(ValueError, match="data-parallel size 2"):
         cfg.validate(dp_size=2)
+    with pytest.raises(ValueError, match="--save-interval and --keep-last-checkpoints"):
+        TrainerConfig(model="m", save_interval=-1).validate()
     cfg = TrainerConfig(model="m", lr_decay_style="cosine")
     with pytest.raises(ValueError, match="--lr-decay-iters"):
         cfg.validate()

@@ -156,6 +156,8 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
         ("--rollout-batch-size", "0"): (
             "router: --rollout-batch-size and --n-samples-per-prompt must be >= 1"
         ),
+        ("--n-samples-per-prompt", "1"): "trainer: --n-samples-per-prompt 1 with",
+        ("--keep-checkpoints", "-1"): "--keep-checkpoints and --engine-restarts must be >= 0",
         ("--trainer-args=--kl-coef=0.1",): (
             "trainer: --kl-coef > 0 needs --ref-load (the frozen reference model)"
         ),

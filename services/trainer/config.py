@@ -12,6 +12,9 @@ def _f(default, help_text: str, **meta):  # type: ignore[no-untyped-def]
     return field(default=default, metadata={"help": help_text, **meta})
 
 
+# Estimators whose baseline is the group's mean reward: a group of one learns nothing.
+GROUP_BASELINED = ("grpo", "dr_grpo", "reinforce_plus_plus_baseline")
+
 @dataclass
 class TrainerConfig:
     """Configuration of `tandem trainer`."""
@@ -242,6 +245,15 @@ class TrainerConfig:
         for name in ("rollout_batch_size", "n_samples_per_prompt", "num_steps_per_rollout"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.n_samples_per_prompt == 1 and self.advantage_estimator in GROUP_BASELINED:
+            raise ValueError(
+                f"--n-samples-per-prompt 1 with --advantage-estimator {self.advantage_estimator}"
+                ": each sample is its group's only one, its advantage (reward minus the group's "
+                "mean) is 0, and nothing is learned: use 2 or more samples a prompt, or "
+                "--advantage-estimator reinforce_plus_plus (or gae)"
+            )
+        if self.save_interval < 0 or self.keep_last_checkpoints < 0:
+            raise ValueError("--save-interval and --keep-last-checkpoints must be >= 0")
         samples = self.rollout_batch_size * self.n_samples_per_prompt
         if samples % self.num_steps_per_rollout:
             raise ValueError(
