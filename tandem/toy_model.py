@@ -45,7 +45,7 @@ def write_toy_model(
 ) -> Path:
     """Write the tiny model to `out_dir` and return the path. Same seed, same bytes."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, logging
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,6 +68,7 @@ def write_toy_model(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    logging.disable_progress_bar()  # (a bar for a 400 KB file, on `tandem up`'s console)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
