@@ -5,21 +5,25 @@ answer is wrong, says so once and lets the model try again (a second turn). It s
 answer itself and posts the reward; the router turns the session's exact tokens into a training
 sample. Sessions of one digit pair share a group, so the trainer can compare them (GRPO).
 
-Run against `tandem up` (it prints the router's URL):
+Run against `tandem up` (it prints the router's URL and where the API token is):
     tandem up --router-args=--no-rollout      # train only on what agents send
-    python examples/chat_agent.py --router-url http://127.0.0.1:PORT --groups 200
+    python examples/chat_agent.py --router-url http://127.0.0.1:PORT \
+        --api-token-file RUN_DIR/api_token --groups 200
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import sys
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-from openai import OpenAI
+from openai import AuthenticationError, OpenAI
 
 
 def reward(text: str, label: str, stopped: bool) -> float:
@@ -31,6 +35,7 @@ def reward(text: str, label: str, stopped: bool) -> float:
 def episode(
     client: OpenAI, router_url: str, prompt: str, label: str, group: str, size: int
 ) -> float:
+    """One session, its reward posted (with the client's token, as every write of the API)."""
     session = uuid.uuid4().hex
     headers = {"X-Session-Id": session}
     messages = [{"role": "user", "content": prompt}]
@@ -47,7 +52,7 @@ def episode(
     request = urllib.request.Request(
         f"{router_url}/sessions/{session}/reward",
         data=body,
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {client.api_key}"},
     )
     urllib.request.urlopen(request, timeout=30).read()
     return score
@@ -60,16 +65,31 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8, help="sessions per digit pair")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--api-token-file",
+        default="",
+        help="file holding the router's API token (tandem up: RUN_DIR/api_token; default: the "
+        "env TANDEM_API_TOKEN)",
+    )
     args = parser.parse_args()
-    client = OpenAI(base_url=f"{args.router_url}/v1", api_key="unused")
+    token = os.environ.get("TANDEM_API_TOKEN", "")
+    if args.api_token_file:
+        token = Path(args.api_token_file).read_text().strip()
+    client = OpenAI(base_url=f"{args.router_url}/v1", api_key=token or "none")
     rng = random.Random(args.seed)
     jobs = []
     for g in range(args.groups):
         a, b = rng.randrange(10), rng.randrange(10)
         jobs += [(f"{a}{b}>", f"{b}{a}", f"{args.seed}-{g}")] * args.group_size
-    with ThreadPoolExecutor(args.concurrency) as pool:
-        scores = list(
-            pool.map(lambda job: episode(client, args.router_url, *job, args.group_size), jobs)
+    try:
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            scores = list(
+                pool.map(lambda job: episode(client, args.router_url, *job, args.group_size), jobs)
+            )
+    except AuthenticationError:
+        sys.exit(
+            f"chat_agent: the router at {args.router_url} wants its API token: pass "
+            "--api-token-file RUN_DIR/api_token (tandem up says where it is) or set TANDEM_API_TOKEN"
         )
     print(f"episodes: {len(scores)}  mean reward: {sum(scores) / len(scores):.3f}")
 

@@ -446,28 +446,18 @@ def test_openai_requests_without_a_session_are_forwarded_to_an_engine(
 
 
 def test_the_example_chat_agent_trains_through_sessions(
-    buffer, toy_model_dir, start_service, engines
+    buffer, toy_model_dir, start_service, engines, tmp_path
 ):
-    router = start_service(
-        "router", router_args(buffer, toy_model_dir, [engines().url], "--no-rollout")
-    )
-    agent = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples/chat_agent.py"),
-            "--router-url",
-            router.url,
-            "--groups",
-            "3",
-            "--group-size",
-            "2",
-            "--concurrency",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    args = router_args(buffer, toy_model_dir, [engines().url], "--no-rollout")
+    router = start_service("router", [*args, "--api-token", "s3cret"])
+    (tmp_path / "api_token").write_text("s3cret\n")  # as tandem up keeps it in RUN_DIR
+    command = [sys.executable, str(ROOT / "examples/chat_agent.py"), "--router-url", router.url]
+    command += ["--groups", "3", "--group-size", "2", "--concurrency", "4"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1
+    assert "wants its API token: pass --api-token-file RUN_DIR/api_token" in refused.stderr
+    command += ["--api-token-file", str(tmp_path / "api_token")]
+    agent = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert agent.returncode == 0, agent.stderr
     assert "episodes: 6" in agent.stdout
     groups = read_all(buffer)
