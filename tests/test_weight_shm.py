@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 
 import httpx
@@ -67,14 +69,20 @@ def test_a_slot_is_added_while_readers_hold_every_other_one(tmp_path) -> None:
 
 
 def test_a_real_engine_adopts_shared_memory_weights_and_serves_them(
-    start_service, toy_model_dir, tmp_path
+    start_service, toy_model_dir, tmp_path, monkeypatch, caplog
 ) -> None:
     engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
     broker = start_service("broker", ["broker", "--port", "0", "--engine-urls", engine.url])
     sender = ZmqWeightSender(broker.info["intake_endpoint"], shm_dir=str(tmp_path), timeout_s=30)
     model = AutoModelForCausalLM.from_pretrained(toy_model_dir).eval()
     prompt = [1, 7, 11, 14]
-    for version in (1, 2, 3, 4):  # slots are reused from version 3 on
+    for version in (1, 2, 3, 4, 5):  # slots are reused from version 3 on
+        if version == 5:  # a /dev/shm too small for the weights (a container's 64 MiB)
+            sender.close()
+            sender = ZmqWeightSender(
+                broker.info["intake_endpoint"], shm_dir=str(tmp_path), timeout_s=30
+            )
+            monkeypatch.setattr(os, "posix_fallocate", no_space)
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1.05)
@@ -96,4 +104,14 @@ def test_a_real_engine_adopts_shared_memory_weights_and_serves_them(
         got = [t[0] for t in out["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-4
     assert "0 tensors copied" not in engine.log()
+    # version 5 did not fit (the write would have been SIGBUS): it went in ZMQ frames, said so
+    assert sender.slots is None
+    assert (
+        f"does not fit in {tmp_path}" in caplog.text and "in ZMQ frames from now on" in caplog.text
+    )
     sender.close()
+
+
+def no_space(fd: int, offset: int, length: int) -> None:
+    """os.posix_fallocate on a full tmpfs."""
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -47,6 +47,15 @@ class SlotBusyError(TimeoutError):
     """Engines still hold the slot the next version must go to."""
 
 
+class SlotSpaceError(OSError):
+    """The shared-memory folder has no room for a version (a container's /dev/shm is 64 MiB
+    unless its --shm-size says more)."""
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**30:.1f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
 def _lock(fd: int, mode: int, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -90,7 +99,11 @@ class ShmSlots:
             offsets.append(size)
             size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         index = self._take_free_slot()
-        slot = self._grow(index, size)
+        try:
+            slot = self._grow(index, size)
+        except OSError:
+            fcntl.flock(self._slots[index].fd, fcntl.LOCK_UN)
+            raise
         self._last = index
         assert slot.mapping is not None
         try:
@@ -158,6 +171,18 @@ class ShmSlots:
         if slot.size < size:  # grow (first use, or a larger model): remap
             if slot.mapping is not None:
                 slot.mapping.close()
+                slot.mapping, slot.size = None, 0
+            try:  # (reserved now: a page that does not fit would be SIGBUS at its first write)
+                os.posix_fallocate(slot.fd, 0, size)
+            except OSError as exc:
+                free = os.statvfs(self.shm_dir)
+                raise SlotSpaceError(
+                    exc.errno,
+                    f"a weight slot of {_size(size)} does not fit in {self.shm_dir} "
+                    f"({_size(free.f_bavail * free.f_frsize)} free of "
+                    f"{_size(free.f_blocks * free.f_frsize)}; in a container, give it "
+                    "more with docker run --shm-size, or shm_size in compose.yaml)",
+                ) from exc
             os.ftruncate(slot.fd, size)
             slot.mapping = mmap.mmap(slot.fd, size)
             slot.size = size

@@ -14,6 +14,7 @@ Wire format and authentication: `services.weight_sync.wire`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -21,7 +22,13 @@ from typing import TYPE_CHECKING
 import zmq
 
 from proto import WeightRequest, encode
-from services.weight_sync.shm import ShmSlots, SlotBusyError, SlotLease, read_slot
+from services.weight_sync.shm import (
+    ShmSlots,
+    SlotBusyError,
+    SlotLease,
+    SlotSpaceError,
+    read_slot,
+)
 from services.weight_sync.wire import (
     DEFAULT_BUCKET_BYTES,
     Frame,
@@ -37,6 +44,7 @@ if TYPE_CHECKING:
     import torch
 
 ERROR_FRAME = b"ERR"
+log = logging.getLogger("tandem.weight_sync")
 
 
 class BrokerGoneError(ConnectionError):
@@ -86,6 +94,11 @@ class ZmqWeightSender:
                 header = self.slots.write(version, tensors)
             except SlotBusyError as exc:
                 raise WeightSyncError(f"version {version} not sent: {exc}") from exc
+            except SlotSpaceError as exc:  # the versions go in ZMQ frames from now on
+                log.warning("%s: weights go to the broker in ZMQ frames from now on", exc)
+                self.slots.close()
+                self.slots = None
+                return self.send(version, tensors)
             sign(header, [], self.secret)
             messages = [[encode(header)]]
         else:
