@@ -61,6 +61,14 @@ class Child:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return text[-chars:]
 
+    def how_it_ended(self) -> str:
+        """'exited with code N', or 'was killed by SIGNAL' (SIGKILL: out of memory?)."""
+        code = self.proc.returncode
+        if code is None or code >= 0:
+            return f"exited with code {code}"
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        return f"was killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+
     def exit_reason(self) -> str:
         """Why the child exited: its own one-line error when it ended on one (every service
         ends a failure it understands with `tandem NAME: what to fix`), else its log's tail
@@ -168,7 +176,7 @@ class Supervisor:
                     raise StartInterruptedError(f"interrupted while {child.name} was starting")
                 if child.proc.poll() is not None:
                     raise ChildFailedError(
-                        f"{child.name} exited with code {child.proc.returncode} during start-up "
+                        f"{child.name} {child.how_it_ended()} during start-up "
                         f"(log: {child.log_path}):\n{child.exit_reason()}"
                     )
                 if time.monotonic() > deadline:

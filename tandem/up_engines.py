@@ -13,7 +13,6 @@ ends naming it.
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
@@ -70,13 +69,11 @@ class EngineRestarts:
 
 
 def ended(child: Child) -> str:
-    """How `child` ended: the signal that killed it, or its exit code and its log's last line."""
-    code = child.proc.returncode
-    if code < 0:
-        name = signal.Signals(-code).name
-        return f"was killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    """How `child` ended, with its log's last line when it exited on its own."""
+    if child.proc.returncode < 0:
+        return child.how_it_ended()
     lines = [line for line in child.log_tail(2000).splitlines() if line.strip()]
-    return f"exited with code {code}: {lines[-1].strip()[-300:] if lines else '(empty log)'}"
+    return f"{child.how_it_ended()}: {lines[-1].strip()[-300:] if lines else '(empty log)'}"
 
 
 def wait_engines_synced(

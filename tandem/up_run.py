@@ -423,7 +423,7 @@ class UpRun:
             say(f"FAILED: {gone}")
             return 1
         say(
-            f"FAILED: {child.name} exited with code {child.proc.returncode} "
+            f"FAILED: {child.name} {child.how_it_ended()} "
             f"(log: {child.log_path}):\n{child.exit_reason()}{self.disk.note()}"
         )
         return 1

@@ -116,7 +116,7 @@ def test_a_dying_service_stops_every_other_one_and_fails_the_run(tmp_path: Path)
     os.kill(service_pids(run_dir)["router"], signal.SIGKILL)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1
-    assert "router exited" in output
+    assert "router was killed by SIGKILL (out of memory?)" in output
     wait_until(lambda: not [c for c in children if alive(c.pid)], "every service to end", 10)
 
 
