@@ -40,7 +40,7 @@ from tandem.supervisor import (
 from tandem.up_args import lost_history, save_config
 from tandem.up_config import render, write_run_config
 from tandem.up_engines import EngineRestarts, wait_engines_synced
-from tandem.up_services import TRAINED_MODEL, service_args, shared_gpus
+from tandem.up_services import TRAINED_MODEL, service_args, shared_gpus, trains_in_bf16
 from tandem.watchdog import Watchdog
 
 
@@ -147,6 +147,8 @@ class UpRun:
         for name in args:
             args[name] += ["--config", str(recorded)]
         say(f"configuration of every service in {recorded} (repeat: tandem up --config it)")
+        if trains_in_bf16(config):
+            say("the trainer trains in bf16 on its GPU (fp32 master weights), as the engines serve")
         for gpu in shared_gpus(config):
             say(
                 f"GPU {gpu} is shared by the engines and the trainer: bound the engines' memory "

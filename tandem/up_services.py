@@ -16,6 +16,15 @@ if TYPE_CHECKING:
 TRAINED_MODEL = "trained_model"  # the Hugging Face model the run trained, in its folder
 
 
+def trains_in_bf16(config: UpConfig) -> bool:
+    """A --model trained on a GPU trains in bf16 (with fp32 master weights), as its engines on
+    GPUs serve it (their dtype auto); `--trainer-args --no-bf16` keeps fp32. The toy model
+    trains in fp32 anywhere."""
+    if not config.model or "--no-bf16" in shlex.split(config.trainer_args):
+        return False
+    return trainer_on_gpu(config)
+
+
 def trainer_on_gpu(config: UpConfig) -> bool:
     """Whether the trainer will see a CUDA device (it uses one whenever it can)."""
     if config.trainer_gpus:
@@ -96,6 +105,7 @@ def service_args(
             *_flags(("--keep-last-checkpoints", config.keep_checkpoints)),
             *_flags(("--save-hf", run_dir / TRAINED_MODEL)),
             *_flags(("--metrics-port", 0)),  # a free port, printed in the trainer's log
+            *(["--bf16"] if trains_in_bf16(config) else []),
             *common,
             *batch,
             *extra["trainer"],

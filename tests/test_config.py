@@ -69,6 +69,16 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
     saved = real.resolved(str(model))
     assert (saved.lr, saved.time_limit_s, saved.startup_timeout_s) == (1e-6, 60.0, 900.0)
 
+    # a --model trained on a GPU trains in bf16 (as the engines serve it), unless told not to
+    def bf16(*argv: str) -> bool:
+        config, problems = launcher.parse([*argv, "--trainer-gpus", "0"])
+        assert problems == []
+        return "--bf16" in launcher.service_args(config, "r", model, "redis://x")["trainer"]
+
+    assert bf16("--model", str(model))
+    assert not bf16()  # the toy model: fp32
+    assert not bf16("--model", str(model), "--trainer-args", "--no-bf16")
+
 
 def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatch) -> None:
     path = toml_file(
