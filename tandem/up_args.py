@@ -29,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 PASSTHROUGH = ("--engine-args", "--router-args", "--trainer-args")
+# Fields a run folder of an older version lacks, as that version ran them (its config.toml
+# holds the service's own key, which tandem up's newer default would contradict).
+OLDER_RUNS = {"keep_checkpoints": 0}
 CONFIG_FILE = "up_config.json"
 LAUNCH_DIR = "launch_dir"  # up_config.json's key beside the fields: where the run first started
 # Fields whose value is part of the run contract: fixed for the life of a run.
@@ -146,9 +149,12 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
         if name in given and name != "model" and getattr(config, name) != saved.get(name)
     ]
     known = {f.name for f in dataclasses.fields(config)}
-    merged = {k: v for k, v in saved.items() if k in known}
+    merged = {**OLDER_RUNS, **{k: v for k, v in saved.items() if k in known}}
     merged.update({name: getattr(config, name) for name in given})
-    merged.update(run_dir=str(run_dir), resume=str(run_dir), model=saved.get("model", ""))
+    model = saved.get("model", "")
+    if (was := saved.get("run_dir")) and Path(model).is_relative_to(was):  # (a moved folder)
+        model = str(run_dir.absolute() / Path(model).relative_to(was))
+    merged.update(run_dir=str(run_dir), resume=str(run_dir), model=model)
     resumed = type(config)(**merged)
     if resumed.custom_rm_path and (
         found := reach_launch_dir(resumed.custom_rm_path, saved.get(LAUNCH_DIR) or "")

@@ -4,6 +4,7 @@ weight slots)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 from pathlib import Path
@@ -22,6 +23,12 @@ def trains_in_bf16(config: UpConfig) -> bool:
     trains in fp32 anywhere."""
     if not config.model or "--no-bf16" in shlex.split(config.trainer_args):
         return False
+    if config.config:  # a [trainer] table that says (a run recorded before this default) rules
+        from services.common.config_file import ConfigError, read_file
+
+        with contextlib.suppress(ConfigError):
+            if "bf16" in read_file(config.config).get("trainer", {}):
+                return False
     return trainer_on_gpu(config)
 
 

@@ -78,6 +78,10 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
     assert bf16("--model", str(model))
     assert not bf16()  # the toy model: fp32
     assert not bf16("--model", str(model), "--trainer-args", "--no-bf16")
+    # a [trainer] table that says (a run recorded before this default, resumed) rules
+    older = tmp_path / "older.toml"
+    older.write_text("[trainer]\nbf16 = false\n")
+    assert not bf16("--model", str(model), "--config", str(older))
 
 
 def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatch) -> None:

@@ -50,6 +50,8 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     run = tmp_path / "run"
     run.mkdir()
     saved = {**launcher.UpConfig().__dict__, "model": str(run / "model"), "seed": 7}
+    saved.update(run_dir=str(run))
+    del saved["keep_checkpoints"]  # (a run folder of an older version)
     (run / "up_config.json").write_text(json.dumps(saved))
     assert launcher.main(["--resume", str(run), "--rollout-batch-size", "32"]) == 2
     err = capsys.readouterr().err
@@ -71,6 +73,14 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
         "--max-steps 10)"
     ) in capsys.readouterr().err
     assert launcher.main(["--resume", str(run), "--max-steps", "6"]) == 0
+    # A folder moved elsewhere: its model goes with it. A folder of a version before
+    # --keep-checkpoints kept every checkpoint, and goes on doing so (its config.toml says 0).
+    assert started[-1].keep_checkpoints == 0
+    moved = tmp_path / "moved"
+    run.rename(moved)
+    assert launcher.main(["--resume", str(moved), "--max-steps", "6"]) == 0
+    assert started[-1].model == str(moved / "model")
+    run = moved.rename(run)
     assert not (tmp_path / "missing" / "up_config.json").exists()
     assert launcher.main(["--resume", str(tmp_path / "missing")]) == 2
     assert "not a tandem up run folder" in capsys.readouterr().err
