@@ -40,11 +40,15 @@ class EngineRestarts:
             return False
         self.used += 1
         port = urlsplit(child.info["url"]).port
+        others = [c for c in self.supervisor.children if c.name.startswith("engine") and c != child]
+        meanwhile = (
+            "the router sends its requests to the other engines meanwhile"
+            if others
+            else "the run waits for it (its groups in flight are dropped as engine_error)"
+        )
         self.say(
             f"{child.name} {ended(child)} (log: {child.log_path}); starting it again on port "
-            f"{port} (restart {self.used} of "
-            f"{self.limit}, --engine-restarts); the router sends its requests to the other "
-            "engines meanwhile"
+            f"{port} (restart {self.used} of {self.limit}, --engine-restarts); {meanwhile}"
         )
         again = self.supervisor.restart(child, ["--port", str(port)])
         self.starting[child.name] = (again, time.monotonic())
