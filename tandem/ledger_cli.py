@@ -1,8 +1,8 @@
 """`tandem ledger RUN`: where every generated group of a run went, and whether it balances.
 
-RUN is a `tandem up` run folder: its live Redis when the run is going (`RUN/redis.url`), else
-a private server started on its data (`RUN/redis/`), else the `RUN/ledger.json` written when
-the run ended. Or name the Redis yourself: `--redis-url URL --run-id ID`. Prints the counts by
+RUN is a `tandem up` run folder: its live Redis when the run is going (`RUN/redis.url`; the
+`--redis-url` it ran on, `RUN/redis.json`), else a private server started on its data
+(`RUN/redis/`), else the `RUN/ledger.json` written when the run ended. Or name the Redis yourself: `--redis-url URL --run-id ID`. Prints the counts by
 fate and by drop reason and "balanced" or the difference; exit 0 balanced, 1 unbalanced,
 2 bad flags or nothing to read.
 """
@@ -19,7 +19,7 @@ import redis
 
 from services.sample_buffer import BufferConfig, SampleBuffer
 from services.sample_buffer.ledger import Ledger
-from tandem.run_redis import saved_redis
+from tandem.run_redis import REDIS_FILE, run_id_of, saved_redis
 
 # A live trainer counts a rollout consumed, then trained: a reading between the two is off by
 # that rollout for a moment, so an unbalanced reading of a live run is taken again.
@@ -31,12 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run", nargs="?", help="run folder of `tandem up`")
     parser.add_argument("--redis-url", default="", help="Redis of the run (instead of RUN)")
     parser.add_argument(
-        "--run-id", "--run-name", default="", help="run id (default: up-<RUN folder name>)"
+        "--run-id", "--run-name", default="", help="run id (default: the RUN folder's)"
     )
     parser.add_argument("--json", action="store_true", help="print the ledger as JSON")
     args = parser.parse_args(argv)
     run_dir = Path(args.run) if args.run else None
-    run_id = args.run_id or (f"up-{run_dir.resolve().name}" if run_dir else "")
+    run_id = args.run_id or (run_id_of(run_dir) if run_dir else "")
     if not run_id:
         parser.error("name a run folder, or --redis-url with --run-id")
     try:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def read_ledger(run_dir: Path | None, redis_url: str, run_id: str) -> Ledger:
     """The ledger from the first source that answers (see the module docstring)."""
-    live = redis_url or live_url(run_dir)
+    live = redis_url or live_url(run_dir) or external_url(run_dir)
     if live:
         return read_live(SampleBuffer(BufferConfig(redis_url=live, run_id=run_id)))
     assert run_dir is not None
@@ -65,6 +65,14 @@ def read_ledger(run_dir: Path | None, redis_url: str, run_id: str) -> Ledger:
         f"{run_dir} has no redis/ folder and no ledger.json: is it a `tandem up` run folder? "
         "(or pass --redis-url and --run-id)"
     )
+
+
+def external_url(run_dir: Path | None) -> str:
+    """The Redis a `tandem up --redis-url` run used ("" for a run with its own)."""
+    info = run_dir / REDIS_FILE if run_dir else None
+    if info is None or not info.is_file() or (saved := json.loads(info.read_text()))["own"]:
+        return ""
+    return str(saved["url"])
 
 
 def live_url(run_dir: Path | None, wait_s: float = 5.0) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,17 @@ from services.sample_buffer import RedisServer
 from tandem.supervisor import die_with_parent
 
 REDIS_FILE = "redis.json"  # {"url", "run_id", "own"}, written by `tandem up`
+
+
+def run_id_of(run_dir: Path, external: bool = False, new: bool = False) -> str:
+    """The run id of a `tandem up` run folder: the one its `redis.json` records, else
+    `up-<folder name>`. A new run on an `external` Redis (`--redis-url`, shared by runs) gets
+    a suffix of its own: two run folders of one name (`a/run`, `b/run`) are two runs."""
+    info = run_dir / REDIS_FILE
+    if not new and info.is_file():
+        return str(json.loads(info.read_text())["run_id"])
+    name = f"up-{run_dir.resolve().name}"
+    return f"{name}-{secrets.token_hex(3)}" if new and external else name
 
 
 def saved_redis(run_dir: Path, log_dir: Path | None = None) -> RedisServer:

@@ -29,7 +29,7 @@ from tandem.run_dir import (
     share_run_secrets,
     write_summary,
 )
-from tandem.run_redis import REDIS_FILE
+from tandem.run_redis import REDIS_FILE, run_id_of
 from tandem.sinks import MetricSinks
 from tandem.supervisor import (
     ChildFailedError,
@@ -66,7 +66,7 @@ class UpRun:
         ).absolute()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.lock = lock_run_dir(self.run_dir)
-        self.run_id = f"up-{self.run_dir.name}"
+        self.run_id = run_id_of(self.run_dir, bool(config.redis_url), new=not config.resume)
         self.redis: RedisServer | None = None
         self.interrupted: list[bool] = []
         self.supervisor = Supervisor(self.run_dir / "logs", self.interrupted, note=say)

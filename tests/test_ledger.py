@@ -3,6 +3,7 @@ the counts balance, and a router killed mid-run resumes without replaying or los
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import redis
 
 from proto import DropReason, DropRecord, Sample, SampleGroup
 from services.sample_buffer import AsyncSampleBuffer, BufferConfig, RedisServer, SampleBuffer
+from tandem.run_redis import run_id_of
 from tests.helpers import router_args, wait_until
 
 MAX_STALENESS = 1
@@ -172,6 +174,27 @@ def test_a_run_folder_is_read_from_its_redis_data_and_a_step_is_written_once(
         time.sleep(1.2)  # appendfsync everysec
     done = tandem_ledger(str(run))
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "generated 1 = trained 0 + dropped 0 + buffered 0 + in flight 1" in done.stdout
+
+
+def test_runs_on_a_shared_redis_get_their_own_ids_and_tandem_ledger_finds_them(
+    tmp_path: Path, redis_server
+) -> None:
+    """Two `tandem up --redis-url` runs in folders of one name (a/run, b/run) were one run id
+    (`up-run`): the second's trainer met the first's steps and refused to start. A new run on
+    a shared Redis gets an id of its own, saved in its folder (redis.json): a resume and
+    `tandem ledger RUN` read it there."""
+    first, second = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    ids = {run_id_of(first, external=True, new=True), run_id_of(second, external=True, new=True)}
+    assert len(ids) == 2 and all(i.startswith("up-run-") for i in ids)
+    assert run_id_of(first, new=True) == "up-run"  # its own Redis, in the folder: no clash
+    first.mkdir(parents=True)
+    run_id = ids.pop()
+    info = {"url": redis_server.url, "run_id": run_id, "own": False}
+    (first / "redis.json").write_text(json.dumps(info))
+    assert run_id_of(first) == run_id  # (a resume)
+    SampleBuffer(BufferConfig(redis_url=redis_server.url, run_id=run_id)).start_group()
+    done = tandem_ledger(str(first))
     assert "generated 1 = trained 0 + dropped 0 + buffered 0 + in flight 1" in done.stdout
 
 
