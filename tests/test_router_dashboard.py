@@ -154,6 +154,12 @@ def run_the_dashboard(
         note = "3 groups dropped since the last one put (env_error 3; the last: HTTP 500)"
         shown = f"showStatus({json.dumps({**status, 'note': note})}); {JS_WAITING}"
         assert browser.evaluate(shown) == f"{waiting}; {note}"
+        # a loop that waits for nothing says where its groups are
+        busy = "64 groups in flight: 0 requests at the engines; 512 calls to reward function f"
+        running = {**status, "state": "generating", "waiting_for": "", "busy": busy}
+        assert browser.evaluate(f"showStatus({json.dumps(running)}); {JS_WAITING}") == (
+            f"busy with {busy}"
+        )
         browser.evaluate("document.getElementById('resume').click()")
         wait_until(lambda: browser.evaluate(JS_STATE) != "paused", "resumed on the page", 20)
         assert browser.evaluate("document.getElementById('banner').textContent") == ""

@@ -94,7 +94,8 @@ function showStatus(s) {
   const state = $("state");
   state.textContent = s.paused && s.state !== "paused" ? `${s.state} (pausing)` : s.state;
   state.className = "pill " + ({ failed: "bad", generating: "ok" }[s.state] || "");
-  const waiting = s.error ? `error: ${s.error}` : s.waiting_for ? `waiting for ${s.waiting_for}` : "";
+  const waiting = s.error ? `error: ${s.error}`
+    : s.waiting_for ? `waiting for ${s.waiting_for}` : s.busy ? `busy with ${s.busy}` : "";
   $("waiting").textContent = [waiting, s.note].filter(Boolean).join("; ");
   const drops = s.drops ? Object.entries(s.drops).map(([k, n]) => `${k} ${n}`).join(", ") : "";
   const rows = [
