@@ -15,7 +15,7 @@ import pytest
 
 from proto import SampleGroup
 from services.rollout_router.app import load_tokenizer
-from services.rollout_router.tasks import data_change_note, load_items
+from services.rollout_router.tasks import data_change_note, dataset_task, load_items
 from services.sample_buffer import SampleBuffer
 from tests.helpers import JsonHandler, read_all, router_args, wait_until, with_chat_template
 
@@ -390,3 +390,22 @@ def test_prompts_that_cannot_be_encoded_are_refused_naming_the_row(toy_model_dir
     with pytest.raises(ValueError, match="--apply-chat-template needs the tokenizer's chat"):
         load_items(tokenizer, str(data), "prompt", "label", True, "--prompt-data")
     assert len(load_items(tokenizer, str(data), "prompt", "label", False, "--prompt-data")[0]) == 1
+
+
+def test_the_held_out_prompts_are_at_most_eval_max_prompts(toy_model_dir, tmp_path):
+    """5% of a large dataset, or a large eval file, evaluated at every version takes engine
+    time from rollouts: at most --eval-max-prompts of them, a fixed subset, the rest trained."""
+    tokenizer = load_tokenizer(str(toy_model_dir))
+    rows = [json.dumps({"prompt": f"{i % 100:02d}>", "label": str(i)}) for i in range(400)]
+    (tmp_path / "train.jsonl").write_text("\n".join(rows))
+    (tmp_path / "eval.jsonl").write_text("\n".join(rows[:300]))
+    data = (str(tmp_path / "train.jsonl"), "", "prompt", "label", False)
+    task = dataset_task(tokenizer, *data, heldout_fraction=0.5, seed=3, eval_max=50)
+    assert (len(task.heldout), len(task.train)) == (50, 350)
+    assert "--eval-heldout-fraction 0.5, at most --eval-max-prompts" in task.heldout_source
+    assert len(dataset_task(tokenizer, *data, heldout_fraction=0.5, seed=3).heldout) == 200
+    evals = (str(tmp_path / "train.jsonl"), str(tmp_path / "eval.jsonl"), "prompt", "label")
+    task = dataset_task(tokenizer, *evals, False, seed=3, eval_max=50)
+    again = dataset_task(tokenizer, *evals, False, seed=3, eval_max=50)
+    assert len(task.heldout) == 50 and task.heldout == again.heldout and len(task.train) == 400
+    assert task.heldout_source == f"50 of the 300 prompts of {evals[1]} (--eval-max-prompts)"

@@ -86,6 +86,7 @@ def build_task(data: DataConfig, tokenizer: Any, context_len: int = 0) -> Task:
         data.eval_heldout_fraction,
         data.task_seed,
         context_len,
+        data.eval_max_prompts,
     )
 
 

@@ -275,6 +275,14 @@ class DataConfig:
             "training (at least one prompt, chosen by --task-seed) for evaluation; 0 = none."
         },
     )
+    eval_max_prompts: int = field(
+        default=500,
+        metadata={
+            "help": "Held-out prompts evaluated at most (a fixed subset chosen by --task-seed, "
+            "of --eval-prompt-data or of the fraction held out; 0 = all): every evaluation "
+            "takes engine time from rollouts, at each new version by default."
+        },
+    )
     input_key: str = field(default="prompt", metadata={"help": "Field holding the prompt."})
     label_key: str = field(default="label", metadata={"help": "Field holding the label."})
     apply_chat_template: bool = field(
@@ -427,6 +435,10 @@ class RouterConfig:
         self.buffer.validate()
         if problem := reward_problem(self.data.prompt_data, self.scored()):
             raise ValueError(problem)
+        if self.data.eval_max_prompts < 0 or not 0 <= self.data.eval_heldout_fraction < 1:
+            raise ValueError(
+                "--eval-max-prompts must be >= 0 and --eval-heldout-fraction within [0, 1)"
+            )
 
     def scored(self) -> bool:
         """A reward was chosen (or an environment gives them): not the toy task's default."""

@@ -234,10 +234,12 @@ def dataset_task(
     heldout_fraction: float = 0.0,
     seed: int = 0,
     context_len: int = 0,
+    eval_max: int = 0,
 ) -> Task:
     """The dataset's prompts; held out for evaluation: `eval_path`'s, else `heldout_fraction`
-    of `train_path`'s (at least one, chosen by `seed`, then not trained on). Prompts that fill
-    the model's `context_len` positions are left out (`load_items`)."""
+    of `train_path`'s (at least one, chosen by `seed`, then not trained on), at most
+    `eval_max` of either (0: all; a subset chosen by `seed`). Prompts that fill the model's
+    `context_len` positions are left out (`load_items`)."""
     keys = (input_key, label_key, chat)
     train, notes = load_items(tokenizer, train_path, *keys, "--prompt-data", context_len)
     name = Path(train_path).stem
@@ -245,16 +247,24 @@ def dataset_task(
         heldout, more = load_items(tokenizer, eval_path, *keys, "--eval-prompt-data", context_len)
         notes += more
         source = f"{len(heldout)} prompts of {eval_path}"
+        if eval_max and len(heldout) > eval_max:
+            heldout = [
+                heldout[i]
+                for i in sorted(random.Random(seed).sample(range(len(heldout)), eval_max))
+            ]
+            source = f"{eval_max} of the {source} (--eval-max-prompts)"
         return Task(name, train, heldout, heldout_source=source, notes=notes)
     count = min(max(1, round(heldout_fraction * len(train))), len(train) - 1)
+    capped = bool(eval_max) and count > eval_max
+    count = min(count, eval_max) if eval_max else count
     if heldout_fraction <= 0 or count < 1:
         return Task(name, train, [], heldout_source="none (no --eval-prompt-data)", notes=notes)
     order = list(range(len(train)))
     random.Random(seed).shuffle(order)
     held = set(order[:count])
     source = (
-        f"{count} prompts held out of {train_path} (--eval-heldout-fraction {heldout_fraction}; "
-        "--eval-prompt-data sets a file)"
+        f"{count} prompts held out of {train_path} (--eval-heldout-fraction {heldout_fraction}"
+        f"{', at most --eval-max-prompts' if capped else ''}; --eval-prompt-data sets a file)"
     )
     return Task(
         name,

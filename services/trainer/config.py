@@ -15,6 +15,7 @@ def _f(default, help_text: str, **meta):  # type: ignore[no-untyped-def]
 # Estimators whose baseline is the group's mean reward: a group of one learns nothing.
 GROUP_BASELINED = ("grpo", "dr_grpo", "reinforce_plus_plus_baseline")
 
+
 @dataclass
 class TrainerConfig:
     """Configuration of `tandem trainer`."""
