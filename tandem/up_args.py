@@ -19,6 +19,7 @@ from there (`reach_launch_dir`), as it was at the first start.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -160,7 +161,15 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
         found := reach_launch_dir(resumed.custom_rm_path, saved.get(LAUNCH_DIR) or "")
     ):
         print(f"[up] {found}", flush=True)
-    done = steps_saved(Path(resumed.save or run_dir / "checkpoints"))
+    checkpoints = Path(resumed.save or run_dir / "checkpoints")
+    done, trained, every = steps_saved(checkpoints), steps_recorded(run_dir), resumed.save_interval
+    if not done and every and trained >= every and "--new-lineage" not in resumed.trainer_args:
+        problems.append(
+            f"--resume {run_dir}: the run trained {trained} steps, saving every --save-interval "
+            f"{every}, but {checkpoints} holds no checkpoint (moved or deleted?): give --save the "
+            "folder that holds them, or start over from --model in this run with "
+            "--trainer-args --new-lineage"
+        )
     if done >= resumed.max_steps:
         problems.append(
             f"--resume {run_dir}: its checkpoint is at step {done}, and --max-steps "
@@ -179,6 +188,18 @@ def steps_saved(checkpoints: Path) -> int:
         return saved_iteration(checkpoints) or 0
     except (OSError, ValueError):
         return 0
+
+
+def steps_recorded(run_dir: Path) -> int:
+    """The last trainer step in a run folder's metrics.jsonl (0: none; a line cut short by a
+    crash is skipped)."""
+    path, last = run_dir / "metrics.jsonl", 0
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict) and row.get("source") == "trainer":
+                last = max(last, int(row.get("step", 0)))
+    return last
 
 
 def lost_history(counters: dict[str, int]) -> str:

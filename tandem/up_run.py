@@ -232,8 +232,8 @@ class UpRun:
         published = config.resume and not (checkpoints / TRACKER).is_file()
         if published and buffer.get_version("trainer", 0) > 0:  # by an earlier trainer
             say(
-                f"{checkpoints} holds no checkpoint (the trainer stopped before its first "
-                f"save, every --save-interval {config.save_interval} steps): the trainer goes "
+                f"{checkpoints} holds no checkpoint (none saved yet, every --save-interval "
+                f"{config.save_interval} steps, or --new-lineage given): the trainer goes "
                 "on from --model with versions after the published one (--new-lineage); "
                 "groups made by the old weights are dead-lettered (foreign_lineage)"
             )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -81,6 +82,18 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     assert launcher.main(["--resume", str(moved), "--max-steps", "6"]) == 0
     assert started[-1].model == str(moved / "model")
     run = moved.rename(run)
+    # a run that trained past --save-interval whose checkpoints are gone: refused, not a
+    # silent start over from --model
+    shutil.rmtree(run / "checkpoints")
+    rows = [{"source": "trainer", "step": s, "time": 0.0} for s in (1, 2, 10, 11)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"cut')
+    assert launcher.main(["--resume", str(run), "--max-steps", "20"]) == 2
+    assert (
+        f"the run trained 11 steps, saving every --save-interval 10, but {run / 'checkpoints'} "
+        "holds no checkpoint (moved or deleted?)"
+    ) in capsys.readouterr().err
+    flags = ["--max-steps", "20", "--trainer-args", "--new-lineage"]
+    assert launcher.main(["--resume", str(run), *flags]) == 0  # starting over, as asked
     assert not (tmp_path / "missing" / "up_config.json").exists()
     assert launcher.main(["--resume", str(tmp_path / "missing")]) == 2
     assert "not a tandem up run folder" in capsys.readouterr().err
