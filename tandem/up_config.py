@@ -23,6 +23,7 @@ from services.common.config_file import (
     ConfigError,
     layered_defaults,
     options,
+    read_file,
     to_toml,
 )
 from services.common.flags import config_from_args
@@ -186,3 +187,28 @@ def write_run_config(run_dir: Path, text: str) -> Path:
     path = (run_dir / RUN_CONFIG).resolve()
     path.write_text(text)
     return path
+
+
+def sample_fit_problem(info: dict[str, Any], recorded: Path) -> str:
+    """Why the router's longest samples (its ready file's `longest_prompt` and
+    `rollout_max_response_len`) would not fit the trainer of the run's `recorded` configuration
+    ("" when they fit, or the router cannot tell: environment episodes)."""
+    longest, length = info.get("longest_prompt"), info.get("rollout_max_response_len")
+    if not isinstance(longest, int) or not isinstance(length, int):
+        return ""
+    trainer = read_file(str(recorded)).get("trainer", {})
+    budget, most = (
+        int(trainer.get("max_tokens_per_gpu", 0)) + 1,
+        int(trainer.get("max_response_len", 0)),
+    )
+    if longest + length <= budget and length <= most:
+        return ""
+    return (
+        f"the router's samples may reach {longest + length} tokens (its longest prompt, "
+        f"{longest}, and responses up to {length}: --rollout-max-response-len) and the trainer "
+        f"takes at most {budget} in all (--max-tokens-per-gpu {budget - 1}) and {most} of "
+        "response (--max-response-len): the longer ones would be dead-lettered as too_long, "
+        "never trained (a bias toward short answers). Raise the trainer's (tandem up "
+        f"--trainer-args '--max-tokens-per-gpu {longest + length - 1}'), or lower "
+        "--rollout-max-response-len"
+    )

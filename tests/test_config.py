@@ -303,3 +303,23 @@ def test_tandem_up_names_the_fields_of_a_dataset_row_for_the_router(
     router = launcher.service_args(config, "r", Path("m"), "redis://x")["router"]
     ns = parse_args(router_parser(), router[1:], "router")
     assert (ns.prompt_data, ns.input_key, ns.label_key) == (str(tmp_path / "train.jsonl"), *keys)
+
+
+def test_samples_longer_than_the_trainer_takes_are_refused_at_start(tmp_path: Path) -> None:
+    """The router's longest prompt plus its response length against the trainer's micro-batch
+    budget and response bound, from the run's recorded configuration: the longer samples would
+    be dead-lettered, never trained (a bias toward short answers)."""
+    from tandem.up_config import sample_fit_problem
+
+    recorded = tmp_path / "config.toml"
+    info = {"longest_prompt": 4, "rollout_max_response_len": 4}
+    recorded.write_text("[trainer]\nmax_tokens_per_gpu = 6\nmax_response_len = 32768\n")
+    problem = sample_fit_problem(info, recorded)
+    assert problem.startswith("the router's samples may reach 8 tokens (its longest prompt, 4")
+    assert "--trainer-args '--max-tokens-per-gpu 7'" in problem
+    recorded.write_text("[trainer]\nmax_tokens_per_gpu = 7\nmax_response_len = 32768\n")
+    assert sample_fit_problem(info, recorded) == ""
+    recorded.write_text("[trainer]\nmax_tokens_per_gpu = 8192\nmax_response_len = 3\n")
+    assert "and 3 of response (--max-response-len)" in sample_fit_problem(info, recorded)
+    episodes = {"longest_prompt": None, "rollout_max_response_len": 4}  # an environment's
+    assert sample_fit_problem(episodes, recorded) == ""

@@ -73,6 +73,7 @@ def test_jsonl_chat_prompts_use_the_chat_template_and_exact_match_rewards(
         f"train: 4 prompts of {tmp_path / 'eval.jsonl'}, greedy, reward >= 1"
     )
     assert router.info["task_notes"] == []  # every row has its label
+    assert router.info["longest_prompt"] == 4  # `<bos>12>` (tandem up checks samples fit)
     wait_until(lambda: buffer.depth() >= 4, "a batch")
     for group in read_all(buffer):
         a, b = json.loads(group.prompt)[0]["content"]

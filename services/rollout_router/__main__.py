@@ -56,6 +56,16 @@ def eval_task(app: Any) -> str:
     return describe(control.loop) if control is not None else "none (no --model)"
 
 
+def longest_prompt(app: Any) -> int | None:
+    """The task's longest prompt in tokens (for the ready file: `tandem up` checks that the
+    longest samples fit the trainer); None for environment episodes (their prompts grow)."""
+    control = app.state.control
+    if control is None or control.loop.episodes is not None:
+        return None
+    task = control.loop.task
+    return max(len(item.input_ids) for item in task.train + task.heldout)
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(build_parser(), argv, "router")
     logging.basicConfig(
@@ -113,6 +123,7 @@ def run(
                     list(app.state.control.loop.task.notes) if app.state.control is not None else []
                 ),
                 "rollout_max_response_len": lambda: config.sampling.rollout_max_response_len,
+                "longest_prompt": lambda: longest_prompt(app),
             },
             max_request_bytes=args.max_request_bytes,
             graceful_shutdown_s=args.graceful_shutdown_s,
