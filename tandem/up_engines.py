@@ -1,7 +1,5 @@
 """The run's engines in `tandem up`: restarted when they exit mid-run, synced at its end.
 
-Engines that exit mid-run are started again, on their port, a bounded number of times.
-
 An inference engine is the service most likely to die under a long run (out of memory, a driver
 fault) and the one the run can best do without for a while: the router takes it out of the
 rotation and sends its requests to the others, and once it is back on the same URL it serves an
@@ -24,6 +22,8 @@ from tandem.supervisor import Child, Supervisor
 
 
 class EngineRestarts:
+    """Up to `limit` restarts of engines in a run, each on its port; `check` each round."""
+
     def __init__(
         self, supervisor: Supervisor, limit: int, timeout_s: float, say: Callable[[str], None]
     ) -> None:
