@@ -28,6 +28,7 @@ from services.common.config_file import (
 )
 from services.common.flags import config_from_args
 from tandem.launcher import UpConfig, build_parser
+from tandem.supervisor import ChildFailedError
 from tandem.up_services import service_args
 
 
@@ -189,26 +190,31 @@ def write_run_config(run_dir: Path, text: str) -> Path:
     return path
 
 
-def sample_fit_problem(info: dict[str, Any], recorded: Path) -> str:
-    """Why the router's longest samples (its ready file's `longest_prompt` and
-    `rollout_max_response_len`) would not fit the trainer of the run's `recorded` configuration
-    ("" when they fit, or the router cannot tell: environment episodes)."""
-    longest, length = info.get("longest_prompt"), info.get("rollout_max_response_len")
-    if not isinstance(longest, int) or not isinstance(length, int):
-        return ""
+def check_sample_fit(info: dict[str, Any], recorded: Path, say: Callable[[str], None]) -> None:
+    """The router's longest samples (its ready file's `longest_prompt` and
+    `rollout_max_response_len`) against the trainer of the run's `recorded` configuration:
+    ChildFailedError when the longer ones would not fit; for environment episodes (their
+    prompts grow) a note when the model's context (`context_len`) is larger than the trainer
+    takes."""
     trainer = read_file(str(recorded)).get("trainer", {})
-    budget, most = (
-        int(trainer.get("max_tokens_per_gpu", 0)) + 1,
-        int(trainer.get("max_response_len", 0)),
-    )
-    if longest + length <= budget and length <= most:
-        return ""
-    return (
-        f"the router's samples may reach {longest + length} tokens (its longest prompt, "
-        f"{longest}, and responses up to {length}: --rollout-max-response-len) and the trainer "
-        f"takes at most {budget} in all (--max-tokens-per-gpu {budget - 1}) and {most} of "
-        "response (--max-response-len): the longer ones would be dead-lettered as too_long, "
-        "never trained (a bias toward short answers). Raise the trainer's (tandem up "
-        f"--trainer-args '--max-tokens-per-gpu {longest + length - 1}'), or lower "
-        "--rollout-max-response-len"
-    )
+    budget = int(trainer.get("max_tokens_per_gpu", 0)) + 1
+    most = int(trainer.get("max_response_len", 0))
+    longest, length = info.get("longest_prompt"), info.get("rollout_max_response_len")
+    bounds = f"the trainer takes at most {budget} in all (--max-tokens-per-gpu {budget - 1})"
+    dropped = "would be dead-lettered as too_long, never trained"
+    if isinstance(longest, int) and isinstance(length, int):
+        if longest + length > budget or length > most:
+            raise ChildFailedError(
+                f"the router's samples may reach {longest + length} tokens (its longest prompt, "
+                f"{longest}, and responses up to {length}: --rollout-max-response-len) and "
+                f"{bounds} and {most} of response (--max-response-len): the longer ones "
+                f"{dropped} (a bias toward short answers). Raise the trainer's (tandem up "
+                f"--trainer-args '--max-tokens-per-gpu {longest + length - 1}'), or lower "
+                "--rollout-max-response-len"
+            )
+    elif isinstance(context := info.get("context_len"), int) and context > budget:
+        say(
+            f"environment episodes may grow to the model's context, {context} tokens, and "
+            f"{bounds}: longer episodes {dropped}; bound them (the router's --env-max-turns) "
+            "or raise the trainer's (tandem up --trainer-args '--max-tokens-per-gpu N')"
+        )

@@ -38,7 +38,7 @@ from tandem.supervisor import (
     die_with_parent,
 )
 from tandem.up_args import lost_history, save_config
-from tandem.up_config import render, sample_fit_problem, write_run_config
+from tandem.up_config import check_sample_fit, render, write_run_config
 from tandem.up_engines import EngineRestarts, wait_engines_synced
 from tandem.up_services import TRAINED_MODEL, service_args, shared_gpus, trains_in_bf16
 from tandem.watchdog import Watchdog
@@ -175,8 +175,7 @@ class UpRun:
         self.supervisor.wait_ready([router], config.by_model("startup_timeout_s"))
         self.health_urls = {"router": router.info["url"], "broker": broker.info["url"]}
         self.say_router_terms(router.info)
-        if problem := sample_fit_problem(router.info, recorded):
-            raise ChildFailedError(problem)
+        check_sample_fit(router.info, recorded, say)
         say(
             f"broker at {broker.info['url']} (weights in at {broker.info['intake_endpoint']}), "
             f"router at {router.info['url']} (dashboard: {router.info['url']}/; its writes and "

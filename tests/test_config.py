@@ -308,18 +308,28 @@ def test_tandem_up_names_the_fields_of_a_dataset_row_for_the_router(
 def test_samples_longer_than_the_trainer_takes_are_refused_at_start(tmp_path: Path) -> None:
     """The router's longest prompt plus its response length against the trainer's micro-batch
     budget and response bound, from the run's recorded configuration: the longer samples would
-    be dead-lettered, never trained (a bias toward short answers)."""
-    from tandem.up_config import sample_fit_problem
+    be dead-lettered, never trained (a bias toward short answers). Environment episodes, whose
+    prompts grow, get a note when the model's context is larger than the trainer takes."""
+    from tandem.supervisor import ChildFailedError
+    from tandem.up_config import check_sample_fit
 
-    recorded = tmp_path / "config.toml"
-    info = {"longest_prompt": 4, "rollout_max_response_len": 4}
+    recorded, said = tmp_path / "config.toml", []
+    info = {"longest_prompt": 4, "rollout_max_response_len": 4, "context_len": 64}
     recorded.write_text("[trainer]\nmax_tokens_per_gpu = 6\nmax_response_len = 32768\n")
-    problem = sample_fit_problem(info, recorded)
-    assert problem.startswith("the router's samples may reach 8 tokens (its longest prompt, 4")
-    assert "--trainer-args '--max-tokens-per-gpu 7'" in problem
+    with pytest.raises(ChildFailedError) as refused:
+        check_sample_fit(info, recorded, said.append)
+    assert str(refused.value).startswith("the router's samples may reach 8 tokens (its longest")
+    assert "--trainer-args '--max-tokens-per-gpu 7'" in str(refused.value)
     recorded.write_text("[trainer]\nmax_tokens_per_gpu = 7\nmax_response_len = 32768\n")
-    assert sample_fit_problem(info, recorded) == ""
+    check_sample_fit(info, recorded, said.append)
     recorded.write_text("[trainer]\nmax_tokens_per_gpu = 8192\nmax_response_len = 3\n")
-    assert "and 3 of response (--max-response-len)" in sample_fit_problem(info, recorded)
-    episodes = {"longest_prompt": None, "rollout_max_response_len": 4}  # an environment's
-    assert sample_fit_problem(episodes, recorded) == ""
+    with pytest.raises(ChildFailedError, match=r"and 3 of response \(--max-response-len\)"):
+        check_sample_fit(info, recorded, said.append)
+    episodes = {"longest_prompt": None, "rollout_max_response_len": 4, "context_len": 40960}
+    check_sample_fit(episodes, recorded, said.append)
+    assert said == [
+        "environment episodes may grow to the model's context, 40960 tokens, and the trainer "
+        "takes at most 8193 in all (--max-tokens-per-gpu 8192): longer episodes would be "
+        "dead-lettered as too_long, never trained; bound them (the router's --env-max-turns) "
+        "or raise the trainer's (tandem up --trainer-args '--max-tokens-per-gpu N')"
+    ]

@@ -124,6 +124,9 @@ def run(
                 ),
                 "rollout_max_response_len": lambda: config.sampling.rollout_max_response_len,
                 "longest_prompt": lambda: longest_prompt(app),
+                "context_len": lambda: (
+                    app.state.control.loop.gen.context_len if app.state.control else None
+                ),
             },
             max_request_bytes=args.max_request_bytes,
             graceful_shutdown_s=args.graceful_shutdown_s,
