@@ -155,6 +155,11 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
     model = saved.get("model", "")
     if (was := saved.get("run_dir")) and Path(model).is_relative_to(was):  # (a moved folder)
         model = str(run_dir.absolute() / Path(model).relative_to(was))
+    if "model" in given and Path(config.model).resolve() != Path(model).resolve():
+        problems.append(
+            f"--resume: the run trains {model}; --model {config.model} cannot change on resume "
+            "(the checkpoint holds the run's weights; start a new run instead)"
+        )
     merged.update(run_dir=str(run_dir), resume=str(run_dir), model=model)
     resumed = type(config)(**merged)
     if resumed.custom_rm_path and (

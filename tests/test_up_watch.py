@@ -81,6 +81,9 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     run.rename(moved)
     assert launcher.main(["--resume", str(moved), "--max-steps", "6"]) == 0
     assert started[-1].model == str(moved / "model")
+    assert launcher.main(["--resume", str(moved), "--model", str(tmp_path)]) == 2
+    assert f"--model {tmp_path} cannot change on resume" in capsys.readouterr().err
+    assert launcher.main(["--resume", str(moved), "--model", str(moved / "model")]) == 0
     run = moved.rename(run)
     # a run that trained past --save-interval whose checkpoints are gone: refused, not a
     # silent start over from --model
