@@ -155,6 +155,13 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
     model = saved.get("model", "")
     if (was := saved.get("run_dir")) and Path(model).is_relative_to(was):  # (a moved folder)
         model = str(run_dir.absolute() / Path(model).relative_to(was))
+    if "seed" in given and config.seed != saved.get("seed", config.seed):
+        problems.append(
+            f"--resume: --seed orders the run's prompts ({saved.get('seed')} so far): another "
+            "would repeat some and skip others; it cannot change on resume"
+        )
+    if "run_dir" in given and Path(config.run_dir).resolve() != run_dir.resolve():
+        problems.append(f"--resume {run_dir} is the run folder: leave out --run-dir")
     if "model" in given and Path(config.model).resolve() != Path(model).resolve():
         problems.append(
             f"--resume: the run trains {model}; --model {config.model} cannot change on resume "

@@ -84,6 +84,10 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     assert launcher.main(["--resume", str(moved), "--model", str(tmp_path)]) == 2
     assert f"--model {tmp_path} cannot change on resume" in capsys.readouterr().err
     assert launcher.main(["--resume", str(moved), "--model", str(moved / "model")]) == 0
+    assert launcher.main(["--resume", str(moved), "--seed", "8", "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "--seed orders the run's prompts (7 so far)" in err
+    assert f"--resume {moved} is the run folder: leave out --run-dir" in err
     run = moved.rename(run)
     # a run that trained past --save-interval whose checkpoints are gone: refused, not a
     # silent start over from --model
