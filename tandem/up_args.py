@@ -175,11 +175,13 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
         print(f"[up] {found}", flush=True)
     checkpoints = Path(resumed.save or run_dir / "checkpoints")
     done, trained, every = steps_saved(checkpoints), steps_recorded(run_dir), resumed.save_interval
-    if not done and every and trained >= every and "--new-lineage" not in resumed.trainer_args:
+    # (the folder is made at the run's start: gone, not a save that failed, as on a full disk)
+    gone = not done and not checkpoints.exists() and "--new-lineage" not in resumed.trainer_args
+    if gone and every and trained >= every:
         problems.append(
             f"--resume {run_dir}: the run trained {trained} steps, saving every --save-interval "
-            f"{every}, but {checkpoints} holds no checkpoint (moved or deleted?): give --save the "
-            "folder that holds them, or start over from --model in this run with "
+            f"{every}, but {checkpoints} is gone (moved or deleted?): give --save the folder "
+            "that holds its checkpoints, or start over from --model in this run with "
             "--trainer-args --new-lineage"
         )
     if done >= resumed.max_steps:

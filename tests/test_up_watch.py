@@ -97,7 +97,7 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     assert launcher.main(["--resume", str(run), "--max-steps", "20"]) == 2
     assert (
         f"the run trained 11 steps, saving every --save-interval 10, but {run / 'checkpoints'} "
-        "holds no checkpoint (moved or deleted?)"
+        "is gone (moved or deleted?)"
     ) in capsys.readouterr().err
     flags = ["--max-steps", "20", "--trainer-args", "--new-lineage"]
     assert launcher.main(["--resume", str(run), *flags]) == 0  # starting over, as asked
