@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -149,3 +150,21 @@ def test_the_batch_prep_bench_runs_and_ends_with_its_ratio() -> None:
     lines = run_bench("batch_prep.py", *small, "--runs", "1")
     assert lines[0] == "tokens: 96 (2 groups x 2 samples)"
     assert re.fullmatch(r"batch_prep_vs_copy: \d+\.\d", lines[-1]), lines[-1]
+
+
+def test_numbers_outside_their_range_are_refused_naming_the_flag() -> None:
+    """A negative KL or weight decay, a discount above 1, zero threads or clip: each failed
+    only once the trainer ran (or ran on, doing nothing sensible), or named another rule."""
+    cases = {
+        "kl_coef": (-1.0, "--kl-coef must be >= 0: got -1.0"),
+        "gamma": (2.0, "--gamma must be > 0 and <= 1: got 2.0"),
+        "eps_clip": (0.0, "--eps-clip must be > 0: got 0.0"),
+        "num_threads": (0, "--num-threads must be >= 1: got 0"),
+        "micro_batch_size": (0, "--micro-batch-size must be >= 1: got 0"),
+        "lr": (math.nan, "--lr must be > 0: got nan"),
+    }
+    for name, (value, message) in cases.items():
+        with pytest.raises(ValueError) as refused:
+            TrainerConfig(model="m", **{name: value}).validate()
+        assert str(refused.value) == message
+    TrainerConfig(model="m", gamma=1.0, clip_grad=0.0, lambd=0.95).validate()

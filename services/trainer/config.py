@@ -3,6 +3,7 @@ concept is the same), and the start-up validation of the batch arithmetic."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from proto.contract import RunContract, model_identity
@@ -239,6 +240,8 @@ class TrainerConfig:
         """Raise ValueError with what to change when the numbers do not fit together."""
         if not self.model:
             raise ValueError("--model is required (a Hugging Face model directory)")
+        if problem := self.range_problem():
+            raise ValueError(problem)
         if self.weight_transport == "nccl" and self.weights_endpoint:
             from services.weight_sync.wire import check_weight_bind
 
@@ -298,6 +301,34 @@ class TrainerConfig:
             )
         if self.eps_clip_c and self.eps_clip_c <= 1.0:
             raise ValueError("--eps-clip-c must be > 1 (or 0 to disable dual clip)")
+
+    def range_problem(self) -> str:
+        """The first number outside its range, as 'flag must be ...: got value' ("" if none)."""
+        ranges = {
+            "lr": (self.lr, 0.0, False, math.inf),
+            "min_lr": (self.min_lr, 0.0, True, math.inf),
+            "weight_decay": (self.weight_decay, 0.0, True, math.inf),
+            "adam_beta1": (self.adam_beta1, 0.0, True, 1.0),
+            "adam_beta2": (self.adam_beta2, 0.0, True, 1.0),
+            "adam_eps": (self.adam_eps, 0.0, False, math.inf),
+            "clip_grad": (self.clip_grad, 0.0, True, math.inf),
+            "eps_clip": (self.eps_clip, 0.0, False, math.inf),
+            "eps_clip_high": (self.eps_clip_high, 0.0, False, math.inf),
+            "entropy_coef": (self.entropy_coef, 0.0, True, math.inf),
+            "kl_coef": (self.kl_coef, 0.0, True, math.inf),
+            "gamma": (self.gamma, 0.0, False, 1.0),
+            "lambd": (self.lambd, 0.0, True, 1.0),
+            "num_threads": (self.num_threads, 1.0, True, math.inf),
+            "micro_batch_size": (self.micro_batch_size, 1.0, True, math.inf),
+            "max_tokens_per_gpu": (self.max_tokens_per_gpu, 1.0, True, math.inf),
+            "lr_warmup_iters": (self.lr_warmup_iters, 0.0, True, math.inf),
+        }
+        for name, (value, low, closed, high) in ranges.items():
+            if not ((value >= low if closed else value > low) and value <= high):
+                above = f"{'>=' if closed else '>'} {low:g}"
+                within = f" and <= {high:g}" if high < math.inf else ""
+                return f"--{name.replace('_', '-')} must be {above}{within}: got {value}"
+        return ""
 
     def run_contract(self) -> RunContract:
         """The run's terms as this trainer states them (see proto/contract.py)."""
