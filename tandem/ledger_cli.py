@@ -2,9 +2,9 @@
 
 RUN is a `tandem up` run folder: its live Redis when the run is going (`RUN/redis.url`; the
 `--redis-url` it ran on, `RUN/redis.json`), else a private server started on its data
-(`RUN/redis/`), else the `RUN/ledger.json` written when the run ended. Or name the Redis yourself: `--redis-url URL --run-id ID`. Prints the counts by
-fate and by drop reason and "balanced" or the difference; exit 0 balanced, 1 unbalanced,
-2 bad flags or nothing to read.
+(`RUN/redis/`), else the `RUN/ledger.json` written when the run ended. Or name the Redis
+yourself: `--redis-url URL --run-id ID`. Prints the counts by fate and by drop reason and
+"balanced" or the difference; exit 0 balanced, 1 unbalanced, 2 bad flags or nothing to read.
 """
 
 from __future__ import annotations

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from proto import MetricsRecord
+
+
+def metrics_rows(run_dir: Path) -> Iterator[dict]:
+    """The rows of a run folder's metrics.jsonl so far (a line cut short by a kill is passed
+    over)."""
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            yield row
 
 
 @dataclass
@@ -37,15 +52,12 @@ class RunProgress:
     eval_failed: int = 0  # held-out prompts of the last evaluation, when every one failed
 
     def __post_init__(self) -> None:
-        path = self.run_dir / "metrics.jsonl"
-        if self.resumed and path.is_file():  # the totals and the plot are the whole run's
-            for line in path.read_text().splitlines():
-                try:
-                    self.fold(json.loads(line))
-                except (ValueError, TypeError, KeyError):  # a line cut by a kill: passed over
-                    continue
+        if self.resumed:  # the totals and the plot are the whole run's
+            for row in metrics_rows(self.run_dir):
+                with contextlib.suppress(ValueError, TypeError, KeyError):  # (a row cut short)
+                    self.fold(row)
             self.steps_before = self.step
-        self.jsonl = open(path, "a")  # noqa: SIM115 - closed in close()
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
 
     def add(self, record: MetricsRecord) -> str | None:
         """Record one metrics message; return a console line when a trainer step completed."""

@@ -19,7 +19,6 @@ from there (`reach_launch_dir`), as it was at the first start.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -205,15 +204,11 @@ def steps_saved(checkpoints: Path) -> int:
 
 
 def steps_recorded(run_dir: Path) -> int:
-    """The last trainer step in a run folder's metrics.jsonl (0: none; a line cut short by a
-    crash is skipped)."""
-    path, last = run_dir / "metrics.jsonl", 0
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        with contextlib.suppress(ValueError):
-            row = json.loads(line)
-            if isinstance(row, dict) and row.get("source") == "trainer":
-                last = max(last, int(row.get("step", 0)))
-    return last
+    """The last trainer step in a run folder's metrics.jsonl (0: none)."""
+    from tandem.progress import metrics_rows
+
+    rows = metrics_rows(run_dir)
+    return max((int(r.get("step", 0)) for r in rows if r.get("source") == "trainer"), default=0)
 
 
 def lost_history(counters: dict[str, int]) -> str:

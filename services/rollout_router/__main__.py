@@ -62,8 +62,7 @@ def longest_prompt(app: Any) -> int | None:
     control = app.state.control
     if control is None or control.loop.episodes is not None:
         return None
-    task = control.loop.task
-    return max(len(item.input_ids) for item in task.train + task.heldout)
+    return control.loop.task.longest_prompt
 
 
 def main(argv: list[str]) -> int:

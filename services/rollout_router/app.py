@@ -95,7 +95,7 @@ def default_response_len(config: RouterConfig, task: Task, context: int) -> int:
     after the longest prompt (`context` positions, 0: unknown); logged, since no flag set it."""
     length = DATASET_RESPONSE_LEN if config.env.env_url else task.response_len
     what = f"environment {config.env.env_url}" if config.env.env_url else f"task {task.name}"
-    longest = max(len(item.input_ids) for item in task.train + task.heldout)
+    longest = task.longest_prompt
     if context and length > context - longest:
         length = max(1, context - longest)
         what += f", cut to the model's {context} positions after a {longest}-token prompt"

@@ -55,6 +55,11 @@ class Task:
     response_len: int = DATASET_RESPONSE_LEN  # the default max_new_tokens of this task
     notes: tuple[str, ...] = ()  # what the operator should know of the data (`tandem up` says)
 
+    @property
+    def longest_prompt(self) -> int:
+        """The longest prompt, train or held out, in tokens."""
+        return max(len(item.input_ids) for item in self.train + self.heldout)
+
 
 def encode_prompt(
     tokenizer: Any, prompt: Any, chat: bool, tools: list[dict[str, Any]] | None = None
@@ -126,6 +131,14 @@ def json_row(path: str, number: int, line: str) -> Any:
         raise ValueError(f"{path}:{number}: not JSON ({exc}{hint})") from exc
 
 
+def row_problem(path: str, number: int, row: Any, input_key: str) -> str:
+    """Why a parsed row holds no prompt under `input_key` ("" when it does)."""
+    if isinstance(row, dict) and input_key in row:
+        return ""
+    keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+    return f"{no_input_key(path, number, input_key)}: it has {keys}"
+
+
 def no_input_key(path: str, number: int, input_key: str) -> str:
     return (
         f"{path}: row {number} has no {input_key!r} (--input-key, a flag of tandem up and of the "
@@ -150,10 +163,7 @@ def first_row_problem(path: str, input_key: str) -> str:
                 row = json_row(path, number, line)
             except ValueError as exc:
                 return str(exc)
-            if not isinstance(row, dict) or input_key not in row:
-                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-                return f"{no_input_key(path, number, input_key)}: it has {keys}"
-            return ""
+            return row_problem(path, number, row, input_key)
     return f"{path}: no rows"
 
 
@@ -172,9 +182,8 @@ def load_items(
     are left out, since no response fits after them, and ValueError when that is every row."""
     rows, unlabeled = [], []
     for number, row in enumerate(read_rows(path, flag), 1):
-        if not isinstance(row, dict) or input_key not in row:
-            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-            raise ValueError(f"{no_input_key(path, number, input_key)}: it has {keys}")
+        if problem := row_problem(path, number, row, input_key):
+            raise ValueError(problem)
         label = row.get(label_key)
         label = "" if label is None else label if isinstance(label, str) else json.dumps(label)
         if not label:

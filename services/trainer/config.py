@@ -13,6 +13,19 @@ def _f(default, help_text: str, **meta):  # type: ignore[no-untyped-def]
     return field(default=default, metadata={"help": help_text, **meta})
 
 
+# Each number's range: (lowest, whether the lowest itself is allowed, highest).
+RANGES: dict[str, tuple[float, bool, float]] = {
+    **dict.fromkeys(("lr", "adam_eps", "eps_clip", "eps_clip_high"), (0.0, False, math.inf)),
+    **dict.fromkeys(
+        ("min_lr", "weight_decay", "clip_grad", "entropy_coef", "kl_coef", "lr_warmup_iters"),
+        (0.0, True, math.inf),
+    ),
+    **dict.fromkeys(("adam_beta1", "adam_beta2", "lambd"), (0.0, True, 1.0)),
+    "gamma": (0.0, False, 1.0),
+    **dict.fromkeys(
+        ("num_threads", "micro_batch_size", "max_tokens_per_gpu"), (1.0, True, math.inf)
+    ),
+}
 # Estimators whose baseline is the group's mean reward: a group of one learns nothing.
 GROUP_BASELINED = ("grpo", "dr_grpo", "reinforce_plus_plus_baseline")
 
@@ -303,27 +316,10 @@ class TrainerConfig:
             raise ValueError("--eps-clip-c must be > 1 (or 0 to disable dual clip)")
 
     def range_problem(self) -> str:
-        """The first number outside its range, as 'flag must be ...: got value' ("" if none)."""
-        ranges = {
-            "lr": (self.lr, 0.0, False, math.inf),
-            "min_lr": (self.min_lr, 0.0, True, math.inf),
-            "weight_decay": (self.weight_decay, 0.0, True, math.inf),
-            "adam_beta1": (self.adam_beta1, 0.0, True, 1.0),
-            "adam_beta2": (self.adam_beta2, 0.0, True, 1.0),
-            "adam_eps": (self.adam_eps, 0.0, False, math.inf),
-            "clip_grad": (self.clip_grad, 0.0, True, math.inf),
-            "eps_clip": (self.eps_clip, 0.0, False, math.inf),
-            "eps_clip_high": (self.eps_clip_high, 0.0, False, math.inf),
-            "entropy_coef": (self.entropy_coef, 0.0, True, math.inf),
-            "kl_coef": (self.kl_coef, 0.0, True, math.inf),
-            "gamma": (self.gamma, 0.0, False, 1.0),
-            "lambd": (self.lambd, 0.0, True, 1.0),
-            "num_threads": (self.num_threads, 1.0, True, math.inf),
-            "micro_batch_size": (self.micro_batch_size, 1.0, True, math.inf),
-            "max_tokens_per_gpu": (self.max_tokens_per_gpu, 1.0, True, math.inf),
-            "lr_warmup_iters": (self.lr_warmup_iters, 0.0, True, math.inf),
-        }
-        for name, (value, low, closed, high) in ranges.items():
+        """The first number outside its range (`RANGES`), as 'flag must be ...: got value'
+        ("" if none)."""
+        for name, (low, closed, high) in RANGES.items():
+            value = getattr(self, name)
             if not ((value >= low if closed else value > low) and value <= high):
                 above = f"{'>=' if closed else '>'} {low:g}"
                 within = f" and <= {high:g}" if high < math.inf else ""
