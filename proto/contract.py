@@ -61,6 +61,17 @@ class RunContract(msgspec.Struct, kw_only=True, omit_defaults=True):
         return self.rollout_batch_size * self.n_samples_per_prompt // self.num_steps_per_rollout
 
 
+class SampleLimits(msgspec.Struct, kw_only=True):
+    """The longest sample the trainer takes: `max_tokens` of prompt and response (the model's
+    context or --max-tokens-per-gpu + 1) and `max_response_len` of response (--max-response-len);
+    a longer one is dead-lettered, never trained. Written by the trainer at its start into Redis
+    (`tandem:{run_id}:limits`); the router refuses a `PATCH /rollout/config` that would make
+    longer samples."""
+
+    max_tokens: int
+    max_response_len: int
+
+
 class ServiceStatus(msgspec.Struct, kw_only=True):
     """What one service is doing now, and what it waits for (empty when it is not waiting).
 

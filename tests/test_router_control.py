@@ -7,6 +7,7 @@ from pathlib import Path
 
 import httpx
 
+from proto.contract import SampleLimits
 from services.sample_buffer import SampleBuffer
 from tests.helpers import router_args as shared_router_args
 from tests.helpers import wait_until
@@ -167,3 +168,41 @@ def test_a_router_without_engines_waits_for_one_instead_of_dropping(
     httpx.post(router.url + "/workers", json={"url": engines().url}, headers=TOKEN)
     wait_until(lambda: buffer.depth() >= 4, "groups once an engine is added")
     assert buffer.drop_counts() == {}
+
+
+def test_a_patch_making_samples_longer_than_the_trainer_takes_is_refused_naming_its_flags(
+    buffer, toy_model_dir, start_service, engines, tmp_path
+):
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"prompt": "1" * 40 + ">", "label": "1"}) + "\n")
+    scored_by = router_args(buffer, toy_model_dir, [engines().url], "--rm-type", "exact_match")
+    router = start_service("router", scored_by)
+    url = router.url + "/rollout/config"
+    # no trainer has stated its limits yet: nothing to hold the patch to
+    assert httpx.patch(url, json={"rollout_max_response_len": 30}, headers=TOKEN).status_code == 200
+    buffer.set_limits(SampleLimits(max_tokens=24, max_response_len=16))  # as a trainer does
+    resp = httpx.patch(url, json={"rollout_max_response_len": 20}, headers=TOKEN)
+    assert resp.status_code == 422
+    assert resp.json()["detail"].startswith(
+        "rollout_max_response_len 20: the trainer takes responses of at most 16 tokens (its "
+        "--max-response-len): the longer ones would be dead-lettered as too_long"
+    )
+    # the toy task's prompts are 4 tokens (with BOS): 4 + 16 fits 24
+    resp = httpx.patch(url, json={"rollout_max_response_len": 16}, headers=TOKEN)
+    assert resp.status_code == 200, resp.text
+    resp = httpx.patch(url, json={"prompt_data": str(data)}, headers=TOKEN)
+    assert resp.status_code == 422
+    detail = resp.json()["detail"]
+    assert "samples may reach 58 tokens (the longest prompt, 42, and responses up to 16)" in detail
+    assert "lower rollout_max_response_len" not in detail, "the prompt alone is too long"
+    assert "restart the trainer with --max-tokens-per-gpu 57" in detail
+    assert httpx.get(url).json()["prompt_data"] == "", "a refused patch changes nothing"
+    buffer.set_limits(SampleLimits(max_tokens=50, max_response_len=100))
+    resp = httpx.patch(url, json={"prompt_data": str(data)}, headers=TOKEN)
+    assert "lower rollout_max_response_len to 8, or restart" in resp.json()["detail"]
+    # the router cuts each request at the model's 64 positions: samples stop there
+    buffer.set_limits(SampleLimits(max_tokens=64, max_response_len=100))
+    resp = httpx.patch(
+        url, json={"prompt_data": str(data), "rollout_max_response_len": 90}, headers=TOKEN
+    )
+    assert resp.status_code == 200, resp.text

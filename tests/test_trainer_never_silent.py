@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from proto.contract import RunContract
+import msgspec
+
+from proto.contract import RunContract, SampleLimits
 from tests.helpers import wait_until
 from tests.test_trainer_process import common_args, run_trainer, sample_groups
 
@@ -78,6 +80,9 @@ def test_status_says_what_the_trainer_waits_for_and_groups_consumed_counts_train
     assert "groups put 0, consumed 0" in first.waiting_for
     assert first.detail["groups_needed"] == 4 and first.detail["version"] == 0
     assert first.pid == trainer.proc.pid
+    # it stated the longest sample it takes (the toy model's 64 positions; --max-response-len)
+    stated = msgspec.json.decode(buffer.redis.get(buffer.limits_key), type=SampleLimits)
+    assert stated == SampleLimits(max_tokens=64, max_response_len=32768)
     wait_until(
         lambda: buffer.statuses()["trainer"].updated_at > first.updated_at + 1,
         "the status refreshed while the trainer waits in blocking reads",

@@ -21,7 +21,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from proto.contract import FLAGS
+from proto.contract import FLAGS, SampleLimits
 from services.rollout_router.config import DataConfig, reward_problem
 from services.rollout_router.evaluation import run_evaluations
 from services.rollout_router.report import service_status
@@ -76,6 +76,34 @@ def patch_dataclass(obj: Any, changes: dict[str, Any]) -> tuple[Any, dict[str, A
         else:
             rest[key] = value
     return dataclasses.replace(obj, **mine), rest
+
+
+def fit_problem(longest: int | None, length: int, context: int, limits: SampleLimits | None) -> str:
+    """Why samples of prompts up to `longest` tokens (None: an environment's, unknown) and
+    responses up to `length`, within the model's `context` positions (0: unknown), would not
+    all fit the trainer's `limits` (None: no trainer has stated them); "" when they do."""
+    if limits is None:
+        return ""
+    longer = "the longer ones would be dead-lettered as too_long, never trained"
+    if length > limits.max_response_len:
+        return (
+            f"rollout_max_response_len {length}: the trainer takes responses of at most "
+            f"{limits.max_response_len} tokens (its --max-response-len): {longer}; lower it, or "
+            "restart the trainer with a higher --max-response-len"
+        )
+    reach = 0 if longest is None else longest + length
+    if context:  # the router cuts each request's max_new_tokens at the context
+        reach = min(reach, max(context, (longest or 0) + 1))
+    if reach <= limits.max_tokens:
+        return ""
+    room = limits.max_tokens - (longest or 0)
+    lower = f"lower rollout_max_response_len to {room}, or " if room > 0 else ""
+    return (
+        f"samples may reach {reach} tokens (the longest prompt, {longest}, and responses up to "
+        f"{length}) and the trainer takes at most {limits.max_tokens} in all (the model's "
+        f"context or its --max-tokens-per-gpu): {longer}; {lower}restart the trainer with "
+        f"--max-tokens-per-gpu {reach - 1}"
+    )
 
 
 class RolloutController:
@@ -178,6 +206,7 @@ class RolloutController:
                 part.validate()
             except ValueError as exc:
                 raise ConfigPatchError(str(exc)) from exc
+        task = self.loop.task
         if data != self.data:
             if problem := reward_problem(data.prompt_data, self.scored):
                 raise ConfigPatchError(problem)
@@ -185,7 +214,13 @@ class RolloutController:
                 task = await asyncio.to_thread(self.build_task, data, self.tokenizer)
             except ValueError as exc:
                 raise ConfigPatchError(str(exc)) from exc
-            self.loop.task, self.data = task, data
+        if "rollout_max_response_len" in changes or task is not self.loop.task:
+            longest = None if self.loop.episodes else task.longest_prompt
+            limits = await self.loop.buffer.sample_limits()
+            length = sampling.rollout_max_response_len
+            if problem := fit_problem(longest, length, self.loop.gen.context_len, limits):
+                raise ConfigPatchError(problem)
+        self.loop.task, self.data = task, data
         self.loop.apply(rollout, sampling)
         return self.config()
 

@@ -18,11 +18,12 @@ import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from proto import DropRecord, MetricsRecord, SampleGroup
-from proto.contract import RunContract, ServiceStatus
+from proto.contract import RunContract, SampleLimits, ServiceStatus
 from proto.packed import PackedGroup
 from services.sample_buffer import keys, ledger
 from services.sample_buffer.buffer import BufferConfig
@@ -176,6 +177,11 @@ class AsyncSampleBuffer(BufferKeys):
         pipe.hset(self.data_key, mapping=data)
         before, *_ = await io(pipe.execute())
         return {k.decode(): v.decode() for k, v in before.items()}
+
+    async def sample_limits(self) -> SampleLimits | None:
+        """The longest sample the run's trainer takes; None before a trainer has started."""
+        raw = await io(self.redis.get(self.limits_key))
+        return None if raw is None else msgspec.json.decode(raw, type=SampleLimits)
 
     async def _scan(self, pattern: str) -> list[bytes]:
         return [name async for name in self.redis.scan_iter(pattern)]

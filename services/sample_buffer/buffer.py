@@ -31,6 +31,8 @@ Keys (all under `tandem:{run_id}:`):
               versions above its own (`rewind_trainer`).
 - `data`      hash: what the router draws prompts from (`source`, `rows`, `digest`), so that a
               router started on other data says so.
+- `limits`    JSON `proto.contract.SampleLimits`: the longest sample the trainer takes (set
+              at its start), which the router's `PATCH /rollout/config` is held to.
 - `dead_letter`  stream of entries the trainer would not train (capped at `dead_letter_len`):
               `reason` (a `proto.drops.DeadLetterReason`), `detail`, `entry_id` (its id in
               `samples`), and the entry's own fields as they were (`d` = the raw payload).
@@ -51,10 +53,11 @@ import gc
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import redis
 
 from proto import DropRecord, MetricsRecord, SampleGroup
-from proto.contract import RunContract, ServiceStatus
+from proto.contract import RunContract, SampleLimits, ServiceStatus
 from proto.packed import PackedGroup, encode_entry, groups_of, unpack
 from services.sample_buffer import keys, ledger
 from services.sample_buffer.keys import CONSUMER_GROUP, BufferKeys
@@ -409,6 +412,10 @@ class SampleBuffer(BufferKeys):
     def trained(self) -> dict[int, list[str]]:
         """Group ids trained at each optimizer step of the newest weights' lineage."""
         return keys.trained_of(self.redis.hgetall(self.trained_key))
+
+    def set_limits(self, limits: SampleLimits) -> None:
+        """The longest sample the trainer of this run takes (its start writes it)."""
+        self.redis.set(self.limits_key, msgspec.json.encode(limits))
 
     def set_status(self, status: ServiceStatus, ttl_s: float = 30.0) -> None:
         """Report what this service is doing; gone after `ttl_s` unless reported again."""

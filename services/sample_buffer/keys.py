@@ -47,6 +47,7 @@ class BufferKeys:
         self.trainer_drops_key = prefix + "trainer_drops"
         self.entry_groups_key = prefix + "entry_groups"
         self.data_key = prefix + "data"
+        self.limits_key = prefix + "limits"
 
     # --- writes, queued on a pipeline ---------------------------------------------------------
 
