@@ -21,6 +21,7 @@ from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
 from services.rollout_router.config import DataConfig, reward_problem
 from services.rollout_router.tasks import first_row_problem, not_a_file
+from tandem.run_dir import resume_command
 from tandem.up_args import (
     CONFIG_FILE,
     conflicts,
@@ -402,8 +403,8 @@ def validate(config: UpConfig) -> list[str]:
         problems.append("--max-steps must be at least 1")
     if not config.resume and config.run_dir and (Path(config.run_dir) / CONFIG_FILE).is_file():
         problems.append(
-            f"--run-dir {config.run_dir} holds a run already: continue it with tandem up "
-            f"--resume {config.run_dir}, or give another --run-dir (a new run there would "
+            f"--run-dir {config.run_dir} holds a run already: continue it with "
+            f"{resume_command(config.run_dir)}, or give another --run-dir (a new run there would "
             "write over its model and mix with its Redis data and checkpoints)"
         )
     if config.stop_timeout_s <= 0 or config.stall_warn_s <= 0:

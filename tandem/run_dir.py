@@ -10,6 +10,7 @@ import json
 import math
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import time
@@ -42,9 +43,15 @@ class DiskWatch:
         run_dir = self.run_dir
         return (
             f"\nthe disk holding {run_dir} is full ({free >> 10} KiB free): free space there "
-            f"(df -h {run_dir}) and go on with tandem up --resume {run_dir}, or start again "
+            f"(df -h {shlex.quote(str(run_dir))}) and go on with {resume_command(run_dir)}, or "
+            "start again "
             "with --run-dir on a disk with room"
         )
+
+
+def resume_command(run_dir: Path | str) -> str:
+    """The command that continues the run in `run_dir`, quoted for a shell."""
+    return f"tandem up --resume {shlex.quote(str(run_dir))}"
 
 
 class RunDirBusyError(RuntimeError):

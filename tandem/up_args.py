@@ -28,6 +28,8 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any
 
+from tandem.run_dir import resume_command
+
 PASSTHROUGH = ("--engine-args", "--router-args", "--trainer-args")
 # Fields a run folder of an older version lacks, as that version ran them (its config.toml
 # holds the service's own key, which tandem up's newer default would contradict).
@@ -187,7 +189,7 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
         problems.append(
             f"--resume {run_dir}: its checkpoint is at step {done}, and --max-steps "
             f"{resumed.max_steps} is the run's total: nothing to train; continue it with a "
-            f"higher --max-steps (tandem up --resume {run_dir} --max-steps {done + resumed.max_steps})"
+            f"higher --max-steps ({resume_command(run_dir)} --max-steps {done + resumed.max_steps})"
         )
     return resumed, problems
 

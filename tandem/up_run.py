@@ -26,11 +26,12 @@ from tandem.run_dir import (
     default_run_dir,
     install_interrupt_handler,
     lock_run_dir,
+    resume_command,
     share_run_secrets,
     write_summary,
 )
 from tandem.run_redis import REDIS_FILE, run_id_of
-from tandem.sinks import MetricSinks
+from tandem.sinks import MetricSinks, say
 from tandem.supervisor import (
     ChildFailedError,
     StartInterruptedError,
@@ -51,10 +52,6 @@ def gpu_env(gpus: list[int]) -> dict[str, str] | None:
 
 class RedisUnreachableError(RuntimeError):
     """The run's Redis did not answer at start-up."""
-
-
-def say(message: str) -> None:
-    print(f"[up] {message}", flush=True)
 
 
 class UpRun:
@@ -87,10 +84,11 @@ class UpRun:
         sinks = MetricSinks(self.run_dir, self.config.wandb_project, asdict(self.config))
         try:
             buffer, urls = self.start_services()
+            goal = self.config.stop_accuracy
+            goal_text = f"held-out accuracy >= {goal}" if goal else "no accuracy goal"
             say(
                 f"all services up in {time.monotonic() - started:.1f}s; training "
-                f"(stop at held-out accuracy >= {self.config.stop_accuracy}, "
-                f"at most {self.config.max_steps} steps)"
+                f"(stop at {goal_text}, at most {self.config.max_steps} steps)"
             )
             progress = RunProgress(self.run_dir, resumed=bool(self.config.resume))
             code = self.monitor(buffer, progress, sinks)
@@ -354,7 +352,7 @@ class UpRun:
         return (
             f"the run's Redis (pid {own.pid}) exited with code {own.returncode} (log: "
             f"{self.run_dir / 'logs' / 'redis.log'}); what it saved is in "
-            f"{self.run_dir / 'redis'}: tandem up --resume {self.run_dir} goes on from there"
+            f"{self.run_dir / 'redis'}: {resume_command(self.run_dir)} goes on from there"
         )
 
     def take(
@@ -493,6 +491,5 @@ class UpRun:
         names += "timeline.json logs/ checkpoints/ redis/"
         there = ", ".join(n for n in names.split() if (self.run_dir / n).exists())
         say(
-            f"run folder: {self.run_dir} ({there}); continue it with tandem up --resume "
-            f"{self.run_dir}"
+            f"run folder: {self.run_dir} ({there}); continue it with {resume_command(self.run_dir)}"
         )

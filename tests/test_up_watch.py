@@ -182,15 +182,16 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
     (tmp_path / "rows.csv").write_text("prompt,label\n")
     (tmp_path / "broken.parquet").write_text("not parquet")
     (tmp_path / "folder.jsonl").mkdir()
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "up_config.json").write_text("{}")  # a run folder
+    (tmp_path / "my old").mkdir()
+    (tmp_path / "my old" / "up_config.json").write_text("{}")  # a run folder
     cases = {
         ("--rollout-batch-size", "0"): (
             "router: --rollout-batch-size and --n-samples-per-prompt must be >= 1"
         ),
         ("--n-samples-per-prompt", "1"): "trainer: --n-samples-per-prompt 1 with",
-        ("--run-dir", "old"): "--run-dir old holds a run already: continue it with tandem up "
-        "--resume old, or give another --run-dir",
+        # (the command quoted for a shell: the folder's name has a space)
+        ("--run-dir", "my old"): "--run-dir my old holds a run already: continue it with "
+        "tandem up --resume 'my old', or give another --run-dir",
         ("--keep-checkpoints", "-1"): "--keep-checkpoints and --engine-restarts must be >= 0",
         ("--trainer-args=--kl-coef=0.1",): (
             "trainer: --kl-coef > 0 needs --ref-load (the frozen reference model)"
