@@ -27,6 +27,8 @@ from services.common.config_file import (
     to_toml,
 )
 from services.common.flags import config_from_args
+from services.sample_buffer import SampleBuffer
+from services.trainer.intake import limits_of
 from tandem.launcher import UpConfig, build_parser
 from tandem.supervisor import ChildFailedError
 from tandem.up_services import service_args
@@ -190,31 +192,40 @@ def write_run_config(run_dir: Path, text: str) -> Path:
     return path
 
 
+def state_trainer_limits(buffer: SampleBuffer, recorded: Path, model: Path) -> None:
+    """The longest sample the trainer of the run's `recorded` configuration takes, written
+    before the router starts: its first episodes are cut to it too (the trainer states the
+    same at its start, a few seconds later)."""
+    trainer = read_file(str(recorded))["trainer"]
+    mrl, tpg = int(trainer["max_response_len"]), int(trainer["max_tokens_per_gpu"])
+    buffer.set_limits(limits_of(str(model), tpg, mrl).stated())
+
+
 def check_sample_fit(info: dict[str, Any], recorded: Path, say: Callable[[str], None]) -> None:
     """The router's longest samples (its ready file's `longest_prompt` and
     `rollout_max_response_len`) against the trainer of the run's `recorded` configuration:
     ChildFailedError when the longer ones would not fit; for environment episodes (their
-    prompts grow) a note when the model's context (`context_len`) is larger than the trainer
-    takes."""
+    prompts grow; the router cuts them where the trainer's limits end) a note when the model's
+    context (`context_len`) is larger than the trainer takes."""
     trainer = read_file(str(recorded)).get("trainer", {})
     budget = int(trainer.get("max_tokens_per_gpu", 0)) + 1
     most = int(trainer.get("max_response_len", 0))
     longest, length = info.get("longest_prompt"), info.get("rollout_max_response_len")
-    bounds = f"the trainer takes at most {budget} in all (--max-tokens-per-gpu {budget - 1})"
-    dropped = "would be dead-lettered as too_long, never trained"
     if isinstance(longest, int) and isinstance(length, int):
         if longest + length > budget or length > most:
             raise ChildFailedError(
                 f"the router's samples may reach {longest + length} tokens (its longest prompt, "
                 f"{longest}, and responses up to {length}: --rollout-max-response-len) and "
-                f"{bounds} and {most} of response (--max-response-len): the longer ones "
-                f"{dropped} (a bias toward short answers). Raise the trainer's (tandem up "
+                f"the trainer takes at most {budget} in all (--max-tokens-per-gpu {budget - 1}) "
+                f"and {most} of response (--max-response-len): the longer ones would be "
+                "dead-lettered as too_long, never trained (a bias toward short answers). Raise the trainer's (tandem up "
                 f"--trainer-args '--max-tokens-per-gpu {longest + length - 1}'), or lower "
                 "--rollout-max-response-len"
             )
     elif isinstance(context := info.get("context_len"), int) and context > budget:
         say(
-            f"environment episodes may grow to the model's context, {context} tokens, and "
-            f"{bounds}: longer episodes {dropped}; bound them (the router's --env-max-turns) "
-            "or raise the trainer's (tandem up --trainer-args '--max-tokens-per-gpu N')"
+            f"environment episodes are cut at {budget} tokens, what the trainer takes "
+            f"(--max-tokens-per-gpu {budget - 1}), short of the model's context, {context}: "
+            "to train longer episodes, raise it (tandem up --trainer-args "
+            f"'--max-tokens-per-gpu {context - 1}')"
         )

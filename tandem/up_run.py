@@ -39,7 +39,7 @@ from tandem.supervisor import (
     die_with_parent,
 )
 from tandem.up_args import lost_history, save_config
-from tandem.up_config import check_sample_fit, render, write_run_config
+from tandem.up_config import check_sample_fit, render, state_trainer_limits, write_run_config
 from tandem.up_engines import EngineRestarts, wait_engines_synced
 from tandem.up_services import TRAINED_MODEL, service_args, shared_gpus, trains_in_bf16
 from tandem.watchdog import Watchdog
@@ -145,6 +145,7 @@ class UpRun:
         for name in args:
             args[name] += ["--config", str(recorded)]
         say(f"configuration of every service in {recorded} (repeat: tandem up --config it)")
+        state_trainer_limits(buffer, recorded, model)
         if trains_in_bf16(config):
             say("the trainer trains in bf16 on its GPU (fp32 master weights), as the engines serve")
         for gpu in shared_gpus(config):

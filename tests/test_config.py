@@ -328,8 +328,7 @@ def test_samples_longer_than_the_trainer_takes_are_refused_at_start(tmp_path: Pa
     episodes = {"longest_prompt": None, "rollout_max_response_len": 4, "context_len": 40960}
     check_sample_fit(episodes, recorded, said.append)
     assert said == [
-        "environment episodes may grow to the model's context, 40960 tokens, and the trainer "
-        "takes at most 8193 in all (--max-tokens-per-gpu 8192): longer episodes would be "
-        "dead-lettered as too_long, never trained; bound them (the router's --env-max-turns) "
-        "or raise the trainer's (tandem up --trainer-args '--max-tokens-per-gpu N')"
+        "environment episodes are cut at 8193 tokens, what the trainer takes "
+        "(--max-tokens-per-gpu 8192), short of the model's context, 40960: to train longer "
+        "episodes, raise it (tandem up --trainer-args '--max-tokens-per-gpu 40959')"
     ]

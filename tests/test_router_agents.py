@@ -23,6 +23,7 @@ import httpx
 import psutil
 import pytest
 
+from proto.contract import SampleLimits
 from services.sample_buffer import SampleBuffer
 from tests.helpers import JsonHandler, read_all, wait_until, with_chat_template
 from tests.helpers import router_args as shared_router_args
@@ -119,12 +120,22 @@ def test_episodes_keep_exact_tokens_and_mask_environment_tokens(
             assert s.prompt_ids[0] == 1 and s.prompt_ids[-1] == 14
 
 
+@pytest.mark.parametrize(
+    ("limits", "most", "most_response"),
+    [
+        (None, 64, 64),  # no trainer has stated its limits: the model's context bounds it
+        (SampleLimits(max_tokens=40, max_response_len=1000), 40, 40),
+        (SampleLimits(max_tokens=64, max_response_len=25), 64, 25),
+    ],
+    ids=["context", "trainer-tokens", "trainer-response"],
+)
 def test_an_episode_that_fills_the_context_ends_on_the_models_tokens(
-    buffer, toy_model_dir, start_service, engines, env_server
+    buffer, toy_model_dir, start_service, engines, env_server, limits, most, most_response
 ):
     """Each step answers 20 tokens of observation and the episode never ends: once the context
-    (64 positions) leaves no room for a model turn the episode stops there, its last
-    observation cut, with no engine error."""
+    (64 positions), or what the trainer takes, leaves no room for a model turn the episode
+    stops there, its last observation cut, with no engine error (the trainer trains it; it
+    dead-lettered longer ones as too_long)."""
 
     def endless(self: ScriptedEnv) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -134,12 +145,17 @@ def test_an_episode_that_fills_the_context_ends_on_the_models_tokens(
         self.send_json(200, {"observation": "9" * 19 + ">", "reward": 0.25, "done": False})
 
     url = env_server(do_POST=endless)
+    if limits is not None:
+        buffer.set_limits(limits)  # as the run's trainer does at its start
     extra = ("--env-url", url, "--env-max-turns", "50")
     router = start_service("router", router_args(buffer, toy_model_dir, [engines().url], *extra))
     wait_until(lambda: buffer.depth() >= 2, "a batch of episodes")
     for group in read_all(buffer):
         for s in group.samples:
-            assert len(s.prompt_ids) + len(s.response_ids) <= 64
+            assert len(s.prompt_ids) + len(s.response_ids) <= most
+            assert len(s.response_ids) <= most_response
+            bound = min(most, len(s.prompt_ids) + most_response)
+            assert len(s.prompt_ids) + len(s.response_ids) >= bound - 20, "cut at the bound"
             assert s.finish_reason == "length"
             assert s.loss_mask[-1] == 1, "the last tokens are the model's"
             assert s.loss_mask.count(0) % 20 == 0, "whole observations, the last one cut"
@@ -164,7 +180,7 @@ def test_a_first_observation_that_fills_the_context_drops_its_episodes_with_the_
     assert episode.reason == "prompt_too_long" and episode.samples == 1
     assert episode.detail.startswith("the first observation: ") and episode.detail.endswith(
         "tokens fill the model's context of 64 positions (max_position_embeddings); shorten "
-        "the environment's first observation or use a model with a longer context"
+        "the environment's first observation, or raise that bound"
     )
     status = httpx.get(router.url + "/rollout/status").json()
     assert set(status["drops"]) == {"prompt_too_long"} and status["state"] != "backing_off"

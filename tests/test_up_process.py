@@ -110,6 +110,39 @@ def start_up_in_background(run_dir: Path) -> subprocess.Popen:
     return proc
 
 
+def test_environment_episodes_are_cut_to_what_the_trainer_takes_from_the_first_one(
+    tmp_path: Path,
+) -> None:
+    """The guessing game's episodes grow to ~60 tokens in 12 turns; the trainer takes 13. The
+    router cuts each where the trainer's limits end, the first ones too (tandem up states the
+    limits before the router starts): all trained, none dead-lettered as too_long."""
+    from services.sample_buffer.server import _free_port
+
+    port = _free_port("127.0.0.1")
+    guess = Path(__file__).resolve().parents[1] / "examples" / "guess_env.py"
+    env = subprocess.Popen(
+        [sys.executable, str(guess), "--port", str(port)], stdout=subprocess.PIPE
+    )
+    try:
+        assert env.stdout is not None and "guess env on" in env.stdout.readline().decode()
+        flags = ["--env-url", f"http://127.0.0.1:{port}", "--num-engines", "1"]
+        flags += [
+            "--router-args",
+            "--env-max-turns 12",
+            "--trainer-args",
+            "--max-tokens-per-gpu 12",
+        ]
+        result = run_up(tmp_path / "run", *flags, "--max-steps", "3", "--stop-accuracy", "0")
+    finally:
+        env.terminate()
+        env.wait()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "environment episodes are cut at 13 tokens, what the trainer takes" in result.stdout
+    ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert ledger["balanced"] and ledger["trained"] == 3 * 64
+    assert ledger["dropped_groups"] == {}, ledger
+
+
 def test_a_dying_service_stops_every_other_one_and_fails_the_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = start_up_in_background(run_dir)

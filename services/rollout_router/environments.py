@@ -30,14 +30,12 @@ class EnvError(RuntimeError):
 
 
 class ContextFullError(Exception):
-    """The episode's context fills the model's positions: no model turn fits after it."""
+    """The episode's context fills its bound (the model's positions, or what the trainer
+    takes): no model turn fits after it."""
 
-    def __init__(self, tokens: int, context_len: int) -> None:
-        super().__init__(
-            f"{tokens} tokens fill the model's context of {context_len} positions "
-            "(max_position_embeddings)"
-        )
-        self.tokens, self.context_len = tokens, context_len
+    def __init__(self, tokens: int, bound: int, what: str) -> None:
+        super().__init__(f"{tokens} tokens fill {what}")
+        self.tokens, self.bound = tokens, bound
 
 
 class EnvClient:
@@ -155,7 +153,7 @@ class EpisodeRunner:
                     raise EnvError(
                         DropReason.PROMPT_TOO_LONG,
                         f"the first observation: {full}; shorten the environment's first "
-                        "observation or use a model with a longer context",
+                        "observation, or raise that bound",
                     ) from None
                 _cut_to(trajectory, mask, kept)  # the last observation: no model turn follows
                 break  # (the episode is cut short: finish "length")

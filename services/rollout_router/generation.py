@@ -1,6 +1,8 @@
 """The rollout's /generate requests: bodies with the run's sampling settings (samples.py), sent
 through the worker pool (retried across engines) under `rollout_max_concurrency`, and aborted
-samples continued (partial rollout) or started over, at most `max_continues` times."""
+samples continued (partial rollout) or started over, at most `max_continues` times. An
+environment episode's turns stop where its sample would outgrow the model's context or, for
+training, what the trainer takes (its stated `SampleLimits`): cut there, it is trained."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import time
 from typing import Any
 
 from proto import DropReason
+from proto.contract import SampleLimits
 from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.environments import ContextFullError, EnvError, Generate
 from services.rollout_router.limiter import Limiter
@@ -38,6 +41,7 @@ class Generation:
         self.config, self.sampling, self.pool = config, sampling, pool
         self.stop_token_ids, self.observe = stop_token_ids, observe
         self.context_len = 0  # the model's positions (0 = unknown): an episode's turns fit in it
+        self.limits: SampleLimits | None = None  # the trainer's (the rollout loop reads them)
         self.in_flight = 0  # /generate requests
         self.limiter = Limiter(config.rollout_max_concurrency)
 
@@ -46,10 +50,13 @@ class Generation:
         self.config, self.sampling = rollout, sampling
         self.limiter.set_limit(rollout.rollout_max_concurrency)
 
-    def payload(self, input_ids: list[int], n: int, max_new: int, greedy: bool, seed: int) -> dict:
-        """One /generate body with this loop's sampling settings (`samples.generate_body`)."""
-        if self.context_len:  # an episode's later turns get the positions that are left
-            max_new = max(1, min(max_new, self.context_len - len(input_ids)))
+    def payload(
+        self, input_ids: list[int], n: int, max_new: int, greedy: bool, seed: int, bound: int = 0
+    ) -> dict:
+        """One /generate body with this loop's sampling settings (`samples.generate_body`);
+        prompt and response within `bound` tokens (0: the model's context)."""
+        if bound := bound or self.context_len:  # an episode's later turns get what is left
+            max_new = max(1, min(max_new, bound - len(input_ids)))
         return generate_body(
             self.sampling, self.stop_token_ids, input_ids, n, max_new, greedy, seed
         )
@@ -91,13 +98,18 @@ class Generation:
         return partials
 
     def episode_turn(self, episode_id: str, greedy: bool = False) -> Generate:
-        """The model-turn function of one episode (its turns stay on one engine)."""
+        """The model-turn function of one episode (its turns stay on one engine). A greedy
+        one is an evaluation's, never trained: only the model's context bounds it."""
         max_new = self.sampling.rollout_max_response_len
+        bound: list[tuple[int, str]] = []  # set at the first turn, whose context is the prompt
 
         async def turn(context: list[int], turn_seed: int) -> Partial:
-            if self.context_len and len(context) >= self.context_len:
-                raise ContextFullError(len(context), self.context_len)
-            payload = self.payload(context, 1, max_new, greedy, turn_seed)
+            if not bound:
+                bound.append(self.episode_bound(len(context), greedy))
+            tokens, what = bound[0]
+            if tokens and len(context) >= tokens:
+                raise ContextFullError(len(context), tokens, what)
+            payload = self.payload(context, 1, max_new, greedy, turn_seed, tokens)
             out = await self.generate(payload, episode_id)
             partial = await self.complete(context, Partial.of(out[0]), turn_seed, episode_id)
             if partial.finish == "abort":
@@ -105,6 +117,18 @@ class Generation:
             return partial
 
         return turn
+
+    def episode_bound(self, prompt_len: int, greedy: bool) -> tuple[int, str]:
+        """(tokens, what bounds them) of an episode whose prompt is `prompt_len` tokens long:
+        the model's context, and for training the trainer's limits; (0, "") when unknown."""
+        n = self.context_len
+        bounds = [(n, f"the model's context of {n} positions (max_position_embeddings)")]
+        if self.limits is not None and not greedy:
+            n = self.limits.max_tokens
+            bounds.append((n, f"the {n} tokens the trainer takes (--max-tokens-per-gpu)"))
+            n = prompt_len + self.limits.max_response_len
+            bounds.append((n, f"the {n} of the prompt and the trainer's --max-response-len"))
+        return min(((n, what) for n, what in bounds if n > 0), default=(0, ""))
 
     async def complete(
         self, prompt_ids: list[int], partial: Partial, seed: int, session_id: str | None = None

@@ -430,6 +430,7 @@ class RolloutLoop:
         """n episodes; a failed one is recorded as a drop and the others are kept."""
         assert self.episodes is not None
         n = self.config.n_samples_per_prompt
+        self.gen.limits = await self.buffer.sample_limits()  # the trainer's, for the cut
         samples, failed = await self.episodes.run_all(
             item, group_id, seed, n, self.gen.episode_turn
         )

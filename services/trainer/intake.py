@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from proto.contract import SampleLimits
 from proto.drops import DeadLetterReason
 from proto.messages import SCHEMA_VERSION
 from proto.packed import AnySample, Group, PackedGroup, PackedSample, groups_of
@@ -35,6 +36,25 @@ class Limits:
     vocab_size: int
     max_tokens: int
     max_response_len: int
+
+    def stated(self) -> SampleLimits:
+        """What the run is told (the router cuts episodes and holds PATCHes to it)."""
+        return SampleLimits(max_tokens=self.max_tokens, max_response_len=self.max_response_len)
+
+
+def limits_of(model: str, max_tokens_per_gpu: int, max_response_len: int) -> Limits:
+    """What a sample may hold: the vocabulary and context of the HF `model` directory, the token
+    budget of a micro-batch (its inputs are all tokens but the last), and --max-response-len."""
+    from proto.models import read_config
+
+    hf_cfg, _ = read_config(model)
+    text = hf_cfg.get("text_config") or hf_cfg
+    context = int(text.get("max_position_embeddings", 4096))
+    return Limits(
+        vocab_size=int(text["vocab_size"]),
+        max_tokens=min(context, max_tokens_per_gpu + 1),
+        max_response_len=max_response_len,
+    )
 
 
 @dataclass(frozen=True)

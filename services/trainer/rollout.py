@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proto import DropRecord
-from proto.contract import SampleLimits
 from proto.drops import DeadLetterReason, DropReason
 from proto.packed import PackedGroup, encode_entry, entry_of, pack
 from services.sample_buffer import SampleBuffer
@@ -83,9 +82,7 @@ class Intake:
         report: Callable[..., None],
     ) -> None:
         self.cfg, self.buffer, self.limits, self.report = cfg, buffer, limits, report
-        buffer.set_limits(
-            SampleLimits(max_tokens=limits.max_tokens, max_response_len=limits.max_response_len)
-        )
+        buffer.set_limits(limits.stated())
         self.lineage_floor = 0  # --new-lineage: groups stamped below it are foreign
         self.published_before = 0  # on resume: the highest version published before the crash
         self.pending_first = True  # after a (re)start, groups read but never acked come first

@@ -42,7 +42,7 @@ from services.sample_buffer import BufferConfig, SampleBuffer
 from services.trainer import batching, checkpoint, losses, routing_replay
 from services.trainer.batching import MicroBatch, TrainSample
 from services.trainer.config import TrainerConfig
-from services.trainer.intake import Limits
+from services.trainer.intake import limits_of
 from services.trainer.lineage import begin_lineage, lineage_start, rewind_ledger
 from services.trainer.observe import TrainerObserver
 from services.trainer.policy import Policy, init_distributed
@@ -93,7 +93,8 @@ class Trainer:
                 cfg.redis_url, cfg.redis_timeout_s, cfg.read_block_ms, lambda: self.stop_requested
             )
             self.buffer = SampleBuffer(plain.config, client)
-            self.intake = Intake(cfg, self.buffer, intake_limits(cfg), self._report)
+            limits = limits_of(cfg.model, cfg.max_tokens_per_gpu, cfg.max_response_len)
+            self.intake = Intake(cfg, self.buffer, limits, self._report)
             self.intake.lineage_floor = start_version
         self.observe = TrainerObserver(cfg, self.buffer)  # /metrics, timeline, step lines
         self.policy = Policy(cfg, cfg.model)
@@ -468,21 +469,6 @@ SKIP_ADVICE = (
     "check --lr (too high?), the rewards and log-probs of the samples (NaN?), or pass "
     "--on-nonfinite fail to stop at the first"
 )
-
-
-def intake_limits(cfg: TrainerConfig) -> Limits:
-    """What a sample may hold: the model's vocabulary and context, the token budget of a
-    micro-batch (its inputs are all tokens but the last), and --max-response-len."""
-    from proto.models import read_config
-
-    hf_cfg, _ = read_config(cfg.model)
-    text = hf_cfg.get("text_config") or hf_cfg
-    context = int(text.get("max_position_embeddings", 4096))
-    return Limits(
-        vocab_size=int(text["vocab_size"]),
-        max_tokens=min(context, cfg.max_tokens_per_gpu + 1),
-        max_response_len=cfg.max_response_len,
-    )
 
 
 def broadcast_int(value: int) -> int:
