@@ -19,6 +19,7 @@ measures both.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from array import array
@@ -46,6 +47,8 @@ from services.rollout_router.samples import Partial, as_list
 from services.rollout_router.tasks import encode_prompt
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
 from services.sample_buffer import AsyncSampleBuffer
+
+TRAINER_LIMITS_S = 5.0  # how often a chat turn reads the trainer's limits again
 
 
 @dataclass
@@ -261,6 +264,7 @@ class AgentSessions:
         self.store = SessionStore(config)
         self.first_messages: dict[str, str] = {}
         self._context_length: int | None = None  # 0: unknown (no clipping)
+        self._trainer_tokens = (-math.inf, 0)  # (when read, the value): `trainer_tokens`
 
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
         """Exact prompt ids: the chat template, or (a tokenizer without one) the contents joined."""
@@ -298,6 +302,15 @@ class AgentSessions:
                         f"length ({context} tokens)"
                     )
                 asked = min(asked, context - len(input_ids))
+        if budget := await self.trainer_tokens():  # the sample must fit the trainer
+            if len(input_ids) >= budget:
+                raise TurnError(
+                    f"the prompt ({len(input_ids)} tokens) fills the {budget} tokens the run's "
+                    "trainer takes in a sample (its --max-tokens-per-gpu): a longer sample is "
+                    "dead-lettered, never trained; end the session (post its reward), or "
+                    "raise the trainer's --max-tokens-per-gpu"
+                )
+            asked = min(asked, budget - len(input_ids))  # (finish "length" where it ends)
         params["max_new_tokens"] = asked
         payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
         status, data, worker = await self.pool.post("/generate", orjson.dumps(payload), session_id)
@@ -312,6 +325,16 @@ class AgentSessions:
         if body.get("logprobs"):
             texts = [self.tokenizer.decode([t]) for t in partial.ids]
         return openai_response(partial, str(body.get("model", "tandem")), len(input_ids), texts)
+
+    async def trainer_tokens(self) -> int:
+        """The most tokens the run's trainer takes in a sample (0: no trainer has stated
+        them), read from Redis at most every TRAINER_LIMITS_S."""
+        read_at, tokens = self._trainer_tokens
+        if time.monotonic() - read_at >= TRAINER_LIMITS_S:
+            limits = await self.buffer.sample_limits()
+            tokens = limits.max_tokens if limits is not None else 0
+            self._trainer_tokens = time.monotonic(), tokens
+        return tokens
 
     async def context_length(self, session_id: str) -> int | None:
         """The engines' context length (`/server_info`, else the model's config), once."""
