@@ -86,6 +86,13 @@ def test_engine_registration_checks_the_url_the_size_and_the_token(broker) -> No
         and '"finite_number"' in reply.text
         and '"input":null' in reply.text
     ), reply.text
+    for body, status, words in [
+        ('{"url": "\\ud800"}', 400, "not valid JSON"),  # a lone surrogate: was a 500
+        ('{"url": "x", "weight_version": 1' + "0" * 30 + "}", 422, "url"),  # past 64 bits: 500
+    ]:
+        headers = {**auth, "content-type": "application/json"}
+        reply = httpx.post(broker.url + "/engines", content=body, headers=headers)
+        assert reply.status_code == status and words in reply.text, (body, reply.text)
     good = {"url": "http://127.0.0.1:9"}
     assert httpx.post(broker.url + "/engines", json=good).status_code == 401
     assert httpx.post(broker.url + "/engines", json=good, headers=auth).status_code == 200

@@ -165,6 +165,35 @@ def test_worker_urls_are_checked(router: str) -> None:
     assert reply.status_code == 422
 
 
+def test_bodies_python_parses_but_cannot_write_back_are_4xx_on_every_route(router: str) -> None:
+    """A lone surrogate escape (Python's JSON parser takes it, no UTF-8 encoder writes it) and an
+    integer past 64 bits: each was a 500 where a route echoed, forwarded or opened it."""
+    json_type = {**AUTH, "content-type": "application/json"}
+    lone = '"\\ud800"'
+    for method, path, body, status in [
+        ("POST", "/abort_request", f'{{"rid": {lone}}}', 400),
+        ("POST", "/pause_generation", f'{{"mode": {lone}}}', 400),
+        ("POST", "/workers", f'{{"url": {lone}}}', 400),
+        ("PATCH", "/rollout/config", f'{{"prompt_data": {lone}}}', 400),
+        ("PATCH", "/rollout/config", f"{{{lone}: 1}}", 400),
+        (
+            "POST",
+            "/v1/chat/completions",
+            f'{{"messages": [{{"role": "user", "content": {lone}}}]}}',
+            400,
+        ),
+        ("POST", "/generate", f'{{"text": {lone}}}', 400),
+        ("PATCH", "/rollout/config", "-" + "1" * 40, 422),
+        ("POST", "/workers", '{"url": ' + "1" * 40 + "}", 422),
+    ]:
+        reply = httpx.request(method, router + path, content=body, headers=json_type)
+        assert reply.status_code == status, (path, body, reply.text)
+        assert ("JSON" if status == 400 else '"loc"') in reply.text, reply.text
+    paired = '{"messages": [{"role": "user", "content": "\\ud83d\\ude00 12"}], "max_tokens": 2}'
+    reply = httpx.post(router + "/v1/chat/completions", content=paired, headers=json_type)
+    assert reply.status_code == 200, "a surrogate pair is a character: taken"
+
+
 def test_the_router_openapi_has_unique_ids_and_publishes_bodies(router: str) -> None:
     spec = httpx.get(router + "/openapi.json").json()
     ids = [op["operationId"] for item in spec["paths"].values() for op in item.values()]
