@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -206,3 +207,30 @@ def test_a_patch_making_samples_longer_than_the_trainer_takes_is_refused_naming_
         url, json={"prompt_data": str(data), "rollout_max_response_len": 90}, headers=TOKEN
     )
     assert resp.status_code == 200, resp.text
+
+
+def test_engines_paused_through_the_router_hold_the_rollout_and_its_status_says_how_to_resume(
+    buffer, toy_model_dir, start_service, engines
+):
+    """A pause through the router paused every engine, and the rollout went on sending groups
+    whose requests waited or came back aborted (dropped after 4 tries): the run stalled with no
+    word of the pause."""
+    router = start_service("router", router_args(buffer, toy_model_dir, [engines().url]))
+    httpx.post(router.url + "/rollout/start", headers=TOKEN)
+    wait_until(lambda: buffer.depth() >= 4, "groups")
+    assert httpx.post(router.url + "/pause_generation", json={}, headers=TOKEN).is_success
+
+    def held() -> dict | None:
+        s = status(router)
+        return s if s["state"] == "waiting_for_workers" else None
+
+    paused = wait_until(held, "the rollout waits for the engines", 30)
+    assert paused["waiting_for"].startswith("the engines, paused through POST /pause_generation")
+    assert "POST /continue_generation (with the API token) resumes them" in paused["waiting_for"]
+    drawn = buffer.counters()["prompts_drawn"]
+    time.sleep(1.0)  # (the groups in flight wait at the engines)
+    assert buffer.counters()["prompts_drawn"] == drawn, "no group started"
+    assert status(router)["in_flight"] <= paused["in_flight"]
+    assert httpx.post(router.url + "/continue_generation", json={}, headers=TOKEN).is_success
+    wait_until(lambda: status(router)["state"] != "waiting_for_workers", "the rollout going on")
+    wait_until(lambda: buffer.counters()["prompts_drawn"] > drawn, "new groups after continue")

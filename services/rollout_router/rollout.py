@@ -153,12 +153,20 @@ class RolloutLoop:
         self.state, self.waiting_for = state, waiting_for
 
     async def wait_for_workers(self) -> None:
-        """With no admitted engine, every group would fail at once: wait instead of dropping."""
-        while not self.pool.admitted():
-            self.set_state(
-                "waiting_for_workers", "an admitted engine (none is healthy: see GET /workers)"
-            )
+        """With no admitted engine, every group would fail at once, and engines paused would
+        hold them: wait instead of dropping."""
+        while not self.pool.admitted() or self.pool.paused_at:
+            waiting_for = "an admitted engine (none is healthy: see GET /workers)"
+            if self.pool.paused_at:
+                waiting_for = (
+                    f"the engines, paused through POST /pause_generation "
+                    f"{time.time() - self.pool.paused_at:.0f} s ago: POST /continue_generation "
+                    "(with the API token) resumes them"
+                )
+            self.set_state("waiting_for_workers", waiting_for)
             await asyncio.sleep(self.config.version_poll_s)
+        if self.state == "waiting_for_workers":  # (the groups in flight go on at once)
+            self.set_state("generating")
 
     def pause(self) -> None:
         """Start no more groups; the ones in flight finish and are put. Then wait for resume."""

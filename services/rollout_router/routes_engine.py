@@ -14,6 +14,7 @@ errors.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -110,8 +111,11 @@ async def flush_cache(request: Request) -> dict[str, Any]:
 async def pause_generation(
     request: Request, body: sg.PauseGenerationReqInput | None = None
 ) -> dict[str, Any]:
-    """Sent to every engine; per-URL status."""
-    return await fan_out(request, "/pause_generation", body or sg.PauseGenerationReqInput())
+    """Sent to every engine; per-URL status. The rollout starts no group until
+    /continue_generation (its status says so)."""
+    answers = await fan_out(request, "/pause_generation", body or sg.PauseGenerationReqInput())
+    request.app.state.pool.paused_at = time.time()
+    return answers
 
 
 @router.post("/continue_generation", tags=["engine control"], dependencies=WRITE)
@@ -119,7 +123,11 @@ async def continue_generation(
     request: Request, body: sg.ContinueGenerationReqInput | None = None
 ) -> dict[str, Any]:
     """Sent to every engine; per-URL status."""
-    return await fan_out(request, "/continue_generation", body or sg.ContinueGenerationReqInput())
+    answers = await fan_out(
+        request, "/continue_generation", body or sg.ContinueGenerationReqInput()
+    )
+    request.app.state.pool.paused_at = 0.0
+    return answers
 
 
 @router.post("/abort_request", tags=["engine control"], dependencies=WRITE)

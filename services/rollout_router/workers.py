@@ -113,6 +113,7 @@ class WorkerPool:
         self.http1: Http1Pool | None = None
         self.retries = 0
         self.version_reached = -1  # highest weight version an admitted worker reported
+        self.paused_at = 0.0  # when POST /pause_generation through this router paused them (0: not)
         self._rr = itertools.count()
         self._health_task: asyncio.Task | None = None
 
