@@ -39,6 +39,7 @@ from services.rollout_router.tasks import (
     DATASET_RESPONSE_LEN,
     TOY_RESPONSE_LEN,
     Task,
+    TemplateKwargs,
     data_change_note,
     data_record,
     dataset_task,
@@ -112,6 +113,8 @@ async def build_control(
 ) -> RolloutController:
     """Tokenizer, task and reward, loaded once; the rollout loop and its controller."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.rollout.model)
+    if template := config.data.template_kwargs():
+        tokenizer = TemplateKwargs(tokenizer, template)
     context = int(read_config(config.rollout.model)[0].get("max_position_embeddings", 0))
     make_task = functools.partial(build_task, context_len=context)
     task = await asyncio.to_thread(make_task, config.data, tokenizer)

@@ -85,6 +85,58 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
     return float(value)
 
 
+# A session turn is trained on: its tokens must be drawn from the model's own distribution, the
+# one the trainer's log-probs see. A field that would bend it is refused unless neutral.
+NEUTRAL: dict[str, Any] = {
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "repetition_penalty": 1,
+    "min_p": 0,
+    "logit_bias": {},
+    "response_format": {"type": "text"},
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+}
+OFF_POLICY = "the trainer's log-probs would not be the ones the turn was drawn with"
+
+
+def check_neutral(body: dict[str, Any]) -> None:
+    """TurnError naming a field that would draw the turn's tokens off the policy."""
+    for name, neutral in NEUTRAL.items():
+        value = body.get(name)
+        if value is not None and value != neutral:
+            raise TurnError(
+                f"{name} {json.dumps(value)[:50]}: a session turn is trained on, and {name} draws its "
+                f"tokens from another distribution than the model's ({OFF_POLICY}); leave it out"
+            )
+
+
+def template_inputs(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, dict[str, Any]]:
+    """(the tools the chat template lists, as given; None without tools or with tool_choice
+    "none"), and the request's chat_template_kwargs."""
+    tools, choice = body.get("tools"), body.get("tool_choice") or "auto"
+    if tools is not None and not (
+        isinstance(tools, list)
+        and all(
+            isinstance(t, dict)
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+            for t in tools
+        )
+    ):
+        raise TurnError('tools must be a list of {"type": "function", "function": {"name", ...}}')
+    if choice not in ("auto", "none"):
+        raise TurnError(
+            f"tool_choice {str(choice)[:80]!r}: a session turn is trained on, and forcing a "
+            f'tool call constrains its decoding ({OFF_POLICY}); use "auto" or "none"'
+        )
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise TurnError("chat_template_kwargs must be an object")
+    return (tools if tools and choice == "auto" else None), kwargs
+
+
 def sampling_params(body: dict[str, Any], stop_token_ids: list[int]) -> dict[str, Any]:
     """SGLang sampling parameters of a chat turn, without `max_new_tokens` (the caller sets it
     from `requested_max_tokens` and the context)."""
@@ -96,9 +148,13 @@ def sampling_params(body: dict[str, Any], stop_token_ids: list[int]) -> dict[str
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise TurnError("stop must be a string or a list of strings")
     seed = _int(body, "seed", 0)
+    top_k = body.get("top_k", -1)
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or (top_k < 1 and top_k != -1):
+        raise TurnError(f"top_k must be -1 (all) or an integer >= 1, got {str(top_k)[:50]!r}")
     return {
         "temperature": _number(body, "temperature", 1.0, 0.0, 100.0),
         "top_p": _number(body, "top_p", 1.0, 1e-9, 1.0),
+        "top_k": top_k,
         "n": 1,
         "stop_token_ids": stop_token_ids,
         "skip_special_tokens": True,

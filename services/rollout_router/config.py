@@ -8,10 +8,12 @@ Flag names follow slime where the concept is the same (`--rollout-batch-size`,
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from proto.contract import RunContract, model_identity
 from proto.models import check_model_config, read_config
@@ -295,6 +297,27 @@ class DataConfig:
     task_seed: int = field(
         default=1234, metadata={"help": "Seed of the train/held-out split (toy task, dataset)."}
     )
+    apply_chat_template_kwargs: str = field(
+        default="",
+        metadata={
+            "help": "Variables for the chat template, a JSON object, in every prompt the router "
+            "renders: dataset rows, environment observations, agent session turns (a turn's "
+            "own chat_template_kwargs add to them); e.g. '{\"enable_thinking\": false}' "
+            "(Qwen3)."
+        },
+    )
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """--apply-chat-template-kwargs as a dict; ValueError naming the flag."""
+        if not self.apply_chat_template_kwargs:
+            return {}
+        try:
+            value = json.loads(self.apply_chat_template_kwargs)
+        except ValueError as exc:
+            raise ValueError(f"--apply-chat-template-kwargs: not JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise ValueError("--apply-chat-template-kwargs must be a JSON object")
+        return value
 
 
 @dataclass
@@ -403,6 +426,15 @@ class SessionConfig:
             "before it is answered 503 with Retry-After (the session stays open)."
         },
     )
+    session_tool_call_parser: str = field(
+        default="hermes",
+        metadata={
+            "help": "How a session turn's tool calls are read from its text into the answer's "
+            "`tool_calls` when the request lists `tools` (hermes: <tool_call>{json}</tool_call>; "
+            "none: the text only). The trained tokens are the generated ones either way.",
+            "choices": tuple(TOOL_CALL_PARSERS),
+        },
+    )
 
 
 @dataclass
@@ -435,6 +467,7 @@ class RouterConfig:
         self.buffer.validate()
         if problem := reward_problem(self.data.prompt_data, self.scored()):
             raise ValueError(problem)
+        self.data.template_kwargs()
         if self.data.eval_max_prompts < 0 or not 0 <= self.data.eval_heldout_fraction < 1:
             raise ValueError(
                 "--eval-max-prompts must be >= 0 and --eval-heldout-fraction within [0, 1)"

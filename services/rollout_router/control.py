@@ -30,7 +30,7 @@ from services.rollout_router.rollout import RolloutLoop
 log = logging.getLogger("tandem.router.control")
 
 # Fields a running router may change; the model and the run identity may not.
-FROZEN = {"model", "rollout", "version_poll_s", "max_buffer_depth"}
+FROZEN = {"model", "rollout", "version_poll_s", "max_buffer_depth", "apply_chat_template_kwargs"}
 # Terms of the run contract (proto/contract.py): the trainer relies on them, so they are fixed
 # for the run's life.
 CONTRACT_TERMS = (

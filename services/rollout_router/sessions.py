@@ -36,15 +36,18 @@ from services.rollout_router.backpressure import BufferBound
 from services.rollout_router.chat_input import (
     TurnError,
     check_messages,
+    check_neutral,
     message_chars,
     model_context_length,
     prompt_char_limit,
     requested_max_tokens,
     sampling_params,
+    template_inputs,
 )
 from services.rollout_router.config import SessionConfig
 from services.rollout_router.samples import Partial, as_list
 from services.rollout_router.tasks import encode_prompt
+from services.rollout_router.tool_calls import PARSERS, Parser, leading_text
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
 from services.sample_buffer import AsyncSampleBuffer
 
@@ -210,11 +213,31 @@ def new_completion_id() -> str:
 
 
 def openai_response(
-    partial: Partial, model: str, prompt_len: int, token_texts: list[str] | None
+    partial: Partial,
+    model: str,
+    prompt_len: int,
+    token_texts: list[str] | None,
+    parse: Parser | None = None,
 ) -> dict[str, Any]:
     """An OpenAI `chat.completion` object for one turn; with `token_texts` (the request asked
-    for `logprobs`) each generated token's text and log-prob."""
+    for `logprobs`) each generated token's text and log-prob; with `parse` (the request listed
+    tools) the tool calls read from its text as `tool_calls` (finish `tool_calls`), the text
+    before them as the content."""
     finish = {"stop": "stop", "length": "length"}.get(partial.finish, partial.finish)
+    message: dict[str, Any] = {"role": "assistant", "content": partial.text}
+    calls = parse(partial.text)[0] if parse is not None else []
+    if calls:
+        message["content"] = leading_text(partial.text) or None
+        message["tool_calls"] = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "index": i,
+                "type": "function",
+                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
+            }
+            for i, c in enumerate(calls)
+        ]
+        finish = "tool_calls" if finish == "stop" else finish
     logprobs = None
     if token_texts is not None:
         logprobs = {
@@ -231,7 +254,7 @@ def openai_response(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": partial.text},
+                "message": message,
                 "finish_reason": finish,
                 "logprobs": logprobs,
             }
@@ -264,12 +287,21 @@ class AgentSessions:
         self.store = SessionStore(config)
         self.first_messages: dict[str, str] = {}
         self._context_length: int | None = None  # 0: unknown (no clipping)
+        self.parse_tool_calls = PARSERS[config.session_tool_call_parser] or (lambda _: ([], []))
         self._trainer_tokens = (-math.inf, 0)  # (when read, the value): `trainer_tokens`
 
-    def render(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Exact prompt ids: the chat template, or (a tokenizer without one) the contents joined."""
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Exact prompt ids: the chat template (listing `tools`, with the `template` variables),
+        or (a tokenizer without one) the contents joined."""
         if getattr(self.tokenizer, "chat_template", None):
-            return list(encode_prompt(self.tokenizer, messages, True))
+            return list(encode_prompt(self.tokenizer, messages, True, tools, **(template or {})))
+        if tools:
+            raise TurnError("tools need the model's chat template, and its tokenizer has none")
         return list(
             self.tokenizer("".join(str(m.get("content", "")) for m in messages))["input_ids"]
         )
@@ -279,6 +311,8 @@ class AgentSessions:
         EngineRequestError (with the engine's status: its 4xx reach the agent as is)."""
         await self.expire()
         messages = check_messages(body.get("messages"))
+        tools, template = template_inputs(body)
+        check_neutral(body)
         params = sampling_params(body, self.stop_token_ids)
         asked = requested_max_tokens(body)
         context = await self.context_length(session_id)
@@ -290,7 +324,9 @@ class AgentSessions:
                 f"model's context of {context} can hold"
             )
         try:
-            input_ids = self.render(messages)
+            input_ids = self.render(messages, tools, template)
+        except TurnError:
+            raise
         except Exception as exc:  # the template refused them (jinja raise_exception, types)
             raise TurnError(f"messages do not fit the model's chat template: {exc}") from exc
         if asked is None:  # the default is clipped to what the context leaves
@@ -312,6 +348,8 @@ class AgentSessions:
                 )
             asked = min(asked, budget - len(input_ids))  # (finish "length" where it ends)
         params["max_new_tokens"] = asked
+        if tools:  # (as SGLang: a tool call's tags may be special tokens)
+            params["skip_special_tokens"] = False
         payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
         status, data, worker = await self.pool.post("/generate", orjson.dumps(payload), session_id)
         if status != 200:
@@ -324,7 +362,10 @@ class AgentSessions:
         texts = None
         if body.get("logprobs"):
             texts = [self.tokenizer.decode([t]) for t in partial.ids]
-        return openai_response(partial, str(body.get("model", "tandem")), len(input_ids), texts)
+        parse = self.parse_tool_calls if tools else None
+        return openai_response(
+            partial, str(body.get("model", "tandem")), len(input_ids), texts, parse
+        )
 
     async def trainer_tokens(self) -> int:
         """The most tokens the run's trainer takes in a sample (0: no trainer has stated

@@ -61,16 +61,37 @@ class Task:
         return max(len(item.input_ids) for item in self.train + self.heldout)
 
 
+class TemplateKwargs:
+    """`tokenizer`, its chat template given `kwargs` (--apply-chat-template-kwargs) at every
+    render, under the render's own."""
+
+    def __init__(self, tokenizer: Any, kwargs: dict[str, Any]) -> None:
+        self.tokenizer, self.kwargs = tokenizer, kwargs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tokenizer.apply_chat_template(*args, **{**self.kwargs, **kwargs})
+
+
 def encode_prompt(
-    tokenizer: Any, prompt: Any, chat: bool, tools: list[dict[str, Any]] | None = None
+    tokenizer: Any,
+    prompt: Any,
+    chat: bool,
+    tools: list[dict[str, Any]] | None = None,
+    **template: Any,
 ) -> tuple[int, ...]:
     """Prompt ids as the model sees them. Chat messages (or `chat=True`) go through the
     tokenizer's chat template with the generation prompt (and `tools`, for templates that list
-    them); plain text gets the tokenizer's own special tokens (e.g. BOS)."""
+    them; `template`: more variables); plain text gets the tokenizer's own special tokens."""
     if isinstance(prompt, list) or chat:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False
+            messages, tools=tools, add_generation_prompt=True, tokenize=False, **template
         )
         return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
     return tuple(tokenizer(prompt)["input_ids"])

@@ -45,6 +45,11 @@ def parse_hermes(text: str) -> tuple[list[ToolCall], list[str]]:
     return calls, errors
 
 
+def leading_text(text: str) -> str:
+    """The text before a turn's first tool call, stripped (hermes)."""
+    return text.split(OPEN, 1)[0].strip()
+
+
 def read_call(body: str) -> ToolCall:
     """One call's JSON as `{"name", "arguments"}`; ValueError saying what is wrong."""
     try:
