@@ -410,3 +410,22 @@ def test_the_held_out_prompts_are_at_most_eval_max_prompts(toy_model_dir, tmp_pa
     again = dataset_task(tokenizer, *evals, False, seed=3, eval_max=50)
     assert len(task.heldout) == 50 and task.heldout == again.heldout and len(task.train) == 400
     assert task.heldout_source == f"50 of the 300 prompts of {evals[1]} (--eval-max-prompts)"
+
+
+def test_a_long_dataset_read_says_how_far_it_is(toy_model_dir, tmp_path, monkeypatch, caplog):
+    """A million chat prompts take minutes to tokenize: the router's log (the last line of
+    which tandem up prints while the router starts) says how many of how many rows are done."""
+    from services.rollout_router import tasks
+
+    tokenizer = load_tokenizer(str(toy_model_dir))
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": "12>", "label": "21"}) + "\n" for _ in range(2500))
+    )
+    monkeypatch.setattr(tasks, "PROGRESS_S", 0.0)
+    with caplog.at_level("INFO", logger="tandem.router.data"):
+        load_items(tokenizer, str(data), "prompt", "label", False, "--prompt-data")
+    said = [r.getMessage() for r in caplog.records]
+    assert [s.split(" (")[0] for s in said] == [
+        f"{data}: {k} of 2500 rows tokenized" for k in (0, 1000, 2000)
+    ]

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
+import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +26,8 @@ from typing import Any, TypeVar
 from services.rollout_router.toy_task import is_exact, reverse_digits_split
 
 T = TypeVar("T")
+log = logging.getLogger("tandem.router.data")
+PROGRESS_S = 10.0  # a dataset read longer than this says how far it is (tandem up shows it)
 
 
 @dataclass(frozen=True)
@@ -216,7 +220,11 @@ def load_items(
     if unlabeled and len(unlabeled) < len(rows):
         rows = [(number, prompt, label) for number, prompt, label in rows if label]
     items, too_long = [], []
-    for number, prompt, label in rows:
+    started = said = time.monotonic()
+    for k, (number, prompt, label) in enumerate(rows):
+        if k % 1000 == 0 and time.monotonic() - said >= PROGRESS_S:
+            said = time.monotonic()
+            log.info("%s: %d of %d rows tokenized (%.0f s)", path, k, len(rows), said - started)
         if problem := prompt_problem(tokenizer, prompt, chat):
             raise ValueError(f"{path}: row {number}: {problem}")
         messages = (
