@@ -163,6 +163,14 @@ class UpConfig:
             "requests go to the other engines meanwhile); past that the run ends naming it."
         },
     )
+    router_restarts: int = field(
+        default=3,
+        metadata={
+            "help": "Times in a run the router, when it exits, is started again on its port "
+            "(the trainer trains on what is buffered meanwhile; its groups in flight are drawn "
+            "again); past that the run ends naming it."
+        },
+    )
     keep_checkpoints: int = field(
         default=2,
         metadata={
@@ -409,8 +417,12 @@ def validate(config: UpConfig) -> list[str]:
         )
     if config.stop_timeout_s <= 0 or config.stall_warn_s <= 0:
         problems.append("--stop-timeout-s and --stall-warn-s must be positive")
-    if min(config.save_interval, config.keep_checkpoints, config.engine_restarts) < 0:
-        problems.append("--save-interval, --keep-checkpoints and --engine-restarts must be >= 0")
+    counts = config.save_interval, config.keep_checkpoints, config.engine_restarts
+    if min(*counts, config.router_restarts) < 0:
+        problems.append(
+            "--save-interval, --keep-checkpoints, --engine-restarts and --router-restarts "
+            "must be >= 0"
+        )
     own = service_args(config, "run", Path(config.model or "model"), "redis://", passthrough=False)
     passthrough = {
         "engine": config.engine_args,

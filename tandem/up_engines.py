@@ -1,12 +1,16 @@
-"""The run's engines in `tandem up`: restarted when they exit mid-run, synced at its end.
+"""The run's engines and router in `tandem up`: restarted when they exit mid-run; the engines
+synced at its end.
 
 An inference engine is the service most likely to die under a long run (out of memory, a driver
 fault) and the one the run can best do without for a while: the router takes it out of the
 rotation and sends its requests to the others, and once it is back on the same URL it serves an
 older weight version, so the router has the broker bring it to the current one before it gets
-traffic again (rollout_router/workers.py). `tandem up` restarts it up to `--engine-restarts`
-times in a run; past that, or when one does not come back within `--startup-timeout-s`, the run
-ends naming it.
+traffic again (rollout_router/workers.py). The router holds the most in memory (the dataset,
+agent sessions); while it is down the trainer trains on what is buffered, and a router started
+again on its port drops the groups the dead one left in flight (`cancelled`) and draws their
+prompts again (sample_buffer/ledger.py), the agent sessions open in it lost. `tandem up`
+restarts each kind up to `--engine-restarts` / `--router-restarts` times in a run; past that,
+or when one does not come back within `--startup-timeout-s`, the run ends naming it.
 """
 
 from __future__ import annotations
@@ -19,51 +23,75 @@ from redis import RedisError
 
 from services.sample_buffer import SampleBuffer
 from tandem.supervisor import Child, Supervisor
+from tandem.watchdog import Watchdog
 
 
-class EngineRestarts:
-    """Up to `limit` restarts of engines in a run, each on its port; `check` each round."""
+class Restarts:
+    """Up to `limits[kind]` restarts of the engines and of the router ("engine", "router") in a
+    run, each on its port; `check` each round. A restarting service is out of the watchdog's
+    health checks until it is up."""
 
     def __init__(
-        self, supervisor: Supervisor, limit: int, timeout_s: float, say: Callable[[str], None]
+        self,
+        supervisor: Supervisor,
+        limits: dict[str, int],
+        timeout_s: float,
+        say: Callable[[str], None],
+        watchdog: Watchdog,
     ) -> None:
-        self.supervisor, self.limit, self.timeout_s, self.say = supervisor, limit, timeout_s, say
-        self.used = 0
+        self.supervisor, self.limits, self.timeout_s, self.say = supervisor, limits, timeout_s, say
+        self.watchdog = watchdog
+        self.used = dict.fromkeys(limits, 0)
         self.starting: dict[str, tuple[Child, float]] = {}  # name -> (child, when started)
+        self.unwatched: dict[str, str] = {}  # name -> its health URL, while it starts again
 
     def restart(self, child: Child) -> bool:
-        """Start `child` again if it is an engine and restarts are left (saying so); False
-        when the run must end on its exit."""
-        if not child.name.startswith("engine") or self.used >= self.limit:
-            if child.name.startswith("engine") and self.limit:
-                self.say(f"{child.name} exited after {self.used} restarts (--engine-restarts)")
+        """Start `child` again if it is an engine or the router and restarts are left (saying
+        so); False when the run must end on its exit."""
+        kind = next((k for k in self.limits if child.name.startswith(k)), "")
+        if not kind or self.used[kind] >= self.limits[kind]:
+            if kind and self.limits[kind]:
+                self.say(
+                    f"{child.name} exited after {self.used[kind]} restarts (--{kind}-restarts)"
+                )
             return False
-        self.used += 1
+        self.used[kind] += 1
         port = urlsplit(child.info["url"]).port
-        others = [c for c in self.supervisor.children if c.name.startswith("engine") and c != child]
-        meanwhile = (
-            "the router sends its requests to the other engines meanwhile"
-            if others
-            else "the run waits for it (its groups in flight are dropped as engine_error)"
-        )
         self.say(
             f"{child.name} {ended(child)} (log: {child.log_path}); starting it again on port "
-            f"{port} (restart {self.used} of {self.limit}, --engine-restarts); {meanwhile}"
+            f"{port} (restart {self.used[kind]} of {self.limits[kind]}, --{kind}-restarts); "
+            f"{self.meanwhile(child)}"
         )
+        if child.name in self.watchdog.health_urls:
+            self.unwatched[child.name] = self.watchdog.health_urls.pop(child.name)
         again = self.supervisor.restart(child, ["--port", str(port)])
         self.starting[child.name] = (again, time.monotonic())
         return True
 
+    def meanwhile(self, child: Child) -> str:
+        """What the run does without `child`."""
+        if child.name == "router":
+            return (
+                "the trainer trains on what is buffered meanwhile; the groups it had in flight "
+                "are dropped as cancelled and drawn again, its open agent sessions are lost"
+            )
+        if any(c.name.startswith("engine") and c != child for c in self.supervisor.children):
+            return "the router sends its requests to the other engines meanwhile"
+        return "the run waits for it (its groups in flight are dropped as engine_error)"
+
     def check(self) -> str:
-        """Say which restarted engines are up; why the run must end ("" if it need not): one
+        """Say which restarted services are up; why the run must end ("" if it need not): one
         that did not come up within the start-up bound."""
         for name, (child, started) in list(self.starting.items()):
             if child.ready_file is not None and child.ready_file.exists():
                 del self.starting[name]
-                self.say(
-                    f"{name} is up again ({time.monotonic() - started:.0f} s): the router has the "
-                    "broker bring it to the current weights before it gets requests"
-                )
+                if name in self.unwatched:
+                    self.watchdog.health_urls[name] = self.unwatched.pop(name)
+                    self.watchdog.failures[name] = 0
+                up = f"{name} is up again ({time.monotonic() - started:.0f} s)"
+                if name.startswith("engine"):
+                    up += ": the router has the broker bring it to the current weights first"
+                self.say(up)
             elif time.monotonic() - started > self.timeout_s:
                 return (
                     f"{name} was restarted and not ready after {self.timeout_s:.0f} s "

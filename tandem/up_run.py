@@ -40,7 +40,7 @@ from tandem.supervisor import (
 )
 from tandem.up_args import lost_history, save_config
 from tandem.up_config import check_sample_fit, render, state_trainer_limits, write_run_config
-from tandem.up_engines import EngineRestarts, wait_engines_synced
+from tandem.up_engines import Restarts, wait_engines_synced
 from tandem.up_services import TRAINED_MODEL, service_args, shared_gpus, trains_in_bf16
 from tandem.watchdog import Watchdog
 
@@ -272,9 +272,9 @@ class UpRun:
         watchdog = Watchdog(
             buffer, self.health_urls, config.stall_warn_s, config.by_model("stall_fail_s"), say
         )
-        restarts = EngineRestarts(
-            self.supervisor, config.engine_restarts, config.by_model("startup_timeout_s"), say
-        )
+        limits = {"engine": config.engine_restarts, "router": config.router_restarts}
+        timeout_s = config.by_model("startup_timeout_s")
+        restarts = Restarts(self.supervisor, limits, timeout_s, say, watchdog)
         redis_lost_at = 0.0  # when Redis stopped answering (0: it answers)
         while True:
             asked = time.monotonic()

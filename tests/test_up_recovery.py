@@ -329,3 +329,60 @@ def test_an_engine_that_dies_mid_run_is_started_again_and_past_the_bound_the_run
     assert "FAILED: engine0 was killed by SIGKILL (out of memory?)" in out
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["balanced"] and ledger["violations"] == 0, ledger
+
+
+def test_a_router_that_dies_mid_run_is_started_again_and_the_groups_it_held_are_drawn_again(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of the router (a router OOM-killed): tandem up starts it again on its port, out
+    of the health checks until it is up; the new router drops the groups the dead one left in
+    flight as cancelled, draws their prompts again, and the run trains on. A death past
+    --router-restarts ends the run naming it. The ledger balances throughout."""
+    run_dir = tmp_path / "run"
+    flags = ("--router-restarts", "1", "--stop-accuracy", "0", "--max-steps", "100000")
+    run = start_up(run_dir, *flags, "--time-limit-s", "300")
+    ready = run_dir / "logs" / "router.ready.json"
+
+    def router() -> psutil.Process | None:
+        for child in psutil.Process(run.pid).children():
+            with contextlib.suppress(psutil.Error):  # (the killed one, not yet reaped)
+                if "router.ready.json" in " ".join(child.cmdline()):
+                    return child
+        return None
+
+    try:
+        wait_until(lambda: trainer_steps(run_dir) >= 2, "two steps", 180)
+        url = json.loads(ready.read_text())["url"]
+        first = router()
+        assert first is not None
+        first.kill()
+        wait_until(lambda: (r := router()) is not None and r.pid != first.pid, "a new router")
+        wait_until(ready.exists, "the new router ready", 120)  # (its ready file: written anew)
+        step = trainer_steps(run_dir)
+        wait_until(lambda: trainer_steps(run_dir) >= step + 3, "steps after it", 120)
+        router().kill()  # type: ignore[union-attr]
+        out, _ = run.communicate(timeout=180)
+    finally:
+        if run.poll() is None:
+            run.terminate()
+            run.communicate(timeout=60)
+    assert run.returncode == 1, out[-3000:]
+    assert (
+        f"router was killed by SIGKILL (out of memory?) (log: {run_dir / 'logs' / 'router.log'}); "
+        f"starting it again on port {url.rsplit(':', 1)[1]} (restart 1 of 1, --router-restarts)"
+    ) in out
+    assert "router is up again (" in out
+    assert "router exited after 1 restarts (--router-restarts)" in out
+    assert "FAILED: router was killed by SIGKILL (out of memory?)" in out
+    assert "unhealthy" not in out, "not health-checked while it started again"
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["balanced"] and ledger["violations"] == 0, ledger
+    log = (run_dir / "logs" / "router.log").read_text()
+    left = [
+        int(line.split(" groups were in flight")[0].rsplit(" ", 1)[1])
+        for line in log.splitlines()
+        if "groups were in flight when the last router died" in line
+    ]
+    # the first router's groups in flight (none when it was waiting for the trainer) were
+    # dropped by the second, each once; the second's are in flight at the end
+    assert ledger["dropped_groups"].get("cancelled", 0) == sum(left), (left, ledger)

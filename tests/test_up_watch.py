@@ -192,7 +192,10 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
         # (the command quoted for a shell: the folder's name has a space)
         ("--run-dir", "my old"): "--run-dir my old holds a run already: continue it with "
         "tandem up --resume 'my old', or give another --run-dir",
-        ("--keep-checkpoints", "-1"): "--keep-checkpoints and --engine-restarts must be >= 0",
+        (
+            "--keep-checkpoints",
+            "-1",
+        ): "--keep-checkpoints, --engine-restarts and --router-restarts must be >= 0",
         ("--trainer-args=--kl-coef=0.1",): (
             "trainer: --kl-coef > 0 needs --ref-load (the frozen reference model)"
         ),
