@@ -107,3 +107,36 @@ def test_chat_template_variables_reach_every_render_and_a_turns_own_win(
     config.data.apply_chat_template_kwargs = "{enable_thinking: false}"
     with pytest.raises(ValueError, match="--apply-chat-template-kwargs: not JSON"):
         config.validate(model=False)
+
+
+def test_tools_reach_the_template_as_sglang_0_5_23_dumps_them() -> None:
+    """SGLang renders `Tool.model_dump()` (protocol.py: Function keeps the client's key order,
+    writes an absent description or parameters as null, strict and defer_loading only when
+    set, drops unknown keys; Tool adds its defer_loading): a prompt trained on reads as the
+    served model's."""
+    from services.rollout_router.chat_input import as_sglang_tool
+
+    given = {
+        "type": "function",
+        "function": {"parameters": {"type": "object"}, "name": "calc", "x": 1},
+    }
+    assert as_sglang_tool(given) == {
+        "type": "function",
+        "function": {"parameters": {"type": "object"}, "name": "calc", "description": None},
+        "defer_loading": None,
+    }
+    assert list(as_sglang_tool(given)["function"]) == ["parameters", "name", "description"]
+    deferred = {"function": {"name": "calc", "strict": True}, "defer_loading": True}
+    assert as_sglang_tool(deferred) == {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "strict": True,
+            "description": None,
+            "parameters": None,
+            "defer_loading": True,
+        },
+        "defer_loading": True,
+    }
+    order = ["name", "strict", "description", "parameters", "defer_loading"]
+    assert list(as_sglang_tool(deferred)["function"]) == order

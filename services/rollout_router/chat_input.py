@@ -112,9 +112,33 @@ def check_neutral(body: dict[str, Any]) -> None:
             )
 
 
+FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")
+
+
+def as_sglang_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """`tool` as SGLang 0.5.23 hands it to the chat template (its `Tool.model_dump()`), so that
+    a prompt trained on reads as the served model's will: the function's known fields only, an
+    absent `description` or `parameters` as null, `strict` and `defer_loading` only when set (the
+    tool's `defer_loading` passed down), the client's key order first; the tool's
+    `defer_loading` kept, null when absent."""
+    given = tool["function"]
+    function = {k: given.get(k) for k in FUNCTION_FIELDS}
+    if function["defer_loading"] is None:
+        function["defer_loading"] = tool.get("defer_loading")
+    for key in ("strict", "defer_loading"):
+        if function[key] is None:
+            del function[key]
+    order = [k for k in given if k in function] + [k for k in function if k not in given]
+    return {
+        "type": tool.get("type", "function"),
+        "function": {k: function[k] for k in order},
+        "defer_loading": tool.get("defer_loading"),
+    }
+
+
 def template_inputs(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, dict[str, Any]]:
-    """(the tools the chat template lists, as given; None without tools or with tool_choice
-    "none"), and the request's chat_template_kwargs."""
+    """(the tools the chat template lists, as SGLang lists them (`as_sglang_tool`); None
+    without tools or with tool_choice "none"), and the request's chat_template_kwargs."""
     tools, choice = body.get("tools"), body.get("tool_choice") or "auto"
     if tools is not None and not (
         isinstance(tools, list)
@@ -134,7 +158,8 @@ def template_inputs(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, 
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise TurnError("chat_template_kwargs must be an object")
-    return (tools if tools and choice == "auto" else None), kwargs
+    listed = [as_sglang_tool(t) for t in tools] if tools and choice == "auto" else None
+    return listed, kwargs
 
 
 def sampling_params(body: dict[str, Any], stop_token_ids: list[int]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import aiohttp
 
 from proto import DropReason, Sample
 from services.rollout_router.calls import InFlight
+from services.rollout_router.chat_input import as_sglang_tool
 from services.rollout_router.config import EnvConfig
 from services.rollout_router.samples import Partial
 from services.rollout_router.tasks import Item, encode_prompt
@@ -85,11 +86,12 @@ def as_messages(value: list[Any], what: str) -> Messages:
 
 
 def as_tools(value: Any) -> Tools:
+    """/reset's tools, OpenAI-style ones as SGLang lists them to the chat template."""
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise EnvError(DropReason.ENV_ERROR, "/reset tools: expected a list of function schemas")
-    return value
+    return [as_sglang_tool(t) if isinstance(t.get("function"), dict) else t for t in value]
 
 
 class EpisodeRunner:
