@@ -140,3 +140,24 @@ def test_tools_reach_the_template_as_sglang_0_5_23_dumps_them() -> None:
     }
     order = ["name", "strict", "description", "parameters", "defer_loading"]
     assert list(as_sglang_tool(deferred)["function"]) == order
+
+
+def test_an_assistant_turns_tool_call_arguments_reach_the_template_as_an_object(
+    router: str,
+) -> None:
+    """As SGLang: a history's `function.arguments` (a JSON string, OpenAI's form) is parsed for
+    the template, and one that is no JSON object is answered 400 naming the message."""
+    from services.rollout_router.chat_input import check_messages
+
+    call = {"id": "c1", "type": "function", "function": {"name": "calculator"}}
+    said = {"role": "assistant", "content": "", "tool_calls": [call]}
+    history = [*QUESTION, said, {"role": "tool", "content": "5"}]
+    call["function"]["arguments"] = '{"expression": "2+3"}'
+    (parsed,) = check_messages(history)[1]["tool_calls"]
+    assert parsed["function"]["arguments"] == {"expression": "2+3"}
+    assert call["function"]["arguments"] == '{"expression": "2+3"}', "the request is not changed"
+    assert turn(router, "t1", messages=history, tools=TOOLS).status_code == 200
+    call["function"]["arguments"] = "[1, 2]"
+    reply = turn(router, "t2", messages=history, tools=TOOLS)
+    assert reply.status_code == 400
+    assert "messages[1].tool_calls: function.arguments must be a JSON object" in reply.text

@@ -34,7 +34,31 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
             raise TurnError(f"messages[{i}].content must be a string, a list of parts or null")
-    return messages
+    return [with_parsed_arguments(m, i) for i, m in enumerate(messages)]
+
+
+def with_parsed_arguments(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """An assistant message's tool calls with their JSON `arguments` as objects, as SGLang hands
+    them to the chat template (a template then writes them as it writes its own); TurnError
+    when one is not a JSON object."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        return message
+    parsed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                arguments = json.loads(function["arguments"])
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise TurnError(
+                    f"messages[{index}].tool_calls: function.arguments must be a JSON object"
+                )
+            call = {**call, "function": {**function, "arguments": arguments}}
+        parsed.append(call)
+    return {**message, "tool_calls": parsed}
 
 
 def message_chars(messages: list[dict[str, Any]]) -> int:
