@@ -278,15 +278,24 @@ def test_a_redis_url_nobody_answers_fails_the_start_naming_the_flag(tmp_path: Pa
     assert "check --redis-url or REDIS_URL" in out and "Traceback" not in out
 
 
+@pytest.mark.parametrize("transport", ["zmq", "nccl"])
 def test_an_engine_that_dies_mid_run_is_started_again_and_past_the_bound_the_run_ends(
-    tmp_path: Path,
+    tmp_path: Path, transport: str
 ) -> None:
     """kill -9 of an engine (an engine OOM-killed): tandem up starts it again on its port, the
     router has it brought to the current weights and sends it requests again, the run trains
-    on; a death past --engine-restarts ends the run naming it. No group is lost either way."""
+    on; a death past --engine-restarts ends the run naming it. No group is lost either way.
+    With NCCL (over gloo here) the broker keeps no copy of the weights: it asks the trainer to
+    send the version again (the run waited for ever: no engine, so no samples, so no version)."""
     run_dir = tmp_path / "run"
     flags = ("--engine-restarts", "1", "--stop-accuracy", "0", "--max-steps", "100000")
-    run = start_up(run_dir, *flags, "--time-limit-s", "300")
+    # (one engine with NCCL: no other one serves, so no new version comes meanwhile)
+    more = (
+        "--weight-transport",
+        transport,
+        *(("--num-engines", "1") if transport == "nccl" else ()),
+    )
+    run = start_up(run_dir, *flags, "--time-limit-s", "300", *more)
     ready = run_dir / "logs" / "router.ready.json"
 
     def engine0() -> psutil.Process | None:
@@ -329,6 +338,9 @@ def test_an_engine_that_dies_mid_run_is_started_again_and_past_the_bound_the_run
     assert "FAILED: engine0 was killed by SIGKILL (out of memory?)" in out
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["balanced"] and ledger["violations"] == 0, ledger
+    if transport == "nccl":
+        trainer = (run_dir / "logs" / "trainer.log").read_text()
+        assert "the broker asks for version" in trainer and "again: re-sending" in trainer
 
 
 def test_a_router_that_dies_mid_run_is_started_again_and_the_groups_it_held_are_drawn_again(

@@ -417,7 +417,8 @@ class WorkerPool:
             worker.model_info = worker.model_info or info
             reported = parse_version(info.get("weight_version"))
             restarted = reported < worker.weight_version
-            if restarted:  # from its load weights
+            if restarted:  # from its load weights (the version it had was served: reached)
+                self.version_reached = max(self.version_reached, worker.weight_version)
                 self._take_out(worker)
                 worker.last_error = (
                     f"restarted: serves weight version {reported}, had {worker.weight_version}"
@@ -433,7 +434,7 @@ class WorkerPool:
                     f"{self._behind(worker, target)}, for {self.config.broker_retry_s:g} s"
                 )
                 log.warning("took %s out: %s", worker.url, worker.last_error)
-            if reported >= target:
+            if reported >= max(target, self.version_reached):
                 worker.healthy, worker.last_error = True, ""
                 self.version_reached = max(self.version_reached, reported)
                 log.info("re-admitted %s at weight version %d", worker.url, reported)

@@ -218,6 +218,12 @@ class WeightBroker:
             )
             waiting = f"engines on weight version {latest}: {engines}"
             state = "syncing"
+            now = time.monotonic()
+            if not self.transport.keeps_versions and any(  # (NCCL: a restarted engine)
+                e.in_rotation and not e.syncing and now >= e.retry_at for e in behind
+            ):
+                waiting += "; the trainer is asked to send it again (this broker keeps no copy)"
+                self._ask_resend(latest)
         elif announced > max(latest, 0):
             waiting = (
                 f"weight version {announced}, which the trainer announced but this broker has "

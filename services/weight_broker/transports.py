@@ -58,6 +58,7 @@ class WeightTransport(Protocol):
     intake_endpoint: str  # where the trainer sends versions
     serve_endpoint: str  # where engines fetch them ('' when they do not)
     retry_backoff_s: float  # when a failed engine is tried again (NCCL: once registered again)
+    keeps_versions: bool  # it can bring an engine to the latest version without the trainer
 
     async def next_version(self, wake: asyncio.Event) -> int: ...
 
@@ -109,6 +110,7 @@ class ZmqTransport:
     each version from our ROUTER socket."""
 
     retry_backoff_s = 5.0
+    keeps_versions = True
 
     def __init__(self, keep_versions: int = 2) -> None:
         self.store = VersionStore(keep_versions)
