@@ -47,6 +47,28 @@ def start_up(run_dir: Path, *flags: str) -> subprocess.Popen:
     )
 
 
+def service_process(run: subprocess.Popen, name: str) -> psutil.Process | None:
+    """The live process of service `name` of a `tandem up` run (by its ready file's flag)."""
+    for child in psutil.Process(run.pid).children():
+        with contextlib.suppress(psutil.Error):  # (a killed one, not yet reaped)
+            if f"{name}.ready.json" in " ".join(child.cmdline()):
+                return child
+    return None
+
+
+def restarts_told(out: str, run_dir: Path, name: str, flag: str, port: str) -> None:
+    """The console of a run whose service `name` was killed, started again once on `port`,
+    and killed again past `flag`'s bound of 1."""
+    log = run_dir / "logs" / f"{name}.log"
+    assert (
+        f"{name} was killed by SIGKILL (out of memory?) (log: {log}); "
+        f"starting it again on port {port} (restart 1 of 1, {flag})"
+    ) in out
+    assert f"{name} is up again (" in out
+    assert f"{name} exited after 1 restarts ({flag})" in out
+    assert f"FAILED: {name} was killed by SIGKILL (out of memory?)" in out
+
+
 def redis_of(run: subprocess.Popen) -> psutil.Process:
     """The Redis server `tandem up` started for its run."""
     children = psutil.Process(run.pid).children(recursive=True)
@@ -299,11 +321,7 @@ def test_an_engine_that_dies_mid_run_is_started_again_and_past_the_bound_the_run
     ready = run_dir / "logs" / "router.ready.json"
 
     def engine0() -> psutil.Process | None:
-        for child in psutil.Process(run.pid).children():
-            with contextlib.suppress(psutil.Error):  # (the killed one, not yet reaped)
-                if "engine0.ready.json" in " ".join(child.cmdline()):
-                    return child
-        return None
+        return service_process(run, "engine0")
 
     try:
         wait_until(lambda: trainer_steps(run_dir) >= 2, "two steps", 180)
@@ -329,13 +347,7 @@ def test_an_engine_that_dies_mid_run_is_started_again_and_past_the_bound_the_run
             run.terminate()
             run.communicate(timeout=60)
     assert run.returncode == 1, out[-3000:]
-    assert (
-        f"engine0 was killed by SIGKILL (out of memory?) (log: {run_dir / 'logs' / 'engine0.log'}); "
-        f"starting it again on port {url.rsplit(':', 1)[1]} (restart 1 of 1, --engine-restarts)"
-    ) in out
-    assert "engine0 is up again (" in out
-    assert "engine0 exited after 1 restarts (--engine-restarts)" in out
-    assert "FAILED: engine0 was killed by SIGKILL (out of memory?)" in out
+    restarts_told(out, run_dir, "engine0", "--engine-restarts", url.rsplit(":", 1)[1])
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["balanced"] and ledger["violations"] == 0, ledger
     if transport == "nccl":
@@ -356,11 +368,7 @@ def test_a_router_that_dies_mid_run_is_started_again_and_the_groups_it_held_are_
     ready = run_dir / "logs" / "router.ready.json"
 
     def router() -> psutil.Process | None:
-        for child in psutil.Process(run.pid).children():
-            with contextlib.suppress(psutil.Error):  # (the killed one, not yet reaped)
-                if "router.ready.json" in " ".join(child.cmdline()):
-                    return child
-        return None
+        return service_process(run, "router")
 
     try:
         wait_until(lambda: trainer_steps(run_dir) >= 2, "two steps", 180)
@@ -379,13 +387,7 @@ def test_a_router_that_dies_mid_run_is_started_again_and_the_groups_it_held_are_
             run.terminate()
             run.communicate(timeout=60)
     assert run.returncode == 1, out[-3000:]
-    assert (
-        f"router was killed by SIGKILL (out of memory?) (log: {run_dir / 'logs' / 'router.log'}); "
-        f"starting it again on port {url.rsplit(':', 1)[1]} (restart 1 of 1, --router-restarts)"
-    ) in out
-    assert "router is up again (" in out
-    assert "router exited after 1 restarts (--router-restarts)" in out
-    assert "FAILED: router was killed by SIGKILL (out of memory?)" in out
+    restarts_told(out, run_dir, "router", "--router-restarts", url.rsplit(":", 1)[1])
     assert "unhealthy" not in out, "not health-checked while it started again"
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["balanced"] and ledger["violations"] == 0, ledger
