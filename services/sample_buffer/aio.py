@@ -88,8 +88,11 @@ class AsyncSampleBuffer(BufferKeys):
         return keys.depth_of(*await io(pipe.execute()))
 
     async def backlog(self) -> int:
-        """Groups put and not yet consumed by the trainer (what --max-buffer-depth bounds)."""
-        return keys.backlog(await self.counters())
+        """Groups put and not yet consumed by the trainer (what --max-buffer-depth bounds):
+        the two counters only (the router reads it while the buffer is full, often)."""
+        names = ("groups_put", "groups_consumed")
+        values = await io(self.redis.hmget(self.counters_key, names))
+        return keys.backlog({n: int(v) for n, v in zip(names, values, strict=True) if v})
 
     async def put_batch(self, groups: list[SampleGroup | PackedGroup]) -> tuple[list[str], int]:
         """Append groups in one ledger PUT (one script call, atomic: the XADDs of their
