@@ -332,32 +332,6 @@ def test_an_openai_client_session_becomes_a_training_sample_with_exact_tokens(
     assert httpx.post(router.url + "/sessions/s1/reward", json={"reward": 1}).status_code == 404
 
 
-def test_session_turns_are_clipped_to_what_the_trainer_takes_and_a_full_prompt_refused(
-    buffer, chat_model_dir, start_service, engines
-):
-    buffer.set_limits(SampleLimits(max_tokens=8, max_response_len=100))  # as the trainer does
-    router = start_service(
-        "router", router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
-    )
-    url, session = router.url + "/v1/chat/completions", {"X-Session-Id": "s1"}
-    messages = [{"role": "user", "content": "1234"}]  # 6 tokens with the template's
-    for max_tokens in (None, 50):  # the default, and more than the trainer takes
-        body = {"messages": messages, **({"max_tokens": max_tokens} if max_tokens else {})}
-        turn = httpx.post(url, json=body, headers=session).json()
-        assert turn["usage"]["prompt_tokens"] + turn["usage"]["completion_tokens"] == 8
-        assert turn["choices"][0]["finish_reason"] == "length", (turn["usage"], turn["choices"])
-    messages = [{"role": "user", "content": "1234567890"}]
-    full = httpx.post(url, json={"messages": messages}, headers=session)
-    assert full.status_code == 400
-    assert "the prompt (12 tokens) fills the 8 tokens the run's trainer takes in a sample" in (
-        full.text
-    ), full.text
-    assert "--max-tokens-per-gpu" in full.text
-    assert httpx.post(router.url + "/sessions/s1/reward", json={"reward": 1}).status_code == 200
-    (group,) = read_all(buffer)
-    assert all(len(s.prompt_ids) + len(s.response_ids) <= 8 for s in group.samples)
-
-
 def test_sessions_of_one_group_become_one_sample_group(
     buffer, chat_model_dir, start_service, engines
 ):

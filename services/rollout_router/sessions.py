@@ -31,6 +31,7 @@ import aiohttp
 import orjson
 
 from proto import DropReason, DropRecord, Sample
+from proto.contract import SampleLimits
 from proto.packed import IDS, LOGPROBS, PackedGroup, PackedSample, pack_sample
 from services.rollout_router.backpressure import BufferBound
 from services.rollout_router.chat_input import (
@@ -115,6 +116,15 @@ class Session:
         self.turns.append(turn)
         self.context = prompt + turn.ids
 
+    def response_before(self, prompt_ids: list[int]) -> int:
+        """Response tokens a turn on `prompt_ids` finds in the sample it merges into: the
+        tokens after that sample's first prompt (0: the turn starts a sample)."""
+        n = len(self.context)
+        if not self.turns or self.context.tolist() != prompt_ids[:n]:
+            return 0
+        start = next(turn for turn in reversed(self.turns) if not turn.extends)
+        return len(prompt_ids) - len(start.prompt)
+
 
 def session_samples(session: Session, reward: float) -> list[Sample]:
     """The session's turns merged by exact prefix (docs/protocols.md)."""
@@ -172,6 +182,11 @@ class SessionStore:
         if session is None:
             session = self.sessions[session_id] = Session(session_id)
         session.record(prompt_ids, partial)
+
+    def response_before(self, session_id: str, prompt_ids: list[int]) -> int:
+        """`Session.response_before` (0 for a new session)."""
+        session = self.sessions.get(session_id)
+        return session.response_before(prompt_ids) if session is not None else 0
 
     def close(self, session_id: str) -> Session:
         """Remove and return the session; KeyError when unknown (or expired)."""
@@ -288,7 +303,8 @@ class AgentSessions:
         self.first_messages: dict[str, str] = {}
         self._context_length: int | None = None  # 0: unknown (no clipping)
         self.parse_tool_calls = PARSERS[config.session_tool_call_parser] or (lambda _: ([], []))
-        self._trainer_tokens = (-math.inf, 0)  # (when read, the value): `trainer_tokens`
+        # (when read, the value): `trainer_limits`
+        self._trainer_limits: tuple[float, SampleLimits | None] = (-math.inf, None)
 
     def render(
         self,
@@ -338,15 +354,8 @@ class AgentSessions:
                         f"length ({context} tokens)"
                     )
                 asked = min(asked, context - len(input_ids))
-        if budget := await self.trainer_tokens():  # the sample must fit the trainer
-            if len(input_ids) >= budget:
-                raise TurnError(
-                    f"the prompt ({len(input_ids)} tokens) fills the {budget} tokens the run's "
-                    "trainer takes in a sample (its --max-tokens-per-gpu): a longer sample is "
-                    "dead-lettered, never trained; end the session (post its reward), or "
-                    "raise the trainer's --max-tokens-per-gpu"
-                )
-            asked = min(asked, budget - len(input_ids))  # (finish "length" where it ends)
+        if (room := await self.trainer_room(session_id, input_ids)) is not None:
+            asked = min(asked, room)  # (finish "length" where the sample would not fit)
         params["max_new_tokens"] = asked
         if tools:  # (as SGLang: a tool call's tags may be special tokens)
             params["skip_special_tokens"] = False
@@ -367,15 +376,40 @@ class AgentSessions:
             partial, str(body.get("model", "tandem")), len(input_ids), texts, parse
         )
 
-    async def trainer_tokens(self) -> int:
-        """The most tokens the run's trainer takes in a sample (0: no trainer has stated
-        them), read from Redis at most every TRAINER_LIMITS_S."""
-        read_at, tokens = self._trainer_tokens
+    async def trainer_room(self, session_id: str, input_ids: list[int]) -> int | None:
+        """The most tokens a turn on `input_ids` may generate for its sample to be one the
+        run's trainer takes (its stated limits; None: no trainer has stated them). TurnError
+        naming the trainer's flag when the sample already fills them."""
+        if (limits := await self.trainer_limits()) is None:
+            return None
+        budget = limits.max_tokens
+        if len(input_ids) >= budget:
+            raise TurnError(
+                f"the prompt ({len(input_ids)} tokens) fills the {budget} tokens the run's "
+                "trainer takes in a sample (its --max-tokens-per-gpu): a longer sample is "
+                "dead-lettered, never trained; end the session (post its reward), or "
+                "raise the trainer's --max-tokens-per-gpu"
+            )
+        before = self.store.response_before(session_id, input_ids)
+        if before >= limits.max_response_len:
+            raise TurnError(
+                f"the session's sample already holds {before} response tokens (its turns "
+                "and the messages between them), the most the run's trainer takes (its "
+                f"--max-response-len {limits.max_response_len}): a longer sample is "
+                "dead-lettered, never trained; end the session (post its reward), start "
+                "the next turn on messages that do not extend this conversation, or raise "
+                "the trainer's --max-response-len"
+            )
+        return min(budget - len(input_ids), limits.max_response_len - before)
+
+    async def trainer_limits(self) -> SampleLimits | None:
+        """The longest sample the run's trainer takes (None: no trainer has stated it), read
+        from Redis at most every TRAINER_LIMITS_S."""
+        read_at, limits = self._trainer_limits
         if time.monotonic() - read_at >= TRAINER_LIMITS_S:
             limits = await self.buffer.sample_limits()
-            tokens = limits.max_tokens if limits is not None else 0
-            self._trainer_tokens = time.monotonic(), tokens
-        return tokens
+            self._trainer_limits = time.monotonic(), limits
+        return limits
 
     async def context_length(self, session_id: str) -> int | None:
         """The engines' context length (`/server_info`, else the model's config), once."""

@@ -1,0 +1,87 @@
+"""Agent session turns held to what the run's trainer takes in a sample (its stated limits,
+`tandem:{run}:limits`): a turn ends with finish `length` where its sample would stop fitting,
+and a turn whose sample already fills a limit is answered 400 naming the trainer's flag. A
+real router in front of a reference engine serving the toy model (it reverses digits)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proto.contract import SampleLimits
+from tests.helpers import read_all, with_chat_template
+from tests.test_router_agents import CHAT_TEMPLATE, router_args
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return with_chat_template(
+        toy_model_dir, tmp_path_factory.mktemp("limits") / "model", CHAT_TEMPLATE
+    )
+
+
+def chat(
+    router: str, session: str, messages: list[dict[str, str]], **body: object
+) -> httpx.Response:
+    headers = {"X-Session-Id": session}
+    return httpx.post(
+        router + "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 20, **body},
+        headers=headers,
+    )
+
+
+def test_session_turns_are_clipped_to_what_the_trainer_takes_and_a_full_prompt_refused(
+    buffer, chat_model_dir, start_service, engines
+):
+    buffer.set_limits(SampleLimits(max_tokens=8, max_response_len=100))  # as the trainer does
+    router = start_service(
+        "router", router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
+    )
+    url, session = router.url + "/v1/chat/completions", {"X-Session-Id": "s1"}
+    messages = [{"role": "user", "content": "1234"}]  # 6 tokens with the template's
+    for max_tokens in (None, 50):  # the default, and more than the trainer takes
+        body = {"messages": messages, **({"max_tokens": max_tokens} if max_tokens else {})}
+        turn = httpx.post(url, json=body, headers=session).json()
+        assert turn["usage"]["prompt_tokens"] + turn["usage"]["completion_tokens"] == 8
+        assert turn["choices"][0]["finish_reason"] == "length", (turn["usage"], turn["choices"])
+    messages = [{"role": "user", "content": "1234567890"}]
+    full = httpx.post(url, json={"messages": messages}, headers=session)
+    assert full.status_code == 400
+    assert "the prompt (12 tokens) fills the 8 tokens the run's trainer takes in a sample" in (
+        full.text
+    ), full.text
+    assert "--max-tokens-per-gpu" in full.text
+    assert httpx.post(router.url + "/sessions/s1/reward", json={"reward": 1}).status_code == 200
+    (group,) = read_all(buffer)
+    assert all(len(s.prompt_ids) + len(s.response_ids) <= 8 for s in group.samples)
+
+
+def test_a_session_sample_is_held_to_the_trainers_response_length(
+    buffer, chat_model_dir, start_service, engines
+):
+    """A reference engine answers a two-digit prompt reversed, others `4 5 <eos>`. Before,
+    only the sample's whole length was bounded: a merged sample whose response
+    (its turns and the messages between them) outgrew --max-response-len was dead-lettered
+    as too_long at the trainer, never trained."""
+    buffer.set_limits(SampleLimits(max_tokens=100, max_response_len=2))
+    router = start_service(
+        "router", router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
+    ).url
+    messages = [{"role": "user", "content": "12"}]  # prompt [<bos> 1 2 >]
+    first = chat(router, "s1", messages).json()  # `2 1 <eos>`, cut where the bound ends
+    assert first["usage"]["completion_tokens"] == 2, first
+    assert first["choices"][0]["message"]["content"] == "21"
+    assert first["choices"][0]["finish_reason"] == "length"
+    messages += [{"role": "assistant", "content": "21"}, {"role": "user", "content": "3"}]
+    full = chat(router, "s1", messages)  # merges: 2 response + `<eos> 3 >` between
+    assert full.status_code == 400, full.text
+    assert "already holds 5 response tokens" in full.text, full.text
+    assert "--max-response-len 2" in full.text
+    fresh = chat(router, "s1", [{"role": "user", "content": "5"}])  # a sample of its own
+    assert fresh.status_code == 200, fresh.text
+    assert httpx.post(f"{router}/sessions/s1/reward", json={"reward": 1}).is_success
+    (group,) = read_all(buffer)
+    assert sorted(len(s.response_ids) for s in group.samples) == [2, 2], group.samples
