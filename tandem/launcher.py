@@ -171,6 +171,14 @@ class UpConfig:
             "again); past that the run ends naming it."
         },
     )
+    broker_restarts: int = field(
+        default=3,
+        metadata={
+            "help": "Times in a run the weight broker, when it exits, is started again on its "
+            "port and weight intake (engines serve the weights they hold meanwhile); never "
+            "with --weight-transport nccl (its NCCL groups end with it): the run ends naming it."
+        },
+    )
     keep_checkpoints: int = field(
         default=2,
         metadata={
@@ -418,10 +426,10 @@ def validate(config: UpConfig) -> list[str]:
     if config.stop_timeout_s <= 0 or config.stall_warn_s <= 0:
         problems.append("--stop-timeout-s and --stall-warn-s must be positive")
     counts = config.save_interval, config.keep_checkpoints, config.engine_restarts
-    if min(*counts, config.router_restarts) < 0:
+    if min(*counts, config.router_restarts, config.broker_restarts) < 0:
         problems.append(
-            "--save-interval, --keep-checkpoints, --engine-restarts and --router-restarts "
-            "must be >= 0"
+            "--save-interval, --keep-checkpoints, --engine-restarts, --router-restarts and "
+            "--broker-restarts must be >= 0"
         )
     own = service_args(config, "run", Path(config.model or "model"), "redis://", passthrough=False)
     passthrough = {

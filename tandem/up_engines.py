@@ -1,5 +1,5 @@
-"""The run's engines and router in `tandem up`: restarted when they exit mid-run; the engines
-synced at its end.
+"""The run's engines, router and broker in `tandem up`: restarted when they exit mid-run; the
+engines synced at its end.
 
 An inference engine is the service most likely to die under a long run (out of memory, a driver
 fault) and the one the run can best do without for a while: the router takes it out of the
@@ -8,9 +8,14 @@ older weight version, so the router has the broker bring it to the current one b
 traffic again (rollout_router/workers.py). The router holds the most in memory (the dataset,
 agent sessions); while it is down the trainer trains on what is buffered, and a router started
 again on its port drops the groups the dead one left in flight (`cancelled`) and draws their
-prompts again (sample_buffer/ledger.py), the agent sessions open in it lost. `tandem up`
-restarts each kind up to `--engine-restarts` / `--router-restarts` times in a run; past that,
-or when one does not come back within `--startup-timeout-s`, the run ends naming it.
+prompts again (sample_buffer/ledger.py), the agent sessions open in it lost. The broker holds
+no weights the run needs (zmq transport): while it is down the engines serve what they hold and
+the trainer's sends wait (up to 120 s); started again on its port and weight intake,
+it asks the trainer for its latest version when the engines are behind (`version:resend`).
+Under NCCL its process groups with the trainer and engines end with it: never restarted.
+`tandem up` restarts each kind up to `--engine-restarts` / `--router-restarts` /
+`--broker-restarts` times in a run; past that, or when one does not come back within
+`--startup-timeout-s`, the run ends naming it.
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ from tandem.watchdog import Watchdog
 
 
 class Restarts:
-    """Up to `limits[kind]` restarts of the engines and of the router ("engine", "router") in a
-    run, each on its port; `check` each round. A restarting service is out of the watchdog's
+    """Up to `limits[kind]` restarts of the engines, the router and the broker ("engine",
+    "router", "broker") in a run, each on its port; `check` each round. A restarting service is out of the watchdog's
     health checks until it is up."""
 
     def __init__(
@@ -46,8 +51,8 @@ class Restarts:
         self.unwatched: dict[str, str] = {}  # name -> its health URL, while it starts again
 
     def restart(self, child: Child) -> bool:
-        """Start `child` again if it is an engine or the router and restarts are left (saying
-        so); False when the run must end on its exit."""
+        """Start `child` again if it is an engine, the router or the broker and restarts are
+        left (saying so); False when the run must end on its exit."""
         kind = next((k for k in self.limits if child.name.startswith(k)), "")
         if not kind or self.used[kind] >= self.limits[kind]:
             if kind and self.limits[kind]:
@@ -64,7 +69,10 @@ class Restarts:
         )
         if child.name in self.watchdog.health_urls:
             self.unwatched[child.name] = self.watchdog.health_urls.pop(child.name)
-        again = self.supervisor.restart(child, ["--port", str(port)])
+        same = ["--port", str(port)]
+        if kind == "broker":  # (where the trainer sends its weights)
+            same += ["--intake-endpoint", child.info["intake_endpoint"]]
+        again = self.supervisor.restart(child, same)
         self.starting[child.name] = (again, time.monotonic())
         return True
 
@@ -75,6 +83,8 @@ class Restarts:
                 "the trainer trains on what is buffered meanwhile; the groups it had in flight "
                 "are dropped as cancelled and drawn again, its open agent sessions are lost"
             )
+        if child.name == "broker":
+            return "the engines serve the weights they hold meanwhile"
         if any(c.name.startswith("engine") and c != child for c in self.supervisor.children):
             return "the router sends its requests to the other engines meanwhile"
         return "the run waits for it (its groups in flight are dropped as engine_error)"

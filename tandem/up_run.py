@@ -273,6 +273,7 @@ class UpRun:
             buffer, self.health_urls, config.stall_warn_s, config.by_model("stall_fail_s"), say
         )
         limits = {"engine": config.engine_restarts, "router": config.router_restarts}
+        limits["broker"] = config.broker_restarts if config.weight_transport == "zmq" else 0
         timeout_s = config.by_model("startup_timeout_s")
         restarts = Restarts(self.supervisor, limits, timeout_s, say, watchdog)
         redis_lost_at = 0.0  # when Redis stopped answering (0: it answers)

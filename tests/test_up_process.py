@@ -84,7 +84,7 @@ def test_a_short_run_changes_the_engines_weights_and_raises_the_reward(tmp_path:
     assert printed.returncode == 0 and "balanced" in printed.stdout, printed.stdout + printed.stderr
 
 
-def start_up_in_background(run_dir: Path) -> subprocess.Popen:
+def start_up_in_background(run_dir: Path, *flags: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -97,6 +97,7 @@ def start_up_in_background(run_dir: Path) -> subprocess.Popen:
             "300",
             "--stop-accuracy",
             "0",
+            *flags,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -145,9 +146,10 @@ def test_environment_episodes_are_cut_to_what_the_trainer_takes_from_the_first_o
 
 def test_a_dying_service_stops_every_other_one_and_fails_the_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = start_up_in_background(run_dir)
+    # (the broker, not started again: engines, the router and the broker are, by default,
+    # test_up_recovery.py)
+    proc = start_up_in_background(run_dir, "--broker-restarts", "0")
     children = psutil.Process(proc.pid).children(recursive=True)
-    # (the broker: engines and the router are started again, test_up_recovery.py)
     os.kill(service_pids(run_dir)["broker"], signal.SIGKILL)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1

@@ -355,12 +355,14 @@ def test_an_engine_that_dies_mid_run_is_started_again_and_past_the_bound_the_run
         assert "the broker asks for version" in trainer and "again: re-sending" in trainer
 
 
-def test_a_router_that_dies_mid_run_is_started_again_and_the_groups_it_held_are_drawn_again(
+def test_a_router_or_broker_that_dies_mid_run_is_started_again_and_the_run_trains_on(
     tmp_path: Path,
 ) -> None:
     """kill -9 of the router (a router OOM-killed): tandem up starts it again on its port, out
     of the health checks until it is up; the new router drops the groups the dead one left in
-    flight as cancelled, draws their prompts again, and the run trains on. A death past
+    flight as cancelled, draws their prompts again, and the run trains on. Then kill -9 of the
+    broker: started again on its port and weight intake, the engines reach later versions
+    through it (before, every broker death ended the run). A router death past
     --router-restarts ends the run naming it. The ledger balances throughout."""
     run_dir = tmp_path / "run"
     flags = ("--router-restarts", "1", "--stop-accuracy", "0", "--max-steps", "100000")
@@ -380,6 +382,21 @@ def test_a_router_that_dies_mid_run_is_started_again_and_the_groups_it_held_are_
         wait_until(ready.exists, "the new router ready", 120)  # (its ready file: written anew)
         step = trainer_steps(run_dir)
         wait_until(lambda: trainer_steps(run_dir) >= step + 3, "steps after it", 120)
+        broker = service_process(run, "broker")
+        assert broker is not None
+        broker_url = json.loads((run_dir / "logs" / "broker.ready.json").read_text())["url"]
+        broker.kill()
+        wait_until(
+            lambda: (b := service_process(run, "broker")) is not None and b.pid != broker.pid,
+            "a new broker",
+        )
+        step = trainer_steps(run_dir)
+
+        def engines_past(version: int) -> bool:
+            workers = httpx.get(f"{url}/workers").json()["workers"]
+            return min(w["weight_version"] for w in workers) > version
+
+        wait_until(lambda: engines_past(step + 1), "the engines on later versions", 120)
         router().kill()  # type: ignore[union-attr]
         out, _ = run.communicate(timeout=180)
     finally:
@@ -389,6 +406,12 @@ def test_a_router_that_dies_mid_run_is_started_again_and_the_groups_it_held_are_
     assert run.returncode == 1, out[-3000:]
     restarts_told(out, run_dir, "router", "--router-restarts", url.rsplit(":", 1)[1])
     assert "unhealthy" not in out, "not health-checked while it started again"
+    broker_log = run_dir / "logs" / "broker.log"
+    assert (
+        f"broker was killed by SIGKILL (out of memory?) (log: {broker_log}); starting it again "
+        f"on port {broker_url.rsplit(':', 1)[1]} (restart 1 of 3, --broker-restarts)"
+    ) in out
+    assert "broker is up again (" in out
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["balanced"] and ledger["violations"] == 0, ledger
     log = (run_dir / "logs" / "router.log").read_text()

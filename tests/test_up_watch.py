@@ -195,7 +195,7 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
         (
             "--keep-checkpoints",
             "-1",
-        ): "--keep-checkpoints, --engine-restarts and --router-restarts must be >= 0",
+        ): "--engine-restarts, --router-restarts and --broker-restarts must be >= 0",
         ("--trainer-args=--kl-coef=0.1",): (
             "trainer: --kl-coef > 0 needs --ref-load (the frozen reference model)"
         ),
