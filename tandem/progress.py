@@ -177,7 +177,10 @@ class RunProgress:
         ax.set_xlabel("trainer step (weight version)")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+        if train or evals:
+            ax.legend(loc="lower right")
+        else:  # (a legend of nothing is a warning on the console)
+            ax.text(0.5, 0.5, "no step ran", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(f"Tandem run {self.run_dir.name}")
         fig.tight_layout()
         fig.savefig(path, dpi=110)

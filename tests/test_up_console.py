@@ -76,3 +76,18 @@ def test_an_evaluation_whose_every_prompt_failed_reports_no_accuracy(tmp_path: P
         in progress.sentences("done", 60.0, "task", ["2"])[0]
     )
     progress.close()
+
+
+def test_the_plot_of_a_run_where_no_step_ran_warns_nothing(tmp_path: Path) -> None:
+    """Before, matplotlib's warning of a legend of nothing reached the console at the end of a
+    run that failed before its first step."""
+    import warnings
+
+    progress = RunProgress(tmp_path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            path = progress.plot(tmp_path / "metrics.png")
+    finally:
+        progress.close()
+    assert path.stat().st_size > 0
