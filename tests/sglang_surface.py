@@ -8,7 +8,11 @@ Nothing of SGLang is imported as a package (`import sglang` pulls in its GPU ser
   `sglang/srt/managers/io_struct.py`, parsed with `ast`; `check_body` refuses a field the class
   does not have, a missing required field and a value of the wrong JSON type;
 - `/generate`: also SGLang's own contract gate, `sglang/api/v1/api_types.py` (generated,
-  msgspec only), loaded from its file: it refuses unknown `sampling_params` keys as SGLang does.
+  msgspec only), loaded from its file: it refuses unknown `sampling_params` keys as SGLang does;
+- chat messages: how SGLang reads a chat template's content format and turns a message's content
+  into what the template gets (`sglang/srt/parser/jinja_template_utils.py`, loaded from its file
+  with the three names it takes from `sglang.srt.utils` stood in: they concern images and
+  video), and its `normalize_tool_content` (serving_chat.py, the function's source alone).
 
 Moving the pin: change `sglang==0.5.23` in the Makefile (and the note in README.md), reinstall
 with `pip install --no-deps sglang==X`, run `pytest tests/test_sglang_contract.py`: a route or a
@@ -213,6 +217,59 @@ def generate_problem(body: Any) -> str | None:
     except types.JsonContractError as exc:
         return f"/generate: {exc}"
     return check_body("GenerateReqInput", body)
+
+
+@functools.cache
+def template_utils() -> ModuleType:
+    """SGLang's `jinja_template_utils` module (content format, message content processing)."""
+    import sys
+
+    utils = ModuleType("sglang.srt.utils")  # (the real one imports SGLang's serving stack)
+    utils.GLM_MEDIA_CONFIG_KEYS = ()  # type: ignore[attr-defined]
+    utils.ImageData = utils.VideoData = dict  # type: ignore[attr-defined]
+    saved = sys.modules.get("sglang.srt.utils")
+    sys.modules["sglang.srt.utils"] = utils
+    try:
+        path = sglang_root() / "srt/parser/jinja_template_utils.py"
+        spec = importlib.util.spec_from_file_location("_sglang_jinja_template_utils", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            del sys.modules["sglang.srt.utils"]
+        else:
+            sys.modules["sglang.srt.utils"] = saved
+    return module
+
+
+@functools.cache
+def normalize_tool_content() -> Any:
+    """SGLang's `normalize_tool_content(role, content)` (serving_chat.py, its source alone)."""
+    path = sglang_root() / "srt/entrypoints/openai/serving_chat.py"
+    tree = ast.parse(path.read_text())
+    (fn,) = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef) and n.name == "normalize_tool_content"
+    ]
+    namespace: dict[str, Any] = {}
+    exec(compile(ast.Module([fn], []), str(path), "exec"), namespace)
+    return namespace["normalize_tool_content"]
+
+
+def template_messages(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    """What SGLang's jinja path hands `template` for `messages` given as its message classes
+    dump them (every field present, null when not given): serving_chat's loop over them."""
+    utils = template_utils()
+    form = utils.detect_jinja_template_content_format(template)
+    out = []
+    for message in messages:
+        message = {**message, "content": "" if message["content"] is None else message["content"]}
+        done = utils.process_content_for_template_format(message, form, [], [], [], [])
+        done["content"] = normalize_tool_content()(done["role"], done.get("content"))
+        out.append(done)
+    return out
 
 
 @functools.cache

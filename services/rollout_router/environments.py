@@ -14,6 +14,12 @@ from typing import Any
 import aiohttp
 
 from proto import DropReason, Sample
+from services.common.chat_messages import (
+    MessageError,
+    as_template_messages,
+    content_format,
+    template_of,
+)
 from services.rollout_router.calls import InFlight
 from services.rollout_router.chat_input import as_sglang_tool
 from services.rollout_router.config import EnvConfig
@@ -220,6 +226,12 @@ class EpisodeRunner:
         messages = as_messages(observation, "/step observation")
         if not self.templated:
             return joined(messages)
+        try:
+            messages = as_template_messages(
+                messages, content_format(template_of(self.tokenizer, tools))
+            )
+        except MessageError as exc:
+            raise EnvError(DropReason.ENV_ERROR, f"/step observation: {exc}") from exc
         history = [
             {"role": "user", "content": HISTORY_USER},
             {"role": "assistant", "content": HISTORY_TURN},

@@ -33,6 +33,7 @@ import orjson
 from proto import DropReason, DropRecord, Sample
 from proto.contract import SampleLimits
 from proto.packed import IDS, LOGPROBS, PackedGroup, PackedSample, pack_sample
+from services.common.chat_messages import MessageError
 from services.rollout_router.backpressure import BufferBound
 from services.rollout_router.chat_input import (
     TurnError,
@@ -343,6 +344,8 @@ class AgentSessions:
             input_ids = self.render(messages, tools, template)
         except TurnError:
             raise
+        except MessageError as exc:  # (one SGLang would refuse too)
+            raise TurnError(str(exc)) from exc
         except Exception as exc:  # the template refused them (jinja raise_exception, types)
             raise TurnError(f"messages do not fit the model's chat template: {exc}") from exc
         if asked is None:  # the default is clipped to what the context leaves

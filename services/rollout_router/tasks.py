@@ -23,6 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from services.common.chat_messages import (
+    MessageError,
+    as_template_messages,
+    content_format,
+    template_of,
+)
 from services.rollout_router.toy_task import is_exact, reverse_digits_split
 
 T = TypeVar("T")
@@ -91,9 +97,13 @@ def encode_prompt(
 ) -> tuple[int, ...]:
     """Prompt ids as the model sees them. Chat messages (or `chat=True`) go through the
     tokenizer's chat template with the generation prompt (and `tools`, for templates that list
-    them; `template`: more variables); plain text gets the tokenizer's own special tokens."""
+    them; `template`: more variables), as SGLang hands them to it (`as_template_messages`:
+    MessageError naming one it would refuse); plain text gets the tokenizer's own special
+    tokens."""
     if isinstance(prompt, list) or chat:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        form = content_format(template_of(tokenizer, tools))
+        messages = as_template_messages(messages, form)
         text = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=False, **template
         )
@@ -231,7 +241,10 @@ def load_items(
             tuple((m["role"], m["content"]) for m in prompt) if isinstance(prompt, list) else ()
         )
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)
-        item = Item(text, label, encode_prompt(tokenizer, prompt, chat), messages)
+        try:
+            item = Item(text, label, encode_prompt(tokenizer, prompt, chat), messages)
+        except MessageError as exc:
+            raise ValueError(f"{path}: row {number}: {exc}") from None
         if context_len and len(item.input_ids) >= context_len:
             too_long.append((number, len(item.input_ids)))
         else:
