@@ -11,7 +11,9 @@ again on its port drops the groups the dead one left in flight (`cancelled`) and
 prompts again (sample_buffer/ledger.py), the agent sessions open in it lost. The broker holds
 no weights the run needs (zmq transport): while it is down the engines serve what they hold and
 the trainer's sends wait (up to 120 s); started again on its port and weight intake,
-it asks the trainer for its latest version when the engines are behind (`version:resend`).
+it asks the trainer for its latest version when the engines are behind (`version:resend`);
+on the same serve endpoint too, so that an engine's fetch begun as the old one died is
+answered by the new one instead of waiting out its timeout.
 Under NCCL its process groups with the trainer and engines end with it: never restarted.
 `tandem up` restarts each kind up to `--engine-restarts` / `--router-restarts` /
 `--broker-restarts` times in a run; past that, or when one does not come back within
@@ -70,8 +72,10 @@ class Restarts:
         if child.name in self.watchdog.health_urls:
             self.unwatched[child.name] = self.watchdog.health_urls.pop(child.name)
         same = ["--port", str(port)]
-        if kind == "broker":  # (where the trainer sends its weights)
+        if kind == "broker":  # where the trainer sends weights and engines fetch them (an
+            # engine's fetch begun as the old one died then reaches the new one, not a timeout)
             same += ["--intake-endpoint", child.info["intake_endpoint"]]
+            same += ["--serve-endpoint", child.info["serve_endpoint"]]
         again = self.supervisor.restart(child, same)
         self.starting[child.name] = (again, time.monotonic())
         return True

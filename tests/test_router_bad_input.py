@@ -72,7 +72,7 @@ def test_bad_session_turns_are_400_naming_the_field_and_engine_refusals_pass_thr
         ({"messages": ["hello"]}, "messages[0]"),
         ({"messages": [{"role": 1, "content": "1"}]}, "messages[0].role"),
         ({"messages": "12"}, "messages"),
-        ({"messages": [{"role": "robot", "content": "1"}]}, "chat template"),
+        ({"messages": [{"role": "robot", "content": "1"}]}, "messages[0].role must be one of"),
         ({"messages": user("12"), "max_tokens": -5}, "max_tokens"),
         ({"messages": user("12"), "max_tokens": "many"}, "max_tokens"),
         ({"messages": user("12"), "temperature": -1}, "temperature"),

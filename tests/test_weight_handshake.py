@@ -180,3 +180,33 @@ def test_an_engine_whose_nccl_update_failed_is_taken_out_and_rejoins_at_the_next
         assert worker(router.url, healthy.url)["weight_version"] == 3
     finally:
         sender.close()
+
+
+def test_an_engine_that_died_since_its_group_formed_is_left_out_before_the_broadcast(
+    start_service, toy_model_dir, buffer
+) -> None:
+    """Seen on 4 H200s: an engine killed between two versions, before the router reported it,
+    was still in the broker's weight group; the trainer's broadcast to it hung until NCCL's
+    watchdog ended the trainer. The broker now asks every member to answer before a broadcast:
+    the dead one is out of rotation and the version goes to the others in a fresh group."""
+    redis = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    engines = [start_service(f"engine{i}", engine_args(toy_model_dir)) for i in range(2)]
+    urls = [e.url for e in engines]
+    flags = ["--transport", "nccl", "--sync-timeout-s", "20", "--engine-urls", *urls]
+    broker = start_service("broker", ["broker", "--port", "0", *flags, *redis])
+    sender = NcclWeightSender(broker.info["intake_endpoint"], bucket_bytes=16 * 1024, timeout_s=60)
+    try:
+        sender.send(1, perturbed_weights(toy_model_dir, seed=1)[0])
+        alive, victim = engines
+        victim.proc.kill()
+        victim.proc.wait()
+        sender.send(2, perturbed_weights(toy_model_dir, seed=2)[0])
+    finally:
+        sender.close()
+    state = {e["url"]: e for e in httpx.get(f"{broker.url}/state").json()["engines"]}
+    assert state[alive.url]["version"] == 2 and state[alive.url]["in_rotation"]
+    assert not state[victim.url]["in_rotation"] and state[victim.url]["version"] == 1
+    assert (
+        "did not answer GET /get_model_info before the broadcast"
+        in (state[victim.url]["last_error"])
+    ), state[victim.url]

@@ -28,6 +28,7 @@ from services.weight_sync.wire import AuthenticationError, check_offer, secret_f
 log = logging.getLogger("tandem.broker.nccl")
 # Tries per version: the first, plus one with a fresh group if an engine failed during it.
 MAX_ATTEMPTS = 2
+MEMBER_CHECK_S = 5.0  # how long a group member has to answer before a broadcast
 
 
 class NcclTransport:
@@ -137,6 +138,8 @@ class NcclTransport:
         try:
             if engines != self.members:
                 await self._form_group(session, identity, offer, engines, attempt)
+            else:
+                await self._check_members(session, engines)
             marks.append(time.monotonic())
             if self.pause_mode != "none":  # all resumed below, also when one pause failed
                 paused = [e for e in engines if not self._applies_with_abort(e)]
@@ -313,6 +316,25 @@ class NcclTransport:
         if failed:
             raise RuntimeError("; ".join(f"{e}: {r!r}" for e, r in failed))
         return results
+
+    async def _check_members(self, session, engines: list[str]) -> None:  # type: ignore[no-untyped-def]
+        """Every member of the group answers before a broadcast it must join: one that died
+        since the group formed (and was not yet reported restarted) would hold the others in
+        the collective until its timeout. One that does not answer is out of rotation, and the
+        retry forms a group without it (seen on 4 H200s: an engine killed between versions)."""
+        timeout = aiohttp.ClientTimeout(total=min(MEMBER_CHECK_S, self.timeout_s))
+
+        async def answers(engine: str) -> None:
+            try:
+                async with session.get(f"{engine}/get_model_info", timeout=timeout) as resp:
+                    resp.raise_for_status()
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                raise ConnectionError(
+                    f"did not answer GET /get_model_info before the broadcast "
+                    f"(within {timeout.total:g}s): {exc!r}"
+                ) from exc
+
+        await self._gather([answers(e) for e in engines], engines)
 
     async def _server_info(self, session, engine: str) -> dict:  # type: ignore[no-untyped-def]
         async with session.get(f"{engine}/get_server_info") as resp:

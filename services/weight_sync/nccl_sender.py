@@ -22,8 +22,11 @@ what the sender does at each command:
     (`NcclAck`); a failed collective is acked as failed and the group dropped.
   - `done` ends the version; `abort` abandons it (engines keep their previous version).
 Every wait is bounded (receives by `timeout_s`, the rendezvous and collectives by the timeout
-the broker sends with `init`: gloo's waits time out, NCCL's watchdog aborts a collective that
-runs past it), so a dead or hung engine never blocks the trainer for good. Only trainer rank 0
+the broker sends with `init`), so a dead or hung engine never blocks the trainer for good: gloo's
+waits time out and the version fails; on NCCL, torch's watchdog ends the trainer's process when
+a broadcast runs past it (seen on 4 H200s, an engine killed mid-run; the run then ends naming the
+trainer), which is why the broker checks that every member answers before each broadcast. Only
+trainer rank 0
 creates a sender; tensors must already be gathered (full, HF names) on its device. Memory: two
 flat buffers of the largest bucket while a version is sent (2 x `bucket_bytes` by default).
 """
