@@ -122,7 +122,12 @@ def run_the_dashboard(
             lambda: browser.evaluate("document.querySelectorAll('#samples pre').length") > 0,
             "recent samples",
         )
-        assert browser.evaluate(JS_STATE) in {"generating", "waiting_for_buffer"}
+        states = {"generating", "waiting_for_buffer"}
+        try:  # (one status poll may fail on a loaded machine: the next one shows it)
+            wait_until(lambda: browser.evaluate(JS_STATE) in states, "the rollout state", 20)
+        except AssertionError as exc:
+            banner = browser.evaluate("document.getElementById('banner').textContent")
+            raise AssertionError(f"{browser.evaluate(JS_STATE)!r}; banner: {banner!r}") from exc
 
         # A new weight version on the engine shows in the workers table.
         httpx.post(
