@@ -12,7 +12,9 @@ the trainer's device); an offer that fails its HMAC check is answered `abort`. T
   1. Group, if the engines changed or the last attempt failed: the broker reads each engine's
      `GET /get_server_info` (`tp_size`; whether it takes `bucket_sizes` and `layout_id`), sends
      the trainer `init` (`proto.NcclCommand`) and each engine `InitWeightsUpdateGroupReqInput`
-     (rank_offset = 1 + the TP ranks before it; world = 1 + all TP ranks).
+     (rank_offset = 1 + the TP ranks before it; world = 1 + all TP ranks). Else each member
+     must answer `GET /get_model_info` within 5 s: one that died since the group formed would
+     hold the others in the broadcast until NCCL's watchdog ends the trainer.
   2. Pause: `PauseGenerationReqInput` (`--pause-mode`, unless none), except to an engine that
      takes a whole version per request in mode abort: it generates on the old weights until
      the version is in, and its request carries `abort_all_requests`.
