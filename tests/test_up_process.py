@@ -5,6 +5,7 @@ These are the slowest tests (each starts Redis, two engines, broker, router and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -50,9 +51,29 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def trainer_pids(run: subprocess.Popen) -> set[int]:
+    """The pids of a running `tandem up`'s trainer processes (once its trainer has started)."""
+    pids: set[int] = set()
+    for child in psutil.Process(run.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "trainer" in child.cmdline()[:4]:
+                pids.add(child.pid)
+    return pids
+
+
 def test_a_short_run_changes_the_engines_weights_and_raises_the_reward(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    result = run_up(run_dir, "--max-steps", "30", "--stop-accuracy", "0", "--seed", "3")
+    flags = ("--max-steps", "30", "--stop-accuracy", "0", "--seed", "3")
+    cmd = [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir), *flags]
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:  # (its trainer's pids name its weight slots: other tests' runs may have theirs)
+        trainers = wait_until(lambda: trainer_pids(run), "the trainer started", 300)
+        stdout, stderr = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    result = subprocess.CompletedProcess(cmd, run.returncode, stdout, stderr)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "max_steps"
@@ -73,7 +94,7 @@ def test_a_short_run_changes_the_engines_weights_and_raises_the_reward(tmp_path:
     assert "held-out accuracy scores reverse_digits: 20 held-out digit pairs" in result.stdout
     assert "[engine]" in (run_dir / "config.toml").read_text()  # what every service ran with
     # The shared-memory weight slots do not outlive the run.
-    assert not list(Path("/dev/shm").glob("tandem-weights-*"))
+    assert not [p for pid in trainers for p in Path("/dev/shm").glob(f"tandem-weights-{pid}-*")]
     # Where every generated group went: written at exit, in the router's metrics, and balanced.
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["balanced"] and ledger["trained"] > 0 and ledger["violations"] == 0, ledger
