@@ -35,8 +35,8 @@ from tandem.watchdog import Watchdog
 
 class Restarts:
     """Up to `limits[kind]` restarts of the engines, the router and the broker ("engine",
-    "router", "broker") in a run, each on its port; `check` each round. A restarting service is out of the watchdog's
-    health checks until it is up."""
+    "router", "broker") in a run, each on its port; `check` each round. A restarting service
+    is out of the watchdog's health checks until it is up."""
 
     def __init__(
         self,

@@ -84,6 +84,14 @@ def template_of(tokenizer: Any, tools: list[dict[str, Any]] | None) -> str:
     return template if isinstance(template, str) else ""
 
 
+def template_messages(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """`messages` as SGLang hands them to `tokenizer`'s chat template (the one rendered with
+    `tools`): `as_template_messages` in that template's `content_format`."""
+    return as_template_messages(messages, content_format(template_of(tokenizer, tools)))
+
+
 def as_template_messages(messages: list[dict[str, Any]], form: str) -> list[dict[str, Any]]:
     """`messages` as SGLang hands them to a template of content format `form` (the module's
     docstring); MessageError naming a message or part it would refuse or Tandem cannot train."""

@@ -19,12 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from proto import sglang as sg
-from services.common.chat_messages import (
-    MessageError,
-    as_template_messages,
-    content_format,
-    template_of,
-)
+from services.common.chat_messages import MessageError, template_messages
 from services.engine.engine import Engine
 from services.engine.sampling import RequestError
 
@@ -112,8 +107,7 @@ def chat_request(body: Any, engine: Engine) -> dict[str, Any]:
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("the model's tokenizer has no chat template; use /v1/completions")
     try:  # (the messages as SGLang hands them to the template)
-        form = content_format(template_of(tokenizer, None))
-        messages = as_template_messages(body["messages"], form)
+        messages = template_messages(tokenizer, body["messages"])
     except MessageError as exc:
         raise RequestError(str(exc)) from exc
     try:

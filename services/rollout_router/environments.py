@@ -14,12 +14,7 @@ from typing import Any
 import aiohttp
 
 from proto import DropReason, Sample
-from services.common.chat_messages import (
-    MessageError,
-    as_template_messages,
-    content_format,
-    template_of,
-)
+from services.common.chat_messages import MessageError, template_messages
 from services.rollout_router.calls import InFlight
 from services.rollout_router.chat_input import as_sglang_tool
 from services.rollout_router.config import EnvConfig
@@ -227,9 +222,7 @@ class EpisodeRunner:
         if not self.templated:
             return joined(messages)
         try:
-            messages = as_template_messages(
-                messages, content_format(template_of(self.tokenizer, tools))
-            )
+            messages = template_messages(self.tokenizer, messages, tools)
         except MessageError as exc:
             raise EnvError(DropReason.ENV_ERROR, f"/step observation: {exc}") from exc
         history = [

@@ -23,12 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from services.common.chat_messages import (
-    MessageError,
-    as_template_messages,
-    content_format,
-    template_of,
-)
+from services.common.chat_messages import MessageError, template_messages
 from services.rollout_router.toy_task import is_exact, reverse_digits_split
 
 T = TypeVar("T")
@@ -97,13 +92,12 @@ def encode_prompt(
 ) -> tuple[int, ...]:
     """Prompt ids as the model sees them. Chat messages (or `chat=True`) go through the
     tokenizer's chat template with the generation prompt (and `tools`, for templates that list
-    them; `template`: more variables), as SGLang hands them to it (`as_template_messages`:
+    them; `template`: more variables), as SGLang hands them to it (`template_messages`:
     MessageError naming one it would refuse); plain text gets the tokenizer's own special
     tokens."""
     if isinstance(prompt, list) or chat:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        form = content_format(template_of(tokenizer, tools))
-        messages = as_template_messages(messages, form)
+        messages = template_messages(tokenizer, messages, tools)
         text = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=False, **template
         )
