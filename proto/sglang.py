@@ -14,7 +14,7 @@ the trainer's device); an offer that fails its HMAC check is answered `abort`. T
      the trainer `init` (`proto.NcclCommand`) and each engine `InitWeightsUpdateGroupReqInput`
      (rank_offset = 1 + the TP ranks before it; world = 1 + all TP ranks). Else each member
      must answer `GET /get_model_info` within 5 s: one that died since the group formed would
-     hold the others in the broadcast until NCCL's watchdog ends the trainer.
+     hold the others in the broadcast for the group's timeout.
   2. Pause: `PauseGenerationReqInput` (`--pause-mode`, unless none), except to an engine that
      takes a whole version per request in mode abort: it generates on the old weights until
      the version is in, and its request carries `abort_all_requests`.
@@ -27,6 +27,9 @@ the trainer's device); an offer that fails its HMAC check is answered `abort`. T
 A failure or timeout takes the failing engine out of rotation; the version is tried once more
 in a fresh group without it, else the trainer gets `abort` (engines keep their version) and the
 next version forms a fresh group. No step waits longer than the broker's `--sync-timeout-s`.
+A member that dies during a broadcast fails it for the others after the group's timeout (the
+trainer's: half the sync timeout), the trainer and Tandem's engines included: they live on and
+join the next group (services/weight_sync/process_group.py).
 """
 
 from __future__ import annotations

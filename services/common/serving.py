@@ -8,7 +8,9 @@ Exit codes, the same for every `tandem` service:
   2  bad flags or configuration: argparse's own errors, `ValueError` (contract mismatches
      included), a missing file, and a port that is taken (`PortInUseError`: the flag is what to
      change).
-The message is one line on stderr, `tandem NAME: ...`, naming the flag or file to fix.
+The message is one line on stderr, `tandem NAME: ...`, naming the flag or file to fix. A
+service that holds something whose destructor would hang (`end_without_destructors`) leaves by
+`os._exit` with the same code, its output flushed.
 
 Binding first means: `--port 0` lets the OS pick a free port with no race between choosing and
 listening, and a port that is taken fails at once with a message naming it and the flag. Once the
@@ -21,9 +23,11 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import os
 import socket
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,6 +50,12 @@ class ServiceError(RuntimeError):
 
 CONFIG_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, KeyError)
 RUN_ERRORS: tuple[type[Exception], ...] = (ServiceError, ConnectionError, TimeoutError)
+_exit_hard: list[str] = []  # why this process must end without destructors
+
+
+def end_without_destructors(why: str) -> None:
+    """Have `run_service` end this process by `os._exit` once the service stops."""
+    _exit_hard.append(why)
 
 
 def run_service(
@@ -67,9 +77,21 @@ def run_service(
     except CONFIG_ERRORS as exc:
         return _fail(name, 2, exc, sock)
     try:
-        return int(run(service, sock) or 0)
+        code = int(run(service, sock) or 0)
     except RUN_ERRORS as exc:
-        return _fail(name, 1, exc, sock)
+        code = _fail(name, 1, exc, sock)
+    except BaseException:
+        if not _exit_hard:
+            raise
+        traceback.print_exc()
+        code = 1
+    if _exit_hard:
+        print(f"tandem {name}: exit {code} without destructors: {_exit_hard[0]}", file=sys.stderr)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _fail(name: str, code: int, exc: Exception, sock: socket.socket | None) -> int:

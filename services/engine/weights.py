@@ -71,11 +71,15 @@ from services.engine.weight_layout import (
     flat_views,
     torch_dtype,
 )
-from services.weight_sync.process_group import join_group, leave_group
+from services.weight_sync.process_group import join_group, leave_group, wait_all
 
 log = logging.getLogger(__name__)
 
 LAYOUTS_KEPT = 4  # layouts remembered by `layout_id` (one per model layout a trainer sends)
+# The weight group's timeout (NCCL's watchdog) and the wait for its broadcasts are this share of
+# --update-timeout-s: a broken broadcast is answered as such (500, the group dropped) before the
+# update's own bound (504) would answer it.
+COLLECTIVE_SHARE = 0.75
 
 
 class WeightUpdater:
@@ -292,7 +296,7 @@ class WeightUpdater:
             int(body["world_size"]),
             body.get("group_name", "weight_update_group"),
             backend,
-            timedelta(seconds=self.timeout_s),
+            timedelta(seconds=self.timeout_s * COLLECTIVE_SHARE),
         )
         self._group_name = body.get("group_name", "weight_update_group")
 
@@ -457,8 +461,16 @@ class WeightUpdater:
         return ReceiveSet(flats, out, misaligned, plan)
 
     def _wait(self, works: list[Any], synchronize: bool = True) -> None:
-        for work in works:
-            work.wait()
+        """Wait for the broadcasts (bounded: a dead peer raises, on NCCL too); a failed one
+        leaves the group unusable: it is dropped as failed (process_group.py), and the broker
+        forms a fresh one."""
+        try:
+            wait_all(works, timedelta(seconds=self.timeout_s * COLLECTIVE_SHARE))
+        except Exception:
+            group, self._group = self._group, None
+            if group is not None:
+                leave_group(group, failed=True)
+            raise
         if synchronize:
             self._synchronize()
 

@@ -22,12 +22,11 @@ what the sender does at each command:
     (`NcclAck`); a failed collective is acked as failed and the group dropped.
   - `done` ends the version; `abort` abandons it (engines keep their previous version).
 Every wait is bounded (receives by `timeout_s`, the rendezvous and collectives by the timeout
-the broker sends with `init`), so a dead or hung engine never blocks the trainer for good: gloo's
-waits time out and the version fails; on NCCL, torch's watchdog ends the trainer's process when
-a broadcast runs past it (seen on 4 H200s, an engine killed mid-run; the run then ends naming the
-trainer), which is why the broker checks that every member answers before each broadcast. Only
-trainer rank 0
-creates a sender; tensors must already be gathered (full, HF names) on its device. Memory: two
+the broker sends with `init`), so a dead or hung engine never blocks the trainer for good: the
+broadcast's wait raises (on NCCL too: see process_group.py), the version is acked as failed and
+the group kept aside; the broker retries with a fresh group or aborts the version. (Before each
+broadcast the broker also checks that every member answers, so an engine that died between
+versions costs no timeout.) Only trainer rank 0 creates a sender; tensors must already be gathered (full, HF names) on its device. Memory: two
 flat buffers of the largest bucket while a version is sent (2 x `bucket_bytes` by default).
 """
 
@@ -46,7 +45,7 @@ import msgspec
 import zmq
 
 from proto import NcclAck, NcclCommand, NcclOffer, TensorMeta, decode, encode
-from services.weight_sync.process_group import join_group, leave_group
+from services.weight_sync.process_group import join_group, leave_group, wait_all
 
 __all__ = ["NcclWeightSender", "WeightSyncError"]
 from services.weight_sync.wire import (
@@ -104,6 +103,7 @@ class NcclWeightSender:
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.group: Any = None
+        self.group_timeout = timedelta(seconds=timeout_s)  # the broker's, from its `init`
         self.broadcast_s = 0.0  # last version: from the broker's command to the last byte sent
         self.frames_rejected = 0  # control frames that were not an NcclCommand
         self._last: _Layout | None = None  # the last version's layout, reused while it holds
@@ -208,6 +208,7 @@ class NcclWeightSender:
 
     def _join(self, port: int, command: NcclCommand, backend: str) -> None:
         self._drop_group()
+        self.group_timeout = timedelta(seconds=command.timeout_s)
         try:
             self.group = join_group(
                 self.master_address,
@@ -241,14 +242,13 @@ class NcclWeightSender:
                 works = self._broadcast_flat(layout)
             else:
                 raise RuntimeError(f"unknown load_format {command.load_format!r} from the broker")
-            for work in works:
-                work.wait()
+            wait_all(works, self.group_timeout)
             device = next((t.device for b in buckets for _, t in b), None)
             if device is not None and device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception as exc:  # a peer died mid-collective: this group is unusable now
             ack.ok, ack.error = False, str(exc)
-            self._drop_group()
+            self._drop_group(failed=True)
         self._socket.send(encode(ack))
         self.broadcast_s = time.perf_counter() - started
         return sum(layout.nbytes) if ack.ok else 0
@@ -297,11 +297,11 @@ class NcclWeightSender:
 
         return dist.broadcast(tensor, src=0, group=self.group, async_op=True)
 
-    def _drop_group(self) -> None:
+    def _drop_group(self, failed: bool = False) -> None:
         if self.group is not None:
             group, self.group = self.group, None
             try:
-                leave_group(group)
+                leave_group(group, failed)
             except Exception as exc:  # a broken communicator may refuse a clean shutdown
                 log.warning("leaving the old weight group: %s", exc)
 

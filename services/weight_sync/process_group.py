@@ -6,14 +6,36 @@ Trainer rank 0 (rank 0 of this group) and every engine rank (`rank_offset + tp_r
 the group name, so the trainer can keep its own training group and an engine needs none. This
 is the same rendezvous SGLang's `/init_weights_update_group` performs, so a trainer can update
 real SGLang servers and Tandem's engine alike.
+
+A member that dies during a broadcast must not take the others with it. Under torch's default
+`TORCH_NCCL_ASYNC_ERROR_HANDLING` (3), the NCCL watchdog ends the process when a collective
+fails or runs past the group's timeout (seen on 4 H200s: an engine killed mid-run ended the
+trainer). `join_group` makes NCCL groups under mode 2 (the watchdog aborts the communicator and
+the process lives); `wait_all` waits with a timeout, so the failure reaches the caller as a
+`RuntimeError`. Such a group is then dropped with `leave_group(group, failed=True)`, which
+keeps it aside untouched: measured on 2 H200s, aborting or destroying a group the watchdog
+aborted hangs that call or the next group's creation, and its destructor hangs at interpreter
+exit, so it is only taken out of torch's registries and a process holding one ends without
+destructors (`services.common.serving.end_without_destructors`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import time
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
+
+ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+# What NCCL weight groups are made under (each group reads them as it is made): a failed
+# collective aborts the communicator and raises, the process lives; no debug dump on a timeout
+# (a dead peer is no bug to trace; on 2 H200s the watchdog of a failed group reported its queued
+# broadcasts one a minute, each with a dump).
+SETTINGS = {ERROR_HANDLING: "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+_failed_groups: list[Any] = []  # NCCL groups a failed collective left aborted: never touched
 
 
 def join_group(
@@ -43,9 +65,10 @@ def join_group(
         wait_for_workers=False,
     )
     store = c10d.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
-    )
+    with _errors_raise(backend):
+        group, _ = c10d._new_process_group_helper(
+            world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
+        )
     # Group ranks equal the ranks passed to collectives on this group.
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
@@ -69,17 +92,80 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
             time.sleep(0.2)
 
 
-def leave_group(group: Any) -> None:
-    """Leave a weight group without waiting for its other ranks.
+def holds_failed_group() -> bool:
+    """Whether a weight group of this process failed. Its NCCL groups are then no longer torn
+    down, the process's own `destroy_process_group()` included: seen on 2 H200s, a trainer
+    that had one hung at exit in its teardown while the failed group's watchdog still worked
+    through the broadcasts queued on it (a minute each). The process ends by `os._exit`."""
+    return bool(_failed_groups)
+
+
+def _forget(group: Any) -> None:
+    """Take a group out of torch's registries as `_abort_process_group` does after its abort,
+    without the abort: a later group may take its name (seen on 2 H200s: an engine could not
+    join SGLang's default group name again), and destroying every group (the trainer's
+    `destroy_process_group()` at exit) passes it by instead of hanging on it."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config):
+        table.pop(group, None)
+    world.pg_coalesce_state.pop(group, None)
+    tag = world.pg_to_tag.pop(group, None)
+    for key in {tag, ""} if tag is not None else ():
+        if group in world.tags_to_pg.get(key, []):
+            world.tags_to_pg[key].remove(group)
+    c10d._unregister_process_group(group.group_name)
+
+
+@contextlib.contextmanager
+def _errors_raise(backend: str) -> Iterator[None]:
+    """NCCL process groups made inside take `SETTINGS` (the process's own are back after)."""
+    if backend != "nccl":
+        yield
+        return
+    before = {name: os.environ.get(name) for name in SETTINGS}
+    os.environ.update(SETTINGS)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def wait_all(works: Iterable[Any], timeout: timedelta) -> None:
+    """Wait for collectives, each within `timeout` (on NCCL this blocks the host). A failed one,
+    or one past the timeout, raises a `RuntimeError` (`DistBackendError` on NCCL)."""
+    for work in works:
+        work.wait(timeout)
+
+
+def leave_group(group: Any, failed: bool = False) -> None:
+    """Leave a weight group without waiting for its other ranks; `failed`: a collective of it
+    failed (`wait_all` raised).
 
     On NCCL, `destroy_process_group` waits for every peer to tear the communicator down too
     (seen on H200s: a trainer closing its sender hung while its engines served on), and a
     peer that died never does. Aborting is local: the peers' next collective on the group
-    fails, and the broker forms a fresh group for the next version anyway."""
+    fails, and the broker forms a fresh group for the next version anyway. A failed NCCL group
+    was aborted by the watchdog already and is only kept aside (see the module docstring); so
+    is every NCCL group after one failed (`holds_failed_group`)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    if dist.get_backend(group) == "nccl" and hasattr(c10d, "_abort_process_group"):
+    if dist.get_backend(group) != "nccl":
+        dist.destroy_process_group(group)
+    elif failed or _failed_groups:
+        if not _failed_groups:
+            from services.common.serving import end_without_destructors
+
+            end_without_destructors("an NCCL weight group failed (its destructor would hang)")
+        _failed_groups.append(group)
+        _forget(group)
+    elif hasattr(c10d, "_abort_process_group"):
         c10d._abort_process_group(group)
     else:
         dist.destroy_process_group(group)
