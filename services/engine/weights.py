@@ -76,9 +76,8 @@ from services.weight_sync.process_group import join_group, leave_group, wait_all
 log = logging.getLogger(__name__)
 
 LAYOUTS_KEPT = 4  # layouts remembered by `layout_id` (one per model layout a trainer sends)
-# The weight group's timeout (NCCL's watchdog) and the wait for its broadcasts are this share of
-# --update-timeout-s: a broken broadcast is answered as such (500, the group dropped) before the
-# update's own bound (504) would answer it.
+# The weight group's timeout and its broadcasts' wait, of --update-timeout-s: a broken broadcast
+# is answered as such (500, the group dropped) before the update's own bound (504).
 COLLECTIVE_SHARE = 0.75
 
 
@@ -461,9 +460,8 @@ class WeightUpdater:
         return ReceiveSet(flats, out, misaligned, plan)
 
     def _wait(self, works: list[Any], synchronize: bool = True) -> None:
-        """Wait for the broadcasts (bounded: a dead peer raises, on NCCL too); a failed one
-        leaves the group unusable: it is dropped as failed (process_group.py), and the broker
-        forms a fresh one."""
+        """Wait for the broadcasts (a dead peer raises, on NCCL too); a failed one leaves the
+        group unusable: dropped as failed (process_group.py); the broker forms a fresh one."""
         try:
             wait_all(works, timedelta(seconds=self.timeout_s * COLLECTIVE_SHARE))
         except Exception:
