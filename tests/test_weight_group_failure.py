@@ -309,6 +309,30 @@ def test_a_failed_group_is_kept_out_of_torchs_registries_so_its_name_can_be_take
         assert pg._failed_groups == [group, again] and again not in c10d._world.pg_map
 
 
+def test_after_a_failed_group_the_teardown_of_the_others_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`destroy_all` (the trainer's last call) destroys every group; after a weight group
+    failed, it gives up after its timeout (a trainer hung there on 2 H200s)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from services.weight_sync import process_group as pg
+
+    calls, release = [], threading.Event()
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append(release.wait(60)))
+    monkeypatch.setattr(pg, "_failed_groups", [])
+    release.set()
+    assert pg.destroy_all(timeout_s=5) and calls == [True]
+    release.clear()
+    monkeypatch.setattr(pg, "_failed_groups", [object()])
+    started = time.monotonic()
+    assert not pg.destroy_all(timeout_s=0.5)
+    assert time.monotonic() - started < 5
+    release.set()
+
+
 FAULT = """
 import os
 if os.environ.get("CUDA_VISIBLE_DEVICES") == "1" and os.environ.get("KILL_AT_RECEIVE"):

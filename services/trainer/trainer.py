@@ -51,7 +51,7 @@ from services.trainer.rollout import Intake, Rollout
 from services.trainer.stats import StepStats, comm_device
 from services.trainer.status import StatusReporter
 from services.weight_sync import make_sender
-from services.weight_sync.process_group import holds_failed_group
+from services.weight_sync.process_group import destroy_all
 from services.weight_sync.wire import WeightSyncError
 
 RESEND = "resend"  # broadcast by rank 0 instead of a rollout: every rank re-sends the version
@@ -167,8 +167,8 @@ class Trainer:
             # to take the last version, so its shared-memory slot is not held for them.
             self.sender.close(linger_s=0.0 if self.stop_requested else 15.0)
             self.sender = None
-        if dist.is_initialized() and not holds_failed_group():  # (else: see there)
-            dist.destroy_process_group()
+        if dist.is_initialized() and not destroy_all():
+            print("[trainer] its process groups' teardown did not end in 30 s: left", flush=True)
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)

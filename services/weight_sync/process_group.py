@@ -93,11 +93,29 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
 
 
 def holds_failed_group() -> bool:
-    """Whether a weight group of this process failed. Its NCCL groups are then no longer torn
-    down, the process's own `destroy_process_group()` included: seen on 2 H200s, a trainer
-    that had one hung at exit in its teardown while the failed group's watchdog still worked
-    through the broadcasts queued on it (a minute each). The process ends by `os._exit`."""
+    """Whether a weight group of this process failed: its later NCCL groups are put aside too,
+    not torn down, and `destroy_all` is bounded."""
     return bool(_failed_groups)
+
+
+def destroy_all(timeout_s: float = 30.0) -> bool:
+    """`destroy_process_group()` of every group left (the process's own: a trainer's training
+    groups, which its other ranks destroy too); False if it did not end in `timeout_s`. Bounded
+    only after a weight group failed: seen on 2 H200s, such a trainer hung at exit in its
+    teardown (its healthy weight group's abort or this; not told apart) while the failed
+    group's watchdog still worked through the broadcasts queued on it, one a minute. The
+    process then ends by `os._exit` whatever this left running."""
+    import threading
+
+    import torch.distributed as dist
+
+    if not _failed_groups:
+        dist.destroy_process_group()
+        return True
+    teardown = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    teardown.start()
+    teardown.join(timeout_s)
+    return not teardown.is_alive()
 
 
 def _forget(group: Any) -> None:
@@ -152,7 +170,7 @@ def leave_group(group: Any, failed: bool = False) -> None:
     peer that died never does. Aborting is local: the peers' next collective on the group
     fails, and the broker forms a fresh group for the next version anyway. A failed NCCL group
     was aborted by the watchdog already and is only kept aside (see the module docstring); so
-    is every NCCL group after one failed (`holds_failed_group`)."""
+    is every NCCL group after one failed (see `destroy_all`)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
