@@ -26,8 +26,9 @@ the broker sends with `init`), so a dead or hung engine never blocks the trainer
 broadcast's wait raises (on NCCL too: see process_group.py), the version is acked as failed and
 the group kept aside; the broker retries with a fresh group or aborts the version. (Before each
 broadcast the broker also checks that every member answers, so an engine that died between
-versions costs no timeout.) Only trainer rank 0 creates a sender; tensors must already be gathered (full, HF names) on its device. Memory: two
-flat buffers of the largest bucket while a version is sent (2 x `bucket_bytes` by default).
+versions costs no timeout.) Only trainer rank 0 creates a sender; tensors must already be
+gathered (full, HF names) on its device. Memory: two flat buffers of the largest bucket while a
+version is sent (2 x `bucket_bytes` by default).
 """
 
 from __future__ import annotations

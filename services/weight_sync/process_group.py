@@ -35,7 +35,7 @@ ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 # (a dead peer is no bug to trace; on 2 H200s the watchdog of a failed group reported its queued
 # broadcasts one a minute, each with a dump).
 SETTINGS = {ERROR_HANDLING: "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
-_failed_groups: list[Any] = []  # NCCL groups a failed collective left aborted: never touched
+_failed_groups: list[Any] = []  # NCCL groups put aside: one that failed, every one after it
 
 
 def join_group(
@@ -133,7 +133,8 @@ def _forget(group: Any) -> None:
     for key in {tag, ""} if tag is not None else ():
         if group in world.tags_to_pg.get(key, []):
             world.tags_to_pg[key].remove(group)
-    c10d._unregister_process_group(group.group_name)
+    with contextlib.suppress(Exception):  # (not registered: nothing to take out)
+        c10d._unregister_process_group(group.group_name)
 
 
 @contextlib.contextmanager
