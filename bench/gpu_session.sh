@@ -2,6 +2,7 @@
 # GPU measurements (issues 4, 5, 7), as run on H200 machines through the device tool.
 #   bash bench/gpu_session.sh tests     # the engine's CUDA/NCCL tests: 2 GPUs, ~2 min
 #   bash bench/gpu_session.sh trainer   # the TP/DP/EP trainer tests: 2 GPUs, ~1 min a case, 12 cases: split with TESTS_K
+#   bash bench/gpu_session.sh faults    # weight-group failure tests: a peer dies mid-broadcast (2 GPUs, ~6 min)
 #   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3 (2 GPUs: 0 and 1)
 #   bash bench/gpu_session.sh mfu       # trainer tokens/s and MFU, packed vs padded (GPU 0)
 #   bash bench/gpu_session.sh moe       # MFU on active parameters: ~1.1B-active Qwen3-MoE vs its dense twin (GPU 0; ~65 GB)
@@ -13,10 +14,10 @@
 # to $OUT (or /tmp/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage() { echo "usage: $0 tests|trainer|run|mfu|moe|sync|benches|all ..." >&2; exit 2; }
+usage() { echo "usage: $0 tests|trainer|faults|run|mfu|moe|sync|benches|all ..." >&2; exit 2; }
 [ $# -gt 0 ] || usage
 for name in "$@"; do
-    case "$name" in tests|trainer|run|mfu|moe|sync|benches|all) ;; *) usage ;; esac
+    case "$name" in tests|trainer|faults|run|mfu|moe|sync|benches|all) ;; *) usage ;; esac
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >/dev/null || exit 1
@@ -66,6 +67,11 @@ tests)
         "tests/test_trainer_hf_convert.py::test_on_device_export_is_the_same_tensors_each_time_and_follows_the_weights" \
         > "$OUT/tests.txt" 2>&1
     grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/tests.txt"
+    ;;
+faults)  # the last one is a whole run (~1.1B model) whose engine exits as a broadcast starts
+    timeout 560 python3 -m pytest -q -s -p no:cacheprovider tests/test_weight_group_failure.py \
+        > "$OUT/faults.txt" 2>&1
+    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/faults.txt"
     ;;
 trainer)  # ${TESTS_K:-} selects cases (pytest -k) when one device call cannot hold them all
     timeout 560 python3 -m pytest -v -p no:cacheprovider tests/test_trainer_parallel.py \
