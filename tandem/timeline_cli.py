@@ -4,7 +4,7 @@ train step with its phases and waits for data (trainer), each engine's weight sy
 
 For any run: `--redis-url URL --run-id ID`, or a `tandem up` run folder (which also gets
 `timeline.json` when the run ends). Exit codes: 0 = written, 1 = no spans or Redis does not
-answer, 2 = the flags name no run.
+answer, 2 = the flags name no run or an --output that cannot be written.
 """
 
 from __future__ import annotations
@@ -46,8 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     except redis.RedisError as exc:
         print(f"tandem timeline: Redis did not answer ({exc}); check --redis-url", file=sys.stderr)
         return 1
-    with open(args.output, "w") as out:
-        json.dump(chrome_trace(spans), out)
+    try:
+        with open(args.output, "w") as out:
+            json.dump(chrome_trace(spans), out)
+    except OSError as exc:
+        print(f"tandem timeline: cannot write --output {args.output}: {exc}", file=sys.stderr)
+        return 2
     by_source = collections.Counter(s["source"] for s in spans)
     counts = ", ".join(f"{n} {source}" for source, n in sorted(by_source.items()))
     print(f"wrote {args.output}: {len(spans)} spans ({counts})")

@@ -20,9 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from tandem.toy_model import write_toy_model
 
-    path = write_toy_model(
-        args.out, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers
-    )
+    try:
+        path = write_toy_model(
+            args.out, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers
+        )
+    except OSError as exc:
+        print(f"tandem toy-model: cannot write --out {args.out}: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {path}")
     return 0
 

@@ -115,3 +115,15 @@ def test_tandem_up_gives_each_run_its_own_token_and_weight_secret_and_keeps_the_
         os.environ["TANDEM_WEIGHT_SECRET"] == "chosen" and os.environ["TANDEM_API_TOKEN"] == "mine"
     )
     assert not (tmp_path / "api_token").exists()
+
+
+def test_toy_model_names_an_out_folder_it_cannot_make(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tandem import toy_model_cli
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert toy_model_cli.main(["--out", str(blocker / "model")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tandem toy-model: cannot write --out {blocker / 'model'}: ")

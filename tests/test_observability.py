@@ -312,6 +312,19 @@ def test_timeline_spans_written_by_a_service_come_back_as_a_chrome_trace(
     assert sync["ts"] == 0 and sync["dur"] == 500_000.0  # microseconds from the first span
 
 
+def test_tandem_timeline_names_an_output_it_cannot_write(
+    buffer: SampleBuffer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    timeline = Timeline(buffer.redis, buffer.config.run_id, "trainer")
+    timeline.add("step 1", 1.0, 2.0)
+    timeline.close()
+    run_args = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    missing = tmp_path / "no-such-folder" / "t.json"
+    assert timeline_cli.main([*run_args, "-o", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tandem timeline: cannot write --output {missing}: ") and "Errno" in err
+
+
 def test_crc32c_is_the_castagnoli_checksum_tensorboard_expects() -> None:
     assert crc32c(b"123456789") == 0xE3069283  # the standard check value
 

@@ -96,6 +96,17 @@ def test_convert_names_the_missing_tracker_and_the_flag_of_a_model_that_is_not_t
     assert "config.json not found: --hf-dir must be a Hugging Face model directory" in done.stderr
 
 
+def test_convert_names_an_output_it_cannot_write_before_any_work(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    done = convert("hf-to-megatron", "--hf-dir", str(tmp_path), "--save", str(blocker / "c"))
+    assert done.returncode == 2
+    assert f"--save {blocker / 'c'}: cannot write there" in done.stderr.splitlines()[-1]
+    done = convert("megatron-to-hf", "--load", str(tmp_path), "--out", str(blocker / "o"))
+    assert done.returncode == 2
+    assert f"--out {blocker / 'o'}: its folder {blocker}: cannot write" in done.stderr
+
+
 def test_the_trainer_starts_from_a_converted_checkpoint(
     buffer, toy_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from services.common.paths import unwritable
+
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -161,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.direction == "hf-to-megatron":
+        problem = unwritable(args.save, "--save")
+    else:  # (written beside it, then renamed)
+        problem = unwritable(str(Path(args.out).parent), f"--out {args.out}: its folder")
+    if problem:
+        print(f"tandem convert: error: {problem}", file=sys.stderr)
+        return 2
     try:
         if args.direction == "hf-to-megatron":
             path = hf_to_megatron(args.hf_dir, args.save, args.make_vocab_size_divisible_by)
