@@ -45,7 +45,12 @@ def die_with_parent() -> None:
 
 
 class ChildFailedError(RuntimeError):
-    """A child exited (or never became ready); the message carries its log tail."""
+    """A child exited (or never became ready); the message carries its log tail, `code` the
+    child's exit code (None: it did not exit)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -177,7 +182,8 @@ class Supervisor:
                 if child.proc.poll() is not None:
                     raise ChildFailedError(
                         f"{child.name} {child.how_it_ended()} during start-up "
-                        f"(log: {child.log_path}):\n{child.exit_reason()}"
+                        f"(log: {child.log_path}):\n{child.exit_reason()}",
+                        child.proc.returncode,
                     )
                 if time.monotonic() > deadline:
                     raise ChildFailedError(

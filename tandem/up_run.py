@@ -93,8 +93,8 @@ class UpRun:
             progress = RunProgress(self.run_dir, resumed=bool(self.config.resume))
             code = self.monitor(buffer, progress, sinks)
             engine_versions = versions_or_why(urls)  # proof the weights moved
-        except ChildFailedError as exc:  # at start-up
-            self.outcome, code, engine_versions = "child_failed", 1, []
+        except ChildFailedError as exc:  # at start-up (a service that refused its configuration: 2)
+            self.outcome, code, engine_versions = "child_failed", 2 if exc.code == 2 else 1, []
             say(f"FAILED: {self.own_redis_gone() or exc}")
         except StartInterruptedError as exc:
             say(f"{exc}: stopping every service")

@@ -48,6 +48,11 @@ class ServiceError(RuntimeError):
     """A run-time failure to report in one line (exit 1)."""
 
 
+class LateConfigError(ValueError):
+    """A configuration error found once the service runs (a router's dataset row, read as it
+    starts): exit 2, as at start-up."""
+
+
 CONFIG_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, KeyError)
 RUN_ERRORS: tuple[type[Exception], ...] = (ServiceError, ConnectionError, TimeoutError)
 _exit_hard: list[str] = []  # why this process must end without destructors
@@ -80,6 +85,8 @@ def run_service(
         code = int(run(service, sock) or 0)
     except RUN_ERRORS as exc:
         code = _fail(name, 1, exc, sock)
+    except LateConfigError as exc:
+        code = _fail(name, 2, exc, sock)
     except BaseException:
         if not _exit_hard:
             raise

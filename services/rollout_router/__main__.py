@@ -14,7 +14,14 @@ from typing import Any
 from services.common.auth import check_bind, token_from_env
 from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
-from services.common.serving import ServiceError, add_serving_args, run_service, serve
+from services.common.serving import (
+    CONFIG_ERRORS,
+    LateConfigError,
+    ServiceError,
+    add_serving_args,
+    run_service,
+    serve,
+)
 from services.rollout_router.config import RouterConfig, WorkerPoolConfig, check_buffer_depth
 from services.rollout_router.workers import WorkerPool
 from services.sample_buffer import SampleBuffer
@@ -132,9 +139,16 @@ def run(
             sock=sock,
         )
     except SystemExit as exc:  # uvicorn exits 3 when the lifespan fails
-        raise ServiceError(f"start-up failed: {app.state.startup_error}") from exc
+        raise startup_failure(app.state.startup_error) from exc
     if app.state.startup_error:
-        raise ServiceError(f"start-up failed: {app.state.startup_error}")
+        raise startup_failure(app.state.startup_error)
+
+
+def startup_failure(error: Exception | None) -> Exception:
+    """The lifespan's failure as the exit-code table has it: a bad dataset row or any other
+    configuration error is exit 2, the rest 1."""
+    kind = LateConfigError if isinstance(error, CONFIG_ERRORS) else ServiceError
+    return kind(f"start-up failed: {error}")
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                 )
         yield
     except Exception as exc:
-        app.state.startup_error = str(exc)
+        app.state.startup_error = exc
         raise
     finally:
         if app.state.control is not None:
@@ -210,7 +210,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     )
     app.state.config = config
     app.state.api_token = config.api_token
-    app.state.startup_error = ""
+    app.state.startup_error = None  # what failed the lifespan's start (__main__.run raises it)
     app.include_router(engine_router)
     app.include_router(control_router)
     app.include_router(agent_router)
