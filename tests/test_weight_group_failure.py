@@ -278,7 +278,7 @@ def test_a_failed_group_is_kept_out_of_torchs_registries_so_its_name_can_be_take
     """`leave_group(failed=True)` on NCCL never tears the group down again; it leaves torch's
     registries, so a group of the same name can be made (SGLang's engines use one name) and
     destroying every group passes it by. From then on the process's NCCL groups are all put
-    aside (`holds_failed_group`). No NCCL on CPU: gloo groups stand for it."""
+    aside. No NCCL on CPU: gloo groups stand for it."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -294,13 +294,13 @@ def test_a_failed_group_is_kept_out_of_torchs_registries_so_its_name_can_be_take
         return pg.join_group("127.0.0.1", free_port(), 0, 1, "same", "gloo", timedelta(seconds=9))
 
     group = join()
-    assert not pg.holds_failed_group()
+    assert not pg._failed_groups
     with monkeypatch.context() as patch:
         patch.setattr(dist, "get_backend", lambda _group: "nccl")
         for module, name in ((c10d, "_abort_process_group"), (dist, "destroy_process_group")):
             patch.setattr(module, name, lambda *_: pytest.fail("an NCCL group was torn down"))
         pg.leave_group(group, failed=True)
-        assert pg.holds_failed_group() and pg._failed_groups == [group]
+        assert pg._failed_groups == [group]
         assert group not in c10d._world.pg_map and group not in c10d._world.pg_names
         assert serving._exit_hard == ["an NCCL weight group failed (its destructor would hang)"]
         again = join()  # the same name

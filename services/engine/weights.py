@@ -94,6 +94,7 @@ class WeightUpdater:
         self.runner = runner
         self.scheduler = scheduler
         self.timeout_s = timeout_s
+        self.group_timeout = timedelta(seconds=timeout_s * COLLECTIVE_SHARE)
         self.whole_version = whole_version  # accept `bucket_sizes` (see the module docstring)
         self._lock = asyncio.Lock()
         # Shared-memory slot our parameters live in after a zero-copy update (see _apply).
@@ -295,7 +296,7 @@ class WeightUpdater:
             int(body["world_size"]),
             body.get("group_name", "weight_update_group"),
             backend,
-            timedelta(seconds=self.timeout_s * COLLECTIVE_SHARE),
+            self.group_timeout,
         )
         self._group_name = body.get("group_name", "weight_update_group")
 
@@ -463,7 +464,7 @@ class WeightUpdater:
         """Wait for the broadcasts (a dead peer raises, on NCCL too); a failed one leaves the
         group unusable: dropped as failed (process_group.py); the broker forms a fresh one."""
         try:
-            wait_all(works, timedelta(seconds=self.timeout_s * COLLECTIVE_SHARE))
+            wait_all(works, self.group_timeout)
         except Exception:
             group, self._group = self._group, None
             if group is not None:

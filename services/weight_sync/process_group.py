@@ -92,12 +92,6 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
             time.sleep(0.2)
 
 
-def holds_failed_group() -> bool:
-    """Whether a weight group of this process failed: its later NCCL groups are put aside too,
-    not torn down, and `destroy_all` is bounded."""
-    return bool(_failed_groups)
-
-
 def destroy_all(timeout_s: float = 30.0) -> bool:
     """`destroy_process_group()` of every group left (the process's own: a trainer's training
     groups, which its other ranks destroy too); False if it did not end in `timeout_s`. Bounded
