@@ -169,6 +169,12 @@ def test_a_router_without_engines_waits_for_one_instead_of_dropping(
     httpx.post(router.url + "/workers", json={"url": engines().url}, headers=TOKEN)
     wait_until(lambda: buffer.depth() >= 4, "groups once an engine is added")
     assert buffer.drop_counts() == {}
+    # the evaluation at version 0 waited for the engine too, rather than failing every prompt
+    evals = wait_until(
+        lambda: [r.values for _id, r in buffer.read_metrics() if "eval/failed" in r.values],
+        "an evaluation",
+    )
+    assert evals[0]["eval/failed"] == 0 and evals[0]["eval/num_prompts"] == 20, evals
 
 
 def test_a_patch_making_samples_longer_than_the_trainer_takes_is_refused_naming_its_flags(

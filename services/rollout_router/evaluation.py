@@ -7,8 +7,10 @@ reward >= 1).
 
 `run_evaluations(loop)` runs beside the rollout loop (and also when rollouts are off, since
 agents may be the only producers). It polls the engines' version and evaluates at start and
-whenever the version reaches a new multiple of `eval_interval`, publishing `eval/accuracy`
-(exact match: the task's judge, else reward >= 1) and `eval/reward_mean` at that version.
+whenever the version reaches a new multiple of `eval_interval` (once an engine is in the
+rotation: with none, as while the only one restarts, every prompt would fail), publishing
+`eval/accuracy` (exact match: the task's judge, else reward >= 1) and `eval/reward_mean` at
+that version.
 A prompt whose generation or reward fails counts in `eval/failed`, never ends the task; when
 every one fails, `eval/accuracy` and `eval/reward_mean` are left out (none was measured).
 """
@@ -43,7 +45,8 @@ async def run_evaluations(loop: RolloutLoop) -> None:
         except RedisError:
             await asyncio.sleep(1.0)
             continue
-        if last_bucket is None or version // interval > last_bucket:
+        due = last_bucket is None or version // interval > last_bucket
+        if due and loop.pool.admitted():  # (none: every prompt would fail; wait for one)
             last_bucket = version // interval
             try:
                 await evaluate(loop, version)

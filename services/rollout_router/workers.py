@@ -310,7 +310,7 @@ class WorkerPool:
             worker.outstanding += 1
             worker.requests += 1
             worker.waiting.add(task)
-            lost = False  # no connection: counts toward evicting the worker
+            lost = taken_out = False  # lost: no connection, counts toward evicting the worker
             try:
                 status, data = await self._send(worker.url, path, body)
                 if status < 500:
@@ -325,13 +325,15 @@ class WorkerPool:
                 if exc.args != (TAKEN_OUT,) or task.uncancel() > 0:
                     raise
                 last = f"{worker.url}{path}: taken out while waiting ({worker.last_error})"
+                taken_out = True  # the worker's last_error stays the cause, not nested in this
             finally:
                 worker.outstanding -= 1
                 worker.waiting.discard(task)
             if lost:  # (after leaving `waiting`: an eviction now must not cancel this request)
                 self._mark_failed(worker, last)
             worker.errors += 1
-            worker.last_error = last
+            if not taken_out:
+                worker.last_error = last
             log.warning("attempt %d failed: %s", attempt + 1, last)
         raise EngineRequestError(f"{path} failed after {len(tried)} engine(s); last: {last}")
 
