@@ -122,3 +122,30 @@ def test_the_status_stays_fresh_while_the_loop_is_blocked_in_one_long_call(buffe
         reporter.close("failed", "broker gone")
     last = buffer.statuses()["trainer"]
     assert (last.state, last.waiting_for, last.error) == ("failed", "", "broker gone")
+
+
+def test_a_closing_trainer_reports_stopping_until_its_teardown_ends(buffer) -> None:
+    """Closing can take a minute (the sender's linger for a last version, a bounded teardown
+    after a failed weight group): the status says so, kept fresh, and `stopped` only at the
+    end. Before, `stopped` was written first, with a TTL that could lapse during the teardown
+    (seen on 2x H200: the watchdog said `trainer: no status reported` while it closed)."""
+    from services.trainer.status import StatusReporter
+    from services.trainer.trainer import Trainer
+
+    seen: list[tuple[str, str]] = []
+
+    class Sender:
+        def close(self, linger_s: float) -> None:
+            status = buffer.statuses()["trainer"]
+            seen.append((status.state, status.waiting_for))
+
+    class Observe:
+        def close(self) -> None:
+            pass
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.status, trainer.observe = StatusReporter(buffer, interval_s=0.2), Observe()
+    trainer.sender, trainer.stop_requested, trainer.version = Sender(), False, 3
+    trainer.close()
+    assert seen == [("stopping", "its weight sender and process groups to close (<= 45 s)")]
+    assert buffer.statuses()["trainer"].state == "stopped" and trainer.status is None

@@ -158,9 +158,8 @@ class Trainer:
     def close(self, error: str = "") -> None:
         """Release the weight sender and leave the process group, so that no communicator
         or socket thread is still running when the interpreter exits (that aborts it)."""
-        if self.status is not None:
-            self.status.close("failed" if error else "stopped", error)
-            self.status = None
+        # (the status stays fresh until the end: this can take a minute, the watchdog says why)
+        self._report("stopping", "its weight sender and process groups to close (<= 45 s)")
         self.observe.close()
         if self.sender is not None:
             # Stopped by a signal (tandem up stops every service at once): no engine is left
@@ -169,6 +168,9 @@ class Trainer:
             self.sender = None
         if dist.is_initialized() and not destroy_all():
             print("[trainer] its process groups' teardown did not end in 30 s: left", flush=True)
+        if self.status is not None:
+            self.status.close("failed" if error else "stopped", error)
+            self.status = None
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)

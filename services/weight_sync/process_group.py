@@ -95,10 +95,10 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
 def destroy_all(timeout_s: float = 30.0) -> bool:
     """`destroy_process_group()` of every group left (the process's own: a trainer's training
     groups, which its other ranks destroy too); False if it did not end in `timeout_s`. Bounded
-    only after a weight group failed: seen on 2 H200s, such a trainer hung at exit in its
-    teardown (its healthy weight group's abort or this; not told apart) while the failed
-    group's watchdog still worked through the broadcasts queued on it, one a minute. The
-    process then ends by `os._exit` whatever this left running."""
+    only after a weight group failed: seen on 2 H200s, such a trainer's teardown did not end
+    (this call, measured: it did not end in 30 s) while the failed group's watchdog still
+    worked through the broadcasts queued on it, one a minute. The process then ends by
+    `os._exit` whatever this left running."""
     import threading
 
     import torch.distributed as dist
