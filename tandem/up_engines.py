@@ -91,7 +91,10 @@ class Restarts:
             return "the engines serve the weights they hold meanwhile"
         if any(c.name.startswith("engine") and c != child for c in self.supervisor.children):
             return "the router sends its requests to the other engines meanwhile"
-        return "the run waits for it (its groups in flight are dropped as engine_error)"
+        return (
+            "the run waits for it (its groups in flight are dropped as engine_error and drawn "
+            "again)"
+        )
 
     def check(self) -> str:
         """Say which restarted services are up; why the run must end ("" if it need not): one

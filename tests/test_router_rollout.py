@@ -159,7 +159,15 @@ def test_a_group_that_fails_on_every_engine_is_counted_as_a_drop(
     wait_until(lambda: buffer.drop_counts().get("engine_error", 0) >= 4, "drops of batch 0")
     assert buffer.depth() == 0
     assert get_json(router.url + "/rollout/status")["drops"]["engine_error"] >= 4
-    assert any(d.group_id == "p0" and "HTTP 500" in d.detail for d in buffer.drop_log(1000))
+    # an engine failure is not the prompt's: it is drawn again, once (the drop log: newest first)
+    p0 = wait_until(
+        lambda: (
+            (d := [d for d in buffer.drop_log(1000) if d.group_id == "p0"]) and len(d) >= 2 and d
+        ),
+        "p0 dropped twice",
+    )
+    assert len(p0) == 2 and all("HTTP 500" in d.detail for d in p0), p0
+    assert [d.detail.endswith("its prompt is drawn again (once)") for d in p0] == [False, True]
 
 
 def test_requests_the_engines_refuse_stop_the_loop_naming_their_message_without_backing_off(
