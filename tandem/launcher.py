@@ -21,6 +21,7 @@ from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
 from services.rollout_router.config import DataConfig, reward_problem
 from services.rollout_router.tasks import first_row_problem, not_a_file
+from tandem.hub import hub_model
 from tandem.run_dir import resume_command
 from tandem.up_args import (
     CONFIG_FILE,
@@ -59,7 +60,11 @@ class UpConfig:
     )
     seed: int = field(default=0, metadata={"help": "Seed for the model init, data and sampling."})
     model: str = field(
-        default="", metadata={"help": "HF model directory (default: the toy model, made fresh)."}
+        default="",
+        metadata={
+            "help": "HF model directory, or a hub id (ORG/NAME) the Hugging Face cache holds "
+            "(hf download ORG/NAME); default: the toy model, made fresh."
+        },
     )
     prompt_data: str = field(
         default="",
@@ -366,6 +371,8 @@ def parse(argv: list[str]) -> tuple[UpConfig, list[str]]:
         recorded = Path(config.resume) / "config.toml"  # the services' tables of that run
         if "config" not in given and recorded.is_file():
             config = replace(config, config=str(recorded))
+    model, problems = hub_model(config.model, problems)  # ORG/NAME: the HF cache's copy
+    config = replace(config, model=model)
     config = config.absolute()  # (a resume's flags too: its up_config.json is saved again)
     problems += validate(config)
     if not problems:
@@ -411,7 +418,9 @@ def validate(config: UpConfig) -> list[str]:
     problems = []
     if config.num_engines < 1:
         problems.append("--num-engines must be at least 1")
-    if config.model and not (Path(config.model) / "config.json").exists():
+    if config.model and not Path(config.model).is_dir():
+        problems.append(f"--model {config.model}: no such folder (a Hugging Face model's)")
+    elif config.model and not (Path(config.model) / "config.json").exists():
         problems.append(f"--model {config.model}: no config.json there (expected a HF directory)")
     if not 0 <= config.stop_accuracy <= 1:
         problems.append("--stop-accuracy must be within [0, 1]")

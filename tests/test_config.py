@@ -332,3 +332,38 @@ def test_samples_longer_than_the_trainer_takes_are_refused_at_start(tmp_path: Pa
         "(--max-tokens-per-gpu 8192), short of the model's context, 40960: to train longer "
         "episodes, raise it (tandem up --trainer-args '--max-tokens-per-gpu 40959')"
     ]
+
+
+def test_a_hub_id_is_read_from_the_hugging_face_cache_or_refused_naming_its_download(
+    tmp_path: Path, toy_model_dir: Path
+) -> None:
+    """`--model ORG/NAME` that is no folder here: the Hugging Face cache's copy (here, one laid
+    out as `hf download` leaves it), given to every service; one it lacks is refused (exit 2)
+    naming the command that downloads it. No network: HF_HUB_OFFLINE."""
+    import os
+    import shutil
+    import subprocess
+
+    repo = tmp_path / "hub" / "models--tandem-test--toy"
+    shutil.copytree(toy_model_dir, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    env = os.environ | {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+
+    def show(model: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "tandem.cli", "config", "show", "--model", model]
+        return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True)
+
+    shown = show("tandem-test/toy")
+    assert shown.returncode == 0, shown.stderr
+    snapshot = str((repo / "snapshots" / "abc123").resolve())
+    tables = tomllib.loads(shown.stdout)
+    assert tables["up"]["model"] == snapshot
+    assert f"--model tandem-test/toy: the Hugging Face cache's copy, {snapshot}" in shown.stderr
+    missing = show("tandem-test/absent")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "the Hugging Face cache holds no copy of it" in missing.stderr
+    assert "download it first (hf download tandem-test/absent)" in missing.stderr
+    (repo / "snapshots" / "abc123" / "model.safetensors").unlink()  # a partial download
+    partial = show("tandem-test/toy")
+    assert partial.returncode == 2 and "lacks config.json or its weights" in partial.stderr
