@@ -149,6 +149,10 @@ class UpdateWeightFromDiskReqInput(_Req):
 
 
 class InitWeightsUpdateGroupReqInput(_Req):
+    """Tandem extension: `timeout_s`, the group's collective timeout (an engine that advertises
+    `weight_update_group_timeout`), so that every member of a broken broadcast gives up with
+    the trainer, before the broker's request timeout."""
+
     master_address: str = Field(min_length=1)
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(default=1, ge=1, le=65535)
@@ -157,6 +161,7 @@ class InitWeightsUpdateGroupReqInput(_Req):
     )
     group_name: str = "weight_update_group"
     backend: str | None = None
+    timeout_s: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> InitWeightsUpdateGroupReqInput:

@@ -284,6 +284,7 @@ def test_distributed_update_receives_broadcasts_in_order_over_gloo(
                 "world_size": 2,
                 "group_name": "weight_update_group",
                 "backend": "gloo",
+                "timeout_s": 3,  # Tandem's extension: the group's collectives give up after it
             },
         )
         group = join_group(
@@ -313,6 +314,14 @@ def test_distributed_update_receives_broadcasts_in_order_over_gloo(
     after = sample(engine.url)
     assert after["meta_info"]["weight_version"] == "7"
     assert logprob_error(new, after) < 1e-4
+    # A trainer that never broadcasts (it died): the engine gives up after the group's 3 s,
+    # not its own 0.75x --update-timeout-s (90 s), and answers an error, its weights unchanged.
+    started = time.monotonic()
+    body = {"names": [new_tensors[0][0]], "dtypes": ["float32"], "weight_version": "8"}
+    body["shapes"] = [list(new_tensors[0][1].shape)]
+    resp = httpx.post(f"{engine.url}/update_weights_from_distributed", json=body, timeout=120)
+    assert resp.status_code == 500 and time.monotonic() - started < 30, resp.text
+    assert sample(engine.url)["meta_info"]["weight_version"] == "7"
     dist.destroy_process_group(group)
 
 

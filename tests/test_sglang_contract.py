@@ -142,8 +142,14 @@ async def test_broker_weight_update_bodies_are_accepted(
         body = as_json(NcclCoordinator._update_body(me, offer, offer.buckets[0], True))
         assert sglang_surface.check_body("UpdateWeightsFromDistributedReqInput", body) is None
         assert ("load_format" in body) == (load_format == "flattened_bucket")
-    init = as_json(NcclCoordinator._init_body(me, offer, 1, 2))
+    # SGLang gets its own fields; an engine advertising weight_update_group_timeout (ours),
+    # also the trainer's group timeout
+    me.group_timeout_s, me._group_timeouts = 30.0, {"http://ours": True}
+    init = as_json(NcclCoordinator._init_body(me, offer, "http://sglang", 1, 2))
     assert sglang_surface.check_body("InitWeightsUpdateGroupReqInput", init) is None
+    assert "timeout_s" not in init
+    ours = as_json(NcclCoordinator._init_body(me, offer, "http://ours", 1, 2))
+    assert ours["timeout_s"] == 30.0
     for mode in ("abort", "in_place", "retract"):
         pause = as_json(sg.PauseGenerationReqInput.model_validate({"mode": mode}))
         assert sglang_surface.check_body("PauseGenerationReqInput", pause) is None
@@ -154,7 +160,10 @@ async def test_broker_weight_update_bodies_are_accepted(
 
 
 # Tandem's additions to SGLang's request classes (documented in proto/sglang.py).
-EXTENSIONS = {"UpdateWeightsFromDistributedReqInput": {"layout_id", "bucket_sizes"}}
+EXTENSIONS = {
+    "UpdateWeightsFromDistributedReqInput": {"layout_id", "bucket_sizes"},
+    "InitWeightsUpdateGroupReqInput": {"timeout_s"},
+}
 
 
 def test_proto_request_models_carry_exactly_the_fields_of_their_io_struct_namesakes() -> None:

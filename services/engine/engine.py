@@ -249,6 +249,7 @@ class Engine:
             # Tandem's extension of /update_weights_from_distributed (see engine/weights.py)
             "weight_update_bucket_sizes": self.config.whole_version_updates,
             "weight_update_layout_id": True,
+            "weight_update_group_timeout": True,  # of /init_weights_update_group
         }
         info["internal_states"] = [{**self.scheduler.load(), **self.scheduler.stats}]
         return info

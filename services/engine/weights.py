@@ -12,7 +12,9 @@ Both phases are bounded by `update_timeout_s`; a timeout answers an error, never
 Distributed path: the engine joins a process group named by the request at
 `rank_offset` (the trainer is rank 0) through a TCP rendezvous on `master_address:master_port`,
 with keys under the group name, as SGLang does. The backend follows the device (gloo on CPU,
-NCCL on CUDA); the receiving code is the same for both.
+NCCL on CUDA); the receiving code is the same for both. The group's timeout (its collectives')
+is 0.75x `update_timeout_s`, or `timeout_s` of the request if shorter (Tandem's extension,
+advertised as `"weight_update_group_timeout": true`: the broker sends the trainer's).
 
 `POST /update_weights_from_distributed {"names", "dtypes", "shapes", "group_name",
 "flush_cache", "weight_version", "load_format", "bucket_sizes"}`:
@@ -95,6 +97,7 @@ class WeightUpdater:
         self.scheduler = scheduler
         self.timeout_s = timeout_s
         self.group_timeout = timedelta(seconds=timeout_s * COLLECTIVE_SHARE)
+        self._timeout = self.group_timeout  # the group's: the broker may send a shorter one
         self.whole_version = whole_version  # accept `bucket_sizes` (see the module docstring)
         self._lock = asyncio.Lock()
         # Shared-memory slot our parameters live in after a zero-copy update (see _apply).
@@ -289,16 +292,12 @@ class WeightUpdater:
         if self._group is not None:
             leave_group(self._group)
             self._group = None
-        self._group = join_group(
-            body["master_address"],
-            int(body["master_port"]),
-            int(body.get("rank_offset", 1)),
-            int(body["world_size"]),
-            body.get("group_name", "weight_update_group"),
-            backend,
-            self.group_timeout,
-        )
-        self._group_name = body.get("group_name", "weight_update_group")
+        given = timedelta(seconds=body.get("timeout_s") or self.group_timeout.total_seconds())
+        self._timeout = min(given, self.group_timeout)
+        rank, name = int(body.get("rank_offset", 1)), body.get("group_name", "weight_update_group")
+        address, port, world = body["master_address"], int(body["master_port"]), body["world_size"]
+        self._group = join_group(address, port, rank, int(world), name, backend, self._timeout)
+        self._group_name = name
 
     async def from_distributed(self, body: dict[str, Any]) -> str:
         """Receive a version by broadcast from rank 0 (per tensor, or flat buckets; see the
@@ -464,7 +463,7 @@ class WeightUpdater:
         """Wait for the broadcasts (a dead peer raises, on NCCL too); a failed one leaves the
         group unusable: dropped as failed (process_group.py); the broker forms a fresh one."""
         try:
-            wait_all(works, self.group_timeout)
+            wait_all(works, self._timeout)
         except Exception:
             group, self._group = self._group, None
             if group is not None:

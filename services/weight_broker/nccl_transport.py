@@ -43,6 +43,7 @@ class NcclTransport:
         self.pause_mode = config.pause_mode
         self.load_format = config.nccl_load_format  # flattened_bucket | per_tensor
         self.timeout_s = config.sync_timeout_s
+        self.group_timeout_s = self.timeout_s / 2  # the trainer's collectives (and engines')
         self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(config.intake_endpoint)
@@ -55,6 +56,7 @@ class NcclTransport:
         self._failed: dict[str, str] = {}  # engine URL -> why it failed this version
         self._whole_version: dict[str, bool] = {}  # engine URL -> it takes bucket_sizes
         self._layout_ids: dict[str, bool] = {}  # engine URL -> it takes layout_id
+        self._group_timeouts: dict[str, bool] = {}  # engine URL -> it takes the group's timeout
         self._known_layout: dict[str, str] = {}  # engine URL -> the layout_id it last took
 
     def stop(self) -> None:
@@ -168,16 +170,22 @@ class NcclTransport:
             tp_sizes.append(int(info.get("tp_size", 1)))
             self._whole_version[engine] = info.get("weight_update_bucket_sizes") is True
             self._layout_ids[engine] = info.get("weight_update_layout_id") is True
+            self._group_timeouts[engine] = info.get("weight_update_group_timeout") is True
             self._known_layout.pop(engine, None)
         world = 1 + sum(tp_sizes)
         self.group_name = f"tandem_weights_{next(self._generation)}"
         group = {"world_size": world, "group_name": self.group_name}
         await self._command(
-            identity, "init", offer.version, attempt=attempt, timeout_s=self.timeout_s / 2, **group
+            identity,
+            "init",
+            offer.version,
+            attempt=attempt,
+            timeout_s=self.group_timeout_s,
+            **group,
         )
         offsets = zip(engines, itertools.accumulate([1, *tp_sizes]), strict=False)
         path = "/init_weights_update_group"
-        calls = [post(session, e + path, self._init_body(offer, o, world)) for e, o in offsets]
+        calls = [post(session, e + path, self._init_body(offer, e, o, world)) for e, o in offsets]
         await self._gather(calls, engines)
         self.members = list(engines)
 
@@ -210,8 +218,12 @@ class NcclTransport:
             raise RuntimeError(ack_error)
 
     def _init_body(
-        self, offer: NcclOffer, rank_offset: int, world_size: int
+        self, offer: NcclOffer, engine: str, rank_offset: int, world_size: int
     ) -> sg.InitWeightsUpdateGroupReqInput:
+        """An engine that takes it gets the trainer's group timeout: when a member dies mid-
+        broadcast, the others give up with the trainer and answer an error before this broker's
+        request timeout, so they are not blamed (with their own, longer one, they were)."""
+        timeout = self.group_timeout_s if self._group_timeouts.get(engine) else None
         return sg.InitWeightsUpdateGroupReqInput(
             master_address=offer.master_address,
             master_port=offer.master_port,
@@ -219,6 +231,7 @@ class NcclTransport:
             world_size=world_size,
             group_name=self.group_name,
             backend=offer.backend,
+            timeout_s=timeout,
         )
 
     def _update_body(
