@@ -394,3 +394,6 @@ def test_a_run_whose_engine_dies_as_a_broadcast_starts_goes_on_and_ends_cleanly(
     assert "did not reach the engines" in trainer and "stopped after 10 steps" in trainer
     assert "trainer did not stop in time" not in proc.stdout
     assert "(balanced)" in proc.stdout
+    # (seen on 2x H200 before: the evaluation ran while the restarted engine was out of the
+    # rotation, and the trainer's status lapsed while it closed)
+    assert "(all 20 failed)" not in proc.stdout and "no status reported" not in proc.stdout
