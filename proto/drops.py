@@ -18,9 +18,7 @@ class DropReason(StrEnum):
     CANCELLED = "cancelled"  # router: rollout stopped while the group was in flight
     SESSION_EXPIRED = "session_expired"  # router: an agent session ended without a reward
     REDIS_UNAVAILABLE = "redis_unavailable"  # router: the buffer could not take the group
-    ENGINE_ERROR = (
-        "engine_error"  # router: no engine answered the group's requests (drawn again once)
-    )
+    ENGINE_ERROR = "engine_error"  # router: no engine answered its requests (drawn again once)
     ENV_ERROR = "env_error"  # router: an environment episode failed
     ENV_TIMEOUT = "env_timeout"  # router: an environment episode ran past its timeout
     ENV_ALL_FAILED = "env_all_failed"  # router: every episode of a group failed
