@@ -28,6 +28,18 @@ def test_a_trainer_whose_batch_size_contradicts_the_run_contract_exits_2_naming_
     assert buffer.contract().rollout_batch_size == 16
 
 
+def test_a_trainer_given_gpus_it_cannot_see_exits_2_instead_of_training_on_cpu(
+    buffer, toy_model_dir: Path, monkeypatch
+) -> None:
+    """--trainer-gpus 99 (an index no machine has; here, or no GPU at all): before, the
+    trainer trained on CPU without a word."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "99")
+    done = run_trainer([*common_args(toy_model_dir, buffer), "--max-steps", "1"])
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "CUDA_VISIBLE_DEVICES=99 (tandem up's --trainer-gpus) names GPUs" in done.stderr
+    assert "trainer" not in buffer.statuses()  # refused before the model was loaded
+
+
 def nan_groups(toy_model_dir: Path, n: int) -> list:  # type: ignore[type-arg]
     groups = sample_groups(toy_model_dir, n, 2, seed=5)
     for g in groups:

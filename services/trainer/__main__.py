@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 def start(cfg: TrainerConfig) -> Any:
     """The trainer with its model loaded and the run contract agreed (a mismatch: exit 2)."""
     cfg.validate()
+    check_devices()
     check_model(cfg)
     # (the first save may come hours in; --save-hf writes beside its folder, then renames)
     hf_parent = str(Path(cfg.save_hf).parent) if cfg.save_hf else ""
@@ -100,6 +101,23 @@ def start(cfg: TrainerConfig) -> Any:
     from services.trainer.trainer import Trainer
 
     return Trainer(cfg)
+
+
+def check_devices() -> None:
+    """GPUs named (CUDA_VISIBLE_DEVICES: tandem up's --trainer-gpus) that torch cannot see are
+    a mistake (an index this machine lacks, no driver), not a CPU run: the trainer would
+    train on CPU, orders of magnitude slower, and say nothing."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if not visible or visible.startswith("-"):  # unset, or GPUs hidden on purpose
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"CUDA_VISIBLE_DEVICES={visible} (tandem up's --trainer-gpus) names GPUs, but torch "
+            "sees no CUDA device: give indices of this machine's GPUs (nvidia-smi -L), or none "
+            "to train on CPU"
+        )
 
 
 def run(trainer: Any, args: argparse.Namespace) -> None:
