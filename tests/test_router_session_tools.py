@@ -15,7 +15,8 @@ import pytest
 from services.rollout_router.config import RouterConfig
 from services.rollout_router.tasks import TemplateKwargs, encode_prompt
 from tests.helpers import read_all
-from tests.test_router_agents import QUESTION, TOOLS, router_args, write_tool_model
+from tests.test_router_agents import router_args
+from tests.test_router_tool_calls import QUESTION, TOOLS, write_tool_model
 
 TOKEN = {"Authorization": "Bearer s3cret"}
 
