@@ -269,8 +269,9 @@ class UpRun:
         deadline = time.monotonic() + limit_s if limit_s else math.inf
         # A resumed run's stream holds the earlier records (metrics.jsonl has them already).
         self.last_metrics_id = buffer.last_metrics_id() if config.resume else "0"
+        stall_fail_s = config.by_model("stall_fail_s")
         watchdog = Watchdog(
-            buffer, self.health_urls, config.stall_warn_s, config.by_model("stall_fail_s"), say
+            buffer, self.health_urls, config.stall_warn_s, stall_fail_s, say, config.max_steps
         )
         limits = {"engine": config.engine_restarts, "router": config.router_restarts}
         limits["broker"] = config.broker_restarts if config.weight_transport == "zmq" else 0

@@ -86,8 +86,10 @@ class Watchdog:
         stall_warn_s: float,
         stall_fail_s: float,
         say: Callable[[str], None],
+        max_steps: int = 0,
     ) -> None:
         self.buffer = buffer
+        self.max_steps = max_steps  # past it, the trainer is ending (saving, closing)
         self.health_urls = health_urls
         self.stall_warn_s, self.stall_fail_s = stall_warn_s, stall_fail_s
         self.say = say
@@ -127,6 +129,8 @@ class Watchdog:
         if stalled < self.stall_warn_s:
             return ""
         what = f"no progress for {stalled:.0f} s (no trainer step, no new group in its hands"
+        if self.max_steps and self.last_step >= self.max_steps:
+            what = f"the trainer has not ended {stalled:.0f} s after its last step (saving, closing"
         if stalled >= self.stall_fail_s:
             lines = self.report(stalled)
             return f"{what}; --stall-fail-s):\n" + "\n".join(lines)

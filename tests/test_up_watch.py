@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -268,6 +269,15 @@ def test_the_watchdog_prints_what_each_service_waits_for_then_ends_a_stalled_run
     time.sleep(0.7)
     problem = watchdog.check()
     assert problem.startswith("no progress for") and "weight version >= 71" in problem
+    # past its last step (--max-steps) the trainer saves and closes: said as such, still bounded
+    ending = Watchdog(buffer, {}, stall_warn_s=0.2, stall_fail_s=0.6, say=said.append, max_steps=3)
+    ending.step_done(3)
+    time.sleep(0.3)
+    assert ending.check() == ""
+    headline = re.compile(r"the trainer has not ended \d+ s after its last step \(saving, closing")
+    assert [line for line in said if headline.match(line)], said
+    time.sleep(0.4)
+    assert headline.match(ending.check()) and "--stall-fail-s" in ending.check()
 
 
 def test_groups_reaching_the_trainer_are_progress_and_groups_dropped_are_not(
