@@ -161,7 +161,7 @@ class InitWeightsUpdateGroupReqInput(_Req):
     )
     group_name: str = "weight_update_group"
     backend: str | None = None
-    timeout_s: float | None = Field(default=None, gt=0)
+    timeout_s: float | None = Field(default=None, ge=1, le=86400)
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> InitWeightsUpdateGroupReqInput:
