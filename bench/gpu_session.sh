@@ -2,7 +2,7 @@
 # GPU measurements (issues 4, 5, 7), as run on H200 machines through the device tool.
 #   bash bench/gpu_session.sh tests     # the engine's CUDA/NCCL tests: 2 GPUs, ~2 min
 #   bash bench/gpu_session.sh trainer   # the TP/DP/EP trainer tests: 2 GPUs, ~1 min a case, 12 cases: split with TESTS_K
-#   bash bench/gpu_session.sh faults    # weight-group failure tests: a peer dies mid-broadcast (2 GPUs, ~6 min)
+#   bash bench/gpu_session.sh faults    # weight-group failure tests: a peer dies mid-broadcast (2 GPUs, ~5 min; 3+: a group of 3 too, ~9 min)
 #   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3 (2 GPUs: 0 and 1)
 #   bash bench/gpu_session.sh mfu       # trainer tokens/s and MFU, packed vs padded (GPU 0)
 #   bash bench/gpu_session.sh moe       # MFU on active parameters: ~1.1B-active Qwen3-MoE vs its dense twin (GPU 0; ~65 GB)
@@ -68,8 +68,8 @@ tests)
         > "$OUT/tests.txt" 2>&1
     grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/tests.txt"
     ;;
-faults)  # the last one is a whole run (~1.1B model) whose engine exits as a broadcast starts
-    timeout 560 python3 -m pytest -q -s -p no:cacheprovider tests/test_weight_group_failure.py \
+faults)  # the last ones are whole runs (~1.1B model) whose engine exits as a broadcast starts
+    timeout 590 python3 -m pytest -q -s -p no:cacheprovider tests/test_weight_group_failure.py \
         > "$OUT/faults.txt" 2>&1
     grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/faults.txt"
     ;;
