@@ -18,16 +18,15 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 WEIGHTS = ("*.safetensors", "*.bin")
 
 
-def hub_model(model: str, problems: list[str]) -> tuple[str, list[str]]:
-    """`model` as a folder: the cache's copy of a hub id (said on stderr), else as given;
-    `problems` with the cache's, if any."""
+def hub_model(model: str) -> tuple[str, str]:
+    """(`model` as a folder: the cache's copy of a hub id, said on stderr, else as given;
+    the cache's problem or "")."""
     if not HUB_ID.fullmatch(model) or Path(model).exists():
-        return model, problems
+        return model, ""
     folder, problem = from_cache(model)
-    if problem:
-        return model, [*problems, problem]
-    print(f"[up] --model {model}: the Hugging Face cache's copy, {folder}", file=sys.stderr)
-    return folder, problems
+    if folder:
+        print(f"[up] --model {model}: the Hugging Face cache's copy, {folder}", file=sys.stderr)
+    return folder or model, problem
 
 
 def from_cache(model: str) -> tuple[str, str]:
@@ -49,6 +48,6 @@ def from_cache(model: str) -> tuple[str, str]:
     ):
         return "", (
             f"--model {model}: the Hugging Face cache's copy ({folder}) lacks config.json or "
-            f"its weights (*.safetensors): download the whole model ({download})"
+            f"its weights (*.safetensors, *.bin): download the whole model ({download})"
         )
     return str(folder), ""

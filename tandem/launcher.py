@@ -371,9 +371,10 @@ def parse(argv: list[str]) -> tuple[UpConfig, list[str]]:
         recorded = Path(config.resume) / "config.toml"  # the services' tables of that run
         if "config" not in given and recorded.is_file():
             config = replace(config, config=str(recorded))
-    model, problems = hub_model(config.model, problems)  # ORG/NAME: the HF cache's copy
-    config = replace(config, model=model)
-    config = config.absolute()  # (a resume's flags too: its up_config.json is saved again)
+    model, problem = hub_model(config.model)  # ORG/NAME: the Hugging Face cache's copy
+    problems += [problem] if problem else []
+    # absolute paths (a resume's flags too: its up_config.json is saved again)
+    config = replace(config, model=model).absolute()
     problems += validate(config)
     if not problems:
         from services.common.config_file import ConfigError

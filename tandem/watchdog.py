@@ -128,9 +128,10 @@ class Watchdog:
         stalled = now - self.last_step_at
         if stalled < self.stall_warn_s:
             return ""
-        what = f"no progress for {stalled:.0f} s (no trainer step, no new group in its hands"
-        if self.max_steps and self.last_step >= self.max_steps:
+        if self.max_steps and self.last_step >= self.max_steps:  # it saves and closes
             what = f"the trainer has not ended {stalled:.0f} s after its last step (saving, closing"
+        else:
+            what = f"no progress for {stalled:.0f} s (no trainer step, no new group in its hands"
         if stalled >= self.stall_fail_s:
             lines = self.report(stalled)
             return f"{what}; --stall-fail-s):\n" + "\n".join(lines)
