@@ -37,6 +37,7 @@ from tandem.up_services import service_args, trainer_on_gpu
 MODEL_DEFAULTS: dict[str, tuple[float, float, str]] = {
     "lr": (1e-3, 1e-6, "learning rate {:g}"),
     "time_limit_s": (900.0, 0.0, "no wall-clock limit"),
+    "stop_accuracy": (0.9, 0.0, "no held-out accuracy goal (the run ends at --max-steps)"),
     "startup_timeout_s": (180.0, 900.0, "{:g} s for a service to start"),
     "stall_fail_s": (600.0, 3600.0, "{:g} s without progress"),
 }
@@ -128,8 +129,12 @@ class UpConfig:
         },
     )
     stop_accuracy: float = field(
-        default=0.9,
-        metadata={"help": "Stop once held-out greedy accuracy reaches this (0 = never)."},
+        default=-1.0,
+        metadata={
+            "help": "Stop once held-out greedy accuracy reaches this; a run that ends at "
+            "--max-steps below it exits 1 (0 = never: --max-steps is the goal; -1 = 0.9 for "
+            "the toy model, 0 with a --model)."
+        },
     )
     time_limit_s: float = field(
         default=-1.0,
@@ -291,9 +296,9 @@ class UpConfig:
 
     def unset(self, name: str) -> bool:
         """Whether a field of MODEL_DEFAULTS was left to its default: below 0, or 0 (no rate or
-        bound) but for --time-limit-s, where 0 is no limit."""
+        bound) but for --time-limit-s and --stop-accuracy, where 0 is no limit or goal."""
         value = getattr(self, name)
-        return value < 0 or (value == 0 and name != "time_limit_s")
+        return value < 0 or (value == 0 and name not in ("time_limit_s", "stop_accuracy"))
 
     def by_model(self, name: str) -> float:
         """A field of MODEL_DEFAULTS as given, or its default for the model trained."""
@@ -423,8 +428,8 @@ def validate(config: UpConfig) -> list[str]:
         problems.append(f"--model {config.model}: no such folder (a Hugging Face model's)")
     elif config.model and not (Path(config.model) / "config.json").exists():
         problems.append(f"--model {config.model}: no config.json there (expected a HF directory)")
-    if not 0 <= config.stop_accuracy <= 1:
-        problems.append("--stop-accuracy must be within [0, 1]")
+    if not 0 <= config.by_model("stop_accuracy") <= 1:
+        problems.append("--stop-accuracy must be within [0, 1] (or -1: the model's default)")
     if config.max_steps < 1:
         problems.append("--max-steps must be at least 1")
     if not config.resume and config.run_dir and (Path(config.run_dir) / CONFIG_FILE).is_file():

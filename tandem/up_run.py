@@ -84,7 +84,7 @@ class UpRun:
         sinks = MetricSinks(self.run_dir, self.config.wandb_project, asdict(self.config))
         try:
             buffer, urls = self.start_services()
-            goal = self.config.stop_accuracy
+            goal = self.config.by_model("stop_accuracy")
             goal_text = f"held-out accuracy >= {goal}" if goal else "no accuracy goal"
             say(
                 f"all services up in {time.monotonic() - started:.1f}s; training "
@@ -213,9 +213,9 @@ class UpRun:
         say(f"held-out accuracy scores {self.eval_task}")
         for note in info.get("task_notes", []):
             say(note)
-        if ": none" in self.eval_task and config.stop_accuracy:
+        if ": none" in self.eval_task and (goal := config.by_model("stop_accuracy")):
             say(
-                f"no held-out prompts: --stop-accuracy {config.stop_accuracy} cannot be reached "
+                f"no held-out prompts: --stop-accuracy {goal} cannot be reached "
                 "(give --eval-prompt-data, or --stop-accuracy 0 to train --max-steps)"
             )
         if note := config.model_defaults():
@@ -269,7 +269,7 @@ class UpRun:
         deadline = time.monotonic() + limit_s if limit_s else math.inf
         # A resumed run's stream holds the earlier records (metrics.jsonl has them already).
         self.last_metrics_id = buffer.last_metrics_id() if config.resume else "0"
-        stall_fail_s = config.by_model("stall_fail_s")
+        stall_fail_s, goal = config.by_model("stall_fail_s"), config.by_model("stop_accuracy")
         watchdog = Watchdog(
             buffer, self.health_urls, config.stall_warn_s, stall_fail_s, say, config.max_steps
         )
@@ -306,7 +306,7 @@ class UpRun:
                 tail = f"\n{name} log ({logs[0].log_path}):\n{logs[0].log_tail()}" if logs else ""
                 say(f"FAILED: {problem}{tail}")
                 return 1
-            if config.stop_accuracy and progress.accuracy >= config.stop_accuracy:
+            if goal and progress.accuracy >= goal:
                 self.outcome = "reached_accuracy"
                 return 0
             if self.interrupted:
@@ -418,7 +418,7 @@ class UpRun:
 
     def child_exited(self, child) -> int:  # type: ignore[no-untyped-def]
         if child.name == "trainer" and child.proc.returncode == 0:
-            reached = self.config.stop_accuracy == 0
+            reached = self.config.by_model("stop_accuracy") == 0
             self.outcome = "max_steps" if reached else "max_steps_without_accuracy"
             say(f"trainer finished {self.config.max_steps} steps")
             return 0 if reached else 1

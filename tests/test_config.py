@@ -57,17 +57,33 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
     UpRun.say_router_terms(run, {"eval_task": "t"})  # type: ignore[arg-type]
     out = capsys.readouterr().out
     assert (
-        "[up] learning rate 1e-06, no wall-clock limit, 900 s for a service to start, 3600 s "
-        "without progress (the defaults for a --model; --lr, --time-limit-s, "
-        "--startup-timeout-s, --stall-fail-s set them)"
+        "[up] learning rate 1e-06, no wall-clock limit, no held-out accuracy goal (the run "
+        "ends at --max-steps), 900 s for a service to start, 3600 s without progress (the "
+        "defaults for a --model; --lr, --time-limit-s, --stop-accuracy, --startup-timeout-s, "
+        "--stall-fail-s set them)"
     ) in out.splitlines()
     toy = launcher.parse([])[0]
-    limits = ("time_limit_s", "startup_timeout_s", "stall_fail_s")
-    assert tuple(toy.by_model(n) for n in limits) == (900, 180, 600)
+    limits = ("time_limit_s", "startup_timeout_s", "stall_fail_s", "stop_accuracy")
+    assert tuple(toy.by_model(n) for n in limits) == (900, 180, 600, 0.9)
     real = launcher.parse(["--model", str(model), "--time-limit-s", "60"])[0]
-    assert tuple(real.by_model(n) for n in limits) == (60, 900, 3600)
+    assert tuple(real.by_model(n) for n in limits) == (60, 900, 3600, 0)
     saved = real.resolved(str(model))
     assert (saved.lr, saved.time_limit_s, saved.startup_timeout_s) == (1e-6, 60.0, 900.0)
+    assert saved.stop_accuracy == 0 and not saved.unset("stop_accuracy")  # resumed: kept
+    # a target given is kept either way, 0 (none) for the toy model too
+    given = launcher.parse(["--model", str(model), "--stop-accuracy", "0.7"])[0]
+    assert given.by_model("stop_accuracy") == 0.7
+    assert launcher.parse(["--stop-accuracy", "0"])[0].by_model("stop_accuracy") == 0
+    assert launcher.parse(["--stop-accuracy", "1.5"])[1] == [
+        "--stop-accuracy must be within [0, 1] (or -1: the model's default)"
+    ]
+    # a --model run that finished --max-steps with no target did what was asked: exit 0; the
+    # toy model's run that ends there below its 0.9 exits 1
+    trainer = SimpleNamespace(name="trainer", proc=SimpleNamespace(returncode=0))
+    for config, code, outcome in ((real, 0, "max_steps"), (toy, 1, "max_steps_without_accuracy")):
+        ended = SimpleNamespace(config=config, outcome="")
+        assert UpRun.child_exited(ended, trainer) == code  # type: ignore[arg-type]
+        assert ended.outcome == outcome
 
     # a --model trained on a GPU trains in bf16 (as the engines serve it), unless told not to
     def bf16(*argv: str) -> bool:
