@@ -49,7 +49,8 @@ class RunProgress:
     samples_trained: int = 0
     history: list[dict] = field(default_factory=list)
     steps_before: int = 0  # the run's step when this launch started (a resume's)
-    eval_failed: int = 0  # held-out prompts of the last evaluation, when every one failed
+    eval_failed: int = 0  # held-out prompts of the last evaluation that failed
+    eval_prompts: int = 0  # held-out prompts of the last evaluation
 
     def __post_init__(self) -> None:
         if self.resumed:  # the totals and the plot are the whole run's
@@ -69,10 +70,10 @@ class RunProgress:
     def fold(self, row: dict) -> str | None:
         """One row of metrics.jsonl into the totals; the console line of a trainer step."""
         self.history.append(row)
-        if row.get("eval/num_prompts") == 0 and row.get("eval/failed"):
-            self.eval_failed = int(row["eval/failed"])  # every held-out prompt failed
+        if "eval/failed" in row:  # held-out prompts that failed (all: no accuracy measured)
+            self.eval_failed = int(row["eval/failed"])
+            self.eval_prompts = self.eval_failed + int(row.get("eval/num_prompts", 0))
         if "eval/accuracy" in row:
-            self.eval_failed = 0
             self.accuracy = row["eval/accuracy"]
             self.accuracy_version = row["step"]
             if math.isnan(self.first_accuracy):
@@ -101,11 +102,14 @@ class RunProgress:
 
     def line(self) -> str:
         elapsed = time.monotonic() - self.started_at
+        failed = self.eval_failed
         accuracy = (  # none yet: the first evaluation (of this launch) has not reported
-            "-" if math.isnan(self.accuracy) else f"{self.accuracy:.2f} (v{self.accuracy_version})"
+            "-" if math.isnan(self.accuracy) else f"{self.accuracy:.2f} (v{self.accuracy_version}"
         )
-        if self.eval_failed:
-            accuracy = f"- (all {self.eval_failed} failed)"
+        if failed and failed == self.eval_prompts:
+            accuracy = f"- (all {failed} failed)"
+        elif accuracy != "-":  # (some failed: a lower bound, they count as not solved)
+            accuracy += f", {failed} of {self.eval_prompts} failed)" if failed else ")"
         rate = "-" if math.isnan(self.samples_per_s) else f"{self.samples_per_s:.0f}"
         return (
             f"step {self.step:4d} | reward {self.reward:.3f} | held-out acc {accuracy} | "

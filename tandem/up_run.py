@@ -85,10 +85,10 @@ class UpRun:
         try:
             buffer, urls = self.start_services()
             goal = self.config.by_model("stop_accuracy")
-            goal_text = f"held-out accuracy >= {goal}" if goal else "no accuracy goal"
+            why = f"stop at held-out accuracy >= {goal}, at most" if goal else "no accuracy goal,"
             say(
                 f"all services up in {time.monotonic() - started:.1f}s; training "
-                f"(stop at {goal_text}, at most {self.config.max_steps} steps)"
+                f"({why} {self.config.max_steps} steps)"
             )
             progress = RunProgress(self.run_dir, resumed=bool(self.config.resume))
             code = self.monitor(buffer, progress, sinks)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 from proto import MetricsRecord
+from services.rollout_router import evaluation
 from tandem.progress import RunProgress
 
 
@@ -55,9 +58,25 @@ def test_a_resumed_run_counts_the_whole_run_and_says_how_much_was_this_launch(
     fresh.close()
 
 
+def run_evaluation_publish(values: dict[str, float], exact: list[bool]) -> None:
+    """`values` as the router's evaluation publishes them for `exact` and `eval/failed`."""
+    published: list[dict[str, float]] = []
+
+    async def publish_metrics(source: str, step: int, got: dict[str, float]) -> None:
+        published.append(got)
+
+    loop = SimpleNamespace(buffer=SimpleNamespace(publish_metrics=publish_metrics))
+    failed = int(values["eval/failed"])
+    rewards = [1.0 if e else 0.0 for e in exact]
+    asyncio.run(evaluation._publish(loop, 0, rewards, exact, failed))  # type: ignore[arg-type]
+    values.update(published[0])
+
+
 def test_an_evaluation_whose_every_prompt_failed_reports_no_accuracy(tmp_path: Path) -> None:
     """The router leaves eval/accuracy out when no held-out prompt was scored (a reward that
-    always raises): the console says so, never 'held-out accuracy 0.00'."""
+    always raises): the console says so, never 'held-out accuracy 0.00'. One where some failed
+    (an environment lost half way) counts them as not solved: the few prompts that finished
+    must not read as the task's accuracy (--stop-accuracy would stop on it)."""
     progress = RunProgress(tmp_path)
     failed = {"eval/num_prompts": 0.0, "eval/failed": 20.0}
     progress.add(MetricsRecord(source="router", step=0, values=failed, time=0.0))
@@ -67,12 +86,19 @@ def test_an_evaluation_whose_every_prompt_failed_reports_no_accuracy(tmp_path: P
         "unhealthy: 1 steps in 1.0 min, held-out accuracy not measured (every one of the 20 "
         "held-out prompts failed; task), 0 samples trained"
     )
+    # an evaluation cut short: its failed prompts count as not solved, and the line says so
+    partial: dict[str, float] = {"eval/num_prompts": 4.0, "eval/failed": 16.0}
+    run_evaluation_publish(partial, exact=[True] * 4)
+    assert partial["eval/accuracy"] == 0.2  # 4 solved of 20, not 4 of the 4 that finished
+    progress.add(MetricsRecord(source="router", step=0, values=partial, time=0.0))
+    line = progress.add(MetricsRecord(source="trainer", step=1, values={}, time=0.0))
+    assert line is not None and "held-out acc 0.20 (v0, 16 of 20 failed) |" in line
     scored = {"eval/accuracy": 0.5, "eval/num_prompts": 20.0, "eval/failed": 0.0}
     progress.add(MetricsRecord(source="router", step=1, values=scored, time=0.0))
     line = progress.add(MetricsRecord(source="trainer", step=2, values={}, time=0.0))
     assert line is not None and "held-out acc 0.50 (v1) |" in line
     assert (
-        "held-out accuracy 0.50 -> 0.50 (best 0.50; task)"
+        "held-out accuracy 0.20 -> 0.50 (best 0.50; task)"
         in progress.sentences("done", 60.0, "task", ["2"])[0]
     )
     progress.close()

@@ -11,8 +11,11 @@ whenever the version reaches a new multiple of `eval_interval` (once an engine i
 rotation: with none, as while the only one restarts, every prompt would fail), publishing
 `eval/accuracy` (exact match: the task's judge, else reward >= 1) and `eval/reward_mean` at
 that version.
-A prompt whose generation or reward fails counts in `eval/failed`, never ends the task; when
-every one fails, `eval/accuracy` and `eval/reward_mean` are left out (none was measured).
+A prompt whose generation or reward fails counts in `eval/failed`, never ends the task, and
+counts as not solved in `eval/accuracy` (`eval/reward_mean` is over the prompts scored): an
+evaluation cut short (an environment or the engines lost half way) gives a lower bound, never
+the accuracy of the few prompts that happened to finish, which `tandem up --stop-accuracy`
+would take for success. When every one fails, both are left out (none was measured).
 """
 
 from __future__ import annotations
@@ -131,7 +134,7 @@ async def _publish(
 ) -> None:
     values = {"eval/num_prompts": float(len(exact)), "eval/failed": float(failed)}
     if exact:  # (none scored: no accuracy was measured, and none is reported)
-        values["eval/accuracy"] = sum(exact) / len(exact)
+        values["eval/accuracy"] = sum(exact) / (len(exact) + failed)
         values["eval/reward_mean"] = sum(rewards) / len(rewards)
     await loop.buffer.publish_metrics("router", version, values)
     loop.last_eval, loop.last_eval_version = values, version
