@@ -95,6 +95,16 @@ def test_an_environment_that_comes_up_late_is_retried_with_backoff_and_groups_fl
         wait_until(lambda: buffer.depth() >= 4, "groups once the environment is up", 60)
         assert buffer.drop_counts()["env_all_failed"] >= 2
         assert get_json(router.url + "/rollout/status")["state"] != "backing_off"
+        # the environment's outage was not the prompts': the first draw, dropped while it was
+        # down, was given back (once: a later failure of it, a probe's, is its last) and drawn
+        # again (the drop log: newest first)
+        p0 = [
+            d.detail.endswith("its prompt is drawn again (once)")
+            for d in buffer.drop_log(1000)
+            if d.group_id == "p0"
+        ]
+        assert p0[-1] and not any(p0[:-1]), p0
+        assert len(p0) == 2 or "p0" in {group.group_id for group in read_all(buffer)}, p0
     finally:
         server.shutdown()
 

@@ -123,7 +123,7 @@ class RolloutLoop:
         self.last_eval_version = -1
         self.backoff = Backoff()
         self.refused_in_a_row = 0  # groups whose requests the engines refused (4xx), in a row
-        self.redrawn: set[int] = set()  # draws given back once after an engine failure
+        self.redrawn: set[int] = set()  # draws given back once after a dependency failed
         self.stats = BatchStats()
         self.drops = Drops()
         self.changed = asyncio.Event()  # set on each state change (the status reporter waits)
@@ -339,18 +339,18 @@ class RolloutLoop:
             self.stats.finished += 1
             reason = exc.reason
             self.refused_in_a_row = self.refused_in_a_row + 1 if exc.refused else 0
+            detail, again = str(exc), None
             if (
                 reason in DEPENDENCY_REASONS
                 and not exc.refused
                 and (reason != DropReason.REWARD_ERROR or self.reward.url)
             ):
                 self.backoff.failed(reason, str(exc), started, time.monotonic())
-            detail, again = str(exc), None
-            if reason == DropReason.ENGINE_ERROR and not exc.refused and p not in self.redrawn:
-                # its engine died or was taken out: not the prompt's fault (once: a prompt that
-                # takes engines down is not drawn forever)
-                self.redrawn.add(p)
-                detail, again = f"{detail}; its prompt is drawn again (once)", p
+                # its engine, environment or reward service failed: not the prompt's fault
+                # (once: a prompt that takes a dependency down is not drawn forever)
+                if p not in self.redrawn:
+                    self.redrawn.add(p)
+                    detail, again = f"{detail}; its prompt is drawn again (once)", p
             await self._drop(group_id, reason, detail, exc.samples, give_back=again)
             if broken := self.reward.broken():  # ends the loop: every group would be dropped
                 raise RewardError(broken) from None
