@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 
 from proto import DropReason, DropRecord, Sample, SampleGroup
@@ -284,3 +285,81 @@ def test_a_router_killed_mid_run_resumes_without_replaying_losing_or_a_stale_bur
     assert buffer.counters()["prompts_drawn"] > drawn_at_kill, "the cursor went on"
     assert not trainer.unbalanced and ledger.violations == 0, trainer.unbalanced
     assert ledger.balanced, ledger.table()
+
+
+def test_a_second_router_on_a_running_run_is_refused_naming_the_first_and_takes_nothing(
+    buffer, toy_model_dir, start_service, engines
+):
+    """One router per run: a second one (by hand, a service scaled to two) used to drop the
+    first one's groups in flight as a dead router's and draw them again (trained twice)."""
+    engine = engines("--delay-ms", "100")
+    args = router_args(buffer, toy_model_dir, [engine.url], "--eval-interval", "0", batch=BATCH)
+    first = start_service("router", args)
+    wait_until(lambda: buffer.ledger().in_flight >= 2, "groups in flight")
+    second = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", *args], capture_output=True, text=True, timeout=60
+    )
+    assert second.returncode == 2, second.stderr[-2000:]
+    last = second.stderr.strip().splitlines()[-1]
+    assert f"another router serves run {buffer.config.run_id}: router pid {first.proc.pid}" in last
+    assert "give this one another --run-id" in last
+    assert "cancelled" not in buffer.ledger().dropped_groups
+    assert httpx.get(first.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_router_stopped_past_its_lease_is_taken_over_and_writes_nothing_when_it_goes_on(
+    buffer, toy_model_dir, start_service, engines
+):
+    engine = engines("--delay-ms", "100")
+    flags = ["--max-staleness", str(MAX_STALENESS), "--eval-interval", "0"]
+    args = router_args(buffer, toy_model_dir, [engine.url], *flags, batch=BATCH)
+    trainer = PlayTrainer(buffer, engine.url)
+    try:
+        first = start_service("router", args)
+        wait_until(lambda: trainer.version >= 2, "two steps")
+        wait_until(lambda: buffer.ledger().in_flight >= 2, "groups in flight")
+        os.killpg(first.proc.pid, signal.SIGSTOP)
+        start_service("router", args)  # waits out the lease, takes the stopped one's groups
+        steps = trainer.version
+        wait_until(lambda: trainer.version >= steps + 2, "steps of the second router")
+        os.killpg(first.proc.pid, signal.SIGCONT)
+        health = wait_until(
+            lambda: (r := httpx.get(first.url + "/health", timeout=10)).status_code == 503 and r,
+            "the first router to fail its health",
+        )
+        assert "another router" in health.json()["error"], health.json()
+        steps = trainer.version
+        wait_until(lambda: trainer.version >= steps + 2, "more steps of the second router")
+    finally:
+        trainer.close()
+    ledger = buffer.ledger()
+    print(f"\nafter the takeover ({trainer.version} steps):\n{ledger.table()}")
+    assert len(trainer.seen) == len(set(trainer.seen)), "a group id was put twice"
+    assert ledger.dropped_groups.get("cancelled", 0) >= 2  # the stopped one's, taken over
+    assert not trainer.unbalanced and ledger.violations == 0, trainer.unbalanced
+    assert ledger.balanced, ledger.table()
+
+
+def test_a_router_whose_lease_another_holds_writes_nothing(buffer):
+    """ledger.FENCE: a router stopped past its lease, going on, draws, puts and drops
+    nothing; writers that hold no lease (the trainer, tools) are not checked."""
+    buffer.redis.set(buffer.router_lease_key, "router pid 1 on a")
+    buffer.lease_owner = "router pid 2 on b"
+    before = buffer.ledger()
+    drop = DropRecord(source="router", reason=DropReason.ENGINE_ERROR, group_id="p0")
+    writes = (
+        buffer.start_group,
+        lambda: buffer.put_groups([make_group("p0")]),
+        lambda: buffer.record_drop(drop, give_back=0),
+    )
+    for write in writes:
+        with pytest.raises(
+            redis.ResponseError, match="another router holds this run: router pid 1"
+        ):
+            write()
+    assert buffer.ledger() == before and buffer.redis.zcard(buffer.redraw_key) == 0
+    buffer.lease_owner = ""
+    assert buffer.start_group() == 0
+    buffer.lease_owner = "router pid 1 on a"  # the holder writes
+    buffer.put_groups([make_group("p0")])
+    assert buffer.ledger().put == 1

@@ -27,6 +27,7 @@ from services.rollout_router.backpressure import depth_note
 from services.rollout_router.config import DataConfig, RouterConfig, SamplingConfig
 from services.rollout_router.control import RolloutController
 from services.rollout_router.environments import EnvClient, EpisodeRunner
+from services.rollout_router.lease import RouterLease
 from services.rollout_router.metrics import router as metrics_router
 from services.rollout_router.rewards import make_reward
 from services.rollout_router.rollout import RolloutLoop
@@ -163,13 +164,16 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await pool.start()
     app.state.control = app.state.sessions = None
     buffer = AsyncSampleBuffer(config.buffer)
+    lease = RouterLease(buffer)
     try:
         await pool.add_all(config.workers.engine_urls, config.workers.engine_wait_timeout_s)
         await buffer.wait_ready(30.0)
         app.state.pool, app.state.buffer = pool, buffer
         pool.start_health_checks()
-        if config.rollout.model:
+        if config.rollout.model:  # (it writes the run's samples: one router per run)
+            await lease.take()
             control = app.state.control = await build_control(config, pool, buffer)
+            control.keep_lease(lease)
             app.state.sessions = AgentSessions(
                 config.sessions,
                 pool,
@@ -196,6 +200,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         if app.state.control is not None:
             await app.state.control.close()
+        await lease.release()
         await pool.close()
         await buffer.aclose()
         log.info("router stopped: tasks cancelled, engine session closed")

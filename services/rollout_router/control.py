@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from proto.contract import FLAGS, SampleLimits
 from services.rollout_router.config import DataConfig, reward_problem
 from services.rollout_router.evaluation import run_evaluations
+from services.rollout_router.lease import LeaseError, RouterLease
 from services.rollout_router.report import service_status
 from services.rollout_router.rollout import RolloutLoop
 
@@ -125,6 +126,7 @@ class RolloutController:
         self.task: asyncio.Task | None = None
         self.eval_task: asyncio.Task | None = None
         self.status_task: asyncio.Task | None = None
+        self.lease_task: asyncio.Task | None = None
 
     @property
     def running(self) -> bool:
@@ -136,9 +138,21 @@ class RolloutController:
         self.eval_task = asyncio.create_task(run_evaluations(self.loop), name="eval")
         self.status_task = asyncio.create_task(self.report_status(), name="status")
 
+    def keep_lease(self, lease: RouterLease) -> None:
+        """Renew the run's router lease; once another router holds it, rollouts stop and
+        `failure` says so."""
+        self.lease_task = asyncio.create_task(self._keep(lease), name="lease")
+
+    async def _keep(self, lease: RouterLease) -> None:
+        try:
+            await lease.keep()
+        except LeaseError:
+            await self.stop()
+            raise
+
     def failure(self) -> str:
-        """The error that ended the rollout or evaluation task; empty while both live."""
-        for task in (self.task, self.eval_task):
+        """The error that ended the rollout, evaluation or lease task; empty while all live."""
+        for task in (self.task, self.eval_task, self.lease_task):
             if task is not None and task.done() and not task.cancelled() and task.exception():
                 exc = task.exception()
                 return f"{task.get_name()} task failed: {type(exc).__name__}: {exc}"
@@ -172,7 +186,7 @@ class RolloutController:
 
     async def close(self) -> None:
         await self.stop()
-        for task in (self.eval_task, self.status_task):
+        for task in (self.eval_task, self.status_task, self.lease_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

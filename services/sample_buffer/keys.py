@@ -48,6 +48,10 @@ class BufferKeys:
         self.entry_groups_key = prefix + "entry_groups"
         self.data_key = prefix + "data"
         self.limits_key = prefix + "limits"
+        self.router_lease_key = prefix + "router_lease"
+        # Who writes through these keys as the run's router (its lease, ledger.FENCE); '' for
+        # every other writer (the trainer, tools), whose writes no lease fences.
+        self.lease_owner = ""
 
     # --- writes, queued on a pipeline ---------------------------------------------------------
 

@@ -18,7 +18,8 @@ in one Lua script or MULTI, so a reading (one MULTI) never sees half an event of
 the trainer's own steps are sequential, so its check after a step is exact.
 
 A router that dies leaves its groups in `in_flight`; the next router start drops them as
-`cancelled` and gives their prompts back (`recover_in_flight`): one router per run id.
+`cancelled` and gives their prompts back (`recover_in_flight`): one router per run id, which
+its lease in Redis ensures (rollout_router/lease.py; `FENCE`).
 
 The scripts' keys and arguments come from `start_call`, `put_call` and `drop_call`, so the
 blocking `SampleBuffer` and the router's `AsyncSampleBuffer` run the same writes (either may
@@ -56,7 +57,22 @@ ENTRY_BYTES = 1 << 20
 # Sources whose drops are of groups already put (and counted consumed by that source).
 CONSUMERS = frozenset({"trainer"})
 
-START = """
+# The router's writes (START, PUT, DROP) end with the run's router lease key and the writer's
+# lease owner ('' = none checked: the trainer, tools); a router whose lease another router
+# holds (rollout_router/lease.py) writes nothing: that one has taken its groups over.
+FENCE = """
+local owner = ARGV[#ARGV]
+if owner ~= '' then
+  local held = redis.call('GET', KEYS[#KEYS])
+  if held and held ~= owner then
+    return redis.error_reply('FENCED another router holds this run: ' .. held)
+  end
+end
+"""
+
+START = (
+    FENCE
+    + """
 local given = redis.call('ZPOPMIN', KEYS[1])
 local p
 if given[1] then p = tonumber(given[2])
@@ -65,6 +81,7 @@ redis.call('HINCRBY', KEYS[2], 'groups_generated', 1)
 redis.call('HSET', KEYS[3], ARGV[1] .. p, p)
 return p
 """
+)
 
 # KEYS: samples, counters, in_flight, entry_groups. ARGV: e (entries), e payloads, e group
 # counts, then every group id as one msgpack array (a batch of groups, one script call: the
@@ -77,7 +94,9 @@ return p
 # ends one flight and counts the other generated, as one call per group would). Only a script's
 # first write can fail on a full server (later ones are let through to keep it atomic), so a
 # call leaves its whole batch counted or nothing.
-PUT = """
+PUT = (
+    FENCE
+    + """
 local e = tonumber(ARGV[1])
 local ids = {}
 for i = 1, e do
@@ -95,6 +114,7 @@ local c = redis.call('HMGET', KEYS[2], 'groups_put', 'groups_consumed')
 ids[#ids + 1] = (tonumber(c[1]) or 0) - (tonumber(c[2]) or 0)
 return ids
 """
+)
 
 # KEYS: samples, entry_groups. ARGV: payload, its number of groups. An entry of groups already
 # put and counted (the good neighbours of a dead-lettered group), written again; its id.
@@ -135,7 +155,9 @@ redis.call('HINCRBY', KEYS[3], 'groups_trained', ARGV[4])
 # give back ('' = none). A consumer's drop of a named group is also noted with the trainer's
 # version, so that a resume to an older checkpoint can take it back (`rewind_trainer`), but for a
 # dead letter: that entry left the stream for good and is never consumed again.
-DROP = """
+DROP = (
+    FENCE
+    + """
 local groups, samples = tonumber(ARGV[2]), tonumber(ARGV[3])
 if groups ~= 0 then redis.call('HINCRBY', KEYS[1], ARGV[1] .. ':groups', groups) end
 if samples ~= 0 then redis.call('HINCRBY', KEYS[1], ARGV[1] .. ':samples', samples) end
@@ -152,6 +174,7 @@ end
 if ARGV[8] ~= '' then redis.call('ZADD', KEYS[5], tonumber(ARGV[8]), ARGV[8]) end
 return 1
 """
+)
 
 # ARGV: source, step, record, metrics_len. Refuses a step not above the source's last one.
 METRICS_ONCE = """
@@ -286,7 +309,10 @@ def check(buffer: SampleBuffer, who: str, ledger: Ledger | None = None) -> Ledge
 
 def start_call(keys: BufferKeys) -> Call:
     """START: draw the next prompt, count its group generated and in flight as `p{draw}`."""
-    return [keys.redraw_key, keys.counters_key, keys.in_flight_key], ["p"]
+    return [keys.redraw_key, keys.counters_key, keys.in_flight_key, keys.router_lease_key], [
+        "p",
+        keys.lease_owner,
+    ]
 
 
 def entries_of(groups: list[PackedGroup]) -> list[tuple[bytes, int]]:
@@ -314,10 +340,9 @@ def put_call(keys: BufferKeys, groups: list[SampleGroup | PackedGroup]) -> tuple
     counts = [count for _, count in entries]
     args: list[Any] = [len(entries), *(payload for payload, _ in entries), *counts]
     args.append(msgspec.msgpack.encode([group.group_id for group in groups]))
-    return (
-        [keys.samples_key, keys.counters_key, keys.in_flight_key, keys.entry_groups_key],
-        args,
-    ), counts
+    args.append(keys.lease_owner)
+    script_keys = [keys.samples_key, keys.counters_key, keys.in_flight_key, keys.entry_groups_key]
+    return ([*script_keys, keys.router_lease_key], args), counts
 
 
 def put_reply(reply: list[Any], counts: list[int]) -> tuple[list[str], int]:
@@ -376,6 +401,7 @@ def drop_call(
         keys.redraw_key,
         keys.version_prefix + "trainer",
         keys.trainer_drops_key,
+        keys.router_lease_key,
     ], [
         str(record.reason),
         record.count,
@@ -385,6 +411,7 @@ def drop_call(
         record.group_id,
         int(record.source in CONSUMERS),
         "" if give_back is None else give_back,
+        keys.lease_owner,
     ]
 
 

@@ -1,0 +1,100 @@
+"""One router per run: the router that writes a run's samples holds its lease in Redis.
+
+A second router on the same run (a second `tandem router` by hand, a compose service scaled to
+two, a rolling update that starts the new router before the old one stops) would drop the
+first one's groups in flight as left by a dead router and draw their prompts again while the
+first still puts them (the same group trained twice), and both would run the demand gate on
+the same counters (twice the rollouts, dropped as stale). So the router takes the lease before
+it writes anything (`take`): a lease left by a router killed just now expires within
+`LEASE_TTL_S`, so a restart waits at most that long; one still renewed is another router's,
+and this one exits naming it. While it runs, `keep` renews it every `RENEW_S`; a router that
+finds another one holding it (it was stopped, or cut off from Redis, for longer than the
+expiry, and another took over) stops its rollouts and fails its `/health`. A router that stops
+gives the lease up (`release`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+
+from redis.exceptions import RedisError
+
+from services.sample_buffer import AsyncSampleBuffer
+
+LEASE_TTL_S = 5.0  # how long a router that stopped renewing keeps the run
+RENEW_S = 1.0
+
+log = logging.getLogger("tandem.router")
+
+
+class LeaseError(ValueError):
+    """Another router holds the run's lease (at start: a configuration error, exit 2)."""
+
+
+class RouterLease:
+    """The lease of `buffer`'s run, held by this process."""
+
+    def __init__(self, buffer: AsyncSampleBuffer) -> None:
+        self.buffer = buffer
+        started = time.strftime("%H:%M:%S")
+        tag = uuid.uuid4().hex[:8]
+        self.owner = (
+            f"router pid {os.getpid()} on {socket.gethostname()}, started {started} [{tag}]"
+        )
+        self.held = False
+        buffer.lease_owner = self.owner  # its writes are refused once another router holds it
+
+    async def take(self, wait_s: float = LEASE_TTL_S + RENEW_S) -> None:
+        """Hold the lease; a holder that does not renew it within `wait_s` lets it go.
+        `LeaseError` naming the holder when it does."""
+        deadline, said = time.monotonic() + wait_s, False
+        while holder := await self.buffer.take_lease(self.owner, LEASE_TTL_S):
+            if time.monotonic() >= deadline:
+                raise LeaseError(
+                    f"another router serves run {self.buffer.config.run_id}: {holder} (it "
+                    f"renews its lease in Redis every {RENEW_S:g} s). One router per run: stop "
+                    "that one, or give this one another --run-id"
+                )
+            if not said:
+                log.warning(
+                    "waiting up to %.0f s for run %s's router lease, held by %s (one killed "
+                    "just now lets it go within %g s)",
+                    wait_s,
+                    self.buffer.config.run_id,
+                    holder,
+                    LEASE_TTL_S,
+                )
+                said = True
+            await asyncio.sleep(RENEW_S / 2)
+        self.held = True
+
+    async def keep(self) -> None:
+        """Renew the lease until cancelled; `LeaseError` once another router holds it. A
+        Redis that does not answer is the rollout's to report: the lease is renewed (taken
+        again, when nobody took it meanwhile) once it answers."""
+        while True:
+            await asyncio.sleep(RENEW_S)
+            try:
+                holder = await self.buffer.take_lease(self.owner, LEASE_TTL_S)
+            except RedisError:
+                continue
+            if holder:
+                raise LeaseError(
+                    f"another router took run {self.buffer.config.run_id} over: {holder} (this "
+                    f"one did not renew its lease for {LEASE_TTL_S:g} s: stopped, or cut off "
+                    "from Redis); this one writes no more"
+                )
+
+    async def release(self) -> None:
+        """Give the lease up (when this router took it)."""
+        if not self.held:
+            return
+        try:
+            await self.buffer.release_lease(self.owner)
+        except RedisError as exc:  # it expires by itself
+            log.warning("router lease not given up (%s): it expires in %g s", exc, LEASE_TTL_S)
