@@ -343,7 +343,7 @@ def test_a_router_stopped_past_its_lease_is_taken_over_and_writes_nothing_when_i
 def test_a_router_whose_lease_another_holds_writes_nothing(buffer):
     """ledger.FENCE: a router stopped past its lease, going on, draws, puts and drops
     nothing; writers that hold no lease (the trainer, tools) are not checked."""
-    buffer.redis.set(buffer.router_lease_key, "router pid 1 on a")
+    buffer.redis.set(buffer.lease_key, "router pid 1 on a")
     buffer.lease_owner = "router pid 2 on b"
     before = buffer.ledger()
     drop = DropRecord(source="router", reason=DropReason.ENGINE_ERROR, group_id="p0")
@@ -353,9 +353,7 @@ def test_a_router_whose_lease_another_holds_writes_nothing(buffer):
         lambda: buffer.record_drop(drop, give_back=0),
     )
     for write in writes:
-        with pytest.raises(
-            redis.ResponseError, match="another router holds this run: router pid 1"
-        ):
+        with pytest.raises(redis.ResponseError, match="held by another: router pid 1"):
             write()
     assert buffer.ledger() == before and buffer.redis.zcard(buffer.redraw_key) == 0
     buffer.lease_owner = ""
@@ -363,3 +361,9 @@ def test_a_router_whose_lease_another_holds_writes_nothing(buffer):
     buffer.lease_owner = "router pid 1 on a"  # the holder writes
     buffer.put_groups([make_group("p0")])
     assert buffer.ledger().put == 1
+    # a trainer's step, fenced by the trainer lease
+    buffer.lease_key, buffer.lease_owner = buffer.lease_prefix + "trainer", "trainer pid 3 on b"
+    buffer.redis.set(buffer.lease_key, "trainer pid 4 on c")
+    with pytest.raises(redis.ResponseError, match="held by another: trainer pid 4"):
+        buffer.record_trained(1, ["p0"], 1)
+    assert buffer.ledger().trained == 0

@@ -158,6 +158,7 @@ def test_a_closing_trainer_reports_stopping_until_its_teardown_ends(buffer) -> N
     trainer = Trainer.__new__(Trainer)
     trainer.status, trainer.observe = StatusReporter(buffer, interval_s=0.2), Observe()
     trainer.sender, trainer.stop_requested, trainer.version = Sender(), False, 3
+    trainer.lease = None
     trainer.close()
     assert seen == [("stopping", "its weight sender and process groups to close (<= 45 s)")]
     assert buffer.statuses()["trainer"].state == "stopped" and trainer.status is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -172,40 +173,80 @@ def test_stale_groups_are_recorded_as_drops_and_not_trained_on(buffer, toy_model
     assert buffer.depth() == 0
 
 
-def test_trainer_exits_cleanly_on_sigterm_while_waiting_for_samples(
-    buffer, toy_model_dir: Path
-) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ready = Path(f"/tmp/trainer-ready-{os.getpid()}.json")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def start_trainer(buffer, model_dir: Path, ready: Path) -> subprocess.Popen:  # type: ignore[no-untyped-def]
+    """`tandem trainer` started, ready once `ready` exists (`wait_ready`)."""
     ready.unlink(missing_ok=True)
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
             "tandem.cli",
             "trainer",
-            *common_args(toy_model_dir, buffer),
+            *common_args(model_dir, buffer),
             "--ready-file",
             str(ready),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env=ENV,
         start_new_session=True,
     )
+
+
+def wait_ready(proc: subprocess.Popen, ready: Path) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ready.exists(), proc.communicate()[1][-3000:]
+
+
+def test_trainer_exits_cleanly_on_sigterm_while_waiting_for_samples(
+    buffer, toy_model_dir: Path, tmp_path: Path
+) -> None:
+    ready = tmp_path / "ready.json"
+    proc = start_trainer(buffer, toy_model_dir, ready)
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ready.exists(), proc.communicate()[1][-3000:]
+        wait_ready(proc, ready)
         proc.terminate()
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
-        ready.unlink(missing_ok=True)
+
+
+def test_one_trainer_per_run_a_second_is_refused_and_one_stopped_past_its_lease_taken_over(
+    buffer, toy_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two trainers on one run trained parts of it with the same version numbers and saved
+    into one folder: the second is refused naming the first; one stopped (SIGSTOP) past its
+    lease is taken over by the next, and ends (exit 1) when it goes on."""
+    first = start_trainer(buffer, toy_model_dir, tmp_path / "first.json")
+    third = None
+    try:
+        wait_ready(first, tmp_path / "first.json")
+        argv = [sys.executable, "-m", "tandem.cli", "trainer", *common_args(toy_model_dir, buffer)]
+        second = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV)
+        assert second.returncode == 2, second.stderr[-3000:]
+        run = buffer.config.run_id
+        assert f"another trainer trains run {run}: trainer pid {first.pid} on " in second.stderr
+        os.killpg(first.pid, signal.SIGSTOP)
+        third = start_trainer(buffer, toy_model_dir, tmp_path / "third.json")
+        wait_ready(third, tmp_path / "third.json")  # it waited out the stopped one's lease
+        os.killpg(first.pid, signal.SIGCONT)
+        _, err = first.communicate(timeout=30)
+        assert first.returncode == 1, err[-3000:]
+        assert f"another trainer took run {run} over: trainer pid {third.pid} on " in err
+        assert third.poll() is None
+    finally:
+        for proc in (first, third):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGCONT)
+                proc.kill()
 
 
 def test_missing_model_config_and_unreachable_redis_fail_with_the_flag_to_fix(

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 import time
-import uuid
 
 from redis.exceptions import RedisError
 
 from services.sample_buffer import AsyncSampleBuffer
+from services.sample_buffer.keys import lease_owner_name
 
 LEASE_TTL_S = 5.0  # how long a router that stopped renewing keeps the run
 RENEW_S = 1.0
@@ -41,19 +39,16 @@ class RouterLease:
 
     def __init__(self, buffer: AsyncSampleBuffer) -> None:
         self.buffer = buffer
-        started = time.strftime("%H:%M:%S")
-        tag = uuid.uuid4().hex[:8]
-        self.owner = (
-            f"router pid {os.getpid()} on {socket.gethostname()}, started {started} [{tag}]"
-        )
+        self.owner = lease_owner_name("router")
         self.held = False
-        buffer.lease_owner = self.owner  # its writes are refused once another router holds it
+        # its writes are refused once another router holds the lease
+        buffer.lease_key, buffer.lease_owner = buffer.lease_prefix + "router", self.owner
 
     async def take(self, wait_s: float = LEASE_TTL_S + RENEW_S) -> None:
         """Hold the lease; a holder that does not renew it within `wait_s` lets it go.
         `LeaseError` naming the holder when it does."""
         deadline, said = time.monotonic() + wait_s, False
-        while holder := await self.buffer.take_lease(self.owner, LEASE_TTL_S):
+        while holder := await self.buffer.take_lease("router", self.owner, LEASE_TTL_S):
             if time.monotonic() >= deadline:
                 raise LeaseError(
                     f"another router serves run {self.buffer.config.run_id}: {holder} (it "
@@ -80,7 +75,7 @@ class RouterLease:
         while True:
             await asyncio.sleep(RENEW_S)
             try:
-                holder = await self.buffer.take_lease(self.owner, LEASE_TTL_S)
+                holder = await self.buffer.take_lease("router", self.owner, LEASE_TTL_S)
             except RedisError:
                 continue
             if holder:
@@ -95,6 +90,6 @@ class RouterLease:
         if not self.held:
             return
         try:
-            await self.buffer.release_lease(self.owner)
+            await self.buffer.release_lease("router", self.owner)
         except RedisError as exc:  # it expires by itself
             log.warning("router lease not given up (%s): it expires in %g s", exc, LEASE_TTL_S)

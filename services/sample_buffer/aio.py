@@ -32,19 +32,6 @@ from services.sample_buffer.ledger import Ledger
 
 T = TypeVar("T")
 
-# One router per run (its rollout draws prompts and ends the flights of its groups): the lease
-# is a key holding its owner, taken when free or renewed by its owner, with an expiry.
-LEASE = """
-local held = redis.call('GET', KEYS[1])
-if held and held ~= ARGV[1] then return held end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return ''
-"""
-RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-return 1
-"""
-
 
 async def io(call: Awaitable[T]) -> T:
     """Await one Redis call, then raise the cancellation redis-py lost: redis.asyncio (8.1, on
@@ -68,8 +55,8 @@ class AsyncSampleBuffer(BufferKeys):
             "start": self.redis.register_script(ledger.START),
             "put": self.redis.register_script(ledger.PUT),
             "drop": self.redis.register_script(ledger.DROP),
-            "lease": self.redis.register_script(LEASE),
-            "release": self.redis.register_script(RELEASE),
+            "lease": self.redis.register_script(ledger.LEASE),
+            "release": self.redis.register_script(ledger.RELEASE),
         }
 
     async def aclose(self) -> None:
@@ -201,17 +188,17 @@ class AsyncSampleBuffer(BufferKeys):
         raw = await io(self.redis.get(self.limits_key))
         return None if raw is None else msgspec.json.decode(raw, type=SampleLimits)
 
-    async def take_lease(self, owner: str, ttl_s: float) -> str:
-        """Hold the run's router lease as `owner` for `ttl_s` more (taken when free, renewed
+    async def take_lease(self, role: str, owner: str, ttl_s: float) -> str:
+        """Hold the run's `role` lease as `owner` for `ttl_s` more (taken when free, renewed
         when `owner` holds it): '' when held now, else who holds it."""
-        held = await io(
-            self.scripts["lease"](keys=[self.router_lease_key], args=[owner, int(ttl_s * 1000)])
+        reply = self.scripts["lease"](
+            keys=[self.lease_prefix + role], args=[owner, int(ttl_s * 1000)]
         )
-        return held.decode()
+        return (await io(reply)).decode()
 
-    async def release_lease(self, owner: str) -> None:
-        """Give the lease up when `owner` holds it (a router that stops)."""
-        await io(self.scripts["release"](keys=[self.router_lease_key], args=[owner]))
+    async def release_lease(self, role: str, owner: str) -> None:
+        """Give the `role` lease up when `owner` holds it (a service that stops)."""
+        await io(self.scripts["release"](keys=[self.lease_prefix + role], args=[owner]))
 
     async def _scan(self, pattern: str) -> list[bytes]:
         return [name async for name in self.redis.scan_iter(pattern)]

@@ -141,6 +141,8 @@ class SampleBuffer(BufferKeys):
             "reput": self.redis.register_script(ledger.REPUT),
             "drop": self.redis.register_script(ledger.DROP),
             "metrics_once": self.redis.register_script(ledger.METRICS_ONCE),
+            "lease": self.redis.register_script(ledger.LEASE),
+            "release": self.redis.register_script(ledger.RELEASE),
         }
         self._group_made = False  # the consumer group is known to exist (reads skip XGROUP)
 
@@ -416,6 +418,14 @@ class SampleBuffer(BufferKeys):
     def set_limits(self, limits: SampleLimits) -> None:
         """The longest sample the trainer of this run takes (its start writes it)."""
         self.redis.set(self.limits_key, msgspec.json.encode(limits))
+
+    def take_lease(self, role: str, owner: str, ttl_s: float) -> str:
+        """As `AsyncSampleBuffer.take_lease`: '' when `owner` holds the `role` lease now."""
+        keys = [self.lease_prefix + role]
+        return self.scripts["lease"](keys=keys, args=[owner, int(ttl_s * 1000)]).decode()
+
+    def release_lease(self, role: str, owner: str) -> None:
+        self.scripts["release"](keys=[self.lease_prefix + role], args=[owner])
 
     def set_status(self, status: ServiceStatus, ttl_s: float = 30.0) -> None:
         """Report what this service is doing; gone after `ttl_s` unless reported again."""

@@ -13,7 +13,10 @@ only once a checkpoint holds the update, so the stream may hold groups already c
 
 from __future__ import annotations
 
+import os
+import socket
 import time
+import uuid
 from typing import Any, TypeVar
 
 import msgspec
@@ -48,9 +51,10 @@ class BufferKeys:
         self.entry_groups_key = prefix + "entry_groups"
         self.data_key = prefix + "data"
         self.limits_key = prefix + "limits"
-        self.router_lease_key = prefix + "router_lease"
-        # Who writes through these keys as the run's router (its lease, ledger.FENCE); '' for
-        # every other writer (the trainer, tools), whose writes no lease fences.
+        self.lease_prefix = prefix + "lease:"  # + role: one router and one trainer per run
+        # The lease that fences this client's ledger writes (ledger.FENCE) and its owner, set
+        # by the service holding it; '' = none checked (tools, tests).
+        self.lease_key = self.lease_prefix + "router"
         self.lease_owner = ""
 
     # --- writes, queued on a pipeline ---------------------------------------------------------
@@ -76,6 +80,12 @@ class BufferKeys:
     def metrics_entry(self, source: str, step: int, values: dict[str, float]) -> dict[str, bytes]:
         record = MetricsRecord(source=source, step=step, values=values, time=time.time())
         return {"d": encode(record)}
+
+
+def lease_owner_name(role: str) -> str:
+    """How a lease names its holder: role, process, host, start time and a tag of its own."""
+    started, tag = time.strftime("%H:%M:%S"), uuid.uuid4().hex[:8]
+    return f"{role} pid {os.getpid()} on {socket.gethostname()}, started {started} [{tag}]"
 
 
 # --- reply decoding ---------------------------------------------------------------------------

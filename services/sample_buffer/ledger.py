@@ -57,15 +57,28 @@ ENTRY_BYTES = 1 << 20
 # Sources whose drops are of groups already put (and counted consumed by that source).
 CONSUMERS = frozenset({"trainer"})
 
-# The router's writes (START, PUT, DROP) end with the run's router lease key and the writer's
-# lease owner ('' = none checked: the trainer, tools); a router whose lease another router
-# holds (rollout_router/lease.py) writes nothing: that one has taken its groups over.
+# Leases: one router and one trainer per run (rollout_router/lease.py, trainer/lease.py). A
+# lease is a key holding its owner, taken when free or renewed by its owner, with an expiry.
+LEASE = """
+local held = redis.call('GET', KEYS[1])
+if held and held ~= ARGV[1] then return held end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return ''
+"""
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+# The ledger's writes of a service that holds a lease (START, PUT, DROP, STEP) end with its
+# lease key and its owner name ('' = none checked: tools, tests): one whose lease another holds
+# writes nothing (it was stopped past its lease, and the other took its work over).
 FENCE = """
 local owner = ARGV[#ARGV]
 if owner ~= '' then
   local held = redis.call('GET', KEYS[#KEYS])
   if held and held ~= owner then
-    return redis.error_reply('FENCED another router holds this run: ' .. held)
+    return redis.error_reply('FENCED the lease of this writer is held by another: ' .. held)
   end
 end
 """
@@ -127,25 +140,26 @@ return id
 # KEYS[1..2]: samples, entry_groups; ARGV[1] the consumer group, ARGV[first..] entry ids. Acks and
 # deletes each entry and forgets its group count.
 _ACK_LOOP = """
-for i = {first}, #ARGV do
+for i = {first}, {last} do
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
   if redis.call('XDEL', KEYS[1], ARGV[i]) == 1 then redis.call('HDEL', KEYS[2], ARGV[i]) end
 end
 """
-ACK = _ACK_LOOP.format(first=2) + "return #ARGV - 1\n"
+ACK = _ACK_LOOP.format(first=2, last="#ARGV") + "return #ARGV - 1\n"
 
-# KEYS: samples, entry_groups, counters, trained, drops, in_flight. ARGV: consumer group, step,
-# its groups' ids (JSON), how many, groups consumed, then entry ids to ack. A trainer's step in
+# KEYS: samples, entry_groups, counters, trained, drops, in_flight, lease. ARGV: consumer group,
+# step, its groups' ids (JSON), how many, groups consumed, entry ids to ack, owner. A step in
 # one call, not four round trips: the rollout's groups counted consumed, the lineage of version
 # `step` (replacing one written before a resume), the acks of entries done with, and the
 # ledger's reads after it (`step_reply`).
 STEP = (
-    """
+    FENCE
+    + """
 if ARGV[5] ~= '0' then redis.call('HINCRBY', KEYS[3], 'groups_consumed', ARGV[5]) end
 redis.call('HSET', KEYS[4], ARGV[2], ARGV[3])
 redis.call('HINCRBY', KEYS[3], 'groups_trained', ARGV[4])
 """
-    + _ACK_LOOP.format(first=6)
+    + _ACK_LOOP.format(first=6, last="#ARGV - 1")
     + "return {redis.call('HGETALL', KEYS[3]), redis.call('HGETALL', KEYS[5]), "
     + "redis.call('HLEN', KEYS[6])}\n"
 )
@@ -309,7 +323,7 @@ def check(buffer: SampleBuffer, who: str, ledger: Ledger | None = None) -> Ledge
 
 def start_call(keys: BufferKeys) -> Call:
     """START: draw the next prompt, count its group generated and in flight as `p{draw}`."""
-    return [keys.redraw_key, keys.counters_key, keys.in_flight_key, keys.router_lease_key], [
+    return [keys.redraw_key, keys.counters_key, keys.in_flight_key, keys.lease_key], [
         "p",
         keys.lease_owner,
     ]
@@ -342,7 +356,7 @@ def put_call(keys: BufferKeys, groups: list[SampleGroup | PackedGroup]) -> tuple
     args.append(msgspec.msgpack.encode([group.group_id for group in groups]))
     args.append(keys.lease_owner)
     script_keys = [keys.samples_key, keys.counters_key, keys.in_flight_key, keys.entry_groups_key]
-    return ([*script_keys, keys.router_lease_key], args), counts
+    return ([*script_keys, keys.lease_key], args), counts
 
 
 def put_reply(reply: list[Any], counts: list[int]) -> tuple[list[str], int]:
@@ -371,9 +385,10 @@ def step_call(
     """STEP: `consumed` counted, `group_ids` as version `step`'s lineage, the entries of `ack`
     (ids or group keys) acked."""
     script_keys = [keys.samples_key, keys.entry_groups_key, keys.counters_key, keys.trained_key]
-    script_keys += [keys.drops_key, keys.in_flight_key]
+    script_keys += [keys.drops_key, keys.in_flight_key, keys.lease_key]
     trained = msgspec.json.encode(group_ids)
-    return script_keys, [group, step, trained, len(group_ids), consumed, *_entries(ack)]
+    args = [group, step, trained, len(group_ids), consumed, *_entries(ack), keys.lease_owner]
+    return script_keys, args
 
 
 def step_reply(reply: list[Any]) -> Ledger:
@@ -401,7 +416,7 @@ def drop_call(
         keys.redraw_key,
         keys.version_prefix + "trainer",
         keys.trainer_drops_key,
-        keys.router_lease_key,
+        keys.lease_key,
     ], [
         str(record.reason),
         record.count,

@@ -43,6 +43,7 @@ from services.trainer import batching, checkpoint, losses, routing_replay
 from services.trainer.batching import MicroBatch, TrainSample
 from services.trainer.config import TrainerConfig
 from services.trainer.intake import limits_of
+from services.trainer.lease import TrainerLease
 from services.trainer.lineage import begin_lineage, lineage_start, rewind_ledger
 from services.trainer.observe import TrainerObserver
 from services.trainer.policy import Policy, init_distributed
@@ -80,10 +81,14 @@ class Trainer:
         self.sender = None
         self.stop_requested = False  # SIGTERM/SIGINT: finish the step, save, leave
         start_version = 0
+        self.lease: TrainerLease | None = None
         if self.is_main:
             # Start-up checks fail fast on this client; the loop's waits out a lost connection.
             plain = SampleBuffer(BufferConfig(redis_url=cfg.redis_url, run_id=cfg.run_id))
             plain.wait_ready(timeout_s=10.0)
+            self.lease = TrainerLease(plain)  # one trainer per run: before any write
+            self.lease.take()
+            self.lease.fence(plain)
             plain.agree_contract(cfg.run_contract(), "trainer")
             start_version = lineage_start(cfg, plain, resume_root is not None)
             if start_version:
@@ -94,6 +99,7 @@ class Trainer:
                 cfg.redis_url, cfg.redis_timeout_s, cfg.read_block_ms, lambda: self.stop_requested
             )
             self.buffer = SampleBuffer(plain.config, client)
+            self.lease.fence(self.buffer)
             limits = limits_of(cfg.model, cfg.max_tokens_per_gpu, cfg.max_response_len)
             self.intake = Intake(cfg, self.buffer, limits, self._report)
             self.intake.lineage_floor = start_version
@@ -171,6 +177,8 @@ class Trainer:
         if self.status is not None:
             self.status.close("failed" if error else "stopped", error)
             self.status = None
+        if self.lease is not None:
+            self.lease.release()
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)
