@@ -301,7 +301,7 @@ def test_a_second_router_on_a_running_run_is_refused_naming_the_first_and_takes_
     )
     assert second.returncode == 2, second.stderr[-2000:]
     last = second.stderr.strip().splitlines()[-1]
-    assert f"another router serves run {buffer.config.run_id}: router pid {first.proc.pid}" in last
+    assert f"another router holds run {buffer.config.run_id}: router pid {first.proc.pid}" in last
     assert "give this one another --run-id" in last
     assert "cancelled" not in buffer.ledger().dropped_groups
     assert httpx.get(first.url + "/health", timeout=10).status_code == 200

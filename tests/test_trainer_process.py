@@ -233,7 +233,7 @@ def test_one_trainer_per_run_a_second_is_refused_and_one_stopped_past_its_lease_
         second = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV)
         assert second.returncode == 2, second.stderr[-3000:]
         run = buffer.config.run_id
-        assert f"another trainer trains run {run}: trainer pid {first.pid} on " in second.stderr
+        assert f"another trainer holds run {run}: trainer pid {first.pid} on " in second.stderr
         os.killpg(first.pid, signal.SIGSTOP)
         third = start_trainer(buffer, toy_model_dir, tmp_path / "third.json")
         wait_ready(third, tmp_path / "third.json")  # it waited out the stopped one's lease

@@ -82,6 +82,37 @@ class BufferKeys:
         return {"d": encode(record)}
 
 
+# Leases (one router and one trainer per run; ledger.LEASE): a service that stops renewing its
+# lease keeps the run LEASE_TTL_S more, so a start waits LEASE_WAIT_S for a killed one's.
+LEASE_TTL_S = 5.0
+LEASE_RENEW_S = 1.0
+LEASE_WAIT_S = LEASE_TTL_S + LEASE_RENEW_S
+
+
+def lease_held(role: str, run_id: str, holder: str) -> str:
+    """Why a start is refused: another `role` renews the run's lease."""
+    return (
+        f"another {role} holds run {run_id}: {holder} (it renews its lease in Redis every "
+        f"{LEASE_RENEW_S:g} s). One {role} per run: stop that one, or give this one another "
+        "--run-id"
+    )
+
+
+def lease_waiting(role: str, run_id: str, holder: str) -> str:
+    return (
+        f"waiting up to {LEASE_WAIT_S:g} s for run {run_id}'s {role} lease, held by {holder} "
+        f"(one killed just now lets it go within {LEASE_TTL_S:g} s)"
+    )
+
+
+def lease_lost(role: str, run_id: str, holder: str) -> str:
+    """Why a service stops: another took its run over while it did not renew its lease."""
+    return (
+        f"another {role} took run {run_id} over: {holder} (this one did not renew its lease "
+        f"for {LEASE_TTL_S:g} s: stopped, or cut off from Redis); this one writes no more"
+    )
+
+
 def lease_owner_name(role: str) -> str:
     """How a lease names its holder: role, process, host, start time and a tag of its own."""
     started, tag = time.strftime("%H:%M:%S"), uuid.uuid4().hex[:8]

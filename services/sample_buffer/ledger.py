@@ -49,8 +49,8 @@ Call = tuple[list[str], list[Any]]  # a script's keys and arguments
 log = logging.getLogger("tandem.ledger")
 
 # A PUT writes its groups into entries of at most ENTRY_GROUPS groups and ENTRY_BYTES bytes
-# encoded (but an entry of one group): one XADD, one read and one ack carry many groups (bench/buffer_throughput.py),
-# and an entry stays small enough to copy at once.
+# encoded (but an entry of one group): one XADD, one read and one ack carry many groups
+# (bench/buffer_throughput.py), and an entry stays small enough to copy at once.
 ENTRY_GROUPS = 64
 ENTRY_BYTES = 1 << 20
 
