@@ -224,19 +224,24 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
     assert not (tmp_path / "runs").exists(), "nothing started"
 
 
-def test_a_bad_row_past_the_first_fails_the_run_with_exit_2_naming_file_and_line(
+def test_a_bad_row_past_the_first_is_refused_before_anything_starts(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:
-    """tandem up reads a data file's first row; the router reads every row as it starts. A bad
-    later row is the user's to fix like the first: exit 2 (it was 1, as for a crash), from the
-    router and from tandem up, with the file and line."""
+    """tandem up reads every row of a .jsonl data file before it starts anything: a bad later
+    row used to be found by the router after the engines had loaded (minutes, with a real
+    model). Exit 2 with the file and line, nothing started."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "late.jsonl").write_text('{"prompt": "12>", "label": "21"}\n{not json\n')
-    argv = ["--prompt-data", "late.jsonl", "--rm-type", "exact_match", "--run-dir", "r"]
-    assert launcher.main([*argv, "--max-steps", "1"]) == 2
-    said = capsys.readouterr()
-    assert "router exited with code 2 during start-up" in said.out + said.err
-    assert "late.jsonl:2: not JSON" in said.out + said.err
+    (tmp_path / "keys.jsonl").write_text('{"prompt": "12>"}\n\n{"question": "21>"}\n')
+    for data, expected in (
+        ("late.jsonl", "late.jsonl:2: not JSON"),
+        ("keys.jsonl", "keys.jsonl: row 3 has no 'prompt'"),
+    ):
+        argv = ["--prompt-data", data, "--rm-type", "exact_match", "--run-dir", "r"]
+        assert launcher.main([*argv, "--max-steps", "1"]) == 2
+        said = capsys.readouterr()
+        assert expected in said.err and "engines at" not in said.out, said
+        assert not (tmp_path / "r").exists(), "nothing started"
 
 
 def test_the_watchdog_prints_what_each_service_waits_for_then_ends_a_stalled_run(

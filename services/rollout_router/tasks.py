@@ -176,14 +176,17 @@ def no_input_key(path: str, number: int, input_key: str) -> str:
 
 
 def first_row_problem(path: str, input_key: str) -> str:
-    """Why the first row of `path` cannot be read as a prompt ("" when it can): a cheap look
-    for `tandem up` before anything starts (the router reads every row at its start)."""
+    """Why the first row of `path` that cannot be read as a prompt cannot ("" when every row
+    can), for `tandem up` before anything starts: a bad line the router would find at its
+    start is found before the engines load (minutes, with a real model). A .parquet file's
+    schema only."""
     if Path(path).suffix == ".parquet":
         try:
             names = parquet(path, lambda pq: pq.read_schema(path).names)
         except ValueError as exc:
             return str(exc)
         return "" if input_key in names else f"{no_input_key(path, 1, input_key)}: it has {names}"
+    seen = False
     with open(path, encoding="utf-8", errors="replace") as rows:
         for number, line in enumerate(rows, 1):
             if not line.strip():
@@ -192,8 +195,10 @@ def first_row_problem(path: str, input_key: str) -> str:
                 row = json_row(path, number, line)
             except ValueError as exc:
                 return str(exc)
-            return row_problem(path, number, row, input_key)
-    return f"{path}: no rows"
+            if problem := row_problem(path, number, row, input_key):
+                return problem
+            seen = True
+    return "" if seen else f"{path}: no rows"
 
 
 def load_items(
