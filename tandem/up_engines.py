@@ -22,6 +22,7 @@ Under NCCL its process groups with the trainer and engines end with it: never re
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
@@ -76,6 +77,9 @@ class Restarts:
             # engine's fetch begun as the old one died then reaches the new one, not a timeout)
             same += ["--intake-endpoint", child.info["intake_endpoint"]]
             same += ["--serve-endpoint", child.info["serve_endpoint"]]
+        if kind == "router":  # its lease is given up, so the new one need not wait it out
+            with contextlib.suppress(RedisError):  # (it expires by itself within seconds)
+                self.watchdog.buffer.release_lease_of("router", child.proc.pid)
         again = self.supervisor.restart(child, same)
         self.starting[child.name] = (again, time.monotonic())
         return True

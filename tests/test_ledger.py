@@ -18,6 +18,7 @@ import redis
 
 from proto import DropReason, DropRecord, Sample, SampleGroup
 from services.sample_buffer import AsyncSampleBuffer, BufferConfig, RedisServer, SampleBuffer
+from services.sample_buffer.keys import lease_owner_name
 from tandem.run_redis import run_id_of
 from tests.helpers import router_args, wait_until
 
@@ -361,6 +362,15 @@ def test_a_router_whose_lease_another_holds_writes_nothing(buffer):
     buffer.lease_owner = "router pid 1 on a"  # the holder writes
     buffer.put_groups([make_group("p0")])
     assert buffer.ledger().put == 1
+    # a launcher gives up the lease of its child that died (of this host's pid only)
+    buffer.release_lease_of("router", 1)  # held by "router pid 1 on a": another host's
+    assert buffer.redis.get(buffer.lease_key) == b"router pid 1 on a"
+    mine = lease_owner_name("router")
+    buffer.redis.set(buffer.lease_key, mine)
+    buffer.release_lease_of("router", os.getpid() + 1)
+    assert buffer.redis.get(buffer.lease_key) == mine.encode()
+    buffer.release_lease_of("router", os.getpid())
+    assert buffer.redis.get(buffer.lease_key) is None
     # a trainer's step, fenced by the trainer lease
     buffer.lease_key, buffer.lease_owner = buffer.lease_prefix + "trainer", "trainer pid 3 on b"
     buffer.redis.set(buffer.lease_key, "trainer pid 4 on c")

@@ -423,3 +423,5 @@ def test_a_router_or_broker_that_dies_mid_run_is_started_again_and_the_run_train
     # the first router's groups in flight (none when it was waiting for the trainer) were
     # dropped by the second, each once; the second's are in flight at the end
     assert ledger["dropped_groups"].get("cancelled", 0) == sum(left), (left, ledger)
+    # tandem up gave the killed router's lease up: the new one did not wait it out
+    assert "router lease, held by" not in log

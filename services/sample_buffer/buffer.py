@@ -50,6 +50,7 @@ shared with the router's asyncio face (aio.py); this class is the blocking one.
 from __future__ import annotations
 
 import gc
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -426,6 +427,13 @@ class SampleBuffer(BufferKeys):
 
     def release_lease(self, role: str, owner: str) -> None:
         self.scripts["release"](keys=[self.lease_prefix + role], args=[owner])
+
+    def release_lease_of(self, role: str, pid: int) -> None:
+        """Give up the `role` lease of process `pid` of this host (a launcher whose child was
+        killed: its successor then need not wait the lease out)."""
+        holder = (self.redis.get(self.lease_prefix + role) or b"").decode()
+        if holder.startswith(f"{role} pid {pid} on {socket.gethostname()},"):
+            self.release_lease(role, holder)
 
     def set_status(self, status: ServiceStatus, ttl_s: float = 30.0) -> None:
         """Report what this service is doing; gone after `ttl_s` unless reported again."""
