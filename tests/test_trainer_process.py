@@ -230,7 +230,11 @@ def test_one_trainer_per_run_a_second_is_refused_and_one_stopped_past_its_lease_
     try:
         wait_ready(first, tmp_path / "first.json")
         argv = [sys.executable, "-m", "tandem.cli", "trainer", *common_args(toy_model_dir, buffer)]
+        # (as if the run had trained: the second one is told of the first, not of a lineage)
+        buffer.set_version("trainer", 5)
+        buffer.redis.hset(buffer.trained_key, "5", "[]")
         second = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV)
+        buffer.redis.delete(buffer.version_prefix + "trainer", buffer.trained_key)
         assert second.returncode == 2, second.stderr[-3000:]
         run = buffer.config.run_id
         assert f"another trainer holds run {run}: trainer pid {first.pid} on " in second.stderr

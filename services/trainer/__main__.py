@@ -67,16 +67,18 @@ def check_model(cfg: TrainerConfig) -> None:
 
 
 def check_lineage(cfg: TrainerConfig) -> None:
-    """Refuse a start without checkpoint on a run that already trained (see `lineage.py`)
-    before importing torch."""
+    """Refuse a start without checkpoint on a run that already trained (see `lineage.py`), or
+    while another trainer holds the run (`lease.py`), before importing torch."""
     from services.sample_buffer import BufferConfig, SampleBuffer
     from services.trainer.checkpoint import resolve_iteration
+    from services.trainer.lease import TrainerLease
     from services.trainer.lineage import finds_checkpoint, lineage_start
 
     if cfg.load:  # a bad --load is named before Redis is asked anything
         resolve_iteration(cfg.load, cfg.ckpt_step)
     buffer = SampleBuffer(BufferConfig(redis_url=cfg.redis_url, run_id=cfg.run_id))
     buffer.wait_ready(timeout_s=10.0)
+    TrainerLease(buffer).wait_free()  # a second trainer: named as such, not as a lineage
     lineage_start(cfg, buffer, finds_checkpoint(cfg))
 
 

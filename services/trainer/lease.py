@@ -50,6 +50,18 @@ class TrainerLease:
         """Make `buffer`'s ledger writes refused once another trainer holds the lease."""
         buffer.lease_key, buffer.lease_owner = buffer.lease_prefix + ROLE, self.owner
 
+    def wait_free(self) -> None:
+        """Wait (up to `LEASE_WAIT_S`) until no other trainer holds the lease, without taking
+        it: the check before anything is loaded. ValueError naming the holder."""
+        deadline, said = time.monotonic() + LEASE_WAIT_S, False
+        while holder := (self.buffer.redis.get(self.buffer.lease_prefix + ROLE) or b"").decode():
+            if time.monotonic() >= deadline:
+                raise ValueError(lease_held(ROLE, self.run_id, holder))
+            if not said:
+                print(f"[trainer] {lease_waiting(ROLE, self.run_id, holder)}", flush=True)
+                said = True
+            time.sleep(LEASE_RENEW_S / 2)
+
     def take(self) -> None:
         """Hold the lease (a holder that does not renew it within `LEASE_WAIT_S` lets it go),
         then renew it in a thread. ValueError naming the holder when it does."""
