@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
@@ -51,30 +52,27 @@ class TrainerLease:
         buffer.lease_key, buffer.lease_owner = buffer.lease_prefix + ROLE, self.owner
 
     def wait_free(self) -> None:
-        """Wait (up to `LEASE_WAIT_S`) until no other trainer holds the lease, without taking
-        it: the check before anything is loaded. ValueError naming the holder."""
-        deadline, said = time.monotonic() + LEASE_WAIT_S, False
-        while holder := (self.buffer.redis.get(self.buffer.lease_prefix + ROLE) or b"").decode():
-            if time.monotonic() >= deadline:
-                raise ValueError(lease_held(ROLE, self.run_id, holder))
-            if not said:
-                print(f"[trainer] {lease_waiting(ROLE, self.run_id, holder)}", flush=True)
-                said = True
-            time.sleep(LEASE_RENEW_S / 2)
+        """Wait until no other trainer holds the lease, without taking it: the check before
+        anything is loaded. ValueError naming the holder (`_wait`)."""
+        self._wait(lambda: (self.buffer.redis.get(self.buffer.lease_prefix + ROLE) or b"").decode())
 
     def take(self) -> None:
-        """Hold the lease (a holder that does not renew it within `LEASE_WAIT_S` lets it go),
-        then renew it in a thread. ValueError naming the holder when it does."""
+        """Hold the lease, then renew it in a thread. ValueError naming the holder (`_wait`)."""
+        self._wait(lambda: self.buffer.take_lease(ROLE, self.owner, LEASE_TTL_S))
+        self.held = True
+        threading.Thread(target=self._keep, name="trainer lease", daemon=True).start()
+
+    def _wait(self, holder_now: Callable[[], str]) -> None:
+        """Until `holder_now()` names no other trainer: a holder that does not renew the lease
+        within `LEASE_WAIT_S` lets it go; ValueError naming the holder when it does."""
         deadline, said = time.monotonic() + LEASE_WAIT_S, False
-        while holder := self.buffer.take_lease(ROLE, self.owner, LEASE_TTL_S):
+        while holder := holder_now():
             if time.monotonic() >= deadline:
                 raise ValueError(lease_held(ROLE, self.run_id, holder))
             if not said:
                 print(f"[trainer] {lease_waiting(ROLE, self.run_id, holder)}", flush=True)
                 said = True
             time.sleep(LEASE_RENEW_S / 2)
-        self.held = True
-        threading.Thread(target=self._keep, name="trainer lease", daemon=True).start()
 
     def _keep(self) -> None:
         """Renew until released; end the process once another trainer holds the lease (a
