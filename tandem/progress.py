@@ -103,13 +103,13 @@ class RunProgress:
     def line(self) -> str:
         elapsed = time.monotonic() - self.started_at
         failed = self.eval_failed
-        accuracy = (  # none yet: the first evaluation (of this launch) has not reported
-            "-" if math.isnan(self.accuracy) else f"{self.accuracy:.2f} (v{self.accuracy_version}"
-        )
         if failed and failed == self.eval_prompts:
             accuracy = f"- (all {failed} failed)"
-        elif accuracy != "-":  # (some failed: a lower bound, they count as not solved)
-            accuracy += f", {failed} of {self.eval_prompts} failed)" if failed else ")"
+        elif math.isnan(self.accuracy):  # the first evaluation (of this launch) has not reported
+            accuracy = "-"
+        else:  # (some failed: a lower bound, they count as not solved)
+            some = f", {failed} of {self.eval_prompts} failed" if failed else ""
+            accuracy = f"{self.accuracy:.2f} (v{self.accuracy_version}{some})"
         rate = "-" if math.isnan(self.samples_per_s) else f"{self.samples_per_s:.0f}"
         return (
             f"step {self.step:4d} | reward {self.reward:.3f} | held-out acc {accuracy} | "
