@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from services.trainer.checkpoint import TRACKER, SaveError, resolve_iteration, saving
 from tests.test_trainer_process import bind_pull, receive_version, run_trainer, sample_groups
@@ -196,14 +197,23 @@ def test_no_torch_load_in_the_project_unpickles() -> None:
 
 
 def test_a_save_that_fails_names_the_version_the_folders_and_the_fix() -> None:
-    """A full disk (as megatron's writer or safetensors report it) and a folder not writable."""
+    """A full disk (as megatron's writer, torch's distributed checkpoint or safetensors report
+    it) and a folder not writable."""
     where = "--save /ckpt, --save-hf /hf"
     full = OSError(errno.ENOSPC, "No space left on device")
-    for raised in (full, RuntimeError("I/O error: No space left on device (os error 28)\nmore")):
+    # megatron's dist_checkpointing.save on a full disk: a BaseException, each rank's failure in it
+    worker = RuntimeError("Worker failure: [Errno 28] No space left on device")
+    torch_dcp = CheckpointException("write", {0: worker})
+    for raised, said in (
+        (full, "No space left on device"),
+        (RuntimeError("I/O error: No space left on device (os error 28)\nmore"), "I/O error"),
+        (torch_dcp, "Worker failure: [Errno 28] No space left on device"),
+    ):
         with pytest.raises(SaveError) as caught, saving(7, where):
             raise raised
         message = str(caught.value)
-        assert message.startswith(f"could not save version 7 ({where}): ")
+        assert message.startswith(f"could not save version 7 ({where}): "), message
+        assert said in message.split(";")[0], message
         assert "the disk is full" in message and "\n" not in message
         assert "a resumed run (--load, or tandem up --resume RUN) trains them again" in message
     unwritable = "check that the folders exist and are writable"

@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from services.trainer.config import TrainerConfig
 from services.trainer.lineage import TRACKER, saved_iteration
@@ -75,10 +76,13 @@ def saving(version: int, where: str) -> Iterator[None]:
     the steps since the last checkpoint stay in the buffer for a resumed run."""
     try:
         yield
-    except Exception as exc:
-        log.exception("saving version %d failed", version)
-        first = (str(exc).strip().splitlines() or [repr(exc)])[0][:300]
-        full = getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc)
+    except (Exception, CheckpointException) as exc:  # (torch's is a BaseException)
+        # torch's names the ranks that failed; each rank's own error says why
+        cause = next(iter(exc.failures.values())) if isinstance(exc, CheckpointException) else exc
+        first = (str(cause).strip().splitlines() or [repr(cause)])[0][:300]
+        full = getattr(cause, "errno", None) == errno.ENOSPC or "No space left" in str(cause)
+        # (a full disk needs no traceback, and the log may be on it: the one line comes first)
+        log.error("saving version %d failed", version, exc_info=not full)
         advice = (
             "the disk is full: free space there or point them at a disk with room"
             if full
