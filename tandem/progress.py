@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,12 +27,19 @@ def metrics_rows(run_dir: Path) -> Iterator[dict]:
             yield row
 
 
+def ends_a_line(path: Path) -> bool:
+    """Whether `path` is empty or ends with a newline."""
+    with path.open("rb") as f:
+        return f.seek(0, os.SEEK_END) == 0 or (f.seek(-1, os.SEEK_END) >= 0 and f.read(1) == b"\n")
+
+
 @dataclass
 class RunProgress:
     """Folds the metrics stream into what the console and the summary show."""
 
     run_dir: Path
     resumed: bool = False  # a resume: the run's metrics.jsonl so far is folded in first
+    replayed: int = 0  # a resume's steps trained after its checkpoint, trained again
     started_at: float = field(default_factory=time.monotonic)
     step: int = 0
     reward: float = math.nan
@@ -59,6 +67,8 @@ class RunProgress:
                     self.fold(row)
             self.steps_before = self.step
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        if not ends_a_line(self.run_dir / "metrics.jsonl"):  # a line cut short by a kill ends
+            self.jsonl.write("\n")  # here, not in the next row
 
     def add(self, record: MetricsRecord) -> str | None:
         """Record one metrics message; return a console line when a trainer step completed."""
@@ -122,7 +132,8 @@ class RunProgress:
         """The fields of summary.json that come from the metrics."""
         return {
             "steps": self.step,
-            "steps_this_launch": self.step - self.steps_before,
+            "steps_this_launch": self.step - self.steps_before + self.replayed,
+            "steps_trained_again": self.replayed,
             "accuracy_first": self.first_accuracy,
             "accuracy_last": self.accuracy,
             "accuracy_best": self.best_accuracy,
@@ -142,7 +153,10 @@ class RunProgress:
             acc = "not measured ("
             if self.eval_failed:
                 acc += f"every one of the {self.eval_failed} held-out prompts failed; "
-        launch = f" ({self.step - self.steps_before} in this launch)" if self.resumed else ""
+        launch = ""
+        if self.resumed:  # (the steps trained again are in metrics.jsonl once)
+            again = f", {self.replayed} of them again" if self.replayed else ""
+            launch = f" ({self.step - self.steps_before + self.replayed} in this launch{again})"
         out = [
             f"{outcome}: {self.step} steps{launch} in {wall_s / 60:.1f} min, held-out accuracy "
             f"{acc}{eval_task}), {self.samples_trained} samples trained, engines on versions "

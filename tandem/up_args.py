@@ -205,6 +205,44 @@ def steps_saved(checkpoints: Path) -> int:
         return 0
 
 
+def resume_plan(
+    checkpoints: Path, run_dir: Path, config: Any, published: int
+) -> tuple[bool, int, str]:
+    """How a resumed run's trainer goes on: whether from --model as a new lineage (no
+    checkpoint, though an earlier trainer published version `published`), the steps trained
+    after the newest checkpoint (their weights were not kept: trained again, on the groups they
+    trained), and the start-up line saying which ("" when neither)."""
+    from services.trainer.lineage import TRACKER
+
+    every = config.save_interval
+    if not (checkpoints / TRACKER).is_file():
+        if published <= 0:
+            return False, 0, ""
+        return (
+            True,
+            0,
+            (
+                f"{checkpoints} holds no checkpoint (none saved yet, every --save-interval {every} "
+                "steps, or --new-lineage given): the trainer goes on from --model with versions "
+                "after the published one (--new-lineage); groups made by the old weights are "
+                "dead-lettered (foreign_lineage)"
+            ),
+        )
+    saved, recorded = steps_saved(checkpoints), steps_recorded(run_dir)
+    if recorded <= saved:
+        return False, 0, ""
+    steps = f"step {recorded} is" if recorded == saved + 1 else f"steps {saved + 1}-{recorded} are"
+    return (
+        False,
+        recorded - saved,
+        (
+            f"resuming from the step-{saved} checkpoint in {checkpoints}: {steps} trained again, on "
+            f"the groups they trained (weights are kept only by a checkpoint, every --save-interval "
+            f"{every} steps)"
+        ),
+    )
+
+
 def steps_recorded(run_dir: Path) -> int:
     """The last trainer step in a run folder's metrics.jsonl (0: none)."""
     from tandem.progress import metrics_rows

@@ -17,7 +17,6 @@ from proto import MetricsRecord
 from services.common.engine_info import versions_or_why
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from services.sample_buffer.timeline import chrome_trace, read_spans
-from services.trainer.lineage import TRACKER
 from tandem.launcher import UpConfig
 from tandem.progress import RunProgress
 from tandem.run_dir import (
@@ -38,7 +37,7 @@ from tandem.supervisor import (
     Supervisor,
     die_with_parent,
 )
-from tandem.up_args import lost_history, save_config
+from tandem.up_args import lost_history, resume_plan, save_config
 from tandem.up_config import check_sample_fit, render, state_trainer_limits, write_run_config
 from tandem.up_engines import Restarts, wait_engines_synced
 from tandem.up_services import TRAINED_MODEL, service_args, shared_gpus, trains_in_bf16
@@ -68,6 +67,7 @@ class UpRun:
         self.interrupted: list[bool] = []
         self.supervisor = Supervisor(self.run_dir / "logs", self.interrupted, note=say)
         self.outcome = "running"
+        self.replayed = 0  # a resume's steps trained after its checkpoint (trained again)
         self.health_urls: dict[str, str] = {}
         self.eval_task = ""
         self.ledger: dict | None = None  # written at exit (ledger.json)
@@ -90,7 +90,7 @@ class UpRun:
                 f"all services up in {time.monotonic() - started:.1f}s; training "
                 f"({why} {self.config.max_steps} steps)"
             )
-            progress = RunProgress(self.run_dir, resumed=bool(self.config.resume))
+            progress = RunProgress(self.run_dir, bool(self.config.resume), replayed=self.replayed)
             code = self.monitor(buffer, progress, sinks)
             engine_versions = versions_or_why(urls)  # proof the weights moved
         except ChildFailedError as exc:  # at start-up (a service that refused its configuration: 2)
@@ -229,15 +229,12 @@ class UpRun:
         config = self.config
         trainer_args = [*args, "--weights-endpoint", intake_endpoint]
         checkpoints = Path(config.save or self.run_dir / "checkpoints")
-        published = config.resume and not (checkpoints / TRACKER).is_file()
-        if published and buffer.get_version("trainer", 0) > 0:  # by an earlier trainer
-            say(
-                f"{checkpoints} holds no checkpoint (none saved yet, every --save-interval "
-                f"{config.save_interval} steps, or --new-lineage given): the trainer goes "
-                "on from --model with versions after the published one (--new-lineage); "
-                "groups made by the old weights are dead-lettered (foreign_lineage)"
-            )
-            trainer_args.append("--new-lineage")
+        if config.resume:  # (the version an earlier trainer published)
+            plan = resume_plan(checkpoints, self.run_dir, config, buffer.get_version("trainer", 0))
+            new_lineage, self.replayed, note = plan
+            trainer_args += ["--new-lineage"] if new_lineage else []
+            if note:
+                say(note)
         program = None
         if config.trainer_procs > 1:  # torchrun: one process per rank, same flags
             program = [

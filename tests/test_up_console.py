@@ -8,7 +8,9 @@ from types import SimpleNamespace
 
 from proto import MetricsRecord
 from services.rollout_router import evaluation
-from tandem.progress import RunProgress
+from services.trainer.lineage import TRACKER
+from tandem.progress import RunProgress, metrics_rows
+from tandem.up_args import resume_plan
 
 
 def test_the_console_line_shows_a_dash_until_accuracy_and_throughput_are_reported(
@@ -48,10 +50,29 @@ def test_a_resumed_run_counts_the_whole_run_and_says_how_much_was_this_launch(
     assert summary["samples_trained"] == 4 * 512
     assert (summary["accuracy_first"], summary["accuracy_last"]) == (0.1, 0.9)
     assert len(resumed.history) == 8, "the plot shows the whole run"
+    assert [r["step"] for r in metrics_rows(tmp_path)] == [1, 1, 2, 2, 3, 3, 4, 4], "none lost"
     assert resumed.sentences("done", 60.0, "task", ["4"])[0].startswith(
         "done: 4 steps (1 in this launch) in 1.0 min, held-out accuracy 0.10 -> 0.90"
     )
     resumed.close()
+    # Its checkpoint was of step 1: steps 2 and 3 were trained again before step 4.
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / TRACKER).write_text("1")
+    config = SimpleNamespace(save_interval=1)
+    new_lineage, replayed, note = resume_plan(checkpoints, tmp_path, config, published=4)
+    assert (new_lineage, replayed) == (False, 3)
+    assert note.startswith("resuming from the step-1 checkpoint in ") and "steps 2-4 are" in note
+    again = RunProgress(tmp_path, resumed=True, replayed=2)
+    assert (again.step, again.summary()["steps_this_launch"]) == (4, 2)
+    assert "4 steps (2 in this launch, 2 of them again)" in again.sentences("x", 6, "t", [])[0]
+    again.close()
+    (checkpoints / TRACKER).write_text("4")
+    assert resume_plan(checkpoints, tmp_path, config, published=4) == (False, 0, "")
+    (checkpoints / TRACKER).unlink()  # none saved: a new lineage after the published version
+    new_lineage, replayed, note = resume_plan(checkpoints, tmp_path, config, published=4)
+    assert (new_lineage, replayed) == (True, 0) and "holds no checkpoint" in note
+    assert resume_plan(checkpoints, tmp_path, config, published=0) == (False, 0, "")
     fresh = RunProgress(tmp_path)  # a new run in that folder: only its own records count
     step(fresh, 1, 0.5)
     assert (fresh.summary()["samples_trained"], fresh.summary()["steps_this_launch"]) == (512, 1)
