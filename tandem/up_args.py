@@ -113,7 +113,28 @@ def save_config(run_dir: Path, config: Any) -> None:
     path = run_dir / CONFIG_FILE
     launch_dir = json.loads(path.read_text()).get(LAUNCH_DIR) if path.is_file() else None
     saved = {**dataclasses.asdict(config), LAUNCH_DIR: launch_dir or os.getcwd()}
+    saved["trainer_args"] = without_one_time(config.trainer_args)
     path.write_text(json.dumps(saved, indent=2))
+
+
+# Trainer flags that pick where one launch starts from: saved, they would start every later
+# resume of the run there again (--ckpt-step N: back to iteration N each time).
+ONE_TIME = {"--ckpt-step": 1, "--new-lineage": 0}
+
+
+def without_one_time(args: str) -> str:
+    """`args` (--trainer-args) without the flags of ONE_TIME and their values."""
+    words, kept = shlex.split(args), []
+    if not ONE_TIME.keys() & {word.split("=")[0] for word in words}:
+        return args
+    while words:
+        word = words.pop(0)
+        flag = word.split("=")[0]
+        if flag in ONE_TIME:
+            del words[: ONE_TIME[flag] if "=" not in word else 0]
+        else:
+            kept.append(word)
+    return shlex.join(kept)
 
 
 def reach_launch_dir(rm_path: str, launch_dir: str) -> str:
@@ -229,7 +250,8 @@ def resume_plan(
             ),
         )
     saved, recorded = steps_saved(checkpoints), steps_recorded(run_dir)
-    if recorded <= saved:
+    if recorded <= saved or without_one_time(config.trainer_args) != config.trainer_args:
+        # (--trainer-args --ckpt-step picks another checkpoint: the trainer says which)
         return False, 0, ""
     steps = f"step {recorded} is" if recorded == saved + 1 else f"steps {saved + 1}-{recorded} are"
     return (

@@ -31,6 +31,7 @@ from services.sample_buffer import SampleBuffer
 from services.trainer.intake import limits_of
 from tandem.launcher import UpConfig, build_parser
 from tandem.supervisor import ChildFailedError
+from tandem.up_args import ONE_TIME
 from tandem.up_services import service_args
 
 
@@ -123,6 +124,9 @@ def service_table(
     for key in table:
         if key.endswith("token") and table[key]:  # a secret stays out of the run folder
             table[key], notes[key] = "", "not recorded (a secret): give it again"
+    for flag in ONE_TIME if name == "trainer" else ():  # (a resume reads this file again)
+        key = flag.removeprefix("--").replace("-", "_")
+        table[key], notes[key] = ours[key], "one launch's choice, not recorded: give it again"
     return table, notes
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import traceback
 from pathlib import Path
 
 import pytest
@@ -203,7 +204,7 @@ def test_a_save_that_fails_names_the_version_the_folders_and_the_fix() -> None:
     full = OSError(errno.ENOSPC, "No space left on device")
     # megatron's dist_checkpointing.save on a full disk: a BaseException, each rank's failure in it
     worker = RuntimeError("Worker failure: [Errno 28] No space left on device")
-    torch_dcp = CheckpointException("write", {0: worker})
+    torch_dcp = CheckpointException("write", {0: (worker, traceback.StackSummary())})
     for raised, said in (
         (full, "No space left on device"),
         (RuntimeError("I/O error: No space left on device (os error 28)\nmore"), "I/O error"),

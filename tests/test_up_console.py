@@ -59,7 +59,7 @@ def test_a_resumed_run_counts_the_whole_run_and_says_how_much_was_this_launch(
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
     (checkpoints / TRACKER).write_text("1")
-    config = SimpleNamespace(save_interval=1)
+    config = SimpleNamespace(save_interval=1, trainer_args="")
     new_lineage, replayed, note = resume_plan(checkpoints, tmp_path, config, published=4)
     assert (new_lineage, replayed) == (False, 3)
     assert note.startswith("resuming from the step-1 checkpoint in ") and "steps 2-4 are" in note

@@ -425,3 +425,48 @@ def test_a_router_or_broker_that_dies_mid_run_is_started_again_and_the_run_train
     assert ledger["dropped_groups"].get("cancelled", 0) == sum(left), (left, ledger)
     # tandem up gave the killed router's lease up: the new one did not wait it out
     assert "router lease, held by" not in log
+
+
+def test_a_damaged_checkpoint_is_named_and_the_run_goes_back_to_an_older_one_as_a_new_lineage(
+    tmp_path: Path,
+) -> None:
+    """The newest checkpoint cut short: the resume fails naming it and the way back; going back
+    without --new-lineage is refused (the later steps' groups are gone: the old code trained on
+    and then stalled for good); with it the run goes on from the older weights, its ledger
+    balanced, and the one-time flags are not kept for the next resume."""
+    run_dir = tmp_path / "run"
+    flags = ["--stop-accuracy", "0", "--num-engines", "1", "--save-interval", "2"]
+    first = up(run_dir, *flags, "--max-steps", "4", timeout_s=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    newest = run_dir / "checkpoints" / "iter_0000004"
+    for shard in newest.glob("*.distcp"):
+        os.truncate(shard, 1000)
+
+    more = ["--resume", str(run_dir), "--max-steps", "6"]
+    damaged = up(run_dir, *more, timeout_s=300)
+    assert damaged.returncode != 0, damaged.stdout[-3000:]
+    assert f"checkpoint {newest} does not load" in damaged.stdout, damaged.stdout[-3000:]
+    back = "--ckpt-step 2 --new-lineage"
+    assert f"--trainer-args '{back}'" in damaged.stdout, damaged.stdout[-3000:]
+
+    refused = up(
+        run_dir, "--resume", str(run_dir), "--trainer-args", "--ckpt-step 2", timeout_s=300
+    )
+    assert refused.returncode != 0
+    assert "--ckpt-step 2 goes back past this run's newest checkpoint (iteration 4" in (
+        refused.stdout
+    ), refused.stdout[-3000:]
+
+    rolled = up(run_dir, "--resume", str(run_dir), "--max-steps", "8", "--trainer-args", back)
+    assert rolled.returncode == 0, rolled.stdout[-3000:] + rolled.stderr[-3000:]
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "--new-lineage: starting from iteration 2 as version 5" in trainer_log, trainer_log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "max_steps" and summary["steps"] == 8, summary
+    assert summary["ledger"]["balanced"] and summary["ledger"]["violations"] == 0
+    saved = json.loads((run_dir / "up_config.json").read_text())
+    assert saved["trainer_args"] == "", "a later resume would go back to iteration 2 again"
+
+    later = up(run_dir, "--resume", str(run_dir), "--max-steps", "10", timeout_s=300)
+    assert later.returncode == 0, later.stdout[-3000:] + later.stderr[-3000:]
+    assert "resumed from iteration 8" in (run_dir / "logs" / "trainer.log").read_text()

@@ -77,8 +77,7 @@ def saving(version: int, where: str) -> Iterator[None]:
     try:
         yield
     except (Exception, CheckpointException) as exc:  # (torch's is a BaseException)
-        # torch's names the ranks that failed; each rank's own error says why
-        cause = next(iter(exc.failures.values())) if isinstance(exc, CheckpointException) else exc
+        cause = root_cause(exc)
         first = (str(cause).strip().splitlines() or [repr(cause)])[0][:300]
         full = getattr(cause, "errno", None) == errno.ENOSPC or "No space left" in str(cause)
         # (a full disk needs no traceback, and the log may be on it: the one line comes first)
@@ -93,6 +92,32 @@ def saving(version: int, where: str) -> Iterator[None]:
             "trained since the last checkpoint stay in the buffer, unacknowledged: a resumed "
             "run (--load, or tandem up --resume RUN) trains them again"
         ) from exc
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The error itself: torch's CheckpointException holds each failed rank's (error, stack)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        return next(iter(exc.failures.values()))[0]
+    return exc
+
+
+def damaged(path: Path, exc: BaseException) -> ValueError:
+    """A checkpoint whose files do not load (cut short, damaged): which, why, and how to go
+    back to an older one."""
+    cause = root_cause(exc)
+    why = (str(cause).strip().splitlines() or ["a file ends early"])[-1][:200]
+    older = sorted(p.name for p in path.parent.glob("iter_*") if p.name < path.name)
+    back = int(older[-1].removeprefix("iter_")) if older else None
+    advice = (
+        f"go back to iteration {back} with --ckpt-step {back} --new-lineage (tandem up: --resume "
+        f"RUN --trainer-args '--ckpt-step {back} --new-lineage')"
+        if back is not None
+        else "no older checkpoint is there: start over from --model with --new-lineage"
+    )
+    return ValueError(
+        f"checkpoint {path} does not load ({type(cause).__name__}: {why}): its files are cut "
+        f"short or damaged; {advice}"
+    )
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
@@ -272,7 +297,10 @@ class Checkpointer:
                 f"{path} was saved at --expert-model-parallel-size {saved_ep}: resume at the "
                 "same size (the optimizer state of MoE experts does not reshard across EP sizes)"
             )
-        loaded = dist_checkpointing.load(self._sharded_state(True, with_optimizer=full), str(path))
+        try:
+            loaded = dist_checkpointing.load(self._sharded_state(True, full), str(path))
+        except (CheckpointException, EOFError, pickle.UnpicklingError, OSError) as exc:
+            raise damaged(path, exc) from exc
         self.policy.model.load_state_dict(loaded["model"])
         version = int(loaded.get("version", 0))
         if not full:

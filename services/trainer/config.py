@@ -106,9 +106,10 @@ class TrainerConfig:
     )
     new_lineage: bool = _f(
         False,
-        "Start from --model on a run whose Redis already holds trained versions (without it "
-        "such a start, with no checkpoint found, is refused): versions go on from the "
-        "published one, and groups made by the old weights are dead-lettered.",
+        "Start from --model on a run whose Redis already holds trained versions, or from "
+        "--ckpt-step N older than its folder's newest checkpoint (without it such a start is "
+        "refused): versions go on from the published one, and groups made by the old weights "
+        "are dead-lettered.",
     )
 
     # --- optimizer -------------------------------------------------------------------------
@@ -228,7 +229,9 @@ class TrainerConfig:
         "Resume from this checkpoint directory (latest_checkpointed_iteration.txt). Without it, "
         "a --save directory that holds a checkpoint is resumed from.",
     )
-    ckpt_step: int = _f(-1, "Iteration to load (-1 = the tracker's latest).")
+    ckpt_step: int = _f(
+        -1, "Iteration to load (-1 = the tracker's latest; an older one needs --new-lineage)."
+    )
     resume: bool = _f(
         True,
         "Resume from the checkpoint --save already holds (when --load is not given); "

@@ -33,11 +33,36 @@ def finds_checkpoint(cfg: TrainerConfig) -> bool:
     return bool(cfg.load) or bool(cfg.save and cfg.resume and (Path(cfg.save) / TRACKER).is_file())
 
 
+def rollback(cfg: TrainerConfig) -> tuple[int, int] | None:
+    """(K, L) when this start resumes from checkpoint K (--ckpt-step) of a folder whose newest
+    is L > K: the groups steps K+1..L trained were acknowledged at L's save and are gone, so the
+    run cannot replay them; None otherwise."""
+    root = cfg.load or (cfg.save if cfg.resume else "")
+    newest = saved_iteration(root) if root else None
+    if cfg.ckpt_step < 0 or newest is None or newest <= cfg.ckpt_step:
+        return None
+    return cfg.ckpt_step, newest
+
+
 def lineage_start(cfg: TrainerConfig, buffer: SampleBuffer, resumed: bool) -> int:
-    """The version this start begins at when not resumed (0, or with --new-lineage the
-    published one + 1); raises ValueError for a start without checkpoint on a trained run."""
+    """The version this start begins at: 0 (a fresh run, or a resume that goes on where its
+    checkpoint left off), or with --new-lineage the published one + 1. Raises ValueError for a
+    start without checkpoint on a trained run, and for a resume from a checkpoint older than
+    its folder's newest (`rollback`), unless --new-lineage."""
     published = buffer.get_version("trainer", 0)
     trained = int(buffer.redis.hlen(buffer.trained_key))
+    if resumed and (back := rollback(cfg)):
+        if not cfg.new_lineage:
+            raise ValueError(
+                f"--ckpt-step {back[0]} goes back past this run's newest checkpoint (iteration "
+                f"{back[1]} in {cfg.load or cfg.save}): the groups of the steps after "
+                f"{back[0]} were acknowledged at that save and are gone, so the run cannot "
+                f"train them again. Pass --new-lineage as well to go on from iteration "
+                f"{back[0]}'s weights as a new lineage (versions after {max(published, back[1])}"
+                "; groups made by the newer weights are dead-lettered), or leave --ckpt-step "
+                "out to resume from the newest"
+            )
+        return max(published, back[1]) + 1
     if resumed or (published <= 0 and not trained):
         return 0
     if not cfg.new_lineage:
@@ -51,12 +76,13 @@ def lineage_start(cfg: TrainerConfig, buffer: SampleBuffer, resumed: bool) -> in
     return published + 1
 
 
-def begin_lineage(buffer: SampleBuffer, version: int) -> None:
-    """--new-lineage: the lineage of the newest weights (`trained`) starts anew at `version`."""
+def begin_lineage(buffer: SampleBuffer, version: int, weights: str = "--model") -> None:
+    """--new-lineage: the lineage of the newest weights (`trained`) starts anew at `version`,
+    from `weights`."""
     buffer.redis.delete(buffer.trained_key)
     print(
-        f"[trainer] --new-lineage: starting from --model as version {version}; groups made by "
-        f"older versions are dead-lettered (foreign_lineage)",
+        f"[trainer] --new-lineage: starting from {weights} as version {version}; groups made "
+        f"by older versions are dead-lettered (foreign_lineage)",
         flush=True,
     )
 

@@ -91,8 +91,9 @@ class Trainer:
             self.lease.fence(plain)
             plain.agree_contract(cfg.run_contract(), "trainer")
             start_version = lineage_start(cfg, plain, resume_root is not None)
-            if start_version:
-                begin_lineage(plain, start_version)
+            if start_version:  # (from a checkpoint: one older than its folder's newest)
+                weights = f"iteration {cfg.ckpt_step}" if resume_root else "--model"
+                begin_lineage(plain, start_version, weights)
             self.status = StatusReporter(plain)
             self.status.update("loading the model", model=cfg.model)
             client = patient_client(
@@ -129,7 +130,7 @@ class Trainer:
         # intake's list (it adds stale drops), so that a checkpoint names them too.
         self.unacked: list[str] = self.intake.unacked if self.intake is not None else []
         if resume_root is not None:
-            self._resume(resume_root, found_by)
+            self._resume(resume_root, found_by, self.version)
         if self.is_main and cfg.weights_endpoint:
             self.sender = make_sender(
                 cfg.weight_transport,
@@ -140,11 +141,16 @@ class Trainer:
         if self.buffer is not None:
             self.buffer.set_version("trainer", self.version)
 
-    def _resume(self, root: Path, found_by: str) -> None:
+    def _resume(self, root: Path, found_by: str, new_lineage: int) -> None:
+        """From the checkpoint under `root`; with `new_lineage` (a version: --new-lineage from
+        a checkpoint older than its folder's newest) its weights go on as that version, and the
+        ledger is not rewound (the groups consumed since that checkpoint are gone)."""
         if self.is_main and found_by != "--load":
             print(f"[trainer] resuming from {root} {found_by}", flush=True)
         resumed = self.checkpointer.load(root)
-        self.version = resumed.version
+        self.version = new_lineage or resumed.version
+        if new_lineage:
+            return
         if self.intake is not None:
             self.intake.already_trained = set(resumed.trained_entry_ids)
             # Engines may serve a version this checkpoint precedes (published before a crash):
