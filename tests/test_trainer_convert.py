@@ -149,3 +149,20 @@ def test_megatron_to_hf_copies_the_source_models_tokenizer_or_warns_naming_hf_di
     assert done.returncode == 0, done.stderr[-3000:]
     assert not (tmp_path / "without" / "tokenizer.json").exists()
     assert "no tokenizer files copied" in done.stderr and "--hf-dir" in done.stderr
+
+
+def test_convert_names_a_checkpoint_whose_files_are_cut_short(
+    toy_model_dir: Path, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "mcore"
+    done = convert("hf-to-megatron", "--hf-dir", str(toy_model_dir), "--save", str(ckpt))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for shard in (ckpt / "iter_0000000").glob("*.distcp"):
+        os.truncate(shard, 100)
+    done = convert("megatron-to-hf", "--load", str(ckpt), "--out", str(tmp_path / "hf"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"tandem convert: error: checkpoint {ckpt / 'iter_0000000'} does not load"
+    )
+    assert "no older checkpoint is there" in last and "Traceback" not in done.stderr

@@ -101,19 +101,24 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def damaged(path: Path, exc: BaseException) -> ValueError:
-    """A checkpoint whose files do not load (cut short, damaged): which, why, and how to go
-    back to an older one."""
+def damaged(path: Path, exc: BaseException, resume: bool = True) -> ValueError:
+    """A checkpoint whose files do not load (cut short, damaged): which, why, and the older one
+    to go back to (`resume`: as the trainer goes back, a new lineage; else a read of it)."""
     cause = root_cause(exc)
     why = (str(cause).strip().splitlines() or ["a file ends early"])[-1][:200]
     older = sorted(p.name for p in path.parent.glob("iter_*") if p.name < path.name)
     back = int(older[-1].removeprefix("iter_")) if older else None
-    advice = (
-        f"go back to iteration {back} with --ckpt-step {back} --new-lineage (tandem up: --resume "
-        f"RUN --trainer-args '--ckpt-step {back} --new-lineage')"
-        if back is not None
-        else "no older checkpoint is there: start over from --model with --new-lineage"
-    )
+    if back is None:
+        advice = "no older checkpoint is there" + (
+            ": start over from --model with --new-lineage" if resume else ""
+        )
+    elif resume:
+        advice = (
+            f"go back to iteration {back} with --ckpt-step {back} --new-lineage (tandem up: "
+            f"--resume RUN --trainer-args '--ckpt-step {back} --new-lineage')"
+        )
+    else:
+        advice = f"the one before it is iteration {back} (--ckpt-step {back})"
     return ValueError(
         f"checkpoint {path} does not load ({type(cause).__name__}: {why}): its files are cut "
         f"short or damaged; {advice}"

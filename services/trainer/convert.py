@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import shutil
 import sys
 from pathlib import Path
@@ -96,9 +97,10 @@ def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -
     """Write HF `config.json` + `model.safetensors` of a checkpoint, and the tokenizer files of
     `hf_dir` or else of the model it was trained from; returns `out`."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from services.trainer import hf_convert
-    from services.trainer.checkpoint import resolve_iteration
+    from services.trainer.checkpoint import damaged, resolve_iteration
     from services.trainer.policy import init_distributed
 
     init_distributed(tp_size=1, seed=0)
@@ -113,7 +115,10 @@ def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -
     model = hf_convert.build_gpt_model(
         arch, hf_convert.transformer_config(arch), 1, padded_vocab=int(common["padded_vocab_size"])
     )
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    try:
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    except (CheckpointException, EOFError, pickle.UnpicklingError, OSError) as exc:
+        raise damaged(path, exc, resume=False) from exc
     model.load_state_dict(loaded["model"])
     tokenizer_src = hf_dir or str(common.get("hf_source", ""))
     if not tokenizer_src or not Path(tokenizer_src).is_dir():
