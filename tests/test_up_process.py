@@ -162,7 +162,8 @@ def test_environment_episodes_are_cut_to_what_the_trainer_takes_from_the_first_o
     assert "environment episodes are cut at 13 tokens, what the trainer takes" in result.stdout
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert ledger["balanced"] and ledger["trained"] == 3 * 64
-    assert ledger["dropped_groups"] == {}, ledger
+    # (groups still in flight when the run stops are dropped as cancelled: none for length)
+    assert set(ledger["dropped_groups"]) <= {"cancelled"}, ledger
 
 
 def test_a_dying_service_stops_every_other_one_and_fails_the_run(tmp_path: Path) -> None:

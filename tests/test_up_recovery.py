@@ -470,3 +470,6 @@ def test_a_damaged_checkpoint_is_named_and_the_run_goes_back_to_an_older_one_as_
     later = up(run_dir, "--resume", str(run_dir), "--max-steps", "10", timeout_s=300)
     assert later.returncode == 0, later.stdout[-3000:] + later.stderr[-3000:]
     assert "resumed from iteration 8" in (run_dir / "logs" / "trainer.log").read_text()
+    # (the groups the abandoned lineage trained stay counted trained across this resume)
+    ledger = json.loads((run_dir / "summary.json").read_text())["ledger"]
+    assert ledger["balanced"] and ledger["violations"] == 0, ledger

@@ -461,13 +461,19 @@ def recover_in_flight(buffer: SampleBuffer, source: str) -> int:
     return len(left)
 
 
+# Counter: groups trained by earlier lineages (--new-lineage), which the `trained` hash no
+# longer lists: a rewind keeps them in `groups_trained`.
+EARLIER = "groups_trained_earlier"
+
+
 def rewind_trainer(buffer: SampleBuffer, groups_consumed: int, version: int) -> None:
     """A trainer resumed at `version` from a checkpoint that had consumed `groups_consumed`:
     the groups it trained or dropped after that checkpoint are pending again, so they leave
     `trained`, `groups_trained` and the drop counts (they will be counted when consumed again).
     Drops noted at a trainer version >= `version` came after the checkpoint was saved."""
     trained = buffer.trained()
-    kept = sum(len(ids) for v, ids in trained.items() if v <= version)
+    earlier = int(buffer.redis.hget(buffer.counters_key, EARLIER) or 0)
+    kept = earlier + sum(len(ids) for v, ids in trained.items() if v <= version)
     pipe = buffer.redis.pipeline(transaction=True)
     pipe.hset(buffer.counters_key, "groups_consumed", groups_consumed)
     pipe.hset(buffer.counters_key, "groups_trained", kept)

@@ -56,8 +56,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from services.sample_buffer import SampleBuffer
 from services.trainer.config import TrainerConfig
-from services.trainer.lineage import TRACKER, saved_iteration
+from services.trainer.lineage import TRACKER, rewind_ledger, saved_iteration
 
 # Flags of the learning-rate schedule; a resume compares them with the checkpoint's.
 SCHEDULER_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters")
@@ -188,6 +189,16 @@ class Resumed:
     groups_consumed: int | None  # None: not recorded, or saved by another run id
     path: Path
     groups_dead_lettered: int | None = None  # the run's dead letters at save (None: unknown)
+
+
+def rewind_to_newest(buffer: SampleBuffer, root: Path, run_id: str) -> None:
+    """The run's ledger as of the newest checkpoint under `root` (the groups of the steps after
+    it are pending again), as a resume from it would leave it; from its common state only."""
+    common = _common(resolve_iteration(root))
+    if common.get("run_id") == run_id and common.get("groups_consumed") is not None:
+        version, consumed = int(common.get("version", 0)), int(common["groups_consumed"])
+        saved = Resumed(version, [], consumed, root, common.get("groups_dead_lettered"))
+        rewind_ledger(buffer, saved, version)
 
 
 class Checkpointer:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from services.sample_buffer import SampleBuffer
+from services.sample_buffer import SampleBuffer, ledger
 from services.trainer.config import TrainerConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"  # names a --save folder's newest checkpoint
@@ -79,7 +79,11 @@ def lineage_start(cfg: TrainerConfig, buffer: SampleBuffer, resumed: bool) -> in
 def begin_lineage(buffer: SampleBuffer, version: int, weights: str = "--model") -> None:
     """--new-lineage: the lineage of the newest weights (`trained`) starts anew at `version`,
     from `weights`."""
-    buffer.redis.delete(buffer.trained_key)
+    trained = buffer.counters().get("groups_trained", 0)
+    pipe = buffer.redis.pipeline(transaction=True)
+    pipe.delete(buffer.trained_key)
+    pipe.hset(buffer.counters_key, ledger.EARLIER, trained)  # (a later rewind keeps them)
+    pipe.execute()
     print(
         f"[trainer] --new-lineage: starting from {weights} as version {version}; groups made "
         f"by older versions are dead-lettered (foreign_lineage)",

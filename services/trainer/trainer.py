@@ -91,7 +91,9 @@ class Trainer:
             self.lease.fence(plain)
             plain.agree_contract(cfg.run_contract(), "trainer")
             start_version = lineage_start(cfg, plain, resume_root is not None)
-            if start_version:  # (from a checkpoint: one older than its folder's newest)
+            if start_version and resume_root:  # back to an older checkpoint: the run as of
+                checkpoint.rewind_to_newest(plain, resume_root, cfg.run_id)  # the newest first
+            if start_version:
                 weights = f"iteration {cfg.ckpt_step}" if resume_root else "--model"
                 begin_lineage(plain, start_version, weights)
             self.status = StatusReporter(plain)
