@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -34,4 +35,5 @@ def test_the_router_overhead_bench_runs_and_ends_with_a_name_value_line():
     for target in ("direct", "tandem", "tandem-aio", "rust"):
         assert any(line.startswith(target + " ") for line in lines), target
     name, value = lines[-1].split(": ")
-    assert name == "tandem_cpu_per_request_vs_rust_c64" and float(value) > 0
+    # (a number: 200 requests are a few clock ticks of CPU, which may round the ratio to 0.00)
+    assert name == "tandem_cpu_per_request_vs_rust_c64" and math.isfinite(float(value))
