@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import errno
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from services.sample_buffer import SampleBuffer
 from services.trainer.checkpoint import TRACKER, SaveError, resolve_iteration, saving
+from services.trainer.config import TrainerConfig
+from services.trainer.lineage import lineage_start
 from tests.test_trainer_process import bind_pull, receive_version, run_trainer, sample_groups
 
 
@@ -220,3 +224,20 @@ def test_a_save_that_fails_names_the_version_the_folders_and_the_fix() -> None:
     unwritable = "check that the folders exist and are writable"
     with pytest.raises(SaveError, match=unwritable), saving(7, where):
         raise PermissionError(errno.EACCES, "Permission denied", "/ckpt")
+
+
+def test_going_back_to_an_older_checkpoint_needs_a_new_lineage_on_a_trained_run_only(
+    buffer: SampleBuffer, tmp_path: Path
+) -> None:
+    """A trained run's groups after checkpoint 10 were acknowledged at its save: --ckpt-step 8
+    is refused without --new-lineage, and with it begins after the published version; a new run
+    may start from any checkpoint of a folder (nothing of it was acknowledged)."""
+    (tmp_path / TRACKER).write_text("10")
+    url, run_id = buffer.config.redis_url, buffer.config.run_id
+    back = TrainerConfig(save=str(tmp_path), ckpt_step=8, redis_url=url, run_id=run_id)
+    assert lineage_start(back, buffer, resumed=True) == 0, "a new run"
+    buffer.set_version("trainer", 12)  # trained past its newest checkpoint
+    with pytest.raises(ValueError, match="--ckpt-step 8 goes back past this run's newest"):
+        lineage_start(back, buffer, resumed=True)
+    assert lineage_start(replace(back, new_lineage=True), buffer, resumed=True) == 13
+    assert lineage_start(replace(back, ckpt_step=-1), buffer, resumed=True) == 0, "the newest"

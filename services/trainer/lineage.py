@@ -47,11 +47,12 @@ def rollback(cfg: TrainerConfig) -> tuple[int, int] | None:
 def lineage_start(cfg: TrainerConfig, buffer: SampleBuffer, resumed: bool) -> int:
     """The version this start begins at: 0 (a fresh run, or a resume that goes on where its
     checkpoint left off), or with --new-lineage the published one + 1. Raises ValueError for a
-    start without checkpoint on a trained run, and for a resume from a checkpoint older than
-    its folder's newest (`rollback`), unless --new-lineage."""
+    start without checkpoint on a trained run, and for a resume of a trained run from a
+    checkpoint older than its folder's newest (`rollback`), unless --new-lineage. (A new run
+    may start from any checkpoint: nothing of it was acknowledged yet.)"""
     published = buffer.get_version("trainer", 0)
     trained = int(buffer.redis.hlen(buffer.trained_key))
-    if resumed and (back := rollback(cfg)):
+    if resumed and (published > 0 or trained) and (back := rollback(cfg)):  # (on this run)
         if not cfg.new_lineage:
             raise ValueError(
                 f"--ckpt-step {back[0]} goes back past this run's newest checkpoint (iteration "

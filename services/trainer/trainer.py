@@ -145,8 +145,8 @@ class Trainer:
 
     def _resume(self, root: Path, found_by: str, new_lineage: int) -> None:
         """From the checkpoint under `root`; with `new_lineage` (a version: --new-lineage from
-        a checkpoint older than its folder's newest) its weights go on as that version, and the
-        ledger is not rewound (the groups consumed since that checkpoint are gone)."""
+        a checkpoint older than its folder's newest) its weights go on as that version (the
+        ledger was rewound to the newest checkpoint at start: `checkpoint.rewind_to_newest`)."""
         if self.is_main and found_by != "--load":
             print(f"[trainer] resuming from {root} {found_by}", flush=True)
         resumed = self.checkpointer.load(root)
