@@ -429,3 +429,21 @@ def test_a_long_dataset_read_says_how_far_it_is(toy_model_dir, tmp_path, monkeyp
     assert [s.split(" (")[0] for s in said] == [
         f"{data}: {k} of 2500 rows tokenized" for k in (0, 1000, 2000)
     ]
+
+
+def test_rows_with_an_empty_prompt_are_left_out_and_said_so(toy_model_dir, tmp_path):
+    """A prompt of "" (or blanks, or no messages) asks for nothing: the old code trained on it
+    without a word. Its labels do not count as missing either."""
+    tokenizer = load_tokenizer(str(toy_model_dir))
+    data = tmp_path / "train.jsonl"
+    rows = [("12>", "21"), ("", "3"), ("  ", ""), ([], "4"), ("34>", "43")]
+    data.write_text("\n".join(json.dumps({"prompt": p, "label": a}) for p, a in rows))
+    items, notes = load_items(tokenizer, str(data), "prompt", "label", False, "--prompt-data")
+    assert [item.prompt for item in items] == ["12>", "34>"]
+    assert notes == (
+        f"3 rows of {data} have an empty 'prompt' (the first: row 2): left out, a prompt of "
+        "nothing asks for nothing",
+    )
+    data.write_text(json.dumps({"prompt": "", "label": "1"}))
+    with pytest.raises(ValueError, match=r"train.jsonl: no rows with a prompt"):
+        load_items(tokenizer, str(data), "prompt", "label", False, "--prompt-data")

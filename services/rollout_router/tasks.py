@@ -214,18 +214,27 @@ def load_items(
     null or empty) are left out, before their prompts are tokenized, when others have one
     (`label_notes`); rows whose prompt fills the model's `context_len` positions (0: unknown)
     are left out, since no response fits after them, and ValueError when that is every row."""
-    rows, unlabeled = [], []
+    rows, unlabeled, empty = [], [], []
     for number, row in enumerate(read_rows(path, flag), 1):
         if problem := row_problem(path, number, row, input_key):
             raise ValueError(problem)
+        prompt = row[input_key]
+        if not prompt or (isinstance(prompt, str) and not prompt.strip()):
+            empty.append(number)  # (a prompt of nothing asks for nothing)
+            continue
         label = row.get(label_key)
         label = "" if label is None else label if isinstance(label, str) else json.dumps(label)
         if not label:
             unlabeled.append(number)
-        rows.append((number, row[input_key], label))
+        rows.append((number, prompt, label))
     if not rows:
-        raise ValueError(f"{flag} {path}: no rows")
+        raise ValueError(f"{flag} {path}: no rows" + (" with a prompt" if empty else ""))
     notes = label_notes(path, len(rows), unlabeled, label_key)
+    if empty:
+        notes += (
+            f"{len(empty)} rows of {path} have an empty {input_key!r} (the first: row "
+            f"{empty[0]}): left out, a prompt of nothing asks for nothing",
+        )
     if unlabeled and len(unlabeled) < len(rows):
         rows = [(number, prompt, label) for number, prompt, label in rows if label]
     items, too_long = [], []
