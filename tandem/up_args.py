@@ -283,3 +283,12 @@ def lost_history(counters: dict[str, int]) -> str:
         "ledger, the drop log and the prompt order start over; the trainer goes on from its "
         "checkpoint"
     )
+
+
+def stopped_early(step: int, max_steps: int, run_dir: Path) -> str:
+    """The trainer exited 0 before --max-steps: stopped by a signal tandem up did not send."""
+    return (
+        f"FAILED: the trainer stopped at step {step} of --max-steps {max_steps} (exit 0: a "
+        "signal tandem up did not send: a scheduler, docker stop, kill?); its last checkpoint "
+        f"holds the run: {resume_command(run_dir)} goes on"
+    )

@@ -37,7 +37,7 @@ from tandem.supervisor import (
     Supervisor,
     die_with_parent,
 )
-from tandem.up_args import lost_history, resume_plan, save_config
+from tandem.up_args import lost_history, resume_plan, save_config, stopped_early
 from tandem.up_config import check_sample_fit, render, state_trainer_limits, write_run_config
 from tandem.up_engines import Restarts, wait_engines_synced
 from tandem.up_services import TRAINED_MODEL, service_args, shared_gpus, trains_in_bf16
@@ -311,7 +311,7 @@ class UpRun:
                 return 130
             child = self.supervisor.exited()
             if child is not None and not restarts.restart(child):
-                code = self.child_exited(child)
+                code = self.child_exited(child, buffer.get_version("trainer", 0))
                 if child.name == "trainer" and child.proc.returncode == 0:
                     wait_engines_synced(buffer, say)
                 return code
@@ -413,8 +413,13 @@ class UpRun:
                 f"could not write {what} in {self.run_dir}: {exc.strerror or exc}{self.disk.note()}"
             )
 
-    def child_exited(self, child) -> int:  # type: ignore[no-untyped-def]
+    def child_exited(self, child, step: int) -> int:  # type: ignore[no-untyped-def]
+        """The run's end when `child` exited (the trainer at version `step`)."""
         if child.name == "trainer" and child.proc.returncode == 0:
+            if step < self.config.max_steps:  # (a SIGTERM of its own: it saves, leaves, exit 0)
+                self.outcome = "trainer_stopped"
+                say(stopped_early(step, self.config.max_steps, self.run_dir))
+                return 1
             reached = self.config.by_model("stop_accuracy") == 0
             self.outcome = "max_steps" if reached else "max_steps_without_accuracy"
             say(f"trainer finished {self.config.max_steps} steps")

@@ -473,3 +473,25 @@ def test_a_damaged_checkpoint_is_named_and_the_run_goes_back_to_an_older_one_as_
     # (the groups the abandoned lineage trained stay counted trained across this resume)
     ledger = json.loads((run_dir / "summary.json").read_text())["ledger"]
     assert ledger["balanced"] and ledger["violations"] == 0, ledger
+
+
+def test_a_trainer_stopped_by_a_signal_of_someone_else_fails_the_run_and_resume_goes_on(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM to the trainer alone (docker stop, a scheduler): it saves and exits 0. The old
+    launcher said `trainer finished 200 steps` and exited 0 at step ~100."""
+    run_dir = tmp_path / "run"
+    flags = ["--stop-accuracy", "0", "--num-engines", "1", "--max-steps", "200"]
+    run = start_up(run_dir, *flags)
+    wait_until(lambda: trainer_steps(run_dir) >= 3, "three steps", 120)
+    children = psutil.Process(run.pid).children(recursive=True)
+    next(c for c in children if c.cmdline()[2:4] == ["tandem.cli", "trainer"]).terminate()
+    output, _ = run.communicate(timeout=120)
+    assert run.returncode == 1, output[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "trainer_stopped" and summary["steps"] < 200, summary
+    assert f"FAILED: the trainer stopped at step {summary['steps']} of --max-steps 200" in output
+    resumed = up(run_dir, "--resume", str(run_dir), "--max-steps", str(summary["steps"] + 2))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert f"resumed from iteration {summary['steps']} " in trainer_log, "its save on SIGTERM"
