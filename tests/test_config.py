@@ -81,9 +81,12 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
     # toy model's run that ends there below its 0.9 exits 1
     trainer = SimpleNamespace(name="trainer", proc=SimpleNamespace(returncode=0))
     for config, code, outcome in ((real, 0, "max_steps"), (toy, 1, "max_steps_without_accuracy")):
-        ended = SimpleNamespace(config=config, outcome="")
-        assert UpRun.child_exited(ended, trainer) == code  # type: ignore[arg-type]
+        ended = SimpleNamespace(config=config, outcome="", run_dir=Path("RUN"))
+        assert UpRun.child_exited(ended, trainer, config.max_steps) == code  # type: ignore[arg-type]
         assert ended.outcome == outcome
+        # (before --max-steps: stopped by a signal of someone else's, either model)
+        assert UpRun.child_exited(ended, trainer, config.max_steps - 1) == 1  # type: ignore[arg-type]
+        assert ended.outcome == "trainer_stopped"
 
     # a --model trained on a GPU trains in bf16 (as the engines serve it), unless told not to
     def bf16(*argv: str) -> bool:
