@@ -123,18 +123,18 @@ ONE_TIME = {"--ckpt-step": 1, "--new-lineage": 0}
 
 
 def without_one_time(args: str) -> str:
-    """`args` (--trainer-args) without the flags of ONE_TIME and their values."""
-    words, kept = shlex.split(args), []
-    if not ONE_TIME.keys() & {word.split("=")[0] for word in words}:
-        return args
-    while words:
-        word = words.pop(0)
+    """`args` (--trainer-args) without the flags of ONE_TIME and their values (unchanged when
+    it has none)."""
+    words, kept, skip = shlex.split(args), [], 0
+    for word in words:
         flag = word.split("=")[0]
-        if flag in ONE_TIME:
-            del words[: ONE_TIME[flag] if "=" not in word else 0]
+        if skip:
+            skip -= 1
+        elif flag in ONE_TIME:
+            skip = 0 if "=" in word else ONE_TIME[flag]
         else:
             kept.append(word)
-    return shlex.join(kept)
+    return args if len(kept) == len(words) else shlex.join(kept)
 
 
 def reach_launch_dir(rm_path: str, launch_dir: str) -> str:
@@ -237,32 +237,24 @@ def resume_plan(
 
     every = config.save_interval
     if not (checkpoints / TRACKER).is_file():
-        if published <= 0:
-            return False, 0, ""
-        return (
-            True,
-            0,
-            (
-                f"{checkpoints} holds no checkpoint (none saved yet, every --save-interval {every} "
-                "steps, or --new-lineage given): the trainer goes on from --model with versions "
-                "after the published one (--new-lineage); groups made by the old weights are "
-                "dead-lettered (foreign_lineage)"
-            ),
+        note = (
+            f"{checkpoints} holds no checkpoint (none saved yet, every --save-interval {every} "
+            "steps, or --new-lineage given): the trainer goes on from --model with versions "
+            "after the published one (--new-lineage); groups made by the old weights are "
+            "dead-lettered (foreign_lineage)"
         )
+        return (True, 0, note) if published > 0 else (False, 0, "")
     saved, recorded = steps_saved(checkpoints), steps_recorded(run_dir)
     if recorded <= saved or without_one_time(config.trainer_args) != config.trainer_args:
         # (--trainer-args --ckpt-step picks another checkpoint: the trainer says which)
         return False, 0, ""
     steps = f"step {recorded} is" if recorded == saved + 1 else f"steps {saved + 1}-{recorded} are"
-    return (
-        False,
-        recorded - saved,
-        (
-            f"resuming from the step-{saved} checkpoint in {checkpoints}: {steps} trained again, on "
-            f"the groups they trained (weights are kept only by a checkpoint, every --save-interval "
-            f"{every} steps)"
-        ),
+    note = (
+        f"resuming from the step-{saved} checkpoint in {checkpoints}: {steps} trained again, on "
+        f"the groups they trained (weights are kept only by a checkpoint, every --save-interval "
+        f"{every} steps)"
     )
+    return False, recorded - saved, note
 
 
 def steps_recorded(run_dir: Path) -> int:

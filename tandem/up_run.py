@@ -31,12 +31,7 @@ from tandem.run_dir import (
 )
 from tandem.run_redis import REDIS_FILE, run_id_of
 from tandem.sinks import MetricSinks, say
-from tandem.supervisor import (
-    ChildFailedError,
-    StartInterruptedError,
-    Supervisor,
-    die_with_parent,
-)
+from tandem.supervisor import ChildFailedError, StartInterruptedError, Supervisor, die_with_parent
 from tandem.up_args import lost_history, resume_plan, save_config, stopped_early
 from tandem.up_config import check_sample_fit, render, state_trainer_limits, write_run_config
 from tandem.up_engines import Restarts, wait_engines_synced
@@ -311,8 +306,9 @@ class UpRun:
                 return 130
             child = self.supervisor.exited()
             if child is not None and not restarts.restart(child):
-                code = self.child_exited(child, buffer.get_version("trainer", 0))
-                if child.name == "trainer" and child.proc.returncode == 0:
+                done = child.name == "trainer" and child.proc.returncode == 0
+                code = self.child_exited(child, buffer.get_version("trainer", 0) if done else 0)
+                if done:
                     wait_engines_synced(buffer, say)
                 return code
             if problem := restarts.check():
