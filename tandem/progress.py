@@ -30,7 +30,10 @@ def metrics_rows(run_dir: Path) -> Iterator[dict]:
 def ends_a_line(path: Path) -> bool:
     """Whether `path` is empty or ends with a newline."""
     with path.open("rb") as f:
-        return f.seek(0, os.SEEK_END) == 0 or (f.seek(-1, os.SEEK_END) >= 0 and f.read(1) == b"\n")
+        if f.seek(0, os.SEEK_END) == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 @dataclass
