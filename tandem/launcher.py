@@ -69,7 +69,7 @@ class UpConfig:
     )
     prompt_data: str = field(
         default="",
-        metadata={"help": "Training prompts, .jsonl or .parquet (default: the built-in toy task)."},
+        metadata={"help": "Training prompts: JSON lines, a JSON array, .parquet (default: toy)."},
     )
     eval_prompt_data: str = field(
         default="",

@@ -3,6 +3,7 @@ dynamic sampling and partial rollout (fake engines, real Valkey)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import threading
@@ -15,7 +16,12 @@ import pytest
 
 from proto import SampleGroup
 from services.rollout_router.app import load_tokenizer
-from services.rollout_router.tasks import data_change_note, dataset_task, load_items
+from services.rollout_router.tasks import (
+    data_change_note,
+    dataset_task,
+    first_row_problem,
+    load_items,
+)
 from services.sample_buffer import SampleBuffer
 from tests.helpers import JsonHandler, read_all, router_args, wait_until, with_chat_template
 
@@ -447,3 +453,42 @@ def test_rows_with_an_empty_prompt_are_left_out_and_said_so(toy_model_dir, tmp_p
     data.write_text(json.dumps({"prompt": "", "label": "1"}))
     with pytest.raises(ValueError, match=r"train.jsonl: no rows with a prompt"):
         load_items(tokenizer, str(data), "prompt", "label", False, "--prompt-data")
+
+
+def test_a_json_array_gzip_and_a_byte_order_mark_are_read_and_other_text_named(
+    toy_model_dir, tmp_path
+):
+    """A JSON array of rows (json.dump's), a .gz file, a UTF-8 byte-order mark: the old code
+    took the array for one row ('it has list'), a .gz file and a mark for lines that are not
+    JSON; a Latin-1 file failed the router's start naming neither the file nor the line."""
+    tokenizer = load_tokenizer(str(toy_model_dir))
+    rows = [{"prompt": f"{k}{k}>", "label": f"{k}{k}"} for k in range(1, 4)]
+    lines = "".join(json.dumps(row) + "\n" for row in rows)
+    forms = {
+        "pretty.json": json.dumps(rows, indent=2).encode(),
+        "one_line.json": b"\n" + json.dumps(rows).encode(),
+        "rows.jsonl.gz": gzip.compress(lines.encode()),
+        "rows.json.gz": gzip.compress(json.dumps(rows).encode()),
+        "windows.jsonl": b"\xef\xbb\xbf" + lines.encode(),
+    }
+    for name, data in forms.items():
+        (tmp_path / name).write_bytes(data)
+        items, _ = load_items(tokenizer, str(tmp_path / name), "prompt", "label", False, "x")
+        assert [(i.prompt, i.label) for i in items] == [("11>", "11"), ("22>", "22"), ("33>", "33")]
+        assert first_row_problem(str(tmp_path / name), "prompt") == "", name
+    bad = {
+        "latin.jsonl": (lines + '{"prompt": "café"}\n').encode("latin-1"),
+        "cut.json": json.dumps(rows, indent=2).encode()[:-3],
+        "plain.jsonl.gz": lines.encode(),
+    }
+    expected = {
+        "latin.jsonl": "latin.jsonl:4: not UTF-8 text (",
+        "cut.json": "cut.json:13: not JSON (Expecting ',' delimiter; a file that starts with [ "
+        "is read as one JSON array of rows)",
+        "plain.jsonl.gz": "plain.jsonl.gz: cannot be read (Not a gzipped file",
+    }
+    for name, data in bad.items():
+        (tmp_path / name).write_bytes(data)
+        assert expected[name] in first_row_problem(str(tmp_path / name), "prompt")
+        with pytest.raises(ValueError, match=re.escape(expected[name])):
+            load_items(tokenizer, str(tmp_path / name), "prompt", "label", False, "x")

@@ -206,8 +206,8 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
         ),
         ("--prompt-data", "bad.jsonl", "--rm-type", "exact_match"): "bad.jsonl:1: not JSON",
         ("--prompt-data", "rows.csv", "--rm-type", "exact_match"): (
-            "rows.csv:1: not JSON (Expecting value: line 1 column 1 (char 0); files not named "
-            ".parquet are read as JSONL)"
+            "rows.csv:1: not JSON (Expecting value: line 1 column 1 (char 0); a data file is JSON "
+            "lines, a JSON array or .parquet)"
         ),
         ("--prompt-data", "broken.parquet", "--rm-type", "exact_match"): (
             "broken.parquet: not a Parquet file (Parquet magic bytes not found"

@@ -265,10 +265,13 @@ class DataConfig:
     """Where prompts come from (the built-in toy task when --prompt-data is empty)."""
 
     prompt_data: str = field(
-        default="", metadata={"help": "Training prompts: .jsonl or .parquet (empty = toy task)."}
+        default="",
+        metadata={
+            "help": "Training prompts: JSON lines, a JSON array or .parquet (empty = toy task)."
+        },
     )
     eval_prompt_data: str = field(
-        default="", metadata={"help": "Held-out prompts for evaluation: .jsonl or .parquet."}
+        default="", metadata={"help": "Held-out prompts for evaluation, as --prompt-data."}
     )
     eval_heldout_fraction: float = field(
         default=0.05,

@@ -12,13 +12,14 @@ naming how many and the first (a reward would compare its responses with an empt
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
 import random
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 from services.common.chat_messages import MessageError, template_messages
 from services.rollout_router.toy_task import is_exact, reverse_digits_split
 
+BOM = b"\xef\xbb\xbf"  # (a UTF-8 byte-order mark, as Windows tools write)
 T = TypeVar("T")
 log = logging.getLogger("tandem.router.data")
 PROGRESS_S = 10.0  # a dataset read longer than this says how far it is (tandem up shows it)
@@ -123,14 +125,56 @@ def prompt_problem(tokenizer: Any, prompt: Any, chat: bool) -> str:
     return ""
 
 
-def read_rows(path: str, flag: str = "--prompt-data") -> list[dict[str, Any]]:
-    """Rows of a `.jsonl` or `.parquet` file; errors name the file and line (or the flag)."""
+def read_rows(path: str, flag: str = "--prompt-data") -> list[tuple[int, Any]]:
+    """(row number, row) of each row of a data file (`numbered_rows`, or Parquet); errors name
+    the file and line (or the flag)."""
     if problem := not_a_file(path, flag):
         raise ValueError(problem)
     if Path(path).suffix == ".parquet":
-        return parquet(path, lambda pq: pq.read_table(path).to_pylist())
-    lines = enumerate(Path(path).read_text().splitlines(), 1)
-    return [json_row(path, number, line) for number, line in lines if line.strip()]
+        return list(enumerate(parquet(path, lambda pq: pq.read_table(path).to_pylist()), 1))
+    return list(numbered_rows(path))
+
+
+def numbered_rows(path: str) -> Iterator[tuple[int, Any]]:
+    """(row number, row) of a file of JSON lines (the number: the line's), or of one JSON array
+    of rows (a file whose first line starts with `[`), compressed with gzip (.gz) or not; a
+    UTF-8 byte-order mark is skipped; ValueError naming the file and line."""
+    seen = False
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as data:
+            for number, raw in enumerate(data, 1):
+                line = utf8(path, number, raw.removeprefix(BOM) if number == 1 else raw)
+                if not line.strip():
+                    continue
+                if not seen and line.lstrip().startswith("["):
+                    yield from enumerate(
+                        json_array(path, number, line + utf8(path, number + 1, data.read())), 1
+                    )
+                    return
+                seen = True
+                yield number, json_row(path, number, line)
+    except (OSError, EOFError) as exc:  # (gzip's BadGzipFile is an OSError)
+        raise ValueError(f"{path}: cannot be read ({exc})") from None
+
+
+def utf8(path: str, number: int, raw: bytes) -> str:
+    """`raw` (from line `number` of `path` on) as text; ValueError naming the line."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError as exc:
+        line = number + raw.count(b"\n", 0, exc.start)
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({exc}): save the file as UTF-8") from None
+
+
+def json_array(path: str, number: int, text: str) -> list[Any]:
+    """The rows of a JSON array that starts at line `number` of `path`."""
+    try:
+        return json.loads(text)  # type: ignore[no-any-return]
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{path}:{number + exc.lineno - 1}: not JSON ({exc.msg}; a file that starts with [ "
+            "is read as one JSON array of rows)"
+        ) from None
 
 
 def not_a_file(path: str, flag: str) -> str:
@@ -156,7 +200,7 @@ def json_row(path: str, number: int, line: str) -> Any:
     try:
         return json.loads(line)
     except json.JSONDecodeError as exc:
-        hint = "" if path.endswith(".jsonl") else "; files not named .parquet are read as JSONL"
+        hint = "" if ".jsonl" in path else "; a data file is JSON lines, a JSON array or .parquet"
         raise ValueError(f"{path}:{number}: not JSON ({exc}{hint})") from exc
 
 
@@ -187,17 +231,13 @@ def first_row_problem(path: str, input_key: str) -> str:
             return str(exc)
         return "" if input_key in names else f"{no_input_key(path, 1, input_key)}: it has {names}"
     seen = False
-    with open(path, encoding="utf-8", errors="replace") as rows:
-        for number, line in enumerate(rows, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json_row(path, number, line)
-            except ValueError as exc:
-                return str(exc)
+    try:
+        for number, row in numbered_rows(path):
             if problem := row_problem(path, number, row, input_key):
                 return problem
             seen = True
+    except ValueError as exc:
+        return str(exc)
     return "" if seen else f"{path}: no rows"
 
 
@@ -215,7 +255,7 @@ def load_items(
     (`label_notes`); rows whose prompt fills the model's `context_len` positions (0: unknown)
     are left out, since no response fits after them, and ValueError when that is every row."""
     rows, unlabeled, empty = [], [], []
-    for number, row in enumerate(read_rows(path, flag), 1):
+    for number, row in read_rows(path, flag):
         if problem := row_problem(path, number, row, input_key):
             raise ValueError(problem)
         prompt = row[input_key]
