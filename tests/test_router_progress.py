@@ -96,7 +96,9 @@ def raises(text: str, label: str, stopped: bool) -> float:
         (raises, "reward_error", "raised ZeroDivisionError: boom"),
         (lambda t, lab, s: None, "reward_error", "returned None"),
         (lambda t, lab, s: math.nan, "reward_nonfinite", "returned nan"),
-        (lambda t, lab, s: "x", "reward_error", "returned 'x', not a number"),
+        (lambda t, lab, s: {"score": 1}, "reward_error", "returned {'score': 1}, not a number"),
+        # (float("1") is 1.0: the old code took a returned answer for its score)
+        (lambda t, lab, s: "1", "reward_error", "returned '1', text: return a number"),
     ],
 )
 def test_a_failing_reward_fails_its_sample_only_with_its_reason(fn, reason, text):

@@ -55,6 +55,8 @@ def as_reward(value: Any, source: str) -> float:
     """`value` as a finite float, else a RewardError naming `source`."""
     if value is None:
         raise RewardError(f"{source} returned None")
+    if isinstance(value, (str, bytes)):  # (float("42") is 42.0: an answer taken for a score)
+        raise RewardError(f"{source} returned {value!r}, text: return a number")
     try:
         reward = float(value)
     except (TypeError, ValueError) as exc:
