@@ -63,8 +63,18 @@ class Child:
     env: dict[str, str] | None = None
 
     def log_tail(self, chars: int = 3000) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return text[-chars:]
+        """The log's last lines, about `chars` bytes of them, read from its end (a long run's
+        log is large), from a line's start."""
+        try:
+            with self.log_path.open("rb") as log:
+                start = max(log.seek(0, os.SEEK_END) - chars, 0)
+                log.seek(start)
+                data = log.read()
+        except FileNotFoundError:
+            return ""
+        if start and b"\n" in data[:-1]:
+            data = data[data.index(b"\n") + 1 :]
+        return data.decode(errors="replace")
 
     def how_it_ended(self) -> str:
         """'exited with code N', or 'was killed by SIGNAL' (SIGKILL: out of memory?)."""

@@ -55,6 +55,20 @@ def test_a_service_that_fails_to_start_is_reported_by_its_own_one_line_error(
     supervisor.stop_all(timeout_s=5)
 
 
+def test_a_crash_shows_whole_lines_of_its_logs_end(tmp_path: Path) -> None:
+    """The tail shown on the console begins at a line's start (the old code cut its first line
+    anywhere: `t: 10 samples dropped as ...`)."""
+    supervisor = Supervisor(tmp_path / "logs")
+    script = "for i in $(seq 1000 1500); do echo line $i of the log; done; exit 1"
+    child = supervisor.start("router", ["-c", script, "sh"], program=["sh"])
+    with pytest.raises(ChildFailedError) as failed:
+        supervisor.wait_ready([child], timeout_s=30)
+    tail = str(failed.value).split("):\n", 1)[1].splitlines()
+    assert tail[-1] == "line 1500 of the log" and len(tail) == 3000 // 21
+    assert all(line.startswith("line ") and line.endswith(" of the log") for line in tail)
+    supervisor.stop_all(timeout_s=5)
+
+
 def test_ctrl_c_while_a_service_starts_ends_the_wait_at_once(tmp_path: Path) -> None:
     """A real model's engine may take minutes to start: Ctrl-C must not wait for it."""
     interrupted: list[bool] = []
