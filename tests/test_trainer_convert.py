@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,13 +111,30 @@ def test_convert_names_an_output_it_cannot_write_before_any_work(tmp_path: Path)
 def test_the_trainer_starts_from_a_converted_checkpoint(
     buffer, toy_model_dir: Path, tmp_path: Path
 ) -> None:
-    """--load of other weights (same architecture) replaces the --model weights."""
+    """--load of other weights (same architecture) replaces the --model weights; bf16 weights
+    (as most models are published) are converted in bf16 (the old code built and wrote fp32:
+    twice the memory and the disk) and load into an fp32 trainer."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from torch.distributed.checkpoint import FileSystemReader
+
     from tandem.toy_model import write_toy_model
     from tests.test_trainer_process import common_args, run_trainer, sample_groups
 
     other = write_toy_model(tmp_path / "other", seed=1)
+    weights = other / "model.safetensors"
+    save_file({k: v.bfloat16() for k, v in load_file(weights).items()}, weights)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
     done = convert("hf-to-megatron", "--hf-dir", str(other), "--save", str(tmp_path / "c"))
     assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"into a llama model of [\d,]+ parameters, bf16 \(\d+ s\)", done.stdout)
+    stored = FileSystemReader(str(tmp_path / "c" / "iter_0000000")).read_metadata()
+    dtypes = {
+        m.properties.dtype for m in stored.state_dict_metadata.values() if hasattr(m, "properties")
+    }
+    assert dtypes == {torch.bfloat16}, dtypes
     for g in sample_groups(other, 4, 4, seed=12):  # engine log-probs of the *other* weights
         buffer.put_group(g)
     done = run_trainer(

@@ -8,7 +8,8 @@
                                              model it was trained from (`hf_source`) or of
                                              `--hf-dir`
 
-Vocabulary padding goes both ways: rows are padded to the megatron vocabulary on the way in and
+Both build the model in the dtype of the HF `config.json` (bf16 or fp32), so a bf16 model costs
+bf16 memory and disk. Vocabulary padding goes both ways: rows are padded to the megatron vocabulary on the way in and
 cut to the HF `vocab_size` on the way out. Runs as one process (gloo world of one); checkpoints
 reshard on load, so the result loads at any tensor-parallel size.
 """
@@ -20,6 +21,7 @@ import json
 import pickle
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,17 @@ def write_hf_dir(tensors: dict[str, Any], config_json: str, out: str, tokenizer_
     return out_dir
 
 
+def say(started: float, what: str) -> None:
+    """A progress line (a large model's conversion takes minutes)."""
+    print(f"tandem convert: {what} ({time.monotonic() - started:.0f} s)", flush=True)
+
+
+def is_bf16(config: dict[str, Any]) -> bool:
+    """The weights of a HF `config.json` are bfloat16 (`dtype`, or the older `torch_dtype`):
+    the model is then built and written in bf16, not fp32 (half the memory and the disk)."""
+    return (config.get("dtype") or config.get("torch_dtype")) == "bfloat16"
+
+
 def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Path:
     """Convert and save; returns the iteration directory."""
     import torch.distributed as dist
@@ -71,14 +84,25 @@ def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Pat
     from services.trainer.checkpoint import TRACKER, iteration_dir
     from services.trainer.policy import init_distributed
 
+    started = time.monotonic()
     init_distributed(tp_size=1, seed=0)
     arch = hf_convert.read_hf_arch(hf_dir, "--hf-dir")
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    bf16 = is_bf16(config)
     model = hf_convert.build_gpt_model(
-        arch, hf_convert.transformer_config(arch), vocab_divisible_by
+        arch, hf_convert.transformer_config(arch, bf16=bf16), vocab_divisible_by
+    )
+    size = sum(f.stat().st_size for f in Path(hf_dir).glob("*.safetensors"))
+    params = sum(p.numel() for p in model.parameters())
+    say(
+        started,
+        f"reading {size / 2**20:,.1f} MiB of weights of {hf_dir} into a {arch.model_type} model "
+        f"of {params:,} parameters, {'bf16' if bf16 else 'fp32'}",
     )
     hf_convert.load_hf_into_model(model, arch, hf_convert.load_hf_state(hf_dir))
     path = iteration_dir(save, 0)
     path.mkdir(parents=True, exist_ok=True)
+    say(started, f"writing {path}")
     state = {
         "model": model.sharded_state_dict(),
         "hf_config": (Path(hf_dir) / "config.json").read_text(),
@@ -103,6 +127,7 @@ def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -
     from services.trainer.checkpoint import damaged, resolve_iteration
     from services.trainer.policy import init_distributed
 
+    started = time.monotonic()
     init_distributed(tp_size=1, seed=0)
     path = resolve_iteration(load, ckpt_step)
     common = dist_checkpointing.load_common_state_dict(str(path))
@@ -112,9 +137,14 @@ def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -
         )
     config = json.loads(common["hf_config"])
     arch = hf_convert.arch_from_config(config, f"{path} (hf_config)")
+    bf16 = is_bf16(config)  # (its config.json says what an engine loads)
     model = hf_convert.build_gpt_model(
-        arch, hf_convert.transformer_config(arch), 1, padded_vocab=int(common["padded_vocab_size"])
+        arch,
+        hf_convert.transformer_config(arch, bf16=bf16),
+        1,
+        padded_vocab=int(common["padded_vocab_size"]),
     )
+    say(started, f"reading {path} into a {'bf16' if bf16 else 'fp32'} {arch.model_type} model")
     try:
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
     except (CheckpointException, EOFError, pickle.UnpicklingError, OSError) as exc:
@@ -130,6 +160,7 @@ def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -
         )
         tokenizer_src = ""
     tensors = dict(hf_convert.export_hf(model, arch))
+    say(started, f"writing {out}")
     return write_hf_dir(tensors, common["hf_config"], out, tokenizer_src)
 
 
