@@ -21,6 +21,7 @@ from typing import Any
 from services.common.config_file import (
     ENV_PREFIX,
     ConfigError,
+    env_values,
     layered_defaults,
     options,
     read_file,
@@ -74,6 +75,16 @@ WIRING = {
     "trainer": {"weights_endpoint", "ready_file"},
 }
 RUN_CONFIG = "config.toml"
+RENDERED = "# Resolved by tandem up"  # the first line of a configuration render() wrote
+
+
+def _rendered(path: str) -> bool:
+    """`path` is a configuration tandem up wrote (a run's config.toml)."""
+    try:
+        with open(path, encoding="utf-8") as text:
+            return text.readline().startswith(RENDERED)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _strict(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -106,7 +117,10 @@ def service_table(
     layered = layered_defaults(parser, name, config_file)
     managed = _dests(parser, own) | WIRING[name]
     ours = vars(_strict(PARSERS[name]()).parse_args(own))
-    for key in sorted(set(layered) & managed):
+    # A table tandem up wrote holds a setting it gives from [up] only where it left it to the
+    # service (0, unset): [up] (or a flag over it, as beside --resume) settles it since.
+    settled = managed - WIRING[name] - set(env_values(parser, name))
+    for key in sorted(set(layered) & managed - (settled if _rendered(config_file) else set())):
         if key in WIRING[name] or layered[key] != ours[key]:
             variable = f"{ENV_PREFIX}{name.upper()}_{key.upper()}"
             raise ConfigError(
@@ -183,7 +197,7 @@ def render(
         extra = full[name][len(own[name]) :]
         tables[name], notes[name] = service_table(name, own[name][1:], extra, config_file)
     header = (
-        "# Resolved by tandem up: the configuration of this run, every service.\n"
+        f"{RENDERED}: the configuration of this run, every service.\n"
         "# Repeat it: tandem up --config THIS_FILE (flags given beside it override it).\n"
         "# Commented keys are set by tandem up itself; change them in [up].\n\n"
     )

@@ -187,6 +187,30 @@ def test_config_show_prints_every_table_and_its_output_repeats_the_run(
     assert render(config, str(recorded)) == render(first, str(path))
 
 
+def test_a_recorded_configuration_takes_a_flag_for_a_setting_it_left_to_the_service(
+    tmp_path: Path, capsys
+) -> None:
+    """A run's config.toml holds `[router] rollout_max_response_len = 0` (tandem up left it
+    to the router): `--resume RUN --rollout-max-response-len 6` (or `--config` of it with that
+    flag) was refused as a contradiction, `remove it there`, in a file the user never wrote. A
+    table the user wrote that contradicts [up] is still refused."""
+    assert config_cmd.main(["show"]) == 0
+    recorded = toml_file(tmp_path, capsys.readouterr().out, RUN_CONFIG)
+    assert tomllib.loads(recorded.read_text())["router"]["rollout_max_response_len"] == 0
+    config, problems = launcher.parse(
+        ["--config", str(recorded), "--rollout-max-response-len", "6"]
+    )
+    assert problems == []
+    shown = render(config, str(recorded))
+    assert "# rollout_max_response_len = 6  # set by tandem up from [up]" in shown
+    assert "rollout_max_response_len" not in tomllib.loads(shown)["router"]
+    written = toml_file(tmp_path, "[router]\nrollout_max_response_len = 0\n")
+    _config, problems = launcher.parse(
+        ["--config", str(written), "--rollout-max-response-len", "6"]
+    )
+    assert len(problems) == 1 and "[router] rollout_max_response_len = 0" in problems[0]
+
+
 def test_one_gpu_for_engine_and_trainer_is_a_layout(capsys) -> None:
     config, problems = launcher.parse(["--engine-gpus", "0", "--trainer-gpus", "0"])
     assert problems == []
