@@ -77,6 +77,11 @@ def test_bad_flags_and_a_taken_port_exit_2_with_one_line_naming_the_flag(
         "broker port": (["broker", "--port", port], f"port {port} on 127.0.0.1"),
         "router port": (["router", "--port", port, *model], f"port {port} on 127.0.0.1"),
         "engine port": (["engine", *model, "--port", port], f"port {port} on 127.0.0.1"),
+        # (the old code: OSError's traceback, exit 1)
+        "broker host": (
+            ["broker", "--port", "0", "--host", "192.0.2.1"],  # (TEST-NET-1: no host's)
+            "cannot listen on 192.0.2.1 port 0 (Cannot assign requested address): --host must",
+        ),
     }
     try:
         results = start_all({name: argv for name, (argv, _) in expected.items()})

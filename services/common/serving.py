@@ -6,7 +6,7 @@ Exit codes, the same for every `tandem` service:
   1  a run-time failure (`ServiceError`, a dependency that never answered: `ConnectionError`,
      `TimeoutError`);
   2  bad flags or configuration: argparse's own errors, `ValueError` (contract mismatches
-     included), a missing file, and a port that is taken (`PortInUseError`: the flag is what to
+     included), a missing file, and a port that is taken (`ListenError`: the flag is what to
      change).
 The message is one line on stderr, `tandem NAME: ...`, naming the flag or file to fix. A
 service that holds something whose destructor would hang (`end_without_destructors`) leaves by
@@ -40,8 +40,9 @@ MIB = 1 << 20
 T = TypeVar("T")
 
 
-class PortInUseError(ValueError):
-    """A port flag names a port that is taken (exit 2: pick another)."""
+class ListenError(ValueError):
+    """--host/--port name an address this service cannot listen on: a port that is taken or
+    needs root, a host that is not this machine's (exit 2: pick another)."""
 
 
 class ServiceError(RuntimeError):
@@ -119,11 +120,18 @@ def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise PortInUseError(
+            raise ListenError(
                 f"port {port} on {host} is already in use; pick another with {flag} "
                 f"(or {flag} 0 for any free port)"
             ) from exc
-        raise
+        if exc.errno == errno.EACCES:
+            raise ListenError(
+                f"port {port} needs root (a port below 1024); pick another with {flag}"
+            ) from exc
+        raise ListenError(  # (a host that is no address here, or no name at all)
+            f"cannot listen on {host} port {port} ({exc.strerror or exc}): --host must be an "
+            "address of this machine (0.0.0.0: all of them; 127.0.0.1: this machine only)"
+        ) from exc
     sock.set_inheritable(True)
     return sock
 
@@ -166,7 +174,7 @@ def serve(
     on_shutdown: Callable[[], None] | None = None,
     sock: socket.socket | None = None,
 ) -> None:
-    """Serve `app` until SIGINT/SIGTERM; raise `PortInUseError` if the port is taken.
+    """Serve `app` until SIGINT/SIGTERM; raise `ListenError` if the port is taken.
 
     `extra` entries are added to the ready file (e.g. other endpoints the service bound); a
     callable value is called once the app has started (its lifespan ran). Bodies over
