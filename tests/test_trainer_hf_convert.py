@@ -383,3 +383,46 @@ def test_packed_rope_equals_megatrons_thd_rope_values_and_gradients() -> None:
         t.detach(), cu2, freqs.double(), cp_group=_NoContextParallel()
     )
     torch.testing.assert_close(again, ref2, rtol=0, atol=1e-12)
+
+
+def test_a_sharded_model_is_read_by_its_index_only_and_a_missing_shard_is_named(
+    toy_model_dir: Path, tmp_path: Path
+) -> None:
+    """Mistral's repositories hold `consolidated.safetensors` (the same weights, other names)
+    beside the indexed shards: the trainer read it too (twice the memory of a 7B model's
+    load); a shard the index lists but the folder lacks (a download cut short) is named."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from services.engine.weights import read_checkpoint
+
+    folder = tmp_path / "sharded"
+    shutil.copytree(toy_model_dir, folder)
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(state)
+    shards = {n: f"model-0000{1 + k % 2}-of-00002.safetensors" for k, n in enumerate(names)}
+    for shard in set(shards.values()):
+        save_file({n: state[n] for n in names if shards[n] == shard}, folder / shard)
+    index = {"metadata": {}, "weight_map": shards}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file(
+        {f"other.{n}": t.clone() for n, t in state.items()}, folder / "consolidated.safetensors"
+    )
+    for read in (hf_convert.load_hf_state, lambda f: dict(read_checkpoint(str(f)))):
+        loaded = read(folder)
+        assert set(loaded) == set(state)
+        assert all(torch.equal(loaded[n], state[n]) for n in names)
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    for read in (hf_convert.load_hf_state, read_checkpoint):
+        with pytest.raises(
+            ValueError,
+            match="lists 1 weight files that are not in the folder "
+            r"\(the first: model-00002-of-00002.safetensors\): a download cut",
+        ):
+            read(folder)
+    from tandem import launcher  # (tandem up: before anything starts)
+
+    _config, problems = launcher.parse(["--model", str(folder)])
+    assert any("(the first: model-00002-of-00002.safetensors)" in p for p in problems), problems

@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from services.common.hf_weights import weight_files
 from services.engine.model_runner import LoadPlan, ModelRunner, WeightError
 from services.engine.scheduler import Scheduler
 from services.engine.weight_layout import (
@@ -480,19 +481,17 @@ class WeightUpdater:
 
 
 def read_checkpoint(model_path: str) -> NamedTensors:
-    """Every tensor in an HF directory's `*.safetensors` (else `*.bin`) files, by HF name."""
+    """Every tensor of an HF directory's weight files (`weight_files`), by HF name."""
     path = Path(model_path)
     if not path.is_dir():
         raise ValueError(f"{model_path} is not a directory")
-    files = sorted(path.glob("*.safetensors"))
     tensors: NamedTensors = []
-    if files:
-        from safetensors.torch import load_file
+    for file in weight_files(path):
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        for file in files:
             tensors.extend(load_file(str(file)).items())
-    else:
-        for file in sorted(path.glob("*.bin")):
+        else:
             tensors.extend(torch.load(file, map_location="cpu", weights_only=True).items())
     if not tensors:
         raise ValueError(f"no *.safetensors or *.bin weight files in {model_path}")

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.common.hf_weights import weight_files
 from services.common.paths import unwritable
 
 TOKENIZER_FILES = (
@@ -92,7 +93,7 @@ def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Pat
     model = hf_convert.build_gpt_model(
         arch, hf_convert.transformer_config(arch, bf16=bf16), vocab_divisible_by
     )
-    size = sum(f.stat().st_size for f in Path(hf_dir).glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in weight_files(hf_dir))
     params = sum(p.numel() for p in model.parameters())
     say(
         started,

@@ -25,6 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from proto.models import SUPPORTED_MODEL_TYPES
+from services.common.hf_weights import weight_files
 from services.trainer.hf_arch import (
     HfArch,
     arch_from_config,
@@ -236,10 +237,10 @@ def unshard(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
 
 
 def load_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the `*.safetensors` files of a HF directory, as fp32 CPU tensors."""
+    """Every tensor of the safetensors weight files of a HF directory (`weight_files`)."""
     from safetensors.torch import load_file
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = [f for f in weight_files(model_dir) if f.suffix == ".safetensors"]
     if not files:
         raise FileNotFoundError(
             f"no *.safetensors in {model_dir}: --model needs HF safetensors weights"
