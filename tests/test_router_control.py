@@ -43,6 +43,8 @@ def test_rollout_starts_pauses_resumes_and_stops_on_request(
     assert httpx.post(router.url + "/rollout/stop", headers=TOKEN).json() == {"running": False}
     stopped = status(router)
     assert stopped["running"] is False and stopped["state"] == "stopped"
+    # (what tandem up's no-progress report shows: the old code said nothing, "is not waiting")
+    assert stopped["waiting_for"] == "POST /rollout/start (rollout was stopped on request)"
 
 
 def test_stopping_mid_batch_counts_the_groups_in_flight_as_cancelled(

@@ -182,7 +182,7 @@ class RolloutController:
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
-        self.loop.state = "stopped"
+        self.loop.set_state("stopped")
 
     async def close(self) -> None:
         await self.stop()
