@@ -351,3 +351,31 @@ def test_the_session_memory_bench_runs_and_ends_with_its_ratio() -> None:
         == "sessions: 2 x 3 turns, final context 24 tokens, 48 tokens in their samples (each once)"
     )
     assert re.fullmatch(r"session_memory_vs_stored: \d+\.\d\d", lines[-1]), lines[-1]
+
+
+def test_a_run_without_progress_names_the_engine_that_answers_none_of_its_requests() -> None:
+    """Engines paused through their own POST /pause_generation (not the router's) answer
+    their health checks but no /generate: the old report said only `84 requests at the
+    engines`. An engine answering, or holding nothing, is not named."""
+    import time
+    from types import SimpleNamespace
+
+    from services.rollout_router.report import SILENT_ENGINE_S, busy
+
+    now = time.monotonic()
+    quiet = Worker("http://a:1", "a", outstanding=42, quiet_since=now - SILENT_ENGINE_S - 5)
+    answering = Worker("http://b:1", "b", outstanding=42, quiet_since=now - 1)
+    idle = Worker("http://c:1", "c", outstanding=0, quiet_since=now - 10 * SILENT_ENGINE_S)
+    loop = SimpleNamespace(
+        gen=SimpleNamespace(in_flight=84),
+        pool=SimpleNamespace(workers={w.worker_id: w for w in (quiet, answering, idle)}),
+        episodes=None,
+        reward=SimpleNamespace(activity=lambda: ""),
+        groups=[object()] * 64,
+    )
+    said = busy(loop)  # type: ignore[arg-type]
+    assert said.startswith(
+        "64 groups in flight: 84 requests at the engines; answered: http://a:1 none of its 42 "
+        "for 65 s (long responses, or paused by POST /pause_generation there: POST"
+    )
+    assert "http://b:1" not in said and "http://c:1" not in said

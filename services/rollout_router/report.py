@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.router.rollout")
 
+SILENT_ENGINE_S = 60.0  # an engine holding requests this long without an answer is named
 LOGGED_ONE_BY_ONE = 10  # drops of a reason logged each with its detail; later ones as counts
 
 
@@ -174,6 +175,13 @@ def busy(loop: RolloutLoop) -> str:
     """Where the groups in flight are: at the engines, the environment, the reward (a run that
     makes no progress while its loop waits for nothing says which one holds it)."""
     parts = [f"{loop.gen.in_flight} requests at the engines"]
+    workers = loop.pool.workers.values()
+    if silent := [(w, s) for w in workers if (s := w.silent_s()) >= SILENT_ENGINE_S]:
+        named = ", ".join(f"{w.url} none of its {w.outstanding} for {s:.0f} s" for w, s in silent)
+        parts.append(
+            f"answered: {named} (long responses, or paused by POST /pause_generation there: "
+            "POST /continue_generation resumes it)"
+        )
     if loop.episodes is not None and (env := loop.episodes.client.calls.describe()):
         parts.append(env)
     if calls := loop.reward.activity():

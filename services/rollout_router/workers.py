@@ -85,6 +85,11 @@ class Worker:
     broker_asked_at: float = -math.inf  # monotonic time of the last POST {broker}/engines
     behind_since: float = 0.0  # monotonic time it first served an older version than the pool's
     waiting: set[asyncio.Task[Any]] = field(default_factory=set)  # tasks awaiting its answer
+    quiet_since: float = 0.0  # monotonic: its last answer, or the request that ended its idling
+
+    def silent_s(self) -> float:
+        """Seconds it has held requests without answering any (0 when it holds none)."""
+        return time.monotonic() - self.quiet_since if self.outstanding else 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -307,12 +312,15 @@ class WorkerPool:
         task = asyncio.current_task()
         assert task is not None
         for attempt, worker in enumerate(self.attempts(tried, session_id)):
+            if not worker.outstanding:
+                worker.quiet_since = time.monotonic()
             worker.outstanding += 1
             worker.requests += 1
             worker.waiting.add(task)
             lost = taken_out = False  # lost: no connection, counts toward evicting the worker
             try:
                 status, data = await self._send(worker.url, path, body)
+                worker.quiet_since = time.monotonic()
                 if status < 500:
                     return status, data, worker
                 last = f"{worker.url}{path}: HTTP {status} {data[:200]!r}"
