@@ -212,3 +212,37 @@ def test_a_batch_is_cut_into_entries_by_count_and_encoded_size_and_read_back_in_
     ]
     assert got[-1][1].samples[0].response_ids == list(range(37_500))
     assert buffer.depth() == 136
+
+
+def test_a_cancel_that_redis_py_swallows_in_a_failing_call_still_ends_the_task() -> None:
+    """redis.asyncio swallows a CancelledError that arrives mid-command; when the command then
+    fails (Redis down), the old `io` let its error through and a loop that catches RedisError
+    went on for good: a router stopping with its Redis dead never stopped (its status task)."""
+    import asyncio
+    import contextlib
+
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import RedisError
+
+    from services.sample_buffer.aio import io
+
+    async def command() -> None:  # as redis-py does with a cancel while it reconnects
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)
+        raise RedisConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused.")
+
+    async def status_loop() -> None:
+        for _ in range(300):  # (the old code: 3 s, then it ends, not cancelled)
+            try:
+                await io(command())
+            except RedisError:
+                await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        task = asyncio.create_task(status_loop())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.wait([task], timeout=10)
+        assert task.cancelled(), "the task went on after its cancel"
+
+    asyncio.run(main())

@@ -36,12 +36,15 @@ T = TypeVar("T")
 async def io(call: Awaitable[T]) -> T:
     """Await one Redis call, then raise the cancellation redis-py lost: redis.asyncio (8.1, on
     Python 3.11) swallows a task's CancelledError that arrives mid-command, and a loop around
-    its calls would then never stop. A task with a cancel pending never goes on from here."""
-    result = await call
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-    return result
+    its calls would then never stop. A task with a cancel pending never goes on from here,
+    whether the call returned or raised (a Redis that is down: the loop would catch the
+    RedisError and go on, and a service stopping with Redis dead waited for it for good)."""
+    try:
+        return await call
+    finally:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError  # (over the call's own error, if any)
 
 
 class AsyncSampleBuffer(BufferKeys):
