@@ -428,8 +428,10 @@ def main(argv: list[str]) -> int:
         f"pack and encode {encode_us:.1f}, decode {decode_us:.1f}; load average "
         f"{os.getloadavg()[0]:.1f} (other work takes cores from every figure)"
     )
-    met = ratio >= 0.5 and p99 <= 50
-    print(f"targets (consume >= 0.5x raw XADD, p99 <= 50 ms): {'met' if met else 'missed'}")
+    met = "met" if ratio >= 0.5 and p99 <= 50 else "missed"
+    if "redis-py" in how:  # (a Python client's XADD/s: its own CPU, not the server's limit)
+        met = "not judged: the limit was redis-py's, not the server's (install redis-tools)"
+    print(f"targets (consume >= 0.5x raw XADD, p99 <= 50 ms): {met}")
     print(
         f"router_put_path_consume_vs_raw_xadd: {lists.consumed / raw_rate:.2f} (groups from lists)"
     )
