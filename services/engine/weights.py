@@ -485,11 +485,11 @@ def read_checkpoint(model_path: str) -> NamedTensors:
     path = Path(model_path)
     if not path.is_dir():
         raise ValueError(f"{model_path} is not a directory")
+    from safetensors.torch import load_file
+
     tensors: NamedTensors = []
     for file in weight_files(path):
         if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             tensors.extend(load_file(str(file)).items())
         else:
             tensors.extend(torch.load(file, map_location="cpu", weights_only=True).items())

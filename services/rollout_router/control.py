@@ -178,11 +178,12 @@ class RolloutController:
         self.loop.resume()
         self.task = asyncio.create_task(self.loop.run(), name="rollout")
 
-    async def stop(self) -> None:
+    async def stop(self, waiting_for: str = "") -> None:
+        """Stop the loop; `waiting_for` its status says (what starts it again)."""
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
-        self.loop.set_state("stopped")
+        self.loop.set_state("stopped", waiting_for)
 
     async def close(self) -> None:
         await self.stop()

@@ -141,9 +141,7 @@ async def rollout_resume(request: Request) -> dict[str, Any]:
 @router.post("/rollout/stop", tags=["rollout"], dependencies=WRITE)
 async def rollout_stop(request: Request) -> dict[str, Any]:
     """Stop now; groups in flight are recorded as drops (`cancelled`)."""
-    control = control_of(request)
-    await control.stop()
-    control.loop.set_state("stopped", "POST /rollout/start (rollout was stopped on request)")
+    await control_of(request).stop("POST /rollout/start (rollout was stopped on request)")
     return {"running": False}
 
 

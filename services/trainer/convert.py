@@ -9,8 +9,8 @@
                                              `--hf-dir`
 
 Both build the model in the dtype of the HF `config.json` (bf16 or fp32), so a bf16 model costs
-bf16 memory and disk. Vocabulary padding goes both ways: rows are padded to the megatron vocabulary on the way in and
-cut to the HF `vocab_size` on the way out. Runs as one process (gloo world of one); checkpoints
+bf16 memory and disk. Vocabulary padding goes both ways: rows are padded to the megatron
+vocabulary on the way in and cut to the HF `vocab_size` on the way out. Runs as one process (gloo world of one); checkpoints
 reshard on load, so the result loads at any tensor-parallel size.
 """
 
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from proto.models import read_config
 from services.common.hf_weights import weight_files
 from services.common.paths import unwritable
 
@@ -87,8 +88,8 @@ def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Pat
 
     started = time.monotonic()
     init_distributed(tp_size=1, seed=0)
-    arch = hf_convert.read_hf_arch(hf_dir, "--hf-dir")
-    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    config, config_path = read_config(hf_dir, "--hf-dir")
+    arch = hf_convert.arch_from_config(config, config_path)
     bf16 = is_bf16(config)
     model = hf_convert.build_gpt_model(
         arch, hf_convert.transformer_config(arch, bf16=bf16), vocab_divisible_by
@@ -106,7 +107,7 @@ def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Pat
     say(started, f"writing {path}")
     state = {
         "model": model.sharded_state_dict(),
-        "hf_config": (Path(hf_dir) / "config.json").read_text(),
+        "hf_config": Path(config_path).read_text(),  # (as written: megatron-to-hf gives it back)
         "hf_source": str(Path(hf_dir).resolve()),
         "padded_vocab_size": model.vocab_size,
         "has_optimizer": False,
