@@ -53,6 +53,7 @@ class ScriptedEnv(JsonHandler):
     fail_step = False
     hang_s = 5.0
     turns: ClassVar[dict[str, int]] = {}
+    answers: ClassVar[dict[str, dict[str, Any]]] = {}  # episode id suffix: its /step answer
 
     def do_POST(self) -> None:  # noqa: N802 - http.server names it
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -61,6 +62,9 @@ class ScriptedEnv(JsonHandler):
         if self.fail_step:
             return self.send_json(500, {"error": "broken"})
         episode = body["episode_id"]
+        for suffix, answer in self.answers.items():
+            if episode.endswith(suffix):
+                return self.send_json(200, answer)
         if episode.endswith(self.hang_suffix):
             time.sleep(self.hang_s)
         turn = self.turns[episode] = self.turns.get(episode, 0) + 1
@@ -246,6 +250,20 @@ def test_a_failing_environment_is_counted_per_episode_and_group(
     wait_until(lambda: buffer.drop_counts().get("env_all_failed", 0) >= 2, "failed groups")
     drops = buffer.drop_counts("samples")
     assert drops["env_error"] >= 6 and buffer.depth() == 0
+
+
+def test_a_step_answer_with_text_for_reward_or_done_fails_its_episode_naming_it(
+    buffer, toy_model_dir, start_service, engines, env_server
+):
+    """`"reward": "1"` was taken for 1 and `"done": "false"` ended every episode (truthy)."""
+    answers = {"-e0": {"reward": "1", "done": True}, "-e1": {"reward": 1, "done": "false"}}
+    url = env_server(answers=answers)
+    start_service("router", router_args(buffer, toy_model_dir, [engines().url], "--env-url", url))
+    wait_until(lambda: buffer.depth() >= 2, "groups of the episodes that answered well")
+    assert all(len(g.samples) == 1 and g.samples[0].reward == 0.75 for g in read_all(buffer))
+    details = [d.detail for d in buffer.drop_log(50) if d.reason == "env_error"]
+    assert any("/step reward: expected a number, got '1'" in d for d in details), details
+    assert any("/step done: expected true or false, got 'false'" in d for d in details), details
 
 
 def test_the_example_guess_environment_runs_under_the_router(

@@ -163,13 +163,8 @@ class EpisodeRunner:
             trajectory.extend_partial(turn_out)
             mask += [1] * len(turn_out.ids)
             step = await self.client.call("/step", self.step_body(episode_id, turn_out.text))
-            try:
-                reward += float(step.get("reward", 0.0))
-            except (TypeError, ValueError) as exc:
-                raise EnvError(
-                    DropReason.ENV_ERROR, f"step reward is not a number: {step!r}"
-                ) from exc
-            done = bool(step.get("done", False))
+            reward += step_reward(step)
+            done = step_done(step)
             if done or turn == self.config.env_max_turns - 1:
                 break  # no model turn follows: a last observation would be dead weight
             obs = self.observation_text(step.get("observation"), turn_out, tools)
@@ -251,6 +246,28 @@ class EpisodeRunner:
             if closing and text.startswith(closing):
                 text = text[len(closing) :]
         return text
+
+
+def step_reward(step: dict[str, Any]) -> float:
+    """`/step`'s reward (absent: 0): a JSON number or boolean, never text (`"1"` would be
+    read as 1 and `"0.5 (partial)"` fail later, far from the environment's fault)."""
+    value = step.get("reward", 0.0)
+    if not isinstance(value, (int, float)):
+        raise EnvError(
+            DropReason.ENV_ERROR, f"/step reward: expected a number, got {value!r} in {step!r}"
+        )
+    return float(value)
+
+
+def step_done(step: dict[str, Any]) -> bool:
+    """`/step`'s done (absent or null: false): true or false (or 1, 0), never text (`"false"` is
+    truthy and would end every episode after its first turn)."""
+    value = step.get("done")
+    if value is None or value in (True, False):  # (0 and 1 too)
+        return bool(value)
+    raise EnvError(
+        DropReason.ENV_ERROR, f"/step done: expected true or false, got {value!r} in {step!r}"
+    )
 
 
 def joined(messages: Messages) -> str:
