@@ -95,6 +95,21 @@ def test_bad_session_turns_are_400_naming_the_field_and_engine_refusals_pass_thr
     assert reply.status_code == 400
 
 
+def test_a_reward_given_as_text_is_422_and_the_session_stays_open(router: str) -> None:
+    """`{"reward": "1"}` was read as 1: an answer posted for a score trained silently."""
+    assert turn(router, {"messages": user("12"), "max_tokens": 2}, session="s-text").is_success
+    url = router + "/sessions/s-text/reward"
+    for body, field in [
+        ({"reward": "1"}, "reward"),
+        ({"reward": True}, "reward"),
+        ({"reward": 1, "group": "g", "group_size": "2"}, "group_size"),
+    ]:
+        reply = httpx.post(url, json=body, headers=AUTH, timeout=30)
+        assert reply.status_code == 422 and field in reply.json()["detail"][0]["loc"], reply.text
+    reply = httpx.post(url, json={"reward": 1}, headers=AUTH, timeout=30)
+    assert reply.status_code == 200, reply.text
+
+
 def test_a_refused_turn_leaves_the_connection_open_for_the_next_one(router: str) -> None:
     valid = {"messages": user("12"), "max_tokens": 2}
     with httpx.Client(headers={"X-Session-Id": "s-keep", **AUTH}, timeout=60) as client:

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from proto import sglang as sg
 from services.common.auth import WRITE, require_token
@@ -103,8 +103,10 @@ async def as_chunks(answer: dict[str, Any]) -> AsyncIterator[bytes]:
 
 class RewardIn(BaseModel):
     """A session's reward (a finite number: the trainer cannot train on another), and the group
-    it joins with how many sessions make that group."""
+    it joins with how many sessions make that group. Strict: `"1"` is text, not the number 1
+    (an answer posted for a score), and `true` no reward."""
 
+    model_config = ConfigDict(strict=True)
     reward: float  # (checked finite in the route: pydantic's error would echo inf, not JSON)
     group: str | None = Field(default=None, min_length=1)
     group_size: int | None = Field(default=None, ge=1)
