@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from services.common.hf_weights import weight_files
+from services.common.tokenizers import tokenizer_problem
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 WEIGHTS = ("*.safetensors", "*.bin")
@@ -24,24 +25,25 @@ def hub_model(model: str) -> tuple[str, str]:
     """(`model` as a folder: the cache's copy of a hub id, said on stderr, else as given;
     the cache's problem or "")."""
     if not HUB_ID.fullmatch(model) or Path(model).exists():
-        return model, weights_problem(model)
+        return model, model_problem(model)
     folder, problem = from_cache(model)
     if folder:
         print(f"[up] --model {model}: the Hugging Face cache's copy, {folder}", file=sys.stderr)
-    return folder or model, problem or weights_problem(folder)
+    return folder or model, problem or model_problem(folder)
 
 
-def weights_problem(model: str) -> str:
-    """Why the weights of model folder `model` cannot be read whole: its index lists files it
-    lacks (a download cut short; found by the trainer only once the engines were up). "" when
-    they can, or when it is no folder (tandem up says that itself)."""
+def model_problem(model: str) -> str:
+    """Why model folder `model` cannot be read whole: its weights' index lists files it lacks
+    (a download cut short; found by the trainer only once the engines were up), or it has no
+    tokenizer files (the services would find that only as they start). "" when it can, or when
+    it is no folder (tandem up says that itself)."""
     if not model or not Path(model).is_dir():
         return ""
     try:
         weight_files(model)
     except ValueError as exc:
         return f"--model {model}: {exc}"
-    return ""
+    return tokenizer_problem(model)
 
 
 def from_cache(model: str) -> tuple[str, str]:

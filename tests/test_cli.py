@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,3 +128,49 @@ def test_toy_model_names_an_out_folder_it_cannot_make(
     assert toy_model_cli.main(["--out", str(blocker / "model")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"tandem toy-model: cannot write --out {blocker / 'model'}: ")
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused_naming_them(
+    toy_model_dir: Path, tmp_path: Path
+) -> None:
+    """transformers builds an empty tokenizer from a folder without tokenizer files: every
+    prompt encoded to no tokens, and the run failed on the engines' refusals once started."""
+    import shutil
+
+    from services.common.tokenizers import load_tokenizer
+
+    folder = tmp_path / "weights_only"
+    shutil.copytree(toy_model_dir, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    said = f"--model {folder} has no tokenizer files (one of tokenizer.json, "
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        load_tokenizer(folder)  # (what the router loads it with)
+    engine = tandem("engine", "--model", str(folder), "--port", "0")
+    run_dir = tmp_path / "run"
+    up = tandem("up", "--model", str(folder), "--run-dir", str(run_dir), "--rm-type", "boxed")
+    for result in (engine, up):
+        assert result.returncode == 2 and said in result.stderr, result.stderr[-2000:]
+    assert not run_dir.exists()  # (refused before anything started)
+    # a file, but not one the tokenizer reads: this one fails to load, a Qwen2 one is empty
+    (folder / "vocab.txt").write_text("a\n")
+    with pytest.raises(ValueError, match="weights_only: its tokenizer cannot be read"):
+        load_tokenizer(folder)
+    qwen2 = tmp_path / "qwen2"
+    qwen2.mkdir()
+    (qwen2 / "config.json").write_text('{"model_type": "qwen2"}')
+    (qwen2 / "vocab.txt").write_text("a\n")
+    with pytest.raises(ValueError, match=r"tokenizer \(Qwen2Tokenizer\) has no vocabulary"):
+        load_tokenizer(qwen2)
+
+
+def test_a_router_waiting_for_its_engines_says_so_until_its_bound(redis_server: Any) -> None:
+    """It waited --engine-wait-timeout-s (300 s) without a word."""
+    result = tandem(
+        "router",
+        *("--engine-urls", "http://127.0.0.1:1", "--redis-url", redis_server.url),
+        *("--run-id", "router-waits", "--engine-wait-timeout-s", "8", "--no-rollout"),
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "waiting for engine http://127.0.0.1:1 to answer GET /model_info (" in result.stderr
+    assert "did not answer GET /model_info within 8s" in result.stderr

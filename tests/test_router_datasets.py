@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from proto import SampleGroup
-from services.rollout_router.app import load_tokenizer
+from services.common.tokenizers import load_tokenizer
 from services.rollout_router.tasks import (
     data_change_note,
     dataset_task,

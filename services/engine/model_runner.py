@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from proto.models import check_model_dir
+from services.common.tokenizers import load_tokenizer
 
 Score = tuple[int, float]  # (first prompt position to score, temperature)
 
@@ -124,8 +125,6 @@ class ModelRunner:
         dtype: str,
         load_format: str = "auto",
     ) -> None:
-        from transformers import AutoTokenizer
-
         # Only architectures whose forward is exactly the one `_layers` runs (pre-norm decoder,
         # rotary embeddings, optional q/k norms, a dense or MoE MLP module): others (e.g.
         # Gemma's scaled embeddings) would differ silently.
@@ -141,10 +140,11 @@ class ModelRunner:
             else torch.device(device)
         )
         self.dtype = DTYPES[dtype]
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+        flag = "--tokenizer" if tokenizer_path else "--model"
+        self.tokenizer = load_tokenizer(tokenizer_path or model_path, flag)
         # A second instance for the generation thread (stop strings): a fast tokenizer must not
         # be used from two threads at once, and HTTP handlers use `tokenizer` concurrently.
-        self.stop_tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+        self.stop_tokenizer = load_tokenizer(tokenizer_path or model_path, flag)
         self.model = self._load(model_path, load_format == "dummy")
         # Looked up on every weight update (a state_dict() of a large model costs milliseconds).
         # Updates change a parameter's `.data`, never the Parameter object or its shape.

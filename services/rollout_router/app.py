@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from proto.models import read_config
+from services.common.tokenizers import load_tokenizer
 from services.common.validation import answer_invalid_bodies
 from services.rollout_router.backpressure import depth_note
 from services.rollout_router.config import DataConfig, RouterConfig, SamplingConfig
@@ -50,12 +51,6 @@ from services.rollout_router.workers import WorkerPool
 from services.sample_buffer import AsyncSampleBuffer
 
 log = logging.getLogger("tandem.router")
-
-
-def load_tokenizer(model: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
 
 
 def stop_ids(tokenizer: Any, sampling: SamplingConfig) -> list[int]:

@@ -49,6 +49,7 @@ from services.rollout_router.samples import parse_version
 log = logging.getLogger("tandem.router.workers")
 # The cancel message a request's task gets when its worker is taken out while it waits.
 TAKEN_OUT = "tandem: worker taken out of the rotation"
+WAIT_NOTE_S = 30.0  # how often a start-up wait for an engine says it still waits
 
 
 class NoWorkerError(RuntimeError):
@@ -256,14 +257,27 @@ class WorkerPool:
         return min(versions) if versions else -1
 
     async def _wait_model_info(self, url: str, wait_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + wait_s
+        """Its /model_info, once it answers; a wait of more than a few seconds is said (then
+        every WAIT_NOTE_S), with what the engine answered last."""
+        start = time.monotonic()
+        deadline, said = start + wait_s, start + 5.0 - WAIT_NOTE_S
         delay, last = 0.05, "no attempt made"
         while True:
             try:
                 return await self.get_json(url, "/model_info", self.config.health_timeout_s)
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            if time.monotonic() + delay > deadline:
+            if (now := time.monotonic()) >= said + WAIT_NOTE_S:
+                said = now
+                log.warning(
+                    "waiting for engine %s to answer GET /model_info (%s), %.0f s of %.0f s "
+                    "(--engine-wait-timeout-s)",
+                    url,
+                    last,
+                    now - start,
+                    wait_s,
+                )
+            if now + delay > deadline:
                 raise EngineStartupError(
                     f"engine {url} did not answer GET /model_info within {wait_s:.0f}s "
                     f"(last failure: {last}); check --engine-urls and that the engine is running"

@@ -1,0 +1,53 @@
+"""The tokenizer of a model folder, as the router and the reference engine load it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# What the tokenizers of the supported models are read from: a fast tokenizer's JSON,
+# SentencePiece, byte-level BPE (vocab.json with merges.txt), WordPiece, Mistral's tekken.
+FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tekken.json")
+
+
+def missing(folder: str | Path, flag: str) -> str:
+    """What to do about a folder whose tokenizer files are not there."""
+    return (
+        f"{flag} {folder} has no tokenizer files (one of {', '.join(FILES)}): its prompts "
+        "would encode to no tokens; copy them from the model's repository into the folder"
+    )
+
+
+def tokenizer_problem(folder: str | Path, flag: str = "--model") -> str:
+    """`missing` when folder `folder` holds none of the tokenizer files, else "" (also when
+    it is no folder: the caller says that)."""
+    path = Path(folder)
+    if not path.is_dir() or any((path / name).is_file() for name in FILES):
+        return ""
+    return "" if next(path.glob("*.tiktoken"), None) else missing(folder, flag)
+
+
+def load_tokenizer(folder: str | Path, flag: str = "--model") -> Any:
+    """AutoTokenizer of `folder`; ValueError naming `flag` when the folder has no tokenizer
+    files or the tokenizer has no vocabulary besides its special tokens (transformers builds
+    one from a folder without them, silently, for some classes: every prompt then encodes to
+    no tokens; for others it fails on a missing converter)."""
+    from transformers import AutoTokenizer
+
+    if problem := tokenizer_problem(folder, flag):
+        raise ValueError(problem)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:  # (transformers' words, then what to do)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"{flag} {folder}: its tokenizer cannot be read ({first}): copy the model "
+            "repository's tokenizer files into the folder"
+        ) from exc
+    if len(tokenizer) <= len(set(tokenizer.all_special_ids)):
+        raise ValueError(
+            f"{flag} {folder}: its tokenizer ({type(tokenizer).__name__}) has no vocabulary "
+            "besides its special tokens, its prompts would encode to no tokens: copy the "
+            "model repository's tokenizer files into the folder"
+        )
+    return tokenizer
