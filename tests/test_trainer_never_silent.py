@@ -5,6 +5,8 @@ and fails a run whose updates were all skipped (real Valkey, real CLI subprocess
 from __future__ import annotations
 
 import math
+import re
+import time
 from pathlib import Path
 
 import msgspec
@@ -134,6 +136,30 @@ def test_the_status_stays_fresh_while_the_loop_is_blocked_in_one_long_call(buffe
         reporter.close("failed", "broker gone")
     last = buffer.statuses()["trainer"]
     assert (last.state, last.waiting_for, last.error) == ("failed", "", "broker gone")
+
+
+def test_a_long_wait_is_said_on_the_console_with_what_it_waits_for_now(
+    buffer, capsys, monkeypatch
+) -> None:
+    """A trainer run apart (as compose runs it) waited for samples without a word on its
+    console: only its status in Redis said so."""
+    from services.trainer import status
+
+    monkeypatch.setattr(status, "WAIT_SAY_S", 0.6)
+    reporter = status.StatusReporter(buffer, interval_s=0.1)
+    try:
+        reporter.update("waiting for samples", "sample groups: 0 of 4 for step 1")
+        time.sleep(0.4)
+        reporter.update("waiting for samples", "sample groups: 1 of 4 for step 1")  # one wait
+        time.sleep(1.0)
+        reporter.update("training")  # no wait: nothing more is said
+        time.sleep(1.0)
+    finally:
+        reporter.close()
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[trainer]")]
+    assert 1 <= len(said) <= 3, said
+    wait = r"\[trainer\] waiting for samples for \d+ s: waits for sample groups: 1 of 4 for step 1"
+    assert all(re.fullmatch(wait, line) for line in said), said
 
 
 def test_a_closing_trainer_reports_stopping_until_its_teardown_ends(buffer) -> None:
