@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -379,3 +380,26 @@ def test_a_run_without_progress_names_the_engine_that_answers_none_of_its_reques
         "for 65 s (long responses, or paused by POST /pause_generation there: POST"
     )
     assert "http://b:1" not in said and "http://c:1" not in said
+
+
+def test_a_long_router_wait_is_said_on_its_console_once_a_minute(caplog) -> None:
+    """A router run apart (as compose runs it) waited for the trainer without a word on its
+    console: only its status in Redis said so."""
+    import time
+
+    from services.rollout_router.control import WAIT_SAY_S, RolloutController
+
+    control = RolloutController.__new__(RolloutController)
+    control.said_at = 0.0
+    long_ago = time.time() - WAIT_SAY_S - 5
+    with caplog.at_level("WARNING", "tandem.router.control"):
+        control._say_a_long_wait("waiting_for_buffer", "room: the trainer", time.time() - 5)
+        control._say_a_long_wait("waiting_for_buffer", "room: the trainer to consume", long_ago)
+        control._say_a_long_wait("waiting_for_buffer", "room: the trainer to consume", long_ago)
+        control._say_a_long_wait("rollouts off", "nothing: rollouts are off", long_ago - 600)
+        control._say_a_long_wait("generating", "", long_ago - 600)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert re.fullmatch(
+        r"waiting_for_buffer for 6\d s: waits for room: the trainer to consume", said[0]
+    )
