@@ -382,24 +382,25 @@ def test_a_run_without_progress_names_the_engine_that_answers_none_of_its_reques
     assert "http://b:1" not in said and "http://c:1" not in said
 
 
-def test_a_long_router_wait_is_said_on_its_console_once_a_minute(caplog) -> None:
-    """A router run apart (as compose runs it) waited for the trainer without a word on its
-    console: only its status in Redis said so."""
+def test_a_long_wait_is_said_once_a_minute_with_what_it_waits_for_now() -> None:
+    """A router or broker run apart (as compose runs them) waited for the trainer without a
+    word on its console: only its status in Redis said so. (The trainer's: its own test.)"""
     import time
 
-    from services.rollout_router.control import WAIT_SAY_S, RolloutController
+    from services.common.long_wait import SAY_EVERY_S, LongWait
 
-    control = RolloutController.__new__(RolloutController)
-    control.said_at = 0.0
-    long_ago = time.time() - WAIT_SAY_S - 5
-    with caplog.at_level("WARNING", "tandem.router.control"):
-        control._say_a_long_wait("waiting_for_buffer", "room: the trainer", time.time() - 5)
-        control._say_a_long_wait("waiting_for_buffer", "room: the trainer to consume", long_ago)
-        control._say_a_long_wait("waiting_for_buffer", "room: the trainer to consume", long_ago)
-        control._say_a_long_wait("rollouts off", "nothing: rollouts are off", long_ago - 600)
-        control._say_a_long_wait("generating", "", long_ago - 600)
-    said = [r.getMessage() for r in caplog.records]
+    said: list[str] = []
+    wait = LongWait(said.append, quiet=("rollouts off",))
+    long_ago = time.time() - SAY_EVERY_S - 5
+    wait.check("waiting_for_buffer", "room: the trainer", time.time() - 5)  # not yet
+    wait.check("waiting_for_buffer", "room: the trainer to consume", long_ago)
+    wait.check("waiting_for_buffer", "room: the trainer to consume", long_ago)  # just said
+    wait.check("rollouts off", "nothing: rollouts are off", long_ago - 600)  # no wait
+    wait.check("generating", "", long_ago - 600)
     assert len(said) == 1, said
     assert re.fullmatch(
         r"waiting_for_buffer for 6\d s: waits for room: the trainer to consume", said[0]
     )
+    wait.said_at -= SAY_EVERY_S  # a minute later, the same wait is said again
+    wait.check("waiting_for_buffer", "room: the trainer to consume", long_ago - SAY_EVERY_S)
+    assert len(said) == 2 and "for 12" in said[1], said

@@ -143,10 +143,11 @@ def test_a_long_wait_is_said_on_the_console_with_what_it_waits_for_now(
 ) -> None:
     """A trainer run apart (as compose runs it) waited for samples without a word on its
     console: only its status in Redis said so."""
-    from services.trainer import status
+    from services.common import long_wait
+    from services.trainer.status import StatusReporter
 
-    monkeypatch.setattr(status, "WAIT_SAY_S", 0.6)
-    reporter = status.StatusReporter(buffer, interval_s=0.1)
+    monkeypatch.setattr(long_wait, "SAY_EVERY_S", 0.6)
+    reporter = StatusReporter(buffer, interval_s=0.1)
     try:
         reporter.update("waiting for samples", "sample groups: 0 of 4 for step 1")
         time.sleep(0.4)

@@ -16,13 +16,13 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
 import typing
 from typing import Any
 
 from redis.exceptions import RedisError
 
 from proto.contract import FLAGS, SampleLimits
+from services.common.long_wait import LongWait
 from services.rollout_router.config import DataConfig, reward_problem
 from services.rollout_router.evaluation import run_evaluations
 from services.rollout_router.lease import LeaseError, RouterLease
@@ -43,7 +43,6 @@ CONTRACT_TERMS = (
 )
 STATUS_INTERVAL_S = 2.0
 STATUS_TTL_S = 30.0
-WAIT_SAY_S = 60.0  # a wait this long is said on the console, and again each time as long
 
 
 class ConfigPatchError(ValueError):
@@ -129,7 +128,7 @@ class RolloutController:
         self.eval_task: asyncio.Task | None = None
         self.status_task: asyncio.Task | None = None
         self.lease_task: asyncio.Task | None = None
-        self.said_at = 0.0  # when a long wait was last said
+        self.long_wait = LongWait(log.warning, quiet=("rollouts off",))  # (--no-rollout)
 
     @property
     def running(self) -> bool:
@@ -170,26 +169,11 @@ class RolloutController:
                 async with asyncio.timeout(STATUS_INTERVAL_S):
                     await self.loop.changed.wait()
             status = await service_status(self.loop, self.failure())
-            self._say_a_long_wait(status.state, status.waiting_for, status.since)
+            self.long_wait.check(status.state, status.waiting_for, status.since)
             try:
                 await buffer.set_status(status, STATUS_TTL_S)
             except RedisError as exc:  # the rollout loop reports the outage; retried next time
                 log.debug("status not written: %s", exc)
-
-    def _say_a_long_wait(self, state: str, waiting_for: str, since: float) -> None:
-        """On the console (the router's log under `tandem up`, which has its own watchdog; the
-        only word of a router run apart, as compose runs it): a wait of WAIT_SAY_S in one
-        state, with what it waits for now, then again every WAIT_SAY_S while it lasts. Not
-        with rollouts off (--no-rollout): that is no wait."""
-        now = time.time()
-        if (
-            not waiting_for
-            or state == "rollouts off"
-            or now - max(since, self.said_at) < WAIT_SAY_S
-        ):
-            return
-        self.said_at = now
-        log.warning("%s for %.0f s: waits for %s", state, now - since, waiting_for)
 
     def start(self) -> None:
         if self.running:

@@ -17,10 +17,10 @@ import time
 import redis
 
 from proto.contract import ServiceStatus
+from services.common.long_wait import LongWait
 from services.sample_buffer import SampleBuffer
 
 log = logging.getLogger("tandem.trainer")
-WAIT_SAY_S = 60.0  # a wait this long is said on the console, and again each time as long
 
 
 class StatusReporter:
@@ -32,7 +32,8 @@ class StatusReporter:
         self.ttl_s = max(30.0, 10 * interval_s)  # several missed refreshes before it expires
         self.status = ServiceStatus(role="trainer", state="starting", pid=os.getpid())
         self.last_write = 0.0
-        self.state_since = self.said_at = time.monotonic()
+        self.state_since = time.time()  # (the status's `since` is that of its wait)
+        self.long_wait = LongWait(lambda line: print(f"[trainer] {line}", flush=True))
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._refresh, name="trainer-status", daemon=True)
@@ -45,7 +46,7 @@ class StatusReporter:
         with self.lock:
             changed = (state, waiting_for) != (self.status.state, self.status.waiting_for)
             if state != self.status.state:
-                self.state_since = time.monotonic()
+                self.state_since = time.time()
             if changed:
                 self.status.since = time.time()
             self.status.state, self.status.waiting_for = state, waiting_for
@@ -67,21 +68,7 @@ class StatusReporter:
             with self.lock:
                 if time.monotonic() - self.last_write >= self.interval_s * 0.9:
                     self._write()
-                self._say_a_long_wait()
-
-    def _say_a_long_wait(self) -> None:
-        """On the console (the trainer's log under `tandem up`, which has its own watchdog; the
-        only word of a trainer run apart, as compose runs it): a wait of WAIT_SAY_S in one
-        state, with what it waits for now, then again every WAIT_SAY_S while it lasts."""
-        now = time.monotonic()
-        if not self.status.waiting_for or now - max(self.state_since, self.said_at) < WAIT_SAY_S:
-            return
-        self.said_at = now
-        print(
-            f"[trainer] {self.status.state} for {now - self.state_since:.0f} s: waits for "
-            f"{self.status.waiting_for}",
-            flush=True,
-        )
+                self.long_wait.check(self.status.state, self.status.waiting_for, self.state_since)
 
     def close(self, state: str = "stopped", error: str = "") -> None:
         """Stop refreshing and leave a last status (`error` set when the run failed)."""

@@ -31,6 +31,7 @@ from redis.exceptions import RedisError
 
 from proto.contract import ServiceStatus
 from services.common.auth import bearer_headers
+from services.common.long_wait import LongWait
 from services.sample_buffer import SampleBuffer
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.transports import Outcome, make_transport
@@ -72,6 +73,7 @@ class WeightBroker:
         self.announced = -1  # version:trainer as last read (the Redis loop)
         self._resend = -1  # a version to ask the trainer for again (the Redis loop writes it)
         self._missing, self._missing_since = -1, 0.0  # an announced version not received
+        self.long_wait = LongWait(log.warning)  # (run apart, its console is all there is)
         self._wake = asyncio.Event()
         self.on_sync: Callable[[EngineState], None] | None = None  # server.py: SyncObserver.record
 
@@ -272,6 +274,7 @@ class WeightBroker:
             status = self.status()
             if status.waiting_for != last:
                 since, last = time.time(), status.waiting_for
+            self.long_wait.check(status.state, status.waiting_for, since)
             status.since, status.pid = since, os.getpid()
             with contextlib.suppress(RedisError):
                 await asyncio.to_thread(buffer.set_status, status, 4 * interval_s)
