@@ -254,7 +254,7 @@ def load_items(
     null or empty) are left out, before their prompts are tokenized, when others have one
     (`label_notes`); rows whose prompt fills the model's `context_len` positions (0: unknown)
     are left out, since no response fits after them, and ValueError when that is every row."""
-    rows, unlabeled, empty = [], [], []
+    rows, unlabeled, empty, structured = [], [], [], []
     for number, row in read_rows(path, flag):
         if problem := row_problem(path, number, row, input_key):
             raise ValueError(problem)
@@ -263,6 +263,8 @@ def load_items(
             empty.append(number)  # (a prompt of nothing asks for nothing)
             continue
         label = row.get(label_key)
+        if isinstance(label, list | dict) and label:
+            structured.append((number, label))
         label = "" if label is None else label if isinstance(label, str) else json.dumps(label)
         if not label:
             unlabeled.append(number)
@@ -274,6 +276,14 @@ def load_items(
         notes += (
             f"{len(empty)} rows of {path} have an empty {input_key!r} (the first: row "
             f"{empty[0]}): left out, a prompt of nothing asks for nothing",
+        )
+    if structured:
+        number, label = structured[0]
+        notes += (
+            f"{len(structured)} of {len(rows)} rows of {path} have a {label_key!r} that is a "
+            f"JSON list or object (the first: row {number}, {json.dumps(label)[:80]}): a reward "
+            "gets it as that JSON text, which the built-in rewards (--rm-type) compare the "
+            "response with and score 0; a --custom-rm-path function can json.loads it",
         )
     if unlabeled and len(unlabeled) < len(rows):
         rows = [(number, prompt, label) for number, prompt, label in rows if label]
