@@ -59,7 +59,7 @@ class RunProgress:
     logprob_diff_steps: int = 0
     samples_trained: int = 0
     history: list[dict] = field(default_factory=list)
-    steps_before: int = 0  # the run's step when this launch started (a resume's)
+    launch_steps: int = 0  # trainer steps recorded by this launch (a new lineage skips one)
     eval_failed: int = 0  # held-out prompts of the last evaluation that failed
     eval_prompts: int = 0  # held-out prompts of the last evaluation
 
@@ -68,7 +68,6 @@ class RunProgress:
             for row in metrics_rows(self.run_dir):
                 with contextlib.suppress(ValueError, TypeError, KeyError):  # (a row cut short)
                     self.fold(row)
-            self.steps_before = self.step
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
         if not ends_a_line(self.run_dir / "metrics.jsonl"):  # a line cut short by a kill ends
             self.jsonl.write("\n")  # here, not in the next row
@@ -78,6 +77,7 @@ class RunProgress:
         row = {"source": record.source, "step": record.step, "time": record.time, **record.values}
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
+        self.launch_steps += record.source == "trainer"
         return self.fold(row)
 
     def fold(self, row: dict) -> str | None:
@@ -135,7 +135,7 @@ class RunProgress:
         """The fields of summary.json that come from the metrics."""
         return {
             "steps": self.step,
-            "steps_this_launch": self.step - self.steps_before + self.replayed,
+            "steps_this_launch": self.launch_steps + self.replayed,
             "steps_trained_again": self.replayed,
             "accuracy_first": self.first_accuracy,
             "accuracy_last": self.accuracy,
@@ -159,7 +159,7 @@ class RunProgress:
         launch = ""
         if self.resumed:  # (the steps trained again are in metrics.jsonl once)
             again = f", {self.replayed} of them again" if self.replayed else ""
-            launch = f" ({self.step - self.steps_before + self.replayed} in this launch{again})"
+            launch = f" ({self.launch_steps + self.replayed} in this launch{again})"
         out = [
             f"{outcome}: {self.step} steps{launch} in {wall_s / 60:.1f} min, held-out accuracy "
             f"{acc}{eval_task}), {self.samples_trained} samples trained, engines on versions "

@@ -72,6 +72,13 @@ def test_a_resumed_run_counts_the_whole_run_and_says_how_much_was_this_launch(
     (checkpoints / TRACKER).unlink()  # none saved: a new lineage after the published version
     new_lineage, replayed, note = resume_plan(checkpoints, tmp_path, config, published=4)
     assert (new_lineage, replayed) == (True, 0) and "holds no checkpoint" in note
+    # its first version (5) is --model's again, not a step: it trained steps 6 and 7 only
+    lineage = RunProgress(tmp_path, resumed=True)
+    step(lineage, 6, 0.2)
+    step(lineage, 7, 0.3)
+    assert (lineage.step, lineage.summary()["steps_this_launch"]) == (7, 2)
+    assert "7 steps (2 in this launch)" in lineage.sentences("x", 6, "t", [])[0]
+    lineage.close()
     assert resume_plan(checkpoints, tmp_path, config, published=0) == (False, 0, "")
     fresh = RunProgress(tmp_path)  # a new run in that folder: only its own records count
     step(fresh, 1, 0.5)
