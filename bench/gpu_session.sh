@@ -7,6 +7,7 @@
 #   bash bench/gpu_session.sh mfu       # trainer tokens/s and MFU, packed vs padded (GPU 0)
 #   bash bench/gpu_session.sh moe       # MFU on active parameters: ~1.1B-active Qwen3-MoE vs its dense twin (GPU 0; ~65 GB)
 #   bash bench/gpu_session.sh sync      # NCCL weight sync GPU 0 -> 1 (and 2 if there) vs raw broadcast
+#   bash bench/gpu_session.sh convert   # one GPU: a --bf16 trainer's checkpoint converted out = its trained_model
 #   bash bench/gpu_session.sh benches   # mfu, then sync
 #   bash bench/gpu_session.sh all       # tests, run, benches; each part under its own time limit
 #   bash bench/gpu_session.sh tests run # several parts, in that order
@@ -14,10 +15,10 @@
 # to $OUT (or /tmp/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage() { echo "usage: $0 tests|trainer|faults|run|mfu|moe|sync|benches|all ..." >&2; exit 2; }
+usage() { echo "usage: $0 tests|trainer|faults|run|mfu|moe|sync|convert|benches|all ..." >&2; exit 2; }
 [ $# -gt 0 ] || usage
 for name in "$@"; do
-    case "$name" in tests|trainer|faults|run|mfu|moe|sync|benches|all) ;; *) usage ;; esac
+    case "$name" in tests|trainer|faults|run|mfu|moe|sync|convert|benches|all) ;; *) usage ;; esac
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >/dev/null || exit 1
@@ -106,6 +107,26 @@ sync)  # a hang dumps the bench's Python stacks (SIGABRT + faulthandler); logs g
         --transport nccl --dtype bfloat16 --size-gb 16 --engines 1 --repeats 5 --timeout-s 60 \
         2>&1 | grep -v -i warn | tail -40 | tee -a "$OUT/weight_sync.txt"
     for f in /tmp/tandem-bench-sync/*.log; do tail -c 3000 "$f"; done > "$OUT/sync-logs.txt"
+    ;;
+convert)  # engine and trainer share GPU 0 (ZMQ transport); the trainer saves bf16 weights
+    rm -rf /tmp/gpu-convert /tmp/gpu-convert-hf
+    timeout 300 python3 -m tandem.cli up --model "$(model)" --run-dir /tmp/gpu-convert \
+        --engine-gpus 0 --trainer-gpus 0 --engine-args "--dtype bfloat16 --kv-cache-gb 8" \
+        --trainer-args "--bf16" --router-args "--rollout-max-response-len 32" \
+        --rollout-batch-size 8 --n-samples-per-prompt 4 --max-steps 3 --save-interval 3 \
+        --stop-accuracy 0 --lr 1e-5 2>&1 | tail -6 | tee "$OUT/convert.txt"
+    timed=""; [ -x /usr/bin/time ] && timed="/usr/bin/time -v"  # (peak RSS, where it is there)
+    $timed timeout 300 python3 -m tandem.cli convert megatron-to-hf \
+        --load /tmp/gpu-convert/checkpoints --out /tmp/gpu-convert-hf 2>&1 \
+        | grep -E "^tandem convert|Maximum resident|Elapsed|Error" | tee -a "$OUT/convert.txt"
+    python3 -c "import sys, torch; from safetensors.torch import load_file; \
+from services.common.hf_weights import weight_files; \
+read = lambda d: {k: v for f in weight_files(d) for k, v in load_file(f).items()}; \
+a, b = read(sys.argv[1]), read(sys.argv[2]); \
+same = sum(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a if k in b); \
+print(f'trained_model vs converted: {len(a)} and {len(b)} tensors, {same} equal, dtypes', \
+sorted({str(t.dtype) for t in b.values()}))" /tmp/gpu-convert/trained_model /tmp/gpu-convert-hf \
+        | tee -a "$OUT/convert.txt"
     ;;
 benches)
     part mfu
