@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import shutil
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -201,10 +202,11 @@ def test_no_torch_load_in_the_project_unpickles() -> None:
     assert unsafe == [], unsafe
 
 
-def test_a_save_that_fails_names_the_version_the_folders_and_the_fix() -> None:
+def test_a_save_that_fails_names_the_version_the_folders_and_the_fix(monkeypatch) -> None:
     """A full disk (as megatron's writer, torch's distributed checkpoint or safetensors report
     it) and a folder not writable."""
     where = "--save /ckpt, --save-hf /hf"
+    folders = {"--save": "/ckpt", "--save-hf": "/hf"}
     full = OSError(errno.ENOSPC, "No space left on device")
     # megatron's dist_checkpointing.save on a full disk: a BaseException, each rank's failure in it
     worker = RuntimeError("Worker failure: [Errno 28] No space left on device")
@@ -214,7 +216,7 @@ def test_a_save_that_fails_names_the_version_the_folders_and_the_fix() -> None:
         (RuntimeError("I/O error: No space left on device (os error 28)\nmore"), "I/O error"),
         (torch_dcp, "Worker failure: [Errno 28] No space left on device"),
     ):
-        with pytest.raises(SaveError) as caught, saving(7, where):
+        with pytest.raises(SaveError) as caught, saving(7, folders):
             raise raised
         message = str(caught.value)
         assert message.startswith(f"could not save version 7 ({where}): "), message
@@ -222,8 +224,24 @@ def test_a_save_that_fails_names_the_version_the_folders_and_the_fix() -> None:
         assert "the disk is full" in message and "\n" not in message
         assert "a resumed run (--load, or tandem up --resume RUN) trains them again" in message
     unwritable = "check that the folders exist and are writable"
-    with pytest.raises(SaveError, match=unwritable), saving(7, where):
+    with pytest.raises(SaveError, match=unwritable), saving(7, folders):
         raise PermissionError(errno.EACCES, "Permission denied", "/ckpt")
+    # torch's zip writer on a full disk (a 2.5 MB tmpfs) names no errno: the free space does
+    torch_zip = RuntimeError(
+        "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+    )
+    worker = CheckpointException("write", {0: (torch_zip, traceback.StackSummary())})
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=3 << 20))
+    with (
+        pytest.raises(SaveError) as caught,
+        saving(7, {"--save": "/ckpt/not/made", "--save-hf": ""}),
+    ):
+        raise worker
+    assert str(caught.value).startswith(
+        "could not save version 7 (--save /ckpt/not/made): [enforce"
+    )
+    assert "; the disk is full (/ckpt/not/made: 3 MiB free): free space there" in str(caught.value)
 
 
 def test_going_back_to_an_older_checkpoint_needs_a_new_lineage_on_a_trained_run_only(

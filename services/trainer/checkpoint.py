@@ -39,6 +39,7 @@ trained groups counted after the checkpoint are taken back with it (`SampleBuffe
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import pickle
@@ -63,6 +64,7 @@ from services.trainer.lineage import TRACKER, rewind_ledger, saved_iteration
 # Flags of the learning-rate schedule; a resume compares them with the checkpoint's.
 SCHEDULER_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters")
 log = logging.getLogger("tandem.trainer")
+NEARLY_FULL = 256 << 20  # free bytes under which a failed save is taken for a full disk
 
 
 class SaveError(RuntimeError):
@@ -71,21 +73,26 @@ class SaveError(RuntimeError):
 
 
 @contextmanager
-def saving(version: int, where: str) -> Iterator[None]:
-    """Turns a failed write of version `version`'s checkpoint or HF model (`where`: the flags
-    and folders) into a `SaveError`. Nothing is acked before the save ends, so the groups of
-    the steps since the last checkpoint stay in the buffer for a resumed run."""
+def saving(version: int, folders: dict[str, str]) -> Iterator[None]:
+    """Turns a failed write of version `version`'s checkpoint or HF model (`folders`: flag ->
+    its folder, "" when not written) into a `SaveError`. Nothing is acked before the save ends,
+    so the groups of the steps since the last checkpoint stay in the buffer for a resumed run."""
+    folders = {flag: folder for flag, folder in folders.items() if folder}
+    where = ", ".join(f"{flag} {folder}" for flag, folder in folders.items())
     try:
         yield
     except (Exception, CheckpointException) as exc:  # (torch's is a BaseException)
         cause = root_cause(exc)
         first = (str(cause).strip().splitlines() or [repr(cause)])[0][:300]
+        # (torch's zip writer on a full disk says "unexpected pos 704 vs 598", no errno)
+        low = nearly_full(list(folders.values()))
         full = getattr(cause, "errno", None) == errno.ENOSPC or "No space left" in str(cause)
         # (a full disk needs no traceback, and the log may be on it: the one line comes first)
-        log.error("saving version %d failed", version, exc_info=not full)
+        log.error("saving version %d failed", version, exc_info=not (full or low))
         advice = (
-            "the disk is full: free space there or point them at a disk with room"
-            if full
+            f"the disk is full{f' ({low})' if low else ''}: free space there or point them "
+            "at a disk with room"
+            if full or low
             else "check that the folders exist and are writable"
         )
         raise SaveError(
@@ -93,6 +100,19 @@ def saving(version: int, where: str) -> Iterator[None]:
             "trained since the last checkpoint stay in the buffer, unacknowledged: a resumed "
             "run (--load, or tandem up --resume RUN) trains them again"
         ) from exc
+
+
+def nearly_full(folders: list[str]) -> str:
+    """The first of `folders` whose disk has less than NEARLY_FULL bytes free, as "FOLDER:
+    N MiB free" ("" when none has, or none can be looked at)."""
+    for folder in folders:
+        path = Path(folder).absolute()
+        while not path.exists() and path != path.parent:  # (a folder not made yet)
+            path = path.parent
+        with contextlib.suppress(OSError):
+            if (free := shutil.disk_usage(path).free) < NEARLY_FULL:
+                return f"{folder}: {free >> 20} MiB free"
+    return ""
 
 
 def root_cause(exc: BaseException) -> BaseException:

@@ -450,9 +450,8 @@ class Trainer:
         holds their update. --save-hf: a HF directory at each checkpoint and at the end."""
         if self.checkpointer.enabled and not self.checkpointer.due(self.version, final):
             return
-        where = [f"--save {self.cfg.save}"] if self.checkpointer.enabled else []
-        where += [f"--save-hf {self.cfg.save_hf}"] if self.cfg.save_hf else []
-        with checkpoint.saving(self.version, ", ".join(where)):
+        save = self.cfg.save if self.checkpointer.enabled else ""
+        with checkpoint.saving(self.version, {"--save": save, "--save-hf": self.cfg.save_hf}):
             if self.checkpointer.enabled:
                 self._report("saving a checkpoint", step=self.version)
                 counters = self.buffer.counters() if self.buffer is not None else {}
