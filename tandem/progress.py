@@ -123,7 +123,8 @@ class RunProgress:
         else:  # (some failed: a lower bound, they count as not solved)
             some = f", {failed} of {self.eval_prompts} failed" if failed else ""
             accuracy = f"{self.accuracy:.2f} (v{self.accuracy_version}{some})"
-        rate = "-" if math.isnan(self.samples_per_s) else f"{self.samples_per_s:.0f}"
+        rate = f"{self.samples_per_s:{'.0f' if self.samples_per_s >= 10 else '.2g'}}"
+        rate = "-" if math.isnan(self.samples_per_s) else rate  # (a real model on a CPU: 0.27)
         return (
             f"step {self.step:4d} | reward {self.reward:.3f} | held-out acc {accuracy} | "
             f"{rate:>6} samples/s | "

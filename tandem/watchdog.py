@@ -66,8 +66,10 @@ def diagnosis(statuses: dict[str, ServiceStatus], now: float) -> list[str]:
                 f"  {role}: no status reported in the last 30 s (starting, or stuck: see logs/{role}.log)"
             )
             continue
-        waited = f", {now - status.since:.0f} s" if status.since and status.waiting_for else ""
+        waited = f", {now - status.since:.0f} s" if status.since else ""
         what = f"waits for {status.waiting_for}" if status.waiting_for else "is not waiting"
+        if status.state == "training" and "step" in status.detail:  # (a long step on a CPU)
+            what = f"is training step {status.detail['step']}"
         if busy := not status.waiting_for and status.detail.get("busy"):
             what = f"is busy with {busy}"
         error = f"; error: {status.error}" if status.error else ""

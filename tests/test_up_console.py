@@ -24,8 +24,12 @@ def test_the_console_line_shows_a_dash_until_accuracy_and_throughput_are_reporte
     assert progress.add(MetricsRecord(source="router", step=1, values=router, time=0.0)) is None
     second = progress.add(MetricsRecord(source="trainer", step=2, values={}, time=0.0))
     assert second is not None and "held-out acc 0.25 (v1) |   1234 samples/s" in second
+    slow = {"rollout/samples_per_s": 0.2734}  # it said "0 samples/s"
+    progress.add(MetricsRecord(source="router", step=2, values=slow, time=0.0))
+    third = progress.add(MetricsRecord(source="trainer", step=3, values={}, time=0.0))
+    assert third is not None and "|   0.27 samples/s |" in third
     progress.close()
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 5
 
 
 def test_a_resumed_run_counts_the_whole_run_and_says_how_much_was_this_launch(

@@ -269,6 +269,12 @@ def test_the_watchdog_prints_what_each_service_waits_for_then_ends_a_stalled_run
     busy = "64 groups in flight: 0 requests at the engines; 512 calls to reward function f ..."
     generating = ServiceStatus(role="router", state="generating", detail={"busy": busy})
     assert f"  router [generating]: is busy with {busy}" in diagnosis({"router": generating}, 0)
+    # a step of a real model on a CPU takes minutes: it said "[training]: is not waiting"
+    training = ServiceStatus(role="trainer", state="training", since=40.0, detail={"step": 1})
+    assert (
+        diagnosis({"trainer": training}, 98.0)[0]
+        == "  trainer [training, 58 s]: is training step 1"
+    )
     watchdog.step_done(3)
     assert watchdog.check() == ""  # a step completed: the stall clock starts again
     time.sleep(0.7)
