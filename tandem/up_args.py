@@ -198,12 +198,16 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
     checkpoints = Path(resumed.save or run_dir / "checkpoints")
     done, trained, every = steps_saved(checkpoints), steps_recorded(run_dir), resumed.save_interval
     # (the folder is made at the run's start: gone, not a save that failed, as on a full disk)
-    gone = not done and not checkpoints.exists() and "--new-lineage" not in resumed.trainer_args
-    if gone and every and trained >= every:
+    gone = not done and not checkpoints.exists()
+    lost = f"trained {trained} steps, saving every --save-interval {every}" if gone else ""
+    lost = lost if every and trained >= every else ""
+    if not done and (before := saved_before(run_dir)):  # (a run that ended saved at its end)
+        lost = f"saved a checkpoint of step {before}"
+    if lost and "--new-lineage" not in resumed.trainer_args:
         problems.append(
-            f"--resume {run_dir}: the run trained {trained} steps, saving every --save-interval "
-            f"{every}, but {checkpoints} is gone (moved or deleted?): give --save the folder "
-            "that holds its checkpoints, or start over from --model in this run with "
+            f"--resume {run_dir}: the run {lost}, but {checkpoints} "
+            f"{'is gone' if gone else 'holds none'} (moved or deleted?): give --save the "
+            "folder that holds its checkpoints, or start over from --model in this run with "
             "--trainer-args --new-lineage"
         )
     if done >= resumed.max_steps:
@@ -223,6 +227,14 @@ def steps_saved(checkpoints: Path) -> int:
     try:
         return saved_iteration(checkpoints) or 0
     except (OSError, ValueError):
+        return 0
+
+
+def saved_before(run_dir: Path) -> int:
+    """The step of the checkpoint the run's last launch left (its summary.json; 0: none)."""
+    try:
+        return int(json.loads((run_dir / "summary.json").read_text()).get("checkpoint_step") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
         return 0
 
 

@@ -32,7 +32,7 @@ from tandem.run_dir import (
 from tandem.run_redis import REDIS_FILE, run_id_of
 from tandem.sinks import MetricSinks, say
 from tandem.supervisor import ChildFailedError, StartInterruptedError, Supervisor, die_with_parent
-from tandem.up_args import lost_history, resume_plan, save_config, stopped_early
+from tandem.up_args import lost_history, resume_plan, save_config, steps_saved, stopped_early
 from tandem.up_config import check_sample_fit, render, state_trainer_limits, write_run_config
 from tandem.up_engines import Restarts, wait_engines_synced
 from tandem.up_services import TRAINED_MODEL, service_args, shared_gpus, trains_in_bf16
@@ -480,6 +480,7 @@ class UpRun:
             "run_dir": str(self.run_dir),
             "trained_model": str(trained) if trained.is_dir() else None,
             "ledger": self.ledger,
+            "checkpoint_step": steps_saved(Path(self.config.save or self.run_dir / "checkpoints")),
         }
         with self.writing("summary.json", whole=True):
             write_summary(self.run_dir, summary)

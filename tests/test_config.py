@@ -39,6 +39,7 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "tokenizer.json").write_text("{}")  # (tandem up looks for one)
 
     def trainer_lr(*argv: str) -> str:
         config, problems = launcher.parse(list(argv))

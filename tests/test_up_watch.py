@@ -62,6 +62,7 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self.config) or 0)
     (run / "model").mkdir()
     (run / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (run / "model" / "tokenizer.json").write_text("{}")  # (tandem up looks for one)
     assert launcher.main(["--resume", str(run), "--max-steps", "5"]) == 0
     config = started[0]
     assert (config.seed, config.max_steps, config.run_dir) == (7, 5, str(run))
@@ -102,6 +103,17 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     ) in capsys.readouterr().err
     flags = ["--max-steps", "20", "--trainer-args", "--new-lineage"]
     assert launcher.main(["--resume", str(run), *flags]) == 0  # starting over, as asked
+    # a run that ended before its first --save-interval saved at its end: the same (it went
+    # on from --model, the note guessing "none saved yet")
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    (run / "checkpoints").mkdir()
+    (run / "summary.json").write_text(json.dumps({"checkpoint_step": 3}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    assert launcher.main(["--resume", str(run), "--max-steps", "20"]) == 2
+    assert (
+        f"the run saved a checkpoint of step 3, but {run / 'checkpoints'} holds none (moved or "
+        "deleted?)"
+    ) in capsys.readouterr().err
     assert not (tmp_path / "missing" / "up_config.json").exists()
     assert launcher.main(["--resume", str(tmp_path / "missing")]) == 2
     assert "not a tandem up run folder" in capsys.readouterr().err
