@@ -110,6 +110,27 @@ def test_a_reward_given_as_text_is_422_and_the_session_stays_open(router: str) -
     assert reply.status_code == 200, reply.text
 
 
+def test_a_reward_whose_group_size_contradicts_its_group_is_409(router: str) -> None:
+    """The group completed at the smaller size and the later sessions' group never did (their
+    samples were dropped at the sessions' expiry)."""
+    for session in ("s-g1", "s-g2", "s-g3"):
+        assert turn(router, {"messages": user("12"), "max_tokens": 2}, session=session).is_success
+
+    def post(session: str, size: int) -> httpx.Response:
+        body = {"reward": 1.0, "group": "size-test", "group_size": size}
+        return httpx.post(f"{router}/sessions/{session}/reward", json=body, headers=AUTH)
+
+    assert post("s-g1", 3).json()["status"] == "pending"
+    refused = post("s-g2", 2)
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["detail"].startswith(
+        "group 'size-test' has 1 of its 3 sessions (group_size 3 in its first reward), but this "
+        "reward says group_size 2"
+    )
+    assert post("s-g2", 3).json() == {"status": "pending", "group": "size-test", "samples": 1}
+    assert post("s-g3", 3).json()["status"] == "put"
+
+
 def test_a_refused_turn_leaves_the_connection_open_for_the_next_one(router: str) -> None:
     valid = {"messages": user("12"), "max_tokens": 2}
     with httpx.Client(headers={"X-Session-Id": "s-keep", **AUTH}, timeout=60) as client:

@@ -21,7 +21,7 @@ from proto import sglang as sg
 from services.common.auth import WRITE, require_token
 from services.rollout_router.backpressure import BufferFullError
 from services.rollout_router.routes_engine import SESSION_HEADER, forward
-from services.rollout_router.sessions import AgentSessions
+from services.rollout_router.sessions import AgentSessions, GroupSizeError
 from services.rollout_router.workers import EngineRequestError, NoWorkerError
 
 router = APIRouter()
@@ -116,7 +116,8 @@ class RewardIn(BaseModel):
 async def session_reward(request: Request, session_id: str, body: RewardIn) -> dict[str, Any]:
     """Close a session with its reward; its turns become training samples. While the buffer is
     full (`--max-buffer-depth`) the post waits up to `--session-put-timeout-s`, then is answered
-    503 with Retry-After; the session stays open for the retry."""
+    503 with Retry-After; the session stays open for the retry. A group_size other than its
+    group's (the first reward's) is answered 409, the session left open."""
     if not math.isfinite(body.reward):
         raise HTTPException(422, f"reward must be a finite number, got {body.reward}")
     try:
@@ -125,6 +126,8 @@ async def session_reward(request: Request, session_id: str, body: RewardIn) -> d
         )
     except KeyError as exc:
         raise HTTPException(404, f"no open session {session_id!r} (unknown or expired)") from exc
+    except GroupSizeError as exc:  # the session stays open for a post that agrees
+        raise HTTPException(409, str(exc)) from exc
     except BufferFullError as exc:  # the session stays open: the agent posts the reward again
         retry = {"Retry-After": str(RETRY_AFTER_S)}
         raise HTTPException(503, f"{exc}; post the reward again", headers=retry) from exc

@@ -161,11 +161,16 @@ def _finish(partial: Partial, prompt: list[int], mask: list[int], reward: float)
     return sample
 
 
+class GroupSizeError(ValueError):
+    """A session's reward names a group_size other than its group's (answered 409)."""
+
+
 @dataclass
 class PendingGroup:
     """Samples of the sessions of one group that have reported so far."""
 
     created: float
+    size: int  # sessions that make it (its first reward's group_size)
     samples: list[PackedSample] = field(default_factory=list)
     sessions: int = 0
 
@@ -194,15 +199,22 @@ class SessionStore:
         return self.sessions.pop(session_id)
 
     def completes(self, group: str | None, size: int) -> bool:
-        """Whether one more session's reward puts a group (a lone session always does)."""
+        """Whether one more session's reward puts a group (a lone session always does);
+        GroupSizeError when `size` is not the group_size its sessions so far gave."""
         pending = self.groups.get(group) if group else None
+        if pending is not None and pending.size != size:
+            raise GroupSizeError(
+                f"group {group!r} has {pending.sessions} of its {pending.size} sessions "
+                f"(group_size {pending.size} in its first reward), but this reward says "
+                f"group_size {size}: give every session of a group the same group_size"
+            )
         return not group or (pending.sessions if pending else 0) + 1 >= size
 
     def add_to_group(
         self, group: str, samples: list[PackedSample], size: int
     ) -> list[PackedSample] | None:
         """Collect samples under `group`; all of them once `size` sessions have reported."""
-        pending = self.groups.setdefault(group, PendingGroup(time.monotonic()))
+        pending = self.groups.setdefault(group, PendingGroup(time.monotonic(), size))
         pending.samples += samples
         pending.sessions += 1
         if pending.sessions < size:
