@@ -18,6 +18,7 @@ import zmq
 
 from proto import TensorMeta, WeightBucketHeader, WeightRequest, encode
 from services.weight_sync.zmq_transport import ERROR_FRAME
+from tests.helpers import wait_until
 
 TOKEN = "broker-test-token"
 
@@ -65,6 +66,9 @@ def test_malformed_frames_are_rejected_and_counted_and_every_loop_lives(broker) 
     push.close()
     dealer.close()
     url = broker.url
+    # (the intake loop reads its frames apart from the fetch loop: under load it may not have
+    # read the last one when the fetch loop has answered)
+    wait_until(lambda: metric(url, "tandem_broker_buckets_rejected_total") >= 3, "3 rejected")
     assert metric(url, "tandem_broker_buckets_rejected_total") == 3
     assert metric(url, "tandem_broker_frames_rejected_total") == 2
     assert httpx.get(url + "/health").status_code == 200
