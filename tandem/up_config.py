@@ -164,6 +164,24 @@ def _check(name: str, values: dict[str, Any]) -> None:
         raise ConfigError(f"{name}: {exc}") from None
 
 
+def greedy_groups(router: dict[str, Any], trainer: dict[str, Any]) -> str:
+    """Greedy rollouts (temperature 0, or top_k 1) give a group one response n times: a
+    group-relative advantage is then 0 for every sample, and nothing is learned ("": fine)."""
+    from services.trainer.config import GROUP_BASELINED
+
+    greedy = router["rollout_temperature"] == 0 or router["rollout_top_k"] == 1
+    estimator, n = trainer["advantage_estimator"], trainer["n_samples_per_prompt"]
+    if not greedy or n < 2 or estimator not in GROUP_BASELINED:
+        return ""
+    how = "--rollout-temperature 0" if router["rollout_temperature"] == 0 else "--rollout-top-k 1"
+    return (
+        f"router: {how} samples greedily: the {n} samples of a prompt are one response, and "
+        f"the trainer's --advantage-estimator {estimator} (reward minus the group's mean) gives "
+        "each an advantage of 0: nothing would be learned; sample with a temperature > 0 "
+        "(--router-args, or [router])"
+    )
+
+
 UP_KEYS = {f.name for f in dataclasses.fields(UpConfig)}
 UP_ALIASES = {("broker", "transport"): "weight_transport", ("engine", "device"): "engine_device"}
 
@@ -196,6 +214,8 @@ def render(
     for name in ("router", "trainer", "broker", "engine"):
         extra = full[name][len(own[name]) :]
         tables[name], notes[name] = service_table(name, own[name][1:], extra, config_file)
+    if problem := greedy_groups(tables["router"], tables["trainer"]):
+        raise ConfigError(problem)
     header = (
         f"{RENDERED}: the configuration of this run, every service.\n"
         "# Repeat it: tandem up --config THIS_FILE (flags given beside it override it).\n"

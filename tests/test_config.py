@@ -235,6 +235,25 @@ def test_an_unknown_passthrough_flag_is_refused_before_anything_starts() -> None
     assert "unrecognized arguments: --rollout-max-respons-len" in problems[0]
 
 
+def test_greedy_rollouts_with_a_group_relative_advantage_are_refused_naming_both() -> None:
+    """Temperature 0 made each group's 8 samples one response: every GRPO advantage was 0, the
+    loss and gradient 0 at each step, and the run went on learning nothing without a word."""
+    _config, problems = launcher.parse(["--router-args", "--rollout-temperature 0"])
+    assert problems == [
+        "router: --rollout-temperature 0 samples greedily: the 8 samples of a prompt are one "
+        "response, and the trainer's --advantage-estimator grpo (reward minus the group's mean) "
+        "gives each an advantage of 0: nothing would be learned; sample with a temperature > 0 "
+        "(--router-args, or [router])"
+    ]
+    _config, problems = launcher.parse(["--router-args", "--rollout-top-k 1"])
+    assert len(problems) == 1 and problems[0].startswith("router: --rollout-top-k 1 samples")
+    for fine in (
+        ["--router-args", "--rollout-temperature 0", "--trainer-args", "--advantage-estimator gae"],
+        ["--router-args", "--rollout-temperature 0.6"],
+    ):
+        assert launcher.parse(fine)[1] == [], fine
+
+
 def test_a_reward_is_a_module_or_a_file_looked_up_from_the_current_directory_and_a_file_imports_its_neighbours(
     tmp_path: Path, monkeypatch
 ) -> None:
