@@ -13,6 +13,8 @@ from pathlib import Path
 
 from proto import MetricsRecord
 
+NO_SIGNAL_STEPS = 20  # steps in a row without a group that tells responses apart, then said
+
 
 def metrics_rows(run_dir: Path) -> Iterator[dict]:
     """The rows of a run folder's metrics.jsonl so far (a line cut short by a kill is passed
@@ -57,6 +59,7 @@ class RunProgress:
     # Over every step with same-version samples: engines serve exactly the trainer's weights.
     logprob_diff_max: float = math.nan
     logprob_diff_steps: int = 0
+    one_reward_steps: int = 0  # steps in a row whose every group had one reward (no signal)
     samples_trained: int = 0
     history: list[dict] = field(default_factory=list)
     launch_steps: int = 0  # trainer steps recorded by this launch (a new lineage skips one)
@@ -111,7 +114,17 @@ class RunProgress:
                 diff, 0.0 if math.isnan(self.logprob_diff_max) else self.logprob_diff_max
             )
             self.logprob_diff_steps += 1
-        return self.line()
+        flat = row.get("train/groups_one_reward") == 1.0
+        self.one_reward_steps = self.one_reward_steps + 1 if flat else 0
+        if self.one_reward_steps != NO_SIGNAL_STEPS:
+            return self.line()
+        return self.line() + (  # (said once a streak)
+            f"\n[up] for the last {NO_SIGNAL_STEPS} steps the samples of every group scored the "
+            f"same (reward {self.reward:.3f}): their group-relative advantages were 0 and nothing "
+            "was learned. The prompts are too hard (or too easy) for the model, or the reward "
+            "does not tell its responses apart: look at some responses and their rewards "
+            "(GET /rollout/samples on the router, or its dashboard)"
+        )
 
     def line(self) -> str:
         elapsed = time.monotonic() - self.started_at

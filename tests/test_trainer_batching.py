@@ -168,3 +168,21 @@ def test_numbers_outside_their_range_are_refused_naming_the_flag() -> None:
             TrainerConfig(model="m", **{name: value}).validate()
         assert str(refused.value) == message
     TrainerConfig(model="m", gamma=1.0, clip_grad=0.0, lambd=0.95).validate()
+
+
+def test_groups_whose_samples_scored_the_same_are_counted_under_a_group_relative_advantage() -> (
+    None
+):
+    """Their advantages are 0: a step of only such groups teaches nothing (tandem up says so
+    after a streak: tests/test_up_console.py)."""
+    from services.trainer.stats import StepStats
+    from services.trainer.step_math import metrics_from
+
+    def sample(group: int, reward: float) -> batching.TrainSample:
+        zeros = np.zeros(2, np.float32)
+        tokens = np.array([1, 2, 3], np.int64)
+        return batching.TrainSample(tokens, 1, zeros, zeros + 1, zeros, 0, reward, group=group)
+
+    samples = [sample(0, 1.0), sample(0, 1.0), sample(1, 0.0), sample(1, 1.0), sample(2, 0.0)]
+    assert metrics_from(StepStats(), samples, 1, "grpo")["train/groups_one_reward"] == 2 / 3
+    assert "train/groups_one_reward" not in metrics_from(StepStats(), samples, 1, "gae")

@@ -149,3 +149,28 @@ def test_the_plot_of_a_run_where_no_step_ran_warns_nothing(tmp_path: Path) -> No
     finally:
         progress.close()
     assert path.stat().st_size > 0
+
+
+def test_a_streak_of_steps_whose_every_group_scored_the_same_is_said_once(tmp_path: Path) -> None:
+    """A task the model never solves (or always does) trained on nothing, step after step,
+    without a word: every group-relative advantage was 0."""
+    from tandem.progress import NO_SIGNAL_STEPS
+
+    progress = RunProgress(tmp_path)
+    lines = []
+    for step, one in enumerate([0.5] + [1.0] * (NO_SIGNAL_STEPS + 3), start=1):
+        values = {"train/groups_one_reward": one, "train/reward_mean": 0.0}
+        lines.append(
+            progress.add(MetricsRecord(source="trainer", step=step, values=values, time=0.0))
+        )
+    said = [line for line in lines if line and "\n[up] " in line]
+    assert len(said) == 1 and said[0] is lines[NO_SIGNAL_STEPS], said
+    assert (
+        said[0]
+        .split("\n")[1]
+        .startswith(
+            f"[up] for the last {NO_SIGNAL_STEPS} steps the samples of every group scored the same "
+            "(reward 0.000): their group-relative advantages were 0 and nothing was learned."
+        )
+    )
+    progress.close()

@@ -12,7 +12,7 @@ import torch
 
 from services.trainer import losses
 from services.trainer.batching import MicroBatch, TrainSample
-from services.trainer.config import TrainerConfig
+from services.trainer.config import GROUP_BASELINED, TrainerConfig
 from services.trainer.stats import StepStats
 
 
@@ -149,8 +149,12 @@ def batch_stats(
     stats.count("micro_batches", len(mbs))
 
 
-def metrics_from(stats: StepStats, samples: list[TrainSample], version: int) -> dict[str, float]:
-    """`train/*` metrics of one step. `samples` is the whole step (all ranks)."""
+def metrics_from(
+    stats: StepStats, samples: list[TrainSample], version: int, estimator: str = ""
+) -> dict[str, float]:
+    """`train/*` metrics of one step. `samples` is the whole step (all ranks). With a
+    group-relative `estimator`, `train/groups_one_reward`: the fraction of the step's groups
+    whose samples all scored the same, so that their advantages are 0 (no signal)."""
     ages = [version - s.weight_version for s in samples] or [0]
     s = stats.sums
     metrics = {
@@ -170,6 +174,12 @@ def metrics_from(stats: StepStats, samples: list[TrainSample], version: int) -> 
         "train/entropy": stats.mean("entropy"),
         "train/nonfinite_loss": s.get("nonfinite_loss", 0.0),
     }
+    if estimator in GROUP_BASELINED:
+        rewards: dict[int, set[float]] = {}
+        for x in samples:
+            rewards.setdefault(x.group, set()).add(x.reward)
+        one = sum(len(r) == 1 for r in rewards.values())
+        metrics["train/groups_one_reward"] = one / max(len(rewards), 1)
     if "routing_replay:count" in s:  # fraction of micro-batches routed as the engine did
         metrics["train/routing_replay_fraction"] = stats.mean("routing_replay")
     if "is_weight:count" in s:

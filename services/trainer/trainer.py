@@ -348,7 +348,7 @@ class Trainer:
             self.critic.train(mbs, stats)
         step_math.batch_stats(mbs, mine, self.cfg.max_tokens_per_gpu, stats)
         stats.reduce(parallel_state.get_data_parallel_group())  # TP ranks hold the same samples
-        metrics = step_math.metrics_from(stats, samples, self.version)
+        metrics = step_math.metrics_from(stats, samples, self.version, self.cfg.advantage_estimator)
         metrics["train/grad_norm"] = grad_norm
         metrics["train/skipped_updates"] = float(self.skipped_updates)
         metrics["train/lr"] = float(self.policy.optimizer.param_groups[0]["lr"])
