@@ -60,6 +60,7 @@ class RunProgress:
     logprob_diff_max: float = math.nan
     logprob_diff_steps: int = 0
     one_reward_steps: int = 0  # steps in a row whose every group had one reward (no signal)
+    truncated: float = math.nan  # of the last rollout batch's responses, cut at the length bound
     samples_trained: int = 0
     history: list[dict] = field(default_factory=list)
     launch_steps: int = 0  # trainer steps recorded by this launch (a new lineage skips one)
@@ -99,6 +100,7 @@ class RunProgress:
             )
         if "rollout/samples_per_s" in row:
             self.samples_per_s = row["rollout/samples_per_s"]
+            self.truncated = row.get("rollout/truncated_fraction", math.nan)
         if row["source"] != "trainer":
             return None
         self.step = row["step"]
@@ -124,6 +126,12 @@ class RunProgress:
             "was learned. The prompts are too hard (or too easy) for the model, or the reward "
             "does not tell its responses apart: look at some responses and their rewards "
             "(GET /rollout/samples on the router, or its dashboard)"
+            + (
+                f". {self.truncated:.0%} of the last rollout batch's responses were cut at "
+                "--rollout-max-response-len (finish 'length'): raise it if answers need more room"
+                if self.truncated >= 0.5
+                else ""
+            )
         )
 
     def line(self) -> str:

@@ -120,6 +120,7 @@ def test_eval_and_rollout_metrics_are_published(buffer, toy_model_dir, start_ser
     # exact on even samples, partly right on odd ones (a prompt like `3 3` earns 2/3 there)
     assert 0.5 <= rollout["rollout/reward_mean"] < 1.0
     assert rollout["rollout/batch"] == 0.0
+    assert rollout["rollout/truncated_fraction"] == 0.5  # the odd samples run to the bound
     assert rollout["rollout/samples_per_s"] > 0
 
 

@@ -173,4 +173,14 @@ def test_a_streak_of_steps_whose_every_group_scored_the_same_is_said_once(tmp_pa
             "(reward 0.000): their group-relative advantages were 0 and nothing was learned."
         )
     )
+    # the likely cause, when it is one: responses cut at the length bound
+    cut = {"rollout/samples_per_s": 9.0, "rollout/truncated_fraction": 0.9}
+    progress.add(MetricsRecord(source="router", step=1, values=cut, time=0.0))
+    for step in range(NO_SIGNAL_STEPS + 4, 2 * NO_SIGNAL_STEPS + 5):  # a reset, then 20
+        values = {"train/groups_one_reward": 0.5 if step == NO_SIGNAL_STEPS + 4 else 1.0}
+        line = progress.add(MetricsRecord(source="trainer", step=step, values=values, time=0.0))
+    assert line is not None and line.endswith(
+        "dashboard). 90% of the last rollout batch's responses were cut at "
+        "--rollout-max-response-len (finish 'length'): raise it if answers need more room"
+    ), line
     progress.close()

@@ -81,6 +81,7 @@ class BatchStats:
     samples: int = 0
     reward_sum: float = 0.0
     length_sum: int = 0
+    cut: int = 0  # samples that ended at the length bound (finish "length")
     min_version: int | None = None
     started: float = field(default_factory=time.monotonic)
 
@@ -94,6 +95,7 @@ class BatchStats:
         self.samples += len(group.samples)
         self.reward_sum += sum(s.reward for s in group.samples)
         self.length_sum += sum(len(s.response_ids) for s in group.samples)
+        self.cut += sum(s.finish_reason == "length" for s in group.samples)
         v = group.weight_version
         self.min_version = v if self.min_version is None else min(self.min_version, v)
         batch = loop.config.rollout_batch_size
@@ -108,6 +110,7 @@ class BatchStats:
             "rollout/reward_mean": self.reward_sum / self.samples,
             "rollout/samples_per_s": loop.samples_per_s,
             "rollout/response_len_mean": self.length_sum / self.samples,
+            "rollout/truncated_fraction": self.cut / self.samples,
             "rollout/groups": float(self.kept),
             "rollout/prompts_generated": float(self.finished),
             "rollout/groups_dropped": float(self.finished - self.kept),
