@@ -342,6 +342,24 @@ def test_data_whose_rows_have_no_label_is_named_on_the_console(tmp_path: Path, c
     )
 
 
+def test_labels_that_are_json_lists_or_objects_are_said_to_score_0_with_a_built_in_reward(
+    tmp_path: Path,
+) -> None:
+    """`"label": ["21"]` reached the rewards as the text '["21"]': exact_match and the other
+    built-in rewards scored every response 0, without a word."""
+    data = tmp_path / "train.jsonl"
+    rows = [("12>", "21"), ("34>", ["43"]), ("56>", 65), ("78>", {"answer": "87"})]
+    data.write_text("\n".join(json.dumps({"prompt": p, "label": a}) for p, a in rows))
+    task = dataset_task(DigitTokenizer(), str(data), "", "prompt", "label", False)
+    labels = [item.label for item in [*task.train, *task.heldout]]
+    assert sorted(labels) == sorted(["21", '["43"]', "65", '{"answer": "87"}'])
+    assert task.notes == (
+        f"2 of 4 rows of {data} have a 'label' that is a JSON list or object (the first: row 2, "
+        '["43"]): a reward gets it as that JSON text, which the built-in rewards (--rm-type) '
+        "compare the response with and score 0; a --custom-rm-path function can json.loads it",
+    )
+
+
 @pytest.mark.parametrize(
     ("flags", "keys"),
     [

@@ -455,24 +455,6 @@ def test_rows_with_an_empty_prompt_are_left_out_and_said_so(toy_model_dir, tmp_p
         load_items(tokenizer, str(data), "prompt", "label", False, "--prompt-data")
 
 
-def test_labels_that_are_json_lists_or_objects_are_said_to_score_0_with_a_built_in_reward(
-    toy_model_dir, tmp_path
-):
-    """`"label": ["21"]` reached the rewards as the text '["21"]': exact_match and the other
-    built-in rewards scored every response 0, without a word."""
-    tokenizer = load_tokenizer(str(toy_model_dir))
-    data = tmp_path / "train.jsonl"
-    rows = [("12>", "21"), ("34>", ["43"]), ("56>", 65), ("78>", {"answer": "87"})]
-    data.write_text("\n".join(json.dumps({"prompt": p, "label": a}) for p, a in rows))
-    items, notes = load_items(tokenizer, str(data), "prompt", "label", False, "--prompt-data")
-    assert [item.label for item in items] == ["21", '["43"]', "65", '{"answer": "87"}']
-    assert notes == (
-        f"2 of 4 rows of {data} have a 'label' that is a JSON list or object (the first: row 2, "
-        '["43"]): a reward gets it as that JSON text, which the built-in rewards (--rm-type) '
-        "compare the response with and score 0; a --custom-rm-path function can json.loads it",
-    )
-
-
 def test_a_json_array_gzip_and_a_byte_order_mark_are_read_and_other_text_named(
     toy_model_dir, tmp_path
 ):
