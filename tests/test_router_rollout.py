@@ -197,7 +197,10 @@ def test_router_answers_generate_like_an_engine_and_stops_cleanly_on_sigterm(
     buffer, toy_model_dir, start_service, engines
 ):
     urls = [engines().url, engines().url]
-    router = start_service("router", router_args(buffer, toy_model_dir, urls, "--no-rollout"))
+    greedy = ("--rollout-temperature", "0")  # (said at the start: groups of one response)
+    router = start_service(
+        "router", router_args(buffer, toy_model_dir, urls, "--no-rollout", *greedy)
+    )
     body = {"input_ids": [1, 4, 5, 14], "sampling_params": {"n": 3, "max_new_tokens": 4}}
     outs = post_json(router.url + "/generate", body)
     assert [o["output_ids"] for o in outs] == [[5, 4, 2], [4, 5, 5, 5], [5, 4, 2]]
@@ -211,6 +214,7 @@ def test_router_answers_generate_like_an_engine_and_stops_cleanly_on_sigterm(
     assert router.proc.returncode == 0
     assert "router stopped: tasks cancelled" in router.log()
     assert "Traceback" not in router.log()
+    assert "--rollout-temperature 0.0 --rollout-top-k -1 samples greedily: the " in (router.log())
 
 
 def test_rollout_waits_while_the_buffer_is_full_and_goes_on_when_the_trainer_consumes(
