@@ -120,6 +120,11 @@ def test_patching_the_config_validates_and_changes_later_requests(
     groups = [g for _id, g in buffer.read_groups("t", 100, block_ms=None)]
     assert all(len(s.response_ids) <= 2 for g in groups for s in g.samples)
     assert any(s.finish_reason == "length" for g in groups for s in g.samples)
+    # greedy rollouts are taken, and said: a group of one response teaches a GRPO trainer nothing
+    greedy = httpx.patch(url, json={"rollout_temperature": 0}, headers=TOKEN)
+    assert greedy.status_code == 200 and greedy.json()["rollout_temperature"] == 0
+    said = "PATCH /rollout/config: --rollout-temperature 0.0 --rollout-top-k -1 samples greedily"
+    wait_until(lambda: said in router.log(), "the greedy note in the router's log")
 
 
 def test_openapi_docs_list_the_control_routes(buffer, toy_model_dir, start_service, engines):

@@ -26,7 +26,7 @@ from services.common.tokenizers import load_tokenizer
 from services.common.validation import answer_invalid_bodies
 from services.rollout_router.backpressure import depth_note
 from services.rollout_router.config import DataConfig, RouterConfig, SamplingConfig
-from services.rollout_router.control import RolloutController
+from services.rollout_router.control import RolloutController, greedy_note
 from services.rollout_router.environments import EnvClient, EpisodeRunner
 from services.rollout_router.lease import RouterLease
 from services.rollout_router.metrics import router as metrics_router
@@ -118,14 +118,8 @@ async def build_control(
     before = await buffer.swap_data(now)
     changed = data_change_note(before, now, (await buffer.counters()).get("prompts_drawn", 0))
     task.notes += (changed,) if changed else ()
-    sampling, n = config.sampling, config.rollout.n_samples_per_prompt
-    if n > 1 and (sampling.rollout_temperature == 0 or sampling.rollout_top_k == 1):
-        task.notes += (  # (tandem up refuses it with a group-relative trainer; a router apart)
-            f"--rollout-temperature {sampling.rollout_temperature} --rollout-top-k "
-            f"{sampling.rollout_top_k} samples greedily: the {n} samples of a prompt are one "
-            "response; with a group-relative advantage (GRPO, the trainer's default) each is 0 "
-            "and nothing is learned",
-        )
+    if greedy := greedy_note(config.sampling, config.rollout.n_samples_per_prompt):
+        task.notes += (greedy,)  # (tandem up refuses it with a group-relative trainer)
     for note in task.notes:
         log.warning("%s", note)
     if not config.sampling.rollout_max_response_len:

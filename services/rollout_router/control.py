@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 
 from proto.contract import FLAGS, SampleLimits
 from services.common.long_wait import LongWait
-from services.rollout_router.config import DataConfig, reward_problem
+from services.rollout_router.config import DataConfig, SamplingConfig, reward_problem
 from services.rollout_router.evaluation import run_evaluations
 from services.rollout_router.lease import LeaseError, RouterLease
 from services.rollout_router.report import service_status
@@ -43,6 +43,19 @@ CONTRACT_TERMS = (
 )
 STATUS_INTERVAL_S = 2.0
 STATUS_TTL_S = 30.0
+
+
+def greedy_note(sampling: SamplingConfig, n: int) -> str:
+    """What greedy rollouts (temperature 0 or top_k 1) of `n` samples a prompt do to learning
+    ("" when they are not greedy, or n is 1)."""
+    if n < 2 or (sampling.rollout_temperature != 0 and sampling.rollout_top_k != 1):
+        return ""
+    return (
+        f"--rollout-temperature {sampling.rollout_temperature} --rollout-top-k "
+        f"{sampling.rollout_top_k} samples greedily: the {n} samples of a prompt are one "
+        "response; with a group-relative advantage (GRPO, the trainer's default) each is 0 and "
+        "nothing is learned"
+    )
 
 
 class ConfigPatchError(ValueError):
@@ -240,6 +253,8 @@ class RolloutController:
                 raise ConfigPatchError(problem)
         self.loop.task, self.data = task, data
         self.loop.apply(rollout, sampling)
+        if note := greedy_note(sampling, rollout.n_samples_per_prompt):
+            log.warning("PATCH /rollout/config: %s", note)
         return self.config()
 
     def config(self) -> dict[str, Any]:
