@@ -85,3 +85,31 @@ def test_a_session_sample_is_held_to_the_trainers_response_length(
     assert httpx.post(f"{router}/sessions/s1/reward", json={"reward": 1}).is_success
     (group,) = read_all(buffer)
     assert sorted(len(s.response_ids) for s in group.samples) == [2, 2], group.samples
+
+
+def test_a_model_without_a_chat_template_takes_the_messages_sglang_takes(
+    buffer, toy_model_dir, start_service, engines
+):
+    """Without a chat template the contents are joined: a list of parts was joined as its
+    Python text (an image part, an unknown role let through, a null content read `None`)."""
+    router = start_service(
+        "router", router_args(buffer, toy_model_dir, [engines().url], "--no-rollout")
+    ).url
+    plain = chat(router, "s1", [{"role": "user", "content": "12"}]).json()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "12"}]}]
+    assert (
+        chat(router, "s2", parts).json()["usage"]["prompt_tokens"]
+        == plain["usage"]["prompt_tokens"]
+    )
+    cut = [{"role": "user", "content": "1"}, {"role": "assistant", "content": None}]
+    joined = chat(router, "s3", [*cut, {"role": "user", "content": "2"}]).json()
+    assert joined["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    for messages, words in [
+        ([{"role": "wizard", "content": "12"}], "messages[0].role must be one of"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "Tandem trains on text only",
+        ),
+    ]:
+        refused = chat(router, "s4", messages)
+        assert refused.status_code == 400 and words in refused.text, refused.text

@@ -33,7 +33,7 @@ import orjson
 from proto import DropReason, DropRecord, Sample
 from proto.contract import SampleLimits
 from proto.packed import IDS, LOGPROBS, PackedGroup, PackedSample, pack_sample
-from services.common.chat_messages import MessageError
+from services.common.chat_messages import MessageError, as_template_messages
 from services.rollout_router.backpressure import BufferBound
 from services.rollout_router.chat_input import (
     TurnError,
@@ -326,14 +326,14 @@ class AgentSessions:
         template: dict[str, Any] | None = None,
     ) -> list[int]:
         """Exact prompt ids: the chat template (listing `tools`, with the `template` variables),
-        or (a tokenizer without one) the contents joined."""
+        or (a tokenizer without one) the contents joined, the messages checked as for a
+        template (roles, text parts)."""
         if getattr(self.tokenizer, "chat_template", None):
             return list(encode_prompt(self.tokenizer, messages, True, tools, **(template or {})))
         if tools:
             raise TurnError("tools need the model's chat template, and its tokenizer has none")
-        return list(
-            self.tokenizer("".join(str(m.get("content", "")) for m in messages))["input_ids"]
-        )
+        text = "".join(m["content"] for m in as_template_messages(messages, "string"))
+        return list(self.tokenizer(text)["input_ids"])
 
     async def chat(self, body: dict[str, Any], session_id: str) -> dict[str, Any]:
         """One OpenAI chat turn; raises TurnError (a ValueError) on a bad request, and
