@@ -83,6 +83,9 @@ def test_patching_the_config_validates_and_changes_later_requests(
         # started without a reward: a dataset would be scored by the toy task's verifier
         ({"prompt_data": str(tmp_path / "d.jsonl")}, "choose how its responses are scored"),
         ({"rollout_max_response_len": 2, "rollout_max_concurrency": -1}, "concurrency"),
+        # a contract term's bad value is named as such (was 409: "restart with ... 0")
+        ({"rollout_batch_size": 0}, "--rollout-batch-size"),
+        ({"rollout_batch_size": "4"}, "rollout_batch_size"),
     ]:
         if isinstance(bad, str):
             resp = httpx.patch(url, content=bad, headers={**TOKEN, "content-type": JSON})

@@ -64,7 +64,8 @@ def test_workers_are_added_listed_and_removed_through_both_apis(buffer, start_se
     assert httpx.delete(f"{router.url}/workers/{added['id']}").status_code == 200
     assert httpx.post(router.url + "/remove_worker", params={"url": b.url}).status_code == 200
     assert httpx.get(router.url + "/list_workers").json()["urls"] == []
-    assert httpx.delete(f"{router.url}/workers/{added['id']}").status_code == 404
+    gone = httpx.delete(f"{router.url}/workers/{added['id']}")
+    assert gone.status_code == 404 and gone.json()["detail"] == f"no worker '{added['id']}'"
     dead = httpx.post(router.url + "/add_worker", params={"url": "http://127.0.0.1:9"})
     assert dead.status_code == 502 and "http://127.0.0.1:9" in dead.json()["detail"]
 

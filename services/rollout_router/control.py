@@ -219,12 +219,6 @@ class RolloutController:
     async def patch(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Apply changes to sampling, rollout and data fields; all or nothing. A new value of
         a run-contract term is refused (ContractTermError); its current value is accepted."""
-        for term in CONTRACT_TERMS:
-            if term in changes and changes[term] != getattr(self.loop.config, term):
-                raise ContractTermError(
-                    f"{term} is part of the run contract shared with the trainer; restart the "
-                    f"run with {FLAGS[term]} {changes[term]}"
-                )
         rollout, rest = patch_dataclass(self.loop.config, changes)
         sampling, rest = patch_dataclass(self.loop.sampling, rest)
         data, rest = patch_dataclass(self.data, rest)
@@ -237,6 +231,12 @@ class RolloutController:
                 part.validate()
             except ValueError as exc:
                 raise ConfigPatchError(str(exc)) from exc
+        for term in CONTRACT_TERMS:  # (a valid value: one that is not is named above)
+            if getattr(rollout, term) != getattr(self.loop.config, term):
+                raise ContractTermError(
+                    f"{term} is part of the run contract shared with the trainer; restart the "
+                    f"run with {FLAGS[term]} {getattr(rollout, term)}"
+                )
         task = self.loop.task
         if data != self.data:
             if problem := reward_problem(data.prompt_data, self.scored):

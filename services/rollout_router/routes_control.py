@@ -51,7 +51,7 @@ async def delete_worker(request: Request, worker_id: str) -> dict[str, Any]:
     try:
         return pool_of(request).remove(worker_id).to_json()
     except KeyError as exc:
-        raise HTTPException(404, str(exc)) from exc
+        raise HTTPException(404, exc.args[0]) from exc
 
 
 @router.post("/add_worker", tags=["workers"], dependencies=WRITE)
@@ -71,7 +71,7 @@ async def remove_worker_legacy(request: Request, url: str) -> dict[str, Any]:
     try:
         return pool_of(request).remove(url).to_json()
     except KeyError as exc:
-        raise HTTPException(404, str(exc)) from exc
+        raise HTTPException(404, exc.args[0]) from exc
 
 
 @router.get("/list_workers", tags=["workers"])
