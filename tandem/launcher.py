@@ -22,13 +22,12 @@ from services.common.flags import add_config_args, config_from_args
 from services.rollout_router.config import DataConfig, reward_problem
 from services.rollout_router.tasks import first_row_problem, not_a_file
 from tandem.hub import hub_model
-from tandem.run_dir import resume_command
 from tandem.up_args import (
-    CONFIG_FILE,
     conflicts,
     given_fields,
     join_passthrough,
     resumed_config,
+    taken_problem,
 )
 from tandem.up_services import service_args, trainer_on_gpu
 
@@ -432,12 +431,9 @@ def validate(config: UpConfig) -> list[str]:
         problems.append("--stop-accuracy must be within [0, 1] (or -1: the model's default)")
     if config.max_steps < 1:
         problems.append("--max-steps must be at least 1")
-    if not config.resume and config.run_dir and (Path(config.run_dir) / CONFIG_FILE).is_file():
-        problems.append(
-            f"--run-dir {config.run_dir} holds a run already: continue it with "
-            f"{resume_command(config.run_dir)}, or give another --run-dir (a new run there would "
-            "write over its model and mix with its Redis data and checkpoints)"
-        )
+    if not config.resume and config.run_dir:
+        own_redis = not config.redis_url
+        problems += filter(None, [taken_problem(Path(config.run_dir), config.save, own_redis)])
     if config.stop_timeout_s <= 0 or config.stall_warn_s <= 0:
         problems.append("--stop-timeout-s and --stall-warn-s must be positive")
     counts = config.save_interval, config.keep_checkpoints, config.engine_restarts

@@ -219,6 +219,29 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
     return resumed, problems
 
 
+def taken_problem(run_dir: Path, save: str, own_redis: bool) -> str:
+    """Why a new run cannot start in `run_dir` ("" when it can): it holds a run (continue it),
+    or what one left there without its configuration (checkpoints the trainer would go on from
+    instead of --model; with `own_redis`, a Redis whose data the run would read as its own)."""
+    if (run_dir / CONFIG_FILE).is_file():
+        return (
+            f"--run-dir {run_dir} holds a run already: continue it with "
+            f"{resume_command(run_dir)}, or give another --run-dir (a new run there would "
+            "write over its model and mix with its Redis data and checkpoints)"
+        )
+    checkpoints, redis = Path(save or run_dir / "checkpoints"), run_dir / "redis"
+    left = [f"{checkpoints} (step {step})" for step in [steps_saved(checkpoints)] if step]
+    left += [str(redis)] if own_redis and redis.is_dir() and any(redis.iterdir()) else []
+    if not left:
+        return ""
+    return (
+        f"--run-dir {run_dir} holds what an earlier run left, without its {CONFIG_FILE}: "
+        f"{' and '.join(left)}; a new run would go on from them (the trainer from the checkpoint, "
+        "not --model; Redis with the old run's samples): move or delete them, or give another "
+        "--run-dir"
+    )
+
+
 def steps_saved(checkpoints: Path) -> int:
     """The step of the newest checkpoint in a --save folder (0 when none, or a tracker the
     trainer will name as broken itself)."""

@@ -197,6 +197,12 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
     (tmp_path / "folder.jsonl").mkdir()
     (tmp_path / "my old").mkdir()
     (tmp_path / "my old" / "up_config.json").write_text("{}")  # a run folder
+    # what a run left without its configuration: a new run went on from step 400 silently
+    (tmp_path / "left" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "left" / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("400")
+    (tmp_path / "left" / "redis").mkdir()
+    (tmp_path / "left" / "redis" / "appendonlydir").mkdir()
+    (tmp_path / "spare").mkdir()
     cases = {
         ("--rollout-batch-size", "0"): (
             "router: --rollout-batch-size and --n-samples-per-prompt must be >= 1"
@@ -205,6 +211,10 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
         # (the command quoted for a shell: the folder's name has a space)
         ("--run-dir", "my old"): "--run-dir my old holds a run already: continue it with "
         "tandem up --resume 'my old', or give another --run-dir",
+        ("--run-dir", "left"): "--run-dir left holds what an earlier run left, without its "
+        "up_config.json: left/checkpoints (step 400) and left/redis; a new run would go on from "
+        "them (the trainer from the checkpoint, not --model;",
+        ("--run-dir", "spare", "--save", "left/checkpoints"): "left/checkpoints (step 400); a",
         (
             "--keep-checkpoints",
             "-1",
