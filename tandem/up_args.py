@@ -157,6 +157,17 @@ def reach_launch_dir(rm_path: str, launch_dir: str) -> str:
     return f"--custom-rm-path {rm_path}: {top} is in {launch_dir}, where the run started: on PYTHONPATH"
 
 
+def moved(saved: dict[str, Any], run_dir: Path, name: str) -> str:
+    """The saved path `name` of a run now in `run_dir`: one inside the folder where the run was
+    (its `run_dir`, as given where it started) is taken to have moved with it."""
+    value, was = saved.get(name) or "", saved.get("run_dir")
+    if not value or not was:
+        return value
+    was = Path(saved.get(LAUNCH_DIR) or ".", was)  # (absolute when it was given so)
+    inside = Path(value).is_relative_to(was)
+    return str(run_dir.absolute() / Path(value).relative_to(was)) if inside else value
+
+
 def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
     """The saved configuration of `config.resume`, overridden by the fields in `given`;
     with the problems found (a folder that is no run folder, a contract term changed)."""
@@ -174,9 +185,7 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
     known = {f.name for f in dataclasses.fields(config)}
     merged = {**OLDER_RUNS, **{k: v for k, v in saved.items() if k in known}}
     merged.update({name: getattr(config, name) for name in given})
-    model = saved.get("model", "")
-    if (was := saved.get("run_dir")) and Path(model).is_relative_to(was):  # (a moved folder)
-        model = str(run_dir.absolute() / Path(model).relative_to(was))
+    model, save = moved(saved, run_dir, "model"), moved(saved, run_dir, "save")
     if "seed" in given and config.seed != saved.get("seed", config.seed):
         problems.append(
             f"--resume: --seed orders the run's prompts ({saved.get('seed')} so far): another "
@@ -190,6 +199,7 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
             "(the checkpoint holds the run's weights; start a new run instead)"
         )
     merged.update(run_dir=str(run_dir), resume=str(run_dir), model=model)
+    merged.update({} if "save" in given else {"save": save})
     resumed = type(config)(**merged)
     if resumed.custom_rm_path and (
         found := reach_launch_dir(resumed.custom_rm_path, saved.get(LAUNCH_DIR) or "")

@@ -4,6 +4,7 @@ status records from a real Redis server and real /health answers over HTTP."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -21,7 +22,7 @@ from proto.contract import ServiceStatus
 from services.sample_buffer import SampleBuffer
 from tandem import launcher
 from tandem import watchdog as watchdog_module
-from tandem.up_args import join_passthrough, save_config
+from tandem.up_args import join_passthrough, resumed_config, save_config
 from tandem.watchdog import Watchdog, diagnosis
 from tests.helpers import JsonHandler
 
@@ -413,3 +414,21 @@ def test_a_save_folder_that_cannot_be_written_is_refused_before_anything_starts(
     monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: 0)
     assert launcher.main(["--save", str(tmp_path / "new" / "ck")]) == 0
     assert (tmp_path / "new" / "ck").is_dir() and not list((tmp_path / "new" / "ck").iterdir())
+
+
+def test_a_run_folder_moved_elsewhere_resumes_with_its_own_model_and_checkpoints(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """up_config.json keeps --run-dir as given (relative): the moved-folder rule never matched,
+    and the resume of a moved toy run failed with `--model .../old/model: no such folder`."""
+    monkeypatch.chdir(tmp_path)
+    old = launcher.UpConfig(run_dir="old", save=str(tmp_path / "old" / "ck")).absolute()
+    old = dataclasses.replace(old, model=str(tmp_path / "old" / "model"))
+    (tmp_path / "old").mkdir()
+    save_config(tmp_path / "old", old)
+    (tmp_path / "old").rename(tmp_path / "new")
+    resumed, problems = resumed_config(launcher.UpConfig(resume="new"), set())
+    assert problems == []
+    assert (resumed.model, resumed.save) == (str(tmp_path / "new/model"), str(tmp_path / "new/ck"))
+    elsewhere = launcher.UpConfig(resume="new", save="/data/ck")
+    assert resumed_config(elsewhere, {"save"})[0].save == "/data/ck", "a --save given wins"
