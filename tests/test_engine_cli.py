@@ -26,6 +26,8 @@ def engine_cli(*args: str) -> subprocess.CompletedProcess:
         ([], "--model is required"),
         (["--model", "/nonexistent/model"], "/nonexistent/model/config.json not found: --model"),
         (["--model", "{toy}", "--max-batch-size", "0"], "--max-batch-size must be at least 1"),
+        # (admitted sequences outgrew the memory under load: the engine was killed then)
+        (["--model", "{toy}", "--kv-cache-gb", "100000"], "--kv-cache-gb 100000 is more than"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message_naming_the_flag(
@@ -46,3 +48,19 @@ def test_a_taken_port_is_named_in_the_error(toy_model_dir: Path) -> None:
         sock.close()
     assert result.returncode == 2
     assert f"port {port}" in result.stderr and "--port" in result.stderr
+
+
+def test_the_default_kv_budget_is_lowered_to_the_memory_free(monkeypatch, caplog) -> None:
+    import psutil
+    import torch
+
+    from services.engine.engine import kv_budget
+
+    free = type("Memory", (), {"available": 2 * 2**30})()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: free)
+    cpu = torch.device("cpu")
+    assert kv_budget(1.5, cpu) == 1.5 and kv_budget(0, cpu) == 0
+    assert kv_budget(4, cpu) == pytest.approx(1.8)  # the default: 90% of what is free
+    assert "--kv-cache-gb 4 is more than the 2.0 GiB free on cpu (the default)" in caplog.text
+    with pytest.raises(RuntimeError, match=r"--kv-cache-gb 3 is more than the 2\.0 GiB free"):
+        kv_budget(3, cpu)

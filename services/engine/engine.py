@@ -24,6 +24,33 @@ from services.engine.scheduler import Job, Scheduler
 from services.engine.weights import WeightUpdater
 
 log = logging.getLogger(__name__)
+DEFAULT_KV_CACHE_GB = EngineConfig.kv_cache_gb
+
+
+def kv_budget(kv_cache_gb: float, device: Any) -> float:
+    """The KV budget in GiB: `kv_cache_gb` when `device` has that much free beside the loaded
+    weights (or 0 = unbounded). A budget given beyond it is refused (RuntimeError naming the
+    flag: sequences admitted up to it would outgrow the memory under load, not at the start);
+    the default is lowered to 90% of what is free, with a warning."""
+    import psutil
+    import torch
+
+    if not kv_cache_gb:
+        return 0.0
+    cuda = device.type == "cuda"
+    free = torch.cuda.mem_get_info(device)[0] if cuda else psutil.virtual_memory().available
+    if kv_cache_gb * 2**30 <= free:
+        return kv_cache_gb
+    said = f"--kv-cache-gb {kv_cache_gb:g} is more than the {free / 2**30:.1f} GiB free on {device}"
+    if kv_cache_gb != DEFAULT_KV_CACHE_GB:
+        raise RuntimeError(
+            f"{said} beside the model's weights: sequences admitted up to it would not fit; "
+            'lower --kv-cache-gb (tandem up: --engine-args "--kv-cache-gb N")'
+        )
+    log.warning(
+        "%s (the default): the engine keeps %.1f GiB for keys/values", said, free * 0.9 / 2**30
+    )
+    return free * 0.9 / 2**30
 
 
 class Engine:
@@ -40,7 +67,8 @@ class Engine:
         )
         context = config.context_length or self.runner.max_position
         self.context_length = min(context, self.runner.max_position)
-        self.max_total_tokens = int(config.kv_cache_gb * 2**30 / self.runner.kv_bytes_per_token)
+        budget = kv_budget(config.kv_cache_gb, self.runner.device)
+        self.max_total_tokens = int(budget * 2**30 / self.runner.kv_bytes_per_token)
         self.scheduler = Scheduler(
             self.runner,
             config.max_batch_size,
