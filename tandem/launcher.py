@@ -379,7 +379,7 @@ def parse(argv: list[str]) -> tuple[UpConfig, list[str]]:
     problems += [problem] if problem else []
     # absolute paths (a resume's flags too: its up_config.json is saved again)
     config = replace(config, model=model).absolute()
-    problems += validate(config)
+    problems += validate(config, model_named=bool(problem))
     if not problems:
         from services.common.config_file import ConfigError
         from tandem.up_config import render
@@ -419,14 +419,17 @@ def main(argv: list[str] | None = None) -> int:
 INPUT_KEY = DataConfig().input_key  # the router's, when --input-key is not given
 
 
-def validate(config: UpConfig) -> list[str]:
+def validate(config: UpConfig, model_named: bool = False) -> list[str]:
+    """What is wrong with `config`, each naming its flag (`model_named`: --model's problem is
+    said already)."""
     problems = []
     if config.num_engines < 1:
         problems.append("--num-engines must be at least 1")
-    if config.model and not Path(config.model).is_dir():
-        problems.append(f"--model {config.model}: no such folder (a Hugging Face model's)")
-    elif config.model and not (Path(config.model) / "config.json").exists():
-        problems.append(f"--model {config.model}: no config.json there (expected a HF directory)")
+    model = "" if model_named else config.model
+    if model and not Path(model).is_dir():
+        problems.append(f"--model {model}: no such folder (a Hugging Face model's)")
+    elif model and not (Path(model) / "config.json").exists():
+        problems.append(f"--model {model}: no config.json there (expected a HF directory)")
     if not 0 <= config.by_model("stop_accuracy") <= 1:
         problems.append("--stop-accuracy must be within [0, 1] (or -1: the model's default)")
     if config.max_steps < 1:

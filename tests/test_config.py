@@ -445,6 +445,7 @@ def test_a_hub_id_is_read_from_the_hugging_face_cache_or_refused_naming_its_down
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "the Hugging Face cache holds no copy of it" in missing.stderr
     assert "download it first (hf download tandem-test/absent)" in missing.stderr
+    assert "no such folder (a Hugging Face model's)" not in missing.stderr, "said once"
     (repo / "snapshots" / "abc123" / "model.safetensors").unlink()  # a partial download
     partial = show("tandem-test/toy")
     assert partial.returncode == 2 and "lacks config.json or its weights" in partial.stderr
