@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import shutil
+import subprocess
+import sys
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -126,6 +128,23 @@ def test_the_trainer_cli_refuses_a_load_directory_without_a_checkpoint(
     )
     assert done.returncode != 0
     assert TRACKER in done.stderr and "--load" in done.stderr
+
+
+def test_a_checkpoint_of_another_model_is_named_as_such_not_as_damaged(
+    toy_model_dir: Path, tmp_path: Path, buffer
+) -> None:
+    """It was 'its files are cut short or damaged; go back to iteration N'."""
+    from tandem.toy_model import write_toy_model
+
+    ckpt = tmp_path / "ckpt"
+    convert = [sys.executable, "-m", "tandem.cli", "convert", "hf-to-megatron"]
+    subprocess.run([*convert, "--hf-dir", str(toy_model_dir), "--save", str(ckpt)], check=True)
+    deeper = write_toy_model(tmp_path / "deeper", num_layers=3)
+    done = run_trainer([*trainer_args(deeper, buffer, "tcp://127.0.0.1:9"), "--load", str(ckpt)])
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"checkpoint {ckpt / 'iter_0000000'} is not of this model" in last, last
+    assert "shape mismatch" in last and "--model must have the shapes" in last
 
 
 @pytest.mark.slow

@@ -127,6 +127,11 @@ def damaged(path: Path, exc: BaseException, resume: bool = True) -> ValueError:
     to go back to (`resume`: as the trainer goes back, a new lineage; else a read of it)."""
     cause = root_cause(exc)
     why = (str(cause).strip().splitlines() or ["a file ends early"])[-1][:200]
+    if "shape mismatch" in why:  # whole files of another model's shapes: nothing to go back to
+        return ValueError(
+            f"checkpoint {path} is not of this model ({type(cause).__name__}: {why}): --model "
+            "must have the shapes it was saved with; give that model, or a checkpoint of this one"
+        )
     older = sorted(p.name for p in path.parent.glob("iter_*") if p.name < path.name)
     back = int(older[-1].removeprefix("iter_")) if older else None
     if back is None:
