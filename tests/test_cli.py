@@ -174,3 +174,29 @@ def test_a_router_waiting_for_its_engines_says_so_until_its_bound(redis_server: 
     assert result.returncode == 1, result.stderr[-2000:]
     assert "waiting for engine http://127.0.0.1:1 to answer GET /model_info (" in result.stderr
     assert "did not answer GET /model_info within 8s" in result.stderr
+
+
+def test_a_reference_model_of_another_tokenizer_is_refused(
+    toy_model_dir: Path, tmp_path: Path
+) -> None:
+    """Its KL scored token ids that stand for other text (kl_ref 8.4 a step, silently)."""
+    import json
+    import shutil
+
+    other = shutil.copytree(toy_model_dir, tmp_path / "other")
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["1"], vocab["2"] = vocab["2"], vocab["1"]  # two digits' ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    bare = shutil.copytree(toy_model_dir, tmp_path / "bare")  # no tokenizer files: vocab_size
+    (bare / "tokenizer.json").unlink()
+    config = json.loads((bare / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**config, "vocab_size": 8}))
+    for ref, said in [
+        (other, "its tokenizer is not --model's"),
+        (bare, "its vocab_size is 8, fewer than --model's 16"),
+    ]:
+        flags = ["--kl-coef", "0.1", "--ref-load", str(ref), "--redis-url", "redis://127.0.0.1:1/0"]
+        result = tandem("trainer", "--model", str(toy_model_dir), *flags)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert f"--ref-load {ref}: {said}" in result.stderr, result.stderr[-2000:]

@@ -51,3 +51,35 @@ def load_tokenizer(folder: str | Path, flag: str = "--model") -> Any:
             "model repository's tokenizer files into the folder"
         )
     return tokenizer
+
+
+def vocabulary_problem(model: str | Path, other: str | Path, flag: str) -> str:
+    """Why model folder `other` (given by `flag`) does not share `model`'s token ids ("" when
+    it does, as far as can be told): their tokenizers map a token to another id, or (a folder
+    without tokenizer files) `other` has fewer ids than `model` (a larger vocab_size may be
+    the same tokenizer's, padded)."""
+    import json
+
+    if tokenizer_problem(model) or tokenizer_problem(other, flag):
+        try:
+            mine, theirs = (
+                json.loads((Path(p) / "config.json").read_text())["vocab_size"]
+                for p in (model, other)
+            )
+        except (OSError, ValueError, KeyError):  # (the model's load names it)
+            return ""
+        if theirs >= mine:
+            return ""
+        differ = f"its vocab_size is {theirs}, fewer than --model's {mine}"
+    else:
+        mine, theirs = (
+            load_tokenizer(p, f).get_vocab() for p, f in ((model, "--model"), (other, flag))
+        )
+        if mine == theirs:
+            return ""
+        differ = f"its tokenizer is not --model's ({len(theirs)} tokens, --model's {len(mine)})"
+    return (
+        f"{flag} {other}: {differ}: it would score token ids that stand for other text than "
+        "the samples', and whatever it gives would be meaningless; give a model of --model's "
+        "tokenizer (usually the starting weights of --model)"
+    )

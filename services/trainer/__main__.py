@@ -52,6 +52,7 @@ def check_model(cfg: TrainerConfig) -> None:
         check_sliding_window,
         read_config,
     )
+    from services.common.tokenizers import vocabulary_problem
 
     hf_cfg, path = read_config(cfg.model)
     if check_model_config(hf_cfg, path) in MOE_MODEL_TYPES and cfg.tensor_model_parallel_size > 1:
@@ -64,6 +65,8 @@ def check_model(cfg: TrainerConfig) -> None:
     if cfg.use_dynamic_batch_size:  # a sample longer than a micro-batch is refused anyway
         context = min(context, cfg.max_tokens_per_gpu)
     check_sliding_window(hf_cfg, path, context, "--max-tokens-per-gpu (dynamic batch size)")
+    if cfg.ref_load and (problem := vocabulary_problem(cfg.model, cfg.ref_load, "--ref-load")):
+        raise ValueError(problem)
 
 
 def check_lineage(cfg: TrainerConfig) -> None:
