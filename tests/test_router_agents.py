@@ -256,7 +256,9 @@ def test_a_step_answer_with_text_for_reward_or_done_fails_its_episode_naming_it(
     buffer, toy_model_dir, start_service, engines, env_server
 ):
     """`"reward": "1"` was taken for 1 and `"done": "false"` ended every episode (truthy)."""
+    image = [{"role": "user", "content": [{"type": "image_url"}]}]  # (was its Python text)
     answers = {"-e0": {"reward": "1", "done": True}, "-e1": {"reward": 1, "done": "false"}}
+    answers["p1-e2"] = {"observation": image, "reward": 0, "done": False}  # (one group)
     url = env_server(answers=answers)
     start_service("router", router_args(buffer, toy_model_dir, [engines().url], "--env-url", url))
     wait_until(lambda: buffer.depth() >= 2, "groups of the episodes that answered well")
@@ -264,6 +266,7 @@ def test_a_step_answer_with_text_for_reward_or_done_fails_its_episode_naming_it(
     details = [d.detail for d in buffer.drop_log(50) if d.reason == "env_error"]
     assert any("/step reward: expected a number, got '1'" in d for d in details), details
     assert any("/step done: expected true or false, got 'false'" in d for d in details), details
+    assert any("/step observation: messages[0].content[0]: a part must be" in d for d in details)
 
 
 def test_the_example_guess_environment_runs_under_the_router(

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 
 from proto import DropReason, Sample
-from services.common.chat_messages import MessageError, template_messages
+from services.common.chat_messages import MessageError, as_template_messages, template_messages
 from services.rollout_router.calls import InFlight
 from services.rollout_router.chat_input import as_sglang_tool
 from services.rollout_router.config import EnvConfig
@@ -187,7 +187,7 @@ class EpisodeRunner:
             return list(item.input_ids)
         if isinstance(observation, list) and not self.templated:
             messages = as_messages(observation, "/reset observation")
-            return list(self.tokenizer(joined(messages))["input_ids"])
+            return list(self.tokenizer(joined(messages, "/reset observation"))["input_ids"])
         if isinstance(observation, list):
             observation = as_messages(observation, "/reset observation")
         try:
@@ -215,7 +215,7 @@ class EpisodeRunner:
             )
         messages = as_messages(observation, "/step observation")
         if not self.templated:
-            return joined(messages)
+            return joined(messages, "/step observation")
         try:
             messages = template_messages(self.tokenizer, messages, tools)
         except MessageError as exc:
@@ -270,9 +270,14 @@ def step_done(step: dict[str, Any]) -> bool:
     )
 
 
-def joined(messages: Messages) -> str:
-    """Messages without a chat template: their contents, one after the other."""
-    return "".join(str(m.get("content") or "") for m in messages)
+def joined(messages: Messages, where: str) -> str:
+    """Messages without a chat template: their contents, one after the other, checked and made
+    text as for a template that reads content as text (roles, text parts: EnvError naming one
+    SGLang would refuse)."""
+    try:
+        return "".join(m["content"] for m in as_template_messages(messages, "string"))
+    except MessageError as exc:
+        raise EnvError(DropReason.ENV_ERROR, f"{where}: {exc}") from exc
 
 
 def _cut_to(trajectory: Partial, mask: list[int], kept: tuple[int, int]) -> None:
