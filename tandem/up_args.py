@@ -205,6 +205,8 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
         found := reach_launch_dir(resumed.custom_rm_path, saved.get(LAUNCH_DIR) or "")
     ):
         print(f"[up] {found}", flush=True)
+    if note := goal_met_note(run_dir, resumed.stop_accuracy, given):
+        print(f"[up] {note}", flush=True)
     checkpoints = Path(resumed.save or run_dir / "checkpoints")
     done, trained, every = steps_saved(checkpoints), steps_recorded(run_dir), resumed.save_interval
     # (the folder is made at the run's start: gone, not a save that failed, as on a full disk)
@@ -269,6 +271,24 @@ def saved_before(run_dir: Path) -> int:
         return int(json.loads((run_dir / "summary.json").read_text()).get("checkpoint_step") or 0)
     except (OSError, ValueError, TypeError, AttributeError):
         return 0
+
+
+def goal_met_note(run_dir: Path, stop_accuracy: float, given: set[str]) -> str:
+    """A resume of a run that stopped at its accuracy goal, with that goal still set (not
+    given again): it would stop at its first evaluation again ("" otherwise)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        reached = summary["outcome"] == "reached_accuracy" and "stop_accuracy" not in given
+        best = float(summary["accuracy_best"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return ""
+    if not reached or stop_accuracy <= 0 or best < stop_accuracy:  # (-1: an older folder's)
+        return ""
+    return (
+        f"the run stopped at its accuracy goal (held-out accuracy {best:.2f} >= --stop-accuracy "
+        f"{stop_accuracy:g}): it stops again at the first evaluation that reaches it; to train "
+        "on, give --stop-accuracy 0 (no goal) or a higher one"
+    )
 
 
 def resume_plan(

@@ -432,3 +432,20 @@ def test_a_run_folder_moved_elsewhere_resumes_with_its_own_model_and_checkpoints
     assert (resumed.model, resumed.save) == (str(tmp_path / "new/model"), str(tmp_path / "new/ck"))
     elsewhere = launcher.UpConfig(resume="new", save="/data/ck")
     assert resumed_config(elsewhere, {"save"})[0].save == "/data/ck", "a --save given wins"
+
+
+def test_a_resume_of_a_run_that_met_its_accuracy_goal_says_it_would_stop_again(
+    tmp_path: Path, capsys
+) -> None:
+    """It trained 4 more steps of the 300 asked and stopped at the first evaluation."""
+    save_config(tmp_path, launcher.UpConfig(run_dir=str(tmp_path), stop_accuracy=0.9))
+    summary = {"outcome": "reached_accuracy", "accuracy_best": 0.95}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    resumed_config(launcher.UpConfig(resume=str(tmp_path), max_steps=300), {"max_steps"})
+    assert (
+        "the run stopped at its accuracy goal (held-out accuracy 0.95 >= --stop-accuracy 0.9)"
+        in (capsys.readouterr().out)
+    )
+    goal = launcher.UpConfig(resume=str(tmp_path), stop_accuracy=0.0)
+    resumed_config(goal, {"stop_accuracy"})
+    assert "accuracy goal" not in capsys.readouterr().out, "a goal given again is the user's"
