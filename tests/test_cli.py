@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,25 @@ def test_a_router_waiting_for_its_engines_says_so_until_its_bound(redis_server: 
     assert result.returncode == 1, result.stderr[-2000:]
     assert "waiting for engine http://127.0.0.1:1 to answer GET /model_info (" in result.stderr
     assert "did not answer GET /model_info within 8s" in result.stderr
+
+
+def test_a_router_given_a_server_that_is_no_engine_says_so_at_once(redis_server: Any) -> None:
+    """A URL that answers 404 (another service on that port) was waited for 300 s."""
+    from http.server import HTTPServer, SimpleHTTPRequestHandler
+
+    server = HTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        result = tandem(
+            "router",
+            *("--engine-urls", url, "--redis-url", redis_server.url, "--run-id", "router-404"),
+            *("--engine-wait-timeout-s", "300", "--no-rollout"),
+        )
+    finally:
+        server.shutdown()
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"{url} answers GET /model_info with HTTP 404: no SGLang server" in result.stderr
 
 
 def test_a_reference_model_of_another_tokenizer_is_refused(

@@ -267,6 +267,11 @@ class WorkerPool:
                 return await self.get_json(url, "/model_info", self.config.health_timeout_s)
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                if str(exc).startswith("HTTP 404"):  # a server, but no engine: no wait helps
+                    raise EngineStartupError(
+                        f"{url} answers GET /model_info with HTTP 404: no SGLang server or "
+                        "Tandem engine is there; check --engine-urls (its host and port)"
+                    ) from None
             if (now := time.monotonic()) >= said + WAIT_NOTE_S:
                 said = now
                 log.warning(
