@@ -113,6 +113,7 @@ def save_config(run_dir: Path, config: Any) -> None:
     path = run_dir / CONFIG_FILE
     launch_dir = json.loads(path.read_text()).get(LAUNCH_DIR) if path.is_file() else None
     saved = {**dataclasses.asdict(config), LAUNCH_DIR: launch_dir or os.getcwd()}
+    saved["run_dir"] = str(Path(config.run_dir).absolute())  # (a resume finds a moved folder)
     saved["trainer_args"] = without_one_time(config.trainer_args)
     path.write_text(json.dumps(saved, indent=2))
 
@@ -163,7 +164,7 @@ def moved(saved: dict[str, Any], run_dir: Path, name: str) -> str:
     value, was = saved.get(name) or "", saved.get("run_dir")
     if not value or not was:
         return value
-    was = Path(saved.get(LAUNCH_DIR) or ".", was)  # (absolute when it was given so)
+    was = Path(saved.get(LAUNCH_DIR) or ".", was)  # (an older folder's: as given)
     inside = Path(value).is_relative_to(was)
     return str(run_dir.absolute() / Path(value).relative_to(was)) if inside else value
 

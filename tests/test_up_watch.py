@@ -419,17 +419,25 @@ def test_a_save_folder_that_cannot_be_written_is_refused_before_anything_starts(
 def test_a_run_folder_moved_elsewhere_resumes_with_its_own_model_and_checkpoints(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """up_config.json keeps --run-dir as given (relative): the moved-folder rule never matched,
-    and the resume of a moved toy run failed with `--model .../old/model: no such folder`."""
+    """up_config.json kept --run-dir as given (relative): the moved-folder rule never matched,
+    and the resume of a moved toy run failed with `--model .../old/model: no such folder`.
+    Folders saved so still resume (their launch folder joined); new ones keep it absolute."""
     monkeypatch.chdir(tmp_path)
     old = launcher.UpConfig(run_dir="old", save=str(tmp_path / "old" / "ck")).absolute()
     old = dataclasses.replace(old, model=str(tmp_path / "old" / "model"))
     (tmp_path / "old").mkdir()
     save_config(tmp_path / "old", old)
+    saved = json.loads((tmp_path / "old" / "up_config.json").read_text())
+    assert saved["run_dir"] == str(tmp_path / "old")
+    for kept in (str(tmp_path / "old"), "old"):  # this version's, an older version's
+        (tmp_path / "old" / "up_config.json").write_text(json.dumps({**saved, "run_dir": kept}))
+        (tmp_path / "old").rename(tmp_path / "new")
+        resumed, problems = resumed_config(launcher.UpConfig(resume="new"), set())
+        assert problems == []
+        new = (str(tmp_path / "new/model"), str(tmp_path / "new/ck"))
+        assert (resumed.model, resumed.save) == new, kept
+        (tmp_path / "new").rename(tmp_path / "old")
     (tmp_path / "old").rename(tmp_path / "new")
-    resumed, problems = resumed_config(launcher.UpConfig(resume="new"), set())
-    assert problems == []
-    assert (resumed.model, resumed.save) == (str(tmp_path / "new/model"), str(tmp_path / "new/ck"))
     elsewhere = launcher.UpConfig(resume="new", save="/data/ck")
     assert resumed_config(elsewhere, {"save"})[0].save == "/data/ck", "a --save given wins"
 
