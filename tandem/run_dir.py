@@ -13,7 +13,9 @@ import secrets
 import shlex
 import shutil
 import signal
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -109,11 +111,43 @@ def write_summary(run_dir: Path, summary: dict) -> None:
     )
 
 
+class Console:
+    """sys.stdout or sys.stderr of `tandem up`: once a write fails (the terminal closed, the
+    pipe's reader gone: `tandem up | head`), the rest goes nowhere and `on_lost` is called
+    (the run then stops as on Ctrl-C: it crashed at the failed write, its summary unwritten)."""
+
+    def __init__(self, stream: IO[str], on_lost: Callable[[], None]) -> None:
+        self.stream, self.on_lost = stream, on_lost
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError:
+            self._lost()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError:
+            self._lost()
+
+    def _lost(self) -> None:
+        self.stream = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+        self.on_lost()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.stream, name)
+
+
 def install_interrupt_handler(flag: list[bool]) -> None:
-    """Ctrl-C / SIGTERM set a flag the monitor loop checks (children are stopped there)."""
+    """Ctrl-C, SIGTERM, SIGHUP (the terminal closed) and a console that can no longer be
+    written set a flag the monitor loop checks (children are stopped there)."""
 
     def handler(signum: int, _frame: object) -> None:
         flag.append(True)
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, handler)
+    sys.stdout = Console(sys.stdout, lambda: flag.append(True))  # type: ignore[assignment]
+    sys.stderr = Console(sys.stderr, lambda: flag.append(True))  # type: ignore[assignment]

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -457,3 +458,28 @@ def test_a_resume_of_a_run_that_met_its_accuracy_goal_says_it_would_stop_again(
     goal = launcher.UpConfig(resume=str(tmp_path), stop_accuracy=0.0)
     resumed_config(goal, {"stop_accuracy"})
     assert "accuracy goal" not in capsys.readouterr().out, "a goal given again is the user's"
+
+
+def test_a_closed_terminal_or_console_pipe_stops_the_run_as_ctrl_c_does() -> None:
+    """SIGHUP (an ssh session gone) ended tandem up at once, its summary unwritten; a console
+    pipe whose reader left (`tandem up | head`) crashed it at its next line."""
+    script = (
+        "import os, signal, sys\n"
+        "from tandem.run_dir import install_interrupt_handler\n"
+        "flag = []\n"
+        "install_interrupt_handler(flag)\n"
+        "os.kill(os.getpid(), signal.SIGHUP)\n"
+        "sys.stderr.write(f'flag after SIGHUP: {flag}\\n')\n"
+        "flag.clear()\n"
+        "sys.stdout.flush()\n"
+        "os.close(1)\n"  # (the pipe's reader is gone: a write fails)
+        "print('lost', flush=True)\n"
+        "sys.stderr.write(f'flag after a failed write: {flag}\\n')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=root
+    )
+    assert done.returncode == 0, done.stderr
+    assert "flag after SIGHUP: [True]" in done.stderr
+    assert "flag after a failed write: [True]" in done.stderr
