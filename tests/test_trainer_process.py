@@ -204,14 +204,15 @@ def wait_ready(proc: subprocess.Popen, ready: Path) -> None:
     assert ready.exists(), proc.communicate()[1][-3000:]
 
 
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP])  # (a closed terminal)
 def test_trainer_exits_cleanly_on_sigterm_while_waiting_for_samples(
-    buffer, toy_model_dir: Path, tmp_path: Path
+    buffer, toy_model_dir: Path, tmp_path: Path, number: int
 ) -> None:
     ready = tmp_path / "ready.json"
     proc = start_trainer(buffer, toy_model_dir, ready)
     try:
         wait_ready(proc, ready)
-        proc.terminate()
+        proc.send_signal(number)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err[-3000:]
     finally:

@@ -188,9 +188,9 @@ class Trainer:
         if self.lease is not None:
             self.lease.release()
 
-    def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
+    def install_signal_handlers(self) -> None:  # (SIGHUP: a trainer run in a closed terminal)
+        for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(number, self.request_stop)
 
     # --- the loop -----------------------------------------------------------------------------
 
