@@ -182,6 +182,26 @@ def greedy_groups(router: dict[str, Any], trainer: dict[str, Any]) -> str:
     )
 
 
+def unmeasured_goal(stop_accuracy: float, router: dict[str, Any]) -> str:
+    """A held-out accuracy goal the router never measures ("" when it does, or no goal): the
+    run said it would stop there and could only end at --max-steps."""
+    if stop_accuracy <= 0:
+        return ""
+    if router["eval_interval"] == 0:
+        why, fix = "the router's --eval-interval 0 never evaluates", "an --eval-interval"
+    elif router["prompt_data"] and not router["eval_prompt_data"]:
+        if router["eval_heldout_fraction"] > 0:
+            return ""
+        why = "the router holds no prompts out (no --eval-prompt-data, --eval-heldout-fraction 0)"
+        fix = "--eval-prompt-data"
+    else:
+        return ""
+    return (
+        f"--stop-accuracy {stop_accuracy:g} is a held-out accuracy goal, but {why}: the run "
+        f"could only end at --max-steps; give {fix}, or --stop-accuracy 0 (no goal)"
+    )
+
+
 UP_KEYS = {f.name for f in dataclasses.fields(UpConfig)}
 UP_ALIASES = {("broker", "transport"): "weight_transport", ("engine", "device"): "engine_device"}
 
@@ -214,7 +234,8 @@ def render(
     for name in ("router", "trainer", "broker", "engine"):
         extra = full[name][len(own[name]) :]
         tables[name], notes[name] = service_table(name, own[name][1:], extra, config_file)
-    if problem := greedy_groups(tables["router"], tables["trainer"]):
+    goal = unmeasured_goal(config.by_model("stop_accuracy"), tables["router"])
+    if problem := greedy_groups(tables["router"], tables["trainer"]) or goal:
         raise ConfigError(problem)
     header = (
         f"{RENDERED}: the configuration of this run, every service.\n"

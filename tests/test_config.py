@@ -254,6 +254,29 @@ def test_greedy_rollouts_with_a_group_relative_advantage_are_refused_naming_both
         assert launcher.parse(fine)[1] == [], fine
 
 
+def test_an_accuracy_goal_the_router_never_measures_is_refused(tmp_path: Path) -> None:
+    """The run said `stop at held-out accuracy >= 0.9` and ran to --max-steps, unmeasured."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "12", "label": "21"}\n')
+    own = ["--prompt-data", str(data), "--rm-type", "exact_match"]
+    for argv, said in [
+        (["--router-args", "--eval-interval 0"], "but the router's --eval-interval 0 never"),
+        (
+            [*own, "--stop-accuracy", "0.5", "--router-args", "--eval-heldout-fraction 0"],
+            "holds no",
+        ),
+    ]:
+        problems = launcher.parse(argv)[1]
+        assert len(problems) == 1 and said in problems[0], problems
+        assert "--stop-accuracy 0 (no goal)" in problems[0]
+    for fine in (
+        ["--router-args", "--eval-interval 0", "--stop-accuracy", "0"],
+        [*own, "--stop-accuracy", "0.5"],  # (5% held out)
+        [*own, "--router-args", "--eval-heldout-fraction 0", "--stop-accuracy", "0"],
+    ):
+        assert launcher.parse(fine)[1] == [], fine
+
+
 def test_a_reward_is_a_module_or_a_file_looked_up_from_the_current_directory_and_a_file_imports_its_neighbours(
     tmp_path: Path, monkeypatch
 ) -> None:
