@@ -217,6 +217,10 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
         "up_config.json: left/checkpoints (step 400) and left/redis; a new run would go on from "
         "them (the trainer from the checkpoint, not --model;",
         ("--run-dir", "spare", "--save", "left/checkpoints"): "left/checkpoints (step 400); a",
+        # two rewards: the router took --rm-url over the other without a word
+        ("--rm-type", "boxed", "--router-args=--rm-url http://127.0.0.1:9/score"): (
+            "router: give one reward, not --rm-type boxed and --rm-url http://127.0.0.1:9/score"
+        ),
         (
             "--keep-checkpoints",
             "-1",

@@ -325,7 +325,7 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    """How a response is scored: --rm-url, else --custom-rm-path, else --rm-type."""
+    """How a response is scored: one of --rm-type, --custom-rm-path, --rm-url."""
 
     rm_type: str = field(
         default="",
@@ -372,6 +372,10 @@ class RewardConfig:
     )
 
     def validate(self) -> None:
+        ways = ("rm_type", "custom_rm_path", "rm_url")  # (one was taken over the others)
+        given = [f"--{k.replace('_', '-')} {getattr(self, k)}" for k in ways if getattr(self, k)]
+        if len(given) > 1:
+            raise ValueError(f"give one reward, not {' and '.join(given)}")
         if self.rm_timeout_s <= 0 or self.rm_workers < -1 or self.rm_retries < 0:
             raise ValueError("--rm-timeout-s must be > 0, --rm-workers >= -1, --rm-retries >= 0")
         if self.rm_max_errors_in_a_row < 0:

@@ -340,7 +340,7 @@ async def make_reward(
     workers: int = 0,
     max_errors_in_a_row: int = 0,
 ) -> Reward:
-    """The reward the flags ask for: `--rm-url` over `--custom-rm-path` over `--rm-type`; a
+    """The reward the flags ask for (one of `--rm-url`, `--custom-rm-path`, `--rm-type`); a
     plain (not async) `--custom-rm-path` function runs in `workers` processes (0: inline) and
     is `broken` after `max_errors_in_a_row` failures in a row (0: never). With workers, the
     first one loads the function before the router serves (a bad path, or a function that
