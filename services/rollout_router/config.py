@@ -371,9 +371,10 @@ class RewardConfig:
         },
     )
 
-    def validate(self) -> None:
+    def validate(self, env_url: str = "") -> None:
         ways = ("rm_type", "custom_rm_path", "rm_url")  # (one was taken over the others)
         given = [f"--{k.replace('_', '-')} {getattr(self, k)}" for k in ways if getattr(self, k)]
+        given += [f"--env-url {env_url} (its /step rewards)"] if env_url else []
         if len(given) > 1:
             raise ValueError(f"give one reward, not {' and '.join(given)}")
         if self.rm_timeout_s <= 0 or self.rm_workers < -1 or self.rm_retries < 0:
@@ -470,7 +471,7 @@ class RouterConfig:
         self.workers.validate()
         self.rollout.validate(model)
         self.sampling.validate()
-        self.reward.validate()
+        self.reward.validate(self.env.env_url)
         self.buffer.validate()
         if problem := reward_problem(self.data.prompt_data, self.scored()):
             raise ValueError(problem)
