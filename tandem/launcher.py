@@ -423,8 +423,8 @@ def validate(config: UpConfig, model_named: bool = False) -> list[str]:
     """What is wrong with `config`, each naming its flag (`model_named`: --model's problem is
     said already)."""
     problems = []
-    if config.num_engines < 1:
-        problems.append("--num-engines must be at least 1")
+    if config.num_engines < 1 or config.trainer_procs < 1:  # (--trainer-procs 0 ran one)
+        problems.append("--num-engines and --trainer-procs must be at least 1")
     model = "" if model_named else config.model
     if model and not Path(model).is_dir():
         problems.append(f"--model {model}: no such folder (a Hugging Face model's)")

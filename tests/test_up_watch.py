@@ -221,6 +221,7 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
         ("--rm-type", "boxed", "--router-args=--rm-url http://127.0.0.1:9/score"): (
             "router: give one reward, not --rm-type boxed and --rm-url http://127.0.0.1:9/score"
         ),
+        ("--trainer-procs", "0"): "--num-engines and --trainer-procs must be at least 1",
         ("--rm-type", "boxed", "--env-url", "http://127.0.0.1:9"): (  # (--rm-type was unused)
             "give one reward, not --rm-type boxed and --env-url http://127.0.0.1:9 (its /step"
         ),
