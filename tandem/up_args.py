@@ -206,7 +206,8 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
         found := reach_launch_dir(resumed.custom_rm_path, saved.get(LAUNCH_DIR) or "")
     ):
         print(f"[up] {found}", flush=True)
-    if note := goal_met_note(run_dir, resumed.stop_accuracy, given):
+    summary = last_summary(run_dir)
+    if note := goal_met_note(summary, resumed.stop_accuracy, given):
         print(f"[up] {note}", flush=True)
     checkpoints = Path(resumed.save or run_dir / "checkpoints")
     done, trained, every = steps_saved(checkpoints), steps_recorded(run_dir), resumed.save_interval
@@ -214,7 +215,7 @@ def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
     gone = not done and not checkpoints.exists()
     lost = f"trained {trained} steps, saving every --save-interval {every}" if gone else ""
     lost = lost if every and trained >= every else ""
-    if not done and (before := saved_before(run_dir)):  # (a run that ended saved at its end)
+    if not done and (before := saved_before(summary)):  # (a run that ended saved at its end)
         lost = f"saved a checkpoint of step {before}"
     if lost and "--new-lineage" not in resumed.trainer_args:
         problems.append(
@@ -243,7 +244,8 @@ def taken_problem(run_dir: Path, save: str, own_redis: bool) -> str:
             "write over its model and mix with its Redis data and checkpoints)"
         )
     checkpoints, redis = Path(save or run_dir / "checkpoints"), run_dir / "redis"
-    left = [f"{checkpoints} (step {step})" for step in [steps_saved(checkpoints)] if step]
+    step = steps_saved(checkpoints)
+    left = [f"{checkpoints} (step {step})"] if step else []
     left += [str(redis)] if own_redis and redis.is_dir() and any(redis.iterdir()) else []
     if not left:
         return ""
@@ -266,24 +268,31 @@ def steps_saved(checkpoints: Path) -> int:
         return 0
 
 
-def saved_before(run_dir: Path) -> int:
-    """The step of the checkpoint the run's last launch left (its summary.json; 0: none)."""
+def last_summary(run_dir: Path) -> dict[str, Any]:
+    """The run's summary.json as its last launch left it ({} when there is none to read)."""
     try:
-        return int(json.loads((run_dir / "summary.json").read_text()).get("checkpoint_step") or 0)
-    except (OSError, ValueError, TypeError, AttributeError):
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
+def saved_before(summary: dict[str, Any]) -> int:
+    """The step of the checkpoint the run's last launch left (`last_summary`; 0: none)."""
+    try:
+        return int(summary.get("checkpoint_step") or 0)
+    except (ValueError, TypeError):
         return 0
 
 
-def goal_met_note(run_dir: Path, stop_accuracy: float, given: set[str]) -> str:
-    """A resume of a run that stopped at its accuracy goal, with that goal still set (not
-    given again): it would stop at its first evaluation again ("" otherwise)."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        reached = summary["outcome"] == "reached_accuracy" and "stop_accuracy" not in given
-        best = float(summary["accuracy_best"])
-    except (OSError, ValueError, TypeError, KeyError):
+def goal_met_note(summary: dict[str, Any], stop_accuracy: float, given: set[str]) -> str:
+    """A resume of a run that stopped at its accuracy goal (`last_summary`), with that goal
+    still set (not given again): it would stop at its first evaluation again ("" otherwise)."""
+    best = summary.get("accuracy_best")
+    reached = summary.get("outcome") == "reached_accuracy" and "stop_accuracy" not in given
+    if not reached or not isinstance(best, int | float) or stop_accuracy <= 0:
         return ""
-    if not reached or stop_accuracy <= 0 or best < stop_accuracy:  # (-1: an older folder's)
+    if best < stop_accuracy:  # (stop_accuracy -1: an older folder's)
         return ""
     return (
         f"the run stopped at its accuracy goal (held-out accuracy {best:.2f} >= --stop-accuracy "

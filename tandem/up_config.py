@@ -187,11 +187,10 @@ def unmeasured_goal(stop_accuracy: float, router: dict[str, Any]) -> str:
     run said it would stop there and could only end at --max-steps."""
     if stop_accuracy <= 0:
         return ""
+    held_out = router["eval_prompt_data"] or router["eval_heldout_fraction"] > 0
     if router["eval_interval"] == 0:
         why, fix = "the router's --eval-interval 0 never evaluates", "an --eval-interval"
-    elif router["prompt_data"] and not router["eval_prompt_data"]:
-        if router["eval_heldout_fraction"] > 0:
-            return ""
+    elif router["prompt_data"] and not held_out:
         why = "the router holds no prompts out (no --eval-prompt-data, --eval-heldout-fraction 0)"
         fix = "--eval-prompt-data"
     else:

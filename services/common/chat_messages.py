@@ -124,6 +124,12 @@ def as_template_messages(messages: list[dict[str, Any]], form: str) -> list[dict
     return out
 
 
+def joined_text(messages: list[dict[str, Any]]) -> str:
+    """`messages` without a chat template: their contents one after the other, checked and made
+    text as for a template that reads content as text (MessageError as `as_template_messages`)."""
+    return "".join(m["content"] for m in as_template_messages(messages, "string"))
+
+
 def _texts(parts: list[Any], index: int, role: str) -> list[str]:
     """The texts of a content's parts, an assistant's thinking parts left out; MessageError
     naming another."""

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 
 from proto import DropReason, Sample
-from services.common.chat_messages import MessageError, as_template_messages, template_messages
+from services.common.chat_messages import MessageError, joined_text, template_messages
 from services.rollout_router.calls import InFlight
 from services.rollout_router.chat_input import as_sglang_tool
 from services.rollout_router.config import EnvConfig
@@ -275,7 +275,7 @@ def joined(messages: Messages, where: str) -> str:
     text as for a template that reads content as text (roles, text parts: EnvError naming one
     SGLang would refuse)."""
     try:
-        return "".join(m["content"] for m in as_template_messages(messages, "string"))
+        return joined_text(messages)
     except MessageError as exc:
         raise EnvError(DropReason.ENV_ERROR, f"{where}: {exc}") from exc
 

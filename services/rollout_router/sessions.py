@@ -33,7 +33,7 @@ import orjson
 from proto import DropReason, DropRecord, Sample
 from proto.contract import SampleLimits
 from proto.packed import IDS, LOGPROBS, PackedGroup, PackedSample, pack_sample
-from services.common.chat_messages import MessageError, as_template_messages
+from services.common.chat_messages import MessageError, joined_text
 from services.rollout_router.backpressure import BufferBound
 from services.rollout_router.chat_input import (
     TurnError,
@@ -332,8 +332,7 @@ class AgentSessions:
             return list(encode_prompt(self.tokenizer, messages, True, tools, **(template or {})))
         if tools:
             raise TurnError("tools need the model's chat template, and its tokenizer has none")
-        text = "".join(m["content"] for m in as_template_messages(messages, "string"))
-        return list(self.tokenizer(text)["input_ids"])
+        return list(self.tokenizer(joined_text(messages))["input_ids"])
 
     async def chat(self, body: dict[str, Any], session_id: str) -> dict[str, Any]:
         """One OpenAI chat turn; raises TurnError (a ValueError) on a bad request, and
