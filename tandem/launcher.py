@@ -23,6 +23,7 @@ from services.rollout_router.config import DataConfig, reward_problem
 from services.rollout_router.tasks import first_row_problem, not_a_file
 from tandem.hub import hub_model
 from tandem.up_args import (
+    below_zero,
     conflicts,
     given_fields,
     join_passthrough,
@@ -423,8 +424,9 @@ def validate(config: UpConfig, model_named: bool = False) -> list[str]:
     """What is wrong with `config`, each naming its flag (`model_named`: --model's problem is
     said already)."""
     problems = []
-    if config.num_engines < 1 or config.trainer_procs < 1:  # (--trainer-procs 0 ran one)
-        problems.append("--num-engines and --trainer-procs must be at least 1")
+    if min(config.num_engines, config.trainer_procs, config.max_steps) < 1:
+        problems.append("--num-engines, --trainer-procs and --max-steps must be at least 1")
+    problems += below_zero(config, MODEL_DEFAULTS)  # (-5 was taken for the default)
     model = "" if model_named else config.model
     if model and not Path(model).is_dir():
         problems.append(f"--model {model}: no such folder (a Hugging Face model's)")
@@ -432,8 +434,6 @@ def validate(config: UpConfig, model_named: bool = False) -> list[str]:
         problems.append(f"--model {model}: no config.json there (expected a HF directory)")
     if not 0 <= config.by_model("stop_accuracy") <= 1:
         problems.append("--stop-accuracy must be within [0, 1] (or -1: the model's default)")
-    if config.max_steps < 1:
-        problems.append("--max-steps must be at least 1")
     if not config.resume and config.run_dir:
         own_redis = not config.redis_url
         problems += filter(None, [taken_problem(Path(config.run_dir), config.save, own_redis)])
