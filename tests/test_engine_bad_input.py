@@ -4,6 +4,7 @@ mutating routes need the run's token; its OpenAPI schema publishes every body.""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,11 +137,11 @@ def test_a_service_without_a_token_refuses_a_public_address(toy_model_dir: Path)
     assert done.returncode != 0 and "TANDEM_API_TOKEN" in done.stderr
 
 
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP])  # (a closed terminal)
 def test_sigterm_ends_requests_held_by_a_pause_with_an_abort_reason_and_exits(
-    start_service, toy_model_dir: Path
+    start_service, toy_model_dir: Path, number: int
 ) -> None:  # type: ignore[no-untyped-def]
     import concurrent.futures
-    import signal
 
     service = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
     assert httpx.post(service.url + "/pause_generation", json={"mode": "in_place"}).is_success
@@ -149,7 +150,7 @@ def test_sigterm_ends_requests_held_by_a_pause_with_an_abort_reason_and_exits(
         held = pool.submit(httpx.post, service.url + "/generate", json=body, timeout=60)
         time.sleep(0.5)  # the request is waiting on the pause (nothing else would end it)
         assert not held.done()
-        os.kill(service.proc.pid, signal.SIGTERM)
+        os.kill(service.proc.pid, number)
         reply = held.result(timeout=60)
     assert reply.status_code == 200
     reason = reply.json()["meta_info"]["finish_reason"]

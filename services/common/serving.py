@@ -25,8 +25,10 @@ import errno
 import json
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -174,7 +176,7 @@ def serve(
     on_shutdown: Callable[[], None] | None = None,
     sock: socket.socket | None = None,
 ) -> None:
-    """Serve `app` until SIGINT/SIGTERM; raise `ListenError` if the port is taken.
+    """Serve `app` until SIGINT/SIGTERM (SIGHUP taken as SIGTERM); raise `ListenError` if the port is taken.
 
     `extra` entries are added to the ready file (e.g. other endpoints the service bound); a
     callable value is called once the app has started (its lifespan ran). Bodies over
@@ -220,4 +222,7 @@ def serve(
                 )
 
         server.startup = startup  # type: ignore[method-assign]
+    if threading.current_thread() is threading.main_thread():  # (a closed terminal: SIGTERM's
+        # graceful stop, where SIGHUP's default ended the service mid-request)
+        signal.signal(signal.SIGHUP, lambda *_: server.handle_exit(signal.SIGTERM, None))
     server.run(sockets=[sock])
