@@ -416,6 +416,23 @@ def test_the_held_out_prompts_are_at_most_eval_max_prompts(toy_model_dir, tmp_pa
     again = dataset_task(tokenizer, *evals, False, seed=3, eval_max=50)
     assert len(task.heldout) == 50 and task.heldout == again.heldout and len(task.train) == 400
     assert task.heldout_source == f"50 of the 300 prompts of {evals[1]} (--eval-max-prompts)"
+    # (held out of nothing: every one is trained on, which the run said nowhere)
+    assert task.notes == (
+        f"50 of the 50 held-out prompts ({evals[1]}) are prompts of {evals[0]} too: the held-out "
+        "accuracy counts prompts the run trains on (give --eval-prompt-data a file of other "
+        "prompts, or leave it out: --eval-heldout-fraction then holds prompts of --prompt-data "
+        "out of training)",
+    )
+    assert not dataset_task(tokenizer, *data, heldout_fraction=0.5, seed=3).notes
+    # one file as both: what is said of its rows is said once (it was said twice)
+    long_row = json.dumps({"prompt": "1" * 80 + ">", "label": "1"})
+    (tmp_path / "both.jsonl").write_text("\n".join([*rows[:10], long_row]))
+    both = (str(tmp_path / "both.jsonl"),) * 2
+    notes = dataset_task(tokenizer, *both, "prompt", "label", False, context_len=64).notes
+    assert [note[:32] for note in notes] == [
+        "1 of 11 rows of " + both[0][:16],
+        "10 of the 10 held-out prompts (" + both[0][:1],
+    ]
 
 
 def test_a_long_dataset_read_says_how_far_it_is(toy_model_dir, tmp_path, monkeypatch, caplog):

@@ -354,7 +354,7 @@ def dataset_task(
     name = Path(train_path).stem
     if eval_path:
         heldout, more = load_items(tokenizer, eval_path, *keys, "--eval-prompt-data", context_len)
-        notes += more
+        notes += tuple(note for note in more if note not in notes)  # (the same file: said once)
         source = f"{len(heldout)} prompts of {eval_path}"
         if eval_max and len(heldout) > eval_max:
             heldout = [
@@ -362,6 +362,14 @@ def dataset_task(
                 for i in sorted(random.Random(seed).sample(range(len(heldout)), eval_max))
             ]
             source = f"{eval_max} of the {source} (--eval-max-prompts)"
+        trained = {tuple(item.input_ids) for item in train}
+        if shared := sum(tuple(item.input_ids) in trained for item in heldout):
+            notes += (
+                f"{shared} of the {len(heldout)} held-out prompts ({eval_path}) are prompts of "
+                f"{train_path} too: the held-out accuracy counts prompts the run trains on (give "
+                "--eval-prompt-data a file of other prompts, or leave it out: "
+                "--eval-heldout-fraction then holds prompts of --prompt-data out of training)",
+            )
         return Task(name, train, heldout, heldout_source=source, notes=notes)
     count = min(max(1, round(heldout_fraction * len(train))), len(train) - 1)
     capped = bool(eval_max) and count > eval_max
