@@ -12,7 +12,10 @@ Two checks, both run from the launcher's monitor loop (no thread of their own):
   model may take longer than `stall_warn_s`, and is progress; groups put and dropped are not)
   for `stall_warn_s`, print what each service waits for (the `ServiceStatus` records they keep
   in Redis, `proto/contract.py`), again every `stall_warn_s` while the stall lasts; after
-  `stall_fail_s` end the run with that diagnosis.
+  `stall_fail_s` end the run with that diagnosis. A rollout paused or stopped on request
+  (`POST /rollout/pause`, `/rollout/stop`, the dashboard) is no stall: the operator asked for
+  it, and it ended a run they meant to resume. The watchdog says so when it begins, every
+  `stall_warn_s` while it lasts and when it ends; the stall clock starts again at its end.
 
 Knows: the status records and the health routes. Does not know why a service waits: each
 service says that itself, in words a user can act on.
@@ -36,6 +39,7 @@ HEALTH_INTERVAL_S = 2.0
 HEALTH_FAILURES = 2  # in a row: one slow answer under load is not a death
 HEALTH_TIMEOUT_S = 3.0
 ROLES = ("trainer", "router", "broker")
+HELD = ("paused", "stopped")  # the router's loop, with what starts it again: held on request
 
 
 def health_problem(url: str) -> tuple[str, bool]:
@@ -101,6 +105,7 @@ class Watchdog:
         self.silent_since: dict[str, float] = {}
         self.last_step = 0
         self.in_hand = -1  # the trainer's groups for its next step at the last look
+        self.held_since = 0.0  # when the rollout was seen held on request (0: it is not)
 
     def step_done(self, step: int) -> None:
         self.last_step_at = time.monotonic()
@@ -109,14 +114,37 @@ class Watchdog:
     def groups_arrived(self) -> bool:
         """Whether the trainer holds more groups for its next step than at the last look (its
         status's `groups_in_hand`; False when Redis does not answer: its outage is said
-        elsewhere). Groups put and then dropped are no progress."""
+        elsewhere), or the rollout is held on request (`held`). Groups put and then dropped
+        are no progress."""
         try:
-            trainer = self.buffer.statuses().get("trainer")
+            statuses = self.buffer.statuses()
         except RedisError:
             return False
+        trainer = statuses.get("trainer")
         in_hand = int(trainer.detail.get("groups_in_hand", 0)) if trainer else 0
         arrived, self.in_hand = in_hand > self.in_hand >= 0, in_hand
-        return arrived
+        return self.held(statuses.get("router")) or arrived
+
+    def held(self, router: ServiceStatus | None) -> bool:
+        """Whether the router's rollout is paused or stopped on request, said when that begins,
+        every `stall_warn_s` while it lasts and when it ends."""
+        now = time.monotonic()
+        if router is None or router.state not in HELD or not router.waiting_for:
+            if self.held_since:
+                self.say(f"rollout goes on after {now - self.held_since:.0f} s held on request")
+                self.held_since = 0.0
+            return False
+        if not self.held_since:
+            self.held_since = self.last_warned_at = now
+            self.say(
+                f"rollout {router.state} on request: the run waits for {router.waiting_for}; "
+                "no progress is expected, and none is asked for (--stall-fail-s) until it goes on"
+            )
+        elif now - self.last_warned_at >= self.stall_warn_s:
+            self.last_warned_at = now
+            waited = now - self.held_since
+            self.say(f"rollout {router.state} on request for {waited:.0f} s: {router.waiting_for}")
+        return True
 
     def check(self) -> str:
         now = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import httpx
 
 from proto.contract import SampleLimits
 from services.sample_buffer import SampleBuffer
+from tandem.watchdog import Watchdog
 from tests.helpers import router_args as shared_router_args
 from tests.helpers import wait_until
 
@@ -38,13 +40,38 @@ def test_rollout_starts_pauses_resumes_and_stops_on_request(
     paused = wait_until(lambda: (s := status(router))["state"] == "paused" and s, "pause")
     depths = {buffer.depth() for _ in range(20)}
     assert depths == {paused["groups_put"]}, "no groups while paused"
+    # tandem up's watchdog: a pause on request is no stall (it ended the run at --stall-fail-s)
+    said: list[str] = []
+    watchdog = Watchdog(buffer, {}, stall_warn_s=0.2, stall_fail_s=0.4, say=said.append)
+    assert held_through(watchdog, buffer, "paused") == ["", "", "", "", "", "", "", ""]
+    assert said[0].startswith("rollout paused on request: the run waits for POST /rollout/resume")
+    assert re.fullmatch(r"rollout paused on request for \d+ s: POST /rollout/resume.*", said[-1])
     httpx.post(router.url + "/rollout/resume", headers=TOKEN)
     wait_until(lambda: buffer.depth() > paused["groups_put"], "groups after resume")
+    wait_until(lambda: look(watchdog) is not None and watchdog.held_since == 0, "the watchdog")
+    assert re.fullmatch(r"rollout goes on after \d+ s held on request", said[-1])
     assert httpx.post(router.url + "/rollout/stop", headers=TOKEN).json() == {"running": False}
     stopped = status(router)
     assert stopped["running"] is False and stopped["state"] == "stopped"
     # (what tandem up's no-progress report shows: the old code said nothing, "is not waiting")
     assert stopped["waiting_for"] == "POST /rollout/start (rollout was stopped on request)"
+    assert held_through(watchdog, buffer, "stopped") == [""] * 8
+    assert said[-1].startswith("rollout stopped on request")
+
+
+def held_through(watchdog: Watchdog, buffer: SampleBuffer, state: str) -> list[str]:
+    """The watchdog's checks over twice its --stall-fail-s, the router's status `state`."""
+    wait_until(lambda: buffer.statuses()["router"].state == state, f"the {state} status")
+    problems = []
+    for _ in range(8):
+        problems.append(look(watchdog))
+        time.sleep(0.1)
+    return problems
+
+
+def look(watchdog: Watchdog) -> str:
+    watchdog.last_health_at = 0.0  # do not wait out the interval
+    return watchdog.check()
 
 
 def test_stopping_mid_batch_counts_the_groups_in_flight_as_cancelled(
