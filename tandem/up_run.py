@@ -38,6 +38,9 @@ from tandem.up_engines import Restarts, wait_engines_synced
 from tandem.up_services import TRAINED_MODEL, service_args, shared_gpus, trains_in_bf16
 from tandem.watchdog import Watchdog
 
+# What stopping a run waits for (tandem up says it when Ctrl-C comes, and when it is slow).
+STOPPING = " (the router first; the trainer saves its last checkpoint, within --stop-timeout-s)"
+
 
 def gpu_env(gpus: list[int]) -> dict[str, str] | None:
     """CUDA_VISIBLE_DEVICES for a child given GPU indices (None: inherit)."""
@@ -301,8 +304,9 @@ class UpRun:
             if goal and progress.accuracy >= goal:
                 self.outcome = "reached_accuracy"
                 return 0
-            if self.interrupted:
+            if self.interrupted:  # (said at once: a second Ctrl-C came before any word)
                 self.outcome = "interrupted"
+                say(f"interrupted: stopping every service{STOPPING}; Ctrl-C again kills them now")
                 return 130
             child = self.supervisor.exited()
             if child is not None and not restarts.restart(child):
@@ -383,17 +387,14 @@ class UpRun:
         bound = self.config.stop_timeout_s
 
         def slow(names: list[str]) -> None:
-            say(
-                f"waiting for {', '.join(names)} to stop (the trainer saves its last checkpoint; "
-                f"up to {bound:.0f} s, --stop-timeout-s; Ctrl-C again kills them now)"
-            )
+            say(f"waiting for {', '.join(names)} to stop{STOPPING}; Ctrl-C again kills them now")
 
-        for name in self.supervisor.stop_all(bound, slow, first=("router",)):
+        interrupts = len(self.interrupted)
+        killed = self.supervisor.stop_all(bound, slow, first=("router",))
+        why = "Ctrl-C again" if len(self.interrupted) > interrupts else f"{bound:.0f} s passed"
+        for name in killed:
             cut = "; its last save may be cut short (--resume goes on from the last complete one)"
-            say(
-                f"{name} did not stop in time (--stop-timeout-s {bound:.0f}, or Ctrl-C): killed"
-                + (cut if name == "trainer" else "")
-            )
+            say(f"{name} killed ({why}; --stop-timeout-s)" + (cut if name == "trainer" else ""))
 
     @contextmanager
     def writing(self, what: str, whole: bool = False) -> Iterator[None]:

@@ -211,6 +211,8 @@ def test_ctrl_c_stops_every_service_and_leaves_tensorboard_scalars_and_a_timelin
     # The trainer's last version does not wait (15 s) for engines that are stopping too.
     assert time.monotonic() - stopping < 12, run.output[-2000:]
     assert "waiting for trainer to stop" not in run.output, run.output[-2000:]
+    # said at once (it said nothing until 5 s later, when services were slow to stop)
+    assert "[up] interrupted: stopping every service (the router first; the trainer" in run.output
     wait_until(lambda: not [c for c in run.children if alive(c)], "every service to end", 10)
     summary = json.loads((run.run_dir / "summary.json").read_text())
     assert summary["outcome"] == "interrupted"

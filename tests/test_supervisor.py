@@ -5,11 +5,13 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
 
 from tandem.supervisor import ChildFailedError, StartInterruptedError, Supervisor
+from tandem.up_run import UpRun
 from tests.helpers import wait_until
 
 
@@ -116,6 +118,24 @@ def test_stop_all_says_who_is_slow_to_stop_and_names_who_it_had_to_kill(tmp_path
     assert 1.4 < time.monotonic() - started < 5
     assert killed == ["trainer"] and heard == [["trainer"]]
     assert quick.proc.returncode == -15 and stubborn.proc.returncode == -9
+
+
+def test_a_second_ctrl_c_kills_what_still_runs_and_says_so(tmp_path: Path, capsys) -> None:
+    """A second Ctrl-C while the trainer saves kills it: said as that (it was said as "did not
+    stop in time (--stop-timeout-s 300, or Ctrl-C)", after a second of waiting)."""
+    interrupted = [True]
+    supervisor = Supervisor(tmp_path / "logs", interrupted)
+    supervisor.start("trainer", [], ready=False, program=["sh", "-c", "trap '' TERM; sleep 300"])
+    time.sleep(0.3)  # sh has set its trap
+    threading.Timer(0.5, interrupted.append, [True]).start()
+    config = SimpleNamespace(stop_timeout_s=300.0)
+    run = SimpleNamespace(config=config, supervisor=supervisor, interrupted=interrupted)
+    started = time.monotonic()
+    UpRun.stop_services(run)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 5
+    assert (
+        "[up] trainer killed (Ctrl-C again; --stop-timeout-s); its last save may be cut short"
+    ) in capsys.readouterr().out
 
 
 def test_the_services_named_first_have_stopped_before_the_others_are_signalled(
