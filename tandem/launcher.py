@@ -4,8 +4,9 @@ Start order: Redis (unless --redis-url/REDIS_URL) -> engines -> weight broker ->
 trainer. The launcher then only watches: it reads the metrics stream from Redis, prints one line
 per trainer step, appends every record to `RUN_DIR/metrics.jsonl`, and stops everything when the
 held-out accuracy reaches --stop-accuracy, the trainer finishes --max-steps, --time-limit-s
-passes, a child dies, or Ctrl-C. Exit code: 0 when the run reached its goal, 1 otherwise,
-130 on Ctrl-C. Services talk only over HTTP, Redis and ZMQ, exactly as in a multi-host setup.
+passes, a child dies, or Ctrl-C. Exit code: 0 when the run reached its goal, 2 when a flag, file
+or setting is refused before training (the message names it), 130 on Ctrl-C (or SIGTERM, SIGHUP),
+1 otherwise. Services talk only over HTTP, Redis and ZMQ, exactly as in a multi-host setup.
 """
 
 from __future__ import annotations
