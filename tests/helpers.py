@@ -1,6 +1,6 @@
 """Small helpers shared by the tests: waiting for a condition, reading the sample buffer, JSON
-over HTTP, a free port, a JSON-answering request handler for stand-in servers, and the toy
-model with a chat template."""
+over HTTP, a free port, a JSON-answering request handler for stand-in servers served in a
+thread, and the toy model with a chat template."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +74,19 @@ class JsonHandler(BaseHTTPRequestHandler):
 
     def log_message(self, *args: Any) -> None:
         pass
+
+
+@contextmanager
+def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """`handler` served on a free loopback port by a thread (a thread a request) until the
+    block ends; its URL. (Its socket stays bound after: a request then waits, unanswered.)"""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
 
 
 def with_chat_template(model_dir: Path, out: Path, template: str) -> Path:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tandem.cli import COMMANDS
+from tests.helpers import serving
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,19 +179,14 @@ def test_a_router_waiting_for_its_engines_says_so_until_its_bound(redis_server: 
 
 def test_a_router_given_a_server_that_is_no_engine_says_so_at_once(redis_server: Any) -> None:
     """A URL that answers 404 (another service on that port) was waited for 300 s."""
-    from http.server import HTTPServer, SimpleHTTPRequestHandler
+    from http.server import SimpleHTTPRequestHandler
 
-    server = HTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with serving(SimpleHTTPRequestHandler) as url:
         result = tandem(
             "router",
             *("--engine-urls", url, "--redis-url", redis_server.url, "--run-id", "router-404"),
             *("--engine-wait-timeout-s", "300", "--no-rollout"),
         )
-    finally:
-        server.shutdown()
     assert result.returncode == 1, result.stderr[-2000:]
     assert f"{url} answers GET /model_info with HTTP 404: no SGLang server" in result.stderr
 

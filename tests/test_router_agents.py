@@ -7,11 +7,10 @@ import asyncio
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from http.server import ThreadingHTTPServer
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,7 +21,7 @@ import pytest
 
 from proto.contract import SampleLimits
 from services.sample_buffer import SampleBuffer
-from tests.helpers import JsonHandler, read_all, wait_until, with_chat_template
+from tests.helpers import JsonHandler, read_all, serving, wait_until, with_chat_template
 from tests.helpers import router_args as shared_router_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,18 +74,13 @@ class ScriptedEnv(JsonHandler):
 
 @pytest.fixture
 def env_server() -> Iterator[Callable[..., str]]:
-    servers = []
+    with ExitStack() as servers:
 
-    def _start(**attrs: Any) -> str:
-        handler = type("Env", (ScriptedEnv,), {"turns": {}, **attrs})
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}"
+        def _start(**attrs: Any) -> str:
+            handler = type("Env", (ScriptedEnv,), {"turns": {}, **attrs})
+            return servers.enter_context(serving(handler))
 
-    yield _start
-    for server in servers:
-        server.shutdown()
+        yield _start
 
 
 def test_episodes_keep_exact_tokens_and_mask_environment_tokens(

@@ -6,9 +6,8 @@ from __future__ import annotations
 import gzip
 import json
 import re
-import threading
 from collections.abc import Callable, Iterator
-from http.server import ThreadingHTTPServer
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -23,7 +22,14 @@ from services.rollout_router.tasks import (
     load_items,
 )
 from services.sample_buffer import SampleBuffer
-from tests.helpers import JsonHandler, read_all, router_args, wait_until, with_chat_template
+from tests.helpers import (
+    JsonHandler,
+    read_all,
+    router_args,
+    serving,
+    wait_until,
+    with_chat_template,
+)
 
 CHAT_TEMPLATE = (
     "<bos>{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -223,18 +229,13 @@ class RewardHandler(JsonHandler):
 
 @pytest.fixture
 def reward_server() -> Iterator[Callable[[bool], str]]:
-    servers = []
+    with ExitStack() as servers:
 
-    def _start(fail: bool) -> str:
-        handler = type("Handler", (RewardHandler,), {"fail": fail, "calls": 0})
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}/score"
+        def _start(fail: bool) -> str:
+            handler = type("Handler", (RewardHandler,), {"fail": fail, "calls": 0})
+            return servers.enter_context(serving(handler)) + "/score"
 
-    yield _start
-    for server in servers:
-        server.shutdown()
+        yield _start
 
 
 def test_a_remote_reward_service_scores_samples(

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 from collections.abc import Callable, Iterator
-from http.server import ThreadingHTTPServer
+from contextlib import ExitStack
 from typing import ClassVar
 
 import httpx
 import pytest
 
-from tests.helpers import JsonHandler
+from tests.helpers import JsonHandler, serving
 
 GEN = {"input_ids": [1, 4, 5, 14], "sampling_params": {"max_new_tokens": 4}, "stream": True}
 FIRST_EVENT = {"text": "5", "output_ids": [9], "meta_info": {"id": "r1", "finish_reason": None}}
@@ -73,20 +72,14 @@ class DyingWorker(JsonHandler):
 @pytest.fixture
 def dying_worker() -> Iterator[Callable[[str], tuple[str, list[str]]]]:
     """`dying_worker(mode)` -> (URL, the list of its /generate calls)."""
-    servers = []
+    with ExitStack() as servers:
 
-    def _start(mode: str) -> tuple[str, list[str]]:
-        calls: list[str] = []
-        handler = type("Worker", (DyingWorker,), {"mode": mode, "generate_calls": calls})
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}", calls
+        def _start(mode: str) -> tuple[str, list[str]]:
+            calls: list[str] = []
+            handler = type("Worker", (DyingWorker,), {"mode": mode, "generate_calls": calls})
+            return servers.enter_context(serving(handler)), calls
 
-    yield _start
-    for server in servers:
-        server.shutdown()
+        yield _start
 
 
 def start_router(start_service, buffer, urls: list[str]):

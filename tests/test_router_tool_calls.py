@@ -9,16 +9,14 @@ import operator
 import re
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
 
 import httpx
 import pytest
 
-from tests.helpers import read_all, wait_until
+from tests.helpers import read_all, serving, wait_until
 from tests.test_router_agents import ROOT, ScriptedEnv, router_args
 
 # A Hermes/Qwen-style template over a character-level vocabulary: tool results become
@@ -136,10 +134,8 @@ class ToolEnv(ScriptedEnv):
 @pytest.fixture
 def tool_env() -> Iterator[tuple[str, list[dict]]]:
     steps: list[dict] = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Env", (ToolEnv,), {"steps": steps}))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", steps
-    server.shutdown()
+    with serving(type("Env", (ToolEnv,), {"steps": steps})) as url:
+        yield url, steps
 
 
 def tool_router_args(buffer, model: Path, engine_url: str, env_url: str, *extra: str) -> list[str]:

@@ -7,8 +7,7 @@ Tandem's router and broker build, and check that it refuses what SGLang would re
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,6 +25,7 @@ from services.rollout_router.samples import as_list
 from services.weight_broker.nccl_transport import NcclTransport as NcclCoordinator
 from services.weight_broker.transports import DiskTransport, as_json
 from tests import sglang_surface
+from tests.helpers import serving
 
 
 def test_the_pinned_sglang_serves_no_get_weight_version_route() -> None:
@@ -88,14 +88,10 @@ def test_weight_version_falls_back_to_get_weight_version_on_older_servers() -> N
         def log_message(self, *_args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), OldServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        assert weight_version(f"http://127.0.0.1:{server.server_address[1]}") == "5"
-    finally:
-        server.shutdown()
+    with serving(OldServer) as url:
+        assert weight_version(url) == "5"
     with pytest.raises(VersionUnavailableError, match=r"engine http://127\.0\.0\.1"):
-        weight_version(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=1)
+        weight_version(url, timeout_s=1)  # (no longer served)
 
 
 def rollout_loop() -> RolloutLoop:

@@ -12,9 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import HTTPServer
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,7 @@ from tandem import launcher
 from tandem import watchdog as watchdog_module
 from tandem.up_args import join_passthrough, resumed_config, save_config
 from tandem.watchdog import Watchdog, diagnosis
-from tests.helpers import JsonHandler
+from tests.helpers import JsonHandler, serving
 
 
 def test_a_passthrough_flag_that_contradicts_the_launcher_is_refused(capsys) -> None:
@@ -356,19 +354,14 @@ def test_the_watchdog_ends_the_run_when_a_service_answers_unhealthy(buffer: Samp
         def do_GET(self) -> None:  # noqa: N802 - http.server names it
             self.send_json(503, {"status": "failed", "error": "rollout loop died: KeyError"})
 
-    server = HTTPServer(("127.0.0.1", 0), Failed)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    watchdog = Watchdog(buffer, {"router": url}, 60, 600, say=print)
-    try:
+    with serving(Failed) as url:
+        watchdog = Watchdog(buffer, {"router": url}, 60, 600, say=print)
         problems = []
         for _ in range(3):
             watchdog.last_health_at = 0.0  # do not wait out the interval
             problems.append(watchdog.check())
-        assert problems[0] == ""  # one failed answer is not yet a death
-        assert "router is unhealthy" in problems[1] and "rollout loop died" in problems[1]
-    finally:
-        server.shutdown()
+    assert problems[0] == ""  # one failed answer is not yet a death
+    assert "router is unhealthy" in problems[1] and "rollout loop died" in problems[1]
 
 
 def test_a_paused_broker_raises_an_alarm_and_the_run_goes_on_after_sigcont(
