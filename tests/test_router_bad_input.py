@@ -225,6 +225,15 @@ def test_bodies_python_parses_but_cannot_write_back_are_4xx_on_every_route(route
         reply = httpx.request(method, router + path, content=body, headers=json_type)
         assert reply.status_code == status, (path, body, reply.text)
         assert ("JSON" if status == 400 else '"loc"') in reply.text, reply.text
+    # bytes that are no UTF-8 text, without a content type (FastAPI then parses them as JSON)
+    for method, path in [
+        ("POST", "/workers"),
+        ("PATCH", "/rollout/config"),
+        ("POST", "/abort_request"),
+        ("POST", "/sessions/s/reward"),
+    ]:
+        reply = httpx.request(method, router + path, content=b"\xff\xfe", headers=AUTH)
+        assert reply.status_code == 422 and '"loc":["body"' in reply.text, (path, reply.text)
     paired = '{"messages": [{"role": "user", "content": "\\ud83d\\ude00 12"}], "max_tokens": 2}'
     reply = httpx.post(router + "/v1/chat/completions", content=paired, headers=json_type)
     assert reply.status_code == 200, "a surrogate pair is a character: taken"

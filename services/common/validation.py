@@ -9,7 +9,8 @@ again.)
 A body that fails validation is answered 422, as JSON even when it held a number JSON cannot
 carry: `1e400` parses to inf, FastAPI's own answer echoes the input, and its JSON encoder then
 refused it with a 500. Non-finite numbers are answered as null; an input orjson cannot write
-back (an integer past 64 bits) is left out of the answer."""
+back (an integer past 64 bits) is left out of the answer, and one that is not UTF-8 (a body
+without a content type) echoed with its bad bytes replaced."""
 
 from __future__ import annotations
 
@@ -82,13 +83,19 @@ def lone_surrogate(body: bytes) -> bool:
     return False
 
 
+def _text(raw: bytes) -> str:
+    return raw.decode(errors="replace")
+
+
 def answer_invalid_bodies(app: FastAPI) -> None:
     """Install the 400 (`StrictJSON`) and the 422 handler on `app`."""
     app.add_middleware(StrictJSON)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request: Request, exc: RequestValidationError) -> Response:
-        errors = jsonable_encoder(exc.errors())
+        # (bytes FastAPI could not parse are echoed: as text, those not UTF-8 replaced, where
+        # FastAPI's encoder raised on them, a 500)
+        errors = jsonable_encoder(exc.errors(), custom_encoder={bytes: _text})
         try:
             detail = orjson.dumps({"detail": errors})
         except TypeError:
