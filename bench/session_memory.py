@@ -1,4 +1,4 @@
-"""Router memory held by open agent sessions (services/rollout_router/sessions.py), against the
+"""Router memory held by open agent sessions (services/rollout_router/session_store.py), against the
 same turns held as lists and against the bytes the buffer stores for them, measured in one run.
 
 `--sessions` sessions of `--turns` chat turns each, as an agent makes them: a first prompt of
@@ -36,7 +36,7 @@ from proto import SampleGroup
 from proto.packed import encode_entry, pack
 from services.rollout_router.config import SessionConfig
 from services.rollout_router.samples import Partial
-from services.rollout_router.sessions import SessionStore, session_samples
+from services.rollout_router.session_store import SessionStore, session_samples
 
 
 def engine_output(rng: np.random.Generator, n: int, version: int) -> dict[str, Any]:

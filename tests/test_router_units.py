@@ -203,7 +203,7 @@ def turn(prompt: list[int], ids: list[int], version: int = 0) -> tuple[list[int]
 
 
 def test_session_turns_merge_by_exact_prefix_and_split_when_the_history_was_re_rendered():
-    from services.rollout_router.sessions import Session, session_samples
+    from services.rollout_router.session_store import Session, session_samples
 
     session = Session("s")
     for prompt, partial in [
@@ -231,7 +231,7 @@ def test_session_turns_merge_by_exact_prefix_and_split_when_the_history_was_re_r
 
 def merged_as_lists(turns: list[tuple[list[int], Partial]], reward: float) -> list:
     """The merge as the router made it while it held each turn's whole prompt as a list."""
-    from services.rollout_router.sessions import _finish
+    from services.rollout_router.session_store import _finish
 
     samples, prompt, current, mask = [], [], None, []
     for prompt_ids, partial in turns:
@@ -260,7 +260,7 @@ def test_sessions_held_as_arrays_merge_exactly_as_whole_prompts_did():
     import random
 
     from proto.packed import pack_sample
-    from services.rollout_router.sessions import Session, session_samples
+    from services.rollout_router.session_store import Session, session_samples
 
     rng = random.Random(7)
     for case in range(200):
@@ -286,7 +286,7 @@ def test_the_session_store_is_bounded_in_number_and_age():
     import time as _time
 
     from services.rollout_router.config import SessionConfig
-    from services.rollout_router.sessions import SessionStore
+    from services.rollout_router.session_store import SessionStore
 
     store = SessionStore(SessionConfig(max_sessions=2, session_ttl_s=60))
     for sid in ("a", "b", "c"):

@@ -21,7 +21,8 @@ from proto import sglang as sg
 from services.common.auth import WRITE, require_token
 from services.rollout_router.backpressure import BufferFullError
 from services.rollout_router.routes_engine import SESSION_HEADER, forward
-from services.rollout_router.sessions import AgentSessions, GroupSizeError
+from services.rollout_router.session_store import GroupSizeError
+from services.rollout_router.sessions import AgentSessions
 from services.rollout_router.workers import EngineRequestError, NoWorkerError
 
 router = APIRouter()
