@@ -341,7 +341,12 @@ def test_an_openai_client_session_becomes_a_training_sample_with_exact_tokens(
     assert sample.response_ids == [6, 5, 2, 7, 8, 14, 2]
     assert sample.loss_mask == [1, 1, 1, 0, 0, 0, 1]
     assert sample.reward == 0.5
-    assert httpx.post(router.url + "/sessions/s1/reward", json={"reward": 1}).status_code == 404
+    again = httpx.post(router.url + "/sessions/s1/reward", json={"reward": 1})  # a retry
+    # (it was 404 "unknown or expired": the agent could take its reward for lost)
+    assert again.status_code == 409, again.text
+    assert (
+        "its reward was taken (reward 0.5, group session-s1); a reward is taken once" in again.text
+    )
 
 
 def test_sessions_of_one_group_become_one_sample_group(

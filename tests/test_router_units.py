@@ -298,6 +298,11 @@ def test_the_session_store_is_bounded_in_number_and_age():
     assert store.add_to_group("g", [], size=2) is None
     assert store.add_to_group("g", [], size=2) == []
     assert "g" not in store.groups
+    for sid in ("x", "y", "z"):  # the sessions a reward closed: the last max_sessions
+        store.closed_by_reward(sid, "reward 1")
+    assert list(store.rewarded) == ["y", "z"]
+    store.record("z", [1], Partial.of(output([2], 0, "stop")))  # the id's new session
+    assert list(store.rewarded) == ["y"]
 
 
 def test_rollout_requests_carry_the_sampling_settings_and_stops():

@@ -126,6 +126,12 @@ async def session_reward(request: Request, session_id: str, body: RewardIn) -> d
             session_id, body.reward, body.group, body.group_size
         )
     except KeyError as exc:
+        if taken := sessions_of(request).store.rewarded.get(session_id):  # (a retried post)
+            raise HTTPException(
+                409,
+                f"session {session_id!r} is closed: its reward was taken ({taken}); a reward is "
+                "taken once (a new turn with this id starts a new session)",
+            ) from exc
         raise HTTPException(404, f"no open session {session_id!r} (unknown or expired)") from exc
     except GroupSizeError as exc:  # the session stays open for a post that agrees
         raise HTTPException(409, str(exc)) from exc

@@ -142,18 +142,27 @@ class PendingGroup:
 
 
 class SessionStore:
-    """Open sessions and pending groups, bounded in number and age."""
+    """Open sessions and pending groups, bounded in number and age; the last `max_sessions`
+    sessions a reward closed, with what it did (an agent's retry of a reward that was taken is
+    told so, not that the session is unknown)."""
 
     def __init__(self, config: SessionConfig) -> None:
         self.config = config
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self.groups: dict[str, PendingGroup] = {}
+        self.rewarded: OrderedDict[str, str] = OrderedDict()
 
     def record(self, session_id: str, prompt_ids: list[int], partial: Partial) -> None:
         session = self.sessions.get(session_id)
-        if session is None:
+        if session is None:  # (an id a reward closed names a new session from here on)
             session = self.sessions[session_id] = Session(session_id)
+            self.rewarded.pop(session_id, None)
         session.record(prompt_ids, partial)
+
+    def closed_by_reward(self, session_id: str, what: str) -> None:
+        self.rewarded[session_id] = what
+        while len(self.rewarded) > self.config.max_sessions:
+            self.rewarded.popitem(last=False)
 
     def response_before(self, session_id: str, prompt_ids: list[int]) -> int:
         """`Session.response_before` (0 for a new session)."""

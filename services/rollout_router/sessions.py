@@ -289,6 +289,7 @@ class AgentSessions:
         prompt = self.first_messages.pop(session_id, "")
         group_id = f"group-{group}" if group else f"session-{session_id}"
         samples = [pack_sample(s, group_id) for s in session_samples(session, reward)]
+        self.store.closed_by_reward(session_id, f"reward {reward:g}, group {group or group_id}")
         if group:
             complete = self.store.add_to_group(group, samples, size)
             if complete is None:
