@@ -15,7 +15,7 @@ class DropReason(StrEnum):
     """A dropped group's or sample's fate; the value is its counter name."""
 
     STALE = "stale"  # trainer: older than max_staleness versions behind it
-    CANCELLED = "cancelled"  # router: rollout stopped while the group was in flight
+    CANCELLED = "cancelled"  # router: stopped with the group in flight (or a session open)
     SESSION_EXPIRED = "session_expired"  # router: an agent session ended without a reward
     REDIS_UNAVAILABLE = "redis_unavailable"  # router: the buffer could not take the group
     ENGINE_ERROR = "engine_error"  # router: no engine answered its requests (drawn again once)

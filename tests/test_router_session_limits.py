@@ -1,7 +1,8 @@
-"""Agent session turns held to what the run's trainer takes in a sample (its stated limits,
+"""Agent sessions: turns held to what the run's trainer takes in a sample (its stated limits,
 `tandem:{run}:limits`): a turn ends with finish `length` where its sample would stop fitting,
-and a turn whose sample already fills a limit is answered 400 naming the trainer's flag. A
-real router in front of a reference engine serving the toy model (it reverses digits)."""
+and a turn whose sample already fills a limit is answered 400 naming the trainer's flag; and
+what a stopping router does with its open sessions. A real router in front of a reference
+engine serving the toy model (it reverses digits)."""
 
 from __future__ import annotations
 
@@ -113,3 +114,24 @@ def test_a_model_without_a_chat_template_takes_the_messages_sglang_takes(
     ]:
         refused = chat(router, "s4", messages)
         assert refused.status_code == 400 and words in refused.text, refused.text
+
+
+def test_sessions_open_when_the_router_stops_are_recorded_as_dropped(
+    buffer, chat_model_dir, start_service, engines
+):
+    """An open session, and a group waiting for its second session's reward, when the router
+    stops: each a `cancelled` drop, so the ledger balances (they vanished without a word)."""
+    router = start_service(
+        "router", router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
+    )
+    for session in ("open", "g1"):
+        assert chat(router.url, session, [{"role": "user", "content": "12"}]).status_code == 200
+    pending = {"reward": 1, "group": "G", "group_size": 2}
+    reply = httpx.post(router.url + "/sessions/g1/reward", json=pending).json()
+    assert reply["status"] == "pending"
+    assert buffer.ledger().generated == 0  # (a session is counted once put, or dropped)
+    router.stop()  # SIGTERM
+    assert buffer.drop_counts() == {"cancelled": 2}
+    assert buffer.drop_counts("samples") == {"cancelled": 1}  # the pending group's sample
+    ledger = buffer.ledger()
+    assert (ledger.generated, ledger.dropped) == (2, 2) and ledger.balanced, ledger

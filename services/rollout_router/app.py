@@ -195,6 +195,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.startup_error = exc
         raise
     finally:
+        if app.state.sessions is not None:
+            await app.state.sessions.close()
         if app.state.control is not None:
             await app.state.control.close()
         await lease.release()

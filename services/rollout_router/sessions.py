@@ -13,7 +13,9 @@ What the router holds of them, and how turns merge into samples: session_store.p
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 import time
 import uuid
@@ -21,6 +23,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from redis.exceptions import RedisError
 
 from proto import DropReason, DropRecord
 from proto.contract import SampleLimits
@@ -47,6 +50,9 @@ from services.rollout_router.workers import EngineRequestError, NoWorkerError, W
 from services.sample_buffer import AsyncSampleBuffer
 
 TRAINER_LIMITS_S = 5.0  # how often a chat turn reads the trainer's limits again
+CLOSE_WRITES_S = 5.0  # the router's stop waits this long at most to record its sessions' drops
+
+log = logging.getLogger("tandem.router.sessions")
 
 
 def new_completion_id() -> str:
@@ -311,3 +317,24 @@ class AgentSessions:
                 source="router", reason=DropReason.SESSION_EXPIRED, count=1, group_id=key
             )
             await self.buffer.record_drop(record)
+
+    async def close(self) -> None:
+        """At the router's stop: the open sessions and the groups waiting for more sessions'
+        rewards are dropped as `cancelled` (they vanished from the ledger without a word)."""
+        lost = [(sid, 0) for sid in self.store.sessions]
+        lost += [(f"group:{g}", len(p.samples)) for g, p in self.store.groups.items()]
+        self.store.sessions.clear()
+        self.store.groups.clear()
+        try:  # (bounded: a Redis that does not answer loses them, logged)
+            async with asyncio.timeout(CLOSE_WRITES_S):
+                for key, samples in lost:
+                    await self.buffer.record_drop(
+                        DropRecord(
+                            source="router",
+                            reason=DropReason.CANCELLED,
+                            samples=samples,
+                            group_id=key,
+                        )
+                    )
+        except (RedisError, TimeoutError) as exc:
+            log.warning("agent sessions and groups not recorded as dropped: %r", exc)
