@@ -344,9 +344,7 @@ def test_an_openai_client_session_becomes_a_training_sample_with_exact_tokens(
     again = httpx.post(router.url + "/sessions/s1/reward", json={"reward": 1})  # a retry
     # (it was 404 "unknown or expired": the agent could take its reward for lost)
     assert again.status_code == 409, again.text
-    assert (
-        "its reward was taken (reward 0.5, group session-s1); a reward is taken once" in again.text
-    )
+    assert "its reward was taken (reward 0.5, session-s1); a reward is taken once" in again.text
 
 
 def test_sessions_of_one_group_become_one_sample_group(

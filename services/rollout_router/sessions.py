@@ -270,13 +270,15 @@ class AgentSessions:
         if not self.store.completes(group, size):  # nothing is put: no room needed
             pending = self._close(session_id, reward, group, size)
             assert isinstance(pending, dict), "a group that is not complete is not put"
+            self.store.closed_by_reward(session_id, f"reward {reward:g}, group {group}")
             return pending
         async with self.bound.slot(self.config.session_put_timeout_s) as put_group:
             if session_id not in self.store.sessions:  # expired while waiting
                 raise KeyError(session_id)
             closed = self._close(session_id, reward, group, size)
             if isinstance(closed, PackedGroup):
-                entry = await put_group(closed)
+                entry = await put_group(closed)  # (once put, a retried post is told so)
+                self.store.closed_by_reward(session_id, f"reward {reward:g}, {closed.group_id}")
                 count = len(closed.samples)
                 return {
                     "status": "put",
@@ -295,7 +297,6 @@ class AgentSessions:
         prompt = self.first_messages.pop(session_id, "")
         group_id = f"group-{group}" if group else f"session-{session_id}"
         samples = [pack_sample(s, group_id) for s in session_samples(session, reward)]
-        self.store.closed_by_reward(session_id, f"reward {reward:g}, group {group or group_id}")
         if group:
             complete = self.store.add_to_group(group, samples, size)
             if complete is None:
