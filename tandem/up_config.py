@@ -274,9 +274,10 @@ def check_sample_fit(info: dict[str, Any], recorded: Path, say: Callable[[str], 
             raise ChildFailedError(
                 f"the router's samples may reach {longest + length} tokens (its longest prompt, "
                 f"{longest}, and responses up to {length}: --rollout-max-response-len) and "
-                f"the trainer takes at most {budget} in all (--max-tokens-per-gpu {budget - 1}) "
-                f"and {most} of response (--max-response-len): the longer ones would be "
-                "dead-lettered as too_long, never trained (a bias toward short answers). Raise the trainer's (tandem up "
+                f"the trainer takes at most {budget} in all (--max-tokens-per-gpu {budget - 1}: "
+                f"a sample's inputs, every token but its last) and {most} of response "
+                "(--max-response-len): the longer ones would be dead-lettered as too_long, never "
+                "trained (a bias toward short answers). Raise the trainer's (tandem up "
                 f"--trainer-args '--max-tokens-per-gpu {longest + length - 1}'), or lower "
                 "--rollout-max-response-len"
             )

@@ -424,6 +424,10 @@ def test_samples_longer_than_the_trainer_takes_are_refused_at_start(tmp_path: Pa
         check_sample_fit(info, recorded, said.append)
     assert str(refused.value).startswith("the router's samples may reach 8 tokens (its longest")
     assert "--trainer-args '--max-tokens-per-gpu 7'" in str(refused.value)
+    # (why 7 inputs, not 8: "at most 7 in all (--max-tokens-per-gpu 6)" read as a mistake)
+    assert "at most 7 in all (--max-tokens-per-gpu 6: a sample's inputs, every token but" in str(
+        refused.value
+    )
     recorded.write_text("[trainer]\nmax_tokens_per_gpu = 7\nmax_response_len = 32768\n")
     check_sample_fit(info, recorded, said.append)
     recorded.write_text("[trainer]\nmax_tokens_per_gpu = 8192\nmax_response_len = 3\n")
