@@ -31,8 +31,10 @@ def status(router) -> dict:
 def test_rollout_starts_pauses_resumes_and_stops_on_request(
     buffer, toy_model_dir, start_service, engines
 ):
-    router = start_service("router", router_args(buffer, toy_model_dir, [engines().url]))
+    engine = engines()
+    router = start_service("router", router_args(buffer, toy_model_dir, [engine.url]))
     assert status(router)["running"] is False and buffer.depth() == 0
+    assert router.log().count(f"admitted {engine.url} ") == 1  # (said twice: a first wait too)
     assert httpx.post(router.url + "/rollout/start").status_code == 401
     assert httpx.post(router.url + "/rollout/start", headers=TOKEN).json() == {"running": True}
     wait_until(lambda: buffer.depth() >= 8, "groups after start")

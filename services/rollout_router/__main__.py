@@ -50,7 +50,8 @@ async def wait_for_engines(config: WorkerPoolConfig) -> None:
     pool = WorkerPool(config)
     await pool.start()
     try:
-        await pool.add_all(config.engine_urls, config.engine_wait_timeout_s)
+        # (only waits: the app's own pool admits them, and says so)
+        await pool.add_all(config.engine_urls, config.engine_wait_timeout_s, admit=False)
     finally:
         await pool.close()
 

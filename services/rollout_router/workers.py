@@ -165,12 +165,12 @@ class WorkerPool:
         await self.ask_broker_to_sync(worker)
         return worker
 
-    async def add_all(self, urls: list[str], wait_s: float) -> None:
-        """Wait for every URL concurrently, then admit them in the order given (so round robin
-        starts with the first); the first that never answers raises."""
+    async def add_all(self, urls: list[str], wait_s: float, admit: bool = True) -> None:
+        """Wait for every URL concurrently, then (`admit`) admit them in the order given (so
+        round robin starts with the first); the first that never answers raises."""
         urls = [u.rstrip("/") for u in urls]
         infos = await asyncio.gather(*(self._wait_model_info(u, wait_s) for u in urls))
-        for url, info in zip(urls, infos, strict=True):
+        for url, info in zip(urls, infos, strict=True) if admit else ():
             self._register(url, info)
 
     def _register(self, url: str, info: dict[str, Any]) -> Worker:
