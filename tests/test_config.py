@@ -123,6 +123,22 @@ def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatc
     )
 
 
+def test_a_number_given_as_nan_exits_2_naming_its_flag(tmp_path: Path, capsys, monkeypatch) -> None:
+    """float() takes "nan", and TOML has nan: a bound of nan bounded nothing (tandem up's
+    --time-limit-s nan ran without a limit), a timeout of nan crashed a service later."""
+    path = toml_file(tmp_path, "[router]\nrm_timeout_s = nan\n")
+    for argv in (["--rm-timeout-s", "nan"], ["--config", str(path)], []):
+        if not argv:  # a variable
+            monkeypatch.setenv("TANDEM_ROUTER_RM_TIMEOUT_S", "nan")
+        with pytest.raises(SystemExit) as exc:
+            parse_args(router_parser(), argv, "router")
+        assert exc.value.code == 2
+        assert "error: --rm-timeout-s nan: not a number" in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit) as exc:
+        launcher.parse(["--time-limit-s", "nan"])
+    assert exc.value.code == 2 and "--time-limit-s nan: not a number" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import shlex
 import tomllib
@@ -110,14 +111,25 @@ def parse_args(
     parser: argparse.ArgumentParser, argv: list[str], section: str
 ) -> argparse.Namespace:
     """`parser.parse_args(argv)` over the `--config` file's [section] and the environment;
-    a bad file or variable exits 2 with the message (as argparse does for a bad flag)."""
+    a bad file or variable exits 2 with the message (as argparse does for a bad flag), and so
+    does a number given as nan from any of them (float() takes it: a timeout of nan crashed a
+    service later with "cannot convert float NaN to integer", a bound of nan bounded nothing)."""
     if "config" not in {a.dest for a in parser._actions}:
         add_config_flag(parser, section)
     try:
         parser.set_defaults(**layered_defaults(parser, section, config_path(argv)))
     except ConfigError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if any(isinstance(v, float) and math.isnan(v) for v in _listed(value)):
+            parser.exit(2, f"{parser.prog}: error: {action.option_strings[0]} nan: not a number\n")
+    return args
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
 
 
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")

@@ -106,6 +106,8 @@ class EngineConfig:
             raise ValueError("--prompt-cache-tokens must be >= 0")
         if self.kv_cache_gb < 0:
             raise ValueError("--kv-cache-gb must be >= 0")
+        if self.update_timeout_s <= 0:  # (-3 was taken: every weight update then timed out)
+            raise ValueError("--update-timeout-s must be > 0")
         if self.context_length < 0:
             raise ValueError("--context-length must be 0 (model default) or positive")
         cfg, path = read_config(self.model)
