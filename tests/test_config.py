@@ -125,7 +125,8 @@ def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatc
 
 def test_a_number_given_as_nan_exits_2_naming_its_flag(tmp_path: Path, capsys, monkeypatch) -> None:
     """float() takes "nan", and TOML has nan: a bound of nan bounded nothing (tandem up's
-    --time-limit-s nan ran without a limit), a timeout of nan crashed a service later."""
+    --time-limit-s nan ran without a limit), a timeout of nan crashed a service later. A time
+    in seconds below 0 is refused the same way (a request timeout of -3 s was taken)."""
     path = toml_file(tmp_path, "[router]\nrm_timeout_s = nan\n")
     for argv in (["--rm-timeout-s", "nan"], ["--config", str(path)], []):
         if not argv:  # a variable
@@ -137,6 +138,13 @@ def test_a_number_given_as_nan_exits_2_naming_its_flag(tmp_path: Path, capsys, m
     with pytest.raises(SystemExit) as exc:
         launcher.parse(["--time-limit-s", "nan"])
     assert exc.value.code == 2 and "--time-limit-s nan: not a number" in capsys.readouterr().err
+    monkeypatch.delenv("TANDEM_ROUTER_RM_TIMEOUT_S")
+    negative = toml_file(tmp_path, "[router]\nrequest_timeout_s = -3\n")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(router_parser(), ["--config", str(negative)], "router")
+    said = "error: --request-timeout-s -3: a time in seconds, at least 0"
+    assert exc.value.code == 2 and said in capsys.readouterr().err
+    assert parse_args(router_parser(), ["--request-timeout-s", "0"], "router")  # (0: its own rule)
 
 
 @pytest.mark.parametrize(

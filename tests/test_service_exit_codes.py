@@ -58,7 +58,7 @@ def test_bad_flags_and_a_taken_port_exit_2_with_one_line_naming_the_flag(
             "--broker-retry-s must be > 0",
         ),
         "router buffer flag": (
-            ["router", "--port", "0", *model, "--redis-call-timeout-s", "-1"],
+            ["router", "--port", "0", *model, "--redis-call-timeout-s", "0"],
             "--redis-call-timeout-s must be > 0",
         ),
         "broker redis flag": (

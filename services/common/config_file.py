@@ -113,9 +113,11 @@ def parse_args(
     """`parser.parse_args(argv)` over the `--config` file's [section] and the environment;
     a bad file or variable exits 2 with the message (as argparse does for a bad flag), and so
     does a number given as nan from any of them (float() takes it: a timeout of nan crashed a
-    service later with "cannot convert float NaN to integer", a bound of nan bounded nothing)."""
+    service later with "cannot convert float NaN to integer", a bound of nan bounded nothing),
+    and a time in seconds (a flag ending in -s whose default is not negative) below 0."""
     if "config" not in {a.dest for a in parser._actions}:
         add_config_flag(parser, section)
+    seconds = {a.dest for a in parser._actions if a.dest.endswith("_s") and _number(a.default) >= 0}
     try:
         parser.set_defaults(**layered_defaults(parser, section, config_path(argv)))
     except ConfigError as exc:
@@ -125,11 +127,19 @@ def parse_args(
         value = getattr(args, action.dest, None)
         if any(isinstance(v, float) and math.isnan(v) for v in _listed(value)):
             parser.exit(2, f"{parser.prog}: error: {action.option_strings[0]} nan: not a number\n")
+        if action.dest in seconds and _number(value) < 0:  # (-3 was taken: a timeout of -3 s)
+            flag = f"{action.option_strings[0]} {value:g}"
+            parser.exit(2, f"{parser.prog}: error: {flag}: a time in seconds, at least 0\n")
     return args
 
 
 def _listed(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
+
+
+def _number(value: Any) -> float:
+    """`value` when it is a number (not a bool), else nan (no comparison holds)."""
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
 
 
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
