@@ -145,6 +145,18 @@ def test_a_number_given_as_nan_exits_2_naming_its_flag(tmp_path: Path, capsys, m
     said = "error: --request-timeout-s -3: a time in seconds, at least 0"
     assert exc.value.code == 2 and said in capsys.readouterr().err
     assert parse_args(router_parser(), ["--request-timeout-s", "0"], "router")  # (0: its own rule)
+    # an integer whose default is not negative: a count, a length, a port (-3 was taken)
+    for argv, said in (
+        (["--max-sessions", "-3"], "--max-sessions -3: at least 0"),
+        (["--env-max-turns", "-1"], "--env-max-turns -1: at least 0"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(router_parser(), argv, "router")
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launcher.parse(["--keep-checkpoints", "-1"])
+    assert "--keep-checkpoints -1: at least 0" in capsys.readouterr().err
+    assert parse_args(router_parser(), ["--max-buffer-depth", "-1"], "router")  # (its default)
 
 
 @pytest.mark.parametrize(

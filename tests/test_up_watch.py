@@ -226,10 +226,6 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
         ("--rm-type", "boxed", "--env-url", "http://127.0.0.1:9"): (  # (--rm-type was unused)
             "give one reward, not --rm-type boxed and --env-url http://127.0.0.1:9 (its /step"
         ),
-        (
-            "--keep-checkpoints",
-            "-1",
-        ): "--engine-restarts, --router-restarts and --broker-restarts must be >= 0",
         ("--trainer-args=--kl-coef=0.1",): (
             "trainer: --kl-coef > 0 needs --ref-load (the frozen reference model)"
         ),

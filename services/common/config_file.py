@@ -114,10 +114,15 @@ def parse_args(
     a bad file or variable exits 2 with the message (as argparse does for a bad flag), and so
     does a number given as nan from any of them (float() takes it: a timeout of nan crashed a
     service later with "cannot convert float NaN to integer", a bound of nan bounded nothing),
-    and a time in seconds (a flag ending in -s whose default is not negative) below 0."""
+    and a value below 0 for an integer whose default is not negative (a count, a length, a
+    port) or for a time in seconds (a flag ending in -s whose default is not negative)."""
     if "config" not in {a.dest for a in parser._actions}:
         add_config_flag(parser, section)
-    seconds = {a.dest for a in parser._actions if a.dest.endswith("_s") and _number(a.default) >= 0}
+    at_least_0 = {
+        a.dest: "a time in seconds, at least 0" if a.dest.endswith("_s") else "at least 0"
+        for a in parser._actions
+        if _number(a.default) >= 0 and (a.dest.endswith("_s") or isinstance(a.default, int))
+    }
     try:
         parser.set_defaults(**layered_defaults(parser, section, config_path(argv)))
     except ConfigError as exc:
@@ -127,9 +132,9 @@ def parse_args(
         value = getattr(args, action.dest, None)
         if any(isinstance(v, float) and math.isnan(v) for v in _listed(value)):
             parser.exit(2, f"{parser.prog}: error: {action.option_strings[0]} nan: not a number\n")
-        if action.dest in seconds and _number(value) < 0:  # (-3 was taken: a timeout of -3 s)
-            flag = f"{action.option_strings[0]} {value:g}"
-            parser.exit(2, f"{parser.prog}: error: {flag}: a time in seconds, at least 0\n")
+        if action.dest in at_least_0 and _number(value) < 0:  # (-3 was taken: a timeout of -3 s)
+            flag = f"{action.option_strings[0]} {value:g}: {at_least_0[action.dest]}"
+            parser.exit(2, f"{parser.prog}: error: {flag}\n")
     return args
 
 
