@@ -162,6 +162,9 @@ def test_numbers_outside_their_range_are_refused_naming_the_flag() -> None:
         "num_threads": (0, "--num-threads must be >= 1: got 0"),
         "micro_batch_size": (0, "--micro-batch-size must be >= 1: got 0"),
         "lr": (math.nan, "--lr must be > 0: got nan"),
+        "tis_clip": (-3.0, "--tis-clip must be > 0: got -3.0"),  # (these took -3)
+        "value_clip": (-3.0, "--value-clip must be >= 0: got -3.0"),
+        "advantage_eps": (-3.0, "--advantage-eps must be >= 0: got -3.0"),
     }
     for name, (value, message) in cases.items():
         with pytest.raises(ValueError) as refused:

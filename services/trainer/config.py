@@ -20,6 +20,11 @@ RANGES: dict[str, tuple[float, bool, float]] = {
         ("min_lr", "weight_decay", "clip_grad", "entropy_coef", "kl_coef", "lr_warmup_iters"),
         (0.0, True, math.inf),
     ),
+    **dict.fromkeys(  # (each took -3 without a word)
+        ("advantage_eps", "tis_clip_low", "critic_lr", "value_clip", "moe_aux_loss_coeff"),
+        (0.0, True, math.inf),
+    ),
+    "tis_clip": (0.0, False, math.inf),
     **dict.fromkeys(("adam_beta1", "adam_beta2", "lambd"), (0.0, True, 1.0)),
     "gamma": (0.0, False, 1.0),
     **dict.fromkeys(
