@@ -1,7 +1,8 @@
 """Every service's exit code and message come from one table (`services.common.serving`):
 2 = bad flags or configuration (a taken port included, named with its flag), 1 = a run-time
 failure (exit 1 is checked where it happens: tests/test_trainer_never_silent.py, test_cli.py).
-Each service is started as a real process; these all fail within start-up."""
+Each service is started as a real process; these all fail within start-up. Numbers every
+command refuses the same way (nan, a time or a count below 0) are checked on the parsers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from services.common.config_file import parse_args
 from services.common.serving import bind_socket
+from services.rollout_router.__main__ import build_parser as router_parser
+from tandem import launcher
+from tests.test_config import toml_file
 
 ENV = {k: v for k, v in os.environ.items() if k not in {"TANDEM_API_TOKEN", "TANDEM_WEIGHT_SECRET"}}
 
@@ -95,3 +102,39 @@ def test_bad_flags_and_a_taken_port_exit_2_with_one_line_naming_the_flag(
         if name.endswith("port"):
             assert "already in use; pick another with --port" in line, line
     assert "--weights-master-address 10.1.2.3" in results["trainer rendezvous"].stderr
+
+
+def test_a_number_given_as_nan_exits_2_naming_its_flag(tmp_path: Path, capsys, monkeypatch) -> None:
+    """float() takes "nan", and TOML has nan: a bound of nan bounded nothing (tandem up's
+    --time-limit-s nan ran without a limit), a timeout of nan crashed a service later. A time
+    in seconds below 0 is refused the same way (a request timeout of -3 s was taken)."""
+    path = toml_file(tmp_path, "[router]\nrm_timeout_s = nan\n")
+    for argv in (["--rm-timeout-s", "nan"], ["--config", str(path)], []):
+        if not argv:  # a variable
+            monkeypatch.setenv("TANDEM_ROUTER_RM_TIMEOUT_S", "nan")
+        with pytest.raises(SystemExit) as exc:
+            parse_args(router_parser(), argv, "router")
+        assert exc.value.code == 2
+        assert "error: --rm-timeout-s nan: not a number" in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit) as exc:
+        launcher.parse(["--time-limit-s", "nan"])
+    assert exc.value.code == 2 and "--time-limit-s nan: not a number" in capsys.readouterr().err
+    monkeypatch.delenv("TANDEM_ROUTER_RM_TIMEOUT_S")
+    negative = toml_file(tmp_path, "[router]\nrequest_timeout_s = -3\n")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(router_parser(), ["--config", str(negative)], "router")
+    said = "error: --request-timeout-s -3: a time in seconds, at least 0"
+    assert exc.value.code == 2 and said in capsys.readouterr().err
+    assert parse_args(router_parser(), ["--request-timeout-s", "0"], "router")  # (0: its own rule)
+    # an integer whose default is not negative: a count, a length, a port (-3 was taken)
+    for argv, said in (
+        (["--max-sessions", "-3"], "--max-sessions -3: at least 0"),
+        (["--env-max-turns", "-1"], "--env-max-turns -1: at least 0"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(router_parser(), argv, "router")
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launcher.parse(["--keep-checkpoints", "-1"])
+    assert "--keep-checkpoints -1: at least 0" in capsys.readouterr().err
+    assert parse_args(router_parser(), ["--max-buffer-depth", "-1"], "router")  # (its default)
