@@ -111,11 +111,11 @@ class Watchdog:
         self.last_step_at = time.monotonic()
         self.last_step = step
 
-    def groups_arrived(self) -> bool:
-        """Whether the trainer holds more groups for its next step than at the last look (its
-        status's `groups_in_hand`; False when Redis does not answer: its outage is said
-        elsewhere), or the rollout is held on request (`held`). Groups put and then dropped
-        are no progress."""
+    def progressing(self) -> bool:
+        """Whether the run is not stalled: the trainer holds more groups for its next step than
+        at the last look (its status's `groups_in_hand`; False when Redis does not answer: its
+        outage is said elsewhere), or the rollout is held on request (`held`). Groups put and
+        then dropped are no progress."""
         try:
             statuses = self.buffer.statuses()
         except RedisError:
@@ -153,7 +153,7 @@ class Watchdog:
             problem = self._health()
             if problem:
                 return problem
-            if self.groups_arrived():  # a step is on its way
+            if self.progressing():  # a step is on its way, or none is asked for
                 self.last_step_at = now
         stalled = now - self.last_step_at
         if stalled < self.stall_warn_s:

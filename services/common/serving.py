@@ -176,7 +176,8 @@ def serve(
     on_shutdown: Callable[[], None] | None = None,
     sock: socket.socket | None = None,
 ) -> None:
-    """Serve `app` until SIGINT/SIGTERM (SIGHUP taken as SIGTERM); raise `ListenError` if the port is taken.
+    """Serve `app` until SIGINT/SIGTERM (SIGHUP taken as SIGTERM); raise `ListenError` if the
+    port is taken.
 
     `extra` entries are added to the ready file (e.g. other endpoints the service bound); a
     callable value is called once the app has started (its lifespan ran). Bodies over

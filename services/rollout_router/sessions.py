@@ -314,10 +314,12 @@ class AgentSessions:
     async def expire(self) -> None:
         for key in self.store.expire():
             self.first_messages.pop(key, None)
-            record = DropRecord(
-                source="router", reason=DropReason.SESSION_EXPIRED, count=1, group_id=key
-            )
-            await self.buffer.record_drop(record)
+            await self._drop(key, DropReason.SESSION_EXPIRED)
+
+    async def _drop(self, key: str, reason: DropReason, samples: int = 0) -> None:
+        """A session (`key`: its id) or a pending group (`group:NAME`) dropped, one group."""
+        record = DropRecord(source="router", reason=reason, samples=samples, group_id=key)
+        await self.buffer.record_drop(record)
 
     async def close(self) -> None:
         """At the router's stop: the open sessions and the groups waiting for more sessions'
@@ -329,13 +331,6 @@ class AgentSessions:
         try:  # (bounded: a Redis that does not answer loses them, logged)
             async with asyncio.timeout(CLOSE_WRITES_S):
                 for key, samples in lost:
-                    await self.buffer.record_drop(
-                        DropRecord(
-                            source="router",
-                            reason=DropReason.CANCELLED,
-                            samples=samples,
-                            group_id=key,
-                        )
-                    )
+                    await self._drop(key, DropReason.CANCELLED, samples)
         except (RedisError, TimeoutError) as exc:
             log.warning("agent sessions and groups not recorded as dropped: %r", exc)
