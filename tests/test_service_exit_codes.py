@@ -16,6 +16,7 @@ import pytest
 from services.common.config_file import parse_args
 from services.common.serving import bind_socket
 from services.rollout_router.__main__ import build_parser as router_parser
+from services.trainer.__main__ import build_parser as trainer_parser
 from tandem import launcher
 from tests.test_config import toml_file
 
@@ -138,3 +139,14 @@ def test_a_number_given_as_nan_exits_2_naming_its_flag(tmp_path: Path, capsys, m
         launcher.parse(["--keep-checkpoints", "-1"])
     assert "--keep-checkpoints -1: at least 0" in capsys.readouterr().err
     assert parse_args(router_parser(), ["--max-buffer-depth", "-1"], "router")  # (its default)
+    # below 0 but a default below 0 (-1: the model's, all, none): each was taken for the default
+    for parse, argv in (
+        (lambda argv: parse_args(router_parser(), argv, "router"), ["--max-buffer-depth", "-3"]),
+        (lambda argv: parse_args(trainer_parser(), argv, "trainer"), ["--ckpt-step", "-3"]),
+        (lambda argv: parse_args(trainer_parser(), argv, "trainer"), ["--metrics-port", "-2"]),
+        (launcher.parse, ["--time-limit-s", "-5"]),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            parse(argv)
+        said = f"error: {' '.join(argv)}: at least 0, or -1 (its default: see --help)"
+        assert exc.value.code == 2 and said in capsys.readouterr().err, argv

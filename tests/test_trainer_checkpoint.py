@@ -111,6 +111,9 @@ def test_ckpt_step_picks_an_iteration_over_the_tracker(tmp_path: Path) -> None:
     (tmp_path / TRACKER).write_text("5")
     assert resolve_iteration(tmp_path).name == "iter_0000005"
     assert resolve_iteration(tmp_path, ckpt_step=3).name == "iter_0000003"
+    # (tandem convert's --ckpt-step -3 was taken for the latest)
+    with pytest.raises(ValueError, match=r"--ckpt-step -3: at least 0, or -1 \(the latest\)"):
+        resolve_iteration(tmp_path, ckpt_step=-3)
 
 
 def test_the_trainer_cli_refuses_a_load_directory_without_a_checkpoint(

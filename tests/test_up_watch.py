@@ -220,8 +220,7 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
             "router: give one reward, not --rm-type boxed and --rm-url http://127.0.0.1:9/score"
         ),
         ("--trainer-procs", "0"): "--num-engines, --trainer-procs and --max-steps must be at",
-        # (below 0 but the default, each was taken for the default without a word)
-        ("--time-limit-s", "-5"): "--time-limit-s -5: give a value >= 0 (-1 = the model's",
+        # (below 0, it was taken for the default without a word)
         ("--lr", "-0.001"): "--lr -0.001: give a value >= 0 (0 = the model's default)",
         ("--rm-type", "boxed", "--env-url", "http://127.0.0.1:9"): (  # (--rm-type was unused)
             "give one reward, not --rm-type boxed and --env-url http://127.0.0.1:9 (its /step"

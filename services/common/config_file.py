@@ -115,13 +115,19 @@ def parse_args(
     does a number given as nan from any of them (float() takes it: a timeout of nan crashed a
     service later with "cannot convert float NaN to integer", a bound of nan bounded nothing),
     and a value below 0 for an integer whose default is not negative (a count, a length, a
-    port) or for a time in seconds (a flag ending in -s whose default is not negative)."""
+    port) or for a time in seconds (a flag ending in -s whose default is not negative), and one
+    below 0 but the default for a number whose default is below 0 (-1: "the model's", "all")."""
     if "config" not in {a.dest for a in parser._actions}:
         add_config_flag(parser, section)
-    at_least_0 = {
-        a.dest: "a time in seconds, at least 0" if a.dest.endswith("_s") else "at least 0"
+    at_least_0 = {  # (a flag's default before the file's and the environment's values)
+        a.dest: ("a time in seconds, at least 0" if a.dest.endswith("_s") else "at least 0", 0)
         for a in parser._actions
         if _number(a.default) >= 0 and (a.dest.endswith("_s") or isinstance(a.default, int))
+    }
+    at_least_0 |= {  # (--ckpt-step -3 was taken for the latest, --metrics-port -3 for none)
+        a.dest: (f"at least 0, or {a.default:g} (its default: see --help)", a.default)
+        for a in parser._actions
+        if _number(a.default) < 0
     }
     try:
         parser.set_defaults(**layered_defaults(parser, section, config_path(argv)))
@@ -132,8 +138,9 @@ def parse_args(
         value = getattr(args, action.dest, None)
         if any(isinstance(v, float) and math.isnan(v) for v in _listed(value)):
             parser.exit(2, f"{parser.prog}: error: {action.option_strings[0]} nan: not a number\n")
-        if action.dest in at_least_0 and _number(value) < 0:  # (-3 was taken: a timeout of -3 s)
-            flag = f"{action.option_strings[0]} {value:g}: {at_least_0[action.dest]}"
+        rule, default = at_least_0.get(action.dest, ("", 0))
+        if rule and _number(value) < 0 and value != default:
+            flag = f"{action.option_strings[0]} {value:g}: {rule}"
             parser.exit(2, f"{parser.prog}: error: {flag}\n")
     return args
 

@@ -160,6 +160,8 @@ def resolve_iteration(root: str | Path, ckpt_step: int = -1) -> Path:
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"--load {root}: no such directory")
+    if ckpt_step < -1:  # (-3 was taken for the latest)
+        raise ValueError(f"--ckpt-step {ckpt_step}: at least 0, or -1 (the latest)")
     if ckpt_step < 0:
         saved = saved_iteration(root)
         if saved is None:
