@@ -34,6 +34,8 @@ def engine_cli(*args: str) -> subprocess.CompletedProcess:
         (["--model", "{toy}", "--update-timeout-s", "-3"], "-3: a time in seconds, at least 0"),
         (["--model", "{toy}", "--update-timeout-s", "nan"], "--update-timeout-s nan: not a number"),
         (["--model", "{toy}", "--kv-cache-gb", "nan"], "--kv-cache-gb nan: not a number"),
+        # (it held 0 tokens, and 0 is unbounded)
+        (["--model", "{toy}", "--kv-cache-gb", "1e-9"], "1e-09 holds 0 tokens of this model: no"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message_naming_the_flag(
@@ -70,3 +72,17 @@ def test_the_default_kv_budget_is_lowered_to_the_memory_free(monkeypatch, caplog
     assert "--kv-cache-gb 4 is more than the 2.0 GiB free on cpu (the default)" in caplog.text
     with pytest.raises(RuntimeError, match=r"--kv-cache-gb 3 is more than the 2\.0 GiB free"):
         kv_budget(3, cpu)
+
+
+def test_a_kv_budget_shorter_than_the_context_lowers_the_context(toy_model_dir: Path, caplog):
+    """As SGLang caps a request's length at its KV pool: a sequence longer than the budget ran
+    alone, beyond it (the toy model's cache takes 512 bytes a position; its context is 64)."""
+    from services.engine.config import EngineConfig
+    from services.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(toy_model_dir), kv_cache_gb=40 * 512 / 2**30))
+    assert engine.context_length == engine.scheduler.context_length == 40
+    assert "holds 40 tokens of this model: the context is lowered to it from 64" in caplog.text
+    body = {"input_ids": [3] * 40, "sampling_params": {"max_new_tokens": 1}}
+    with pytest.raises(ValueError, match=r"longer than the model's context length \(40 tokens\)"):
+        engine.parse(body)

@@ -57,7 +57,8 @@ class EngineConfig:
         default=4.0,
         metadata={
             "help": "memory for the running sequences' keys/values; new sequences wait "
-            "when it is full (0 = unbounded). More than the device has free beside the "
+            "when it is full (0 = unbounded; a context longer than it holds is lowered to "
+            "it). More than the device has free beside the "
             "weights at the start is refused (the default is lowered to it, with a warning)"
         },
     )

@@ -69,6 +69,12 @@ class Engine:
         self.context_length = min(context, self.runner.max_position)
         budget = kv_budget(config.kv_cache_gb, self.runner.device)
         self.max_total_tokens = int(budget * 2**30 / self.runner.kv_bytes_per_token)
+        if budget and self.max_total_tokens < self.context_length:  # (as SGLang does)
+            said = f"--kv-cache-gb {budget:g} holds {self.max_total_tokens} tokens of this model"
+            if self.max_total_tokens < 2:  # (0 tokens was taken for unbounded)
+                raise RuntimeError(f"{said}: nothing fits; give more (0 = unbounded)")
+            log.warning("%s: the context is lowered to it from %d", said, self.context_length)
+            self.context_length = self.max_total_tokens
         self.scheduler = Scheduler(
             self.runner,
             config.max_batch_size,
