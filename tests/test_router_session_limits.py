@@ -1,8 +1,8 @@
 """Agent sessions: turns held to what the run's trainer takes in a sample (its stated limits,
 `tandem:{run}:limits`): a turn ends with finish `length` where its sample would stop fitting,
 and a turn whose sample already fills a limit is answered 400 naming the trainer's flag; and
-what a stopping router does with its open sessions. A real router in front of a reference
-engine serving the toy model (it reverses digits)."""
+what a stopping router, or a Redis down at a reward, does with open sessions. A real router in
+front of a reference engine serving the toy model (it reverses digits)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from proto.contract import SampleLimits
-from tests.helpers import read_all, with_chat_template
+from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from tests.helpers import free_port, read_all, with_chat_template
 from tests.test_router_agents import CHAT_TEMPLATE, router_args
 
 
@@ -135,3 +136,41 @@ def test_sessions_open_when_the_router_stops_are_recorded_as_dropped(
     assert buffer.drop_counts("samples") == {"cancelled": 1}  # the pending group's sample
     ledger = buffer.ledger()
     assert (ledger.generated, ledger.dropped) == (2, 2) and ledger.balanced, ledger
+
+
+def test_a_reward_redis_refuses_leaves_its_session_open_for_the_retry(
+    tmp_path, chat_model_dir, start_service, engines
+):
+    """Redis down as a reward is posted: the session (and the group it completes) stays open,
+    answered 503 to post again; once Redis is back the retry puts it. Before, the post was
+    answered 500, and the session and its group's samples were gone, recorded nowhere."""
+    redis = RedisServer(port=free_port(), data_dir=tmp_path / "redis").start()
+    buffer = SampleBuffer(BufferConfig(redis_url=redis.url, run_id="redis-down"))
+    router = start_service(
+        "router", router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
+    ).url
+    for session in ("lone", "g1", "g2"):
+        assert chat(router, session, [{"role": "user", "content": "12"}]).status_code == 200
+    in_group = {"reward": 1, "group": "G", "group_size": 2}
+    assert httpx.post(router + "/sessions/g1/reward", json=in_group).json()["status"] == "pending"
+    redis.stop()
+    try:
+        for session, body in (("g2", in_group), ("lone", {"reward": 0.5})):
+            refused = httpx.post(f"{router}/sessions/{session}/reward", json=body, timeout=30)
+            assert refused.status_code == 503, refused.text
+            assert "Redis is unavailable" in refused.text and "the session stays open" in (
+                refused.text
+            )
+            assert refused.headers["Retry-After"]
+    finally:
+        redis = RedisServer(port=redis.port, data_dir=tmp_path / "redis").start()
+    try:
+        for session, body in (("g2", in_group), ("lone", {"reward": 0.5})):
+            put = httpx.post(f"{router}/sessions/{session}/reward", json=body, timeout=30)
+            assert put.status_code == 200 and put.json()["status"] == "put", put.text
+        groups = {g.group_id: g for g in read_all(buffer)}
+        assert sorted(groups) == ["group-G", "session-lone"]
+        assert len(groups["group-G"].samples) == 2 and len(groups["session-lone"].samples) == 1
+        assert buffer.ledger().balanced, buffer.ledger()
+    finally:
+        redis.stop()

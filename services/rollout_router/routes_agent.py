@@ -16,6 +16,7 @@ import orjson
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from redis.exceptions import RedisError
 
 from proto import sglang as sg
 from services.common.auth import WRITE, require_token
@@ -138,3 +139,7 @@ async def session_reward(request: Request, session_id: str, body: RewardIn) -> d
     except BufferFullError as exc:  # the session stays open: the agent posts the reward again
         retry = {"Retry-After": str(RETRY_AFTER_S)}
         raise HTTPException(503, f"{exc}; post the reward again", headers=retry) from exc
+    except RedisError as exc:  # open too (a 500 before: the session and its samples lost)
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        said = f"the buffer's Redis is unavailable ({exc}): the session stays open"
+        raise HTTPException(503, f"{said}; post the reward again", headers=retry) from exc

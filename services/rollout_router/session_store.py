@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proto import Sample
@@ -172,6 +173,21 @@ class SessionStore:
     def close(self, session_id: str) -> Session:
         """Remove and return the session; KeyError when unknown (or expired)."""
         return self.sessions.pop(session_id)
+
+    def undo_close(self, session_id: str, group: str | None) -> Callable[[], None]:
+        """What puts the session and its group back as they are now: a reward whose put Redis
+        refused leaves them open for the agent's retry (they were lost, unrecorded)."""
+        session, pending = self.sessions[session_id], self.groups.get(group or "")
+        had = (len(pending.samples), pending.sessions) if pending else (0, 0)
+
+        def undo() -> None:
+            self.sessions[session_id] = session
+            if pending is not None and group:
+                del pending.samples[had[0] :]
+                pending.sessions = had[1]
+                self.groups[group] = pending
+
+        return undo
 
     def completes(self, group: str | None, size: int) -> bool:
         """Whether one more session's reward puts a group (a lone session always does);

@@ -263,7 +263,7 @@ class AgentSessions:
     ) -> dict[str, Any]:
         """Close the session; put its samples (or its group's, once complete). KeyError when
         the session is unknown; `BufferFullError` (the session stays open) when the buffer
-        stays full for `session_put_timeout_s`."""
+        stays full for `session_put_timeout_s`, a `RedisError` (open too) when Redis refuses."""
         if session_id not in self.store.sessions:
             raise KeyError(session_id)
         size = group_size or self.default_group_size
@@ -275,9 +275,16 @@ class AgentSessions:
         async with self.bound.slot(self.config.session_put_timeout_s) as put_group:
             if session_id not in self.store.sessions:  # expired while waiting
                 raise KeyError(session_id)
+            first = self.first_messages.get(session_id, "")
+            undo = self.store.undo_close(session_id, group)
             closed = self._close(session_id, reward, group, size)
             if isinstance(closed, PackedGroup):
-                entry = await put_group(closed)  # (once put, a retried post is told so)
+                try:
+                    entry = await put_group(closed)
+                except RedisError:  # not put: the session stays open for the agent's retry
+                    undo()
+                    self.first_messages[session_id] = first
+                    raise
                 self.store.closed_by_reward(session_id, f"reward {reward:g}, {closed.group_id}")
                 count = len(closed.samples)
                 return {
