@@ -77,9 +77,9 @@ class Restarts:
             # engine's fetch begun as the old one died then reaches the new one, not a timeout)
             same += ["--intake-endpoint", child.info["intake_endpoint"]]
             same += ["--serve-endpoint", child.info["serve_endpoint"]]
-        if kind == "router":  # its lease is given up, so the new one need not wait it out
+        if kind in ("router", "broker"):  # its lease is given up: the new one need not wait
             with contextlib.suppress(RedisError):  # (it expires by itself within seconds)
-                self.watchdog.buffer.release_lease_of("router", child.proc.pid)
+                self.watchdog.buffer.release_lease_of(kind, child.proc.pid)
         again = self.supervisor.restart(child, same)
         self.starting[child.name] = (again, time.monotonic())
         return True

@@ -401,3 +401,33 @@ def test_a_redis_that_stops_answering_delays_no_sync_and_no_health_answer(
         wait_until(lambda: buffer.get_version("engines") == 2, "version:engines 2 once resumed")
         assert httpx.get(f"{broker.url}/health").status_code == 200
         sender.close()
+
+
+def test_one_broker_per_run_a_second_is_refused_and_one_taken_over_stops(
+    start_service, buffer: SampleBuffer
+) -> None:
+    """A second broker on a run (a service scaled to two, one started by hand) wrote its own
+    `version:engines` and status over the first's; now its start is refused, exit 2, naming the
+    first. A broker stopped past its lease's expiry is taken over, and stops when it goes on."""
+    run = buffer.config.run_id
+    flags = ["broker", "--port", "0", "--redis-url", buffer.config.redis_url, "--run-id", run]
+    first = start_service("first", flags)
+    second = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", *flags], capture_output=True, text=True, timeout=60
+    )
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert f"another broker holds run {run}: broker pid {first.proc.pid} on " in second.stderr
+    first.proc.send_signal(signal.SIGSTOP)
+    try:
+        third = start_service("third", flags)  # waits the stopped one's lease out
+    finally:
+        first.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: httpx.get(f"{first.url}/health").status_code == 503, "the first to stop")
+    problem = httpx.get(f"{first.url}/health").json()["problem"]
+    assert f"another broker took run {run} over: broker pid {third.proc.pid} on " in problem
+    assert httpx.get(f"{third.url}/health").status_code == 200
+    first.stop()  # (the lease is the third's: the first does not give it up)
+    time.sleep(1.5)
+    assert httpx.get(f"{third.url}/health").status_code == 200
+    holder = buffer.redis.get(buffer.lease_prefix + "broker").decode()
+    assert holder.startswith(f"broker pid {third.proc.pid} on "), holder

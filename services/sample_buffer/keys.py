@@ -82,8 +82,9 @@ class BufferKeys:
         return {"d": encode(record)}
 
 
-# Leases (one router and one trainer per run; ledger.LEASE): a service that stops renewing its
-# lease keeps the run LEASE_TTL_S more, so a start waits LEASE_WAIT_S for a killed one's.
+# Leases (one router, one trainer and one broker per run; ledger.LEASE): a service that stops
+# renewing its lease keeps the run LEASE_TTL_S more, so a start waits LEASE_WAIT_S for a killed
+# one's.
 LEASE_TTL_S = 5.0
 LEASE_RENEW_S = 1.0
 LEASE_WAIT_S = LEASE_TTL_S + LEASE_RENEW_S

@@ -19,21 +19,12 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
-from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
 from services.sample_buffer import SampleBuffer
-from services.sample_buffer.keys import (
-    LEASE_RENEW_S,
-    LEASE_TTL_S,
-    LEASE_WAIT_S,
-    lease_held,
-    lease_lost,
-    lease_owner_name,
-    lease_waiting,
-)
+from services.sample_buffer.keys import LEASE_RENEW_S, lease_lost
+from services.sample_buffer.lease import Lease
 
 ROLE = "trainer"
 
@@ -42,44 +33,30 @@ class TrainerLease:
     """The trainer lease of `buffer`'s run, held by this process (rank 0)."""
 
     def __init__(self, buffer: SampleBuffer) -> None:
-        self.buffer, self.run_id = buffer, buffer.config.run_id
-        self.owner = lease_owner_name(ROLE)
-        self.held = False
+        self.lease = Lease(buffer, ROLE, lambda said: print(f"[trainer] {said}", flush=True))
+        self.run_id = buffer.config.run_id
         self.stopped = threading.Event()
 
     def fence(self, buffer: SampleBuffer) -> None:
         """Make `buffer`'s ledger writes refused once another trainer holds the lease."""
-        buffer.lease_key, buffer.lease_owner = buffer.lease_prefix + ROLE, self.owner
+        buffer.lease_key, buffer.lease_owner = self.lease.key, self.lease.owner
 
     def wait_free(self) -> None:
         """Wait until no other trainer holds the lease, without taking it: the check before
-        anything is loaded. ValueError naming the holder (`_wait`)."""
-        self._wait(lambda: (self.buffer.redis.get(self.buffer.lease_prefix + ROLE) or b"").decode())
+        anything is loaded. ValueError naming the holder (`Lease.wait`)."""
+        self.lease.wait(take=False)
 
     def take(self) -> None:
-        """Hold the lease, then renew it in a thread. ValueError naming the holder (`_wait`)."""
-        self._wait(lambda: self.buffer.take_lease(ROLE, self.owner, LEASE_TTL_S))
-        self.held = True
+        """Hold the lease, then renew it in a thread. ValueError naming the holder."""
+        self.lease.wait()
         threading.Thread(target=self._keep, name="trainer lease", daemon=True).start()
-
-    def _wait(self, holder_now: Callable[[], str]) -> None:
-        """Until `holder_now()` names no other trainer: a holder that does not renew the lease
-        within `LEASE_WAIT_S` lets it go; ValueError naming the holder when it does."""
-        deadline, said = time.monotonic() + LEASE_WAIT_S, False
-        while holder := holder_now():
-            if time.monotonic() >= deadline:
-                raise ValueError(lease_held(ROLE, self.run_id, holder))
-            if not said:
-                print(f"[trainer] {lease_waiting(ROLE, self.run_id, holder)}", flush=True)
-                said = True
-            time.sleep(LEASE_RENEW_S / 2)
 
     def _keep(self) -> None:
         """Renew until released; end the process once another trainer holds the lease (a
         Redis that does not answer is the intake's to wait out: renewed once it answers)."""
         while not self.stopped.wait(LEASE_RENEW_S):
             try:
-                holder = self.buffer.take_lease(ROLE, self.owner, LEASE_TTL_S)
+                holder = self.lease.renew()
             except RedisError:
                 continue
             if holder and not self.stopped.is_set():
@@ -90,9 +67,5 @@ class TrainerLease:
     def release(self) -> None:
         """Stop renewing and give the lease up (when taken)."""
         self.stopped.set()
-        if not self.held:
-            return
-        try:
-            self.buffer.release_lease(ROLE, self.owner)
-        except RedisError as exc:  # it expires by itself
-            print(f"[trainer] lease not given up ({exc}): it expires in {LEASE_TTL_S:g} s")
+        if problem := self.lease.release():
+            print(f"[trainer] {problem}", flush=True)

@@ -60,11 +60,14 @@ def start(config: BrokerConfig, host: str) -> Any:
     check_weight_bind("--intake-endpoint", config.intake_endpoint)
     check_weight_bind("--serve-endpoint", config.serve_endpoint)
     try:
-        return create_app(config)
+        app = create_app(config)
     except zmq.ZMQError as exc:
         raise ValueError(
             f"cannot bind the weight sockets: {exc} (check --intake-endpoint / --serve-endpoint)"
         ) from exc
+    if app.state.broker.lease is not None:  # one broker per run (ValueError naming the other)
+        app.state.broker.lease.wait()
+    return app
 
 
 def run(app: Any, args: argparse.Namespace, sock: socket.socket | None) -> None:

@@ -13,6 +13,12 @@ Redis is only touched off the event loop (`asyncio.to_thread`, each call bounded
 `--redis-call-timeout-s`): the Redis loop publishes `version:engines` as soon as it changes,
 reads the trainer's announced version and writes the status; a Redis that stops answering
 delays those, never the syncs, the sockets or `/health`.
+
+One broker per run (with Redis): a second one (a service scaled to two, a rolling update, one
+started by hand) wrote its own `version:engines` and status over the first's, so the broker holds
+the run's broker lease (`sample_buffer.lease`): taken before it serves (`__main__.start`; another
+one's start is refused, exit 2, naming it), renewed beside the loops; a broker that finds another
+holding it (it was stopped, or cut off from Redis, past the expiry) stops its loop, `/health` 503.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from proto.contract import ServiceStatus
 from services.common.auth import bearer_headers
 from services.common.long_wait import LongWait
 from services.sample_buffer import SampleBuffer
+from services.sample_buffer.keys import LEASE_RENEW_S, lease_lost
+from services.sample_buffer.lease import Lease
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.transports import Outcome, make_transport
 
@@ -59,6 +67,7 @@ class WeightBroker:
         self.config = config
         self.engines: dict[str, EngineState] = {u: EngineState(u) for u in config.engine_urls}
         self.buffer = SampleBuffer(config.buffer_config()) if config.redis_url else None
+        self.lease = Lease(self.buffer, "broker", log.warning) if self.buffer else None
         self.counters = {
             "buckets_rejected": 0,
             "frames_rejected": 0,  # fetch requests and control messages that were not
@@ -89,9 +98,20 @@ class WeightBroker:
                     loops.create_task(self._sync_loop(session))
                     loops.create_task(self._redis_loop())
                     loops.create_task(self.transport.serve())
+                    loops.create_task(self._lease_loop())
             except ExceptionGroup as failed:
                 log.error("the broker's loop stopped", exc_info=failed)
                 raise failed.exceptions[0] from None
+
+    async def _lease_loop(self) -> None:
+        """Renew the lease (when held) until another broker holds it: ValueError saying so
+        (a Redis that does not answer: renewed once it answers)."""
+        while self.lease is not None and self.lease.held:
+            await asyncio.sleep(LEASE_RENEW_S)
+            with contextlib.suppress(RedisError):
+                if holder := await asyncio.to_thread(self.lease.renew):
+                    self.lease.held = False  # (not given up at the stop: it is another's)
+                    raise ValueError(lease_lost("broker", self.config.run_id, holder))
 
     async def _sync_loop(self, session: aiohttp.ClientSession) -> None:
         while True:

@@ -17,7 +17,7 @@ from services.common.metrics import CONTENT_TYPE, Gauge, Metrics, gauge, labels
 from services.common.urls import HttpUrl
 from services.common.validation import answer_invalid_bodies
 from services.sample_buffer.timeline import Timeline
-from services.weight_broker.broker import EngineState, WeightBroker
+from services.weight_broker.broker import EngineState, WeightBroker, log
 from services.weight_broker.config import BrokerConfig
 
 ENGINE_GAUGES = {  # metric -> (EngineState attribute, help)
@@ -94,6 +94,8 @@ def create_app(config: BrokerConfig) -> FastAPI:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         broker.transport.stop()
+        if broker.lease is not None and (problem := broker.lease.release()):
+            log.warning("%s", problem)
         syncs.close()
 
     app = FastAPI(title="Tandem weight broker", lifespan=lifespan)
