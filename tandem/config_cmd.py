@@ -61,8 +61,9 @@ environment variable. For one setting, the flag wins over the variable, which wi
   the command with exit code 2, naming the file, the key and the closest valid key.
 - **Environment**: `TANDEM_<TABLE>_<KEY>` in upper case, e.g.
   `TANDEM_ROUTER_ROLLOUT_MAX_RESPONSE_LEN=1024`. Lists are space-separated; booleans are
-  `true`/`false` (`1`/`0`, `yes`/`no`). `REDIS_URL` is also read by `tandem up` when
-  `redis_url` is not set.
+  `true`/`false` (`1`/`0`, `yes`/`no`). A variable of a command's table that names no setting
+  stops the command the same way (`TANDEM_ROUTER_TOKEN`, the router's token, is no setting).
+  `REDIS_URL` is also read by `tandem up` when `redis_url` is not set.
 - **Flags**: as in `--help`.
 
 With `tandem up`, the `[router]`, `[trainer]`, `[broker]` and `[engine]` tables of the file go

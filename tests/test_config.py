@@ -104,7 +104,7 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
     assert not bf16("--model", str(model), "--config", str(older))
 
 
-def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatch) -> None:
+def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatch, capsys) -> None:
     path = toml_file(
         tmp_path,
         "[up]\nseed = 3\nmax_steps = 7\nlr = 0.5\n\n"
@@ -121,6 +121,14 @@ def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatc
         "session_affinity",
         2,
     )
+    # a variable of no setting: it was ignored without a word (a token is no setting)
+    monkeypatch.setenv("TANDEM_ROUTER_TOKEN", "t")
+    monkeypatch.setenv("TANDEM_UP_MAX_STEP", "5")
+    with pytest.raises(SystemExit):
+        launcher.parse([])
+    said = "error: environment variable TANDEM_UP_MAX_STEP: tandem up has no setting 'max_step' "
+    assert said + "(did you mean 'max_steps'?)" in capsys.readouterr().err
+    assert parse_args(router_parser(), [], "router").policy == "session_affinity"
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from typing import Any
 SECTIONS = ("up", "router", "trainer", "broker", "engine")
 ENV_PREFIX = "TANDEM_"
 NOT_KEYS = ("help", "config")  # parser destinations that are no setting
+NOT_SETTINGS = ("TANDEM_ROUTER_TOKEN",)  # variables of that form that are no setting
 
 
 class ConfigError(ValueError):
@@ -85,12 +86,17 @@ def table_values(
 
 
 def env_values(parser: argparse.ArgumentParser, section: str) -> dict[str, Any]:
-    """Values of the `TANDEM_<SECTION>_<KEY>` variables that are set."""
-    values = {}
-    for key, action in options(parser).items():
-        name = f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
-        if name in os.environ:
-            values[key] = convert(action, os.environ[name], f"environment variable {name}")
+    """Values of the `TANDEM_<SECTION>_<KEY>` variables that are set; ConfigError for one of
+    no setting (TANDEM_UP_MAX_STEP=5 was ignored without a word), as for a file's key."""
+    values, actions, prefix = {}, options(parser), f"{ENV_PREFIX}{section.upper()}_"
+    for name in sorted(n for n in os.environ if n.startswith(prefix) and n not in NOT_SETTINGS):
+        key = name.removeprefix(prefix).lower()
+        if key not in actions:
+            raise ConfigError(
+                f"environment variable {name}: {parser.prog} has no setting {key!r}"
+                f"{suggestion(key, actions)} (`{parser.prog} --help` lists them)"
+            )
+        values[key] = convert(actions[key], os.environ[name], f"environment variable {name}")
     return values
 
 
