@@ -184,3 +184,22 @@ def test_convert_names_a_checkpoint_whose_files_are_cut_short(
         f"tandem convert: error: checkpoint {ckpt / 'iter_0000000'} does not load"
     )
     assert "no older checkpoint is there" in last and "Traceback" not in done.stderr
+
+
+def test_a_model_is_written_in_the_dtype_its_config_states(tmp_path: Path) -> None:
+    """A bf16 model trained in fp32 (on a CPU) was written in fp32 under a config saying
+    bfloat16: twice the disk, and not what the config tells a loader."""
+    from safetensors.torch import load_file
+
+    from services.trainer.convert import write_hf_dir
+
+    tensors = {"w": torch.randn(4, 4), "steps": torch.arange(3)}
+    for stated, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        out = write_hf_dir(tensors, f'{{"dtype": "{stated}"}}', str(tmp_path / stated), "")
+        written = load_file(out / "model.safetensors")
+        assert written["w"].dtype == dtype and torch.equal(written["w"], tensors["w"].to(dtype))
+        assert written["steps"].dtype == torch.int64, stated
+    out = write_hf_dir(tensors, '{"torch_dtype": "bfloat16"}', str(tmp_path / "older"), "")
+    assert load_file(out / "model.safetensors")["w"].dtype == torch.bfloat16
+    out = write_hf_dir(tensors, "{}", str(tmp_path / "unstated"), "")
+    assert load_file(out / "model.safetensors")["w"].dtype == torch.float32

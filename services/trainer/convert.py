@@ -45,7 +45,10 @@ TOKENIZER_FILES = (
 def write_hf_dir(tensors: dict[str, Any], config_json: str, out: str, tokenizer_src: str) -> Path:
     """`out` as a complete HF directory: config.json, model.safetensors and the tokenizer files
     of `tokenizer_src` ("" = none). Written to `out.tmp` and renamed, so `out` is never half
-    written; a previous `out` is replaced."""
+    written; a previous `out` is replaced. Floating tensors are written in the dtype the config
+    states (a bf16 model trained in fp32, on a CPU, was written in fp32 under a config saying
+    bfloat16: twice the disk, and not what the config tells a loader)."""
+    import torch
     from safetensors.torch import save_file
 
     out_dir = Path(out)
@@ -53,9 +56,16 @@ def write_hf_dir(tensors: dict[str, Any], config_json: str, out: str, tokenizer_
     for stale in (tmp, old):
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
+    config = json.loads(config_json)
+    dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype")), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        dtype = None
+    tensors = {
+        n: (t.to(dtype) if dtype and t.is_floating_point() else t).detach().cpu().contiguous()
+        for n, t in tensors.items()
+    }
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(json.loads(config_json), indent=2))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES if tokenizer_src else ():
         if (Path(tokenizer_src) / name).is_file():
             shutil.copy(Path(tokenizer_src) / name, tmp / name)
