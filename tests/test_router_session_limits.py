@@ -13,6 +13,7 @@ import pytest
 
 from proto.contract import SampleLimits
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from tandem.supervisor import die_with_parent
 from tests.helpers import free_port, read_all, with_chat_template
 from tests.test_router_agents import CHAT_TEMPLATE, router_args
 
@@ -144,27 +145,27 @@ def test_a_reward_redis_refuses_leaves_its_session_open_for_the_retry(
     """Redis down as a reward is posted: the session (and the group it completes) stays open,
     answered 503 to post again; once Redis is back the retry puts it. Before, the post was
     answered 500, and the session and its group's samples were gone, recorded nowhere."""
-    redis = RedisServer(port=free_port(), data_dir=tmp_path / "redis").start()
-    buffer = SampleBuffer(BufferConfig(redis_url=redis.url, run_id="redis-down"))
-    router = start_service(
-        "router", router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
-    ).url
-    for session in ("lone", "g1", "g2"):
-        assert chat(router, session, [{"role": "user", "content": "12"}]).status_code == 200
-    in_group = {"reward": 1, "group": "G", "group_size": 2}
-    assert httpx.post(router + "/sessions/g1/reward", json=in_group).json()["status"] == "pending"
-    redis.stop()
+    data = {"data_dir": tmp_path / "redis", "preexec_fn": die_with_parent}
+    redis = RedisServer(port=free_port(), **data).start()
     try:
-        for session, body in (("g2", in_group), ("lone", {"reward": 0.5})):
-            refused = httpx.post(f"{router}/sessions/{session}/reward", json=body, timeout=30)
-            assert refused.status_code == 503, refused.text
-            assert "Redis is unavailable" in refused.text and "the session stays open" in (
-                refused.text
-            )
-            assert refused.headers["Retry-After"]
-    finally:
-        redis = RedisServer(port=redis.port, data_dir=tmp_path / "redis").start()
-    try:
+        buffer = SampleBuffer(BufferConfig(redis_url=redis.url, run_id="redis-down"))
+        router = start_service(
+            "router", router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
+        ).url
+        for session in ("lone", "g1", "g2"):
+            assert chat(router, session, [{"role": "user", "content": "12"}]).status_code == 200
+        in_group = {"reward": 1, "group": "G", "group_size": 2}
+        reply = httpx.post(router + "/sessions/g1/reward", json=in_group).json()
+        assert reply["status"] == "pending"
+        redis.stop()
+        try:
+            for session, body in (("g2", in_group), ("lone", {"reward": 0.5})):
+                refused = httpx.post(f"{router}/sessions/{session}/reward", json=body, timeout=30)
+                assert refused.status_code == 503, refused.text
+                assert "Redis is unavailable" in refused.text
+                assert "the session stays open" in refused.text and refused.headers["Retry-After"]
+        finally:
+            redis = RedisServer(port=redis.port, **data).start()
         for session, body in (("g2", in_group), ("lone", {"reward": 0.5})):
             put = httpx.post(f"{router}/sessions/{session}/reward", json=body, timeout=30)
             assert put.status_code == 200 and put.json()["status"] == "put", put.text
