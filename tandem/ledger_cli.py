@@ -4,7 +4,8 @@ RUN is a `tandem up` run folder: its live Redis when the run is going (`RUN/redi
 `--redis-url` it ran on, `RUN/redis.json`), else a private server started on its data
 (`RUN/redis/`), else the `RUN/ledger.json` written when the run ended. Or name the Redis
 yourself: `--redis-url URL --run-id ID`. Prints the counts by fate and by drop reason and
-"balanced" or the difference; exit 0 balanced, 1 unbalanced, 2 bad flags or nothing to read.
+"balanced" or the difference. Exit codes: 0 = balanced, 1 = unbalanced, 2 = the flags name no
+run, or nothing answers there (no Redis, no saved data).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ LIVE_READS, LIVE_READ_GAP_S = 5, 0.3
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem ledger", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(  # (the whole text: where it reads, and the exit codes)
+        prog="tandem ledger", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("run", nargs="?", help="run folder of `tandem up`")
     parser.add_argument("--redis-url", default="", help="Redis of the run (instead of RUN)")
     parser.add_argument(

@@ -431,3 +431,5 @@ def test_one_broker_per_run_a_second_is_refused_and_one_taken_over_stops(
     assert httpx.get(f"{third.url}/health").status_code == 200
     holder = buffer.redis.get(buffer.lease_prefix + "broker").decode()
     assert holder.startswith(f"broker pid {third.proc.pid} on "), holder
+    third.stop()  # SIGTERM: a clean stop, exit 0 (it died of the signal), the lease given up
+    assert third.proc.returncode == 0 and not buffer.redis.exists(buffer.lease_prefix + "broker")

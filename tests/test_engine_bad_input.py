@@ -137,10 +137,12 @@ def test_a_service_without_a_token_refuses_a_public_address(toy_model_dir: Path)
     assert done.returncode != 0 and "TANDEM_API_TOKEN" in done.stderr
 
 
-@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP])  # (a closed terminal)
-def test_sigterm_ends_requests_held_by_a_pause_with_an_abort_reason_and_exits(
+# (SIGHUP: a closed terminal; SIGINT: Ctrl-C, which ended it with a traceback)
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_sigterm_ends_requests_held_by_a_pause_with_an_abort_reason_and_exits_0(
     start_service, toy_model_dir: Path, number: int
 ) -> None:  # type: ignore[no-untyped-def]
+    """Exit 0, as the exit-code table has it: the engine died of the SIGTERM it had handled."""
     import concurrent.futures
 
     service = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
@@ -155,7 +157,8 @@ def test_sigterm_ends_requests_held_by_a_pause_with_an_abort_reason_and_exits(
     assert reply.status_code == 200
     reason = reply.json()["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "shutting down" in reason["message"]
-    assert service.proc.wait(timeout=30) is not None
+    assert service.proc.wait(timeout=30) == 0
+    assert "Traceback" not in service.log()
 
 
 def test_health_is_503_once_the_generation_thread_is_gone(toy_model_dir: Path) -> None:

@@ -2,7 +2,8 @@
 FastAPI app under uvicorn on a socket we bind ourselves).
 
 Exit codes, the same for every `tandem` service:
-  0  the service ran as asked and stopped cleanly;
+  0  the service ran as asked and stopped cleanly (SIGTERM, SIGINT or SIGHUP: open requests get
+     --graceful-shutdown-s, then the service stops);
   1  a run-time failure (`ServiceError`, a dependency that never answered: `ConnectionError`,
      `TimeoutError`);
   2  bad flags or configuration: argparse's own errors, `ValueError` (contract mismatches
@@ -39,6 +40,12 @@ import uvicorn
 from services.common.body_limit import BodyLimitMiddleware
 
 MIB = 1 << 20
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+EXIT_CODES = (
+    "Exit codes: 0 = stopped as asked (SIGTERM, SIGINT or SIGHUP: open requests get "
+    "--graceful-shutdown-s); 1 = a run-time failure (a dependency that never answered); 2 = a "
+    "flag, file or setting refused, or the port taken (the message names it)."
+)
 T = TypeVar("T")
 
 
@@ -147,7 +154,9 @@ def write_ready_file(path: str | Path, **info: Any) -> None:
 
 
 def add_serving_args(parser: argparse.ArgumentParser, max_request_mib: int) -> None:
-    """`--max-request-bytes` and `--graceful-shutdown-s`, with this service's defaults."""
+    """`--max-request-bytes` and `--graceful-shutdown-s`, with this service's defaults; the
+    exit codes (the module docstring's table) at the end of `--help`."""
+    parser.epilog = " ".join(filter(None, [parser.epilog, EXIT_CODES]))
     parser.add_argument(
         "--max-request-bytes",
         type=int,
@@ -176,8 +185,8 @@ def serve(
     on_shutdown: Callable[[], None] | None = None,
     sock: socket.socket | None = None,
 ) -> None:
-    """Serve `app` until SIGINT/SIGTERM (SIGHUP taken as SIGTERM); raise `ListenError` if the
-    port is taken.
+    """Serve `app` until SIGINT/SIGTERM (SIGHUP taken as SIGTERM), then return (the service
+    exits 0: it stopped as asked); raise `ListenError` if the port is taken.
 
     `extra` entries are added to the ready file (e.g. other endpoints the service bound); a
     callable value is called once the app has started (its lifespan ran). Bodies over
@@ -223,7 +232,16 @@ def serve(
                 )
 
         server.startup = startup  # type: ignore[method-assign]
+    before = {}
     if threading.current_thread() is threading.main_thread():  # (a closed terminal: SIGTERM's
         # graceful stop, where SIGHUP's default ended the service mid-request)
         signal.signal(signal.SIGHUP, lambda *_: server.handle_exit(signal.SIGTERM, None))
-    server.run(sockets=[sock])
+        # uvicorn stops gracefully on SIGTERM and SIGINT, then raises the signal again to the
+        # handler installed before it: no-op ones make that stop exit 0 (the engine and the
+        # broker died of the SIGTERM, and a Ctrl-C ended every service with a traceback)
+        before = {stop: signal.signal(stop, lambda *_: None) for stop in STOP_SIGNALS}
+    try:
+        server.run(sockets=[sock])
+    finally:  # (one more signal ends a stop that hangs)
+        for stop, handler in before.items():
+            signal.signal(stop, handler)

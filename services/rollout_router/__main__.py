@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
 from typing import Any
@@ -115,9 +114,6 @@ def run(
 ) -> None:
     from services.rollout_router.fastpath import FastForwardMiddleware
 
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the handler that
-    # was installed before it: a no-op one makes a clean stop exit 0.
-    signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         serve(
             FastForwardMiddleware(app),

@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem convert",
         description="Convert Hugging Face weights (llama, mistral, qwen2, qwen3, qwen3_moe) to a "
-        "megatron dist checkpoint and back.",
+        "megatron dist checkpoint and back. Exit codes: 0 = written; 2 = a folder, checkpoint or "
+        "flag refused (the message names it).",
     )
     sub = parser.add_subparsers(dest="direction", required=True)
     to_m = sub.add_parser("hf-to-megatron", help="HF directory -> megatron checkpoint directory")
