@@ -73,6 +73,15 @@ def test_bad_flags_and_a_taken_port_exit_2_with_one_line_naming_the_flag(
             ["broker", "--port", "0", "--redis-call-timeout-s", "0"],
             "--redis-call-timeout-s must be > 0",
         ),
+        # (0 s was no bound: a hung engine held every sync up for good)
+        "broker sync flag": (
+            ["broker", "--port", "0", "--sync-timeout-s", "0"],
+            "--sync-timeout-s must be > 0, got 0",
+        ),
+        "broker versions flag": (
+            ["broker", "--port", "0", "--keep-versions", "0"],
+            "--keep-versions must be at least 1, got 0",
+        ),
         "engine flag": (
             ["engine", *model, "--port", "0", "--max-batch-size", "0"],
             "--max-batch-size must be at least 1",

@@ -164,7 +164,11 @@ def test_numbers_outside_their_range_are_refused_naming_the_flag() -> None:
         "lr": (math.nan, "--lr must be > 0: got nan"),
         "tis_clip": (-3.0, "--tis-clip must be > 0: got -3.0"),  # (these took -3)
         "value_clip": (-3.0, "--value-clip must be >= 0: got -3.0"),
-        "advantage_eps": (-3.0, "--advantage-eps must be >= 0: got -3.0"),
+        # (0: equal rewards gave NaN advantages; Redis reads BLOCK 0 for good; a division by 0)
+        "advantage_eps": (0.0, "--advantage-eps must be > 0: got 0.0"),
+        "read_block_ms": (0, "--read-block-ms must be >= 1: got 0"),
+        "make_vocab_size_divisible_by": (0, "--make-vocab-size-divisible-by must be >= 1: got 0"),
+        "tensor_model_parallel_size": (0, "--tensor-model-parallel-size must be >= 1: got 0"),
     }
     for name, (value, message) in cases.items():
         with pytest.raises(ValueError) as refused:

@@ -21,14 +21,19 @@ RANGES: dict[str, tuple[float, bool, float]] = {
         (0.0, True, math.inf),
     ),
     **dict.fromkeys(  # (each took -3 without a word)
-        ("advantage_eps", "tis_clip_low", "critic_lr", "value_clip", "moe_aux_loss_coeff"),
-        (0.0, True, math.inf),
+        ("tis_clip_low", "critic_lr", "value_clip", "moe_aux_loss_coeff"), (0.0, True, math.inf)
     ),
-    "tis_clip": (0.0, False, math.inf),
+    # (0: a group whose rewards are all equal had 0 / 0 = NaN advantages, its step skipped)
+    **dict.fromkeys(("tis_clip", "advantage_eps"), (0.0, False, math.inf)),
     **dict.fromkeys(("adam_beta1", "adam_beta2", "lambd"), (0.0, True, 1.0)),
     "gamma": (0.0, False, 1.0),
     **dict.fromkeys(
         ("num_threads", "micro_batch_size", "max_tokens_per_gpu"), (1.0, True, math.inf)
+    ),
+    # (0: a read that blocks for good, as Redis reads BLOCK 0; a division by 0; no model)
+    **dict.fromkeys(
+        ("read_block_ms", "make_vocab_size_divisible_by", "tensor_model_parallel_size"),
+        (1.0, True, math.inf),
     ),
 }
 # Estimators whose baseline is the group's mean reward: a group of one learns nothing.

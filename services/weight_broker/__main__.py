@@ -54,7 +54,7 @@ def start(config: BrokerConfig, host: str) -> Any:
     """The broker's app, its sockets bound; ValueError (exit 2) names what to change."""
     from services.weight_broker.server import create_app
 
-    config.buffer_config().validate()
+    config.validate()
     agree_contract(config)
     check_bind(host, token_from_env(), "tandem broker")
     check_weight_bind("--intake-endpoint", config.intake_endpoint)

@@ -81,6 +81,15 @@ class BrokerConfig:
         metadata={"help": "Complete versions held in memory (the newest is what engines get)."},
     )
 
+    def validate(self) -> None:
+        """ValueError naming the flag (0 s was no bound: aiohttp takes 0 for none, and a hung
+        engine held every sync up for good; 0 versions was taken for 1)."""
+        if not self.sync_timeout_s > 0:
+            raise ValueError(f"--sync-timeout-s must be > 0, got {self.sync_timeout_s:g}")
+        if self.keep_versions < 1:
+            raise ValueError(f"--keep-versions must be at least 1, got {self.keep_versions}")
+        self.buffer_config().validate()
+
     def buffer_config(self) -> BufferConfig:
         return BufferConfig(
             self.redis_url, self.run_id, redis_call_timeout_s=self.redis_call_timeout_s
