@@ -148,8 +148,8 @@ class UpConfig:
     startup_timeout_s: float = field(
         default=-1.0,
         metadata={
-            "help": "Longest any service may take to start (-1 = 180 s for the toy model, 900 s "
-            "with a --model: an engine loads its weights and may compile)."
+            "help": "Longest any service may take to start (-1 or 0 = 180 s for the toy model, "
+            "900 s with a --model: an engine loads its weights and may compile)."
         },
     )
     resume: str = field(
@@ -205,8 +205,8 @@ class UpConfig:
         default=-1.0,
         metadata={
             "help": "End the run (exit 1, with the diagnosis) after this long without progress "
-            "(no trainer step, and no new group in the trainer's hands for its next one; -1 = "
-            "600 s for the toy model, 3600 s with a --model: a long response takes a while)."
+            "(no trainer step, and no new group in the trainer's hands for its next one; -1 or 0 "
+            "= 600 s for the toy model, 3600 s with a --model: a long response takes a while)."
         },
     )
     stop_timeout_s: float = field(
