@@ -114,7 +114,7 @@ def test_bad_flags_and_a_taken_port_exit_2_with_one_line_naming_the_flag(
     assert "--weights-master-address 10.1.2.3" in results["trainer rendezvous"].stderr
 
 
-def test_a_number_given_as_nan_exits_2_naming_its_flag(tmp_path: Path, capsys, monkeypatch) -> None:
+def test_a_number_given_as_nan_or_inf_exits_2_naming_its_flag(tmp_path: Path, capsys, monkeypatch) -> None:
     """float() takes "nan", and TOML has nan: a bound of nan bounded nothing (tandem up's
     --time-limit-s nan ran without a limit), a timeout of nan crashed a service later. A time
     in seconds below 0 is refused the same way (a request timeout of -3 s was taken)."""
@@ -129,6 +129,11 @@ def test_a_number_given_as_nan_exits_2_naming_its_flag(tmp_path: Path, capsys, m
     with pytest.raises(SystemExit) as exc:
         launcher.parse(["--time-limit-s", "nan"])
     assert exc.value.code == 2 and "--time-limit-s nan: not a number" in capsys.readouterr().err
+    for argv in (["--lr", "inf"], ["--stall-warn-s=-inf"]):  # (each was taken)
+        with pytest.raises(SystemExit) as exc:
+            launcher.parse(argv)
+        said = f"error: {argv[0].split('=')[0]} {float(argv[-1].split('=')[-1])}: not a finite"
+        assert exc.value.code == 2 and said in capsys.readouterr().err, argv
     monkeypatch.delenv("TANDEM_ROUTER_RM_TIMEOUT_S")
     negative = toml_file(tmp_path, "[router]\nrequest_timeout_s = -3\n")
     with pytest.raises(SystemExit) as exc:

@@ -118,8 +118,9 @@ def parse_args(
 ) -> argparse.Namespace:
     """`parser.parse_args(argv)` over the `--config` file's [section] and the environment;
     a bad file or variable exits 2 with the message (as argparse does for a bad flag), and so
-    does a number given as nan from any of them (float() takes it: a timeout of nan crashed a
-    service later with "cannot convert float NaN to integer", a bound of nan bounded nothing),
+    does a number given as nan or inf from any of them (float() takes them: a timeout of nan
+    crashed a service later with "cannot convert float NaN to integer", a bound of nan bounded
+    nothing, a learning rate of inf was taken),
     and a value below 0 for an integer whose default is not negative (a count, a length, a
     port) or for a time in seconds (a flag ending in -s whose default is not negative), and one
     below 0 but the default for a number whose default is below 0 (-1: "the model's", "all")."""
@@ -142,8 +143,10 @@ def parse_args(
     args = parser.parse_args(argv)
     for action in parser._actions:
         value = getattr(args, action.dest, None)
-        if any(isinstance(v, float) and math.isnan(v) for v in _listed(value)):
-            parser.exit(2, f"{parser.prog}: error: {action.option_strings[0]} nan: not a number\n")
+        for v in _listed(value):  # (inf: a learning rate, a timeout of inf was taken)
+            if isinstance(v, float) and not math.isfinite(v):
+                what = "not a number" if math.isnan(v) else "not a finite number"
+                parser.exit(2, f"{parser.prog}: error: {action.option_strings[0]} {v}: {what}\n")
         rule, default = at_least_0.get(action.dest, ("", 0))
         if rule and _number(value) < 0 and value != default:
             flag = f"{action.option_strings[0]} {value:g}: {rule}"
