@@ -114,7 +114,9 @@ def test_bad_flags_and_a_taken_port_exit_2_with_one_line_naming_the_flag(
     assert "--weights-master-address 10.1.2.3" in results["trainer rendezvous"].stderr
 
 
-def test_a_number_given_as_nan_or_inf_exits_2_naming_its_flag(tmp_path: Path, capsys, monkeypatch) -> None:
+def test_a_number_given_as_nan_or_inf_exits_2_naming_its_flag(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
     """float() takes "nan", and TOML has nan: a bound of nan bounded nothing (tandem up's
     --time-limit-s nan ran without a limit), a timeout of nan crashed a service later. A time
     in seconds below 0 is refused the same way (a request timeout of -3 s was taken)."""
