@@ -163,3 +163,18 @@ def test_openai_errors_are_400_with_the_field_named(engine) -> None:  # type: ig
     assert resp.status_code == 400 and "temperature" in resp.text
     resp = httpx.post(f"{engine.url}/v1/chat/completions", json={"model": "toy", "messages": []})
     assert resp.status_code == 400 and "messages" in resp.text
+
+
+def test_sglang_fields_it_lacks_are_400_on_openai(engine) -> None:  # type: ignore[no-untyped-def]
+    """They were dropped: a request for a LoRA adapter was answered by the base model, one for
+    hidden states without them (/generate refused them already)."""
+    for route, body in (
+        ("/v1/completions", {"prompt": "1"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}]}),
+    ):
+        for field, value in (("lora_path", "adapter"), ("return_hidden_states", True)):
+            resp = httpx.post(f"{engine.url}{route}", json={**body, field: value, "max_tokens": 2})
+            assert resp.status_code == 400, (route, field, resp.text)
+            assert f"{field} is not supported by the reference engine" in resp.text
+        plain = httpx.post(f"{engine.url}{route}", json={**body, "lora_path": None})
+        assert plain.status_code == 200, plain.text  # (unset: as SGLang without LoRA)

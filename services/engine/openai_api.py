@@ -20,6 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from proto import sglang as sg
 from services.common.chat_messages import MessageError, template_messages
+from services.engine.api import UNSUPPORTED_FIELDS
 from services.engine.engine import Engine
 from services.engine.sampling import RequestError
 
@@ -67,6 +68,13 @@ def _top_n(body: dict, chat: bool) -> tuple[bool, int]:
     return wanted or bool(body.get("return_meta_info")), top
 
 
+def _unsupported(body: dict[str, Any]) -> dict[str, Any]:
+    """The fields of `body` that SGLang's OpenAI requests take and the reference engine does
+    not (`lora_path`, `return_hidden_states`, ...): passed on, `/generate` refuses them (they
+    were dropped: a request for a LoRA adapter was answered by the base model)."""
+    return {name: body[name] for name in UNSUPPORTED_FIELDS if name in body}
+
+
 def completion_request(body: Any, engine: Engine) -> dict[str, Any]:
     """The native `/generate` body for a `/v1/completions` body."""
     if not isinstance(body, dict) or "prompt" not in body:
@@ -82,6 +90,7 @@ def completion_request(body: Any, engine: Engine) -> dict[str, Any]:
     )
     return_logprob, top = _top_n(body, chat=False)
     return {
+        **_unsupported(body),
         key: prompt,
         "sampling_params": _sampling(body, body.get("max_tokens", 16)),
         "return_logprob": return_logprob,
@@ -124,6 +133,7 @@ def chat_request(body: Any, engine: Engine) -> dict[str, Any]:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return_logprob, top = _top_n(body, chat=True)
     return {
+        **_unsupported(body),
         "input_ids": list(ids),
         "sampling_params": _sampling(body, max_tokens),
         "return_logprob": return_logprob,
