@@ -121,6 +121,10 @@ NEUTRAL: dict[str, Any] = {
     "regex": None,
     "json_schema": None,
     "ebnf": None,
+    # (each was dropped: the turn drawn from the model without them, unsaid)
+    "lora_path": None,  # another model's distribution
+    "min_tokens": 0,  # the end-of-sequence token masked until then
+    "ignore_eos": False,
 }
 OFF_POLICY = "the trainer's log-probs would not be the ones the turn was drawn with"
 
