@@ -23,6 +23,8 @@ from services.common.config_file import (
     ConfigError,
     env_values,
     layered_defaults,
+    number_problem,
+    number_rules,
     options,
     read_file,
     to_toml,
@@ -127,11 +129,14 @@ def service_table(
                 f"[{name}] {key} = {layered[key]!r} (config file or {variable}), but tandem up "
                 f"gives the {name} {ours.get(key)!r} ({_origin(name, key)}): remove it there"
             )
+    rules = number_rules(parser)  # (at the flags' own defaults)
     parser.set_defaults(**layered)
     try:
         values = vars(parser.parse_args(own + extra))
     except ConfigError as exc:  # only the pass-through flags can be unknown here
         raise ConfigError(f"--{name}-args: {exc}") from exc
+    if problem := number_problem(parser, argparse.Namespace(**values), rules):
+        raise ConfigError(f"{name}: {problem}")  # (the service refused it once started)
     _check(name, values)
     table = {key: values[key] for key in options(parser)}
     notes = {key: _origin(name, key) for key in managed}

@@ -118,40 +118,55 @@ def parse_args(
 ) -> argparse.Namespace:
     """`parser.parse_args(argv)` over the `--config` file's [section] and the environment;
     a bad file or variable exits 2 with the message (as argparse does for a bad flag), and so
-    does a number given as nan or inf from any of them (float() takes them: a timeout of nan
-    crashed a service later with "cannot convert float NaN to integer", a bound of nan bounded
-    nothing, a learning rate of inf was taken),
-    and a value below 0 for an integer whose default is not negative (a count, a length, a
-    port) or for a time in seconds (a flag ending in -s whose default is not negative), and one
-    below 0 but the default for a number whose default is below 0 (-1: "the model's", "all")."""
+    does a number `number_problem` refuses."""
     if "config" not in {a.dest for a in parser._actions}:
         add_config_flag(parser, section)
-    at_least_0 = {  # (a flag's default before the file's and the environment's values)
-        a.dest: ("a time in seconds, at least 0" if a.dest.endswith("_s") else "at least 0", 0)
-        for a in parser._actions
-        if _number(a.default) >= 0 and (a.dest.endswith("_s") or isinstance(a.default, int))
-    }
-    at_least_0 |= {  # (--ckpt-step -3 was taken for the latest, --metrics-port -3 for none)
-        a.dest: (f"at least 0, or {a.default:g} (its default: see --help)", a.default)
-        for a in parser._actions
-        if _number(a.default) < 0
-    }
+    rules = number_rules(parser)
     try:
         parser.set_defaults(**layered_defaults(parser, section, config_path(argv)))
     except ConfigError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     args = parser.parse_args(argv)
+    if problem := number_problem(parser, args, rules):
+        parser.exit(2, f"{parser.prog}: error: {problem}\n")
+    return args
+
+
+def number_rules(parser: argparse.ArgumentParser) -> dict[str, tuple[str, float]]:
+    """Per flag of `parser` (at its own defaults: take them before a file's), what a value
+    below 0 must be, and the default that is allowed below 0: at least 0 for an integer whose
+    default is not negative (a count, a length, a port) or a time in seconds (a flag ending in
+    -s whose default is not negative); 0 or more, or the default, where that is below 0 (-1:
+    "the model's", "all")."""
+    rules = {
+        a.dest: ("a time in seconds, at least 0" if a.dest.endswith("_s") else "at least 0", 0.0)
+        for a in parser._actions
+        if _number(a.default) >= 0 and (a.dest.endswith("_s") or isinstance(a.default, int))
+    }
+    return rules | {  # (--ckpt-step -3 was taken for the latest, --metrics-port -3 for none)
+        a.dest: (f"at least 0, or {a.default:g} (its default: see --help)", a.default)
+        for a in parser._actions
+        if _number(a.default) < 0
+    }
+
+
+def number_problem(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, rules: dict[str, tuple[str, float]]
+) -> str:
+    """The first number of `args` that is refused, naming its flag ("" when none is): nan or
+    inf (float() takes them: a timeout of nan crashed a service later with "cannot convert
+    float NaN to integer", a bound of nan bounded nothing, a learning rate of inf was taken),
+    or a value below 0 that `rules` refuses (a timeout of -3 s was taken)."""
     for action in parser._actions:
         value = getattr(args, action.dest, None)
-        for v in _listed(value):  # (inf: a learning rate, a timeout of inf was taken)
+        for v in _listed(value):
             if isinstance(v, float) and not math.isfinite(v):
                 what = "not a number" if math.isnan(v) else "not a finite number"
-                parser.exit(2, f"{parser.prog}: error: {action.option_strings[0]} {v}: {what}\n")
-        rule, default = at_least_0.get(action.dest, ("", 0))
+                return f"{action.option_strings[0]} {v}: {what}"
+        rule, default = rules.get(action.dest, ("", 0))
         if rule and _number(value) < 0 and value != default:
-            flag = f"{action.option_strings[0]} {value:g}: {rule}"
-            parser.exit(2, f"{parser.prog}: error: {flag}\n")
-    return args
+            return f"{action.option_strings[0]} {value:g}: {rule}"
+    return ""
 
 
 def _listed(value: Any) -> list[Any]:
