@@ -150,10 +150,10 @@ def service_table(
 
 
 def _check(name: str, values: dict[str, Any]) -> None:
-    """The router's and the trainer's own checks of their resolved settings, before anything
-    starts (they refused them only once Redis and the engines were up: minutes for a real
-    model); ConfigError naming the service and the flag. The model's folder is checked when
-    it is there (the toy model is written at the start)."""
+    """Each service's own checks of its resolved settings, before anything starts (they were
+    refused only once Redis and the engines were up: minutes for a real model); ConfigError
+    naming the service and the flag. The model's folder is checked when it is there (the toy
+    model is written at the start)."""
     flags = argparse.Namespace(**values)
     try:
         if name == "router":
@@ -165,6 +165,15 @@ def _check(name: str, values: dict[str, Any]) -> None:
             from services.trainer.config import TrainerConfig
 
             config_from_args(TrainerConfig, flags).validate()
+        elif name == "engine":  # (--engine-args "--max-batch-size 0" failed each engine's start)
+            from services.engine.config import EngineConfig
+
+            engine = config_from_args(EngineConfig, flags)
+            engine.validate() if Path(engine.model).is_dir() else engine.validate_numbers()
+        elif name == "broker":
+            from services.weight_broker.config import BrokerConfig
+
+            config_from_args(BrokerConfig, flags).validate()
     except ValueError as exc:
         raise ConfigError(f"{name}: {exc}") from None
 

@@ -187,14 +187,15 @@ def test_a_data_file_that_is_not_there_is_refused_before_anything_starts(
 def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:
-    """The router's and trainer's own checks, and a data file's first row, run in tandem up's
-    parse: they failed only after Redis and the engines had started (minutes for a model)."""
+    """Each service's own checks, and a data file's first row, run in tandem up's parse: they
+    failed only after Redis and the engines had started (minutes for a model)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "q.jsonl").write_text('\n{"question": "1+1", "label": "2"}\n')
     (tmp_path / "bad.jsonl").write_text("not json\n")
     (tmp_path / "rows.csv").write_text("prompt,label\n")
     (tmp_path / "broken.parquet").write_text("not parquet")
     (tmp_path / "folder.jsonl").mkdir()
+    (tmp_path / "b0.toml").write_text("[broker]\nsync_timeout_s = 0\n")
     (tmp_path / "my old").mkdir()
     (tmp_path / "my old" / "up_config.json").write_text("{}")  # a run folder
     # what a run left without its configuration: a new run went on from step 400 silently
@@ -227,6 +228,8 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
         ("--router-args=--request-timeout-s -3",): (
             "router: --request-timeout-s -3: a time in seconds, at least 0"
         ),
+        ("--engine-args=--max-batch-size 0",): "engine: --max-batch-size must be at least 1",
+        ("--config", "b0.toml"): "broker: --sync-timeout-s must be > 0, got 0",
         ("--rm-type", "boxed", "--env-url", "http://127.0.0.1:9"): (  # (--rm-type was unused)
             "give one reward, not --rm-type boxed and --env-url http://127.0.0.1:9 (its /step"
         ),

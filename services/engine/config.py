@@ -100,6 +100,14 @@ class EngineConfig:
         """Raise `ValueError` naming the flag to fix."""
         if not self.model:
             raise ValueError("--model is required (a Hugging Face model directory)")
+        self.validate_numbers()
+        cfg, path = read_config(self.model)
+        check_model_config(cfg, path)
+        # 0 = the model's own limit, which the runner already caps at the window
+        check_sliding_window(cfg, path, self.context_length, "--context-length")
+
+    def validate_numbers(self) -> None:
+        """`validate`'s checks that need no model (tandem up's, before the model is there)."""
         for name in ("max_batch_size", "max_prefill_tokens", "max_queued_requests", "num_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -111,7 +119,3 @@ class EngineConfig:
             raise ValueError("--update-timeout-s must be > 0")
         if self.context_length < 0:
             raise ValueError("--context-length must be 0 (model default) or positive")
-        cfg, path = read_config(self.model)
-        check_model_config(cfg, path)
-        # 0 = the model's own limit, which the runner already caps at the window
-        check_sliding_window(cfg, path, self.context_length, "--context-length")
