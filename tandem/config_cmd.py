@@ -21,7 +21,10 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"{USAGE}\n\n{__doc__}")
         return 0 if argv else 2
-    if argv[0] == "reference" and len(argv) == 1:
+    if argv[0] == "reference":  # (with an argument it was called an unknown subcommand)
+        if len(argv) > 1:
+            print(f"tandem config reference takes no arguments: {argv[1:]}", file=sys.stderr)
+            return 2
         print(reference(), end="")
         return 0
     if argv[0] != "show":

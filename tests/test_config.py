@@ -312,6 +312,12 @@ def test_the_configuration_reference_is_generated_from_the_flags() -> None:
     assert "`rollout_max_response_len`" in current and "TANDEM_ROUTER_" in current
 
 
+def test_config_reference_with_an_argument_says_it_takes_none(capsys) -> None:
+    """It was told `unknown subcommand 'reference'`."""
+    assert config_cmd.main(["reference", "--bogus"]) == 2
+    assert "tandem config reference takes no arguments: ['--bogus']" in capsys.readouterr().err
+
+
 class DigitTokenizer:
     """Stands in for a Hugging Face tokenizer in the split's unit test: one id per character."""
 
