@@ -79,7 +79,9 @@ class Child:
     def how_it_ended(self) -> str:
         """'exited with code N', or 'was killed by SIGNAL' (SIGKILL: out of memory?)."""
         code = self.proc.returncode
-        if code is None or code >= 0:
+        if code == 0:  # (a service stops with 0 on SIGTERM, SIGINT or SIGHUP: it said nothing)
+            return "exited with code 0 (stopped by a signal tandem up did not send: kill?)"
+        if code is None or code > 0:
             return f"exited with code {code}"
         name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
         return f"was killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")

@@ -186,3 +186,18 @@ def test_a_service_imports_tandems_packages_not_the_users_folders_of_the_same_na
     broker = supervisor.start("broker", ["broker", "--help"], ready=False)
     assert broker.proc.wait(timeout=60) == 0, broker.log_tail()
     assert broker.log_path.read_text().startswith("usage: tandem broker")
+
+
+def test_a_service_that_exits_0_mid_run_is_said_to_be_stopped_by_a_signal(tmp_path: Path) -> None:
+    """A service exits 0 only when a signal stops it (its exit-code table): it was said to have
+    `exited with code 0`, nothing more, or (before they exited 0) `was killed by SIGTERM`."""
+    supervisor = Supervisor(tmp_path / "logs")
+    for code, said in (
+        (0, "exited with code 0 (stopped by a signal tandem up did not send: kill?)"),
+        (3, "exited with code 3"),
+        (-9, "was killed by SIGKILL (out of memory?)"),
+    ):
+        script = f"kill -{-code} $$" if code < 0 else f"exit {code}"
+        child = supervisor.start("router", [], ready=False, program=["sh", "-c", script])
+        child.proc.wait(timeout=10)
+        assert child.how_it_ended() == said, code
