@@ -371,3 +371,29 @@ def test_a_read_command_killed_with_sigkill_takes_its_private_redis_with_it(
     finally:
         if not gone():
             server.kill()
+
+
+def test_a_metrics_port_that_is_taken_is_named_as_the_flag() -> None:
+    """The trainer's --metrics-port taken by another process ended it with an OSError's
+    traceback (exit 1): a ListenError now, exit 2 naming --metrics-port."""
+    from services.common.metrics import serve_metrics
+    from services.common.serving import ListenError, bind_socket
+
+    taken = bind_socket("127.0.0.1", 0)
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(
+            ListenError,
+            match=f"port {port} on 127.0.0.1 is already in use; pick another with --metrics-port",
+        ):
+            serve_metrics("127.0.0.1", port, lambda: "")
+    finally:
+        taken.close()
+    server = serve_metrics("127.0.0.1", 0, lambda: "tandem_up 1\n")
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        assert urllib.request.urlopen(url, timeout=10).read() == b"tandem_up 1\n"
+    finally:
+        server.shutdown()
+        server.server_close()

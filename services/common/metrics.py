@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from services.common.serving import bind_socket
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Latency buckets (seconds) from a cache hit to a long generation or a large weight sync.
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -127,7 +129,8 @@ def gauge(name: str, help_text: str, value: float) -> Gauge:
 
 def serve_metrics(host: str, port: int, render: Callable[[], str]) -> ThreadingHTTPServer:
     """Answer `GET /metrics` with `render()` from a daemon thread; returns the bound server
-    (port 0 picks a free one: read `server.server_address`). A failing `render` is a 500."""
+    (port 0 picks a free one: read `server.server_address`). A failing `render` is a 500; a
+    port or host it cannot listen on is `serving.ListenError` naming --metrics-port/-host."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -147,7 +150,12 @@ def serve_metrics(host: str, port: int, render: Callable[[], str]) -> ThreadingH
         def log_message(self, *args: object) -> None:  # scrapes every few seconds: no log
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    server = ThreadingHTTPServer((host, port), Handler, bind_and_activate=False)
+    server.socket.close()  # (a taken port was an OSError's traceback: named as the flag now)
+    server.socket = bind_socket(host, port, "--metrics-port", "--metrics-host")
+    server.server_address = server.socket.getsockname()[:2]
+    server.server_name, server.server_port = server.server_address
+    server.server_activate()
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server

@@ -119,8 +119,11 @@ def _fail(name: str, code: int, exc: Exception, sock: socket.socket | None) -> i
     return code
 
 
-def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
-    """A listening-ready TCP socket on (host, port); port 0 picks a free one."""
+def bind_socket(
+    host: str, port: int, flag: str = "--port", host_flag: str = "--host"
+) -> socket.socket:
+    """A listening-ready TCP socket on (host, port); port 0 picks a free one. `ListenError`
+    naming `flag` or `host_flag` when it cannot be."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -138,8 +141,8 @@ def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
                 f"port {port} needs root (a port below 1024); pick another with {flag}"
             ) from exc
         raise ListenError(  # (a host that is no address here, or no name at all)
-            f"cannot listen on {host} port {port} ({exc.strerror or exc}): --host must be an "
-            "address of this machine (0.0.0.0: all of them; 127.0.0.1: this machine only)"
+            f"cannot listen on {host} port {port} ({exc.strerror or exc}): {host_flag} must be "
+            "an address of this machine (0.0.0.0: all of them; 127.0.0.1: this machine only)"
         ) from exc
     sock.set_inheritable(True)
     return sock
