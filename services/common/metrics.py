@@ -153,8 +153,8 @@ def serve_metrics(host: str, port: int, render: Callable[[], str]) -> ThreadingH
     server = ThreadingHTTPServer((host, port), Handler, bind_and_activate=False)
     server.socket.close()  # (a taken port was an OSError's traceback: named as the flag now)
     server.socket = bind_socket(host, port, "--metrics-port", "--metrics-host")
-    server.server_address = server.socket.getsockname()[:2]
-    server.server_name, server.server_port = server.server_address
+    server.server_name, server.server_port = server.socket.getsockname()[:2]
+    server.server_address = (server.server_name, server.server_port)
     server.server_activate()
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
