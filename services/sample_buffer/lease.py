@@ -49,9 +49,11 @@ class Lease:
         self.held = self.held or take
 
     def renew(self) -> str:
-        """Hold the lease `LEASE_TTL_S` more: '' when done, else who holds it (RedisError
-        passes)."""
-        return self.buffer.take_lease(self.role, self.owner, LEASE_TTL_S)
+        """Hold the lease `LEASE_TTL_S` more: '' when done, else who holds it (then this
+        process no longer does: `release` leaves it to them). RedisError passes."""
+        holder = self.buffer.take_lease(self.role, self.owner, LEASE_TTL_S)
+        self.held = self.held and not holder
+        return holder
 
     def release(self) -> str:
         """Give the lease up (when held); what went wrong ('' when nothing did)."""

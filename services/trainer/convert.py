@@ -57,7 +57,7 @@ def write_hf_dir(tensors: dict[str, Any], config_json: str, out: str, tokenizer_
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
     config = json.loads(config_json)
-    dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype")), None)
+    dtype = getattr(torch, stated_dtype(config), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         dtype = None
     tensors = {
@@ -82,9 +82,15 @@ def say(started: float, what: str) -> None:
 
 
 def is_bf16(config: dict[str, Any]) -> bool:
-    """The weights of a HF `config.json` are bfloat16 (`dtype`, or the older `torch_dtype`):
-    the model is then built and written in bf16, not fp32 (half the memory and the disk)."""
-    return (config.get("dtype") or config.get("torch_dtype")) == "bfloat16"
+    """The weights of a HF `config.json` are bfloat16 (`stated_dtype`): the model is then
+    built and written in bf16, not fp32 (half the memory and the disk)."""
+    return stated_dtype(config) == "bfloat16"
+
+
+def stated_dtype(config: dict[str, Any]) -> str:
+    """The dtype a HF `config.json` gives its weights (`dtype`, or the older `torch_dtype`;
+    "" when none)."""
+    return str(config.get("dtype") or config.get("torch_dtype") or "")
 
 
 def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Path:

@@ -110,7 +110,6 @@ class WeightBroker:
             await asyncio.sleep(LEASE_RENEW_S)
             with contextlib.suppress(RedisError):
                 if holder := await asyncio.to_thread(self.lease.renew):
-                    self.lease.held = False  # (not given up at the stop: it is another's)
                     raise ValueError(lease_lost("broker", self.config.run_id, holder))
 
     async def _sync_loop(self, session: aiohttp.ClientSession) -> None:
