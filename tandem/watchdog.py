@@ -126,14 +126,15 @@ class Watchdog:
         return self.held(statuses.get("router")) or arrived
 
     def held(self, router: ServiceStatus | None) -> bool:
-        """Whether the router's rollout is paused or stopped on request, said when that begins,
-        every `stall_warn_s` while it lasts and when it ends."""
+        """Whether the router's rollout is paused or stopped on request, or was until now; said
+        when that begins, every `stall_warn_s` while it lasts and when it ends."""
         now = time.monotonic()
         if router is None or router.state not in HELD or not router.waiting_for:
-            if self.held_since:
-                self.say(f"rollout goes on after {now - self.held_since:.0f} s held on request")
-                self.held_since = 0.0
-            return False
+            if not self.held_since:
+                return False
+            self.say(f"rollout goes on after {now - self.held_since:.0f} s held on request")
+            self.held_since = 0.0
+            return True  # (the wait for progress starts now, not at the last look while held)
         if not self.held_since:
             self.held_since = self.last_warned_at = now
             self.say(

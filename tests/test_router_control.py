@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from proto.contract import SampleLimits
+from proto.contract import SampleLimits, ServiceStatus
 from services.sample_buffer import SampleBuffer
 from tandem.watchdog import Watchdog
 from tests.helpers import router_args as shared_router_args
@@ -59,6 +59,25 @@ def test_rollout_starts_pauses_resumes_and_stops_on_request(
     assert stopped["waiting_for"] == "POST /rollout/start (rollout was stopped on request)"
     assert held_through(watchdog, buffer, "stopped") == [""] * 8
     assert said[-1].startswith("rollout stopped on request")
+
+
+def test_the_watchdogs_wait_for_progress_starts_when_a_hold_on_request_ends(
+    buffer: SampleBuffer,
+) -> None:
+    """Looks further apart than --stall-warn-s (a loaded machine): the look that sees the pause
+    end said the run had made no progress since the look before, while it was held."""
+    said: list[str] = []
+    watchdog = Watchdog(buffer, {}, stall_warn_s=0.2, stall_fail_s=0.4, say=said.append)
+    paused = ServiceStatus(role="router", state="paused", waiting_for="POST /rollout/resume")
+    buffer.set_status(paused)
+    assert look(watchdog) == ""
+    time.sleep(0.5)  # past --stall-fail-s
+    buffer.set_status(ServiceStatus(role="router", state="generating"))
+    assert look(watchdog) == "", "the old code ended the run here"
+    assert re.fullmatch(r"rollout goes on after \d+ s held on request", said[-1]), said
+    time.sleep(0.25)
+    assert look(watchdog) == ""
+    assert [line for line in said if line.startswith("no progress for 0 s")], said
 
 
 def held_through(watchdog: Watchdog, buffer: SampleBuffer, state: str) -> list[str]:
