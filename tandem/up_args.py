@@ -333,6 +333,37 @@ def resume_plan(
     return False, recorded - saved, note
 
 
+def trainer_start(
+    args: list[str], config: Any, run_dir: Path, buffer: Any
+) -> tuple[list[str], int]:
+    """The trainer's command line (`args`), with --new-lineage where a resume needs it, and the
+    steps it trains again (`resume_plan`, its note said). ChildFailedError (exit 2) for what
+    the trainer would refuse once its model is built (`check_start`: a damaged checkpoint, a
+    --ckpt-step back without --new-lineage), found before the engines start (minutes for a
+    real model) and not after."""
+    from services.common.config_file import parse_args
+    from services.common.flags import config_from_args
+    from services.trainer.__main__ import build_parser, check_start
+    from services.trainer.config import TrainerConfig
+    from tandem.sinks import say
+    from tandem.supervisor import ChildFailedError
+
+    replayed = 0
+    if config.resume:  # (the version an earlier trainer published)
+        checkpoints = Path(config.save or run_dir / "checkpoints")
+        plan = resume_plan(checkpoints, run_dir, config, buffer.get_version("trainer", 0))
+        new_lineage, replayed, note = plan
+        args = [*args, "--new-lineage"] if new_lineage else args
+        if note:
+            say(note)
+    trainer = config_from_args(TrainerConfig, parse_args(build_parser(), args[1:], "trainer"))
+    try:
+        check_start(trainer, buffer)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ChildFailedError(f"trainer: {exc}", 2) from None
+    return args, replayed
+
+
 def steps_recorded(run_dir: Path) -> int:
     """The last trainer step in a run folder's metrics.jsonl (0: none)."""
     from tandem.progress import metrics_rows

@@ -32,7 +32,7 @@ from tandem.run_dir import (
 from tandem.run_redis import REDIS_FILE, run_id_of
 from tandem.sinks import MetricSinks, say
 from tandem.supervisor import ChildFailedError, StartInterruptedError, Supervisor, die_with_parent
-from tandem.up_args import lost_history, resume_plan, save_config, steps_saved, stopped_early
+from tandem.up_args import lost_history, save_config, steps_saved, stopped_early, trainer_start
 from tandem.up_config import check_sample_fit, render, state_trainer_limits, write_run_config
 from tandem.up_engines import Restarts, wait_engines_synced
 from tandem.up_services import TRAINED_MODEL, service_args, shared_gpus, trains_in_bf16
@@ -152,6 +152,7 @@ class UpRun:
                 "with --engine-args '--kv-cache-gb N' (their KV cache; default 4) and keep the "
                 "trainer's batch small (--trainer-args '--max-tokens-per-gpu N')"
             )
+        trainer_args, self.replayed = trainer_start(args["trainer"], config, self.run_dir, buffer)
         engines = [
             self.supervisor.start(
                 f"engine{i}", args["engine"], env=gpu_env(config.engine_gpus[i : i + 1])
@@ -164,7 +165,7 @@ class UpRun:
         broker = self.supervisor.start("broker", [*args["broker"], "--engine-urls", *urls])
         self.supervisor.wait_ready([broker], config.by_model("startup_timeout_s"))
         # The trainer loads while the router starts (it needs only Redis and the broker).
-        self.start_trainer(args["trainer"], broker.info["intake_endpoint"], buffer)
+        self.start_trainer(trainer_args, broker.info["intake_endpoint"])
         # The router hands engines added or restarted at run time to the broker.
         router = self.supervisor.start(
             "router", [*args["router"], "--engine-urls", *urls, "--broker-url", broker.info["url"]]
@@ -222,17 +223,10 @@ class UpRun:
         why = " (the router's default for this task and model: --rollout-max-response-len)"
         say(f"responses up to {length} tokens{'' if config.rollout_max_response_len else why}")
 
-    def start_trainer(self, args: list[str], intake_endpoint: str, buffer: SampleBuffer) -> None:
+    def start_trainer(self, args: list[str], intake_endpoint: str) -> None:
         """Start the trainer (under torchrun with --trainer-procs > 1), not waited for here."""
         config = self.config
         trainer_args = [*args, "--weights-endpoint", intake_endpoint]
-        checkpoints = Path(config.save or self.run_dir / "checkpoints")
-        if config.resume:  # (the version an earlier trainer published)
-            plan = resume_plan(checkpoints, self.run_dir, config, buffer.get_version("trainer", 0))
-            new_lineage, self.replayed, note = plan
-            trainer_args += ["--new-lineage"] if new_lineage else []
-            if note:
-                say(note)
         program = None
         if config.trainer_procs > 1:  # torchrun: one process per rank, same flags
             program = [

@@ -430,10 +430,11 @@ def test_a_router_or_broker_that_dies_mid_run_is_started_again_and_the_run_train
 def test_a_damaged_checkpoint_is_named_and_the_run_goes_back_to_an_older_one_as_a_new_lineage(
     tmp_path: Path,
 ) -> None:
-    """The newest checkpoint cut short: the resume fails naming it and the way back; going back
-    without --new-lineage is refused (the later steps' groups are gone: the old code trained on
-    and then stalled for good); with it the run goes on from the older weights, its ledger
-    balanced, and the one-time flags are not kept for the next resume."""
+    """The newest checkpoint cut short: the resume fails naming it and the way back, before
+    anything but Redis starts; going back without --new-lineage is refused as early (the later
+    steps' groups are gone: the old code trained on and then stalled for good); with it the run
+    goes on from the older weights, its ledger balanced, and the one-time flags are not kept
+    for the next resume."""
     run_dir = tmp_path / "run"
     flags = ["--stop-accuracy", "0", "--num-engines", "1", "--save-interval", "2"]
     first = up(run_dir, *flags, "--max-steps", "4", timeout_s=300)
@@ -448,6 +449,8 @@ def test_a_damaged_checkpoint_is_named_and_the_run_goes_back_to_an_older_one_as_
     assert f"checkpoint {newest} does not load" in damaged.stdout, damaged.stdout[-3000:]
     back = "--ckpt-step 2 --new-lineage"
     assert f"--trainer-args '{back}'" in damaged.stdout, damaged.stdout[-3000:]
+    # found before the engines start (minutes for a real model), not when the trainer loads it
+    assert "engines at" not in damaged.stdout and "__0_0.distcp holds 1000 bytes" in damaged.stdout
 
     refused = up(
         run_dir, "--resume", str(run_dir), "--trainer-args", "--ckpt-step 2", timeout_s=300
@@ -456,6 +459,7 @@ def test_a_damaged_checkpoint_is_named_and_the_run_goes_back_to_an_older_one_as_
     assert "--ckpt-step 2 goes back past this run's newest checkpoint (iteration 4" in (
         refused.stdout
     ), refused.stdout[-3000:]
+    assert "engines at" not in refused.stdout
 
     rolled = up(run_dir, "--resume", str(run_dir), "--max-steps", "8", "--trainer-args", back)
     assert rolled.returncode == 0, rolled.stdout[-3000:] + rolled.stderr[-3000:]

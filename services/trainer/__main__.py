@@ -75,14 +75,27 @@ def check_lineage(cfg: TrainerConfig) -> None:
     from services.sample_buffer import BufferConfig, SampleBuffer
     from services.trainer.checkpoint import resolve_iteration
     from services.trainer.lease import TrainerLease
-    from services.trainer.lineage import finds_checkpoint, lineage_start
 
     if cfg.load:  # a bad --load is named before Redis is asked anything
         resolve_iteration(cfg.load, cfg.ckpt_step)
     buffer = SampleBuffer(BufferConfig(redis_url=cfg.redis_url, run_id=cfg.run_id))
     buffer.wait_ready(timeout_s=10.0)
     TrainerLease(buffer).wait_free()  # a second trainer: named as such, not as a lineage
-    lineage_start(cfg, buffer, finds_checkpoint(cfg))
+    check_start(cfg, buffer)
+
+
+def check_start(cfg: TrainerConfig, buffer: Any) -> None:
+    """What this start would refuse once its model is built: a lineage refusal (`lineage.py`),
+    the checkpoint it resumes from cut short (`checkpoint.check_files`). tandem up runs it
+    before the engines start (they take minutes to load a real model)."""
+    from services.trainer.lineage import finds_checkpoint, lineage_start
+
+    resumed = finds_checkpoint(cfg)
+    lineage_start(cfg, buffer, resumed)
+    if resumed:
+        from services.trainer.checkpoint import check_files, resolve_iteration
+
+        check_files(resolve_iteration(cfg.load or cfg.save, cfg.ckpt_step))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -151,6 +151,27 @@ def damaged(path: Path, exc: BaseException, resume: bool = True) -> ValueError:
     )
 
 
+def check_files(path: Path, resume: bool = True) -> None:
+    """`damaged`'s ValueError when a file of checkpoint `path` is shorter than its index
+    (`.metadata`) says or missing (a save cut short, a copy that stopped early): found in a
+    second, before a model is built (tandem up: before the engines start)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        items = FileSystemReader(str(path)).read_metadata().storage_data.values()
+    except (OSError, EOFError, pickle.UnpicklingError) as exc:
+        raise damaged(path, exc, resume) from exc
+    needed: dict[str, int] = {}
+    for item in items:
+        end = item.offset + item.length
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        have = (path / name).stat().st_size if (path / name).is_file() else 0
+        if have < size:
+            cut = EOFError(f"{name} holds {have} bytes of the {size} its index names")
+            raise damaged(path, cut, resume)
+
+
 def iteration_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 

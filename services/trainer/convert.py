@@ -142,12 +142,13 @@ def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -
     from torch.distributed.checkpoint.api import CheckpointException
 
     from services.trainer import hf_convert
-    from services.trainer.checkpoint import damaged, resolve_iteration
+    from services.trainer.checkpoint import check_files, damaged, resolve_iteration
     from services.trainer.policy import init_distributed
 
     started = time.monotonic()
     init_distributed(tp_size=1, seed=0)
     path = resolve_iteration(load, ckpt_step)
+    check_files(path, resume=False)  # (before a model of its size is built)
     common = dist_checkpointing.load_common_state_dict(str(path))
     if "hf_config" not in common:
         raise ValueError(
