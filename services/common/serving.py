@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import gc
 import json
 import logging
 import os
@@ -84,18 +83,6 @@ def run_service(
     at once, before any model load or wait; `start()` builds the service from its flags (an
     error there is the user's to fix, unless it is a run-time one); `run(service, socket)` runs
     it until it stops. What they raise is mapped by the table in the module docstring."""
-    try:
-        return _run_service(name, start, run, listen)
-    finally:
-        exit_without_collecting()
-
-
-def _run_service(
-    name: str,
-    start: Callable[[], T],
-    run: Callable[[T, socket.socket | None], int | None],
-    listen: tuple[str, int] | None,
-) -> int:
     sock = None
     try:
         sock = bind_socket(*listen) if listen else None
@@ -122,13 +109,6 @@ def _run_service(
         sys.stderr.flush()
         os._exit(code)
     return code
-
-
-def exit_without_collecting() -> None:
-    """Spare the interpreter's last collections, at exit, the walk over every object torch,
-    transformers and megatron made (about 1 s of CPU at each exit of a service, a stop that
-    waits for it, a test's teardown): nothing they hold needs collecting to be saved."""
-    gc.freeze()
 
 
 def _fail(name: str, code: int, exc: Exception, sock: socket.socket | None) -> int:
