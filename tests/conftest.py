@@ -27,6 +27,19 @@ from tests.fake_sglang import FakeEngineProcess
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slowest tests first (end-to-end runs, then those marked slow), each group in its
+    files' order: the last tests the workers (`-n 2`) take are then short ones, and neither
+    waits out a minutes-long test of the other's at the end."""
+    items.sort(key=slowness)
+
+
+def slowness(item: pytest.Item) -> int:
+    """0: an end-to-end run (marked e2e), 1: marked slow, 2: the rest."""
+    marks = ("e2e", "slow")
+    return next((rank for rank, mark in enumerate(marks) if item.get_closest_marker(mark)), 2)
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_run_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
     """`tandem up` code run in-process sets a per-run API token and weight secret in

@@ -283,6 +283,7 @@ def test_an_engine_paused_by_a_version_that_failed_is_resumed(start_service, toy
         proxy.server_close()
 
 
+@pytest.mark.slow
 def test_a_hung_then_dead_engine_is_dropped_and_the_others_keep_getting_versions(
     stack, toy_model_dir
 ) -> None:

@@ -129,6 +129,7 @@ class Run:
                 slot.unlink(missing_ok=True)
 
 
+@pytest.mark.slow
 def test_each_service_killed_mid_run_and_restarted_the_run_goes_on_and_nothing_is_lost(
     tmp_path: Path, toy_model_dir: Path
 ) -> None:

@@ -129,6 +129,7 @@ def services(start_service, buffer: SampleBuffer, toy_model_dir: Path, tmp_path:
     return {"engine": engine.url, "router": router.url, "broker": broker.url}
 
 
+@pytest.mark.slow
 def test_no_fuzzed_request_gets_a_500_from_any_service(services: dict[str, str]) -> None:
     # TANDEM_FUZZ_SCALE=10 fuzzes ten times longer (a deeper search outside CI)
     scale = float(os.environ.get("TANDEM_FUZZ_SCALE", "1"))

@@ -66,6 +66,7 @@ JS_STATE = "document.getElementById('state').textContent"
 JS_WAITING = "document.getElementById('waiting').textContent"
 
 
+@pytest.mark.slow
 def test_the_dashboard_shows_workers_state_curves_and_samples_and_pauses_the_loop(
     buffer, toy_model_dir, start_service, tmp_path
 ):

@@ -117,6 +117,7 @@ def test_parquet_text_prompts_with_the_last_number_verifier(
     assert all([s.reward for s in g.samples] == [1.0, 0.0] for g in groups)
 
 
+@pytest.mark.slow
 def test_prompts_that_fill_the_context_are_left_out_at_start_and_said_so(
     buffer, toy_model_dir, start_service, engines, tmp_path
 ):

@@ -220,6 +220,7 @@ def test_trainer_exits_cleanly_on_sigterm_while_waiting_for_samples(
             proc.kill()
 
 
+@pytest.mark.slow
 def test_one_trainer_per_run_a_second_is_refused_and_one_stopped_past_its_lease_taken_over(
     buffer, toy_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from services.trainer.checkpoint import TRACKER
@@ -30,6 +31,7 @@ def lr_of_step(buffer, step: int) -> float:  # type: ignore[no-untyped-def]
     return values["train/lr"]
 
 
+@pytest.mark.slow
 def test_a_restart_with_the_same_save_dir_resumes_and_sends_the_resumed_version_first(
     buffer, toy_model_dir: Path, tmp_path: Path
 ) -> None:
