@@ -6,6 +6,8 @@ front of a reference engine serving the toy model (it reverses digits)."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import httpx
@@ -118,25 +120,36 @@ def test_a_model_without_a_chat_template_takes_the_messages_sglang_takes(
         assert refused.status_code == 400 and words in refused.text, refused.text
 
 
+@pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
 def test_sessions_open_when_the_router_stops_are_recorded_as_dropped(
-    buffer, chat_model_dir, start_service, engines
+    buffer, chat_model_dir, start_service, engines, stop
 ):
     """An open session, and a group waiting for its second session's reward, when the router
-    stops: each a `cancelled` drop, so the ledger balances (they vanished without a word)."""
-    router = start_service(
-        "router", router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
-    )
-    for session in ("open", "g1"):
+    stops: each a `cancelled` drop, so the ledger balances (they vanished without a word). A
+    router killed (SIGKILL, OOM) leaves them noted in Redis, and the next one records them
+    (they were lost, recorded nowhere); a session put is not among them."""
+    args = router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
+    router = start_service("router", args)
+    for session in ("open", "g1", "put"):
         assert chat(router.url, session, [{"role": "user", "content": "12"}]).status_code == 200
+    assert httpx.post(router.url + "/sessions/put/reward", json={"reward": 1}).status_code == 200
     pending = {"reward": 1, "group": "G", "group_size": 2}
     reply = httpx.post(router.url + "/sessions/g1/reward", json=pending).json()
     assert reply["status"] == "pending"
-    assert buffer.ledger().generated == 0  # (a session is counted once put, or dropped)
-    router.stop()  # SIGTERM
+    assert buffer.ledger().generated == 1  # (a session is counted once put, or dropped)
+    if stop == "sigterm":
+        router.stop()
+    else:
+        os.killpg(router.proc.pid, signal.SIGKILL)
+        router.proc.wait()
+        assert buffer.drop_counts() == {}
+        buffer.release_lease_of("router", router.proc.pid)  # (as tandem up does)
+        start_service("router", args).stop()
     assert buffer.drop_counts() == {"cancelled": 2}
     assert buffer.drop_counts("samples") == {"cancelled": 1}  # the pending group's sample
     ledger = buffer.ledger()
-    assert (ledger.generated, ledger.dropped) == (2, 2) and ledger.balanced, ledger
+    assert (ledger.generated, ledger.dropped) == (3, 2) and ledger.balanced, ledger
+    assert buffer.redis.hlen(buffer.open_sessions_key) == 0
 
 
 def test_a_reward_redis_refuses_leaves_its_session_open_for_the_retry(
@@ -164,6 +177,12 @@ def test_a_reward_redis_refuses_leaves_its_session_open_for_the_retry(
                 assert refused.status_code == 503, refused.text
                 assert "Redis is unavailable" in refused.text
                 assert "the session stays open" in refused.text and refused.headers["Retry-After"]
+            # a new session's first turn: noted in Redis before it is generated (a 500 before)
+            body = {"messages": [{"role": "user", "content": "12"}], "max_tokens": 20}
+            turn = httpx.post(
+                router + "/v1/chat/completions", json=body, headers={"X-Session-Id": "new"}
+            )
+            assert turn.status_code == 503 and "nothing was generated" in turn.text, turn.text
         finally:
             redis = RedisServer(port=redis.port, **data).start()
         for session, body in (("g2", in_group), ("lone", {"reward": 0.5})):

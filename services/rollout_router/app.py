@@ -169,6 +169,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool.start_health_checks()
         if config.rollout.model:  # (it writes the run's samples: one router per run)
             await lease.take()
+            await buffer.recover_open("router")  # (a killed router's agent sessions)
             control = app.state.control = await build_control(config, pool, buffer)
             control.keep_lease(lease)
             app.state.sessions = AgentSessions(

@@ -64,6 +64,10 @@ async def chat_completions(request: Request) -> Response:
         raise HTTPException(400, str(exc)) from exc
     except NoWorkerError as exc:
         raise HTTPException(503, str(exc)) from exc
+    except RedisError as exc:  # (a new session is noted in Redis before its first turn)
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        said = f"the buffer's Redis is unavailable ({exc}): nothing was generated"
+        raise HTTPException(503, f"{said}; send the turn again", headers=retry) from exc
     except EngineRequestError as exc:
         if 400 <= exc.status < 500:  # the request's fault: the engine's status and reason
             raise HTTPException(exc.status, engine_reason(exc.body) or str(exc)) from exc

@@ -193,13 +193,15 @@ class AgentSessions:
         if tools:  # (as SGLang: a tool call's tags may be special tokens)
             params["skip_special_tokens"] = False
         payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
-        status, data, worker = await self.pool.post("/generate", orjson.dumps(payload), session_id)
-        if status != 200:
-            raise EngineRequestError(
-                f"{worker.url}/generate: HTTP {status} {data[:500]!r}", status, data
-            )
-        partial = Partial.of(as_list(orjson.loads(data))[0])
-        self.store.record(session_id, input_ids, partial)
+        new = session_id not in self.store.sessions
+        if new:  # (noted first: a router killed from here on leaves it to be recorded dropped)
+            await self.buffer.note_open({session_id: 0})
+        try:
+            partial = await self.generate(payload, session_id)
+            self.store.record(session_id, input_ids, partial)
+        finally:
+            if new and session_id not in self.store.sessions:  # (no turn of it was recorded)
+                await self.forget(session_id)
         self.first_messages.setdefault(session_id, json.dumps(messages))
         texts = None
         if body.get("logprobs"):
@@ -208,6 +210,23 @@ class AgentSessions:
         return openai_response(
             partial, str(body.get("model", "tandem")), len(input_ids), texts, parse
         )
+
+    async def generate(self, payload: dict[str, Any], session_id: str) -> Partial:
+        """The turn's response from an engine (its worker picked by the session)."""
+        status, data, worker = await self.pool.post("/generate", orjson.dumps(payload), session_id)
+        if status != 200:
+            raise EngineRequestError(
+                f"{worker.url}/generate: HTTP {status} {data[:500]!r}", status, data
+            )
+        return Partial.of(as_list(orjson.loads(data))[0])
+
+    async def forget(self, *names: str) -> None:
+        """Take sessions or groups (`group:NAME`) off the open list in Redis: a failure is
+        logged (the next router after a kill would record them dropped although they ended)."""
+        try:
+            await self.buffer.note_open(gone=names)
+        except RedisError as exc:
+            log.warning("agent sessions %s ended but are still listed open: %r", names, exc)
 
     async def trainer_room(self, session_id: str, input_ids: list[int]) -> int | None:
         """The most tokens a turn on `input_ids` may generate for its sample to be one the
@@ -268,8 +287,17 @@ class AgentSessions:
             raise KeyError(session_id)
         size = group_size or self.default_group_size
         if not self.store.completes(group, size):  # nothing is put: no room needed
+            first = self.first_messages.get(session_id, "")
+            undo = self.store.undo_close(session_id, group)
             pending = self._close(session_id, reward, group, size)
-            assert isinstance(pending, dict), "a group that is not complete is not put"
+            assert isinstance(pending, dict) and group, "a group that is not complete is not put"
+            held = {f"group:{group}": len(self.store.groups[group].samples)}
+            try:
+                await self.buffer.note_open(held, gone=(session_id,))
+            except RedisError:  # the session stays open for the agent's retry
+                undo()
+                self.first_messages[session_id] = first
+                raise
             self.store.closed_by_reward(session_id, f"reward {reward:g}, group {group}")
             return pending
         async with self.bound.slot(self.config.session_put_timeout_s) as put_group:
@@ -286,6 +314,7 @@ class AgentSessions:
                     self.first_messages[session_id] = first
                     raise
                 self.store.closed_by_reward(session_id, f"reward {reward:g}, {closed.group_id}")
+                await self.forget(session_id, *([f"group:{group}"] if group else []))
                 count = len(closed.samples)
                 return {
                     "status": "put",
@@ -326,7 +355,7 @@ class AgentSessions:
     async def _drop(self, key: str, reason: DropReason, samples: int = 0) -> None:
         """A session (`key`: its id) or a pending group (`group:NAME`) dropped, one group."""
         record = DropRecord(source="router", reason=reason, samples=samples, group_id=key)
-        await self.buffer.record_drop(record)
+        await self.buffer.record_drop(record, forget=key)
 
     async def close(self) -> None:
         """At the router's stop: the open sessions and the groups waiting for more sessions'

@@ -116,10 +116,47 @@ class AsyncSampleBuffer(BufferKeys):
 
     # --- drops, the ledger ----------------------------------------------------------------------
 
-    async def record_drop(self, record: DropRecord, give_back: int | None = None) -> None:
-        """As `SampleBuffer.record_drop` (one DROP script)."""
+    async def record_drop(
+        self, record: DropRecord, give_back: int | None = None, forget: str = ""
+    ) -> None:
+        """As `SampleBuffer.record_drop` (one DROP script); `forget`: an open agent session or
+        group (`note_open`) this drop ends, taken off that list in the same transaction."""
         script_keys, args = ledger.drop_call(self, record, self.config.drop_log_len, give_back)
-        await io(self.scripts["drop"](keys=script_keys, args=args))
+        if not forget:
+            await io(self.scripts["drop"](keys=script_keys, args=args))
+            return
+        pipe = self.redis.pipeline(transaction=True)
+        await self.scripts["drop"](keys=script_keys, args=args, client=pipe)
+        pipe.hdel(self.open_sessions_key, forget)
+        await io(pipe.execute())
+
+    async def note_open(
+        self, held: dict[str, int] | None = None, gone: tuple[str, ...] = ()
+    ) -> None:
+        """The router's open agent sessions and the groups waiting for more of them (name ->
+        samples held), kept in Redis as they open (`held`) and close (`gone`): a router killed
+        before it records them dropped leaves them there for the next one (`recover_open`)."""
+        pipe = self.redis.pipeline(transaction=True)
+        if gone:
+            pipe.hdel(self.open_sessions_key, *gone)
+        if held:
+            pipe.hset(self.open_sessions_key, mapping=held)
+        await io(pipe.execute())
+
+    async def recover_open(self, source: str) -> int:
+        """At a router's start, the agent sessions and groups a killed one left open are
+        dropped as `cancelled` (they vanished unrecorded). Returns how many."""
+        left = await io(self.redis.hgetall(self.open_sessions_key))
+        for name, samples in left.items():
+            record = ledger.open_drop(source, name.decode(), int(samples))
+            await self.record_drop(record, forget=name.decode())
+        if left:
+            ledger.log.warning(
+                "%d agent sessions and groups were open when the last router died: dropped "
+                "as cancelled",
+                len(left),
+            )
+        return len(left)
 
     async def drop_counts(self, unit: str = "groups") -> dict[str, int]:
         """Drops by reason in `unit` ("groups" or "samples"); reasons at 0 are left out."""

@@ -46,6 +46,7 @@ class BufferKeys:
         self.redraw_key = prefix + "redraw"
         self.dead_letter_key = prefix + "dead_letter"
         self.in_flight_key = prefix + "in_flight"
+        self.open_sessions_key = prefix + "open_sessions"  # the router's: name -> samples held
         self.metrics_steps_key = prefix + "metrics_steps"
         self.trainer_drops_key = prefix + "trainer_drops"
         self.entry_groups_key = prefix + "entry_groups"

@@ -19,7 +19,9 @@ the trainer's own steps are sequential, so its check after a step is exact.
 
 A router that dies leaves its groups in `in_flight`; the next router start drops them as
 `cancelled` and gives their prompts back (`recover_in_flight`): one router per run id, which
-its lease in Redis ensures (rollout_router/lease.py; `FENCE`).
+its lease in Redis ensures (rollout_router/lease.py; `FENCE`). Its open agent sessions, and
+the groups waiting for more of them, are noted in hash `open_sessions` while open; the next
+router drops those left there as `cancelled` too (`recover_open`), as a stop would have.
 
 The scripts' keys and arguments come from `start_call`, `put_call` and `drop_call`, so the
 blocking `SampleBuffer` and the router's `AsyncSampleBuffer` run the same writes (either may
@@ -436,6 +438,18 @@ def drop(
     """Run DROP (`drop_call`) at once, or queued on `client`, a pipeline."""
     keys, args = drop_call(buffer, record, buffer.config.drop_log_len, give_back)
     buffer.scripts["drop"](keys=keys, args=args, client=client)
+
+
+def open_drop(source: str, name: str, samples: int) -> DropRecord:
+    """The drop of an agent session (or a group of them, `group:NAME`) a killed router left
+    open (`AsyncSampleBuffer.note_open`), as its stop would have recorded it."""
+    return DropRecord(
+        source=source,
+        reason=DropReason.CANCELLED,
+        samples=samples,
+        group_id=name,
+        detail="open when the router stopped without ending it (killed)",
+    )
 
 
 def in_flight_drop(source: str, group_id: bytes) -> DropRecord:
