@@ -19,6 +19,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -287,31 +288,27 @@ class AgentSessions:
             raise KeyError(session_id)
         size = group_size or self.default_group_size
         if not self.store.completes(group, size):  # nothing is put: no room needed
-            first = self.first_messages.get(session_id, "")
-            undo = self.store.undo_close(session_id, group)
+            reopen = self._reopener(session_id, group)
             pending = self._close(session_id, reward, group, size)
             assert isinstance(pending, dict) and group, "a group that is not complete is not put"
             held = {f"group:{group}": len(self.store.groups[group].samples)}
             try:
                 await self.buffer.note_open(held, gone=(session_id,))
             except RedisError:  # the session stays open for the agent's retry
-                undo()
-                self.first_messages[session_id] = first
+                reopen()
                 raise
             self.store.closed_by_reward(session_id, f"reward {reward:g}, group {group}")
             return pending
         async with self.bound.slot(self.config.session_put_timeout_s) as put_group:
             if session_id not in self.store.sessions:  # expired while waiting
                 raise KeyError(session_id)
-            first = self.first_messages.get(session_id, "")
-            undo = self.store.undo_close(session_id, group)
+            reopen = self._reopener(session_id, group)
             closed = self._close(session_id, reward, group, size)
             if isinstance(closed, PackedGroup):
                 try:
                     entry = await put_group(closed)
                 except RedisError:  # not put: the session stays open for the agent's retry
-                    undo()
-                    self.first_messages[session_id] = first
+                    reopen()
                     raise
                 self.store.closed_by_reward(session_id, f"reward {reward:g}, {closed.group_id}")
                 await self.forget(session_id, *([f"group:{group}"] if group else []))
@@ -323,6 +320,18 @@ class AgentSessions:
                     "entry": entry,
                 }
             return closed
+
+    def _reopener(self, session_id: str, group: str | None) -> Callable[[], None]:
+        """What reopens the session and its group as they are now, its first message too: a
+        reward whose writes Redis refused leaves them for the agent's retry."""
+        first = self.first_messages.get(session_id, "")
+        undo = self.store.undo_close(session_id, group)
+
+        def reopen() -> None:
+            undo()
+            self.first_messages[session_id] = first
+
+        return reopen
 
     def _close(
         self, session_id: str, reward: float, group: str | None, size: int
