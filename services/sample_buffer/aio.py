@@ -25,7 +25,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from proto import DropRecord, MetricsRecord, SampleGroup
 from proto.contract import RunContract, SampleLimits, ServiceStatus
 from proto.packed import PackedGroup
-from services.sample_buffer import keys, ledger
+from services.sample_buffer import keys, ledger, recovery
 from services.sample_buffer.buffer import BufferConfig
 from services.sample_buffer.keys import BufferKeys
 from services.sample_buffer.ledger import Ledger
@@ -148,7 +148,7 @@ class AsyncSampleBuffer(BufferKeys):
         dropped as `cancelled` (they vanished unrecorded). Returns how many."""
         left = await io(self.redis.hgetall(self.open_sessions_key))
         for name, samples in left.items():
-            record = ledger.open_drop(source, name.decode(), int(samples))
+            record = recovery.open_drop(source, name.decode(), int(samples))
             await self.record_drop(record, forget=name.decode())
         if left:
             ledger.log.warning(
@@ -173,11 +173,11 @@ class AsyncSampleBuffer(BufferKeys):
         return int(await io(self.scripts["start"](keys=script_keys, args=args)))
 
     async def recover_in_flight(self, source: str) -> int:
-        """As `ledger.recover_in_flight`: at a router's start, the groups a killed one left in
+        """As `recovery.recover_in_flight`: at a router's start, the groups a killed one left in
         flight are dropped (`cancelled`) and their prompts given back. Returns how many."""
         left = await io(self.redis.hgetall(self.in_flight_key))
         for group_id, draw in left.items():
-            await self.record_drop(ledger.in_flight_drop(source, group_id), give_back=int(draw))
+            await self.record_drop(recovery.in_flight_drop(source, group_id), give_back=int(draw))
         if left:
             ledger.log.warning(
                 "%d groups were in flight when the last router died: drawn again", len(left)

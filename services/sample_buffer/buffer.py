@@ -60,7 +60,7 @@ import redis
 from proto import DropRecord, MetricsRecord, SampleGroup
 from proto.contract import RunContract, SampleLimits, ServiceStatus
 from proto.packed import PackedGroup, encode_entry, groups_of, unpack
-from services.sample_buffer import keys, ledger
+from services.sample_buffer import keys, ledger, recovery
 from services.sample_buffer.keys import CONSUMER_GROUP, BufferKeys
 from services.sample_buffer.ledger import Ledger
 
@@ -388,7 +388,7 @@ class SampleBuffer(BufferKeys):
 
     def recover_in_flight(self, source: str) -> int:
         """At a router's start: end the flight of the groups a killed one left (`ledger.py`)."""
-        return ledger.recover_in_flight(self, source)
+        return recovery.recover_in_flight(self, source)
 
     def record_trained(
         self, step: int, group_ids: list[str], consumed: int = 0, ack: list[str] | None = None
@@ -406,7 +406,7 @@ class SampleBuffer(BufferKeys):
 
     def rewind_trainer(self, groups_consumed: int, version: int) -> None:
         """A trainer resumed at `version` with `groups_consumed` from its checkpoint."""
-        ledger.rewind_trainer(self, groups_consumed, version)
+        recovery.rewind_trainer(self, groups_consumed, version)
 
     def ledger(self) -> Ledger:
         """Where every group went, as of now (`ledger.read`)."""

@@ -18,7 +18,7 @@ in one Lua script or MULTI, so a reading (one MULTI) never sees half an event of
 the trainer's own steps are sequential, so its check after a step is exact.
 
 A router that dies leaves its groups in `in_flight`; the next router start drops them as
-`cancelled` and gives their prompts back (`recover_in_flight`): one router per run id, which
+`cancelled` and gives their prompts back (recovery.py, `recover_in_flight`): one router per run id, which
 its lease in Redis ensures (rollout_router/lease.py; `FENCE`). Its open agent sessions, and
 the groups waiting for more of them, are noted in hash `open_sessions` while open; the next
 router drops those left there as `cancelled` too (`recover_open`), as a stop would have.
@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from proto import DropRecord, SampleGroup, encode
-from proto.drops import DropReason
 from proto.packed import PackedGroup, encode_entry, entry_of, group_key, pack
 from services.sample_buffer.keys import BufferKeys, entry_id
 
@@ -438,66 +437,3 @@ def drop(
     """Run DROP (`drop_call`) at once, or queued on `client`, a pipeline."""
     keys, args = drop_call(buffer, record, buffer.config.drop_log_len, give_back)
     buffer.scripts["drop"](keys=keys, args=args, client=client)
-
-
-def open_drop(source: str, name: str, samples: int) -> DropRecord:
-    """The drop of an agent session (or a group of them, `group:NAME`) a killed router left
-    open (`AsyncSampleBuffer.note_open`), as its stop would have recorded it."""
-    return DropRecord(
-        source=source,
-        reason=DropReason.CANCELLED,
-        samples=samples,
-        group_id=name,
-        detail="open when the router stopped without ending it (killed)",
-    )
-
-
-def in_flight_drop(source: str, group_id: bytes) -> DropRecord:
-    """The drop of a group a killed router left in flight."""
-    return DropRecord(
-        source=source,
-        reason=DropReason.CANCELLED,
-        count=1,
-        group_id=group_id.decode(),
-        detail="in flight when the router stopped without ending it (killed); its prompt "
-        "is drawn again",
-    )
-
-
-def recover_in_flight(buffer: SampleBuffer, source: str) -> int:
-    """Groups a router left in flight when it died: dropped as `cancelled`, prompts given
-    back. Call once, at the start of the run's (only) router. Returns how many."""
-    left = buffer.redis.hgetall(buffer.in_flight_key)
-    for group_id, draw in left.items():
-        drop(buffer, in_flight_drop(source, group_id), give_back=int(draw))
-    if left:
-        log.warning("%d groups were in flight when the last router died: drawn again", len(left))
-    return len(left)
-
-
-# Counter: groups trained by earlier lineages (--new-lineage), which the `trained` hash no
-# longer lists: a rewind keeps them in `groups_trained`.
-EARLIER = "groups_trained_earlier"
-
-
-def rewind_trainer(buffer: SampleBuffer, groups_consumed: int, version: int) -> None:
-    """A trainer resumed at `version` from a checkpoint that had consumed `groups_consumed`:
-    the groups it trained or dropped after that checkpoint are pending again, so they leave
-    `trained`, `groups_trained` and the drop counts (they will be counted when consumed again).
-    Drops noted at a trainer version >= `version` came after the checkpoint was saved."""
-    trained = buffer.trained()
-    earlier = int(buffer.redis.hget(buffer.counters_key, EARLIER) or 0)
-    kept = earlier + sum(len(ids) for v, ids in trained.items() if v <= version)
-    pipe = buffer.redis.pipeline(transaction=True)
-    pipe.hset(buffer.counters_key, "groups_consumed", groups_consumed)
-    pipe.hset(buffer.counters_key, "groups_trained", kept)
-    later = [str(v) for v in trained if v > version]
-    if later:
-        pipe.hdel(buffer.trained_key, *later)
-    for group_id, noted in buffer.redis.hgetall(buffer.trainer_drops_key).items():
-        at, reason, groups, samples = noted.decode().split(" ")
-        if int(at) >= version:
-            pipe.hincrby(buffer.drops_key, f"{reason}:groups", -int(groups))
-            pipe.hincrby(buffer.drops_key, f"{reason}:samples", -int(samples))
-            pipe.hdel(buffer.trainer_drops_key, group_id)
-    pipe.execute()

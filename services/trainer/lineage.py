@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from services.sample_buffer import SampleBuffer, ledger
+from services.sample_buffer import SampleBuffer, recovery
 from services.trainer.config import TrainerConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"  # names a --save folder's newest checkpoint
@@ -83,7 +83,7 @@ def begin_lineage(buffer: SampleBuffer, version: int, weights: str = "--model") 
     trained = buffer.counters().get("groups_trained", 0)
     pipe = buffer.redis.pipeline(transaction=True)
     pipe.delete(buffer.trained_key)
-    pipe.hset(buffer.counters_key, ledger.EARLIER, trained)  # (a later rewind keeps them)
+    pipe.hset(buffer.counters_key, recovery.EARLIER, trained)  # (a later rewind keeps them)
     pipe.execute()
     print(
         f"[trainer] --new-lineage: starting from {weights} as version {version}; groups made "
