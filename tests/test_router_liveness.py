@@ -288,7 +288,8 @@ def test_the_status_says_why_no_group_is_put_while_every_one_is_dropped(
     )
     assert re.fullmatch(
         r"\d+ groups dropped since the last one put \(all_rewards_equal \d+; the last: "
-        r"every reward is 0.0\)",
+        r"every reward is 0.0\): --dynamic-sampling drops a group whose samples all score the "
+        r"same: check the reward function on a few responses, or run without --dynamic-sampling",
         str(record.detail["note"]),
     ), record.detail
     status = get_json(router.url + "/rollout/status")

@@ -28,6 +28,11 @@ log = logging.getLogger("tandem.router.rollout")
 
 SILENT_ENGINE_S = 60.0  # an engine holding requests this long without an answer is named
 LOGGED_ONE_BY_ONE = 10  # drops of a reason logged each with its detail; later ones as counts
+# What to change when every group is dropped for this reason (the status's note says it).
+FIXES: dict[str, str] = {
+    DropReason.ALL_REWARDS_EQUAL: "--dynamic-sampling drops a group whose samples all score the "
+    "same: check the reward function on a few responses, or run without --dynamic-sampling",
+}
 
 
 class Drops:
@@ -69,7 +74,9 @@ class Drops:
             return ""
         reasons = ", ".join(f"{r} {n}" for r, n in self.since_put.most_common())
         total = sum(self.since_put.values())
-        return f"{total} groups dropped since the last one put ({reasons}; the last: {self.last[:200]})"
+        note = f"{total} groups dropped since the last one put ({reasons}; the last: {self.last[:200]})"
+        fix = FIXES.get(self.since_put.most_common(1)[0][0], "")
+        return f"{note}: {fix}" if fix else note
 
 
 @dataclass
