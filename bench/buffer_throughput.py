@@ -4,9 +4,11 @@ XADD on the same server in the same run, and enqueue-to-dequeue latency.
 Phases: raw XADD, then the pipeline at full speed twice, `--seconds` each (groups/s; the latency
 at full speed is mostly queueing, since the buffer then sits at its bound): groups handed to the
 buffer as it stores them (packed: the buffer's own throughput, the last line) and groups as the
-router holds them (Python lists, packed on the way in: the router's whole put path); then the
-pipeline paced at half the consume rate it measured, `--seconds` / 2 (the latency figures: the
-buffer's own delay, not a queue's).
+router holds them (Python lists, packed on the way in: the router's whole put path); packed
+groups again with `WIDE` times the groups in flight, depth bound and rollout (the router's
+defaults for a rollout batch `WIDE` times larger: a figure beside the target's, not it); then
+the pipeline paced at half the consume rate it measured, `--seconds` / 2 (the latency figures:
+the buffer's own delay, not a queue's).
 
 Produce: `--producers` asyncio tasks (groups in flight in the router) on the event loop the router
 serves on (uvloop, as uvicorn picks it; asyncio's own without it) each take a slot of the router's
@@ -86,6 +88,11 @@ RAW_PIPELINE = 64
 RAW_RUNS = 3
 ARGV_PAYLOAD_MAX = 100_000
 PACED_SHARE = 0.5  # the latency phase offers this share of the measured consume rate
+# A phase with this many times the groups in flight, depth bound and trainer rollout: the router's
+# defaults for a rollout batch this many times larger (256 for the default 64). With the default
+# in flight, all of them wait on each PUT's round trip (the producer's and the server's CPU
+# alternate); a larger batch overlaps them.
+WIDE = 4
 # The consumer's CPU by part: the read (and its status), the decode, the intake's checks, the
 # step's bookkeeping (the rest: the bench's own latency and id lists).
 CONSUMER_PARTS = ("read", "decode", "checks", "step")
@@ -393,6 +400,10 @@ def main(argv: list[str]) -> int:
             form: phase(url, f"bench-{form}", given, args, args.seconds)
             for form, given in (("packed", packed), ("lists", group))
         }
+        scaled = {k: getattr(args, k) * WIDE for k in ("producers", "max_depth", "rollout")}
+        wide = phase(
+            url, "bench-wide", packed, argparse.Namespace(**{**vars(args), **scaled}), args.seconds
+        )
         paced = full["packed"].consumed * PACED_SHARE
         latencies = phase(url, "bench-paced", packed, args, args.seconds / 2, paced).latencies
         encode_us, decode_us = codec_us(group)
@@ -432,6 +443,13 @@ def main(argv: list[str]) -> int:
     if "redis-py" in how:  # (a Python client's XADD/s: its own CPU, not the server's limit)
         met = "not judged: the limit was redis-py's, not the server's (install redis-tools)"
     print(f"targets (consume >= 0.5x raw XADD, p99 <= 50 ms): {met}")
+    print(
+        f"consume_groups_per_s_at_{WIDE}x_batch: {wide.consumed:.0f} (packed; --producers "
+        f"{args.producers * WIDE} --max-depth {args.max_depth * WIDE} --rollout "
+        f"{args.rollout * WIDE}: the router's defaults for a {WIDE}x rollout batch); "
+        f"{wide.consumed / raw_rate:.2f}x raw XADD"
+    )
+    print(breakdown(f"packed, {WIDE}x batch", wide.cpu_us, raw_rate))
     print(
         f"router_put_path_consume_vs_raw_xadd: {lists.consumed / raw_rate:.2f} (groups from lists)"
     )
