@@ -24,6 +24,7 @@ from services.rollout_router.config import DataConfig, reward_problem
 from services.rollout_router.tasks import first_row_problem, not_a_file
 from tandem.hub import hub_model
 from tandem.up_args import (
+    absolute_config,
     below_zero,
     conflicts,
     given_fields,
@@ -326,24 +327,6 @@ class UpConfig:
             setattr(out, name, self.by_model(name))
         return out
 
-    def absolute(self) -> UpConfig:
-        """Files and folders given relative to the current directory made absolute, so that the
-        run folder's saved configuration (--resume) holds wherever it is resumed from."""
-
-        def full(path: str) -> str:
-            return str(Path(path).resolve()) if path and Path(path).exists() else path
-
-        module, colon, fn = self.custom_rm_path.rpartition(":")
-        rm_path = f"{full(module)}{colon}{fn}" if module.endswith(".py") else self.custom_rm_path
-        return replace(
-            self,
-            model=full(self.model),
-            prompt_data=full(self.prompt_data),
-            eval_prompt_data=full(self.eval_prompt_data),
-            custom_rm_path=rm_path,
-            save=str(Path(self.save).resolve()) if self.save else "",
-        )
-
 
 EPILOG = """Every flag can also come from --config FILE's [up] table (and TANDEM_UP_<KEY> variables); the
 [router], [trainer], [broker] and [engine] tables configure each service with the keys of
@@ -380,7 +363,7 @@ def parse(argv: list[str]) -> tuple[UpConfig, list[str]]:
     model, problem = hub_model(config.model)  # ORG/NAME: the Hugging Face cache's copy
     problems += [problem] if problem else []
     # absolute paths (a resume's flags too: its up_config.json is saved again)
-    config = replace(config, model=model).absolute()
+    config = absolute_config(replace(config, model=model))
     problems += validate(config, model_named=bool(problem))
     if not problems:
         from services.common.config_file import ConfigError

@@ -139,6 +139,52 @@ def without_one_time(args: str) -> str:
     return args if len(kept) == len(words) else shlex.join(kept)
 
 
+# Service settings that name a file or folder, read from the folder a service starts in: given
+# relative (in a --*-args string, or a service table of --config), they are saved absolute, so
+# that a resume or a repeat of the run folder's config.toml from another folder finds them.
+PATH_KEYS = {"prompt_data", "eval_prompt_data", "load", "ref_load", "tokenizer"}
+
+
+def absolute_path(path: str) -> str:
+    """`path` made absolute when it names a file or folder from here (else as it is)."""
+    return str(Path(path).resolve()) if path and Path(path).exists() else path
+
+
+def absolute_passthrough(args: str) -> str:
+    """`args` (a --*-args string) with the value of each flag of PATH_KEYS made absolute (see
+    `absolute_path`); the string unchanged when none changes."""
+    flags = {"--" + key.replace("_", "-") for key in PATH_KEYS}
+    words = shlex.split(args)
+    out = []
+    for i, word in enumerate(words):
+        flag, equals, value = word.partition("=")
+        if equals and flag in flags:
+            word = f"{flag}={absolute_path(value)}"
+        elif i and words[i - 1] in flags and not word.startswith("--"):
+            word = absolute_path(word)
+        out.append(word)
+    return args if out == words else shlex.join(out)
+
+
+def absolute_config(config: Any) -> Any:
+    """`config` (an UpConfig) with its files and folders given relative to the current folder
+    made absolute (in the pass-through strings too), so that the run folder's saved
+    configuration holds wherever it is resumed from."""
+    module, colon, fn = config.custom_rm_path.rpartition(":")
+    rm_path = f"{absolute_path(module)}{colon}{fn}" if module.endswith(".py") else ""
+    return dataclasses.replace(
+        config,
+        model=absolute_path(config.model),
+        prompt_data=absolute_path(config.prompt_data),
+        eval_prompt_data=absolute_path(config.eval_prompt_data),
+        custom_rm_path=rm_path or config.custom_rm_path,
+        save=str(Path(config.save).resolve()) if config.save else "",
+        engine_args=absolute_passthrough(config.engine_args),
+        router_args=absolute_passthrough(config.router_args),
+        trainer_args=absolute_passthrough(config.trainer_args),
+    )
+
+
 def reach_launch_dir(rm_path: str, launch_dir: str) -> str:
     """For a resume from another folder: when the module of a module-form `rm_path` is not
     found from here but is in `launch_dir`, put that folder first on PYTHONPATH (the router and

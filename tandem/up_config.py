@@ -34,7 +34,7 @@ from services.sample_buffer import SampleBuffer
 from services.trainer.intake import limits_of
 from tandem.launcher import UpConfig, build_parser
 from tandem.supervisor import ChildFailedError
-from tandem.up_args import ONE_TIME
+from tandem.up_args import ONE_TIME, PATH_KEYS, absolute_path
 from tandem.up_services import service_args
 
 
@@ -139,6 +139,8 @@ def service_table(
         raise ConfigError(f"{name}: {problem}")  # (the service refused it once started)
     _check(name, values)
     table = {key: values[key] for key in options(parser)}
+    for key in PATH_KEYS & table.keys():  # (a resume may run from another folder)
+        table[key] = absolute_path(table[key])
     notes = {key: _origin(name, key) for key in managed}
     for key in table:
         if key.endswith("token") and table[key]:  # a secret stays out of the run folder

@@ -28,12 +28,15 @@ from tests.helpers import wait_until
 pytestmark = pytest.mark.e2e
 
 
-def up(run_dir: Path, *flags: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+def up(
+    run_dir: Path, *flags: str, timeout_s: float = 600, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir), *flags],
         capture_output=True,
         text=True,
         timeout=timeout_s,
+        cwd=cwd,
     )
 
 
@@ -226,6 +229,34 @@ def test_a_resume_whose_redis_lost_the_runs_data_says_so_and_its_ledger_balances
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["balanced"] and ledger["violations"] == 0 and ledger["trained"] == 128, ledger
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
+
+
+def test_a_run_given_relative_held_out_prompts_in_its_config_file_resumes_from_another_folder(
+    tmp_path: Path,
+) -> None:
+    """A [router] table's file (the held-out prompts, as train-your-model.md's --config has it)
+    given relative to the folder the run started in: the run folder's config.toml holds it
+    absolute, so a resume from another folder finds it (its router refused to start there:
+    "--eval-prompt-data data/eval.jsonl: no such file", exit 2)."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    pairs = [f'{{"prompt": "{a}{b}>", "label": "{b}{a}"}}\n' for a in range(10) for b in range(10)]
+    (project / "data" / "train.jsonl").write_text("".join(pairs[20:]))
+    (project / "data" / "eval.jsonl").write_text("".join(pairs[:20]))
+    (project / "run.toml").write_text(
+        '[up]\nprompt_data = "data/train.jsonl"\nrm_type = "reverse_digits"\n\n'
+        '[router]\neval_prompt_data = "data/eval.jsonl"\n'
+    )
+    run_dir = tmp_path / "run"
+    flags = ("--stop-accuracy", "0", "--max-steps")
+    first = up(run_dir, "--config", "run.toml", *flags, "2", timeout_s=300, cwd=project)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-2000:]
+    recorded = (run_dir / "config.toml").read_text()
+    assert f'eval_prompt_data = "{project / "data" / "eval.jsonl"}"' in recorded
+    second = up(run_dir, "--resume", str(run_dir), *flags, "3", timeout_s=300, cwd=elsewhere)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-2000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
 
 
 def test_a_run_whose_redis_dies_stops_at_once_naming_it_and_where_its_data_is(

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from proto.contract import ServiceStatus
 from services.sample_buffer import SampleBuffer
 from tandem import launcher
 from tandem import watchdog as watchdog_module
-from tandem.up_args import join_passthrough, resumed_config, save_config
+from tandem.up_args import absolute_config, join_passthrough, resumed_config, save_config
 from tandem.watchdog import Watchdog, diagnosis
 from tests.helpers import JsonHandler, serving
 
@@ -117,6 +118,36 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     assert not (tmp_path / "missing" / "up_config.json").exists()
     assert launcher.main(["--resume", str(tmp_path / "missing")]) == 2
     assert "not a tandem up run folder" in capsys.readouterr().err
+
+
+def test_a_file_given_relative_in_a_passthrough_string_is_saved_absolute(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """train-your-model.md's `--router-args "--eval-prompt-data data/eval.jsonl"`: saved as
+    given, a resume from another folder had its router refuse to start ("no such file")."""
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "tok").mkdir()
+    for name in ("train.jsonl", "eval.jsonl"):
+        (project / "data" / name).write_text('{"prompt": "1", "label": "1"}\n')
+    monkeypatch.chdir(project)
+    started = []
+    monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self) or 0)
+    kwargs = "--apply-chat-template-kwargs '{\"enable_thinking\": false}'"
+    flags = ["--prompt-data", "data/train.jsonl", "--rm-type", "exact_match", "--run-dir", "run"]
+    router = f"--eval-prompt-data data/eval.jsonl --eval-interval 10 {kwargs}"
+    assert launcher.main([*flags, "--router-args", router, "--engine-args", "--tokenizer=tok"]) == 0
+    config = started[0].config
+    assert shlex.split(config.router_args) == [
+        "--eval-prompt-data",
+        str(project / "data" / "eval.jsonl"),
+        *shlex.split(f"--eval-interval 10 {kwargs}"),
+    ]
+    assert config.engine_args == f"--tokenizer={project / 'tok'}"
+    started[0].lock.close()
+    flags[-1] = "run2"  # a string naming no file is kept as it was written
+    assert launcher.main([*flags, "--router-args", kwargs]) == 0
+    assert started[1].config.router_args == kwargs
 
 
 def test_a_new_run_saves_absolute_paths_so_it_resumes_from_any_folder(
@@ -431,7 +462,7 @@ def test_a_run_folder_moved_elsewhere_resumes_with_its_own_model_and_checkpoints
     and the resume of a moved toy run failed with `--model .../old/model: no such folder`.
     Folders saved so still resume (their launch folder joined); new ones keep it absolute."""
     monkeypatch.chdir(tmp_path)
-    old = launcher.UpConfig(run_dir="old", save=str(tmp_path / "old" / "ck")).absolute()
+    old = absolute_config(launcher.UpConfig(run_dir="old", save=str(tmp_path / "old" / "ck")))
     old = dataclasses.replace(old, model=str(tmp_path / "old" / "model"))
     (tmp_path / "old").mkdir()
     save_config(tmp_path / "old", old)
