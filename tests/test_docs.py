@@ -3,6 +3,7 @@ real subcommand, and the README links every page under docs/."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -71,6 +72,26 @@ def test_the_readme_links_every_page_under_docs():
     linked = {(ROOT / target.partition("#")[0]).resolve() for target in LINK.findall(readme)}
     missing = [p.name for p in (ROOT / "docs").glob("*.md") if p.resolve() not in linked]
     assert not missing, f"README.md does not link docs/{missing}"
+
+
+def test_every_no_flag_the_docs_name_turns_off_a_setting_that_is_on_by_default():
+    """A page saying "turn that off with --no-X" where X is off already sends the reader after
+    nothing (train-your-model.md said so of --dynamic-sampling, off unless given)."""
+    from tandem.up_config import PARSERS
+
+    on_by_tandem_up = {"--no-bf16"}  # (tandem up gives a --model's trainer on a GPU --bf16)
+    defaults = {
+        flag: action.default
+        for make in PARSERS.values()
+        for action in make()._actions
+        if isinstance(action, argparse.BooleanOptionalAction)
+        for flag in action.option_strings
+        if flag.startswith("--no-")
+    }
+    named = {flag for page in DOCS for flag in re.findall(r"--no-[a-z0-9-]+", page.read_text())}
+    assert "--no-rollout" in named & defaults.keys()  # (the check sees the flags it is about)
+    off_already = sorted(f for f in named & defaults.keys() - on_by_tandem_up if not defaults[f])
+    assert not off_already, f"the docs say to turn off what is off by default: {off_already}"
 
 
 def test_the_checks_catch_a_broken_link_and_an_unknown_command(tmp_path):
