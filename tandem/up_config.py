@@ -295,7 +295,8 @@ def check_sample_fit(info: dict[str, Any], recorded: Path, say: Callable[[str], 
                 "(--max-response-len): the longer ones would be dead-lettered as too_long, never "
                 "trained (a bias toward short answers). Raise the trainer's (tandem up "
                 f"--trainer-args '--max-tokens-per-gpu {longest + length - 1}'), or lower "
-                "--rollout-max-response-len"
+                "--rollout-max-response-len",
+                code=2,  # (a configuration refused, as the services refuse theirs)
             )
     elif isinstance(context := info.get("context_len"), int) and context > budget:
         say(

@@ -191,6 +191,17 @@ def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_samples_longer_than_the_trainer_takes_fail_the_start_with_exit_code_2(
+    tmp_path: Path,
+) -> None:
+    """train-your-model.md: such a run is refused, and a refused configuration exits 2 (it
+    exited 1, the code of a failure at run time)."""
+    result = run_up(tmp_path / "run", "--trainer-args", "--max-tokens-per-gpu 4", timeout_s=300)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "FAILED: the router's samples may reach 8 tokens" in result.stdout
+    assert "--trainer-args '--max-tokens-per-gpu 7'" in result.stdout
+
+
 def test_the_loop_also_runs_with_the_nccl_weight_transport_on_gloo(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # Synchronous (max staleness 0): every step trains on samples of the trainer's own version,
