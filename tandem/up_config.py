@@ -163,6 +163,9 @@ def _check(name: str, values: dict[str, Any]) -> None:
 
             router = config_from_args(RouterConfig, flags)
             router.validate(model=Path(router.rollout.model).is_dir())
+            # (--router-args or [router]: the file [up] names is checked with --prompt-data)
+            if problem := eval_data_problem(router.data.eval_prompt_data, router.data.input_key):
+                raise ValueError(problem)
         elif name == "trainer":
             from services.trainer.config import TrainerConfig
 
@@ -219,6 +222,14 @@ def unmeasured_goal(stop_accuracy: float, router: dict[str, Any]) -> str:
 
 UP_KEYS = {f.name for f in dataclasses.fields(UpConfig)}
 UP_ALIASES = {("broker", "transport"): "weight_transport", ("engine", "device"): "engine_device"}
+
+
+def eval_data_problem(path: str, input_key: str) -> str:
+    """Why the router's held-out prompts `path` cannot be read ("" when they can, or none is
+    given), found before the engines load rather than at the router's start."""
+    from services.rollout_router.tasks import first_row_problem, not_a_file
+
+    return path and (not_a_file(path, "--eval-prompt-data") or first_row_problem(path, input_key))
 
 
 def _origin(service: str, key: str) -> str:

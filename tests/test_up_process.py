@@ -191,6 +191,27 @@ def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_held_out_prompts_given_to_the_router_that_cannot_be_read_are_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    """train-your-model.md gives them as --router-args "--eval-prompt-data FILE": a missing file,
+    or one whose rows lack the prompt's key, was found only by the router's start, once Redis
+    and the engines were up (minutes, with a real model)."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "12>", "label": "21"}\n')
+    (tmp_path / "eval.jsonl").write_text('{"question": "12>", "label": "21"}\n')
+    flags = ("--prompt-data", str(data), "--rm-type", "exact_match", "--router-args")
+    for name, problem in (
+        ("missing.jsonl", f"--eval-prompt-data {tmp_path / 'missing.jsonl'}: no such file"),
+        ("eval.jsonl", f"{tmp_path / 'eval.jsonl'}: row 1 has no 'prompt' (--input-key"),
+    ):
+        given = f"--eval-prompt-data {tmp_path / name}"
+        result = run_up(tmp_path / "run", *flags, given, timeout_s=120)
+        assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+        assert f"tandem up: router: {problem}" in result.stderr
+        assert not (tmp_path / "run" / "logs").exists(), "nothing started"
+
+
 def test_samples_longer_than_the_trainer_takes_fail_the_start_with_exit_code_2(
     tmp_path: Path,
 ) -> None:
