@@ -137,7 +137,15 @@ def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatc
         ("[router]\nrollout_max_response_length = 3\n", "did you mean 'rollout_max_response_len'"),
         ("[routr]\nseed = 1\n", "unknown table [routr] (did you mean 'router'"),
         ("[router]\nrollout-top-p = 0.5\n", "did you mean 'rollout_top_p'"),
-        ('[router]\neval_interval = "often"\n', "[router] eval_interval: 'often' is not an int"),
+        (
+            '[router]\neval_interval = "often"\n',
+            "[router] eval_interval: expected an int, got 'often'",
+        ),
+        # a number, boolean or list quoted by mistake (a variable's text is read as a flag's)
+        ('[router]\neval_interval = "2"\n', "got '2' (a string: write it without quotes)"),
+        ('[router]\nrollout_top_p = "0.5"\n', "expected a float, got '0.5' (a string: write"),
+        ('[router]\ndynamic_sampling = "true"\n', "expected true or false, got 'true' (a string"),
+        ('[router]\nrollout_stop_token_ids = "1 2"\n', "expected a list ([...]), got '1 2'"),
         ('[router]\npolicy = "random"\n', "'random' is not one of least_outstanding"),
     ],
 )

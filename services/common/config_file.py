@@ -81,7 +81,7 @@ def table_values(
                 f"{path}: [{section}] unknown key {key!r}{suggestion(key, actions)} "
                 f"(`{parser.prog} --help` lists the flags; keys use underscores)"
             )
-        values[key] = convert(actions[key], value, f"{path}: [{section}] {key}")
+        values[key] = convert(actions[key], value, f"{path}: [{section}] {key}", text=False)
     return values
 
 
@@ -181,24 +181,31 @@ def _number(value: Any) -> float:
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
-def convert(action: argparse.Action, value: Any, where: str) -> Any:
-    """`value` (a TOML value, or a variable's string) as the flag's type; checks choices."""
+def convert(action: argparse.Action, value: Any, where: str, text: bool = True) -> Any:
+    """`value` as the flag's type; checks choices. `text`: a variable's string, read as a
+    flag's; else a TOML value, whose type must be the flag's (a number, a boolean or a list
+    written as a string in the file is refused: quoted by mistake)."""
+    quoted = "" if text else " (a string: write it without quotes)"
     if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
-        if isinstance(value, str) and value.lower() in TRUE + FALSE:
+        if text and isinstance(value, str) and value.lower() in TRUE + FALSE:
             return value.lower() in TRUE
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+            raise ConfigError(f"{where}: expected true or false, got {value!r}{quoted}")
         return value
     if action.nargs in ("*", "+"):
-        items = shlex.split(value) if isinstance(value, str) else value
+        items = shlex.split(value) if text and isinstance(value, str) else value
         if not isinstance(items, list):
             raise ConfigError(f"{where}: expected a list ([...]), got {value!r}")
-        return [_scalar(action, item, where) for item in items]
-    return _scalar(action, value, where)
+        return [_scalar(action, item, where, text) for item in items]
+    return _scalar(action, value, where, text)
 
 
-def _scalar(action: argparse.Action, value: Any, where: str) -> Any:
+def _scalar(action: argparse.Action, value: Any, where: str, text: bool) -> Any:
     kind: Any = action.type if callable(action.type) else str
+    if not text and isinstance(value, str) and kind in (int, float):
+        raise ConfigError(
+            f"{where}: expected {_a(kind)}, got {value!r} (a string: write it without quotes)"
+        )
     if isinstance(value, str) and kind is not str:
         try:
             value = kind(value)
