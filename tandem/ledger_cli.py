@@ -3,9 +3,10 @@
 RUN is a `tandem up` run folder: its live Redis when the run is going (`RUN/redis.url`; the
 `--redis-url` it ran on, `RUN/redis.json`), else a private server started on its data
 (`RUN/redis/`), else the `RUN/ledger.json` written when the run ended. Or name the Redis
-yourself: `--redis-url URL --run-id ID`. Prints the counts by fate and by drop reason and
-"balanced" or the difference. Exit codes: 0 = balanced, 1 = unbalanced, 2 = the flags name no
-run, or nothing answers there (no Redis, no saved data).
+yourself: `--redis-url URL --run-id ID`. Prints the counts by fate and by drop reason, each
+reason with its newest drop's detail (why), and "balanced" or the difference. Exit codes: 0 =
+balanced, 1 = unbalanced, 2 = the flags name no run, or nothing answers there (no Redis, no
+saved data).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def read_ledger(run_dir: Path | None, redis_url: str, run_id: str) -> Ledger:
     assert run_dir is not None
     if (run_dir / "redis").is_dir():
         with saved_redis(run_dir) as server:
-            return SampleBuffer(BufferConfig(redis_url=server.url, run_id=run_id)).ledger()
+            buffer = SampleBuffer(BufferConfig(redis_url=server.url, run_id=run_id))
+            return buffer.ledger(details=True)
     saved = run_dir / "ledger.json"
     if saved.is_file():
         fields = json.loads(saved.read_text())
@@ -97,12 +99,12 @@ def live_url(run_dir: Path | None, wait_s: float = 5.0) -> str:
 
 def read_live(buffer: SampleBuffer) -> Ledger:
     buffer.wait_ready(timeout_s=10.0)
-    ledger = buffer.ledger()
+    ledger = buffer.ledger(details=True)
     for _ in range(LIVE_READS - 1):
         if ledger.balanced:
             break
         time.sleep(LIVE_READ_GAP_S)
-        ledger = buffer.ledger()
+        ledger = buffer.ledger(details=True)
     return ledger
 
 

@@ -448,7 +448,7 @@ class UpRun:
     def write_ledger(self, buffer: SampleBuffer) -> None:
         """RUN_DIR/ledger.json: where every generated group went (`tandem ledger` prints it)."""
         try:
-            ledger = buffer.ledger()
+            ledger = buffer.ledger(details=True)
         except RedisError as exc:
             say(f"no ledger.json: Redis did not answer ({exc})")
             return

@@ -98,6 +98,34 @@ def test_each_event_keeps_the_ledger_balanced_and_tandem_ledger_says_so(
     assert "violations" in done.stdout
 
 
+def test_tandem_ledger_says_why_for_each_drop_reason_with_its_newest_detail(
+    buffer: SampleBuffer, tmp_path: Path
+) -> None:
+    router, reward = "router", DropReason.REWARD_ERROR
+    for detail in ["reward function score raised ValueError: 1", "did not return within 30s"]:
+        buffer.record_drop(
+            DropRecord(source=router, reason=reward, count=0, samples=1, detail=detail)
+        )
+    engine = DropRecord(source=router, reason=DropReason.ENGINE_ERROR, detail="HTTP 500: boom")
+    buffer.start_group()
+    buffer.record_drop(engine)
+    where = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    done = tandem_ledger(*where)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    reward_row = next(i for i, line in enumerate(lines) if line.strip().startswith("reward_error"))
+    assert lines[reward_row + 1].strip() == "the last: did not return within 30s"
+    assert "the last: HTTP 500: boom" in done.stdout and "ValueError" not in done.stdout
+    # A finished run's ledger.json (written with the details) says the same.
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ledger.json").write_text(json.dumps(buffer.ledger(details=True).as_dict()))
+    done = tandem_ledger(str(run))
+    assert done.returncode == 0 and "the last: did not return within 30s" in done.stdout, (
+        done.stdout + done.stderr
+    )
+
+
 def test_a_trainer_resumed_from_an_older_checkpoint_takes_back_what_it_counted_after_it(
     buffer: SampleBuffer,
 ) -> None:

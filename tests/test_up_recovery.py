@@ -191,7 +191,7 @@ def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
     with RedisServer(log_dir=tmp_path / "redis-logs", data_dir=run_dir / "redis") as server:
         buffer = SampleBuffer(BufferConfig(redis_url=server.url, run_id=f"up-{run_dir.name}"))
         trained = buffer.trained()
-        ledger = buffer.ledger()
+        ledger = buffer.ledger(details=True)
     # Every generated group has one fate across the kill and the resume, checked at each step.
     assert ledger.balanced and ledger.violations == 0, ledger.table()
     assert ledger.as_dict() == json.loads((run_dir / "ledger.json").read_text())

@@ -408,9 +408,11 @@ class SampleBuffer(BufferKeys):
         """A trainer resumed at `version` with `groups_consumed` from its checkpoint."""
         recovery.rewind_trainer(self, groups_consumed, version)
 
-    def ledger(self) -> Ledger:
-        """Where every group went, as of now (`ledger.read`)."""
-        return ledger.read(self)
+    def ledger(self, details: bool = False) -> Ledger:
+        """Where every group went, as of now (`ledger.read`); with `details`, also the newest
+        drop detail of each reason (`ledger.with_details`)."""
+        reading = ledger.read(self)
+        return ledger.with_details(self, reading) if details else reading
 
     def trained(self) -> dict[int, list[str]]:
         """Group ids trained at each optimizer step of the newest weights' lineage."""

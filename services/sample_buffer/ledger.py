@@ -55,6 +55,10 @@ log = logging.getLogger("tandem.ledger")
 ENTRY_GROUPS = 64
 ENTRY_BYTES = 1 << 20
 
+# `tandem ledger` says why for each drop reason: the newest detail among the drop log's last
+# DETAIL_RECORDS records (a reason older than those shows its counts only), cut to DETAIL_CHARS.
+DETAIL_RECORDS, DETAIL_CHARS = 2000, 240
+
 # Sources whose drops are of groups already put (and counted consumed by that source).
 CONSUMERS = frozenset({"trainer"})
 
@@ -215,6 +219,9 @@ class Ledger:
     violations: int = 0
     dropped_groups: dict[str, int] = field(default_factory=dict)
     dropped_samples: dict[str, int] = field(default_factory=dict)
+    # reason -> the newest drop record's detail (of the drop log's last `DETAIL_RECORDS`):
+    # why, in the words of whoever dropped it; filled by `with_details`, empty otherwise
+    last_detail: dict[str, str] = field(default_factory=dict)
 
     @property
     def difference(self) -> int:
@@ -237,7 +244,7 @@ class Ledger:
 
     def table(self) -> str:
         """The fates and the drops by reason, as lines for a terminal."""
-        rows = [
+        rows: list[tuple[str, int | str, str]] = [
             ("generated", self.generated, ""),
             ("put", self.put, ""),
             ("consumed", self.consumed, ""),
@@ -252,6 +259,8 @@ class Ledger:
                 self.dropped_samples.get(reason, 0),
             )
             rows.append((f"  {reason}", groups, f"groups ({samples} samples)"))
+            if detail := self.last_detail.get(reason):
+                rows.append(("", "", f"  the last: {detail[:DETAIL_CHARS]}"))
         if self.violations:
             rows.append(("violations", self.violations, "trainer checks that did not balance"))
         lines = [f"{name:<22}{count:>10}  {note}".rstrip() for name, count, note in rows]
@@ -292,6 +301,15 @@ def read(buffer: SampleBuffer) -> Ledger:
     pipe = buffer.redis.pipeline(transaction=True)
     queue_read(buffer, pipe)
     return of_replies(*pipe.execute())
+
+
+def with_details(buffer: SampleBuffer, ledger: Ledger) -> Ledger:
+    """`ledger` with the newest detail of each drop reason from the drop log (a read of up to
+    `DETAIL_RECORDS` records: for `tandem ledger` and the run's ledger.json, not every check)."""
+    for record in buffer.drop_log(DETAIL_RECORDS):  # newest first
+        if record.detail:
+            ledger.last_detail.setdefault(record.reason, record.detail)
+    return ledger
 
 
 def split_drops(raw: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
