@@ -61,7 +61,8 @@ class RunProgress:
     logprob_diff_steps: int = 0
     one_reward_steps: int = 0  # steps in a row whose every group had one reward (no signal)
     truncated: float = math.nan  # of the last rollout batch's responses, cut at the length bound
-    samples_trained: int = 0
+    samples_trained: int = 0  # of steps whose update was applied
+    updates_skipped: int = 0  # steps whose update was skipped (non-finite): none trained
     history: list[dict] = field(default_factory=list)
     launch_steps: int = 0  # trainer steps recorded by this launch (a new lineage skips one)
     eval_failed: int = 0  # held-out prompts of the last evaluation that failed
@@ -107,7 +108,10 @@ class RunProgress:
         self.reward = row.get("train/reward_mean", self.reward)
         self.staleness = row.get("train/staleness_mean", self.staleness)
         self.step_time_s = row.get("train/step_time_s", self.step_time_s)
-        self.samples_trained += int(row.get("train/samples", 0))
+        if row.get("train/update_skipped"):
+            self.updates_skipped += 1
+        else:
+            self.samples_trained += int(row.get("train/samples", 0))
         diff = row.get("train/logprob_abs_diff_max", math.nan)
         if row["step"] == 1:
             self.logprob_diff_step0 = diff
@@ -164,6 +168,7 @@ class RunProgress:
             "accuracy_best": self.best_accuracy,
             "accuracy_version": self.accuracy_version,
             "samples_trained": self.samples_trained,
+            "updates_skipped": self.updates_skipped,
             "logprob_abs_diff_max_step0": self.logprob_diff_step0,
             "logprob_abs_diff_max_same_version": self.logprob_diff_max,
             "steps_with_same_version_samples": self.logprob_diff_steps,
@@ -182,10 +187,13 @@ class RunProgress:
         if self.resumed:  # (the steps trained again are in metrics.jsonl once)
             again = f", {self.replayed} of them again" if self.replayed else ""
             launch = f" ({self.launch_steps + self.replayed} in this launch{again})"
+        skipped = ""
+        if self.updates_skipped:
+            skipped = f" ({self.updates_skipped} updates skipped, their samples not trained)"
         out = [
             f"{outcome}: {self.step} steps{launch} in {wall_s / 60:.1f} min, held-out accuracy "
-            f"{acc}{eval_task}), {self.samples_trained} samples trained, engines on versions "
-            f"{', '.join(versions) or '?'}"
+            f"{acc}{eval_task}), {self.samples_trained} samples trained{skipped}, engines on "
+            f"versions {', '.join(versions) or '?'}"
         ]
         if not math.isnan(self.logprob_diff_step0):
             out.append(

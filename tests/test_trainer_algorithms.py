@@ -91,7 +91,7 @@ def test_a_non_finite_update_is_skipped_and_counted_or_fails_when_asked(
     assert done.returncode == 1, done.stderr[-3000:]  # its only update was skipped: no success
     assert "every update of this run was skipped (1 steps)" in done.stderr
     (values,) = metrics_of(buffer)
-    assert values["train/skipped_updates"] == 1
+    assert values["train/skipped_updates"] == 1 and values["train/update_skipped"] == 1
     assert not math.isfinite(values["train/grad_norm"])
 
     for key in buffer.redis.scan_iter(f"tandem:{buffer.config.run_id}:*"):

@@ -184,3 +184,17 @@ def test_a_streak_of_steps_whose_every_group_scored_the_same_is_said_once(tmp_pa
         "--rollout-max-response-len (finish 'length'): raise it if answers need more room"
     ), line
     progress.close()
+
+
+def test_the_samples_of_a_step_whose_update_was_skipped_are_not_counted_trained(
+    tmp_path: Path,
+) -> None:
+    progress = RunProgress(tmp_path)
+    for n, skipped in ((1, 0.0), (2, 1.0), (3, 0.0)):
+        values = {"train/samples": 64.0, "train/update_skipped": skipped}
+        progress.add(MetricsRecord(source="trainer", step=n, values=values, time=0.0))
+    progress.close()
+    summary = progress.summary()
+    assert (summary["samples_trained"], summary["updates_skipped"]) == (128, 1)
+    said = progress.sentences("max_steps", 60.0, "task", ["3"])[0]
+    assert "128 samples trained (1 updates skipped, their samples not trained)" in said, said

@@ -350,7 +350,8 @@ class Trainer:
         stats.reduce(parallel_state.get_data_parallel_group())  # TP ranks hold the same samples
         metrics = step_math.metrics_from(stats, samples, self.version, self.cfg.advantage_estimator)
         metrics["train/grad_norm"] = grad_norm
-        metrics["train/skipped_updates"] = float(self.skipped_updates)
+        metrics["train/skipped_updates"] = float(self.skipped_updates)  # (in this process)
+        metrics["train/update_skipped"] = float(not applied)  # this step's: none trained
         metrics["train/lr"] = float(self.policy.optimizer.param_groups[0]["lr"])
         return metrics
 
