@@ -249,10 +249,12 @@ def test_a_failing_environment_is_counted_per_episode_and_group(
 def test_a_step_answer_with_text_for_reward_or_done_fails_its_episode_naming_it(
     buffer, toy_model_dir, start_service, engines, env_server
 ):
-    """`"reward": "1"` was taken for 1 and `"done": "false"` ended every episode (truthy)."""
+    """`"reward": "1"` was taken for 1 and `"done": "false"` ended every episode (truthy); a
+    reward past a float's range ended the rollout loop (OverflowError)."""
     image = [{"role": "user", "content": [{"type": "image_url"}]}]  # (was its Python text)
     answers = {"-e0": {"reward": "1", "done": True}, "-e1": {"reward": 1, "done": "false"}}
     answers["p1-e2"] = {"observation": image, "reward": 0, "done": False}  # (one group)
+    answers["p2-e2"] = {"reward": 10**400, "done": True}  # (it raised out of the rollout loop)
     url = env_server(answers=answers)
     start_service("router", router_args(buffer, toy_model_dir, [engines().url], "--env-url", url))
     wait_until(lambda: buffer.depth() >= 2, "groups of the episodes that answered well")
@@ -261,6 +263,9 @@ def test_a_step_answer_with_text_for_reward_or_done_fails_its_episode_naming_it(
     assert any("/step reward: expected a number, got '1'" in d for d in details), details
     assert any("/step done: expected true or false, got 'false'" in d for d in details), details
     assert any("/step observation: messages[0].content[0]: a part must be" in d for d in details)
+    assert any(
+        "/step reward: 10000000000000000000... is beyond a float's range" in d for d in details
+    )
 
 
 def test_the_example_guess_environment_runs_under_the_router(

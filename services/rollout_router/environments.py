@@ -256,7 +256,12 @@ def step_reward(step: dict[str, Any]) -> float:
         raise EnvError(
             DropReason.ENV_ERROR, f"/step reward: expected a number, got {value!r} in {step!r}"
         )
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # (an integer past a float's range: it raised out of the rollout loop)
+        raise EnvError(
+            DropReason.ENV_ERROR, f"/step reward: {str(value)[:20]}... is beyond a float's range"
+        ) from None
 
 
 def step_done(step: dict[str, Any]) -> bool:
