@@ -159,6 +159,29 @@ def test_an_episode_that_fills_the_context_ends_on_the_models_tokens(
     assert status["drops"] == {} and status["state"] != "backing_off", status
 
 
+def test_a_huge_observation_ends_its_episode_untokenized_and_it_is_trained(
+    buffer, toy_model_dir, start_service, engines, env_server
+):
+    """20 million characters cannot fit in 64 positions: the episode ends after the model's turn
+    (finish length), trained. It was tokenized first, holding the router's event loop for half
+    a minute (each episode here then passed its 5 s deadline: env_timeout)."""
+
+    def huge(self: ScriptedEnv) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/reset":
+            return self.send_json(200, {"observation": None})
+        self.send_json(200, {"observation": "9" * 20_000_000, "reward": 0.25, "done": False})
+
+    extra = ("--env-url", env_server(do_POST=huge), "--env-episode-timeout-s", "5")
+    router = start_service("router", router_args(buffer, toy_model_dir, [engines().url], *extra))
+    wait_until(lambda: buffer.depth() >= 2, "a batch of episodes")
+    for s in [s for g in read_all(buffer) for s in g.samples]:
+        assert s.finish_reason == "length" and s.reward == 0.25
+        assert s.loss_mask == [1] * len(s.response_ids), "the observation left out"
+    status = httpx.get(router.url + "/rollout/status").json()
+    assert status["drops"] == {}, status
+
+
 def test_a_first_observation_that_fills_the_context_drops_its_episodes_with_the_fix(
     buffer, toy_model_dir, start_service, engines, env_server
 ):

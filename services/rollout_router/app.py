@@ -139,7 +139,8 @@ async def build_control(
     if config.env.env_url:
         assert pool.session is not None
         client = EnvClient(config.env.env_url, pool.session, config.env.env_call_timeout_s)
-        episodes = EpisodeRunner(config.env, client, tokenizer, config.data.apply_chat_template)
+        chat = config.data.apply_chat_template
+        episodes = EpisodeRunner(config.env, client, tokenizer, chat, context)
     loop = RolloutLoop(
         config.rollout,
         config.sampling,

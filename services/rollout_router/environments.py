@@ -16,7 +16,7 @@ import aiohttp
 from proto import DropReason, Sample
 from services.common.chat_messages import MessageError, joined_text, template_messages
 from services.rollout_router.calls import InFlight
-from services.rollout_router.chat_input import as_sglang_tool
+from services.rollout_router.chat_input import as_sglang_tool, prompt_char_limit
 from services.rollout_router.config import EnvConfig
 from services.rollout_router.samples import Partial
 from services.rollout_router.tasks import Item, encode_prompt
@@ -96,15 +96,23 @@ def as_tools(value: Any) -> Tools:
 
 
 class EpisodeRunner:
-    """Runs one episode: reset, then model turn / environment step until done or max turns."""
+    """Runs one episode: reset, then model turn / environment step until done or max turns.
 
-    def __init__(self, config: EnvConfig, client: EnvClient, tokenizer: Any, chat: bool) -> None:
+    An observation with more characters than the model's context (`context_len` positions,
+    0: unknown) can hold fills it however it tokenizes, and is not tokenized: tokenizing
+    megabytes held the router's event loop for seconds (health checks, every other episode's
+    timeouts, agent sessions)."""
+
+    def __init__(
+        self, config: EnvConfig, client: EnvClient, tokenizer: Any, chat: bool, context_len: int = 0
+    ) -> None:
         self.config = config
         self.client = client
         self.tokenizer = tokenizer
         self.chat = chat
         self.parse_tool_calls = PARSERS[config.env_tool_call_parser]
         self.templated = bool(getattr(tokenizer, "chat_template", None))
+        self.char_limit = prompt_char_limit(tokenizer, context_len) if context_len else 0
 
     async def run(self, item: Item, episode_id: str, seed: int, generate: Generate) -> Sample:
         """`generate(context_ids, seed)` produces one finished model turn."""
@@ -168,6 +176,8 @@ class EpisodeRunner:
             if done or turn == self.config.env_max_turns - 1:
                 break  # no model turn follows: a last observation would be dead weight
             obs = self.observation_text(step.get("observation"), turn_out, tools)
+            if self.char_limit and len(obs) > self.char_limit:
+                break  # it fills the context: the episode ends as a full one does (trained)
             obs_ids = self.tokenizer(obs, add_special_tokens=False)["input_ids"]
             kept = len(trajectory.ids), len(trajectory.text)
             last_version = trajectory.token_versions[-1] if trajectory.token_versions else -1
@@ -185,11 +195,16 @@ class EpisodeRunner:
         """The episode's prompt: the task's, or the first observation's."""
         if observation is None:
             return list(item.input_ids)
-        if isinstance(observation, list) and not self.templated:
-            messages = as_messages(observation, "/reset observation")
-            return list(self.tokenizer(joined(messages, "/reset observation"))["input_ids"])
         if isinstance(observation, list):
             observation = as_messages(observation, "/reset observation")
+        if self.char_limit and (chars := content_chars(observation)) > self.char_limit:
+            raise EnvError(
+                DropReason.PROMPT_TOO_LONG,
+                f"the first observation: {chars} characters fill the model's context (more "
+                "tokens than its positions); shorten the environment's first observation",
+            )
+        if isinstance(observation, list) and not self.templated:
+            return list(self.tokenizer(joined(observation, "/reset observation"))["input_ids"])
         try:
             return list(encode_prompt(self.tokenizer, observation, self.chat, tools))
         # A chat template is code shipped with the model: whatever it raises on an
@@ -273,6 +288,23 @@ def step_done(step: dict[str, Any]) -> bool:
     raise EnvError(
         DropReason.ENV_ERROR, f"/step done: expected true or false, got {value!r} in {step!r}"
     )
+
+
+def content_chars(observation: Any) -> int:
+    """The characters of an observation's text (a string's, or its messages' contents and text
+    parts), which its rendering only adds to; 0 for anything else."""
+    if isinstance(observation, str):
+        return len(observation)
+    if not isinstance(observation, list):
+        return 0
+    total = 0
+    for message in observation:
+        content = message.get("content")
+        parts = content if isinstance(content, list) else [{"text": content}]
+        total += sum(
+            len(p["text"]) for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return total
 
 
 def joined(messages: Messages, where: str) -> str:
