@@ -481,14 +481,22 @@ def test_a_streamed_session_turn_is_recorded_and_arrives_as_openai_chunks(
             messages=[{"role": "user", "content": "12"}],
             max_tokens=4,
             stream=True,
+            logprobs=True,
+            stream_options={"include_usage": True},
             extra_headers={"X-Session-Id": "streamed"},
         )
     )
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "21"
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    *turn, usage = chunks  # (the log-probs and the usage chunk were left out)
+    assert "".join(c.choices[0].delta.content or "" for c in turn) == "21"
+    assert turn[-1].choices[0].finish_reason == "stop"
+    logprobs = [
+        e.logprob for c in turn if c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens == 3
     httpx.post(router.url + "/sessions/streamed/reward", json={"reward": 1.0})
     (group,) = read_all(buffer)
     assert group.samples[0].response_ids == [6, 5, 2]
+    assert logprobs == pytest.approx(group.samples[0].response_logprobs), "the recorded ones"
 
 
 def test_openai_requests_without_a_session_are_forwarded_to_an_engine(

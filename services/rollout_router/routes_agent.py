@@ -58,6 +58,8 @@ async def chat_completions(request: Request) -> Response:
         raise HTTPException(400, "session_id must be a string")
     require_token(request)  # a session's turns become training samples: the run's agents only
     stream = body.pop("stream", False) is True
+    options = body.get("stream_options")
+    usage = isinstance(options, dict) and options.get("include_usage") is True
     try:
         answer = await sessions_of(request).chat(body, session_id)
     except ValueError as exc:
@@ -73,7 +75,7 @@ async def chat_completions(request: Request) -> Response:
             raise HTTPException(exc.status, engine_reason(exc.body) or str(exc)) from exc
         raise HTTPException(502, str(exc)) from exc
     if stream:  # the turn is generated whole (to record it exactly), then sent as chunks
-        return StreamingResponse(as_chunks(answer), media_type="text/event-stream")
+        return StreamingResponse(as_chunks(answer, usage), media_type="text/event-stream")
     return JSONResponse(answer)
 
 
@@ -96,14 +98,18 @@ def engine_reason(body: bytes) -> str:
     return str(data)[:1000]
 
 
-async def as_chunks(answer: dict[str, Any]) -> AsyncIterator[bytes]:
-    """A finished chat completion as OpenAI stream chunks: the content, the finish, [DONE]."""
+async def as_chunks(answer: dict[str, Any], usage: bool) -> AsyncIterator[bytes]:
+    """A finished chat completion as OpenAI stream chunks: the content (with its log-probs when
+    asked), the finish, with `usage` (`stream_options.include_usage`) a chunk of the usage and
+    no choices, [DONE]. (The log-probs and the usage were left out.)"""
     choice = answer["choices"][0]
     base = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    deltas = [(choice["message"], None), ({}, choice["finish_reason"])]
-    for delta, finish in deltas:
-        chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+    deltas = [(choice["message"], choice["logprobs"], None), ({}, None, choice["finish_reason"])]
+    for delta, logprobs, finish in deltas:
+        one = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        yield b"data: " + orjson.dumps({**base, "choices": [one]}) + b"\n\n"
+    if usage:
+        yield b"data: " + orjson.dumps({**base, "choices": [], "usage": answer["usage"]}) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 
