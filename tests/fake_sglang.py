@@ -70,9 +70,11 @@ def one_output(
     k: int,
     cut: int | None,
     version: int,
+    top: int = 0,
 ) -> dict:
     """Output k of a request; `cut` = tokens produced before an abort (None: not aborted);
-    `version` = the weights the tokens came from (weights never change mid-request)."""
+    `version` = the weights the tokens came from (weights never change mid-request); `top`
+    (`top_logprobs_num`) alternatives a token, the sampled one first."""
     prompt, done = split_prompt(input_ids)
     full = answer_ids(prompt, k, float(params.get("temperature", 1.0)) == 0.0)[len(done) :]
     limit = int(params.get("max_new_tokens", 128))
@@ -88,6 +90,7 @@ def one_output(
             finish = {"type": "stop", "matched": tok}
             break
     state["rid"] += 1
+    meta = {"output_top_logprobs": [top_logprobs(i, t, top) for i, t in enumerate(out)]}
     return {
         "text": "".join(VOCAB[t] for t in out if t > 3),
         "output_ids": out,
@@ -99,8 +102,16 @@ def one_output(
             "finish_reason": finish,
             "weight_version": str(version),
             "output_token_logprobs": [[-0.1 * (i + 1), t, None] for i, t in enumerate(out)],
+            **(meta if top else {}),
         },
     }
+
+
+def top_logprobs(i: int, token: int, top: int) -> list[list[Any]]:
+    """SGLang's `[logprob, token_id, text]` alternatives of output token i: `token`, then
+    others, each less likely."""
+    others = [t for t in range(4, len(VOCAB)) if t != token][: top - 1]
+    return [[-0.1 * (i + 1) - j, t, None] for j, t in enumerate([token, *others])]
 
 
 def js(obj: Any, status: int = 200) -> web.Response:
@@ -158,7 +169,8 @@ class FakeEngine:
         outs = []
         for prompt, p in zip(prompts, params, strict=True):
             for _ in range(int(p.get("n", 1))):
-                outs.append(one_output(self.state, prompt, p, len(outs), cut, version))
+                top = int(body.get("top_logprobs_num") or 0) if body.get("return_logprob") else 0
+                outs.append(one_output(self.state, prompt, p, len(outs), cut, version, top))
         if not body.get("stream"):
             return js(outs if len(outs) > 1 or batch else outs[0])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -343,10 +343,20 @@ def test_an_openai_client_session_becomes_a_training_sample_with_exact_tokens(
     assert first.usage is not None and first.usage.prompt_tokens == 4
     messages += [{"role": "assistant", "content": "21"}, {"role": "user", "content": "34"}]
     second = client.chat.completions.create(
-        model="toy", messages=messages, max_tokens=4, logprobs=True, extra_headers=session
+        model="toy",
+        messages=messages,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        extra_headers=session,
     )
     assert second.choices[0].logprobs is not None
-    assert [t.token for t in second.choices[0].logprobs.content] == ["<eos>"]
+    (eos,) = second.choices[0].logprobs.content
+    assert eos.token == "<eos>"
+    # (top_logprobs were [] whatever was asked): the sampled token leads greedy's choice here
+    assert len(eos.top_logprobs) == 2 and eos.top_logprobs[0].token == "<eos>"
+    assert eos.top_logprobs[0].logprob == pytest.approx(eos.logprob)
+    assert eos.top_logprobs[1].logprob <= eos.logprob
     assert first.choices[0].logprobs is None, "only when asked for"
     assert buffer.depth() == 0, "nothing is trained before the reward"
     for bad, words in [  # each refused before the session is touched: it stays open

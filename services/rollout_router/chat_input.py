@@ -216,6 +216,15 @@ def sampling_params(body: dict[str, Any], stop_token_ids: list[int]) -> dict[str
     }
 
 
+def top_logprobs(body: dict[str, Any]) -> int:
+    """How many alternatives a turn's log-probs list per token (OpenAI's `top_logprobs`, 0 to
+    20, with `logprobs` true); TurnError naming it otherwise."""
+    top = _int(body, "top_logprobs", 0) or 0
+    if top > 20 or (top and not body.get("logprobs")):
+        raise TurnError(f"top_logprobs must be 0 to 20, with logprobs true; got {top}")
+    return top
+
+
 def requested_max_tokens(body: dict[str, Any]) -> int | None:
     """`max_completion_tokens` or `max_tokens` as given (None when neither is)."""
     given = _int(body, "max_completion_tokens", 1)

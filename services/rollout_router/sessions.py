@@ -41,6 +41,7 @@ from services.rollout_router.chat_input import (
     requested_max_tokens,
     sampling_params,
     template_inputs,
+    top_logprobs,
 )
 from services.rollout_router.config import SessionConfig
 from services.rollout_router.samples import Partial, as_list
@@ -66,9 +67,11 @@ def openai_response(
     prompt_len: int,
     token_texts: list[str] | None,
     parse: Parser | None = None,
+    tops: list[list[tuple[float, str]]] | None = None,
 ) -> dict[str, Any]:
     """An OpenAI `chat.completion` object for one turn; with `token_texts` (the request asked
-    for `logprobs`) each generated token's text and log-prob; with `parse` (the request listed
+    for `logprobs`) each generated token's text and log-prob, and its `tops` (log-prob, text) as
+    `top_logprobs` (`[]` each when not asked); with `parse` (the request listed
     tools) the tool calls read from its text as `tool_calls` (finish `tool_calls`), the text
     before them as the content."""
     finish = {"stop": "stop", "length": "length"}.get(partial.finish, partial.finish)
@@ -88,10 +91,15 @@ def openai_response(
         finish = "tool_calls" if finish == "stop" else finish
     logprobs = None
     if token_texts is not None:
+        if not tops or len(tops) != len(token_texts):  # (not asked, or an engine's fault)
+            tops = [[] for _ in token_texts]
         logprobs = {
             "content": [
-                {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
-                for text, lp in zip(token_texts, partial.logprobs, strict=True)
+                {
+                    **logprob_item(text, lp),
+                    "top_logprobs": [logprob_item(t, top_lp) for top_lp, t in top],
+                }
+                for text, lp, top in zip(token_texts, partial.logprobs, tops, strict=True)
             ]
         }
     return {
@@ -113,6 +121,10 @@ def openai_response(
             "total_tokens": prompt_len + len(partial.ids),
         },
     }
+
+
+def logprob_item(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 class AgentSessions:
@@ -162,6 +174,7 @@ class AgentSessions:
         tools, template = template_inputs(body)
         check_neutral(body)
         params = sampling_params(body, self.stop_token_ids)
+        top = top_logprobs(body)
         asked = requested_max_tokens(body)
         context = await self.context_length(session_id)
         if context is not None and message_chars(messages) > prompt_char_limit(
@@ -194,11 +207,13 @@ class AgentSessions:
         if tools:  # (as SGLang: a tool call's tags may be special tokens)
             params["skip_special_tokens"] = False
         payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
+        if top:  # (alternatives only: the sampled tokens are the same)
+            payload["top_logprobs_num"] = top
         new = session_id not in self.store.sessions
         if new:  # (noted first: a router killed from here on leaves it to be recorded dropped)
             await self.buffer.note_open({session_id: 0})
         try:
-            partial = await self.generate(payload, session_id)
+            partial, tops = await self.generate(payload, session_id)
             self.store.record(session_id, input_ids, partial)
         finally:
             if new and session_id not in self.store.sessions:  # (no turn of it was recorded)
@@ -209,17 +224,26 @@ class AgentSessions:
             texts = [self.tokenizer.decode([t]) for t in partial.ids]
         parse = self.parse_tool_calls if tools else None
         return openai_response(
-            partial, str(body.get("model", "tandem")), len(input_ids), texts, parse
+            partial, str(body.get("model", "tandem")), len(input_ids), texts, parse, tops
         )
 
-    async def generate(self, payload: dict[str, Any], session_id: str) -> Partial:
-        """The turn's response from an engine (its worker picked by the session)."""
+    async def generate(
+        self, payload: dict[str, Any], session_id: str
+    ) -> tuple[Partial, list[list[tuple[float, str]]] | None]:
+        """The turn's response from an engine (its worker picked by the session), and with
+        `top_logprobs_num` each token's alternatives (log-prob, text)."""
         status, data, worker = await self.pool.post("/generate", orjson.dumps(payload), session_id)
         if status != 200:
             raise EngineRequestError(
                 f"{worker.url}/generate: HTTP {status} {data[:500]!r}", status, data
             )
-        return Partial.of(as_list(orjson.loads(data))[0])
+        out = as_list(orjson.loads(data))[0]
+        steps = out.get("meta_info", {}).get("output_top_logprobs")
+        if not payload.get("top_logprobs_num") or not isinstance(steps, list):
+            return Partial.of(out), None
+        decode = self.tokenizer.decode
+        tops = [[(lp, t if t is not None else decode([i])) for lp, i, t in s] for s in steps]
+        return Partial.of(out), tops
 
     async def forget(self, *names: str) -> None:
         """Take sessions or groups (`group:NAME`) off the open list in Redis: a failure is
