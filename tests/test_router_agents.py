@@ -53,14 +53,16 @@ class ScriptedEnv(JsonHandler):
     hang_s = 5.0
     turns: ClassVar[dict[str, int]] = {}
     answers: ClassVar[dict[str, dict[str, Any]]] = {}  # episode id suffix: its /step answer
+    resets: ClassVar[dict[str, dict[str, Any]]] = {}  # episode id suffix: its /reset answer
 
     def do_POST(self) -> None:  # noqa: N802 - http.server names it
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        episode = body["episode_id"]
         if self.path == "/reset":
-            return self.send_json(200, {"observation": None})
+            given = (a for suffix, a in self.resets.items() if episode.endswith(suffix))
+            return self.send_json(200, next(given, {"observation": None}))
         if self.fail_step:
             return self.send_json(500, {"error": "broken"})
-        episode = body["episode_id"]
         for suffix, answer in self.answers.items():
             if episode.endswith(suffix):
                 return self.send_json(200, answer)
@@ -273,12 +275,13 @@ def test_a_step_answer_with_text_for_reward_or_done_fails_its_episode_naming_it(
     buffer, toy_model_dir, start_service, engines, env_server
 ):
     """`"reward": "1"` was taken for 1 and `"done": "false"` ended every episode (truthy); a
-    reward past a float's range ended the rollout loop (OverflowError)."""
+    reward past a float's range ended the rollout loop (OverflowError). A /reset observation
+    that is an object was said to fail the chat template."""
     image = [{"role": "user", "content": [{"type": "image_url"}]}]  # (was its Python text)
     answers = {"-e0": {"reward": "1", "done": True}, "-e1": {"reward": 1, "done": "false"}}
     answers["p1-e2"] = {"observation": image, "reward": 0, "done": False}  # (one group)
     answers["p2-e2"] = {"reward": 10**400, "done": True}  # (it raised out of the rollout loop)
-    url = env_server(answers=answers)
+    url = env_server(answers=answers, resets={"p3-e2": {"observation": {"text": "12"}}})
     start_service("router", router_args(buffer, toy_model_dir, [engines().url], "--env-url", url))
     wait_until(lambda: buffer.depth() >= 2, "groups of the episodes that answered well")
     assert all(len(g.samples) == 1 and g.samples[0].reward == 0.75 for g in read_all(buffer))
@@ -289,6 +292,7 @@ def test_a_step_answer_with_text_for_reward_or_done_fails_its_episode_naming_it(
     assert any(
         "/step reward: 10000000000000000000... is beyond a float's range" in d for d in details
     )
+    assert "/reset observation: expected a string, chat messages or null, got dict" in details
 
 
 def test_the_example_guess_environment_runs_under_the_router(

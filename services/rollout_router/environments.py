@@ -195,6 +195,12 @@ class EpisodeRunner:
         """The episode's prompt: the task's, or the first observation's."""
         if observation is None:
             return list(item.input_ids)
+        if not isinstance(observation, str | list):  # (was 'chat template failed on /reset')
+            raise EnvError(
+                DropReason.ENV_ERROR,
+                "/reset observation: expected a string, chat messages or null, got "
+                f"{type(observation).__name__}",
+            )
         if isinstance(observation, list):
             observation = as_messages(observation, "/reset observation")
         if self.char_limit and (chars := content_chars(observation)) > self.char_limit:
