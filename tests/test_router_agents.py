@@ -269,6 +269,8 @@ def test_a_failing_environment_is_counted_per_episode_and_group(
     wait_until(lambda: buffer.drop_counts().get("env_all_failed", 0) >= 2, "failed groups")
     drops = buffer.drop_counts("samples")
     assert drops["env_error"] >= 6 and buffer.depth() == 0
+    said = [d.detail for d in buffer.drop_log(10) if d.reason == "env_error"]
+    assert said and all(d.endswith('/step: HTTP 500 {"error": "broken"}') for d in said), said
 
 
 def test_a_step_answer_with_text_for_reward_or_done_fails_its_episode_naming_it(

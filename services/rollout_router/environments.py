@@ -56,8 +56,11 @@ class EnvClient:
     async def _call(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
             async with self.session.post(self.url + route, json=body, timeout=self.timeout) as r:
-                if r.status != 200:
-                    raise EnvError(DropReason.ENV_ERROR, f"{self.url}{route}: HTTP {r.status}")
+                if r.status != 200:  # (what it says, its first 300 bytes: it was left out)
+                    said = (await r.content.read(300)).decode(errors="replace")
+                    raise EnvError(
+                        DropReason.ENV_ERROR, f"{self.url}{route}: HTTP {r.status} {said}".strip()
+                    )
                 data = await r.json(content_type=None)
         except TimeoutError as exc:
             raise EnvError(DropReason.ENV_TIMEOUT, f"{self.url}{route}: no answer in time") from exc
