@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,7 @@ import pytest
 from proto.contract import SampleLimits
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from tandem.supervisor import die_with_parent
-from tests.helpers import free_port, read_all, with_chat_template
+from tests.helpers import free_port, read_all, wait_until, with_chat_template
 from tests.test_router_agents import CHAT_TEMPLATE, router_args
 
 
@@ -150,6 +151,34 @@ def test_sessions_open_when_the_router_stops_are_recorded_as_dropped(
     ledger = buffer.ledger()
     assert (ledger.generated, ledger.dropped) == (3, 2) and ledger.balanced, ledger
     assert buffer.redis.hlen(buffer.open_sessions_key) == 0
+
+
+def test_a_turn_generating_as_its_reward_closes_the_session_opens_one_a_killed_router_records(
+    buffer, chat_model_dir, start_service, engines
+):
+    """The agent posts its reward while a turn of the session still generates: that turn opens
+    a new session (as a turn after a reward does), listed open in Redis, so that the router
+    after a killed one records it dropped; it was listed nowhere, lost without a record."""
+    args = router_args(buffer, chat_model_dir, [engines("--delay-ms", "1000").url], "--no-rollout")
+    router = start_service("router", args)
+    messages = [{"role": "user", "content": "12"}]
+    assert chat(router.url, "s", messages).status_code == 200
+    with ThreadPoolExecutor(1) as agent:
+        late = agent.submit(chat, router.url, "s", messages)
+        wait_until(
+            lambda: httpx.get(router.url + "/workers").json()["workers"][0]["outstanding"],
+            "the late turn at the engine",
+        )
+        reward = httpx.post(router.url + "/sessions/s/reward", json={"reward": 1}).json()
+        assert reward["status"] == "put" and late.result().status_code == 200
+    assert buffer.redis.hexists(buffer.open_sessions_key, "s"), "the late turn's session"
+    os.killpg(router.proc.pid, signal.SIGKILL)
+    router.proc.wait()
+    buffer.release_lease_of("router", router.proc.pid)  # (as tandem up does)
+    start_service("router", args).stop()
+    assert buffer.drop_counts() == {"cancelled": 1}
+    ledger = buffer.ledger()
+    assert (ledger.generated, ledger.put, ledger.dropped) == (2, 1, 1) and ledger.balanced, ledger
 
 
 def test_a_reward_redis_refuses_leaves_its_session_open_for_the_retry(

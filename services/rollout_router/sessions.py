@@ -214,10 +214,13 @@ class AgentSessions:
             await self.buffer.note_open({session_id: 0})
         try:
             partial, tops = await self.generate(payload, session_id)
+            reopened = not new and session_id not in self.store.sessions
             self.store.record(session_id, input_ids, partial)
         finally:
             if new and session_id not in self.store.sessions:  # (no turn of it was recorded)
                 await self.forget(session_id)
+        if reopened:  # its reward (or expiry) closed it meanwhile: this turn opened a new one
+            await self.remember(session_id)
         self.first_messages.setdefault(session_id, json.dumps(messages))
         texts = None
         if body.get("logprobs"):
@@ -252,6 +255,14 @@ class AgentSessions:
             await self.buffer.note_open(gone=names)
         except RedisError as exc:
             log.warning("agent sessions %s ended but are still listed open: %r", names, exc)
+
+    async def remember(self, session_id: str) -> None:
+        """List a session its turn reopened as open in Redis, as a first turn's is: a failure is
+        logged (the turn is recorded; a router killed then would leave it unrecorded)."""
+        try:
+            await self.buffer.note_open({session_id: 0})
+        except RedisError as exc:
+            log.warning("agent session %s is open but not listed open: %r", session_id, exc)
 
     async def trainer_room(self, session_id: str, input_ids: list[int]) -> int | None:
         """The most tokens a turn on `input_ids` may generate for its sample to be one the
