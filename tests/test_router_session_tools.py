@@ -85,11 +85,15 @@ def test_fields_that_would_draw_a_trained_turn_off_the_policy_are_refused_naming
         ({"lora_path": "adapter"}, 'lora_path "adapter": a session turn is trained on'),
         ({"min_tokens": 3}, "min_tokens 3: a session turn is trained on"),
         ({"ignore_eos": True}, "ignore_eos true: a session turn is trained on"),
+        ({"continue_final_message": True}, "continue_final_message: a session turn is"),
+        ({"top_logprobs": 2}, "top_logprobs must be 0 to 20, with logprobs true; got 2"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be 0 to 20"),
     ]:
         reply = turn(router, "bad", **body)
         assert reply.status_code == 400 and words in reply.json()["detail"], (body, reply.text)
     neutral = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "top_k": 5}
     neutral |= {"min_tokens": 0, "ignore_eos": False, "lora_path": None}
+    neutral |= {"continue_final_message": False, "top_logprobs": 0}
     assert turn(router, "ok", **neutral).status_code == 200, "neutral values are taken"
 
 

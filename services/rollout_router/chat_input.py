@@ -183,6 +183,12 @@ def template_inputs(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, 
             f"tool_choice {str(choice)[:80]!r}: a session turn is trained on, and forcing a "
             f'tool call constrains its decoding ({OFF_POLICY}); use "auto" or "none"'
         )
+    if body.get("continue_final_message"):  # (SGLang's: the last assistant message continued)
+        raise TurnError(
+            "continue_final_message: a session turn is rendered as a new assistant message "
+            "after the messages, not as the continuation of the last one that SGLang would "
+            "serve (the trained prompt would not be the served one); leave it out"
+        )
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise TurnError("chat_template_kwargs must be an object")
