@@ -93,6 +93,21 @@ def test_a_session_sample_is_held_to_the_trainers_response_length(
     assert sorted(len(s.response_ids) for s in group.samples) == [2, 2], group.samples
 
 
+def test_a_turns_stop_token_ids_end_it_as_sglang_ends_it(
+    buffer, chat_model_dir, start_service, engines
+):
+    """`stop_token_ids` (SGLang's chat field) end the turn beside the model's own stop tokens;
+    they were dropped without a word, the turn generated past them."""
+    router = start_service(
+        "router", router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
+    ).url
+    stopped = chat(router, "s1", [{"role": "user", "content": "12"}], stop_token_ids=[6])
+    assert stopped.json()["choices"][0]["finish_reason"] == "stop", stopped.text
+    assert stopped.json()["usage"]["completion_tokens"] == 1, "`2` and no `1<eos>` after it"
+    refused = chat(router, "s2", [{"role": "user", "content": "12"}], stop_token_ids=["2"])
+    assert refused.status_code == 400 and "stop_token_ids must be a list" in refused.text
+
+
 def test_a_model_without_a_chat_template_takes_the_messages_sglang_takes(
     buffer, toy_model_dir, start_service, engines
 ):

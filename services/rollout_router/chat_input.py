@@ -206,6 +206,9 @@ def sampling_params(body: dict[str, Any], stop_token_ids: list[int]) -> dict[str
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise TurnError("stop must be a string or a list of strings")
+    asked = body.get("stop_token_ids") or []  # (SGLang's; they were dropped unsaid)
+    if not isinstance(asked, list) or not all(type(t) is int and t >= 0 for t in asked):
+        raise TurnError("stop_token_ids must be a list of token ids (integers >= 0)")
     seed = _int(body, "seed", 0)
     top_k = body.get("top_k", -1)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or (top_k < 1 and top_k != -1):
@@ -215,7 +218,7 @@ def sampling_params(body: dict[str, Any], stop_token_ids: list[int]) -> dict[str
         "top_p": _number(body, "top_p", 1.0, 1e-9, 1.0),
         "top_k": top_k,
         "n": 1,
-        "stop_token_ids": stop_token_ids,
+        "stop_token_ids": stop_token_ids + [t for t in asked if t not in stop_token_ids],
         "skip_special_tokens": True,
         **({"stop": stop} if stop else {}),
         **({"sampling_seed": seed} if seed is not None else {}),
