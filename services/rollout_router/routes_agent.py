@@ -124,7 +124,8 @@ class RewardIn(BaseModel):
     group_size: int | None = Field(default=None, ge=1)
 
 
-@router.post("/sessions/{session_id}/reward", tags=["agents"], dependencies=WRITE)
+# (`path`: an id with a slash, `task-3/ep-1`, opens a session by its turns: its reward was 404)
+@router.post("/sessions/{session_id:path}/reward", tags=["agents"], dependencies=WRITE)
 async def session_reward(request: Request, session_id: str, body: RewardIn) -> dict[str, Any]:
     """Close a session with its reward; its turns become training samples. While the buffer is
     full (`--max-buffer-depth`) the post waits up to `--session-put-timeout-s`, then is answered
