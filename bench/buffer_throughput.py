@@ -372,6 +372,25 @@ def breakdown(form: str, cpu_us: tuple[float, float, float], raw_rate: float) ->
     )
 
 
+def wide_phase(url: str, packed: Group, args: argparse.Namespace) -> Phase:
+    """The packed phase with `WIDE` times the groups in flight, depth bound and rollout."""
+    scaled = {k: getattr(args, k) * WIDE for k in ("producers", "max_depth", "rollout")}
+    return phase(
+        url, "bench-wide", packed, argparse.Namespace(**{**vars(args), **scaled}), args.seconds
+    )
+
+
+def wide_lines(wide: Phase, raw_rate: float, args: argparse.Namespace) -> str:
+    """The wide phase's figure and CPU breakdown."""
+    return (
+        f"consume_groups_per_s_at_{WIDE}x_batch: {wide.consumed:.0f} (packed; --producers "
+        f"{args.producers * WIDE} --max-depth {args.max_depth * WIDE} --rollout "
+        f"{args.rollout * WIDE}: the router's defaults for a {WIDE}x rollout batch); "
+        f"{wide.consumed / raw_rate:.2f}x raw XADD\n"
+        + breakdown(f"packed, {WIDE}x batch", wide.cpu_us, raw_rate)
+    )
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="Length of each phase.")
@@ -400,10 +419,7 @@ def main(argv: list[str]) -> int:
             form: phase(url, f"bench-{form}", given, args, args.seconds)
             for form, given in (("packed", packed), ("lists", group))
         }
-        scaled = {k: getattr(args, k) * WIDE for k in ("producers", "max_depth", "rollout")}
-        wide = phase(
-            url, "bench-wide", packed, argparse.Namespace(**{**vars(args), **scaled}), args.seconds
-        )
+        wide = wide_phase(url, packed, args)
         paced = full["packed"].consumed * PACED_SHARE
         latencies = phase(url, "bench-paced", packed, args, args.seconds / 2, paced).latencies
         encode_us, decode_us = codec_us(group)
@@ -443,13 +459,7 @@ def main(argv: list[str]) -> int:
     if "redis-py" in how:  # (a Python client's XADD/s: its own CPU, not the server's limit)
         met = "not judged: the limit was redis-py's, not the server's (install redis-tools)"
     print(f"targets (consume >= 0.5x raw XADD, p99 <= 50 ms): {met}")
-    print(
-        f"consume_groups_per_s_at_{WIDE}x_batch: {wide.consumed:.0f} (packed; --producers "
-        f"{args.producers * WIDE} --max-depth {args.max_depth * WIDE} --rollout "
-        f"{args.rollout * WIDE}: the router's defaults for a {WIDE}x rollout batch); "
-        f"{wide.consumed / raw_rate:.2f}x raw XADD"
-    )
-    print(breakdown(f"packed, {WIDE}x batch", wide.cpu_us, raw_rate))
+    print(wide_lines(wide, raw_rate, args))
     print(
         f"router_put_path_consume_vs_raw_xadd: {lists.consumed / raw_rate:.2f} (groups from lists)"
     )
