@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import os
 import sys
 import time
 
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 seen = print_records(client, key, args)
             except KeyboardInterrupt:
+                return 0
+            except BrokenPipeError:  # the reader has what it wanted (`tandem metrics | head`)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (exit's flush)
                 return 0
             if not seen:
                 runs = ", ".join(known_runs(client, "metrics")) or "none"

@@ -298,6 +298,23 @@ def test_tandem_metrics_prints_the_stream_of_any_run(
     assert metrics_cli.main([]) == 2
 
 
+def test_tandem_metrics_into_a_reader_that_stops_early_ends_quietly_with_exit_0(
+    buffer: SampleBuffer,
+) -> None:
+    pipe = buffer.redis.pipeline(transaction=False)
+    for step in range(3000):  # (more than a pipe holds: writes go on after the reader has left)
+        pipe.xadd(buffer.metrics_key, buffer.metrics_entry("trainer", step, {"train/loss": 0.5}))
+    pipe.execute()
+    run_args = f"--redis-url {buffer.config.redis_url} --run-id {buffer.config.run_id}"
+    command = (
+        f"{sys.executable} -m tandem.cli metrics {run_args} | head -1; exit ${{PIPESTATUS[0]}}"
+    )
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("\n") == 1 and "train/loss=0.5" in done.stdout
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
 def test_timeline_spans_written_by_a_service_come_back_as_a_chrome_trace(
     buffer: SampleBuffer,
 ) -> None:
