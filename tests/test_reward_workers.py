@@ -125,6 +125,29 @@ def test_inline_functions_and_async_ones_keep_to_the_event_loop(reward_file) -> 
     assert str(out).endswith("did not return within 0.2s (--rm-timeout-s)")
 
 
+
+def test_a_stop_signal_to_the_routers_process_group_leaves_a_call_in_flight_to_finish(
+    reward_file,
+) -> None:
+    """tandem up stops the router with a SIGTERM to its process group, which holds the workers
+    (a closed terminal sends SIGHUP): a call in flight still gets its value, and the router
+    stops its workers itself. (The call was lost as reward_error, 'ended its worker process
+    (exit code -15)', a moment before the router's stop cancelled it.)"""
+    reward = made("", reward_file, "", 10.0, 0, None, workers=1)
+
+    async def run() -> float:
+        worker = int(await reward.score("p", "pid", "l", "stop"))
+        slow = asyncio.ensure_future(reward.score("p", "slow", "l", "stop"))
+        await asyncio.sleep(0.2)  # the worker is in the call (0.5 s)
+        os.kill(worker, signal.SIGTERM)
+        os.kill(worker, signal.SIGHUP)
+        return await slow
+
+    try:
+        assert asyncio.run(run()) == -1.0
+    finally:
+        reward.close()
+
 def test_workers_die_with_the_router_even_while_the_function_hangs(reward_file, tmp_path) -> None:
     """kill -9 of the router leaves no worker behind (Linux: the parent's death signals it)."""
     script = (

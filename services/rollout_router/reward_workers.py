@@ -42,7 +42,10 @@ def _serve(path: str, conn: Connection) -> None:
     pipe."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: killed by close() only
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the router's to handle
+    # A terminal's Ctrl-C or hang-up, and tandem up's SIGTERM to the router's process group, are
+    # the router's to handle: it finishes or cancels the calls in flight, then stops its workers.
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, signal.SIG_IGN)
     from services.rollout_router.rewards import load_function
 
     try:
