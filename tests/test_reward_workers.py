@@ -125,7 +125,6 @@ def test_inline_functions_and_async_ones_keep_to_the_event_loop(reward_file) -> 
     assert str(out).endswith("did not return within 0.2s (--rm-timeout-s)")
 
 
-
 def test_a_stop_signal_to_the_routers_process_group_leaves_a_call_in_flight_to_finish(
     reward_file,
 ) -> None:
@@ -147,6 +146,7 @@ def test_a_stop_signal_to_the_routers_process_group_leaves_a_call_in_flight_to_f
         assert asyncio.run(run()) == -1.0
     finally:
         reward.close()
+
 
 def test_workers_die_with_the_router_even_while_the_function_hangs(reward_file, tmp_path) -> None:
     """kill -9 of the router leaves no worker behind (Linux: the parent's death signals it)."""
