@@ -79,6 +79,8 @@ def test_bad_session_turns_are_400_naming_the_field_and_engine_refusals_pass_thr
         ({"messages": user("12"), "top_p": 5}, "top_p"),
         ({"messages": user("12"), "stop": 3}, "stop"),
         ({"messages": user("12"), "n": 2}, "n"),
+        ({"messages": user("12"), "stream": "true"}, "stream must be true or false"),
+        ({"messages": user("12"), "logprobs": "yes"}, "logprobs must be true or false"),
         ([1, 2], "JSON object"),
     ]
     for body, field in cases:

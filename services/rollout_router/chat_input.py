@@ -227,7 +227,9 @@ def sampling_params(body: dict[str, Any], stop_token_ids: list[int]) -> dict[str
 
 def top_logprobs(body: dict[str, Any]) -> int:
     """How many alternatives a turn's log-probs list per token (OpenAI's `top_logprobs`, 0 to
-    20, with `logprobs` true); TurnError naming it otherwise."""
+    20, with `logprobs` true); TurnError naming it, or a `logprobs` that is no boolean."""
+    if not isinstance(body.get("logprobs"), bool | None):  # ("yes" was taken for true)
+        raise TurnError(f"logprobs must be true or false, got {str(body['logprobs'])[:50]!r}")
     top = _int(body, "top_logprobs", 0) or 0
     if top > 20 or (top and not body.get("logprobs")):
         raise TurnError(f"top_logprobs must be 0 to 20, with logprobs true; got {top}")

@@ -57,7 +57,9 @@ async def chat_completions(request: Request) -> Response:
     if not isinstance(session_id, str):
         raise HTTPException(400, "session_id must be a string")
     require_token(request)  # a session's turns become training samples: the run's agents only
-    stream = body.pop("stream", False) is True
+    stream = body.pop("stream", None)
+    if not isinstance(stream, bool | None):  # (a string was taken for false: no stream)
+        raise HTTPException(400, f"stream must be true or false, got {str(stream)[:50]!r}")
     options = body.get("stream_options")
     usage = isinstance(options, dict) and options.get("include_usage") is True
     try:
