@@ -21,7 +21,7 @@ import redis
 
 from services.sample_buffer import BufferConfig, SampleBuffer
 from services.sample_buffer.ledger import Ledger
-from tandem.run_redis import REDIS_FILE, run_id_of, saved_redis
+from tandem.run_redis import REDIS_FILE, known_runs, run_id_of, saved_redis
 
 # A live trainer counts a rollout consumed, then trained: a reading between the two is off by
 # that rollout for a moment, so an unbalanced reading of a live run is taken again.
@@ -61,7 +61,7 @@ def read_ledger(run_dir: Path | None, redis_url: str, run_id: str) -> Ledger:
     if (run_dir / "redis").is_dir():
         with saved_redis(run_dir) as server:
             buffer = SampleBuffer(BufferConfig(redis_url=server.url, run_id=run_id))
-            return buffer.ledger(details=True)
+            return check_run(buffer, f"{run_dir}/redis").ledger(details=True)
     saved = run_dir / "ledger.json"
     if saved.is_file():
         fields = json.loads(saved.read_text())
@@ -97,9 +97,21 @@ def live_url(run_dir: Path | None, wait_s: float = 5.0) -> str:
     return ""
 
 
+def check_run(buffer: SampleBuffer, where: str) -> SampleBuffer:
+    """`buffer`, or FileNotFoundError naming the runs there when its run id has neither a run
+    contract nor counters (a mistyped --run-id read as an empty, balanced run before)."""
+    if buffer.redis.exists(buffer.contract_key, buffer.counters_key):
+        return buffer
+    runs = ", ".join(known_runs(buffer.redis, "contract")) or "none"
+    raise FileNotFoundError(
+        f"no run {buffer.config.run_id!r} at {where} (runs there: {runs}); check --run-id "
+        "(or --redis-url)"
+    )
+
+
 def read_live(buffer: SampleBuffer) -> Ledger:
     buffer.wait_ready(timeout_s=10.0)
-    ledger = buffer.ledger(details=True)
+    ledger = check_run(buffer, buffer.config.redis_url).ledger(details=True)
     for _ in range(LIVE_READS - 1):
         if ledger.balanced:
             break

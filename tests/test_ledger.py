@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from proto import DropReason, DropRecord, Sample, SampleGroup
+from proto.contract import RunContract
 from services.sample_buffer import AsyncSampleBuffer, BufferConfig, RedisServer, SampleBuffer
 from services.sample_buffer.keys import lease_owner_name
 from tandem.run_redis import run_id_of
@@ -205,6 +206,21 @@ def test_a_run_folder_is_read_from_its_redis_data_and_a_step_is_written_once(
     done = tandem_ledger(str(run))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "generated 1 = trained 0 + dropped 0 + buffered 0 + in flight 1" in done.stdout
+
+
+def test_tandem_ledger_on_a_run_id_that_redis_does_not_hold_exits_2_naming_the_runs_there(
+    buffer: SampleBuffer,
+) -> None:
+    """A mistyped --run-id printed an empty ledger, 'balanced', exit 0 (metrics and timeline
+    refuse it naming the runs there)."""
+    buffer.agree_contract(RunContract(rollout_batch_size=4), "router")
+    buffer.start_group()
+    done = tandem_ledger("--redis-url", buffer.config.redis_url, "--run-id", "no-such-run")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no run 'no-such-run'" in done.stderr and buffer.config.run_id in done.stderr
+    assert "--run-id" in done.stderr and "balanced" not in done.stdout
+    done = tandem_ledger("--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id)
+    assert done.returncode == 0 and "in flight 1: balanced" in done.stdout, done.stdout
 
 
 def test_runs_on_a_shared_redis_get_their_own_ids_and_tandem_ledger_finds_them(
