@@ -279,6 +279,28 @@ def test_a_bucket_with_a_bad_hmac_is_dropped_and_counted(
         s.close()
 
 
+def test_a_broker_whose_secret_differs_from_the_trainers_says_its_buckets_fail_the_hmac(
+    start_service, fake_engine, buffer: SampleBuffer, monkeypatch
+) -> None:
+    """A trainer with another TANDEM_WEIGHT_SECRET: the broker's status (its console, /state
+    and Redis) guessed the broker had started after the trainer sent the version."""
+    monkeypatch.setenv("TANDEM_WEIGHT_SECRET", "broker-secret")
+    engine = fake_engine("e")
+    redis = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    broker = start_service("broker", ["broker", "--port", "0", "--engine-urls", engine.url, *redis])
+    forged = ZmqWeightSender(broker.info["intake_endpoint"], secret=b"trainer-secret")
+    forged.send(1, weights(1))
+    buffer.set_version("trainer", 1)  # announced after sending, as the trainer does
+    wait_until(
+        lambda: "not received" in httpx.get(f"{broker.url}/state").json()["waiting_for"],
+        "the announced version missing",
+    )
+    waiting = httpx.get(f"{broker.url}/state").json()["waiting_for"]
+    assert "failed its HMAC check" in waiting and "TANDEM_WEIGHT_SECRET" in waiting, waiting
+    assert "started after the trainer" not in waiting
+    forged.close()
+
+
 def test_the_disk_transport_writes_a_loadable_hf_directory_once_per_version(
     start_service, fake_engine, toy_model_dir, tmp_path
 ) -> None:

@@ -246,9 +246,14 @@ class WeightBroker:
                 waiting += "; the trainer is asked to send it again (this broker keeps no copy)"
                 self._ask_resend(latest)
         elif announced > max(latest, 0):
+            why = (  # (a trainer with another TANDEM_WEIGHT_SECRET: each re-send is dropped)
+                f"its buckets are dropped: {self.transport.last_rejected}"
+                if self.transport.last_rejected
+                else "it started after the trainer sent it?"
+            )
             waiting = (
                 f"weight version {announced}, which the trainer announced but this broker has "
-                f"not received (it started after the trainer sent it?); engines stay on "
+                f"not received ({why}); engines stay on "
                 f"{latest if latest >= 0 else 'their load weights'}. The trainer is asked to "
                 "send it again (it does while it waits for samples)"
             )

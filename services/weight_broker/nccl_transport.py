@@ -37,6 +37,7 @@ class NcclTransport:
     serve_endpoint = ""  # engines receive by broadcast, they fetch nothing
     retry_backoff_s = math.inf  # a dead member would make every version wait for its timeout
     keeps_versions = False  # only the trainer holds a version: a restarted engine needs it resent
+    last_rejected = ""  # an offer that fails its HMAC check is answered: the trainer says why
 
     def __init__(self, config: BrokerConfig, counters: dict[str, int]) -> None:
         self.counters, self.secret = counters, secret_from_env()

@@ -59,6 +59,7 @@ class WeightTransport(Protocol):
     serve_endpoint: str  # where engines fetch them ('' when they do not)
     retry_backoff_s: float  # when a failed engine is tried again (NCCL: once registered again)
     keeps_versions: bool  # it can bring an engine to the latest version without the trainer
+    last_rejected: str  # why the trainer's last bucket was dropped ('' once a version came)
 
     async def next_version(self, wake: asyncio.Event) -> int: ...
 
@@ -117,6 +118,7 @@ class ZmqTransport:
         self.intake_endpoint = self.serve_endpoint = ""
         self._prepared = -1
         self._wake: asyncio.Event | None = None
+        self.last_rejected = ""
 
     def bind(self, config: BrokerConfig, counters: dict[str, int]) -> None:
         """Bind the intake (PULL) and serve (ROUTER) sockets; `serve()` reads them."""
@@ -198,9 +200,11 @@ class ZmqTransport:
                 done = await asyncio.to_thread(self._add_bucket, message)
             except (ValueError, AuthenticationError, TypeError, IndexError) as exc:
                 self.counters["buckets_rejected"] += 1
+                self.last_rejected = str(exc)
                 log.error("dropped a weight bucket: %s", exc)
                 continue
             if done is not None:
+                self.last_rejected = ""
                 self.counters["versions_received"] += 1
                 log.info("version %d complete (%.1f MB)", done.version, done.nbytes / 1e6)
                 if self._wake is not None:
