@@ -60,6 +60,9 @@ def test_a_closed_gate_names_the_engines_when_the_trainer_is_ahead_else_the_trai
     assert ahead.startswith("engines on weight version >= 4 (they serve 0)")
     waiting = closed_gate_reason(demand(put=8, consumed=0, v=0, e=0), 4, 1, 1)
     assert waiting == "the trainer to consume groups (put 8, consumed 0, trainer at version 0)"
+    absent = closed_gate_reason(demand(put=8, consumed=0, v=-1, e=0), 4, 1, 1)
+    assert absent.startswith("the trainer to consume groups (put 8, consumed 0, trainer at")
+    assert "no trainer has started on this run" in absent and "--run-id" in absent
 
 
 def test_each_epoch_visits_every_prompt_once_in_a_seeded_order():

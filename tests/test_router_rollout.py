@@ -65,7 +65,11 @@ def test_staleness_gate_holds_new_groups_until_the_trainer_consumes_or_engines_c
     )
     # The gate closes once the 8th group starts (its sentence then says put 7); when that group
     # is put and ends, the loop reads the counters again and the sentence says put 8.
-    waiting = "the trainer to consume groups (put 8, consumed 0, trainer at version -1)"
+    waiting = (
+        "the trainer to consume groups (put 8, consumed 0, trainer at version -1); no trainer "
+        "has started on this run yet (one still loading its model, or one with another "
+        "--run-id or --redis-url)"
+    )
     status = wait_until(
         lambda: (
             (s := get_json(router.url + "/rollout/status"))["state"] == "waiting_for_trainer"

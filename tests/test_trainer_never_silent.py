@@ -92,6 +92,10 @@ def test_status_says_what_the_trainer_waits_for_and_groups_consumed_counts_train
     first = wait_until(waiting, "the trainer's status 'waiting for samples'", 60)
     assert first.waiting_for.startswith("sample groups: 0 of 4 for step 1 (buffer holds 0")
     assert "groups put 0, consumed 0" in first.waiting_for
+    never_put = (
+        f"no group was ever put in run {buffer.config.run_id!r} at {buffer.config.redis_url}"
+    )
+    assert never_put in first.waiting_for and "--run-id" in first.waiting_for
     assert first.detail["groups_needed"] == 4 and first.detail["version"] == 0
     assert first.pid == trainer.proc.pid
     # it stated the longest sample it takes (the toy model's 64 positions; --max-response-len)
@@ -112,6 +116,7 @@ def test_status_says_what_the_trainer_waits_for_and_groups_consumed_counts_train
     assert buffer.drop_counts() == {"stale": 1} and buffer.drop_counts("samples") == {"stale": 4}
     after = wait_until(waiting, "the wait for step 2")
     assert "for step 2" in after.waiting_for and "groups put 5, consumed 5" in after.waiting_for
+    assert "no group was ever put" not in after.waiting_for
     trainer.stop()
     assert trainer.proc.returncode == 0, trainer.log()[-3000:]
     assert buffer.statuses()["trainer"].state == "stopped"

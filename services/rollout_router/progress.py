@@ -67,9 +67,16 @@ def closed_gate_reason(d: Demand, batch: int, steps_per_rollout: int, staleness:
             f"engines on weight version >= {needed} (they serve {d.engines_version}); "
             "the broker brings them there: see its /state"
         )
+    # (a trainer started on another run, or another Redis, waits for samples meanwhile)
+    absent = (
+        "; no trainer has started on this run yet (one still loading its model, or one with "
+        "another --run-id or --redis-url)"
+        if d.trainer_version < 0
+        else ""
+    )
     return (
         f"the trainer to consume groups (put {d.put}, consumed {d.consumed}, "
-        f"trainer at version {d.trainer_version})"
+        f"trainer at version {d.trainer_version}){absent}"
     )
 
 

@@ -191,6 +191,11 @@ class Intake:
             if self.letters_in_a_row
             else ""
         )
+        if not put:  # (a router on another run waits for a trainer meanwhile, never a word here)
+            letters += (
+                f"; no group was ever put in run {self.cfg.run_id!r} at {self.cfg.redis_url} "
+                "(a router still starting, or one with another --run-id or --redis-url)"
+            )
         self.report(
             "waiting for samples",
             f"sample groups: {in_hand} of {need} for step {version + 1} (buffer holds "
