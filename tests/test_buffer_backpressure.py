@@ -274,6 +274,36 @@ async def test_a_task_cancelled_in_the_middle_of_redis_calls_stops(aio: AsyncSam
         assert done and task.cancelled(), f"cancel {k} was lost"
 
 
+async def test_a_group_whose_start_is_on_its_way_when_the_rollout_stops_is_recorded_cancelled(
+    buffer: SampleBuffer, aio: AsyncSampleBuffer
+) -> None:
+    """The stop came while a group's START (counted generated and in flight) had run on the
+    server and its reply was on its way: no task held the group, so nothing recorded it and
+    the ledger of a finished run said `in flight 1`. Now it is a `cancelled` drop."""
+    from services.rollout_router.config import SamplingConfig
+    from services.rollout_router.rollout import RolloutLoop
+
+    loop = RolloutLoop(RolloutConfig(), SamplingConfig(), None, aio, None, None, [])  # type: ignore[arg-type]
+    real, ran = aio.start_group, asyncio.Event()
+
+    async def reply_on_its_way() -> int:
+        p = await real()
+        ran.set()
+        await asyncio.sleep(0.2)
+        return p
+
+    aio.start_group = reply_on_its_way  # type: ignore[method-assign]
+    start = asyncio.create_task(loop._start_one())
+    await ran.wait()
+    start.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    await loop._cancel_groups()  # (the loop's stop: it waits for the drops being written)
+    ledger = buffer.ledger()
+    assert (ledger.generated, ledger.in_flight, ledger.dropped_groups) == (1, 0, {"cancelled": 1})
+    assert ledger.balanced
+
+
 async def test_room_learned_from_a_put_during_a_read_of_the_counters_is_not_counted_twice() -> None:
     """The writer lets producers go on the backlog its put returns while the slot granter's
     read of the counters is under way: that read must not hand their slots out again."""

@@ -35,6 +35,27 @@ FIXES: dict[str, str] = {
 }
 
 
+class GroupDroppedError(Exception):
+    """A group will not be trained on, for `reason`; `samples` dropped with it (None: all);
+    `refused`: the engines refused its request (HTTP 4xx)."""
+
+    def __init__(
+        self, reason: DropReason, detail: str, samples: int | None = None, refused: bool = False
+    ) -> None:
+        super().__init__(detail)
+        self.reason, self.samples, self.refused = reason, samples, refused
+
+
+class RequestsRefusedError(RuntimeError):
+    """The engines refused the requests of REFUSED_IN_A_ROW groups in a row."""
+
+
+def refused(exc: Exception) -> bool:
+    """An engine's answer that the request is at fault (4xx but a timeout or a rate limit)."""
+    status = getattr(exc, "status", 0)
+    return 400 <= status < 500 and status not in (408, 429)
+
+
 class Drops:
     """The router's drops: logged (the first `LOGGED_ONE_BY_ONE` of each reason one by one,
     then the count at 100, 1,000, ...: a run dropping every group does not flood its log; the

@@ -43,6 +43,8 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Awaitable, Coroutine
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -61,7 +63,15 @@ from services.rollout_router.progress import (
     read_demand,
 )
 from services.rollout_router.recent import RecentGroups
-from services.rollout_router.report import BatchStats, Drops, backoff_reason, record_drop
+from services.rollout_router.report import (
+    BatchStats,
+    Drops,
+    GroupDroppedError,
+    RequestsRefusedError,
+    backoff_reason,
+    record_drop,
+    refused,
+)
 from services.rollout_router.rewards import Reward, RewardError
 from services.rollout_router.samples import sampling_seed
 from services.rollout_router.tasks import Item, Task
@@ -76,27 +86,6 @@ DEPENDENCY_REASONS = {DropReason.ENGINE_ERROR, DropReason.ENV_ALL_FAILED, DropRe
 # engine's) after which the loop stops, naming the engine's message: a setting every request
 # carries is wrong, and no wait mends it. Distinct prompts: one bad prompt never gets there.
 REFUSED_IN_A_ROW = 32
-
-
-class GroupDroppedError(Exception):
-    """A group will not be trained on, for `reason`; `samples` dropped with it (None: all);
-    `refused`: the engines refused its request (HTTP 4xx)."""
-
-    def __init__(
-        self, reason: DropReason, detail: str, samples: int | None = None, refused: bool = False
-    ) -> None:
-        super().__init__(detail)
-        self.reason, self.samples, self.refused = reason, samples, refused
-
-
-class RequestsRefusedError(RuntimeError):
-    """The engines refused the requests of REFUSED_IN_A_ROW groups in a row."""
-
-
-def refused(exc: Exception) -> bool:
-    """An engine's answer that the request is at fault (4xx but a timeout or a rate limit)."""
-    status = getattr(exc, "status", 0)
-    return 400 <= status < 500 and status not in (408, 429)
 
 
 class RolloutLoop:
@@ -271,11 +260,28 @@ class RolloutLoop:
                 return 0
         self.set_state("generating")
         for _ in range(n):
-            p = await self.buffer.start_group()
+            p = await self._start_one()
             group = asyncio.create_task(self.run_group(p, self.prompt(p)), name=f"group p{p}")
             self.groups.add(group)
             group.add_done_callback(self._group_ended)
         return n
+
+    async def _start_one(self) -> int:
+        """START a group (counted generated and in flight). Cancelled meanwhile (the rollout
+        stops), its draw is given back once the START has run: it stayed in flight, unrecorded."""
+        start = asyncio.ensure_future(self.buffer.start_group())
+        try:
+            return await asyncio.shield(start)
+        except asyncio.CancelledError:
+            self._record_later(self._give_back(start))
+            raise
+
+    def _record_later(self, write: Coroutine[Any, Any, None]) -> None:
+        """A cancelled group's drop, in a task of its own (a cancelled task cannot reliably
+        await), which `_cancel_groups` waits for."""
+        task = asyncio.create_task(write)
+        self._give_backs.add(task)
+        task.add_done_callback(self._give_backs.discard)
 
     def _gate_terms(self) -> tuple[int, int, int]:
         cfg = self.config
@@ -363,13 +369,8 @@ class RolloutLoop:
                 ) from None
             return
         except asyncio.CancelledError:
-            # Stopped mid-group: say so, and give the prompt back to be drawn again at the next
-            # start (in a task of its own, which `_cancel_groups` waits for: a cancelled task
-            # cannot reliably await).
-            if not committed[0]:
-                task = asyncio.create_task(self._give_back(p, group_id))
-                self._give_backs.add(task)
-                task.add_done_callback(self._give_backs.discard)
+            if not committed[0]:  # stopped mid-group: its prompt is drawn again next start
+                self._record_later(self._give_back(p))
             raise
         self.backoff.succeeded()
         self.refused_in_a_row = 0
@@ -377,10 +378,12 @@ class RolloutLoop:
         self.recent.add(group)
         await self.stats.add(group, self)
 
-    async def _give_back(self, p: int, group_id: str) -> None:
+    async def _give_back(self, draw: int | Awaitable[int]) -> None:
+        """Drop a group stopped in flight (`draw`, or a START on its way) as cancelled."""
         detail = "rollout stopped; its prompt is drawn again at the next start"
         with contextlib.suppress(RedisError):  # one DROP: the group's end and its prompt back
-            await self._drop(group_id, DropReason.CANCELLED, detail, quiet=True, give_back=p)
+            p = draw if isinstance(draw, int) else await draw
+            await self._drop(f"p{p}", DropReason.CANCELLED, detail, quiet=True, give_back=p)
 
     async def make_group(self, p: int, item: Item, group_id: str) -> SampleGroup:
         """Generate (single turns or environment episodes) and reward one prompt's group."""
