@@ -21,7 +21,7 @@ from pathlib import Path
 from services.common.config_file import parse_args
 from services.common.flags import add_config_args, config_from_args
 from services.rollout_router.config import DataConfig, reward_problem
-from services.rollout_router.tasks import first_row_problem, not_a_file
+from services.rollout_router.tasks import data_problem
 from tandem.hub import hub_model
 from tandem.up_args import (
     absolute_config,
@@ -445,8 +445,7 @@ def validate(config: UpConfig, model_named: bool = False) -> list[str]:
         ("--prompt-data", config.prompt_data),
         ("--eval-prompt-data", config.eval_prompt_data),
     ):
-        key = config.input_key or INPUT_KEY
-        if data and (problem := not_a_file(data, flag) or first_row_problem(data, key)):
+        if problem := data_problem(data, flag, config.input_key or INPUT_KEY):
             problems.append(problem)
     if config.custom_rm_path:  # (the router's module: imported only when there is a path)
         from services.rollout_router.rewards import import_problem

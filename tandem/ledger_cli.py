@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 
 from services.sample_buffer import BufferConfig, SampleBuffer
-from services.sample_buffer.ledger import Ledger
+from services.sample_buffer.ledger import Ledger, with_details
 from tandem.run_redis import REDIS_FILE, known_runs, run_id_of, saved_redis
 
 # A live trainer counts a rollout consumed, then trained: a reading between the two is off by
@@ -111,13 +111,13 @@ def check_run(buffer: SampleBuffer, where: str) -> SampleBuffer:
 
 def read_live(buffer: SampleBuffer) -> Ledger:
     buffer.wait_ready(timeout_s=10.0)
-    ledger = check_run(buffer, buffer.config.redis_url).ledger(details=True)
+    ledger = check_run(buffer, buffer.config.redis_url).ledger()
     for _ in range(LIVE_READS - 1):
         if ledger.balanced:
             break
         time.sleep(LIVE_READ_GAP_S)
-        ledger = buffer.ledger(details=True)
-    return ledger
+        ledger = buffer.ledger()
+    return with_details(buffer, ledger)  # (the drop log once, for the reading shown)
 
 
 if __name__ == "__main__":

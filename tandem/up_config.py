@@ -30,6 +30,7 @@ from services.common.config_file import (
     to_toml,
 )
 from services.common.flags import config_from_args
+from services.rollout_router.tasks import data_problem
 from services.sample_buffer import SampleBuffer
 from services.trainer.intake import limits_of
 from tandem.launcher import UpConfig, build_parser
@@ -164,7 +165,8 @@ def _check(name: str, values: dict[str, Any]) -> None:
             router = config_from_args(RouterConfig, flags)
             router.validate(model=Path(router.rollout.model).is_dir())
             # (--router-args or [router]: the file [up] names is checked with --prompt-data)
-            if problem := eval_data_problem(router.data.eval_prompt_data, router.data.input_key):
+            data = router.data
+            if problem := data_problem(data.eval_prompt_data, "--eval-prompt-data", data.input_key):
                 raise ValueError(problem)
         elif name == "trainer":
             from services.trainer.config import TrainerConfig
@@ -222,14 +224,6 @@ def unmeasured_goal(stop_accuracy: float, router: dict[str, Any]) -> str:
 
 UP_KEYS = {f.name for f in dataclasses.fields(UpConfig)}
 UP_ALIASES = {("broker", "transport"): "weight_transport", ("engine", "device"): "engine_device"}
-
-
-def eval_data_problem(path: str, input_key: str) -> str:
-    """Why the router's held-out prompts `path` cannot be read ("" when they can, or none is
-    given), found before the engines load rather than at the router's start."""
-    from services.rollout_router.tasks import first_row_problem, not_a_file
-
-    return path and (not_a_file(path, "--eval-prompt-data") or first_row_problem(path, input_key))
 
 
 def _origin(service: str, key: str) -> str:

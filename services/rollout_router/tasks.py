@@ -219,6 +219,12 @@ def no_input_key(path: str, number: int, input_key: str) -> str:
     )
 
 
+def data_problem(path: str, flag: str, input_key: str) -> str:
+    """Why a data file given as `flag` cannot be trained or evaluated on ("" when it can, or
+    none is given): `not_a_file`, then `first_row_problem`."""
+    return path and (not_a_file(path, flag) or first_row_problem(path, input_key))
+
+
 def first_row_problem(path: str, input_key: str) -> str:
     """Why the first row of `path` that cannot be read as a prompt cannot ("" when every row
     can), for `tandem up` before anything starts: a bad line the router would find at its

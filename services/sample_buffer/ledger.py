@@ -18,8 +18,8 @@ in one Lua script or MULTI, so a reading (one MULTI) never sees half an event of
 the trainer's own steps are sequential, so its check after a step is exact.
 
 A router that dies leaves its groups in `in_flight`; the next router start drops them as
-`cancelled` and gives their prompts back (recovery.py, `recover_in_flight`): one router per run id, which
-its lease in Redis ensures (rollout_router/lease.py; `FENCE`). Its open agent sessions, and
+`cancelled` and gives their prompts back (recovery.py, `recover_in_flight`): one router per
+run id, which its lease in Redis ensures (rollout_router/lease.py; `FENCE`). Its open agent sessions, and
 the groups waiting for more of them, are noted in hash `open_sessions` while open; the next
 router drops those left there as `cancelled` too (`recover_open`), as a stop would have.
 
