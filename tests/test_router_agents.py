@@ -371,6 +371,9 @@ def test_an_openai_client_session_becomes_a_training_sample_with_exact_tokens(
         ('{"reward": 1, "group": "g", "group_size": 0}', "greater than or equal to 1"),
         ('{"reward": 1, "group": ""}', "at least 1 character"),
         ('{"group_size": 1e400}', '"input":{"group_size":null}'),  # was a 500
+        # (each was taken: the size ignored, or the group held until --session-ttl-s)
+        ('{"reward": 1, "group_size": 3}', "group_size 3 needs a group"),
+        ('{"reward": 1, "group": "g", "group_size": 1' + "0" * 30 + "}", "--max-sessions (10000)"),
     ]:
         resp = httpx.post(
             router.url + "/sessions/s1/reward",

@@ -97,7 +97,8 @@ def test_a_turns_stop_token_ids_end_it_as_sglang_ends_it(
     buffer, chat_model_dir, start_service, engines
 ):
     """`stop_token_ids` (SGLang's chat field) end the turn beside the model's own stop tokens;
-    they were dropped without a word, the turn generated past them."""
+    they were dropped without a word, the turn generated past them. `no_stop_trim` and
+    `skip_special_tokens` are booleans (test_router_session_tools: what they do)."""
     router = start_service(
         "router", router_args(buffer, chat_model_dir, [engines().url], "--no-rollout")
     ).url
@@ -106,6 +107,11 @@ def test_a_turns_stop_token_ids_end_it_as_sglang_ends_it(
     assert stopped.json()["usage"]["completion_tokens"] == 1, "`2` and no `1<eos>` after it"
     refused = chat(router, "s2", [{"role": "user", "content": "12"}], stop_token_ids=["2"])
     assert refused.status_code == 400 and "stop_token_ids must be a list" in refused.text
+    twelve = [{"role": "user", "content": "12"}]
+    for name in ("no_stop_trim", "skip_special_tokens"):
+        refused = chat(router, "s4", twelve, **{name: "false"})
+        assert refused.status_code == 400, refused.text
+        assert f"{name} must be true or false, got 'false'" in refused.text
 
 
 def test_a_model_without_a_chat_template_takes_the_messages_sglang_takes(

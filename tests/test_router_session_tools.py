@@ -16,7 +16,7 @@ from services.rollout_router.config import RouterConfig
 from services.rollout_router.tasks import TemplateKwargs, encode_prompt
 from tests.helpers import read_all
 from tests.test_router_agents import router_args
-from tests.test_router_tool_calls import QUESTION, TOOLS, write_tool_model
+from tests.test_router_tool_calls import CALL, QUESTION, TOOLS, TURN_TEXT, write_tool_model
 
 TOKEN = {"Authorization": "Bearer s3cret"}
 
@@ -170,3 +170,24 @@ def test_an_assistant_turns_tool_call_arguments_reach_the_template_as_an_object(
     reply = turn(router, "t2", messages=history, tools=TOOLS)
     assert reply.status_code == 400
     assert "messages[1].tool_calls: function.arguments must be a JSON object" in reply.text
+
+
+def test_a_turns_no_stop_trim_and_skip_special_tokens_shape_its_text_as_sglangs_do(
+    buffer, router: str
+) -> None:
+    """SGLang's `no_stop_trim` and `skip_special_tokens` were dropped without a word: the stop
+    string always trimmed from the answer, special tokens always skipped. The trained tokens
+    are the same either way."""
+    for fields, content in [
+        ({"stop": "</tool_call>"}, "<tool_call>" + CALL),
+        ({"stop": "</tool_call>", "no_stop_trim": True}, f"<tool_call>{CALL}</tool_call>"),
+        ({"no_stop_trim": True}, TURN_TEXT),  # the end of turn is a special token, skipped
+        ({"no_stop_trim": True, "skip_special_tokens": False}, TURN_TEXT + "<|im_end|>"),
+    ]:
+        answer = turn(router, "s1", **fields)
+        assert answer.json()["choices"][0]["message"]["content"] == content, (fields, answer.text)
+    reward = httpx.post(f"{router}/sessions/s1/reward", json={"reward": 1}, headers=TOKEN)
+    assert reward.status_code == 200, reward.text
+    (group,) = read_all(buffer)
+    texts = [s.response_text for s in group.samples]
+    assert len(group.samples) == 4 and texts[1].endswith("</tool_call>"), texts

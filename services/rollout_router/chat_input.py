@@ -100,6 +100,15 @@ def _int(body: dict[str, Any], name: str, low: int) -> int | None:
     return value
 
 
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):  # ("false" would be taken for true)
+        raise TurnError(f"{name} must be true or false, got {str(value)[:50]!r}")
+    return value
+
+
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
     value = body.get(name)
     if value is None:
@@ -219,7 +228,10 @@ def sampling_params(body: dict[str, Any], stop_token_ids: list[int]) -> dict[str
         "top_k": top_k,
         "n": 1,
         "stop_token_ids": stop_token_ids + [t for t in asked if t not in stop_token_ids],
-        "skip_special_tokens": True,
+        # (SGLang's, for the answer's text only: the trained tokens are the same; they were
+        # dropped unsaid, a stop string always trimmed and special tokens always skipped)
+        "skip_special_tokens": _flag(body, "skip_special_tokens", True),
+        "no_stop_trim": _flag(body, "no_stop_trim", False),
         **({"stop": stop} if stop else {}),
         **({"sampling_seed": seed} if seed is not None else {}),
     }

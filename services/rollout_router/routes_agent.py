@@ -126,6 +126,21 @@ class RewardIn(BaseModel):
     group_size: int | None = Field(default=None, ge=1)
 
 
+def group_size_problem(body: RewardIn, max_sessions: int) -> str | None:
+    """Why a reward's group_size is refused: without a group (a lone session is put alone), or
+    more than --max-sessions (a group's sessions, held until it completes, count as sessions:
+    10**30 was taken, the group held in memory until --session-ttl-s dropped it)."""
+    size = body.group_size
+    if size is not None and size > 1 and body.group is None:
+        return f"group_size {size} needs a group: a session without one is put on its own"
+    if size is not None and size > max_sessions:
+        return (
+            f"group_size {size} is more than --max-sessions ({max_sessions}), the most "
+            "sessions the router holds: use a smaller group_size or raise --max-sessions"
+        )
+    return None
+
+
 # (`path`: an id with a slash, `task-3/ep-1`, opens a session by its turns: its reward was 404)
 @router.post("/sessions/{session_id:path}/reward", tags=["agents"], dependencies=WRITE)
 async def session_reward(request: Request, session_id: str, body: RewardIn) -> dict[str, Any]:
@@ -135,6 +150,8 @@ async def session_reward(request: Request, session_id: str, body: RewardIn) -> d
     group's (the first reward's) is answered 409, the session left open."""
     if not math.isfinite(body.reward):
         raise HTTPException(422, f"reward must be a finite number, got {body.reward}")
+    if problem := group_size_problem(body, sessions_of(request).config.max_sessions):
+        raise HTTPException(422, problem)
     try:
         return await sessions_of(request).reward(
             session_id, body.reward, body.group, body.group_size
