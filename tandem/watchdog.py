@@ -178,10 +178,14 @@ class Watchdog:
 
     def report(self, stalled: float) -> list[str]:
         try:
-            statuses = self.buffer.statuses()
+            statuses, refused = self.buffer.statuses(), self.buffer.write_refused()
         except RedisError as exc:
             return [f"  redis: unreachable ({exc}); every service keeps its state there"]
-        return diagnosis(statuses, time.time())
+        # (no service's status is written then: each would read "no status reported")
+        said = (
+            [f"  redis: refuses writes ({refused}); every service waits for it"] if refused else []
+        )
+        return said + diagnosis(statuses, time.time())
 
     def _health(self) -> str:
         for name, url in self.health_urls.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -279,6 +280,39 @@ def test_a_redis_outage_pauses_rollout_counts_the_lost_groups_and_rollout_resume
     finally:
         router.stop()
         second.stop()
+
+
+def test_a_redis_refusing_writes_holds_the_rollout_with_the_fix_until_it_takes_them(
+    buffer, toy_model_dir, start_service, engines
+):
+    """A Redis whose disk is full answers PING but refuses every write (MISCONF; here OOM at a
+    maxmemory of 1 byte, the same kind of refusal): the rollout waited on PING, which such a
+    server answers, and its status named no cause."""
+    urls = [engines("--delay-ms", "100").url]
+    router = start_service(
+        "router",
+        router_args(buffer, toy_model_dir, urls, "--max-staleness", "1000", "--eval-interval", "0"),
+    )
+    wait_until(lambda: buffer.depth() >= 2, "groups before the refusal")
+    buffer.redis.config_set("maxmemory", 1)
+    try:
+        status = wait_until(
+            lambda: (
+                (s := get_json(router.url + "/rollout/status"))["state"] == "waiting_for_redis"
+                and s
+            ),
+            "the loop to notice",
+        )
+        assert "it is at its maxmemory: raise maxmemory" in status["waiting_for"], status
+        time.sleep(2)  # no group starts while no write goes through
+        held = get_json(router.url + "/rollout/status")
+        assert held["state"] == "waiting_for_redis", held
+    finally:
+        buffer.redis.config_set("maxmemory", 0)
+    before = buffer.depth()
+    wait_until(lambda: buffer.depth() >= before + 2, "groups once Redis takes writes")
+    lost = buffer.drop_counts().get("redis_unavailable", 0)
+    assert 0 < lost <= 4 * 8, "the groups in flight at the refusal, once each"
 
 
 def test_stop_strings_and_stop_token_ids_end_samples_on_the_real_engine_with_exact_tokens(

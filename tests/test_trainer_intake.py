@@ -21,6 +21,7 @@ from proto.drops import DeadLetterReason as R
 from proto.drops import DropReason
 from proto.packed import pack
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from services.sample_buffer.refusals import refusal
 from services.trainer.intake import Limits, Rejected, check_entry, check_group, check_groups
 from services.trainer.redis_wait import RedisUnavailableError, patient_client
 from tests.test_trainer_batching import group
@@ -206,6 +207,45 @@ def test_a_lost_redis_is_waited_for_and_after_the_bound_named_by_its_url(tmp_pat
         assert time.monotonic() - started < 10
     finally:
         server.stop()
+
+
+def test_a_redis_refusing_writes_is_waited_for_and_after_the_bound_named_with_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Redis whose disk is full answers MISCONF to every write (here: OOM at a maxmemory of 1
+    byte, the same kind of refusal): the trainer died on the first with a traceback."""
+    server = RedisServer(log_dir=tmp_path).start()
+    try:
+        admin = redis.Redis.from_url(server.url)
+        client = patient_client(server.url, timeout_s=20.0, read_block_ms=100)
+        admin.config_set("maxmemory", 1)
+        threading.Timer(0.5, lambda: admin.config_set("maxmemory", 0)).start()
+        client.set("k", "v")  # refused until the timer lifts the limit
+        assert client.get("k") == b"v"
+        said = capsys.readouterr().out
+        assert "refuses writes" in said and "it is at its maxmemory" in said, said
+        admin.config_set("maxmemory", 1)
+        impatient = patient_client(server.url, timeout_s=0.5, read_block_ms=100)
+        with pytest.raises(RedisUnavailableError, match="refused writes for 0s") as err:
+            impatient.pipeline().set("k", "w").execute()
+        assert "--redis-timeout-s" in str(err.value) and "raise maxmemory" in str(err.value)
+        admin.config_set("maxmemory", 0)
+        with pytest.raises(redis.ResponseError, match="wrong number"):  # other errors: at once
+            impatient.execute_command("GET")
+    finally:
+        server.stop()
+
+
+def test_every_refusal_of_writes_gets_its_hint_and_other_errors_none() -> None:
+    assert "disk under its data folder" in str(
+        refusal(redis.ResponseError("MISCONF Errors writing to the AOF file: No space left"))
+    )
+    wrapped = "Command # 1 (XADD k * d x) of pipeline caused error: MISCONF Errors writing"
+    assert refusal(redis.ResponseError(wrapped)) == refusal(redis.ResponseError("MISCONF x"))
+    assert "read-only replica" in str(refusal(redis.exceptions.ReadOnlyError("You can't")))
+    assert "min-replicas" in str(refusal(redis.ResponseError("NOREPLICAS Not enough")))
+    for other in (redis.ResponseError("WRONGTYPE Operation"), redis.ConnectionError("gone"), None):
+        assert refusal(other) is None
 
 
 def trainer_args(toy_model_dir: Path, buffer: SampleBuffer, *extra: str) -> list[str]:

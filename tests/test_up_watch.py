@@ -358,6 +358,25 @@ def test_the_watchdog_prints_what_each_service_waits_for_then_ends_a_stalled_run
     assert headline.match(ending.check()) and "--stall-fail-s" in ending.check()
 
 
+def test_a_stall_report_names_a_redis_that_refuses_writes_and_what_to_change(
+    buffer: SampleBuffer,
+) -> None:
+    """A Redis whose disk is full (MISCONF; here OOM at a maxmemory of 1 byte) takes no status:
+    the report said "no status reported" of every service, stuck or starting, nothing of why."""
+    said: list[str] = []
+    watchdog = Watchdog(buffer, {}, stall_warn_s=0.2, stall_fail_s=60, say=said.append)
+    assert watchdog.report(1.0)[0].startswith("  trainer: no status reported"), "takes writes"
+    buffer.redis.config_set("maxmemory", 1)
+    try:
+        assert watchdog.check() == ""
+        time.sleep(0.3)
+        assert watchdog.check() == ""
+    finally:
+        buffer.redis.config_set("maxmemory", 0)
+    (line,) = [line for line in said if line.startswith("  redis:")]
+    assert "refuses writes (" in line and "raise maxmemory" in line, said
+
+
 def test_groups_reaching_the_trainer_are_progress_and_groups_dropped_are_not(
     buffer: SampleBuffer, monkeypatch
 ) -> None:

@@ -77,6 +77,7 @@ from services.rollout_router.samples import sampling_seed
 from services.rollout_router.tasks import Item, Task
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
 from services.sample_buffer import AsyncSampleBuffer
+from services.sample_buffer.refusals import refusal
 
 log = logging.getLogger("tandem.router.rollout")
 
@@ -307,14 +308,12 @@ class RolloutLoop:
     async def _wait_for_redis(self) -> None:
         exc = self._redis_error
         self.error = f"{type(exc).__name__}: {exc}"
-        self.set_state("waiting_for_redis", f"Redis at {self.buffer.config.redis_url} ({exc})")
-        log.warning("Redis unavailable (%s); waiting for it", exc)
-        while True:
-            try:
-                await self.buffer.ping()
-                break
-            except RedisError:
-                await asyncio.sleep(1.0)
+        hint = f": {why}" if (why := refusal(exc)) else ""
+        self.set_state(
+            "waiting_for_redis", f"Redis at {self.buffer.config.redis_url} ({exc}){hint}"
+        )
+        log.warning("Redis unavailable (%s)%s; waiting for it to take writes", exc, hint)
+        await self.buffer.wait_writable()
         for group_id in self._redis_lost:
             await self._drop(group_id, DropReason.REDIS_UNAVAILABLE, str(exc))
         self._redis_lost, self._redis_error, self.error = [], None, ""

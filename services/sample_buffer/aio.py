@@ -21,6 +21,7 @@ from typing import TypeVar
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from proto import DropRecord, MetricsRecord, SampleGroup
 from proto.contract import RunContract, SampleLimits, ServiceStatus
@@ -67,6 +68,17 @@ class AsyncSampleBuffer(BufferKeys):
 
     async def ping(self) -> None:
         await io(self.redis.ping())
+
+    async def wait_writable(self, every_s: float = 1.0) -> None:
+        """Until Redis takes a write: a connection back is not enough, a server refusing writes
+        (refusals.py: its disk full) answers PING, and the rollout that waited on PING went on
+        making groups that could not be put, each dropped."""
+        while True:
+            try:
+                await io(self.redis.set(self.probe_key, 1, px=10_000))
+                return
+            except RedisError:
+                await asyncio.sleep(every_s)
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Ping until the server answers; raise naming the URL if it never does."""

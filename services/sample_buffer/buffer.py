@@ -63,6 +63,7 @@ from proto.packed import PackedGroup, encode_entry, groups_of, unpack
 from services.sample_buffer import keys, ledger, recovery
 from services.sample_buffer.keys import CONSUMER_GROUP, BufferKeys
 from services.sample_buffer.ledger import Ledger
+from services.sample_buffer.refusals import refusal
 
 
 @dataclass
@@ -446,6 +447,17 @@ class SampleBuffer(BufferKeys):
         """The last status of every service that reported one recently, by role."""
         names = sorted(self.redis.scan_iter(self.status_prefix + "*"))
         return keys.statuses_of(self.redis.mget(names) if names else [])
+
+    def write_refused(self) -> str:
+        """Why Redis refuses writes, with what to change (refusals.py: its disk full, ...); ""
+        when a write goes through. Other errors raise."""
+        try:
+            self.redis.set(self.probe_key, 1, px=10_000)
+        except redis.ResponseError as exc:
+            if hint := refusal(exc):
+                return f"{exc}: {hint}"
+            raise
+        return ""
 
     # --- metrics ------------------------------------------------------------------------------
 

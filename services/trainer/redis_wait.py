@@ -1,7 +1,9 @@
 """The trainer's Redis client waits out a lost connection instead of dying on the first error.
 
 Every command (pipelines included) that fails with a connection error or a timeout is retried
-until it succeeds or `timeout_s` have passed since the first failure; the wait is logged once
+until it succeeds or `timeout_s` have passed since the first failure, and so is one that a Redis
+refusing writes answers (MISCONF: its disk full; OOM, READONLY: sample_buffer/refusals.py, whose
+hint the messages give; a refused command did not run); the wait is logged once
 when it starts and once when Redis answers again. After the bound, `RedisUnavailableError`
 names the URL and the flag. A command Redis ran whose reply was lost is run again: the stream
 commands the trainer retries (XREADGROUP, XACK, XDEL, SET) are idempotent or harmless twice; a
@@ -19,6 +21,8 @@ from typing import Any, TypeVar
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from services.sample_buffer.refusals import refusal
 
 log = logging.getLogger("tandem.trainer")
 T = TypeVar("T")
@@ -47,38 +51,50 @@ class PatientRetry(Retry):
         while True:
             try:
                 result = do()
-            except self._supported_errors as error:
-                if is_retryable and not is_retryable(error):
+            except Exception as error:
+                hint = refusal(error)  # (a Redis refusing writes: waited out the same way)
+                lost = isinstance(error, self._supported_errors)
+                if hint is None and not (lost and (not is_retryable or is_retryable(error))):
+                    if not lost:  # an answer, if an error (a server back without its data)
+                        self._back(failures, since)
                     raise
                 failures += 1
                 fail(error, failures) if with_failure_count else fail(error)
                 now = time.monotonic()
-                if failures == 1:
-                    since = now
-                    print(
-                        f"[trainer] Redis at {self.url} does not answer ({error}); waiting up to "
-                        f"{self.timeout_s:.0f}s (--redis-timeout-s)",
-                        flush=True,
-                    )
-                if self.give_up():  # a stop was asked for: waiting would only delay it
-                    raise RedisUnavailableError(
-                        f"Redis at {self.url} does not answer ({error}) and a stop was asked "
-                        "for: stopping without waiting for it (what was not checkpointed stays "
-                        "in Redis, unacknowledged)"
-                    ) from error
-                if now - since >= self.timeout_s:
-                    raise RedisUnavailableError(
-                        f"Redis at {self.url} did not answer for {self.timeout_s:.0f}s "
-                        f"(--redis-timeout-s; last error: {error}): is the server running? "
-                        "(--redis-url)"
-                    ) from error
+                since = now if failures == 1 else since
+                self._wait_or_give_up(error, hint, failures, now - since)
                 time.sleep(min(0.1 * 2**failures, 2.0))
                 continue
-            except Exception:  # an answer, if an error (e.g. a server back without its data)
-                self._back(failures, since)
-                raise
             self._back(failures, since)
             return result
+
+    def _wait_or_give_up(
+        self, error: Exception, hint: str | None, failures: int, waited_s: float
+    ) -> None:
+        """Say the wait at its start; RedisUnavailableError at a stop or past the bound."""
+        what = f"refuses writes ({error}): {hint}" if hint else f"does not answer ({error})"
+        if failures == 1:
+            print(
+                f"[trainer] Redis at {self.url} {what}; waiting up to {self.timeout_s:.0f}s "
+                "(--redis-timeout-s)",
+                flush=True,
+            )
+        if self.give_up():  # a stop was asked for: waiting would only delay it
+            raise RedisUnavailableError(
+                f"Redis at {self.url} {what}, and a stop was asked for: stopping without "
+                "waiting for it (what was not checkpointed stays in Redis, unacknowledged)"
+            ) from error
+        if waited_s >= self.timeout_s:
+            if hint:
+                raise RedisUnavailableError(
+                    f"Redis at {self.url} refused writes for {self.timeout_s:.0f}s "
+                    f"(--redis-timeout-s; last error: {error}): {hint}"
+                ) from error
+            raise RedisUnavailableError(
+                f"Redis at {self.url} did not answer for {self.timeout_s:.0f}s "
+                f"(--redis-timeout-s; last error: {error}): is the server running? "
+                "(--redis-url)"
+            ) from error
 
     def _back(self, failures: int, since: float) -> None:
         if failures:
