@@ -143,6 +143,28 @@ def test_the_status_stays_fresh_while_the_loop_is_blocked_in_one_long_call(buffe
     assert (last.state, last.waiting_for, last.error) == ("failed", "", "broker gone")
 
 
+def test_a_status_that_cannot_be_written_is_said_once_until_it_is_written_again(
+    buffer, caplog
+) -> None:
+    """A Redis refusing writes for minutes (its disk full) had the trainer's log say "status
+    not written" every 2 s; once a streak now, and when it is written again."""
+    from services.trainer.status import StatusReporter
+
+    reporter = StatusReporter(buffer, interval_s=0.1)
+    try:
+        with caplog.at_level("WARNING", logger="tandem.trainer"):
+            buffer.redis.config_set("maxmemory", 1)
+            try:
+                time.sleep(0.6)  # ~6 refreshes refused
+            finally:
+                buffer.redis.config_set("maxmemory", 0)
+            wait_until(lambda: "written again" in caplog.text, "a status written again")
+    finally:
+        reporter.close()
+    said = [r.getMessage() for r in caplog.records if "status" in r.getMessage()]
+    assert len(said) == 2 and "not written (retried every 0.1s)" in said[0], said
+
+
 def test_a_long_wait_is_said_on_the_console_with_what_it_waits_for_now(
     buffer, capsys, monkeypatch
 ) -> None:

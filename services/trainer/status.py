@@ -32,6 +32,7 @@ class StatusReporter:
         self.ttl_s = max(30.0, 10 * interval_s)  # several missed refreshes before it expires
         self.status = ServiceStatus(role="trainer", state="starting", pid=os.getpid())
         self.last_write = 0.0
+        self.failing = False  # the last write failed
         self.state_since = time.time()  # (the status's `since` is that of its wait)
         self.long_wait = LongWait(lambda line: print(f"[trainer] {line}", flush=True))
         self.lock = threading.Lock()
@@ -60,7 +61,15 @@ class StatusReporter:
         try:
             self.buffer.set_status(self.status, ttl_s=self.ttl_s)
         except redis.RedisError as exc:  # a status is best effort; the next refresh retries
-            log.warning("trainer status not written: %s", exc)
+            if not self.failing:  # (once a streak: it was said every 2 s of a Redis outage)
+                log.warning(
+                    "trainer status not written (retried every %gs): %s", self.interval_s, exc
+                )
+            self.failing = True
+        else:
+            if self.failing:
+                log.warning("trainer status written again")
+            self.failing = False
         self.last_write = time.monotonic()
 
     def _refresh(self) -> None:
