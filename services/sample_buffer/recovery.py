@@ -29,7 +29,8 @@ def open_drop(source: str, name: str, samples: int) -> DropRecord:
         reason=DropReason.CANCELLED,
         samples=samples,
         group_id=name,
-        detail="open when the router stopped without ending it (killed)",
+        detail="open when the router stopped without ending it (killed, or Redis refused its "
+        "writes)",
     )
 
 
@@ -40,8 +41,8 @@ def in_flight_drop(source: str, group_id: bytes) -> DropRecord:
         reason=DropReason.CANCELLED,
         count=1,
         group_id=group_id.decode(),
-        detail="in flight when the router stopped without ending it (killed); its prompt "
-        "is drawn again",
+        detail="in flight when the router stopped without ending it (killed, or Redis refused its "
+        "writes); its prompt is drawn again",
     )
 
 
