@@ -151,3 +151,27 @@ def install_interrupt_handler(flag: list[bool]) -> None:
         signal.signal(number, handler)
     sys.stdout = Console(sys.stdout, lambda: flag.append(True))  # type: ignore[assignment]
     sys.stderr = Console(sys.stderr, lambda: flag.append(True))  # type: ignore[assignment]
+
+
+# The run's saved configuration: tandem/up_args.py's CONFIG_FILE, tandem/up_config.py's
+# RUN_CONFIG (which import this module).
+SAVED_CONFIGURATION = ("up_config.json", "config.toml")
+
+
+def kept_configuration(run_dir: Path) -> dict[Path, bytes | None]:
+    """The bytes of each file of SAVED_CONFIGURATION in `run_dir` (None: there is none), for
+    `restore_files`."""
+    paths = [run_dir / name for name in SAVED_CONFIGURATION]
+    return {path: path.read_bytes() if path.is_file() else None for path in paths}
+
+
+def restore_files(kept: dict[Path, bytes | None]) -> str:
+    """The files of `kept_configuration` as they were (one that was not there removed); what
+    to say of it ("" when `kept` is empty)."""
+    for path, data in kept.items():
+        if data is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(data)
+    names = " and ".join(path.name for path in kept)
+    return f"the resume did not start: {names} are as they were before it" if kept else ""

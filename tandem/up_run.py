@@ -24,7 +24,9 @@ from tandem.run_dir import (
     DiskWatch,
     default_run_dir,
     install_interrupt_handler,
+    kept_configuration,
     lock_run_dir,
+    restore_files,
     resume_command,
     share_run_secrets,
     write_summary,
@@ -72,6 +74,9 @@ class UpRun:
         self.last_metrics_id = "0"  # the last record of the metrics stream read
         self.disk = DiskWatch(self.run_dir)
         self.token_at = ""  # where the API token is (share_run_secrets)
+        # A resume's saved configuration, put back when it stops before its services are up
+        # (refused, interrupted): the configuration of its last launch that ran stays the run's.
+        self.kept = kept_configuration(self.run_dir) if config.resume else {}
 
     def run(self) -> int:
         install_interrupt_handler(self.interrupted)
@@ -123,6 +128,9 @@ class UpRun:
             if self.redis is not None:
                 self.redis.stop()
                 (self.run_dir / "redis.url").unlink(missing_ok=True)
+            with self.writing("up_config.json and config.toml (as they were)"):
+                if note := restore_files(self.kept):  # (none once the resume runs)
+                    say(note)
         if progress is not None:
             with self.writing("metrics.jsonl"):
                 progress.close()
@@ -180,6 +188,7 @@ class UpRun:
             f"the API's need the token in {self.token_at})"
         )
         say(f"logs in {self.supervisor.log_dir}")
+        self.kept = {}  # (the resume runs: its configuration is the run's now)
         return buffer, urls
 
     def start_redis(self) -> tuple[SampleBuffer, str]:

@@ -510,6 +510,34 @@ def test_a_damaged_checkpoint_is_named_and_the_run_goes_back_to_an_older_one_as_
     assert ledger["balanced"] and ledger["violations"] == 0, ledger
 
 
+def test_a_refused_resume_leaves_the_run_folders_saved_configuration_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """A resume refused once its Redis (the trainer's checkpoint check) or every service (the
+    router's samples longer than the trainer takes) had started: the old launcher had already
+    written its flags (--lr 0.005, --max-steps 4) into up_config.json and config.toml, so the
+    next plain resume ran with the refused configuration."""
+    run_dir = tmp_path / "run"
+    flags = ["--stop-accuracy", "0", "--num-engines", "1", "--save-interval", "1"]
+    first = up(run_dir, *flags, "--max-steps", "2", timeout_s=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    saved = {name: (run_dir / name).read_bytes() for name in ("up_config.json", "config.toml")}
+    more = ["--resume", str(run_dir), "--max-steps", "4", "--lr", "0.005", "--trainer-args"]
+    for trainer_args, why in (
+        ("--ckpt-step 1", "--ckpt-step 1 goes back past this run's newest checkpoint"),
+        ("--max-tokens-per-gpu 4", "FAILED: the router's samples may reach 8 tokens"),
+    ):
+        refused = up(run_dir, *more, trainer_args, timeout_s=300)
+        assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+        assert why in refused.stdout, refused.stdout[-3000:]
+        for name, data in saved.items():
+            assert (run_dir / name).read_bytes() == data, f"{name} changed by {trainer_args}"
+        assert "the resume did not start: up_config.json and config.toml are as they were" in (
+            refused.stdout
+        )
+    assert json.loads(saved["up_config.json"])["lr"] == 1e-3
+
+
 def test_a_trainer_stopped_by_a_signal_of_someone_else_fails_the_run_and_resume_goes_on(
     tmp_path: Path,
 ) -> None:
