@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from services.common.config_file import parse_args
+from services.common.config_file import config_path, parse_args
 from services.common.flags import add_config_args, config_from_args
 from services.rollout_router.config import DataConfig, reward_problem
 from services.rollout_router.tasks import data_problem
@@ -27,6 +27,7 @@ from tandem.up_args import (
     absolute_config,
     below_zero,
     conflicts,
+    file_fields,
     given_fields,
     join_passthrough,
     resumed_config,
@@ -157,8 +158,8 @@ class UpConfig:
         default="",
         metadata={
             "help": "Resume the run in this run folder: the same services, configuration, Redis "
-            "data and the trainer's last checkpoint; flags given beside it override the saved "
-            "ones (the run contract's batch terms cannot change)."
+            "data and the trainer's last checkpoint; flags given beside it (and a --config "
+            "file's [up] table) override the saved ones (the run contract's terms cannot change)."
         },
     )
     save_interval: int = field(
@@ -354,7 +355,7 @@ def parse(argv: list[str]) -> tuple[UpConfig, list[str]]:
     config = config_from_args(UpConfig, parse_args(parser, argv, "up")).settled()
     problems: list[str] = []
     if config.resume:
-        given = given_fields(parser, argv)
+        given = given_fields(parser, argv) | file_fields(parser, config_path(argv))
         config, problems = resumed_config(config, given)
         config = config.settled()  # a folder of an older version may lack the settled values
         recorded = Path(config.resume) / "config.toml"  # the services' tables of that run

@@ -29,6 +29,7 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any
 
+from services.common.config_file import options, read_file
 from tandem.run_dir import resume_command
 
 PASSTHROUGH = ("--engine-args", "--router-args", "--trainer-args")
@@ -75,6 +76,28 @@ def given_fields(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
                 kwargs["nargs"] = action.nargs
             probe.add_argument(*action.option_strings, **kwargs)
     return set(vars(probe.parse_known_args(argv)[0]))
+
+
+def file_fields(parser: argparse.ArgumentParser, path: str) -> set[str]:
+    """The fields the [up] table of the --config file `path` sets, as given as the flags beside
+    --resume are (they were silently overridden by the saved ones); none for a file tandem up
+    wrote (a run's config.toml holds every field as that run started, its model "" for the
+    toy one: its [up] says nothing new)."""
+    if not path or rendered(path):
+        return set()
+    return set(read_file(path).get("up", {})) & set(options(parser))
+
+
+RENDERED = "# Resolved by tandem up"  # the first line of a configuration render() wrote
+
+
+def rendered(path: str) -> bool:
+    """`path` is a configuration tandem up wrote (a run's config.toml)."""
+    try:
+        with open(path, encoding="utf-8") as text:
+            return text.readline().startswith(RENDERED)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def conflicts(launcher_sets: dict[str, list[str]], passthrough: dict[str, str]) -> list[str]:

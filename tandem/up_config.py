@@ -35,7 +35,7 @@ from services.sample_buffer import SampleBuffer
 from services.trainer.intake import limits_of
 from tandem.launcher import UpConfig, build_parser
 from tandem.supervisor import ChildFailedError
-from tandem.up_args import ONE_TIME, PATH_KEYS, absolute_path
+from tandem.up_args import ONE_TIME, PATH_KEYS, RENDERED, absolute_path, rendered
 from tandem.up_services import service_args
 
 
@@ -78,16 +78,6 @@ WIRING = {
     "trainer": {"weights_endpoint", "ready_file"},
 }
 RUN_CONFIG = "config.toml"
-RENDERED = "# Resolved by tandem up"  # the first line of a configuration render() wrote
-
-
-def _rendered(path: str) -> bool:
-    """`path` is a configuration tandem up wrote (a run's config.toml)."""
-    try:
-        with open(path, encoding="utf-8") as text:
-            return text.readline().startswith(RENDERED)
-    except (OSError, UnicodeDecodeError):
-        return False
 
 
 def _strict(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -123,7 +113,7 @@ def service_table(
     # A table tandem up wrote holds a setting it gives from [up] only where it left it to the
     # service (0, unset): [up] (or a flag over it, as beside --resume) settles it since.
     settled = managed - WIRING[name] - set(env_values(parser, name))
-    for key in sorted(set(layered) & managed - (settled if _rendered(config_file) else set())):
+    for key in sorted(set(layered) & managed - (settled if rendered(config_file) else set())):
         if key in WIRING[name] or layered[key] != ours[key]:
             variable = f"{ENV_PREFIX}{name.upper()}_{key.upper()}"
             raise ConfigError(

@@ -47,6 +47,37 @@ def test_a_passthrough_value_may_start_with_two_dashes_in_both_spellings() -> No
     assert join_passthrough(["--trainer-args=--bf16"]) == ["--trainer-args=--bf16"]
 
 
+def test_a_config_files_up_table_beside_resume_overrides_the_saved_run_as_its_flags_do(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`tandem up --resume RUN --config FILE`: FILE's [up] table was silently overridden by the
+    saved configuration (max_steps = 9 resumed to the saved 5; a contract term such as
+    rollout_batch_size = 32 ran at the saved 64, without a word). A run's own config.toml
+    (every [up] key as it started; the toy model's "") changes nothing."""
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (run / "model" / "tokenizer.json").write_text("{}")  # (tandem up looks for one)
+    saved = {**launcher.UpConfig().__dict__, "model": str(run / "model"), "run_dir": str(run)}
+    (run / "up_config.json").write_text(json.dumps({**saved, "max_steps": 5, "lr": 1e-3}))
+    started = []
+    monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self.config) or 0)
+    more = tmp_path / "more.toml"
+    more.write_text("[up]\nmax_steps = 9\n")
+    assert launcher.main(["--resume", str(run), "--config", str(more)]) == 0
+    assert (started[-1].max_steps, started[-1].lr) == (9, 1e-3)
+    assert launcher.main(["--resume", str(run), "--config", str(more), "--max-steps", "8"]) == 0
+    assert started[-1].max_steps == 8, "a flag over the file, as everywhere"
+    more.write_text("[up]\nmax_steps = 9\nrollout_batch_size = 32\n")
+    assert launcher.main(["--resume", str(run), "--config", str(more)]) == 2
+    assert "rollout-batch-size is part of the run contract" in capsys.readouterr().err
+    from tandem.up_config import render
+
+    (run / "config.toml").write_text(render(launcher.UpConfig().settled(), ""))
+    assert launcher.main(["--resume", str(run), "--config", str(run / "config.toml")]) == 0
+    assert (started[-1].max_steps, started[-1].lr, started[-1].model) == (5, 1e-3, saved["model"])
+
+
 def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:
