@@ -7,6 +7,7 @@ service's imports (torch, megatron) load only when that service runs.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -23,6 +24,15 @@ COMMANDS = {
     "timeline": ("tandem.timeline_cli", "write a run's timeline as Chrome-trace JSON"),
 }
 
+# Commands that only print (a reader that leaves early, `tandem ledger | head`, is no failure).
+READERS = {"ledger", "config", "metrics", "timeline", "toy-model"}
+
+
+def stdout_gone() -> None:
+    """Standard output's reader has left (BrokenPipeError): what is left to write goes nowhere,
+    the flush at exit included (it raised again, in a traceback, once the command was done)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
 
 def usage() -> str:
     lines = ["usage: tandem COMMAND [flags]   (tandem COMMAND --help for its flags)", ""]
@@ -32,15 +42,26 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
-        return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
+    name, rest = (argv or ["--help"])[0], argv[1:]
+    if name not in COMMANDS and name not in ("-h", "--help"):
         print(f"tandem: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    printing = name not in COMMANDS or name in READERS or bool({"-h", "--help"} & set(rest))
+    try:
+        if name not in COMMANDS:
+            print(usage())
+            return 0 if argv else 2
+        return int(importlib.import_module(COMMANDS[name][0]).main(rest) or 0)
+    except BrokenPipeError:
+        if not printing:  # (a service's socket, not its console)
+            raise
+        stdout_gone()  # (a command that keeps its own exit code, tandem ledger's verdict, did)
+        return 0
+    finally:  # (here, where a reader that left is caught: at exit it was a traceback)
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            stdout_gone()
 
 
 if __name__ == "__main__":

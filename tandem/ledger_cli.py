@@ -48,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ConnectionError) as exc:
         print(f"tandem ledger: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(ledger.as_dict(), indent=1) if args.json else ledger.table())
+    try:
+        print(json.dumps(ledger.as_dict(), indent=1) if args.json else ledger.table(), flush=True)
+    except BrokenPipeError:  # (`tandem ledger | head`: the verdict is still the exit code)
+        from tandem.cli import stdout_gone
+
+        stdout_gone()
     return 0 if ledger.balanced else 1
 
 

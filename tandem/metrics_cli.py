@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
-import os
 import sys
 import time
 
@@ -79,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             except KeyboardInterrupt:
                 return 0
             except BrokenPipeError:  # the reader has what it wanted (`tandem metrics | head`)
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (exit's flush)
+                from tandem.cli import stdout_gone
+
+                stdout_gone()
                 return 0
             if not seen:
                 runs = ", ".join(known_runs(client, "metrics")) or "none"

@@ -215,3 +215,46 @@ def test_a_reference_model_of_another_tokenizer_is_refused(
         result = tandem("trainer", "--model", str(toy_model_dir), *flags)
         assert result.returncode == 2, result.stderr[-2000:]
         assert f"--ref-load {ref}: {said}" in result.stderr, result.stderr[-2000:]
+
+
+def into_a_closed_pipe(*args: str) -> subprocess.CompletedProcess:
+    """`tandem ARGS` whose standard output's reader has left before it writes (`| head`, every
+    time: the race of a real `head` made these tracebacks come now and then)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "tandem.cli", *args],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+
+
+def test_a_reader_that_leaves_early_ends_each_printing_command_quietly_with_its_own_exit_code(
+    buffer: Any,
+) -> None:
+    """`tandem ledger RUN | head -1` ended in a BrokenPipeError traceback and exit code 1 (the
+    code of an unbalanced ledger), and so did `tandem config show`, `tandem --help` and
+    `tandem timeline`."""
+    buffer.incr_counter("groups_generated")
+    where = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    for args, code in (
+        (["ledger", *where], 1),  # one group generated and accounted for nowhere: unbalanced
+        (["ledger", *where, "--json"], 1),
+        (["config", "show"], 0),
+        (["config", "reference"], 0),
+        (["--help"], 0),
+        (["up", "--help"], 0),
+    ):
+        done = into_a_closed_pipe(*args)
+        assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+        assert done.returncode == code, (args, done.returncode, done.stderr[-2000:])
+    buffer.incr_counter("groups_put")
+    buffer.incr_counter("groups_consumed")
+    buffer.record_trained(1, ["g"])
+    done = into_a_closed_pipe("ledger", *where)
+    assert done.returncode == 0 and not done.stderr, done.stderr
