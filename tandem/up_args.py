@@ -427,9 +427,17 @@ def trainer_start(
             say(note)
     trainer = config_from_args(TrainerConfig, parse_args(build_parser(), args[1:], "trainer"))
     try:
-        check_start(trainer, buffer)
+        version = check_start(trainer, buffer)
     except (ValueError, FileNotFoundError) as exc:
         raise ChildFailedError(f"trainer: {exc}", 2) from None
+    if config.resume and version >= config.max_steps:  # (it stopped at once: exit 0, untrained)
+        raise ChildFailedError(
+            f"--resume {run_dir}: the trainer starts a new lineage at version {version} (its "
+            f"versions go on after the run's newest, {version - 1}), and "
+            f"--max-steps {config.max_steps} is the run's total: nothing to train; give a "
+            f"higher one ({resume_command(run_dir)} --max-steps {version + config.max_steps})",
+            2,
+        )
     return args, replayed
 
 

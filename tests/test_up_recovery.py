@@ -538,6 +538,29 @@ def test_a_refused_resume_leaves_the_run_folders_saved_configuration_as_it_was(
     assert json.loads(saved["up_config.json"])["lr"] == 1e-3
 
 
+def test_a_resume_whose_new_lineage_starts_at_max_steps_is_refused_not_finished_untrained(
+    tmp_path: Path,
+) -> None:
+    """A run killed before its first checkpoint (here: its checkpoints deleted) resumes as a
+    new lineage from --model after its newest version: with --max-steps at or below that
+    version the trainer stopped at once, and the old launcher said 'trainer finished 4 steps',
+    exit 0, calling the untrained --model its trained model."""
+    run_dir = tmp_path / "run"
+    flags = ["--stop-accuracy", "0", "--num-engines", "1", "--save-interval", "0"]
+    first = up(run_dir, *flags, "--max-steps", "3", timeout_s=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    shutil.rmtree(run_dir / "checkpoints")
+    more = ["--resume", str(run_dir), "--trainer-args", "--new-lineage", "--max-steps", "4"]
+    refused = up(run_dir, *more, timeout_s=300)
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    assert (
+        f"the trainer starts a new lineage at version 4 (its versions go on after the run's "
+        f"newest, 3), and --max-steps 4 is the run's total: nothing to train; give a higher one "
+        f"(tandem up --resume {run_dir} --max-steps 8)"
+    ) in refused.stdout, refused.stdout[-3000:]
+    assert "engines at" not in refused.stdout and "trainer finished" not in refused.stdout
+
+
 def test_a_trainer_stopped_by_a_signal_of_someone_else_fails_the_run_and_resume_goes_on(
     tmp_path: Path,
 ) -> None:

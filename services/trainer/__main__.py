@@ -84,18 +84,20 @@ def check_lineage(cfg: TrainerConfig) -> None:
     check_start(cfg, buffer)
 
 
-def check_start(cfg: TrainerConfig, buffer: Any) -> None:
+def check_start(cfg: TrainerConfig, buffer: Any) -> int:
     """What this start would refuse once its model is built: a lineage refusal (`lineage.py`),
     the checkpoint it resumes from cut short (`checkpoint.check_files`). tandem up runs it
-    before the engines start (they take minutes to load a real model)."""
+    before the engines start (they take minutes to load a real model). Returns the version a
+    new lineage starts at (0: none, or on from the checkpoint)."""
     from services.trainer.lineage import finds_checkpoint, lineage_start
 
     resumed = finds_checkpoint(cfg)
-    lineage_start(cfg, buffer, resumed)
+    version = lineage_start(cfg, buffer, resumed)
     if resumed:
         from services.trainer.checkpoint import check_files, resolve_iteration
 
         check_files(resolve_iteration(cfg.load or cfg.save, cfg.ckpt_step))
+    return version
 
 
 def main(argv: list[str] | None = None) -> int:
