@@ -106,6 +106,22 @@ class StartInterruptedError(RuntimeError):
 STARTING_NOTE_S = 30.0
 
 
+KEPT_LOGS = 3  # earlier launches' logs of a service kept (NAME.log.1 the newest of them)
+
+
+def keep_earlier_logs(log_path: Path) -> None:
+    """An earlier launch's log (that of the run a --resume goes on from: what went wrong is
+    in it) moved to NAME.log.1, the older ones one further, the oldest past KEPT_LOGS gone;
+    it was written over. A process of that launch still running writes on into its own."""
+    if not log_path.is_file():
+        return
+    for n in range(KEPT_LOGS - 1, 0, -1):
+        older = log_path.with_name(f"{log_path.name}.{n}")
+        if older.exists():
+            older.replace(log_path.with_name(f"{log_path.name}.{n + 1}"))
+    log_path.replace(log_path.with_name(f"{log_path.name}.1"))
+
+
 class Supervisor:
     def __init__(
         self,
@@ -136,6 +152,7 @@ class Supervisor:
         cmd = [*(program or [sys.executable, "-m", "tandem.cli"]), *args]
         if ready_file is not None:
             cmd += ["--ready-file", str(ready_file)]
+        keep_earlier_logs(self.log_dir / f"{name}.log")
         return self._spawn(name, cmd, ready_file, env, "wb")
 
     def restart(self, child: Child, more_args: list[str]) -> Child:

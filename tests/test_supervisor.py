@@ -201,3 +201,17 @@ def test_a_service_that_exits_0_mid_run_is_said_to_be_stopped_by_a_signal(tmp_pa
         child = supervisor.start("router", [], ready=False, program=["sh", "-c", script])
         child.proc.wait(timeout=10)
         assert child.how_it_ended() == said, code
+
+
+def test_a_second_launch_in_a_run_folder_keeps_the_earlier_launches_logs(tmp_path: Path) -> None:
+    """A resume's services wrote over the logs of the launch it resumes (where what went wrong
+    was said); they are kept as NAME.log.1, .2, .3, the newest first."""
+    for launch in range(1, 6):
+        supervisor = Supervisor(tmp_path / "logs")
+        child = supervisor.start("svc", [], ready=False, program=["echo", f"launch {launch}"])
+        assert child.proc.wait(timeout=10) == 0
+    logs = tmp_path / "logs"
+    assert (logs / "svc.log").read_text() == "launch 5\n"
+    kept = [(logs / f"svc.log.{n}").read_text() for n in (1, 2, 3)]
+    assert kept == ["launch 4\n", "launch 3\n", "launch 2\n"]
+    assert not (logs / "svc.log.4").exists()
