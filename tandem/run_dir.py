@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+import psutil
+
 from services.common.auth import TOKEN_ENV, TOKEN_FILE
 from services.weight_sync.wire import SECRET_ENV
 
@@ -60,10 +62,11 @@ class RunDirBusyError(RuntimeError):
     """Another `tandem up` runs in this run folder."""
 
 
-def lock_run_dir(run_dir: Path) -> IO[str]:
+def lock_run_dir(run_dir: Path, resume: bool = False) -> IO[str]:
     """RUN_DIR/up.lock, locked while this `tandem up` lives (the kernel drops the lock when the
     process ends, however it ends): a second run in the same folder would start a second Redis
-    on the same data and services writing the same checkpoints."""
+    on the same data and services writing the same checkpoints. With `resume`, the services of
+    an earlier launch still running are refused too (`left_running`)."""
     lock = open(run_dir / "up.lock", "a+")  # noqa: SIM115 - held for the process's life
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -75,10 +78,32 @@ def lock_run_dir(run_dir: Path) -> IO[str]:
             f"{run_dir} is in use by another tandem up (pid {holder}): stop it first (Ctrl-C "
             "there), or give another --run-dir"
         ) from None
+    if resume and (running := left_running(run_dir)):
+        lock.close()
+        raise RunDirBusyError(running)
     lock.truncate(0)
     lock.write(str(os.getpid()))
     lock.flush()
     return lock
+
+
+def left_running(run_dir: Path) -> str:
+    """The services of an earlier launch in `run_dir` that still run ("" when none): a
+    `tandem up` killed by SIGKILL leaves them stopping (the trainer saves its checkpoint) or,
+    stopped themselves, running on; a resume beside them would start a second set on the same
+    checkpoints. Found by the run's config.toml on their command lines."""
+    config, found = str(run_dir.absolute() / "config.toml"), []
+    for process in psutil.process_iter(["cmdline"]):
+        words = process.info["cmdline"] or []
+        if config in words and process.pid != os.getpid():
+            role = words[3] if words[1:3] == ["-m", "tandem.cli"] and len(words) > 3 else words[0]
+            found.append(f"{role} (pid {process.pid})")
+    if not found:
+        return ""
+    return (
+        f"{run_dir}: services of an earlier launch still run: {', '.join(found)}; wait for them "
+        f"to stop (a trainer saves its checkpoint first), or end them (kill PID), then resume"
+    )
 
 
 def share_run_secrets(run_dir: Path) -> str:

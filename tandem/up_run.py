@@ -61,7 +61,7 @@ class UpRun:
             Path(config.run_dir) if config.run_dir else default_run_dir(config.seed)
         ).absolute()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.lock = lock_run_dir(self.run_dir)
+        self.lock = lock_run_dir(self.run_dir, resume=bool(config.resume))
         self.run_id = run_id_of(self.run_dir, bool(config.redis_url), new=not config.resume)
         self.redis: RedisServer | None = None
         self.interrupted: list[bool] = []

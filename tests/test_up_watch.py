@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from proto.contract import ServiceStatus
@@ -24,7 +25,7 @@ from tandem import launcher
 from tandem import watchdog as watchdog_module
 from tandem.up_args import absolute_config, join_passthrough, resumed_config, save_config
 from tandem.watchdog import Watchdog, diagnosis
-from tests.helpers import JsonHandler, serving
+from tests.helpers import JsonHandler, serving, wait_until
 
 
 def test_a_passthrough_flag_that_contradicts_the_launcher_is_refused(capsys) -> None:
@@ -76,6 +77,34 @@ def test_a_config_files_up_table_beside_resume_overrides_the_saved_run_as_its_fl
     (run / "config.toml").write_text(render(launcher.UpConfig().settled(), ""))
     assert launcher.main(["--resume", str(run), "--config", str(run / "config.toml")]) == 0
     assert (started[-1].max_steps, started[-1].lr, started[-1].model) == (5, 1e-3, saved["model"])
+
+
+def test_a_resume_beside_services_of_an_earlier_launch_still_running_is_refused_naming_them(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`tandem up` killed by SIGKILL: its services get SIGTERM and may take long to stop (the
+    trainer saves its checkpoint) or run on (stopped, ignoring it); a resume started a second
+    set beside them, on the same checkpoints, without a word."""
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (run / "model" / "tokenizer.json").write_text("{}")  # (tandem up looks for one)
+    saved = {**launcher.UpConfig().__dict__, "model": str(run / "model"), "run_dir": str(run)}
+    (run / "up_config.json").write_text(json.dumps(saved))
+    started = []
+    monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self.config) or 0)
+    sleep = "import time; time.sleep(60)"
+    left = subprocess.Popen([sys.executable, "-c", sleep, "--config", str(run / "config.toml")])
+    try:
+        wait_until(lambda: psutil.Process(left.pid).cmdline()[-1].endswith("config.toml"), "it")
+        assert launcher.main(["--resume", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert f"{run}: services of an earlier launch still run: {sys.executable} (pid " in err
+        assert f"(pid {left.pid}); wait for them to stop" in err and not started
+    finally:
+        left.kill()
+        left.wait()
+    assert launcher.main(["--resume", str(run)]) == 0 and started
 
 
 def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
