@@ -8,6 +8,7 @@ prints docs/configuration.md, generated from the commands' flags (their config d
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from services.common.config_file import ConfigError, options, toml_value
@@ -33,7 +34,8 @@ def main(argv: list[str]) -> int:
     from tandem.launcher import parse
     from tandem.up_config import render
 
-    config, problems = parse(argv[1:])
+    with contextlib.redirect_stdout(sys.stderr):  # (a resume's notes: stdout is the TOML)
+        config, problems = parse(argv[1:])
     try:
         text = "" if problems else render(config, config.config)
     except ConfigError as exc:

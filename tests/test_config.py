@@ -498,3 +498,22 @@ def test_a_hub_id_is_read_from_the_hugging_face_cache_or_refused_naming_its_down
     (repo / "snapshots" / "abc123" / "model.safetensors").unlink()  # a partial download
     partial = show("tandem-test/toy")
     assert partial.returncode == 2 and "lacks config.json or its weights" in partial.stderr
+
+
+def test_config_show_of_a_resume_prints_only_toml_on_stdout_its_notes_on_stderr(
+    tmp_path: Path, capsys
+) -> None:
+    """`tandem config show --resume RUN > run.toml` of a run that stopped at its accuracy goal
+    began with the resume's note, `[up] the run stopped at its accuracy goal ...`: no TOML."""
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (run / "model" / "tokenizer.json").write_text("{}")
+    saved = {**launcher.UpConfig().__dict__, "model": str(run / "model"), "run_dir": str(run)}
+    (run / "up_config.json").write_text(json.dumps({**saved, "stop_accuracy": 0.9}))
+    summary = {"outcome": "reached_accuracy", "accuracy_best": 0.95}
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert config_cmd.main(["show", "--resume", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert tomllib.loads(out)["up"]["stop_accuracy"] == 0.9
+    assert "the run stopped at its accuracy goal" in err
