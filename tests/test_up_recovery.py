@@ -483,8 +483,8 @@ def test_a_damaged_checkpoint_is_named_and_the_run_goes_back_to_an_older_one_as_
     # found before the engines start (minutes for a real model), not when the trainer loads it
     assert "engines at" not in damaged.stdout and "__0_0.distcp holds 1000 bytes" in damaged.stdout
 
-    refused = up(
-        run_dir, "--resume", str(run_dir), "--trainer-args", "--ckpt-step 2", timeout_s=300
+    refused = up(  # (--max-steps again: the refused resume above left the saved 4)
+        run_dir, *more, "--trainer-args", "--ckpt-step 2", timeout_s=300
     )
     assert refused.returncode != 0
     assert "--ckpt-step 2 goes back past this run's newest checkpoint (iteration 4" in (
