@@ -203,3 +203,89 @@ def test_a_model_is_written_in_the_dtype_its_config_states(tmp_path: Path) -> No
     assert load_file(out / "model.safetensors")["w"].dtype == torch.bfloat16
     out = write_hf_dir(tensors, "{}", str(tmp_path / "unstated"), "")
     assert load_file(out / "model.safetensors")["w"].dtype == torch.float32
+
+
+TINY_QWEN2 = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+TINY_QWEN2 |= {"num_key_value_heads": 2, "vocab_size": 300, "num_hidden_layers": 2}
+
+
+@pytest.fixture(scope="module")
+def sharded_qwen2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(a bf16 Qwen2-shaped model in 3 shards with its index, as published; its checkpoint)."""
+    from bench.convert_memory import QWEN2_05B, write_sharded_model
+
+    root = tmp_path_factory.mktemp("sharded")
+    write_sharded_model(root / "hf", {**QWEN2_05B, **TINY_QWEN2}, shards=3)
+    done = convert("hf-to-megatron", "--hf-dir", str(root / "hf"), "--save", str(root / "ckpt"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root / "hf", root / "ckpt"
+
+
+def test_a_sharded_bf16_model_round_trips_bit_exactly(
+    sharded_qwen2: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """What bench/convert_memory.py measures: the tensors come back bit for bit, in one file
+    byte for byte as safetensors' own save_file writes it."""
+    from safetensors.torch import load_file, save_file
+
+    src, ckpt = sharded_qwen2
+    done = convert("megatron-to-hf", "--load", str(ckpt), "--out", str(tmp_path / "hf"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    original = {k: v for f in src.glob("*.safetensors") for k, v in load_file(f).items()}
+    back = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(back) == set(original)
+    assert all(torch.equal(back[k], original[k]) for k in original)
+    save_file(original, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    written = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    assert written == (tmp_path / "ref.safetensors").read_bytes()
+
+
+class Counting(dict):
+    """HF tensors by name that count how many of those handed out are alive at most."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.alive: set[int] = set()
+        self.most = 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        import weakref
+
+        t = super().__getitem__(name).clone()
+        self.alive.add(id(t))
+        weakref.finalize(t, self.alive.discard, id(t))
+        self.most = max(self.most, len(self.alive))
+        return t
+
+
+def test_hf_weights_go_into_the_model_and_out_of_it_a_layer_at_a_time(
+    megatron_world: None,  # noqa: F811 - the imported fixture
+    sharded_qwen2: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    """Reading every HF tensor first, then every megatron tensor made of them, held the
+    model's weights three times over (a 7B bf16 model: ~45 GB); now one layer's are held
+    beyond the model. The export writes views of the parameters a tensor at a time."""
+    from safetensors.torch import load_file
+
+    from services.trainer import hf_convert
+    from services.trainer.convert import write_hf_dir
+
+    src, _ = sharded_qwen2
+    arch = hf_convert.read_hf_arch(src)
+    model = hf_convert.build_gpt_model(arch, hf_convert.transformer_config(arch, bf16=True), 128)
+    hf = Counting({k: v for f in src.glob("*.safetensors") for k, v in load_file(f).items()})
+    hf_convert.load_hf_into_model(model, arch, hf)
+    assert hf.most <= 4, hf.most  # (of 2 * 15 + 2: q, k and v, and the tensor before them)
+    full = {name: p.detach() for name, p in model.named_parameters()}
+    made = Counting({})
+
+    def tensors() -> object:
+        for name, view in hf_convert.megatron_full_to_hf(arch, full):
+            made[name] = view
+            yield name, made[name]
+
+    write_hf_dir(tensors, (src / "config.json").read_text(), str(tmp_path / "out"), "")
+    assert made.most <= 2, made.most
+    back = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(back[k], v) for k, v in hf.items())

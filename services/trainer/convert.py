@@ -22,6 +22,7 @@ import pickle
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +43,22 @@ TOKENIZER_FILES = (
 )
 
 
-def write_hf_dir(tensors: dict[str, Any], config_json: str, out: str, tokenizer_src: str) -> Path:
+def write_hf_dir(
+    tensors: Mapping[str, Any] | Callable[[], Iterable[tuple[str, Any]]],
+    config_json: str,
+    out: str,
+    tokenizer_src: str,
+) -> Path:
     """`out` as a complete HF directory: config.json, model.safetensors and the tokenizer files
     of `tokenizer_src` ("" = none). Written to `out.tmp` and renamed, so `out` is never half
-    written; a previous `out` is replaced. Floating tensors are written in the dtype the config
-    states (a bf16 model trained in fp32, on a CPU, was written in fp32 under a config saying
-    bfloat16: twice the disk, and not what the config tells a loader)."""
+    written (`out.tmp` is removed when writing fails); a previous `out` is replaced. Floating
+    tensors are written in the dtype the config states (a bf16 model trained in fp32, on a
+    CPU, was written in fp32 under a config saying bfloat16: twice the disk, and not what the
+    config tells a loader), a tensor at a time (`write_safetensors`: `tensors` may be a
+    function yielding views of the model's parameters, made one at a time)."""
     import torch
-    from safetensors.torch import save_file
+
+    from services.trainer.hf_files import write_safetensors
 
     out_dir = Path(out)
     tmp, old = out_dir.with_name(out_dir.name + ".tmp"), out_dir.with_name(out_dir.name + ".old")
@@ -60,15 +69,16 @@ def write_hf_dir(tensors: dict[str, Any], config_json: str, out: str, tokenizer_
     dtype = getattr(torch, stated_dtype(config), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         dtype = None
-    tensors = {
-        n: (t.to(dtype) if dtype and t.is_floating_point() else t).detach().cpu().contiguous()
-        for n, t in tensors.items()
-    }
-    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES if tokenizer_src else ():
-        if (Path(tokenizer_src) / name).is_file():
-            shutil.copy(Path(tokenizer_src) / name, tmp / name)
+    named = tensors if callable(tensors) else tensors.items
+    try:
+        write_safetensors(tmp / "model.safetensors", named, dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for name in TOKENIZER_FILES if tokenizer_src else ():
+            if (Path(tokenizer_src) / name).is_file():
+                shutil.copy(Path(tokenizer_src) / name, tmp / name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out_dir.exists():
         out_dir.rename(old)
     tmp.rename(out_dir)
@@ -93,6 +103,17 @@ def stated_dtype(config: dict[str, Any]) -> str:
     return str(config.get("dtype") or config.get("torch_dtype") or "")
 
 
+def uninitialized_config(arch: Any, bf16: bool) -> Any:
+    """The model's TransformerConfig without megatron's random initialization, which every
+    weight read replaces: it made each weight first in fp32 on the CPU, a transient (the
+    embedding's, twice a bf16 model's largest tensor) that the allocator then kept."""
+    from services.trainer import hf_convert
+
+    config = hf_convert.transformer_config(arch, bf16=bf16)
+    config.perform_initialization = False
+    return config
+
+
 def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Path:
     """Convert and save; returns the iteration directory."""
     import torch.distributed as dist
@@ -107,9 +128,7 @@ def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Pat
     config, config_path = read_config(hf_dir, "--hf-dir")
     arch = hf_convert.arch_from_config(config, config_path)
     bf16 = is_bf16(config)
-    model = hf_convert.build_gpt_model(
-        arch, hf_convert.transformer_config(arch, bf16=bf16), vocab_divisible_by
-    )
+    model = hf_convert.build_gpt_model(arch, uninitialized_config(arch, bf16), vocab_divisible_by)
     size = sum(f.stat().st_size for f in weight_files(hf_dir))
     params = sum(p.numel() for p in model.parameters())
     say(
@@ -117,12 +136,12 @@ def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Pat
         f"reading {size / 2**20:,.1f} MiB of weights of {hf_dir} into a {arch.model_type} model "
         f"of {params:,} parameters, {'bf16' if bf16 else 'fp32'}",
     )
-    hf_convert.load_hf_into_model(model, arch, hf_convert.load_hf_state(hf_dir))
+    hf_convert.load_hf_into_model(model, arch, hf_convert.load_hf_state(hf_dir, "--hf-dir"))
     path = iteration_dir(save, 0)
     path.mkdir(parents=True, exist_ok=True)
     say(started, f"writing {path}")
     state = {
-        "model": model.sharded_state_dict(),
+        "model": sharded_for_save(model),
         "hf_config": Path(config_path).read_text(),  # (as written: megatron-to-hf gives it back)
         "hf_source": str(Path(hf_dir).resolve()),
         "padded_vocab_size": model.vocab_size,
@@ -133,6 +152,27 @@ def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Pat
     dist.barrier()
     (Path(save) / TRACKER).write_text("0")
     return path
+
+
+def sharded_for_save(model: Any) -> dict[str, Any]:
+    """`model`'s sharded state dict to save, which takes the model's memory: megatron saves each
+    SwiGLU `linear_fc1` as its gate and up halves, views of the parameter that its writer
+    clones (it clones every view), a copy of every fc1 at once, half the model again. Here each
+    half gets its own storage and the parameter's is released, a layer at a time: the model is
+    not usable afterwards."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    params = dict(model.named_parameters())
+    sharded = model.sharded_state_dict()
+    for key, value in list(sharded.items()):
+        if isinstance(value, ShardedTensorFactory) and key in params:
+            halves = value.build()
+            for half in halves:
+                half.data = half.data.clone()
+            sharded[key] = halves
+            params[key].data = torch.empty(0, dtype=params[key].dtype)
+    return sharded
 
 
 def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -> Path:
@@ -159,16 +199,15 @@ def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -
     bf16 = is_bf16(config)  # (its config.json says what an engine loads)
     model = hf_convert.build_gpt_model(
         arch,
-        hf_convert.transformer_config(arch, bf16=bf16),
+        uninitialized_config(arch, bf16),
         1,
         padded_vocab=int(common["padded_vocab_size"]),
     )
     say(started, f"reading {path} into a {'bf16' if bf16 else 'fp32'} {arch.model_type} model")
     try:
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+        load_in_place(model, path)
     except (CheckpointException, EOFError, pickle.UnpicklingError, OSError) as exc:
         raise damaged(path, exc, resume=False) from exc
-    model.load_state_dict(loaded["model"])
     tokenizer_src = hf_dir or str(common.get("hf_source", ""))
     if not tokenizer_src or not Path(tokenizer_src).is_dir():
         print(
@@ -178,9 +217,37 @@ def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -
             file=sys.stderr,
         )
         tokenizer_src = ""
-    tensors = dict(hf_convert.export_hf(model, arch))
+    full = {name: param.detach() for name, param in model.named_parameters()}  # (TP = 1)
     say(started, f"writing {out}")
-    return write_hf_dir(tensors, common["hf_config"], out, tokenizer_src)
+    return write_hf_dir(
+        lambda: hf_convert.megatron_full_to_hf(arch, full), common["hf_config"], out, tokenizer_src
+    )
+
+
+def load_in_place(model: Any, path: Path) -> None:
+    """The checkpoint at `path` into `model`'s parameters. megatron loads each tensor into the
+    parameter itself, but merges each SwiGLU `linear_fc1`'s gate and up halves (loaded into
+    views of the parameter) into a new tensor: a copy of every fc1 at once, half the model
+    again. The merge here returns the parameter when the halves are its own views."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    sharded = model.sharded_state_dict()
+    for value in sharded.values():
+        if isinstance(value, ShardedTensorFactory) and value.key.endswith("linear_fc1.weight"):
+            value.merge_fn = _merge_in_place(value.data, value.merge_fn)
+    loaded = dist_checkpointing.load(sharded, str(path))
+    model.load_state_dict({key: loaded[key] for key in sharded})
+
+
+def _merge_in_place(param: Any, merge: Callable) -> Callable:
+    def merged(halves: list) -> Any:
+        ends = [h.data_ptr() + h.numel() * h.element_size() for h in halves]
+        starts = [h.data_ptr() for h in halves]
+        own = [param.data_ptr(), *ends[:-1]] == starts and ends[-1] == starts[0] + param.nbytes
+        return param if own else merge(halves)
+
+    return merged
 
 
 def build_parser() -> argparse.ArgumentParser:

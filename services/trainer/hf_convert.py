@@ -16,16 +16,14 @@ from __future__ import annotations
 import logging
 import re
 import weakref
-from collections.abc import Iterator
+from collections.abc import Container, Iterator, Mapping
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from proto.models import SUPPORTED_MODEL_TYPES
-from services.common.hf_weights import weight_files
 from services.trainer.hf_arch import (
     HfArch,
     arch_from_config,
@@ -33,6 +31,7 @@ from services.trainer.hf_arch import (
     read_hf_arch,
     transformer_config,
 )
+from services.trainer.hf_files import HfState
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -90,12 +89,11 @@ def _split_qkv(
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
-def _pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
-    return F.pad(weight, (0, 0, 0, padded - weight.shape[0]))
-
-
-def _mlp_to_megatron(arch: HfArch, hf: dict[str, torch.Tensor], h: str, m: str) -> Iterator:
-    """(megatron name, tensor) of one layer's MLP: dense SwiGLU, or router + experts."""
+def _mlp_to_megatron(
+    arch: HfArch, hf: Mapping[str, torch.Tensor], h: str, m: str, wanted: Container[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(megatron name, tensor) of one layer's MLP: dense SwiGLU, or router + experts (only the
+    `wanted` ones read: an expert-parallel rank holds its own)."""
     if not arch.num_experts:
         fc1 = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
         yield m + "mlp.linear_fc1.weight", fc1
@@ -104,39 +102,33 @@ def _mlp_to_megatron(arch: HfArch, hf: dict[str, torch.Tensor], h: str, m: str) 
     yield m + "mlp.router.weight", hf[h + "mlp.gate.weight"]
     for e in range(arch.num_experts):
         src, dst = f"{h}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
-        fc1 = torch.cat([hf[src + "gate_proj.weight"], hf[src + "up_proj.weight"]])
-        yield dst + "linear_fc1.weight", fc1
-        yield dst + "linear_fc2.weight", hf[src + "down_proj.weight"]
+        if dst + "linear_fc1.weight" in wanted:
+            fc1 = torch.cat([hf[src + "gate_proj.weight"], hf[src + "up_proj.weight"]])
+            yield dst + "linear_fc1.weight", fc1
+        if dst + "linear_fc2.weight" in wanted:
+            yield dst + "linear_fc2.weight", hf[src + "down_proj.weight"]
 
 
-def hf_to_megatron_full(
-    arch: HfArch, hf: dict[str, torch.Tensor], padded_vocab: int
-) -> dict[str, torch.Tensor]:
-    """Full (unsharded) megatron state dict from HF tensors; experts by global index."""
-    out = {
-        "embedding.word_embeddings.weight": _pad_vocab(
-            hf["model.embed_tokens.weight"], padded_vocab
-        )
-    }
+def hf_to_megatron_layers(
+    arch: HfArch, hf: Mapping[str, torch.Tensor], wanted: Container[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full (unsharded) megatron tensors of the decoder from HF tensors, one at a time, each
+    read when it is reached (experts by global index); the vocabulary matrices are
+    `_copy_vocab_rows`'."""
     for i in range(arch.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        yield m + "input_layernorm.weight", hf[h + "input_layernorm.weight"]
         att, sa = h + "self_attn.", m + "self_attention."
-        qkv = [hf[att + f"{n}_proj.weight"] for n in "qkv"]
-        out[sa + "linear_qkv.weight"] = _interleave_qkv(arch, *qkv)
-        if arch.qkv_bias:
-            qkv = [hf[att + f"{n}_proj.bias"] for n in "qkv"]
-            out[sa + "linear_qkv.bias"] = _interleave_qkv(arch, *qkv)
+        for kind in ("weight", "bias") if arch.qkv_bias else ("weight",):
+            qkv = (hf[att + f"{n}_proj.{kind}"] for n in "qkv")  # (none held once joined)
+            yield sa + f"linear_qkv.{kind}", _interleave_qkv(arch, *qkv)
         if arch.qk_norm:
-            out[sa + "q_layernorm.weight"] = hf[att + "q_norm.weight"]
-            out[sa + "k_layernorm.weight"] = hf[att + "k_norm.weight"]
-        out[sa + "linear_proj.weight"] = hf[att + "o_proj.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
-        out.update(_mlp_to_megatron(arch, hf, h, m))
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-    if not arch.tie_word_embeddings:
-        out["output_layer.weight"] = _pad_vocab(hf["lm_head.weight"], padded_vocab)
-    return out
+            yield sa + "q_layernorm.weight", hf[att + "q_norm.weight"]
+            yield sa + "k_layernorm.weight", hf[att + "k_norm.weight"]
+        yield sa + "linear_proj.weight", hf[att + "o_proj.weight"]
+        yield m + "pre_mlp_layernorm.weight", hf[h + "post_attention_layernorm.weight"]
+        yield from _mlp_to_megatron(arch, hf, h, m, wanted)
+    yield "decoder.final_layernorm.weight", hf["model.norm.weight"]
 
 
 def _mlp_to_hf(arch: HfArch, full: dict[str, torch.Tensor], h: str, m: str) -> Iterator:
@@ -236,35 +228,66 @@ def unshard(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(pieces, dim=dim)
 
 
-def load_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors weight files of a HF directory (`weight_files`)."""
-    from safetensors.torch import load_file
-
-    files = [f for f in weight_files(model_dir) if f.suffix == ".safetensors"]
-    if not files:
-        raise FileNotFoundError(
-            f"no *.safetensors in {model_dir}: --model needs HF safetensors weights"
-        )
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
-    return state
+def load_hf_state(model_dir: str | Path, flag: str = "--model") -> HfState:
+    """The tensors of the safetensors weight files of a HF directory (`weight_files`), each
+    read when looked up; errors name `flag`, the file or the tensor."""
+    return HfState(model_dir, flag)
 
 
-def load_hf_into_model(model: GPTModel, arch: HfArch, hf: dict[str, torch.Tensor]) -> None:
-    """Copy HF weights into this rank's shard of `model` (any TP and EP size); checks every
-    name."""
+def load_hf_into_model(model: GPTModel, arch: HfArch, hf: Mapping[str, torch.Tensor]) -> None:
+    """Copy HF weights into this rank's shard of `model` (any TP and EP size) a tensor at a
+    time: beyond the model, the memory of one layer's tensors (an `HfState` reads each when it
+    is reached). Checks every name and shape; ValueError naming `hf`'s folder when the weights
+    are not the architecture's."""
     rank, size = _tp()
     ep_rank, ep_size = _ep()
-    full = hf_to_megatron_full(arch, hf, model.vocab_size)
     per_rank = arch.num_experts // ep_size
     params = {global_expert_name(n, ep_rank, per_rank): p for n, p in model.named_parameters()}
-    missing = set(params) - set(full)
-    if missing:
-        raise KeyError(f"HF checkpoint lacks tensors for {sorted(missing)[:5]}")
+    vocab = {"embedding.word_embeddings.weight": "model.embed_tokens.weight"}
+    if not arch.tie_word_embeddings:
+        vocab["output_layer.weight"] = "lm_head.weight"
     with torch.no_grad():
-        for name, param in params.items():
-            param.copy_(shard(name, full[name], rank, size).to(param.dtype))
+        try:
+            for name, hf_name in vocab.items():
+                _copy_vocab_rows(hf, hf_name, params.pop(name), arch.vocab_size, rank)
+            for name, full in hf_to_megatron_layers(arch, hf, set(params)):
+                part = shard(name, full, rank, size)
+                if name in params and part.shape != params[name].shape:
+                    raise RuntimeError(
+                        f"{name}: {list(part.shape)}, wanted {list(params[name].shape)}"
+                    )
+                params.pop(name).copy_(part)
+        except RuntimeError as exc:  # (shapes that do not fit: another model's weights)
+            raise ValueError(
+                f"{getattr(hf, 'folder', 'the HF weights')}: the weights do not fit the "
+                f"architecture of its config.json ({exc}): do they belong together?"
+            ) from None
+    if params:
+        raise KeyError(f"HF checkpoint lacks tensors for {sorted(params)[:5]}")
+
+
+def _copy_vocab_rows(
+    hf: Mapping[str, torch.Tensor], name: str, param: torch.Tensor, vocab: int, rank: int
+) -> None:
+    """This TP rank's rows of a vocabulary matrix (padded beyond `vocab` with zeros): read
+    straight into the parameter from an `HfState` (no copy of a matrix that may be a tenth of
+    the model), else copied from `hf[name]`."""
+    first = rank * param.shape[0]
+    rows = max(0, min(param.shape[0], vocab - first))
+    if isinstance(hf, HfState) and name not in hf.held and name in hf.entries:
+        shape = hf.entries[name].shape
+        if tuple(shape) != (vocab, *param.shape[1:]):
+            raise RuntimeError(f"{name}: {list(shape)}, wanted {[vocab, *param.shape[1:]]}")
+        if param.dtype == hf.entries[name].dtype:
+            if rows:  # (a last TP rank may hold padding only)
+                hf.read_into(name, param[:rows], first_row=first)
+            param[rows:].zero_()
+            return
+    source = hf[name]
+    if tuple(source.shape) != (vocab, *param.shape[1:]):
+        raise RuntimeError(f"{name}: {list(source.shape)}, wanted {[vocab, *param.shape[1:]]}")
+    param[:rows].copy_(source[first : first + rows])
+    param[rows:].zero_()
 
 
 # Parameters by module, kept while the module lives (an optimizer step changes their data,
