@@ -22,11 +22,19 @@ MOE_MODEL_TYPES = ("qwen3_moe",)
 
 def read_config(model_dir: str | Path, flag: str = "--model") -> tuple[dict[str, Any], str]:
     """(parsed `config.json`, its path) of a HF model directory given as `flag`;
-    FileNotFoundError names it."""
+    FileNotFoundError names it, ValueError names the file when it is not a JSON object."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {flag} must be a Hugging Face model directory")
-    return json.loads(path.read_text()), str(path)
+    try:
+        cfg = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:  # (a download cut short, a hand edit)
+        raise ValueError(
+            f"{path} is not JSON ({exc}): {flag} needs a model's config.json"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} holds a {type(cfg).__name__}, not a config.json's object")
+    return cfg, str(path)
 
 
 def check_model_config(cfg: dict[str, Any], path: str = "config.json") -> str:

@@ -289,3 +289,75 @@ def test_hf_weights_go_into_the_model_and_out_of_it_a_layer_at_a_time(
     assert made.most <= 2, made.most
     back = load_file(tmp_path / "out" / "model.safetensors")
     assert all(torch.equal(back[k], v) for k, v in hf.items())
+
+
+def bad_model(src: Path, folder: Path, case: str) -> str:
+    """A copy of `src` spoilt as `case` says; returns what the error must name."""
+    import json
+    import shutil
+
+    shutil.copytree(src, folder)
+    shard, config = folder / "model-00002-of-00003.safetensors", folder / "config.json"
+    cfg = json.loads(config.read_text())
+    if case == "shard cut short":
+        os.truncate(shard, shard.stat().st_size // 2)
+        return f"{shard} holds {shard.stat().st_size} bytes, its header says"
+    if case == "shard of 4 bytes":
+        os.truncate(shard, 4)
+        return f"{shard}: not a safetensors file (4 bytes)"
+    if case == "no index, a shard missing":
+        (folder / "model.safetensors.index.json").unlink()
+        shard.unlink()
+        return f"{folder} holds no tensor model."
+    if case == "no weights":
+        for f in folder.glob("model*"):
+            f.unlink()
+        return f"no *.safetensors in {folder}: --hf-dir needs"
+    if case == "config not JSON":
+        config.write_text('{"model_type": ')
+        return f"{config} is not JSON"
+    if case == "config a list":
+        config.write_text("[1, 2]")
+        return f"{config} holds a list"
+    if case == "config without fields":
+        config.write_text(json.dumps({"model_type": "qwen2", "torch_dtype": "bfloat16"}))
+        return f"{config}: no vocab_size"
+    if case == "a size a string":
+        config.write_text(json.dumps({**cfg, "hidden_size": "64"}))
+        return f"{config}: hidden_size is '64', not a positive integer"
+    assert case == "weights of another shape"
+    config.write_text(json.dumps({**cfg, "intermediate_size": 256}))
+    return f"{folder}: the weights do not fit the architecture of its config.json"
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "shard cut short",
+        "shard of 4 bytes",
+        "no index, a shard missing",
+        "no weights",
+        "config not JSON",
+        "config a list",
+        "config without fields",
+        "a size a string",
+        "weights of another shape",
+    ],
+)
+def test_a_bad_hf_model_is_named_exit_2_and_leaves_no_checkpoint(
+    megatron_world: None,  # noqa: F811 - the imported fixture
+    sharded_qwen2: tuple[Path, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+) -> None:
+    """Each was a traceback (exit 1) or an error naming no file ('num_attention_heads',
+    'Expecting value', --model for a flag convert does not have)."""
+    from services.trainer.convert import main
+
+    wanted = bad_model(sharded_qwen2[0], tmp_path / "bad", case)
+    save = tmp_path / "ckpt"
+    assert main(["hf-to-megatron", "--hf-dir", str(tmp_path / "bad"), "--save", str(save)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("tandem convert: error: ") and wanted in err, err
+    assert not save.exists()

@@ -286,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    made = args.direction == "hf-to-megatron" and not Path(args.save).exists()
     if args.direction == "hf-to-megatron":
         problem = unwritable(args.save, "--save")
     else:  # (written beside it, then renamed)
@@ -299,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             path = megatron_to_hf(args.load, args.out, args.ckpt_step, args.hf_dir)
     except (FileNotFoundError, ValueError, KeyError) as exc:
-        print(f"tandem convert: error: {exc}", file=sys.stderr)
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # (no quotes)
+        print(f"tandem convert: error: {text}", file=sys.stderr)
+        if made:  # (a --save this run made holds no checkpoint: none is left that looks one)
+            shutil.rmtree(args.save, ignore_errors=True)
         return 2
     print(f"tandem convert: wrote {path}", flush=True)
     return 0

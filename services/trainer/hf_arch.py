@@ -65,7 +65,8 @@ def read_hf_arch(model_dir: str | Path, flag: str = "--model") -> HfArch:
 
 
 def arch_from_config(cfg: dict, path: str = "config.json") -> HfArch:
-    """`HfArch` from a parsed HF `config.json`; `path` only names the source in errors."""
+    """`HfArch` from a parsed HF `config.json`; `path` only names the source in errors (one
+    line naming the field that is missing or not what it must be)."""
     model_type = check_model_config(cfg, path)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
@@ -77,6 +78,7 @@ def arch_from_config(cfg: dict, path: str = "config.json") -> HfArch:
             f"{path}: rope scaling {rope!r} is not supported (default RoPE, or llama3 with "
             "low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)"
         )
+    _check_sizes(cfg, path, model_type)
     heads = cfg["num_attention_heads"]
     moe = model_type in MOE_MODEL_TYPES
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
@@ -102,6 +104,47 @@ def arch_from_config(cfg: dict, path: str = "config.json") -> HfArch:
         moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]) if moe else 0,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if moe else True,
     )
+
+
+REQUIRED_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+MOE_SIZES = ("num_experts_per_tok", "moe_intermediate_size")
+
+
+def _check_sizes(cfg: dict, path: str, model_type: str) -> None:
+    """ValueError naming the first size field of `cfg` that is missing (a required one) or
+    not a positive integer, or heads that do not divide."""
+    required = REQUIRED_SIZES + (MOE_SIZES if model_type in MOE_MODEL_TYPES else ())
+    for field in required + OPTIONAL_SIZES:
+        value = cfg.get(field)
+        if value is None and field in OPTIONAL_SIZES:
+            continue
+        if value is None:
+            raise ValueError(f"{path}: no {field} (a {model_type} config.json states it)")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{path}: {field} is {value!r}, not a positive integer")
+    if model_type in MOE_MODEL_TYPES and not (
+        cfg.get("num_experts") or cfg.get("num_local_experts")
+    ):
+        raise ValueError(f"{path}: no num_experts (a {model_type} config.json states it)")
+    heads, groups = (
+        cfg["num_attention_heads"],
+        cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+    )
+    if heads % groups:
+        raise ValueError(
+            f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}"
+        )
+    if not cfg.get("head_dim") and cfg["hidden_size"] % heads:
+        raise ValueError(
+            f"{path}: hidden_size {cfg['hidden_size']} is not a multiple of num_attention_heads {heads} (and no head_dim)"
+        )
 
 
 def _is_megatron_llama3(rope: dict) -> bool:
