@@ -361,3 +361,49 @@ def test_a_bad_hf_model_is_named_exit_2_and_leaves_no_checkpoint(
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("tandem convert: error: ") and wanted in err, err
     assert not save.exists()
+
+
+def test_convert_writes_over_nothing_and_names_a_load_folder_it_cannot_read(
+    megatron_world: None,  # noqa: F811 - the imported fixture
+    sharded_qwen2: tuple[Path, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An existing --out was replaced whatever it held (a folder of other files, the source
+    model itself: deleted), a --save holding a run's checkpoints got the converted weights
+    under its tracker; a tracker that holds no number, a checkpoint without common.pt said
+    'invalid literal for int()' and gave a traceback."""
+    import shutil
+
+    from services.trainer.convert import main
+
+    src, ckpt = sharded_qwen2
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    (tmp_path / "a-file").write_text("keep")
+    cases = {
+        ("megatron-to-hf", "--load", str(ckpt), "--out", str(other)): f"--out {other}: exists",
+        ("megatron-to-hf", "--load", str(ckpt), "--out", str(src)): f"--out {src}: exists",
+        ("megatron-to-hf", "--load", str(ckpt), "--out", str(tmp_path / "a-file")): "is a file",
+        ("hf-to-megatron", "--hf-dir", str(src), "--save", str(ckpt)): f"--save {ckpt}: holds a",
+    }
+    before = {p: p.read_bytes() for p in [*src.iterdir(), *ckpt.rglob("*")] if p.is_file()}
+    for args, wanted in cases.items():
+        assert main(list(args)) == 2, args
+        assert wanted in capsys.readouterr().err, args
+    assert (other / "notes.txt").read_text() == (tmp_path / "a-file").read_text() == "keep"
+    assert all(p.read_bytes() == data for p, data in before.items())
+
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    (broken / "latest_checkpointed_iteration.txt").write_text("abc")
+    assert main(["megatron-to-hf", "--load", str(broken), "--out", str(tmp_path / "o1")]) == 2
+    assert (
+        "latest_checkpointed_iteration.txt holds 'abc', not an iteration" in capsys.readouterr().err
+    )
+    (broken / "latest_checkpointed_iteration.txt").write_text("0")
+    (broken / "iter_0000000" / "common.pt").unlink()
+    assert main(["megatron-to-hf", "--load", str(broken), "--out", str(tmp_path / "o2")]) == 2
+    assert "common.pt is missing" in capsys.readouterr().err
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()

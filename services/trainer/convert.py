@@ -189,7 +189,12 @@ def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -
     init_distributed(tp_size=1, seed=0)
     path = resolve_iteration(load, ckpt_step)
     check_files(path, resume=False)  # (before a model of its size is built)
-    common = dist_checkpointing.load_common_state_dict(str(path))
+    try:
+        if not (path / "common.pt").is_file():  # (megatron's own error is an AttributeError)
+            raise FileNotFoundError(f"{path / 'common.pt'} is missing")
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    except (EOFError, pickle.UnpicklingError, OSError, RuntimeError) as exc:
+        raise damaged(path, exc, resume=False) from exc
     if "hf_config" not in common:
         raise ValueError(
             f"{path} holds no hf_config: it was not written by tandem trainer or convert"
@@ -284,13 +289,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def output_problem(args: argparse.Namespace) -> str:
+    """Why the output flag cannot be written ("" when it can), before any work: a --save that
+    holds a checkpoint already (its tracker would name the converted weights instead of a
+    run's newest step), an --out that exists (it would be replaced, whatever it held: a folder
+    of other files, the source model itself)."""
+    from services.trainer.lineage import TRACKER
+
+    if args.direction == "hf-to-megatron":
+        save = Path(args.save)
+        held = sorted(p.name for p in save.glob("iter_*")) if save.is_dir() else []
+        if (save / TRACKER).exists() or held:
+            return (
+                f"--save {save}: holds a checkpoint already ({(held or [TRACKER])[0]}); give a "
+                "new folder (convert does not write over a checkpoint)"
+            )
+        return unwritable(args.save, "--save")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        return f"--out {out}: is a file; give a new folder"
+    if out.is_dir() and any(out.iterdir()):
+        return (
+            f"--out {out}: exists and holds {sum(1 for _ in out.iterdir())} files; give a new "
+            "folder (convert replaces nothing), or remove it first"
+        )
+    return unwritable(str(out.parent), f"--out {args.out}: its folder")  # (written beside it)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     made = args.direction == "hf-to-megatron" and not Path(args.save).exists()
-    if args.direction == "hf-to-megatron":
-        problem = unwritable(args.save, "--save")
-    else:  # (written beside it, then renamed)
-        problem = unwritable(str(Path(args.out).parent), f"--out {args.out}: its folder")
+    problem = output_problem(args)
     if problem:
         print(f"tandem convert: error: {problem}", file=sys.stderr)
         return 2

@@ -25,7 +25,15 @@ def saved_iteration(root: str | Path) -> int | None:
     """The iteration a --save folder's tracker names (None: no tracker there); ValueError when
     the tracker holds no number."""
     tracker = Path(root) / TRACKER
-    return int(tracker.read_text().strip()) if tracker.is_file() else None
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text(errors="replace").strip()
+    if not text.isdigit():
+        raise ValueError(
+            f"{tracker} holds {text[:40]!r}, not an iteration number: not a checkpoint folder "
+            "written by --save, or a damaged one (pass --ckpt-step N to pick iter_000000N/)"
+        )
+    return int(text)
 
 
 def finds_checkpoint(cfg: TrainerConfig) -> bool:
