@@ -51,16 +51,23 @@ def options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 def read_file(path: str) -> dict[str, dict[str, Any]]:
     """The file's tables; an unknown table, or a file that is no TOML, is a ConfigError."""
     try:
-        data = tomllib.loads(Path(path).read_text())
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise ConfigError(f"--config {path}: no such file") from exc
+    except OSError as exc:  # (a folder, a file it may not read: a traceback, exit 1)
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {path}: not a text file (not UTF-8: {exc.reason})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {path}: not valid TOML ({exc})") from exc
     for name, table in data.items():
+        if not isinstance(table, dict):  # (a key above every table: it was an unknown table)
+            raise ConfigError(
+                f"{path}: {name} = {toml_value(table)} is outside any table: put it under "
+                f"the table of its command ({', '.join(f'[{s}]' for s in SECTIONS)})"
+            )
         if name not in SECTIONS:
             raise ConfigError(f"{path}: unknown table [{name}]{suggestion(name, SECTIONS)}")
-        if not isinstance(table, dict):
-            raise ConfigError(f"{path}: {name} must be a table ([{name}]), not a value")
     return data
 
 

@@ -1,0 +1,45 @@
+"""Bad input to the configuration (files, pass-through strings, variables, URLs): each is
+refused with exit code 2 and a message naming what to change, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.common.config_file import parse_args
+from services.rollout_router.__main__ import build_parser as router_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tandem(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The real CLI in a subprocess (`tandem config show` starts nothing)."""
+    full = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    cmd = [sys.executable, "-m", "tandem.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=full, timeout=120, cwd=ROOT)
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, "cannot read it (Is a directory)"),
+        (b"\xff\xfe[up]\n", "not a text file (not UTF-8"),
+        (b"max_steps = 5\n", "max_steps = 5 is outside any table: put it under"),
+    ],
+)
+def test_a_config_that_is_a_folder_binary_or_keys_outside_a_table_exits_2_naming_it(
+    tmp_path: Path, capsys, content: bytes | None, expected: str
+) -> None:
+    path = tmp_path / "run.toml"
+    path.mkdir() if content is None else path.write_bytes(content)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(router_parser(), ["--config", str(path)], "router")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"{path}" in err and expected in err, err
+    shown = tandem("config", "show", "--config", str(path))
+    assert shown.returncode == 2 and expected in shown.stderr, shown.stderr
+    assert "Traceback" not in shown.stderr
