@@ -353,7 +353,8 @@ def parse(argv: list[str]) -> tuple[UpConfig, list[str]]:
     parser = build_parser()
     argv = join_passthrough(argv)
     config = config_from_args(UpConfig, parse_args(parser, argv, "up")).settled()
-    problems: list[str] = []
+    if problems := unsplittable(config):  # (each string is split again below: a traceback)
+        return config, problems
     if config.resume:
         given = given_fields(parser, argv) | file_fields(parser, config_path(argv))
         config, problems = resumed_config(config, given)
@@ -400,6 +401,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem up: {exc}", file=sys.stderr)
         return 2
     return run.run()
+
+
+def unsplittable(config: UpConfig) -> list[str]:
+    """A pass-through string that is no command line (an unclosed quote), naming its flag."""
+    problems = []
+    for name in ("engine_args", "router_args", "trainer_args"):
+        try:
+            shlex.split(getattr(config, name))
+        except ValueError as exc:
+            flag = "--" + name.replace("_", "-")
+            problems.append(f"{flag} {getattr(config, name)!r}: {exc} (quote it as in a shell)")
+    return problems
 
 
 INPUT_KEY = DataConfig().input_key  # the router's, when --input-key is not given

@@ -43,3 +43,25 @@ def test_a_config_that_is_a_folder_binary_or_keys_outside_a_table_exits_2_naming
     shown = tandem("config", "show", "--config", str(path))
     assert shown.returncode == 2 and expected in shown.stderr, shown.stderr
     assert "Traceback" not in shown.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (["--router-args", '--rollout-stop "a'], {}, "--router-args '--rollout-stop \"a'"),
+        (["--trainer-args=--lr '1"], {}, "--trainer-args"),
+        ([], {"TANDEM_UP_ENGINE_GPUS": '"0'}, "environment variable TANDEM_UP_ENGINE_GPUS"),
+        (
+            [],
+            {"TANDEM_ROUTER_ROLLOUT_STOP": "'x"},
+            "environment variable TANDEM_ROUTER_ROLLOUT_STOP",
+        ),
+    ],
+)
+def test_an_unclosed_quote_in_a_passthrough_string_or_list_variable_exits_2_naming_it(
+    args: list[str], env: dict[str, str], expected: str
+) -> None:
+    shown = tandem("config", "show", *args, env=env)
+    assert shown.returncode == 2, shown.stderr
+    assert expected in shown.stderr and "No closing quotation" in shown.stderr, shown.stderr
+    assert "Traceback" not in shown.stderr

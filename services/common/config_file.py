@@ -200,7 +200,10 @@ def convert(action: argparse.Action, value: Any, where: str, text: bool = True) 
             raise ConfigError(f"{where}: expected true or false, got {value!r}{quoted}")
         return value
     if action.nargs in ("*", "+"):
-        items = shlex.split(value) if text and isinstance(value, str) else value
+        try:
+            items = shlex.split(value) if text and isinstance(value, str) else value
+        except ValueError as exc:  # (an unclosed quote)
+            raise ConfigError(f"{where}: {value!r}: {exc} (quote it as in a shell)") from exc
         if not isinstance(items, list):
             raise ConfigError(f"{where}: expected a list ([...]), got {value!r}")
         return [_scalar(action, item, where, text) for item in items]
