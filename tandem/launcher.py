@@ -22,6 +22,7 @@ from services.common.config_file import config_path, parse_args
 from services.common.flags import add_config_args, config_from_args
 from services.rollout_router.config import DataConfig, reward_problem
 from services.rollout_router.tasks import data_problem
+from services.sample_buffer import redis_url_problem
 from tandem.hub import hub_model
 from tandem.up_args import (
     absolute_config,
@@ -435,6 +436,10 @@ def validate(config: UpConfig, model_named: bool = False) -> list[str]:
     if not config.resume and config.run_dir:
         own_redis = not config.redis_url
         problems += filter(None, [taken_problem(Path(config.run_dir), config.save, own_redis)])
+    if config.redis_url and (
+        problem := redis_url_problem(config.redis_url, "--redis-url/REDIS_URL")
+    ):
+        problems.append(problem)
     if config.stop_timeout_s <= 0 or config.stall_warn_s <= 0:
         problems.append("--stop-timeout-s and --stall-warn-s must be positive")
     counts = config.save_interval, config.keep_checkpoints, config.engine_restarts

@@ -65,3 +65,20 @@ def test_an_unclosed_quote_in_a_passthrough_string_or_list_variable_exits_2_nami
     assert shown.returncode == 2, shown.stderr
     assert expected in shown.stderr and "No closing quotation" in shown.stderr, shown.stderr
     assert "Traceback" not in shown.stderr
+
+
+@pytest.mark.parametrize("url", ["notaurl", "http://127.0.0.1:6379", "redis://127.0.0.1:99999/0"])
+def test_a_redis_url_redis_cannot_use_exits_2_naming_the_flag_not_a_traceback(
+    tmp_path: Path, url: str
+) -> None:
+    from services.trainer.config import TrainerConfig
+
+    up = tandem("up", "--redis-url", url, "--run-dir", str(tmp_path / "run"), "--max-steps", "1")
+    assert up.returncode == 2 and f"--redis-url/REDIS_URL {url!r}" in up.stderr, up.stderr
+    from_env = tandem("config", "show", env={"REDIS_URL": url})
+    assert from_env.returncode == 2 and f"REDIS_URL {url!r}" in from_env.stderr, from_env.stderr
+    router = tandem("router", "--no-rollout", "--port", "0", "--redis-url", url)
+    assert router.returncode == 2 and f"--redis-url {url!r}" in router.stderr, router.stderr
+    with pytest.raises(ValueError, match="--redis-url"):
+        TrainerConfig(model=str(tmp_path), redis_url=url).validate()
+    assert not (tmp_path / "run").exists()  # refused before the run folder was made

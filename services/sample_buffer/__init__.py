@@ -1,7 +1,12 @@
 """Redis-streams buffer between the rollout router (producer) and the trainer (consumer)."""
 
 from services.sample_buffer.aio import AsyncSampleBuffer
-from services.sample_buffer.buffer import BufferConfig, SampleBuffer, tune_gc_for_reads
+from services.sample_buffer.buffer import (
+    BufferConfig,
+    SampleBuffer,
+    redis_url_problem,
+    tune_gc_for_reads,
+)
 from services.sample_buffer.server import RedisServer, find_server_binary
 
 __all__ = [
@@ -10,5 +15,6 @@ __all__ = [
     "RedisServer",
     "SampleBuffer",
     "find_server_binary",
+    "redis_url_problem",
     "tune_gc_for_reads",
 ]

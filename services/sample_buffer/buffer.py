@@ -86,6 +86,8 @@ class BufferConfig:
     )
 
     def validate(self) -> None:
+        if problem := redis_url_problem(self.redis_url):
+            raise ValueError(problem)
         if not self.redis_call_timeout_s > 0:
             raise ValueError(f"--redis-call-timeout-s must be > 0, got {self.redis_call_timeout_s}")
 
@@ -95,6 +97,16 @@ class BufferConfig:
             "socket_timeout": self.redis_call_timeout_s,
             "socket_connect_timeout": self.redis_call_timeout_s,
         }
+
+
+def redis_url_problem(url: str, flag: str = "--redis-url") -> str:
+    """Why redis-py cannot use `url` ("" when it can), naming `flag`: a URL without its scheme
+    (host:6379) or with another (http://) was a traceback where the client was made."""
+    try:
+        redis.connection.parse_url(url)
+    except ValueError as exc:
+        return f"{flag} {url!r}: {exc} (e.g. redis://127.0.0.1:6379/0)"
+    return ""
 
 
 Entry = tuple[str, dict[bytes, bytes]]  # a stream entry: id and raw fields

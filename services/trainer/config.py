@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from proto.contract import RunContract, model_identity
+from services.sample_buffer import redis_url_problem
 
 
 def _f(default, help_text: str, **meta):  # type: ignore[no-untyped-def]
@@ -321,6 +322,8 @@ class TrainerConfig:
                 "--expert-model-parallel-size > 1 needs --use-dynamic-batch-size, "
                 "--tensor-model-parallel-size 1 and no critic (--advantage-estimator gae)"
             )
+        if problem := redis_url_problem(self.redis_url):
+            raise ValueError(problem)
         if self.max_response_len < 1 or self.redis_timeout_s <= 0 or self.reclaim_min_idle_s < 0:
             raise ValueError(
                 "--max-response-len and --redis-timeout-s must be > 0, --reclaim-min-idle-s >= 0"
