@@ -115,7 +115,10 @@ def peak_memory(code: Path, *args: str) -> int:
     `code`: the largest sum, sampled every 20 ms, of the proportional set size (PSS) of its
     process and of those it starts (megatron's checkpoint writers are forked processes, whose
     RSS would count the pages they share with it again)."""
-    env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
+    # (the checkout first; what PYTHONPATH held after it: packages installed beside the
+    # interpreter's, as on a machine given wheels with --target)
+    path = os.pathsep.join([str(code), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])
+    env = {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep), "OMP_NUM_THREADS": "1"}
     run = ["-m", "services.trainer.convert", *args] if args else ["-c", FLOOR]
     proc = subprocess.Popen(
         [sys.executable, *run],

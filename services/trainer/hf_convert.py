@@ -278,7 +278,8 @@ def _copy_vocab_rows(
         shape = hf.entries[name].shape
         if tuple(shape) != (vocab, *param.shape[1:]):
             raise RuntimeError(f"{name}: {list(shape)}, wanted {[vocab, *param.shape[1:]]}")
-        if param.dtype == hf.entries[name].dtype:
+        # (a GPU parameter: through the copy below; file reads land in host memory only)
+        if param.dtype == hf.entries[name].dtype and param.device.type == "cpu":
             if rows:  # (a last TP rank may hold padding only)
                 hf.read_into(name, param[:rows], first_row=first)
             param[rows:].zero_()

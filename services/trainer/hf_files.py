@@ -114,8 +114,8 @@ class HfState(MutableMapping[str, torch.Tensor]):
         entry = self.entries[name]
         row = torch.Size(entry.shape[1:]).numel() * entry.dtype.itemsize
         start = entry.start + first_row * row
-        if not out.is_contiguous() or out.dtype != entry.dtype:
-            raise ValueError(f"read_into {name}: a contiguous {entry.dtype} tensor is needed")
+        if not out.is_contiguous() or out.dtype != entry.dtype or out.device.type != "cpu":
+            raise ValueError(f"read_into {name}: a contiguous {entry.dtype} CPU tensor is needed")
         if start + out.numel() * entry.dtype.itemsize > entry.end:
             raise ValueError(f"{entry.file}: {name} is {list(entry.shape)}, not {list(out.shape)}")
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
