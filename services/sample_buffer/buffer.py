@@ -86,7 +86,8 @@ class BufferConfig:
     )
 
     def validate(self) -> None:
-        if problem := redis_url_problem(self.redis_url):
+        # ("": the broker's, which publishes nowhere then)
+        if self.redis_url and (problem := redis_url_problem(self.redis_url)):
             raise ValueError(problem)
         if not self.redis_call_timeout_s > 0:
             raise ValueError(f"--redis-call-timeout-s must be > 0, got {self.redis_call_timeout_s}")

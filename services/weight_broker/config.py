@@ -88,8 +88,7 @@ class BrokerConfig:
             raise ValueError(f"--sync-timeout-s must be > 0, got {self.sync_timeout_s:g}")
         if self.keep_versions < 1:
             raise ValueError(f"--keep-versions must be at least 1, got {self.keep_versions}")
-        if self.redis_url:  # (none: the version is not published)
-            self.buffer_config().validate()
+        self.buffer_config().validate()
 
     def buffer_config(self) -> BufferConfig:
         return BufferConfig(
