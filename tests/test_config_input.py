@@ -82,3 +82,22 @@ def test_a_redis_url_redis_cannot_use_exits_2_naming_the_flag_not_a_traceback(
     with pytest.raises(ValueError, match="--redis-url"):
         TrainerConfig(model=str(tmp_path), redis_url=url).validate()
     assert not (tmp_path / "run").exists()  # refused before the run folder was made
+
+
+@pytest.mark.parametrize("service", ["router", "broker", "trainer"])
+def test_a_ready_file_that_cannot_be_written_exits_2_before_the_service_starts(
+    tmp_path: Path, service: str
+) -> None:
+    flags = {
+        "router": ["--no-rollout", "--port", "0", "--redis-url", "redis://127.0.0.1:1/0"],
+        "broker": ["--port", "0"],
+        "trainer": ["--model", str(tmp_path)],  # (no model there: the check comes first)
+    }[service]
+    for path, expected in (
+        (tmp_path / "gone" / "ready.json", "no such folder"),
+        (tmp_path, "a folder"),
+    ):
+        run = tandem(service, *flags, "--ready-file", str(path))
+        assert run.returncode == 2, run.stderr
+        assert f"--ready-file {path}: " in run.stderr and expected in run.stderr, run.stderr
+        assert "Traceback" not in run.stderr

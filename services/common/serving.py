@@ -78,11 +78,15 @@ def run_service(
     start: Callable[[], T],
     run: Callable[[T, socket.socket | None], int | None],
     listen: tuple[str, int] | None = None,
+    ready_file: str | None = None,
 ) -> int:
     """The exit code of a service. `listen` (host, port) is bound first, so a taken port fails
-    at once, before any model load or wait; `start()` builds the service from its flags (an
-    error there is the user's to fix, unless it is a run-time one); `run(service, socket)` runs
-    it until it stops. What they raise is mapped by the table in the module docstring."""
+    at once, before any model load or wait, and so does a `ready_file` that cannot be written
+    (it is written only once the service is up); `start()` builds the service from its flags
+    (an error there is the user's to fix, unless it is a run-time one); `run(service, socket)`
+    runs it until it stops. What they raise is mapped by the table in the module docstring."""
+    if ready_file and (problem := ready_file_problem(ready_file)):
+        return _fail(name, 2, ValueError(problem), None)
     sock = None
     try:
         sock = bind_socket(*listen) if listen else None
@@ -146,6 +150,19 @@ def bind_socket(
         ) from exc
     sock.set_inheritable(True)
     return sock
+
+
+def ready_file_problem(path: str) -> str:
+    """Why `write_ready_file` could not write `path` ("" when it could), naming --ready-file:
+    a folder that is not there was a traceback once the service was up (its model loaded)."""
+    folder = Path(path).parent
+    if Path(path).is_dir():
+        return f"--ready-file {path}: a folder; give a file's path"
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        why = "cannot write there" if folder.is_dir() else "no such folder"
+        why = "not a folder" if folder.exists() and not folder.is_dir() else why
+        return f"--ready-file {path}: {folder}: {why}; give a file in a folder you can write"
+    return ""
 
 
 def write_ready_file(path: str | Path, **info: Any) -> None:

@@ -46,6 +46,7 @@ def main(argv: list[str]) -> int:
         lambda: start(config, ns.host),
         lambda app, sock: run(app, ns, sock),
         listen=(ns.host, ns.port),
+        ready_file=ns.ready_file,
     )
 
 

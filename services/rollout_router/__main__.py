@@ -84,6 +84,7 @@ def main(argv: list[str]) -> int:
         lambda: start(config, args.host),
         lambda app, sock: run(app, args, sock, config),
         listen=(args.host, args.port),
+        ready_file=args.ready_file,
     )
 
 

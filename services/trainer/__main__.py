@@ -103,7 +103,12 @@ def check_start(cfg: TrainerConfig, buffer: Any) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), list(sys.argv[1:] if argv is None else argv), "trainer")
     cfg = config_from_args(TrainerConfig, args)
-    return run_service("trainer", lambda: start(cfg), lambda trainer, _sock: run(trainer, args))
+    return run_service(
+        "trainer",
+        lambda: start(cfg),
+        lambda trainer, _sock: run(trainer, args),
+        ready_file=args.ready_file,
+    )
 
 
 def start(cfg: TrainerConfig) -> Any:

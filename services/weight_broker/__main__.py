@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda: start(config, args.host),
         lambda app, sock: run(app, args, sock),
         listen=(args.host, args.port),
+        ready_file=args.ready_file,
     )
 
 
