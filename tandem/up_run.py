@@ -14,6 +14,7 @@ from pathlib import Path
 from redis.exceptions import RedisError
 
 from proto import MetricsRecord
+from services.common.config_file import ConfigError
 from services.common.engine_info import versions_or_why
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from services.sample_buffer.timeline import chrome_trace, read_spans
@@ -146,7 +147,10 @@ class UpRun:
         save_config(self.run_dir, config.resolved(str(model)))
         args = service_args(config, self.run_id, model, redis_url, self.run_dir)
         # Each service reads its table of the recorded configuration, then its flags.
-        text = render(config, config.config, model, redis_url, self.run_id, self.run_dir)
+        try:  # (checked before the start too, but for what needs the model, written now)
+            text = render(config, config.config, model, redis_url, self.run_id, self.run_dir)
+        except ConfigError as exc:
+            raise ChildFailedError(str(exc), code=2) from None
         recorded = write_run_config(self.run_dir, text)
         for name in args:
             args[name] += ["--config", str(recorded)]

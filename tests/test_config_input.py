@@ -101,3 +101,20 @@ def test_a_ready_file_that_cannot_be_written_exits_2_before_the_service_starts(
         assert run.returncode == 2, run.stderr
         assert f"--ready-file {path}: " in run.stderr and expected in run.stderr, run.stderr
         assert "Traceback" not in run.stderr
+
+
+def test_a_response_bound_of_the_models_context_or_more_is_refused_naming_it(
+    tmp_path: Path,
+) -> None:
+    up = tandem(
+        "up",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--max-steps",
+        "1",
+        "--rollout-max-response-len",
+        "64",  # the toy model's max_position_embeddings
+    )
+    assert up.returncode == 2, up.stdout[-2000:] + up.stderr[-2000:]
+    expected = "--rollout-max-response-len 64: the model's context is 64 positions"
+    assert expected in up.stdout + up.stderr and "Traceback" not in up.stderr, up.stderr

@@ -471,6 +471,15 @@ class RouterConfig:
         self.workers.validate()
         self.rollout.validate(model)
         self.sampling.validate()
+        if model and self.rollout.rollout and self.rollout.model:  # (max_new_tokens was cut
+            cfg, path = read_config(self.rollout.model)  # at the context, and the run said
+            context = int(cfg.get("max_position_embeddings") or 0)  # 'up to N tokens')
+            if context and (length := self.sampling.rollout_max_response_len) >= context:
+                raise ValueError(
+                    f"--rollout-max-response-len {length}: the model's context is {context} "
+                    f"positions (max_position_embeddings, {path}), prompt and response "
+                    f"together: give less than {context} (0 = the task's default, cut to fit)"
+                )
         self.reward.validate(self.env.env_url)
         self.buffer.validate()
         if problem := reward_problem(self.data.prompt_data, self.scored()):
