@@ -212,6 +212,19 @@ def unmeasured_goal(stop_accuracy: float, router: dict[str, Any]) -> str:
     )
 
 
+def world_problem(procs: int, trainer: dict[str, Any]) -> str:
+    """Trainer processes that the tensor-parallel size does not divide ("" when it does):
+    megatron's RuntimeError traceback once the trainer started, the engines up already."""
+    tp = trainer["tensor_model_parallel_size"]
+    if procs % tp == 0:
+        return ""
+    return (
+        f"--trainer-procs {procs} is tensor-parallel x data-parallel, and the trainer's "
+        f"--tensor-model-parallel-size {tp} does not divide it: give --trainer-procs a "
+        f"multiple of {tp} (and as many --trainer-gpus)"
+    )
+
+
 UP_KEYS = {f.name for f in dataclasses.fields(UpConfig)}
 UP_ALIASES = {("broker", "transport"): "weight_transport", ("engine", "device"): "engine_device"}
 
@@ -245,6 +258,7 @@ def render(
         extra = full[name][len(own[name]) :]
         tables[name], notes[name] = service_table(name, own[name][1:], extra, config_file)
     goal = unmeasured_goal(config.by_model("stop_accuracy"), tables["router"])
+    goal = goal or world_problem(config.trainer_procs, tables["trainer"])
     if problem := greedy_groups(tables["router"], tables["trainer"]) or goal:
         raise ConfigError(problem)
     header = (

@@ -12,6 +12,7 @@ import pytest
 
 from services.common.config_file import parse_args
 from services.rollout_router.__main__ import build_parser as router_parser
+from tandem import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,3 +119,12 @@ def test_a_response_bound_of_the_models_context_or_more_is_refused_naming_it(
     assert up.returncode == 2, up.stdout[-2000:] + up.stderr[-2000:]
     expected = "--rollout-max-response-len 64: the model's context is 64 positions"
     assert expected in up.stdout + up.stderr and "Traceback" not in up.stderr, up.stderr
+
+
+def test_trainer_processes_the_tensor_parallel_size_does_not_divide_are_refused_at_start() -> None:
+    args = ["--trainer-args", "--tensor-model-parallel-size 3", "--trainer-procs", "2"]
+    _config, problems = launcher.parse(args)
+    assert len(problems) == 1, problems
+    assert "--trainer-procs 2" in problems[0] and "--tensor-model-parallel-size 3" in problems[0]
+    _config, problems = launcher.parse([*args[:2], "--trainer-procs", "3"])
+    assert problems == []
