@@ -20,9 +20,13 @@ from pathlib import Path
 from typing import IO
 
 import psutil
+from redis.exceptions import RedisError
 
 from services.common.auth import TOKEN_ENV, TOKEN_FILE
+from services.sample_buffer import SampleBuffer
+from services.sample_buffer.timeline import chrome_trace, read_spans
 from services.weight_sync.wire import SECRET_ENV
+from tandem.sinks import say
 
 WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)  # of the run folder
 LOW_DISK_BYTES = 16 << 20
@@ -200,3 +204,13 @@ def restore_files(kept: dict[Path, bytes | None]) -> str:
             path.write_bytes(data)
     names = " and ".join(path.name for path in kept)
     return f"the resume did not start: {names} are as they were before it" if kept else ""
+
+
+def write_timeline(buffer: SampleBuffer, run_id: str, run_dir: Path) -> None:
+    """RUN_DIR/timeline.json: the run's spans as a Chrome trace (ui.perfetto.dev opens it)."""
+    try:
+        spans = read_spans(buffer.redis, run_id)
+    except RedisError as exc:
+        say(f"no timeline.json: Redis did not answer ({exc})")
+        return
+    (run_dir / "timeline.json").write_text(json.dumps(chrome_trace(spans)))

@@ -17,7 +17,6 @@ from proto import MetricsRecord
 from services.common.config_file import ConfigError
 from services.common.engine_info import versions_or_why
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
-from services.sample_buffer.timeline import chrome_trace, read_spans
 from tandem.launcher import UpConfig
 from tandem.progress import RunProgress
 from tandem.run_dir import (
@@ -31,6 +30,7 @@ from tandem.run_dir import (
     resume_command,
     share_run_secrets,
     write_summary,
+    write_timeline,
 )
 from tandem.run_redis import REDIS_FILE, run_id_of
 from tandem.sinks import MetricSinks, say
@@ -38,16 +38,11 @@ from tandem.supervisor import ChildFailedError, StartInterruptedError, Superviso
 from tandem.up_args import lost_history, save_config, steps_saved, stopped_early, trainer_start
 from tandem.up_config import check_sample_fit, render, state_trainer_limits, write_run_config
 from tandem.up_engines import Restarts, wait_engines_synced
-from tandem.up_services import TRAINED_MODEL, service_args, shared_gpus, trains_in_bf16
+from tandem.up_services import TRAINED_MODEL, gpu_env, service_args, shared_gpus, trains_in_bf16
 from tandem.watchdog import Watchdog
 
 # What stopping a run waits for (tandem up says it when Ctrl-C comes, and when it is slow).
 STOPPING = " (the router first; the trainer saves its last checkpoint, within --stop-timeout-s)"
-
-
-def gpu_env(gpus: list[int]) -> dict[str, str] | None:
-    """CUDA_VISIBLE_DEVICES for a child given GPU indices (None: inherit)."""
-    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else None
 
 
 class RedisUnreachableError(RuntimeError):
@@ -123,7 +118,7 @@ class UpRun:
                 sinks.close()
             if buffer is not None:  # the services wrote their last spans when they stopped
                 with self.writing("timeline.json", whole=True):
-                    self.write_timeline(buffer)
+                    write_timeline(buffer, self.run_id, self.run_dir)
                 with self.writing("ledger.json", whole=True):
                     self.write_ledger(buffer)
             if self.redis is not None:
@@ -437,15 +432,6 @@ class UpRun:
             f"(log: {child.log_path}):\n{child.exit_reason()}{self.disk.note()}"
         )
         return 1
-
-    def write_timeline(self, buffer: SampleBuffer) -> None:
-        """RUN_DIR/timeline.json: the run's spans as a Chrome trace (ui.perfetto.dev opens it)."""
-        try:
-            spans = read_spans(buffer.redis, self.run_id)
-        except RedisError as exc:
-            say(f"no timeline.json: Redis did not answer ({exc})")
-            return
-        (self.run_dir / "timeline.json").write_text(json.dumps(chrome_trace(spans)))
 
     def remove_weight_slots(self) -> None:
         """A killed trainer cannot remove its shared-memory weight slots: do it for it."""

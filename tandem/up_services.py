@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 TRAINED_MODEL = "trained_model"  # the Hugging Face model the run trained, in its folder
 
 
+def gpu_env(gpus: list[int]) -> dict[str, str] | None:
+    """CUDA_VISIBLE_DEVICES for a child given GPU indices (None: inherit)."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else None
+
+
 def trains_in_bf16(config: UpConfig) -> bool:
     """A --model trained on a GPU trains in bf16 (with fp32 master weights), as its engines on
     GPUs serve it (their dtype auto); `--trainer-args --no-bf16` keeps fp32. The toy model

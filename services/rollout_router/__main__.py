@@ -21,7 +21,8 @@ from services.common.serving import (
     run_service,
     serve,
 )
-from services.rollout_router.config import RouterConfig, WorkerPoolConfig, check_buffer_depth
+from services.rollout_router.config import RouterConfig, WorkerPoolConfig
+from services.rollout_router.config_checks import check_buffer_depth
 from services.rollout_router.workers import WorkerPool
 from services.sample_buffer import SampleBuffer
 

@@ -17,23 +17,15 @@ from typing import Any
 
 from proto.contract import RunContract, model_identity
 from proto.models import check_model_config, read_config
+from services.rollout_router.config_checks import (
+    DEFAULT_DEPTH_BATCHES,
+    check_buffer_depth,
+    check_response_len,
+)
 from services.rollout_router.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from services.sample_buffer import BufferConfig
 
 POLICIES = ("least_outstanding", "round_robin", "session_affinity")
-DEFAULT_DEPTH_BATCHES = 4  # --max-buffer-depth -1: room for the trainer's rollout and 3 more
-
-
-def check_buffer_depth(depth: int, batch: int) -> None:
-    """The trainer trains on `batch` groups at once: a bound below that would stall the run
-    (producers wait for the trainer, the trainer for a full rollout)."""
-    if 0 < depth < batch:
-        raise ValueError(
-            f"--max-buffer-depth {depth} is below the rollout batch size {batch}: the trainer "
-            f"needs {batch} groups in the buffer to train, so the run would stall; raise "
-            f"--max-buffer-depth to at least {batch} (-1 = {DEFAULT_DEPTH_BATCHES} batches, "
-            "0 = unbounded)"
-        )
 
 
 @dataclass
@@ -471,15 +463,8 @@ class RouterConfig:
         self.workers.validate()
         self.rollout.validate(model)
         self.sampling.validate()
-        if model and self.rollout.rollout and self.rollout.model:  # (max_new_tokens was cut
-            cfg, path = read_config(self.rollout.model)  # at the context, and the run said
-            context = int(cfg.get("max_position_embeddings") or 0)  # 'up to N tokens')
-            if context and (length := self.sampling.rollout_max_response_len) >= context:
-                raise ValueError(
-                    f"--rollout-max-response-len {length}: the model's context is {context} "
-                    f"positions (max_position_embeddings, {path}), prompt and response "
-                    f"together: give less than {context} (0 = the task's default, cut to fit)"
-                )
+        if model and self.rollout.rollout and self.rollout.model:
+            check_response_len(self.rollout.model, self.sampling.rollout_max_response_len)
         self.reward.validate(self.env.env_url)
         self.buffer.validate()
         if problem := reward_problem(self.data.prompt_data, self.scored()):
