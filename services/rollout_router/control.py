@@ -200,6 +200,9 @@ class RolloutController:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
         self.loop.set_state("stopped", waiting_for)
+        # (the loop said "stopped" without it at its cancel: the same state is no change, and
+        # Redis kept that status, which the watchdog read as a stall, until the next refresh)
+        self.loop.changed.set()
 
     async def close(self) -> None:
         await self.stop()
