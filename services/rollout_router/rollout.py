@@ -77,7 +77,7 @@ from services.rollout_router.samples import sampling_seed
 from services.rollout_router.tasks import Item, Task
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
 from services.sample_buffer import AsyncSampleBuffer
-from services.sample_buffer.refusals import refusal
+from services.sample_buffer.refusals import hint_of
 
 log = logging.getLogger("tandem.router.rollout")
 
@@ -308,7 +308,7 @@ class RolloutLoop:
     async def _wait_for_redis(self) -> None:
         exc = self._redis_error
         self.error = f"{type(exc).__name__}: {exc}"
-        hint = f": {why}" if (why := refusal(exc)) else ""
+        hint = hint_of(exc)
         self.set_state(
             "waiting_for_redis", f"Redis at {self.buffer.config.redis_url} ({exc}){hint}"
         )

@@ -34,3 +34,8 @@ def refusal(exc: BaseException | None) -> str | None:
     if code is None and (found := CODE.search(str(exc))):
         code = found.group(1)
     return HINTS.get(code) if code else None
+
+
+def hint_of(exc: BaseException | None) -> str:
+    """`refusal(exc)` as a clause to append to a message (": what to change"), else ""."""
+    return f": {why}" if (why := refusal(exc)) else ""

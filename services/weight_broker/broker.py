@@ -41,7 +41,7 @@ from services.common.long_wait import LongWait
 from services.sample_buffer import SampleBuffer
 from services.sample_buffer.keys import LEASE_RENEW_S, lease_lost
 from services.sample_buffer.lease import Lease
-from services.sample_buffer.refusals import refusal
+from services.sample_buffer.refusals import hint_of
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.transports import Outcome, make_transport
 
@@ -201,7 +201,7 @@ class WeightBroker:
             await asyncio.to_thread(buffer.set_version, "engines", min(versions))
         except RedisError as exc:
             self._unpublished_engines = True
-            hint = f": {why}" if (why := refusal(exc)) else ""  # (its disk full: MISCONF)
+            hint = hint_of(exc)  # (its disk full: MISCONF)
             log.warning("cannot publish the engines' version to Redis (retried): %s%s", exc, hint)
 
     # --- engines and state --------------------------------------------------------------------
