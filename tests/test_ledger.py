@@ -3,6 +3,7 @@ the counts balance, and a router killed mid-run resumes without replaying or los
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -19,7 +20,9 @@ import redis
 from proto import DropReason, DropRecord, Sample, SampleGroup
 from proto.contract import RunContract
 from services.sample_buffer import AsyncSampleBuffer, BufferConfig, RedisServer, SampleBuffer
-from services.sample_buffer.keys import lease_owner_name
+from services.rollout_router.lease import RouterLease
+from services.sample_buffer.keys import LEASE_TTL_S, lease_owner_name
+from services.sample_buffer.ledger import fenced_by
 from tandem.run_redis import run_id_of
 from tests.helpers import router_args, wait_until
 
@@ -398,8 +401,10 @@ def test_a_router_whose_lease_another_holds_writes_nothing(buffer):
         lambda: buffer.record_drop(drop, give_back=0),
     )
     for write in writes:
-        with pytest.raises(redis.ResponseError, match="held by another: router pid 1"):
+        with pytest.raises(redis.ResponseError, match="held by another: router pid 1") as refused:
             write()
+        # (the router reads it as its run taken over, not as Redis down: it had retried it)
+        assert fenced_by(refused.value) == "router pid 1 on a"
     assert buffer.ledger() == before and buffer.redis.zcard(buffer.redraw_key) == 0
     buffer.lease_owner = ""
     assert buffer.start_group() == 0
@@ -415,6 +420,26 @@ def test_a_router_whose_lease_another_holds_writes_nothing(buffer):
     assert buffer.redis.get(buffer.lease_key) == mine.encode()
     buffer.release_lease_of("router", os.getpid())
     assert buffer.redis.get(buffer.lease_key) is None
+
+
+def test_a_router_holds_its_lease_while_its_event_loop_is_busy(buffer: SampleBuffer) -> None:
+    """The router renews its lease from a thread, from the moment it takes it: its start-up
+    (tokenizer, task, reward) had taken longer than the expiry on a loaded machine before the
+    renewing began, and a second router found the lease free (both ran, one fenced)."""
+
+    async def take_then_block() -> tuple[bytes | None, str, bytes | None]:
+        aio = AsyncSampleBuffer(buffer.config)
+        lease = RouterLease(aio)
+        await lease.take()
+        time.sleep(LEASE_TTL_S + 1.5)  # blocks the event loop, as a slow start-up did
+        held = buffer.redis.get(buffer.lease_prefix + "router")
+        await lease.release()
+        await aio.aclose()
+        return held, lease.lease.owner, buffer.redis.get(buffer.lease_prefix + "router")
+
+    held, owner, after = asyncio.run(take_then_block())
+    assert held is not None and held.decode() == owner, "the lease lapsed"
+    assert after is None, "the lease was not given up at the stop"
     # a trainer's step, fenced by the trainer lease
     buffer.lease_key, buffer.lease_owner = buffer.lease_prefix + "trainer", "trainer pid 3 on b"
     buffer.redis.set(buffer.lease_key, "trainer pid 4 on c")

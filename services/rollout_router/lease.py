@@ -7,30 +7,26 @@ first still puts them (the same group trained twice), and both would run the dem
 the same counters (twice the rollouts, dropped as stale). So the router takes the lease before
 it writes anything (`take`): a lease left by a router killed just now expires within
 `LEASE_TTL_S`, so a restart waits at most `LEASE_WAIT_S`; one still renewed is another router's,
-and this one exits naming it. While it runs, `keep` renews it every `LEASE_RENEW_S`; a router
+and this one exits naming it. From the moment it is taken a thread renews it every
+`LEASE_RENEW_S`: not the event loop, whose start-up (tokenizer, task, reward) took longer than
+the expiry on a loaded machine, so another router found the lease free and both ran. A router
 that finds another one holding it (it was stopped, or cut off from Redis, for longer than the
-expiry, and another took over) stops its rollouts and fails its `/health`, and Redis refuses
-its writes meanwhile (`ledger.FENCE`). A router that stops gives the lease up (`release`).
+expiry, and another took over) stops its rollouts and fails its `/health` (`keep` raises), and
+Redis refuses its writes meanwhile (`ledger.FENCE`). A router that stops gives the lease up
+(`release`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import threading
 
 from redis.exceptions import RedisError
 
-from services.sample_buffer import AsyncSampleBuffer
-from services.sample_buffer.keys import (
-    LEASE_RENEW_S,
-    LEASE_TTL_S,
-    LEASE_WAIT_S,
-    lease_held,
-    lease_lost,
-    lease_owner_name,
-    lease_waiting,
-)
+from services.sample_buffer import AsyncSampleBuffer, SampleBuffer
+from services.sample_buffer.keys import LEASE_RENEW_S, LEASE_TTL_S, lease_lost
+from services.sample_buffer.lease import Lease
 
 ROLE = "router"
 
@@ -45,43 +41,51 @@ class RouterLease:
     """The router lease of `buffer`'s run, held by this process."""
 
     def __init__(self, buffer: AsyncSampleBuffer) -> None:
-        self.buffer, self.run_id = buffer, buffer.config.run_id
-        self.owner = lease_owner_name(ROLE)
-        self.held = False
+        self.run_id = buffer.config.run_id
+        self.lease = Lease(SampleBuffer(buffer.config), ROLE, lambda said: log.warning("%s", said))
         # its writes are refused once another router holds the lease
-        buffer.lease_key, buffer.lease_owner = buffer.lease_prefix + ROLE, self.owner
+        buffer.lease_key, buffer.lease_owner = self.lease.key, self.lease.owner
+        self.stopped = threading.Event()
+        self.lost = asyncio.Event()
+        self.holder = ""
+        self.renewer: threading.Thread | None = None
 
     async def take(self) -> None:
-        """Hold the lease (a holder that does not renew it within `LEASE_WAIT_S` lets it go);
-        `LeaseError` naming the holder when it does."""
-        deadline, said = time.monotonic() + LEASE_WAIT_S, False
-        while holder := await self.buffer.take_lease(ROLE, self.owner, LEASE_TTL_S):
-            if time.monotonic() >= deadline:
-                raise LeaseError(lease_held(ROLE, self.run_id, holder))
-            if not said:
-                log.warning("%s", lease_waiting(ROLE, self.run_id, holder))
-                said = True
-            await asyncio.sleep(LEASE_RENEW_S / 2)
-        self.held = True
+        """Hold the lease (a holder that does not renew it within `LEASE_WAIT_S` lets it go),
+        then renew it in a thread; `LeaseError` naming the holder when it does."""
+        try:
+            await asyncio.to_thread(self.lease.wait)
+        except ValueError as exc:
+            raise LeaseError(str(exc)) from None
+        loop = asyncio.get_running_loop()
+        self.renewer = threading.Thread(target=self._renew, args=(loop,), name="router lease")
+        self.renewer.daemon = True
+        self.renewer.start()
 
-    async def keep(self) -> None:
-        """Renew the lease until cancelled; `LeaseError` once another router holds it. A
-        Redis that does not answer is the rollout's to report: the lease is renewed (taken
-        again, when nobody took it meanwhile) once it answers."""
-        while True:
-            await asyncio.sleep(LEASE_RENEW_S)
+    def _renew(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Renew until released or another router holds it (a Redis that does not answer is
+        the rollout's to report: the lease is taken again, when nobody took it, once it does)."""
+        while not self.stopped.wait(LEASE_RENEW_S):
             try:
-                holder = await self.buffer.take_lease(ROLE, self.owner, LEASE_TTL_S)
+                holder = self.lease.renew()
             except RedisError:
                 continue
             if holder:
-                raise LeaseError(lease_lost(ROLE, self.run_id, holder))
+                self.holder = holder
+                if not self.stopped.is_set():
+                    loop.call_soon_threadsafe(self.lost.set)
+                return
+
+    async def keep(self) -> None:
+        """Wait while the lease is held; `LeaseError` once another router holds it."""
+        await self.lost.wait()
+        raise LeaseError(lease_lost(ROLE, self.run_id, self.holder))
 
     async def release(self) -> None:
-        """Give the lease up (when this router took it)."""
-        if not self.held:
-            return
-        try:
-            await self.buffer.release_lease(ROLE, self.owner)
-        except RedisError as exc:  # it expires by itself
-            log.warning("router lease not given up (%s): it expires in %g s", exc, LEASE_TTL_S)
+        """Stop renewing and give the lease up (when this router took it)."""
+        self.stopped.set()
+        if self.renewer is not None:  # (a renewal under way would take it again)
+            await asyncio.to_thread(self.renewer.join, LEASE_TTL_S)
+        if problem := await asyncio.to_thread(self.lease.release):
+            log.warning("%s", problem)
+        self.lease.buffer.redis.close()

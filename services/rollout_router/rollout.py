@@ -53,6 +53,7 @@ from services.rollout_router.backpressure import BufferBound, full_sentence, wai
 from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.environments import EpisodeRunner
 from services.rollout_router.generation import Generation
+from services.rollout_router.lease import ROLE, LeaseError
 from services.rollout_router.metrics import LoopObserver
 from services.rollout_router.progress import (
     Backoff,
@@ -77,6 +78,8 @@ from services.rollout_router.samples import sampling_seed
 from services.rollout_router.tasks import Item, Task
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
 from services.sample_buffer import AsyncSampleBuffer
+from services.sample_buffer.keys import lease_lost
+from services.sample_buffer.ledger import fenced_by
 from services.sample_buffer.refusals import hint_of
 
 log = logging.getLogger("tandem.router.rollout")
@@ -213,7 +216,10 @@ class RolloutLoop:
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             self.set_state("failed")
-            log.exception("rollout loop failed")
+            if isinstance(exc, LeaseError):
+                log.error("rollout loop stopped: %s", exc)
+            else:
+                log.exception("rollout loop failed")
             await self._cancel_groups()
             raise
 
@@ -307,6 +313,8 @@ class RolloutLoop:
 
     async def _wait_for_redis(self) -> None:
         exc = self._redis_error
+        if holder := fenced_by(exc):  # no outage: another router took the run over
+            raise LeaseError(lease_lost(ROLE, self.buffer.config.run_id, holder))
         self.error = f"{type(exc).__name__}: {exc}"
         hint = hint_of(exc)
         self.set_state(

@@ -78,15 +78,23 @@ return 1
 # The ledger's writes of a service that holds a lease (START, PUT, DROP, STEP) end with its
 # lease key and its owner name ('' = none checked: tools, tests): one whose lease another holds
 # writes nothing (it was stopped past its lease, and the other took its work over).
-FENCE = """
+FENCED = "FENCED the lease of this writer is held by another: "
+FENCE = f"""
 local owner = ARGV[#ARGV]
 if owner ~= '' then
   local held = redis.call('GET', KEYS[#KEYS])
   if held and held ~= owner then
-    return redis.error_reply('FENCED the lease of this writer is held by another: ' .. held)
+    return redis.error_reply('{FENCED}' .. held)
   end
 end
 """
+
+
+def fenced_by(exc: BaseException | None) -> str:
+    """Who holds the lease that refused a write (FENCE); '' for any other error."""
+    text = str(exc)
+    return text.removeprefix(FENCED) if text.startswith(FENCED) else ""
+
 
 START = (
     FENCE
