@@ -19,8 +19,8 @@ import redis
 
 from proto import DropReason, DropRecord, Sample, SampleGroup
 from proto.contract import RunContract
-from services.sample_buffer import AsyncSampleBuffer, BufferConfig, RedisServer, SampleBuffer
 from services.rollout_router.lease import RouterLease
+from services.sample_buffer import AsyncSampleBuffer, BufferConfig, RedisServer, SampleBuffer
 from services.sample_buffer.keys import LEASE_TTL_S, lease_owner_name
 from services.sample_buffer.ledger import fenced_by
 from tandem.run_redis import run_id_of

@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-
-from redis.exceptions import RedisError
 
 from services.sample_buffer import AsyncSampleBuffer, SampleBuffer
-from services.sample_buffer.keys import LEASE_RENEW_S, LEASE_TTL_S, lease_lost
+from services.sample_buffer.keys import lease_lost
 from services.sample_buffer.lease import Lease
 
 ROLE = "router"
@@ -45,10 +42,8 @@ class RouterLease:
         self.lease = Lease(SampleBuffer(buffer.config), ROLE, lambda said: log.warning("%s", said))
         # its writes are refused once another router holds the lease
         buffer.lease_key, buffer.lease_owner = self.lease.key, self.lease.owner
-        self.stopped = threading.Event()
         self.lost = asyncio.Event()
         self.holder = ""
-        self.renewer: threading.Thread | None = None
 
     async def take(self) -> None:
         """Hold the lease (a holder that does not renew it within `LEASE_WAIT_S` lets it go),
@@ -58,23 +53,12 @@ class RouterLease:
         except ValueError as exc:
             raise LeaseError(str(exc)) from None
         loop = asyncio.get_running_loop()
-        self.renewer = threading.Thread(target=self._renew, args=(loop,), name="router lease")
-        self.renewer.daemon = True
-        self.renewer.start()
 
-    def _renew(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Renew until released or another router holds it (a Redis that does not answer is
-        the rollout's to report: the lease is taken again, when nobody took it, once it does)."""
-        while not self.stopped.wait(LEASE_RENEW_S):
-            try:
-                holder = self.lease.renew()
-            except RedisError:
-                continue
-            if holder:
-                self.holder = holder
-                if not self.stopped.is_set():
-                    loop.call_soon_threadsafe(self.lost.set)
-                return
+        def lost(holder: str) -> None:  # (the lease's thread; `release` ends it first)
+            self.holder = holder
+            loop.call_soon_threadsafe(self.lost.set)
+
+        self.lease.renew_in_thread(lost)
 
     async def keep(self) -> None:
         """Wait while the lease is held; `LeaseError` once another router holds it."""
@@ -83,9 +67,6 @@ class RouterLease:
 
     async def release(self) -> None:
         """Stop renewing and give the lease up (when this router took it)."""
-        self.stopped.set()
-        if self.renewer is not None:  # (a renewal under way would take it again)
-            await asyncio.to_thread(self.renewer.join, LEASE_TTL_S)
         if problem := await asyncio.to_thread(self.lease.release):
             log.warning("%s", problem)
         self.lease.buffer.redis.close()

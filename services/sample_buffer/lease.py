@@ -4,12 +4,15 @@ the trainer's and the weight broker's (the router's is async: `services/rollout_
 `wait` takes the lease (or, not taking it, waits until nobody holds it): a lease left by a
 process killed just now expires within `LEASE_TTL_S`, so a start waits at most `LEASE_WAIT_S`;
 one still renewed is another's, and the start is refused (ValueError: exit 2) naming it. The
-holder renews it every `LEASE_RENEW_S` (`renew` names another holder once one took it over) and
-gives it up when it stops (`release`).
+holder renews it every `LEASE_RENEW_S` (`renew` names another holder once one took it over), from
+a thread of its own (`renew_in_thread`: a busy event loop or a step of minutes does not hold it
+up; a router's start-up had outlasted the expiry before its renewing began, and another router
+took the run), and gives it up when it stops (`release`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -33,6 +36,8 @@ class Lease:
         self.buffer, self.role, self.say = buffer, role, say
         self.key, self.owner = buffer.lease_prefix + role, lease_owner_name(role)
         self.held = False
+        self.stopped = threading.Event()
+        self.renewer: threading.Thread | None = None
 
     def wait(self, take: bool = True) -> None:
         """Until no other process holds the lease (and this one does, with `take`): a holder
@@ -55,8 +60,32 @@ class Lease:
         self.held = self.held and not holder
         return holder
 
+    def renew_in_thread(self, on_lost: Callable[[str], None]) -> None:
+        """Renew the lease from a thread until `release`; `on_lost(holder)` (in that thread)
+        once another holds it. A Redis that does not answer is the service's to report: the
+        lease is renewed (taken again, when nobody took it meanwhile) once it answers."""
+        self.renewer = threading.Thread(
+            target=self._renew, args=(on_lost,), name=f"{self.role} lease", daemon=True
+        )
+        self.renewer.start()
+
+    def _renew(self, on_lost: Callable[[str], None]) -> None:
+        while not self.stopped.wait(LEASE_RENEW_S):
+            try:
+                holder = self.renew()
+            except RedisError:
+                continue
+            if holder:
+                if not self.stopped.is_set():
+                    on_lost(holder)
+                return
+
     def release(self) -> str:
-        """Give the lease up (when held); what went wrong ('' when nothing did)."""
+        """Stop renewing and give the lease up (when held); what went wrong ('' when nothing
+        did)."""
+        self.stopped.set()
+        if self.renewer is not None:  # (a renewal under way would take it again)
+            self.renewer.join(LEASE_TTL_S)
         if not self.held:
             return ""
         self.held = False

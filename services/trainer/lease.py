@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
-
-from redis.exceptions import RedisError
 
 from services.sample_buffer import SampleBuffer
-from services.sample_buffer.keys import LEASE_RENEW_S, lease_lost
+from services.sample_buffer.keys import lease_lost
 from services.sample_buffer.lease import Lease
 
 ROLE = "trainer"
@@ -35,7 +32,6 @@ class TrainerLease:
     def __init__(self, buffer: SampleBuffer) -> None:
         self.lease = Lease(buffer, ROLE, lambda said: print(f"[trainer] {said}", flush=True))
         self.run_id = buffer.config.run_id
-        self.stopped = threading.Event()
 
     def fence(self, buffer: SampleBuffer) -> None:
         """Make `buffer`'s ledger writes refused once another trainer holds the lease."""
@@ -49,23 +45,15 @@ class TrainerLease:
     def take(self) -> None:
         """Hold the lease, then renew it in a thread. ValueError naming the holder."""
         self.lease.wait()
-        threading.Thread(target=self._keep, name="trainer lease", daemon=True).start()
+        self.lease.renew_in_thread(self._lost)
 
-    def _keep(self) -> None:
-        """Renew until released; end the process once another trainer holds the lease (a
-        Redis that does not answer is the intake's to wait out: renewed once it answers)."""
-        while not self.stopped.wait(LEASE_RENEW_S):
-            try:
-                holder = self.lease.renew()
-            except RedisError:
-                continue
-            if holder and not self.stopped.is_set():
-                lost = lease_lost(ROLE, self.run_id, holder)
-                print(f"[trainer] {lost}: it ends now, without a save", file=sys.stderr, flush=True)
-                os._exit(1)
+    def _lost(self, holder: str) -> None:
+        """Another trainer holds the lease: end the process (the intake waits a Redis out)."""
+        lost = lease_lost(ROLE, self.run_id, holder)
+        print(f"[trainer] {lost}: it ends now, without a save", file=sys.stderr, flush=True)
+        os._exit(1)
 
     def release(self) -> None:
         """Stop renewing and give the lease up (when taken)."""
-        self.stopped.set()
         if problem := self.lease.release():
             print(f"[trainer] {problem}", flush=True)

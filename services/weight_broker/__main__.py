@@ -66,8 +66,7 @@ def start(config: BrokerConfig, host: str) -> Any:
         raise ValueError(
             f"cannot bind the weight sockets: {exc} (check --intake-endpoint / --serve-endpoint)"
         ) from exc
-    if app.state.broker.lease is not None:  # one broker per run (ValueError naming the other)
-        app.state.broker.lease.wait()
+    app.state.broker.hold_lease()  # one broker per run (ValueError naming the other)
     return app
 
 

@@ -69,6 +69,7 @@ class WeightBroker:
         self.engines: dict[str, EngineState] = {u: EngineState(u) for u in config.engine_urls}
         self.buffer = SampleBuffer(config.buffer_config()) if config.redis_url else None
         self.lease = Lease(self.buffer, "broker", log.warning) if self.buffer else None
+        self.lease_holder = ""  # another broker that took the lease over (its thread sets it)
         self.counters = {
             "buckets_rejected": 0,
             "frames_rejected": 0,  # fetch requests and control messages that were not
@@ -104,14 +105,18 @@ class WeightBroker:
                 log.error("the broker's loop stopped", exc_info=failed)
                 raise failed.exceptions[0] from None
 
+    def hold_lease(self) -> None:
+        """Take the run's broker lease (ValueError naming another broker that holds it), then
+        renew it in a thread (`_lease_loop` stops the broker once another holds it)."""
+        if self.lease is not None:
+            self.lease.wait()
+            self.lease.renew_in_thread(lambda holder: setattr(self, "lease_holder", holder))
+
     async def _lease_loop(self) -> None:
-        """Renew the lease (when held) until another broker holds it: ValueError saying so
-        (a Redis that does not answer: renewed once it answers)."""
-        while self.lease is not None and self.lease.held:
+        """Until another broker holds the lease: ValueError saying so."""
+        while not self.lease_holder:
             await asyncio.sleep(LEASE_RENEW_S)
-            with contextlib.suppress(RedisError):
-                if holder := await asyncio.to_thread(self.lease.renew):
-                    raise ValueError(lease_lost("broker", self.config.run_id, holder))
+        raise ValueError(lease_lost("broker", self.config.run_id, self.lease_holder))
 
     async def _sync_loop(self, session: aiohttp.ClientSession) -> None:
         while True:
