@@ -68,7 +68,8 @@ class UpConfig:
         default="",
         metadata={
             "help": "HF model directory, or a hub id (ORG/NAME) the Hugging Face cache holds "
-            "(hf download ORG/NAME); default: the toy model, made fresh."
+            "(hf download ORG/NAME); default: the toy model, made from --seed (kept in "
+            "~/.cache/tandem, or $TANDEM_CACHE_DIR, for the next run)."
         },
     )
     prompt_data: str = field(

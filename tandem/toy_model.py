@@ -1,11 +1,20 @@
 """The built-in tiny model: a random-init Llama with a 16-token character vocabulary.
 
 Written as a Hugging Face directory (`config.json`, `model.safetensors`, `tokenizer.json`,
-`tokenizer_config.json`), created locally from a fixed seed; nothing is downloaded.
+`tokenizer_config.json`), created locally from a fixed seed; nothing is downloaded. Making one
+imports torch and transformers (~5 s of a `tandem up` of the toy task that trains in seconds), so
+the one made is kept in a cache folder (`cache_root`) under a key of this file, its arguments and
+the library versions, and a later write copies it: the same bytes either way.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from importlib import metadata
 from pathlib import Path
 
 # Order fixes the token ids: <pad>=0, <bos>=1, <eos>=2, <unk>=3, digits 4-13, '>'=14, '='=15.
@@ -44,10 +53,55 @@ def write_toy_model(
     intermediate_size: int = 192,
 ) -> Path:
     """Write the tiny model to `out_dir` and return the path. Same seed, same bytes."""
+    shape = dict(seed=seed, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads)
+    shape.update(num_kv_heads=num_kv_heads, intermediate_size=intermediate_size)
+    out = Path(out_dir)
+    cached = cache_root() / cache_key(shape)
+    if not cached.is_dir():
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            made = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".making-"))
+        except OSError:  # no cache to keep it in: made where it goes, each time
+            return _make(out, **shape)
+        _make(made, **shape)
+        try:
+            made.rename(cached)  # (whole or not at all; another process may have made it first)
+        except OSError:
+            shutil.rmtree(made, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for file in cached.iterdir():
+        shutil.copyfile(file, out / file.name)
+    return out
+
+
+def cache_root() -> Path:
+    """Where made toy models are kept: $TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem, else
+    ~/.cache/tandem (one folder per key, a few hundred KB each)."""
+    if root := os.environ.get("TANDEM_CACHE_DIR"):
+        return Path(root) / "toy-models"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "tandem" / "toy-models"
+
+
+def cache_key(shape: dict[str, int]) -> str:
+    """What the bytes depend on: this file, the arguments, torch's and transformers' versions."""
+    versions = {name: metadata.version(name) for name in ("torch", "transformers", "tokenizers")}
+    text = Path(__file__).read_bytes() + json.dumps([shape, versions], sort_keys=True).encode()
+    return f"seed{shape['seed']}-{hashlib.sha256(text).hexdigest()[:16]}"
+
+
+def _make(
+    out: Path,
+    seed: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, logging
 
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     config = LlamaConfig(

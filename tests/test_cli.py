@@ -131,6 +131,32 @@ def test_toy_model_names_an_out_folder_it_cannot_make(
     assert err.startswith(f"tandem toy-model: cannot write --out {blocker / 'model'}: ")
 
 
+def test_the_toy_model_is_made_once_then_copied_with_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Made once per seed and shape (it imports torch and transformers: ~5 s of a toy run),
+    then copied from the cache; with no cache folder to write in, made each time."""
+    from tandem.toy_model import write_toy_model
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    first = write_toy_model(tmp_path / "a", seed=3)
+    [kept] = (tmp_path / "cache" / "toy-models").iterdir()
+    files = sorted(path.name for path in first.iterdir())
+    assert "model.safetensors" in files and "tokenizer.json" in files
+    (kept / "config.json").write_text("{}")  # a mark: the next write copies the kept one
+    second = write_toy_model(tmp_path / "b", seed=3)
+    assert (second / "config.json").read_text() == "{}"
+    assert (second / "model.safetensors").read_bytes() == (first / "model.safetensors").read_bytes()
+    other = write_toy_model(tmp_path / "c", seed=4)
+    assert (other / "model.safetensors").read_bytes() != (first / "model.safetensors").read_bytes()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(blocker))
+    made = write_toy_model(tmp_path / "d", seed=3)
+    assert sorted(path.name for path in made.iterdir()) == files
+    assert all((made / name).read_bytes() == (first / name).read_bytes() for name in files)
+
+
 def test_a_model_folder_without_tokenizer_files_is_refused_naming_them(
     toy_model_dir: Path, tmp_path: Path
 ) -> None:
