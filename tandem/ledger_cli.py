@@ -19,7 +19,7 @@ from pathlib import Path
 
 import redis
 
-from services.sample_buffer import BufferConfig, SampleBuffer
+from services.sample_buffer import BufferConfig, SampleBuffer, redis_url_problem
 from services.sample_buffer.ledger import Ledger, with_details
 from tandem.run_redis import REDIS_FILE, known_runs, run_id_of, saved_redis
 
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     run_id = args.run_id or (run_id_of(run_dir) if run_dir else "")
     if not run_id:
         parser.error("name a run folder, or --redis-url with --run-id")
+    if args.redis_url and (problem := redis_url_problem(args.redis_url)):
+        print(f"tandem ledger: {problem}", file=sys.stderr)  # (it was a ValueError traceback)
+        return 2
     try:
         ledger = read_ledger(run_dir, args.redis_url, run_id)
     except (FileNotFoundError, ConnectionError) as exc:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import redis
 
-from services.sample_buffer import RedisServer
+from services.sample_buffer import RedisServer, redis_url_problem
 from tandem.supervisor import die_with_parent
 
 REDIS_FILE = "redis.json"  # {"url", "run_id", "own"}, written by `tandem up`
@@ -67,6 +67,8 @@ def _answers(url: str) -> bool:
 @contextlib.contextmanager
 def open_run(args: argparse.Namespace) -> Iterator[tuple[redis.Redis, str, str]]:
     """(client, run id, where) of the run named by the flags; raises RunNotFoundError."""
+    if args.redis_url and (problem := redis_url_problem(args.redis_url)):
+        raise RunNotFoundError(problem)  # (it was redis-py's ValueError traceback)
     if not args.run_dir:
         if not (args.redis_url and args.run_id):
             raise RunNotFoundError("name a run: RUN_DIR, or --redis-url URL and --run-id ID")

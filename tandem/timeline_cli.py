@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_run_args(parser)
-    parser.add_argument("-o", "--output", default="timeline.json", help="File to write.")
+    parser.add_argument(
+        "-o", "--output", default="timeline.json", help="File to write (- for standard output)."
+    )
     args = parser.parse_args(argv)
     try:
         with open_run(args) as (client, run_id, where):
@@ -46,14 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     except redis.RedisError as exc:
         print(f"tandem timeline: Redis did not answer ({exc}); check --redis-url", file=sys.stderr)
         return 1
+    by_source = collections.Counter(s["source"] for s in spans)
+    counts = ", ".join(f"{n} {source}" for source, n in sorted(by_source.items()))
+    if args.output == "-":  # (it wrote a file named '-')
+        json.dump(chrome_trace(spans), sys.stdout)
+        print(f"\n{len(spans)} spans ({counts})", file=sys.stderr)
+        return 0
     try:
         with open(args.output, "w") as out:
             json.dump(chrome_trace(spans), out)
     except OSError as exc:
         print(f"tandem timeline: cannot write --output {args.output}: {exc}", file=sys.stderr)
         return 2
-    by_source = collections.Counter(s["source"] for s in spans)
-    counts = ", ".join(f"{n} {source}" for source, n in sorted(by_source.items()))
     print(f"wrote {args.output}: {len(spans)} spans ({counts})")
     return 0
 

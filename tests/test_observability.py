@@ -344,6 +344,38 @@ def test_tandem_timeline_names_an_output_it_cannot_write(
     assert err.startswith(f"tandem timeline: cannot write --output {missing}: ") and "Errno" in err
 
 
+def test_tandem_timeline_to_standard_output_writes_the_trace_there(
+    buffer: SampleBuffer, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    """`-o -` wrote a file named '-'."""
+    timeline = Timeline(buffer.redis, buffer.config.run_id, "trainer")
+    timeline.add("step 1", 1.0, 2.0)
+    timeline.close()
+    monkeypatch.chdir(tmp_path)
+    run_args = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    assert timeline_cli.main([*run_args, "-o", "-"]) == 0
+    said = capsys.readouterr()
+    assert "step 1" in [e["name"] for e in json.loads(said.out)["traceEvents"]]
+    assert "1 spans (1 trainer)" in said.err and not (tmp_path / "-").exists()
+
+
+def test_the_read_commands_name_a_redis_url_they_cannot_use(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`tandem ledger|metrics|timeline --redis-url host:6379` ended in redis-py's traceback."""
+    from tandem import ledger_cli
+
+    for name, command in (
+        ("ledger", ledger_cli),
+        ("metrics", metrics_cli),
+        ("timeline", timeline_cli),
+    ):
+        assert command.main(["--redis-url", "host:6379", "--run-id", "r"]) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith(f"tandem {name}: --redis-url 'host:6379': "), err
+        assert "(e.g. redis://127.0.0.1:6379/0)" in err
+
+
 def test_crc32c_is_the_castagnoli_checksum_tensorboard_expects() -> None:
     assert crc32c(b"123456789") == 0xE3069283  # the standard check value
 
