@@ -68,8 +68,7 @@ class UpConfig:
         default="",
         metadata={
             "help": "HF model directory, or a hub id (ORG/NAME) the Hugging Face cache holds "
-            "(hf download ORG/NAME); default: the toy model, made from --seed (kept in "
-            "~/.cache/tandem, or $TANDEM_CACHE_DIR, for the next run)."
+            "(hf download ORG/NAME); default: the toy model from --seed (cached: ~/.cache/tandem)."
         },
     )
     prompt_data: str = field(

@@ -24,6 +24,7 @@ import logging
 from services.sample_buffer import AsyncSampleBuffer, SampleBuffer
 from services.sample_buffer.keys import lease_lost
 from services.sample_buffer.lease import Lease
+from services.sample_buffer.ledger import fenced_by
 
 ROLE = "router"
 
@@ -43,7 +44,6 @@ class RouterLease:
         # its writes are refused once another router holds the lease
         buffer.lease_key, buffer.lease_owner = self.lease.key, self.lease.owner
         self.lost = asyncio.Event()
-        self.holder = ""
 
     async def take(self) -> None:
         """Hold the lease (a holder that does not renew it within `LEASE_WAIT_S` lets it go),
@@ -54,8 +54,7 @@ class RouterLease:
             raise LeaseError(str(exc)) from None
         loop = asyncio.get_running_loop()
 
-        def lost(holder: str) -> None:  # (the lease's thread; `release` ends it first)
-            self.holder = holder
+        def lost(_holder: str) -> None:  # (the lease's thread, which `release` ends first)
             loop.call_soon_threadsafe(self.lost.set)
 
         self.lease.renew_in_thread(lost)
@@ -63,10 +62,17 @@ class RouterLease:
     async def keep(self) -> None:
         """Wait while the lease is held; `LeaseError` once another router holds it."""
         await self.lost.wait()
-        raise LeaseError(lease_lost(ROLE, self.run_id, self.holder))
+        raise LeaseError(lease_lost(ROLE, self.run_id, self.lease.lost_to))
 
     async def release(self) -> None:
         """Stop renewing and give the lease up (when this router took it)."""
         if problem := await asyncio.to_thread(self.lease.release):
             log.warning("%s", problem)
         self.lease.buffer.redis.close()
+
+
+def raise_if_fenced(exc: BaseException | None, run_id: str) -> None:
+    """`LeaseError` for a write Redis refused because another router holds the lease (FENCE):
+    no outage to wait out, the run was taken over."""
+    if holder := fenced_by(exc):
+        raise LeaseError(lease_lost(ROLE, run_id, holder))

@@ -53,7 +53,7 @@ from services.rollout_router.backpressure import BufferBound, full_sentence, wai
 from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.environments import EpisodeRunner
 from services.rollout_router.generation import Generation
-from services.rollout_router.lease import ROLE, LeaseError
+from services.rollout_router.lease import LeaseError, raise_if_fenced
 from services.rollout_router.metrics import LoopObserver
 from services.rollout_router.progress import (
     Backoff,
@@ -78,8 +78,6 @@ from services.rollout_router.samples import sampling_seed
 from services.rollout_router.tasks import Item, Task
 from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
 from services.sample_buffer import AsyncSampleBuffer
-from services.sample_buffer.keys import lease_lost
-from services.sample_buffer.ledger import fenced_by
 from services.sample_buffer.refusals import hint_of
 
 log = logging.getLogger("tandem.router.rollout")
@@ -313,8 +311,7 @@ class RolloutLoop:
 
     async def _wait_for_redis(self) -> None:
         exc = self._redis_error
-        if holder := fenced_by(exc):  # no outage: another router took the run over
-            raise LeaseError(lease_lost(ROLE, self.buffer.config.run_id, holder))
+        raise_if_fenced(exc, self.buffer.config.run_id)
         self.error = f"{type(exc).__name__}: {exc}"
         hint = hint_of(exc)
         self.set_state(

@@ -38,6 +38,7 @@ class Lease:
         self.held = False
         self.stopped = threading.Event()
         self.renewer: threading.Thread | None = None
+        self.lost_to = ""  # the process that took the lease over (set by `renew_in_thread`)
 
     def wait(self, take: bool = True) -> None:
         """Until no other process holds the lease (and this one does, with `take`): a holder
@@ -76,6 +77,7 @@ class Lease:
             except RedisError:
                 continue
             if holder:
+                self.lost_to = holder
                 if not self.stopped.is_set():
                     on_lost(holder)
                 return

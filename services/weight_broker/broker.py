@@ -69,7 +69,6 @@ class WeightBroker:
         self.engines: dict[str, EngineState] = {u: EngineState(u) for u in config.engine_urls}
         self.buffer = SampleBuffer(config.buffer_config()) if config.redis_url else None
         self.lease = Lease(self.buffer, "broker", log.warning) if self.buffer else None
-        self.lease_holder = ""  # another broker that took the lease over (its thread sets it)
         self.counters = {
             "buckets_rejected": 0,
             "frames_rejected": 0,  # fetch requests and control messages that were not
@@ -110,13 +109,13 @@ class WeightBroker:
         renew it in a thread (`_lease_loop` stops the broker once another holds it)."""
         if self.lease is not None:
             self.lease.wait()
-            self.lease.renew_in_thread(lambda holder: setattr(self, "lease_holder", holder))
+            self.lease.renew_in_thread(lambda _holder: None)  # (`_lease_loop` reads `lost_to`)
 
     async def _lease_loop(self) -> None:
         """Until another broker holds the lease: ValueError saying so."""
-        while not self.lease_holder:
+        while not (self.lease and self.lease.lost_to):
             await asyncio.sleep(LEASE_RENEW_S)
-        raise ValueError(lease_lost("broker", self.config.run_id, self.lease_holder))
+        raise ValueError(lease_lost("broker", self.config.run_id, self.lease.lost_to))
 
     async def _sync_loop(self, session: aiohttp.ClientSession) -> None:
         while True:
