@@ -16,8 +16,9 @@ serves on (uvloop, as uvicorn picks it; asyncio's own without it) each take a sl
 (packed there when it is lists: `proto.packed.pack`): group commits, one ledger PUT script per
 batch writing it as one stream entry (`groups_put`, the end of each group's flight). Consume, in a
 process of its own, as the trainer's intake does (services/trainer/rollout.py,
-`Intake.read_rollout`): rollouts of `--rollout` groups, each read entry by entry (`read_entries`, a
-count of one entry per group still needed), the status (counters and depth read, status written) at
+`Intake.read_rollout`): rollouts of `--rollout` groups, each read entry by entry (a count of
+one entry per group still needed) through `ReadAhead`, the next read under way while the groups
+of the last are checked (a phase without it, each read waited for, is measured beside), the status (counters and depth read, status written) at
 most every `WAIT_REPORT_S`, each entry's groups decoded and checked (`intake.decode_groups`,
 `check_groups`); at the rollout's end (the step) the trainer's bookkeeping of a step without
 --save, one script (`record_trained`: its groups counted consumed and trained, its entries acked,
@@ -77,6 +78,7 @@ from services.sample_buffer import (
     find_server_binary,
     tune_gc_for_reads,
 )
+from services.sample_buffer.read_ahead import ReadAhead
 from services.trainer.intake import Limits, Rejected, check_groups, decode_groups
 from services.trainer.rollout import WAIT_REPORT_S
 
@@ -209,13 +211,14 @@ def raw_xadd(url: str, payload: bytes, seconds: float) -> tuple[float, str, floa
     return rate, how, client_us, server_us
 
 
-def consume(url: str, run_id: str, rollout: int, target: Any, out: Any) -> None:
+def consume(url: str, run_id: str, rollout: int, ahead: bool, target: Any, out: Any) -> None:
     """The trainer's side, in a process of its own, until `target` (set by the producer once
     it is done) groups are consumed: rollouts of `rollout` groups read as the trainer's intake
     reads them (`Intake.read_rollout`)."""
     buffer = SampleBuffer(BufferConfig(redis_url=url, run_id=run_id))
     buffer.wait_ready()
     buffer.ensure_consumer_group()
+    reader = ReadAhead(buffer, "bench-trainer")
     tune_gc_for_reads()  # as the trainer's process does before its first read
     out.put("ready")
     # Unboxed: ~100k float objects kept alive would scatter the decoder's allocations (the
@@ -234,7 +237,11 @@ def consume(url: str, run_id: str, rollout: int, target: Any, out: Any) -> None:
                 ServiceStatus(role="trainer", state="waiting for samples", detail=counters)
             )
         # (as the trainer: a count of entries, one per group still needed)
-        entries = buffer.read_entries("bench-trainer", rollout - in_rollout, ">", block_ms=100)
+        count = rollout - in_rollout
+        if ahead:  # (the intake's reads: the next under way while these are checked)
+            entries = reader.read(count, block_ms=100)
+        else:
+            entries = buffer.read_entries("bench-trainer", count, ">", block_ms=100)
         now = time.time()
         mark = _count(split, "read", mark)
         if not entries:
@@ -322,7 +329,9 @@ def phase(
     """One producer/consumer run."""
     context = mp.get_context("fork")  # before any event loop or client thread exists
     results, target = context.Queue(), context.Value("q", -1)
-    consumer = context.Process(target=consume, args=(url, run_id, args.rollout, target, results))
+    consumer = context.Process(
+        target=consume, args=(url, run_id, args.rollout, args.read_ahead, target, results)
+    )
     consumer.start()
     if results.get(timeout=60) != "ready":
         raise RuntimeError("the consumer process did not start")
@@ -407,6 +416,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--redis-url", default="", help="Use this server (default: start one).")
     args = parser.parse_args(argv)
+    args.read_ahead = True  # the intake's reads (a phase without them is measured beside)
     server = None if args.redis_url else RedisServer().start()
     url = args.redis_url or server.url  # type: ignore[union-attr]
     try:
@@ -420,6 +430,8 @@ def main(argv: list[str]) -> int:
             for form, given in (("packed", packed), ("lists", group))
         }
         wide = wide_phase(url, packed, args)
+        one_by_one = argparse.Namespace(**{**vars(args), "read_ahead": False})
+        no_ahead = phase(url, "bench-no-ahead", packed, one_by_one, args.seconds)
         paced = full["packed"].consumed * PACED_SHARE
         latencies = phase(url, "bench-paced", packed, args, args.seconds / 2, paced).latencies
         encode_us, decode_us = codec_us(group)
@@ -460,6 +472,12 @@ def main(argv: list[str]) -> int:
         met = "not judged: the limit was redis-py's, not the server's (install redis-tools)"
     print(f"targets (consume >= 0.5x raw XADD, p99 <= 50 ms): {met}")
     print(wide_lines(wide, raw_rate, args))
+    print(
+        f"consume_groups_per_s_without_read_ahead: {no_ahead.consumed:.0f} (packed; each read "
+        f"waited for before its groups are checked); {no_ahead.consumed / raw_rate:.2f}x raw "
+        f"XADD, {packed_run.consumed / max(no_ahead.consumed, 1):.2f}x of it with read-ahead"
+    )
+    print(breakdown("packed, no read-ahead", no_ahead.cpu_us, raw_rate))
     print(
         f"router_put_path_consume_vs_raw_xadd: {lists.consumed / raw_rate:.2f} (groups from lists)"
     )

@@ -246,3 +246,48 @@ def test_a_cancel_that_redis_py_swallows_in_a_failing_call_still_ends_the_task()
         assert task.cancelled(), "the task went on after its cancel"
 
     asyncio.run(main())
+
+
+def test_read_ahead_reads_the_next_entries_while_the_last_are_used_and_loses_none(
+    buffer: SampleBuffer,
+) -> None:
+    from services.sample_buffer.read_ahead import ReadAhead
+    from tests.helpers import wait_until
+
+    keys = [buffer.put_group(make_group(f"g{i}")) for i in range(3)]
+    ahead = ReadAhead(buffer, "t0")
+    assert [i for i, _ in ahead.read(1, block_ms=100)] == [entry_of(keys[0])]
+    # the next read is under way at once: g1 is delivered (pending) before it is asked for
+    wait_until(lambda: buffer.pending_count() == 2, "the read ahead took g1")
+    assert [i for i, _ in ahead.read(5, block_ms=100)] == [entry_of(keys[1])]  # its count: 1
+    wait_until(lambda: buffer.pending_count() == 3, "the read ahead took g2")
+    # A reader that stops here holds g2 unasked for; its next start reads it first.
+    again = buffer.read_entries("t0", 10, "0")
+    assert [i for i, _ in again] == [entry_of(k) for k in keys]
+    assert [i for i, _ in ahead.read(5, block_ms=100)] == [entry_of(keys[2])]
+    # An empty read starts none: the next read is made then, with its own count.
+    assert ahead.read(5, block_ms=100) == []
+    more = [buffer.put_group(make_group(f"h{i}")) for i in range(2)]
+    assert [i for i, _ in ahead.read(5, block_ms=100)] == [entry_of(k) for k in more]
+
+
+def test_a_read_ahead_that_failed_raises_its_error_from_the_read_that_takes_it(
+    tmp_path: Path,
+) -> None:
+    import redis
+
+    from services.sample_buffer import RedisServer
+    from services.sample_buffer.read_ahead import ReadAhead
+
+    server = RedisServer(log_dir=tmp_path).start()
+    try:
+        buffer = SampleBuffer(BufferConfig(redis_url=server.url, run_id="ahead"))
+        key = buffer.put_group(make_group("g0"))
+        ahead = ReadAhead(buffer, "t0")
+        assert [i for i, _ in ahead.read(1, block_ms=5000)] == [entry_of(key)]
+    finally:
+        server.stop()  # while the read ahead waits for a new entry
+    with pytest.raises(redis.ConnectionError):
+        ahead.read(1, block_ms=100)
+    with pytest.raises(redis.ConnectionError):  # the next read is made in this thread
+        ahead.read(1, block_ms=100)

@@ -4,7 +4,9 @@ Reads (`Intake.read_rollout`) until `rollout_batch_size` groups fit to train are
   first, once per start, the entries pending since before the start: those of consumers idle
   for `reclaim_min_idle_s` (a trainer gone for good, whatever its --consumer) are claimed
   (XAUTOCLAIM), then every entry pending for this consumer is read, in stream order;
-  then new entries, each blocking read waiting at most `read_block_ms` (so a stop is seen).
+  then new entries, each blocking read waiting at most `read_block_ms` (so a stop is seen),
+  the next read under way while the groups of the last are checked (sample_buffer/read_ahead.py:
+  at most one read's entries beyond the rollout, pending like any entry in hand).
 An entry holds one group or several (the router's group commit, proto/packed.py); a group is
 known by its key `entry/index`, and groups of an entry read beyond the rollout wait in hand for
 the next. Each group is checked (`intake.check_groups`) before it may reach a batch. A bad one
@@ -34,6 +36,7 @@ from proto.drops import DeadLetterReason, DropReason
 from proto.packed import PackedGroup, encode_entry, entry_of, pack
 from services.sample_buffer import SampleBuffer
 from services.sample_buffer.buffer import DeadLetter, Entry
+from services.sample_buffer.read_ahead import ReadAhead
 from services.trainer import batching
 from services.trainer.config import TrainerConfig
 from services.trainer.intake import Group, Limits, Rejected, check_groups, decode_groups
@@ -87,6 +90,7 @@ class Intake:
         self.published_before = 0  # on resume: the highest version published before the crash
         self.pending_first = True  # after a (re)start, groups read but never acked come first
         self.backlog: list[Entry] = []  # read from Redis, not yet used
+        self.ahead = ReadAhead(buffer, cfg.consumer)  # new entries, one read ahead
         self.in_hand: list[tuple[str, Group]] = []  # checked groups beyond the last rollout
         self.open: dict[str, int] = {}  # entry id -> its groups not yet done and checkpointed
         self.held: set[str] = set()  # keys of groups done and checkpointed of open entries
@@ -172,7 +176,7 @@ class Intake:
         if self.backlog:
             taken, self.backlog = self.backlog[:count], self.backlog[count:]
             return taken
-        return self.buffer.read_entries(consumer, count, ">", self.cfg.read_block_ms)
+        return self.ahead.read(count, self.cfg.read_block_ms)
 
     def _report_waiting(self, in_hand: int, version: int) -> None:
         """Status while the rollout is incomplete (called before each read), at most every
