@@ -26,7 +26,6 @@ from services.sample_buffer import redis_url_problem
 from tandem.hub import hub_model
 from tandem.up_args import (
     absolute_config,
-    below_zero,
     conflicts,
     file_fields,
     given_fields,
@@ -425,7 +424,6 @@ def validate(config: UpConfig, model_named: bool = False) -> list[str]:
     problems = []
     if min(config.num_engines, config.trainer_procs, config.max_steps) < 1:
         problems.append("--num-engines, --trainer-procs and --max-steps must be at least 1")
-    problems += below_zero(config, MODEL_DEFAULTS)  # (-5 was taken for the default)
     model = "" if model_named else config.model
     if model and not Path(model).is_dir():
         problems.append(f"--model {model}: no such folder (a Hugging Face model's)")
