@@ -336,9 +336,9 @@ One GPU: tandem up --engine-gpus 0 --trainer-gpus 0 --model DIR (one engine, sha
 with the trainer)."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "tandem up") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tandem up",
+        prog=prog,
         description=__doc__,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -347,10 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse(argv: list[str]) -> tuple[UpConfig, list[str]]:
+def parse(argv: list[str], prog: str = "tandem up") -> tuple[UpConfig, list[str]]:
     """The resolved configuration of `tandem up ARGV` (flags over variables over --config),
-    and the problems found in it; exits 2 on a bad flag or config file."""
-    parser = build_parser()
+    and the problems found in it; exits 2 on a bad flag or config file, `prog` naming the
+    command (`tandem config show` parses the same flags)."""
+    parser = build_parser(prog)
     argv = join_passthrough(argv)
     config = config_from_args(UpConfig, parse_args(parser, argv, "up")).settled()
     if problems := unsplittable(config):  # (each string is split again below: a traceback)
