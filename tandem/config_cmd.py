@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     from tandem.up_config import render
 
     with contextlib.redirect_stdout(sys.stderr):  # (a resume's notes: stdout is the TOML)
-        config, problems = parse(argv[1:])
+        config, problems = parse(argv[1:], prog="tandem config show")
     try:
         text = "" if problems else render(config, config.config)
     except ConfigError as exc:

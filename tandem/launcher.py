@@ -26,7 +26,6 @@ from services.sample_buffer import redis_url_problem
 from tandem.hub import hub_model
 from tandem.up_args import (
     absolute_config,
-    below_zero,
     conflicts,
     file_fields,
     given_fields,
@@ -337,9 +336,9 @@ One GPU: tandem up --engine-gpus 0 --trainer-gpus 0 --model DIR (one engine, sha
 with the trainer)."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "tandem up") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tandem up",
+        prog=prog,
         description=__doc__,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -348,10 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse(argv: list[str]) -> tuple[UpConfig, list[str]]:
+def parse(argv: list[str], prog: str = "tandem up") -> tuple[UpConfig, list[str]]:
     """The resolved configuration of `tandem up ARGV` (flags over variables over --config),
-    and the problems found in it; exits 2 on a bad flag or config file."""
-    parser = build_parser()
+    and the problems found in it; exits 2 on a bad flag or config file, `prog` naming the
+    command (`tandem config show` parses the same flags)."""
+    parser = build_parser(prog)
     argv = join_passthrough(argv)
     config = config_from_args(UpConfig, parse_args(parser, argv, "up")).settled()
     if problems := unsplittable(config):  # (each string is split again below: a traceback)
@@ -425,7 +425,6 @@ def validate(config: UpConfig, model_named: bool = False) -> list[str]:
     problems = []
     if min(config.num_engines, config.trainer_procs, config.max_steps) < 1:
         problems.append("--num-engines, --trainer-procs and --max-steps must be at least 1")
-    problems += below_zero(config, MODEL_DEFAULTS)  # (-5 was taken for the default)
     model = "" if model_named else config.model
     if model and not Path(model).is_dir():
         problems.append(f"--model {model}: no such folder (a Hugging Face model's)")

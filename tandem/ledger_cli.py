@@ -2,8 +2,9 @@
 
 RUN is a `tandem up` run folder: its live Redis when the run is going (`RUN/redis.url`; the
 `--redis-url` it ran on, `RUN/redis.json`), else a private server started on its data
-(`RUN/redis/`), else the `RUN/ledger.json` written when the run ended. Or name the Redis
-yourself: `--redis-url URL --run-id ID`. Prints the counts by fate and by drop reason, each
+(`RUN/redis/`), else the `RUN/ledger.json` written when the run ended (a Redis that refuses the
+connection is not waited for: a killed `tandem up` leaves RUN/redis.url behind). Or name the
+Redis yourself: `--redis-url URL --run-id ID`. Prints the counts by fate and by drop reason, each
 reason with its newest drop's detail (why), and "balanced" or the difference. Exit codes: 0 =
 balanced, 1 = unbalanced, 2 = the flags name no run, or nothing answers there (no Redis, no
 saved data).
@@ -17,15 +18,16 @@ import sys
 import time
 from pathlib import Path
 
-import redis
-
 from services.sample_buffer import BufferConfig, SampleBuffer, redis_url_problem
 from services.sample_buffer.ledger import Ledger, with_details
-from tandem.run_redis import REDIS_FILE, known_runs, run_id_of, saved_redis
+from tandem.run_redis import REDIS_FILE, known_runs, no_answer, run_id_of, saved_redis
 
 # A live trainer counts a rollout consumed, then trained: a reading between the two is off by
 # that rollout for a moment, so an unbalanced reading of a live run is taken again.
 LIVE_READS, LIVE_READ_GAP_S = 5, 0.3
+# A Redis that takes the connection but does not answer (busy, loading its data) is asked again
+# for this long: never start a second server on the data of one that is there.
+LIVE_WAIT_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,12 +63,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def read_ledger(run_dir: Path | None, redis_url: str, run_id: str) -> Ledger:
-    """The ledger from the first source that answers (see the module docstring)."""
-    live = redis_url or live_url(run_dir) or external_url(run_dir)
-    if live:
-        return read_live(SampleBuffer(BufferConfig(redis_url=live, run_id=run_id)))
+    """The ledger from the first source that answers (see the module docstring); a message
+    on stderr when the run's own Redis is gone and its saved data is read instead."""
+    own = live_url(run_dir)
+    url = redis_url or external_url(run_dir) or own
+    why = no_answer(url, LIVE_WAIT_S) if url else ""
+    if url and not why:
+        return read_live(SampleBuffer(BufferConfig(redis_url=url, run_id=run_id)))
+    if url != own:  # (no data of that Redis here to read instead)
+        raise ConnectionError(f"the Redis at {url} is {why}: start it, or check --redis-url")
     assert run_dir is not None
+    gone = f"the run's Redis at {url} is {why}: its tandem up was stopped or killed" if url else ""
     if (run_dir / "redis").is_dir():
+        if gone:
+            print(
+                f"tandem ledger: {gone}; reading its saved data ({run_dir}/redis)", file=sys.stderr
+            )
         with saved_redis(run_dir) as server:
             buffer = SampleBuffer(BufferConfig(redis_url=server.url, run_id=run_id))
             return check_run(buffer, f"{run_dir}/redis").ledger(details=True)
@@ -74,6 +86,11 @@ def read_ledger(run_dir: Path | None, redis_url: str, run_id: str) -> Ledger:
     if saved.is_file():
         fields = json.loads(saved.read_text())
         return Ledger(**{k: v for k, v in fields.items() if k in Ledger.__dataclass_fields__})
+    if gone:
+        raise ConnectionError(
+            f"{run_dir}: {gone}, and it holds no redis/ data or ledger.json to read instead: "
+            "pass --redis-url and --run-id of a Redis that holds the run"
+        )
     raise FileNotFoundError(
         f"{run_dir} has no redis/ folder and no ledger.json: is it a `tandem up` run folder? "
         "(or pass --redis-url and --run-id)"
@@ -88,21 +105,11 @@ def external_url(run_dir: Path | None) -> str:
     return str(saved["url"])
 
 
-def live_url(run_dir: Path | None, wait_s: float = 5.0) -> str:
-    """The URL of the run's Redis while `tandem up` runs it; "" when there is none, or it does
-    not answer within `wait_s` (its `tandem up` was killed: the file outlived the server)."""
+def live_url(run_dir: Path | None) -> str:
+    """The URL of the run's own Redis while `tandem up` runs it ("" when there is none); a
+    `tandem up` that was killed left it behind, its server gone."""
     path = run_dir / "redis.url" if run_dir else None
-    if path is None or not path.is_file():
-        return ""
-    url = path.read_text().strip()
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:  # a busy server may be slow: never start a second one
-        try:
-            redis.Redis.from_url(url, socket_timeout=2).ping()
-            return url
-        except redis.RedisError:
-            time.sleep(0.5)
-    return ""
+    return path.read_text().strip() if path is not None and path.is_file() else ""
 
 
 def check_run(buffer: SampleBuffer, where: str) -> SampleBuffer:

@@ -1,10 +1,12 @@
-"""Find the Redis of a run for the read-only commands (`tandem metrics`, `tandem timeline`).
+"""Find the Redis of a run for the read-only commands (`tandem metrics`, `tandem timeline`,
+`tandem ledger`).
 
 A run is named either by `--redis-url` and `--run-id` (any run, e.g. services started by
 hand or by a cluster scheduler), or by a `tandem up` run folder: its `redis.json` says where its
 Redis is (written at start-up). When that Redis was the run's own and is gone (the run ended),
 a private server is started on the folder's saved data (`RUN_DIR/redis`) for the time of the
-read, as `tandem up --resume` does.
+read, as `tandem up --resume` does. A Redis that refuses the connection is not asked again: its
+process is gone (a killed `tandem up` leaves the URL of its Redis behind).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import contextlib
 import json
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,11 +60,22 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _answers(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url, socket_timeout=2).ping())
-    except redis.RedisError:
-        return False
+def no_answer(url: str, wait_s: float = 0.0) -> str:
+    """Why no Redis answers a ping at `url` ("" when one does): "not running (connection
+    refused)", said at once (no server there to wait for), or "not answering (the error)" once
+    `wait_s` has passed (a server that is busy or loading its data is asked again until then)."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            client.ping()
+            return ""
+        except redis.RedisError as exc:
+            if isinstance(exc.__cause__, ConnectionRefusedError):
+                return "not running (connection refused)"
+            if time.monotonic() >= deadline:
+                return f"not answering ({exc})"
+        time.sleep(0.5)
 
 
 @contextlib.contextmanager
@@ -84,7 +98,7 @@ def open_run(args: argparse.Namespace) -> Iterator[tuple[redis.Redis, str, str]]
     info = json.loads(info_path.read_text())
     run_id = args.run_id or info["run_id"]
     url = args.redis_url or info["url"]
-    if _answers(url) or not info.get("own") or args.redis_url:
+    if not no_answer(url) or not info.get("own") or args.redis_url:
         yield redis.Redis.from_url(url), run_id, url
         return
     if not (run_dir / "redis").is_dir():

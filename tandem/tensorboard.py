@@ -14,6 +14,7 @@ import socket
 import struct
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 _POLY = 0x82F63B78  # CRC-32C (Castagnoli), reflected
 
@@ -66,33 +67,41 @@ def _event(wall_time: float, step: int, body: bytes) -> bytes:
 
 
 class EventWriter:
-    """One `events.out.tfevents.*` file in `log_dir`; `add_scalars` appends one event."""
+    """One `events.out.tfevents.*` file in `log_dir`; `add_scalars` appends one event. The
+    folder and the file are made with the first scalar: a run refused at its start (a resume
+    too) left a file of no scalar, which TensorBoard lists as a run."""
 
     def __init__(self, log_dir: Path) -> None:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.tandem"
-        self.path = log_dir / name
-        self.file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
-        self._write(_event(time.time(), 0, _field(3, b"brain.Event:2")))
+        self.log_dir = log_dir
+        self.file: BinaryIO | None = None
 
     def add_scalars(self, step: int, values: dict[str, float], wall_time: float) -> None:
         summary = b"".join(
             _field(1, _field(1, tag.encode()) + b"\x15" + struct.pack("<f", float(value)))
             for tag, value in values.items()
         )
-        if summary:
-            self._write(_event(wall_time, step, _field(5, summary)))
+        if not summary:
+            return
+        if self.file is None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.tandem"
+            self.file = open(self.log_dir / name, "ab")  # noqa: SIM115 - closed in close()
+            self._write(_event(time.time(), 0, _field(3, b"brain.Event:2")))
+        self._write(_event(wall_time, step, _field(5, summary)))
 
     def _write(self, data: bytes) -> None:
+        assert self.file is not None
         header = struct.pack("<Q", len(data))
         self.file.write(header + struct.pack("<I", masked_crc(header)))
         self.file.write(data + struct.pack("<I", masked_crc(data)))
 
     def flush(self) -> None:
-        self.file.flush()
+        if self.file is not None:
+            self.file.flush()
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 def _read_varint(data: bytes, i: int) -> tuple[int, int]:

@@ -24,7 +24,6 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Iterable
 from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any
@@ -468,15 +467,3 @@ def stopped_early(step: int, max_steps: int, run_dir: Path) -> str:
         "signal tandem up did not send: a scheduler, docker stop, kill?); its last checkpoint "
         f"holds the run: {resume_command(run_dir)} goes on"
     )
-
-
-def below_zero(config: Any, names: Iterable[str]) -> list[str]:
-    """A field of `names` given below 0 but at its default (-1, or 0 where 0 is the default),
-    each naming its flag."""
-    problems = []
-    for name in names:
-        value, default = getattr(config, name), type(config).__dataclass_fields__[name].default
-        if value < 0 and value != default:
-            flag = f"--{name.replace('_', '-')} {value:g}"
-            problems.append(f"{flag}: give a value >= 0 ({default:g} = the model's default)")
-    return problems

@@ -27,6 +27,7 @@ from services.common.config_file import (
     number_rules,
     options,
     read_file,
+    sources,
     to_toml,
 )
 from services.common.flags import config_from_args
@@ -126,7 +127,8 @@ def service_table(
         values = vars(parser.parse_args(own + extra))
     except ConfigError as exc:  # only the pass-through flags can be unknown here
         raise ConfigError(f"--{name}-args: {exc}") from exc
-    if problem := number_problem(parser, argparse.Namespace(**values), rules):
+    named = sources(parser, own + extra, name, config_file)
+    if problem := number_problem(parser, argparse.Namespace(**values), rules, named):
         raise ConfigError(f"{name}: {problem}")  # (the service refused it once started)
     _check(name, values)
     table = {key: values[key] for key in options(parser)}

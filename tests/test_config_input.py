@@ -128,3 +128,30 @@ def test_trainer_processes_the_tensor_parallel_size_does_not_divide_are_refused_
     assert "--trainer-procs 2" in problems[0] and "--tensor-model-parallel-size 3" in problems[0]
     _config, problems = launcher.parse([*args[:2], "--trainer-procs", "3"])
     assert problems == []
+
+
+def test_tandem_config_show_names_itself_in_its_errors_not_tandem_up(capsys, monkeypatch) -> None:
+    """`tandem config show --bogus` said `tandem up: error: ...` (and its usage line
+    `usage: tandem up ...`): the command that refused was not the one typed."""
+    from tandem import config_cmd
+
+    cases: list[tuple[list[str], dict[str, str], str]] = [
+        (["--bogus"], {}, "tandem config show: error: unrecognized arguments: --bogus"),
+        (["--lr", "nan"], {}, "tandem config show: error: --lr nan: not a number"),
+        ([], {"TANDEM_UP_MAX_STEP": "5"}, "tandem config show: error: environment variable"),
+    ]
+    for argv, env, said in cases:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit) as exc:
+            config_cmd.main(["show", *argv])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and said in err and "tandem up" not in err, (argv, err)
+        for name in env:
+            monkeypatch.delenv(name)
+    with pytest.raises(SystemExit):
+        config_cmd.main(["show", "--bogus"])
+    assert "usage: tandem config show [-h]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # tandem up itself still says tandem up
+        launcher.parse(["--bogus"])
+    assert "tandem up: error: unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import httpx
 import pytest
@@ -209,6 +211,49 @@ def test_a_run_folder_is_read_from_its_redis_data_and_a_step_is_written_once(
     done = tandem_ledger(str(run))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "generated 1 = trained 0 + dropped 0 + buffered 0 + in flight 1" in done.stdout
+
+
+def test_tandem_ledger_of_a_run_whose_tandem_up_was_killed_asks_its_gone_redis_once(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """A killed tandem up leaves RUN/redis.url naming its Redis, gone with it: `tandem ledger
+    RUN` asked it again for 5 s (an explicit --redis-url with nothing there, 10 s) before it
+    said anything. A refused connection is not asked again: the run's saved data is read, and
+    the console says why; with none left, exit 2 naming what to do."""
+    from tandem import ledger_cli
+
+    run = tmp_path / "run"
+    with RedisServer(data_dir=run / "redis", log_dir=tmp_path / "logs") as server:
+        SampleBuffer(BufferConfig(redis_url=server.url, run_id="up-run")).start_group()
+        gone = server.url  # (stopped: its data written, as at a SIGTERM)
+    (run / "redis.url").write_text(gone)
+    (run / "redis.json").write_text(json.dumps({"url": gone, "run_id": "up-run", "own": True}))
+    asked: list[str] = []
+    ping = redis.Redis.ping
+
+    def counted(client: redis.Redis, **kwargs: object) -> object:
+        if client.get_connection_kwargs().get("port") == urlparse(gone).port:
+            asked.append(gone)
+        return ping(client, **kwargs)
+
+    monkeypatch.setattr(redis.Redis, "ping", counted)
+    assert ledger_cli.main([str(run)]) == 0
+    said = capsys.readouterr()
+    assert "in flight 1: balanced" in said.out
+    assert f"the run's Redis at {gone} is not running (connection refused)" in said.err
+    assert f"reading its saved data ({run}/redis)" in said.err and asked == [gone]
+    # no saved data left either: exit 2, naming what to do
+    shutil.rmtree(run / "redis")
+    asked.clear()
+    assert ledger_cli.main([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"the run's Redis at {gone} is not running (connection refused)" in err
+    assert "no redis/ data or ledger.json" in err and "--redis-url" in err and asked == [gone]
+    asked.clear()
+    assert ledger_cli.main(["--redis-url", gone, "--run-id", "up-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"the Redis at {gone} is not running (connection refused)" in err, err
+    assert "--redis-url" in err and asked == [gone]
 
 
 def test_tandem_ledger_on_a_run_id_that_redis_does_not_hold_exits_2_naming_the_runs_there(

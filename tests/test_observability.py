@@ -26,7 +26,7 @@ import pytest
 from services.sample_buffer import SampleBuffer
 from services.sample_buffer.timeline import Timeline, chrome_trace, read_spans
 from tandem import metrics_cli, timeline_cli
-from tandem.tensorboard import crc32c, read_scalars
+from tandem.tensorboard import EventWriter, crc32c, read_scalars
 from tests.helpers import wait_until
 
 # One sample line of the text format: name, optional {labels}, value (no timestamps here).
@@ -378,6 +378,37 @@ def test_the_read_commands_name_a_redis_url_they_cannot_use(
 
 def test_crc32c_is_the_castagnoli_checksum_tensorboard_expects() -> None:
     assert crc32c(b"123456789") == 0xE3069283  # the standard check value
+
+
+def test_a_refused_start_or_resume_leaves_no_tensorboard_file_of_nothing(tmp_path: Path) -> None:
+    """A run refused once it had started (its Redis up, the model written) left an events file
+    holding no scalar in RUN_DIR/tensorboard: TensorBoard listed a run of nothing, one more at
+    each refused resume. The file is made with the first scalar."""
+    writer = EventWriter(tmp_path / "tb")
+    writer.close()
+    assert not (tmp_path / "tb").exists()
+    writer = EventWriter(tmp_path / "tb")
+    writer.add_scalars(3, {"train/loss": 1.5}, wall_time=0.0)
+    writer.close()
+    (events,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    assert read_scalars(events) == [(3, "train/loss", 1.5)]
+
+    def up(*flags: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "tandem.cli", "up", *flags]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+    run = tmp_path / "run"  # refused by the router once the toy model (64 positions) is written
+    new = up("--run-dir", str(run), "--rollout-max-response-len", "64")
+    assert new.returncode == 2, new.stdout[-3000:] + new.stderr[-3000:]
+    assert "the model's context is 64 positions" in new.stdout
+    assert (run / "up_config.json").is_file() and not (run / "tensorboard").exists()
+    # a resume refused by the trainer's check of the checkpoint it would go on from
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("1")
+    resumed = up("--resume", str(run), "--rollout-max-response-len", "0")
+    assert resumed.returncode == 2, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "iteration 1 has no checkpoint" in resumed.stdout
+    assert "the resume did not start" in resumed.stdout and not (run / "tensorboard").exists()
 
 
 def test_a_read_command_killed_with_sigkill_takes_its_private_redis_with_it(

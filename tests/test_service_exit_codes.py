@@ -119,15 +119,20 @@ def test_a_number_given_as_nan_or_inf_exits_2_naming_its_flag(
 ) -> None:
     """float() takes "nan", and TOML has nan: a bound of nan bounded nothing (tandem up's
     --time-limit-s nan ran without a limit), a timeout of nan crashed a service later. A time
-    in seconds below 0 is refused the same way (a request timeout of -3 s was taken)."""
+    in seconds below 0 is refused the same way (a request timeout of -3 s was taken). A value
+    from the file or a variable is named as such."""
     path = toml_file(tmp_path, "[router]\nrm_timeout_s = nan\n")
-    for argv in (["--rm-timeout-s", "nan"], ["--config", str(path)], []):
+    for argv, named in (
+        (["--rm-timeout-s", "nan"], "--rm-timeout-s "),
+        (["--config", str(path)], f"{path}: [router] rm_timeout_s = "),
+        ([], "environment variable TANDEM_ROUTER_RM_TIMEOUT_S="),
+    ):
         if not argv:  # a variable
             monkeypatch.setenv("TANDEM_ROUTER_RM_TIMEOUT_S", "nan")
         with pytest.raises(SystemExit) as exc:
             parse_args(router_parser(), argv, "router")
         assert exc.value.code == 2
-        assert "error: --rm-timeout-s nan: not a number" in capsys.readouterr().err, argv
+        assert f"error: {named}nan: not a number" in capsys.readouterr().err, argv
     with pytest.raises(SystemExit) as exc:
         launcher.parse(["--time-limit-s", "nan"])
     assert exc.value.code == 2 and "--time-limit-s nan: not a number" in capsys.readouterr().err
@@ -140,7 +145,7 @@ def test_a_number_given_as_nan_or_inf_exits_2_naming_its_flag(
     negative = toml_file(tmp_path, "[router]\nrequest_timeout_s = -3\n")
     with pytest.raises(SystemExit) as exc:
         parse_args(router_parser(), ["--config", str(negative)], "router")
-    said = "error: --request-timeout-s -3: a time in seconds, at least 0"
+    said = f"error: {negative}: [router] request_timeout_s = -3: a time in seconds, at least 0"
     assert exc.value.code == 2 and said in capsys.readouterr().err
     assert parse_args(router_parser(), ["--request-timeout-s", "0"], "router")  # (0: its own rule)
     # an integer whose default is not negative: a count, a length, a port (-3 was taken)
@@ -165,4 +170,40 @@ def test_a_number_given_as_nan_or_inf_exits_2_naming_its_flag(
         with pytest.raises(SystemExit) as exc:
             parse(argv)
         said = f"error: {' '.join(argv)}: at least 0, or -1 (its default: see --help)"
+        assert exc.value.code == 2 and said in capsys.readouterr().err, argv
+
+
+def test_a_learning_rate_out_of_range_exits_2_naming_the_flag_or_variable_it_came_from(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """tandem up --lr 1e9 was taken and trained on (RL post-training takes ~1e-6 to 1e-4), and
+    TANDEM_UP_LR=nan was refused as `--lr nan`, a flag nobody typed: a learning rate is at
+    least 0 and at most 1, and the refusal names the flag, the variable or the file's key."""
+    cases = [
+        (["--lr", "1e9"], {}, "error: --lr 1e+09: a learning rate, at least 0 and at most 1"),
+        (["--lr=-0.001"], {}, "error: --lr -0.001: a learning rate, at least 0 and at most 1"),
+        ([], {"TANDEM_UP_LR": "nan"}, "error: environment variable TANDEM_UP_LR=nan: not a number"),
+        ([], {"TANDEM_UP_LR": "2"}, "error: environment variable TANDEM_UP_LR=2: a learning rate"),
+        ([], {"TANDEM_UP_LR": "-1"}, "error: environment variable TANDEM_UP_LR=-1: a learning"),
+        (["--config", str(toml_file(tmp_path, "[up]\nlr = 5.0\n"))], {}, "[up] lr = 5: a learning"),
+    ]
+    for argv, env, said in cases:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit) as exc:
+            launcher.parse(argv)
+        assert exc.value.code == 2 and said in capsys.readouterr().err, argv
+        for name in env:
+            monkeypatch.delenv(name)
+    # a flag beats the variable: the value refused is the flag's, named as the flag
+    monkeypatch.setenv("TANDEM_UP_LR", "1e-4")
+    with pytest.raises(SystemExit):
+        launcher.parse(["--lr", "3"])
+    assert "error: --lr 3: a learning rate" in capsys.readouterr().err
+    assert launcher.parse([])[0].lr == 1e-4 and launcher.parse(["--lr", "1"])[0].lr == 1
+    # the trainer's own rates, run on its own (compose, a cluster's launcher)
+    for argv in (["--lr", "10"], ["--critic-lr", "5"], ["--min-lr", "2"]):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(trainer_parser(), argv, "trainer")
+        said = f"error: {' '.join(argv)}: a learning rate, at least 0 and at most 1"
         assert exc.value.code == 2 and said in capsys.readouterr().err, argv

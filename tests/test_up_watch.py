@@ -312,8 +312,6 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
             "router: give one reward, not --rm-type boxed and --rm-url http://127.0.0.1:9/score"
         ),
         ("--trainer-procs", "0"): "--num-engines, --trainer-procs and --max-steps must be at",
-        # (below 0, it was taken for the default without a word)
-        ("--lr", "-0.001"): "--lr -0.001: give a value >= 0 (0 = the model's default)",
         # (a service refused them once Redis and the engines were up)
         ("--engine-args=--update-timeout-s nan",): "engine: --update-timeout-s nan: not a number",
         ("--router-args=--request-timeout-s -3",): (

@@ -7,9 +7,11 @@ its own table and ignores the others. An environment variable `TANDEM_<TABLE>_<K
 case (`TANDEM_ROUTER_ROLLOUT_MAX_RESPONSE_LEN=1024`) overrides the file; a flag overrides both.
 Values: TOML types in the file (lists as arrays); in a variable, lists are space-separated and
 booleans are true/false (also 1/0, yes/no). An unknown table or key, or a value of the wrong
-type, is an error (exit 2) naming the key, the file and the closest valid key.
+type, is an error (exit 2) naming the key, the file and the closest valid key; so is a number
+out of range, named as it was given (the flag, the variable or the file's key).
 
-Knows: argparse parsers and TOML. Does not know what any flag means.
+Knows: argparse parsers and TOML. Of what a flag means, only what its name and default say of
+its number (`number_rules`: a time in seconds, a count, a learning rate).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ SECTIONS = ("up", "router", "trainer", "broker", "engine")
 ENV_PREFIX = "TANDEM_"
 NOT_KEYS = ("help", "config")  # parser destinations that are no setting
 NOT_SETTINGS = ("TANDEM_ROUTER_TOKEN",)  # variables of that form that are no setting
+# The highest learning rate taken (RL post-training takes ~1e-6 to 1e-4; 1e9 was trained on).
+MAX_LR = 1.0
 
 
 class ConfigError(ValueError):
@@ -128,51 +132,90 @@ def parse_args(
     does a number `number_problem` refuses."""
     if "config" not in {a.dest for a in parser._actions}:
         add_config_flag(parser, section)
-    rules = number_rules(parser)
+    rules, path = number_rules(parser), config_path(argv)
     try:
-        parser.set_defaults(**layered_defaults(parser, section, config_path(argv)))
+        parser.set_defaults(**layered_defaults(parser, section, path))
     except ConfigError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     args = parser.parse_args(argv)
-    if problem := number_problem(parser, args, rules):
+    if problem := number_problem(parser, args, rules, sources(parser, argv, section, path)):
         parser.exit(2, f"{parser.prog}: error: {problem}\n")
     return args
 
 
-def number_rules(parser: argparse.ArgumentParser) -> dict[str, tuple[str, float]]:
-    """Per flag of `parser` (at its own defaults: take them before a file's), what a value
-    below 0 must be, and the default that is allowed below 0: at least 0 for an integer whose
-    default is not negative (a count, a length, a port) or a time in seconds (a flag ending in
-    -s whose default is not negative); 0 or more, or the default, where that is below 0 (-1:
-    "the model's", "all")."""
+Rules = dict[str, tuple[str, float, float]]
+
+
+def number_rules(parser: argparse.ArgumentParser) -> Rules:
+    """Per flag of `parser` (at its own defaults: take them before a file's), what its value
+    must be, the default that is allowed below 0, and the highest value: at least 0 for an
+    integer whose default is not negative (a count, a length, a port) or a time in seconds (a
+    flag ending in -s whose default is not negative); 0 or more, or the default, where that is
+    below 0 (-1: "the model's", "all"); a learning rate (--lr, --*-lr) 0 to MAX_LR."""
     rules = {
-        a.dest: ("a time in seconds, at least 0" if a.dest.endswith("_s") else "at least 0", 0.0)
+        a.dest: (
+            "a time in seconds, at least 0" if a.dest.endswith("_s") else "at least 0",
+            0.0,
+            math.inf,
+        )
         for a in parser._actions
         if _number(a.default) >= 0 and (a.dest.endswith("_s") or isinstance(a.default, int))
     }
-    return rules | {  # (--ckpt-step -3 was taken for the latest, --metrics-port -3 for none)
-        a.dest: (f"at least 0, or {a.default:g} (its default: see --help)", a.default)
+    rules |= {  # (--ckpt-step -3 was taken for the latest, --metrics-port -3 for none)
+        a.dest: (f"at least 0, or {a.default:g} (its default: see --help)", a.default, math.inf)
         for a in parser._actions
         if _number(a.default) < 0
     }
+    rate = f"a learning rate, at least 0 and at most {MAX_LR:g} (RL post-training: ~1e-6 to 1e-4)"
+    return rules | {
+        a.dest: (rate, 0.0, MAX_LR)
+        for a in parser._actions
+        if a.dest == "lr" or a.dest.endswith("_lr")
+    }
+
+
+def sources(
+    parser: argparse.ArgumentParser, argv: list[str], section: str, path: str
+) -> dict[str, str]:
+    """How a refusal names the value of each setting that `argv` does not give (what comes
+    before the value): its `TANDEM_<SECTION>_<KEY>` variable, else its key in the --config
+    file `path`. A flag given is named as the flag (TANDEM_UP_LR=nan was named `--lr nan`, a
+    flag nobody typed)."""
+    unset = object()  # (argparse leaves what a namespace holds already, unless a flag sets it)
+    given = argparse.Namespace(**dict.fromkeys(options(parser), unset))
+    parser.parse_known_args(argv, given)
+    table = read_file(path).get(section, {}) if path else {}
+    named = {}
+    for key in (key for key in options(parser) if getattr(given, key) is unset):
+        variable = f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
+        if variable in os.environ:
+            named[key] = f"environment variable {variable}="
+        elif key in table:
+            named[key] = f"{path}: [{section}] {key} = "
+    return named
 
 
 def number_problem(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, rules: dict[str, tuple[str, float]]
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    rules: Rules,
+    named: dict[str, str] | None = None,
 ) -> str:
-    """The first number of `args` that is refused, naming its flag ("" when none is): nan or
-    inf (float() takes them: a timeout of nan crashed a service later with "cannot convert
-    float NaN to integer", a bound of nan bounded nothing, a learning rate of inf was taken),
-    or a value below 0 that `rules` refuses (a timeout of -3 s was taken)."""
+    """The first number of `args` that is refused ("" when none is), named by its flag, or as
+    `named` (`sources`) says: nan or inf (float() takes them: a timeout of nan crashed a
+    service later with "cannot convert float NaN to integer", a bound of nan bounded nothing,
+    a learning rate of inf was taken), or a value that `rules` refuses (a timeout of -3 s was
+    taken, a learning rate of 1e9)."""
     for action in parser._actions:
         value = getattr(args, action.dest, None)
+        said = (named or {}).get(action.dest) or f"{(action.option_strings or [''])[0]} "
         for v in _listed(value):
             if isinstance(v, float) and not math.isfinite(v):
                 what = "not a number" if math.isnan(v) else "not a finite number"
-                return f"{action.option_strings[0]} {v}: {what}"
-        rule, default = rules.get(action.dest, ("", 0))
-        if rule and _number(value) < 0 and value != default:
-            return f"{action.option_strings[0]} {value:g}: {rule}"
+                return f"{said}{v}: {what}"
+        rule, default, highest = rules.get(action.dest, ("", 0, math.inf))
+        if rule and ((_number(value) < 0 and value != default) or _number(value) > highest):
+            return f"{said}{value:g}: {rule}"
     return ""
 
 
