@@ -191,6 +191,28 @@ def test_a_model_folder_without_tokenizer_files_is_refused_naming_them(
         load_tokenizer(qwen2)
 
 
+def test_a_tokenizer_json_folder_is_read_as_autotokenizer_reads_it_without_importing_torch(
+    toy_model_dir: Path,
+) -> None:
+    """AutoTokenizer reads the model's config to choose its class, importing the config's
+    module and torch with it: ~3 s of CPU at each router start, for the class that
+    tokenizer_config.json names already."""
+    script = (
+        "import sys; from services.common.tokenizers import load_tokenizer; "
+        f"t = load_tokenizer({str(toy_model_dir)!r}); "
+        "print(type(t).__name__, t('12>34').input_ids, 'torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(toy_model_dir)
+    ids = auto("12>34").input_ids
+    assert done.stdout.split(" ", 1) == [type(auto).__name__, f"{ids} False\n"]
+
+
 def test_a_router_waiting_for_its_engines_says_so_until_its_bound(redis_server: Any) -> None:
     """It waited --engine-wait-timeout-s (300 s) without a word."""
     result = tandem(

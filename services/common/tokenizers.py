@@ -32,12 +32,10 @@ def load_tokenizer(folder: str | Path, flag: str = "--model") -> Any:
     files or the tokenizer has no vocabulary besides its special tokens (transformers builds
     one from a folder without them, silently, for some classes: every prompt then encodes to
     no tokens; for others it fails on a missing converter)."""
-    from transformers import AutoTokenizer
-
     if problem := tokenizer_problem(folder, flag):
         raise ValueError(problem)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = _tokenizer_class(folder).from_pretrained(folder)
     except (OSError, ValueError) as exc:  # (transformers' words, then what to do)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
@@ -51,6 +49,26 @@ def load_tokenizer(folder: str | Path, flag: str = "--model") -> Any:
             "model repository's tokenizer files into the folder"
         )
     return tokenizer
+
+
+def _tokenizer_class(folder: str | Path) -> Any:
+    """The class that reads `folder`'s tokenizer: `TokenizersBackend` when its
+    tokenizer_config.json names it (a tokenizer.json read as it is), else `AutoTokenizer`.
+    AutoTokenizer reads the model's config to choose, which imports its configuration
+    class and torch with it: ~3 s of CPU at each start of a service that only tokenizes."""
+    import json
+
+    try:
+        config = json.loads((Path(folder) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    if isinstance(config, dict) and config.get("tokenizer_class") == "TokenizersBackend":
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 def vocabulary_problem(model: str | Path, other: str | Path, flag: str) -> str:
