@@ -439,13 +439,13 @@ def test_reading_groups_back_to_back_reports_the_status_at_most_every_wait_repor
     reports: list[int] = []
     intake = intake_of(buffer, 4)
     intake.report = lambda *a, **k: reports.append(k["groups_in_hand"])  # type: ignore[method-assign]
-    read, reads = buffer.read_entries, []
+    read, reads = intake.ahead.read, []
 
-    def one_at_a_time(consumer: str, count: int, start: str = ">", block_ms: int | None = None):  # type: ignore[no-untyped-def]
+    def one_at_a_time(count: int, block_ms: int):  # type: ignore[no-untyped-def]
         reads.append(count)
-        return read(consumer, 1, start, block_ms)
+        return read(1, block_ms)
 
-    monkeypatch.setattr(buffer, "read_entries", one_at_a_time)
+    monkeypatch.setattr(intake.ahead, "read", one_at_a_time)
     for _ in range(2):
         assert intake.read_rollout(0, lambda: False) is not None
     assert len(reads) >= 8 and reports == [0], "one status for reads within WAIT_REPORT_S"

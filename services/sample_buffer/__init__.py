@@ -5,13 +5,14 @@ from services.sample_buffer.buffer import (
     BufferConfig,
     SampleBuffer,
     redis_url_problem,
-    tune_gc_for_reads,
 )
+from services.sample_buffer.read_ahead import ReadAhead, tune_gc_for_reads
 from services.sample_buffer.server import RedisServer, find_server_binary
 
 __all__ = [
     "AsyncSampleBuffer",
     "BufferConfig",
+    "ReadAhead",
     "RedisServer",
     "SampleBuffer",
     "find_server_binary",

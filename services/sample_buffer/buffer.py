@@ -49,10 +49,10 @@ shared with the router's asyncio face (aio.py); this class is the blocking one.
 
 from __future__ import annotations
 
-import gc
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import redis
@@ -112,23 +112,6 @@ def redis_url_problem(url: str, flag: str = "--redis-url") -> str:
 
 Entry = tuple[str, dict[bytes, bytes]]  # a stream entry: id and raw fields
 DEAD_LETTER_FIELDS = (b"reason", b"detail", b"entry_id")  # a letter's own fields
-
-# A group read decodes into ~20 containers the collector tracks (its lists of token ids,
-# log-probs and masks), alive until the reader is done with its batch. At the collector's
-# default threshold (700 new containers) a young collection runs every ~35 groups and promotes
-# the groups in hand, and the full collections that follow traverse the reader's whole heap
-# (torch's included): in the trainer that doubled the CPU time of a read. Decoded groups hold
-# no reference cycles (refcounting frees them), so collecting less often keeps nothing longer.
-GC_GEN0_THRESHOLD = 50_000
-
-
-def tune_gc_for_reads() -> None:
-    """For a process that reads many groups (the trainer), once set up: freeze what it holds
-    now (no full collection traverses it again) and run young collections every
-    `GC_GEN0_THRESHOLD` new containers."""
-    gc.freeze()
-    _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 @dataclass
@@ -253,10 +236,20 @@ class SampleBuffer(BufferKeys):
                 CONSUMER_GROUP, consumer, {self.samples_key: start}, count=count, block=block_ms
             )
         except redis.ResponseError as exc:  # a server restarted without its data meanwhile
-            if "NOGROUP" not in str(exc):
-                raise
-            self._group_made = False  # made again by the next read
-            return []
+            return self.read_refused(exc)
+        return self.entries_of(reply)
+
+    def read_refused(self, exc: redis.ResponseError) -> list[Entry]:
+        """A read refused for want of the consumer group (a server restarted without its
+        data): none read, the group made again by the next read; other errors raise."""
+        if "NOGROUP" not in str(exc):
+            raise exc
+        self._group_made = False
+        return []
+
+    def entries_of(self, reply: Any) -> list[Entry]:
+        """The entries of an XREADGROUP's reply (redis-py's form); a pending entry deleted
+        meanwhile is acked."""
         out, gone = [], []
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
