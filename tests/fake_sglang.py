@@ -6,6 +6,7 @@ answer) and `a b b b...` otherwise; greedy requests (temperature 0) always get t
 Other prompts get `4 5 <eos>`. Output is cut at `max_new_tokens` (finish "length").
 `--fail-generate` makes `/generate` answer 500 (model info still answers), to test retries;
 `--fail-generate 400` answers 400 as SGLang refuses a request it finds at fault.
+`--context-length N` makes `/server_info` report `context_length` N, as SGLang does.
 `POST /update_weights_from_disk {"model_path": ..., "weight_version": "3"}` sets the reported
 weight version.
 
@@ -130,8 +131,10 @@ class FakeEngine:
         fail_generate: int,
         delay_ms: float,
         token_delay_ms: float,
+        context_length: int = 0,
     ) -> None:
         self.model_path, self.fail_generate = model_path, fail_generate
+        self.context_length = context_length  # 0: not reported
         self.delay_ms, self.token_delay_ms = delay_ms, token_delay_ms
         self.running = asyncio.Event()
         self.running.set()
@@ -214,6 +217,13 @@ class FakeEngine:
     async def ok(self, _request: web.Request) -> web.Response:
         return js({"success": True, "requests": self.state["requests"]})
 
+    async def server_info(self, _request: web.Request) -> web.Response:
+        """SGLang reports its (resolved) `--context-length` here, with much more."""
+        info: dict[str, Any] = {"success": True, "requests": self.state["requests"]}
+        if self.context_length:
+            info["context_length"] = self.context_length
+        return js(info)
+
     async def openai(self, request: web.Request) -> web.Response:
         """Enough of an OpenAI answer to see that a request was forwarded here."""
         body = request["json"]
@@ -247,8 +257,8 @@ class FakeEngine:
             ("GET", "/model_info"): self.model_info,
             ("GET", "/health"): self.ok,
             ("GET", "/health_generate"): self.ok,
-            ("GET", "/get_server_info"): self.ok,
-            ("GET", "/server_info"): self.ok,
+            ("GET", "/get_server_info"): self.server_info,
+            ("GET", "/server_info"): self.server_info,
         }
         missing = set(handlers) - set(sglang_surface.routes())
         if missing:  # the stand-in must not serve what the pinned SGLang does not
@@ -337,6 +347,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fail-generate", type=int, nargs="?", const=500, default=0)
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
+    parser.add_argument("--context-length", type=int, default=0, help="reported in /server_info")
     args = parser.parse_args(argv)
     engine = FakeEngine(
         args.model_path,
@@ -344,6 +355,7 @@ def main(argv: list[str]) -> int:
         args.fail_generate,
         args.delay_ms,
         args.token_delay_ms,
+        args.context_length,
     )
     app = engine.app()
     sock = bind_socket(args.host, args.port)

@@ -235,6 +235,26 @@ def test_a_router_without_engines_waits_for_one_instead_of_dropping(
     assert evals[0]["eval/failed"] == 0 and evals[0]["eval/num_prompts"] == 20, evals
 
 
+def test_a_rollout_waiting_for_engines_says_which_was_refused_for_its_context(
+    buffer, toy_model_dir, start_service, engines
+):
+    router = start_service("router", router_args(buffer, toy_model_dir, []))
+    httpx.post(router.url + "/rollout/start", headers=TOKEN)
+    short = engines("--context-length", "4")  # the response bound is 4 (router_args)
+    reply = httpx.post(router.url + "/workers", json={"url": short.url}, headers=TOKEN)
+    assert reply.json()["status"] == "refused", reply.text
+    expected = (
+        f"an admitted engine (none is healthy: see GET /workers; refused: engine {short.url} "
+        "has a context length of 4 tokens (its /server_info), which cannot hold a response of "
+        "--rollout-max-response-len 4 and a prompt: start the engine with --context-length "
+        "above 4, or lower --rollout-max-response-len below 4)"
+    )
+    wait_until(lambda: status(router)["waiting_for"] == expected, "the refusal in the status")
+    # what tandem up's watchdog reads
+    wait_until(lambda: buffer.statuses()["router"].waiting_for == expected, "the status record")
+    assert buffer.depth() == 0 and buffer.drop_counts() == {}
+
+
 def test_a_patch_making_samples_longer_than_the_trainer_takes_is_refused_naming_its_flags(
     buffer, toy_model_dir, start_service, engines, tmp_path
 ):

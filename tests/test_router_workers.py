@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -12,7 +14,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.helpers import wait_until
+from tests.helpers import router_args, wait_until
 
 GEN = {"input_ids": [1, 4, 5, 14], "sampling_params": {"n": 2, "max_new_tokens": 4}}
 
@@ -230,3 +232,42 @@ def test_control_calls_fan_out_to_every_worker(buffer, start_service, engines):
         result = httpx.post(router.url + path, json={}).json()
         assert set(result) == set(urls)
         assert all(r["status"] == 200 for r in result.values())
+
+
+def test_an_engine_whose_context_cannot_hold_the_response_bound_gets_no_samples_and_says_why(
+    buffer, start_service, engines, toy_model_dir
+):
+    # the response bound is 4 tokens (router_args): a context of 4 leaves no room for a prompt
+    short, fits = engines("--context-length", "4"), engines("--context-length", "64")
+    args = router_args(buffer, toy_model_dir, [short.url, fits.url], "--health-interval-s", "0.2")
+    router = start_service("router", args)
+    wait_until(lambda: buffer.depth() >= 8, "groups from the engine that fits")
+    refused = workers_by_url(router)[short.url]
+    assert not refused["healthy"] and refused["requests"] == 0, refused
+    expected = (
+        f"engine {short.url} has a context length of 4 tokens (its /server_info), which cannot "
+        "hold a response of --rollout-max-response-len 4 and a prompt: start the engine with "
+        "--context-length above 4, or lower --rollout-max-response-len below 4"
+    )
+    assert refused["refused"] == expected and refused["last_error"] == expected
+    assert f"refused {short.url}: {expected}" in router.log()
+    assert httpx.get(short.url + "/server_info").json()["requests"] == 0, "no health re-admission"
+    later = engines("--context-length", "3")
+    reply = httpx.post(router.url + "/workers", json={"url": later.url})
+    assert reply.status_code == 202 and reply.json()["status"] == "refused", reply.text
+    assert "has a context length of 3 tokens" in reply.json()["refused"]
+
+
+def test_a_router_whose_every_engine_context_is_too_short_exits_2_naming_the_flags(
+    buffer, engines, toy_model_dir
+):
+    short = engines("--context-length", "4")
+    args = router_args(buffer, toy_model_dir, [short.url])
+    run = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", *args], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert f"engine {short.url} has a context length of 4 tokens" in run.stderr, run.stderr
+    assert "--context-length above 4, or lower --rollout-max-response-len below 4" in run.stderr
+    last = run.stderr.strip().splitlines()[-1]  # (uvicorn logs a lifespan failure's traceback)
+    assert last.startswith(f"tandem router: start-up failed: engine {short.url} has a"), last

@@ -2,8 +2,9 @@
 
 Lifespan: start the shared HTTP session, admit every `--engine-urls` engine (waiting with
 backoff; an engine that never answers fails start-up naming its URL), connect to Redis, load the
-tokenizer once, then start the health-check task and, unless `--no-rollout`, the rollout and
-evaluation tasks. Shutdown cancels those tasks and closes the session.
+tokenizer once, take out the engines whose context cannot hold the response bound (none left
+fails start-up naming them: engine_context.py), then start the health-check task and, unless
+`--no-rollout`, the rollout and evaluation tasks. Shutdown cancels those tasks and closes the session.
 
 Routes are thin: engine-compatible routes (`/generate`, `/v1/*`, `/get_model_info`, fan-out
 control) live in `routes_engine.py`; worker registry and rollout control in `routes_control.py`;
@@ -27,6 +28,7 @@ from services.common.validation import answer_invalid_bodies
 from services.rollout_router.backpressure import depth_note
 from services.rollout_router.config import DataConfig, RouterConfig, SamplingConfig
 from services.rollout_router.control import RolloutController, greedy_note
+from services.rollout_router.engine_context import ContextGate
 from services.rollout_router.environments import EnvClient, EpisodeRunner
 from services.rollout_router.lease import RouterLease
 from services.rollout_router.metrics import router as metrics_router
@@ -172,6 +174,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             await lease.take()
             await buffer.recover_open("router")  # (a killed router's agent sessions)
             control = app.state.control = await build_control(config, pool, buffer)
+            loop = control.loop  # (a PATCH replaces loop.sampling)
+            gate = ContextGate(pool, lambda: loop.sampling.rollout_max_response_len)
+            await gate.refuse_short()  # (the response bound is known now: build_control)
             control.keep_lease(lease)
             app.state.sessions = AgentSessions(
                 config.sessions,

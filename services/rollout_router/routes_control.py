@@ -40,9 +40,11 @@ async def list_workers(request: Request) -> dict[str, Any]:
 @router.post("/workers", tags=["workers"], status_code=202, dependencies=WRITE)
 async def add_worker(request: Request, body: WorkerIn) -> dict[str, Any]:
     """Register a worker (202). It is admitted at once when its `/model_info` answers,
-    else registered unhealthy and admitted by the health checks once it answers."""
+    else registered unhealthy and admitted by the health checks once it answers; one whose
+    context length cannot hold the rollout's responses is refused (`refused` says why)."""
     admitted, worker = await pool_of(request).add_or_pend(body.url)
-    return {**worker.to_json(), "status": "admitted" if admitted else "pending"}
+    state = "admitted" if admitted else "refused" if worker.refused else "pending"
+    return {**worker.to_json(), "status": state}
 
 
 @router.delete("/workers/{worker_id}", tags=["workers"], dependencies=WRITE)

@@ -33,7 +33,7 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,7 @@ class Worker:
     requests: int = 0
     errors: int = 0
     last_error: str = ""
+    refused: str = ""  # why it gets no traffic whatever its health (engine_context.py)
     model_info: dict[str, Any] = field(default_factory=dict)
     broker_asked_at: float = -math.inf  # monotonic time of the last POST {broker}/engines
     behind_since: float = 0.0  # monotonic time it first served an older version than the pool's
@@ -102,6 +103,7 @@ class Worker:
             "requests": self.requests,
             "errors": self.errors,
             "last_error": self.last_error,
+            "refused": self.refused,
         }
 
 
@@ -122,6 +124,7 @@ class WorkerPool:
         self.paused_at = 0.0  # when POST /pause_generation through this router paused them (0: not)
         self._rr = itertools.count()
         self._health_task: asyncio.Task | None = None
+        self.vet: Callable[[str], Awaitable[str]] | None = None  # URL -> why refused ("": not)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -159,11 +162,22 @@ class WorkerPool:
     async def add(self, url: str, wait_s: float = 0.0) -> Worker:
         """Register `url` once `/model_info` answers, waiting up to `wait_s` with backoff;
         admitted at once if it serves the pool's weight version, else pending (and handed to
-        the broker to be brought to that version)."""
+        the broker to be brought to that version); refused when `vet` says why."""
         url = url.rstrip("/")
-        worker = self._register(url, await self._wait_model_info(url, wait_s))
-        await self.ask_broker_to_sync(worker)
+        info = await self._wait_model_info(url, wait_s)
+        refused = await self.vet(url) if self.vet is not None else ""
+        worker = self._register(url, info)
+        if refused:
+            self.refuse(worker, refused)
+        else:
+            await self.ask_broker_to_sync(worker)
         return worker
+
+    def refuse(self, worker: Worker, why: str) -> None:
+        """No traffic for `worker` until it is registered again; `why` is said."""
+        self._take_out(worker)
+        worker.refused = worker.last_error = why
+        log.error("refused %s: %s", worker.url, why)
 
     async def add_all(self, urls: list[str], wait_s: float, admit: bool = True) -> None:
         """Wait for every URL concurrently, then (`admit`) admit them in the order given (so
@@ -175,7 +189,7 @@ class WorkerPool:
 
     def _register(self, url: str, info: dict[str, Any]) -> Worker:
         worker = self.workers.get(worker_id_for(url)) or Worker(url, worker_id_for(url))
-        worker.model_info = info
+        worker.model_info, worker.refused = info, ""
         worker.weight_version = parse_version(info.get("weight_version"))
         worker.failures = 0
         target = self.target_version(exclude=worker)
@@ -463,6 +477,8 @@ class WorkerPool:
                     f"{self._behind(worker, target)}, for {self.config.broker_retry_s:g} s"
                 )
                 log.warning("took %s out: %s", worker.url, worker.last_error)
+            if worker.refused:
+                return
             if reported >= max(target, self.version_reached):
                 worker.healthy, worker.last_error = True, ""
                 self.version_reached = max(self.version_reached, reported)
