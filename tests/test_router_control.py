@@ -318,3 +318,21 @@ def test_engines_paused_through_the_router_hold_the_rollout_and_its_status_says_
     assert httpx.post(router.url + "/continue_generation", json={}, headers=TOKEN).is_success
     wait_until(lambda: status(router)["state"] != "waiting_for_workers", "the rollout going on")
     wait_until(lambda: buffer.counters()["prompts_drawn"] > drawn, "new groups after continue")
+
+
+def test_a_patch_of_a_response_bound_the_engines_context_cannot_hold_is_refused_naming_it(
+    buffer, toy_model_dir, start_service, engines
+):
+    engine = engines("--context-length", "20")
+    router = start_service("router", router_args(buffer, toy_model_dir, [engine.url]))
+    url = router.url + "/rollout/config"
+    resp = httpx.patch(url, json={"rollout_max_response_len": 20}, headers=TOKEN)
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["detail"] == (
+        f"rollout_max_response_len 20: engine {engine.url} has a context length of 20 tokens "
+        "(its /server_info), which cannot hold such a response and a prompt: give less than "
+        "20, or restart the engine with a higher --context-length"
+    )
+    assert httpx.get(url).json()["rollout_max_response_len"] == 4, "a refused patch changes nothing"
+    resp = httpx.patch(url, json={"rollout_max_response_len": 19}, headers=TOKEN)
+    assert resp.status_code == 200 and resp.json()["rollout_max_response_len"] == 19, resp.text

@@ -177,6 +177,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             loop = control.loop  # (a PATCH replaces loop.sampling)
             gate = ContextGate(pool, lambda: loop.sampling.rollout_max_response_len)
             await gate.refuse_short()  # (the response bound is known now: build_control)
+            control.context_gate = gate
             control.keep_lease(lease)
             app.state.sessions = AgentSessions(
                 config.sessions,

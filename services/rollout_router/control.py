@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from proto.contract import FLAGS, SampleLimits
 from services.common.long_wait import LongWait
 from services.rollout_router.config import DataConfig, SamplingConfig, reward_problem
+from services.rollout_router.engine_context import ContextGate
 from services.rollout_router.evaluation import run_evaluations
 from services.rollout_router.lease import LeaseError, RouterLease
 from services.rollout_router.report import service_status
@@ -142,6 +143,7 @@ class RolloutController:
         self.status_task: asyncio.Task | None = None
         self.lease_task: asyncio.Task | None = None
         self.long_wait = LongWait(log.warning, quiet=("rollouts off",))  # (--no-rollout)
+        self.context_gate: ContextGate | None = None  # the engines' contexts (app.py sets it)
 
     @property
     def running(self) -> bool:
@@ -253,6 +255,8 @@ class RolloutController:
             limits = await self.loop.buffer.sample_limits()
             length = sampling.rollout_max_response_len
             if problem := fit_problem(longest, length, self.loop.gen.context_len, limits):
+                raise ConfigPatchError(problem)
+            if self.context_gate and (problem := self.context_gate.patch_problem(length)):
                 raise ConfigPatchError(problem)
         self.loop.task, self.data = task, data
         self.loop.apply(rollout, sampling)

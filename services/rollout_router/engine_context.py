@@ -9,7 +9,8 @@ An engine whose context cannot hold `--rollout-max-response-len` tokens and one 
 would cut or refuse every long sample, so it gets no traffic: `ContextGate` is the pool's
 admission check (`WorkerPool.vet`), run before an engine is admitted at run time and, once the
 response bound is known, over the engines admitted at start. A start where no engine fits fails
-naming them.
+naming them; a `PATCH /rollout/config` whose response bound the smallest admitted context
+cannot hold is refused.
 """
 
 from __future__ import annotations
@@ -75,3 +76,18 @@ class ContextGate:
         self.pool.vet = self
         if refused and not self.pool.admitted():
             raise ValueError("; ".join(refused))
+
+    def patch_problem(self, length: int) -> str:
+        """Why responses up to `length` tokens do not fit the smallest admitted context."""
+        known = [(c, w.url) for w in self.pool.admitted() if (c := self.contexts.get(w.url))]
+        if not known:
+            return ""
+        context, url = min(known)
+        if context > length:
+            return ""
+        return (
+            f"rollout_max_response_len {length}: engine {url} has a context length of "
+            f"{context} tokens (its /server_info), which cannot hold such a response and a "
+            f"prompt: give less than {context}, or restart the engine with a higher "
+            "--context-length"
+        )

@@ -161,8 +161,9 @@ async def patch_rollout_config(request: Request, changes: dict[str, Any]) -> dic
     (`rollout_batch_size`, `n_samples_per_prompt`, `max_staleness`, `num_steps_per_rollout`)
     are shared with the trainer and fixed for the run: a new value is answered 409 (restart
     the run with the flag instead). A response length or dataset whose samples would be longer
-    than the run's trainer takes (the limits it stated at its start) is answered 422, naming
-    what fits."""
+    than the run's trainer takes (the limits it stated at its start), or a response length
+    an admitted engine's context cannot hold with a prompt, is answered 422, naming what
+    fits."""
     try:
         return await control_of(request).patch(changes)
     except ContractTermError as exc:
