@@ -400,6 +400,16 @@ def wide_lines(wide: Phase, raw_rate: float, args: argparse.Namespace) -> str:
     )
 
 
+def no_ahead_lines(no_ahead: Phase, packed: Phase, raw_rate: float) -> str:
+    """The phase without read-ahead beside the main one, and its CPU breakdown."""
+    return (
+        f"consume_groups_per_s_without_read_ahead: {no_ahead.consumed:.0f} (packed; each read "
+        f"waited for before its groups are checked); {no_ahead.consumed / raw_rate:.2f}x raw "
+        f"XADD, {packed.consumed / max(no_ahead.consumed, 1):.2f}x of it with read-ahead\n"
+        + breakdown("packed, no read-ahead", no_ahead.cpu_us, raw_rate)
+    )
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="Length of each phase.")
@@ -472,12 +482,7 @@ def main(argv: list[str]) -> int:
         met = "not judged: the limit was redis-py's, not the server's (install redis-tools)"
     print(f"targets (consume >= 0.5x raw XADD, p99 <= 50 ms): {met}")
     print(wide_lines(wide, raw_rate, args))
-    print(
-        f"consume_groups_per_s_without_read_ahead: {no_ahead.consumed:.0f} (packed; each read "
-        f"waited for before its groups are checked); {no_ahead.consumed / raw_rate:.2f}x raw "
-        f"XADD, {packed_run.consumed / max(no_ahead.consumed, 1):.2f}x of it with read-ahead"
-    )
-    print(breakdown("packed, no read-ahead", no_ahead.cpu_us, raw_rate))
+    print(no_ahead_lines(no_ahead, packed_run, raw_rate))
     print(
         f"router_put_path_consume_vs_raw_xadd: {lists.consumed / raw_rate:.2f} (groups from lists)"
     )

@@ -38,9 +38,10 @@ def context_problem(url: str, context: int, length: int) -> str:
     )
 
 
-def refusals(pool: WorkerPool) -> str:
-    """'; refused: WHY' for each engine refused (what a loop waiting for engines says)."""
-    return "".join(f"; refused: {w.refused}" for w in pool.workers.values() if w.refused)
+def none_admitted(pool: WorkerPool) -> str:
+    """What a loop waiting for an engine waits for, with each engine refused and why."""
+    refused = "".join(f"; refused: {w.refused}" for w in pool.workers.values() if w.refused)
+    return f"an admitted engine (none is healthy: see GET /workers{refused})"
 
 
 class ContextGate:

@@ -51,7 +51,7 @@ from redis.exceptions import RedisError
 from proto import DropReason, Sample, SampleGroup
 from services.rollout_router.backpressure import BufferBound, full_sentence, waiting_for_room
 from services.rollout_router.config import RolloutConfig, SamplingConfig
-from services.rollout_router.engine_context import refusals
+from services.rollout_router.engine_context import none_admitted
 from services.rollout_router.environments import EpisodeRunner
 from services.rollout_router.generation import Generation
 from services.rollout_router.lease import LeaseError, raise_if_fenced
@@ -149,9 +149,7 @@ class RolloutLoop:
         """With no admitted engine, every group would fail at once, and engines paused would
         hold them: wait instead of dropping."""
         while not self.pool.admitted() or self.pool.paused_at:
-            waiting_for = (
-                f"an admitted engine (none is healthy: see GET /workers{refusals(self.pool)})"
-            )
+            waiting_for = none_admitted(self.pool)
             if self.pool.paused_at:
                 waiting_for = (
                     f"the engines, paused through POST /pause_generation "
