@@ -96,7 +96,10 @@ def test_a_resume_beside_services_of_an_earlier_launch_still_running_is_refused_
     sleep = "import time; time.sleep(60)"
     left = subprocess.Popen([sys.executable, "-c", sleep, "--config", str(run / "config.toml")])
     try:
-        wait_until(lambda: psutil.Process(left.pid).cmdline()[-1].endswith("config.toml"), "it")
+        # (its command line reads empty, or as pytest's, until the child has exec'd)
+        wait_until(
+            lambda: psutil.Process(left.pid).cmdline()[-1:] == [str(run / "config.toml")], "it"
+        )
         assert launcher.main(["--resume", str(run)]) == 2
         err = capsys.readouterr().err
         assert f"{run}: services of an earlier launch still run: {sys.executable} (pid " in err
