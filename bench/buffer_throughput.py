@@ -91,9 +91,8 @@ RAW_RUNS = 3
 ARGV_PAYLOAD_MAX = 100_000
 PACED_SHARE = 0.5  # the latency phase offers this share of the measured consume rate
 # A phase with this many times the groups in flight, depth bound and trainer rollout: the router's
-# defaults for a rollout batch this many times larger (256 for the default 64). With the default
-# in flight, all of them wait on each PUT's round trip (the producer's and the server's CPU
-# alternate); a larger batch overlaps them.
+# defaults for a rollout batch this many times larger (256 for the default 64): larger entries,
+# fewer reads and PUTs a group.
 WIDE = 4
 # The consumer's CPU by part: the read (and its status), the decode, the intake's checks, the
 # step's bookkeeping (the rest: the bench's own latency and id lists).

@@ -17,7 +17,12 @@ from fastapi import FastAPI
 from proto import DropReason, DropRecord, Sample, SampleGroup
 from proto.contract import RunContract, ServiceStatus
 from proto.packed import groups_of
-from services.rollout_router.backpressure import BufferBound, BufferFullError, depth_note
+from services.rollout_router.backpressure import (
+    PUTS_IN_FLIGHT,
+    BufferBound,
+    BufferFullError,
+    depth_note,
+)
 from services.rollout_router.config import RolloutConfig, SessionConfig
 from services.rollout_router.progress import Demand, allowance
 from services.rollout_router.routes_agent import router as agent_router
@@ -192,7 +197,38 @@ async def test_puts_from_many_tasks_share_script_calls(
     assert sorted(g.group_id for _, g in got) == sorted(f"g{k}" for k in range(200))
 
 
-async def test_producers_let_go_by_room_at_the_bound_put_in_one_batch_in_arrival_order(
+async def test_a_turns_puts_are_two_batches_under_way_at_once_and_each_group_is_put_once(
+    aio: AsyncSampleBuffer, buffer: SampleBuffer, monkeypatch
+) -> None:
+    """The writer alternated with the server: all producers in one PUT, then all making their
+    next groups while nobody wrote. Now a turn's queue is halved between two PUTs under way at
+    once (PUTS_IN_FLIGHT), never more."""
+    under_way, most, sizes = 0, 0, []
+    put_batch = aio.put_batch
+
+    async def counted(groups: list[Any]) -> tuple[list[str], int]:
+        nonlocal under_way, most
+        under_way += 1
+        most, _ = max(most, under_way), sizes.append(len(groups))
+        try:
+            return await put_batch(groups)
+        finally:
+            under_way -= 1
+
+    monkeypatch.setattr(aio, "put_batch", counted)
+    bound = BufferBound(aio, max_depth=0)
+
+    async def producer(p: int) -> list[str]:  # each puts 5 groups, one after the other
+        return [await put_through(bound, p * 5 + k) for k in range(5)]
+
+    ids = [i for put in await asyncio.gather(*(producer(p) for p in range(64))) for i in put]
+    assert len(set(ids)) == 320 and buffer.counters()["groups_put"] == 320
+    assert most == PUTS_IN_FLIGHT and sizes[:2] == [32, 32], sizes
+    got = buffer.read_groups("trainer-0", 400, block_ms=None)
+    assert sorted(g.group_id for _, g in got) == sorted(f"g{k}" for k in range(320))
+
+
+async def test_producers_let_go_by_room_at_the_bound_put_in_one_turn_in_arrival_order(
     aio: AsyncSampleBuffer, buffer: SampleBuffer
 ) -> None:
     bound = BufferBound(aio, max_depth=16)
@@ -203,12 +239,14 @@ async def test_producers_let_go_by_room_at_the_bound_put_in_one_batch_in_arrival
     before = xadd_calls(buffer)  # (a consume writes no entry)
     await asyncio.to_thread(consume, buffer, 16)  # room for 16 of the 32 in line
     await asyncio.wait_for(asyncio.gather(*waiting[:16]), 10)
-    assert xadd_calls(buffer) - before == 1, "the producers let go together put one entry"
+    # (16 = SPLIT_MIN: the two halves are two PUTs under way at once, in the order sent)
+    assert xadd_calls(buffer) - before == 2, "the producers let go together put two entries"
     assert bound.waiting == 16 and not any(task.done() for task in waiting[16:])
-    in_stream = [
-        g for i, f in buffer.redis.xrange(aio.samples_key) for _, g in groups_of(i, f[b"d"])
-    ]
-    assert [g.group_id for g in in_stream] == [f"g{k}" for k in range(16, 32)]
+    in_stream = sorted(
+        [g.group_id for _, g in groups_of(i, f[b"d"])]
+        for i, f in buffer.redis.xrange(aio.samples_key)
+    )
+    assert in_stream == [[f"g{k}" for k in range(16, 24)], [f"g{k}" for k in range(24, 32)]]
     await asyncio.to_thread(consume, buffer, 100)
     await asyncio.wait_for(asyncio.gather(*waiting[16:]), 10)
     assert await aio.backlog() == 16 and bound.waiting == 0

@@ -14,6 +14,9 @@ read never misses a group on its way.
 Writes are group commits: a group put while another write is under way joins the next batch,
 one ledger PUT script call writing the batch as one stream entry (or a few: ledger.py), so puts
 from many tasks cost one round trip, one XADD and one trainer read per batch, not per group.
+Up to PUTS_IN_FLIGHT batches are under way at once: while the server runs one, the producers
+whose groups the last one wrote make their next ones (with one, the router's CPU and the
+server's alternated, each idle while the other worked).
 
 Consistency with the demand gate (progress.py): the gate lets rollouts run up to
 `staleness_reach()` groups ahead of the trainer; the depth bound must leave room for the
@@ -39,6 +42,13 @@ UNBOUNDED = 1 << 62
 # read that found none, up to the longest (the trainer is training: room comes in seconds).
 PUT_POLL_S = 0.001
 PUT_POLL_MAX_S = 0.01
+# PUT script calls under way at once, each on a connection of its own (the server runs each
+# atomically, in the order it reads them: two halves of a turn may land in either order). Two
+# overlap the router's work with the server's; more cut the batches smaller for no more overlap.
+# A queue under SPLIT_MIN groups goes whole: each PUT costs the router CPU of its own (the call,
+# the send, the reply), not worth it for halves of a small batch.
+PUTS_IN_FLIGHT = 2
+SPLIT_MIN = 16
 
 
 @dataclass(eq=False)
@@ -127,7 +137,7 @@ class BufferBound:
         self._line: deque[Waiter] = deque()
         self._granter: asyncio.Task | None = None
         self._queue: list[tuple[PackedGroup, asyncio.Future[str]]] = []
-        self._writer: asyncio.Task | None = None
+        self._writers: list[asyncio.Task] = []  # at most PUTS_IN_FLIGHT not done
 
     @property
     def waiting(self) -> int:
@@ -236,14 +246,30 @@ class BufferBound:
         packed = pack(group)
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._queue.append((packed, future))
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.create_task(self._write_queued(), name="buffer writer")
+        # A writer takes the queue when it starts and after each PUT: one is made for the
+        # first group queued since (the others join it), while fewer are under way.
+        if len(self._queue) == 1 or not self._busy_writers():
+            self._start_writer()
         return future
 
+    def _busy_writers(self) -> int:
+        self._writers = [writer for writer in self._writers if not writer.done()]
+        return len(self._writers)
+
+    def _start_writer(self) -> None:
+        """A writer for the queue, unless PUTS_IN_FLIGHT are under way."""
+        if self._busy_writers() < PUTS_IN_FLIGHT:
+            self._writers.append(asyncio.create_task(self._write_queued(), name="buffer writer"))
+
     async def _write_queued(self) -> None:
-        """Write what is queued, one PUT per round, until the queue is empty."""
+        """Write what is queued, one PUT per round, until the queue is empty. A queue of
+        SPLIT_MIN or more groups while another writer could start is halved between them: the
+        producers of each half then make their next groups while the server runs the other's."""
         while self._queue:
             batch, self._queue = self._queue, []
+            if len(batch) >= SPLIT_MIN and self._busy_writers() < PUTS_IN_FLIGHT:
+                batch, self._queue = batch[: len(batch) // 2], batch[len(batch) // 2 :]
+                self._start_writer()
             try:
                 ids, backlog = await self.buffer.put_batch([group for group, _ in batch])
             except Exception as exc:  # the producers see it (a RedisError: Redis is down)
