@@ -11,7 +11,8 @@ from services.rollout_router.config import WorkerPoolConfig
 from services.rollout_router.limiter import Limiter
 from services.rollout_router.rewards import boxed, exact_match, last_number, load_function
 from services.rollout_router.samples import Partial, sampling_seed
-from services.rollout_router.workers import Worker, WorkerPool, rendezvous, worker_id_for
+from services.rollout_router.worker import Worker, rendezvous, worker_id_for
+from services.rollout_router.workers import WorkerPool
 
 
 def pool_with(urls: list[str], policy: str = "least_outstanding") -> WorkerPool:

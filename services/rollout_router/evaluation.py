@@ -30,7 +30,7 @@ from services.rollout_router.rewards import RewardError
 from services.rollout_router.rollout import RolloutLoop
 from services.rollout_router.samples import Partial
 from services.rollout_router.tasks import Item
-from services.rollout_router.workers import EngineRequestError, NoWorkerError
+from services.rollout_router.worker import EngineRequestError, NoWorkerError
 
 log = logging.getLogger("tandem.router.eval")
 EVAL_FAILURES = (EnvError, EngineRequestError, NoWorkerError)

@@ -24,7 +24,8 @@ from services.rollout_router.samples import (
     parse_version,
     sampling_seed,
 )
-from services.rollout_router.workers import EngineRequestError, WorkerPool
+from services.rollout_router.worker import EngineRequestError
+from services.rollout_router.workers import WorkerPool
 
 
 class Generation:

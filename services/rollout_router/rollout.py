@@ -77,7 +77,8 @@ from services.rollout_router.report import (
 from services.rollout_router.rewards import Reward, RewardError
 from services.rollout_router.samples import sampling_seed
 from services.rollout_router.tasks import Item, Task
-from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
+from services.rollout_router.worker import EngineRequestError, NoWorkerError
+from services.rollout_router.workers import WorkerPool
 from services.sample_buffer import AsyncSampleBuffer
 from services.sample_buffer.refusals import hint_of
 

@@ -24,7 +24,7 @@ from services.rollout_router.backpressure import BufferFullError
 from services.rollout_router.routes_engine import SESSION_HEADER, forward
 from services.rollout_router.session_store import GroupSizeError
 from services.rollout_router.sessions import AgentSessions
-from services.rollout_router.workers import EngineRequestError, NoWorkerError
+from services.rollout_router.worker import EngineRequestError, NoWorkerError
 
 router = APIRouter()
 RETRY_AFTER_S = 5  # a reward refused for a full buffer: when to post it again

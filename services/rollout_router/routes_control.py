@@ -15,7 +15,8 @@ from services.common.auth import WRITE
 from services.common.urls import HttpUrl
 from services.rollout_router.control import ConfigPatchError, ContractTermError, RolloutController
 from services.rollout_router.report import status as loop_status
-from services.rollout_router.workers import EngineStartupError, WorkerPool
+from services.rollout_router.worker import EngineStartupError
+from services.rollout_router.workers import WorkerPool
 
 router = APIRouter()
 

@@ -48,7 +48,8 @@ from services.rollout_router.samples import Partial, as_list
 from services.rollout_router.session_store import SessionStore, session_samples
 from services.rollout_router.tasks import encode_prompt
 from services.rollout_router.tool_calls import PARSERS, Parser, leading_text
-from services.rollout_router.workers import EngineRequestError, NoWorkerError, WorkerPool
+from services.rollout_router.worker import EngineRequestError, NoWorkerError
+from services.rollout_router.workers import WorkerPool
 from services.sample_buffer import AsyncSampleBuffer
 
 TRAINER_LIMITS_S = 5.0  # how often a chat turn reads the trainer's limits again

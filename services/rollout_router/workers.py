@@ -30,85 +30,30 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
-import zlib
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
 
 from services.common.auth import bearer_headers
-from services.common.serving import ServiceError
 from services.rollout_router.config import WorkerPoolConfig
 from services.rollout_router.http1 import Http1Pool
 from services.rollout_router.samples import parse_version
+from services.rollout_router.worker import (
+    EngineRequestError,
+    EngineStartupError,
+    NoWorkerError,
+    Worker,
+    rendezvous,
+    worker_id_for,
+)
 
 log = logging.getLogger("tandem.router.workers")
 # The cancel message a request's task gets when its worker is taken out while it waits.
 TAKEN_OUT = "tandem: worker taken out of the rotation"
 WAIT_NOTE_S = 30.0  # how often a start-up wait for an engine says it still waits
-
-
-class NoWorkerError(RuntimeError):
-    """No admitted worker can take the request."""
-
-
-class EngineStartupError(ServiceError):
-    """An engine never answered during start-up."""
-
-
-class EngineRequestError(RuntimeError):
-    """A request failed on every attempt; `status` is the last HTTP status (0 = no answer)."""
-
-    def __init__(self, message: str, status: int = 0, body: bytes = b"") -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = body
-
-
-@dataclass
-class Worker:
-    """One engine as the pool sees it."""
-
-    url: str
-    worker_id: str
-    healthy: bool = True
-    outstanding: int = 0
-    weight_version: int = -1
-    failures: int = 0
-    requests: int = 0
-    errors: int = 0
-    last_error: str = ""
-    refused: str = ""  # why it gets no traffic whatever its health (engine_context.py)
-    model_info: dict[str, Any] = field(default_factory=dict)
-    broker_asked_at: float = -math.inf  # monotonic time of the last POST {broker}/engines
-    behind_since: float = 0.0  # monotonic time it first served an older version than the pool's
-    waiting: set[asyncio.Task[Any]] = field(default_factory=set)  # tasks awaiting its answer
-    quiet_since: float = 0.0  # monotonic: its last answer, or the request that ended its idling
-
-    def silent_s(self) -> float:
-        """Seconds it has held requests without answering any (0 when it holds none)."""
-        return time.monotonic() - self.quiet_since if self.outstanding else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.worker_id,
-            "url": self.url,
-            "healthy": self.healthy,
-            "outstanding": self.outstanding,
-            "weight_version": self.weight_version,
-            "requests": self.requests,
-            "errors": self.errors,
-            "last_error": self.last_error,
-            "refused": self.refused,
-        }
-
-
-def worker_id_for(url: str) -> str:
-    return f"w{zlib.crc32(url.encode()):08x}"
 
 
 class WorkerPool:
@@ -504,9 +449,3 @@ class WorkerPool:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             await self.check_once()
-
-
-def rendezvous(workers: list[Worker], key: str) -> Worker:
-    """Highest-random-weight hashing: a session keeps its worker while that worker stays up, and
-    only the sessions of a removed worker move."""
-    return max(workers, key=lambda w: zlib.crc32(f"{w.url}|{key}".encode()))
