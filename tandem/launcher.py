@@ -227,7 +227,7 @@ class UpConfig:
     lr: float = field(
         default=0.0,
         metadata={
-            "help": "Trainer learning rate (0 = 1e-3 for the toy model, 1e-6 for a --model: "
+            "help": "Trainer learning rate, 0 to 1 (0 = 1e-3 for the toy model, 1e-6 for a --model: "
             "a toy's rate would wreck a pretrained model in a few steps)."
         },
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config_file import parse_args
+from services.common.config_file import MAX_LR, parse_args
 from services.common.serving import bind_socket
 from services.rollout_router.__main__ import build_parser as router_parser
 from services.trainer.__main__ import build_parser as trainer_parser
@@ -207,3 +207,7 @@ def test_a_learning_rate_out_of_range_exits_2_naming_the_flag_or_variable_it_cam
             parse_args(trainer_parser(), argv, "trainer")
         said = f"error: {' '.join(argv)}: a learning rate, at least 0 and at most 1"
         assert exc.value.code == 2 and said in capsys.readouterr().err, argv
+    # and --help says the range of each, before anyone is refused
+    for parser in (trainer_parser(), launcher.build_parser()):
+        rates = [a for a in parser._actions if a.dest == "lr" or a.dest.endswith("_lr")]
+        assert rates and all(f"0 to {MAX_LR:g}" in str(a.help) for a in rates), parser.prog

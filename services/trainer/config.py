@@ -126,10 +126,10 @@ class TrainerConfig:
     # --- optimizer -------------------------------------------------------------------------
     lr: float = _f(
         1e-6,
-        "Peak learning rate (AdamW). The default suits a pretrained model; `tandem up` passes "
+        "Peak learning rate (AdamW), 0 to 1. The default suits a pretrained model; `tandem up` passes "
         "1e-3 for its toy model, whose rate would wreck a pretrained one in a few steps.",
     )
-    min_lr: float = _f(0.0, "Learning rate at the end of the decay.")
+    min_lr: float = _f(0.0, "Learning rate at the end of the decay, 0 to 1.")
     lr_decay_style: str = _f(
         "constant", "Schedule after warm-up.", choices=["constant", "linear", "cosine"]
     )
@@ -200,7 +200,9 @@ class TrainerConfig:
         "the training forward's own log-probs, detached, are the same values and save a pass.",
         choices=["auto", "always"],
     )
-    critic_lr: float = _f(0.0, "Critic learning rate for --advantage-estimator gae (0 = --lr).")
+    critic_lr: float = _f(
+        0.0, "Critic learning rate for --advantage-estimator gae, 0 to 1 (0 = --lr)."
+    )
     value_clip: float = _f(0.2, "PPO value clipping around the critic's pre-step values (0 = off).")
     gamma: float = _f(1.0, "Discount for REINFORCE++ returns and GAE.")
     lambd: float = _f(1.0, "GAE lambda.")
