@@ -18,26 +18,37 @@ def say(message: str) -> None:
 
 
 class MetricSinks:
+    """The W&B run, as the TensorBoard file, is made with the first record: a run refused at
+    start-up leaves none of nothing."""
+
     def __init__(self, run_dir: Path, wandb_project: str, config: dict[str, Any]) -> None:
         self.tensorboard = EventWriter(run_dir / "tensorboard")
+        self.run_dir, self.config = run_dir, config
         self.wandb: Any = None
-        project = wandb_project  # --wandb-project, whose default is env WANDB_PROJECT
-        if project and importlib.util.find_spec("wandb") is None:
-            say(f"W&B project {project!r} named but the wandb package is not installed: W&B off")
-        elif project:
-            import wandb
+        self.project = wandb_project  # --wandb-project, whose default is env WANDB_PROJECT
+        if self.project and importlib.util.find_spec("wandb") is None:
+            say(
+                f"W&B project {self.project!r} named but the wandb package is not installed: W&B off"
+            )
+            self.project = ""
 
-            try:
-                self.wandb = wandb.init(
-                    project=project, name=run_dir.name, dir=str(run_dir), config=config
-                )
-                say(f"W&B run {self.wandb.url or 'offline, in ' + self.wandb.dir}")
-            except Exception as exc:  # wandb raises its own types (login, network): report all
-                say(f"W&B failed to start ({exc!r}): W&B off")
+    def _open_wandb(self) -> None:
+        project, self.project = self.project, ""  # (tried once)
+        import wandb
+
+        try:
+            self.wandb = wandb.init(
+                project=project, name=self.run_dir.name, dir=str(self.run_dir), config=self.config
+            )
+            say(f"W&B run {self.wandb.url or 'offline, in ' + self.wandb.dir}")
+        except Exception as exc:  # wandb raises its own types (login, network): report all
+            say(f"W&B failed to start ({exc!r}): W&B off")
 
     def add(self, record: MetricsRecord) -> None:
         self.tensorboard.add_scalars(record.step, record.values, record.time)
         self.tensorboard.flush()
+        if self.project:
+            self._open_wandb()
         if self.wandb is not None:
             try:
                 self.wandb.log({**record.values, f"{record.source}/step": record.step})

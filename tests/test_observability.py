@@ -380,7 +380,9 @@ def test_crc32c_is_the_castagnoli_checksum_tensorboard_expects() -> None:
     assert crc32c(b"123456789") == 0xE3069283  # the standard check value
 
 
-def test_a_refused_start_or_resume_leaves_no_tensorboard_file_of_nothing(tmp_path: Path) -> None:
+def test_a_refused_start_or_resume_leaves_no_tensorboard_file_or_wandb_run_of_nothing(
+    tmp_path: Path,
+) -> None:
     """A run refused once it had started (its Redis up, the model written) left an events file
     holding no scalar in RUN_DIR/tensorboard: TensorBoard listed a run of nothing, one more at
     each refused resume. The file is made with the first scalar."""
@@ -395,7 +397,8 @@ def test_a_refused_start_or_resume_leaves_no_tensorboard_file_of_nothing(tmp_pat
 
     def up(*flags: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "tandem.cli", "up", *flags]
-        return subprocess.run(command, capture_output=True, text=True, timeout=300)
+        env = {**os.environ, "WANDB_PROJECT": "tandem-test", "WANDB_MODE": "offline"}
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
     run = tmp_path / "run"  # refused by the router once the toy model (64 positions) is written
     new = up("--run-dir", str(run), "--rollout-max-response-len", "64")
@@ -409,6 +412,7 @@ def test_a_refused_start_or_resume_leaves_no_tensorboard_file_of_nothing(tmp_pat
     assert resumed.returncode == 2, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "iteration 1 has no checkpoint" in resumed.stdout
     assert "the resume did not start" in resumed.stdout and not (run / "tensorboard").exists()
+    assert not (run / "wandb").exists(), "a W&B run of nothing (it is opened with the first record)"
 
 
 def test_a_read_command_killed_with_sigkill_takes_its_private_redis_with_it(
