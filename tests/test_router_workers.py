@@ -256,6 +256,17 @@ def test_an_engine_whose_context_cannot_hold_the_response_bound_gets_no_samples_
     reply = httpx.post(router.url + "/workers", json={"url": later.url})
     assert reply.status_code == 202 and reply.json()["status"] == "refused", reply.text
     assert "has a context length of 3 tokens" in reply.json()["refused"]
+    # restarted as the refusal says, at its URL: the health checks admit it (it stayed refused
+    # until registered again by hand)
+    short.stop()
+    port = short.url.rsplit(":", 1)[1]
+    engines("--context-length", "64", "--port", port)
+    wait_until(lambda: workers_by_url(router)[short.url]["healthy"], "its admission")
+    for _ in range(4):  # (the rollout waits for a trainer: requests of a client)
+        assert httpx.post(router.url + "/generate", json=GEN).status_code == 200
+    back = workers_by_url(router)[short.url]
+    assert back["requests"] > 0 and not back["refused"] and not back["last_error"], back
+    assert f"{short.url} passes the admission check now: no longer refused" in router.log()
 
 
 def test_a_router_whose_every_engine_context_is_too_short_exits_2_naming_the_flags(

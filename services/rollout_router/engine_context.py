@@ -8,7 +8,8 @@ budget lowering it).
 An engine whose context cannot hold `--rollout-max-response-len` tokens and one prompt token
 would cut or refuse every long sample, so it gets no traffic: `ContextGate` is the pool's
 admission check (`WorkerPool.vet`), run before an engine is admitted at run time and, once the
-response bound is known, over the engines admitted at start. A start where no engine fits fails
+response bound is known, over the engines admitted at start; the health checks run it again on
+each refused engine, so one restarted at its URL with a larger context is admitted. A start where no engine fits fails
 naming them; a `PATCH /rollout/config` whose response bound the smallest admitted context
 cannot hold is refused.
 """

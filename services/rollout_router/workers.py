@@ -422,7 +422,7 @@ class WorkerPool:
                     f"{self._behind(worker, target)}, for {self.config.broker_retry_s:g} s"
                 )
                 log.warning("took %s out: %s", worker.url, worker.last_error)
-            if worker.refused:
+            if worker.refused and not await self._vetted_again(worker):
                 return
             if reported >= max(target, self.version_reached):
                 worker.healthy, worker.last_error = True, ""
@@ -435,6 +435,17 @@ class WorkerPool:
                 await self.ask_broker_to_sync(worker)
 
         await asyncio.gather(*(check(w) for w in list(self.workers.values())))
+
+    async def _vetted_again(self, worker: Worker) -> bool:
+        """A refused engine checked again (each health round): one restarted at its URL as the
+        refusal said (a larger --context-length) is refused no more, then admitted as any."""
+        why = await self.vet(worker.url) if self.vet is not None else ""
+        if why:
+            worker.refused = worker.last_error = why
+            return False
+        log.info("%s passes the admission check now: no longer refused", worker.url)
+        worker.refused = worker.last_error = ""
+        return True
 
     def _lags(self, worker: Worker, target: int) -> bool:
         """Whether an admitted worker has served an older version than `target` for
