@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -238,6 +239,43 @@ def test_a_sharded_bf16_model_round_trips_bit_exactly(
     save_file(original, tmp_path / "ref.safetensors", metadata={"format": "pt"})
     written = (tmp_path / "hf" / "model.safetensors").read_bytes()
     assert written == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_a_model_over_the_shard_bound_is_written_in_shards_with_their_index(
+    sharded_qwen2: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """megatron-to-hf wrote one model.safetensors whatever the model's size (a 32B model: one
+    64 GB file, which the Hub refuses). Files hold at most MAX_SHARD_BYTES of tensors, as HF
+    writes them, with the index naming each tensor's file; transformers loads the folder."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from services.trainer.convert import write_hf_dir
+
+    src, _ckpt = sharded_qwen2
+    original = {k: v for f in src.glob("*.safetensors") for k, v in load_file(f).items()}
+    total = sum(t.numel() * t.element_size() for t in original.values())
+    bound = total // 3
+    out = write_hf_dir(original, (src / "config.json").read_text(), str(tmp_path / "hf"), "", bound)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(f.name for f in out.glob("*.safetensors"))
+    assert len(files) >= 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors", files
+    assert index["metadata"]["total_size"] == total and set(index["weight_map"].values()) == set(
+        files
+    )
+    for name in files:
+        held = load_file(out / name)
+        assert sum(t.numel() * t.element_size() for t in held.values()) <= bound
+        assert all(
+            index["weight_map"][k] == name and torch.equal(t, original[k]) for k, t in held.items()
+        )
+    assert set(index["weight_map"]) == set(original)
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).state_dict()
+    assert set(original) <= set(loaded)
+    assert all(torch.equal(loaded[k], original[k]) for k in original)
+    # under the bound: one file, no index (as before)
+    one = write_hf_dir(original, (src / "config.json").read_text(), str(tmp_path / "one"), "")
+    assert sorted(f.name for f in one.iterdir()) == ["config.json", "model.safetensors"]
 
 
 class Counting(dict):

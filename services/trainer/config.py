@@ -261,8 +261,8 @@ class TrainerConfig:
     )
     save_hf: str = _f(
         "",
-        "Write the trained model as a Hugging Face directory (config.json, model.safetensors, "
-        "the tokenizer files of --model) here at each checkpoint and at exit (empty = never).",
+        "Write the trained model as a Hugging Face directory (config.json, model.safetensors or "
+        "5 GB shards with their index, the tokenizer files of --model) here at each checkpoint and at exit (empty = never).",
     )
 
     def validate(self, dp_size: int = 1) -> None:

@@ -2,7 +2,8 @@
 
   hf-to-megatron --hf-dir HF --save DIR      writes DIR/iter_0000000 (weights only) and the
                                              tracker; `tandem trainer --load DIR` starts from it
-  megatron-to-hf --load DIR --out HF2        writes config.json + model.safetensors from any
+  megatron-to-hf --load DIR --out HF2        writes config.json + model.safetensors (over 5 GB:
+                                             shards and their index, as HF does) from any
                                              trainer or converted checkpoint (any TP it was
                                              saved at), with the tokenizer files of the
                                              model it was trained from (`hf_source`) or of
@@ -41,6 +42,8 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
+# The most bytes of tensors a written weights file holds: HF's own (save_pretrained's "5GB").
+MAX_SHARD_BYTES = 5 * 10**9
 
 
 def write_hf_dir(
@@ -48,9 +51,11 @@ def write_hf_dir(
     config_json: str,
     out: str,
     tokenizer_src: str,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
-    """`out` as a complete HF directory: config.json, model.safetensors and the tokenizer files
-    of `tokenizer_src` ("" = none). Written to `out.tmp` and renamed, so `out` is never half
+    """`out` as a complete HF directory: config.json, the weights (model.safetensors, or shards
+    of `max_shard_bytes` and their index: `write_safetensors`) and the tokenizer files of
+    `tokenizer_src` ("" = none). Written to `out.tmp` and renamed, so `out` is never half
     written (`out.tmp` is removed when writing fails); a previous `out` is replaced. Floating
     tensors are written in the dtype the config states (a bf16 model trained in fp32, on a
     CPU, was written in fp32 under a config saying bfloat16: twice the disk, and not what the
@@ -71,7 +76,7 @@ def write_hf_dir(
         dtype = None
     named = tensors if callable(tensors) else tensors.items
     try:
-        write_safetensors(tmp / "model.safetensors", named, dtype)
+        write_safetensors(tmp, named, dtype, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for name in TOKENIZER_FILES if tokenizer_src else ():
             if (Path(tokenizer_src) / name).is_file():
@@ -176,7 +181,7 @@ def sharded_for_save(model: Any) -> dict[str, Any]:
 
 
 def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -> Path:
-    """Write HF `config.json` + `model.safetensors` of a checkpoint, and the tokenizer files of
+    """Write HF `config.json` + the weights (`write_hf_dir`) of a checkpoint, and the tokenizer files of
     `hf_dir` or else of the model it was trained from; returns `out`."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException

@@ -11,6 +11,7 @@ Does not know model architectures (`hf_arch`) or how HF names map to megatron's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
@@ -146,39 +147,74 @@ class HfState(MutableMapping[str, torch.Tensor]):
 
 
 def write_safetensors(
-    path: Path,
+    folder: Path,
     tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-    dtype: torch.dtype | None = None,
-) -> None:
-    """The tensors `tensors()` yields as one safetensors file, floating ones in `dtype` (None =
-    as they are). `tensors` is called twice (the header first, then the bytes, each tensor at
-    its offset as it comes), so it may yield views or copies made one at a time: the memory of
-    one tensor, not of the file. The layout is safetensors' own (tensors by alignment then
-    name, the header padded to 8 bytes): the file is the one `safetensors.torch.save_file`
-    writes."""
+    dtype: torch.dtype | None,
+    max_shard_bytes: int,
+) -> list[str]:
+    """The tensors `tensors()` yields as safetensors files in `folder`, floating ones in `dtype`
+    (None = as they are); the file names. Up to `max_shard_bytes` of tensors a file, as HF
+    writes a model: one file is `model.safetensors`, more are `model-0000i-of-0000n.safetensors`
+    with `model.safetensors.index.json` naming each tensor's file (a 64 GB file is refused by
+    the Hub). `tensors` is called twice (the headers first, then the bytes, each tensor at its
+    offset as it comes), so it may yield views or copies made one at a time: the memory of one
+    tensor, not of the model. A file's layout is safetensors' own (tensors by alignment then
+    name, the header padded to 8 bytes): each is the file `safetensors.torch.save_file` writes
+    of its tensors."""
 
     def final(t: torch.Tensor) -> torch.dtype:
         return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
     kinds = {name: (final(t), list(t.shape), t.numel()) for name, t in tensors()}
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offsets, offset = {}, 0
-    for name in sorted(kinds, key=lambda n: (-kinds[n][0].itemsize, n)):
-        kind, shape, numel = kinds[name]
-        offsets[name], size = offset, numel * kind.itemsize
-        header[name] = {
-            "dtype": NAMES[kind],
-            "shape": shape,
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
+    files, where, heads = _layout(kinds, max_shard_bytes)
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(open(folder / file, "wb")) for file in files]
+        for f, text in zip(handles, heads, strict=True):
+            f.write(struct.pack("<Q", len(text)) + text)
         for name, t in tensors():
             if (final(t), list(t.shape)) != kinds[name][:2]:
                 raise RuntimeError(f"{name} changed between the two passes of write_safetensors")
-            f.seek(8 + len(text) + offsets[name])
+            index, offset = where[name]
+            handles[index].seek(8 + len(heads[index]) + offset)
             data = t.detach().to("cpu", final(t)).contiguous()
-            f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+            handles[index].write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+    if len(files) > 1:
+        total = sum(numel * kind.itemsize for kind, _shape, numel in kinds.values())
+        weight_map = {name: files[where[name][0]] for name in sorted(kinds)}
+        index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
+    return files
+
+
+Kinds = dict[str, tuple[torch.dtype, list[int], int]]  # name -> (dtype written, shape, numel)
+
+
+def _layout(
+    kinds: Kinds, max_shard_bytes: int
+) -> tuple[list[str], dict[str, tuple[int, int]], list[bytes]]:
+    """The files' names, each tensor's (file index, offset of its bytes) and each file's
+    padded header: tensors in the order they come, a new file when the next would pass
+    `max_shard_bytes` (as HF shards)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, (kind, _shape, numel) in kinds.items():
+        if shards[-1] and size + numel * kind.itemsize > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += numel * kind.itemsize
+    n = len(shards)
+    files = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    where: dict[str, tuple[int, int]] = {}
+    heads = []
+    for index, names in enumerate(shards):
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name in sorted(names, key=lambda n: (-kinds[n][0].itemsize, n)):
+            kind, shape, numel = kinds[name]
+            end = offset + numel * kind.itemsize
+            header[name] = {"dtype": NAMES[kind], "shape": shape, "data_offsets": [offset, end]}
+            where[name], offset = (index, offset), end
+        text = json.dumps(header, separators=(",", ":")).encode()
+        heads.append(text + b" " * (-len(text) % 8))
+    return (["model.safetensors"] if n == 1 else files), where, heads
