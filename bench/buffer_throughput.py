@@ -6,20 +6,21 @@ at full speed is mostly queueing, since the buffer then sits at its bound): grou
 buffer as it stores them (packed: the buffer's own throughput, the last line) and groups as the
 router holds them (Python lists, packed on the way in: the router's whole put path); packed
 groups again with `WIDE` times the groups in flight, depth bound and rollout (the router's
-defaults for a rollout batch `WIDE` times larger: a figure beside the target's, not it); then
-the pipeline paced at half the consume rate it measured, `--seconds` / 2 (the latency figures:
-the buffer's own delay, not a queue's).
+defaults for a rollout batch `WIDE` times larger: a figure beside the target's, not it); packed
+groups without the read-ahead, and with the router's writer one PUT at a time (each beside the
+main figure: what each gains, on this machine); then the pipeline paced at half the consume rate
+it measured, `--seconds` / 2 (the latency figures: the buffer's own delay, not a queue's).
 
 Produce: `--producers` asyncio tasks (groups in flight in the router) on the event loop the router
 serves on (uvloop, as uvicorn picks it; asyncio's own without it) each take a slot of the router's
 `BufferBound` (depth bound `--max-depth`, as `--max-buffer-depth`) and put a group through it
 (packed there when it is lists: `proto.packed.pack`): group commits, one ledger PUT script per
-batch writing it as one stream entry (`groups_put`, the end of each group's flight). Consume, in a
+batch writing it as one stream entry (`groups_put`, the end of each group's flight), up to
+`PUTS_IN_FLIGHT` PUTs under way (a turn's batch halved between two). Consume, in a
 process of its own, as the trainer's intake does (services/trainer/rollout.py,
 `Intake.read_rollout`): rollouts of `--rollout` groups, each read entry by entry (a count of
 one entry per group still needed) through `ReadAhead`, the next read under way while the groups
-of the last are checked (a phase without it, each read waited for, is measured beside), the status (counters and depth read, status written) at
-most every `WAIT_REPORT_S`, each entry's groups decoded and checked (`intake.decode_groups`,
+of the last are checked, the status (counters and depth read, status written) at most every `WAIT_REPORT_S`, each entry's groups decoded and checked (`intake.decode_groups`,
 `check_groups`); at the rollout's end (the step) the trainer's bookkeeping of a step without
 --save, one script (`record_trained`: its groups counted consumed and trained, its entries acked,
 the ledger read and checked); the collector tuned as the trainer's (`tune_gc_for_reads`). Groups
@@ -27,18 +28,14 @@ are realistic: `--group-bytes` (~4 KB) as stored (packed), 4 samples of token id
 masks. Latency: a group's `created_at` is set when its put starts (after its slot: a producer's
 wait for room is not time in the buffer) and read by the consumer when it dequeues it.
 
-The limit: `valkey-benchmark`/`redis-benchmark` XADD of the group's stored size when such a
-binary sits beside the server binary or on PATH (`-P 64`, the best of `RAW_RUNS` runs); otherwise raw XADD through a
-redis-py pipeline of 64, and the output says which.
+The limit: `valkey-benchmark`/`redis-benchmark` XADD of the group's stored size (beside the server
+binary or on PATH; `-P 64`, the best of `RAW_RUNS` runs), else a redis-py pipeline of 64 (said).
 
-The breakdown explains the figures in the same run: CPU time per group of the producer, the server
-(its INFO cpu) and the consumer in each full-speed phase, per XADD of the client and the server in
-the raw phase, and the msgpack encode and decode of one group, the consumer's CPU by part (read,
-decode, the intake's checks, the step's bookkeeping); from them the ceiling of the pipeline on this
-machine's cores (all three processes CPU-bound, none waiting) and its ratio to raw XADD, the same
-with a core for each process (the slowest one the bound), and the server's own bound (its CPU per
-group: each group's bytes are written, read and deleted, where raw XADD only writes them). The
-1-minute load average is printed too: other work on the machine takes cores from both figures.
+The breakdown, same run: CPU per group of the producer, the server (INFO cpu) and the consumer in
+each full-speed phase (the consumer's by part), per raw XADD, and a group's encode and decode;
+from them the pipeline's ceiling on this machine's cores (all three CPU-bound) and with a core
+for each process (the slowest the bound), over raw XADD, and the server's own bound (each group
+written, read and deleted; raw XADD only writes). The load average: other work takes cores.
 
     python bench/buffer_throughput.py --seconds 10
 Last line: `buffer_consume_vs_raw_xadd: X` (consumed groups/s of packed groups over raw XADD/s;
@@ -69,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proto import Sample, SampleGroup, encode
 from proto.contract import ServiceStatus
 from proto.packed import Group, decode_entry, encode_entry, pack
-from services.rollout_router.backpressure import BufferBound
+from services.rollout_router.backpressure import PUTS_IN_FLIGHT, BufferBound
 from services.sample_buffer import (
     AsyncSampleBuffer,
     BufferConfig,
@@ -286,7 +283,7 @@ async def produce(
     """The router's side: `--producers` tasks putting groups for `seconds`, as fast as the
     bound lets them or, with `rate`, paced at `rate` groups/s in all."""
     buffer = AsyncSampleBuffer(BufferConfig(redis_url=url, run_id=run_id))
-    bound = BufferBound(buffer, args.max_depth)
+    bound = BufferBound(buffer, args.max_depth, args.puts_in_flight)
     started = time.perf_counter()
     deadline = started + seconds
     put_count = 0
@@ -399,33 +396,40 @@ def wide_lines(wide: Phase, raw_rate: float, args: argparse.Namespace) -> str:
     )
 
 
-def no_ahead_lines(no_ahead: Phase, packed: Phase, raw_rate: float) -> str:
-    """The phase without read-ahead beside the main one, and its CPU breakdown."""
+# The phases measured beside the main one, by name: (what differs, said how, the main one's).
+BESIDE = {
+    "without_read_ahead": ({"read_ahead": False}, "each read waited for", "read-ahead"),
+    "one_put_at_a_time": ({"puts_in_flight": 1}, "each PUT waited for", f"{PUTS_IN_FLIGHT} PUTs"),
+}
+
+
+def beside_lines(name: str, other: Phase, packed: Phase, raw_rate: float) -> str:
+    """A phase measured beside the main one (`BESIDE`), and its CPU breakdown."""
+    _change, lacks, main_has = BESIDE[name]
     return (
-        f"consume_groups_per_s_without_read_ahead: {no_ahead.consumed:.0f} (packed; each read "
-        f"waited for before its groups are checked); {no_ahead.consumed / raw_rate:.2f}x raw "
-        f"XADD, {packed.consumed / max(no_ahead.consumed, 1):.2f}x of it with read-ahead\n"
-        + breakdown("packed, no read-ahead", no_ahead.cpu_us, raw_rate)
+        f"consume_groups_per_s_{name}: {other.consumed:.0f} (packed; {lacks}); "
+        f"{other.consumed / raw_rate:.2f}x raw XADD, {packed.consumed / max(other.consumed, 1):.2f}x "
+        f"of it with {main_has}\n"
+        + breakdown(f"packed, {name.replace('_', ' ')}", other.cpu_us, raw_rate)
     )
 
 
-def main(argv: list[str]) -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="Length of each phase.")
     parser.add_argument("--group-bytes", type=int, default=4096, help="Encoded group size.")
     parser.add_argument("--producers", type=int, default=64, help="Concurrent producer tasks.")
-    parser.add_argument(
-        "--rollout", type=int, default=64, help="Groups per trainer step (rollout_batch_size)."
-    )
-    parser.add_argument(
-        "--max-depth",
-        type=int,
-        default=256,
-        help="The depth bound (groups; the router's is 4 rollouts).",
-    )
+    parser.add_argument("--rollout", type=int, default=64, help="Groups per trainer step.")
+    parser.add_argument("--max-depth", type=int, default=256, help="Depth bound (4 rollouts).")
     parser.add_argument("--redis-url", default="", help="Use this server (default: start one).")
     args = parser.parse_args(argv)
     args.read_ahead = True  # the intake's reads (a phase without them is measured beside)
+    args.puts_in_flight = PUTS_IN_FLIGHT  # the router's (a phase with one is measured beside)
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
     server = None if args.redis_url else RedisServer().start()
     url = args.redis_url or server.url  # type: ignore[union-attr]
     try:
@@ -439,8 +443,16 @@ def main(argv: list[str]) -> int:
             for form, given in (("packed", packed), ("lists", group))
         }
         wide = wide_phase(url, packed, args)
-        one_by_one = argparse.Namespace(**{**vars(args), "read_ahead": False})
-        no_ahead = phase(url, "bench-no-ahead", packed, one_by_one, args.seconds)
+        beside = {
+            name: phase(
+                url,
+                f"bench-{name}",
+                packed,
+                argparse.Namespace(**{**vars(args), **change}),
+                args.seconds,
+            )
+            for name, (change, _lacks, _has) in BESIDE.items()
+        }
         paced = full["packed"].consumed * PACED_SHARE
         latencies = phase(url, "bench-paced", packed, args, args.seconds / 2, paced).latencies
         encode_us, decode_us = codec_us(group)
@@ -455,12 +467,9 @@ def main(argv: list[str]) -> int:
     ratio = packed_run.consumed / raw_rate
     print(f"group_bytes: {stored_bytes(group)} (as stored, packed; {len(encode(group))} as lists)")
     print(f"raw_xadd_per_s: {raw_rate:.0f} ({how})")
-    print(
-        f"produce_groups_per_s: {packed_run.produced:.0f} (packed; {lists.produced:.0f} from lists)"
-    )
-    print(
-        f"consume_groups_per_s: {packed_run.consumed:.0f} (packed; {lists.consumed:.0f} from lists)"
-    )
+    for way in ("produce", "consume"):
+        rate, from_lists = getattr(packed_run, f"{way}d"), getattr(lists, f"{way}d")
+        print(f"{way}_groups_per_s: {rate:.0f} (packed; {from_lists:.0f} from lists)")
     at_full = percentile(packed_run.latencies, 0.99) * 1000
     print(
         f"latency_at_full_speed_p99_ms: {at_full:.1f} (depth bound {args.max_depth}: mostly queueing)"
@@ -481,7 +490,8 @@ def main(argv: list[str]) -> int:
         met = "not judged: the limit was redis-py's, not the server's (install redis-tools)"
     print(f"targets (consume >= 0.5x raw XADD, p99 <= 50 ms): {met}")
     print(wide_lines(wide, raw_rate, args))
-    print(no_ahead_lines(no_ahead, packed_run, raw_rate))
+    for name, other in beside.items():
+        print(beside_lines(name, other, packed_run, raw_rate))
     print(
         f"router_put_path_consume_vs_raw_xadd: {lists.consumed / raw_rate:.2f} (groups from lists)"
     )

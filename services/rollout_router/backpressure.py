@@ -127,8 +127,10 @@ class BufferBound:
     once as there is room for, so that they put their groups in one turn of the event loop
     (one batch for the writer)."""
 
-    def __init__(self, buffer: AsyncSampleBuffer, max_depth: int) -> None:
-        self.buffer, self.max_depth = buffer, max_depth
+    def __init__(
+        self, buffer: AsyncSampleBuffer, max_depth: int, puts_in_flight: int = PUTS_IN_FLIGHT
+    ) -> None:
+        self.buffer, self.max_depth, self.puts_in_flight = buffer, max_depth, puts_in_flight
         self._room = 0  # slots known free: max_depth - backlog read - slots taken since
         self._unwritten = 0  # slots taken whose group is not yet in the counters
         self._granted = 0  # slots taken so far (a read of the room subtracts those taken since)
@@ -137,7 +139,7 @@ class BufferBound:
         self._line: deque[Waiter] = deque()
         self._granter: asyncio.Task | None = None
         self._queue: list[tuple[PackedGroup, asyncio.Future[str]]] = []
-        self._writers: list[asyncio.Task] = []  # at most PUTS_IN_FLIGHT not done
+        self._writers: list[asyncio.Task] = []  # at most `puts_in_flight` not done
 
     @property
     def waiting(self) -> int:
@@ -257,8 +259,8 @@ class BufferBound:
         return len(self._writers)
 
     def _start_writer(self) -> None:
-        """A writer for the queue, unless PUTS_IN_FLIGHT are under way."""
-        if self._busy_writers() < PUTS_IN_FLIGHT:
+        """A writer for the queue, unless `puts_in_flight` are under way."""
+        if self._busy_writers() < self.puts_in_flight:
             self._writers.append(asyncio.create_task(self._write_queued(), name="buffer writer"))
 
     async def _write_queued(self) -> None:
@@ -267,7 +269,7 @@ class BufferBound:
         producers of each half then make their next groups while the server runs the other's."""
         while self._queue:
             batch, self._queue = self._queue, []
-            if len(batch) >= SPLIT_MIN and self._busy_writers() < PUTS_IN_FLIGHT:
+            if len(batch) >= SPLIT_MIN and self._busy_writers() < self.puts_in_flight:
                 batch, self._queue = batch[: len(batch) // 2], batch[len(batch) // 2 :]
                 self._start_writer()
             try:
