@@ -123,6 +123,9 @@ def start(cfg: TrainerConfig) -> Any:
             raise ValueError(problem)
     check_lineage(cfg)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.num_threads))
+    from services.trainer.cpu_compat import import_megatron
+
+    import_megatron()  # (first: on CPU, without compiling its kernels)
     from services.trainer.trainer import Trainer
 
     return Trainer(cfg)

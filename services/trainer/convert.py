@@ -328,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"tandem convert: error: {problem}", file=sys.stderr)
         return 2
+    from services.trainer.cpu_compat import import_megatron
+
+    import_megatron()  # (first: on CPU, without compiling its kernels)
     try:
         if args.direction == "hf-to-megatron":
             path = hf_to_megatron(args.hf_dir, args.save, args.make_vocab_size_divisible_by)

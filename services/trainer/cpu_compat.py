@@ -26,10 +26,20 @@ megatron-core assumes a GPU in a few places. Each reason, and what `install()` d
 
 What this module does not do: make anything fast, or emulate CUDA semantics beyond placing
 tensors on CPU. Import order does not matter: megatron reads these at call time.
+
+One thing it does at import time, `import_megatron()` (the trainer's and `tandem convert`'s first
+import of megatron-core): without fused kernels (`fused_kernels_enabled`: no CUDA, or
+TANDEM_COMPILE=0) megatron's `jit_fuser` functions stay eager, as this trainer's own fusions do,
+instead of being wrapped by `torch.compile` at import (which imports torch's compiler stack:
+~2.3 s of CPU a process) and compiled by a C++ compiler at their first call; and the optional
+`wandb` that megatron's inference code imports when installed (~1 s; the trainer logs nothing
+to W&B) is not imported.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
@@ -90,3 +100,33 @@ def uninstall() -> None:
     torch.cuda.current_device = _originals["current_device"]
     torch.cuda.synchronize = _originals["synchronize"]
     _installed = None
+
+
+def fused_kernels_enabled() -> bool:
+    """Whether to compile fused elementwise kernels (RoPE, megatron's SwiGLU and its other
+    `jit_fuser` functions): on CUDA, unless `TANDEM_COMPILE=0`. CPU runs stay eager (no
+    compiler needed, quick to start)."""
+    return torch.cuda.is_available() and os.environ.get("TANDEM_COMPILE", "1") != "0"
+
+
+def import_megatron() -> None:
+    """Import megatron-core, its `jit_fuser` eager and without wandb when fused kernels are off
+    (see the module docstring); before any other import of it in the process, else a no-op."""
+    if "megatron.core" in sys.modules or fused_kernels_enabled():
+        import megatron.core
+
+        return
+    compile_, had_wandb = torch.compile, "wandb" in sys.modules
+    torch.compile = _eager  # type: ignore[assignment]
+    sys.modules.setdefault("wandb", None)  # type: ignore[arg-type]  # (its import: ImportError)
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        torch.compile = compile_
+        if not had_wandb:
+            del sys.modules["wandb"]
+
+
+def _eager(model: Any = None, **_options: Any) -> Any:
+    """`torch.compile` as megatron's `jit_fuser` uses it, compiling nothing."""
+    return model if model is not None else _eager

@@ -23,7 +23,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from proto.models import MOE_MODEL_TYPES, check_model_config, read_config
-from services.trainer.packed_attention import fused_kernels_enabled, gpt_layer_spec
+from services.trainer.cpu_compat import fused_kernels_enabled
+from services.trainer.packed_attention import gpt_layer_spec
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ across layers), and the rotation is one fused kernel on CUDA (torch.compile; eag
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
-import os
 import weakref
 from typing import Any
 
@@ -35,6 +35,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from services.trainer.cpu_compat import fused_kernels_enabled
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +92,15 @@ class PackedDotProductAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
+@functools.cache
 def _varlen_params() -> frozenset[str]:
+    """varlen_attn's parameters (imported at the first CUDA call: its module imports torch's
+    compiler, ~0.8 s of a CPU trainer's start)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return frozenset()
     return frozenset(inspect.signature(varlen_attn).parameters)
-
-
-_VARLEN_PARAMS = _varlen_params()
 
 
 def _packed_attention(
@@ -119,12 +121,12 @@ def _packed_attention(
         max_len = int(params.max_seqlen_q)
         extra: dict[str, Any] = {}
         groups = q.shape[1] // k.shape[1]
-        if "enable_gqa" in _VARLEN_PARAMS:
+        if "enable_gqa" in _varlen_params():
             extra["enable_gqa"] = True
         elif groups > 1:  # torch 2.11's varlen_attn has no enable_gqa: expand k/v heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         # Causal: torch 2.11 takes is_causal; later releases express it as a (-1, 0) window.
-        if "is_causal" in _VARLEN_PARAMS:
+        if "is_causal" in _varlen_params():
             extra["is_causal"] = True
         else:
             extra["window_size"] = (-1, 0)
@@ -163,12 +165,6 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 _compiled_rotate: Any = None
 _positions_cache: dict[str, Any] = {}
-
-
-def fused_kernels_enabled() -> bool:
-    """Whether to compile fused elementwise kernels (RoPE here, megatron's SwiGLU): on CUDA,
-    unless `TANDEM_COMPILE=0`. CPU runs stay eager (no compiler needed, quick to start)."""
-    return torch.cuda.is_available() and os.environ.get("TANDEM_COMPILE", "1") != "0"
 
 
 def _rotate_fused(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
