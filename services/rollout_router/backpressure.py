@@ -249,8 +249,10 @@ class BufferBound:
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._queue.append((packed, future))
         # A writer takes the queue when it starts and after each PUT: one is made for the
-        # first group queued since (the others join it), while fewer are under way.
-        if len(self._queue) == 1 or not self._busy_writers():
+        # first group queued since (the others join it), while fewer are under way; and
+        # whenever the newest is gone (cancelled before it took the queue). No list is made
+        # per group: this runs for every group the router puts.
+        if len(self._queue) == 1 or not self._writers or self._writers[-1].done():
             self._start_writer()
         return future
 
