@@ -1,41 +1,37 @@
 """Sample buffer throughput: groups/s through the router's and the trainer's paths, against raw
 XADD on the same server in the same run, and enqueue-to-dequeue latency.
 
-Phases: raw XADD, then the pipeline at full speed twice, `--seconds` each (groups/s; the latency
-at full speed is mostly queueing, since the buffer then sits at its bound): groups handed to the
-buffer as it stores them (packed: the buffer's own throughput, the last line) and groups as the
-router holds them (Python lists, packed on the way in: the router's whole put path); packed
-groups again with `WIDE` times the groups in flight, depth bound and rollout (the router's
-defaults for a rollout batch `WIDE` times larger: a figure beside the target's, not it); packed
-groups without the read-ahead, and with the router's writer one PUT at a time (each beside the
-main figure: what each gains, on this machine); then the pipeline paced at half the consume rate
-it measured, `--seconds` / 2 (the latency figures: the buffer's own delay, not a queue's).
+Phases, `--seconds` each: raw XADD; the pipeline at full speed with groups handed to the buffer
+as it stores them (packed: the buffer's own throughput, the last line) and as the router holds
+them (Python lists, packed on the way in: the router's whole put path); packed groups with `WIDE`
+times the groups in flight, depth bound and rollout (the router's defaults for a rollout batch
+`WIDE` times larger: beside the target, not it); packed groups without the read-ahead and with
+the router's writer one PUT at a time (each beside the main figure: what each gains here); then
+the pipeline paced at half the consume rate measured, `--seconds` / 2 (the latency figures: the
+buffer's own delay; at full speed the latency is mostly queueing at the depth bound).
 
-Produce: `--producers` asyncio tasks (groups in flight in the router) on the event loop the router
-serves on (uvloop, as uvicorn picks it; asyncio's own without it) each take a slot of the router's
-`BufferBound` (depth bound `--max-depth`, as `--max-buffer-depth`) and put a group through it
-(packed there when it is lists: `proto.packed.pack`): group commits, one ledger PUT script per
-batch writing it as one stream entry (`groups_put`, the end of each group's flight), up to
-`PUTS_IN_FLIGHT` PUTs under way (a turn's batch halved between two). Consume, in a
-process of its own, as the trainer's intake does (services/trainer/rollout.py,
-`Intake.read_rollout`): rollouts of `--rollout` groups, each read entry by entry (a count of
-one entry per group still needed) through `ReadAhead`, the next read under way while the groups
-of the last are checked, the status (counters and depth read, status written) at most every `WAIT_REPORT_S`, each entry's groups decoded and checked (`intake.decode_groups`,
-`check_groups`); at the rollout's end (the step) the trainer's bookkeeping of a step without
---save, one script (`record_trained`: its groups counted consumed and trained, its entries acked,
-the ledger read and checked); the collector tuned as the trainer's (`tune_gc_for_reads`). Groups
-are realistic: `--group-bytes` (~4 KB) as stored (packed), 4 samples of token ids, log-probs and
-masks. Latency: a group's `created_at` is set when its put starts (after its slot: a producer's
-wait for room is not time in the buffer) and read by the consumer when it dequeues it.
+Produce: `--producers` asyncio tasks (groups in flight in the router) on the event loop the
+router serves on (uvloop, as uvicorn picks it; asyncio's own without it: said) each take a slot of
+the router's `BufferBound` (depth bound `--max-depth`) and put a group through it (packed there
+when it is lists): group commits, one ledger PUT script per batch writing it as one stream entry,
+up to `PUTS_IN_FLIGHT` PUTs under way (a turn's batch halved between two). Consume, in a process
+of its own, as the trainer's intake does (`Intake.read_rollout`): rollouts of `--rollout` groups,
+read entry by entry through `ReadAhead` (the next read under way while the last is checked), the
+status at most every `WAIT_REPORT_S`, each entry decoded and checked (`intake.decode_groups`,
+`check_groups`); at the rollout's end the trainer's bookkeeping of a step without --save
+(`record_trained`: one script); the collector tuned as the trainer's (`tune_gc_for_reads`).
+Groups are realistic: `--group-bytes` (~4 KB) as stored, 4 samples of token ids, log-probs and
+masks. Latency: a group's `created_at` is set when its put starts (after its slot) and read by
+the consumer when it dequeues it.
 
 The limit: `valkey-benchmark`/`redis-benchmark` XADD of the group's stored size (beside the server
 binary or on PATH; `-P 64`, the best of `RAW_RUNS` runs), else a redis-py pipeline of 64 (said).
 
 The breakdown, same run: CPU per group of the producer, the server (INFO cpu) and the consumer in
 each full-speed phase (the consumer's by part), per raw XADD, and a group's encode and decode;
-from them the pipeline's ceiling on this machine's cores (all three CPU-bound) and with a core
-for each process (the slowest the bound), over raw XADD, and the server's own bound (each group
-written, read and deleted; raw XADD only writes). The load average: other work takes cores.
+from them the pipeline's ceiling on this machine's cores and with a core for each process (the
+slowest the bound), over raw XADD, and the server's own bound (each group written, read and
+deleted; raw XADD only writes). The load average: other work takes cores.
 
     python bench/buffer_throughput.py --seconds 10
 Last line: `buffer_consume_vs_raw_xadd: X` (consumed groups/s of packed groups over raw XADD/s;
@@ -355,6 +351,15 @@ def run_loop(main: Coroutine[Any, Any, int]) -> int:
     return uvloop.run(main)
 
 
+def loop_said() -> str:
+    """The event loop the producers ran on (uvloop's CPU a group is ~10% less on 16 cores)."""
+    try:
+        import uvloop
+    except ImportError:
+        return "asyncio's own: uvloop is not installed, the router's loop under uvicorn[standard]"
+    return f"uvloop {uvloop.__version__}, as the router's under uvicorn[standard]"
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
@@ -377,40 +382,33 @@ def breakdown(form: str, cpu_us: tuple[float, float, float], raw_rate: float) ->
     )
 
 
-def wide_phase(url: str, packed: Group, args: argparse.Namespace) -> Phase:
-    """The packed phase with `WIDE` times the groups in flight, depth bound and rollout."""
-    scaled = {k: getattr(args, k) * WIDE for k in ("producers", "max_depth", "rollout")}
-    return phase(
-        url, "bench-wide", packed, argparse.Namespace(**{**vars(args), **scaled}), args.seconds
-    )
+def beside_phases(args: argparse.Namespace) -> dict[str, tuple[dict[str, Any], str, str]]:
+    """The phases beside the main one: name -> (what differs, said how, the main one's)."""
+    wide = {k: getattr(args, k) * WIDE for k in ("producers", "max_depth", "rollout")}
+    return {
+        f"at_{WIDE}x_batch": (
+            wide,
+            f"--producers {wide['producers']} --max-depth {wide['max_depth']} --rollout "
+            f"{wide['rollout']}: the router's defaults for a {WIDE}x rollout batch",
+            "a 1x batch",
+        ),
+        "without_read_ahead": ({"read_ahead": False}, "each read waited for", "read-ahead"),
+        "one_put_at_a_time": (
+            {"puts_in_flight": 1},
+            "each PUT waited for",
+            f"{PUTS_IN_FLIGHT} PUTs",
+        ),
+    }
 
 
-def wide_lines(wide: Phase, raw_rate: float, args: argparse.Namespace) -> str:
-    """The wide phase's figure and CPU breakdown."""
-    return (
-        f"consume_groups_per_s_at_{WIDE}x_batch: {wide.consumed:.0f} (packed; --producers "
-        f"{args.producers * WIDE} --max-depth {args.max_depth * WIDE} --rollout "
-        f"{args.rollout * WIDE}: the router's defaults for a {WIDE}x rollout batch); "
-        f"{wide.consumed / raw_rate:.2f}x raw XADD\n"
-        + breakdown(f"packed, {WIDE}x batch", wide.cpu_us, raw_rate)
-    )
-
-
-# The phases measured beside the main one, by name: (what differs, said how, the main one's).
-BESIDE = {
-    "without_read_ahead": ({"read_ahead": False}, "each read waited for", "read-ahead"),
-    "one_put_at_a_time": ({"puts_in_flight": 1}, "each PUT waited for", f"{PUTS_IN_FLIGHT} PUTs"),
-}
-
-
-def beside_lines(name: str, other: Phase, packed: Phase, raw_rate: float) -> str:
-    """A phase measured beside the main one (`BESIDE`), and its CPU breakdown."""
-    _change, lacks, main_has = BESIDE[name]
+def beside_lines(name: str, said: tuple[str, str], other: Phase, main: Phase, raw: float) -> str:
+    """A phase measured beside the main one, and its CPU breakdown."""
+    lacks, main_has = said
     return (
         f"consume_groups_per_s_{name}: {other.consumed:.0f} (packed; {lacks}); "
-        f"{other.consumed / raw_rate:.2f}x raw XADD, {packed.consumed / max(other.consumed, 1):.2f}x "
+        f"{other.consumed / raw:.2f}x raw XADD, {main.consumed / max(other.consumed, 1):.2f}x "
         f"of it with {main_has}\n"
-        + breakdown(f"packed, {name.replace('_', ' ')}", other.cpu_us, raw_rate)
+        + breakdown(f"packed, {name.replace('_', ' ')}", other.cpu_us, raw)
     )
 
 
@@ -442,7 +440,6 @@ def main(argv: list[str]) -> int:
             form: phase(url, f"bench-{form}", given, args, args.seconds)
             for form, given in (("packed", packed), ("lists", group))
         }
-        wide = wide_phase(url, packed, args)
         beside = {
             name: phase(
                 url,
@@ -451,7 +448,7 @@ def main(argv: list[str]) -> int:
                 argparse.Namespace(**{**vars(args), **change}),
                 args.seconds,
             )
-            for name, (change, _lacks, _has) in BESIDE.items()
+            for name, (change, _lacks, _has) in beside_phases(args).items()
         }
         paced = full["packed"].consumed * PACED_SHARE
         latencies = phase(url, "bench-paced", packed, args, args.seconds / 2, paced).latencies
@@ -467,6 +464,7 @@ def main(argv: list[str]) -> int:
     ratio = packed_run.consumed / raw_rate
     print(f"group_bytes: {stored_bytes(group)} (as stored, packed; {len(encode(group))} as lists)")
     print(f"raw_xadd_per_s: {raw_rate:.0f} ({how})")
+    print(f"event_loop: {loop_said()}")
     for way in ("produce", "consume"):
         rate, from_lists = getattr(packed_run, f"{way}d"), getattr(lists, f"{way}d")
         print(f"{way}_groups_per_s: {rate:.0f} (packed; {from_lists:.0f} from lists)")
@@ -489,9 +487,8 @@ def main(argv: list[str]) -> int:
     if "redis-py" in how:  # (a Python client's XADD/s: its own CPU, not the server's limit)
         met = "not judged: the limit was redis-py's, not the server's (install redis-tools)"
     print(f"targets (consume >= 0.5x raw XADD, p99 <= 50 ms): {met}")
-    print(wide_lines(wide, raw_rate, args))
-    for name, other in beside.items():
-        print(beside_lines(name, other, packed_run, raw_rate))
+    for name, (_change, *said) in beside_phases(args).items():
+        print(beside_lines(name, tuple(said), beside[name], packed_run, raw_rate))
     print(
         f"router_put_path_consume_vs_raw_xadd: {lists.consumed / raw_rate:.2f} (groups from lists)"
     )

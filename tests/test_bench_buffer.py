@@ -21,7 +21,8 @@ def test_the_buffer_bench_runs_and_ends_with_the_ratio_line() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     names = [line.split(":")[0] for line in lines]
-    names_wanted = ("raw_xadd_per_s", "consume_groups_per_s", "consume_groups_per_s_at_4x_batch")
+    names_wanted = ("raw_xadd_per_s", "event_loop", "consume_groups_per_s")
+    names_wanted += ("consume_groups_per_s_at_4x_batch",)
     names_wanted += (
         "consume_groups_per_s_without_read_ahead",
         "consume_groups_per_s_one_put_at_a_time",
