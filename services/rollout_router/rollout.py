@@ -13,8 +13,7 @@ by the trainer's counters and the engines' version moving, and by `resume()`. At
 
 Each group task puts its group as soon as it is complete, in turn with agent sessions, waiting
 while the backlog is at `--max-buffer-depth` (backpressure.py); no group starts while the
-backlog and the groups in flight fill that bound. `rollout/*` metrics are published every
-`rollout_batch_size` groups put. Redis calls go through `AsyncSampleBuffer` (never blocking).
+backlog and the groups in flight fill that bound. `rollout/*` metrics: every batch of groups put.
 
 Prompts come from a cursor in Redis (`counters.prompts_drawn`): draw p is prompt p % len(train)
 of a permutation of the train set seeded by (`seed`, epoch p // len(train)); its group id is
