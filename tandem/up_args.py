@@ -136,7 +136,7 @@ def save_config(run_dir: Path, config: Any) -> None:
     path = run_dir / CONFIG_FILE
     launch_dir = json.loads(path.read_text()).get(LAUNCH_DIR) if path.is_file() else None
     saved = {**dataclasses.asdict(config), LAUNCH_DIR: launch_dir or os.getcwd()}
-    saved["run_dir"] = str(Path(config.run_dir).absolute())  # (a resume finds a moved folder)
+    saved["run_dir"] = str(run_dir.absolute())  # (a resume finds a moved folder)
     saved["trainer_args"] = without_one_time(config.trainer_args)
     path.write_text(json.dumps(saved, indent=2))
 
@@ -229,13 +229,16 @@ def reach_launch_dir(rm_path: str, launch_dir: str) -> str:
 
 def moved(saved: dict[str, Any], run_dir: Path, name: str) -> str:
     """The saved path `name` of a run now in `run_dir`: one inside the folder where the run was
-    (its `run_dir`, as given where it started) is taken to have moved with it."""
+    (its `run_dir`, as given where it started) is taken to have moved with it, unless only the
+    path as saved is there (folders of a default --run-dir saved the launch folder as theirs)."""
     value, was = saved.get(name) or "", saved.get("run_dir")
     if not value or not was:
         return value
     was = Path(saved.get(LAUNCH_DIR) or ".", was)  # (an older folder's: as given)
-    inside = Path(value).is_relative_to(was)
-    return str(run_dir.absolute() / Path(value).relative_to(was)) if inside else value
+    if not Path(value).is_relative_to(was):
+        return value
+    here = run_dir.absolute() / Path(value).relative_to(was)
+    return value if Path(value).exists() and not here.exists() else str(here)
 
 
 def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:

@@ -23,6 +23,7 @@ from proto.contract import ServiceStatus
 from services.sample_buffer import SampleBuffer
 from tandem import launcher
 from tandem import watchdog as watchdog_module
+from tandem.toy_model import write_toy_model
 from tandem.up_args import absolute_config, join_passthrough, resumed_config, save_config
 from tandem.watchdog import Watchdog, diagnosis
 from tests.helpers import JsonHandler, serving, wait_until
@@ -559,6 +560,32 @@ def test_a_run_folder_moved_elsewhere_resumes_with_its_own_model_and_checkpoints
     (tmp_path / "old").rename(tmp_path / "new")
     elsewhere = launcher.UpConfig(resume="new", save="/data/ck")
     assert resumed_config(elsewhere, {"save"})[0].save == "/data/ck", "a --save given wins"
+
+
+def test_a_run_in_the_default_folder_resumes_from_anywhere_with_its_own_model(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`tandem up` without --run-dir (`make demo`) saved the folder it was launched from as the
+    run's, so its resume took the toy model for a moved one, looked for it at
+    `runs/X/runs/X/model` and was refused. Folders saved so resume too."""
+    monkeypatch.chdir(tmp_path)
+    started = []
+    monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self) or 0)
+    assert launcher.main([]) == 0
+    run = started[0].run_dir
+    assert run.parent == tmp_path / "runs"
+    write_toy_model(run / "model")  # as start_services writes it
+    save_config(run, started[0].config.resolved(str(run / "model")))  # as start_services does
+    started[0].lock.close()
+    saved = json.loads((run / "up_config.json").read_text())
+    assert saved["run_dir"] == str(run)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for kept in (str(run), str(tmp_path)):  # this version's, the defect's (the launch folder)
+        (run / "up_config.json").write_text(json.dumps({**saved, "run_dir": kept}))
+        assert launcher.main(["--resume", str(run)]) == 0, capsys.readouterr().err
+        assert started[-1].config.model == str(run / "model"), kept
+        started[-1].lock.close()
 
 
 def test_a_resume_of_a_run_that_met_its_accuracy_goal_says_it_would_stop_again(
