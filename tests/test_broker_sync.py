@@ -430,21 +430,28 @@ def test_one_broker_per_run_a_second_is_refused_and_one_taken_over_stops(
 ) -> None:
     """A second broker on a run (a service scaled to two, one started by hand) wrote its own
     `version:engines` and status over the first's; now its start is refused, exit 2, naming the
-    first. A broker stopped past its lease's expiry is taken over, and stops when it goes on."""
+    first. A broker stopped past its lease's expiry is taken over, and stops when it goes on.
+    A broker that holds the lease forgets the last one's `version:engines` (a resume's engines
+    start on the model's weights: the router took them for that version's); one refused not."""
     run = buffer.config.run_id
     flags = ["broker", "--port", "0", "--redis-url", buffer.config.redis_url, "--run-id", run]
+    buffer.set_version("engines", 81)  # the last launch's broker's
     first = start_service("first", flags)
+    assert buffer.get_version("engines") == -1
+    buffer.set_version("engines", 5)  # as the first would once it synced its engines
     second = subprocess.run(
         [sys.executable, "-m", "tandem.cli", *flags], capture_output=True, text=True, timeout=60
     )
     assert second.returncode == 2, second.stderr[-2000:]
     assert f"another broker holds run {run}: broker pid {first.proc.pid} on " in second.stderr
+    assert buffer.get_version("engines") == 5, "the refused broker left the first's word"
     first.proc.send_signal(signal.SIGSTOP)
     try:
         third = start_service("third", flags)  # waits the stopped one's lease out
     finally:
         first.proc.send_signal(signal.SIGCONT)
     wait_until(lambda: httpx.get(f"{first.url}/health").status_code == 503, "the first to stop")
+    assert buffer.get_version("engines") == -1, "the third took it back"
     problem = httpx.get(f"{first.url}/health").json()["problem"]
     assert f"another broker took run {run} over: broker pid {third.proc.pid} on " in problem
     assert httpx.get(f"{third.url}/health").status_code == 200

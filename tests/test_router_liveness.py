@@ -371,3 +371,21 @@ def test_a_rollout_task_that_dies_makes_health_503_and_the_status_failed(
             lambda: (r := buffer.statuses().get("router")) and r.state == "failed" and r, "record"
         )
         assert "RuntimeError: boom" in record.error
+
+
+def test_a_router_in_a_run_that_has_trained_evaluates_from_the_trainers_version(
+    buffer, toy_model_dir, start_service, engines
+):
+    """A resume's engines start on the model's weights while the run's trainer is at 5: the
+    router evaluated them at once (published as the run's newest evaluation). It now starts
+    at the trainer's version, once the engines hold it."""
+    buffer.set_version("trainer", 5)
+    start_service("router", router_args(buffer, toy_model_dir, [engines().url]))
+    time.sleep(4)  # (a new run's router evaluates within a second of its start)
+    assert not [r.step for _id, r in buffer.read_metrics() if "eval/failed" in r.values]
+    buffer.set_version("engines", 5)  # as the broker writes it once the engines hold 5
+    evals = wait_until(
+        lambda: [r.step for _id, r in buffer.read_metrics() if "eval/failed" in r.values],
+        "an evaluation at version 5",
+    )
+    assert evals == [5]

@@ -37,13 +37,17 @@ EVAL_FAILURES = (EnvError, EngineRequestError, NoWorkerError)
 
 
 async def run_evaluations(loop: RolloutLoop) -> None:
-    """Evaluate at start, then at each new multiple of `eval_interval`, until cancelled."""
+    """Evaluate at start, then at each new multiple of `eval_interval`, until cancelled. In a
+    run that has trained (a resume, a router restarted), start at the trainer's version: the
+    engines of a resume start on the model's weights, evaluated already."""
     interval = loop.config.eval_interval
     if interval <= 0 or not loop.task.heldout:
         return
     last_bucket: int | None = None
     while True:
         try:
+            if last_bucket is None and (trained := await loop.buffer.get_version("trainer")) > 0:
+                last_bucket = (trained - 1) // interval
             version = max(await loop.engines_version(), 0)
         except RedisError:
             await asyncio.sleep(1.0)

@@ -363,6 +363,9 @@ class SampleBuffer(BufferKeys):
     def get_version(self, role: str, default: int = -1) -> int:
         return keys.version_of(self.redis.get(self.version_prefix + role), default)
 
+    def forget_version(self, role: str) -> None:
+        self.redis.delete(self.version_prefix + role)
+
     # --- run contract, counters, status ---------------------------------------------------------
 
     def agree_contract(self, mine: RunContract, who: str) -> RunContract:

@@ -106,10 +106,15 @@ class WeightBroker:
 
     def hold_lease(self) -> None:
         """Take the run's broker lease (ValueError naming another broker that holds it), then
-        renew it in a thread (`_lease_loop` stops the broker once another holds it)."""
+        renew it in a thread (`_lease_loop` stops the broker once another holds it). Holding
+        it, the broker takes back `version:engines`: the last broker's word on engines that
+        may be gone (a resume's start fresh, on the model's weights: the router took them for
+        the old version's, so its first groups went stale and its first eval scored the model
+        as version N); until this one syncs them, the router reads what the engines report."""
         if self.lease is not None:
             self.lease.wait()
             self.lease.renew_in_thread(lambda _holder: None)  # (`_lease_loop` reads `lost_to`)
+            self.lease.buffer.forget_version("engines")
 
     async def _lease_loop(self) -> None:
         """Until another broker holds the lease: ValueError saying so."""
