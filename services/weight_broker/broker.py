@@ -107,10 +107,9 @@ class WeightBroker:
     def hold_lease(self) -> None:
         """Take the run's broker lease (ValueError naming another broker that holds it), then
         renew it in a thread (`_lease_loop` stops the broker once another holds it). Holding
-        it, the broker takes back `version:engines`: the last broker's word on engines that
-        may be gone (a resume's start fresh, on the model's weights: the router took them for
-        the old version's, so its first groups went stale and its first eval scored the model
-        as version N); until this one syncs them, the router reads what the engines report."""
+        it, the broker deletes `version:engines`, the last broker's word on engines that may
+        be gone: a resume's engines start on the model's weights, which the router took for
+        that version's. Until this broker syncs its engines, the router reads what they report."""
         if self.lease is not None:
             self.lease.wait()
             self.lease.renew_in_thread(lambda _holder: None)  # (`_lease_loop` reads `lost_to`)
