@@ -27,11 +27,10 @@ the consumer when it dequeues it.
 The limit: `valkey-benchmark`/`redis-benchmark` XADD of the group's stored size (beside the server
 binary or on PATH; `-P 64`, the best of `RAW_RUNS` runs), else a redis-py pipeline of 64 (said).
 
-The breakdown, same run: CPU per group of the producer, the server (INFO cpu) and the consumer in
+The breakdown, same run: CPU a group of the producer, the server (INFO cpu) and the consumer in
 each full-speed phase (the consumer's by part), per raw XADD, and a group's encode and decode;
-from them the pipeline's ceiling on this machine's cores and with a core for each process (the
-slowest the bound), over raw XADD, and the server's own bound (each group written, read and
-deleted; raw XADD only writes). The load average: other work takes cores.
+from them the ceilings on this machine's cores and with a core for each process (the slowest
+the bound) and the server's own (it writes, reads and deletes a group; raw XADD only writes).
 
     python bench/buffer_throughput.py --seconds 10
 Last line: `buffer_consume_vs_raw_xadd: X` (consumed groups/s of packed groups over raw XADD/s;
@@ -56,6 +55,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import msgspec
+
+try:
+    import uvloop
+except ImportError:  # (the producers run on asyncio's own loop: said)
+    uvloop = None  # type: ignore[assignment]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -344,18 +348,12 @@ def phase(
 
 def run_loop(main: Coroutine[Any, Any, int]) -> int:
     """Run `main` on uvloop when it is installed (uvicorn then serves the router on it)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
+    return asyncio.run(main) if uvloop is None else uvloop.run(main)
 
 
 def loop_said() -> str:
     """The event loop the producers ran on (uvloop's CPU a group is ~10% less on 16 cores)."""
-    try:
-        import uvloop
-    except ImportError:
+    if uvloop is None:
         return "asyncio's own: uvloop is not installed, the router's loop under uvicorn[standard]"
     return f"uvloop {uvloop.__version__}, as the router's under uvicorn[standard]"
 
@@ -401,9 +399,10 @@ def beside_phases(args: argparse.Namespace) -> dict[str, tuple[dict[str, Any], s
     }
 
 
-def beside_lines(name: str, said: tuple[str, str], other: Phase, main: Phase, raw: float) -> str:
+def beside_lines(
+    name: str, lacks: str, main_has: str, other: Phase, main: Phase, raw: float
+) -> str:
     """A phase measured beside the main one, and its CPU breakdown."""
-    lacks, main_has = said
     return (
         f"consume_groups_per_s_{name}: {other.consumed:.0f} (packed; {lacks}); "
         f"{other.consumed / raw:.2f}x raw XADD, {main.consumed / max(other.consumed, 1):.2f}x "
@@ -440,6 +439,7 @@ def main(argv: list[str]) -> int:
             form: phase(url, f"bench-{form}", given, args, args.seconds)
             for form, given in (("packed", packed), ("lists", group))
         }
+        besides = beside_phases(args)
         beside = {
             name: phase(
                 url,
@@ -448,7 +448,7 @@ def main(argv: list[str]) -> int:
                 argparse.Namespace(**{**vars(args), **change}),
                 args.seconds,
             )
-            for name, (change, _lacks, _has) in beside_phases(args).items()
+            for name, (change, _lacks, _has) in besides.items()
         }
         paced = full["packed"].consumed * PACED_SHARE
         latencies = phase(url, "bench-paced", packed, args, args.seconds / 2, paced).latencies
@@ -487,8 +487,8 @@ def main(argv: list[str]) -> int:
     if "redis-py" in how:  # (a Python client's XADD/s: its own CPU, not the server's limit)
         met = "not judged: the limit was redis-py's, not the server's (install redis-tools)"
     print(f"targets (consume >= 0.5x raw XADD, p99 <= 50 ms): {met}")
-    for name, (_change, *said) in beside_phases(args).items():
-        print(beside_lines(name, tuple(said), beside[name], packed_run, raw_rate))
+    for name, (_change, lacks, main_has) in besides.items():
+        print(beside_lines(name, lacks, main_has, beside[name], packed_run, raw_rate))
     print(
         f"router_put_path_consume_vs_raw_xadd: {lists.consumed / raw_rate:.2f} (groups from lists)"
     )
