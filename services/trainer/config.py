@@ -230,6 +230,11 @@ class TrainerConfig:
     moe_aux_loss_coeff: float = _f(
         0.0, "MoE models: coefficient of the router's load-balancing loss (0 = off)."
     )
+    moe_grouped_experts: bool = _f(
+        True,
+        "MoE models: run all local experts as grouped GEMMs (torch._grouped_mm); "
+        "false = megatron's SequentialMLP, one expert after another.",
+    )
     make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this x TP.")
     bf16: bool = _f(False, "Train in bf16 (fp32 master weights); default fp32.")
     num_threads: int = _f(1, "torch.set_num_threads for this process.")
