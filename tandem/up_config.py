@@ -31,13 +31,13 @@ from services.common.config_file import (
     to_toml,
 )
 from services.common.flags import config_from_args
-from services.rollout_router.tasks import data_problem
+from services.rollout_router.rollout.tasks import data_problem
 from services.sample_buffer import SampleBuffer
 from services.trainer.intake import limits_of
-from tandem.launcher import UpConfig, build_parser
 from tandem.supervisor import ChildFailedError
 from tandem.up_args import ONE_TIME, PATH_KEYS, RENDERED, absolute_path, rendered
 from tandem.up_services import service_args
+from tandem.up_settings import UpConfig, build_parser
 
 
 def _router() -> argparse.ArgumentParser:

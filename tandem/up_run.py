@@ -17,7 +17,6 @@ from proto import MetricsRecord
 from services.common.config_file import ConfigError
 from services.common.engine_info import versions_or_why
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
-from tandem.launcher import UpConfig
 from tandem.progress import RunProgress
 from tandem.run_dir import (
     WRITE_ERRORS,
@@ -39,6 +38,7 @@ from tandem.up_args import lost_history, save_config, steps_saved, stopped_early
 from tandem.up_config import check_sample_fit, render, state_trainer_limits, write_run_config
 from tandem.up_engines import Restarts, wait_engines_synced
 from tandem.up_services import TRAINED_MODEL, gpu_env, service_args, shared_gpus, trains_in_bf16
+from tandem.up_settings import UpConfig
 from tandem.watchdog import Watchdog
 
 # What stopping a run waits for (tandem up says it when Ctrl-C comes, and when it is slow).

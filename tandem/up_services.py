@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tandem.launcher import UpConfig
+    from tandem.up_settings import UpConfig
 
 
 TRAINED_MODEL = "trained_model"  # the Hugging Face model the run trained, in its folder
