@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.instant_worker import InstantWorkerProcess  # noqa: E402
 from services.common.serving import bind_socket  # noqa: E402
-from services.rollout_router.http1 import Http1Pool  # noqa: E402
+from services.rollout_router.balancer.http1 import Http1Pool  # noqa: E402
 from services.sample_buffer import RedisServer  # noqa: E402
 
 BODY = json.dumps(

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proto import SampleGroup
 from proto.packed import encode_entry, pack
 from services.rollout_router.config import SessionConfig
+from services.rollout_router.gateway.session_store import SessionStore, session_samples
 from services.rollout_router.samples import Partial
-from services.rollout_router.session_store import SessionStore, session_samples
 
 
 def engine_output(rng: np.random.Generator, n: int, version: int) -> dict[str, Any]:

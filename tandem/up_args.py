@@ -212,7 +212,7 @@ def reach_launch_dir(rm_path: str, launch_dir: str) -> str:
     found from here but is in `launch_dir`, put that folder first on PYTHONPATH (the router and
     its reward workers inherit it) and on this process's path (the check before the start);
     what was done, or "" ."""
-    from services.rollout_router.rewards import import_problem, split_path
+    from services.rollout_router.rollout.rewards import import_problem, split_path
 
     module = split_path(rm_path)[0]
     if not launch_dir or not module or module.endswith(".py") or not import_problem(rm_path):

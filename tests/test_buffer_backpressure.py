@@ -24,10 +24,10 @@ from services.rollout_router.backpressure import (
     depth_note,
 )
 from services.rollout_router.config import RolloutConfig, SessionConfig
-from services.rollout_router.progress import Demand, allowance
-from services.rollout_router.routes_agent import router as agent_router
+from services.rollout_router.gateway.routes_agent import router as agent_router
+from services.rollout_router.gateway.sessions import AgentSessions
+from services.rollout_router.rollout.progress import Demand, allowance
 from services.rollout_router.samples import Partial
-from services.rollout_router.sessions import AgentSessions
 from services.sample_buffer import AsyncSampleBuffer, SampleBuffer
 
 
@@ -319,7 +319,7 @@ async def test_a_group_whose_start_is_on_its_way_when_the_rollout_stops_is_recor
     server and its reply was on its way: no task held the group, so nothing recorded it and
     the ledger of a finished run said `in flight 1`. Now it is a `cancelled` drop."""
     from services.rollout_router.config import SamplingConfig
-    from services.rollout_router.rollout import RolloutLoop
+    from services.rollout_router.rollout.loop import RolloutLoop
 
     loop = RolloutLoop(RolloutConfig(), SamplingConfig(), None, aio, None, None, [])  # type: ignore[arg-type]
     real, ran = aio.start_group, asyncio.Event()

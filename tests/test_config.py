@@ -16,8 +16,12 @@ import pytest
 
 from services.common.config_file import parse_args
 from services.rollout_router.__main__ import build_parser as router_parser
-from services.rollout_router.rewards import load_function
-from services.rollout_router.tasks import DATASET_RESPONSE_LEN, dataset_task, toy_reverse_digits
+from services.rollout_router.rollout.rewards import load_function
+from services.rollout_router.rollout.tasks import (
+    DATASET_RESPONSE_LEN,
+    dataset_task,
+    toy_reverse_digits,
+)
 from tandem import config_cmd, launcher, up_services
 from tandem.up_config import RUN_CONFIG, render
 

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from services.common.tokenizers import load_tokenizer
-from services.rollout_router.tasks import dataset_task, first_row_problem, load_items
+from services.rollout_router.rollout.tasks import dataset_task, first_row_problem, load_items
 
 
 def test_prompts_that_cannot_be_encoded_are_refused_naming_the_row(toy_model_dir, tmp_path):
@@ -75,7 +75,7 @@ def test_the_held_out_prompts_are_at_most_eval_max_prompts(toy_model_dir, tmp_pa
 def test_a_long_dataset_read_says_how_far_it_is(toy_model_dir, tmp_path, monkeypatch, caplog):
     """A million chat prompts take minutes to tokenize: the router's log (the last line of
     which tandem up prints while the router starts) says how many of how many rows are done."""
-    from services.rollout_router import tasks
+    from services.rollout_router.rollout import tasks
 
     tokenizer = load_tokenizer(str(toy_model_dir))
     data = tmp_path / "train.jsonl"

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from services.rollout_router.rewards import Reward, RewardError, make_reward
+from services.rollout_router.rollout.rewards import Reward, RewardError, make_reward
 from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,7 +152,7 @@ def test_workers_die_with_the_router_even_while_the_function_hangs(reward_file, 
     """kill -9 of the router leaves no worker behind (Linux: the parent's death signals it)."""
     script = (
         "import asyncio, sys\n"
-        "from services.rollout_router.rewards import make_reward\n"
+        "from services.rollout_router.rollout.rewards import make_reward\n"
         f"reward = asyncio.run(make_reward('', {reward_file!r}, '', 3600.0, 0, None, workers=1))\n"
         "async def main():\n"
         "    print(await reward.score('p', 'pid', 'l', 'stop'), flush=True)\n"
@@ -239,7 +239,7 @@ def test_a_function_that_fails_on_every_sample_is_broken_after_the_bound_and_a_r
 def test_a_worker_may_take_as_long_as_rm_timeout_s_to_load_a_slow_module(
     tmp_path: Path, monkeypatch
 ) -> None:
-    from services.rollout_router import reward_workers
+    from services.rollout_router.rollout import reward_workers
 
     monkeypatch.setattr(reward_workers, "START_TIMEOUT_S", 0.5)
     (tmp_path / "slow.py").write_text(
@@ -314,7 +314,7 @@ def test_a_cancelled_call_keeps_its_worker_and_its_late_answer_goes_to_no_other_
 ) -> None:
     """A stopped rollout cancels its calls: the worker finishes the call and is used again (a
     new one would load the function's module again), and the next call gets its own value."""
-    from services.rollout_router.reward_workers import RewardWorkers
+    from services.rollout_router.rollout.reward_workers import RewardWorkers
 
     async def scenario() -> tuple[Any, ...]:
         pool = RewardWorkers(reward_file, 1, 5.0)

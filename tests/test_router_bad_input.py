@@ -255,9 +255,9 @@ async def test_health_is_503_once_the_worker_health_checks_died() -> None:
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
+    from services.rollout_router.balancer.routes_engine import router as engine_routes
+    from services.rollout_router.balancer.workers import WorkerPool
     from services.rollout_router.config import WorkerPoolConfig
-    from services.rollout_router.routes_engine import router as engine_routes
-    from services.rollout_router.workers import WorkerPool
 
     pool = WorkerPool(WorkerPoolConfig())
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from proto import SampleGroup
-from services.rollout_router.tasks import (
+from services.rollout_router.rollout.tasks import (
     data_change_note,
 )
 from services.sample_buffer import SampleBuffer

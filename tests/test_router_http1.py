@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from services.rollout_router.http1 import Http1Pool, ResponseError
+from services.rollout_router.balancer.http1 import Http1Pool, ResponseError
 
 
 @pytest.fixture

@@ -346,7 +346,7 @@ def test_a_rollout_task_that_dies_makes_health_503_and_the_status_failed(
 
     from services.rollout_router.app import create_app
     from services.rollout_router.config import RouterConfig
-    from services.rollout_router.rollout import RolloutLoop
+    from services.rollout_router.rollout.loop import RolloutLoop
 
     async def broken(*_args: object) -> None:
         raise RuntimeError("boom")

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from services.rollout_router.progress import (
+from services.rollout_router.rollout.progress import (
     Backoff,
     Demand,
     EpochOrders,
@@ -16,7 +16,7 @@ from services.rollout_router.progress import (
     closed_gate_reason,
     epoch_order,
 )
-from services.rollout_router.rewards import Reward, RewardError
+from services.rollout_router.rollout.rewards import Reward, RewardError
 
 
 def demand(put: int = 0, consumed: int = 0, in_flight: int = 0, v: int = -1, e: int = 0):

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from proto import SampleGroup
-from services.rollout_router.toy_task import reverse_digits_reward
+from services.rollout_router.rollout.toy_task import reverse_digits_reward
 from services.sample_buffer import SampleBuffer
 from tests.helpers import free_port, get_json, post_json, read_all, wait_until
 from tests.helpers import router_args as shared_router_args
@@ -182,7 +182,7 @@ def test_requests_the_engines_refuse_stop_the_loop_naming_their_message_without_
     """HTTP 400 to every request (a setting each request carries that the engines refuse): the
     loop does not wait for the engines as if they were down, it stops after REFUSED_IN_A_ROW
     groups with the engine's message, and /health says it (tandem up then stops with it)."""
-    from services.rollout_router.rollout import REFUSED_IN_A_ROW
+    from services.rollout_router.rollout.loop import REFUSED_IN_A_ROW
 
     urls = [engines("--fail-generate", "400").url, engines("--fail-generate", "400").url]
     router = start_service("router", router_args(buffer, toy_model_dir, urls))

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from services.rollout_router.config import RouterConfig
-from services.rollout_router.tasks import TemplateKwargs, encode_prompt
+from services.rollout_router.rollout.tasks import TemplateKwargs, encode_prompt
 from tests.helpers import read_all
 from tests.test_router_agents import router_args
 from tests.test_router_tool_calls import CALL, QUESTION, TOOLS, TURN_TEXT, write_tool_model
@@ -123,7 +123,7 @@ def test_tools_reach_the_template_as_sglang_0_5_23_dumps_them() -> None:
     writes an absent description or parameters as null, strict and defer_loading only when
     set, drops unknown keys; Tool adds its defer_loading): a prompt trained on reads as the
     served model's."""
-    from services.rollout_router.chat_input import as_sglang_tool
+    from services.rollout_router.gateway.chat_input import as_sglang_tool
 
     given = {
         "type": "function",
@@ -156,7 +156,7 @@ def test_an_assistant_turns_tool_call_arguments_reach_the_template_as_an_object(
 ) -> None:
     """As SGLang: a history's `function.arguments` (a JSON string, OpenAI's form) is parsed for
     the template, and one that is no JSON object is answered 400 naming the message."""
-    from services.rollout_router.chat_input import check_messages
+    from services.rollout_router.gateway.chat_input import check_messages
 
     call = {"id": "c1", "type": "function", "function": {"name": "calculator"}}
     said = {"role": "assistant", "content": "", "tool_calls": [call]}

@@ -342,7 +342,7 @@ def test_the_example_calculator_runs_on_the_toy_model_without_a_chat_template(
 
 
 def test_hermes_tool_calls_are_read_with_their_arguments_and_bad_ones_explained():
-    from services.rollout_router.tool_calls import parse_hermes
+    from services.rollout_router.gateway.tool_calls import parse_hermes
 
     text = (
         'Let me compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}'
@@ -376,7 +376,7 @@ def test_observation_messages_close_the_turn_and_a_history_changing_template_is_
     from transformers import AutoTokenizer
 
     from services.rollout_router.config import EnvConfig
-    from services.rollout_router.environments import EnvError, EpisodeRunner
+    from services.rollout_router.rollout.environments import EnvError, EpisodeRunner
     from services.rollout_router.samples import Partial
 
     tokenizer = AutoTokenizer.from_pretrained(str(tool_model_dir))

@@ -7,12 +7,12 @@ import re
 
 import pytest
 
+from services.rollout_router.balancer.worker import Worker, rendezvous, worker_id_for
+from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.config import WorkerPoolConfig
-from services.rollout_router.limiter import Limiter
-from services.rollout_router.rewards import boxed, exact_match, last_number, load_function
+from services.rollout_router.rollout.limiter import Limiter
+from services.rollout_router.rollout.rewards import boxed, exact_match, last_number, load_function
 from services.rollout_router.samples import Partial, sampling_seed
-from services.rollout_router.worker import Worker, rendezvous, worker_id_for
-from services.rollout_router.workers import WorkerPool
 
 
 def pool_with(urls: list[str], policy: str = "least_outstanding") -> WorkerPool:
@@ -121,7 +121,7 @@ def test_a_sample_carries_the_routing_of_its_latest_engine_output_in_compact_for
 
 
 def test_builtin_verifiers_judge_answers():
-    from services.rollout_router.toy_task import reverse_digits_reward
+    from services.rollout_router.rollout.toy_task import reverse_digits_reward
 
     assert reverse_digits_reward("21", "21", True) == 1.0
     assert reverse_digits_reward("2", "21", False) == 1 / 3
@@ -141,8 +141,8 @@ def test_builtin_verifiers_judge_answers():
 
 
 def test_a_reward_function_loads_by_dotted_path_or_fails_naming_it():
-    assert load_function("services.rollout_router.rewards:boxed") is boxed
-    assert load_function("services.rollout_router.rewards.boxed") is boxed
+    assert load_function("services.rollout_router.rollout.rewards:boxed") is boxed
+    assert load_function("services.rollout_router.rollout.rewards.boxed") is boxed
     with pytest.raises(ValueError, match="no_such_module:f"):
         load_function("no_such_module:f")
     # a function Tandem cannot call with (response_text, label, stopped) fails the start
@@ -204,7 +204,7 @@ def turn(prompt: list[int], ids: list[int], version: int = 0) -> tuple[list[int]
 
 
 def test_session_turns_merge_by_exact_prefix_and_split_when_the_history_was_re_rendered():
-    from services.rollout_router.session_store import Session, session_samples
+    from services.rollout_router.gateway.session_store import Session, session_samples
 
     session = Session("s")
     for prompt, partial in [
@@ -232,7 +232,7 @@ def test_session_turns_merge_by_exact_prefix_and_split_when_the_history_was_re_r
 
 def merged_as_lists(turns: list[tuple[list[int], Partial]], reward: float) -> list:
     """The merge as the router made it while it held each turn's whole prompt as a list."""
-    from services.rollout_router.session_store import _finish
+    from services.rollout_router.gateway.session_store import _finish
 
     samples, prompt, current, mask = [], [], None, []
     for prompt_ids, partial in turns:
@@ -261,7 +261,7 @@ def test_sessions_held_as_arrays_merge_exactly_as_whole_prompts_did():
     import random
 
     from proto.packed import pack_sample
-    from services.rollout_router.session_store import Session, session_samples
+    from services.rollout_router.gateway.session_store import Session, session_samples
 
     rng = random.Random(7)
     for case in range(200):
@@ -287,7 +287,7 @@ def test_the_session_store_is_bounded_in_number_and_age():
     import time as _time
 
     from services.rollout_router.config import SessionConfig
-    from services.rollout_router.session_store import SessionStore
+    from services.rollout_router.gateway.session_store import SessionStore
 
     store = SessionStore(SessionConfig(max_sessions=2, session_ttl_s=60))
     for sid in ("a", "b", "c"):
@@ -308,7 +308,7 @@ def test_the_session_store_is_bounded_in_number_and_age():
 
 def test_rollout_requests_carry_the_sampling_settings_and_stops():
     from services.rollout_router.config import RolloutConfig, SamplingConfig
-    from services.rollout_router.rollout import RolloutLoop
+    from services.rollout_router.rollout.loop import RolloutLoop
 
     sampling = SamplingConfig(
         rollout_max_response_len=9,
@@ -367,7 +367,7 @@ def test_a_run_without_progress_names_the_engine_that_answers_none_of_its_reques
     import time
     from types import SimpleNamespace
 
-    from services.rollout_router.report import SILENT_ENGINE_S, busy
+    from services.rollout_router.rollout.report import SILENT_ENGINE_S, busy
 
     now = time.monotonic()
     quiet = Worker("http://a:1", "a", outstanding=42, quiet_since=now - SILENT_ENGINE_S - 5)

@@ -20,7 +20,7 @@ from proto import sglang as sg
 from proto.messages import NcclOffer, TensorMeta
 from services.common.engine_info import VersionUnavailableError, weight_version
 from services.rollout_router.config import RolloutConfig, SamplingConfig
-from services.rollout_router.rollout import RolloutLoop
+from services.rollout_router.rollout.loop import RolloutLoop
 from services.rollout_router.samples import as_list
 from services.weight_broker.nccl_transport import NcclTransport as NcclCoordinator
 from services.weight_broker.transports import DiskTransport, as_json

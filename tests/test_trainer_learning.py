@@ -15,7 +15,11 @@ import torch
 import zmq
 
 from proto import Sample, SampleGroup
-from services.rollout_router.toy_task import is_exact, reverse_digits_reward, reverse_digits_split
+from services.rollout_router.rollout.toy_task import (
+    is_exact,
+    reverse_digits_reward,
+    reverse_digits_split,
+)
 from tests.test_trainer_process import bind_pull, common_args, receive_version
 
 EOS, DIGIT0, ARROW = 2, 4, 14

@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from proto import MetricsRecord
-from services.rollout_router import evaluation
+from services.rollout_router.rollout import evaluation
 from services.trainer.lineage import TRACKER
 from tandem.progress import RunProgress, metrics_rows
 from tandem.up_args import resume_plan

@@ -21,9 +21,9 @@ from services.common.serving import (
     run_service,
     serve,
 )
+from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.config import RouterConfig, WorkerPoolConfig
 from services.rollout_router.config_checks import check_buffer_depth
-from services.rollout_router.workers import WorkerPool
 from services.sample_buffer import SampleBuffer
 
 DESCRIPTION = """\
@@ -58,7 +58,7 @@ async def wait_for_engines(config: WorkerPoolConfig) -> None:
 
 def eval_task(app: Any) -> str:
     """What the held-out accuracy scores (for the ready file: `tandem up` prints it)."""
-    from services.rollout_router.evaluation import describe
+    from services.rollout_router.rollout.evaluation import describe
 
     control = app.state.control
     return describe(control.loop) if control is not None else "none (no --model)"
@@ -114,7 +114,7 @@ def start(config: RouterConfig, host: str) -> Any:
 def run(
     app: Any, args: argparse.Namespace, sock: socket.socket | None, config: RouterConfig
 ) -> None:
-    from services.rollout_router.fastpath import FastForwardMiddleware
+    from services.rollout_router.balancer.fastpath import FastForwardMiddleware
 
     try:
         serve(

@@ -26,20 +26,20 @@ from proto.models import read_config
 from services.common.tokenizers import load_tokenizer
 from services.common.validation import answer_invalid_bodies
 from services.rollout_router.backpressure import depth_note
+from services.rollout_router.balancer.engine_context import ContextGate
+from services.rollout_router.balancer.routes_engine import router as engine_router
+from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.config import DataConfig, RouterConfig, SamplingConfig
-from services.rollout_router.control import RolloutController, greedy_note
-from services.rollout_router.engine_context import ContextGate
-from services.rollout_router.environments import EnvClient, EpisodeRunner
+from services.rollout_router.gateway.routes_agent import router as agent_router
+from services.rollout_router.gateway.sessions import AgentSessions
 from services.rollout_router.lease import RouterLease
-from services.rollout_router.metrics import router as metrics_router
-from services.rollout_router.rewards import make_reward
-from services.rollout_router.rollout import RolloutLoop
-from services.rollout_router.routes_agent import router as agent_router
-from services.rollout_router.routes_control import router as control_router
-from services.rollout_router.routes_dashboard import router as dashboard_router
-from services.rollout_router.routes_engine import router as engine_router
-from services.rollout_router.sessions import AgentSessions
-from services.rollout_router.tasks import (
+from services.rollout_router.rollout.control import RolloutController, greedy_note
+from services.rollout_router.rollout.environments import EnvClient, EpisodeRunner
+from services.rollout_router.rollout.loop import RolloutLoop
+from services.rollout_router.rollout.metrics import router as metrics_router
+from services.rollout_router.rollout.rewards import make_reward
+from services.rollout_router.rollout.routes_control import router as control_router
+from services.rollout_router.rollout.tasks import (
     DATASET_RESPONSE_LEN,
     TOY_RESPONSE_LEN,
     Task,
@@ -49,7 +49,7 @@ from services.rollout_router.tasks import (
     dataset_task,
     toy_reverse_digits,
 )
-from services.rollout_router.workers import WorkerPool
+from services.rollout_router.routes_dashboard import router as dashboard_router
 from services.sample_buffer import AsyncSampleBuffer
 
 log = logging.getLogger("tandem.router")

@@ -22,7 +22,7 @@ from services.rollout_router.config_checks import (
     check_buffer_depth,
     check_response_len,
 )
-from services.rollout_router.tool_calls import PARSERS as TOOL_CALL_PARSERS
+from services.rollout_router.gateway.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from services.sample_buffer import BufferConfig
 
 POLICIES = ("least_outstanding", "round_robin", "session_affinity")

@@ -33,8 +33,8 @@ import orjson
 from fastapi import Response
 from fastapi.responses import StreamingResponse
 
-from services.rollout_router.worker import EngineRequestError, Worker
-from services.rollout_router.workers import WorkerPool
+from services.rollout_router.balancer.worker import EngineRequestError, Worker
+from services.rollout_router.balancer.workers import WorkerPool
 
 log = logging.getLogger("tandem.router.streaming")
 

@@ -31,7 +31,10 @@ from proto.contract import SampleLimits
 from proto.packed import PackedGroup, pack_sample
 from services.common.chat_messages import MessageError, joined_text
 from services.rollout_router.backpressure import BufferBound
-from services.rollout_router.chat_input import (
+from services.rollout_router.balancer.worker import EngineRequestError, NoWorkerError
+from services.rollout_router.balancer.workers import WorkerPool
+from services.rollout_router.config import SessionConfig
+from services.rollout_router.gateway.chat_input import (
     TurnError,
     check_messages,
     check_neutral,
@@ -43,13 +46,10 @@ from services.rollout_router.chat_input import (
     template_inputs,
     top_logprobs,
 )
-from services.rollout_router.config import SessionConfig
+from services.rollout_router.gateway.session_store import SessionStore, session_samples
+from services.rollout_router.gateway.tool_calls import PARSERS, Parser, leading_text
+from services.rollout_router.rollout.tasks import encode_prompt
 from services.rollout_router.samples import Partial, as_list
-from services.rollout_router.session_store import SessionStore, session_samples
-from services.rollout_router.tasks import encode_prompt
-from services.rollout_router.tool_calls import PARSERS, Parser, leading_text
-from services.rollout_router.worker import EngineRequestError, NoWorkerError
-from services.rollout_router.workers import WorkerPool
 from services.sample_buffer import AsyncSampleBuffer
 
 TRAINER_LIMITS_S = 5.0  # how often a chat turn reads the trainer's limits again

@@ -25,12 +25,12 @@ import logging
 
 from redis.exceptions import RedisError
 
-from services.rollout_router.environments import EnvError
-from services.rollout_router.rewards import RewardError
-from services.rollout_router.rollout import RolloutLoop
+from services.rollout_router.balancer.worker import EngineRequestError, NoWorkerError
+from services.rollout_router.rollout.environments import EnvError
+from services.rollout_router.rollout.loop import RolloutLoop
+from services.rollout_router.rollout.rewards import RewardError
+from services.rollout_router.rollout.tasks import Item
 from services.rollout_router.samples import Partial
-from services.rollout_router.tasks import Item
-from services.rollout_router.worker import EngineRequestError, NoWorkerError
 
 log = logging.getLogger("tandem.router.eval")
 EVAL_FAILURES = (EnvError, EngineRequestError, NoWorkerError)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from services.rollout_router.workers import WorkerPool
+from services.rollout_router.balancer.workers import WorkerPool
 
 log = logging.getLogger("tandem.router.workers")
 

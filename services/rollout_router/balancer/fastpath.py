@@ -15,8 +15,8 @@ from typing import Any
 
 import orjson
 
-from services.rollout_router.worker import EngineRequestError, NoWorkerError
-from services.rollout_router.workers import WorkerPool
+from services.rollout_router.balancer.worker import EngineRequestError, NoWorkerError
+from services.rollout_router.balancer.workers import WorkerPool
 
 FAST_PATHS = {"/generate", "/v1/completions"}
 SESSION_HEADER_BYTES = b"x-session-id"

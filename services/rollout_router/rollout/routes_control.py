@@ -13,10 +13,14 @@ from pydantic import BaseModel
 
 from services.common.auth import WRITE
 from services.common.urls import HttpUrl
-from services.rollout_router.control import ConfigPatchError, ContractTermError, RolloutController
-from services.rollout_router.report import status as loop_status
-from services.rollout_router.worker import EngineStartupError
-from services.rollout_router.workers import WorkerPool
+from services.rollout_router.balancer.worker import EngineStartupError
+from services.rollout_router.balancer.workers import WorkerPool
+from services.rollout_router.rollout.control import (
+    ConfigPatchError,
+    ContractTermError,
+    RolloutController,
+)
+from services.rollout_router.rollout.report import status as loop_status
 
 router = APIRouter()
 

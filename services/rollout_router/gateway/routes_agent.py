@@ -21,10 +21,10 @@ from redis.exceptions import RedisError
 from proto import sglang as sg
 from services.common.auth import WRITE, require_token
 from services.rollout_router.backpressure import BufferFullError
-from services.rollout_router.routes_engine import SESSION_HEADER, forward
-from services.rollout_router.session_store import GroupSizeError
-from services.rollout_router.sessions import AgentSessions
-from services.rollout_router.worker import EngineRequestError, NoWorkerError
+from services.rollout_router.balancer.routes_engine import SESSION_HEADER, forward
+from services.rollout_router.balancer.worker import EngineRequestError, NoWorkerError
+from services.rollout_router.gateway.session_store import GroupSizeError
+from services.rollout_router.gateway.sessions import AgentSessions
 
 router = APIRouter()
 RETRY_AFTER_S = 5  # a reward refused for a full buffer: when to post it again

@@ -13,10 +13,12 @@ from typing import Any
 
 from proto import DropReason
 from proto.contract import SampleLimits
+from services.rollout_router.balancer.worker import EngineRequestError
+from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.config import RolloutConfig, SamplingConfig
-from services.rollout_router.environments import ContextFullError, EnvError, Generate
-from services.rollout_router.limiter import Limiter
-from services.rollout_router.metrics import LoopObserver
+from services.rollout_router.rollout.environments import ContextFullError, EnvError, Generate
+from services.rollout_router.rollout.limiter import Limiter
+from services.rollout_router.rollout.metrics import LoopObserver
 from services.rollout_router.samples import (
     Partial,
     as_list,
@@ -24,8 +26,6 @@ from services.rollout_router.samples import (
     parse_version,
     sampling_seed,
 )
-from services.rollout_router.worker import EngineRequestError
-from services.rollout_router.workers import WorkerPool
 
 
 class Generation:

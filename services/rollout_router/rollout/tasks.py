@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from services.common.chat_messages import MessageError, template_messages
-from services.rollout_router.toy_task import is_exact, reverse_digits_split
+from services.rollout_router.rollout.toy_task import is_exact, reverse_digits_split
 
 BOM = b"\xef\xbb\xbf"  # (a UTF-8 byte-order mark, as Windows tools write)
 T = TypeVar("T")

@@ -33,9 +33,9 @@ from typing import Any
 import aiohttp
 
 from proto import DropReason
-from services.rollout_router.calls import InFlight
-from services.rollout_router.reward_workers import RewardCallError, RewardWorkers
-from services.rollout_router.toy_task import reverse_digits_reward
+from services.rollout_router.rollout.calls import InFlight
+from services.rollout_router.rollout.reward_workers import RewardCallError, RewardWorkers
+from services.rollout_router.rollout.toy_task import reverse_digits_reward
 
 log = logging.getLogger("tandem.router.rewards")
 

@@ -23,12 +23,12 @@ from redis.exceptions import RedisError
 
 from proto.contract import FLAGS, SampleLimits
 from services.common.long_wait import LongWait
+from services.rollout_router.balancer.engine_context import ContextGate
 from services.rollout_router.config import DataConfig, SamplingConfig, reward_problem
-from services.rollout_router.engine_context import ContextGate
-from services.rollout_router.evaluation import run_evaluations
 from services.rollout_router.lease import LeaseError, RouterLease
-from services.rollout_router.report import service_status
-from services.rollout_router.rollout import RolloutLoop
+from services.rollout_router.rollout.evaluation import run_evaluations
+from services.rollout_router.rollout.loop import RolloutLoop
+from services.rollout_router.rollout.report import service_status
 
 log = logging.getLogger("tandem.router.control")
 

@@ -49,13 +49,15 @@ from redis.exceptions import RedisError
 
 from proto import DropReason, Sample, SampleGroup
 from services.rollout_router.backpressure import BufferBound, full_sentence, waiting_for_room
+from services.rollout_router.balancer.engine_context import none_admitted
+from services.rollout_router.balancer.worker import EngineRequestError, NoWorkerError
+from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.config import RolloutConfig, SamplingConfig
-from services.rollout_router.engine_context import none_admitted
-from services.rollout_router.environments import EpisodeRunner
-from services.rollout_router.generation import Generation
 from services.rollout_router.lease import LeaseError, raise_if_fenced
-from services.rollout_router.metrics import LoopObserver
-from services.rollout_router.progress import (
+from services.rollout_router.rollout.environments import EpisodeRunner
+from services.rollout_router.rollout.generation import Generation
+from services.rollout_router.rollout.metrics import LoopObserver
+from services.rollout_router.rollout.progress import (
     Backoff,
     Demand,
     EpochOrders,
@@ -63,8 +65,8 @@ from services.rollout_router.progress import (
     closed_gate_reason,
     read_demand,
 )
-from services.rollout_router.recent import RecentGroups
-from services.rollout_router.report import (
+from services.rollout_router.rollout.recent import RecentGroups
+from services.rollout_router.rollout.report import (
     BatchStats,
     Drops,
     GroupDroppedError,
@@ -73,11 +75,9 @@ from services.rollout_router.report import (
     record_drop,
     refused,
 )
-from services.rollout_router.rewards import Reward, RewardError
+from services.rollout_router.rollout.rewards import Reward, RewardError
+from services.rollout_router.rollout.tasks import Item, Task
 from services.rollout_router.samples import sampling_seed
-from services.rollout_router.tasks import Item, Task
-from services.rollout_router.worker import EngineRequestError, NoWorkerError
-from services.rollout_router.workers import WorkerPool
 from services.sample_buffer import AsyncSampleBuffer
 from services.sample_buffer.refusals import hint_of
 

@@ -23,7 +23,7 @@ from services.sample_buffer import AsyncSampleBuffer
 from services.sample_buffer.timeline import Timeline
 
 if TYPE_CHECKING:
-    from services.rollout_router.rollout import RolloutLoop
+    from services.rollout_router.rollout.loop import RolloutLoop
 
 router = APIRouter()
 GENERATING = "generating"  # the loop state in which engines get work; any other is idle

@@ -38,10 +38,8 @@ import aiohttp
 import orjson
 
 from services.common.auth import bearer_headers
-from services.rollout_router.config import WorkerPoolConfig
-from services.rollout_router.http1 import Http1Pool
-from services.rollout_router.samples import parse_version
-from services.rollout_router.worker import (
+from services.rollout_router.balancer.http1 import Http1Pool
+from services.rollout_router.balancer.worker import (
     EngineRequestError,
     EngineStartupError,
     NoWorkerError,
@@ -49,6 +47,8 @@ from services.rollout_router.worker import (
     rendezvous,
     worker_id_for,
 )
+from services.rollout_router.config import WorkerPoolConfig
+from services.rollout_router.samples import parse_version
 
 log = logging.getLogger("tandem.router.workers")
 # The cancel message a request's task gets when its worker is taken out while it waits.

@@ -15,12 +15,12 @@ import aiohttp
 
 from proto import DropReason, Sample
 from services.common.chat_messages import MessageError, joined_text, template_messages
-from services.rollout_router.calls import InFlight
-from services.rollout_router.chat_input import as_sglang_tool, prompt_char_limit
 from services.rollout_router.config import EnvConfig
+from services.rollout_router.gateway.chat_input import as_sglang_tool, prompt_char_limit
+from services.rollout_router.gateway.tool_calls import PARSERS
+from services.rollout_router.rollout.calls import InFlight
+from services.rollout_router.rollout.tasks import Item, encode_prompt
 from services.rollout_router.samples import Partial
-from services.rollout_router.tasks import Item, encode_prompt
-from services.rollout_router.tool_calls import PARSERS
 
 
 class EnvError(RuntimeError):

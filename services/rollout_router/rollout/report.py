@@ -22,7 +22,7 @@ from services.sample_buffer import AsyncSampleBuffer
 from services.sample_buffer.ledger import Ledger
 
 if TYPE_CHECKING:
-    from services.rollout_router.rollout import RolloutLoop
+    from services.rollout_router.rollout.loop import RolloutLoop
 
 log = logging.getLogger("tandem.router.rollout")
 

@@ -24,9 +24,9 @@ from pydantic import BaseModel
 
 from proto import sglang as sg
 from services.common.auth import WRITE
-from services.rollout_router.streaming import stream
-from services.rollout_router.worker import EngineRequestError, NoWorkerError
-from services.rollout_router.workers import WorkerPool
+from services.rollout_router.balancer.streaming import stream
+from services.rollout_router.balancer.worker import EngineRequestError, NoWorkerError
+from services.rollout_router.balancer.workers import WorkerPool
 
 router = APIRouter()
 
