@@ -42,5 +42,6 @@ class DeadLetterReason(StrEnum):
     LENGTH_MISMATCH = "length_mismatch"  # per-token arrays of different lengths
     TOO_LONG = "too_long"  # beyond the context or the response-length bound
     NONFINITE_REWARD = "nonfinite_reward"  # a NaN or infinite reward
+    BAD_TEMPERATURE = "bad_temperature"  # a sample's temperature not a finite number > 0
     FUTURE_VERSION = "future_version"  # stamped with a version the trainer has not published
     FOREIGN_LINEAGE = "foreign_lineage"  # produced by another run's or lineage's weights

@@ -26,6 +26,11 @@ class Sample(msgspec.Struct, kw_only=True):
     layer chose at every position the engine ran, `[len(prompt_ids) + len(response_ids) - 1,
     moe_layers, top_k]` row-major, one byte per entry (uint8) when every index is < 256, else
     two (int16, little-endian); see `proto.models.pack_routed_experts`. Empty = not recorded.
+    `temperature`: the temperature of the distribution `response_logprobs` are of, the engine's
+    `log_softmax(logits / temperature)`: the sampling temperature, 1 for greedy sampling (whose
+    log-probs SGLang reports unscaled). The trainer scores the sample at the same temperature.
+    Samples are drawn with no other filter (top_p 1, top_k -1, min_p 0): the router refuses any
+    other for what it trains on.
     """
 
     prompt_ids: list[int]
@@ -38,6 +43,7 @@ class Sample(msgspec.Struct, kw_only=True):
     finish_reason: str = "stop"
     response_text: str = ""
     routed_experts: bytes = b""
+    temperature: float = 1.0
 
 
 class SampleGroup(msgspec.Struct, kw_only=True):

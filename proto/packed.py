@@ -39,7 +39,9 @@ def _array(typecode: str, raw: bytes) -> array:
 
 class PackedSample(msgspec.Struct, array_like=True, frozen=True):
     """A `Sample` with its per-token arrays as bytes (`pack`); empty `mask` = every response
-    token trains, empty `versions` = every token is `weight_version`'s."""
+    token trains, empty `versions` = every token is `weight_version`'s. `temperature` is last
+    with a default: an entry written without it reads as 1, and a reader that predates it skips
+    it."""
 
     prompt: bytes
     response: bytes
@@ -51,6 +53,7 @@ class PackedSample(msgspec.Struct, array_like=True, frozen=True):
     finish_reason: str
     response_text: str
     routed_experts: bytes
+    temperature: float = 1.0
 
     @property
     def prompt_ids(self) -> array:
@@ -117,6 +120,7 @@ def pack_sample(s: Sample, group_id: str, prompt: bytes | None = None) -> Packed
         s.finish_reason,
         s.response_text,
         s.routed_experts,
+        s.temperature,
     )
 
 
@@ -161,6 +165,7 @@ def unpack(group: SampleGroup | PackedGroup) -> SampleGroup:
             finish_reason=s.finish_reason,
             response_text=s.response_text,
             routed_experts=s.routed_experts,
+            temperature=s.temperature,
         )
         for s in group.samples
     ]

@@ -45,6 +45,7 @@ class TrainSample:
     reward: float
     routed_experts: bytes = b""  # `Sample.routed_experts`, for routing replay
     group: int = -1  # index of its group in the rollout
+    temperature: float = 1.0  # `Sample.temperature`: the trainer scores it at the same
 
     @property
     def input_len(self) -> int:
@@ -118,6 +119,7 @@ def flatten(groups: list[Group], advantages: list[list[np.ndarray]]) -> list[Tra
                     reward=s.reward,
                     routed_experts=s.routed_experts,
                     group=index,
+                    temperature=s.temperature,
                 )
             )
     return out
@@ -184,6 +186,9 @@ class MicroBatch:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # proximal/ref log-probs
     # routing replay: the engine's experts per input token `[rows, S, moe_layers, top_k]`
     routed_experts: torch.Tensor | None = None
+    # the temperature each input token's logits are divided by (its sample's, 1 at padding),
+    # `[rows, S]` float32; None = 1 everywhere (no division)
+    temperature: torch.Tensor | None = None
     padding: bool = False  # no samples: only there to match other ranks (`equalize`)
 
     @property
@@ -234,8 +239,17 @@ def build_micro_batch(samples: list[TrainSample], indices: list[int], packed: bo
         sample_index=list(indices),
         packed_seq_params=params,
         response_spans=spans,
+        temperature=_temperature(chosen, out["seq_ids"]),
         **{name: torch.from_numpy(value) for name, value in out.items()},
     )
+
+
+def _temperature(chosen: list[TrainSample], seq_ids: np.ndarray) -> torch.Tensor | None:
+    """Each token's sample's temperature (1 at padding); None when every one is 1."""
+    if all(s.temperature == 1.0 for s in chosen):
+        return None
+    per_sample = np.array([*(s.temperature for s in chosen), 1.0], np.float32)
+    return torch.from_numpy(per_sample[seq_ids])  # (seq_ids -1, padding, picks the last: 1)
 
 
 def make_micro_batches(
@@ -296,6 +310,8 @@ def _pad_pack(mb: MicroBatch, length: int) -> MicroBatch:
     for name in ("input_ids", "targets", "loss_mask", "behaviour_logp", "advantages"):
         setattr(mb, name, F.pad(getattr(mb, name), (0, extra)))
     mb.seq_ids = F.pad(mb.seq_ids, (0, extra), value=-1)
+    if mb.temperature is not None:
+        mb.temperature = F.pad(mb.temperature, (0, extra), value=1.0)
     mb.position_ids = torch.cat([mb.position_ids, torch.arange(extra)[None]], dim=1)
     cu = torch.cat([params.cu_seqlens_q, torch.tensor([length], dtype=torch.int32)])
     top = max(int(params.max_seqlen_q), extra)

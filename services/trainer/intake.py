@@ -6,7 +6,7 @@ groups nor a SampleGroup, no payload, another schema version. `check_group` answ
 fit to train, or a `Rejected` naming the `DeadLetterReason`: another schema version, a required field absent or empty,
 a token id outside the vocabulary, per-token arrays of different lengths, a sample longer than
 the model's context (or the micro-batch token budget) or a response beyond --max-response-len, a
-non-finite reward, a weight version the trainer has not published, or one from before this
+non-finite reward, a temperature that is not a finite number > 0, a weight version the trainer has not published, or one from before this
 lineage's first version (`--new-lineage`). `check_groups` checks the groups of an entry in one
 pass (the token ids and versions of the whole entry in one numpy array each: ~2 µs a 4 KB group,
 ~16 one by one) and each group alone only when one may fail, for its reason. Knows nothing of
@@ -185,6 +185,7 @@ def _all_fine(groups: Sequence[Group], limits: Limits, version: int, lineage_flo
                 or p + n > max_bytes
                 or n > max_response
                 or not finite(s.reward)
+                or not 0.0 < s.temperature < math.inf
             ):
                 return False
             stamps.append(s.weight_version)
@@ -219,6 +220,8 @@ def _check_sample(s: AnySample, limits: Limits) -> tuple[DeadLetterReason, str] 
         return DeadLetterReason.MISSING_FIELD, "empty prompt_ids"
     if not math.isfinite(s.reward):
         return DeadLetterReason.NONFINITE_REWARD, f"reward {s.reward}"
+    if not 0.0 < s.temperature < math.inf:  # (the trainer divides the logits by it)
+        return DeadLetterReason.BAD_TEMPERATURE, f"temperature {s.temperature}"
     if logprobs != n or mask not in (0, n) or versions not in (0, n):  # empty: see Sample
         lengths = {"response_logprobs": logprobs, "loss_mask": mask, "token_versions": versions}
         wrong = {k: v for k, v in lengths.items() if v != n and (v or k == "response_logprobs")}

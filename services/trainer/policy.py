@@ -72,14 +72,22 @@ def token_logprobs(
     vocab_size: int,
     with_entropy: bool,
     entropy_grad: bool = True,
+    temperature: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) and entropy from this TP rank's vocab slice of `logits` ([..., V/tp]).
-    Without `entropy_grad` the entropy is a metric: computed outside autograd."""
+    Without `entropy_grad` the entropy is a metric: computed outside autograd.
+
+    `temperature` (`[...]`, each position's sample's; None = 1): the logits are divided by it
+    before everything, as the engine's reported log-probs are `log_softmax(logits / T)`. So
+    the log-probs, the ratios and KL terms built on them and the entropy are all of the
+    tempered distribution the samples were drawn from (slime does the same)."""
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()
     local_v = logits.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * local_v
     logits = logits.float()
+    if temperature is not None:
+        logits = logits / temperature.to(logits.device).unsqueeze(-1)
     vocab_ids = torch.arange(start, start + local_v, device=logits.device)
     if start + local_v > vocab_size:
         logits = logits.masked_fill(vocab_ids >= vocab_size, PAD_LOGIT)
@@ -219,6 +227,7 @@ class Policy:
                     self.arch.vocab_size,
                     with_entropy,
                     entropy_grad,
+                    mb.temperature,
                 )
                 return loss_fn(mb, logp, entropy)
 
