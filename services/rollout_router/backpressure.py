@@ -68,6 +68,11 @@ def full_sentence(depth: int, max_depth: int) -> str:
     return f"buffer full (depth {depth} of {max_depth})"
 
 
+def room_sentence(depth: int, max_depth: int) -> str:
+    """`waiting` of the status: why producers wait ("" when they do not)."""
+    return full_sentence(depth, max_depth) if max_depth and depth >= max_depth else ""
+
+
 def waiting_for_room(sentence: str) -> str:
     """A producer's `waiting_for` while the buffer is full."""
     return (
@@ -146,12 +151,6 @@ class BufferBound:
         """Producers waiting for a slot."""
         return len(self._line)
 
-    def sentence(self, depth: int) -> str:
-        """`waiting` of the status: why producers wait ("" when they do not)."""
-        if self.max_depth and depth >= self.max_depth:
-            return full_sentence(depth, self.max_depth)
-        return ""
-
     def slot(self, timeout_s: float | None, on_full: Callable[[str], None] | None = None) -> Slot:
         """Room for one group, waiting while the buffer is full (`on_full` hears why):
         `async with bound.slot(...) as put`, then `await put(group)` -> its stream id. A slot
@@ -214,7 +213,9 @@ class BufferBound:
                     poll_s = PUT_POLL_S
                     continue
                 if self._line[0].on_full is not None:
-                    self._line[0].on_full(self.sentence(self.max_depth - self._room))
+                    self._line[0].on_full(
+                        room_sentence(self.max_depth - self._room, self.max_depth)
+                    )
                 await asyncio.sleep(poll_s)
                 poll_s = min(poll_s * 2, PUT_POLL_MAX_S)
         finally:  # cancelled (the loop is closing): nobody is left waiting for nothing

@@ -29,6 +29,7 @@ from services.rollout_router.lease import LeaseError, RouterLease
 from services.rollout_router.rollout.evaluation import run_evaluations
 from services.rollout_router.rollout.loop import RolloutLoop
 from services.rollout_router.rollout.report import service_status
+from services.rollout_router.rollout.report import status as loop_status
 
 log = logging.getLogger("tandem.router.control")
 
@@ -183,12 +184,20 @@ class RolloutController:
             with contextlib.suppress(TimeoutError):  # not wait_for: see RolloutLoop.run
                 async with asyncio.timeout(STATUS_INTERVAL_S):
                     await self.loop.changed.wait()
-            status = await service_status(self.loop, self.failure())
+            snap = self.loop.snapshot()
+            status = await service_status(snap, buffer, self.loop.pool, self.failure())
             self.long_wait.check(status.state, status.waiting_for, status.since)
             try:
                 await buffer.set_status(status, STATUS_TTL_S)
             except RedisError as exc:  # the rollout loop reports the outage; retried next time
                 log.debug("status not written: %s", exc)
+
+    async def status(self) -> dict[str, Any]:
+        """`GET /rollout/status`'s loop fields (`report.status`), `failed` once a task died."""
+        said = await loop_status(self.loop.snapshot(), self.loop.buffer, self.loop.pool)
+        if failure := self.failure():
+            said.update(state="failed", error=failure)
+        return {**said, "running": self.running}
 
     def start(self) -> None:
         if self.running:
@@ -224,8 +233,9 @@ class RolloutController:
     async def patch(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Apply changes to sampling, rollout and data fields; all or nothing. A new value of
         a run-contract term is refused (ContractTermError); its current value is accepted."""
-        rollout, rest = patch_dataclass(self.loop.config, changes)
-        sampling, rest = patch_dataclass(self.loop.sampling, rest)
+        live = self.loop.live
+        rollout, rest = patch_dataclass(live.rollout, changes)
+        sampling, rest = patch_dataclass(live.sampling, rest)
         data, rest = patch_dataclass(self.data, rest)
         if rest:
             raise ConfigPatchError(f"unknown or read-only fields: {', '.join(sorted(rest))}")
@@ -237,7 +247,7 @@ class RolloutController:
             except ValueError as exc:
                 raise ConfigPatchError(str(exc)) from exc
         for term in CONTRACT_TERMS:  # (a valid value: one that is not is named above)
-            if getattr(rollout, term) != getattr(self.loop.config, term):
+            if getattr(rollout, term) != getattr(live.rollout, term):
                 raise ContractTermError(
                     f"{term} is part of the run contract shared with the trainer; restart the "
                     f"run with {FLAGS[term]} {getattr(rollout, term)}"
@@ -265,8 +275,4 @@ class RolloutController:
         return self.config()
 
     def config(self) -> dict[str, Any]:
-        return {
-            **dataclasses.asdict(self.loop.config),
-            **dataclasses.asdict(self.loop.sampling),
-            **dataclasses.asdict(self.data),
-        }
+        return {**self.loop.live.as_dict(), **dataclasses.asdict(self.data)}

@@ -15,10 +15,10 @@ from proto import DropReason
 from proto.contract import SampleLimits
 from services.rollout_router.balancer.worker import EngineRequestError
 from services.rollout_router.balancer.workers import WorkerPool
-from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.rollout.environments import ContextFullError, EnvError, Generate
 from services.rollout_router.rollout.limiter import Limiter
 from services.rollout_router.rollout.metrics import LoopObserver
+from services.rollout_router.rollout.settings import LiveSettings
 from services.rollout_router.samples import (
     Partial,
     as_list,
@@ -33,23 +33,21 @@ class Generation:
 
     def __init__(
         self,
-        config: RolloutConfig,
-        sampling: SamplingConfig,
+        live: LiveSettings,
         pool: WorkerPool,
         stop_token_ids: list[int],
         observe: LoopObserver,
     ) -> None:
-        self.config, self.sampling, self.pool = config, sampling, pool
+        self.live, self.pool = live, pool  # (settings read at each request: a PATCH applies)
         self.stop_token_ids, self.observe = stop_token_ids, observe
         self.context_len = 0  # the model's positions (0 = unknown): an episode's turns fit in it
         self.limits: SampleLimits | None = None  # the trainer's (the rollout loop reads them)
         self.in_flight = 0  # /generate requests
-        self.limiter = Limiter(config.rollout_max_concurrency)
+        self.limiter = Limiter(live.rollout.rollout_max_concurrency)
 
-    def apply(self, rollout: RolloutConfig, sampling: SamplingConfig) -> None:
-        """Use validated new settings from the next request on."""
-        self.config, self.sampling = rollout, sampling
-        self.limiter.set_limit(rollout.rollout_max_concurrency)
+    def settings_changed(self) -> None:
+        """The live settings were replaced: requests waiting now see the new concurrency."""
+        self.limiter.set_limit(self.live.rollout.rollout_max_concurrency)
 
     def payload(
         self, input_ids: list[int], n: int, max_new: int, greedy: bool, seed: int, bound: int = 0
@@ -59,7 +57,7 @@ class Generation:
         if bound := bound or self.context_len:  # an episode's later turns get what is left
             max_new = max(1, min(max_new, bound - len(input_ids)))
         return generate_body(
-            self.sampling, self.stop_token_ids, input_ids, n, max_new, greedy, seed
+            self.live.sampling, self.stop_token_ids, input_ids, n, max_new, greedy, seed
         )
 
     async def generate(
@@ -84,7 +82,10 @@ class Generation:
     async def partials(self, prompt_ids: list[int], seed: int) -> list[Partial]:
         """The `n_samples_per_prompt` samples of one prompt, the aborted ones completed (some
         may still be aborted after `max_continues` tries)."""
-        n, max_new = self.config.n_samples_per_prompt, self.sampling.rollout_max_response_len
+        n, max_new = (
+            self.live.rollout.n_samples_per_prompt,
+            self.live.sampling.rollout_max_response_len,
+        )
         outs = await self.generate(self.payload(prompt_ids, n, max_new, False, seed))
         if len(outs) != n:
             raise EngineRequestError(f"engine returned {len(outs)} samples, asked for {n}")
@@ -101,7 +102,7 @@ class Generation:
     def episode_turn(self, episode_id: str, greedy: bool = False) -> Generate:
         """The model-turn function of one episode (its turns stay on one engine). A greedy
         one is an evaluation's, never trained: only the model's context bounds it."""
-        max_new = self.sampling.rollout_max_response_len
+        max_new = self.live.sampling.rollout_max_response_len
         bound: list[tuple[int, str]] = []  # set at the first turn, whose context is the prompt
 
         async def turn(context: list[int], turn_seed: int) -> Partial:
@@ -136,11 +137,13 @@ class Generation:
     ) -> Partial:
         """Continue (partial rollout) or restart an aborted sample, at most `max_continues`
         times. A continuation sends prompt + the tokens so far and asks for the rest."""
-        max_new = self.sampling.rollout_max_response_len
-        while partial.finish == "abort" and partial.continues < self.config.max_continues:
+        max_new = self.live.sampling.rollout_max_response_len
+        while partial.finish == "abort" and partial.continues < self.live.rollout.max_continues:
             partial.continues += 1
             seed = sampling_seed(seed, partial.continues)
-            if not self.config.partial_rollout:  # start over; the aborted tokens are discarded
+            if (
+                not self.live.rollout.partial_rollout
+            ):  # start over; the aborted tokens are discarded
                 payload = self.payload(prompt_ids, 1, max_new, False, seed)
                 out = await self.generate(payload, session_id)
                 partial = dataclasses.replace(Partial.of(out[0]), continues=partial.continues)

@@ -63,6 +63,7 @@ from services.rollout_router.rollout.progress import (
     EpochOrders,
     allowance,
     closed_gate_reason,
+    engines_version,
     read_demand,
 )
 from services.rollout_router.rollout.recent import RecentGroups
@@ -70,12 +71,14 @@ from services.rollout_router.rollout.report import (
     BatchStats,
     Drops,
     GroupDroppedError,
+    LoopSnapshot,
     RequestsRefusedError,
-    backoff_reason,
+    busy,
     record_drop,
     refused,
 )
 from services.rollout_router.rollout.rewards import Reward, RewardError
+from services.rollout_router.rollout.settings import LiveSettings
 from services.rollout_router.rollout.tasks import Item, Task
 from services.rollout_router.samples import sampling_seed
 from services.sample_buffer import AsyncSampleBuffer
@@ -105,7 +108,7 @@ class RolloutLoop:
         stop_token_ids: list[int],
         episodes: EpisodeRunner | None = None,
     ) -> None:
-        self.config, self.sampling = config, sampling
+        self.live = LiveSettings(config, sampling)  # (PATCH /rollout/config replaces them)
         self.pool, self.buffer, self.task, self.reward = pool, buffer, task, reward
         self.episodes = episodes
         self.state, self.waiting_for, self.since = "idle", "", time.time()
@@ -130,12 +133,22 @@ class RolloutLoop:
         self.orders = EpochOrders()
         self.recent = RecentGroups()  # the newest put groups, for the dashboard
         self.observe = LoopObserver(buffer)  # /metrics counters and timeline spans
-        self.gen = Generation(config, sampling, pool, stop_token_ids, self.observe)
+        self.gen = Generation(self.live, pool, stop_token_ids, self.observe)
+
+    @property
+    def config(self) -> RolloutConfig:
+        """The rollout settings in force."""
+        return self.live.rollout
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """The sampling settings in force."""
+        return self.live.sampling
 
     # --- versions, state and control -----------------------------------------------------------
 
     async def engines_version(self) -> int:
-        return max(await self.buffer.get_version("engines"), self.pool.min_version())
+        return await engines_version(self.buffer, self.pool)
 
     def set_state(self, state: str, waiting_for: str = "") -> None:
         """`waiting_for`: what would unblock the loop, as a sentence a user can act on."""
@@ -174,8 +187,40 @@ class RolloutLoop:
 
     def apply(self, rollout: RolloutConfig, sampling: SamplingConfig) -> None:
         """Use validated new settings from the next request (and the next group) on."""
-        self.config, self.sampling = rollout, sampling
-        self.gen.apply(rollout, sampling)
+        self.live.rollout, self.live.sampling = rollout, sampling
+        self.gen.settings_changed()
+
+    def snapshot(self) -> LoopSnapshot:
+        """What the observers (status, metrics, the watchdog's record) are shown."""
+        return LoopSnapshot(
+            state=self.state,
+            waiting_for=self.waiting_for,
+            since=self.since,
+            error=self.error,
+            paused=self.paused,
+            rollout=self.config,
+            groups_in_flight=len(self.groups),
+            requests_in_flight=self.gen.in_flight,
+            groups_put=self.groups_put,
+            samples_per_s=self.samples_per_s,
+            max_depth=self.bound.max_depth,
+            producers_waiting=self.bound.waiting,
+            busy=busy(self) if self.groups else "",
+            note=self.drops.note(),
+            last_eval=self.last_eval,
+            last_eval_version=self.last_eval_version,
+        )
+
+    def backoff_reason(self, left_s: float) -> str:
+        """What the backing-off loop waits for, as the status says it."""
+        reason = self.backoff.reason
+        if reason == DropReason.ENGINE_ERROR:
+            what = "the engines (see GET /workers)"
+        elif reason == DropReason.REWARD_ERROR:
+            what = self.reward.source
+        else:
+            what = f"environment {self.episodes.client.url if self.episodes else '?'}"
+        return self.backoff.sentence(what, left_s)
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -244,7 +289,7 @@ class RolloutLoop:
         if backoff.active:
             left = backoff.until - time.monotonic()
             if left > 0 or self.groups:  # wait out the delay, then probe with one group
-                self.set_state("backing_off", backoff_reason(self, left))
+                self.set_state("backing_off", self.backoff_reason(left))
                 return 0
         in_flight = len(self.groups)  # read before the counters: a group is never missed
         room = (cfg.rollout_max_concurrency or cfg.rollout_batch_size) - in_flight
@@ -381,7 +426,12 @@ class RolloutLoop:
         self.refused_in_a_row = 0
         self.drops.group_put()
         self.recent.add(group)
-        await self.stats.add(group, self)
+        batch = self.config.rollout_batch_size
+        if self.stats.add(group, batch):
+            stats, self.stats = self.stats, BatchStats()
+            self.samples_per_s = await stats.publish(
+                self.buffer, batch, await self.engines_version()
+            )
 
     async def _give_back(self, draw: int | Awaitable[int]) -> None:
         """Drop a group stopped in flight (`draw`, or a START on its way) as cancelled."""

@@ -10,7 +10,6 @@ pool when `/metrics` is scraped.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import redis
 from fastapi import APIRouter, Request
@@ -19,11 +18,10 @@ from redis.exceptions import RedisError
 
 from proto import SampleGroup
 from services.common.metrics import CONTENT_TYPE, Gauge, Metrics, gauge, labels
+from services.rollout_router.balancer.workers import WorkerPool
+from services.rollout_router.rollout.report import LoopSnapshot
 from services.sample_buffer import AsyncSampleBuffer
 from services.sample_buffer.timeline import Timeline
-
-if TYPE_CHECKING:
-    from services.rollout_router.rollout.loop import RolloutLoop
 
 router = APIRouter()
 GENERATING = "generating"  # the loop state in which engines get work; any other is idle
@@ -130,8 +128,12 @@ def _one(counters: dict[str, int], name: str) -> dict:
     return {(): float(counters.get(name, 0))}
 
 
-async def render(loop: RolloutLoop | None, pool, buffer: AsyncSampleBuffer | None) -> str:  # type: ignore[no-untyped-def]
-    """The exposition text."""
+async def render(
+    loop: tuple[LoopSnapshot, LoopObserver] | None,
+    pool: WorkerPool | None,
+    buffer: AsyncSampleBuffer | None,
+) -> str:
+    """The exposition text; `loop`: the rollout loop's snapshot and observer (None: no loop)."""
     workers = list(pool.workers.values()) if pool is not None else []
     versions = {labels(engine=w.url): float(w.weight_version) for w in workers}
     outstanding = {labels(engine=w.url): float(w.outstanding) for w in workers}
@@ -148,26 +150,29 @@ async def render(loop: RolloutLoop | None, pool, buffer: AsyncSampleBuffer | Non
             gauges.append(gauge("redis_up", "1 while the run's Redis answers.", 0))
     if loop is None:
         return Metrics("tandem_router_").render(gauges, totals)
+    snap, observe = loop
     gauges += [
-        gauge("requests_in_flight", "Rollout /generate requests in flight.", loop.gen.in_flight),
+        gauge(
+            "requests_in_flight", "Rollout /generate requests in flight.", snap.requests_in_flight
+        ),
         gauge(
             "groups_in_flight",
             "Rollout groups started and not yet put or dropped.",
-            len(loop.groups),
+            snap.groups_in_flight,
         ),
         gauge(
             "rollout_idle_fraction",
             "Share of the rollout loop's time outside the generating state (waiting for the "
             "trainer, weights, buffer room, engines, or paused).",
-            loop.observe.idle_fraction(loop.state, loop.since),
+            observe.idle_fraction(snap.state, snap.since),
         ),
         (
             "rollout_state",
             "1 for the rollout loop's current state.",
-            {labels(state=loop.state): 1.0},
+            {labels(state=snap.state): 1.0},
         ),
     ]
-    return loop.observe.metrics.render(gauges, totals)
+    return observe.metrics.render(gauges, totals)
 
 
 @router.get("/metrics", tags=["observability"], response_class=Response)
@@ -175,6 +180,6 @@ async def metrics(request: Request) -> Response:
     """Prometheus text exposition of the router, its rollout loop and the run's Redis state."""
     state = request.app.state
     control = getattr(state, "control", None)
-    loop = control.loop if control is not None else None
+    loop = (control.loop.snapshot(), control.loop.observe) if control is not None else None
     text = await render(loop, getattr(state, "pool", None), getattr(state, "buffer", None))
     return Response(text, media_type=CONTENT_TYPE)

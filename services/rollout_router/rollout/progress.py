@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.config import RolloutConfig
 from services.sample_buffer import AsyncSampleBuffer
 
@@ -132,6 +133,11 @@ class Backoff:
 
     def succeeded(self) -> None:
         self.delay_s, self.until, self.streak, self.reason = 0.0, 0.0, 0, ""
+
+
+async def engines_version(buffer: AsyncSampleBuffer, pool: WorkerPool) -> int:
+    """max(`version:engines` in Redis, the lowest version an admitted engine reported)."""
+    return max(await buffer.get_version("engines"), pool.min_version())
 
 
 async def read_demand(

@@ -1,7 +1,7 @@
 """What the rollout loop reports: `rollout/*` metrics per batch of groups put, its drops (with
 their reason, in groups and in samples), the loop's status (`GET /rollout/status`, with the
-run's ledger) and its `ServiceStatus` record for `tandem up`'s watchdog. Reads the loop's
-fields and Redis; changes nothing in the loop."""
+run's ledger) and its `ServiceStatus` record for `tandem up`'s watchdog. Reads a
+`LoopSnapshot` the loop hands out, Redis and the worker pool; never holds the loop."""
 
 from __future__ import annotations
 
@@ -12,17 +12,18 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from redis.exceptions import RedisError
 
 from proto import DropReason, DropRecord, SampleGroup
 from proto.contract import ServiceStatus
+from services.rollout_router.backpressure import room_sentence
+from services.rollout_router.balancer.workers import WorkerPool
+from services.rollout_router.config import RolloutConfig
+from services.rollout_router.rollout.progress import engines_version, read_demand
 from services.sample_buffer import AsyncSampleBuffer
 from services.sample_buffer.ledger import Ledger
-
-if TYPE_CHECKING:
-    from services.rollout_router.rollout.loop import RolloutLoop
 
 log = logging.getLogger("tandem.router.rollout")
 
@@ -48,6 +49,38 @@ class GroupDroppedError(Exception):
 
 class RequestsRefusedError(RuntimeError):
     """The engines refused the requests of REFUSED_IN_A_ROW groups in a row."""
+
+
+@dataclass(frozen=True)
+class LoopSnapshot:
+    """What the rollout loop shows its observers at one moment (`RolloutLoop.snapshot`)."""
+
+    state: str
+    waiting_for: str
+    since: float  # (time.time() the state was entered)
+    error: str
+    paused: bool
+    rollout: RolloutConfig  # the settings in force
+    groups_in_flight: int
+    requests_in_flight: int
+    groups_put: int  # by this router
+    samples_per_s: float  # over the last batch
+    max_depth: int  # the buffer depth bound (0: none)
+    producers_waiting: int  # for room under it
+    busy: str  # where the groups in flight are ("" when none is)
+    note: str  # the groups dropped since the last one put
+    last_eval: dict[str, float]
+    last_eval_version: int
+
+
+class InFlightWork(Protocol):
+    """What `busy` reads of the rollout loop."""
+
+    gen: Any  # .in_flight: /generate requests
+    pool: WorkerPool
+    episodes: Any  # EpisodeRunner | None
+    reward: Any  # Reward
+    groups: Any  # (sized) groups in flight
 
 
 def refused(exc: Exception) -> bool:
@@ -113,11 +146,8 @@ class BatchStats:
     min_version: int | None = None
     started: float = field(default_factory=time.monotonic)
 
-    async def add(self, group: SampleGroup, loop: RolloutLoop) -> None:
-        """Count a put group; at rollout_batch_size groups publish the metrics and start anew.
-        `rollout/batch` is the index of the run's batch just completed (groups put // B - 1);
-        `rollout/groups_dropped` the groups dropped by the router since the last report;
-        `drops/{reason}/groups|samples` and `ledger/*` the run's totals so far."""
+    def add(self, group: SampleGroup, batch_size: int) -> bool:
+        """Count a put group; True once `batch_size` groups are counted (time to publish)."""
         self.kept += 1
         self.finished += 1
         self.samples += len(group.samples)
@@ -126,40 +156,32 @@ class BatchStats:
         self.cut += sum(s.finish_reason == "length" for s in group.samples)
         v = group.weight_version
         self.min_version = v if self.min_version is None else min(self.min_version, v)
-        batch = loop.config.rollout_batch_size
-        if self.kept < batch:
-            return
-        loop.stats = BatchStats()
+        return self.kept >= batch_size
+
+    async def publish(self, buffer: AsyncSampleBuffer, batch: int, engines: int) -> float:
+        """Publish the batch's `rollout/*` metrics; its samples per second.
+        `rollout/batch` is the index of the run's batch just completed (groups put // B - 1);
+        `rollout/groups_dropped` the groups dropped by the router since the last report;
+        `drops/{reason}/groups|samples` and `ledger/*` the run's totals so far."""
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        loop.samples_per_s = self.samples / elapsed
-        ledger = await loop.buffer.ledger()
+        samples_per_s = self.samples / elapsed
+        ledger = await buffer.ledger()
         values = {
             "rollout/batch": float(max(ledger.put // batch - 1, 0)),
             "rollout/reward_mean": self.reward_sum / self.samples,
-            "rollout/samples_per_s": loop.samples_per_s,
+            "rollout/samples_per_s": samples_per_s,
             "rollout/response_len_mean": self.length_sum / self.samples,
             "rollout/truncated_fraction": self.cut / self.samples,
             "rollout/groups": float(self.kept),
             "rollout/prompts_generated": float(self.finished),
             "rollout/groups_dropped": float(self.finished - self.kept),
             "rollout/batch_time_s": elapsed,
-            "rollout/engines_version": float(await loop.engines_version()),
+            "rollout/engines_version": float(engines),
             **ledger_metrics(ledger),
         }
         step = self.min_version if self.min_version is not None else 0
-        await loop.buffer.publish_metrics("router", step, values)
-
-
-def backoff_reason(loop: RolloutLoop, left_s: float) -> str:
-    """What the backing-off loop waits for, as the status says it."""
-    reason = loop.backoff.reason
-    if reason == DropReason.ENGINE_ERROR:
-        what = "the engines (see GET /workers)"
-    elif reason == DropReason.REWARD_ERROR:
-        what = loop.reward.source
-    else:
-        what = f"environment {loop.episodes.client.url if loop.episodes else '?'}"
-    return loop.backoff.sentence(what, left_s)
+        await buffer.publish_metrics("router", step, values)
+        return samples_per_s
 
 
 async def record_drop(
@@ -202,7 +224,7 @@ def ledger_metrics(ledger: Ledger) -> dict[str, float]:
     return out
 
 
-def busy(loop: RolloutLoop) -> str:
+def busy(loop: InFlightWork) -> str:
     """Where the groups in flight are: at the engines, the environment, the reward (a run that
     makes no progress while its loop waits for nothing says which one holds it)."""
     parts = [f"{loop.gen.in_flight} requests at the engines"]
@@ -220,19 +242,22 @@ def busy(loop: RolloutLoop) -> str:
     return f"{len(loop.groups)} groups in flight: {'; '.join(parts)}"
 
 
-async def service_status(loop: RolloutLoop, error: str = "") -> ServiceStatus:
+async def service_status(
+    snap: LoopSnapshot, buffer: AsyncSampleBuffer, pool: WorkerPool, error: str = ""
+) -> ServiceStatus:
     """The status record; `failed` with `error` when a task died."""
     detail: dict[str, float | int | str] = {
-        "groups_put_here": loop.groups_put,
-        "groups_in_flight": len(loop.groups),
-        "requests_in_flight": loop.gen.in_flight,
+        "groups_put_here": snap.groups_put,
+        "groups_in_flight": snap.groups_in_flight,
+        "requests_in_flight": snap.requests_in_flight,
     }
-    if note := loop.drops.note():
-        detail["note"] = note
-    if loop.groups:
-        detail["busy"] = busy(loop)
+    if snap.note:
+        detail["note"] = snap.note
+    if snap.busy:
+        detail["busy"] = snap.busy
     with contextlib.suppress(RedisError):
-        demand = await loop.read_demand(len(loop.groups))
+        engines = await engines_version(buffer, pool)
+        demand = await read_demand(buffer, snap.rollout, snap.groups_in_flight, engines)
         detail.update(
             groups_put=demand.put,
             groups_consumed=demand.consumed,
@@ -241,16 +266,16 @@ async def service_status(loop: RolloutLoop, error: str = "") -> ServiceStatus:
         )
     return ServiceStatus(
         role="router",
-        state="failed" if error else loop.state,
-        waiting_for="" if error else loop.waiting_for,
-        since=loop.since,
-        error=error or loop.error,
+        state="failed" if error else snap.state,
+        waiting_for="" if error else snap.waiting_for,
+        since=snap.since,
+        error=error or snap.error,
         detail=detail,
         pid=os.getpid(),
     )
 
 
-async def status(loop: RolloutLoop) -> dict[str, Any]:
+async def status(snap: LoopSnapshot, buffer: AsyncSampleBuffer, pool: WorkerPool) -> dict[str, Any]:
     """The loop's state; the Redis-backed fields are None while Redis is unavailable.
     `drops` is in groups by reason; `ledger` says where every group of the run went.
     `buffer_depth` is the backlog the depth bound counts (groups put, not yet consumed);
@@ -261,32 +286,32 @@ async def status(loop: RolloutLoop) -> dict[str, Any]:
     redis_fields: dict[str, Any] = dict.fromkeys(names.split())
     redis_fields["waiting"] = ""
     with contextlib.suppress(RedisError):
-        ledger = await loop.buffer.ledger()
+        ledger = await buffer.ledger()
         depth = max(ledger.buffered, 0)  # keys.backlog
         redis_fields = {
-            "engines_version": await loop.engines_version(),
-            "trainer_version": await loop.buffer.get_version("trainer"),
+            "engines_version": await engines_version(buffer, pool),
+            "trainer_version": await buffer.get_version("trainer"),
             "buffer_depth": depth,
-            "waiting": loop.bound.sentence(depth),
+            "waiting": room_sentence(depth, snap.max_depth),
             "drops": ledger.dropped_groups,
-            "batch": ledger.put // loop.config.rollout_batch_size,
+            "batch": ledger.put // snap.rollout.rollout_batch_size,
             "groups_consumed": ledger.consumed,
             "ledger": ledger.as_dict(),
         }
     return {
-        "state": loop.state,
-        "waiting_for": loop.waiting_for,
-        "busy": busy(loop) if loop.groups else "",
-        "note": loop.drops.note(),
-        "paused": loop.paused,
-        "error": loop.error,
-        "in_flight": loop.gen.in_flight,
-        "groups_in_flight": len(loop.groups),
-        "samples_per_s": loop.samples_per_s,
-        "groups_put": loop.groups_put,
-        "max_buffer_depth": loop.bound.max_depth,
-        "producers_waiting": loop.bound.waiting,
-        "last_eval_version": loop.last_eval_version,
-        "last_eval": loop.last_eval,
+        "state": snap.state,
+        "waiting_for": snap.waiting_for,
+        "busy": snap.busy,
+        "note": snap.note,
+        "paused": snap.paused,
+        "error": snap.error,
+        "in_flight": snap.requests_in_flight,
+        "groups_in_flight": snap.groups_in_flight,
+        "samples_per_s": snap.samples_per_s,
+        "groups_put": snap.groups_put,
+        "max_buffer_depth": snap.max_depth,
+        "producers_waiting": snap.producers_waiting,
+        "last_eval_version": snap.last_eval_version,
+        "last_eval": snap.last_eval,
         **redis_fields,
     }

@@ -46,7 +46,7 @@ def _serve(path: str, conn: Connection) -> None:
     # the router's to handle: it finishes or cancels the calls in flight, then stops its workers.
     for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(stop, signal.SIG_IGN)
-    from services.rollout_router.rollout.rewards import load_function
+    from services.rollout_router.rollout.custom_reward import load_function
 
     try:
         fn = load_function(path)

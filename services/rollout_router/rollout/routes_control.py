@@ -20,7 +20,6 @@ from services.rollout_router.rollout.control import (
     ContractTermError,
     RolloutController,
 )
-from services.rollout_router.rollout.report import status as loop_status
 
 router = APIRouter()
 
@@ -117,11 +116,7 @@ async def rollout_status(request: Request) -> dict[str, Any]:
     control = request.app.state.control
     if control is None:
         return {**base, "state": "disabled"}
-    status = await loop_status(control.loop)
-    failure = control.failure()
-    if failure:
-        status.update(state="failed", error=failure)
-    return {**base, **status, "running": control.running}
+    return {**base, **await control.status()}
 
 
 @router.post("/rollout/start", tags=["rollout"], dependencies=WRITE)
