@@ -23,8 +23,6 @@ from services.rollout_router.rollout.tasks import (
     toy_reverse_digits,
 )
 from tandem import config_cmd, launcher, up_services
-from tandem.up_args import save_config
-from tandem.up_services import run_values
 from tandem.up_config import RUN_CONFIG, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,17 +45,20 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
     (model / "config.json").write_text('{"model_type": "llama"}')
     (model / "tokenizer.json").write_text("{}")  # (tandem up looks for one)
 
-    def trainer_lr(*argv: str) -> float:
-        tree, problems = launcher.parse(list(argv))
-        assert problems == [] and tree is not None
-        return tree.value("trainer", "lr")
+    def trainer_lr(*argv: str) -> str:
+        config, problems = launcher.parse(list(argv))
+        assert problems == []
+        trainer = launcher.service_args(config, "r", model, "redis://x")["trainer"]
+        return trainer[trainer.index("--lr") + 1]
 
-    assert trainer_lr() == 1e-3
-    assert trainer_lr("--model", str(model)) == 1e-6
-    assert trainer_lr("--model", str(model), "--lr", "3e-6") == 3e-6
-    tree = launcher.parse(["--model", str(model)])[0]
-    run = SimpleNamespace(config=tree.up, tree=tree, eval_task="")
-    run.model_defaults = lambda: UpRun.model_defaults(run)  # type: ignore[arg-type]
+    assert trainer_lr() == "0.001"
+    assert trainer_lr("--model", str(model)) == "1e-06"
+    # the trainer run on its own (compose, a cluster's launcher) takes a pretrained model's rate
+    from services.trainer.config import TrainerConfig
+
+    assert TrainerConfig(model=str(model)).lr == 1e-6
+    assert trainer_lr("--model", str(model), "--lr", "3e-6") == "3e-06"
+    run = SimpleNamespace(config=launcher.parse(["--model", str(model)])[0], eval_task="")
     UpRun.say_router_terms(run, {"eval_task": "t"})  # type: ignore[arg-type]
     out = capsys.readouterr().out
     assert (
@@ -68,41 +69,39 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
     ) in out.splitlines()
     toy = launcher.parse([])[0]
     limits = ("time_limit_s", "startup_timeout_s", "stall_fail_s", "stop_accuracy")
-    assert tuple(toy.up.by_model(n) for n in limits) == (900, 180, 600, 0.9)
+    assert tuple(toy.by_model(n) for n in limits) == (900, 180, 600, 0.9)
     real = launcher.parse(["--model", str(model), "--time-limit-s", "60"])[0]
-    assert tuple(real.up.by_model(n) for n in limits) == (60, 900, 3600, 0)
-    save_config(tmp_path, real, str(model))  # a run folder saves them resolved
-    saved = json.loads((tmp_path / "up_config.json").read_text())
-    assert (saved["time_limit_s"], saved["startup_timeout_s"]) == (60.0, 900.0)
-    assert saved["stop_accuracy"] == 0  # resumed: kept (0 is no goal, not "the model's")
+    assert tuple(real.by_model(n) for n in limits) == (60, 900, 3600, 0)
+    saved = real.resolved(str(model))
+    assert (saved.lr, saved.time_limit_s, saved.startup_timeout_s) == (1e-6, 60.0, 900.0)
+    assert saved.stop_accuracy == 0 and not saved.unset("stop_accuracy")  # resumed: kept
     # a target given is kept either way, 0 (none) for the toy model too
     given = launcher.parse(["--model", str(model), "--stop-accuracy", "0.7"])[0]
-    assert given.up.by_model("stop_accuracy") == 0.7
-    assert launcher.parse(["--stop-accuracy", "0"])[0].up.by_model("stop_accuracy") == 0
-    assert launcher.parse(["--stop-accuracy", "-0.5"])[1] == [
+    assert given.by_model("stop_accuracy") == 0.7
+    assert launcher.parse(["--stop-accuracy", "0"])[0].by_model("stop_accuracy") == 0
+    assert launcher.parse(["--stop-accuracy", "1.5"])[1] == [
         "--stop-accuracy must be within [0, 1] (or -1: the model's default)"
     ]
     # a --model run that finished --max-steps with no target did what was asked: exit 0; the
     # toy model's run that ends there below its 0.9 exits 1
     trainer = SimpleNamespace(name="trainer", proc=SimpleNamespace(returncode=0))
-    for tree, code, outcome in ((real, 0, "max_steps"), (toy, 1, "max_steps_without_accuracy")):
-        steps = tree.value("trainer", "max_steps")
-        ended = SimpleNamespace(config=tree.up, max_steps=steps, outcome="", run_dir=Path("RUN"))
-        assert UpRun.child_exited(ended, trainer, steps) == code  # type: ignore[arg-type]
+    for config, code, outcome in ((real, 0, "max_steps"), (toy, 1, "max_steps_without_accuracy")):
+        ended = SimpleNamespace(config=config, outcome="", run_dir=Path("RUN"))
+        assert UpRun.child_exited(ended, trainer, config.max_steps) == code  # type: ignore[arg-type]
         assert ended.outcome == outcome
         # (before --max-steps: stopped by a signal of someone else's, either model)
-        assert UpRun.child_exited(ended, trainer, steps - 1) == 1  # type: ignore[arg-type]
+        assert UpRun.child_exited(ended, trainer, config.max_steps - 1) == 1  # type: ignore[arg-type]
         assert ended.outcome == "trainer_stopped"
 
     # a --model trained on a GPU trains in bf16 (as the engines serve it), unless told not to
     def bf16(*argv: str) -> bool:
-        tree, problems = launcher.parse([*argv, "--trainer-gpus", "0"])
-        assert problems == [] and tree is not None
-        return run_values(tree, "r", model, "redis://x", Path("run")).get("bf16", False)
+        config, problems = launcher.parse([*argv, "--trainer-gpus", "0"])
+        assert problems == []
+        return "--bf16" in launcher.service_args(config, "r", model, "redis://x")["trainer"]
 
     assert bf16("--model", str(model))
     assert not bf16()  # the toy model: fp32
-    assert not bf16("--model", str(model), "--no-bf16")
+    assert not bf16("--model", str(model), "--trainer-args", "--no-bf16")
     # a [trainer] table that says (a run recorded before this default, resumed) rules
     older = tmp_path / "older.toml"
     older.write_text("[trainer]\nbf16 = false\n")
@@ -112,14 +111,13 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
 def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatch, capsys) -> None:
     path = toml_file(
         tmp_path,
-        "[up]\nseed = 3\n\n[trainer]\nmax_steps = 7\nlr = 0.5\n\n"
+        "[up]\nseed = 3\nmax_steps = 7\nlr = 0.5\n\n"
         '[router]\nrollout_max_response_len = 512\npolicy = "round_robin"\n',
     )
-    monkeypatch.setenv("TANDEM_TRAINER_MAX_STEPS", "9")
-    tree, problems = launcher.parse(["--config", str(path), "--lr", "0.25"])
-    assert problems == [] and tree is not None
-    assert (tree.up.run.seed, tree.value("trainer", "max_steps")) == (3, 9)
-    assert tree.value("trainer", "lr") == 0.25
+    monkeypatch.setenv("TANDEM_UP_MAX_STEPS", "9")
+    config, problems = launcher.parse(["--config", str(path), "--lr", "0.25"])
+    assert problems == []
+    assert (config.seed, config.max_steps, config.lr) == (3, 9, 0.25)
     monkeypatch.setenv("TANDEM_ROUTER_POLICY", "session_affinity")
     ns = parse_args(router_parser(), ["--config", str(path), "--eval-interval", "2"], "router")
     assert (ns.rollout_max_response_len, ns.policy, ns.eval_interval) == (
@@ -129,10 +127,11 @@ def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatc
     )
     # a variable of no setting: it was ignored without a word (a token is no setting)
     monkeypatch.setenv("TANDEM_ROUTER_TOKEN", "t")
-    monkeypatch.setenv("TANDEM_TRAINER_MAX_STEP", "5")
-    said = "environment variable TANDEM_TRAINER_MAX_STEP: tandem up has no setting 'max_step' "
-    assert said + "(did you mean 'max_steps'?)" in launcher.parse([])[1][0]
-    monkeypatch.delenv("TANDEM_TRAINER_MAX_STEP")
+    monkeypatch.setenv("TANDEM_UP_MAX_STEP", "5")
+    with pytest.raises(SystemExit):
+        launcher.parse([])
+    said = "error: environment variable TANDEM_UP_MAX_STEP: tandem up has no setting 'max_step' "
+    assert said + "(did you mean 'max_steps'?)" in capsys.readouterr().err
     assert parse_args(router_parser(), [], "router").policy == "session_affinity"
 
 
