@@ -14,6 +14,28 @@ from pathlib import Path
 from proto import MetricsRecord
 
 NO_SIGNAL_STEPS = 20  # steps in a row without a group that tells responses apart, then said
+# Trainer/engine log-prob max abs diff on same-version samples past which the run is told: fp32
+# on both sides agrees to ~1e-6 (the tests' bound is 1e-3); bf16 on one side moves the worst
+# token's more (so the warning names dtype among the causes); a temperature or weights the
+# trainer does not see give 0.1-1 (0.498 at temperature 0.7 on the toy task).
+LOGPROB_DIFF_WARN = 0.1
+
+
+def mismatch_warning(diff: float, what: str) -> str:
+    """The console's warning about a trainer/engine log-prob max abs diff `diff` of `what`
+    ("" when under LOGPROB_DIFF_WARN or NaN)."""
+    if not diff > LOGPROB_DIFF_WARN:
+        return ""
+    return (
+        f"[up] warning: the trainer's log-probs differ from the engines' by up to {diff:.3f} "
+        f"on {what} (more than {LOGPROB_DIFF_WARN}): the trainer is not scoring the "
+        "distribution the engines sampled, so its off-policy correction is wrong. Likely "
+        "causes: sampling the trainer does not apply (a router or samples without their "
+        "temperature, a top_p/top_k/min_p filter), engines serving other weights than the "
+        "trainer's (another --model, a weight update that did not land), or another dtype or "
+        "kernels on one side (bf16 engines against an fp32 trainer). train/logprob_abs_diff_max "
+        "and train/mismatch_kl per step are in metrics.jsonl"
+    )
 
 
 def metrics_rows(run_dir: Path) -> Iterator[dict]:
@@ -67,6 +89,7 @@ class RunProgress:
     launch_steps: int = 0  # trainer steps recorded by this launch (a new lineage skips one)
     eval_failed: int = 0  # held-out prompts of the last evaluation that failed
     eval_prompts: int = 0  # held-out prompts of the last evaluation
+    mismatch_said: bool = False  # the log-prob mismatch warning was said (once a run)
 
     def __post_init__(self) -> None:
         if self.resumed:  # the totals and the plot are the whole run's
@@ -120,11 +143,14 @@ class RunProgress:
                 diff, 0.0 if math.isnan(self.logprob_diff_max) else self.logprob_diff_max
             )
             self.logprob_diff_steps += 1
+        line = self.line()
+        if not self.mismatch_said and (warning := mismatch_warning(diff, f"step {row['step']}")):
+            self.mismatch_said, line = True, f"{line}\n{warning}"
         flat = row.get("train/groups_one_reward") == 1.0
         self.one_reward_steps = self.one_reward_steps + 1 if flat else 0
         if self.one_reward_steps != NO_SIGNAL_STEPS:
-            return self.line()
-        return self.line() + (  # (said once a streak)
+            return line
+        return line + (  # (said once a streak)
             f"\n[up] for the last {NO_SIGNAL_STEPS} steps the samples of every group scored the "
             f"same (reward {self.reward:.3f}): their group-relative advantages were 0 and nothing "
             "was learned. The prompts are too hard (or too easy) for the model, or the reward "
@@ -204,6 +230,9 @@ class RunProgress:
                 f"trainer/engine log-prob max abs diff on same-version samples, over "
                 f"{self.logprob_diff_steps} steps: {self.logprob_diff_max:.2e}"
             )
+        # (the step-0 diff is among the same-version ones)
+        if warning := mismatch_warning(self.logprob_diff_max, "same-version samples"):
+            out.append(warning)
         return out
 
     def close(self) -> None:

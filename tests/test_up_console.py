@@ -198,3 +198,36 @@ def test_the_samples_of_a_step_whose_update_was_skipped_are_not_counted_trained(
     assert (summary["samples_trained"], summary["updates_skipped"]) == (128, 1)
     said = progress.sentences("max_steps", 60.0, "task", ["3"])[0]
     assert "128 samples trained (1 updates skipped, their samples not trained)" in said, said
+
+
+def test_a_trainer_engine_log_prob_mismatch_past_the_threshold_is_said_once_with_its_causes(
+    tmp_path: Path,
+) -> None:
+    """A temperature the trainer did not apply gave a step-0 diff of 0.498 and a run that
+    exited 0 without a word."""
+    from tandem.progress import LOGPROB_DIFF_WARN
+
+    progress = RunProgress(tmp_path)
+    lines = []
+    for step, diff in enumerate([1e-6, float("nan"), 0.498, 0.84], start=1):
+        values = {"train/logprob_abs_diff_max": diff}
+        lines.append(
+            progress.add(MetricsRecord(source="trainer", step=step, values=values, time=0.0))
+        )
+    warned = [line for line in lines if line and "\n[up] warning" in line]
+    assert len(warned) == 1 and warned[0] is lines[2], lines
+    said = warned[0].split("\n")[1]
+    assert f"by up to 0.498 on step 3 (more than {LOGPROB_DIFF_WARN})" in said
+    assert "temperature" in said and "top_p" in said and "bf16" in said and "weights" in said
+    end = progress.sentences("max_steps", 60.0, "task", ["4"])
+    assert end[-1].startswith("[up] warning: the trainer's log-probs differ from the engines' ")
+    assert "by up to 0.840 on same-version samples" in end[-1]
+    progress.close()
+    (tmp_path / "quiet").mkdir()
+    quiet = RunProgress(tmp_path / "quiet")
+    for step in (1, 2):
+        values = {"train/logprob_abs_diff_max": LOGPROB_DIFF_WARN / 2}
+        line = quiet.add(MetricsRecord(source="trainer", step=step, values=values, time=0.0))
+        assert line is not None and "\n" not in line
+    assert not any("warning" in s for s in quiet.sentences("max_steps", 1.0, "task", ["2"]))
+    quiet.close()
