@@ -1,5 +1,6 @@
-"""The checks of compose.yaml, Dockerfile and .dockerignore that tests/test_compose.py runs:
-each returns the problems it finds in the (parsed) files."""
+"""The checks of compose.yaml (with the services it extends from compose.tandem.yaml),
+compose.cpu.yaml, Dockerfile and .dockerignore that tests/test_compose.py runs: each returns the
+problems it finds in the (parsed) files."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
+COMPOSE_CPU = ROOT / "compose.cpu.yaml"
+BASE = ROOT / "compose.tandem.yaml"
 SECRETS = ("TANDEM_WEIGHT_SECRET", "TANDEM_API_TOKEN")
 BATCH_FLAGS = ("--rollout-batch-size", "--n-samples-per-prompt", "--max-staleness", "--model")
 TANDEM_SERVICES = ("broker", "router", "trainer")
@@ -24,12 +27,33 @@ Problems = list[str]
 # --- reading -------------------------------------------------------------------------------
 
 
-def compose_text() -> str:
-    return COMPOSE.read_text()
+def compose_text(path: Path = COMPOSE) -> str:
+    return path.read_text()
 
 
-def compose() -> dict[str, Any]:
-    return yaml.safe_load(compose_text())
+def compose(path: Path = COMPOSE) -> dict[str, Any]:
+    """The file with each service's `extends` resolved as Compose does (the extended service,
+    then this one's keys: mappings merged, volumes and ports by target, others replaced)."""
+    c = yaml.safe_load(compose_text(path))
+    for name, svc in c["services"].items():
+        if ext := svc.pop("extends", None):
+            other = compose(path.parent / ext["file"])["services"][ext["service"]]
+            c["services"][name] = merged(other, svc)
+    return dict(c)
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in base.items() if k not in ("depends_on", "links", "volumes_from")}
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        elif key in ("volumes", "ports") and isinstance(out.get(key), list):
+            target = {str(v).split(":")[1 if key == "volumes" else -1]: v for v in out[key]}
+            target.update({str(v).split(":")[1 if key == "volumes" else -1]: v for v in value})
+            out[key] = list(target.values())
+        else:
+            out[key] = value
+    return out
 
 
 def pinned(text: str, package: str) -> str:
@@ -51,8 +75,14 @@ def resolve(value: str) -> str:
 
 
 def command(service: dict[str, Any]) -> list[str]:
-    cmd = service.get("command", [])
-    return [resolve(str(a)) for a in (cmd if isinstance(cmd, list) else cmd.split())]
+    """The service's command line: its entrypoint's from `tandem` on (without it, so a Tandem
+    service's starts with its subcommand), then its command (a stack's own flags)."""
+    entry, cmd = service.get("entrypoint") or [], service.get("command") or []
+    entry = entry if isinstance(entry, list) else entry.split()
+    cmd = cmd if isinstance(cmd, list) else cmd.split()
+    if "tandem" in entry:
+        entry = entry[entry.index("tandem") + 1 :]
+    return [resolve(str(a)) for a in (*entry, *cmd)]
 
 
 def flag(cmd: list[str], name: str) -> str | None:
@@ -139,21 +169,28 @@ def batch_problems(c: dict[str, Any]) -> Problems:
     return problems
 
 
-def alias_problems(text: str) -> Problems:
-    """Each batch term is one YAML node shared (by an alias) by router and trainer."""
+def alias_problems(text: str, terms: tuple[str, ...] = BATCH_FLAGS[:3]) -> Problems:
+    """Each batch term is one YAML node shared (by an alias) by router and trainer (in their
+    command, or in their entrypoint for compose.tandem.yaml's --model)."""
     root = yaml.compose(text)
     assert isinstance(root, yaml.MappingNode)
     services = next(v for k, v in root.value if k.value == "services")
 
     def nodes(service: str) -> dict[str, yaml.Node]:
         svc = next(v for k, v in services.value if k.value == service)
-        cmd = next(v for k, v in svc.value if k.value == "command")
-        return {n.value.split("=", 1)[0]: n for n in cmd.value if isinstance(n, yaml.ScalarNode)}
+        seqs = [v for k, v in svc.value if k.value in ("command", "entrypoint")]
+        return {
+            n.value.split("=", 1)[0]: n
+            for seq in seqs
+            if isinstance(seq, yaml.SequenceNode)
+            for n in seq.value
+            if isinstance(n, yaml.ScalarNode)
+        }
 
     router, trainer = nodes("router"), nodes("trainer")
     return [
         f"{name}: router and trainer do not share one anchored value"
-        for name in BATCH_FLAGS
+        for name in terms
         if router.get(name) is None or router.get(name) is not trainer.get(name)
     ]
 

