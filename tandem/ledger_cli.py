@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from services.sample_buffer import BufferConfig, SampleBuffer, redis_url_problem
-from services.sample_buffer.ledger import Ledger, with_details
+from services.sample_buffer.ledger import DETAIL_RECORDS, Ledger, with_details
 from tandem.run_redis import REDIS_FILE, known_runs, no_answer, run_id_of, saved_redis
 
 # A live trainer counts a rollout consumed, then trained: a reading between the two is off by
@@ -132,7 +132,9 @@ def read_live(buffer: SampleBuffer) -> Ledger:
             break
         time.sleep(LIVE_READ_GAP_S)
         ledger = buffer.ledger()
-    return with_details(buffer, ledger)  # (the drop log once, for the reading shown)
+    return with_details(
+        ledger, buffer.drop_log(DETAIL_RECORDS)
+    )  # (the drop log once, for the reading shown)
 
 
 if __name__ == "__main__":

@@ -7,15 +7,8 @@ the scheduler's numbers are read when scraped (its lock is held only to count).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from fastapi import FastAPI
-from fastapi.responses import Response
-
-from services.common.metrics import CONTENT_TYPE, Gauge, Metrics, gauge
-
-if TYPE_CHECKING:
-    from services.engine.engine import Engine
+from services.common.metrics import Gauge, Metrics, gauge
+from services.engine.scheduler import Scheduler
 
 
 class EngineMetrics:
@@ -30,22 +23,23 @@ class EngineMetrics:
         self.metrics.inc("requests")
         self.generate_seconds.observe(seconds)
 
-    def render(self, engine: Engine) -> str:
-        load = engine.scheduler.load()
+    def render(self, scheduler: Scheduler) -> str:
+        """The text of `GET /metrics`, the scheduler's numbers read now."""
+        load, stats = scheduler.load(), scheduler.stats
         try:
-            version = float(engine.weight_version)
+            version = float(scheduler.weight_version)
         except ValueError:  # a weight version need not be a number (SGLang allows any string)
             version = -1.0
         totals: list[Gauge] = [
             (
                 "generated_tokens",
                 "Tokens generated (sampled) by this engine.",
-                {(): float(engine.scheduler.stats["generated_tokens"])},
+                {(): float(stats["generated_tokens"])},
             ),
             (
                 "forward_passes",
                 "Model forward passes (prefill and decode).",
-                {(): float(engine.scheduler.stats["forward_passes"])},
+                {(): float(stats["forward_passes"])},
             ),
         ]
         gauges = [
@@ -62,10 +56,3 @@ class EngineMetrics:
             gauge("weight_version", "Weight version served (-1: not a number).", version),
         ]
         return self.metrics.render(gauges, totals)
-
-
-def add_metrics_route(app: FastAPI, engine: Engine) -> None:
-    @app.get("/metrics", tags=["observability"], response_class=Response)
-    async def metrics() -> Response:
-        """Prometheus text exposition of this engine."""
-        return Response(engine.metrics.render(engine), media_type=CONTENT_TYPE)

@@ -22,6 +22,7 @@ from proto import sglang as sg
 from services.common.chat_messages import MessageError, template_messages
 from services.engine.api import UNSUPPORTED_FIELDS
 from services.engine.engine import Engine
+from services.engine.web import json_response, read_json, until_disconnect
 from services.engine.sampling import RequestError
 
 # OpenAI/SGLang request field -> native sampling parameter
@@ -248,8 +249,6 @@ async def _stream(engine: Engine, native: Any, model: str, chat: bool) -> AsyncI
 
 
 def add_openai_routes(app: FastAPI, engine: Engine) -> None:
-    from services.engine.server import json_response, read_json, until_disconnect
-
     @app.get("/v1/models")
     async def models() -> Response:
         card = {

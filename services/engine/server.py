@@ -11,10 +11,9 @@ is set (`services/common/auth.py`).
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -23,40 +22,20 @@ from fastapi.responses import Response, StreamingResponse
 
 from proto import sglang as sg
 from services.common.auth import WRITE, token_from_env
+from services.common.metrics import CONTENT_TYPE
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
-from services.engine.metrics import add_metrics_route
+from services.engine.web import (
+    ClientDisconnectedError,
+    error_response,
+    json_response,
+    read_json,
+    until_disconnect,
+)
 from services.engine.openai_api import add_openai_routes
 from services.engine.sampling import RequestError
 from services.engine.scheduler import QueueFullError
 from services.engine.weights import UpdateError
-
-T = TypeVar("T")
-
-
-def json_response(body: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
-
-
-def error_response(message: str, status: int = 400) -> Response:
-    return json_response(
-        {"error": {"message": message, "code": status}, "message": message}, status
-    )
-
-
-async def read_json(request: Request) -> dict[str, Any]:
-    """The body as a JSON object ({} when empty); `RequestError` (400) otherwise."""
-    raw = await request.body()
-    if not raw:
-        return {}
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
-
 
 UPDATE_ANSWERS: dict[int | str, dict[str, Any]] = {
     200: {"model": sg.UpdateWeightsReqOutput},
@@ -119,35 +98,13 @@ def create_app(config: EngineConfig, engine: Engine | None = None) -> FastAPI:
     _add_control_routes(app, engine)
     _add_weight_routes(app, engine)
     add_openai_routes(app, engine)
-    add_metrics_route(app, engine)
+
+    @app.get("/metrics", tags=["observability"], response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus text exposition of this engine."""
+        return Response(engine.metrics.render(engine.scheduler), media_type=CONTENT_TYPE)
+
     return app
-
-
-class ClientDisconnectedError(Exception):
-    """The client went away before its answer was ready; its request was aborted."""
-
-
-async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """Await `work`, cancelling it if the client disconnects first (as SGLang aborts a request
-    whose client went away); the engine then aborts the request's sequences."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.Event()
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        gone.set()
-        task.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await task
-    except asyncio.CancelledError:
-        if gone.is_set():  # answered with 499, which nobody reads, instead of a traceback
-            raise ClientDisconnectedError from None
-        raise
-    finally:
-        watcher.cancel()
 
 
 async def _sse(engine: Engine, inp: Any) -> AsyncIterator[bytes]:

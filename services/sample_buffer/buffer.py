@@ -317,7 +317,7 @@ class SampleBuffer(BufferKeys):
             pipe.xadd(
                 self.dead_letter_key, fields, maxlen=self.config.dead_letter_len, approximate=True
             )
-            ledger.drop(self, drop, client=pipe)
+            self.record_drop(drop, client=pipe)
         pipe.hincrby(self.counters_key, "groups_dead_lettered", len(letters))
         if keep:
             script_keys = [self.samples_key, self.entry_groups_key]
@@ -341,10 +341,14 @@ class SampleBuffer(BufferKeys):
 
     # --- drops --------------------------------------------------------------------------------
 
-    def record_drop(self, record: DropRecord, give_back: int | None = None) -> None:
-        """Count the drop in groups and in samples and log it (one script, `ledger.drop`);
-        with `give_back`, that prompt draw is drawn again first."""
-        ledger.drop(self, record, give_back)
+    def record_drop(
+        self, record: DropRecord, give_back: int | None = None, client: Any = None
+    ) -> None:
+        """Count the drop in groups and in samples and log it (one script, `ledger.drop_call`);
+        with `give_back`, that prompt draw is drawn again first; queued on `client`, a
+        pipeline, when given."""
+        script_keys, args = ledger.drop_call(self, record, self.config.drop_log_len, give_back)
+        self.scripts["drop"](keys=script_keys, args=args, client=client)
 
     def drop_counts(self, unit: str = "groups") -> dict[str, int]:
         """Drops by reason in `unit` ("groups" or "samples"); reasons at 0 are left out."""
@@ -398,7 +402,11 @@ class SampleBuffer(BufferKeys):
 
     def recover_in_flight(self, source: str) -> int:
         """At a router's start: end the flight of the groups a killed one left (`ledger.py`)."""
-        return recovery.recover_in_flight(self, source)
+        left = self.redis.hgetall(self.in_flight_key)
+        for group_id, draw in left.items():
+            self.record_drop(recovery.in_flight_drop(source, group_id), give_back=int(draw))
+        recovery.say_recovered(len(left))
+        return len(left)
 
     def record_trained(
         self, step: int, group_ids: list[str], consumed: int = 0, ack: list[str] | None = None
@@ -406,23 +414,30 @@ class SampleBuffer(BufferKeys):
         """The groups whose rollout made version `step` (and `groups_trained`), with the
         step's `consumed` groups counted first (unless the trainer counted them already) and
         the entries of `ack` acked (`ack`): one script, the trainer's step in one round trip.
-        Then the ledger's balance after it is checked (`ledger.check`: a violation is logged
-        and counted in `ledger_violations`)."""
+        Then the ledger's balance after it is checked (a violation is counted in
+        `ledger_violations` and said loudly)."""
         script_keys, args = ledger.step_call(
             self, CONSUMER_GROUP, step, group_ids, consumed, ack or []
         )
         after = ledger.step_reply(self.scripts["step"](keys=script_keys, args=args))
-        return ledger.check(self, "trainer", after)
+        if not after.balanced:
+            after.violations = self.incr_counter("ledger_violations")
+            ledger.say_unbalanced(after, "trainer")
+        return after
 
     def rewind_trainer(self, groups_consumed: int, version: int) -> None:
         """A trainer resumed at `version` with `groups_consumed` from its checkpoint."""
-        recovery.rewind_trainer(self, groups_consumed, version)
+        recovery.rewind_trainer(self.redis, self, groups_consumed, version)
 
     def ledger(self, details: bool = False) -> Ledger:
-        """Where every group went, as of now (`ledger.read`); with `details`, also the newest
-        drop detail of each reason (`ledger.with_details`)."""
-        reading = ledger.read(self)
-        return ledger.with_details(self, reading) if details else reading
+        """Where every group went, as of now (one MULTI); with `details`, also the newest drop
+        detail of each reason (`ledger.with_details`)."""
+        pipe = self.redis.pipeline(transaction=True)
+        ledger.queue_read(self, pipe)
+        reading = ledger.of_replies(*pipe.execute())
+        if details:
+            return ledger.with_details(reading, self.drop_log(ledger.DETAIL_RECORDS))
+        return reading
 
     def trained(self) -> dict[int, list[str]]:
         """Group ids trained at each optimizer step of the newest weights' lineage."""

@@ -34,16 +34,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from proto import DropRecord, SampleGroup, encode
 from proto.packed import PackedGroup, encode_entry, entry_of, group_key, pack
 from services.sample_buffer.keys import BufferKeys, entry_id
-
-if TYPE_CHECKING:
-    from services.sample_buffer.buffer import SampleBuffer
 
 Call = tuple[list[str], list[Any]]  # a script's keys and arguments
 
@@ -304,17 +301,10 @@ def of_replies(
     )
 
 
-def read(buffer: SampleBuffer) -> Ledger:
-    """The ledger as of one instant (a MULTI of three reads)."""
-    pipe = buffer.redis.pipeline(transaction=True)
-    queue_read(buffer, pipe)
-    return of_replies(*pipe.execute())
-
-
-def with_details(buffer: SampleBuffer, ledger: Ledger) -> Ledger:
-    """`ledger` with the newest detail of each drop reason from the drop log (a read of up to
+def with_details(ledger: Ledger, drop_log: list[DropRecord]) -> Ledger:
+    """`ledger` with the newest detail of each drop reason from `drop_log`, newest first (read
     `DETAIL_RECORDS` records: for `tandem ledger` and the run's ledger.json, not every check)."""
-    for record in buffer.drop_log(DETAIL_RECORDS):  # newest first
+    for record in drop_log:
         if record.detail:
             ledger.last_detail.setdefault(record.reason, record.detail)
     return ledger
@@ -330,22 +320,16 @@ def split_drops(raw: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
     return out["groups"], out["samples"]
 
 
-def check(buffer: SampleBuffer, who: str, ledger: Ledger | None = None) -> Ledger:
-    """The ledger (read now, unless given); when it does not balance, say so loudly and count
-    `ledger_violations`."""
-    if ledger is None:
-        ledger = read(buffer)
-    if not ledger.balanced:
-        ledger.violations = buffer.incr_counter("ledger_violations")
-        log.error(
-            "LEDGER UNBALANCED (%s check #%d): %s; drops by reason %s",
-            who,
-            ledger.violations,
-            ledger.sentence(),
-            ledger.dropped_groups,
-        )
-        print(f"[{who}] LEDGER UNBALANCED: {ledger.sentence()}", flush=True)
-    return ledger
+def say_unbalanced(ledger: Ledger, who: str) -> None:
+    """Say loudly that `ledger` (counted in `ledger.violations` already) does not balance."""
+    log.error(
+        "LEDGER UNBALANCED (%s check #%d): %s; drops by reason %s",
+        who,
+        ledger.violations,
+        ledger.sentence(),
+        ledger.dropped_groups,
+    )
+    print(f"[{who}] LEDGER UNBALANCED: {ledger.sentence()}", flush=True)
 
 
 def start_call(keys: BufferKeys) -> Call:
@@ -455,11 +439,3 @@ def drop_call(
         "" if give_back is None else give_back,
         keys.lease_owner,
     ]
-
-
-def drop(
-    buffer: SampleBuffer, record: DropRecord, give_back: int | None = None, client: Any = None
-) -> None:
-    """Run DROP (`drop_call`) at once, or queued on `client`, a pipeline."""
-    keys, args = drop_call(buffer, record, buffer.config.drop_log_len, give_back)
-    buffer.scripts["drop"](keys=keys, args=args, client=client)

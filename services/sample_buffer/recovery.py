@@ -1,7 +1,7 @@
 """What a killed router or a resumed trainer leaves in the ledger, put right.
 
 A router that dies leaves its groups in `in_flight` and its agent sessions in `open_sessions`:
-the next router drops them as `cancelled` (`recover_in_flight`, `open_drop`; one router per run
+the next router drops them as `cancelled` (`in_flight_drop`, `open_drop`; one router per run
 id). A trainer resumed from a checkpoint takes back what it counted after that checkpoint
 (`rewind_trainer`). Each writes through the ledger's own scripts and keys (ledger.py).
 """
@@ -9,14 +9,12 @@ id). A trainer resumed from a checkpoint takes back what it counted after that c
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+
+import redis
 
 from proto import DropRecord
 from proto.drops import DropReason
-from services.sample_buffer.ledger import drop
-
-if TYPE_CHECKING:
-    from services.sample_buffer.buffer import SampleBuffer
+from services.sample_buffer.keys import BufferKeys, trained_of
 
 log = logging.getLogger("tandem.ledger")
 
@@ -46,15 +44,10 @@ def in_flight_drop(source: str, group_id: bytes) -> DropRecord:
     )
 
 
-def recover_in_flight(buffer: SampleBuffer, source: str) -> int:
-    """Groups a router left in flight when it died: dropped as `cancelled`, prompts given
-    back. Call once, at the start of the run's (only) router. Returns how many."""
-    left = buffer.redis.hgetall(buffer.in_flight_key)
-    for group_id, draw in left.items():
-        drop(buffer, in_flight_drop(source, group_id), give_back=int(draw))
-    if left:
-        log.warning("%d groups were in flight when the last router died: drawn again", len(left))
-    return len(left)
+def say_recovered(groups: int) -> None:
+    """Say how many groups a killed router left in flight (dropped, prompts drawn again)."""
+    if groups:
+        log.warning("%d groups were in flight when the last router died: drawn again", groups)
 
 
 # Counter: groups trained by earlier lineages (--new-lineage), which the `trained` hash no
@@ -62,24 +55,24 @@ def recover_in_flight(buffer: SampleBuffer, source: str) -> int:
 EARLIER = "groups_trained_earlier"
 
 
-def rewind_trainer(buffer: SampleBuffer, groups_consumed: int, version: int) -> None:
+def rewind_trainer(client: redis.Redis, keys: BufferKeys, groups_consumed: int, version: int) -> None:
     """A trainer resumed at `version` from a checkpoint that had consumed `groups_consumed`:
     the groups it trained or dropped after that checkpoint are pending again, so they leave
     `trained`, `groups_trained` and the drop counts (they will be counted when consumed again).
     Drops noted at a trainer version >= `version` came after the checkpoint was saved."""
-    trained = buffer.trained()
-    earlier = int(buffer.redis.hget(buffer.counters_key, EARLIER) or 0)
+    trained = trained_of(client.hgetall(keys.trained_key))
+    earlier = int(client.hget(keys.counters_key, EARLIER) or 0)
     kept = earlier + sum(len(ids) for v, ids in trained.items() if v <= version)
-    pipe = buffer.redis.pipeline(transaction=True)
-    pipe.hset(buffer.counters_key, "groups_consumed", groups_consumed)
-    pipe.hset(buffer.counters_key, "groups_trained", kept)
+    pipe = client.pipeline(transaction=True)
+    pipe.hset(keys.counters_key, "groups_consumed", groups_consumed)
+    pipe.hset(keys.counters_key, "groups_trained", kept)
     later = [str(v) for v in trained if v > version]
     if later:
-        pipe.hdel(buffer.trained_key, *later)
-    for group_id, noted in buffer.redis.hgetall(buffer.trainer_drops_key).items():
+        pipe.hdel(keys.trained_key, *later)
+    for group_id, noted in client.hgetall(keys.trainer_drops_key).items():
         at, reason, groups, samples = noted.decode().split(" ")
         if int(at) >= version:
-            pipe.hincrby(buffer.drops_key, f"{reason}:groups", -int(groups))
-            pipe.hincrby(buffer.drops_key, f"{reason}:samples", -int(samples))
-            pipe.hdel(buffer.trainer_drops_key, group_id)
+            pipe.hincrby(keys.drops_key, f"{reason}:groups", -int(groups))
+            pipe.hincrby(keys.drops_key, f"{reason}:samples", -int(samples))
+            pipe.hdel(keys.trainer_drops_key, group_id)
     pipe.execute()

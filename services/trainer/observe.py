@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
 
 from services.common.metrics import Metrics, gauge, serve_metrics
 from services.sample_buffer import SampleBuffer
 from services.sample_buffer.timeline import Timeline
 from services.trainer.config import TrainerConfig
-
-if TYPE_CHECKING:
-    from services.trainer.trainer import Rollout
+from services.trainer.rollout import Rollout
 
 # Last-step values exposed as gauges: metric key -> (Prometheus name, help).
 STEP_GAUGES = {
@@ -64,7 +61,7 @@ class TrainerObserver:
         self.metrics.counter("tokens_trained", "Tokens trained on.")
         self.metrics.counter("wait_seconds", "Seconds spent waiting for sample groups.")
         self.step_seconds = self.metrics.histogram("step_seconds", "Wall time of each step.")
-        self.timeline = Timeline(buffer.redis, cfg.run_id, "trainer") if buffer else None
+        self.timeline = Timeline(buffer.redis, cfg.run.run_id, "trainer") if buffer else None
         self.server = None
         self.url = ""
         if buffer is not None and cfg.metrics_port >= 0:

@@ -43,10 +43,25 @@ from services.sample_buffer.keys import LEASE_RENEW_S, lease_lost
 from services.sample_buffer.lease import Lease
 from services.sample_buffer.refusals import hint_of
 from services.weight_broker.config import BrokerConfig
-from services.weight_broker.transports import Outcome, make_transport
+from services.weight_broker.nccl_transport import NcclTransport
+from services.weight_broker.transports import DiskTransport, Outcome, WeightTransport, ZmqTransport
 
 RESEND_AFTER_S = 4.0  # an announced version still missing after this is asked for again
 log = logging.getLogger("tandem.broker")
+
+
+def make_transport(config: BrokerConfig, counters: dict[str, int]) -> WeightTransport:
+    """The configured transport, its sockets bound; `counters` is the broker's (it counts
+    rejected buckets and frames there)."""
+    if config.transport == "nccl":
+        return NcclTransport(config, counters)
+    transport = (
+        DiskTransport(config.disk_dir, config.model_dir, config.keep_versions)
+        if config.transport == "disk"
+        else ZmqTransport(config.keep_versions)
+    )
+    transport.bind(config, counters)
+    return transport
 
 
 @dataclass

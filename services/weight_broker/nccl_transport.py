@@ -12,6 +12,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -29,6 +30,8 @@ log = logging.getLogger("tandem.broker.nccl")
 # Tries per version: the first, plus one with a fresh group if an engine failed during it.
 MAX_ATTEMPTS = 2
 MEMBER_CHECK_S = 5.0  # how long a group member has to answer before a broadcast
+Session = aiohttp.ClientSession
+UpdateBody = sg.UpdateWeightsFromDistributedReqInput
 
 
 class NcclTransport:
@@ -135,7 +138,9 @@ class NcclTransport:
         outcomes = {url: Outcome(error) for url, error in self._failed.items()}
         return outcomes | {url: Outcome("", elapsed_s, nbytes) for url in engines}
 
-    async def _attempt(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
+    async def _attempt(
+        self, session: Session, identity: bytes, offer: NcclOffer, engines: list[str], attempt: int
+    ) -> None:
         paused: list[str] = []
         marks = [time.monotonic()]
         try:
@@ -163,7 +168,9 @@ class NcclTransport:
 
     # --- steps ----------------------------------------------------------------------------------
 
-    async def _form_group(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
+    async def _form_group(
+        self, session: Session, identity: bytes, offer: NcclOffer, engines: list[str], attempt: int
+    ) -> None:
         # Read at every new group: a restarted engine may be another build or configuration.
         infos = [self._server_info(session, e) for e in engines]
         tp_sizes = []
@@ -190,11 +197,13 @@ class NcclTransport:
         await self._gather(calls, engines)
         self.members = list(engines)
 
-    async def _transfer(self, session, identity, offer, engines, attempt) -> None:  # type: ignore[no-untyped-def]
+    async def _transfer(
+        self, session: Session, identity: bytes, offer: NcclOffer, engines: list[str], attempt: int
+    ) -> None:
         buckets = [b for b in offer.buckets if b] or [[]]
 
         @functools.cache  # built at most once per version, for the engines that take it
-        def whole() -> sg.UpdateWeightsFromDistributedReqInput:
+        def whole() -> UpdateBody:
             flat = self.load_format == "flattened_bucket"
             sizes = [len(b) for b in buckets if b] if flat else None
             return self._update_body(offer, [m for b in buckets for m in b], bucket_sizes=sizes)
@@ -237,7 +246,7 @@ class NcclTransport:
 
     def _update_body(
         self, offer: NcclOffer, tensors: list[TensorMeta] | None, flush: bool = True, **extra: Any
-    ) -> sg.UpdateWeightsFromDistributedReqInput:
+    ) -> UpdateBody:
         """`tensors` None: named by the `layout_id` in `extra`. per_tensor is SGLang's default
         `load_format`: then the field is left out."""
         flat = "flattened_bucket" if self.load_format == "flattened_bucket" else None
@@ -256,7 +265,9 @@ class NcclTransport:
         """Whether this engine's version update replaces the pause (step 2 of the sequence)."""
         return self.pause_mode == "abort" and bool(self._whole_version.get(engine))
 
-    async def _post_version(self, session, engine, offer: NcclOffer, whole) -> None:  # type: ignore[no-untyped-def]
+    async def _post_version(
+        self, session: Session, engine: str, offer: NcclOffer, whole: Callable[[], UpdateBody]
+    ) -> None:
         """The whole version in one request (engines that take `bucket_sizes`); `whole()`
         makes its body. An engine that took this layout before gets its `layout_id` instead
         of thousands of names; if it no longer knows the id (409, answered before any
@@ -280,7 +291,9 @@ class NcclTransport:
         await post(session, engine + path, full)
         self._known_layout[engine] = layout_id
 
-    async def _post_chain(self, session, engine, offer, buckets) -> None:  # type: ignore[no-untyped-def]
+    async def _post_chain(
+        self, session: Session, engine: str, offer: NcclOffer, buckets: list[list[TensorMeta]]
+    ) -> None:
         """One request per bucket, each after the previous one answered (SGLang); the whole
         chain within `sync_timeout_s`, not each request."""
 
@@ -314,7 +327,7 @@ class NcclTransport:
 
     # --- plumbing -------------------------------------------------------------------------------
 
-    async def _gather(self, calls, engines: list[str]) -> list:  # type: ignore[no-untyped-def]
+    async def _gather(self, calls: Sequence[Awaitable[Any]], engines: list[str]) -> list[Any]:
         """Run one call per engine; engines whose call failed are taken out of rotation and
         a RuntimeError names them. Returns the results in engine order."""
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -331,7 +344,7 @@ class NcclTransport:
             raise RuntimeError("; ".join(f"{e}: {r!r}" for e, r in failed))
         return results
 
-    async def _check_members(self, session, engines: list[str]) -> None:  # type: ignore[no-untyped-def]
+    async def _check_members(self, session: Session, engines: list[str]) -> None:
         """Every member of the group answers before a broadcast it must join: one that died
         since the group formed (and was not yet reported restarted) would hold the others in
         the collective until its timeout. One that does not answer is out of rotation, and the
@@ -350,7 +363,7 @@ class NcclTransport:
 
         await self._gather([answers(e) for e in engines], engines)
 
-    async def _server_info(self, session, engine: str) -> dict:  # type: ignore[no-untyped-def]
+    async def _server_info(self, session: Session, engine: str) -> dict[str, Any]:
         async with session.get(f"{engine}/get_server_info") as resp:
             resp.raise_for_status()
             return await resp.json(content_type=None)

@@ -76,22 +76,6 @@ class WeightTransport(Protocol):
     def stop(self) -> None: ...
 
 
-def make_transport(config: BrokerConfig, counters: dict[str, int]) -> WeightTransport:
-    """The configured transport, its sockets bound; `counters` is the broker's (it counts
-    rejected buckets and frames there)."""
-    if config.transport == "nccl":
-        from services.weight_broker.nccl_transport import NcclTransport
-
-        return NcclTransport(config, counters)
-    transport = (
-        DiskTransport(config.disk_dir, config.model_dir, config.keep_versions)
-        if config.transport == "disk"
-        else ZmqTransport(config.keep_versions)
-    )
-    transport.bind(config, counters)
-    return transport
-
-
 def as_json(body: BaseModel) -> dict:
     """One of SGLang's request bodies (proto/sglang.py) as sent: the fields set, none null."""
     return body.model_dump(mode="json", exclude_unset=True, exclude_none=True)
