@@ -124,9 +124,11 @@ def one_step(policy, cfg, samples, packed: bool) -> list:  # type: ignore[no-unt
     from services.trainer import batching, losses, step_math
     from services.trainer.stats import StepStats
 
-    mbs = batching.make_micro_batches(samples, packed, cfg.max_tokens_per_gpu, cfg.micro_batch_size)
+    mbs = batching.make_micro_batches(
+        samples, packed, cfg.batch.max_tokens_per_gpu, cfg.batch.micro_batch_size
+    )
     stats = StepStats()
-    recompute = cfg.recompute_logprobs == "always"
+    recompute = cfg.loss.recompute_logprobs == "always"
     if recompute:
         for mb, out in zip(mbs, policy.logprobs(mbs, with_entropy=True), strict=True):
             mb.extra["proximal_logp"], mb.extra["entropy"] = out["logp"], out["entropy"]
@@ -151,7 +153,9 @@ def run_mode(policy, cfg, samples, packed: bool, iters: int, sync) -> dict[str, 
         tokens = sum(mb.num_tokens for mb in mbs)
         n_mbs = len(mbs)
         occupied = (
-            len(mbs) * cfg.max_tokens_per_gpu if packed else sum(mb.input_ids.numel() for mb in mbs)
+            len(mbs) * cfg.batch.max_tokens_per_gpu
+            if packed
+            else sum(mb.input_ids.numel() for mb in mbs)
         )
     median = sorted(times)[len(times) // 2]
     return {

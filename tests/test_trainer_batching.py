@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 
 import numpy as np
@@ -11,6 +10,7 @@ import torch
 
 from proto import Sample, SampleGroup
 from proto.packed import pack
+from services.common.settings import ConfigError, resolve
 from services.trainer import batching
 from services.trainer.config import TrainerConfig
 from tests.helpers import run_bench
@@ -134,10 +134,10 @@ def test_batch_arithmetic_is_validated_with_the_flags_to_change() -> None:
     cfg = TrainerConfig(model="m", rollout_batch_size=3, n_samples_per_prompt=1)
     with pytest.raises(ValueError, match=r"its advantage \(reward minus the group's mean\) is 0"):
         cfg.validate()  # GRPO's baseline is the group's mean: a group of one learns nothing
-    cfg.advantage_estimator = "reinforce_plus_plus"  # (its baseline is the batch's)
+    cfg.loss.advantage_estimator = "reinforce_plus_plus"  # (its baseline is the batch's)
     with pytest.raises(ValueError, match="data-parallel size 2"):
         cfg.validate(dp_size=2)
-    with pytest.raises(ValueError, match="--save-interval and --keep-last-checkpoints"):
+    with pytest.raises(ValueError, match="save_interval"):
         TrainerConfig(model="m", save_interval=-1).validate()
     cfg = TrainerConfig(model="m", lr_decay_style="cosine")
     with pytest.raises(ValueError, match="--lr-decay-iters"):
@@ -155,24 +155,27 @@ def test_the_batch_prep_bench_runs_and_ends_with_its_ratio() -> None:
 def test_numbers_outside_their_range_are_refused_naming_the_flag() -> None:
     """A negative KL or weight decay, a discount above 1, zero threads or clip: each failed
     only once the trainer ran (or ran on, doing nothing sensible), or named another rule."""
+    at_least, above = "Input should be greater than or equal to", "Input should be greater than"
     cases = {
-        "kl_coef": (-1.0, "--kl-coef must be >= 0: got -1.0"),
-        "gamma": (2.0, "--gamma must be > 0 and <= 1: got 2.0"),
-        "eps_clip": (0.0, "--eps-clip must be > 0: got 0.0"),
-        "num_threads": (0, "--num-threads must be >= 1: got 0"),
-        "micro_batch_size": (0, "--micro-batch-size must be >= 1: got 0"),
-        "lr": (math.nan, "--lr must be > 0: got nan"),
-        "tis_clip": (-3.0, "--tis-clip must be > 0: got -3.0"),  # (these took -3)
-        "value_clip": (-3.0, "--value-clip must be >= 0: got -3.0"),
+        "kl_coef": ("-1.0", f"--kl-coef -1.0: {at_least} 0"),
+        "gamma": ("2.0", "--gamma 2.0: Input should be less than or equal to 1"),
+        "eps_clip": ("0.0", f"--eps-clip 0.0: {above} 0"),
+        "num_threads": ("0", f"--num-threads 0: {at_least} 1"),
+        "micro_batch_size": ("0", f"--micro-batch-size 0: {at_least} 1"),
+        "lr": ("nan", "--lr nan: Input should be a finite number"),
+        "tis_clip": ("-3.0", f"--tis-clip -3.0: {above} 0"),  # (these took -3)
+        "value_clip": ("-3.0", f"--value-clip -3.0: {at_least} 0"),
         # (0: equal rewards gave NaN advantages; Redis reads BLOCK 0 for good; a division by 0)
-        "advantage_eps": (0.0, "--advantage-eps must be > 0: got 0.0"),
-        "read_block_ms": (0, "--read-block-ms must be >= 1: got 0"),
-        "make_vocab_size_divisible_by": (0, "--make-vocab-size-divisible-by must be >= 1: got 0"),
-        "tensor_model_parallel_size": (0, "--tensor-model-parallel-size must be >= 1: got 0"),
+        "advantage_eps": ("0.0", f"--advantage-eps 0.0: {above} 0"),
+        "read_block_ms": ("0", f"--read-block-ms 0: {at_least} 1"),
+        "make_vocab_size_divisible_by": ("0", f"--make-vocab-size-divisible-by 0: {at_least} 1"),
+        "tensor_model_parallel_size": ("0", f"--tensor-model-parallel-size 0: {at_least} 1"),
     }
     for name, (value, message) in cases.items():
-        with pytest.raises(ValueError) as refused:
-            TrainerConfig(model="m", **{name: value}).validate()
+        with pytest.raises(ConfigError) as refused:
+            resolve(
+                TrainerConfig, ["--model", "m", f"--{name.replace('_', '-')}", value], "trainer"
+            )
         assert str(refused.value) == message
     TrainerConfig(model="m", gamma=1.0, clip_grad=0.0, lambd=0.95).validate()
 

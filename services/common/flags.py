@@ -79,7 +79,12 @@ def _with_default(help_text: str, default: object) -> str:
 
 
 def config_from_args(cls: type[T], ns: argparse.Namespace) -> T:
-    """Instantiate dataclass `cls` from parsed flags added by `add_config_args`."""
+    """Instantiate dataclass `cls` from parsed flags added by `add_config_args`; a pydantic
+    config (`services.common.settings`) from the flags of its leaves."""
+    if hasattr(cls, "model_fields"):
+        from services.common.settings import leaves
+
+        return cls(**{k: v for k, v in vars(ns).items() if k in leaves(cls)})  # type: ignore[arg-type]
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]

@@ -42,9 +42,9 @@ import tomllib
 import typing
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 TABLES = ("up", "router", "trainer", "broker", "engine")
 NOT_SETTINGS = ("TANDEM_ROUTER_TOKEN",)  # variables of that form that are no setting
@@ -70,7 +70,9 @@ class Section(BaseModel):
         if not isinstance(data, dict):
             return data
         data, paths = dict(data), leaves(cls)
-        for key in [k for k in data if k not in cls.model_fields and k in paths]:
+        for key in [k for k in data if len(paths.get(k, (k,))) > 1]:
+            if key in cls.model_fields and isinstance(data[key], dict | BaseModel):
+                continue  # the section of that name (`model` a section, `run.model` a leaf)
             section = paths[key][0]
             inner = data.get(section, {})
             inner = inner.model_dump() if isinstance(inner, BaseModel) else dict(inner)
@@ -135,9 +137,12 @@ def _help(info: Any, default: Any) -> str:
     return f"{text} (default: {default})"
 
 
-def parser(cls: type[BaseModel], prog: str, description: str = "") -> argparse.ArgumentParser:
+def parser(
+    cls: type[BaseModel], prog: str, description: str = "", defaults: bool = False
+) -> argparse.ArgumentParser:
     """The command's parser: one flag per leaf (grouped by section), and `--config FILE`.
-    Its defaults are unset markers: `resolve` tells a flag given from one left out."""
+    Its defaults are unset markers (`resolve` tells a flag given from one left out), or with
+    `defaults` the fields' own, each flag typed (for a caller that parses argv itself)."""
     table = prog.split()[-1]
     out = argparse.ArgumentParser(prog=prog, description=description)
     out.add_argument(
@@ -148,21 +153,29 @@ def parser(cls: type[BaseModel], prog: str, description: str = "") -> argparse.A
         "both (docs/configuration.md).",
     )
     groups: dict[str, Any] = {}
-    defaults = cls()
+    made = cls()
     for leaf, path in leaves(cls).items():
         title = path[0] if len(path) > 1 else "general"
         group = groups.get(title) or groups.setdefault(title, out.add_argument_group(title))
-        info, default = _info(cls, path), _get(defaults, path)
+        info, default = _info(cls, path), _get(made, path)
         kind, choices = _kind(info.annotation)
         flag = "--" + leaf.replace("_", "-")
         common = {"default": argparse.SUPPRESS, "help": _help(info, default), "dest": leaf}
+        typed = {"default": default, "type": _scalar(default)} if defaults else {}
         if kind == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+            shown = {"default": default} if defaults else {}
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **common | shown)
         elif kind == "list":
-            group.add_argument(flag, nargs="*", **common)
+            group.add_argument(flag, nargs="*", **common | typed)
         else:
-            group.add_argument(flag, choices=choices, metavar=_metavar(leaf, choices), **common)
+            metavar = _metavar(leaf, choices)
+            group.add_argument(flag, choices=choices, metavar=metavar, **common | typed)
     return out
+
+
+def _scalar(default: Any) -> Any:
+    kind = type(default[0]) if isinstance(default, list) and default else type(default)
+    return kind if kind in (int, float) else str
 
 
 def _metavar(leaf: str, choices: tuple[Any, ...] | None) -> str:
@@ -205,7 +218,7 @@ def _file_values(cls: type[BaseModel], path: str, table: str, prog: str) -> dict
     pending = list(read_table(path, table).items()) if path else []
     while pending:
         key, value = pending.pop(0)
-        if isinstance(value, dict) and key not in paths:  # a section's sub-table
+        if isinstance(value, dict):  # a section's sub-table (no setting takes a table)
             pending += list(value.items())
             continue
         if key not in paths:
@@ -242,14 +255,14 @@ def _env_values(cls: type[BaseModel], prefix: str, prog: str) -> dict[str, Any]:
 
 
 def resolve(
-    cls: type[C], argv: list[str], table: str, prog: str = "", env_prefix: str = ""
+    cls: type[C], argv: list[str], table: str, prog: str = "", env_prefix: str = "", about: str = ""
 ) -> tuple[C, dict[str, Origin]]:
     """The config of `argv` over the environment over `--config FILE`'s [table] over the
     defaults, and where each leaf's value came from; ConfigError naming what to fix (argparse
     itself exits 2 for an unknown flag or a bad choice)."""
     prog = prog or f"tandem {table}"
     prefix = env_prefix or f"TANDEM_{table.upper()}_"
-    args = vars(parser(cls, prog).parse_args(argv))
+    args = vars(parser(cls, prog, about).parse_args(argv))
     path = str(args.pop("config", ""))
     layers: list[tuple[Origin, dict[str, Any]]] = [
         ("file", _file_values(cls, path, table, prog)),
@@ -288,11 +301,14 @@ def _said(
     return f"{where}: {error['msg']}"
 
 
-def load(cls: type[C], argv: list[str], table: str, prog: str = "", env_prefix: str = "") -> C:
-    """`resolve`'s config; a ConfigError exits 2 with `prog: error: <message>`."""
+def load(
+    cls: type[C], argv: list[str], table: str, prog: str = "", env_prefix: str = "", about: str = ""
+) -> C:
+    """`resolve`'s config; a ConfigError exits 2 with `prog: error: <message>`. `about`: the
+    command's description in `--help`."""
     prog = prog or f"tandem {table}"
     try:
-        return resolve(cls, argv, table, prog, env_prefix)[0]
+        return resolve(cls, argv, table, prog, env_prefix, about)[0]
     except ConfigError as exc:
         parser(cls, prog).exit(2, f"{prog}: error: {exc}\n")
 
@@ -320,3 +336,11 @@ def toml_value(value: Any) -> str:
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     return f'"{text}"'
+
+
+# Ranges most settings share (a field with another one states it in its own type).
+Count = Annotated[int, Field(ge=0)]
+Positive = Annotated[int, Field(ge=1)]
+Seconds = Annotated[float, Field(ge=0)]
+PositiveSeconds = Annotated[float, Field(gt=0)]
+Rate = Annotated[float, Field(ge=0, le=1)]  # a learning rate (RL post-training: ~1e-6 to 1e-4)

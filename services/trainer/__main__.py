@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.common.config_file import parse_args
-from services.common.flags import add_config_args, config_from_args
-from services.common.paths import unwritable
 from services.common.serving import ServiceError, run_service
-from services.trainer.config import TrainerConfig
+from services.common.settings import load, parser
+from services.trainer.config import TrainerConfig, check
+
+PROG = "tandem trainer"
 
 DESCRIPTION = """\
 megatron-core RL trainer (GRPO family). Reads sample groups from the Redis sample buffer, drops
@@ -33,52 +33,17 @@ Multi-process: torchrun --nproc-per-node N -m services.trainer ... (TP x DP = N)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem trainer", description=DESCRIPTION)
-    add_config_args(parser, TrainerConfig)
-    parser.add_argument(
-        "--ready-file",
-        default="",
-        help="Write {pid, version, metrics_url} as JSON here once training starts.",
-    )
-    return parser
-
-
-def check_model(cfg: TrainerConfig) -> None:
-    """Refuse an unsupported `--model` (or one whose sliding window the samples may exceed)
-    before importing torch."""
-    from proto.models import (
-        MOE_MODEL_TYPES,
-        check_model_config,
-        check_sliding_window,
-        read_config,
-    )
-    from services.common.tokenizers import vocabulary_problem
-
-    hf_cfg, path = read_config(cfg.model)
-    if check_model_config(hf_cfg, path) in MOE_MODEL_TYPES and cfg.tensor_model_parallel_size > 1:
-        raise ValueError(
-            f"{path}: an MoE model trains at --tensor-model-parallel-size 1 (megatron-core's MoE "
-            "layer needs sequence parallelism under TP, which the trainer does not use); split "
-            "the experts with --expert-model-parallel-size instead"
-        )
-    context = int(hf_cfg.get("max_position_embeddings", 4096))
-    if cfg.use_dynamic_batch_size:  # a sample longer than a micro-batch is refused anyway
-        context = min(context, cfg.max_tokens_per_gpu)
-    check_sliding_window(hf_cfg, path, context, "--max-tokens-per-gpu (dynamic batch size)")
-    if cfg.ref_load and (problem := vocabulary_problem(cfg.model, cfg.ref_load, "--ref-load")):
-        raise ValueError(problem)
+    """The trainer's flags with their defaults (its `--help`; `load` parses with its own)."""
+    return parser(TrainerConfig, PROG, DESCRIPTION, defaults=True)
 
 
 def check_lineage(cfg: TrainerConfig) -> None:
     """Refuse a start without checkpoint on a run that already trained (see `lineage.py`), or
     while another trainer holds the run (`lease.py`), before importing torch."""
     from services.sample_buffer import BufferConfig, SampleBuffer
-    from services.trainer.checkpoint import resolve_iteration
     from services.trainer.lease import TrainerLease
 
-    if cfg.load:  # a bad --load is named before Redis is asked anything
-        resolve_iteration(cfg.load, cfg.ckpt_step)
-    buffer = SampleBuffer(BufferConfig(redis_url=cfg.redis_url, run_id=cfg.run_id))
+    buffer = SampleBuffer(BufferConfig(redis_url=cfg.run.redis_url, run_id=cfg.run.run_id))
     buffer.wait_ready(timeout_s=10.0)
     TrainerLease(buffer).wait_free()  # a second trainer: named as such, not as a lineage
     check_start(cfg, buffer)
@@ -96,18 +61,20 @@ def check_start(cfg: TrainerConfig, buffer: Any) -> int:
     if resumed:
         from services.trainer.checkpoint import check_files, resolve_iteration
 
-        check_files(resolve_iteration(cfg.load or cfg.save, cfg.ckpt_step))
+        ckpt = cfg.checkpoint
+        check_files(resolve_iteration(ckpt.load or ckpt.save, ckpt.ckpt_step))
     return version
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(build_parser(), list(sys.argv[1:] if argv is None else argv), "trainer")
-    cfg = config_from_args(TrainerConfig, args)
+    cfg = load(
+        TrainerConfig, sys.argv[1:] if argv is None else argv, "trainer", PROG, about=DESCRIPTION
+    )
     return run_service(
         "trainer",
         lambda: start(cfg),
-        lambda trainer, _sock: run(trainer, args),
-        ready_file=args.ready_file,
+        lambda trainer, _sock: run(trainer, cfg.ready_file),
+        ready_file=cfg.ready_file,
     )
 
 
@@ -115,14 +82,10 @@ def start(cfg: TrainerConfig) -> Any:
     """The trainer with its model loaded and the run contract agreed (a mismatch: exit 2)."""
     cfg.validate()
     check_devices()
-    check_model(cfg)
-    # (the first save may come hours in; --save-hf writes beside its folder, then renames)
-    hf_parent = str(Path(cfg.save_hf).parent) if cfg.save_hf else ""
-    for path, flag in ((cfg.save, "--save"), (hf_parent, f"--save-hf {cfg.save_hf}: its folder")):
-        if path and (problem := unwritable(path, flag)):
-            raise ValueError(problem)
+    if problems := check(cfg):
+        raise ValueError(problems[0])
     check_lineage(cfg)
-    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.num_threads))
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.model.num_threads))
     from services.trainer.cpu_compat import import_megatron
 
     import_megatron()  # (first: on CPU, without compiling its kernels)
@@ -148,7 +111,7 @@ def check_devices() -> None:
         )
 
 
-def run(trainer: Any, args: argparse.Namespace) -> None:
+def run(trainer: Any, ready_file: str) -> None:
     from services.sample_buffer import tune_gc_for_reads
     from services.trainer.batching import BatchError
     from services.trainer.checkpoint import SaveError
@@ -157,9 +120,9 @@ def run(trainer: Any, args: argparse.Namespace) -> None:
 
     trainer.install_signal_handlers()
     tune_gc_for_reads()  # the model is built: what the process holds now lives all run
-    if args.ready_file:
+    if ready_file:
         ready = {"pid": os.getpid(), "version": trainer.version}
-        Path(args.ready_file).write_text(json.dumps({**ready, "metrics_url": trainer.observe.url}))
+        Path(ready_file).write_text(json.dumps({**ready, "metrics_url": trainer.observe.url}))
     error = ""
     try:
         steps = trainer.train()

@@ -204,20 +204,21 @@ def resolve_iteration(root: str | Path, ckpt_step: int = -1) -> Path:
 
 def find_resume(cfg: TrainerConfig) -> tuple[Path | None, str]:
     """The checkpoint root this start resumes from (None: start from --model), and why."""
-    if cfg.load:
-        resolve_iteration(cfg.load, cfg.ckpt_step)  # fail on a bad --load before anything else
-        return Path(cfg.load), "--load"
-    if not cfg.save or not (Path(cfg.save) / TRACKER).is_file():
+    ckpt = cfg.checkpoint
+    if ckpt.load:
+        resolve_iteration(ckpt.load, ckpt.ckpt_step)  # fail on a bad --load before anything else
+        return Path(ckpt.load), "--load"
+    if not ckpt.save or not (Path(ckpt.save) / TRACKER).is_file():
         return None, ""
-    if cfg.resume:
-        it = resolve_iteration(cfg.save, cfg.ckpt_step).name.removeprefix("iter_")
-        return Path(cfg.save), f"(iteration {int(it)}), found by --save; --no-resume starts over"
-    common = _common(resolve_iteration(cfg.save, -1))
-    if common.get("run_id") != cfg.run_id:
+    if ckpt.resume:
+        it = resolve_iteration(ckpt.save, ckpt.ckpt_step).name.removeprefix("iter_")
+        return Path(ckpt.save), f"(iteration {int(it)}), found by --save; --no-resume starts over"
+    common = _common(resolve_iteration(ckpt.save, -1))
+    if common.get("run_id") != cfg.run.run_id:
         raise ValueError(
-            f"--save {cfg.save} holds a checkpoint of run id {common.get('run_id')!r} "
+            f"--save {ckpt.save} holds a checkpoint of run id {common.get('run_id')!r} "
             f"(iteration {common.get('version')}); --no-resume would overwrite its tracker from "
-            f"run {cfg.run_id!r}: pass another --save directory"
+            f"run {cfg.run.run_id!r}: pass another --save directory"
         )
     return None, ""
 
@@ -260,12 +261,13 @@ class Checkpointer:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.cfg.save)
+        return bool(self.cfg.checkpoint.save)
 
     def due(self, version: int, final: bool) -> bool:
         if not self.enabled or version == self.last_saved:
             return False
-        return final or bool(self.cfg.save_interval and version % self.cfg.save_interval == 0)
+        every = self.cfg.checkpoint.save_interval
+        return final or bool(every and version % every == 0)
 
     def _sharded_state(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
         model_state = self.policy.model.sharded_state_dict()
@@ -296,7 +298,7 @@ class Checkpointer:
         # process (~300 MB, and seconds to start) that outlives a trainer killed by SIGKILL.
         if filesystem_async._results_queue is None:
             filesystem_async._results_queue = queue.Queue()
-        path = iteration_dir(self.cfg.save, version)
+        path = iteration_dir(self.cfg.checkpoint.save, version)
         if dist.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
         dist.barrier()
@@ -307,53 +309,53 @@ class Checkpointer:
             version=version,
             trained_entry_ids=list(trained_entry_ids),
             hf_config=self.policy.hf_config_json,
-            hf_source=str(Path(self.cfg.model).resolve()),
-            run_id=self.cfg.run_id,
+            hf_source=str(Path(self.cfg.run.model).resolve()),
+            run_id=self.cfg.run.run_id,
             groups_consumed=groups_consumed,
             groups_dead_lettered=groups_dead_lettered,
-            scheduler_config={k: getattr(self.cfg, k) for k in SCHEDULER_FLAGS},
+            scheduler_config={k: getattr(self.cfg.optimizer, k) for k in SCHEDULER_FLAGS},
             padded_vocab_size=self.policy.model.vocab_size,
-            expert_model_parallel_size=self.cfg.expert_model_parallel_size,
+            expert_model_parallel_size=self.cfg.model.expert_model_parallel_size,
             has_optimizer=True,
         )
         dist_checkpointing.save(state, str(path))
         torch.save(_rng_state(), path / f"rng_rank{dist.get_rank()}.pt")
         dist.barrier()
         if dist.get_rank() == 0:
-            tmp = Path(self.cfg.save) / (TRACKER + ".tmp")
+            tmp = Path(self.cfg.checkpoint.save) / (TRACKER + ".tmp")
             tmp.write_text(str(version))
-            tmp.replace(Path(self.cfg.save) / TRACKER)
+            tmp.replace(Path(self.cfg.checkpoint.save) / TRACKER)
             self._remove_old(version)
-            print(f"[trainer] saved iteration {version} ({self.cfg.save})", flush=True)
+            print(f"[trainer] saved iteration {version} ({self.cfg.checkpoint.save})", flush=True)
         self.last_saved = version
         return path
 
     def _remove_old(self, newest: int) -> None:
         """--keep-last-checkpoints: drop all but the newest K iterations (never the tracker's)."""
-        keep = self.cfg.keep_last_checkpoints
+        keep = self.cfg.checkpoint.keep_last_checkpoints
         if keep < 1:
             return
         iters = sorted(
             int(p.name.removeprefix("iter_"))
-            for p in Path(self.cfg.save).glob("iter_*")
+            for p in Path(self.cfg.checkpoint.save).glob("iter_*")
             if p.name.removeprefix("iter_").isdigit()
         )
         for it in iters[:-keep]:
             if it != newest:
-                shutil.rmtree(iteration_dir(self.cfg.save, it), ignore_errors=True)
+                shutil.rmtree(iteration_dir(self.cfg.checkpoint.save, it), ignore_errors=True)
 
     def load(self, root: Path) -> Resumed:
         """Restore model, optimizer, scheduler and RNG from the checkpoint under `root`."""
         from megatron.core import dist_checkpointing
 
-        path = resolve_iteration(root, self.cfg.ckpt_step)
+        path = resolve_iteration(root, self.cfg.checkpoint.ckpt_step)
         common = _common(path)
         full = bool(common.get("has_optimizer"))  # False: weights only (`tandem convert`)
         saved_ep = int(common.get("expert_model_parallel_size", 1))
         if (
             full
             and self.policy.arch.num_experts
-            and saved_ep != self.cfg.expert_model_parallel_size
+            and saved_ep != self.cfg.model.expert_model_parallel_size
         ):
             # megatron keeps MoE experts in an optimizer of their own only at EP > 1: the
             # optimizer state's layout differs between EP 1 and EP > 1
@@ -383,7 +385,7 @@ class Checkpointer:
                 log.warning("%s: RNG state of an older format not restored", rng_file)
         self.last_saved = version
         consumed = common.get("groups_consumed")
-        if common.get("run_id") != self.cfg.run_id:  # a start from another run's weights
+        if common.get("run_id") != self.cfg.run.run_id:  # a start from another run's weights
             consumed = None
         return Resumed(
             version,
@@ -396,14 +398,14 @@ class Checkpointer:
     def _load_scheduler(self, scheduler: Any, state: dict, common: dict[str, Any]) -> None:
         """The checkpoint's schedule, or with --override-opt-param-scheduler the flags'; a flag
         that differs from the checkpoint's value without it is a warning, never silent."""
-        override = self.cfg.override_opt_param_scheduler
+        override = self.cfg.checkpoint.override_opt_param_scheduler
         scheduler.override_opt_param_scheduler = override
         scheduler.use_checkpoint_opt_param_scheduler = not override
         saved = common.get("scheduler_config") or {}
         differ = [
-            f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (checkpoint: {saved[k]})"
+            f"--{k.replace('_', '-')} {getattr(self.cfg.optimizer, k)} (checkpoint: {saved[k]})"
             for k in SCHEDULER_FLAGS
-            if k in saved and saved[k] != getattr(self.cfg, k)
+            if k in saved and saved[k] != getattr(self.cfg.optimizer, k)
         ]
         if differ and not override and dist.get_rank() == 0:
             print(

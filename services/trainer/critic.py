@@ -14,8 +14,6 @@ Tensor parallelism 1 only (validated in `TrainerConfig.validate`).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -32,7 +30,9 @@ class Critic:
 
     def __init__(self, cfg: TrainerConfig, model_dir: str) -> None:
         self.cfg = cfg
-        self.model = Policy(replace(cfg, lr=cfg.critic_lr or cfg.lr), model_dir, value_head=True)
+        rate = {"lr": cfg.optimizer.critic_lr or cfg.optimizer.lr}
+        own = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update=rate)})
+        self.model = Policy(own, model_dir, value_head=True)
 
     def fill_advantages(
         self, mbs: list[MicroBatch], samples: list[TrainSample], stats: StepStats
@@ -53,18 +53,20 @@ class Critic:
             rewards = torch.zeros_like(span_values)
             last = (lengths - 1).unsqueeze(1)
             rewards.scatter_(1, last, torch.tensor([[samples[i].reward] for i in mb.sample_index]))
-            adv_block, ret_block = losses.gae(rewards, span_values, self.cfg.gamma, self.cfg.lambd)
+            adv_block, ret_block = losses.gae(
+                rewards, span_values, self.cfg.loss.gamma, self.cfg.loss.lambd
+            )
             adv, returns = torch.zeros_like(values), torch.zeros_like(values)
             adv[rows.expand_as(cols)[valid], cols[valid]] = adv_block[valid]
             returns[rows.expand_as(cols)[valid], cols[valid]] = ret_block[valid]
             mb.advantages = adv
             mb.extra["returns"], mb.extra["old_values"] = returns, values
             stats.add("value_mean", (values * mb.loss_mask).sum(), mb.loss_mask.sum())
-        _whiten(mbs, self.cfg.advantage_eps)
+        _whiten(mbs, self.cfg.loss.advantage_eps)
 
     def train(self, mbs: list[MicroBatch], stats: StepStats) -> None:
         _, _, grad_norm = self.model.train_step(
-            mbs, ValueLoss(self.cfg.value_clip, stats), with_entropy=False
+            mbs, ValueLoss(self.cfg.loss.value_clip, stats), with_entropy=False
         )
         stats.count("critic_grad_norm", grad_norm)
 

@@ -38,18 +38,22 @@ def saved_iteration(root: str | Path) -> int | None:
 
 def finds_checkpoint(cfg: TrainerConfig) -> bool:
     """Whether this start resumes from a checkpoint (as `checkpoint.find_resume` decides)."""
-    return bool(cfg.load) or bool(cfg.save and cfg.resume and (Path(cfg.save) / TRACKER).is_file())
+    return bool(cfg.checkpoint.load) or bool(
+        cfg.checkpoint.save
+        and cfg.checkpoint.resume
+        and (Path(cfg.checkpoint.save) / TRACKER).is_file()
+    )
 
 
 def rollback(cfg: TrainerConfig) -> tuple[int, int] | None:
     """(K, L) when this start resumes from checkpoint K (--ckpt-step) of a folder whose newest
     is L > K: the groups steps K+1..L trained were acknowledged at L's save and are gone, so the
     run cannot replay them; None otherwise."""
-    root = cfg.load or (cfg.save if cfg.resume else "")
+    root = cfg.checkpoint.load or (cfg.checkpoint.save if cfg.checkpoint.resume else "")
     newest = saved_iteration(root) if root else None
-    if cfg.ckpt_step < 0 or newest is None or newest <= cfg.ckpt_step:
+    if cfg.checkpoint.ckpt_step < 0 or newest is None or newest <= cfg.checkpoint.ckpt_step:
         return None
-    return cfg.ckpt_step, newest
+    return cfg.checkpoint.ckpt_step, newest
 
 
 def lineage_start(cfg: TrainerConfig, buffer: SampleBuffer, resumed: bool) -> int:
@@ -61,10 +65,10 @@ def lineage_start(cfg: TrainerConfig, buffer: SampleBuffer, resumed: bool) -> in
     published = buffer.get_version("trainer", 0)
     trained = int(buffer.redis.hlen(buffer.trained_key))
     if resumed and (published > 0 or trained) and (back := rollback(cfg)):  # (on this run)
-        if not cfg.new_lineage:
+        if not cfg.checkpoint.new_lineage:
             raise ValueError(
                 f"--ckpt-step {back[0]} goes back past this run's newest checkpoint (iteration "
-                f"{back[1]} in {cfg.load or cfg.save}): the groups of the steps after "
+                f"{back[1]} in {cfg.checkpoint.load or cfg.checkpoint.save}): the groups of the steps after "
                 f"{back[0]} were acknowledged at that save and are gone, so the run cannot "
                 f"train them again. Pass --new-lineage as well to go on from iteration "
                 f"{back[0]}'s weights as a new lineage (versions after {max(published, back[1])}"
@@ -74,11 +78,11 @@ def lineage_start(cfg: TrainerConfig, buffer: SampleBuffer, resumed: bool) -> in
         return max(published, back[1]) + 1
     if resumed or (published <= 0 and not trained):
         return 0
-    if not cfg.new_lineage:
+    if not cfg.checkpoint.new_lineage:
         raise ValueError(
-            f"run {cfg.run_id!r} in Redis ({cfg.redis_url}) already has trainer version "
+            f"run {cfg.run.run_id!r} in Redis ({cfg.run.redis_url}) already has trainer version "
             f"{published} and {trained} trained steps, but no checkpoint was found (--save "
-            f"{cfg.save or '(none)'}, --load {cfg.load or '(none)'}): point --save/--load at "
+            f"{cfg.checkpoint.save or '(none)'}, --load {cfg.checkpoint.load or '(none)'}): point --save/--load at "
             "this run's checkpoint folder to resume, or use a new --run-id (or an empty Redis), "
             "or pass --new-lineage to start over from --model in this run"
         )

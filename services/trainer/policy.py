@@ -146,17 +146,17 @@ class Policy:
             self.arch = replace(self.arch, tie_word_embeddings=False)
         tf_config = hf_convert.transformer_config(
             self.arch,
-            cfg.tensor_model_parallel_size,
-            cfg.bf16,
-            cfg.expert_model_parallel_size,
-            cfg.moe_aux_loss_coeff,
-            cfg.use_routing_replay and self.arch.num_experts > 0,
+            cfg.model.tensor_model_parallel_size,
+            cfg.model.bf16,
+            cfg.model.expert_model_parallel_size,
+            cfg.model.moe_aux_loss_coeff,
+            cfg.model.use_routing_replay and self.arch.num_experts > 0,
         )
         # The loss returns (numerator, denominator); megatron sums both over micro-batches and
         # data-parallel ranks and divides the gradients once (finalize_model_grads).
         tf_config.calculate_per_token_loss = True
         self.model = hf_convert.build_gpt_model(
-            self.arch, tf_config, cfg.make_vocab_size_divisible_by
+            self.arch, tf_config, cfg.model.make_vocab_size_divisible_by
         )
         if arch is None:
             hf_state = hf_convert.load_hf_state(model_dir)
@@ -314,29 +314,29 @@ def _optimizer_and_scheduler(
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
-            lr=cfg.lr,
-            min_lr=cfg.min_lr,
-            weight_decay=cfg.weight_decay,
-            adam_beta1=cfg.adam_beta1,
-            adam_beta2=cfg.adam_beta2,
-            adam_eps=cfg.adam_eps,
-            clip_grad=cfg.clip_grad,
-            bf16=cfg.bf16,
+            lr=cfg.optimizer.lr,
+            min_lr=cfg.optimizer.min_lr,
+            weight_decay=cfg.optimizer.weight_decay,
+            adam_beta1=cfg.optimizer.adam_beta1,
+            adam_beta2=cfg.optimizer.adam_beta2,
+            adam_eps=cfg.optimizer.adam_eps,
+            clip_grad=cfg.optimizer.clip_grad,
+            bf16=cfg.model.bf16,
             params_dtype=tf_config.params_dtype,
         ),
         chunks,
     )
-    decay_steps = cfg.lr_decay_iters or max(cfg.max_steps, 1)
+    decay_steps = cfg.optimizer.lr_decay_iters or max(cfg.batch.max_steps, 1)
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr,
-        max_lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        lr_warmup_steps=cfg.lr_warmup_iters,
-        lr_decay_steps=max(decay_steps, cfg.lr_warmup_iters + 1),
-        lr_decay_style=cfg.lr_decay_style,
-        start_wd=cfg.weight_decay,
-        end_wd=cfg.weight_decay,
+        init_lr=0.0 if cfg.optimizer.lr_warmup_iters else cfg.optimizer.lr,
+        max_lr=cfg.optimizer.lr,
+        min_lr=cfg.optimizer.min_lr,
+        lr_warmup_steps=cfg.optimizer.lr_warmup_iters,
+        lr_decay_steps=max(decay_steps, cfg.optimizer.lr_warmup_iters + 1),
+        lr_decay_style=cfg.optimizer.lr_decay_style,
+        start_wd=cfg.optimizer.weight_decay,
+        end_wd=cfg.optimizer.weight_decay,
         wd_incr_steps=1,
         wd_incr_style="constant",
     )

@@ -90,7 +90,7 @@ class Intake:
         self.published_before = 0  # on resume: the highest version published before the crash
         self.pending_first = True  # after a (re)start, groups read but never acked come first
         self.backlog: list[Entry] = []  # read from Redis, not yet used
-        self.ahead = ReadAhead(buffer, cfg.consumer)  # new entries, one read ahead
+        self.ahead = ReadAhead(buffer, cfg.batch.consumer)  # new entries, one read ahead
         self.in_hand: list[tuple[str, Group]] = []  # checked groups beyond the last rollout
         self.open: dict[str, int] = {}  # entry id -> its groups not yet done and checkpointed
         self.held: set[str] = set()  # keys of groups done and checkpointed of open entries
@@ -103,7 +103,7 @@ class Intake:
     def read_rollout(self, version: int, stop: Callable[[], bool]) -> Rollout | None:
         """`rollout_batch_size` groups fit to train at `version` (None: a stop was requested)."""
         rollout = Rollout([], [], 0, {})
-        need = self.cfg.rollout_batch_size
+        need = self.cfg.run.rollout_batch_size
         while len(rollout.groups) < need:
             if stop():
                 return None
@@ -113,7 +113,7 @@ class Intake:
                     self.in_hand += self._take_entry(entry_id, fields, version)
             taken = need - len(rollout.groups)
             checked, self.in_hand = self.in_hand[:taken], self.in_hand[taken:]
-            fresh, stale = batching.split_stale(checked, version, self.cfg.max_staleness)
+            fresh, stale = batching.split_stale(checked, version, self.cfg.run.max_staleness)
             for key, group in stale:
                 self._drop_stale(key, group, version)
                 rollout.dropped_stale += len(group.samples)
@@ -159,10 +159,10 @@ class Intake:
     def _next_entries(self, count: int) -> list[Entry]:
         """Up to `count` entries: first (once per start) every entry pending for this consumer,
         after claiming those of idle consumers, in stream order; then new ones."""
-        consumer = self.cfg.consumer
+        consumer = self.cfg.batch.consumer
         if self.pending_first:
             self.pending_first = False
-            idle_s = self.cfg.reclaim_min_idle_s
+            idle_s = self.cfg.batch.reclaim_min_idle_s
             claimed = self.buffer.reclaim(consumer, int(idle_s * 1000))
             if claimed:
                 print(
@@ -176,7 +176,7 @@ class Intake:
         if self.backlog:
             taken, self.backlog = self.backlog[:count], self.backlog[count:]
             return taken
-        return self.ahead.read(count, self.cfg.read_block_ms)
+        return self.ahead.read(count, self.cfg.batch.read_block_ms)
 
     def _report_waiting(self, in_hand: int, version: int) -> None:
         """Status while the rollout is incomplete (called before each read), at most every
@@ -185,7 +185,7 @@ class Intake:
         if now - self.reported_at < WAIT_REPORT_S:
             return
         self.reported_at = now
-        need, (counters, depth) = self.cfg.rollout_batch_size, self.buffer.counters_and_depth()
+        need, (counters, depth) = self.cfg.run.rollout_batch_size, self.buffer.counters_and_depth()
         put, consumed = counters.get("groups_put", 0), counters.get("groups_consumed", 0)
         known = in_hand + len(self.in_hand) + len(self.unacked) + len(self.held)
         untrained = max(depth - known, 0)  # not yet in hand
@@ -197,7 +197,7 @@ class Intake:
         )
         if not put:  # (a router on another run waits for a trainer meanwhile, never a word here)
             letters += (
-                f"; no group was ever put in run {self.cfg.run_id!r} at {self.cfg.redis_url} "
+                f"; no group was ever put in run {self.cfg.run.run_id!r} at {self.cfg.run.redis_url} "
                 "(a router still starting, or one with another --run-id or --redis-url)"
             )
         self.report(
@@ -288,7 +288,7 @@ class Intake:
         return finished
 
     def _drop_stale(self, key: str, group: Group, version: int) -> None:
-        detail = f"trainer at version {version}, max_staleness {self.cfg.max_staleness}"
+        detail = f"trainer at version {version}, max_staleness {self.cfg.run.max_staleness}"
         self._drop_group(group, DropReason.STALE, detail)
         # Acked with the trained groups (after their checkpoint), counted now: the router
         # replaces it at once, and a resume that resets the counter drops it again.

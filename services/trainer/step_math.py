@@ -70,16 +70,16 @@ class LossFunction:
             mb.num_seqs,
             proximal_logp=proximal,
         )
-        if self.cfg.entropy_coef and entropy is not None:
-            token_loss = token_loss - self.cfg.entropy_coef * entropy.flatten()
-        if self.cfg.kl_coef and self.cfg.use_kl_loss and "ref_logp" in mb.extra:
+        if self.cfg.loss.entropy_coef and entropy is not None:
+            token_loss = token_loss - self.cfg.loss.entropy_coef * entropy.flatten()
+        if self.cfg.loss.kl_coef and self.cfg.loss.use_kl_loss and "ref_logp" in mb.extra:
             kl = losses.kl_estimate(
-                lp, mb.extra["ref_logp"].to(dev).flatten(), self.cfg.kl_loss_type
+                lp, mb.extra["ref_logp"].to(dev).flatten(), self.cfg.loss.kl_loss_type
             )
-            token_loss = token_loss + self.cfg.kl_coef * kl
+            token_loss = token_loss + self.cfg.loss.kl_coef * kl
             self.stats.add("kl_ref", (kl.detach() * mask).sum(), mask.sum())
         num, den = losses.aggregate(
-            token_loss, mask, seq, mb.num_seqs, self.cfg.loss_aggregation, self.max_len
+            token_loss, mask, seq, mb.num_seqs, self.cfg.loss.loss_aggregation, self.max_len
         )
         s = self.stats
         s.count("loss_num", num.detach())

@@ -31,7 +31,6 @@ import logging
 import math
 import signal
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -69,8 +68,10 @@ class Trainer:
 
     def __init__(self, cfg: TrainerConfig) -> None:
         self.cfg = cfg
-        torch.set_num_threads(cfg.num_threads)
-        init_distributed(cfg.tensor_model_parallel_size, cfg.seed, cfg.expert_model_parallel_size)
+        torch.set_num_threads(cfg.model.num_threads)
+        init_distributed(
+            cfg.model.tensor_model_parallel_size, cfg.run.seed, cfg.model.expert_model_parallel_size
+        )
         cfg.validate(parallel_state.get_data_parallel_world_size())
         self.is_main = dist.get_rank() == 0
         # A bad --load, or --no-resume over another run's checkpoint, fails before anything else.
@@ -84,7 +85,7 @@ class Trainer:
         self.lease: TrainerLease | None = None
         if self.is_main:
             # Start-up checks fail fast on this client; the loop's waits out a lost connection.
-            plain = SampleBuffer(BufferConfig(redis_url=cfg.redis_url, run_id=cfg.run_id))
+            plain = SampleBuffer(BufferConfig(redis_url=cfg.run.redis_url, run_id=cfg.run.run_id))
             plain.wait_ready(timeout_s=10.0)
             self.lease = TrainerLease(plain)  # one trainer per run: before any write
             self.lease.take()
@@ -92,33 +93,38 @@ class Trainer:
             plain.agree_contract(cfg.run_contract(), "trainer")
             start_version = lineage_start(cfg, plain, resume_root is not None)
             if start_version and resume_root:  # back to an older checkpoint: the run as of
-                checkpoint.rewind_to_newest(plain, resume_root, cfg.run_id)  # the newest first
+                checkpoint.rewind_to_newest(plain, resume_root, cfg.run.run_id)  # the newest first
             if start_version:
-                weights = f"iteration {cfg.ckpt_step}" if resume_root else "--model"
+                weights = f"iteration {cfg.checkpoint.ckpt_step}" if resume_root else "--model"
                 begin_lineage(plain, start_version, weights)
             self.status = StatusReporter(plain)
-            self.status.update("loading the model", model=cfg.model)
+            self.status.update("loading the model", model=cfg.run.model)
             client = patient_client(
-                cfg.redis_url, cfg.redis_timeout_s, cfg.read_block_ms, lambda: self.stop_requested
+                cfg.run.redis_url,
+                cfg.batch.redis_timeout_s,
+                cfg.batch.read_block_ms,
+                lambda: self.stop_requested,
             )
             self.buffer = SampleBuffer(plain.config, client)
             self.lease.fence(self.buffer)
-            limits = limits_of(cfg.model, cfg.max_tokens_per_gpu, cfg.max_response_len)
+            limits = limits_of(
+                cfg.run.model, cfg.batch.max_tokens_per_gpu, cfg.batch.max_response_len
+            )
             self.intake = Intake(cfg, self.buffer, limits, self._report)
             self.intake.lineage_floor = start_version
         self.observe = TrainerObserver(cfg, self.buffer)  # /metrics, timeline, step lines
-        self.policy = Policy(cfg, cfg.model)
+        self.policy = Policy(cfg, cfg.run.model)
         self.policy.on_phase = self.observe.mark
-        self.ref = Policy(cfg, cfg.ref_load, train=False) if cfg.ref_load else None
+        self.ref = Policy(cfg, cfg.loss.ref_load, train=False) if cfg.loss.ref_load else None
         self.critic = None
-        if cfg.advantage_estimator == "gae":
+        if cfg.loss.advantage_estimator == "gae":
             from services.trainer.critic import Critic
 
-            self.critic = Critic(cfg, cfg.model)
+            self.critic = Critic(cfg, cfg.run.model)
         self.loss_cfg = losses.PolicyLossConfig(
             **{
                 k: v
-                for k, v in asdict(cfg).items()
+                for k, v in cfg.loss.model_dump().items()
                 if k in losses.PolicyLossConfig.__dataclass_fields__
             }
         )
@@ -133,12 +139,12 @@ class Trainer:
         self.unacked: list[str] = self.intake.unacked if self.intake is not None else []
         if resume_root is not None:
             self._resume(resume_root, found_by, self.version)
-        if self.is_main and cfg.weights_endpoint:
+        if self.is_main and cfg.weights.weights_endpoint:
             self.sender = make_sender(
-                cfg.weight_transport,
-                cfg.weights_endpoint,
-                shm_dir=cfg.weights_shm_dir,
-                master_address=cfg.weights_master_address,
+                cfg.run.weight_transport,
+                cfg.weights.weights_endpoint,
+                shm_dir=cfg.weights.weights_shm_dir,
+                master_address=cfg.weights.weights_master_address,
             )
         if self.buffer is not None:
             self.buffer.set_version("trainer", self.version)
@@ -197,7 +203,7 @@ class Trainer:
     def train(self) -> int:
         """Run until `max_steps` optimizer steps are done or a stop is requested; returns steps."""
         start_version = self.version
-        if self.version > 0 and self.cfg.weights_endpoint:  # engines start from --model
+        if self.version > 0 and self.cfg.weights.weights_endpoint:  # engines start from --model
             # a broker that asked for this version before (it started while this trainer loaded
             # its checkpoint) has it with this send: not sent twice
             asked = self.buffer.get_version("resend") if self.buffer is not None else -1
@@ -255,7 +261,7 @@ class Trainer:
         stop = torch.tensor([float(self.stop_requested)], device=comm_device())
         if dist.get_world_size() > 1:  # every rank leaves together
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        steps_done = self.cfg.max_steps and self.version >= self.cfg.max_steps
+        steps_done = self.cfg.batch.max_steps and self.version >= self.cfg.batch.max_steps
         return bool(stop.item()) or bool(steps_done)
 
     # --- pull ---------------------------------------------------------------------------------
@@ -278,10 +284,10 @@ class Trainer:
         """Advantages per group, then one TrainSample per sample (in group order)."""
         adv = batching.compute_advantages(
             rollout.groups,
-            self.cfg.advantage_estimator,
-            self.cfg.normalize_advantage_std,
-            self.cfg.advantage_eps,
-            self.cfg.gamma,
+            self.cfg.loss.advantage_estimator,
+            self.cfg.loss.normalize_advantage_std,
+            self.cfg.loss.advantage_eps,
+            self.cfg.loss.gamma,
         )
         for g in rollout.groups:
             for s in g.samples:
@@ -291,7 +297,7 @@ class Trainer:
 
     def split_steps(self, samples: list[TrainSample], rollout: Rollout) -> list[list[TrainSample]]:
         """`num_steps_per_rollout` consecutive chunks of the rollout's samples."""
-        n = self.cfg.num_steps_per_rollout
+        n = self.cfg.run.num_steps_per_rollout
         size = math.ceil(len(samples) / n) if samples else 0
         return [
             samples[i * size : (i + 1) * size]
@@ -316,11 +322,11 @@ class Trainer:
         stats = StepStats()
         mbs = batching.make_micro_batches(
             mine,
-            self.cfg.use_dynamic_batch_size,
-            self.cfg.max_tokens_per_gpu,
-            self.cfg.micro_batch_size,
+            self.cfg.batch.use_dynamic_batch_size,
+            self.cfg.batch.max_tokens_per_gpu,
+            self.cfg.batch.micro_batch_size,
         )
-        if self.cfg.expert_model_parallel_size > 1:
+        if self.cfg.model.expert_model_parallel_size > 1:
             mbs = self._equalize(mbs)
         if self.policy.replays:  # a micro-batch without the engine's routing uses its own
             missing = routing_replay.attach(mbs, mine, self.policy.arch)
@@ -340,15 +346,17 @@ class Trainer:
         _, applied, grad_norm = self.policy.train_step(
             mbs,
             loss_fn,
-            with_entropy=self.cfg.entropy_coef != 0 or not recomputed,
-            entropy_grad=self.cfg.entropy_coef != 0,
+            with_entropy=self.cfg.loss.entropy_coef != 0 or not recomputed,
+            entropy_grad=self.cfg.loss.entropy_coef != 0,
         )
         self._note_update(applied, grad_norm)
         if self.critic is not None:
             self.critic.train(mbs, stats)
-        step_math.batch_stats(mbs, mine, self.cfg.max_tokens_per_gpu, stats)
+        step_math.batch_stats(mbs, mine, self.cfg.batch.max_tokens_per_gpu, stats)
         stats.reduce(parallel_state.get_data_parallel_group())  # TP ranks hold the same samples
-        metrics = step_math.metrics_from(stats, samples, self.version, self.cfg.advantage_estimator)
+        metrics = step_math.metrics_from(
+            stats, samples, self.version, self.cfg.loss.advantage_estimator
+        )
         metrics["train/grad_norm"] = grad_norm
         metrics["train/skipped_updates"] = float(self.skipped_updates)  # (in this process)
         metrics["train/update_skipped"] = float(not applied)  # this step's: none trained
@@ -363,9 +371,9 @@ class Trainer:
         step = self.version + 1
         self.skipped_updates += 1
         self.skipped_in_a_row.append(step)
-        if self.cfg.on_nonfinite == "fail":
+        if self.cfg.loss.on_nonfinite == "fail":
             raise FloatingPointError(f"non-finite gradient at step {step} (grad norm {grad_norm})")
-        limit = self.cfg.max_skipped_in_a_row
+        limit = self.cfg.loss.max_skipped_in_a_row
         if self.is_main:
             print(f"[trainer] step {step}: update skipped (grad norm {grad_norm})", flush=True)
         if limit and len(self.skipped_in_a_row) >= limit:
@@ -393,8 +401,8 @@ class Trainer:
         before the update with the mismatch metrics; returns whether those were recomputed."""
         from services.trainer import step_math
 
-        penalty = self.ref is not None and not self.cfg.use_kl_loss
-        recompute = self.cfg.recompute_logprobs == "always" or penalty
+        penalty = self.ref is not None and not self.cfg.loss.use_kl_loss
+        recompute = self.cfg.loss.recompute_logprobs == "always" or penalty
         if recompute:
             outs = self.policy.logprobs(mbs, with_entropy=True)
             for mb, out in zip(mbs, outs, strict=True):
@@ -404,7 +412,9 @@ class Trainer:
             for mb, out in zip(mbs, self.ref.logprobs(mbs), strict=True):
                 mb.extra["ref_logp"] = out["logp"].cpu()
             if penalty:
-                step_math.apply_kl_reward_penalty(mbs, self.cfg.kl_coef, self.cfg.kl_loss_type)
+                step_math.apply_kl_reward_penalty(
+                    mbs, self.cfg.loss.kl_coef, self.cfg.loss.kl_loss_type
+                )
         if recompute:
             step_math.mismatch_stats(mbs, samples, self.version, stats)
         return recompute
@@ -433,7 +443,7 @@ class Trainer:
         self._report("publishing", f"the weight broker to take version {self.version}")
         # Collective at TP > 1: every rank takes part. The NCCL sender broadcasts from the GPU
         # before the next optimizer step, so the tensors need not be copied to the host.
-        on_device = self.cfg.weight_transport == "nccl"
+        on_device = self.cfg.run.weight_transport == "nccl"
         tensors = self.policy.export_hf(on_device=on_device)
         params = sum(t.numel() for _, t in tensors)
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
@@ -451,8 +461,10 @@ class Trainer:
         holds their update. --save-hf: a HF directory at each checkpoint and at the end."""
         if self.checkpointer.enabled and not self.checkpointer.due(self.version, final):
             return
-        save = self.cfg.save if self.checkpointer.enabled else ""
-        with checkpoint.saving(self.version, {"--save": save, "--save-hf": self.cfg.save_hf}):
+        save = self.cfg.checkpoint.save if self.checkpointer.enabled else ""
+        with checkpoint.saving(
+            self.version, {"--save": save, "--save-hf": self.cfg.checkpoint.save_hf}
+        ):
             if self.checkpointer.enabled:
                 self._report("saving a checkpoint", step=self.version)
                 counters = self.buffer.counters() if self.buffer is not None else {}
@@ -462,7 +474,7 @@ class Trainer:
                     counters.get("groups_consumed", 0),
                     counters.get("groups_dead_lettered", 0),
                 )
-            if self.cfg.save_hf and (final or self.checkpointer.enabled):
+            if self.cfg.checkpoint.save_hf and (final or self.checkpointer.enabled):
                 self.write_hf()
         if self.intake is not None:
             self.intake.ack_done()
@@ -476,7 +488,10 @@ class Trainer:
         tensors = self.policy.export_hf()
         if self.is_main:
             out = write_hf_dir(
-                dict(tensors), self.policy.hf_config_json, self.cfg.save_hf, self.cfg.model
+                dict(tensors),
+                self.policy.hf_config_json,
+                self.cfg.checkpoint.save_hf,
+                self.cfg.run.model,
             )
             print(
                 f"[trainer] wrote the Hugging Face model of version {self.version} to {out}",
