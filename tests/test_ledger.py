@@ -480,7 +480,7 @@ def test_a_router_holds_its_lease_while_its_event_loop_is_busy(buffer: SampleBuf
         held = buffer.redis.get(buffer.lease_prefix + "router")
         await lease.release()
         await aio.aclose()
-        return held, lease.lease.owner, buffer.redis.get(buffer.lease_prefix + "router")
+        return held, lease.member.owner, buffer.redis.get(buffer.lease_prefix + "router")
 
     held, owner, after = asyncio.run(take_then_block())
     assert held is not None and held.decode() == owner, "the lease lapsed"

@@ -5,7 +5,7 @@ two, a rolling update that starts the new router before the old one stops) would
 first one's groups in flight as left by a dead router and draw their prompts again while the
 first still puts them (the same group trained twice), and both would run the demand gate on
 the same counters (twice the rollouts, dropped as stale). So the router takes the lease before
-it writes anything (`take`): a lease left by a router killed just now expires within
+it writes anything (`take`, `sample_buffer.membership`): a lease left by a router killed just now expires within
 `LEASE_TTL_S`, so a restart waits at most `LEASE_WAIT_S`; one still renewed is another router's,
 and this one exits naming it. From the moment it is taken a thread renews it every
 `LEASE_RENEW_S`: not the event loop, whose start-up (tokenizer, task, reward) took longer than
@@ -23,8 +23,8 @@ import logging
 
 from services.sample_buffer import AsyncSampleBuffer, SampleBuffer
 from services.sample_buffer.keys import lease_lost
-from services.sample_buffer.lease import Lease
 from services.sample_buffer.ledger import fenced_by
+from services.sample_buffer.membership import Membership
 
 ROLE = "router"
 
@@ -39,36 +39,35 @@ class RouterLease:
     """The router lease of `buffer`'s run, held by this process."""
 
     def __init__(self, buffer: AsyncSampleBuffer) -> None:
-        self.run_id = buffer.config.run_id
-        self.lease = Lease(SampleBuffer(buffer.config), ROLE, lambda said: log.warning("%s", said))
-        # its writes are refused once another router holds the lease
-        buffer.lease_key, buffer.lease_owner = self.lease.key, self.lease.owner
+        self.member = Membership(
+            SampleBuffer(buffer.config), ROLE, lambda said: log.warning("%s", said)
+        )
+        self.member.fence(buffer)  # its writes are refused once another router holds the lease
         self.lost = asyncio.Event()
 
     async def take(self) -> None:
         """Hold the lease (a holder that does not renew it within `LEASE_WAIT_S` lets it go),
         then renew it in a thread; `LeaseError` naming the holder when it does."""
-        try:
-            await asyncio.to_thread(self.lease.wait)
-        except ValueError as exc:
-            raise LeaseError(str(exc)) from None
         loop = asyncio.get_running_loop()
 
         def lost(_holder: str) -> None:  # (the lease's thread, which `release` ends first)
             loop.call_soon_threadsafe(self.lost.set)
 
-        self.lease.renew_in_thread(lost)
+        try:
+            await asyncio.to_thread(self.member.join, lost)
+        except ValueError as exc:
+            raise LeaseError(str(exc)) from None
 
     async def keep(self) -> None:
         """Wait while the lease is held; `LeaseError` once another router holds it."""
         await self.lost.wait()
-        raise LeaseError(lease_lost(ROLE, self.run_id, self.lease.lost_to))
+        raise LeaseError(self.member.lost())
 
     async def release(self) -> None:
         """Stop renewing and give the lease up (when this router took it)."""
-        if problem := await asyncio.to_thread(self.lease.release):
+        if problem := await asyncio.to_thread(self.member.release):
             log.warning("%s", problem)
-        self.lease.buffer.redis.close()
+        self.member.buffer.redis.close()
 
 
 def raise_if_fenced(exc: BaseException | None, run_id: str) -> None:

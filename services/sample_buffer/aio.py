@@ -240,18 +240,6 @@ class AsyncSampleBuffer(BufferKeys):
         raw = await io(self.redis.get(self.limits_key))
         return None if raw is None else msgspec.json.decode(raw, type=SampleLimits)
 
-    async def take_lease(self, role: str, owner: str, ttl_s: float) -> str:
-        """Hold the run's `role` lease as `owner` for `ttl_s` more (taken when free, renewed
-        when `owner` holds it): '' when held now, else who holds it."""
-        reply = self.scripts["lease"](
-            keys=[self.lease_prefix + role], args=[owner, int(ttl_s * 1000)]
-        )
-        return (await io(reply)).decode()
-
-    async def release_lease(self, role: str, owner: str) -> None:
-        """Give the `role` lease up when `owner` holds it (a service that stops)."""
-        await io(self.scripts["release"](keys=[self.lease_prefix + role], args=[owner]))
-
     async def _scan(self, pattern: str) -> list[bytes]:
         return [name async for name in self.redis.scan_iter(pattern)]
 

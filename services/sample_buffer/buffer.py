@@ -447,20 +447,12 @@ class SampleBuffer(BufferKeys):
         """The longest sample the trainer of this run takes (its start writes it)."""
         self.redis.set(self.limits_key, msgspec.json.encode(limits))
 
-    def take_lease(self, role: str, owner: str, ttl_s: float) -> str:
-        """As `AsyncSampleBuffer.take_lease`: '' when `owner` holds the `role` lease now."""
-        keys = [self.lease_prefix + role]
-        return self.scripts["lease"](keys=keys, args=[owner, int(ttl_s * 1000)]).decode()
-
-    def release_lease(self, role: str, owner: str) -> None:
-        self.scripts["release"](keys=[self.lease_prefix + role], args=[owner])
-
     def release_lease_of(self, role: str, pid: int) -> None:
         """Give up the `role` lease of process `pid` of this host (a launcher whose child was
         killed: its successor then need not wait the lease out)."""
         holder = (self.redis.get(self.lease_prefix + role) or b"").decode()
         if holder.startswith(f"{role} pid {pid} on {socket.gethostname()},"):
-            self.release_lease(role, holder)
+            self.scripts["release"](keys=[self.lease_prefix + role], args=[holder])
 
     def set_status(self, status: ServiceStatus, ttl_s: float = 30.0) -> None:
         """Report what this service is doing; gone after `ttl_s` unless reported again."""

@@ -59,7 +59,7 @@ DETAIL_RECORDS, DETAIL_CHARS = 2000, 240
 # Sources whose drops are of groups already put (and counted consumed by that source).
 CONSUMERS = frozenset({"trainer"})
 
-# Leases: one router and one trainer per run (rollout_router/lease.py, trainer/lease.py). A
+# Leases: one router, one trainer and one broker per run (membership.py). A
 # lease is a key holding its owner, taken when free or renewed by its owner, with an expiry.
 LEASE = """
 local held = redis.call('GET', KEYS[1])

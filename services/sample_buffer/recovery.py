@@ -55,7 +55,9 @@ def say_recovered(groups: int) -> None:
 EARLIER = "groups_trained_earlier"
 
 
-def rewind_trainer(client: redis.Redis, keys: BufferKeys, groups_consumed: int, version: int) -> None:
+def rewind_trainer(
+    client: redis.Redis, keys: BufferKeys, groups_consumed: int, version: int
+) -> None:
     """A trainer resumed at `version` from a checkpoint that had consumed `groups_consumed`:
     the groups it trained or dropped after that checkpoint are pending again, so they leave
     `trained`, `groups_trained` and the drop counts (they will be counted when consumed again).

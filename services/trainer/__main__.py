@@ -41,11 +41,11 @@ def check_lineage(cfg: TrainerConfig) -> None:
     """Refuse a start without checkpoint on a run that already trained (see `lineage.py`), or
     while another trainer holds the run (`lease.py`), before importing torch."""
     from services.sample_buffer import BufferConfig, SampleBuffer
-    from services.trainer.lease import TrainerLease
+    from services.trainer.lease import trainer_membership
 
     buffer = SampleBuffer(BufferConfig(redis_url=cfg.run.redis_url, run_id=cfg.run.run_id))
     buffer.wait_ready(timeout_s=10.0)
-    TrainerLease(buffer).wait_free()  # a second trainer: named as such, not as a lineage
+    trainer_membership(buffer).wait_free()  # a second trainer: named as such, not as a lineage
     check_start(cfg, buffer)
 
 

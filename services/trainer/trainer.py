@@ -38,11 +38,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from services.sample_buffer import BufferConfig, SampleBuffer
+from services.sample_buffer.membership import Membership
 from services.trainer import batching, checkpoint, losses, routing_replay
 from services.trainer.batching import MicroBatch, TrainSample
 from services.trainer.config import TrainerConfig
 from services.trainer.intake import limits_of
-from services.trainer.lease import TrainerLease
+from services.trainer.lease import end_on_lost, trainer_membership
 from services.trainer.lineage import begin_lineage, lineage_start, rewind_ledger
 from services.trainer.observe import TrainerObserver
 from services.trainer.policy import Policy, init_distributed
@@ -82,15 +83,13 @@ class Trainer:
         self.sender = None
         self.stop_requested = False  # SIGTERM/SIGINT: finish the step, save, leave
         start_version = 0
-        self.lease: TrainerLease | None = None
+        self.lease: Membership | None = None
         if self.is_main:
             # Start-up checks fail fast on this client; the loop's waits out a lost connection.
             plain = SampleBuffer(BufferConfig(redis_url=cfg.run.redis_url, run_id=cfg.run.run_id))
             plain.wait_ready(timeout_s=10.0)
-            self.lease = TrainerLease(plain)  # one trainer per run: before any write
-            self.lease.take()
-            self.lease.fence(plain)
-            plain.agree_contract(cfg.run_contract(), "trainer")
+            member = self.lease = trainer_membership(plain)  # one per run: before any write
+            member.join(lambda _holder: end_on_lost(member), cfg.run_contract())
             start_version = lineage_start(cfg, plain, resume_root is not None)
             if start_version and resume_root:  # back to an older checkpoint: the run as of
                 checkpoint.rewind_to_newest(plain, resume_root, cfg.run.run_id)  # the newest first
@@ -191,8 +190,8 @@ class Trainer:
         if self.status is not None:
             self.status.close("failed" if error else "stopped", error)
             self.status = None
-        if self.lease is not None:
-            self.lease.release()
+        if self.lease is not None and (problem := self.lease.release()):
+            print(f"[trainer] {problem}", flush=True)
 
     def install_signal_handlers(self) -> None:  # (SIGHUP: a trainer run in a closed terminal)
         for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -16,9 +16,10 @@ delays those, never the syncs, the sockets or `/health`.
 
 One broker per run (with Redis): a second one (a service scaled to two, a rolling update, one
 started by hand) wrote its own `version:engines` and status over the first's, so the broker holds
-the run's broker lease (`sample_buffer.lease`): taken before it serves (`__main__.start`; another
-one's start is refused, exit 2, naming it), renewed beside the loops; a broker that finds another
-holding it (it was stopped, or cut off from Redis, past the expiry) stops its loop, `/health` 503.
+the run's broker lease (`sample_buffer.membership`, with the broker's term of the run contract):
+taken before it serves (`__main__.start`; another one's start is refused, exit 2, naming it),
+renewed beside the loops; a broker that finds another holding it (it was stopped, or cut off from
+Redis, past the expiry) stops its loop, `/health` 503.
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ from dataclasses import dataclass
 import aiohttp
 from redis.exceptions import RedisError
 
-from proto.contract import ServiceStatus
+from proto.contract import RunContract, ServiceStatus
 from services.common.auth import bearer_headers
 from services.common.long_wait import LongWait
 from services.sample_buffer import SampleBuffer
-from services.sample_buffer.keys import LEASE_RENEW_S, lease_lost
-from services.sample_buffer.lease import Lease
+from services.sample_buffer.keys import LEASE_RENEW_S
+from services.sample_buffer.membership import Membership
 from services.sample_buffer.refusals import hint_of
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.nccl_transport import NcclTransport
@@ -83,7 +84,7 @@ class WeightBroker:
         self.config = config
         self.engines: dict[str, EngineState] = {u: EngineState(u) for u in config.engine_urls}
         self.buffer = SampleBuffer(config.buffer_config()) if config.redis_url else None
-        self.lease = Lease(self.buffer, "broker", log.warning) if self.buffer else None
+        self.lease = Membership(self.buffer, "broker", log.warning) if self.buffer else None
         self.counters = {
             "buckets_rejected": 0,
             "frames_rejected": 0,  # fetch requests and control messages that were not
@@ -120,21 +121,25 @@ class WeightBroker:
                 raise failed.exceptions[0] from None
 
     def hold_lease(self) -> None:
-        """Take the run's broker lease (ValueError naming another broker that holds it), then
-        renew it in a thread (`_lease_loop` stops the broker once another holds it). Holding
-        it, the broker deletes `version:engines`, the last broker's word on engines that may
-        be gone: a resume's engines start on the model's weights, which the router took for
-        that version's. Until this broker syncs its engines, the router reads what they report."""
+        """Take the run's broker lease (ValueError naming another broker that holds it), renew
+        it in a thread (`_lease_loop` stops the broker once another holds it) and state the
+        broker's term of the run contract, how versions arrive (the trainer's
+        `--weight-transport`; `ContractMismatchError` names it). Holding it, the broker deletes
+        `version:engines`, the last broker's word on engines that may be gone: a resume's
+        engines start on the model's weights, which the router took for that version's. Until
+        this broker syncs its engines, the router reads what they report."""
         if self.lease is not None:
-            self.lease.wait()
-            self.lease.renew_in_thread(lambda _holder: None)  # (`_lease_loop` reads `lost_to`)
+            intake = "nccl" if self.config.transport == "nccl" else "zmq"  # disk takes zmq's
+            contract = RunContract(weight_transport=intake)
+            self.lease.buffer.wait_ready(30.0)
+            self.lease.join(lambda _holder: None, contract)  # (`_lease_loop` reads `lost_to`)
             self.lease.buffer.forget_version("engines")
 
     async def _lease_loop(self) -> None:
         """Until another broker holds the lease: ValueError saying so."""
         while not (self.lease and self.lease.lost_to):
             await asyncio.sleep(LEASE_RENEW_S)
-        raise ValueError(lease_lost("broker", self.config.run_id, self.lease.lost_to))
+        raise ValueError(self.lease.lost())
 
     async def _sync_loop(self, session: aiohttp.ClientSession) -> None:
         while True:

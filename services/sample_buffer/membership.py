@@ -1,0 +1,138 @@
+"""A service's membership of a run in one role (trainer, router, broker): the role's lease, the
+fence on its ledger writes and its terms of the run contract, held by one object.
+
+Lease (`keys.LEASE_*`): `join` takes it (`wait_free` only waits until nobody holds it): a lease
+left by a process killed just now expires within `LEASE_TTL_S`, so a start waits at most
+`LEASE_WAIT_S`; one still renewed is another's, and the start is refused (ValueError: exit 2)
+naming it. A thread of its own renews it every `LEASE_RENEW_S` (a busy event loop or a step of
+minutes does not hold it up: a router's start-up had outlasted the expiry before its renewing
+began, and another router took the run) and calls `on_lost(holder)` once another process holds
+it; `release` gives it up when the service stops.
+Fence: `fence(keys)` makes the ledger scripts run through `keys` (START, PUT, DROP, STEP) refuse
+their writes once another process holds the lease (`ledger.FENCE`); `join` fences its own buffer.
+Contract: `join` states the role's terms once the lease is held (`SampleBuffer.agree_contract`:
+ContractMismatchError naming the flag; the lease is given up then).
+Status stays the buffer's (`set_status`): a service reports it from its own loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from redis.exceptions import RedisError
+
+from proto.contract import RunContract
+from services.sample_buffer.buffer import SampleBuffer
+from services.sample_buffer.keys import (
+    LEASE_RENEW_S,
+    LEASE_TTL_S,
+    LEASE_WAIT_S,
+    BufferKeys,
+    lease_held,
+    lease_lost,
+    lease_owner_name,
+    lease_waiting,
+)
+
+
+class Membership:
+    """`role` in `buffer`'s run, held by this process; `say` prints what a start waits for."""
+
+    def __init__(self, buffer: SampleBuffer, role: str, say: Callable[[str], None]) -> None:
+        self.buffer, self.role, self.say = buffer, role, say
+        self.run_id = buffer.config.run_id
+        self.key, self.owner = buffer.lease_prefix + role, lease_owner_name(role)
+        self.held = False
+        self.stopped = threading.Event()
+        self.renewer: threading.Thread | None = None
+        self.lost_to = ""  # the process that took the lease over (set by the renewing thread)
+
+    def join(
+        self, on_lost: Callable[[str], None], contract: RunContract | None = None
+    ) -> RunContract | None:
+        """Take the lease (ValueError naming another holder), renew it in a thread, fence this
+        buffer's writes with it, and agree `contract`. Returns the run's contract (None when
+        none was given)."""
+        self.wait()
+        self.renew_in_thread(on_lost)
+        self.fence(self.buffer)
+        if contract is None:
+            return None
+        try:
+            return self.buffer.agree_contract(contract, self.role)
+        except ValueError:
+            self.release()
+            raise
+
+    def fence(self, keys: BufferKeys) -> None:
+        """Make the ledger writes through `keys` refused once another process holds the lease."""
+        keys.lease_key, keys.lease_owner = self.key, self.owner
+
+    def lost(self) -> str:
+        """Why this service stops: who took the run over."""
+        return lease_lost(self.role, self.run_id, self.lost_to)
+
+    def wait_free(self) -> None:
+        """Wait until no other process holds the lease, without taking it (a check before
+        anything is loaded). ValueError naming the holder."""
+        self.wait(take=False)
+
+    def wait(self, take: bool = True) -> None:
+        """Until no other process holds the lease (and this one does, with `take`): a holder
+        that does not renew it within `LEASE_WAIT_S` lets it go; ValueError naming one that
+        does."""
+        deadline, said = time.monotonic() + LEASE_WAIT_S, False
+        while holder := self.renew() if take else (self.buffer.redis.get(self.key) or b"").decode():
+            if time.monotonic() >= deadline:
+                raise ValueError(lease_held(self.role, self.run_id, holder))
+            if not said:
+                self.say(lease_waiting(self.role, self.run_id, holder))
+                said = True
+            time.sleep(LEASE_RENEW_S / 2)
+        self.held = self.held or take
+
+    def renew(self) -> str:
+        """Hold the lease `LEASE_TTL_S` more: '' when done, else who holds it (then this
+        process no longer does: `release` leaves it to them). RedisError passes."""
+        ttl_ms = int(LEASE_TTL_S * 1000)
+        holder = self.buffer.scripts["lease"](keys=[self.key], args=[self.owner, ttl_ms]).decode()
+        self.held = self.held and not holder
+        return holder
+
+    def renew_in_thread(self, on_lost: Callable[[str], None]) -> None:
+        """Renew the lease from a thread until `release`; `on_lost(holder)` (in that thread)
+        once another holds it. A Redis that does not answer is the service's to report: the
+        lease is renewed (taken again, when nobody took it meanwhile) once it answers."""
+        self.renewer = threading.Thread(
+            target=self._renew, args=(on_lost,), name=f"{self.role} lease", daemon=True
+        )
+        self.renewer.start()
+
+    def _renew(self, on_lost: Callable[[str], None]) -> None:
+        while not self.stopped.wait(LEASE_RENEW_S):
+            try:
+                holder = self.renew()
+            except RedisError:
+                continue
+            if holder:
+                self.lost_to = holder
+                if not self.stopped.is_set():
+                    on_lost(holder)
+                return
+
+    def release(self) -> str:
+        """Stop renewing and give the lease up (when held); what went wrong ('' when nothing
+        did)."""
+        self.stopped.set()
+        if self.renewer is not None:  # (a renewal under way would take it again)
+            self.renewer.join(LEASE_TTL_S)
+        if not self.held:
+            return ""
+        self.held = False
+        try:
+            self.buffer.scripts["release"](keys=[self.key], args=[self.owner])
+        except RedisError as exc:  # it expires by itself
+            return f"{self.role} lease not given up ({exc}): it expires in {LEASE_TTL_S:g} s"
+        return ""
