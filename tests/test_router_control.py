@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -125,6 +127,9 @@ def test_patching_the_config_validates_and_changes_later_requests(
         ({"rollout_top_p": 0}, "--rollout-top-p"),
         # an engine answers 400 to each request with it (SGLang's rule): refused here
         ({"rollout_top_k": 0}, "--rollout-top-k must be -1 (all) or >= 1, got 0"),
+        # the trainer scores the whole distribution: a filtered one would not be the engines'
+        ({"rollout_top_p": 0.9}, "--rollout-top-p 0.9: rollouts are trained on"),
+        ({"rollout_top_k": 20}, "--rollout-top-k 20: rollouts are trained on"),
         ('{"rollout_temperature": 1e400}', "a finite number"),  # JSON's number past a float
         ({"model": "/elsewhere"}, "model"),
         ({"no_such_field": 1}, "no_such_field"),
@@ -170,6 +175,7 @@ def test_patching_the_config_validates_and_changes_later_requests(
     wait_until(lambda: buffer.depth() >= 4, "groups")
     groups = [g for _id, g in buffer.read_groups("t", 100, block_ms=None)]
     assert all(len(s.response_ids) <= 2 for g in groups for s in g.samples)
+    assert {s.temperature for g in groups for s in g.samples} == {0.7}  # what the trainer applies
     assert any(s.finish_reason == "length" for g in groups for s in g.samples)
     # greedy rollouts are taken, and said: a group of one response teaches a GRPO trainer nothing
     greedy = httpx.patch(url, json={"rollout_temperature": 0}, headers=TOKEN)
@@ -336,3 +342,17 @@ def test_a_patch_of_a_response_bound_the_engines_context_cannot_hold_is_refused_
     assert httpx.get(url).json()["rollout_max_response_len"] == 4, "a refused patch changes nothing"
     resp = httpx.patch(url, json={"rollout_max_response_len": 19}, headers=TOKEN)
     assert resp.status_code == 200 and resp.json()["rollout_max_response_len"] == 19, resp.text
+
+
+def test_a_router_asked_for_filtered_rollouts_exits_2_naming_the_flag(
+    buffer, engines, toy_model_dir
+):
+    args = router_args(buffer, toy_model_dir, [engines().url], "--rollout-top-p", "0.9")
+    run = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", *args], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("tandem router: start-up failed: --rollout-top-p 0.9: rollouts are "), (
+        last
+    )

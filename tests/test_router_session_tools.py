@@ -82,6 +82,8 @@ def test_fields_that_would_draw_a_trained_turn_off_the_policy_are_refused_naming
         ({"tools": [{"name": "calculator"}]}, "tools must be a list of"),
         ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs must be an object"),
         ({"top_k": 0}, "top_k must be -1 (all) or an integer >= 1"),
+        ({"top_k": 5}, "top_k 5: a session turn is trained on, and top_k draws its tokens"),
+        ({"top_p": 0.9}, "top_p 0.9: a session turn is trained on, and top_p draws its tokens"),
         ({"lora_path": "adapter"}, 'lora_path "adapter": a session turn is trained on'),
         ({"min_tokens": 3}, "min_tokens 3: a session turn is trained on"),
         ({"ignore_eos": True}, "ignore_eos true: a session turn is trained on"),
@@ -91,7 +93,8 @@ def test_fields_that_would_draw_a_trained_turn_off_the_policy_are_refused_naming
     ]:
         reply = turn(router, "bad", **body)
         assert reply.status_code == 400 and words in reply.json()["detail"], (body, reply.text)
-    neutral = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "top_k": 5}
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "top_k": -1}
+    neutral |= {"top_p": 1, "temperature": 0.7}  # (the sample records its temperature)
     neutral |= {"min_tokens": 0, "ignore_eos": False, "lora_path": None}
     neutral |= {"continue_final_message": False, "top_logprobs": 0}
     assert turn(router, "ok", **neutral).status_code == 200, "neutral values are taken"

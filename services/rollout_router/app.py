@@ -33,7 +33,11 @@ from services.rollout_router.config import DataConfig, RouterConfig, SamplingCon
 from services.rollout_router.gateway.routes_agent import router as agent_router
 from services.rollout_router.gateway.sessions import AgentSessions
 from services.rollout_router.lease import RouterLease
-from services.rollout_router.rollout.control import RolloutController, greedy_note
+from services.rollout_router.rollout.control import (
+    RolloutController,
+    filter_problem,
+    greedy_note,
+)
 from services.rollout_router.rollout.environments import EnvClient, EpisodeRunner
 from services.rollout_router.rollout.loop import RolloutLoop
 from services.rollout_router.rollout.metrics import router as metrics_router
@@ -120,6 +124,8 @@ async def build_control(
     before = await buffer.swap_data(now)
     changed = data_change_note(before, now, (await buffer.counters()).get("prompts_drawn", 0))
     task.notes += (changed,) if changed else ()
+    if problem := filter_problem(config.sampling):  # (exit 2, as a bad flag)
+        raise ValueError(problem)
     if greedy := greedy_note(config.sampling, config.rollout.n_samples_per_prompt):
         task.notes += (greedy,)  # (tandem up refuses it with a group-relative trainer)
     for note in task.notes:

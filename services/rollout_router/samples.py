@@ -40,6 +40,13 @@ def as_list(data: Any) -> list[dict[str, Any]]:
     return data if isinstance(data, list) else [data]
 
 
+def drawn_at(temperature: float) -> float:
+    """The temperature of the distribution an engine reports log-probs of for a request at
+    `temperature` (`Sample.temperature`): itself, or 1 for greedy (below 1e-5, the reference
+    engine's bound; SGLang's is 1e-6), whose log-probs SGLang reports unscaled."""
+    return 1.0 if temperature < 1e-5 else temperature
+
+
 def finish_type(out: dict[str, Any]) -> str:
     return (out.get("meta_info", {}).get("finish_reason") or {}).get("type", "length")
 
@@ -69,6 +76,9 @@ class Partial:
     # base64 routing of the latest engine output: each request covers its whole input from
     # position 0, so the latest one covers every position of the sample
     routed_experts: str = ""
+    # the request's sampling temperature (0 = greedy), the same for every segment and turn: a
+    # continuation is asked at it, and the sample records the log-probs' (`drawn_at`)
+    temperature: float = 1.0
 
     def extend(self, out: dict[str, Any]) -> None:
         """Append one engine output (the whole response, or the continuation of an abort)."""
@@ -92,10 +102,12 @@ class Partial:
         self.text += other.text
         self.finish = other.finish
         self.routed_experts = other.routed_experts or self.routed_experts
+        self.temperature = other.temperature
 
     @classmethod
-    def of(cls, out: dict[str, Any]) -> Partial:
-        partial = cls()
+    def of(cls, out: dict[str, Any], temperature: float = 1.0) -> Partial:
+        """The partial of one engine output of a request at `temperature`."""
+        partial = cls(temperature=temperature)
         partial.extend(out)
         return partial
 
@@ -113,6 +125,7 @@ class Partial:
             finish_reason=self.finish,
             response_text=self.text,
             routed_experts=pack_routed_experts(self.routed_experts) if self.routed_experts else b"",
+            temperature=drawn_at(self.temperature),
         )
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from proto import Sample
 from proto.packed import IDS, LOGPROBS, PackedSample
 from services.rollout_router.config import SessionConfig
-from services.rollout_router.samples import Partial
+from services.rollout_router.samples import Partial, drawn_at
 
 
 @dataclass
@@ -40,6 +40,7 @@ class Turn:
     finish: str
     segment_versions: list[int]
     routed_experts: str
+    temperature: float  # the turn's sampling temperature (`Partial.temperature`)
 
     @classmethod
     def of(cls, prompt: array, extends: bool, partial: Partial) -> Turn:
@@ -53,6 +54,7 @@ class Turn:
             partial.finish,
             partial.segment_versions,
             partial.routed_experts,
+            partial.temperature,
         )
 
     def partial(self) -> Partial:
@@ -65,6 +67,7 @@ class Turn:
             finish=self.finish,
             segment_versions=list(self.segment_versions),
             routed_experts=self.routed_experts,
+            temperature=self.temperature,
         )
 
 
@@ -95,15 +98,24 @@ class Session:
 
 
 def session_samples(session: Session, reward: float) -> list[Sample]:
-    """The session's turns merged by exact prefix (docs/protocols.md)."""
+    """The session's turns merged by exact prefix (docs/protocols.md). A turn at another
+    temperature than the sample it extends starts a sample of its own (its prompt the whole
+    context): a sample is scored at one temperature."""
     samples: list[Sample] = []
     prompt: list[int] = []
     current: Partial | None = None
     mask: list[int] = []
     for turn in session.turns:
         partial = turn.partial()
-        if current is not None and turn.extends:
-            between = turn.prompt.tolist()
+        start = turn.prompt.tolist()
+        if (
+            current is not None
+            and turn.extends
+            and drawn_at(turn.temperature) != drawn_at(current.temperature)
+        ):
+            start = prompt + current.ids + start  # (the whole context: the sample's prompt)
+        elif current is not None and turn.extends:
+            between = start
             last = current.token_versions[-1] if current.token_versions else -1
             current.ids += between
             current.logprobs += [0.0] * len(between)
@@ -114,7 +126,7 @@ def session_samples(session: Session, reward: float) -> list[Sample]:
             continue
         if current is not None:
             samples.append(_finish(current, prompt, mask, reward))
-        prompt, mask = turn.prompt.tolist(), [1] * len(partial.ids)
+        prompt, mask = start, [1] * len(partial.ids)
         current = Partial()
         current.extend_partial(partial)
     if current is not None:

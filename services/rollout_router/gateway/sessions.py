@@ -242,12 +242,13 @@ class AgentSessions:
                 f"{worker.url}/generate: HTTP {status} {data[:500]!r}", status, data
             )
         out = as_list(orjson.loads(data))[0]
+        partial = Partial.of(out, payload["sampling_params"]["temperature"])
         steps = out.get("meta_info", {}).get("output_top_logprobs")
         if not payload.get("top_logprobs_num") or not isinstance(steps, list):
-            return Partial.of(out), None
+            return partial, None
         decode = self.tokenizer.decode
         tops = [[(lp, t if t is not None else decode([i])) for lp, i, t in s] for s in steps]
-        return Partial.of(out), tops
+        return partial, tops
 
     async def forget(self, *names: str) -> None:
         """Take sessions or groups (`group:NAME`) off the open list in Redis: a failure is

@@ -60,6 +60,24 @@ def greedy_note(sampling: SamplingConfig, n: int) -> str:
     )
 
 
+def filter_problem(sampling: SamplingConfig) -> str:
+    """Why rollouts of these settings could not be trained as drawn ("" when they can): the
+    trainer scores each sample under the model's whole distribution at the sample's
+    temperature (`Sample.temperature`), with no top_p/top_k filter."""
+    for flag, value, whole in (
+        ("--rollout-top-p", sampling.rollout_top_p, 1.0),
+        ("--rollout-top-k", sampling.rollout_top_k, -1),
+    ):
+        if value != whole:
+            return (
+                f"{flag} {value}: rollouts are trained on, and the trainer scores their tokens "
+                f"under the model's whole distribution (at the rollout temperature, with no "
+                f"{flag[10:].replace('-', '_')} filter), so its log-probs would not be the "
+                f"engines' and its off-policy correction would be wrong; leave {flag} at {whole}"
+            )
+    return ""
+
+
 class ConfigPatchError(ValueError):
     """A PATCH names an unknown or frozen field, has a wrong type, or fails validation."""
 
@@ -246,6 +264,8 @@ class RolloutController:
                 part.validate()
             except ValueError as exc:
                 raise ConfigPatchError(str(exc)) from exc
+        if problem := filter_problem(sampling):
+            raise ConfigPatchError(problem)
         for term in CONTRACT_TERMS:  # (a valid value: one that is not is named above)
             if getattr(rollout, term) != getattr(live.rollout, term):
                 raise ContractTermError(

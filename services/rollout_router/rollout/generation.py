@@ -50,15 +50,24 @@ class Generation:
         self.limiter.set_limit(self.live.rollout.rollout_max_concurrency)
 
     def payload(
-        self, input_ids: list[int], n: int, max_new: int, greedy: bool, seed: int, bound: int = 0
+        self,
+        input_ids: list[int],
+        n: int,
+        max_new: int,
+        greedy: bool,
+        seed: int,
+        bound: int = 0,
+        temperature: float | None = None,
     ) -> dict:
-        """One /generate body with this loop's sampling settings (`samples.generate_body`);
+        """One /generate body with this loop's sampling settings (`samples.generate_body`),
+        at `temperature` if given (a sample's own, kept when the settings change under it);
         prompt and response within `bound` tokens (0: the model's context)."""
         if bound := bound or self.context_len:  # an episode's later turns get what is left
             max_new = max(1, min(max_new, bound - len(input_ids)))
-        return generate_body(
-            self.live.sampling, self.stop_token_ids, input_ids, n, max_new, greedy, seed
-        )
+        sampling = self.live.sampling
+        if temperature is not None:
+            sampling = dataclasses.replace(sampling, rollout_temperature=temperature)
+        return generate_body(sampling, self.stop_token_ids, input_ids, n, max_new, greedy, seed)
 
     async def generate(
         self, payload: dict[str, Any], session_id: str | None = None
@@ -86,10 +95,12 @@ class Generation:
             self.live.rollout.n_samples_per_prompt,
             self.live.sampling.rollout_max_response_len,
         )
-        outs = await self.generate(self.payload(prompt_ids, n, max_new, False, seed))
+        temperature = self.live.sampling.rollout_temperature  # (the group's, to its end)
+        payload = self.payload(prompt_ids, n, max_new, False, seed, temperature=temperature)
+        outs = await self.generate(payload)
         if len(outs) != n:
             raise EngineRequestError(f"engine returned {len(outs)} samples, asked for {n}")
-        partials = [Partial.of(out) for out in outs]
+        partials = [Partial.of(out, temperature) for out in outs]
         aborted = [k for k, p in enumerate(partials) if p.finish == "abort"]
         if aborted:  # only these need more requests; tasks for the rest would be pure overhead
             redone = await asyncio.gather(
@@ -104,6 +115,8 @@ class Generation:
         one is an evaluation's, never trained: only the model's context bounds it."""
         max_new = self.live.sampling.rollout_max_response_len
         bound: list[tuple[int, str]] = []  # set at the first turn, whose context is the prompt
+        # every turn at the episode's first temperature: they make one sample
+        temperature = 0.0 if greedy else self.live.sampling.rollout_temperature
 
         async def turn(context: list[int], turn_seed: int) -> Partial:
             if not bound:
@@ -111,9 +124,10 @@ class Generation:
             tokens, what = bound[0]
             if tokens and len(context) >= tokens:
                 raise ContextFullError(len(context), tokens, what)
-            payload = self.payload(context, 1, max_new, greedy, turn_seed, tokens)
+            payload = self.payload(context, 1, max_new, greedy, turn_seed, tokens, temperature)
             out = await self.generate(payload, episode_id)
-            partial = await self.complete(context, Partial.of(out[0]), turn_seed, episode_id)
+            first = Partial.of(out[0], temperature)
+            partial = await self.complete(context, first, turn_seed, episode_id)
             if partial.finish == "abort":
                 raise EnvError(DropReason.ABORTED, "a model turn stayed aborted")
             return partial
@@ -136,7 +150,8 @@ class Generation:
         self, prompt_ids: list[int], partial: Partial, seed: int, session_id: str | None = None
     ) -> Partial:
         """Continue (partial rollout) or restart an aborted sample, at most `max_continues`
-        times. A continuation sends prompt + the tokens so far and asks for the rest."""
+        times. A continuation sends prompt + the tokens so far and asks for the rest, at the
+        sample's temperature (a PATCH since changes the next samples, not this one)."""
         max_new = self.live.sampling.rollout_max_response_len
         while partial.finish == "abort" and partial.continues < self.live.rollout.max_continues:
             partial.continues += 1
@@ -144,14 +159,16 @@ class Generation:
             if (
                 not self.live.rollout.partial_rollout
             ):  # start over; the aborted tokens are discarded
-                payload = self.payload(prompt_ids, 1, max_new, False, seed)
+                t = partial.temperature
+                payload = self.payload(prompt_ids, 1, max_new, False, seed, temperature=t)
                 out = await self.generate(payload, session_id)
-                partial = dataclasses.replace(Partial.of(out[0]), continues=partial.continues)
+                partial = dataclasses.replace(Partial.of(out[0], t), continues=partial.continues)
                 continue
             left = max_new - len(partial.ids)
             if left <= 0:
                 partial.finish = "length"
                 break
-            payload = self.payload(prompt_ids + partial.ids, 1, left, False, seed)
+            t = partial.temperature
+            payload = self.payload(prompt_ids + partial.ids, 1, left, False, seed, temperature=t)
             partial.extend((await self.generate(payload, session_id))[0])
         return partial
