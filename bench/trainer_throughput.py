@@ -131,7 +131,7 @@ def one_step(policy, cfg, samples, packed: bool) -> list:  # type: ignore[no-unt
     recompute = cfg.loss.recompute_logprobs == "always"
     if recompute:
         for mb, out in zip(mbs, policy.logprobs(mbs, with_entropy=True), strict=True):
-            mb.extra["proximal_logp"], mb.extra["entropy"] = out["logp"], out["entropy"]
+            mb.proximal_logp, mb.entropy = out["logp"], out["entropy"]
         step_math.mismatch_stats(mbs, samples, 0, stats)
     loss_fn = step_math.LossFunction(
         cfg, losses.PolicyLossConfig(), 1, stats, samples=None if recompute else samples

@@ -183,7 +183,12 @@ class MicroBatch:
     sample_index: list[int]  # index of each sample in the step's sample list
     packed_seq_params: PackedSeqParams | None
     response_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (row, start, stop)
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # proximal/ref log-probs
+    # recomputed before the update, `[rows, S]` on the host (None: not recomputed this step):
+    proximal_logp: torch.Tensor | None = None  # the policy's log-probs before the update
+    entropy: torch.Tensor | None = None  # its entropy per token, with them
+    ref_logp: torch.Tensor | None = None  # the reference model's (--ref-load)
+    returns: torch.Tensor | None = None  # gae: the critic's value targets
+    old_values: torch.Tensor | None = None  # gae: the critic's values before the update
     # routing replay: the engine's experts per input token `[rows, S, moe_layers, top_k]`
     routed_experts: torch.Tensor | None = None
     # the temperature each input token's logits are divided by (its sample's, 1 at padding),

@@ -60,7 +60,7 @@ class Critic:
             adv[rows.expand_as(cols)[valid], cols[valid]] = adv_block[valid]
             returns[rows.expand_as(cols)[valid], cols[valid]] = ret_block[valid]
             mb.advantages = adv
-            mb.extra["returns"], mb.extra["old_values"] = returns, values
+            mb.returns, mb.old_values = returns, values
             stats.add("value_mean", (values * mb.loss_mask).sum(), mb.loss_mask.sum())
         _whiten(mbs, self.cfg.loss.advantage_eps)
 
@@ -97,7 +97,8 @@ class ValueLoss:
     def __call__(self, mb: MicroBatch, values: torch.Tensor, _entropy: torch.Tensor | None):  # type: ignore[no-untyped-def]
         dev = values.device
         mask = mb.loss_mask.to(dev)
-        returns, old = mb.extra["returns"].to(dev), mb.extra["old_values"].to(dev)
+        assert mb.returns is not None and mb.old_values is not None, "set by `advantages`"
+        returns, old = mb.returns.to(dev), mb.old_values.to(dev)
         loss = (values - returns).square()
         if self.value_clip > 0:
             clipped = old + (values - old).clamp(-self.value_clip, self.value_clip)

@@ -52,8 +52,8 @@ class LossFunction:
         mask = mb.loss_mask.to(dev).flatten()
         seq = mb.seq_ids.clamp(min=0).to(dev).flatten()
         lp = logp.flatten()
-        if "proximal_logp" in mb.extra:
-            proximal = mb.extra["proximal_logp"].to(dev).flatten()
+        if mb.proximal_logp is not None:
+            proximal = mb.proximal_logp.to(dev).flatten()
         else:
             proximal = lp.detach()
             if self.samples is not None:
@@ -72,10 +72,8 @@ class LossFunction:
         )
         if self.cfg.loss.entropy_coef and entropy is not None:
             token_loss = token_loss - self.cfg.loss.entropy_coef * entropy.flatten()
-        if self.cfg.loss.kl_coef and self.cfg.loss.use_kl_loss and "ref_logp" in mb.extra:
-            kl = losses.kl_estimate(
-                lp, mb.extra["ref_logp"].to(dev).flatten(), self.cfg.loss.kl_loss_type
-            )
+        if self.cfg.loss.kl_coef and self.cfg.loss.use_kl_loss and mb.ref_logp is not None:
+            kl = losses.kl_estimate(lp, mb.ref_logp.to(dev).flatten(), self.cfg.loss.kl_loss_type)
             token_loss = token_loss + self.cfg.loss.kl_coef * kl
             self.stats.add("kl_ref", (kl.detach() * mask).sum(), mask.sum())
         num, den = losses.aggregate(
@@ -102,8 +100,8 @@ def mismatch_stats(
     stats.peak("lp_diff", -math.inf)
     for mb in (mb for mb in mbs if not mb.padding):
         versions = [samples[i].weight_version for i in mb.sample_index]
-        prox, ent = mb.extra["proximal_logp"], mb.extra["entropy"]
-        mismatch_stats_one(mb, prox, ent, versions, version, stats)
+        assert mb.proximal_logp is not None, "mismatch_stats runs after the recompute"
+        mismatch_stats_one(mb, mb.proximal_logp, mb.entropy, versions, version, stats)
 
 
 def mismatch_stats_one(
@@ -131,7 +129,8 @@ def mismatch_stats_one(
 def apply_kl_reward_penalty(mbs: list[MicroBatch], kl_coef: float, kind: str) -> None:
     """KL as a reward penalty: per-token advantages -= kl_coef * KL(trainer || ref)."""
     for mb in mbs:
-        kl = losses.kl_estimate(mb.extra["proximal_logp"], mb.extra["ref_logp"], kind)
+        assert mb.proximal_logp is not None and mb.ref_logp is not None, "recomputed first"
+        kl = losses.kl_estimate(mb.proximal_logp, mb.ref_logp, kind)
         mb.advantages = mb.advantages - kl_coef * kl * mb.loss_mask
 
 

@@ -405,11 +405,10 @@ class Trainer:
         if recompute:
             outs = self.policy.logprobs(mbs, with_entropy=True)
             for mb, out in zip(mbs, outs, strict=True):
-                mb.extra["proximal_logp"] = out["logp"].cpu()
-                mb.extra["entropy"] = out["entropy"].cpu()
+                mb.proximal_logp, mb.entropy = out["logp"].cpu(), out["entropy"].cpu()
         if self.ref is not None:
             for mb, out in zip(mbs, self.ref.logprobs(mbs), strict=True):
-                mb.extra["ref_logp"] = out["logp"].cpu()
+                mb.ref_logp = out["logp"].cpu()
             if penalty:
                 step_math.apply_kl_reward_penalty(
                     mbs, self.cfg.loss.kl_coef, self.cfg.loss.kl_loss_type
