@@ -18,7 +18,7 @@ from services.common.chat_messages import (
     content_format,
     template_of,
 )
-from services.rollout_router.rollout.tasks import encode_prompt
+from services.rollout_router.gateway.chat_input import encode_prompt
 from tests.sglang_surface import template_messages, template_utils
 
 TEMPLATES = {

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from services.rollout_router.config import RouterConfig
-from services.rollout_router.rollout.tasks import TemplateKwargs, encode_prompt
+from services.rollout_router.gateway.chat_input import TemplateKwargs, encode_prompt
 from tests.helpers import read_all
 from tests.test_router_agents import router_args
 from tests.test_router_tool_calls import CALL, QUESTION, TOOLS, TURN_TEXT, write_tool_model

@@ -7,7 +7,8 @@ fails start-up naming them: engine_context.py), then start the health-check task
 `--no-rollout`, the rollout and evaluation tasks. Shutdown cancels those tasks and closes the session.
 
 Routes are thin: engine-compatible routes (`/generate`, `/v1/*`, `/get_model_info`, fan-out
-control) live in `routes_engine.py`; worker registry and rollout control in `routes_control.py`;
+control) live in `balancer/routes_engine.py`, the worker registry in `balancer/routes_workers.py`,
+rollout control in `rollout/routes_control.py`;
 the dashboard page (`/`) and its read-only routes in `routes_dashboard.py`.
 """
 
@@ -28,8 +29,10 @@ from services.common.validation import answer_invalid_bodies
 from services.rollout_router.backpressure import depth_note
 from services.rollout_router.balancer.engine_context import ContextGate
 from services.rollout_router.balancer.routes_engine import router as engine_router
+from services.rollout_router.balancer.routes_workers import router as workers_router
 from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.config import DataConfig, RouterConfig, SamplingConfig
+from services.rollout_router.gateway.chat_input import TemplateKwargs
 from services.rollout_router.gateway.routes_agent import router as agent_router
 from services.rollout_router.gateway.sessions import AgentSessions
 from services.rollout_router.lease import RouterLease
@@ -47,7 +50,6 @@ from services.rollout_router.rollout.tasks import (
     DATASET_RESPONSE_LEN,
     TOY_RESPONSE_LEN,
     Task,
-    TemplateKwargs,
     data_change_note,
     data_record,
     dataset_task,
@@ -230,6 +232,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.state.api_token = config.api_token
     app.state.startup_error = None  # what failed the lifespan's start (__main__.run raises it)
     app.include_router(engine_router)
+    app.include_router(workers_router)
     app.include_router(control_router)
     app.include_router(agent_router)
     app.include_router(dashboard_router)

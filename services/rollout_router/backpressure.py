@@ -151,6 +151,10 @@ class BufferBound:
         """Producers waiting for a slot."""
         return len(self._line)
 
+    def sentence(self, depth: int) -> str:
+        """`waiting` of the status: why producers wait ("" when they do not)."""
+        return room_sentence(depth, self.max_depth)
+
     def slot(self, timeout_s: float | None, on_full: Callable[[str], None] | None = None) -> Slot:
         """Room for one group, waiting while the buffer is full (`on_full` hears why):
         `async with bound.slot(...) as put`, then `await put(group)` -> its stream id. A slot

@@ -1,4 +1,6 @@
-"""A session's chat turn, checked before any work: 400 naming the field, never a 500.
+"""A session's chat turn, checked before any work: 400 naming the field, never a 500; and chat
+messages as the model sees them (`encode_prompt`, `TemplateKwargs`: the chat template), for
+sessions, datasets and environments alike.
 
 Knows OpenAI's chat request fields and SGLang's sampling parameter names; knows nothing about
 HTTP or engines. `check_messages` runs before the chat template; `prompt_char_limit` is a cheap
@@ -13,6 +15,8 @@ import functools
 import json
 from pathlib import Path
 from typing import Any
+
+from services.common.chat_messages import template_messages
 
 
 class TurnError(ValueError):
@@ -259,3 +263,42 @@ def requested_max_tokens(body: dict[str, Any]) -> int | None:
     """`max_completion_tokens` or `max_tokens` as given (None when neither is)."""
     given = _int(body, "max_completion_tokens", 1)
     return given if given is not None else _int(body, "max_tokens", 1)
+
+
+class TemplateKwargs:
+    """`tokenizer`, its chat template given `kwargs` (--apply-chat-template-kwargs) at every
+    render, under the render's own."""
+
+    def __init__(self, tokenizer: Any, kwargs: dict[str, Any]) -> None:
+        self.tokenizer, self.kwargs = tokenizer, kwargs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tokenizer.apply_chat_template(*args, **{**self.kwargs, **kwargs})
+
+
+def encode_prompt(
+    tokenizer: Any,
+    prompt: Any,
+    chat: bool,
+    tools: list[dict[str, Any]] | None = None,
+    **template: Any,
+) -> tuple[int, ...]:
+    """Prompt ids as the model sees them. Chat messages (or `chat=True`) go through the
+    tokenizer's chat template with the generation prompt (and `tools`, for templates that list
+    them; `template`: more variables), as SGLang hands them to it (`template_messages`:
+    MessageError naming one it would refuse); plain text gets the tokenizer's own special
+    tokens."""
+    if isinstance(prompt, list) or chat:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        messages = template_messages(tokenizer, messages, tools)
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False, **template
+        )
+        return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return tuple(tokenizer(prompt)["input_ids"])

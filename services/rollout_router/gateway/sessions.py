@@ -38,6 +38,7 @@ from services.rollout_router.gateway.chat_input import (
     TurnError,
     check_messages,
     check_neutral,
+    encode_prompt,
     message_chars,
     model_context_length,
     prompt_char_limit,
@@ -48,7 +49,6 @@ from services.rollout_router.gateway.chat_input import (
 )
 from services.rollout_router.gateway.session_store import SessionStore, session_samples
 from services.rollout_router.gateway.tool_calls import PARSERS, Parser, leading_text
-from services.rollout_router.rollout.tasks import encode_prompt
 from services.rollout_router.samples import Partial, as_list
 from services.sample_buffer import AsyncSampleBuffer
 
@@ -171,6 +171,34 @@ class AgentSessions:
         """One OpenAI chat turn; raises TurnError (a ValueError) on a bad request, and
         EngineRequestError (with the engine's status: its 4xx reach the agent as is)."""
         await self.expire()
+        payload, messages, tools = await self.turn_payload(body, session_id)
+        input_ids = payload["input_ids"]
+        new = session_id not in self.store.sessions
+        if new:  # (noted first: a router killed from here on leaves it to be recorded dropped)
+            await self.buffer.note_open({session_id: 0})
+        try:
+            partial, tops = await self.generate(payload, session_id)
+            reopened = not new and session_id not in self.store.sessions
+            self.store.record(session_id, input_ids, partial)
+        finally:
+            if new and session_id not in self.store.sessions:  # (no turn of it was recorded)
+                await self.forget(session_id)
+        if reopened:  # its reward (or expiry) closed it meanwhile: this turn opened a new one
+            await self.remember(session_id)
+        self.first_messages.setdefault(session_id, json.dumps(messages))
+        texts = None
+        if body.get("logprobs"):
+            texts = [self.tokenizer.decode([t]) for t in partial.ids]
+        parse = self.parse_tool_calls if tools else None
+        return openai_response(
+            partial, str(body.get("model", "tandem")), len(input_ids), texts, parse, tops
+        )
+
+    async def turn_payload(
+        self, body: dict[str, Any], session_id: str
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], Any]:
+        """The /generate body of a turn (its messages checked, rendered and bounded by the
+        model's context and what the trainer takes), the messages and the tools."""
         messages = check_messages(body.get("messages"))
         tools, template = template_inputs(body)
         check_neutral(body)
@@ -210,26 +238,7 @@ class AgentSessions:
         payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
         if top:  # (alternatives only: the sampled tokens are the same)
             payload["top_logprobs_num"] = top
-        new = session_id not in self.store.sessions
-        if new:  # (noted first: a router killed from here on leaves it to be recorded dropped)
-            await self.buffer.note_open({session_id: 0})
-        try:
-            partial, tops = await self.generate(payload, session_id)
-            reopened = not new and session_id not in self.store.sessions
-            self.store.record(session_id, input_ids, partial)
-        finally:
-            if new and session_id not in self.store.sessions:  # (no turn of it was recorded)
-                await self.forget(session_id)
-        if reopened:  # its reward (or expiry) closed it meanwhile: this turn opened a new one
-            await self.remember(session_id)
-        self.first_messages.setdefault(session_id, json.dumps(messages))
-        texts = None
-        if body.get("logprobs"):
-            texts = [self.tokenizer.decode([t]) for t in partial.ids]
-        parse = self.parse_tool_calls if tools else None
-        return openai_response(
-            partial, str(body.get("model", "tandem")), len(input_ids), texts, parse, tops
-        )
+        return payload, messages, tools
 
     async def generate(
         self, payload: dict[str, Any], session_id: str

@@ -16,10 +16,14 @@ import aiohttp
 from proto import DropReason, Sample
 from services.common.chat_messages import MessageError, joined_text, template_messages
 from services.rollout_router.config import EnvConfig
-from services.rollout_router.gateway.chat_input import as_sglang_tool, prompt_char_limit
+from services.rollout_router.gateway.chat_input import (
+    as_sglang_tool,
+    encode_prompt,
+    prompt_char_limit,
+)
 from services.rollout_router.gateway.tool_calls import PARSERS
 from services.rollout_router.rollout.calls import InFlight
-from services.rollout_router.rollout.tasks import Item, encode_prompt
+from services.rollout_router.rollout.tasks import Item
 from services.rollout_router.samples import Partial
 
 

@@ -1,4 +1,4 @@
-"""Control routes: the worker registry and the rollout control API.
+"""Rollout control routes: status, start, pause, resume, stop, and the live settings.
 
 Mutating routes require `Authorization: Bearer <token>` when the router has a token
 (`TANDEM_API_TOKEN`, `TANDEM_ROUTER_TOKEN` or `--api-token`); read-only routes never do.
@@ -9,12 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
-from pydantic import BaseModel
 
 from services.common.auth import WRITE
-from services.common.urls import HttpUrl
-from services.rollout_router.balancer.worker import EngineStartupError
-from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.rollout.control import (
     ConfigPatchError,
     ContractTermError,
@@ -22,71 +18,6 @@ from services.rollout_router.rollout.control import (
 )
 
 router = APIRouter()
-
-
-def pool_of(request: Request) -> WorkerPool:
-    return request.app.state.pool
-
-
-class WorkerIn(BaseModel):
-    url: HttpUrl
-
-
-# --- workers (sglang-router style, plus the legacy query-string API) ------------------------
-
-
-@router.get("/workers", tags=["workers"])
-async def list_workers(request: Request) -> dict[str, Any]:
-    """Every registered worker with health, load and weight version."""
-    return {"workers": [w.to_json() for w in pool_of(request).workers.values()]}
-
-
-@router.post("/workers", tags=["workers"], status_code=202, dependencies=WRITE)
-async def add_worker(request: Request, body: WorkerIn) -> dict[str, Any]:
-    """Register a worker (202). It is admitted at once when its `/model_info` answers,
-    else registered unhealthy and admitted by the health checks once it answers; one whose
-    context length cannot hold the rollout's responses is refused (`refused` says why)."""
-    admitted, worker = await pool_of(request).add_or_pend(body.url)
-    state = "admitted" if admitted else "refused" if worker.refused else "pending"
-    return {**worker.to_json(), "status": state}
-
-
-@router.delete("/workers/{worker_id}", tags=["workers"], dependencies=WRITE)
-async def delete_worker(request: Request, worker_id: str) -> dict[str, Any]:
-    """Remove a worker by id (from `GET /workers`)."""
-    try:
-        return pool_of(request).remove(worker_id).to_json()
-    except KeyError as exc:
-        raise HTTPException(404, exc.args[0]) from exc
-
-
-@router.post("/add_worker", tags=["workers"], dependencies=WRITE)
-async def add_worker_legacy(request: Request, url: HttpUrl) -> dict[str, Any]:
-    """Legacy, synchronous: admit the worker now, or 502 naming it and the last failure."""
-    pool = pool_of(request)
-    try:
-        worker = await pool.add(url, request.app.state.config.workers.health_timeout_s)
-    except EngineStartupError as exc:
-        raise HTTPException(502, str(exc)) from exc
-    return worker.to_json()
-
-
-@router.post("/remove_worker", tags=["workers"], dependencies=WRITE)
-async def remove_worker_legacy(request: Request, url: str) -> dict[str, Any]:
-    """Legacy form of `DELETE /workers/{id}`, by URL."""
-    try:
-        return pool_of(request).remove(url).to_json()
-    except KeyError as exc:
-        raise HTTPException(404, exc.args[0]) from exc
-
-
-@router.get("/list_workers", tags=["workers"])
-async def list_workers_legacy(request: Request) -> dict[str, Any]:
-    """Legacy: the worker URLs."""
-    return {"urls": [w.url for w in pool_of(request).workers.values()]}
-
-
-# --- rollout control -----------------------------------------------------------------------
 
 
 def control_of(request: Request) -> RolloutController:
@@ -102,7 +33,7 @@ async def rollout_status(request: Request) -> dict[str, Any]:
     in-flight requests and groups, samples/s, buffer depth, drops (groups by reason) and the
     run's `ledger` (where every generated group went, and whether that balances); agent
     sessions open and groups of sessions waiting for the rest of their group."""
-    pool = pool_of(request)
+    pool = request.app.state.pool
     base: dict[str, Any] = {
         "workers": len(pool.admitted()),
         "retries": pool.retries,

@@ -1,7 +1,8 @@
 """Rollout prompts: the built-in toy task, or JSONL/Parquet datasets, tokenized once.
 
-Knows: where prompts come from and how they become exact input token ids (the model's chat
-template for chat-message prompts, or with `--apply-chat-template`).
+Knows: where prompts come from; they become exact input token ids through
+`gateway/chat_input.py` `encode_prompt` (the model's chat template for chat-message prompts, or
+with `--apply-chat-template`).
 Does not know: engines, rewards, batching or Redis.
 
 A dataset row has the prompt under `--input-key` (a string, or a list of chat messages
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from services.common.chat_messages import MessageError, template_messages
+from services.common.chat_messages import MessageError
+from services.rollout_router.gateway.chat_input import encode_prompt
 from services.rollout_router.rollout.toy_task import is_exact, reverse_digits_split
 
 BOM = b"\xef\xbb\xbf"  # (a UTF-8 byte-order mark, as Windows tools write)
@@ -66,45 +68,6 @@ class Task:
     def longest_prompt(self) -> int:
         """The longest prompt, train or held out, in tokens."""
         return max(len(item.input_ids) for item in self.train + self.heldout)
-
-
-class TemplateKwargs:
-    """`tokenizer`, its chat template given `kwargs` (--apply-chat-template-kwargs) at every
-    render, under the render's own."""
-
-    def __init__(self, tokenizer: Any, kwargs: dict[str, Any]) -> None:
-        self.tokenizer, self.kwargs = tokenizer, kwargs
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.tokenizer, name)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.tokenizer(*args, **kwargs)
-
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        return self.tokenizer.apply_chat_template(*args, **{**self.kwargs, **kwargs})
-
-
-def encode_prompt(
-    tokenizer: Any,
-    prompt: Any,
-    chat: bool,
-    tools: list[dict[str, Any]] | None = None,
-    **template: Any,
-) -> tuple[int, ...]:
-    """Prompt ids as the model sees them. Chat messages (or `chat=True`) go through the
-    tokenizer's chat template with the generation prompt (and `tools`, for templates that list
-    them; `template`: more variables), as SGLang hands them to it (`template_messages`:
-    MessageError naming one it would refuse); plain text gets the tokenizer's own special
-    tokens."""
-    if isinstance(prompt, list) or chat:
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        messages = template_messages(tokenizer, messages, tools)
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False, **template
-        )
-        return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return tuple(tokenizer(prompt)["input_ids"])
 
 
 def prompt_problem(tokenizer: Any, prompt: Any, chat: bool) -> str:
@@ -260,6 +223,18 @@ def load_items(
     null or empty) are left out, before their prompts are tokenized, when others have one
     (`label_notes`); rows whose prompt fills the model's `context_len` positions (0: unknown)
     are left out, since no response fits after them, and ValueError when that is every row."""
+    rows, notes = labelled_rows(path, input_key, label_key, flag)
+    items, more = tokenized(tokenizer, rows, path, chat, flag, context_len)
+    return items, notes + more
+
+
+Row = tuple[int, Any, str]  # (row number, prompt, label)
+
+
+def labelled_rows(
+    path: str, input_key: str, label_key: str, flag: str
+) -> tuple[list[Row], tuple[str, ...]]:
+    """The rows of `path` with a prompt (and with a label, when some have one), and notes."""
     rows, unlabeled, empty, structured = [], [], [], []
     for number, row in read_rows(path, flag):
         if problem := row_problem(path, number, row, input_key):
@@ -293,6 +268,13 @@ def load_items(
         )
     if unlabeled and len(unlabeled) < len(rows):
         rows = [(number, prompt, label) for number, prompt, label in rows if label]
+    return rows, notes
+
+
+def tokenized(
+    tokenizer: Any, rows: list[Row], path: str, chat: bool, flag: str, context_len: int
+) -> tuple[list[Item], tuple[str, ...]]:
+    """The rows as items, without those whose prompt fills `context_len` (with a note)."""
     items, too_long = [], []
     started = said = time.monotonic()
     for k, (number, prompt, label) in enumerate(rows):
@@ -321,11 +303,11 @@ def load_items(
         )
         if not items:
             raise ValueError(f"{flag} {path}: every row has {what}")
-        notes += (
+        return items, (
             f"{len(too_long)} of {len(rows)} rows of {path} have {what}: left out (shorten "
             "them, or train a model with a longer context)",
         )
-    return items, notes
+    return items, ()
 
 
 def toy_reverse_digits(tokenizer: Any, seed: int) -> Task:
