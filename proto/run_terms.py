@@ -1,10 +1,11 @@
 """The run terms: what router, trainer and broker of one run share, declared once.
 
-`RunTerms` is a config section: every service config embeds it as its `run` field (flags
+`RunTerms` is a config section: router and trainer configs embed it as their `run` field (flags
 `--run-id`, `--redis-url`, `--model`, `--seed`, `--rollout-batch-size`, `--n-samples-per-prompt`,
 `--num-steps-per-rollout`, `--max-staleness`, `--weight-transport`; keys of the same names in a
 TOML table; `TANDEM_<SVC>_<KEY>` variables), and `tandem up` fills one `RunTerms` into each
-child's config. Ranges are in the field types.
+child's config. The broker embeds `RunPlace`, its first two fields (run id and Redis URL):
+it states only how weights arrive, from its own --transport. Ranges are in the field types.
 
 The agreed terms (`AGREED`) are also checked in Redis while the run lives: the first service that
 starts writes each term it states (`SampleBuffer.agree_contract`, hash `tandem:{run_id}:contract`,
@@ -41,8 +42,8 @@ AGREED = (
 )
 
 
-class RunTerms(BaseModel):
-    """The run's shared terms; one section, embedded as `run` by every service config."""
+class RunPlace(BaseModel):
+    """Which run, in which Redis: the terms of a service that uses no others (the broker)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
@@ -50,6 +51,12 @@ class RunTerms(BaseModel):
     """Run id: key prefix of this run in Redis (one run per id)."""
     redis_url: str = "redis://127.0.0.1:6379/0"
     """Redis URL of the run's sample buffer."""
+
+
+class RunTerms(RunPlace):
+    """The run's shared terms; one section, embedded as `run` by the router's and the trainer's
+    configs (the broker's embeds its `RunPlace` part)."""
+
     model: str = ""
     """Hugging Face model directory (config.json + *.safetensors): the trainer starts from it,
     the router's tokenizer encodes the prompts with it."""

@@ -25,15 +25,24 @@ def engine_cli(*args: str) -> subprocess.CompletedProcess:
     [
         ([], "--model is required"),
         (["--model", "/nonexistent/model"], "/nonexistent/model/config.json not found: --model"),
-        (["--model", "{toy}", "--max-batch-size", "0"], "--max-batch-size must be at least 1"),
+        (["--model", "{toy}", "--max-batch-size", "0"], "--max-batch-size 0: must be at least 1"),
         # (admitted sequences outgrew the memory under load: the engine was killed then)
         (["--model", "{toy}", "--kv-cache-gb", "100000"], "--kv-cache-gb 100000 is more than"),
         # (each taken: -3 or 0 timed every weight update out, nan crashed the engine as it
         # started with "cannot convert float NaN to integer", a budget of nan bounded nothing)
-        (["--model", "{toy}", "--update-timeout-s", "0"], "--update-timeout-s must be > 0"),
-        (["--model", "{toy}", "--update-timeout-s", "-3"], "-3: a time in seconds, at least 0"),
-        (["--model", "{toy}", "--update-timeout-s", "nan"], "--update-timeout-s nan: not a number"),
-        (["--model", "{toy}", "--kv-cache-gb", "nan"], "--kv-cache-gb nan: not a number"),
+        (
+            ["--model", "{toy}", "--update-timeout-s", "0"],
+            "--update-timeout-s 0: must be more than 0",
+        ),
+        (
+            ["--model", "{toy}", "--update-timeout-s", "-3"],
+            "--update-timeout-s -3: must be more than 0",
+        ),
+        (
+            ["--model", "{toy}", "--update-timeout-s", "nan"],
+            "--update-timeout-s nan: not a finite number",
+        ),
+        (["--model", "{toy}", "--kv-cache-gb", "nan"], "--kv-cache-gb nan: not a finite number"),
         # (it held 0 tokens, and 0 is unbounded)
         (["--model", "{toy}", "--kv-cache-gb", "1e-9"], "1e-09 holds 0 tokens of this model: no"),
     ],

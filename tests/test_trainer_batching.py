@@ -155,14 +155,14 @@ def test_the_batch_prep_bench_runs_and_ends_with_its_ratio() -> None:
 def test_numbers_outside_their_range_are_refused_naming_the_flag() -> None:
     """A negative KL or weight decay, a discount above 1, zero threads or clip: each failed
     only once the trainer ran (or ran on, doing nothing sensible), or named another rule."""
-    at_least, above = "Input should be greater than or equal to", "Input should be greater than"
+    at_least, above = "must be at least", "must be more than"
     cases = {
         "kl_coef": ("-1.0", f"--kl-coef -1.0: {at_least} 0"),
-        "gamma": ("2.0", "--gamma 2.0: Input should be less than or equal to 1"),
+        "gamma": ("2.0", "--gamma 2.0: must be at most 1"),
         "eps_clip": ("0.0", f"--eps-clip 0.0: {above} 0"),
         "num_threads": ("0", f"--num-threads 0: {at_least} 1"),
         "micro_batch_size": ("0", f"--micro-batch-size 0: {at_least} 1"),
-        "lr": ("nan", "--lr nan: Input should be a finite number"),
+        "lr": ("nan", "--lr nan: not a finite number"),
         "tis_clip": ("-3.0", f"--tis-clip -3.0: {above} 0"),  # (these took -3)
         "value_clip": ("-3.0", f"--value-clip -3.0: {at_least} 0"),
         # (0: equal rewards gave NaN advantages; Redis reads BLOCK 0 for good; a division by 0)

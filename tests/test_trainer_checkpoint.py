@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 import traceback
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -274,10 +273,12 @@ def test_going_back_to_an_older_checkpoint_needs_a_new_lineage_on_a_trained_run_
     may start from any checkpoint of a folder (nothing of it was acknowledged)."""
     (tmp_path / TRACKER).write_text("10")
     url, run_id = buffer.config.redis_url, buffer.config.run_id
-    back = TrainerConfig(save=str(tmp_path), ckpt_step=8, redis_url=url, run_id=run_id)
+    terms = {"save": str(tmp_path), "ckpt_step": 8, "redis_url": url, "run_id": run_id}
+    back = TrainerConfig(**terms)
     assert lineage_start(back, buffer, resumed=True) == 0, "a new run"
     buffer.set_version("trainer", 12)  # trained past its newest checkpoint
     with pytest.raises(ValueError, match="--ckpt-step 8 goes back past this run's newest"):
         lineage_start(back, buffer, resumed=True)
-    assert lineage_start(replace(back, new_lineage=True), buffer, resumed=True) == 13
-    assert lineage_start(replace(back, ckpt_step=-1), buffer, resumed=True) == 0, "the newest"
+    assert lineage_start(TrainerConfig(**terms, new_lineage=True), buffer, resumed=True) == 13
+    newest = TrainerConfig(**terms | {"ckpt_step": -1})
+    assert lineage_start(newest, buffer, resumed=True) == 0, "the newest"

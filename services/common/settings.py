@@ -49,6 +49,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 TABLES = ("up", "router", "trainer", "broker", "engine")
 NOT_SETTINGS = ("TANDEM_ROUTER_TOKEN",)  # variables of that form that are no setting
 Origin = Literal["default", "file", "env", "flag"]
+# How a refusal of a number's range is said (pydantic's error type -> words)
+SAID = {
+    "greater_than_equal": "must be at least {ge}",
+    "greater_than": "must be more than {gt}",
+    "less_than_equal": "must be at most {le}",
+    "less_than": "must be less than {lt}",
+    "finite_number": "not a finite number",
+}
 C = TypeVar("C", bound=BaseModel)
 
 
@@ -73,8 +81,10 @@ class Section(BaseModel):
         for key in [k for k in data if len(paths.get(k, (k,))) > 1]:
             if key in cls.model_fields and isinstance(data[key], dict | BaseModel):
                 continue  # the section of that name (`model` a section, `run.model` a leaf)
-            section = paths[key][0]
-            inner = data.get(section, {})
+            section = paths[key][0]  # (from its default: a service sets its own, e.g. a port)
+            inner = data.get(section) or cls.model_fields[section].get_default(
+                call_default_factory=True
+            )
             inner = inner.model_dump() if isinstance(inner, BaseModel) else dict(inner)
             data[section] = {**inner, key: data.pop(key)}
         return data
@@ -298,7 +308,8 @@ def _said(
         "env": f"environment variable {prefix}{leaf.upper()}={shown}",
         "file": f"{path}: [{table}] {leaf} = {toml_value(value)}",
     }.get(origins.get(leaf, "default"), f"--{leaf.replace('_', '-')} {shown}")
-    return f"{where}: {error['msg']}"
+    said = SAID.get(error["type"], error["msg"])
+    return f"{where}: {said.format(**error.get('ctx', {}))}"
 
 
 def load(
@@ -344,3 +355,18 @@ Positive = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(ge=0)]
 PositiveSeconds = Annotated[float, Field(gt=0)]
 Rate = Annotated[float, Field(ge=0, le=1)]  # a learning rate (RL post-training: ~1e-6 to 1e-4)
+
+
+class ServeSection(Section):
+    """Where an HTTP service listens and how it answers (its defaults set by each service)."""
+
+    host: str = "127.0.0.1"
+    """Bind address."""
+    port: Annotated[int, Field(ge=0, le=65535)] = 30000
+    """Port (0 = any free port)."""
+    ready_file: str = ""
+    """Write {url, host, port, pid, ...} here as JSON once serving."""
+    max_request_bytes: Count = 16 << 20
+    """Largest request body accepted; larger ones get 413 before they are read (0 = no cap)."""
+    graceful_shutdown_s: Seconds = 10.0
+    """On SIGTERM, how long running requests may finish before they are cancelled."""

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from services.engine import api
-from services.engine.config import EngineConfig
+from services.engine.config import BatchSection, EngineConfig, check
 from services.engine.metrics import EngineMetrics
 from services.engine.model_runner import ModelRunner
 from services.engine.sampling import RequestError
@@ -24,7 +24,7 @@ from services.engine.scheduler import Job, Scheduler
 from services.engine.weights import WeightUpdater
 
 log = logging.getLogger(__name__)
-DEFAULT_KV_CACHE_GB = EngineConfig.kv_cache_gb
+DEFAULT_KV_CACHE_GB = BatchSection().kv_cache_gb
 
 
 def kv_budget(kv_cache_gb: float, device: Any) -> float:
@@ -60,14 +60,20 @@ class Engine:
         import torch
 
         config.validate()
-        torch.set_num_threads(config.num_threads)
+        if problems := check(config):
+            raise ValueError(problems[0])
+        torch.set_num_threads(config.batch.num_threads)
         self.config = config
         self.runner = ModelRunner(
-            config.model, config.tokenizer, config.device, config.dtype, config.load_format
+            config.served.model,
+            config.served.tokenizer,
+            config.served.device,
+            config.served.dtype,
+            config.served.load_format,
         )
-        context = config.context_length or self.runner.max_position
+        context = config.served.context_length or self.runner.max_position
         self.context_length = min(context, self.runner.max_position)
-        budget = kv_budget(config.kv_cache_gb, self.runner.device)
+        budget = kv_budget(config.batch.kv_cache_gb, self.runner.device)
         self.max_total_tokens = int(budget * 2**30 / self.runner.kv_bytes_per_token)
         if budget and self.max_total_tokens < self.context_length:  # (as SGLang does)
             said = f"--kv-cache-gb {budget:g} holds {self.max_total_tokens} tokens of this model"
@@ -77,16 +83,19 @@ class Engine:
             self.context_length = self.max_total_tokens
         self.scheduler = Scheduler(
             self.runner,
-            config.max_batch_size,
-            config.max_prefill_tokens,
-            config.max_queued_requests,
+            config.batch.max_batch_size,
+            config.batch.max_prefill_tokens,
+            config.batch.max_queued_requests,
             self.context_length,
-            config.weight_version,
+            config.weights.weight_version,
             self.max_total_tokens,
-            config.prompt_cache_tokens,
+            config.batch.prompt_cache_tokens,
         )
         self.weights = WeightUpdater(
-            self.runner, self.scheduler, config.update_timeout_s, config.whole_version_updates
+            self.runner,
+            self.scheduler,
+            config.weights.update_timeout_s,
+            config.weights.whole_version_updates,
         )
         self.released = False  # weights moved off the device by /release_memory_occupation
         self.metrics = EngineMetrics()
@@ -95,7 +104,7 @@ class Engine:
         self.scheduler.start()
         log.info(
             "serving %s on %s (%s), context %d, weight version %s",
-            self.config.model,
+            self.config.served.model,
             self.runner.device,
             str(self.runner.dtype).removeprefix("torch."),
             self.context_length,
@@ -255,8 +264,8 @@ class Engine:
 
     def model_info(self) -> dict[str, Any]:
         return {
-            "model_path": self.config.model,
-            "tokenizer_path": self.config.tokenizer or self.config.model,
+            "model_path": self.config.served.model,
+            "tokenizer_path": self.config.served.tokenizer or self.config.served.model,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.weight_version,
@@ -268,20 +277,20 @@ class Engine:
 
     def server_info(self) -> dict[str, Any]:
         info = {
-            "model_path": self.config.model,
-            "tokenizer_path": self.config.tokenizer or self.config.model,
+            "model_path": self.config.served.model,
+            "tokenizer_path": self.config.served.tokenizer or self.config.served.model,
             "served_model_name": self.served_model_name,
             "context_length": self.context_length,
-            "device": self.config.device,
+            "device": self.config.served.device,
             "dtype": str(self.runner.dtype).removeprefix("torch."),
-            "max_running_requests": self.config.max_batch_size,
+            "max_running_requests": self.config.batch.max_batch_size,
             "max_total_num_tokens": self.max_total_tokens,
             "tp_size": 1,
             "dp_size": 1,
             "weight_version": self.weight_version,
             "version": "tandem-reference-engine",
             # Tandem's extension of /update_weights_from_distributed (see engine/weights.py)
-            "weight_update_bucket_sizes": self.config.whole_version_updates,
+            "weight_update_bucket_sizes": self.config.weights.whole_version_updates,
             "weight_update_layout_id": True,
             "weight_update_group_timeout": True,  # of /init_weights_update_group
         }
@@ -290,4 +299,4 @@ class Engine:
 
     @property
     def served_model_name(self) -> str:
-        return self.config.served_model_name or self.config.model
+        return self.config.served.served_model_name or self.config.served.model

@@ -10,89 +10,79 @@ from typing import Any
 
 import zmq
 
-from proto.contract import RunContract
 from services.common.auth import check_bind, token_from_env
-from services.common.config_file import parse_args
-from services.common.flags import add_config_args, config_from_args
-from services.common.serving import add_serving_args, run_service, serve
-from services.sample_buffer import SampleBuffer
-from services.weight_broker.config import BrokerConfig
+from services.common.serving import EXIT_CODES, run_service, serve
+from services.common.settings import load, parser
+from services.weight_broker.config import BrokerConfig, check
 from services.weight_sync.wire import check_weight_bind
 
-DESCRIPTION = """\
+DESCRIPTION = (
+    """\
 Weight broker. The trainer pushes each new weight version here over ZMQ (--intake-endpoint);
 the broker then has every engine (--engine-urls) fetch it (--serve-endpoint) and reports the
 version all engines serve to Redis (--redis-url) for the router's staleness gate. State at
 GET /state, Prometheus metrics at GET /metrics. Frames are HMAC-checked when
 TANDEM_WEIGHT_SECRET is set (same value for trainer, broker and engines).
 """
+    + EXIT_CODES
+)
+PROG = "tandem broker"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem broker", description=DESCRIPTION)
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind host (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8300, help="HTTP port; 0 = any free port")
-    parser.add_argument("--ready-file", help="write {url, endpoints, pid} here once serving")
-    add_config_args(parser, BrokerConfig)
-    add_serving_args(parser, max_request_mib=1)  # its bodies are engine URLs
-    return parser
+    """The broker's flags with their defaults (its `--help`; `load` parses with its own)."""
+    return parser(BrokerConfig, PROG, DESCRIPTION, defaults=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(build_parser(), list(sys.argv[1:] if argv is None else argv), "broker")
+    config = load(
+        BrokerConfig, sys.argv[1:] if argv is None else argv, "broker", PROG, about=DESCRIPTION
+    )
     logging.basicConfig(level=logging.INFO, format="[broker] %(asctime)s %(message)s")
-    config = config_from_args(BrokerConfig, args)
+    serve_at = config.serve
     return run_service(
         "broker",
-        lambda: start(config, args.host),
-        lambda app, sock: run(app, args, sock),
-        listen=(args.host, args.port),
-        ready_file=args.ready_file,
+        lambda: start(config),
+        lambda app, sock: run(app, config, sock),
+        listen=(serve_at.host, serve_at.port),
+        ready_file=serve_at.ready_file,
     )
 
 
-def start(config: BrokerConfig, host: str) -> Any:
+def start(config: BrokerConfig) -> Any:
     """The broker's app, its sockets bound; ValueError (exit 2) names what to change."""
     from services.weight_broker.server import create_app
 
     config.validate()
-    agree_contract(config)
-    check_bind(host, token_from_env(), "tandem broker")
-    check_weight_bind("--intake-endpoint", config.intake_endpoint)
-    check_weight_bind("--serve-endpoint", config.serve_endpoint)
+    if problems := check(config):
+        raise ValueError(problems[0])
+    check_bind(config.serve.host, token_from_env(), "tandem broker")
+    check_weight_bind("--intake-endpoint", config.endpoints.intake_endpoint)
+    check_weight_bind("--serve-endpoint", config.endpoints.serve_endpoint)
     try:
         app = create_app(config)
     except zmq.ZMQError as exc:
         raise ValueError(
             f"cannot bind the weight sockets: {exc} (check --intake-endpoint / --serve-endpoint)"
         ) from exc
-    app.state.broker.hold_lease()  # one broker per run (ValueError naming the other)
+    app.state.broker.hold_lease()  # one per run, its contract term (ValueError naming why)
     return app
 
 
-def run(app: Any, args: argparse.Namespace, sock: socket.socket | None) -> None:
+def run(app: Any, config: BrokerConfig, sock: socket.socket | None) -> None:
     transport = app.state.broker.transport
     endpoints = {name: getattr(transport, name) for name in ("intake_endpoint", "serve_endpoint")}
+    at = config.serve
     serve(
         app,
-        args.host,
-        args.port,
-        args.ready_file,
+        at.host,
+        at.port,
+        at.ready_file,
         extra=endpoints,
-        max_request_bytes=args.max_request_bytes,
-        graceful_shutdown_s=args.graceful_shutdown_s,
+        max_request_bytes=at.max_request_bytes,
+        graceful_shutdown_s=at.graceful_shutdown_s,
         sock=sock,
     )
-
-
-def agree_contract(config: BrokerConfig) -> None:
-    """State the broker's term of the run contract (how versions arrive: the trainer's
-    `--weight-transport`); `ContractMismatchError` (exit 2) names what to change."""
-    if config.redis_url:
-        buffer = SampleBuffer(config.buffer_config())
-        buffer.wait_ready(30.0)
-        intake = "nccl" if config.transport == "nccl" else "zmq"  # disk takes zmq buckets in
-        buffer.agree_contract(RunContract(weight_transport=intake), "broker")
 
 
 if __name__ == "__main__":

@@ -54,12 +54,12 @@ log = logging.getLogger("tandem.broker")
 def make_transport(config: BrokerConfig, counters: dict[str, int]) -> WeightTransport:
     """The configured transport, its sockets bound; `counters` is the broker's (it counts
     rejected buckets and frames there)."""
-    if config.transport == "nccl":
+    if config.sync.transport == "nccl":
         return NcclTransport(config, counters)
     transport = (
-        DiskTransport(config.disk_dir, config.model_dir, config.keep_versions)
-        if config.transport == "disk"
-        else ZmqTransport(config.keep_versions)
+        DiskTransport(config.sync.disk_dir, config.sync.model_dir, config.sync.keep_versions)
+        if config.sync.transport == "disk"
+        else ZmqTransport(config.sync.keep_versions)
     )
     transport.bind(config, counters)
     return transport
@@ -82,8 +82,10 @@ class EngineState:
 class WeightBroker:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
-        self.engines: dict[str, EngineState] = {u: EngineState(u) for u in config.engine_urls}
-        self.buffer = SampleBuffer(config.buffer_config()) if config.redis_url else None
+        self.engines: dict[str, EngineState] = {
+            u: EngineState(u) for u in config.endpoints.engine_urls
+        }
+        self.buffer = SampleBuffer(config.buffer_config()) if config.run.redis_url else None
         self.lease = Membership(self.buffer, "broker", log.warning) if self.buffer else None
         self.counters = {
             "buckets_rejected": 0,
@@ -108,7 +110,7 @@ class WeightBroker:
     async def run(self) -> None:
         """Keep every engine on the newest version until cancelled."""
         self._wake, self._redis_due = asyncio.Event(), asyncio.Event()
-        timeout = aiohttp.ClientTimeout(total=self.config.sync_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=self.config.sync.sync_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout, headers=bearer_headers()) as session:
             try:
                 async with asyncio.TaskGroup() as loops:  # one fails: every loop stops
@@ -129,7 +131,7 @@ class WeightBroker:
         engines start on the model's weights, which the router took for that version's. Until
         this broker syncs its engines, the router reads what they report."""
         if self.lease is not None:
-            intake = "nccl" if self.config.transport == "nccl" else "zmq"  # disk takes zmq's
+            intake = "nccl" if self.config.sync.transport == "nccl" else "zmq"  # disk takes zmq's
             contract = RunContract(weight_transport=intake)
             self.lease.buffer.wait_ready(30.0)
             self.lease.join(lambda _holder: None, contract)  # (`_lease_loop` reads `lost_to`)

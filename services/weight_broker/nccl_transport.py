@@ -44,13 +44,13 @@ class NcclTransport:
 
     def __init__(self, config: BrokerConfig, counters: dict[str, int]) -> None:
         self.counters, self.secret = counters, secret_from_env()
-        self.pause_mode = config.pause_mode
-        self.load_format = config.nccl_load_format  # flattened_bucket | per_tensor
-        self.timeout_s = config.sync_timeout_s
+        self.pause_mode = config.sync.pause_mode
+        self.load_format = config.sync.nccl_load_format  # flattened_bucket | per_tensor
+        self.timeout_s = config.sync.sync_timeout_s
         self.group_timeout_s = self.timeout_s / 2  # the trainer's collectives (and engines')
         self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(config.intake_endpoint)
+        self.socket.bind(config.endpoints.intake_endpoint)
         self.intake_endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("NCCL control at %s", self.intake_endpoint)
         self.members: list[str] = []  # engine URLs of the current group, in rank order

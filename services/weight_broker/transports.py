@@ -109,15 +109,15 @@ class ZmqTransport:
         self.counters, self.secret = counters, secret_from_env()
         ctx = zmq.asyncio.Context.instance()
         self.intake = ctx.socket(zmq.PULL)
-        self.intake.bind(config.intake_endpoint)
+        self.intake.bind(config.endpoints.intake_endpoint)
         self.intake_endpoint = self.intake.getsockopt_string(zmq.LAST_ENDPOINT)
         self.fetch = ctx.socket(zmq.ROUTER)
         self.fetch.setsockopt(zmq.LINGER, 0)
-        self.fetch.bind(config.serve_endpoint)
+        self.fetch.bind(config.endpoints.serve_endpoint)
         self.serve_endpoint = self.fetch.getsockopt_string(zmq.LAST_ENDPOINT)
-        if config.advertise_host and self.serve_endpoint.startswith("tcp://"):
+        if config.endpoints.advertise_host and self.serve_endpoint.startswith("tcp://"):
             port = self.serve_endpoint.rsplit(":", 1)[1]
-            self.serve_endpoint = f"tcp://{config.advertise_host}:{port}"
+            self.serve_endpoint = f"tcp://{config.endpoints.advertise_host}:{port}"
         log.info("intake %s, serving %s", self.intake_endpoint, self.serve_endpoint)
 
     def stop(self) -> None:
