@@ -1,5 +1,6 @@
-"""Router memory held by open agent sessions (services/rollout_router/session_store.py), against the
-same turns held as lists and against the bytes the buffer stores for them, measured in one run.
+"""Router memory held by open agent sessions (services/rollout_router/gateway/session_store.py),
+against the same turns held as lists and against the bytes the buffer stores for them, measured
+in one run.
 
 `--sessions` sessions of `--turns` chat turns each, as an agent makes them: a first prompt of
 `--prompt-len` tokens, then each turn's response (`--response-len` tokens, with log-probs) and

@@ -5,7 +5,7 @@ An inference engine is the service most likely to die under a long run (out of m
 fault) and the one the run can best do without for a while: the router takes it out of the
 rotation and sends its requests to the others, and once it is back on the same URL it serves an
 older weight version, so the router has the broker bring it to the current one before it gets
-traffic again (rollout_router/workers.py). The router holds the most in memory (the dataset,
+traffic again (rollout_router/balancer/workers.py). The router holds the most in memory (the dataset,
 agent sessions); while it is down the trainer trains on what is buffered, and a router started
 again on its port drops the groups the dead one left in flight (`cancelled`) and draws their
 prompts again (sample_buffer/ledger.py), the agent sessions open in it lost. The broker holds

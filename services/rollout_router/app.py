@@ -3,7 +3,7 @@
 Lifespan: start the shared HTTP session, admit every `--engine-urls` engine (waiting with
 backoff; an engine that never answers fails start-up naming its URL), connect to Redis, load the
 tokenizer once, take out the engines whose context cannot hold the response bound (none left
-fails start-up naming them: engine_context.py), then start the health-check task and, unless
+fails start-up naming them: balancer/engine_context.py), then start the health-check task and, unless
 `--no-rollout`, the rollout and evaluation tasks. Shutdown cancels those tasks and closes the session.
 
 Routes are thin: engine-compatible routes (`/generate`, `/v1/*`, `/get_model_info`, fan-out

@@ -18,7 +18,7 @@ Up to PUTS_IN_FLIGHT batches are under way at once: while the server runs one, t
 whose groups the last one wrote make their next ones (with one, the router's CPU and the
 server's alternated, each idle while the other worked).
 
-Consistency with the demand gate (progress.py): the gate lets rollouts run up to
+Consistency with the demand gate (rollout/progress.py): the gate lets rollouts run up to
 `staleness_reach()` groups ahead of the trainer; the depth bound must leave room for the
 trainer's whole rollout (>= rollout_batch_size, checked at start-up), or the trainer would wait
 for groups that wait for the trainer. Below `staleness_reach()` it, not staleness, is what

@@ -4,7 +4,7 @@
 `GET /rollout/metrics?after=ID` pages through the run's metrics stream (the `MetricsRecord`s
 the trainer and the router publish to Redis), oldest first, at most `limit` records a call;
 the page passes the last `id` it has to get only newer ones. `GET /rollout/samples` answers
-the newest groups the rollout loop put, as text and rewards (recent.py). The page is plain
+the newest groups the rollout loop put, as text and rewards (rollout/recent.py). The page is plain
 HTML and JavaScript under `static/` with no build step and nothing fetched from elsewhere, so
 it works offline; its pause and resume buttons call the rollout control routes with the token
 the user pastes.

@@ -23,6 +23,14 @@ def pool_of(request: Request) -> WorkerPool:
     return request.app.state.pool
 
 
+def removed(request: Request, key: str) -> dict[str, Any]:
+    """Remove the worker of id or URL `key`; 404 naming it when there is none."""
+    try:
+        return pool_of(request).remove(key).to_json()
+    except KeyError as exc:
+        raise HTTPException(404, exc.args[0]) from exc
+
+
 class WorkerIn(BaseModel):
     url: HttpUrl
 
@@ -46,10 +54,7 @@ async def add_worker(request: Request, body: WorkerIn) -> dict[str, Any]:
 @router.delete("/workers/{worker_id}", tags=["workers"], dependencies=WRITE)
 async def delete_worker(request: Request, worker_id: str) -> dict[str, Any]:
     """Remove a worker by id (from `GET /workers`)."""
-    try:
-        return pool_of(request).remove(worker_id).to_json()
-    except KeyError as exc:
-        raise HTTPException(404, exc.args[0]) from exc
+    return removed(request, worker_id)
 
 
 @router.post("/add_worker", tags=["workers"], dependencies=WRITE)
@@ -66,10 +71,7 @@ async def add_worker_legacy(request: Request, url: HttpUrl) -> dict[str, Any]:
 @router.post("/remove_worker", tags=["workers"], dependencies=WRITE)
 async def remove_worker_legacy(request: Request, url: str) -> dict[str, Any]:
     """Legacy form of `DELETE /workers/{id}`, by URL."""
-    try:
-        return pool_of(request).remove(url).to_json()
-    except KeyError as exc:
-        raise HTTPException(404, exc.args[0]) from exc
+    return removed(request, url)
 
 
 @router.get("/list_workers", tags=["workers"])

@@ -1,6 +1,6 @@
 """The rollout loop's progress rules, as plain arithmetic: the demand gate, the prompt cursor's
 order, and the backoff after a dependency fails. No I/O but `read_demand`, which reads the
-gate's numbers from Redis for `rollout.py`.
+gate's numbers from Redis for the loop (`loop.py`).
 
 Demand gate. B = rollout_batch_size, k = num_steps_per_rollout, s = max_staleness, v = the
 trainer's version (optimizer steps done), e = the engines' version. The trainer fills rollout
