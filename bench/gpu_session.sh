@@ -5,7 +5,8 @@
 #   bash bench/gpu_session.sh faults    # weight-group failure tests: a peer dies mid-broadcast (2 GPUs, ~5 min; 3+: a group of 3 too, ~9 min)
 #   bash bench/gpu_session.sh run       # decoupled run: TP=2 trainer on GPUs 0-1, engines on 2, 3 (2 GPUs: 0 and 1)
 #   bash bench/gpu_session.sh mfu       # trainer tokens/s and MFU, packed vs padded (GPU 0)
-#   bash bench/gpu_session.sh moe       # MFU on active parameters: ~1.1B-active Qwen3-MoE vs its dense twin (GPU 0; ~65 GB)
+#   bash bench/gpu_session.sh moe       # MFU on active parameters: ~1.1B-active Qwen3-MoE, SequentialMLP vs grouped experts vs its dense twin (GPU 0; ~65 GB);
+#                                       # the experts layer alone vs bare torch._grouped_mm; a bf16 loss curve of both experts; MoE log-prob mismatch, replay off/on
 #   bash bench/gpu_session.sh sync      # NCCL weight sync GPU 0 -> 1 (and 2 if there) vs raw broadcast
 #   bash bench/gpu_session.sh convert   # one GPU: a --bf16 trainer's checkpoint converted out = its trained_model
 #   bash bench/gpu_session.sh benches   # mfu, then sync
@@ -94,12 +95,28 @@ mfu)
     ;;
 moe)  # 16 layers, hidden 2048, 32 experts top-8 of width 1024: 3.5B total, 1.1B active
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    timeout 420 python3 bench/trainer_throughput.py --device cuda --bf16 --hidden-size 2048 \
+    timeout 90 python3 bench/trainer_throughput.py --device cuda --layer-only 2>&1 \
+        | grep -v -i warn | tail -4 | tee "$OUT/moe_layer.txt"
+    # ~63 GB of weights, gradients and Adam state: an 80 GB card holds 4k-token micro-batches
+    tokens=8192
+    [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] \
+        && tokens=4096
+    timeout 330 python3 bench/trainer_throughput.py --device cuda --bf16 --hidden-size 2048 \
         --num-layers 16 --num-heads 16 --num-kv-heads 4 --head-dim 128 --vocab-size 32000 \
         --num-experts 32 --moe-topk 8 --moe-ffn-hidden-size 1024 --dense-baseline \
         --num-samples 128 --prompt-len 128 --mean-response-len 512 --max-response-len 2048 \
-        --max-tokens-per-gpu 8192 --modes packed 2>&1 | grep -v -i warn | tail -16 \
-        | tee "$OUT/trainer_throughput_moe.txt"
+        --max-tokens-per-gpu "$tokens" --modes packed --profile 12 2>&1 | grep -v -i warn \
+        > "$OUT/trainer_throughput_moe.txt"
+    grep -v "^ .* x[0-9]" "$OUT/trainer_throughput_moe.txt" | tail -40
+    # the same weights through both kinds of experts, bf16, 6 steps (a 0.5B-total MoE)
+    timeout 90 python3 bench/trainer_throughput.py --device cuda --bf16 --hidden-size 1024 \
+        --num-layers 8 --num-heads 8 --num-kv-heads 4 --head-dim 128 --vocab-size 32000 \
+        --num-experts 32 --moe-topk 8 --moe-ffn-hidden-size 512 --num-samples 32 \
+        --prompt-len 128 --mean-response-len 256 --max-response-len 1024 \
+        --max-tokens-per-gpu 8192 --curve 6 --lr 1e-4 2>&1 | grep -v -i warn | tail -7 \
+        | tee "$OUT/moe_curve.txt"
+    timeout 150 python3 bench/moe_logprob_mismatch.py --device cuda 2>&1 | grep -v -i warn \
+        | grep -E "log-prob|_diff" | tee "$OUT/moe_mismatch.txt"
     ;;
 sync)  # a hang dumps the bench's Python stacks (SIGABRT + faulthandler); logs go to $OUT
     engines="1"

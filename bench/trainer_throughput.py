@@ -25,12 +25,23 @@ rule. A ~1.1B-active Qwen3-MoE (3.5B total) against its dense twin, on one H200:
         --num-samples 128 --prompt-len 128 --mean-response-len 512 --max-response-len 2048 \
         --max-tokens-per-gpu 8192 --modes packed
 (about 63 GB of weights, gradients and AdamW state for the MoE, plus the dispatched tokens'
-activations: an H200; the dense twin runs after the MoE's memory is released.)
+activations: an H200; each model runs after the last one's memory is released.) An MoE runs
+twice, with megatron's `SequentialMLP` experts (`[moe_sequential]`) and with the grouped-GEMM
+experts (`[moe_grouped]`, the trainer's default); `--experts` picks one. Last line:
+`grouped_vs_sequential_tokens_per_s: RATIO`.
+
+Layer only (`--layer-only`): the experts module alone, forward+backward over tokens already
+grouped by expert, at Qwen3-30B-A3B's expert shape by default (hidden 2048, expert width 768,
+128 experts, top-8, 32k tokens), against the bare `torch._grouped_mm` calls of the same
+products on the same tensors (the kernel's ceiling: two forward, four backward GEMMs):
+    python bench/trainer_throughput.py --device cuda --layer-only
+Last line: `module_vs_bare_grouped_mm: RATIO`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import random
@@ -61,6 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="MoE: also time the dense model of the same active size (FFN topk x expert width)",
     )
+    p.add_argument(
+        "--experts",
+        choices=["both", "grouped", "sequential"],
+        default="both",
+        help="MoE: which experts to time (both: SequentialMLP, then grouped GEMMs)",
+    )
+    add_layer_args(p)
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--num-samples", type=int, default=128, help="samples per step")
     p.add_argument("--prompt-len", type=int, default=16)
@@ -88,6 +106,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after timing, profile one packed step and print the N costliest kernels",
     )
     return p.parse_args(argv)
+
+
+def add_layer_args(p: argparse.ArgumentParser) -> None:
+    """`--layer-only` and the shape of its experts layer."""
+    p.add_argument(
+        "--layer-only",
+        action="store_true",
+        help="time the experts module alone against bare torch._grouped_mm (bf16 on CUDA); "
+        "its shape: --layer-hidden, --layer-ffn, --layer-experts, --layer-topk, --layer-tokens",
+    )
+    p.add_argument(
+        "--curve",
+        type=int,
+        default=0,
+        metavar="N",
+        help="MoE: N optimizer steps of SequentialMLP and grouped experts from the same "
+        "weights on the same micro-batches; the loss and gradient norm of each step",
+    )
+    p.add_argument("--lr", type=float, default=1e-5, help="learning rate of --curve")
+    p.add_argument("--layer-hidden", type=int, default=2048)
+    p.add_argument("--layer-ffn", type=int, default=768)
+    p.add_argument("--layer-experts", type=int, default=128)
+    p.add_argument("--layer-topk", type=int, default=8)
+    p.add_argument("--layer-tokens", type=int, default=32768)
 
 
 def make_samples(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -178,13 +220,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     init_distributed(tp_size=1, seed=args.seed)
-    cfg = TrainerConfig(
-        model="(random)",
-        bf16=args.bf16,
-        max_tokens_per_gpu=args.max_tokens_per_gpu,
-        micro_batch_size=args.micro_batch_size,
-        recompute_logprobs=args.recompute_logprobs,
-    )
+    if args.layer_only:
+        return layer_only(args)
+    if args.curve:
+        return loss_curve(args)
     samples = make_samples(args)
     lengths = sorted(len(s.tokens) - args.prompt_len for s in samples)
     print(
@@ -196,19 +235,181 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_peak_tflops() if args.device == "cuda" else 0.0
     if peak:
         print(f"bf16 matmul peak (8192^3, random data, this GPU, now): {peak:.0f} TFLOP/s")
-    archs = [("moe" if args.num_experts else "dense", make_arch(args, moe=bool(args.num_experts)))]
-    if args.num_experts and args.dense_baseline:
-        archs.append(("dense_same_active", make_arch(args, moe=False)))
-    for label, arch in archs:
+    results = {}
+    for label, arch, grouped in models(args):
+        cfg = TrainerConfig(
+            model="(random)",
+            bf16=args.bf16,
+            max_tokens_per_gpu=args.max_tokens_per_gpu,
+            micro_batch_size=args.micro_batch_size,
+            recompute_logprobs=args.recompute_logprobs,
+            moe_grouped_experts=grouped,
+        )
         policy = Policy(cfg, "", arch=arch)
         total, active = parameter_counts(policy.model, arch)
         print(f"[{label}] params {total / 1e6:.1f}M, active {active / 1e6:.1f}M", flush=True)
-        bench_model(args, label, policy, cfg, samples, active, peak, sync)
-        del policy  # release the first model before the second is built
+        results[label] = bench_model(args, label, policy, cfg, samples, active, peak, sync)
+        del policy  # release one model before the next is built
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    if "moe_grouped" in results:
+        summary(args, results)
     return 0
+
+
+def models(args: argparse.Namespace) -> list:  # type: ignore[type-arg]
+    """(label, arch, grouped experts) of each model to time, in order."""
+    if not args.num_experts:
+        return [("dense", make_arch(args, moe=False), True)]
+    kinds = {"both": (False, True), "grouped": (True,), "sequential": (False,)}[args.experts]
+    out = [(f"moe_{'grouped' if g else 'sequential'}", make_arch(args, moe=True), g) for g in kinds]
+    if args.dense_baseline:
+        out.append(("dense_same_active", make_arch(args, moe=False), True))
+    return out
+
+
+def summary(args: argparse.Namespace, results: dict) -> None:  # type: ignore[type-arg]
+    """The grouped MoE's tokens/s and MFU against the other models of the run."""
+    mode = args.modes[0]
+    grouped = results["moe_grouped"][mode]
+    for label in ("dense_same_active", "moe_sequential"):
+        if label in results:
+            other = results[label][mode]
+            name = "dense" if label.startswith("dense") else "sequential"
+            if grouped.get("mfu") and other.get("mfu"):
+                print(f"grouped_vs_{name}_mfu: {grouped['mfu'] / other['mfu']:.2f}")
+            ratio = grouped["tokens_per_s"] / other["tokens_per_s"]
+            print(f"grouped_vs_{name}_tokens_per_s: {ratio:.2f}", flush=True)
+
+
+def layer_only(args: argparse.Namespace) -> int:
+    """One `GroupedExperts` layer, forward+backward, against the bare grouped GEMMs."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from services.trainer.grouped_experts import GroupedExperts
+    from services.trainer.hf_convert import transformer_config
+
+    arch = dataclasses.replace(
+        make_arch(args, moe=True),
+        hidden_size=args.layer_hidden,
+        num_experts=args.layer_experts,
+        moe_topk=args.layer_topk,
+        moe_ffn_hidden_size=args.layer_ffn,
+    )
+    cuda = args.device == "cuda"
+    config = transformer_config(arch, bf16=cuda)
+    experts = GroupedExperts(args.layer_experts, config, pg_collection=get_default_pg_collection())
+    dev, dtype = experts.weight1.device, experts.weight1.dtype
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    chosen = torch.rand(args.layer_tokens, args.layer_experts, generator=gen)
+    chosen = chosen.topk(args.layer_topk, dim=-1).indices.flatten()
+    counts = torch.bincount(chosen, minlength=args.layer_experts)  # rows per expert
+    rows = int(counts.sum())
+    x = torch.randn(rows, args.layer_hidden, device=dev, dtype=dtype, requires_grad=True)
+    probs = torch.rand(rows, device=dev, dtype=torch.float32)
+    grad = torch.randn(rows, args.layer_hidden, device=dev, dtype=dtype)
+    ends = counts.to(dev).cumsum(0).to(torch.int32)
+    flops = 18 * rows * args.layer_hidden * args.layer_ffn  # 3 GEMMs forward, x3 with backward
+
+    def module() -> None:
+        out, _ = experts(x, counts, probs)
+        out.backward(grad)
+
+    w1, w2 = experts.weight1.detach(), experts.weight2.detach()
+    h1 = torch.randn(rows, 2 * args.layer_ffn, device=dev, dtype=dtype)
+    h2 = torch.randn(rows, args.layer_ffn, device=dev, dtype=dtype)
+    xd = x.detach()
+
+    def bare() -> None:  # the same six products: fc1, fc2 forward; dx and dW of each
+        torch._grouped_mm(xd, w1.transpose(1, 2), offs=ends)
+        torch._grouped_mm(h2, w2.transpose(1, 2), offs=ends)
+        torch._grouped_mm(grad, w2, offs=ends)
+        torch._grouped_mm(grad.t(), h2, offs=ends)
+        torch._grouped_mm(h1, w1, offs=ends)
+        torch._grouped_mm(h1.t(), xd, offs=ends)
+
+    print(
+        f"layer: hidden {args.layer_hidden}, expert width {args.layer_ffn}, "
+        f"{args.layer_experts} experts, top-{args.layer_topk}, {args.layer_tokens} tokens "
+        f"({rows} routed rows), {dtype}, {dev}",
+        flush=True,
+    )
+    seconds = {name: time_call(fn, cuda) for name, fn in (("module", module), ("bare", bare))}
+    for name, sec in seconds.items():
+        print(f"{name}: {sec * 1e3:.2f} ms fwd+bwd, {flops / sec / 1e12:.1f} TFLOP/s", flush=True)
+    print(f"module_vs_bare_grouped_mm: {seconds['bare'] / seconds['module']:.2f}")
+    return 0
+
+
+def loss_curve(args: argparse.Namespace) -> int:
+    """SequentialMLP vs grouped experts, same weights, same micro-batches, `--curve` steps."""
+    import torch
+
+    from services.trainer import batching
+    from services.trainer.config import TrainerConfig
+    from services.trainer.grouped_experts import expert_views
+    from services.trainer.policy import Policy
+
+    arch, samples = make_arch(args, moe=True), make_samples(args)
+    policies = []
+    for grouped in (False, True):
+        cfg = TrainerConfig(
+            model="(random)",
+            bf16=args.bf16,
+            lr=args.lr,
+            max_tokens_per_gpu=args.max_tokens_per_gpu,
+            moe_grouped_experts=grouped,
+        )
+        policies.append(Policy(cfg, "", arch=arch))
+    with torch.no_grad():  # the grouped model takes the sequential one's initial weights
+        source = dict(expert_views(policies[0].model))
+        for name, tensor in expert_views(policies[1].model):
+            tensor.copy_(source[name])
+    policies[1].optimizer.reload_model_params()  # (bf16: the fp32 master copies too)
+    mbs = batching.make_micro_batches(samples, True, args.max_tokens_per_gpu, 1)
+    worst = 0.0
+    for step in range(args.curve):
+        row = []
+        for p in policies:
+            stats, _, norm = p.train_step(mbs, curve_loss, with_entropy=False)
+            nll = sum(float(s["nll"]) for s in stats) / sum(float(s["tokens"]) for s in stats)
+            row.append((nll, norm))
+        rel = abs(row[0][0] - row[1][0]) / abs(row[0][0])
+        worst = max(worst, rel)
+        print(
+            f"step {step}: loss (mean NLL) sequential {row[0][0]:.5f} grouped {row[1][0]:.5f} "
+            f"(rel diff {rel:.1e}); grad norm sequential {row[0][1]:.4f} grouped {row[1][1]:.4f}",
+            flush=True,
+        )
+    print(f"curve_max_rel_loss_diff: {worst:.2e}")
+    return 0
+
+
+def curve_loss(mb, logp, _entropy):  # type: ignore[no-untyped-def]
+    """Advantage-weighted log-likelihood (summed; megatron divides by the tokens); its NLL."""
+    mask, adv = mb.loss_mask.to(logp.device), mb.advantages.to(logp.device)
+    nll = -(logp * mask).sum()
+    return -(logp * adv * mask).sum(), mask.sum().int(), {"nll": nll.detach(), "tokens": mask.sum()}
+
+
+def time_call(fn, cuda: bool, repeats: int = 20) -> float:  # type: ignore[no-untyped-def]
+    """Median seconds of `fn()` after 3 warm-up calls."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def make_arch(args: argparse.Namespace, moe: bool):  # type: ignore[no-untyped-def]
@@ -245,14 +446,14 @@ def parameter_counts(model, arch) -> tuple[int, int]:  # type: ignore[no-untyped
     total = expert = 0
     for name, p in model.named_parameters():
         total += p.numel()
-        if ".local_experts." in name:
+        if ".experts." in name:  # SequentialMLP's local_experts, or the grouped weights
             expert += p.numel()
     share = arch.moe_topk / arch.num_experts if arch.num_experts else 1.0
     return total, int(total - expert + expert * share)
 
 
-def bench_model(args, label, policy, cfg, samples, active, peak, sync) -> None:  # type: ignore[no-untyped-def]
-    """Packed vs padded logprob check, then the timed modes of one model."""
+def bench_model(args, label, policy, cfg, samples, active, peak, sync) -> dict:  # type: ignore[no-untyped-def]
+    """Packed vs padded logprob check, then the timed modes of one model; their results."""
     from services.trainer import batching
 
     check = samples[:16]  # one micro-batch each way, so both hold the same samples in order
@@ -278,17 +479,19 @@ def bench_model(args, label, policy, cfg, samples, active, peak, sync) -> None: 
         )
         # 6 * N_active * tokens rule of thumb (forward+backward), active parameters only
         tflops = 6 * active * r["tokens_per_s"] / 1e12
+        r["mfu"] = tflops / peak if peak else 0.0
         print(f"[{label}] {name}_model_tflops_per_s: {tflops:.3f}", flush=True)
         if peak:
             print(f"[{label}] {name}_mfu: {tflops / peak:.3f} (of {peak:.0f} TFLOP/s matmul peak)")
-    if args.profile:
+    if args.profile and label != "moe_sequential":  # (its step is the slow known one)
         profile(policy, cfg, samples, args.profile, sync)
     if len(results) < 2:
         name = args.modes[0]
         print(f"[{label}] {name}_tokens_per_s: {results[name]['tokens_per_s']:.0f}")
-        return
+        return results
     ratio = results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"]
     print(f"[{label}] packed_vs_padded_tokens_per_s: {ratio:.2f}", flush=True)
+    return results
 
 
 def matmul_peak_tflops(n: int = 8192, repeats: int = 10) -> float:
@@ -337,22 +540,27 @@ def profile(policy, cfg, samples, top: int, sync) -> None:  # type: ignore[no-un
     for e in rows:
         if e.key.startswith(("aten::", "cuda")):  # operator rows repeat their kernels' time
             continue
-        key = e.key.lower()
-        kind = (
-            "matmul"
-            if any(k in key for k in ("gemm", "sm90", "cutlass", "nvjet"))
-            else "attention"
-            if "flash" in key or "fmha" in key
-            else "nccl"
-            if "nccl" in key
-            else "elementwise/other"
-        )
+        kind = kernel_kind(e.key.lower())
         kinds[kind] = kinds.get(kind, 0.0) + getattr(e, attr)
     print(f"profile: {total / 1e3:.1f} ms of kernels in one packed step")
     for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<20} {us / 1e3:9.1f} ms {100 * us / max(total, 1):5.1f}%")
     for e in [e for e in rows if not e.key.startswith(("aten::", "cuda"))][:top]:
         print(f"  {getattr(e, attr) / 1e3:9.2f} ms x{e.count:<5d} {e.key[:110]}")
+
+
+KINDS = (  # (kind, words of its kernels' names): the first that matches names a kernel's kind
+    ("grouped GEMM", ("grouped", "group_", "groupproblem")),
+    ("matmul", ("gemm", "sm90", "cutlass", "nvjet")),
+    ("attention", ("flash", "fmha")),
+    ("nccl", ("nccl",)),
+    ("permute/unpermute", ("index", "scatter", "gather", "sort", "nonzero", "masked", "cumsum")),
+    ("router top-k/softmax", ("topk", "softmax", "bitonic", "radix")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, words in KINDS if any(w in name for w in words)), "other")
 
 
 if __name__ == "__main__":

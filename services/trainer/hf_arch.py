@@ -2,7 +2,8 @@
 
 Knows: the HF config fields of the supported families (`proto.models.SUPPORTED_MODEL_TYPES`):
 Llama and Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm, a `head_dim` of its own) and
-Qwen3-MoE (top-k softmax router over SwiGLU experts, no shared expert); tied or untied
+Qwen3-MoE (top-k softmax router over SwiGLU experts, no shared expert; the experts
+megatron's `SequentialMLP` or `grouped_experts`); tied or untied
 embeddings; llama3 RoPE scaling; how each maps onto a megatron `TransformerConfig` and the
 local layer spec. Mistral's sliding window is only recorded here: whether it is ever reached
 depends on the context a service uses, which the service checks at start-up
@@ -24,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from proto.models import MOE_MODEL_TYPES, check_model_config, read_config
 from services.trainer.cpu_compat import fused_kernels_enabled
+from services.trainer.grouped_experts import experts_spec
 from services.trainer.packed_attention import gpt_layer_spec
 
 
@@ -224,13 +226,22 @@ def transformer_config(
 
 
 def build_gpt_model(
-    arch: HfArch, config: TransformerConfig, vocab_divisible_by: int, padded_vocab: int = 0
+    arch: HfArch,
+    config: TransformerConfig,
+    vocab_divisible_by: int,
+    padded_vocab: int = 0,
+    grouped_experts: bool = False,
 ) -> GPTModel:
     """An un-initialised (random) GPTModel shaped like `arch`, with the packed-attention spec.
-    `padded_vocab` (if set) overrides the padding rule, e.g. to match a checkpoint."""
+    `padded_vocab` (if set) overrides the padding rule, e.g. to match a checkpoint. An MoE's
+    experts are `GroupedExperts` with `grouped_experts`, else megatron's `SequentialMLP` (the
+    two write the same checkpoints)."""
+    spec = gpt_layer_spec(arch.qk_norm, arch.num_experts)
+    if arch.num_experts and grouped_experts:
+        spec = experts_spec(spec)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(arch.qk_norm, arch.num_experts),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab
         or arch.padded_vocab_size(vocab_divisible_by, config.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,

@@ -24,6 +24,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from proto.models import SUPPORTED_MODEL_TYPES
+from services.trainer.grouped_experts import expert_views
 from services.trainer.hf_arch import (
     HfArch,
     arch_from_config,
@@ -242,7 +243,7 @@ def load_hf_into_model(model: GPTModel, arch: HfArch, hf: Mapping[str, torch.Ten
     rank, size = _tp()
     ep_rank, ep_size = _ep()
     per_rank = arch.num_experts // ep_size
-    params = {global_expert_name(n, ep_rank, per_rank): p for n, p in model.named_parameters()}
+    params = {global_expert_name(n, ep_rank, per_rank): p for n, p in expert_views(model)}
     vocab = {"embedding.word_embeddings.weight": "model.embed_tokens.weight"}
     if not arch.tie_word_embeddings:
         vocab["output_layer.weight"] = "lm_head.weight"
@@ -417,7 +418,7 @@ def export_hf(
     full: dict[str, torch.Tensor] = {}
     group = parallel_state.get_tensor_model_parallel_group() if size > 1 else None
     if model not in _named_parameters:  # the walk over megatron's module tree costs ms
-        _named_parameters[model] = list(model.named_parameters())
+        _named_parameters[model] = list(expert_views(model))
     if on_device and size == 1 and ep_size == 1:
         cached = _device_exports.get(model)
         if cached is None or not cached.valid(dtype):

@@ -156,7 +156,10 @@ class Policy:
         # data-parallel ranks and divides the gradients once (finalize_model_grads).
         tf_config.calculate_per_token_loss = True
         self.model = hf_convert.build_gpt_model(
-            self.arch, tf_config, cfg.model.make_vocab_size_divisible_by
+            self.arch,
+            tf_config,
+            cfg.model.make_vocab_size_divisible_by,
+            grouped_experts=cfg.model.moe_grouped_experts,
         )
         if arch is None:
             hf_state = hf_convert.load_hf_state(model_dir)
