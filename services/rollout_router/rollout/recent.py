@@ -40,6 +40,7 @@ class RecentGroups:
                         "reward": s.reward,
                         "finish_reason": s.finish_reason,
                         "tokens": len(s.response_ids),
+                        "temperature": s.temperature,
                     }
                     for s in group.samples
                 ],
