@@ -102,6 +102,7 @@ print("trainer sent", flush=True)
 def test_nccl_update_receives_broadcasts_into_the_model(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
+    from proto import sglang as sg
     from services.engine.model_runner import ModelRunner
     from services.engine.scheduler import Scheduler
     from services.engine.weights import WeightUpdater
@@ -128,20 +129,17 @@ def test_nccl_update_receives_broadcasts_into_the_model(tmp_path: Path) -> None:
 
         async def update() -> str:
             await updater.init_group(
-                {
-                    "master_address": "127.0.0.1",
-                    "master_port": port,
-                    "rank_offset": 1,
-                    "world_size": 2,
-                }
+                sg.InitWeightsUpdateGroupReqInput(
+                    master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2
+                )
             )
             return await updater.from_distributed(
-                {
-                    "names": [n for n, _ in new],
-                    "dtypes": ["float32"] * len(new),
-                    "shapes": [list(t.shape) for _, t in new],
-                    "weight_version": "5",
-                }
+                sg.UpdateWeightsFromDistributedReqInput(
+                    names=[n for n, _ in new],
+                    dtypes=["float32"] * len(new),
+                    shapes=[list(t.shape) for _, t in new],
+                    weight_version="5",
+                )
             )
 
         start = time.monotonic()

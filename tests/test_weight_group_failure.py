@@ -195,6 +195,7 @@ print("trainer sent", flush=True)
 
 ENGINE = """
 import asyncio, socket, subprocess, sys, time, torch
+from proto import sglang as sg
 from services.common.serving import run_service
 from services.engine.weights import UpdateError, WeightUpdater
 trainer = sys.argv[1]
@@ -210,8 +211,8 @@ def free_port():
         return sock.getsockname()[1]
 
 async def update(updater, port):
-    await updater.init_group({"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2})
-    body = {"names": [f"t{k}" for k in range(4)], "dtypes": ["float32"] * 4, "shapes": [[1 << 24]] * 4}
+    await updater.init_group(sg.InitWeightsUpdateGroupReqInput(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2))
+    body = sg.UpdateWeightsFromDistributedReqInput(names=[f"t{k}" for k in range(4)], dtypes=["float32"] * 4, shapes=[[1 << 24]] * 4)
     prepared = updater._prepared_layout(body)  # the receive only: no model to load into
     return await updater._in_thread(lambda: updater._receive(prepared), "receiving")
 

@@ -25,6 +25,9 @@ from services.common.auth import WRITE, token_from_env
 from services.common.metrics import CONTENT_TYPE
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
+from services.engine.openai_api import add_openai_routes
+from services.engine.sampling import RequestError
+from services.engine.scheduler import QueueFullError
 from services.engine.web import (
     ClientDisconnectedError,
     error_response,
@@ -32,9 +35,6 @@ from services.engine.web import (
     read_json,
     until_disconnect,
 )
-from services.engine.openai_api import add_openai_routes
-from services.engine.sampling import RequestError
-from services.engine.scheduler import QueueFullError
 from services.engine.weights import UpdateError
 
 UPDATE_ANSWERS: dict[int | str, dict[str, Any]] = {
@@ -206,7 +206,7 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/init_weights_update_group", dependencies=WRITE, responses=UPDATE_ANSWERS)
     async def init_group(body: sg.InitWeightsUpdateGroupReqInput) -> Response:
-        await engine.weights.init_group(body.model_dump(exclude_unset=True))
+        await engine.weights.init_group(body)
         return json_response({"success": True, "message": "Joined the weight update group."})
 
     @app.post("/destroy_weights_update_group", dependencies=WRITE, responses=UPDATE_ANSWERS)
@@ -235,8 +235,5 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
                     raise RequestError(f"{name} is required (unless a known layout_id is given)")
         if body.bucket_sizes is not None and any(size < 1 for size in body.bucket_sizes):
             raise RequestError("bucket_sizes must be positive integers summing to len(names)")
-        fields = body.model_dump(exclude_unset=True)
-        if body.weight_version is not None:
-            fields["weight_version"] = str(body.weight_version)
-        new = await engine.weights.from_distributed(fields)
+        new = await engine.weights.from_distributed(body)
         return ok(new, "Updated weights from the distributed group.")

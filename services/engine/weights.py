@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from proto import sglang as sg
 from services.common.hf_weights import weight_files
 from services.engine.model_runner import LoadPlan, ModelRunner, WeightError
 from services.engine.scheduler import Scheduler
@@ -259,10 +260,10 @@ class WeightUpdater:
             self._live = None
             return applied
 
-    async def init_group(self, body: dict[str, Any]) -> None:
+    async def init_group(self, body: sg.InitWeightsUpdateGroupReqInput) -> None:
         """Join the trainer's weight-update group (blocks until every rank joined)."""
         backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
-        asked = str(body.get("backend") or backend)
+        asked = body.backend or backend
         if asked != backend:
             raise UpdateError(
                 f"the weight group uses backend {asked!r} but this engine runs on "
@@ -289,24 +290,26 @@ class WeightUpdater:
             group, self._group = self._group, None
             await self._in_thread(lambda: leave_group(group), "leaving the group")
 
-    def _join(self, body: dict[str, Any], backend: str) -> None:
+    def _join(self, body: sg.InitWeightsUpdateGroupReqInput, backend: str) -> None:
         if self._group is not None:
             leave_group(self._group)
             self._group = None
-        given = timedelta(seconds=body.get("timeout_s") or self.group_timeout.total_seconds())
+        given = timedelta(seconds=body.timeout_s or self.group_timeout.total_seconds())
         self._timeout = min(given, self.group_timeout)
-        rank, name = int(body.get("rank_offset", 1)), body.get("group_name", "weight_update_group")
-        address, port, world = body["master_address"], int(body["master_port"]), body["world_size"]
-        self._group = join_group(address, port, rank, int(world), name, backend, self._timeout)
+        address, port, name = body.master_address, body.master_port, body.group_name
+        self._group = join_group(
+            address, port, body.rank_offset, body.world_size, name, backend, self._timeout
+        )
         self._group_name = name
 
-    async def from_distributed(self, body: dict[str, Any]) -> str:
+    async def from_distributed(self, body: sg.UpdateWeightsFromDistributedReqInput) -> str:
         """Receive a version by broadcast from rank 0 (per tensor, or flat buckets; see the
         module docstring), then apply it all at once."""
         prepared = self._prepared_layout(body)
         if self._group is None:
             raise UpdateError("no weight update group: call /init_weights_update_group first", 400)
-        group_name = body.get("group_name", self._group_name)
+        # (a body that names no group means the one joined)
+        group_name = body.group_name if "group_name" in body.model_fields_set else self._group_name
         if group_name != self._group_name:
             raise UpdateError(
                 f"group_name {group_name!r} is not the joined group {self._group_name!r}", 400
@@ -328,20 +331,20 @@ class WeightUpdater:
                 raise UpdateError(f"broadcast failed, weights unchanged: {exc}", 500) from exc
             if prepared.problem:  # refused only now: leaving the collective early hangs it
                 raise UpdateError(f"weights refused, model unchanged: {prepared.problem}", 400)
-            self._check_forward(body.get("weight_version"))
-            abort_all = bool(body.get("abort_all_requests"))
-            version = await self._apply(
-                tensors, body.get("weight_version"), abort_all, adopt=True, plan=plan
+            version = sg.version_str(body.weight_version)
+            self._check_forward(version)
+            applied = await self._apply(
+                tensors, version, body.abort_all_requests, adopt=True, plan=plan
             )
             self._live = received  # the model's storage now (None: memory of its own)
-            return version
+            return applied
 
-    def _prepared_layout(self, body: dict[str, Any]) -> PreparedLayout:
+    def _prepared_layout(self, body: sg.UpdateWeightsFromDistributedReqInput) -> PreparedLayout:
         """The request's layout, parsed and checked against the model; from the cache when
         the body names a known `layout_id` instead of listing the tensors."""
-        layout_id = body.get("layout_id")
-        flat = body.get("load_format") is not None
-        if body.get("names") is None:
+        layout_id = body.layout_id
+        flat = body.load_format is not None
+        if body.names is None or body.dtypes is None or body.shapes is None:
             prepared = self._layouts.get(layout_id) if layout_id is not None else None
             if prepared is None:
                 raise UpdateError(
@@ -356,10 +359,10 @@ class WeightUpdater:
                     409,
                 )
             return prepared
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        names, dtypes, shapes = body.names, body.dtypes, body.shapes
         if not (len(names) == len(dtypes) == len(shapes)):
             raise UpdateError("names, dtypes and shapes must have the same length", 400)
-        bucket_sizes = self._flat_bucket_sizes(body, len(names))
+        bucket_sizes = self._flat_bucket_sizes(body.load_format, body.bucket_sizes, len(names))
         layout = [
             (n, torch_dtype(d), list(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)
         ]
@@ -373,15 +376,16 @@ class WeightUpdater:
             self._layouts.pop(layout_id, None)
             for older in self._layouts.values():  # receive sets for the newest layout only
                 older.keep, older.receive_sets = False, []
-            prepared.keep = bucket_sizes is not None and body.get("bucket_sizes") is not None
+            prepared.keep = bucket_sizes is not None and body.bucket_sizes is not None
             self._layouts[layout_id] = prepared
             while len(self._layouts) > LAYOUTS_KEPT:
                 self._layouts.pop(next(iter(self._layouts)))
         return prepared
 
-    def _flat_bucket_sizes(self, body: dict[str, Any], count: int) -> list[int] | None:
+    def _flat_bucket_sizes(
+        self, load_format: str | None, sizes: list[int] | None, count: int
+    ) -> list[int] | None:
         """Tensor counts of the flat buckets to receive; None = one broadcast per tensor."""
-        load_format, sizes = body.get("load_format"), body.get("bucket_sizes")
         if load_format is None:
             if sizes is not None:
                 raise UpdateError('bucket_sizes needs "load_format": "flattened_bucket"', 400)
