@@ -22,8 +22,8 @@ from proto import sglang as sg
 from services.common.chat_messages import MessageError, template_messages
 from services.engine.api import UNSUPPORTED_FIELDS
 from services.engine.engine import Engine
-from services.engine.web import json_response, read_json, until_disconnect
 from services.engine.sampling import RequestError
+from services.engine.web import json_response, read_json, until_disconnect
 
 # OpenAI/SGLang request field -> native sampling parameter
 _SAMPLING_FIELDS = {
@@ -89,20 +89,7 @@ def completion_request(body: Any, engine: Engine) -> dict[str, Any]:
         or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str))
         else "input_ids"
     )
-    return_logprob, top = _top_n(body, chat=False)
-    return {
-        **_unsupported(body),
-        key: prompt,
-        "sampling_params": _sampling(body, body.get("max_tokens", 16)),
-        "return_logprob": return_logprob,
-        "top_logprobs_num": top,
-        "stream": body.get("stream", False),
-        "return_text_in_logprobs": True,
-        "rid": body.get("rid"),
-        "return_prompt_token_ids": bool(
-            body.get("return_token_ids") or body.get("return_prompt_token_ids")
-        ),
-    }
+    return _native(body, key, prompt, body.get("max_tokens", 16), chat=False)
 
 
 def chat_request(body: Any, engine: Engine) -> dict[str, Any]:
@@ -132,10 +119,15 @@ def chat_request(body: Any, engine: Engine) -> dict[str, Any]:
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    return_logprob, top = _top_n(body, chat=True)
+    return _native(body, "input_ids", list(ids), max_tokens, chat=True)
+
+
+def _native(body: dict, key: str, prompt: Any, max_tokens: Any, chat: bool) -> dict[str, Any]:
+    """The native `/generate` body of an OpenAI one whose prompt is `prompt` (as `key`)."""
+    return_logprob, top = _top_n(body, chat)
     return {
         **_unsupported(body),
-        "input_ids": list(ids),
+        key: prompt,
         "sampling_params": _sampling(body, max_tokens),
         "return_logprob": return_logprob,
         "top_logprobs_num": top,
