@@ -133,6 +133,32 @@ def test_the_entropy_the_trainer_reports_is_the_tempered_distributions(
         assert torch.allclose(entropy[row, start:stop], want, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tempered_log_probs_and_their_gradients_are_those_of_the_divided_logits(
+    megatron_world: None,  # noqa: F811 - the imported fixture
+    dtype: torch.dtype,
+) -> None:
+    from services.trainer.policy import token_logprobs
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=gen).to(dtype).requires_grad_()
+    targets = torch.randint(0, 11, (2, 5), generator=gen)
+    temperature = torch.tensor([[0.7] * 5, [1.3] * 3 + [1.0] * 2])
+    logp, entropy = token_logprobs(logits, targets, 11, True, True, temperature)
+    assert entropy is not None
+    (logp.sum() + entropy.sum()).backward()
+    leaf = logits.detach().float().requires_grad_()
+    want = (leaf / temperature.unsqueeze(-1)).log_softmax(-1)
+    want_entropy = -(want.exp() * want).sum(-1)
+    (want.gather(-1, targets.unsqueeze(-1)).sum() + want_entropy.sum()).backward()
+    assert torch.allclose(logp, want.gather(-1, targets.unsqueeze(-1)).squeeze(-1), atol=1e-5)
+    assert torch.allclose(entropy, want_entropy, atol=1e-5)
+    assert logits.grad is not None and leaf.grad is not None
+    assert torch.allclose(
+        logits.grad.float(), leaf.grad, atol=1e-2 if dtype != torch.float32 else 1e-5
+    )
+
+
 def test_a_micro_batch_of_temperature_1_divides_nothing_and_padding_is_at_1() -> None:
     def train_sample(n: int, temperature: float) -> batching.TrainSample:
         ones = np.ones(n, np.float32)

@@ -85,9 +85,11 @@ def token_logprobs(
     group = parallel_state.get_tensor_model_parallel_group()
     local_v = logits.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * local_v
-    logits = logits.float()
-    if temperature is not None:
-        logits = logits / temperature.to(logits.device).unsqueeze(-1)
+    scaled = logits.float()
+    if temperature is not None:  # (bf16 logits: in place on float()'s copy, one [.., V] less)
+        t = temperature.to(scaled.device).unsqueeze(-1)
+        scaled = scaled / t if scaled is logits else scaled.div_(t)
+    logits = scaled
     vocab_ids = torch.arange(start, start + local_v, device=logits.device)
     if start + local_v > vocab_size:
         logits = logits.masked_fill(vocab_ids >= vocab_size, PAD_LOGIT)
