@@ -23,7 +23,7 @@ from services.rollout_router.backpressure import (
     BufferFullError,
     depth_note,
 )
-from services.rollout_router.config import RolloutConfig, SessionConfig
+from services.rollout_router.config import RolloutConfig, RouterConfig, SessionConfig
 from services.rollout_router.gateway.routes_agent import router as agent_router
 from services.rollout_router.gateway.sessions import AgentSessions
 from services.rollout_router.rollout.progress import Demand, allowance
@@ -67,20 +67,20 @@ def consume(buffer: SampleBuffer, n: int) -> None:
 
 def test_the_staleness_reach_is_the_most_the_demand_gate_ever_allows() -> None:
     for batch, k, s in [(4, 1, 0), (4, 1, 1), (4, 2, 1), (3, 2, 3), (8, 3, 7)]:
-        config = RolloutConfig(rollout_batch_size=batch, num_steps_per_rollout=k, max_staleness=s)
+        config = RouterConfig(rollout_batch_size=batch, num_steps_per_rollout=k, max_staleness=s)
         most = max(allowance(Demand(0, 0, 0, v, v), batch, k, s) for v in range(3 * k))
         assert config.staleness_reach() == most, (batch, k, s)
 
 
 def test_a_depth_bound_below_the_rollout_batch_is_refused_naming_the_flags() -> None:
-    config = RolloutConfig(rollout_batch_size=8, max_buffer_depth=5, rollout=False)
+    config = RouterConfig(rollout_batch_size=8, max_buffer_depth=5, rollout=False)
     with pytest.raises(ValueError, match=r"--max-buffer-depth 5 is below the rollout batch size 8"):
         config.validate()
-    assert RolloutConfig(rollout_batch_size=8, rollout=False).buffer_depth_bound() == 32
-    RolloutConfig(rollout_batch_size=8, max_buffer_depth=0, rollout=False).validate()
-    tight = RolloutConfig(rollout_batch_size=8, max_buffer_depth=10, max_staleness=2)
+    assert RouterConfig(rollout_batch_size=8, rollout=False).buffer_depth_bound() == 32
+    RouterConfig(rollout_batch_size=8, max_buffer_depth=0, rollout=False).validate()
+    tight = RouterConfig(rollout_batch_size=8, max_buffer_depth=10, max_staleness=2)
     assert "raise --max-buffer-depth to 24" in depth_note(tight)
-    assert depth_note(RolloutConfig(rollout_batch_size=8, max_staleness=2)) == ""
+    assert depth_note(RouterConfig(rollout_batch_size=8, max_staleness=2)) == ""
 
 
 async def test_what_the_router_writes_the_trainer_reads_and_the_ledger_counts(
@@ -318,10 +318,11 @@ async def test_a_group_whose_start_is_on_its_way_when_the_rollout_stops_is_recor
     """The stop came while a group's START (counted generated and in flight) had run on the
     server and its reply was on its way: no task held the group, so nothing recorded it and
     the ledger of a finished run said `in flight 1`. Now it is a `cancelled` drop."""
+    from proto.run_terms import RunTerms
     from services.rollout_router.config import SamplingConfig
     from services.rollout_router.rollout.loop import RolloutLoop
 
-    loop = RolloutLoop(RolloutConfig(), SamplingConfig(), None, aio, None, None, [])  # type: ignore[arg-type]
+    loop = RolloutLoop(RunTerms(), RolloutConfig(), SamplingConfig(), None, aio, None, None, [])  # type: ignore[arg-type]
     real, ran = aio.start_group, asyncio.Event()
 
     async def reply_on_its_way() -> int:

@@ -354,9 +354,9 @@ def test_a_rollout_task_that_dies_makes_health_503_and_the_status_failed(
     monkeypatch.setattr(RolloutLoop, "make_group", broken)
     config = RouterConfig()
     config.workers.engine_urls = [engines().url]
-    config.rollout.model = str(toy_model_dir)
+    config.run.model = str(toy_model_dir)
     config.rollout.eval_interval = 0
-    config.buffer = buffer.config
+    config.run.redis_url, config.run.run_id = buffer.config.redis_url, buffer.config.run_id
     with TestClient(create_app(config)) as client:
         resp = wait_until(
             lambda: (r := client.get("/health")).status_code == 503 and r, "/health to fail"

@@ -112,13 +112,13 @@ def test_chat_template_variables_reach_every_render_and_a_turns_own_win(
     flagged = TemplateKwargs(tokenizer, {"note": "flag"})  # --apply-chat-template-kwargs
     assert tokenizer.decode(encode_prompt(flagged, prompt, True)) == "flag:hi"
     assert tokenizer.decode(encode_prompt(flagged, prompt, True, note="turn")) == "turn:hi"
-    config = RouterConfig()
+    config = RouterConfig(rollout=False)  # (no --model needed)
     config.data.apply_chat_template_kwargs = '["enable_thinking"]'
     with pytest.raises(ValueError, match="--apply-chat-template-kwargs must be a JSON object"):
-        config.validate(model=False)
+        config.validate()
     config.data.apply_chat_template_kwargs = "{enable_thinking: false}"
     with pytest.raises(ValueError, match="--apply-chat-template-kwargs: not JSON"):
-        config.validate(model=False)
+        config.validate()
 
 
 def test_tools_reach_the_template_as_sglang_0_5_23_dumps_them() -> None:

@@ -4,12 +4,12 @@ a sample is drawn at that one temperature, whatever a PATCH changes while it is 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from proto.run_terms import RunTerms
 from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.gateway.session_store import Session, session_samples
 from services.rollout_router.rollout.control import filter_problem
@@ -49,7 +49,7 @@ class PatchingPool:
         self.asked.append([p["temperature"] for p in params])
         worker = SimpleNamespace(weight_version=0)
         if len(self.asked) == 1:
-            sampling = dataclasses.replace(self.live.sampling, rollout_temperature=1.3)
+            sampling = self.live.sampling.model_copy(update={"rollout_temperature": 1.3})
             self.live.sampling = sampling  # (as PATCH /rollout/config replaces it)
             return [output([6], "abort"), output([5, 2], "stop")], worker
         outs = [output([2], "stop") for _ in params]
@@ -61,7 +61,8 @@ def test_an_aborted_sample_redone_after_a_temperature_patch_is_asked_and_recorde
     partial_rollout: bool,
 ) -> None:
     live = LiveSettings(
-        RolloutConfig(n_samples_per_prompt=2, partial_rollout=partial_rollout),
+        RunTerms(n_samples_per_prompt=2),
+        RolloutConfig(partial_rollout=partial_rollout),
         SamplingConfig(rollout_max_response_len=4, rollout_temperature=0.7),
     )
     pool = PatchingPool(live)

@@ -307,6 +307,7 @@ def test_the_session_store_is_bounded_in_number_and_age():
 
 
 def test_rollout_requests_carry_the_sampling_settings_and_stops():
+    from proto.run_terms import RunTerms
     from services.rollout_router.config import RolloutConfig, SamplingConfig
     from services.rollout_router.rollout.loop import RolloutLoop
 
@@ -317,7 +318,7 @@ def test_rollout_requests_carry_the_sampling_settings_and_stops():
         rollout_top_k=20,
         rollout_stop=["</a>"],
     )
-    loop = RolloutLoop(RolloutConfig(), sampling, None, None, None, None, [2, 7])  # type: ignore[arg-type]
+    loop = RolloutLoop(RunTerms(), RolloutConfig(), sampling, None, None, None, None, [2, 7])  # type: ignore[arg-type]
     body = loop.gen.payload([1, 5], n=8, max_new=9, greedy=False, seed=42)
     # n samples = a batch of n copies, each its own seed (SGLang's `n` shares one seed)
     assert body["input_ids"] == [[1, 5]] * 8 and body["return_logprob"] is True

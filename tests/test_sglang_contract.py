@@ -18,6 +18,7 @@ import pytest
 
 from proto import sglang as sg
 from proto.messages import NcclOffer, TensorMeta
+from proto.run_terms import RunTerms
 from services.common.engine_info import VersionUnavailableError, weight_version
 from services.rollout_router.config import RolloutConfig, SamplingConfig
 from services.rollout_router.rollout.loop import RolloutLoop
@@ -98,7 +99,7 @@ def rollout_loop() -> RolloutLoop:
     sampling = SamplingConfig(
         rollout_max_response_len=6, rollout_top_p=0.9, rollout_top_k=20, rollout_stop=["</a>"]
     )
-    return RolloutLoop(RolloutConfig(), sampling, None, None, None, None, [2])  # type: ignore[arg-type]
+    return RolloutLoop(RunTerms(), RolloutConfig(), sampling, None, None, None, None, [2])  # type: ignore[arg-type]
 
 
 def test_rollout_generate_bodies_are_accepted_and_give_n_samples(engines) -> None:  # type: ignore[no-untyped-def]

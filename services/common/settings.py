@@ -78,15 +78,17 @@ class Section(BaseModel):
         if not isinstance(data, dict):
             return data
         data, paths = dict(data), leaves(cls)
+        moved: dict[str, dict[str, Any]] = {}
         for key in [k for k in data if len(paths.get(k, (k,))) > 1]:
             if key in cls.model_fields and isinstance(data[key], dict | BaseModel):
                 continue  # the section of that name (`model` a section, `run.model` a leaf)
-            section = paths[key][0]  # (from its default: a service sets its own, e.g. a port)
+            moved.setdefault(paths[key][0], {})[key] = data.pop(key)
+        for section, values in moved.items():  # (onto its default: a service's own port)
             inner = data.get(section) or cls.model_fields[section].get_default(
                 call_default_factory=True
             )
             inner = inner.model_dump() if isinstance(inner, BaseModel) else dict(inner)
-            data[section] = {**inner, key: data.pop(key)}
+            data[section] = {**inner, **values}
         return data
 
 

@@ -11,39 +11,34 @@ import sys
 from typing import Any
 
 from services.common.auth import check_bind, token_from_env
-from services.common.config_file import parse_args
-from services.common.flags import add_config_args, config_from_args
 from services.common.serving import (
     CONFIG_ERRORS,
+    EXIT_CODES,
     LateConfigError,
     ServiceError,
-    add_serving_args,
     run_service,
     serve,
 )
+from services.common.settings import load, parser
 from services.rollout_router.balancer.workers import WorkerPool
-from services.rollout_router.config import RouterConfig, WorkerPoolConfig
+from services.rollout_router.config import RouterConfig, WorkerPoolConfig, depth_bound
 from services.rollout_router.config_checks import check_buffer_depth
 from services.sample_buffer import SampleBuffer
 
-DESCRIPTION = """\
+DESCRIPTION = (
+    """\
 Rollout router. Fronts SGLang-compatible engines (balancing, health checks, retries; the router
 answers /generate and /v1/* like one engine), and runs the rollout loop: prompts -> engines ->
 samples -> rewards -> Redis stream, never more than --max-staleness weight versions ahead of the
-trainer. Control API and OpenAPI docs at /docs."""
+trainer. Control API and OpenAPI docs at /docs. """
+    + EXIT_CODES
+)
+PROG = "tandem router"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem router", description=DESCRIPTION)
-    add_config_args(parser, RouterConfig)
-    parser.add_argument("--host", default="127.0.0.1", help="Bind address (default: 127.0.0.1).")
-    parser.add_argument("--port", type=int, default=30000, help="Port (0 = any free port).")
-    parser.add_argument(
-        "--ready-file", default=None, help="Write {url,host,port,pid} here once up."
-    )
-    parser.add_argument("--log-level", default="INFO", help="Python log level.")
-    add_serving_args(parser, max_request_mib=16)  # long agent conversations, batched prompts
-    return parser
+    """The router's flags with their defaults (its `--help`; `load` parses with its own)."""
+    return parser(RouterConfig, PROG, DESCRIPTION, defaults=True)
 
 
 async def wait_for_engines(config: WorkerPoolConfig) -> None:
@@ -74,24 +69,25 @@ def longest_prompt(app: Any) -> int | None:
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(build_parser(), argv, "router")
+    config = load(RouterConfig, argv, "router", PROG, about=DESCRIPTION)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+        level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    config = config_from_args(RouterConfig, args)
     config.api_token = config.api_token or token_from_env("TANDEM_ROUTER_TOKEN")
+    at = config.serve
     return run_service(
         "router",
-        lambda: start(config, args.host),
-        lambda app, sock: run(app, args, sock, config),
-        listen=(args.host, args.port),
-        ready_file=args.ready_file,
+        lambda: start(config),
+        lambda app, sock: run(app, sock, config),
+        listen=(at.host, at.port),
+        ready_file=at.ready_file,
     )
 
 
-def start(config: RouterConfig, host: str) -> Any:
-    """The router's app, once Redis and every engine answer and the run contract agrees."""
-    check_bind(host, config.api_token, "tandem router")
+def start(config: RouterConfig) -> Any:
+    """The router's app (`create_app` validates and checks its config), once Redis and every
+    engine answer and the run contract agrees."""
+    check_bind(config.serve.host, config.api_token, "tandem router")
     # The router needs no torch; keep any library that spins up thread pools to one thread,
     # since several services share the CPU.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -101,27 +97,27 @@ def start(config: RouterConfig, host: str) -> Any:
     # Waiting here, before serving, turns a missing engine or Redis (or a run contract that
     # contradicts the trainer's) into one clear line and no ready file; the lifespan then
     # finds them answering at once.
-    buffer = SampleBuffer(config.buffer)
+    buffer = SampleBuffer(config.buffer_config())
     buffer.wait_ready(30.0)
-    run = buffer.agree_contract(config.rollout.contract(), "router")
+    run = buffer.agree_contract(config.contract(), "router")
     # The trainer's batch (with --no-rollout the router states none of its own): a ValueError
     # (exit 2) when --max-buffer-depth cannot hold one rollout batch.
-    check_buffer_depth(config.rollout.buffer_depth_bound(), run.rollout_batch_size or 0)
+    batch = run.rollout_batch_size or 0
+    check_buffer_depth(depth_bound(config.rollout.max_buffer_depth, batch), batch)
     asyncio.run(wait_for_engines(config.workers))
     return app
 
 
-def run(
-    app: Any, args: argparse.Namespace, sock: socket.socket | None, config: RouterConfig
-) -> None:
+def run(app: Any, sock: socket.socket | None, config: RouterConfig) -> None:
     from services.rollout_router.balancer.fastpath import FastForwardMiddleware
 
+    at = config.serve
     try:
         serve(
             FastForwardMiddleware(app),
-            args.host,
-            args.port,
-            args.ready_file,
+            at.host,
+            at.port,
+            at.ready_file,
             extra={
                 "eval_task": lambda: eval_task(app),
                 "task_notes": lambda: (
@@ -133,8 +129,8 @@ def run(
                     app.state.control.loop.gen.context_len if app.state.control else None
                 ),
             },
-            max_request_bytes=args.max_request_bytes,
-            graceful_shutdown_s=args.graceful_shutdown_s,
+            max_request_bytes=at.max_request_bytes,
+            graceful_shutdown_s=at.graceful_shutdown_s,
             sock=sock,
         )
     except SystemExit as exc:  # uvicorn exits 3 when the lifespan fails

@@ -31,7 +31,7 @@ from services.rollout_router.balancer.engine_context import ContextGate
 from services.rollout_router.balancer.routes_engine import router as engine_router
 from services.rollout_router.balancer.routes_workers import router as workers_router
 from services.rollout_router.balancer.workers import WorkerPool
-from services.rollout_router.config import DataConfig, RouterConfig, SamplingConfig
+from services.rollout_router.config import DataConfig, RouterConfig, SamplingConfig, check
 from services.rollout_router.gateway.chat_input import TemplateKwargs
 from services.rollout_router.gateway.routes_agent import router as agent_router
 from services.rollout_router.gateway.sessions import AgentSessions
@@ -116,10 +116,10 @@ async def build_control(
     config: RouterConfig, pool: WorkerPool, buffer: AsyncSampleBuffer
 ) -> RolloutController:
     """Tokenizer, task and reward, loaded once; the rollout loop and its controller."""
-    tokenizer = await asyncio.to_thread(load_tokenizer, config.rollout.model)
+    tokenizer = await asyncio.to_thread(load_tokenizer, config.run.model)
     if template := config.data.template_kwargs():
         tokenizer = TemplateKwargs(tokenizer, template)
-    context = int(read_config(config.rollout.model)[0].get("max_position_embeddings", 0))
+    context = int(read_config(config.run.model)[0].get("max_position_embeddings", 0))
     make_task = functools.partial(build_task, context_len=context)
     task = await asyncio.to_thread(make_task, config.data, tokenizer)
     now = data_record(task, config.data.prompt_data or "the built-in toy task")
@@ -128,7 +128,7 @@ async def build_control(
     task.notes += (changed,) if changed else ()
     if problem := filter_problem(config.sampling):  # (exit 2, as a bad flag)
         raise ValueError(problem)
-    if greedy := greedy_note(config.sampling, config.rollout.n_samples_per_prompt):
+    if greedy := greedy_note(config.sampling, config.run.n_samples_per_prompt):
         task.notes += (greedy,)  # (tandem up refuses it with a group-relative trainer)
     for note in task.notes:
         log.warning("%s", note)
@@ -152,6 +152,7 @@ async def build_control(
         chat = config.data.apply_chat_template
         episodes = EpisodeRunner(config.env, client, tokenizer, chat, context)
     loop = RolloutLoop(
+        config.run,
         config.rollout,
         config.sampling,
         pool,
@@ -171,14 +172,14 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     pool = WorkerPool(config.workers)
     await pool.start()
     app.state.control = app.state.sessions = None
-    buffer = AsyncSampleBuffer(config.buffer)
+    buffer = AsyncSampleBuffer(config.buffer_config())
     lease = RouterLease(buffer)
     try:
         await pool.add_all(config.workers.engine_urls, config.workers.engine_wait_timeout_s)
         await buffer.wait_ready(30.0)
         app.state.pool, app.state.buffer = pool, buffer
         pool.start_health_checks()
-        if config.rollout.model:  # (it writes the run's samples: one router per run)
+        if config.run.model:  # (it writes the run's samples: one router per run)
             await lease.take()
             await buffer.recover_open("router")  # (a killed router's agent sessions)
             control = app.state.control = await build_control(config, pool, buffer)
@@ -193,9 +194,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                 control.loop.bound,
                 control.tokenizer,
                 control.loop.gen.stop_token_ids,
-                config.rollout.n_samples_per_prompt,
+                config.run.n_samples_per_prompt,
             )
-            if note := depth_note(config.rollout):
+            if note := depth_note(config):
                 log.info("%s", note)
             control.start_evaluations()
             if config.rollout.rollout:
@@ -223,6 +224,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 def create_app(config: RouterConfig) -> FastAPI:
     config.validate()
+    if problems := check(config):  # (the model's folder, data files, a custom reward)
+        raise ValueError(problems[0])
     app = FastAPI(
         title="Tandem rollout router",
         description="Balances SGLang-compatible engines and runs RL rollouts into Redis.",

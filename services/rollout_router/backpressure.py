@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from proto.packed import Group, PackedGroup, pack
-from services.rollout_router.config import RolloutConfig
+from services.rollout_router.config import RouterConfig
 from services.sample_buffer import AsyncSampleBuffer
 
 UNBOUNDED = 1 << 62
@@ -88,14 +88,14 @@ def full_error(key: str, depth: int, max_depth: int, timeout_s: float) -> Buffer
     )
 
 
-def depth_note(config: RolloutConfig) -> str:
+def depth_note(config: RouterConfig) -> str:
     """A start-up line when the depth bound, not staleness, limits how far rollouts run ahead."""
     bound, reach = config.buffer_depth_bound(), config.staleness_reach()
-    if not config.rollout or bound == 0 or bound >= reach:
+    if not config.rollout.rollout or bound == 0 or bound >= reach:
         return ""
     return (
         f"--max-buffer-depth {bound} holds rollouts to {bound} groups ahead of the trainer, "
-        f"fewer than --max-staleness {config.max_staleness} allows ({reach}); raise "
+        f"fewer than --max-staleness {config.run.max_staleness} allows ({reach}); raise "
         f"--max-buffer-depth to {reach} to let them run as far ahead as staleness allows"
     )
 

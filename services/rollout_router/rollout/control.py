@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
-import typing
 from typing import Any
 
+from pydantic import BaseModel
 from redis.exceptions import RedisError
 
-from proto.contract import FLAGS, SampleLimits
+from proto.contract import SampleLimits
 from services.common.long_wait import LongWait
 from services.rollout_router.balancer.engine_context import ContextGate
 from services.rollout_router.config import DataConfig, SamplingConfig, reward_problem
@@ -33,16 +32,6 @@ from services.rollout_router.rollout.report import status as loop_status
 
 log = logging.getLogger("tandem.router.control")
 
-# Fields a running router may change; the model and the run identity may not.
-FROZEN = {"model", "rollout", "version_poll_s", "max_buffer_depth", "apply_chat_template_kwargs"}
-# Terms of the run contract (proto/contract.py): the trainer relies on them, so they are fixed
-# for the run's life.
-CONTRACT_TERMS = (
-    "rollout_batch_size",
-    "n_samples_per_prompt",
-    "max_staleness",
-    "num_steps_per_rollout",
-)
 STATUS_INTERVAL_S = 2.0
 STATUS_TTL_S = 30.0
 
@@ -82,35 +71,10 @@ class ConfigPatchError(ValueError):
     """A PATCH names an unknown or frozen field, has a wrong type, or fails validation."""
 
 
-class ContractTermError(ConfigPatchError):
-    """A PATCH changes a term of the run contract (answered 409)."""
-
-
-def _check_type(name: str, kind: Any, value: Any) -> Any:
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigPatchError(f"{name}: expected a list")
-        return [_check_type(f"{name}[]", args[0], v) for v in value]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if kind is int and isinstance(value, bool):
-        raise ConfigPatchError(f"{name}: expected int, got bool")
-    if not isinstance(value, kind):
-        raise ConfigPatchError(f"{name}: expected {kind.__name__}, got {type(value).__name__}")
-    return value
-
-
-def patch_dataclass(obj: Any, changes: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """(copy of `obj` with the changes that belong to it, the changes left over)."""
-    hints = typing.get_type_hints(type(obj))
-    mine, rest = {}, {}
-    for key, value in changes.items():
-        if key in hints and key not in FROZEN:
-            mine[key] = _check_type(key, hints[key], value)
-        else:
-            rest[key] = value
-    return dataclasses.replace(obj, **mine), rest
+def patched(section: BaseModel, changes: dict[str, Any]) -> Any:
+    """A copy of `section` with the `changes` that are its fields, checked again as a whole."""
+    mine = {k: v for k, v in changes.items() if k in type(section).model_fields}
+    return type(section).model_validate({**section.model_dump(), **mine}) if mine else section
 
 
 def fit_problem(longest: int | None, length: int, context: int, limits: SampleLimits | None) -> str:
@@ -198,12 +162,12 @@ class RolloutController:
         """Write the status record every STATUS_INTERVAL_S and on each state change."""
         buffer = self.loop.buffer
         while True:
-            self.loop.changed.clear()
             with contextlib.suppress(TimeoutError):  # not wait_for: see RolloutLoop.run
                 async with asyncio.timeout(STATUS_INTERVAL_S):
                     await self.loop.changed.wait()
-            snap = self.loop.snapshot()
-            status = await service_status(snap, buffer, self.loop.pool, self.failure())
+            self.loop.changed.clear()  # (here: a change while this record is made makes another)
+            look = self.loop.snapshot
+            status = await service_status(look, buffer, self.loop.pool, self.failure())
             self.long_wait.check(status.state, status.waiting_for, status.since)
             try:
                 await buffer.set_status(status, STATUS_TTL_S)
@@ -248,30 +212,21 @@ class RolloutController:
     def resume(self) -> None:
         self.loop.resume()
 
-    async def patch(self, changes: dict[str, Any]) -> dict[str, Any]:
-        """Apply changes to sampling, rollout and data fields; all or nothing. A new value of
-        a run-contract term is refused (ContractTermError); its current value is accepted."""
+    async def patch(self, body: BaseModel) -> dict[str, Any]:
+        """Apply a `RolloutPatch` (its type holds no run term and no unknown field) to the
+        sampling, rollout and data settings; all or nothing."""
+        changes = body.model_dump(exclude_none=True)
         live = self.loop.live
-        rollout, rest = patch_dataclass(live.rollout, changes)
-        sampling, rest = patch_dataclass(live.sampling, rest)
-        data, rest = patch_dataclass(self.data, rest)
-        if rest:
-            raise ConfigPatchError(f"unknown or read-only fields: {', '.join(sorted(rest))}")
+        rollout, sampling = patched(live.rollout, changes), patched(live.sampling, changes)
+        data = patched(self.data, changes)
         if sampling.rollout_max_response_len < 1:
             raise ConfigPatchError("rollout_max_response_len must be >= 1")
-        for part in (rollout, sampling):
-            try:
-                part.validate()
-            except ValueError as exc:
-                raise ConfigPatchError(str(exc)) from exc
+        try:
+            sampling.validate()
+        except ValueError as exc:
+            raise ConfigPatchError(str(exc)) from exc
         if problem := filter_problem(sampling):
             raise ConfigPatchError(problem)
-        for term in CONTRACT_TERMS:  # (a valid value: one that is not is named above)
-            if getattr(rollout, term) != getattr(live.rollout, term):
-                raise ContractTermError(
-                    f"{term} is part of the run contract shared with the trainer; restart the "
-                    f"run with {FLAGS[term]} {getattr(rollout, term)}"
-                )
         task = self.loop.task
         if data != self.data:
             if problem := reward_problem(data.prompt_data, self.scored):
@@ -290,9 +245,9 @@ class RolloutController:
                 raise ConfigPatchError(problem)
         self.loop.task, self.data = task, data
         self.loop.apply(rollout, sampling)
-        if note := greedy_note(sampling, rollout.n_samples_per_prompt):
+        if note := greedy_note(sampling, live.run.n_samples_per_prompt):
             log.warning("PATCH /rollout/config: %s", note)
         return self.config()
 
     def config(self) -> dict[str, Any]:
-        return {**self.loop.live.as_dict(), **dataclasses.asdict(self.data)}
+        return {**self.loop.live.as_dict(), **self.data.model_dump()}

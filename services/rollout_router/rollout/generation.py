@@ -66,7 +66,7 @@ class Generation:
             max_new = max(1, min(max_new, bound - len(input_ids)))
         sampling = self.live.sampling
         if temperature is not None:
-            sampling = dataclasses.replace(sampling, rollout_temperature=temperature)
+            sampling = sampling.model_copy(update={"rollout_temperature": temperature})
         return generate_body(sampling, self.stop_token_ids, input_ids, n, max_new, greedy, seed)
 
     async def generate(
@@ -92,7 +92,7 @@ class Generation:
         """The `n_samples_per_prompt` samples of one prompt, the aborted ones completed (some
         may still be aborted after `max_continues` tries)."""
         n, max_new = (
-            self.live.rollout.n_samples_per_prompt,
+            self.live.run.n_samples_per_prompt,
             self.live.sampling.rollout_max_response_len,
         )
         temperature = self.live.sampling.rollout_temperature  # (the group's, to its end)

@@ -48,11 +48,12 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from proto import DropReason, Sample, SampleGroup
+from proto.run_terms import RunTerms
 from services.rollout_router.backpressure import BufferBound, full_sentence, waiting_for_room
 from services.rollout_router.balancer.engine_context import none_admitted
 from services.rollout_router.balancer.worker import EngineRequestError, NoWorkerError
 from services.rollout_router.balancer.workers import WorkerPool
-from services.rollout_router.config import RolloutConfig, SamplingConfig
+from services.rollout_router.config import RolloutConfig, SamplingConfig, depth_bound
 from services.rollout_router.lease import LeaseError, raise_if_fenced
 from services.rollout_router.rollout.environments import EpisodeRunner
 from services.rollout_router.rollout.generation import Generation
@@ -99,6 +100,7 @@ class RolloutLoop:
 
     def __init__(
         self,
+        run: RunTerms,
         config: RolloutConfig,
         sampling: SamplingConfig,
         pool: WorkerPool,
@@ -108,7 +110,8 @@ class RolloutLoop:
         stop_token_ids: list[int],
         episodes: EpisodeRunner | None = None,
     ) -> None:
-        self.live = LiveSettings(config, sampling)  # (PATCH /rollout/config replaces them)
+        self.terms = run  # (fixed for the run: the trainer relies on them)
+        self.live = LiveSettings(run, config, sampling)  # (PATCH /rollout/config replaces them)
         self.pool, self.buffer, self.task, self.reward = pool, buffer, task, reward
         self.episodes = episodes
         self.state, self.waiting_for, self.since = "idle", "", time.time()
@@ -125,7 +128,9 @@ class RolloutLoop:
         self._resume = asyncio.Event()
         self._resume.set()
         self._wake = asyncio.Event()  # set when a group ends
-        self.bound = BufferBound(buffer, config.buffer_depth_bound())
+        self.bound = BufferBound(
+            buffer, depth_bound(config.max_buffer_depth, run.rollout_batch_size)
+        )
         self._give_backs: set[asyncio.Task] = set()  # drops of cancelled groups being written
         self._failure: BaseException | None = None  # a group task's unexpected exception
         self._redis_error: Exception | None = None
@@ -198,6 +203,7 @@ class RolloutLoop:
             since=self.since,
             error=self.error,
             paused=self.paused,
+            run=self.terms,
             rollout=self.config,
             groups_in_flight=len(self.groups),
             requests_in_flight=self.gen.in_flight,
@@ -292,7 +298,7 @@ class RolloutLoop:
                 self.set_state("backing_off", self.backoff_reason(left))
                 return 0
         in_flight = len(self.groups)  # read before the counters: a group is never missed
-        room = (cfg.rollout_max_concurrency or cfg.rollout_batch_size) - in_flight
+        room = (cfg.rollout_max_concurrency or self.terms.rollout_batch_size) - in_flight
         if backoff.active:
             room = min(room, 1)
         if room <= 0:
@@ -335,19 +341,19 @@ class RolloutLoop:
         task.add_done_callback(self._give_backs.discard)
 
     def _gate_terms(self) -> tuple[int, int, int]:
-        cfg = self.config
-        return cfg.rollout_batch_size, cfg.num_steps_per_rollout, cfg.max_staleness
+        run = self.terms
+        return run.rollout_batch_size, run.num_steps_per_rollout, run.max_staleness
 
     async def read_demand(self, in_flight: int) -> Demand:
         """The gate's inputs, read from Redis."""
         engines = await self.engines_version()
-        return await read_demand(self.buffer, self.config, in_flight, engines)
+        return await read_demand(self.buffer, self.terms, in_flight, engines)
 
     def prompt(self, p: int) -> Item:
         """Draw p: prompt p % len(train) of epoch p // len(train)'s permutation."""
         train = self.task.train
         epoch, index = divmod(p, len(train))
-        return train[self.orders.order(len(train), self.config.seed, epoch)[index]]
+        return train[self.orders.order(len(train), self.terms.seed, epoch)[index]]
 
     def _group_ended(self, group: asyncio.Task) -> None:
         self.groups.discard(group)
@@ -426,7 +432,7 @@ class RolloutLoop:
         self.refused_in_a_row = 0
         self.drops.group_put()
         self.recent.add(group)
-        batch = self.config.rollout_batch_size
+        batch = self.terms.rollout_batch_size
         if self.stats.add(group, batch):
             stats, self.stats = self.stats, BatchStats()
             self.samples_per_s = await stats.publish(
@@ -442,7 +448,7 @@ class RolloutLoop:
 
     async def make_group(self, p: int, item: Item, group_id: str) -> SampleGroup:
         """Generate (single turns or environment episodes) and reward one prompt's group."""
-        seed = sampling_seed(self.config.seed, p)
+        seed = sampling_seed(self.terms.seed, p)
         try:
             if self.episodes is not None:
                 outcomes = await self._episode_samples(item, group_id, seed)
@@ -502,7 +508,7 @@ class RolloutLoop:
     ) -> list[Sample | RewardError]:
         """n episodes; a failed one is recorded as a drop and the others are kept."""
         assert self.episodes is not None
-        n = self.config.n_samples_per_prompt
+        n = self.terms.n_samples_per_prompt
         self.gen.limits = await self.buffer.sample_limits()  # the trainer's, for the cut
         samples, failed = await self.episodes.run_all(
             item, group_id, seed, n, self.gen.episode_turn
@@ -526,7 +532,7 @@ class RolloutLoop:
             committed[0] = True
             self.groups_put += 1
             await asyncio.shield(put_group(group))
-            self.observe.group_put(group, self.config.rollout_batch_size)
+            self.observe.group_put(group, self.terms.rollout_batch_size)
             if self.state == "waiting_for_buffer":
                 self.set_state("generating")
 
@@ -544,7 +550,7 @@ class RolloutLoop:
         give_back: int | None = None,
     ) -> None:
         """`report.record_drop`; `samples` None: the whole group's n_samples_per_prompt."""
-        n = self.config.n_samples_per_prompt if samples is None else samples
+        n = self.terms.n_samples_per_prompt if samples is None else samples
         await record_drop(
             self.buffer, self.drops, group_id, reason, detail, n, groups, give_back, quiet
         )

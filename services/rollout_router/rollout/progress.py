@@ -17,8 +17,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from proto.run_terms import RunTerms
 from services.rollout_router.balancer.workers import WorkerPool
-from services.rollout_router.config import RolloutConfig
 from services.sample_buffer import AsyncSampleBuffer
 
 BACKOFF_FIRST_S = 0.5
@@ -141,17 +141,17 @@ async def engines_version(buffer: AsyncSampleBuffer, pool: WorkerPool) -> int:
 
 
 async def read_demand(
-    buffer: AsyncSampleBuffer, config: RolloutConfig, in_flight: int, engines_version: int
+    buffer: AsyncSampleBuffer, run: RunTerms, in_flight: int, engines_version: int
 ) -> Demand:
     """The gate's inputs from Redis."""
     counters = await buffer.counters()
     trainer = await buffer.get_version("trainer")
     # A trainer that does not count `groups_consumed` (an older one) has consumed exactly
     # one rollout_batch_size per rollout it finished: the gate is then the old batch gate.
-    rollouts_done = max(trainer, 0) // config.num_steps_per_rollout
+    rollouts_done = max(trainer, 0) // run.num_steps_per_rollout
     return Demand(
         put=counters.get("groups_put", 0),
-        consumed=counters.get("groups_consumed", rollouts_done * config.rollout_batch_size),
+        consumed=counters.get("groups_consumed", rollouts_done * run.rollout_batch_size),
         in_flight=in_flight,
         trainer_version=trainer,
         engines_version=engines_version,

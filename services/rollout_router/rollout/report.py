@@ -11,6 +11,7 @@ import math
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,6 +19,7 @@ from redis.exceptions import RedisError
 
 from proto import DropReason, DropRecord, SampleGroup
 from proto.contract import ServiceStatus
+from proto.run_terms import RunTerms
 from services.rollout_router.backpressure import room_sentence
 from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.config import RolloutConfig
@@ -60,6 +62,7 @@ class LoopSnapshot:
     since: float  # (time.time() the state was entered)
     error: str
     paused: bool
+    run: RunTerms  # the run's terms
     rollout: RolloutConfig  # the settings in force
     groups_in_flight: int
     requests_in_flight: int
@@ -243,9 +246,21 @@ def busy(loop: InFlightWork) -> str:
 
 
 async def service_status(
-    snap: LoopSnapshot, buffer: AsyncSampleBuffer, pool: WorkerPool, error: str = ""
+    look: Callable[[], LoopSnapshot], buffer: AsyncSampleBuffer, pool: WorkerPool, error: str = ""
 ) -> ServiceStatus:
-    """The status record; `failed` with `error` when a task died."""
+    """The status record; `failed` with `error` when a task died. The loop is looked at again
+    after the reads from Redis: a change meanwhile (a stop) is what the record says."""
+    snap, numbers = look(), {}
+    with contextlib.suppress(RedisError):
+        engines = await engines_version(buffer, pool)
+        demand = await read_demand(buffer, snap.run, snap.groups_in_flight, engines)
+        numbers = dict(
+            groups_put=demand.put,
+            groups_consumed=demand.consumed,
+            trainer_version=demand.trainer_version,
+            engines_version=demand.engines_version,
+        )
+    snap = look()
     detail: dict[str, float | int | str] = {
         "groups_put_here": snap.groups_put,
         "groups_in_flight": snap.groups_in_flight,
@@ -255,15 +270,7 @@ async def service_status(
         detail["note"] = snap.note
     if snap.busy:
         detail["busy"] = snap.busy
-    with contextlib.suppress(RedisError):
-        engines = await engines_version(buffer, pool)
-        demand = await read_demand(buffer, snap.rollout, snap.groups_in_flight, engines)
-        detail.update(
-            groups_put=demand.put,
-            groups_consumed=demand.consumed,
-            trainer_version=demand.trainer_version,
-            engines_version=demand.engines_version,
-        )
+    detail.update(numbers)
     return ServiceStatus(
         role="router",
         state="failed" if error else snap.state,
@@ -294,7 +301,7 @@ async def status(snap: LoopSnapshot, buffer: AsyncSampleBuffer, pool: WorkerPool
             "buffer_depth": depth,
             "waiting": room_sentence(depth, snap.max_depth),
             "drops": ledger.dropped_groups,
-            "batch": ledger.put // snap.rollout.rollout_batch_size,
+            "batch": ledger.put // snap.run.rollout_batch_size,
             "groups_consumed": ledger.consumed,
             "ledger": ledger.as_dict(),
         }

@@ -11,9 +11,9 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 
 from services.common.auth import WRITE
+from services.rollout_router.config import RolloutPatch
 from services.rollout_router.rollout.control import (
     ConfigPatchError,
-    ContractTermError,
     RolloutController,
 )
 
@@ -85,19 +85,17 @@ async def rollout_config(request: Request) -> dict[str, Any]:
 
 
 @router.patch("/rollout/config", tags=["rollout"], dependencies=WRITE)
-async def patch_rollout_config(request: Request, changes: dict[str, Any]) -> dict[str, Any]:
+async def patch_rollout_config(request: Request, changes: RolloutPatch) -> dict[str, Any]:
     """Change sampling parameters (`rollout_temperature`, `rollout_max_response_len`, ...),
     concurrency (`rollout_max_concurrency`) or the dataset (`prompt_data`, ...); validated,
-    all or nothing, effective from the next request. The run-contract terms
-    (`rollout_batch_size`, `n_samples_per_prompt`, `max_staleness`, `num_steps_per_rollout`)
-    are shared with the trainer and fixed for the run: a new value is answered 409 (restart
-    the run with the flag instead). A response length or dataset whose samples would be longer
-    than the run's trainer takes (the limits it stated at its start), or a response length
-    an admitted engine's context cannot hold with a prompt, is answered 422, naming what
-    fits."""
+    all or nothing, effective from the next request. A field the body type does not have is
+    answered 422 naming it: an unknown one, or a run term (`rollout_batch_size`,
+    `n_samples_per_prompt`, `max_staleness`, `num_steps_per_rollout`, `model`, `seed`), which
+    the trainer relies on and which is fixed for the run (restart the run with the flag
+    instead). A response length or dataset whose samples would be longer than the run's
+    trainer takes (the limits it stated at its start), or a response length an admitted
+    engine's context cannot hold with a prompt, is answered 422, naming what fits."""
     try:
         return await control_of(request).patch(changes)
-    except ContractTermError as exc:
-        raise HTTPException(409, str(exc)) from exc
     except ConfigPatchError as exc:
         raise HTTPException(422, str(exc)) from exc
