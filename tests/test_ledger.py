@@ -20,11 +20,12 @@ import pytest
 import redis
 
 from proto import DropReason, DropRecord, Sample, SampleGroup
-from proto.contract import RunContract
+from proto.contract import ContractMismatchError, RunContract
 from services.rollout_router.lease import RouterLease
 from services.sample_buffer import AsyncSampleBuffer, BufferConfig, RedisServer, SampleBuffer
 from services.sample_buffer.keys import LEASE_TTL_S, lease_owner_name
 from services.sample_buffer.ledger import fenced_by
+from services.sample_buffer.membership import Membership
 from tandem.run_redis import run_id_of
 from tests.helpers import router_args, wait_until
 
@@ -465,6 +466,26 @@ def test_a_router_whose_lease_another_holds_writes_nothing(buffer):
     assert buffer.redis.get(buffer.lease_key) == mine.encode()
     buffer.release_lease_of("router", os.getpid())
     assert buffer.redis.get(buffer.lease_key) is None
+
+
+def test_a_service_whose_terms_contradict_the_run_gives_its_lease_up_at_once(
+    buffer: SampleBuffer,
+) -> None:
+    """`Membership.join` takes the lease, fences the member's writes with it, then agrees its
+    terms of the run contract: a contradiction (exit 2, naming the flag) gives the lease up
+    at once, so the start with the flag fixed does not wait the lease out."""
+    buffer.agree_contract(RunContract(weight_transport="nccl"), "trainer")
+    key = buffer.lease_prefix + "broker"
+    refused = Membership(SampleBuffer(buffer.config), "broker", lambda _said: None)
+    with pytest.raises(ContractMismatchError, match="--weight-transport"):
+        refused.join(lambda _holder: None, RunContract(weight_transport="zmq"))
+    assert buffer.redis.get(key) is None
+    member = Membership(SampleBuffer(buffer.config), "broker", lambda _said: None)
+    run = member.join(lambda _holder: None, RunContract(weight_transport="nccl"))
+    assert run is not None and run.weight_transport == "nccl"
+    assert buffer.redis.get(key) == member.owner.encode()
+    assert (member.buffer.lease_key, member.buffer.lease_owner) == (key, member.owner)
+    assert member.release() == "" and buffer.redis.get(key) is None
 
 
 def test_a_router_holds_its_lease_while_its_event_loop_is_busy(buffer: SampleBuffer) -> None:
