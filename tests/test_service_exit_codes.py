@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config_file import MAX_LR, parse_args
+from services.common.config_file import MAX_LR
 from services.common.serving import bind_socket
-from services.rollout_router.__main__ import build_parser as router_parser
+from services.common.settings import load
+from services.rollout_router.config import RouterConfig
 from services.trainer.__main__ import build_parser as trainer_parser
+from services.trainer.config import TrainerConfig
 from tandem import launcher
 from tests.test_config import toml_file
 
@@ -63,32 +65,32 @@ def test_bad_flags_and_a_taken_port_exit_2_with_one_line_naming_the_flag(
         "router flag": (["router", "--port", "0", "--host", "0.0.0.0"], "TANDEM_API_TOKEN"),
         "router pool flag": (
             ["router", "--port", "0", *model, "--broker-retry-s", "0"],
-            "--broker-retry-s must be > 0",
+            "--broker-retry-s 0: must be more than 0",
         ),
         "router buffer flag": (
             ["router", "--port", "0", *model, "--redis-call-timeout-s", "0"],
-            "--redis-call-timeout-s must be > 0",
+            "--redis-call-timeout-s 0: must be more than 0",
         ),
         "broker redis flag": (
             ["broker", "--port", "0", "--redis-call-timeout-s", "0"],
-            "--redis-call-timeout-s must be > 0",
+            "--redis-call-timeout-s 0: must be more than 0",
         ),
         # (0 s was no bound: a hung engine held every sync up for good)
         "broker sync flag": (
             ["broker", "--port", "0", "--sync-timeout-s", "0"],
-            "--sync-timeout-s must be > 0, got 0",
+            "--sync-timeout-s 0: must be more than 0",
         ),
         "broker versions flag": (
             ["broker", "--port", "0", "--keep-versions", "0"],
-            "--keep-versions must be at least 1, got 0",
+            "--keep-versions 0: must be at least 1",
         ),
         "engine flag": (
             ["engine", *model, "--port", "0", "--max-batch-size", "0"],
-            "--max-batch-size must be at least 1",
+            "--max-batch-size 0: must be at least 1",
         ),
         "trainer flag": (
             ["trainer", *model, "--rollout-batch-size", "0"],
-            "--rollout-batch-size must be >= 1",
+            "--rollout-batch-size 0: must be at least 1",
         ),
         "trainer rendezvous": (["trainer", *public_rendezvous], "TANDEM_WEIGHT_SECRET"),
         "broker port": (["broker", "--port", port], f"port {port} on 127.0.0.1"),
@@ -130,9 +132,9 @@ def test_a_number_given_as_nan_or_inf_exits_2_naming_its_flag(
         if not argv:  # a variable
             monkeypatch.setenv("TANDEM_ROUTER_RM_TIMEOUT_S", "nan")
         with pytest.raises(SystemExit) as exc:
-            parse_args(router_parser(), argv, "router")
+            load(RouterConfig, argv, "router")
         assert exc.value.code == 2
-        assert f"error: {named}nan: not a number" in capsys.readouterr().err, argv
+        assert f"error: {named}nan: not a finite number" in capsys.readouterr().err, argv
     with pytest.raises(SystemExit) as exc:
         launcher.parse(["--time-limit-s", "nan"])
     assert exc.value.code == 2 and "--time-limit-s nan: not a number" in capsys.readouterr().err
@@ -144,33 +146,36 @@ def test_a_number_given_as_nan_or_inf_exits_2_naming_its_flag(
     monkeypatch.delenv("TANDEM_ROUTER_RM_TIMEOUT_S")
     negative = toml_file(tmp_path, "[router]\nrequest_timeout_s = -3\n")
     with pytest.raises(SystemExit) as exc:
-        parse_args(router_parser(), ["--config", str(negative)], "router")
-    said = f"error: {negative}: [router] request_timeout_s = -3: a time in seconds, at least 0"
+        load(RouterConfig, ["--config", str(negative)], "router")
+    said = f"error: {negative}: [router] request_timeout_s = -3: must be at least 0"
     assert exc.value.code == 2 and said in capsys.readouterr().err
-    assert parse_args(router_parser(), ["--request-timeout-s", "0"], "router")  # (0: its own rule)
+    assert load(RouterConfig, ["--request-timeout-s", "0"], "router")  # (0: its own rule)
     # an integer whose default is not negative: a count, a length, a port (-3 was taken)
     for argv, said in (
-        (["--max-sessions", "-3"], "--max-sessions -3: at least 0"),
-        (["--env-max-turns", "-1"], "--env-max-turns -1: at least 0"),
+        (["--max-sessions", "-3"], "--max-sessions -3: must be at least 0"),
+        (["--env-max-turns", "-1"], "--env-max-turns -1: must be at least 0"),
     ):
         with pytest.raises(SystemExit):
-            parse_args(router_parser(), argv, "router")
+            load(RouterConfig, argv, "router")
         assert said in capsys.readouterr().err
     with pytest.raises(SystemExit):
         launcher.parse(["--keep-checkpoints", "-1"])
     assert "--keep-checkpoints -1: at least 0" in capsys.readouterr().err
-    assert parse_args(router_parser(), ["--max-buffer-depth", "-1"], "router")  # (its default)
+    assert load(RouterConfig, ["--max-buffer-depth", "-1"], "router")  # (its default)
     # below 0 but a default below 0 (-1: the model's, all, none): each was taken for the default
     for parse, argv in (
-        (lambda argv: parse_args(router_parser(), argv, "router"), ["--max-buffer-depth", "-3"]),
-        (lambda argv: parse_args(trainer_parser(), argv, "trainer"), ["--ckpt-step", "-3"]),
-        (lambda argv: parse_args(trainer_parser(), argv, "trainer"), ["--metrics-port", "-2"]),
-        (launcher.parse, ["--time-limit-s", "-5"]),
+        (lambda argv: load(RouterConfig, argv, "router"), ["--max-buffer-depth", "-3"]),
+        (lambda argv: load(TrainerConfig, argv, "trainer"), ["--ckpt-step", "-3"]),
+        (lambda argv: load(TrainerConfig, argv, "trainer"), ["--metrics-port", "-2"]),
     ):
         with pytest.raises(SystemExit) as exc:
             parse(argv)
-        said = f"error: {' '.join(argv)}: at least 0, or -1 (its default: see --help)"
+        said = f"error: {' '.join(argv)}: must be at least -1"
         assert exc.value.code == 2 and said in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit) as exc:
+        launcher.parse(["--time-limit-s", "-5"])
+    said = "error: --time-limit-s -5: at least 0, or -1 (its default: see --help)"
+    assert exc.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_a_learning_rate_out_of_range_exits_2_naming_the_flag_or_variable_it_came_from(
@@ -204,8 +209,8 @@ def test_a_learning_rate_out_of_range_exits_2_naming_the_flag_or_variable_it_cam
     # the trainer's own rates, run on its own (compose, a cluster's launcher)
     for argv in (["--lr", "10"], ["--critic-lr", "5"], ["--min-lr", "2"]):
         with pytest.raises(SystemExit) as exc:
-            parse_args(trainer_parser(), argv, "trainer")
-        said = f"error: {' '.join(argv)}: a learning rate, at least 0 and at most 1"
+            load(TrainerConfig, argv, "trainer")
+        said = f"error: {' '.join(argv)}: must be at most 1"
         assert exc.value.code == 2 and said in capsys.readouterr().err, argv
     # and --help says the range of each, before anyone is refused
     for parser in (trainer_parser(), launcher.build_parser()):

@@ -311,7 +311,8 @@ def _said(
         "file": f"{path}: [{table}] {leaf} = {toml_value(value)}",
     }.get(origins.get(leaf, "default"), f"--{leaf.replace('_', '-')} {shown}")
     said = SAID.get(error["type"], error["msg"])
-    return f"{where}: {said.format(**error.get('ctx', {}))}"
+    ctx = {k: f"{v:g}" if isinstance(v, float) else v for k, v in error.get("ctx", {}).items()}
+    return f"{where}: {said.format(**ctx)}"
 
 
 def load(
