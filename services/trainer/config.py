@@ -303,7 +303,6 @@ def check(config: TrainerConfig) -> list[str]:
     from pathlib import Path
 
     from services.common.paths import unwritable
-    from services.trainer.checkpoint import resolve_iteration
 
     ckpt, problems = config.checkpoint, []
     hf_parent = str(Path(ckpt.save_hf).parent) if ckpt.save_hf else ""
@@ -313,6 +312,8 @@ def check(config: TrainerConfig) -> list[str]:
     try:
         problems += [problem] if (problem := model_problem(config)) else []
         if ckpt.load:  # a bad --load is named before Redis is asked anything
+            from services.trainer.checkpoint import resolve_iteration  # (imports torch)
+
             resolve_iteration(ckpt.load, ckpt.ckpt_step)
     except (ValueError, OSError) as exc:
         problems.append(str(exc))
