@@ -6,7 +6,7 @@ answer itself and posts the reward; the router turns the session's exact tokens 
 sample. Sessions of one digit pair share a group, so the trainer can compare them (GRPO).
 
 Run against `tandem up` (it prints the router's URL and where the API token is):
-    tandem up --router-args=--no-rollout      # train only on what agents send
+    tandem up --no-rollout      # train only on what agents send
     python examples/chat_agent.py --router-url http://127.0.0.1:PORT \
         --api-token-file RUN_DIR/api_token --groups 200
 """

@@ -11,7 +11,7 @@ Protocol (documented in docs/protocols.md):
 
 Run it, then point the router at it:
     python examples/guess_env.py --port 8010
-    tandem up --router-args "--env-url http://127.0.0.1:8010 --env-max-turns 4"
+    tandem up --env-url http://127.0.0.1:8010 --env-max-turns 4
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from pathlib import Path
+from typing import Any
 
-from services.common.config_file import ConfigError, options, toml_value
-from services.common.flags import shown_default
+from services.common.settings import parser, toml_value
 
 USAGE = """usage: tandem config show [--config FILE] [tandem up flags]
        tandem config reference   (the Markdown of docs/configuration.md)"""
@@ -32,14 +33,15 @@ def main(argv: list[str]) -> int:
         print(f"tandem config: unknown subcommand {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2
     from tandem.launcher import parse
-    from tandem.up_config import render
+    from tandem.up_services import run_values
+    from tandem.up_tree import render
 
     with contextlib.redirect_stdout(sys.stderr):  # (a resume's notes: stdout is the TOML)
-        config, problems = parse(argv[1:], prog="tandem config show")
-    try:
-        text = "" if problems else render(config, config.config)
-    except ConfigError as exc:
-        problems = [str(exc)]
+        tree, problems = parse(argv[1:], prog="tandem config show")
+    if tree is not None and not problems:
+        model = Path(tree.up.run.model or "RUN_DIR/model")
+        redis = tree.up.run.redis_url or "redis://STARTED-BY-TANDEM-UP"
+        text = render(tree, run_values(tree, "up-RUN", model, redis, Path("RUN_DIR")))
     for problem in problems:
         print(f"tandem config show: {problem}", file=sys.stderr)
     if problems:
@@ -71,11 +73,21 @@ environment variable. For one setting, the flag wins over the variable, which wi
   `REDIS_URL` is also read by `tandem up` when `redis_url` is not set.
 - **Flags**: as in `--help`.
 
-With `tandem up`, the `[router]`, `[trainer]`, `[broker]` and `[engine]` tables of the file go
-to the services it starts; the settings `tandem up` gives a service itself (the model, the batch
-terms, addresses, ...) are set in `[up]` (a service table that contradicts them is refused).
-`--router-args`, `--trainer-args` and `--engine-args` add flags last (a value starting with
-`--` works in both spellings: `--trainer-args "--bf16"`, `--trainer-args=--bf16`).
+With `tandem up`, its configuration is its own `[up]` table (the run folder, processes and GPUs,
+restarts, bounds and the goal, and the run terms: `model`, `seed`, the batch terms,
+`max_staleness`, `weight_transport`) and each service's own table, composed: a service setting
+is a flag of `tandem up` too, bare where one service alone has it (`--rollout-temperature 0.7`,
+`--lr 1e-5`, `--kv-cache-gb 8`) or with the service's name, which always works
+(`--router.rollout-temperature 0.7`; needed where services share a name:
+`--trainer.num-threads 4`); a key of its table; or its `TANDEM_<SERVICE>_<KEY>` variable. The
+run terms are `[up]`'s, filled into each service: a service table, variable or named flag that
+gives one another value is refused, naming both. What `tandem up` sets per run (the run id,
+addresses, ports, ready files) is refused in a service's table. `tandem up`'s own defaults for
+the trainer: `max_steps = 300`, `save_interval = 10`, `keep_last_checkpoints = 2` (also
+`--keep-checkpoints`), `lr` 1e-3 for the toy model and 1e-6 for a `--model`, checkpoints in
+`RUN_DIR/checkpoints`; the engines' `device` (also `--engine-device`) is cuda with
+`--engine-gpus`, else cpu. Each service it starts reads its resolved section from
+`RUN_DIR/<service>.toml`.
 
 `tandem config show [--config FILE] [flags]` prints the resolved configuration (nothing
 starts). Every `tandem up` run folder gets it as `config.toml`, and each service reads its table
@@ -85,13 +97,13 @@ written as comments there are set by `tandem up` itself.
 ```toml
 [up]
 model = "/models/Qwen3-0.6B"
-prompt_data = "data/train.jsonl"
-custom_rm_path = "rewards.py:score"
-rollout_max_response_len = 1024
 engine_gpus = [0]
 trainer_gpus = [0]
 
 [router]
+prompt_data = "data/train.jsonl"
+custom_rm_path = "rewards.py:score"
+rollout_max_response_len = 1024
 apply_chat_template = true
 
 [trainer]
@@ -113,29 +125,41 @@ SECTIONS_TEXT = {
 
 def reference() -> str:
     """docs/configuration.md: every table's keys with flag, default and meaning."""
-    from tandem.up_config import PARSERS
+    from tandem.up_launch import UpConfig
+    from tandem.up_tree import SERVICES
 
     out = [INTRO]
-    for name, build in PARSERS.items():
-        parser = build()
-        keys = options(parser)
+    classes: dict[str, type[Any]] = {"up": UpConfig, **SERVICES}
+    for name, cls in classes.items():
         out.append(f"\n## [{name}]\n\n{SECTIONS_TEXT[name]}\n")
-        for group in parser._action_groups:
-            actions = [a for a in group._group_actions if a.dest in keys]
+        defaults = cls()
+        for group in parser(cls, f"tandem {name}")._action_groups:
+            actions = [a for a in group._group_actions if a.dest not in ("help", "config")]
             if not actions:
                 continue
-            if group.title not in ("options", "optional arguments"):
+            if group.title not in ("options", "optional arguments", "general"):
                 out.append(f"\n### {group.title}\n")
             out.append("\n| key | flag | default | meaning |\n| --- | --- | --- | --- |")
             for action in actions:
-                default = "not set" if action.default is None else toml_value(action.default)
-                meaning = (action.help or "").removesuffix(
-                    f" (default: {shown_default(action.default)})"
-                )
-                if action.choices:
-                    choices = (toml_value(c) if c == "" else str(c) for c in action.choices)
-                    meaning += f" One of: {', '.join(choices)}."
-                row = [f"`{action.dest}`", f"`{action.option_strings[0]}`", f"`{default}`"]
-                out.append("| " + " | ".join([*row, meaning.replace("|", "\\|")]) + " |")
+                out.append(_row(action, _default(defaults, action.dest)))
             out.append("")
     return "\n".join(out).rstrip() + "\n"
+
+
+def _default(config: object, key: str) -> object:
+    from services.common.settings import flat
+
+    return flat(config)[key]  # type: ignore[arg-type]
+
+
+def _row(action: object, default: object) -> str:
+    """One key's row: key, flag, default, meaning (its help without the default it states)."""
+    help_text = str(getattr(action, "help", "") or "")
+    meaning = help_text.rsplit(" (default: ", 1)[0] if help_text.endswith(")") else help_text
+    choices = getattr(action, "choices", None)
+    if choices:
+        meaning += f" One of: {', '.join(toml_value(c) if c == '' else str(c) for c in choices)}."
+    shown = "not set" if default is None else toml_value(default)
+    flag = getattr(action, "option_strings", [""])[0]
+    row = [f"`{getattr(action, 'dest', '')}`", f"`{flag}`", f"`{shown}`"]
+    return "| " + " | ".join([*row, meaning.replace("|", "\\|")]) + " |"

@@ -94,8 +94,16 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"tandem up: {problem}", file=sys.stderr)
         return 2
+    from services.common.paths import unwritable
     from tandem.run_dir import RunDirBusyError
     from tandem.up_run import UpRun
+
+    # (here, not in `parse`: the check makes the folder, and `tandem config show` parses too;
+    # the trainer's own check, which reads the model too, runs once the toy model is written)
+    save = tree.value("trainer", "save")
+    if save and (problem := unwritable(save, "--save")):
+        print(f"tandem up: {problem}", file=sys.stderr)
+        return 2
 
     try:
         run = UpRun(tree)  # makes the run folder and locks it
@@ -119,6 +127,8 @@ def validate(tree: UpTree, model_named: bool = False) -> list[str]:
         problems.append(f"--model {model}: no config.json there (expected a HF directory)")
     if 0 > up.stop_accuracy != -1:
         problems.append("--stop-accuracy must be within [0, 1] (or -1: the model's default)")
+    if tree.given("up", "run_id"):
+        problems.append("--run-id is set by tandem up per run (RUN_DIR/redis.json): leave it out")
     if not up.resume and up.run_dir:
         save = tree.value("trainer", "save")
         problems += filter(None, [taken_problem(Path(up.run_dir), save, not up.run.redis_url)])

@@ -1,170 +1,122 @@
-"""`tandem up`'s command line beyond one flag per field: pass-through flags and `--resume`.
+"""`tandem up --resume RUN_DIR` and what a run folder keeps of its configuration.
 
-Pass-through (`--engine-args`, `--router-args`, `--trainer-args`): a value that starts with
-`--` is taken as the value in both spellings (`--trainer-args --bf16` and
-`--trainer-args=--bf16`). A pass-through flag that `tandem up` itself sets for that service
-with another value (the run contract's batch terms, the model, the seed, the learning rate, ...)
-is refused before anything starts: two values for one setting is how router and trainer ended
-up waiting on each other for good.
-
-Resume: every run folder gets `up_config.json`, the resolved `[up]` configuration (with the
-model directory actually used) and the folder the run was first started from (`launch_dir`),
-beside `config.toml` (every table, tandem/up_config.py), whose service tables a resumed run's
-services read again. `--resume RUN_DIR` starts from it; flags given beside `--resume` override
-it, except the run contract's terms, which the run's Redis already holds. Paths are saved
-absolute; a module-form `--custom-rm-path pkg.mod:fn` that lives in the launch folder is found
-from there (`reach_launch_dir`), as it was at the first start.
+Every run folder gets `config.toml` (tandem/up_tree.py `render`: [up] and every service's
+table) and `up_config.json`: [up] as the run started (with the model folder actually used, the
+folder the run was first started from, `launch_dir`, and the run folder, `run_dir`). A resume
+reads config.toml again as its `--config` (a --config file given beside it is laid over it,
+table by table), so flags, variables and that file override the saved settings, except the
+run terms, which the run's Redis already holds. Paths are saved absolute; a folder moved
+elsewhere resumes with its own model and checkpoints (`moved`); a module-form
+`--custom-rm-path pkg.mod:fn` that lives in the launch folder is found from there
+(`reach_launch_dir`), as it was at the first start. A run folder of the launcher before the
+configuration tree (its `--*-args` strings) is refused, naming why.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import os
-import shlex
 import sys
+import tempfile
+import tomllib
 from importlib.machinery import PathFinder
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from services.common.config_file import options, read_file
+from proto.run_terms import AGREED
+from services.common.settings import ConfigError, flat, leaves, toml_value
 from tandem.run_dir import resume_command
+from tandem.up_launch import MODEL_DEFAULTS, UpConfig
+from tandem.up_tree import RENDERED, SERVICES, UpTree, rebuild
 
-PASSTHROUGH = ("--engine-args", "--router-args", "--trainer-args")
-# Fields a run folder of an older version lacks, as that version ran them (its config.toml
-# holds the service's own key, which tandem up's newer default would contradict).
-OLDER_RUNS = {"keep_checkpoints": 0}
 CONFIG_FILE = "up_config.json"
+RUN_CONFIG = "config.toml"
 LAUNCH_DIR = "launch_dir"  # up_config.json's key beside the fields: where the run first started
-# Fields whose value is part of the run contract: fixed for the life of a run.
-CONTRACT_FIELDS = (
-    "rollout_batch_size",
-    "n_samples_per_prompt",
-    "num_steps_per_rollout",
-    "max_staleness",
-    "weight_transport",
-    "model",
-)
+TRACKER = "latest_checkpointed_iteration.txt"  # megatron's: names a --save folder's newest
+# Service settings that name a file or folder, read from the folder a service starts in: saved
+# absolute, so that a resume or a repeat of config.toml from another folder finds them.
+PATH_KEYS = {"prompt_data", "eval_prompt_data", "load", "ref_load", "tokenizer", "save"}
 
 
-def join_passthrough(argv: list[str]) -> list[str]:
-    """`--trainer-args --bf16` -> `--trainer-args=--bf16` (argparse takes a value starting
-    with `--` for a flag of its own)."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        if argv[i] in PASSTHROUGH and i + 1 < len(argv):
-            out.append(f"{argv[i]}={argv[i + 1]}")
-            i += 2
-            continue
-        out.append(argv[i])
-        i += 1
-    return out
+def resume_argv(argv: list[str]) -> list[str]:
+    """`argv` with the run's config.toml as its `--config` when it resumes (`--resume RUN_DIR`),
+    a `--config FILE` given beside laid over it (in a temporary file); ConfigError for a folder
+    that is no run folder, or one of the launcher before the configuration tree."""
+    run_dir = _flag_value(argv, "--resume")
+    if not run_dir:
+        return argv
+    saved, recorded = Path(run_dir) / CONFIG_FILE, Path(run_dir) / RUN_CONFIG
+    if not saved.is_file():
+        raise ConfigError(
+            f"--resume {run_dir}: no {CONFIG_FILE} there (not a tandem up run folder)"
+        )
+    if "trainer_args" in json.loads(saved.read_text()):
+        raise ConfigError(
+            f"--resume {run_dir}: the run was made by an older tandem up (its {CONFIG_FILE} "
+            "holds --engine-args/--router-args/--trainer-args strings, its config.toml the "
+            "services' settings in [up]), which this version cannot read: resume it with the "
+            "version that made it, or start a new run"
+        )
+    tables = _tables(str(recorded)) if recorded.is_file() else {}
+    tables.setdefault("up", {})  # [up] as the run resolved it (its defaults by model):
+    launch = set(leaves(UpConfig)) - {"model", "resume", "run_dir", "run_id"}
+    tables["up"] |= {k: v for k, v in json.loads(saved.read_text()).items() if k in launch}
+    given = _flag_value(argv, "--config")
+    for name, table in (_tables(given) if given else {}).items():
+        tables[name] = {**tables.get(name, {}), **table}
+    lines = [f"{RENDERED} (resumed{', with ' + given if given else ''})"]
+    for name, table in tables.items():
+        lines += [f"[{name}]", *(f"{k} = {toml_value(v)}" for k, v in table.items()), ""]
+    merged = Path(tempfile.mkdtemp(prefix="tandem-resume-")) / RUN_CONFIG
+    merged.write_text("\n".join(lines))
+    rest = [w for i, w in enumerate(argv) if not _is_config(argv, i)]
+    return ["--config", str(merged), *rest]
 
 
-def given_fields(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """The config fields the command line names explicitly (not left at their default)."""
-    probe = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
-    for action in parser._actions:
-        if action.option_strings and action.dest != "help":
-            kwargs: dict[str, Any] = {"dest": action.dest}
-            if isinstance(action, argparse.BooleanOptionalAction):
-                kwargs["action"] = argparse.BooleanOptionalAction
-            elif action.nargs is not None:
-                kwargs["nargs"] = action.nargs
-            probe.add_argument(*action.option_strings, **kwargs)
-    return set(vars(probe.parse_known_args(argv)[0]))
+def _flag_value(argv: list[str], flag: str) -> str:
+    found = ""
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif word.startswith(flag + "="):
+            found = word.split("=", 1)[1]
+    return found
 
 
-def file_fields(parser: argparse.ArgumentParser, path: str) -> set[str]:
-    """The fields the [up] table of the --config file `path` sets, as given as the flags beside
-    --resume are (they were silently overridden by the saved ones); none for a file tandem up
-    wrote (a run's config.toml holds every field as that run started, its model "" for the
-    toy one: its [up] says nothing new)."""
-    if not path or rendered(path):
-        return set()
-    return set(read_file(path).get("up", {})) & set(options(parser))
+def _is_config(argv: list[str], i: int) -> bool:
+    """Whether argv[i] is `--config`, its value, or `--config=...`."""
+    word = argv[i]
+    return (
+        word == "--config" or word.startswith("--config=") or (i > 0 and argv[i - 1] == "--config")
+    )
 
 
-RENDERED = "# Resolved by tandem up"  # the first line of a configuration render() wrote
-
-
-def rendered(path: str) -> bool:
-    """`path` is a configuration tandem up wrote (a run's config.toml)."""
+def _tables(path: str) -> dict[str, dict[str, Any]]:
     try:
-        with open(path, encoding="utf-8") as text:
-            return text.readline().startswith(RENDERED)
-    except (OSError, UnicodeDecodeError):
-        return False
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"--config {path}: cannot read it as TOML ({exc})") from None
 
 
-def conflicts(launcher_sets: dict[str, list[str]], passthrough: dict[str, str]) -> list[str]:
-    """Problems where a pass-through string sets a flag the launcher sets otherwise.
-
-    `launcher_sets[service]` is the launcher's own argument list for that service;
-    `passthrough[service]` the user's string for it."""
-    problems = []
-    for service, extra in passthrough.items():
-        ours = _flag_values(launcher_sets.get(service, []))
-        for flag, value in _flag_values(shlex.split(extra)).items():
-            if flag in ours and ours[flag] != value:
-                problems.append(
-                    f"--{service}-args sets {flag} {' '.join(value) or '(on)'} but tandem up "
-                    f"gives the {service} {flag} {' '.join(ours[flag]) or '(on)'}: set it once, "
-                    f"with tandem up's own flag where it has one (tandem up --help)"
-                )
-    return problems
-
-
-def _flag_values(args: list[str]) -> dict[str, list[str]]:
-    """`--flag v1 v2` and `--flag=v` -> {"--flag": [values]}."""
-    out: dict[str, list[str]] = {}
-    flag = None
-    for arg in args:
-        if arg.startswith("--"):
-            flag, _, value = arg.partition("=")
-            out[flag] = [value] if value else []
-        elif flag is not None:
-            out[flag].append(arg)
-    return out
-
-
-def save_config(run_dir: Path, config: Any) -> None:
-    """`config` as the run folder's `up_config.json`, with the folder the run was first started
-    from (kept as it was on a resume)."""
-    path = run_dir / CONFIG_FILE
-    launch_dir = json.loads(path.read_text()).get(LAUNCH_DIR) if path.is_file() else None
-    saved = {**dataclasses.asdict(config), LAUNCH_DIR: launch_dir or os.getcwd()}
-    saved["run_dir"] = str(run_dir.absolute())  # (a resume finds a moved folder)
-    saved["trainer_args"] = without_one_time(config.trainer_args)
-    path.write_text(json.dumps(saved, indent=2))
-
-
-# Trainer flags that pick where one launch starts from: saved, they would start every later
-# resume of the run there again (--ckpt-step N: back to iteration N each time).
-ONE_TIME = {"--ckpt-step": 1, "--new-lineage": 0}
-
-
-def without_one_time(args: str) -> str:
-    """`args` (--trainer-args) without the flags of ONE_TIME and their values (unchanged when
-    it has none)."""
-    words, kept, skip = shlex.split(args), [], 0
-    for word in words:
-        flag = word.split("=")[0]
-        if skip:
-            skip -= 1
-        elif flag in ONE_TIME:
-            skip = 0 if "=" in word else ONE_TIME[flag]
-        else:
-            kept.append(word)
-    return args if len(kept) == len(words) else shlex.join(kept)
-
-
-# Service settings that name a file or folder, read from the folder a service starts in: given
-# relative (in a --*-args string, or a service table of --config), they are saved absolute, so
-# that a resume or a repeat of the run folder's config.toml from another folder finds them.
-PATH_KEYS = {"prompt_data", "eval_prompt_data", "load", "ref_load", "tokenizer"}
+def absolute_paths(tree: UpTree, model: str) -> UpTree:
+    """`tree` with `model` (the folder actually used) and the services' files and folders given
+    relative to the current folder made absolute (`PATH_KEYS`, a file-form --custom-rm-path)."""
+    up = tree.up.model_copy(
+        update={"run": tree.up.run.model_copy(update={"model": absolute_path(model)})}
+    )
+    services = {}
+    for name, config in tree.services.items():
+        values = flat(config)
+        for key in PATH_KEYS & values.keys():
+            values[key] = absolute_path(values[key]) if values[key] else values[key]
+        if values.get("save"):  # (made at the start: not there yet)
+            values["save"] = str(Path(values["save"]).resolve())
+        module, colon, fn = str(values.get("custom_rm_path", "")).rpartition(":")
+        if module.endswith(".py"):
+            values["custom_rm_path"] = f"{absolute_path(module)}{colon}{fn}"
+        services[name] = rebuild(type(config), values)
+    return UpTree(up, services, tree.origins, tree.config)
 
 
 def absolute_path(path: str) -> str:
@@ -172,59 +124,187 @@ def absolute_path(path: str) -> str:
     return str(Path(path).resolve()) if path and Path(path).exists() else path
 
 
-def absolute_passthrough(args: str) -> str:
-    """`args` (a --*-args string) with the value of each flag of PATH_KEYS made absolute (see
-    `absolute_path`); the string unchanged when none changes."""
-    flags = {"--" + key.replace("_", "-") for key in PATH_KEYS}
-    words = shlex.split(args)
-    out = []
-    for i, word in enumerate(words):
-        flag, equals, value = word.partition("=")
-        if equals and flag in flags:
-            word = f"{flag}={absolute_path(value)}"
-        elif i and words[i - 1] in flags and not word.startswith("--"):
-            word = absolute_path(word)
-        out.append(word)
-    return args if out == words else shlex.join(out)
+def save_config(run_dir: Path, tree: UpTree, model: str) -> None:
+    """[up] as the run's `up_config.json`: its fields by key, the model folder used, the
+    trainer's checkpoint folder, the folder the run was first started from (kept as it was on
+    a resume) and the run folder."""
+    path = run_dir / CONFIG_FILE
+    launch_dir = json.loads(path.read_text()).get(LAUNCH_DIR) if path.is_file() else None
+    saved = flat(tree.up) | {"model": model, "save": tree.value("trainer", "save")}
+    # (the defaults that depend on the model, resolved while it still says whether it is the toy)
+    saved |= {k: tree.up.by_model(k) for k in MODEL_DEFAULTS.keys() & saved.keys()}
+    saved |= {"resume": "", LAUNCH_DIR: launch_dir or os.getcwd()}
+    saved["run_dir"] = str(run_dir.absolute())  # (a resume finds a moved folder)
+    path.write_text(json.dumps(saved, indent=2))
 
 
-def absolute_config(config: Any) -> Any:
-    """`config` (an UpConfig) with its files and folders given relative to the current folder
-    made absolute (in the pass-through strings too), so that the run folder's saved
-    configuration holds wherever it is resumed from."""
-    module, colon, fn = config.custom_rm_path.rpartition(":")
-    rm_path = f"{absolute_path(module)}{colon}{fn}" if module.endswith(".py") else ""
-    return dataclasses.replace(
-        config,
-        model=absolute_path(config.model),
-        prompt_data=absolute_path(config.prompt_data),
-        eval_prompt_data=absolute_path(config.eval_prompt_data),
-        custom_rm_path=rm_path or config.custom_rm_path,
-        save=str(Path(config.save).resolve()) if config.save else "",
-        engine_args=absolute_passthrough(config.engine_args),
-        router_args=absolute_passthrough(config.router_args),
-        trainer_args=absolute_passthrough(config.trainer_args),
-    )
+def resumed(tree: UpTree) -> tuple[UpTree, list[str]]:
+    """The tree of a resume (`tree.up.resume`): the run folder, its model and checkpoints
+    where they are now, and the problems found (a run term changed, nothing left to train,
+    checkpoints gone)."""
+    run_dir = Path(tree.up.resume)
+    saved = json.loads((run_dir / CONFIG_FILE).read_text())
+    problems = [
+        f"--resume: {name.replace('_', '-')} is part of the run contract of {run_dir} "
+        f"({saved.get(name)!r}); it cannot change on resume (start a new run instead)"
+        for name in AGREED
+        if name != "model" and name in saved and tree.value("up", name) != saved[name]
+    ]
+    if "seed" in saved and tree.up.run.seed != saved["seed"]:
+        problems.append(
+            f"--resume: --seed orders the run's prompts ({saved['seed']} so far): another "
+            "would repeat some and skip others; it cannot change on resume"
+        )
+    if tree.up.run_dir and Path(tree.up.run_dir).resolve() != run_dir.resolve():
+        problems.append(f"--resume {run_dir} is the run folder: leave out --run-dir")
+    model, given = moved(saved, run_dir, "model"), tree.up.run.model
+    if (
+        given
+        and tree.origins["up"]["model"] != "file"
+        and Path(given).resolve() != Path(model).resolve()
+    ):
+        problems.append(
+            f"--resume: the run trains {model}; --model {given} cannot change on resume "
+            "(the checkpoint holds the run's weights; start a new run instead)"
+        )
+    run = tree.up.run.model_copy(update={"model": model})
+    up = tree.up.model_copy(update={"run": run, "run_dir": str(run_dir)})
+    tree = UpTree(up, tree.services, tree.origins, tree.config)
+    if tree.origins["trainer"]["save"] != "flag" and (save := moved(saved, run_dir, "save")):
+        tree.services["trainer"] = rebuild(SERVICES["trainer"], flat(tree.trainer) | {"save": save})
+    router_rm = str(tree.value("router", "custom_rm_path"))
+    if router_rm and (found := reach_launch_dir(router_rm, saved.get(LAUNCH_DIR) or "")):
+        print(f"[up] {found}", flush=True)
+    return tree, problems + checkpoint_problems(tree, run_dir)
+
+
+def checkpoint_problems(tree: UpTree, run_dir: Path) -> list[str]:
+    """A resume with nothing left to train, or whose checkpoints are gone; the note of a goal
+    met that would stop the run again (said)."""
+    summary, problems = last_summary(run_dir), []
+    given = {"stop_accuracy"} if tree.origins["up"]["stop_accuracy"] in ("flag", "env") else set()
+    if note := goal_met_note(summary, tree.up.by_model("stop_accuracy"), given):
+        print(f"[up] {note}", flush=True)
+    checkpoints = Path(tree.value("trainer", "save") or run_dir / "checkpoints")
+    every, max_steps = tree.value("trainer", "save_interval"), tree.value("trainer", "max_steps")
+    done, trained = steps_saved(checkpoints), steps_recorded(run_dir)
+    # (the folder is made at the run's start: gone, not a save that failed, as on a full disk)
+    gone = not done and not checkpoints.exists()
+    lost = f"trained {trained} steps, saving every --save-interval {every}" if gone else ""
+    lost = lost if every and trained >= every else ""
+    if not done and (before := saved_before(summary)):  # (a run that ended saved at its end)
+        lost = f"saved a checkpoint of step {before}"
+    if lost and not tree.value("trainer", "new_lineage"):
+        problems.append(
+            f"--resume {run_dir}: the run {lost}, but {checkpoints} "
+            f"{'is gone' if gone else 'holds none'} (moved or deleted?): give --save the "
+            "folder that holds its checkpoints, or start over from --model in this run with "
+            "--new-lineage"
+        )
+    if done >= max_steps:
+        problems.append(
+            f"--resume {run_dir}: its checkpoint is at step {done}, and --max-steps "
+            f"{max_steps} is the run's total: nothing to train; continue it with a "
+            f"higher --max-steps ({resume_command(run_dir)} --max-steps {done + max_steps})"
+        )
+    return problems
 
 
 def reach_launch_dir(rm_path: str, launch_dir: str) -> str:
     """For a resume from another folder: when the module of a module-form `rm_path` is not
     found from here but is in `launch_dir`, put that folder first on PYTHONPATH (the router and
-    its reward workers inherit it) and on this process's path (the check before the start);
-    what was done, or "" ."""
-    from services.rollout_router.rollout.rewards import import_problem, split_path
-
-    module = split_path(rm_path)[0]
-    if not launch_dir or not module or module.endswith(".py") or not import_problem(rm_path):
+    its reward workers inherit it) and on this process's path (the router's check before the
+    start); what was done, or "" ."""
+    module = rm_path.rpartition(":")[0] or rm_path
+    if not launch_dir or module.endswith(".py"):
         return ""
     top = module.split(".")[0]
-    if PathFinder.find_spec(top, [launch_dir]) is None:  # (the lookup import_problem makes)
+    try:
+        if find_spec(top) is not None:
+            return ""
+    except (ImportError, ValueError):
+        pass
+    if PathFinder.find_spec(top, [launch_dir]) is None:
         return ""
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [launch_dir, *filter(None, [os.environ.get("PYTHONPATH")])]
     )
     sys.path.insert(0, launch_dir)
     return f"--custom-rm-path {rm_path}: {top} is in {launch_dir}, where the run started: on PYTHONPATH"
+
+
+def steps_saved(checkpoints: Path) -> int:
+    """The step of the newest checkpoint in a --save folder (0 when none, or a tracker the
+    trainer will name as broken itself)."""
+    try:
+        text = (checkpoints / TRACKER).read_text(errors="replace").strip()
+    except OSError:
+        return 0
+    return int(text) if text.isdigit() else 0
+
+
+def resume_plan(
+    checkpoints: Path, run_dir: Path, every: int, one_time: bool, published: int
+) -> tuple[bool, int, str]:
+    """How a resumed run's trainer goes on: whether from --model as a new lineage (no
+    checkpoint, though an earlier trainer published version `published`), the steps trained
+    after the newest checkpoint (their weights were not kept: trained again, on the groups they
+    trained), and the start-up line saying which ("" when neither). `every`: the trainer's
+    --save-interval; `one_time`: --ckpt-step or --new-lineage given (the trainer says which)."""
+    if not (checkpoints / TRACKER).is_file():
+        note = (
+            f"{checkpoints} holds no checkpoint (none saved yet, every --save-interval {every} "
+            "steps, or --new-lineage given): the trainer goes on from --model with versions "
+            "after the published one (--new-lineage); groups made by the old weights are "
+            "dead-lettered (foreign_lineage)"
+        )
+        return (True, 0, note) if published > 0 else (False, 0, "")
+    saved, recorded = steps_saved(checkpoints), steps_recorded(run_dir)
+    if recorded <= saved or one_time:
+        return False, 0, ""
+    steps = f"step {recorded} is" if recorded == saved + 1 else f"steps {saved + 1}-{recorded} are"
+    note = (
+        f"resuming from the step-{saved} checkpoint in {checkpoints}: {steps} trained again, on "
+        f"the groups they trained (weights are kept only by a checkpoint, every --save-interval "
+        f"{every} steps)"
+    )
+    return False, recorded - saved, note
+
+
+def trainer_start(tree: UpTree, trainer: Any, run_dir: Path, buffer: Any) -> tuple[Any, int]:
+    """The trainer's config as its child gets it (`trainer`), with --new-lineage where a resume
+    needs it, and the steps it trains again (`resume_plan`, its note said). ChildFailedError
+    (exit 2) for what the trainer would refuse once its model is built (`check_start`: a
+    damaged checkpoint, a --ckpt-step back without --new-lineage), found before the engines
+    start (minutes for a real model) and not after."""
+    from services.trainer.__main__ import check_start
+    from tandem.sinks import say
+    from tandem.supervisor import ChildFailedError
+
+    replayed, max_steps = 0, tree.value("trainer", "max_steps")
+    if tree.up.resume:  # (the version an earlier trainer published)
+        checkpoints = Path(tree.value("trainer", "save") or run_dir / "checkpoints")
+        one_time = tree.given("trainer", "ckpt_step") or tree.given("trainer", "new_lineage")
+        every = tree.value("trainer", "save_interval")
+        plan = resume_plan(checkpoints, run_dir, every, one_time, buffer.get_version("trainer", 0))
+        new_lineage, replayed, note = plan
+        if new_lineage:
+            trainer = rebuild(type(trainer), flat(trainer) | {"new_lineage": True})
+        if note:
+            say(note)
+    try:
+        version = check_start(trainer, buffer)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ChildFailedError(f"trainer: {exc}", 2) from None
+    if tree.up.resume and version >= max_steps:  # (it stopped at once: exit 0, untrained)
+        raise ChildFailedError(
+            f"--resume {run_dir}: the trainer starts a new lineage at version {version} (its "
+            f"versions go on after the run's newest, {version - 1}), and "
+            f"--max-steps {max_steps} is the run's total: nothing to train; give a "
+            f"higher one ({resume_command(run_dir)} --max-steps {version + max_steps})",
+            2,
+        )
+    return trainer, replayed
 
 
 def moved(saved: dict[str, Any], run_dir: Path, name: str) -> str:
@@ -239,70 +319,6 @@ def moved(saved: dict[str, Any], run_dir: Path, name: str) -> str:
         return value
     here = run_dir.absolute() / Path(value).relative_to(was)
     return value if Path(value).exists() and not here.exists() else str(here)
-
-
-def resumed_config(config: Any, given: set[str]) -> tuple[Any, list[str]]:
-    """The saved configuration of `config.resume`, overridden by the fields in `given`;
-    with the problems found (a folder that is no run folder, a contract term changed)."""
-    run_dir = Path(config.resume)
-    path = run_dir / CONFIG_FILE
-    if not path.is_file():
-        return config, [f"--resume {run_dir}: no {CONFIG_FILE} there (not a tandem up run folder)"]
-    saved = json.loads(path.read_text())
-    problems = [
-        f"--resume: {name.replace('_', '-')} is part of the run contract of {run_dir} "
-        f"({saved.get(name)!r}); it cannot change on resume (start a new run instead)"
-        for name in CONTRACT_FIELDS
-        if name in given and name != "model" and getattr(config, name) != saved.get(name)
-    ]
-    known = {f.name for f in dataclasses.fields(config)}
-    merged = {**OLDER_RUNS, **{k: v for k, v in saved.items() if k in known}}
-    merged.update({name: getattr(config, name) for name in given})
-    model, save = moved(saved, run_dir, "model"), moved(saved, run_dir, "save")
-    if "seed" in given and config.seed != saved.get("seed", config.seed):
-        problems.append(
-            f"--resume: --seed orders the run's prompts ({saved.get('seed')} so far): another "
-            "would repeat some and skip others; it cannot change on resume"
-        )
-    if "run_dir" in given and Path(config.run_dir).resolve() != run_dir.resolve():
-        problems.append(f"--resume {run_dir} is the run folder: leave out --run-dir")
-    if "model" in given and Path(config.model).resolve() != Path(model).resolve():
-        problems.append(
-            f"--resume: the run trains {model}; --model {config.model} cannot change on resume "
-            "(the checkpoint holds the run's weights; start a new run instead)"
-        )
-    merged.update(run_dir=str(run_dir), resume=str(run_dir), model=model)
-    merged.update({} if "save" in given else {"save": save})
-    resumed = type(config)(**merged)
-    if resumed.custom_rm_path and (
-        found := reach_launch_dir(resumed.custom_rm_path, saved.get(LAUNCH_DIR) or "")
-    ):
-        print(f"[up] {found}", flush=True)
-    summary = last_summary(run_dir)
-    if note := goal_met_note(summary, resumed.stop_accuracy, given):
-        print(f"[up] {note}", flush=True)
-    checkpoints = Path(resumed.save or run_dir / "checkpoints")
-    done, trained, every = steps_saved(checkpoints), steps_recorded(run_dir), resumed.save_interval
-    # (the folder is made at the run's start: gone, not a save that failed, as on a full disk)
-    gone = not done and not checkpoints.exists()
-    lost = f"trained {trained} steps, saving every --save-interval {every}" if gone else ""
-    lost = lost if every and trained >= every else ""
-    if not done and (before := saved_before(summary)):  # (a run that ended saved at its end)
-        lost = f"saved a checkpoint of step {before}"
-    if lost and "--new-lineage" not in resumed.trainer_args:
-        problems.append(
-            f"--resume {run_dir}: the run {lost}, but {checkpoints} "
-            f"{'is gone' if gone else 'holds none'} (moved or deleted?): give --save the "
-            "folder that holds its checkpoints, or start over from --model in this run with "
-            "--trainer-args --new-lineage"
-        )
-    if done >= resumed.max_steps:
-        problems.append(
-            f"--resume {run_dir}: its checkpoint is at step {done}, and --max-steps "
-            f"{resumed.max_steps} is the run's total: nothing to train; continue it with a "
-            f"higher --max-steps ({resume_command(run_dir)} --max-steps {done + resumed.max_steps})"
-        )
-    return resumed, problems
 
 
 def taken_problem(run_dir: Path, save: str, own_redis: bool) -> str:
@@ -327,17 +343,6 @@ def taken_problem(run_dir: Path, save: str, own_redis: bool) -> str:
         "not --model; Redis with the old run's samples): move or delete them, or give another "
         "--run-dir"
     )
-
-
-def steps_saved(checkpoints: Path) -> int:
-    """The step of the newest checkpoint in a --save folder (0 when none, or a tracker the
-    trainer will name as broken itself)."""
-    from services.trainer.lineage import saved_iteration
-
-    try:
-        return saved_iteration(checkpoints) or 0
-    except (OSError, ValueError):
-        return 0
 
 
 def last_summary(run_dir: Path) -> dict[str, Any]:
@@ -371,76 +376,6 @@ def goal_met_note(summary: dict[str, Any], stop_accuracy: float, given: set[str]
         f"{stop_accuracy:g}): it stops again at the first evaluation that reaches it; to train "
         "on, give --stop-accuracy 0 (no goal) or a higher one"
     )
-
-
-def resume_plan(
-    checkpoints: Path, run_dir: Path, config: Any, published: int
-) -> tuple[bool, int, str]:
-    """How a resumed run's trainer goes on: whether from --model as a new lineage (no
-    checkpoint, though an earlier trainer published version `published`), the steps trained
-    after the newest checkpoint (their weights were not kept: trained again, on the groups they
-    trained), and the start-up line saying which ("" when neither)."""
-    from services.trainer.lineage import TRACKER
-
-    every = config.save_interval
-    if not (checkpoints / TRACKER).is_file():
-        note = (
-            f"{checkpoints} holds no checkpoint (none saved yet, every --save-interval {every} "
-            "steps, or --new-lineage given): the trainer goes on from --model with versions "
-            "after the published one (--new-lineage); groups made by the old weights are "
-            "dead-lettered (foreign_lineage)"
-        )
-        return (True, 0, note) if published > 0 else (False, 0, "")
-    saved, recorded = steps_saved(checkpoints), steps_recorded(run_dir)
-    if recorded <= saved or without_one_time(config.trainer_args) != config.trainer_args:
-        # (--trainer-args --ckpt-step picks another checkpoint: the trainer says which)
-        return False, 0, ""
-    steps = f"step {recorded} is" if recorded == saved + 1 else f"steps {saved + 1}-{recorded} are"
-    note = (
-        f"resuming from the step-{saved} checkpoint in {checkpoints}: {steps} trained again, on "
-        f"the groups they trained (weights are kept only by a checkpoint, every --save-interval "
-        f"{every} steps)"
-    )
-    return False, recorded - saved, note
-
-
-def trainer_start(
-    args: list[str], config: Any, run_dir: Path, buffer: Any
-) -> tuple[list[str], int]:
-    """The trainer's command line (`args`), with --new-lineage where a resume needs it, and the
-    steps it trains again (`resume_plan`, its note said). ChildFailedError (exit 2) for what
-    the trainer would refuse once its model is built (`check_start`: a damaged checkpoint, a
-    --ckpt-step back without --new-lineage), found before the engines start (minutes for a
-    real model) and not after."""
-    from services.common.config_file import parse_args
-    from services.common.flags import config_from_args
-    from services.trainer.__main__ import build_parser, check_start
-    from services.trainer.config import TrainerConfig
-    from tandem.sinks import say
-    from tandem.supervisor import ChildFailedError
-
-    replayed = 0
-    if config.resume:  # (the version an earlier trainer published)
-        checkpoints = Path(config.save or run_dir / "checkpoints")
-        plan = resume_plan(checkpoints, run_dir, config, buffer.get_version("trainer", 0))
-        new_lineage, replayed, note = plan
-        args = [*args, "--new-lineage"] if new_lineage else args
-        if note:
-            say(note)
-    trainer = config_from_args(TrainerConfig, parse_args(build_parser(), args[1:], "trainer"))
-    try:
-        version = check_start(trainer, buffer)
-    except (ValueError, FileNotFoundError) as exc:
-        raise ChildFailedError(f"trainer: {exc}", 2) from None
-    if config.resume and version >= config.max_steps:  # (it stopped at once: exit 0, untrained)
-        raise ChildFailedError(
-            f"--resume {run_dir}: the trainer starts a new lineage at version {version} (its "
-            f"versions go on after the run's newest, {version - 1}), and "
-            f"--max-steps {config.max_steps} is the run's total: nothing to train; give a "
-            f"higher one ({resume_command(run_dir)} --max-steps {version + config.max_steps})",
-            2,
-        )
-    return args, replayed
 
 
 def steps_recorded(run_dir: Path) -> int:

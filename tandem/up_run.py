@@ -8,13 +8,11 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 
 from redis.exceptions import RedisError
 
 from proto import MetricsRecord
-from services.common.config_file import ConfigError
 from services.common.engine_info import versions_or_why
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from tandem.progress import RunProgress
@@ -34,11 +32,26 @@ from tandem.run_dir import (
 from tandem.run_redis import REDIS_FILE, run_id_of
 from tandem.sinks import MetricSinks, say
 from tandem.supervisor import ChildFailedError, StartInterruptedError, Supervisor, die_with_parent
-from tandem.up_args import lost_history, save_config, steps_saved, stopped_early, trainer_start
-from tandem.up_config import check_sample_fit, render, state_trainer_limits, write_run_config
+from tandem.up_args import (
+    RUN_CONFIG,
+    lost_history,
+    save_config,
+    steps_saved,
+    stopped_early,
+    trainer_start,
+)
+from tandem.up_config import check_sample_fit, service_problems, state_trainer_limits
 from tandem.up_engines import Restarts, wait_engines_synced
-from tandem.up_services import TRAINED_MODEL, gpu_env, service_args, shared_gpus, trains_in_bf16
-from tandem.up_settings import UpConfig
+from tandem.up_launch import MODEL_DEFAULTS
+from tandem.up_services import (
+    TRAINED_MODEL,
+    gpu_env,
+    run_values,
+    service_args,
+    shared_gpus,
+    trains_in_bf16,
+)
+from tandem.up_tree import UpTree, child_file, render, wired
 from tandem.watchdog import Watchdog
 
 # What stopping a run waits for (tandem up says it when Ctrl-C comes, and when it is slow).
@@ -50,15 +63,17 @@ class RedisUnreachableError(RuntimeError):
 
 
 class UpRun:
-    def __init__(self, config: UpConfig) -> None:
-        self.config = config
+    def __init__(self, tree: UpTree) -> None:
+        self.tree, self.config = tree, tree.up  # (the launch section: [up])
+        config = tree.up
+        self.max_steps = int(tree.value("trainer", "max_steps"))
         # absolute: the paths saved in it (the toy model's) hold wherever --resume runs
         self.run_dir = (
-            Path(config.run_dir) if config.run_dir else default_run_dir(config.seed)
+            Path(config.run_dir) if config.run_dir else default_run_dir(config.run.seed)
         ).absolute()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.lock = lock_run_dir(self.run_dir, resume=bool(config.resume))
-        self.run_id = run_id_of(self.run_dir, bool(config.redis_url), new=not config.resume)
+        self.run_id = run_id_of(self.run_dir, bool(config.run.redis_url), new=not config.resume)
         self.redis: RedisServer | None = None
         self.interrupted: list[bool] = []
         self.supervisor = Supervisor(self.run_dir / "logs", self.interrupted, note=say)
@@ -80,14 +95,14 @@ class UpRun:
         started = time.monotonic()
         progress: RunProgress | None = None
         buffer: SampleBuffer | None = None
-        sinks = MetricSinks(self.run_dir, self.config.wandb_project, asdict(self.config))
+        sinks = MetricSinks(self.run_dir, self.config.wandb_project, self.tree.settings())
         try:
             buffer, urls = self.start_services()
             goal = self.config.by_model("stop_accuracy")
             why = f"stop at held-out accuracy >= {goal}, at most" if goal else "no accuracy goal,"
             say(
                 f"all services up in {time.monotonic() - started:.1f}s; training "
-                f"({why} {self.config.max_steps} steps)"
+                f"({why} {self.max_steps} steps)"
             )
             progress = RunProgress(self.run_dir, bool(self.config.resume), replayed=self.replayed)
             code = self.monitor(buffer, progress, sinks)
@@ -136,30 +151,33 @@ class UpRun:
     # --- start-up -----------------------------------------------------------------------------
 
     def start_services(self) -> tuple[SampleBuffer, list[str]]:
-        config = self.config
+        config, tree = self.config, self.tree
         buffer, redis_url = self.start_redis()
-        model = Path(config.model) if config.model else self.write_model()
-        save_config(self.run_dir, config.resolved(str(model)))
-        args = service_args(config, self.run_id, model, redis_url, self.run_dir)
-        # Each service reads its table of the recorded configuration, then its flags.
-        try:  # (checked before the start too, but for what needs the model, written now)
-            text = render(config, config.config, model, redis_url, self.run_id, self.run_dir)
-        except ConfigError as exc:
-            raise ChildFailedError(str(exc), code=2) from None
-        recorded = write_run_config(self.run_dir, text)
-        for name in args:
-            args[name] += ["--config", str(recorded)]
+        model = Path(config.run.model) if config.run.model else self.write_model()
+        save_config(self.run_dir, tree, str(model))
+        run = run_values(tree, self.run_id, model, redis_url, self.run_dir)
+        # (checked before the start too, but for what needs the model, written now)
+        if problems := service_problems(tree, run):
+            raise ChildFailedError("\n".join(problems), code=2)
+        recorded = (self.run_dir / RUN_CONFIG).resolve()
+        recorded.write_text(render(tree, run))
         say(f"configuration of every service in {recorded} (repeat: tandem up --config it)")
-        state_trainer_limits(buffer, recorded, model)
-        if trains_in_bf16(config):
+        state_trainer_limits(buffer, tree, model)
+        configs, _ = wired(tree, run)
+        configs["trainer"], self.replayed = trainer_start(
+            tree, configs["trainer"], self.run_dir, buffer
+        )
+        # Each service reads its section from its own file, then the addresses as flags.
+        files = {name: child_file(configs, name, self.run_dir) for name in configs}
+        args = service_args(files, run)
+        if trains_in_bf16(tree):
             say("the trainer trains in bf16 on its GPU (fp32 master weights), as the engines serve")
-        for gpu in shared_gpus(config):
+        for gpu in shared_gpus(tree):
             say(
                 f"GPU {gpu} is shared by the engines and the trainer: bound the engines' memory "
-                "with --engine-args '--kv-cache-gb N' (their KV cache; default 4) and keep the "
-                "trainer's batch small (--trainer-args '--max-tokens-per-gpu N')"
+                "with --kv-cache-gb N (their KV cache; default 4) and keep the "
+                "trainer's batch small (--max-tokens-per-gpu N)"
             )
-        trainer_args, self.replayed = trainer_start(args["trainer"], config, self.run_dir, buffer)
         engines = [
             self.supervisor.start(
                 f"engine{i}", args["engine"], env=gpu_env(config.engine_gpus[i : i + 1])
@@ -172,7 +190,7 @@ class UpRun:
         broker = self.supervisor.start("broker", [*args["broker"], "--engine-urls", *urls])
         self.supervisor.wait_ready([broker], config.by_model("startup_timeout_s"))
         # The trainer loads while the router starts (it needs only Redis and the broker).
-        self.start_trainer(trainer_args, broker.info["intake_endpoint"])
+        self.start_trainer(args["trainer"], broker.info["intake_endpoint"])
         # The router hands engines added or restarted at run time to the broker.
         router = self.supervisor.start(
             "router", [*args["router"], "--engine-urls", *urls, "--broker-url", broker.info["url"]]
@@ -180,7 +198,7 @@ class UpRun:
         self.supervisor.wait_ready([router], config.by_model("startup_timeout_s"))
         self.health_urls = {"router": router.info["url"], "broker": broker.info["url"]}
         self.say_router_terms(router.info)
-        check_sample_fit(router.info, recorded, say)
+        check_sample_fit(router.info, tree, say)
         say(
             f"broker at {broker.info['url']} (weights in at {broker.info['intake_endpoint']}), "
             f"router at {router.info['url']} (dashboard: {router.info['url']}/; its writes and "
@@ -192,7 +210,7 @@ class UpRun:
 
     def start_redis(self) -> tuple[SampleBuffer, str]:
         """The run's Redis (`--redis-url`, else one of its own, its data in the run folder)."""
-        redis_url = self.config.redis_url
+        redis_url = self.config.run.redis_url
         if not redis_url:
             self.redis = RedisServer(
                 log_dir=self.run_dir / "logs",
@@ -225,11 +243,29 @@ class UpRun:
                 f"no held-out prompts: --stop-accuracy {goal} cannot be reached "
                 "(give --eval-prompt-data, or --stop-accuracy 0 to train --max-steps)"
             )
-        if note := config.model_defaults():
+        if note := self.model_defaults():
             say(note)
         length = info.get("rollout_max_response_len", "?")
         why = " (the router's default for this task and model: --rollout-max-response-len)"
-        say(f"responses up to {length} tokens{'' if config.rollout_max_response_len else why}")
+        given = self.tree.given("router", "rollout_max_response_len")
+        say(f"responses up to {length} tokens{'' if given else why}")
+
+    def model_defaults(self) -> str:
+        """What a new run with a --model took by default of what depends on the model ("" for
+        the toy model, a resume, or none taken)."""
+        up = self.config
+        if not up.run.model or up.resume:
+            return ""
+        unset = {n: up.unset(n) for n in MODEL_DEFAULTS.keys() - {"lr"}}
+        unset["lr"] = not self.tree.given("trainer", "lr")
+        taken = [name for name in MODEL_DEFAULTS if unset[name]]
+        if not taken:
+            return ""
+        value = {n: up.by_model(n) for n in unset.keys() - {"lr"}}
+        value["lr"] = self.tree.value("trainer", "lr")
+        whats = ", ".join(MODEL_DEFAULTS[n][2].format(value[n]) for n in taken)
+        flags = ", ".join("--" + n.replace("_", "-") for n in taken)
+        return f"{whats} (the defaults for a --model; {flags} set them)"
 
     def start_trainer(self, args: list[str], intake_endpoint: str) -> None:
         """Start the trainer (under torchrun with --trainer-procs > 1), not waited for here."""
@@ -254,8 +290,9 @@ class UpRun:
     def write_model(self) -> Path:
         from tandem.toy_model import write_toy_model
 
-        path = write_toy_model(self.run_dir / "model", seed=self.config.seed)
-        say(f"toy model (seed {self.config.seed}) written to {path}")
+        seed = self.config.run.seed
+        path = write_toy_model(self.run_dir / "model", seed=seed)
+        say(f"toy model (seed {seed}) written to {path}")
         return path
 
     # --- watching -----------------------------------------------------------------------------
@@ -268,12 +305,9 @@ class UpRun:
         self.last_metrics_id = buffer.last_metrics_id() if config.resume else "0"
         stall_fail_s, goal = config.by_model("stall_fail_s"), config.by_model("stop_accuracy")
         watchdog = Watchdog(
-            buffer, self.health_urls, config.stall_warn_s, stall_fail_s, say, config.max_steps
+            buffer, self.health_urls, config.stall_warn_s, stall_fail_s, say, self.max_steps
         )
-        limits = {"engine": config.engine_restarts, "router": config.router_restarts}
-        limits["broker"] = config.broker_restarts if config.weight_transport == "zmq" else 0
-        timeout_s = config.by_model("startup_timeout_s")
-        restarts = Restarts(self.supervisor, limits, timeout_s, say, watchdog)
+        restarts = self.restarts(watchdog)
         redis_lost_at = 0.0  # when Redis stopped answering (0: it answers)
         while True:
             asked = time.monotonic()
@@ -295,14 +329,8 @@ class UpRun:
             for entry_id, record in records:
                 if self.take(entry_id, record, progress, sinks):
                     watchdog.step_done(record.step)
-            problem = watchdog.check()
-            if problem:
-                self.outcome = "unhealthy" if "unhealthy" in problem else "stalled"
-                name = problem.split(" ", 1)[0]
-                logs = [c for c in self.supervisor.children if c.name == name]
-                tail = f"\n{name} log ({logs[0].log_path}):\n{logs[0].log_tail()}" if logs else ""
-                say(f"FAILED: {problem}{tail}")
-                return 1
+            if problem := watchdog.check():
+                return self.stalled(problem)
             if goal and progress.accuracy >= goal:
                 self.outcome = "reached_accuracy"
                 return 0
@@ -325,6 +353,24 @@ class UpRun:
                 self.outcome = "time_limit"
                 say(f"time limit of {limit_s:.0f}s reached (--time-limit-s)")
                 return 1
+
+    def restarts(self, watchdog: Watchdog) -> Restarts:
+        """The restarts of engines, router and broker the run allows (never the broker's under
+        NCCL: its process groups end with it)."""
+        config = self.config
+        limits = {"engine": config.engine_restarts, "router": config.router_restarts}
+        limits["broker"] = config.broker_restarts if config.run.weight_transport == "zmq" else 0
+        timeout_s = config.by_model("startup_timeout_s")
+        return Restarts(self.supervisor, limits, timeout_s, say, watchdog)
+
+    def stalled(self, problem: str) -> int:
+        """The run's end on the watchdog's `problem`, with the log tail of the service named."""
+        self.outcome = "unhealthy" if "unhealthy" in problem else "stalled"
+        name = problem.split(" ", 1)[0]
+        logs = [c for c in self.supervisor.children if c.name == name]
+        tail = f"\n{name} log ({logs[0].log_path}):\n{logs[0].log_tail()}" if logs else ""
+        say(f"FAILED: {problem}{tail}")
+        return 1
 
     def redis_outage(
         self, buffer: SampleBuffer, exc: RedisError, lost_s: float, first: bool
@@ -415,13 +461,13 @@ class UpRun:
     def child_exited(self, child, step: int) -> int:  # type: ignore[no-untyped-def]
         """The run's end when `child` exited (the trainer at version `step`)."""
         if child.name == "trainer" and child.proc.returncode == 0:
-            if step < self.config.max_steps:  # (a SIGTERM of its own: it saves, leaves, exit 0)
+            if step < self.max_steps:  # (a SIGTERM of its own: it saves, leaves, exit 0)
                 self.outcome = "trainer_stopped"
-                say(stopped_early(step, self.config.max_steps, self.run_dir))
+                say(stopped_early(step, self.max_steps, self.run_dir))
                 return 1
             reached = self.config.by_model("stop_accuracy") == 0
             self.outcome = "max_steps" if reached else "max_steps_without_accuracy"
-            say(f"trainer finished {self.config.max_steps} steps")
+            say(f"trainer finished {self.max_steps} steps")
             return 0 if reached else 1
         self.outcome = "child_failed"
         if gone := self.own_redis_gone():
@@ -466,7 +512,7 @@ class UpRun:
                 say("matplotlib is not installed: no metrics.png (metrics.jsonl has it all)")
         summary = {
             "outcome": self.outcome,
-            "seed": self.config.seed,
+            "seed": self.config.run.seed,
             **progress.summary(),
             "wall_s": round(wall_s, 1),
             "eval_task": self.eval_task,
@@ -474,7 +520,9 @@ class UpRun:
             "run_dir": str(self.run_dir),
             "trained_model": str(trained) if trained.is_dir() else None,
             "ledger": self.ledger,
-            "checkpoint_step": steps_saved(Path(self.config.save or self.run_dir / "checkpoints")),
+            "checkpoint_step": steps_saved(
+                Path(self.tree.value("trainer", "save") or self.run_dir / "checkpoints")
+            ),
         }
         with self.writing("summary.json", whole=True):
             write_summary(self.run_dir, summary)

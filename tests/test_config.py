@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from services.common.config_file import parse_args
+from services.common.settings import flat
 from services.rollout_router.__main__ import build_parser as router_parser
 from services.rollout_router.rollout.custom_reward import load_function
 from services.rollout_router.rollout.tasks import (
@@ -23,7 +24,9 @@ from services.rollout_router.rollout.tasks import (
     toy_reverse_digits,
 )
 from tandem import config_cmd, launcher, up_services
-from tandem.up_config import RUN_CONFIG, render
+from tandem.up_args import RUN_CONFIG, save_config
+from tandem.up_launch import UpConfig
+from tandem.up_services import run_values
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,20 +48,17 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
     (model / "config.json").write_text('{"model_type": "llama"}')
     (model / "tokenizer.json").write_text("{}")  # (tandem up looks for one)
 
-    def trainer_lr(*argv: str) -> str:
-        config, problems = launcher.parse(list(argv))
-        assert problems == []
-        trainer = launcher.service_args(config, "r", model, "redis://x")["trainer"]
-        return trainer[trainer.index("--lr") + 1]
+    def trainer_lr(*argv: str) -> float:
+        tree, problems = launcher.parse(list(argv))
+        assert problems == [] and tree is not None
+        return tree.value("trainer", "lr")
 
-    assert trainer_lr() == "0.001"
-    assert trainer_lr("--model", str(model)) == "1e-06"
-    # the trainer run on its own (compose, a cluster's launcher) takes a pretrained model's rate
-    from services.trainer.config import TrainerConfig
-
-    assert TrainerConfig(model=str(model)).lr == 1e-6
-    assert trainer_lr("--model", str(model), "--lr", "3e-6") == "3e-06"
-    run = SimpleNamespace(config=launcher.parse(["--model", str(model)])[0], eval_task="")
+    assert trainer_lr() == 1e-3
+    assert trainer_lr("--model", str(model)) == 1e-6
+    assert trainer_lr("--model", str(model), "--lr", "3e-6") == 3e-6
+    tree = launcher.parse(["--model", str(model)])[0]
+    run = SimpleNamespace(config=tree.up, tree=tree, eval_task="")
+    run.model_defaults = lambda: UpRun.model_defaults(run)  # type: ignore[arg-type]
     UpRun.say_router_terms(run, {"eval_task": "t"})  # type: ignore[arg-type]
     out = capsys.readouterr().out
     assert (
@@ -69,39 +69,41 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
     ) in out.splitlines()
     toy = launcher.parse([])[0]
     limits = ("time_limit_s", "startup_timeout_s", "stall_fail_s", "stop_accuracy")
-    assert tuple(toy.by_model(n) for n in limits) == (900, 180, 600, 0.9)
+    assert tuple(toy.up.by_model(n) for n in limits) == (900, 180, 600, 0.9)
     real = launcher.parse(["--model", str(model), "--time-limit-s", "60"])[0]
-    assert tuple(real.by_model(n) for n in limits) == (60, 900, 3600, 0)
-    saved = real.resolved(str(model))
-    assert (saved.lr, saved.time_limit_s, saved.startup_timeout_s) == (1e-6, 60.0, 900.0)
-    assert saved.stop_accuracy == 0 and not saved.unset("stop_accuracy")  # resumed: kept
+    assert tuple(real.up.by_model(n) for n in limits) == (60, 900, 3600, 0)
+    save_config(tmp_path, real, str(model))  # a run folder saves them resolved
+    saved = json.loads((tmp_path / "up_config.json").read_text())
+    assert (saved["time_limit_s"], saved["startup_timeout_s"]) == (60.0, 900.0)
+    assert saved["stop_accuracy"] == 0  # resumed: kept (0 is no goal, not "the model's")
     # a target given is kept either way, 0 (none) for the toy model too
     given = launcher.parse(["--model", str(model), "--stop-accuracy", "0.7"])[0]
-    assert given.by_model("stop_accuracy") == 0.7
-    assert launcher.parse(["--stop-accuracy", "0"])[0].by_model("stop_accuracy") == 0
-    assert launcher.parse(["--stop-accuracy", "1.5"])[1] == [
+    assert given.up.by_model("stop_accuracy") == 0.7
+    assert launcher.parse(["--stop-accuracy", "0"])[0].up.by_model("stop_accuracy") == 0
+    assert launcher.parse(["--stop-accuracy", "-0.5"])[1] == [
         "--stop-accuracy must be within [0, 1] (or -1: the model's default)"
     ]
     # a --model run that finished --max-steps with no target did what was asked: exit 0; the
     # toy model's run that ends there below its 0.9 exits 1
     trainer = SimpleNamespace(name="trainer", proc=SimpleNamespace(returncode=0))
-    for config, code, outcome in ((real, 0, "max_steps"), (toy, 1, "max_steps_without_accuracy")):
-        ended = SimpleNamespace(config=config, outcome="", run_dir=Path("RUN"))
-        assert UpRun.child_exited(ended, trainer, config.max_steps) == code  # type: ignore[arg-type]
+    for tree, code, outcome in ((real, 0, "max_steps"), (toy, 1, "max_steps_without_accuracy")):
+        steps = tree.value("trainer", "max_steps")
+        ended = SimpleNamespace(config=tree.up, max_steps=steps, outcome="", run_dir=Path("RUN"))
+        assert UpRun.child_exited(ended, trainer, steps) == code  # type: ignore[arg-type]
         assert ended.outcome == outcome
         # (before --max-steps: stopped by a signal of someone else's, either model)
-        assert UpRun.child_exited(ended, trainer, config.max_steps - 1) == 1  # type: ignore[arg-type]
+        assert UpRun.child_exited(ended, trainer, steps - 1) == 1  # type: ignore[arg-type]
         assert ended.outcome == "trainer_stopped"
 
     # a --model trained on a GPU trains in bf16 (as the engines serve it), unless told not to
     def bf16(*argv: str) -> bool:
-        config, problems = launcher.parse([*argv, "--trainer-gpus", "0"])
-        assert problems == []
-        return "--bf16" in launcher.service_args(config, "r", model, "redis://x")["trainer"]
+        tree, problems = launcher.parse([*argv, "--trainer-gpus", "0"])
+        assert problems == [] and tree is not None
+        return run_values(tree, "r", model, "redis://x", Path("run")).get("bf16", False)
 
     assert bf16("--model", str(model))
     assert not bf16()  # the toy model: fp32
-    assert not bf16("--model", str(model), "--trainer-args", "--no-bf16")
+    assert not bf16("--model", str(model), "--no-bf16")
     # a [trainer] table that says (a run recorded before this default, resumed) rules
     older = tmp_path / "older.toml"
     older.write_text("[trainer]\nbf16 = false\n")
@@ -111,13 +113,14 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
 def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatch, capsys) -> None:
     path = toml_file(
         tmp_path,
-        "[up]\nseed = 3\nmax_steps = 7\nlr = 0.5\n\n"
+        "[up]\nseed = 3\n\n[trainer]\nmax_steps = 7\nlr = 0.5\n\n"
         '[router]\nrollout_max_response_len = 512\npolicy = "round_robin"\n',
     )
-    monkeypatch.setenv("TANDEM_UP_MAX_STEPS", "9")
-    config, problems = launcher.parse(["--config", str(path), "--lr", "0.25"])
-    assert problems == []
-    assert (config.seed, config.max_steps, config.lr) == (3, 9, 0.25)
+    monkeypatch.setenv("TANDEM_TRAINER_MAX_STEPS", "9")
+    tree, problems = launcher.parse(["--config", str(path), "--lr", "0.25"])
+    assert problems == [] and tree is not None
+    assert (tree.up.run.seed, tree.value("trainer", "max_steps")) == (3, 9)
+    assert tree.value("trainer", "lr") == 0.25
     monkeypatch.setenv("TANDEM_ROUTER_POLICY", "session_affinity")
     ns = parse_args(router_parser(), ["--config", str(path), "--eval-interval", "2"], "router")
     assert (ns.rollout_max_response_len, ns.policy, ns.eval_interval) == (
@@ -127,11 +130,10 @@ def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatc
     )
     # a variable of no setting: it was ignored without a word (a token is no setting)
     monkeypatch.setenv("TANDEM_ROUTER_TOKEN", "t")
-    monkeypatch.setenv("TANDEM_UP_MAX_STEP", "5")
-    with pytest.raises(SystemExit):
-        launcher.parse([])
-    said = "error: environment variable TANDEM_UP_MAX_STEP: tandem up has no setting 'max_step' "
-    assert said + "(did you mean 'max_steps'?)" in capsys.readouterr().err
+    monkeypatch.setenv("TANDEM_TRAINER_MAX_STEP", "5")
+    said = "environment variable TANDEM_TRAINER_MAX_STEP: tandem up has no setting 'max_step' "
+    assert said + "(did you mean 'max_steps'?)" in launcher.parse([])[1][0]
+    monkeypatch.delenv("TANDEM_TRAINER_MAX_STEP")
     assert parse_args(router_parser(), [], "router").policy == "session_affinity"
 
 
@@ -162,10 +164,13 @@ def test_a_bad_key_or_value_exits_2_naming_file_key_and_closest_key(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert str(path) in err and expected in err, err
-    # tandem up checks every service's table before it starts anything.
+    # tandem up checks every service's table before it starts anything (the settings loader's
+    # words: tests/test_settings.py), naming the file and the key.
     if "[routr]" not in text:
         _config, problems = launcher.parse(["--config", str(path)])
-        assert len(problems) == 1 and str(path) in problems[0] and expected in problems[0]
+        key = text.splitlines()[1].split(" = ")[0]
+        assert len(problems) == 1 and f"{path}: [router] " in problems[0], problems
+        assert key in problems[0] and ("did you mean" not in expected or expected in problems[0])
 
 
 def test_a_service_table_that_contradicts_up_is_refused(tmp_path: Path) -> None:
@@ -186,90 +191,78 @@ def test_config_show_prints_every_table_and_its_output_repeats_the_run(
     monkeypatch.chdir(tmp_path)  # where the module is found
     path = toml_file(
         tmp_path,
-        f'[up]\nprompt_data = "{tmp_path / "train.jsonl"}"\nmax_steps = 5\n\n'
-        "[router]\napply_chat_template = true\n\n[engine]\nkv_cache_gb = 1.5\n",
+        f'[router]\nprompt_data = "{tmp_path / "train.jsonl"}"\napply_chat_template = true\n\n'
+        "[trainer]\nmax_steps = 5\n\n[engine]\nkv_cache_gb = 1.5\n",
     )
     argv = ["--config", str(path), "--custom-rm-path", "my_rewards:score", "--seed", "4"]
     assert config_cmd.main(["show", *argv]) == 0
     shown = capsys.readouterr().out
     tables = tomllib.loads(shown)
     assert set(tables) == {"up", "router", "trainer", "broker", "engine"}
-    assert tables["up"]["max_steps"] == 5 and tables["up"]["seed"] == 4
+    assert tables["trainer"]["max_steps"] == 5 and tables["up"]["seed"] == 4
     assert tables["router"]["apply_chat_template"] is True
+    assert tables["router"]["custom_rm_path"] == "my_rewards:score"
     assert tables["engine"]["kv_cache_gb"] == 1.5
     # What tandem up gives a service itself is shown as a comment, not set twice.
     assert "rollout_batch_size" not in tables["router"]
-    assert '# custom_rm_path = "my_rewards:score"  # set by tandem up from [up]' in shown
+    assert "# seed = 4  # set by tandem up from [up] seed" in shown
     # The run folder's config.toml is this text: given back, it resolves to the same run.
     recorded = toml_file(tmp_path, shown, RUN_CONFIG)
-    config, problems = launcher.parse(["--config", str(recorded)])
-    first, _ = launcher.parse(argv)
-    assert problems == [] and config == first.__class__(**{**vars(first), "config": str(recorded)})
-    assert render(config, str(recorded)) == render(first, str(path))
+    assert config_cmd.main(["show", "--config", str(recorded)]) == 0
+    assert capsys.readouterr().out == shown
 
 
-def test_a_recorded_configuration_takes_a_flag_for_a_setting_it_left_to_the_service(
-    tmp_path: Path, capsys
-) -> None:
-    """A run's config.toml holds `[router] rollout_max_response_len = 0` (tandem up left it
-    to the router): `--resume RUN --rollout-max-response-len 6` (or `--config` of it with that
-    flag) was refused as a contradiction, `remove it there`, in a file the user never wrote. A
-    table the user wrote that contradicts [up] is still refused."""
+def test_a_recorded_configuration_takes_a_flag_over_its_settings(tmp_path: Path, capsys) -> None:
+    """A run's config.toml holds `[router] rollout_max_response_len = 0`: `--resume RUN
+    --rollout-max-response-len 6` (or `--config` of it with that flag) was refused as a
+    contradiction, `remove it there`, in a file the user never wrote."""
     assert config_cmd.main(["show"]) == 0
     recorded = toml_file(tmp_path, capsys.readouterr().out, RUN_CONFIG)
     assert tomllib.loads(recorded.read_text())["router"]["rollout_max_response_len"] == 0
-    config, problems = launcher.parse(
-        ["--config", str(recorded), "--rollout-max-response-len", "6"]
+    assert (
+        config_cmd.main(["show", "--config", str(recorded), "--rollout-max-response-len", "6"]) == 0
     )
-    assert problems == []
-    shown = render(config, str(recorded))
-    assert "# rollout_max_response_len = 6  # set by tandem up from [up]" in shown
-    assert "rollout_max_response_len" not in tomllib.loads(shown)["router"]
-    written = toml_file(tmp_path, "[router]\nrollout_max_response_len = 0\n")
-    _config, problems = launcher.parse(
-        ["--config", str(written), "--rollout-max-response-len", "6"]
-    )
-    assert len(problems) == 1 and "[router] rollout_max_response_len = 0" in problems[0]
+    assert tomllib.loads(capsys.readouterr().out)["router"]["rollout_max_response_len"] == 6
 
 
 def test_one_gpu_for_engine_and_trainer_is_a_layout(capsys) -> None:
-    config, problems = launcher.parse(["--engine-gpus", "0", "--trainer-gpus", "0"])
-    assert problems == []
-    assert (config.num_engines, config.engine_device) == (1, "cuda")
-    assert up_services.shared_gpus(config) == [0]
+    tree, problems = launcher.parse(["--engine-gpus", "0", "--trainer-gpus", "0"])
+    assert problems == [] and tree is not None
+    assert (tree.up.num_engines, tree.value("engine", "device")) == (1, "cuda")
+    assert up_services.shared_gpus(tree) == [0]
     assert launcher.main(["--engine-gpus", "0", "--num-engines", "2"]) == 2
     assert "give one per engine" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("spelling", [["--trainer-args", "--bf16"], ["--trainer-args=--bf16"]])
-def test_a_passthrough_flag_starting_with_dashes_reaches_its_service(
-    spelling: list[str], capsys
-) -> None:
+@pytest.mark.parametrize("spelling", [["--bf16"], ["--trainer.bf16"]])
+def test_a_service_setting_reaches_its_service_bare_or_named(spelling: list[str], capsys) -> None:
     assert config_cmd.main(["show", *spelling]) == 0
     assert tomllib.loads(capsys.readouterr().out)["trainer"]["bf16"] is True
 
 
-def test_an_unknown_passthrough_flag_is_refused_before_anything_starts() -> None:
-    _config, problems = launcher.parse(["--router-args", "--rollout-max-respons-len 8"])
-    assert len(problems) == 1 and "--router-args" in problems[0]
-    assert "unrecognized arguments: --rollout-max-respons-len" in problems[0]
+def test_an_unknown_flag_is_refused_before_anything_starts() -> None:
+    _tree, problems = launcher.parse(["--rollout-max-respons-len", "8"])
+    assert problems == [
+        "unrecognized argument --rollout-max-respons-len (did you mean "
+        "'rollout_max_response_len'?) (--help lists them)"
+    ]
 
 
 def test_greedy_rollouts_with_a_group_relative_advantage_are_refused_naming_both() -> None:
     """Temperature 0 made each group's 8 samples one response: every GRPO advantage was 0, the
     loss and gradient 0 at each step, and the run went on learning nothing without a word."""
-    _config, problems = launcher.parse(["--router-args", "--rollout-temperature 0"])
+    _config, problems = launcher.parse(["--rollout-temperature", "0"])
     assert problems == [
         "router: --rollout-temperature 0 samples greedily: the 8 samples of a prompt are one "
         "response, and the trainer's --advantage-estimator grpo (reward minus the group's mean) "
         "gives each an advantage of 0: nothing would be learned; sample with a temperature > 0 "
-        "(--router-args, or [router])"
+        "(--rollout-temperature, or [router])"
     ]
-    _config, problems = launcher.parse(["--router-args", "--rollout-top-k 1"])
+    _config, problems = launcher.parse(["--rollout-top-k", "1"])
     assert len(problems) == 1 and problems[0].startswith("router: --rollout-top-k 1 samples")
     for fine in (
-        ["--router-args", "--rollout-temperature 0", "--trainer-args", "--advantage-estimator gae"],
-        ["--router-args", "--rollout-temperature 0.6"],
+        ["--rollout-temperature", "0", "--advantage-estimator", "gae"],
+        ["--rollout-temperature", "0.6"],
     ):
         assert launcher.parse(fine)[1] == [], fine
 
@@ -280,9 +273,9 @@ def test_an_accuracy_goal_the_router_never_measures_is_refused(tmp_path: Path) -
     data.write_text('{"prompt": "12", "label": "21"}\n')
     own = ["--prompt-data", str(data), "--rm-type", "exact_match"]
     for argv, said in [
-        (["--router-args", "--eval-interval 0"], "but the router's --eval-interval 0 never"),
+        (["--eval-interval", "0"], "but the router's --eval-interval 0 never"),
         (
-            [*own, "--stop-accuracy", "0.5", "--router-args", "--eval-heldout-fraction 0"],
+            [*own, "--stop-accuracy", "0.5", "--eval-heldout-fraction", "0"],
             "holds no",
         ),
     ]:
@@ -290,9 +283,9 @@ def test_an_accuracy_goal_the_router_never_measures_is_refused(tmp_path: Path) -
         assert len(problems) == 1 and said in problems[0], problems
         assert "--stop-accuracy 0 (no goal)" in problems[0]
     for fine in (
-        ["--router-args", "--eval-interval 0", "--stop-accuracy", "0"],
+        ["--eval-interval", "0", "--stop-accuracy", "0"],
         [*own, "--stop-accuracy", "0.5"],  # (5% held out)
-        [*own, "--router-args", "--eval-heldout-fraction 0", "--stop-accuracy", "0"],
+        [*own, "--eval-heldout-fraction", "0", "--stop-accuracy", "0"],
     ):
         assert launcher.parse(fine)[1] == [], fine
 
@@ -313,7 +306,7 @@ def test_a_reward_is_a_module_or_a_file_looked_up_from_the_current_directory_and
     with pytest.raises(ValueError, match=r"--custom-rm-path 'rw/missing\.py:fn': cannot import"):
         load_function("rw/missing.py:fn")
     _config, problems = launcher.parse(["--custom-rm-path", "rw/missing.py:fn"])
-    assert problems == ["--custom-rm-path rw/missing.py:fn: no file rw/missing.py"]
+    assert problems == ["router: --custom-rm-path rw/missing.py:fn: no file rw/missing.py"]
 
 
 def test_the_configuration_reference_is_generated_from_the_flags() -> None:
@@ -366,7 +359,8 @@ def test_data_whose_rows_have_no_label_is_named_on_the_console(tmp_path: Path, c
         "reward that compares the response with its label scores 0 (--label-key, a flag of "
         "tandem up and of the router, names the label's field)",
     )
-    run = SimpleNamespace(config=launcher.UpConfig(), eval_task="")
+    tree = launcher.parse([])[0]
+    run = SimpleNamespace(config=tree.up, tree=tree, eval_task="", model_defaults=lambda: "")
     UpRun.say_router_terms(run, {"eval_task": "t", "task_notes": list(task.notes)})  # type: ignore[arg-type]
     assert f"[up] {task.notes[0]}" in capsys.readouterr().out.splitlines()
     # some rows without one: left out (an empty label would be compared with the responses)
@@ -421,18 +415,17 @@ def test_tandem_up_names_the_fields_of_a_dataset_row_for_the_router(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.jsonl").write_text(json.dumps(dict.fromkeys(keys, "1")) + "\n")
-    config, problems = launcher.parse(["--prompt-data", "train.jsonl", *flags])
+    _tree, problems = launcher.parse(["--prompt-data", "train.jsonl", *flags])
     assert problems == [
-        f"--prompt-data {tmp_path / 'train.jsonl'}: choose how its responses are scored: "
+        f"router: --prompt-data {tmp_path / 'train.jsonl'}: choose how its responses are scored: "
         "--rm-type exact_match|last_number|boxed, --custom-rm-path FILE.py:fn, or the router's "
         "--rm-url (the default, reverse_digits, is the toy task's verifier)"
     ]
-    for reward in (["--rm-type", "boxed"], ["--router-args", "--rm-url=http://x/score"]):
-        config, problems = launcher.parse(["--prompt-data", "train.jsonl", *flags, *reward])
-        assert problems == []
-    router = launcher.service_args(config, "r", Path("m"), "redis://x")["router"]
-    ns = parse_args(router_parser(), router[1:], "router")
-    assert (ns.prompt_data, ns.input_key, ns.label_key) == (str(tmp_path / "train.jsonl"), *keys)
+    for reward in (["--rm-type", "boxed"], ["--rm-url=http://x/score"]):
+        tree, problems = launcher.parse(["--prompt-data", "train.jsonl", *flags, *reward])
+        assert problems == [] and tree is not None
+    router = [tree.value("router", k) for k in ("prompt_data", "input_key", "label_key")]
+    assert router == [str(tmp_path / "train.jsonl"), *keys]
 
 
 def test_samples_longer_than_the_trainer_takes_are_refused_at_start(tmp_path: Path) -> None:
@@ -443,28 +436,31 @@ def test_samples_longer_than_the_trainer_takes_are_refused_at_start(tmp_path: Pa
     from tandem.supervisor import ChildFailedError
     from tandem.up_config import check_sample_fit
 
-    recorded, said = tmp_path / "config.toml", []
+    said: list[str] = []
     info = {"longest_prompt": 4, "rollout_max_response_len": 4, "context_len": 64}
-    recorded.write_text("[trainer]\nmax_tokens_per_gpu = 6\nmax_response_len = 32768\n")
+
+    def trainer(tokens: int, response: int) -> object:
+        return launcher.parse(
+            ["--max-tokens-per-gpu", str(tokens), "--max-response-len", str(response)]
+        )[0]
+
     with pytest.raises(ChildFailedError) as refused:
-        check_sample_fit(info, recorded, said.append)
+        check_sample_fit(info, trainer(6, 32768), said.append)
     assert str(refused.value).startswith("the router's samples may reach 8 tokens (its longest")
-    assert "--trainer-args '--max-tokens-per-gpu 7'" in str(refused.value)
+    assert "(tandem up --max-tokens-per-gpu 7)" in str(refused.value)
     # (why 7 inputs, not 8: "at most 7 in all (--max-tokens-per-gpu 6)" read as a mistake)
     assert "at most 7 in all (--max-tokens-per-gpu 6: a sample's inputs, every token but" in str(
         refused.value
     )
-    recorded.write_text("[trainer]\nmax_tokens_per_gpu = 7\nmax_response_len = 32768\n")
-    check_sample_fit(info, recorded, said.append)
-    recorded.write_text("[trainer]\nmax_tokens_per_gpu = 8192\nmax_response_len = 3\n")
+    check_sample_fit(info, trainer(7, 32768), said.append)
     with pytest.raises(ChildFailedError, match=r"and 3 of response \(--max-response-len\)"):
-        check_sample_fit(info, recorded, said.append)
+        check_sample_fit(info, trainer(8192, 3), said.append)
     episodes = {"longest_prompt": None, "rollout_max_response_len": 4, "context_len": 40960}
-    check_sample_fit(episodes, recorded, said.append)
+    check_sample_fit(episodes, trainer(8192, 3), said.append)
     assert said == [
         "environment episodes are cut at 8193 tokens, what the trainer takes "
         "(--max-tokens-per-gpu 8192), short of the model's context, 40960: to train longer "
-        "episodes, raise it (tandem up --trainer-args '--max-tokens-per-gpu 40959')"
+        "episodes, raise it (tandem up --max-tokens-per-gpu 40959)"
     ]
 
 
@@ -513,7 +509,7 @@ def test_config_show_of_a_resume_prints_only_toml_on_stdout_its_notes_on_stderr(
     (run / "model").mkdir(parents=True)
     (run / "model" / "config.json").write_text('{"model_type": "llama"}')
     (run / "model" / "tokenizer.json").write_text("{}")
-    saved = {**launcher.UpConfig().__dict__, "model": str(run / "model"), "run_dir": str(run)}
+    saved = {**flat(UpConfig()), "model": str(run / "model"), "run_dir": str(run)}
     (run / "up_config.json").write_text(json.dumps({**saved, "stop_accuracy": 0.9}))
     summary = {"outcome": "reached_accuracy", "accuracy_best": 0.95}
     (run / "summary.json").write_text(json.dumps(summary))

@@ -49,8 +49,6 @@ def test_a_config_that_is_a_folder_binary_or_keys_outside_a_table_exits_2_naming
 @pytest.mark.parametrize(
     ("args", "env", "expected"),
     [
-        (["--router-args", '--rollout-stop "a'], {}, "--router-args '--rollout-stop \"a'"),
-        (["--trainer-args=--lr '1"], {}, "--trainer-args"),
         ([], {"TANDEM_UP_ENGINE_GPUS": '"0'}, "environment variable TANDEM_UP_ENGINE_GPUS"),
         (
             [],
@@ -59,7 +57,7 @@ def test_a_config_that_is_a_folder_binary_or_keys_outside_a_table_exits_2_naming
         ),
     ],
 )
-def test_an_unclosed_quote_in_a_passthrough_string_or_list_variable_exits_2_naming_it(
+def test_an_unclosed_quote_in_a_list_variable_exits_2_naming_it(
     args: list[str], env: dict[str, str], expected: str
 ) -> None:
     shown = tandem("config", "show", *args, env=env)
@@ -122,7 +120,7 @@ def test_a_response_bound_of_the_models_context_or_more_is_refused_naming_it(
 
 
 def test_trainer_processes_the_tensor_parallel_size_does_not_divide_are_refused_at_start() -> None:
-    args = ["--trainer-args", "--tensor-model-parallel-size 3", "--trainer-procs", "2"]
+    args = ["--tensor-model-parallel-size", "3", "--trainer-procs", "2"]
     _config, problems = launcher.parse(args)
     assert len(problems) == 1, problems
     assert "--trainer-procs 2" in problems[0] and "--tensor-model-parallel-size 3" in problems[0]
@@ -136,22 +134,17 @@ def test_tandem_config_show_names_itself_in_its_errors_not_tandem_up(capsys, mon
     from tandem import config_cmd
 
     cases: list[tuple[list[str], dict[str, str], str]] = [
-        (["--bogus"], {}, "tandem config show: error: unrecognized arguments: --bogus"),
-        (["--lr", "nan"], {}, "tandem config show: error: --lr nan: not a number"),
-        ([], {"TANDEM_UP_MAX_STEP": "5"}, "tandem config show: error: environment variable"),
+        (["--bogus"], {}, "tandem config show: unrecognized argument --bogus"),
+        (["--lr", "nan"], {}, "tandem config show: trainer: --lr nan: "),
+        ([], {"TANDEM_UP_MAX_STEP": "5"}, "tandem config show: environment variable"),
     ]
     for argv, env, said in cases:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        with pytest.raises(SystemExit) as exc:
-            config_cmd.main(["show", *argv])
+        assert config_cmd.main(["show", *argv]) == 2
         err = capsys.readouterr().err
-        assert exc.value.code == 2 and said in err and "tandem up" not in err, (argv, err)
+        assert said in err and "tandem up" not in err, (argv, err)
         for name in env:
             monkeypatch.delenv(name)
-    with pytest.raises(SystemExit):
-        config_cmd.main(["show", "--bogus"])
-    assert "usage: tandem config show [-h]" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # tandem up itself still says tandem up
-        launcher.parse(["--bogus"])
-    assert "tandem up: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+    assert launcher.main(["--bogus"]) == 2  # tandem up itself still says tandem up
+    assert "tandem up: unrecognized argument --bogus" in capsys.readouterr().err

@@ -63,8 +63,8 @@ def test_a_resumed_run_counts_the_whole_run_and_says_how_much_was_this_launch(
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
     (checkpoints / TRACKER).write_text("1")
-    config = SimpleNamespace(save_interval=1, trainer_args="")
-    new_lineage, replayed, note = resume_plan(checkpoints, tmp_path, config, published=4)
+    every, one_time = 1, False  # --save-interval; no --ckpt-step or --new-lineage given
+    new_lineage, replayed, note = resume_plan(checkpoints, tmp_path, every, one_time, published=4)
     assert (new_lineage, replayed) == (False, 3)
     assert note.startswith("resuming from the step-1 checkpoint in ") and "steps 2-4 are" in note
     again = RunProgress(tmp_path, resumed=True, replayed=2)
@@ -72,9 +72,9 @@ def test_a_resumed_run_counts_the_whole_run_and_says_how_much_was_this_launch(
     assert "4 steps (2 in this launch, 2 of them again)" in again.sentences("x", 6, "t", [])[0]
     again.close()
     (checkpoints / TRACKER).write_text("4")
-    assert resume_plan(checkpoints, tmp_path, config, published=4) == (False, 0, "")
+    assert resume_plan(checkpoints, tmp_path, every, one_time, published=4) == (False, 0, "")
     (checkpoints / TRACKER).unlink()  # none saved: a new lineage after the published version
-    new_lineage, replayed, note = resume_plan(checkpoints, tmp_path, config, published=4)
+    new_lineage, replayed, note = resume_plan(checkpoints, tmp_path, every, one_time, published=4)
     assert (new_lineage, replayed) == (True, 0) and "holds no checkpoint" in note
     # its first version (5) is --model's again, not a step: it trained steps 6 and 7 only
     lineage = RunProgress(tmp_path, resumed=True)
@@ -83,7 +83,7 @@ def test_a_resumed_run_counts_the_whole_run_and_says_how_much_was_this_launch(
     assert (lineage.step, lineage.summary()["steps_this_launch"]) == (7, 2)
     assert "7 steps (2 in this launch)" in lineage.sentences("x", 6, "t", [])[0]
     lineage.close()
-    assert resume_plan(checkpoints, tmp_path, config, published=0) == (False, 0, "")
+    assert resume_plan(checkpoints, tmp_path, every, one_time, published=0) == (False, 0, "")
     fresh = RunProgress(tmp_path)  # a new run in that folder: only its own records count
     step(fresh, 1, 0.5)
     assert (fresh.summary()["samples_trained"], fresh.summary()["steps_this_launch"]) == (512, 1)

@@ -148,12 +148,7 @@ def test_environment_episodes_are_cut_to_what_the_trainer_takes_from_the_first_o
     try:
         assert env.stdout is not None and "guess env on" in env.stdout.readline().decode()
         flags = ["--env-url", f"http://127.0.0.1:{port}", "--num-engines", "1"]
-        flags += [
-            "--router-args",
-            "--env-max-turns 12",
-            "--trainer-args",
-            "--max-tokens-per-gpu 12",
-        ]
+        flags += ["--env-max-turns", "12", "--max-tokens-per-gpu", "12"]
         result = run_up(tmp_path / "run", *flags, "--max-steps", "3", "--stop-accuracy", "0")
     finally:
         env.terminate()
@@ -194,18 +189,18 @@ def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path) -> None:
 def test_held_out_prompts_given_to_the_router_that_cannot_be_read_are_refused_before_anything_starts(
     tmp_path: Path,
 ) -> None:
-    """train-your-model.md gives them as --router-args "--eval-prompt-data FILE": a missing file,
+    """train-your-model.md gives them as --eval-prompt-data FILE: a missing file,
     or one whose rows lack the prompt's key, was found only by the router's start, once Redis
     and the engines were up (minutes, with a real model)."""
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "12>", "label": "21"}\n')
     (tmp_path / "eval.jsonl").write_text('{"question": "12>", "label": "21"}\n')
-    flags = ("--prompt-data", str(data), "--rm-type", "exact_match", "--router-args")
+    flags = ("--prompt-data", str(data), "--rm-type", "exact_match", "--eval-prompt-data")
     for name, problem in (
         ("missing.jsonl", f"--eval-prompt-data {tmp_path / 'missing.jsonl'}: no such file"),
         ("eval.jsonl", f"{tmp_path / 'eval.jsonl'}: row 1 has no 'prompt' (--input-key"),
     ):
-        given = f"--eval-prompt-data {tmp_path / name}"
+        given = str(tmp_path / name)
         result = run_up(tmp_path / "run", *flags, given, timeout_s=120)
         assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
         assert f"tandem up: router: {problem}" in result.stderr
@@ -217,10 +212,10 @@ def test_samples_longer_than_the_trainer_takes_fail_the_start_with_exit_code_2(
 ) -> None:
     """train-your-model.md: such a run is refused, and a refused configuration exits 2 (it
     exited 1, the code of a failure at run time)."""
-    result = run_up(tmp_path / "run", "--trainer-args", "--max-tokens-per-gpu 4", timeout_s=300)
+    result = run_up(tmp_path / "run", "--max-tokens-per-gpu", "4", timeout_s=300)
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-2000:]
     assert "FAILED: the router's samples may reach 8 tokens" in result.stdout
-    assert "--trainer-args '--max-tokens-per-gpu 7'" in result.stdout
+    assert "(tandem up --max-tokens-per-gpu 7)" in result.stdout
 
 
 def test_the_loop_also_runs_with_the_nccl_weight_transport_on_gloo(tmp_path: Path) -> None:
@@ -258,7 +253,7 @@ def test_a_tensor_parallel_trainer_under_torchrun_syncs_engines_by_broadcast(
     the collective export and the run goes on."""
     run_dir = tmp_path / "run"
     flags = ["--max-steps", "6", "--stop-accuracy", "0", "--weight-transport", "nccl"]
-    flags += ["--trainer-procs", "2", "--trainer-args", "--tensor-model-parallel-size 2"]
+    flags += ["--trainer-procs", "2", "--tensor-model-parallel-size", "2"]
     command = [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir), *flags]
     console = tmp_path / "console.txt"
     with console.open("w") as out:
@@ -307,7 +302,7 @@ def test_nccl_with_engines_on_cpu_and_the_trainer_on_a_gpu_is_refused(tmp_path: 
         ("mistral", []),
         (
             "qwen3_moe",  # with routing replay: engines report experts, the trainer uses them
-            ["--router-args=--return-routed-experts", "--trainer-args=--use-routing-replay"],
+            ["--return-routed-experts", "--use-routing-replay"],
         ),
     ],
 )

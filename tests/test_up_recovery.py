@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import httpx
@@ -93,7 +94,6 @@ def test_a_run_that_makes_no_progress_says_what_each_service_waits_for_and_fails
     # No rollouts: the trainer waits for samples that never come.
     run = start_up(
         run_dir,
-        "--router-args",
         "--no-rollout",
         "--stall-warn-s",
         "4",
@@ -263,7 +263,7 @@ def test_a_run_whose_redis_dies_stops_at_once_naming_it_and_where_its_data_is(
     tmp_path: Path,
 ) -> None:
     run_dir = tmp_path / "run"
-    run = start_up(run_dir, "--router-args", "--no-rollout", "--stop-accuracy", "0")
+    run = start_up(run_dir, "--no-rollout", "--stop-accuracy", "0")
     deadline = time.monotonic() + 120
     while not (run_dir / "metrics.jsonl").exists():  # written once every service is up
         assert run.poll() is None, run.communicate()[0]
@@ -478,13 +478,13 @@ def test_a_damaged_checkpoint_is_named_and_the_run_goes_back_to_an_older_one_as_
     damaged = up(run_dir, *more, timeout_s=300)
     assert damaged.returncode != 0, damaged.stdout[-3000:]
     assert f"checkpoint {newest} does not load" in damaged.stdout, damaged.stdout[-3000:]
-    back = "--ckpt-step 2 --new-lineage"
-    assert f"--trainer-args '{back}'" in damaged.stdout, damaged.stdout[-3000:]
+    back = ["--ckpt-step", "2", "--new-lineage"]
+    assert "--ckpt-step 2 --new-lineage" in damaged.stdout, damaged.stdout[-3000:]
     # found before the engines start (minutes for a real model), not when the trainer loads it
     assert "engines at" not in damaged.stdout and "__0_0.distcp holds 1000 bytes" in damaged.stdout
 
     refused = up(  # (--max-steps again: the refused resume above left the saved 4)
-        run_dir, *more, "--trainer-args", "--ckpt-step 2", timeout_s=300
+        run_dir, *more, "--ckpt-step", "2", timeout_s=300
     )
     assert refused.returncode != 0
     assert "--ckpt-step 2 goes back past this run's newest checkpoint (iteration 4" in (
@@ -492,15 +492,15 @@ def test_a_damaged_checkpoint_is_named_and_the_run_goes_back_to_an_older_one_as_
     ), refused.stdout[-3000:]
     assert "engines at" not in refused.stdout
 
-    rolled = up(run_dir, "--resume", str(run_dir), "--max-steps", "8", "--trainer-args", back)
+    rolled = up(run_dir, "--resume", str(run_dir), "--max-steps", "8", *back)
     assert rolled.returncode == 0, rolled.stdout[-3000:] + rolled.stderr[-3000:]
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "--new-lineage: starting from iteration 2 as version 5" in trainer_log, trainer_log
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "max_steps" and summary["steps"] == 8, summary
     assert summary["ledger"]["balanced"] and summary["ledger"]["violations"] == 0
-    saved = json.loads((run_dir / "up_config.json").read_text())
-    assert saved["trainer_args"] == "", "a later resume would go back to iteration 2 again"
+    saved = tomllib.loads((run_dir / "config.toml").read_text())["trainer"]
+    assert "ckpt_step" not in saved and "new_lineage" not in saved, "a later resume would go back"
 
     later = up(run_dir, "--resume", str(run_dir), "--max-steps", "10", timeout_s=300)
     assert later.returncode == 0, later.stdout[-3000:] + later.stderr[-3000:]
@@ -522,12 +522,12 @@ def test_a_refused_resume_leaves_the_run_folders_saved_configuration_as_it_was(
     first = up(run_dir, *flags, "--max-steps", "2", timeout_s=300)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     saved = {name: (run_dir / name).read_bytes() for name in ("up_config.json", "config.toml")}
-    more = ["--resume", str(run_dir), "--max-steps", "4", "--lr", "0.005", "--trainer-args"]
+    more = ["--resume", str(run_dir), "--max-steps", "4", "--lr", "0.005"]
     for trainer_args, why in (
         ("--ckpt-step 1", "--ckpt-step 1 goes back past this run's newest checkpoint"),
         ("--max-tokens-per-gpu 4", "FAILED: the router's samples may reach 8 tokens"),
     ):
-        refused = up(run_dir, *more, trainer_args, timeout_s=300)
+        refused = up(run_dir, *more, *trainer_args.split(), timeout_s=300)
         assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
         assert why in refused.stdout, refused.stdout[-3000:]
         for name, data in saved.items():
@@ -535,7 +535,7 @@ def test_a_refused_resume_leaves_the_run_folders_saved_configuration_as_it_was(
         assert "the resume did not start: up_config.json and config.toml are as they were" in (
             refused.stdout
         )
-    assert json.loads(saved["up_config.json"])["lr"] == 1e-3
+    assert tomllib.loads(saved["config.toml"].decode())["trainer"]["lr"] == 1e-3
 
 
 def test_a_resume_whose_new_lineage_starts_at_max_steps_is_refused_not_finished_untrained(
@@ -550,7 +550,7 @@ def test_a_resume_whose_new_lineage_starts_at_max_steps_is_refused_not_finished_
     first = up(run_dir, *flags, "--max-steps", "3", timeout_s=300)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     shutil.rmtree(run_dir / "checkpoints")
-    more = ["--resume", str(run_dir), "--trainer-args", "--new-lineage", "--max-steps", "4"]
+    more = ["--resume", str(run_dir), "--new-lineage", "--max-steps", "4"]
     refused = up(run_dir, *more, timeout_s=300)
     assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
     assert (

@@ -1,14 +1,12 @@
-"""`tandem up`'s command line (pass-through flags, --resume) and its progress watchdog, without
+"""`tandem up`'s command line (service settings, --resume) and its progress watchdog, without
 starting a run: the launcher's checks refuse before anything starts, and the watchdog reads real
 status records from a real Redis server and real /health answers over HTTP."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -20,64 +18,82 @@ import psutil
 import pytest
 
 from proto.contract import ServiceStatus
+from services.common.settings import flat
 from services.sample_buffer import SampleBuffer
 from tandem import launcher
 from tandem import watchdog as watchdog_module
 from tandem.toy_model import write_toy_model
-from tandem.up_args import absolute_config, join_passthrough, resumed_config, save_config
+from tandem.up_args import resume_argv, resumed, save_config
+from tandem.up_launch import UpConfig
+from tandem.up_tree import compose, render
 from tandem.watchdog import Watchdog, diagnosis
 from tests.helpers import JsonHandler, serving, wait_until
 
 
-def test_a_passthrough_flag_that_contradicts_the_launcher_is_refused(capsys) -> None:
-    code = launcher.main(["--router-args", "--rollout-batch-size 16", "--run-dir", "/nonexistent"])
+def test_a_run_term_given_to_a_service_otherwise_is_refused_naming_both(capsys) -> None:
+    code = launcher.main(["--router.rollout-batch-size", "16", "--run-dir", "/nonexistent"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "--router-args sets --rollout-batch-size 16" in err and "64" in err
-    # The same value twice is no contradiction; a flag the launcher does not set is passed on.
-    args = ["--rollout-batch-size", "16", "--router-args", "--rollout-batch-size 16"]
+    assert "--router.rollout-batch-size 16, but [up] rollout_batch_size = 64" in err
+    # The same value twice is no contradiction.
+    args = ["--rollout-batch-size", "16", "--router.rollout-batch-size", "16"]
     assert launcher.main([*args, "--max-steps", "0"]) == 2
-    assert "--rollout-batch-size" not in capsys.readouterr().err
+    assert "rollout-batch-size" not in capsys.readouterr().err
 
 
-def test_a_passthrough_value_may_start_with_two_dashes_in_both_spellings() -> None:
-    assert join_passthrough(["--trainer-args", "--bf16", "--seed", "1"]) == [
-        "--trainer-args=--bf16",
-        "--seed",
-        "1",
+def test_a_service_setting_is_a_flag_of_tandem_up_bare_or_named_by_its_service() -> None:
+    tree, problems = launcher.parse(
+        ["--rollout-temperature", "0.7", "--trainer.num-threads", "2", "--no-bf16"]
+    )
+    assert problems == [] and tree is not None
+    assert tree.value("router", "rollout_temperature") == 0.7
+    assert (tree.value("trainer", "num_threads"), tree.value("trainer", "bf16")) == (2, False)
+    _tree, problems = launcher.parse(["--num-threads", "2"])
+    assert problems == [
+        "--num-threads is a setting of the trainer and the engine: give --trainer.num-threads "
+        "or --engine.num-threads"
     ]
-    assert join_passthrough(["--trainer-args=--bf16"]) == ["--trainer-args=--bf16"]
+    _tree, problems = launcher.parse(["--trainer-args", "--bf16"])
+    assert "--trainer-args is gone: give the trainer's flags to tandem up itself" in problems[0]
 
 
-def test_a_config_files_up_table_beside_resume_overrides_the_saved_run_as_its_flags_do(
-    tmp_path: Path, capsys, monkeypatch
-) -> None:
-    """`tandem up --resume RUN --config FILE`: FILE's [up] table was silently overridden by the
-    saved configuration (max_steps = 9 resumed to the saved 5; a contract term such as
-    rollout_batch_size = 32 ran at the saved 64, without a word). A run's own config.toml
-    (every [up] key as it started; the toy model's "") changes nothing."""
-    run = tmp_path / "run"
-    (run / "model").mkdir(parents=True)
+def saved_run(run: Path, **fields: object) -> dict:
+    """A run folder's up_config.json as tandem up saves it (its model in the folder)."""
+    (run / "model").mkdir(parents=True, exist_ok=True)
     (run / "model" / "config.json").write_text('{"model_type": "llama"}')
     (run / "model" / "tokenizer.json").write_text("{}")  # (tandem up looks for one)
-    saved = {**launcher.UpConfig().__dict__, "model": str(run / "model"), "run_dir": str(run)}
-    (run / "up_config.json").write_text(json.dumps({**saved, "max_steps": 5, "lr": 1e-3}))
+    saved = {**flat(UpConfig()), "model": str(run / "model"), "run_dir": str(run), **fields}
+    (run / "up_config.json").write_text(json.dumps(saved))
+    return saved
+
+
+def test_a_config_files_tables_beside_resume_override_the_saved_run_as_its_flags_do(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`tandem up --resume RUN --config FILE`: FILE's tables were silently overridden by the
+    saved configuration (max_steps = 9 resumed to the saved 5; a contract term such as
+    rollout_batch_size = 32 ran at the saved 64, without a word). A run's own config.toml
+    changes nothing."""
+    run = tmp_path / "run"
+    saved = saved_run(run)
+    tree, _ = launcher.parse(["--max-steps", "5"])
+    assert tree is not None
+    (run / "config.toml").write_text(render(tree, {"model": saved["model"]}))
     started = []
-    monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self.config) or 0)
+    monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self.tree) or 0)
     more = tmp_path / "more.toml"
-    more.write_text("[up]\nmax_steps = 9\n")
+    more.write_text("[trainer]\nmax_steps = 9\n")
     assert launcher.main(["--resume", str(run), "--config", str(more)]) == 0
-    assert (started[-1].max_steps, started[-1].lr) == (9, 1e-3)
+    trainer = started[-1].trainer
+    assert (trainer.batch.max_steps, trainer.optimizer.lr) == (9, 1e-3)
     assert launcher.main(["--resume", str(run), "--config", str(more), "--max-steps", "8"]) == 0
-    assert started[-1].max_steps == 8, "a flag over the file, as everywhere"
-    more.write_text("[up]\nmax_steps = 9\nrollout_batch_size = 32\n")
+    assert started[-1].value("trainer", "max_steps") == 8, "a flag over the file, as everywhere"
+    more.write_text("[trainer]\nmax_steps = 9\n\n[up]\nrollout_batch_size = 32\n")
     assert launcher.main(["--resume", str(run), "--config", str(more)]) == 2
     assert "rollout-batch-size is part of the run contract" in capsys.readouterr().err
-    from tandem.up_config import render
-
-    (run / "config.toml").write_text(render(launcher.UpConfig().settled(), ""))
     assert launcher.main(["--resume", str(run), "--config", str(run / "config.toml")]) == 0
-    assert (started[-1].max_steps, started[-1].lr, started[-1].model) == (5, 1e-3, saved["model"])
+    resumed = started[-1]
+    assert (resumed.value("trainer", "max_steps"), resumed.up.run.model) == (5, saved["model"])
 
 
 def test_a_resume_beside_services_of_an_earlier_launch_still_running_is_refused_naming_them(
@@ -87,13 +103,9 @@ def test_a_resume_beside_services_of_an_earlier_launch_still_running_is_refused_
     trainer saves its checkpoint) or run on (stopped, ignoring it); a resume started a second
     set beside them, on the same checkpoints, without a word."""
     run = tmp_path / "run"
-    (run / "model").mkdir(parents=True)
-    (run / "model" / "config.json").write_text('{"model_type": "llama"}')
-    (run / "model" / "tokenizer.json").write_text("{}")  # (tandem up looks for one)
-    saved = {**launcher.UpConfig().__dict__, "model": str(run / "model"), "run_dir": str(run)}
-    (run / "up_config.json").write_text(json.dumps(saved))
+    saved_run(run)
     started = []
-    monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self.config) or 0)
+    monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self.tree) or 0)
     sleep = "import time; time.sleep(60)"
     left = subprocess.Popen([sys.executable, "-c", sleep, "--config", str(run / "config.toml")])
     try:
@@ -115,22 +127,21 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:
     run = tmp_path / "run"
-    run.mkdir()
-    saved = {**launcher.UpConfig().__dict__, "model": str(run / "model"), "seed": 7}
-    saved.update(run_dir=str(run))
-    del saved["keep_checkpoints"]  # (a run folder of an older version)
-    (run / "up_config.json").write_text(json.dumps(saved))
+    saved_run(run, seed=7)
+    shutil.rmtree(run / "model")
     assert launcher.main(["--resume", str(run), "--rollout-batch-size", "32"]) == 2
     err = capsys.readouterr().err
     assert "rollout-batch-size is part of the run contract" in err
     started = []
-    monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self.config) or 0)
-    (run / "model").mkdir()
-    (run / "model" / "config.json").write_text('{"model_type": "llama"}')
-    (run / "model" / "tokenizer.json").write_text("{}")  # (tandem up looks for one)
+    monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self.tree) or 0)
+    saved_run(run, seed=7)
     assert launcher.main(["--resume", str(run), "--max-steps", "5"]) == 0
-    config = started[0]
-    assert (config.seed, config.max_steps, config.run_dir) == (7, 5, str(run))
+    tree = started[0]
+    assert (tree.up.run.seed, tree.value("trainer", "max_steps"), tree.up.run_dir) == (
+        7,
+        5,
+        str(run),
+    )
     # a run whose checkpoint reached --max-steps (the run's total) has nothing to train
     (run / "checkpoints").mkdir()
     (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("5")
@@ -141,13 +152,11 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
         "--max-steps 10)"
     ) in capsys.readouterr().err
     assert launcher.main(["--resume", str(run), "--max-steps", "6"]) == 0
-    # A folder moved elsewhere: its model goes with it. A folder of a version before
-    # --keep-checkpoints kept every checkpoint, and goes on doing so (its config.toml says 0).
-    assert started[-1].keep_checkpoints == 0
+    # A folder moved elsewhere: its model goes with it.
     moved = tmp_path / "moved"
     run.rename(moved)
     assert launcher.main(["--resume", str(moved), "--max-steps", "6"]) == 0
-    assert started[-1].model == str(moved / "model")
+    assert started[-1].up.run.model == str(moved / "model")
     assert launcher.main(["--resume", str(moved), "--model", str(tmp_path)]) == 2
     assert f"--model {tmp_path} cannot change on resume" in capsys.readouterr().err
     assert launcher.main(["--resume", str(moved), "--model", str(moved / "model")]) == 0
@@ -166,7 +175,7 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
         f"the run trained 11 steps, saving every --save-interval 10, but {run / 'checkpoints'} "
         "is gone (moved or deleted?)"
     ) in capsys.readouterr().err
-    flags = ["--max-steps", "20", "--trainer-args", "--new-lineage"]
+    flags = ["--max-steps", "20", "--new-lineage"]
     assert launcher.main(["--resume", str(run), *flags]) == 0  # starting over, as asked
     # a run that ended before its first --save-interval saved at its end: the same (it went
     # on from --model, the note guessing "none saved yet")
@@ -184,11 +193,9 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     assert "not a tandem up run folder" in capsys.readouterr().err
 
 
-def test_a_file_given_relative_in_a_passthrough_string_is_saved_absolute(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """train-your-model.md's `--router-args "--eval-prompt-data data/eval.jsonl"`: saved as
-    given, a resume from another folder had its router refuse to start ("no such file")."""
+def test_a_file_given_relative_to_a_service_is_saved_absolute(tmp_path: Path, monkeypatch) -> None:
+    """train-your-model.md's `--eval-prompt-data data/eval.jsonl`: saved as given, a resume
+    from another folder had its router refuse to start ("no such file")."""
     project = tmp_path / "project"
     (project / "data").mkdir(parents=True)
     (project / "tok").mkdir()
@@ -197,21 +204,18 @@ def test_a_file_given_relative_in_a_passthrough_string_is_saved_absolute(
     monkeypatch.chdir(project)
     started = []
     monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self) or 0)
-    kwargs = "--apply-chat-template-kwargs '{\"enable_thinking\": false}'"
+    kwargs = ["--apply-chat-template-kwargs", '{"enable_thinking": false}']
     flags = ["--prompt-data", "data/train.jsonl", "--rm-type", "exact_match", "--run-dir", "run"]
-    router = f"--eval-prompt-data data/eval.jsonl --eval-interval 10 {kwargs}"
-    assert launcher.main([*flags, "--router-args", router, "--engine-args", "--tokenizer=tok"]) == 0
-    config = started[0].config
-    assert shlex.split(config.router_args) == [
-        "--eval-prompt-data",
-        str(project / "data" / "eval.jsonl"),
-        *shlex.split(f"--eval-interval 10 {kwargs}"),
-    ]
-    assert config.engine_args == f"--tokenizer={project / 'tok'}"
+    router = ["--eval-prompt-data", "data/eval.jsonl", "--eval-interval", "10", *kwargs]
+    assert launcher.main([*flags, *router, "--engine.tokenizer=tok"]) == 0
+    tree = started[0].tree
+    assert tree.value("router", "eval_prompt_data") == str(project / "data" / "eval.jsonl")
+    assert tree.value("router", "apply_chat_template_kwargs") == kwargs[1]
+    assert tree.value("engine", "tokenizer") == str(project / "tok")
     started[0].lock.close()
     flags[-1] = "run2"  # a string naming no file is kept as it was written
-    assert launcher.main([*flags, "--router-args", kwargs]) == 0
-    assert started[1].config.router_args == kwargs
+    assert launcher.main([*flags, *kwargs, "--engine.tokenizer", "not-here"]) == 0
+    assert started[1].tree.value("engine", "tokenizer") == "not-here"
 
 
 def test_a_new_run_saves_absolute_paths_so_it_resumes_from_any_folder(
@@ -226,21 +230,22 @@ def test_a_new_run_saves_absolute_paths_so_it_resumes_from_any_folder(
     monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self) or 0)
     flags = ["--custom-rm-path", "rewards.py:score", "--prompt-data", "data/train.jsonl"]
     assert launcher.main([*flags, "--run-dir", "run", "--save", "ck", "--label-key", "label"]) == 0
-    config, run_dir = started[0].config, started[0].run_dir
-    assert config.custom_rm_path == f"{project / 'rewards.py'}:score"
-    assert (config.prompt_data, config.save) == (
+    tree, run_dir = started[0].tree, started[0].run_dir
+    assert tree.value("router", "custom_rm_path") == f"{project / 'rewards.py'}:score"
+    assert (tree.value("router", "prompt_data"), tree.value("trainer", "save")) == (
         str(project / "data" / "train.jsonl"),
         str(project / "ck"),
     )
     assert run_dir == project / "run"
     (project / "my_rewards.py").write_text("def score(text, label, stopped):\n    return 1.0\n")
     assert launcher.main(["--custom-rm-path", "my_rewards:score", "--run-dir", "r2"]) == 0
-    assert started[1].config.custom_rm_path == "my_rewards:score", "a module path stays as it is"
+    assert started[1].tree.value("router", "custom_rm_path") == "my_rewards:score", "a module"
     # A module path is looked up where the router will look, before anything starts: from
     # another folder it is not there, and the refusal says what to do; a resume finds it in the
     # folder its run was started from (saved in the run folder), and gives that to the services.
     run = project / "r2"
-    save_config(run, started[1].config)  # (run() is replaced here: as start_services saves it)
+    save_config(run, started[1].tree, "")  # (run() is replaced here: as start_services saves)
+    (run / "config.toml").write_text(render(started[1].tree, {}))
     started[1].lock.close()  # that run has ended
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -258,14 +263,14 @@ def test_a_new_run_saves_absolute_paths_so_it_resumes_from_any_folder(
     assert len(started) == 3
     assert f"my_rewards is in {project}, where the run started" in capsys.readouterr().out
     assert os.environ["PYTHONPATH"] == f"{project}{os.pathsep}/elsewhere/lib"
-    save_config(run, started[2].config)  # the resumed run saves it again, from elsewhere
+    save_config(run, started[2].tree, "")  # the resumed run saves it again, from elsewhere
     assert json.loads((run / "up_config.json").read_text())["launch_dir"] == str(project)
     # a resume's own flags are made absolute too (its up_config.json is saved again)
     started[2].lock.close()
     (elsewhere / "more.jsonl").write_text('{"prompt": "2", "label": "2"}\n')
     flags = ["--prompt-data", "more.jsonl", "--label-key", "label"]
     assert launcher.main(["--resume", str(run), *flags]) == 0
-    assert started[3].config.prompt_data == str(elsewhere / "more.jsonl")
+    assert started[3].tree.value("router", "prompt_data") == str(elsewhere / "more.jsonl")
 
 
 def test_a_data_file_that_is_not_there_is_refused_before_anything_starts(
@@ -300,9 +305,7 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
     (tmp_path / "left" / "redis" / "appendonlydir").mkdir()
     (tmp_path / "spare").mkdir()
     cases = {
-        ("--rollout-batch-size", "0"): (
-            "router: --rollout-batch-size and --n-samples-per-prompt must be >= 1"
-        ),
+        ("--rollout-batch-size", "0"): "--rollout-batch-size 0: must be at least 1",
         ("--n-samples-per-prompt", "1"): "trainer: --n-samples-per-prompt 1 with",
         # (the command quoted for a shell: the folder's name has a space)
         ("--run-dir", "my old"): "--run-dir my old holds a run already: continue it with "
@@ -312,21 +315,22 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
         "them (the trainer from the checkpoint, not --model;",
         ("--run-dir", "spare", "--save", "left/checkpoints"): "left/checkpoints (step 400); a",
         # two rewards: the router took --rm-url over the other without a word
-        ("--rm-type", "boxed", "--router-args=--rm-url http://127.0.0.1:9/score"): (
+        ("--rm-type", "boxed", "--rm-url=http://127.0.0.1:9/score"): (
             "router: give one reward, not --rm-type boxed and --rm-url http://127.0.0.1:9/score"
         ),
-        ("--trainer-procs", "0"): "--num-engines, --trainer-procs and --max-steps must be at",
+        ("--trainer-procs", "0"): "--trainer-procs 0: must be at least 1",
         # (a service refused them once Redis and the engines were up)
-        ("--engine-args=--update-timeout-s nan",): "engine: --update-timeout-s nan: not a number",
-        ("--router-args=--request-timeout-s -3",): (
-            "router: --request-timeout-s -3: a time in seconds, at least 0"
-        ),
-        ("--engine-args=--max-batch-size 0",): "engine: --max-batch-size must be at least 1",
-        ("--config", "b0.toml"): "broker: --sync-timeout-s must be > 0, got 0",
+        ("--update-timeout-s=nan",): "engine: --update-timeout-s nan: ",
+        ("--request-timeout-s=-3",): "router: --request-timeout-s -3: must be at least 0",
+        ("--max-batch-size=0",): "engine: --max-batch-size 0: must be at least 1",
+        (
+            "--config",
+            "b0.toml",
+        ): "broker: b0.toml: [broker] sync_timeout_s = 0: must be more than 0",
         ("--rm-type", "boxed", "--env-url", "http://127.0.0.1:9"): (  # (--rm-type was unused)
             "give one reward, not --rm-type boxed and --env-url http://127.0.0.1:9 (its /step"
         ),
-        ("--trainer-args=--kl-coef=0.1",): (
+        ("--kl-coef=0.1",): (
             "trainer: --kl-coef > 0 needs --ref-load (the frozen reference model)"
         ),
         ("--prompt-data", "q.jsonl", "--rm-type", "exact_match"): (
@@ -543,23 +547,23 @@ def test_a_run_folder_moved_elsewhere_resumes_with_its_own_model_and_checkpoints
     and the resume of a moved toy run failed with `--model .../old/model: no such folder`.
     Folders saved so still resume (their launch folder joined); new ones keep it absolute."""
     monkeypatch.chdir(tmp_path)
-    old = absolute_config(launcher.UpConfig(run_dir="old", save=str(tmp_path / "old" / "ck")))
-    old = dataclasses.replace(old, model=str(tmp_path / "old" / "model"))
     (tmp_path / "old").mkdir()
-    save_config(tmp_path / "old", old)
+    tree, problems = launcher.parse(["--run-dir", "old", "--save", str(tmp_path / "old" / "ck")])
+    assert problems == [] and tree is not None
+    save_config(tmp_path / "old", tree, str(tmp_path / "old" / "model"))
     saved = json.loads((tmp_path / "old" / "up_config.json").read_text())
     assert saved["run_dir"] == str(tmp_path / "old")
     for kept in (str(tmp_path / "old"), "old"):  # this version's, an older version's
         (tmp_path / "old" / "up_config.json").write_text(json.dumps({**saved, "run_dir": kept}))
         (tmp_path / "old").rename(tmp_path / "new")
-        resumed, problems = resumed_config(launcher.UpConfig(resume="new"), set())
+        tree, problems = resumed(compose(resume_argv(["--resume", "new"])))
         assert problems == []
         new = (str(tmp_path / "new/model"), str(tmp_path / "new/ck"))
-        assert (resumed.model, resumed.save) == new, kept
+        assert (tree.up.run.model, tree.value("trainer", "save")) == new, kept
         (tmp_path / "new").rename(tmp_path / "old")
     (tmp_path / "old").rename(tmp_path / "new")
-    elsewhere = launcher.UpConfig(resume="new", save="/data/ck")
-    assert resumed_config(elsewhere, {"save"})[0].save == "/data/ck", "a --save given wins"
+    given = resumed(compose(resume_argv(["--resume", "new", "--save", "/data/ck"])))[0]
+    assert given.value("trainer", "save") == "/data/ck", "a --save given wins"
 
 
 def test_a_run_in_the_default_folder_resumes_from_anywhere_with_its_own_model(
@@ -575,7 +579,7 @@ def test_a_run_in_the_default_folder_resumes_from_anywhere_with_its_own_model(
     run = started[0].run_dir
     assert run.parent == tmp_path / "runs"
     write_toy_model(run / "model")  # as start_services writes it
-    save_config(run, started[0].config.resolved(str(run / "model")))  # as start_services does
+    save_config(run, started[0].tree, str(run / "model"))  # as start_services does
     started[0].lock.close()
     saved = json.loads((run / "up_config.json").read_text())
     assert saved["run_dir"] == str(run)
@@ -584,7 +588,7 @@ def test_a_run_in_the_default_folder_resumes_from_anywhere_with_its_own_model(
     for kept in (str(run), str(tmp_path)):  # this version's, the defect's (the launch folder)
         (run / "up_config.json").write_text(json.dumps({**saved, "run_dir": kept}))
         assert launcher.main(["--resume", str(run)]) == 0, capsys.readouterr().err
-        assert started[-1].config.model == str(run / "model"), kept
+        assert started[-1].tree.up.run.model == str(run / "model"), kept
         started[-1].lock.close()
 
 
@@ -592,16 +596,15 @@ def test_a_resume_of_a_run_that_met_its_accuracy_goal_says_it_would_stop_again(
     tmp_path: Path, capsys
 ) -> None:
     """It trained 4 more steps of the 300 asked and stopped at the first evaluation."""
-    save_config(tmp_path, launcher.UpConfig(run_dir=str(tmp_path), stop_accuracy=0.9))
+    save_config(tmp_path, compose(["--stop-accuracy", "0.9"]), "")
     summary = {"outcome": "reached_accuracy", "accuracy_best": 0.95}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
-    resumed_config(launcher.UpConfig(resume=str(tmp_path), max_steps=300), {"max_steps"})
+    resumed(compose(resume_argv(["--resume", str(tmp_path), "--max-steps", "300"])))
     assert (
         "the run stopped at its accuracy goal (held-out accuracy 0.95 >= --stop-accuracy 0.9)"
         in (capsys.readouterr().out)
     )
-    goal = launcher.UpConfig(resume=str(tmp_path), stop_accuracy=0.0)
-    resumed_config(goal, {"stop_accuracy"})
+    resumed(compose(resume_argv(["--resume", str(tmp_path), "--stop-accuracy", "0"])))
     assert "accuracy goal" not in capsys.readouterr().out, "a goal given again is the user's"
 
 
