@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config_file import MAX_LR
 from services.common.serving import bind_socket
 from services.common.settings import load
 from services.rollout_router.config import RouterConfig
@@ -215,4 +214,4 @@ def test_a_learning_rate_out_of_range_exits_2_naming_the_flag_or_variable_it_cam
     # and --help says the range of each, before anyone is refused
     for parser in (trainer_parser(), launcher.build_parser()):
         rates = [a for a in parser._actions if a.dest == "lr" or a.dest.endswith("_lr")]
-        assert rates and all(f"0 to {MAX_LR:g}" in str(a.help) for a in rates), parser.prog
+        assert rates and all("0 to 1" in str(a.help) for a in rates), parser.prog

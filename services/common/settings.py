@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 TABLES = ("up", "router", "trainer", "broker", "engine")
 NOT_SETTINGS = ("TANDEM_ROUTER_TOKEN",)  # variables of that form that are no setting
+NOT_TEXT = ("number", "bool")  # a string in a file for one of these was quoted by mistake
 Origin = Literal["default", "file", "env", "flag"]
 # How a refusal of a number's range is said (pydantic's error type -> words)
 SAID = {
@@ -97,22 +98,22 @@ def _section(kind: Any) -> type[BaseModel] | None:
 
 
 @cache
-def leaves(cls: type[BaseModel]) -> dict[str, tuple[str, ...]]:
-    """Each leaf setting's path of field names; a leaf name used twice is an error."""
-    paths: dict[str, tuple[str, ...]] = {}
+def _fields(cls: type[BaseModel]) -> dict[str, tuple[tuple[str, ...], Any]]:
+    """Each leaf setting: its path of field names and its field; a name used twice is an error."""
+    out: dict[str, tuple[tuple[str, ...], Any]] = {}
     for name, info in cls.model_fields.items():
         sub = _section(info.annotation)
-        found = {k: (name, *p) for k, p in leaves(sub).items()} if sub else {name: (name,)}
-        if twice := paths.keys() & found.keys():
+        found = {k: ((name, *p), i) for k, (p, i) in _fields(sub).items()} if sub else {}
+        if twice := out.keys() & (found.keys() or {name}):
             raise TypeError(f"{cls.__name__}: setting {sorted(twice)} named twice in the tree")
-        paths |= found
-    return paths
+        out |= found or {name: ((name,), info)}
+    return out
 
 
-def _info(cls: type[BaseModel], path: tuple[str, ...]) -> Any:
-    for name in path[:-1]:
-        cls = _section(cls.model_fields[name].annotation)  # type: ignore[assignment]
-    return cls.model_fields[path[-1]]
+@cache
+def leaves(cls: type[BaseModel]) -> dict[str, tuple[str, ...]]:
+    """Each leaf setting's path of field names (`{"lr": ("optimizer", "lr"), ...}`)."""
+    return {leaf: path for leaf, (path, _) in _fields(cls).items()}
 
 
 def _get(config: BaseModel, path: tuple[str, ...]) -> Any:
@@ -169,7 +170,7 @@ def parser(
     for leaf, path in leaves(cls).items():
         title = path[0] if len(path) > 1 else "general"
         group = groups.get(title) or groups.setdefault(title, out.add_argument_group(title))
-        info, default = _info(cls, path), _get(made, path)
+        info, default = _fields(cls)[leaf][1], _get(made, path)
         kind, choices = _kind(info.annotation)
         flag = "--" + leaf.replace("_", "-")
         common = {"default": argparse.SUPPRESS, "help": _help(info, default), "dest": leaf}
@@ -238,8 +239,7 @@ def _file_values(cls: type[BaseModel], path: str, table: str, prog: str) -> dict
                 f"{path}: [{table}] unknown key {key!r}{suggestion(key, paths)} "
                 f"(`{prog} --help` lists the flags; keys use underscores)"
             )
-        kind = _kind(_info(cls, paths[key]).annotation)[0]
-        if isinstance(value, str) and kind in ("number", "bool"):
+        if isinstance(value, str) and _kind(_fields(cls)[key][1].annotation)[0] in NOT_TEXT:
             raise ConfigError(
                 f"{path}: [{table}] {key} = {toml_value(value)}: a string: write it without quotes"
             )
@@ -257,7 +257,7 @@ def _env_values(cls: type[BaseModel], prefix: str, prog: str) -> dict[str, Any]:
                 f"{suggestion(key, paths)} (`{prog} --help` lists them)"
             )
         value: Any = os.environ[name]
-        if _kind(_info(cls, paths[key]).annotation)[0] == "list":
+        if _kind(_fields(cls)[key][1].annotation)[0] == "list":
             try:
                 value = shlex.split(value)
             except ValueError as exc:  # (an unclosed quote)
