@@ -41,13 +41,17 @@ COPY tandem tandem
 RUN pip install . \
     && python -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '${TORCH_VERSION}' else f'torch {v} installed, Dockerfile says ${TORCH_VERSION}: make them equal')"
 
-# A non-root user. /weights (the broker's disk transport) and /checkpoints are created here so
-# that a fresh named volume mounted there belongs to this user.
+# A non-root user. /weights (the broker's disk transport), /checkpoints and /models are created
+# here so that a fresh named volume mounted there belongs to this user.
 RUN groupadd --non-unique --gid "${GID}" tandem \
     && useradd --non-unique --uid "${UID}" --gid "${GID}" --create-home tandem \
-    && mkdir -p /weights /checkpoints \
-    && chown tandem:tandem /weights /checkpoints
+    && mkdir -p /weights /checkpoints /models \
+    && chown tandem:tandem /weights /checkpoints /models
 USER tandem
+# The built-in toy model (tandem toy-model, seed 0: ~100k parameters, well under 1 MB) at
+# /models/model, the CPU stack's model: compose.cpu.yaml's fresh `models` volume starts as a
+# copy of it. compose.yaml bind-mounts your ./models over /models, which hides it.
+RUN tandem toy-model --out /models/model
 # Models are local directories (./models); never reach for the Hugging Face Hub.
 ENV USER=tandem \
     HF_HUB_OFFLINE=1

@@ -98,12 +98,10 @@ def test_both_stacks_run_the_one_definition_of_each_tandem_service() -> None:
     for path in STACKS.values():
         raw = yaml.safe_load(compose_text(path))["services"]
         resolved = compose(path)["services"]
-        for name in ("init-volumes", "valkey", "broker", "router", "trainer"):
+        for name in ("valkey", "broker", "router", "trainer"):
             assert raw[name].get("extends", {}).get("file") == BASE.name, (path.name, name)
-            assert "entrypoint" not in raw[name] or name == "init-volumes", (path.name, name)
-            assert resolved[name].get("entrypoint") == base[name].get("entrypoint") or (
-                name == "init-volumes"
-            )
+            assert "entrypoint" not in raw[name], (path.name, name)
+            assert resolved[name].get("entrypoint") == base[name].get("entrypoint")
     cpu = yaml.safe_load(compose_text(COMPOSE_CPU))
     engines = [n for n in cpu["services"] if n.startswith("engine-")]
     assert engines and all(

@@ -83,13 +83,15 @@ class Stack:
 
     def kill_9(self, service: str) -> int:
         """SIGKILL to the container's main process from the host, as a crash (a `docker kill`
-        counts as a stop by hand, which no restart policy answers)."""
-        state = self.inspect(service)["State"]
+        counts as a stop by hand, which no restart policy answers). Returns the container's
+        restart count before it."""
+        found = self.inspect(service)
+        state, restarts = found["State"], int(found["RestartCount"])
         pid = int(state["Pid"])
         assert state["Running"] and pid > 0, f"{service} is not running: {state}"
         os.kill(pid, 9)
         say(f"kill -9 {service} (host pid {pid})")
-        return int(self.inspect(service)["RestartCount"])
+        return restarts
 
     def redis(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port("VALKEY_PORT"), socket_timeout=10)
