@@ -314,6 +314,7 @@ def layer_only(args: argparse.Namespace) -> int:
     flops = 18 * rows * args.layer_hidden * args.layer_ffn  # 3 GEMMs forward, x3 with backward
 
     def module() -> None:
+        x.grad = experts.weight1.grad = experts.weight2.grad = None  # written, not accumulated
         out, _ = experts(x, counts, probs)
         out.backward(grad)
 
