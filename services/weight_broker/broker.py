@@ -5,8 +5,10 @@ taken out of rotation and retried, `version:engines` is the minimum over engines
 is in docs/architecture.md, "Weight sync"; tests/test_broker_*.py check each point.
 
 Loop: `run` asks the transport (transports.py) for the version to sync to, has it sync the
-engines not on it whose retry is due and marks each outcome; `add_engine` sets the loop's
-`wake` so a new engine does not wait for the next poll. The transport's socket loops and the
+engines not on it, not syncing and whose retry is due, and marks each outcome as it ends
+(bucket transports: one task per engine, so an engine stopped mid-sync is left behind until
+`--sync-timeout-s` while the others take each later version; NCCL: all together). A sync
+that ends and `add_engine` set the loop's `wake` so neither waits for the next poll. The transport's socket loops and the
 Redis loop run beside it: if one of them fails, `run` raises and `/health` says so.
 
 Redis is only touched off the event loop (`asyncio.to_thread`, each call bounded by
@@ -71,6 +73,7 @@ class EngineState:
     version: int = -1
     in_rotation: bool = True
     syncing: bool = False
+    target: int = -1  # the version it syncs to (while `syncing`)
     last_error: str = ""
     last_sync_s: float = 0.0
     last_bytes_per_s: float = 0.0
@@ -144,10 +147,15 @@ class WeightBroker:
         raise ValueError(self.lease.lost())
 
     async def _sync_loop(self, session: aiohttp.ClientSession) -> None:
-        while True:
-            await self._sync_once(session)
+        async with asyncio.TaskGroup() as syncs:  # (bucket transports: one task per engine)
+            while True:
+                await self._sync_once(session, syncs)
 
-    async def _sync_once(self, session: aiohttp.ClientSession) -> None:
+    async def _sync_once(self, session: aiohttp.ClientSession, syncs: asyncio.TaskGroup) -> None:
+        """Bring the engines not on the newest version, and not syncing, to it. Bucket
+        transports sync each engine on its own task, recorded as it ends: a stopped or slow
+        engine holds back no other engine and no later version. NCCL syncs them together (one
+        weight group per version)."""
         version = await self.transport.next_version(self._wake)
         if version < 0:
             return
@@ -158,19 +166,35 @@ class WeightBroker:
             return
         self.latest = version
         now = time.monotonic()
-        due = [e for e in self.engines.values() if e.version < version and now >= e.retry_at]
+        due = [
+            e
+            for e in self.engines.values()
+            if e.version < version and not e.syncing and now >= e.retry_at
+        ]
+        if not self.transport.keeps_versions:
+            await self._sync_engines(session, due, version)
+            return
         for engine in due:
-            engine.syncing = True
+            syncs.create_task(self._sync_engines(session, [engine], version))
+
+    async def _sync_engines(
+        self, session: aiohttp.ClientSession, due: list[EngineState], version: int
+    ) -> None:
+        """Sync `due` to `version` and mark each outcome (an engine removed meanwhile is not)."""
+        if not due:
+            return
+        for engine in due:
+            engine.syncing, engine.target = True, version
         try:
             outcomes = await self.transport.sync(session, [e.url for e in due], version)
         finally:
             for engine in due:
                 engine.syncing = False
         for engine in due:
-            if engine.url in outcomes:
+            if engine.url in outcomes and self.engines.get(engine.url) is engine:
                 self.mark(engine, version, outcomes[engine.url])
-        if due:
-            self.publish_version()
+        self.publish_version()
+        self._wake.set()  # a newer version may have come while these synced
 
     async def _unpublished(self, version: int) -> str:
         """Why `version` cannot be the trainer's, else ''. The trainer announces V in Redis
@@ -213,6 +237,14 @@ class WeightBroker:
         if self.on_sync is not None:
             self.on_sync(engine)
         log.info("engine %s on version %d in %.3fs", engine.url, version, outcome.elapsed_s)
+        for other in self.engines.values():  # left behind: out of the gate's minimum
+            if other.syncing and other.target < version and other.in_rotation:
+                other.in_rotation = False
+                other.last_error = (
+                    f"left behind: still syncing version {other.target} while {engine.url} "
+                    f"took {version} (stopped or slow; --sync-timeout-s bounds its sync)"
+                )
+                log.warning("engine %s out of rotation: %s", other.url, other.last_error)
 
     def publish_version(self) -> None:
         """Have the Redis loop write `version:engines` (it keeps trying while Redis is
@@ -221,11 +253,13 @@ class WeightBroker:
         self._redis_due.set()
 
     async def _write_engines_version(self, buffer: SampleBuffer) -> None:
-        """In the Redis loop: `version:engines`, the minimum over engines in rotation (read on
-        the event loop, which alone changes the engines)."""
-        versions = [e.version for e in self.engines.values() if e.in_rotation and e.version >= 0]
-        self._unpublished_engines = False
-        if not versions:
+        """In the Redis loop: `version:engines`, the minimum over engines in rotation whose
+        version is known (read on the event loop, which alone changes the engines); nothing
+        while one in rotation has its first sync under way."""
+        engines = [e for e in self.engines.values() if e.in_rotation]
+        versions = [e.version for e in engines if e.version >= 0]
+        self._unpublished_engines = False  # (an engine's first sync, when it ends, publishes)
+        if not versions or any(e.syncing and e.version < 0 for e in engines):
             return
         try:
             await asyncio.to_thread(buffer.set_version, "engines", min(versions))

@@ -101,6 +101,7 @@ class ZmqTransport:
         self.store = VersionStore(keep_versions)
         self.intake_endpoint = self.serve_endpoint = ""
         self._prepared = -1
+        self._preparing = asyncio.Lock()  # engines synced on their own tasks prepare once
         self._wake: asyncio.Event | None = None
         self.last_rejected = ""
 
@@ -140,12 +141,15 @@ class ZmqTransport:
         entry = self.store.get(version)
         if not urls or entry is None:
             return {}
-        if self._prepared != version:  # once per version (the disk copy), before any engine
-            try:
-                await asyncio.to_thread(self.prepare, entry)
-            except OSError as exc:  # e.g. a full disk: every engine waits for its retry
-                return {url: Outcome(f"cannot prepare version {version}: {exc}") for url in urls}
-            self._prepared = version
+        async with self._preparing:  # once per version (the disk copy), before any engine
+            if self._prepared != version:
+                try:
+                    await asyncio.to_thread(self.prepare, entry)
+                except OSError as exc:  # e.g. a full disk: every engine waits for its retry
+                    return {
+                        url: Outcome(f"cannot prepare version {version}: {exc}") for url in urls
+                    }
+                self._prepared = version
 
         async def one(url: str) -> Outcome:
             start = time.monotonic()
