@@ -53,6 +53,7 @@ class BufferKeys:
         self.data_key = prefix + "data"
         self.limits_key = prefix + "limits"
         self.probe_key = prefix + "write_probe"  # a write that says Redis takes writes again
+        self.mark_key = prefix + "store_mark"  # gone or replaced: the store lost the run
         self.lease_prefix = prefix + "lease:"  # + role: one router and one trainer per run
         # The lease that fences this client's ledger writes (ledger.FENCE) and its owner, set
         # by the service holding it; '' = none checked (tools, tests).

@@ -12,6 +12,10 @@ Fence: `fence(keys)` makes the ledger scripts run through `keys` (START, PUT, DR
 their writes once another process holds the lease (`ledger.FENCE`); `join` fences its own buffer.
 Contract: `join` states the role's terms once the lease is held (`SampleBuffer.agree_contract`:
 ContractMismatchError naming the flag; the lease is given up then).
+Store: `join` checks what the run needs of Redis (`store_check`: an evicting Redis is refused,
+one without persistence said) and reads the run's mark; the renewing thread checks the mark
+before each renewal and, finding it gone or replaced (Redis restarted empty), calls `on_lost`
+with `lost()` naming what was lost (the trainer then ends, exit 1).
 Status stays the buffer's (`set_status`): a service reports it from its own loop.
 """
 
@@ -35,6 +39,7 @@ from services.sample_buffer.keys import (
     lease_owner_name,
     lease_waiting,
 )
+from services.sample_buffer.store_check import claim_mark, store_lost, store_problems
 
 
 class Membership:
@@ -48,6 +53,7 @@ class Membership:
         self.stopped = threading.Event()
         self.renewer: threading.Thread | None = None
         self.lost_to = ""  # the process that took the lease over (set by the renewing thread)
+        self.mark, self.store_lost = b"", ""  # the run's mark; why the store lost the run
 
     def join(
         self, on_lost: Callable[[str], None], contract: RunContract | None = None
@@ -55,7 +61,13 @@ class Membership:
         """Take the lease (ValueError naming another holder), renew it in a thread, fence this
         buffer's writes with it, and agree `contract`. Returns the run's contract (None when
         none was given)."""
+        refusal, warnings = store_problems(self.buffer.redis)
+        if refusal:
+            raise ValueError(refusal)
+        for warning in warnings:
+            self.say(warning)
         self.wait()
+        self.mark = claim_mark(self.buffer.redis, self.buffer.mark_key)
         self.renew_in_thread(on_lost)
         self.fence(self.buffer)
         if contract is None:
@@ -71,8 +83,8 @@ class Membership:
         keys.lease_key, keys.lease_owner = self.key, self.owner
 
     def lost(self) -> str:
-        """Why this service stops: who took the run over."""
-        return lease_lost(self.role, self.run_id, self.lost_to)
+        """Why this service stops: the store lost the run, or who took the run over."""
+        return self.store_lost or lease_lost(self.role, self.run_id, self.lost_to)
 
     def wait_free(self) -> None:
         """Wait until no other process holds the lease, without taking it (a check before
@@ -113,7 +125,11 @@ class Membership:
     def _renew(self, on_lost: Callable[[str], None]) -> None:
         while not self.stopped.wait(LEASE_RENEW_S):
             try:
-                holder = self.renew()
+                if self.mark and self.buffer.redis.get(self.buffer.mark_key) != self.mark:
+                    self.store_lost = store_lost(self.buffer.config.redis_url, self.buffer.mark_key)
+                    holder = "(none: the store lost the run)"
+                else:
+                    holder = self.renew()
             except RedisError:
                 continue
             if holder:

@@ -1,0 +1,115 @@
+"""The run knows its store: real Valkey/Redis server processes (each test its own, on loopback)
+and the services' real code as processes. A Redis that evicts keys at its memory limit is
+refused at start naming the setting; one restarted empty mid-run (no persistence) stops the run,
+naming what was lost and what `--resume` does, instead of every service writing its keys again
+and the run ending `max_steps` with groups trained twice."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from services.sample_buffer.membership import Membership
+from tests.helpers import wait_until
+
+BROKER = [sys.executable, "-m", "services.weight_broker"]
+
+
+@pytest.fixture
+def redis_alone(tmp_path: Path):
+    """A Redis server of this test's own (no persistence, as an external one may run)."""
+    with RedisServer(log_dir=tmp_path / "redis") as server:
+        yield server
+
+
+def restart_empty(server: RedisServer) -> RedisServer:
+    """The same server restarted on its port without the data it held."""
+    port, log_dir = server.port, server.log_dir
+    server.stop()
+    return RedisServer(port=port, log_dir=log_dir).start()
+
+
+def test_a_redis_that_evicts_keys_is_refused_at_start_naming_the_setting(
+    redis_alone: RedisServer,
+) -> None:
+    client = SampleBuffer(BufferConfig(redis_alone.url, "evicting")).redis
+    client.config_set("maxmemory", str(64 << 20))
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    args = ["--port", "0", "--redis-url", redis_alone.url, "--run-id", "evicting"]
+    done = subprocess.run([*BROKER, *args], capture_output=True, text=True, timeout=120)
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said
+    assert "maxmemory-policy allkeys-lru" in said and "noeviction" in said
+    # The setting fixed, the same start is taken.
+    client.config_set("maxmemory-policy", "noeviction")
+    member = Membership(SampleBuffer(BufferConfig(redis_alone.url, "evicting")), "broker", print)
+    member.join(lambda _holder: None)
+    assert member.held
+    member.release()
+
+
+def test_a_redis_without_persistence_is_said_at_start_not_refused(
+    redis_alone: RedisServer,
+) -> None:
+    said: list[str] = []
+    member = Membership(
+        SampleBuffer(BufferConfig(redis_alone.url, "memory")), "router", said.append
+    )
+    member.join(lambda _holder: None)
+    assert member.held
+    assert any("appendonly no" in s and "appendonly yes keeps it" in s for s in said), said
+    member.release()
+
+
+TRAINER_MEMBER = textwrap.dedent(
+    """
+    import sys, time
+    from services.sample_buffer import BufferConfig, SampleBuffer
+    from services.trainer.lease import end_on_lost, trainer_membership
+    member = trainer_membership(SampleBuffer(BufferConfig(sys.argv[1], sys.argv[2])))
+    member.join(lambda _holder: end_on_lost(member))
+    print("joined", flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_a_redis_restarted_empty_mid_run_stops_the_trainer_with_exit_1_naming_what_was_lost(
+    redis_alone: RedisServer, start_service
+) -> None:
+    url, run = redis_alone.url, "restarted"
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER_MEMBER, url, run],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out = trainer.stdout
+    assert out is not None
+    broker = start_service("broker", ["broker", "--port", "0", "--redis-url", url, "--run-id", run])
+    restarted = None
+    try:
+        wait_until(lambda: out.readline().strip() == "joined", "the trainer to join")
+        assert httpx.get(f"{broker.url}/health").status_code == 200
+        restarted = restart_empty(redis_alone)
+        said = trainer.communicate(timeout=60)[0]
+
+        def broker_stopped() -> str:
+            reply = httpx.get(f"{broker.url}/health")
+            return reply.json().get("problem", "") if reply.status_code == 503 else ""
+
+        problem = wait_until(broker_stopped, "the broker to stop, naming the lost store")
+    finally:
+        trainer.kill()
+        if restarted is not None:
+            restarted.stop()
+    assert trainer.returncode == 1, said
+    assert "lost this run's state" in said and "tandem up --resume" in said
+    assert "trained groups" in said and "appendonly yes" in said
+    assert "lost this run's state" in problem
