@@ -15,8 +15,10 @@ a term another service stated differently is a `ContractMismatchError` naming bo
 the first one, and the flag to change. `RunContract`, that statement, is made from `AGREED`
 (not declared again): the model is stated as `model_id`, `model_identity(--model)`, so the same
 checkpoint under different paths (a container mount, another host) is the same model.
-Who states what: router and trainer the batch terms, `max_staleness` and the model (a router
-with --no-rollout: the model and the group size); trainer and broker `weight_transport`.
+Who states what: router and trainer the batch terms, `max_staleness`, the model and the seed
+(it orders the prompts: a router restarted with another drew some prompts of the epoch twice
+and others never; a router with --no-rollout: the model and the group size); trainer and
+broker `weight_transport`.
 `PATCH /rollout/config` cannot change a run term (its body type has none).
 
 Knows pydantic and msgspec; nothing of services, Redis or files beyond the model's config.json.
@@ -39,6 +41,7 @@ AGREED = (
     "num_steps_per_rollout",
     "max_staleness",
     "weight_transport",
+    "seed",
 )
 
 
@@ -117,6 +120,9 @@ class _Statement(msgspec.Struct, kw_only=True, omit_defaults=True):
         return None if None in batch else batch[0] * batch[1] // batch[2]
 
 
+TEXT_TERMS = ("model", "weight_transport")  # the others are numbers
+
+
 def _term(name: str) -> str:
     return "model_id" if name == "model" else name
 
@@ -128,7 +134,7 @@ if TYPE_CHECKING:
 else:
     RunContract = msgspec.defstruct(
         "RunContract",
-        [(_term(n), int | None if n in AGREED[1:5] else str | None, None) for n in AGREED],
+        [(_term(n), str | None if n in TEXT_TERMS else int | None, None) for n in AGREED],
         bases=(_Statement,),
         module=__name__,
     )

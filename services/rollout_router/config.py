@@ -309,6 +309,7 @@ AGREED_BY_ROUTER = (
     "n_samples_per_prompt",
     "num_steps_per_rollout",
     "max_staleness",
+    "seed",  # the prompt order
 )
 
 
