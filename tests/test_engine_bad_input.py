@@ -102,6 +102,9 @@ def test_mutating_routes_need_the_token_and_reads_stay_open(engine: str) -> None
     assert post(engine + "/pause_generation", {}, auth=False).status_code == 401
     disk = {"model_path": "/nonexistent", "weight_version": "38"}
     assert post(engine + "/update_weights_from_disk", disk, auth=False).status_code == 401
+    assert httpx.post(engine + "/flush_cache").status_code == 401
+    assert httpx.get(engine + "/flush_cache").status_code == 401
+    assert httpx.post(engine + "/flush_cache", headers=AUTH).status_code == 200
     assert post(engine + "/update_weight_version", body).status_code == 200
     assert httpx.get(engine + "/model_info").json()["weight_version"] == "9"
     wrong = {"Authorization": "Bearer nope"}

@@ -145,8 +145,8 @@ def _add_info_routes(app: FastAPI, engine: Engine) -> None:
 
 
 def _add_control_routes(app: FastAPI, engine: Engine) -> None:
-    @app.get("/flush_cache", operation_id="flush_cache_get")
-    @app.post("/flush_cache", operation_id="flush_cache")
+    @app.get("/flush_cache", operation_id="flush_cache_get", dependencies=WRITE)
+    @app.post("/flush_cache", operation_id="flush_cache", dependencies=WRITE)
     async def flush_cache() -> Response:
         if not await engine.flush_cache():
             return Response(
