@@ -160,13 +160,14 @@ def _is_megatron_llama3(rope: dict) -> bool:
 
 
 def _moe_fields(
-    arch: HfArch, ep_size: int, aux_loss_coeff: float, routing_replay: bool
+    arch: HfArch, ep_size: int, aux_loss_coeff: float, routing_replay: bool, grouped: bool
 ) -> dict[str, Any]:
     """TransformerConfig fields of a Qwen3-MoE layer (none for a dense model).
 
     megatron's default router takes the top-k of the logits and softmaxes over those k, which
     equals HF's softmax-then-top-k renormalized (`norm_topk_prob`); without renormalization
-    HF's weights are the full softmax's top-k, megatron's `moe_router_pre_softmax`."""
+    HF's weights are the full softmax's top-k, megatron's `moe_router_pre_softmax`.
+    `moe_grouped_gemm` chooses the experts' module in `build_gpt_model`."""
     if not arch.num_experts:
         return {}
     return dict(
@@ -174,7 +175,7 @@ def _moe_fields(
         moe_router_topk=arch.moe_topk,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         moe_router_pre_softmax=not arch.norm_topk_prob,
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=grouped,
         # alltoall builds a CUDA stream at construction: allgather is the one that runs on CPU
         moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
@@ -191,8 +192,10 @@ def transformer_config(
     ep_size: int = 1,
     moe_aux_loss_coeff: float = 0.0,
     routing_replay: bool = False,
+    grouped_experts: bool = False,
 ) -> TransformerConfig:
-    """megatron TransformerConfig equal to the HF architecture (no dropout, unfused kernels)."""
+    """megatron TransformerConfig equal to the HF architecture (no dropout, unfused kernels);
+    an MoE's experts are grouped GEMMs with `grouped_experts`, else megatron's SequentialMLP."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(
         num_layers=arch.num_layers,
@@ -221,23 +224,19 @@ def transformer_config(
         params_dtype=dtype,
         bf16=bf16,
         pipeline_dtype=dtype,
-        **_moe_fields(arch, ep_size, moe_aux_loss_coeff, routing_replay),
+        **_moe_fields(arch, ep_size, moe_aux_loss_coeff, routing_replay, grouped_experts),
     )
 
 
 def build_gpt_model(
-    arch: HfArch,
-    config: TransformerConfig,
-    vocab_divisible_by: int,
-    padded_vocab: int = 0,
-    grouped_experts: bool = False,
+    arch: HfArch, config: TransformerConfig, vocab_divisible_by: int, padded_vocab: int = 0
 ) -> GPTModel:
     """An un-initialised (random) GPTModel shaped like `arch`, with the packed-attention spec.
     `padded_vocab` (if set) overrides the padding rule, e.g. to match a checkpoint. An MoE's
-    experts are `GroupedExperts` with `grouped_experts`, else megatron's `SequentialMLP` (the
-    two write the same checkpoints)."""
+    experts are `GroupedExperts` with `config.moe_grouped_gemm`, else megatron's `SequentialMLP`
+    (the two write the same checkpoints)."""
     spec = gpt_layer_spec(arch.qk_norm, arch.num_experts)
-    if arch.num_experts and grouped_experts:
+    if arch.num_experts and config.moe_grouped_gemm:
         spec = experts_spec(spec)
     model = GPTModel(
         config=config,

@@ -153,15 +153,12 @@ class Policy:
             cfg.model.expert_model_parallel_size,
             cfg.model.moe_aux_loss_coeff,
             cfg.model.use_routing_replay and self.arch.num_experts > 0,
+            cfg.model.moe_grouped_experts,
         )
-        # The loss returns (numerator, denominator); megatron sums both over micro-batches and
-        # data-parallel ranks and divides the gradients once (finalize_model_grads).
+        # The loss returns (numerator, denominator), summed by megatron and divided once.
         tf_config.calculate_per_token_loss = True
         self.model = hf_convert.build_gpt_model(
-            self.arch,
-            tf_config,
-            cfg.model.make_vocab_size_divisible_by,
-            grouped_experts=cfg.model.moe_grouped_experts,
+            self.arch, tf_config, cfg.model.make_vocab_size_divisible_by
         )
         if arch is None:
             hf_state = hf_convert.load_hf_state(model_dir)
