@@ -33,13 +33,9 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def policy(model_dir: Path, grouped: bool, **overrides) -> Policy:  # type: ignore[no-untyped-def]
-    cfg = TrainerConfig(
-        model=str(model_dir),
-        use_routing_replay=True,
-        moe_grouped_experts=grouped,
-        lr=1e-2,
-        **overrides,
-    )
+    if not grouped:  # (grouped: the default, which the tests below check is grouped)
+        overrides["moe_grouped_experts"] = False
+    cfg = TrainerConfig(model=str(model_dir), use_routing_replay=True, lr=1e-2, **overrides)
     return Policy(cfg, str(model_dir))
 
 
