@@ -174,8 +174,9 @@ def test_a_killed_trainer_resumes_with_resume_and_no_group_is_trained_twice(
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-2000:]
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "resumed from iteration" in trainer_log
-    saved = json.loads((run_dir / "up_config.json").read_text())
-    assert saved["lr"] == 1e-3, "the toy model's rate, resolved before the model path was saved"
+    saved = tomllib.loads((run_dir / "config.toml").read_text())
+    assert saved["trainer"]["lr"] == 1e-3, "the toy model's rate, resolved before the model path"
+    assert json.loads((run_dir / "up_config.json").read_text())["stop_accuracy"] == 0.9
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "reached_accuracy"
     assert summary["accuracy_last"] >= 0.9
@@ -245,8 +246,8 @@ def test_a_run_given_relative_held_out_prompts_in_its_config_file_resumes_from_a
     (project / "data" / "train.jsonl").write_text("".join(pairs[20:]))
     (project / "data" / "eval.jsonl").write_text("".join(pairs[:20]))
     (project / "run.toml").write_text(
-        '[up]\nprompt_data = "data/train.jsonl"\nrm_type = "reverse_digits"\n\n'
-        '[router]\neval_prompt_data = "data/eval.jsonl"\n'
+        '[router]\nprompt_data = "data/train.jsonl"\nrm_type = "reverse_digits"\n'
+        'eval_prompt_data = "data/eval.jsonl"\n'
     )
     run_dir = tmp_path / "run"
     flags = ("--stop-accuracy", "0", "--max-steps")
