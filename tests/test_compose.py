@@ -123,12 +123,10 @@ def test_dockerignore_keeps_the_context_small() -> None:
 def test_service_flags_parse_with_the_services_own_parsers(stack: str) -> None:
     """Every flag a stack passes exists (a renamed flag fails here, not at `compose up`), each
     configuration passes its own validate(), and the batch terms agree once parsed."""
-    from services.common.flags import config_from_args
-    from services.rollout_router.__main__ import build_parser as router_parser
+    from services.common.settings import flat, load
     from services.rollout_router.config import RouterConfig, check_buffer_depth
-    from services.trainer.__main__ import build_parser as trainer_parser
     from services.trainer.config import TrainerConfig
-    from services.weight_broker import __main__ as broker_main
+    from services.weight_broker.config import BrokerConfig
 
     c = compose(STACKS[stack])
     assert {"engine-0", "engine-1"} <= set(c["services"])
@@ -136,21 +134,20 @@ def test_service_flags_parse_with_the_services_own_parsers(stack: str) -> None:
         command(c["services"][name]) for name in ("router", "trainer", "broker")
     )
     assert router_cmd[0] == "router" and trainer_cmd[0] == "trainer" and broker_cmd[0] == "broker"
-    router_flags = router_parser().parse_args(router_cmd[1:])
-    trainer_flags = trainer_parser().parse_args(trainer_cmd[1:])
-    router = config_from_args(RouterConfig, router_flags)
+    router = load(RouterConfig, router_cmd[1:], "router")
     router.validate()
-    trainer = config_from_args(TrainerConfig, trainer_flags)
+    trainer = load(TrainerConfig, trainer_cmd[1:], "trainer")
     trainer.validate()
-    assert trainer_flags.save == "/checkpoints"
-    assert trainer_flags.bf16 == (stack == "gpu")
+    router_flags, trainer_flags = flat(router), flat(trainer)
+    assert trainer_flags["save"] == "/checkpoints"
+    assert trainer_flags["bf16"] == (stack == "gpu")
     for term in ("rollout_batch_size", "n_samples_per_prompt", "max_staleness", "model"):
-        assert getattr(router_flags, term) == getattr(trainer_flags, term), term
+        assert router_flags[term] == trainer_flags[term], term
     # The router's depth bound leaves room for the trainer's whole rollout.
-    check_buffer_depth(router.buffer_depth_bound(), trainer_flags.rollout_batch_size)
+    check_buffer_depth(router.buffer_depth_bound(), trainer.run.rollout_batch_size)
 
-    broker = broker_main.build_parser().parse_args(broker_cmd[1:])
-    assert broker.transport == "disk" and broker.engine_urls == router_flags.engine_urls
+    broker = flat(load(BrokerConfig, broker_cmd[1:], "broker"))
+    assert broker["transport"] == "disk" and broker["engine_urls"] == router_flags["engine_urls"]
 
 
 # --- every check can fail ----------------------------------------------------------------

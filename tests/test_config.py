@@ -14,9 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.common.config_file import parse_args
-from services.common.settings import flat
-from services.rollout_router.__main__ import build_parser as router_parser
+from services.common.settings import flat, load
+from services.rollout_router.config import RouterConfig
 from services.rollout_router.rollout.custom_reward import load_function
 from services.rollout_router.rollout.tasks import (
     DATASET_RESPONSE_LEN,
@@ -122,8 +121,8 @@ def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatc
     assert (tree.up.run.seed, tree.value("trainer", "max_steps")) == (3, 9)
     assert tree.value("trainer", "lr") == 0.25
     monkeypatch.setenv("TANDEM_ROUTER_POLICY", "session_affinity")
-    ns = parse_args(router_parser(), ["--config", str(path), "--eval-interval", "2"], "router")
-    assert (ns.rollout_max_response_len, ns.policy, ns.eval_interval) == (
+    ns = flat(load(RouterConfig, ["--config", str(path), "--eval-interval", "2"], "router"))
+    assert (ns["rollout_max_response_len"], ns["policy"], ns["eval_interval"]) == (
         512,
         "session_affinity",
         2,
@@ -134,7 +133,7 @@ def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatc
     said = "environment variable TANDEM_TRAINER_MAX_STEP: tandem up has no setting 'max_step' "
     assert said + "(did you mean 'max_steps'?)" in launcher.parse([])[1][0]
     monkeypatch.delenv("TANDEM_TRAINER_MAX_STEP")
-    assert parse_args(router_parser(), [], "router").policy == "session_affinity"
+    assert load(RouterConfig, [], "router").workers.policy == "session_affinity"
 
 
 @pytest.mark.parametrize(
@@ -143,16 +142,13 @@ def test_a_flag_beats_a_variable_which_beats_the_file(tmp_path: Path, monkeypatc
         ("[router]\nrollout_max_response_length = 3\n", "did you mean 'rollout_max_response_len'"),
         ("[routr]\nseed = 1\n", "unknown table [routr] (did you mean 'router'"),
         ("[router]\nrollout-top-p = 0.5\n", "did you mean 'rollout_top_p'"),
-        (
-            '[router]\neval_interval = "often"\n',
-            "[router] eval_interval: expected an int, got 'often'",
-        ),
+        ('[router]\neval_interval = "often"\n', 'eval_interval = "often": a string: write it'),
         # a number, boolean or list quoted by mistake (a variable's text is read as a flag's)
-        ('[router]\neval_interval = "2"\n', "got '2' (a string: write it without quotes)"),
-        ('[router]\nrollout_top_p = "0.5"\n', "expected a float, got '0.5' (a string: write"),
-        ('[router]\ndynamic_sampling = "true"\n', "expected true or false, got 'true' (a string"),
-        ('[router]\nrollout_stop_token_ids = "1 2"\n', "expected a list ([...]), got '1 2'"),
-        ('[router]\npolicy = "random"\n', "'random' is not one of least_outstanding"),
+        ('[router]\neval_interval = "2"\n', 'eval_interval = "2": a string: write it without'),
+        ('[router]\nrollout_top_p = "0.5"\n', 'rollout_top_p = "0.5": a string: write it'),
+        ('[router]\ndynamic_sampling = "true"\n', 'dynamic_sampling = "true": a string: write'),
+        ('[router]\nrollout_stop_token_ids = "1 2"\n', '= "1 2": Input should be a valid list'),
+        ('[router]\npolicy = "random"\n', "Input should be 'least_outstanding', 'round_robin'"),
     ],
 )
 def test_a_bad_key_or_value_exits_2_naming_file_key_and_closest_key(
@@ -160,7 +156,7 @@ def test_a_bad_key_or_value_exits_2_naming_file_key_and_closest_key(
 ) -> None:
     path = toml_file(tmp_path, text)
     with pytest.raises(SystemExit) as exc:
-        parse_args(router_parser(), ["--config", str(path)], "router")
+        load(RouterConfig, ["--config", str(path)], "router")
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert str(path) in err and expected in err, err

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config_file import parse_args
-from services.rollout_router.__main__ import build_parser as router_parser
+from services.common.settings import load
+from services.rollout_router.config import RouterConfig
 from tandem import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def test_a_config_that_is_a_folder_binary_or_keys_outside_a_table_exits_2_naming
     path = tmp_path / "run.toml"
     path.mkdir() if content is None else path.write_bytes(content)
     with pytest.raises(SystemExit) as exc:
-        parse_args(router_parser(), ["--config", str(path)], "router")
+        load(RouterConfig, ["--config", str(path)], "router")
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"{path}" in err and expected in err, err
     shown = tandem("config", "show", "--config", str(path))

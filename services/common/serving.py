@@ -21,7 +21,6 @@ server is accepting connections, the bound address is written to `ready_file` (J
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import logging
@@ -39,7 +38,6 @@ import uvicorn
 
 from services.common.body_limit import BodyLimitMiddleware
 
-MIB = 1 << 20
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXIT_CODES = (
     "Exit codes: 0 = stopped as asked (SIGTERM, SIGINT or SIGHUP: open requests get "
@@ -171,26 +169,6 @@ def write_ready_file(path: str | Path, **info: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps({**info, "pid": os.getpid()}))
     tmp.replace(path)
-
-
-def add_serving_args(parser: argparse.ArgumentParser, max_request_mib: int) -> None:
-    """`--max-request-bytes` and `--graceful-shutdown-s`, with this service's defaults; the
-    exit codes (the module docstring's table) at the end of `--help`."""
-    parser.epilog = " ".join(filter(None, [parser.epilog, EXIT_CODES]))
-    parser.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=max_request_mib * MIB,
-        help="Largest request body accepted; larger ones get 413 before they are read "
-        f"(0 = no cap; default: {max_request_mib} MiB).",
-    )
-    parser.add_argument(
-        "--graceful-shutdown-s",
-        type=float,
-        default=10.0,
-        help="On SIGTERM, how long running requests may finish before they are cancelled "
-        "(default: 10).",
-    )
 
 
 def serve(
