@@ -3,7 +3,9 @@ engines (tests/fake_engine.py) and a real Valkey server. One engine stopped with
 GPU or host) mid-run is left behind, its sync bounded by `--sync-timeout-s`; the others take
 every later version meanwhile; once another engine takes a version newer than the one it syncs,
 it is out of rotation (left behind) and `version:engines` follows the engines that serve; the
-stopped one, resumed, catches up to the newest version and is back in rotation."""
+stopped one, resumed, catches up to the newest version and is back in rotation. The broker also
+says what an operator must see: that it has no engine left, and that its weight intake is
+unsigned without TANDEM_WEIGHT_SECRET."""
 
 from __future__ import annotations
 
@@ -89,3 +91,37 @@ def test_an_engine_stopped_mid_run_holds_back_no_other_engine_and_catches_up_whe
     )
     assert buffer.get_version("engines") == 4
     sender.close()
+
+
+def test_a_broker_whose_every_engine_was_removed_says_it_has_none(
+    start_service, fake_engine, buffer: SampleBuffer
+) -> None:
+    engine = fake_engine("e")
+    redis = ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    broker = start_service("broker", ["broker", "--port", "0", *redis, "--engine-urls", engine.url])
+    sender = ZmqWeightSender(broker.info["intake_endpoint"])
+    sender.send(1, weights(1))
+    wait_until(lambda: buffer.get_version("engines") == 1, "the engine on version 1")
+    httpx.delete(f"{broker.url}/engines", params={"url": engine.url}).raise_for_status()
+    said = "an engine to sync: none is registered"
+    assert said in httpx.get(f"{broker.url}/state").json()["waiting_for"]
+
+    def recorded() -> bool:
+        status = buffer.statuses().get("broker")
+        return status is not None and said in status.waiting_for and status.state == "waiting"
+
+    wait_until(recorded, "the broker's status (the watchdog reads it) to say it has no engine")
+    sender.close()
+
+
+def test_a_broker_without_the_weight_secret_warns_at_start_and_on_health(
+    start_service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unsigned = start_service("unsigned", ["broker", "--port", "0"])
+    warning = httpx.get(f"{unsigned.url}/health").json()["warning"]
+    assert "TANDEM_WEIGHT_SECRET is not set" in warning and "unsigned" in warning
+    assert "TANDEM_WEIGHT_SECRET is not set" in unsigned.log()
+    monkeypatch.setenv("TANDEM_WEIGHT_SECRET", "s3cret")
+    signed = start_service("signed", ["broker", "--port", "0"])
+    assert "warning" not in httpx.get(f"{signed.url}/health").json()
+    assert "TANDEM_WEIGHT_SECRET is not set" not in signed.log()

@@ -48,7 +48,12 @@ from services.sample_buffer.refusals import hint_of
 from services.weight_broker.config import BrokerConfig
 from services.weight_broker.nccl_transport import NcclTransport
 from services.weight_broker.transports import DiskTransport, Outcome, WeightTransport, ZmqTransport
+from services.weight_sync.wire import secret_from_env
 
+UNSIGNED = (
+    "TANDEM_WEIGHT_SECRET is not set: the weight intake takes unsigned versions from any local "
+    "process; set the same secret for trainer, broker and engines (tandem up sets one)"
+)
 RESEND_AFTER_S = 4.0  # an announced version still missing after this is asked for again
 log = logging.getLogger("tandem.broker")
 
@@ -107,6 +112,7 @@ class WeightBroker:
         self.long_wait = LongWait(log.warning)  # (run apart, its console is all there is)
         self._wake = asyncio.Event()
         self.on_sync: Callable[[EngineState], None] | None = None  # server.py: SyncObserver.record
+        self.unsigned = "" if secret_from_env() else UNSIGNED  # said at start and on /health
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -325,6 +331,9 @@ class WeightBroker:
             )
             state = "waiting"
             self._ask_resend(announced)
+        elif not self.engines:  # (an authorised DELETE /engines of the last one, too)
+            waiting = "an engine to sync: none is registered (--engine-urls or POST /engines)"
+            state = "waiting"
         else:
             first = "first" if latest < 0 else "next"
             waiting = f"the trainer's {first} weight version (at {self.transport.intake_endpoint})"

@@ -90,6 +90,8 @@ def create_app(config: BrokerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.loop = task = asyncio.create_task(broker.run(), name="broker")
+        if broker.unsigned:
+            log.warning("%s", broker.unsigned)
         yield
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -109,6 +111,7 @@ def create_app(config: BrokerConfig) -> FastAPI:
         stopped = task.done() and not task.cancelled() and task.exception()
         problem = f"the broker's loop stopped: {stopped!r}; see its log" if stopped else ""
         body = {"status": "error" if problem else "ok", "version": broker.latest}
+        body |= {"warning": broker.unsigned} if broker.unsigned else {}
         return JSONResponse(
             {**body, "problem": problem} if problem else body, 503 if problem else 200
         )
