@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 
 from proto.contract import ServiceStatus
 from services.sample_buffer import SampleBuffer
+from services.sample_buffer.store_check import memory_note
 
 HEALTH_INTERVAL_S = 2.0
 HEALTH_FAILURES = 2  # in a row: one slow answer under load is not a death
@@ -60,15 +61,15 @@ def health_problem(url: str) -> tuple[str, bool]:
         return f"no answer ({exc})", isinstance(exc, TimeoutError)
 
 
-def diagnosis(statuses: dict[str, ServiceStatus], now: float) -> list[str]:
-    """One line per service: what it waits for and for how long."""
+def diagnosis(statuses: dict[str, ServiceStatus], now: float, store: str = "") -> list[str]:
+    """One line per service: what it waits for and for how long. `store`: why Redis is the
+    cause, said for a service whose status is missing (its write was refused)."""
     lines = []
     for role in [*ROLES, *sorted(set(statuses) - set(ROLES))]:
         status = statuses.get(role)
         if status is None:
-            lines.append(
-                f"  {role}: no status reported in the last 30 s (starting, or stuck: see logs/{role}.log)"
-            )
+            why = store or f"starting, or stuck: see logs/{role}.log"
+            lines.append(f"  {role}: no status reported in the last 30 s ({why})")
             continue
         waited = f", {now - status.since:.0f} s" if status.since else ""
         what = f"waits for {status.waiting_for}" if status.waiting_for else "is not waiting"
@@ -179,13 +180,16 @@ class Watchdog:
     def report(self, stalled: float) -> list[str]:
         try:
             statuses, refused = self.buffer.statuses(), self.buffer.write_refused()
+            full = memory_note(self.buffer.redis)
         except RedisError as exc:
             return [f"  redis: unreachable ({exc}); every service keeps its state there"]
         # (no service's status is written then: each would read "no status reported")
         said = (
             [f"  redis: refuses writes ({refused}); every service waits for it"] if refused else []
         )
-        return said + diagnosis(statuses, time.time())
+        said = said or ([f"  redis: {full}"] if full else [])  # (refused: said there)
+        store = "Redis is the cause: see the redis line" if said else ""
+        return said + diagnosis(statuses, time.time(), store)
 
     def _health(self) -> str:
         for name, url in self.health_urls.items():

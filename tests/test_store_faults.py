@@ -113,3 +113,26 @@ def test_a_redis_restarted_empty_mid_run_stops_the_trainer_with_exit_1_naming_wh
     assert "lost this run's state" in said and "tandem up --resume" in said
     assert "trained groups" in said and "appendonly yes" in said
     assert "lost this run's state" in problem
+
+
+def test_at_its_memory_limit_the_watchdog_names_the_store_not_a_service(
+    redis_alone: RedisServer,
+) -> None:
+    from tandem.watchdog import Watchdog
+
+    buffer = SampleBuffer(BufferConfig(redis_alone.url, "full"))
+    buffer.redis.set("ballast", b"x" * (8 << 20))
+    used = buffer.redis.info("memory")["used_memory"]
+    buffer.redis.config_set("maxmemory-policy", "noeviction")
+    watchdog = Watchdog(buffer, {}, 1.0, 100.0, print)
+    buffer.redis.config_set("maxmemory", str(int(used / 0.95)))  # near it: writes still taken
+    lines = watchdog.report(stalled=60.0)
+    (redis_line,) = [line for line in lines if line.startswith("  redis:")]
+    assert "of its maxmemory" in redis_line and "raise maxmemory" in redis_line, lines
+    broker = next(line for line in lines if line.startswith("  broker:"))
+    assert "Redis is the cause" in broker and "starting, or stuck" not in broker
+    buffer.redis.config_set("maxmemory", str(4 << 20))  # below what it holds: writes refused
+    lines = watchdog.report(stalled=60.0)
+    (redis_line,) = [line for line in lines if line.startswith("  redis:")]
+    assert "refuses writes" in redis_line and "raise maxmemory" in redis_line, lines
+    assert "Redis is the cause" in next(line for line in lines if line.startswith("  broker:"))

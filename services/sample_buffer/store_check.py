@@ -6,6 +6,7 @@ dropped the ledger's and the trained record's keys while the run went on, and gr
 trained twice) and Lua scripts (the ledger's writes are scripts): refused, naming the setting.
 A Redis without persistence (no AOF, no RDB saves) is the user's to choose: said, not refused.
 A Redis that refuses CONFIG (some managed ones) is said too: its settings cannot be checked.
+`memory_note` says a Redis near its maxmemory (at it, writes are refused: OOM), for the watchdog.
 
 Mark (`BufferKeys.mark_key`): written once per run (SET NX) by the first member to join and read
 back by each. A member that finds it gone or another one (Redis restarted empty, flushed, or
@@ -52,6 +53,18 @@ def store_problems(client: redis.Redis) -> tuple[str, list[str]]:
             "should it restart, the run stops, its state lost; appendonly yes keeps it"
         )
     return "", warnings
+
+
+def memory_note(client: redis.Redis) -> str:
+    """A Redis at 90% or more of its maxmemory, said with what to change; '' otherwise."""
+    memory = client.info("memory")
+    used, limit = memory.get("used_memory", 0), memory.get("maxmemory", 0)
+    if not limit or used < 0.9 * limit:
+        return ""
+    return (
+        f"uses {used / 2**20:.1f} MiB of its maxmemory {limit / 2**20:.1f} MiB (at it, every "
+        "write is refused: OOM); raise maxmemory, or lower the router's --max-buffer-depth"
+    )
 
 
 def claim_mark(client: redis.Redis, key: str) -> bytes:
