@@ -14,8 +14,10 @@ configuration tree (its `--*-args` strings) is refused, naming why.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import tomllib
@@ -68,7 +70,10 @@ def resume_argv(argv: list[str]) -> list[str]:
     lines = [f"{RENDERED} (resumed{', with ' + given if given else ''})"]
     for name, table in tables.items():
         lines += [f"[{name}]", *(f"{k} = {toml_value(v)}" for k, v in table.items()), ""]
-    merged = Path(tempfile.mkdtemp(prefix="tandem-resume-")) / RUN_CONFIG
+    # (read by the parse alone: the children get files of their own)
+    folder = tempfile.mkdtemp(prefix="tandem-resume-")
+    atexit.register(shutil.rmtree, folder, True)
+    merged = Path(folder) / RUN_CONFIG
     merged.write_text("\n".join(lines))
     rest = [w for i, w in enumerate(argv) if not _is_config(argv, i)]
     return ["--config", str(merged), *rest]
