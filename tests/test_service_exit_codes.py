@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from services.common.serving import bind_socket
-from services.common.settings import load
+from services.common.settings import load, parser
 from services.rollout_router.config import RouterConfig
-from services.trainer.__main__ import build_parser as trainer_parser
 from services.trainer.config import TrainerConfig
 from tandem import launcher
 from tests.test_config import toml_file
@@ -205,6 +204,6 @@ def test_a_learning_rate_out_of_range_exits_2_naming_the_flag_or_variable_it_cam
         said = f"error: {' '.join(argv)}: must be at most 1"
         assert exc.value.code == 2 and said in capsys.readouterr().err, argv
     # and --help says the range of each, before anyone is refused
-    parser = trainer_parser()  # (tandem up's --lr is the trainer's field, its help the same)
-    rates = [a for a in parser._actions if a.dest == "lr" or a.dest.endswith("_lr")]
-    assert rates and all("0 to 1" in str(a.help) for a in rates), parser.prog
+    flags = parser(TrainerConfig, "tandem trainer")  # (tandem up's --lr: the trainer's field)
+    rates = [a for a in flags._actions if a.dest == "lr" or a.dest.endswith("_lr")]
+    assert rates and all("0 to 1" in str(a.help) for a in rates), flags.prog

@@ -150,12 +150,9 @@ def _help(info: Any, default: Any) -> str:
     return f"{text} (default: {default})"
 
 
-def parser(
-    cls: type[BaseModel], prog: str, description: str = "", defaults: bool = False
-) -> argparse.ArgumentParser:
-    """The command's parser: one flag per leaf (grouped by section), and `--config FILE`.
-    Its defaults are unset markers (`resolve` tells a flag given from one left out), or with
-    `defaults` the fields' own, each flag typed (for a caller that parses argv itself)."""
+def parser(cls: type[BaseModel], prog: str, description: str = "") -> argparse.ArgumentParser:
+    """The command's parser: one flag per leaf (grouped by section), and `--config FILE`. Its
+    defaults are unset markers: `resolve` tells a flag given from one left out."""
     table = prog.split()[-1]
     out = argparse.ArgumentParser(prog=prog, description=description)
     out.add_argument(
@@ -174,21 +171,13 @@ def parser(
         kind, choices = _kind(info.annotation)
         flag = "--" + leaf.replace("_", "-")
         common = {"default": argparse.SUPPRESS, "help": _help(info, default), "dest": leaf}
-        typed = {"default": default, "type": _scalar(default)} if defaults else {}
         if kind == "bool":
-            shown = {"default": default} if defaults else {}
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **common | shown)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
         elif kind == "list":
-            group.add_argument(flag, nargs="*", **common | typed)
+            group.add_argument(flag, nargs="*", **common)
         else:
-            metavar = _metavar(leaf, choices)
-            group.add_argument(flag, choices=choices, metavar=metavar, **common | typed)
+            group.add_argument(flag, choices=choices, metavar=_metavar(leaf, choices), **common)
     return out
-
-
-def _scalar(default: Any) -> Any:
-    kind = type(default[0]) if isinstance(default, list) and default else type(default)
-    return kind if kind in (int, float) else str
 
 
 def _metavar(leaf: str, choices: tuple[Any, ...] | None) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import socket
 import sys
@@ -10,7 +9,7 @@ from typing import Any
 
 from services.common.auth import check_bind, token_from_env
 from services.common.serving import EXIT_CODES, run_service, serve
-from services.common.settings import load, parser
+from services.common.settings import load
 from services.engine.config import EngineConfig, check
 
 PROG = "tandem engine"
@@ -20,11 +19,6 @@ DESCRIPTION = (
     "pause/abort, weight updates from the weight broker, disk or torch.distributed, OpenAI "
     "/v1/*), batching concurrent requests with a KV cache. Runs on CPU or CUDA. " + EXIT_CODES
 )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The engine's flags with their defaults (its `--help`; `load` parses with its own)."""
-    return parser(EngineConfig, PROG, DESCRIPTION, defaults=True)
 
 
 def main(argv: list[str]) -> int:

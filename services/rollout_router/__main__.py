@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -19,7 +18,7 @@ from services.common.serving import (
     run_service,
     serve,
 )
-from services.common.settings import load, parser
+from services.common.settings import load
 from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.config import RouterConfig, WorkerPoolConfig, depth_bound
 from services.rollout_router.config_checks import check_buffer_depth
@@ -34,11 +33,6 @@ trainer. Control API and OpenAPI docs at /docs. """
     + EXIT_CODES
 )
 PROG = "tandem router"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The router's flags with their defaults (its `--help`; `load` parses with its own)."""
-    return parser(RouterConfig, PROG, DESCRIPTION, defaults=True)
 
 
 async def wait_for_engines(config: WorkerPoolConfig) -> None:

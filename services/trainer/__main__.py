@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -10,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.serving import ServiceError, run_service
-from services.common.settings import load, parser
+from services.common.settings import load
 from services.trainer.config import TrainerConfig, check
 
 PROG = "tandem trainer"
@@ -30,11 +29,6 @@ Exit codes: 0 = the run trained as asked; 1 = it failed (e.g. --max-skipped-in-a
 updates, Redis gone past --redis-timeout-s); 2 = bad flags, a run-contract mismatch or a
 lineage refusal.
 Multi-process: torchrun --nproc-per-node N -m services.trainer ... (TP x DP = N)."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The trainer's flags with their defaults (its `--help`; `load` parses with its own)."""
-    return parser(TrainerConfig, PROG, DESCRIPTION, defaults=True)
 
 
 def check_lineage(cfg: TrainerConfig) -> None:

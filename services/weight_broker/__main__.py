@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import socket
 import sys
@@ -12,7 +11,7 @@ import zmq
 
 from services.common.auth import check_bind, token_from_env
 from services.common.serving import EXIT_CODES, run_service, serve
-from services.common.settings import load, parser
+from services.common.settings import load
 from services.weight_broker.config import BrokerConfig, check
 from services.weight_sync.wire import check_weight_bind
 
@@ -27,11 +26,6 @@ TANDEM_WEIGHT_SECRET is set (same value for trainer, broker and engines).
     + EXIT_CODES
 )
 PROG = "tandem broker"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The broker's flags with their defaults (its `--help`; `load` parses with its own)."""
-    return parser(BrokerConfig, PROG, DESCRIPTION, defaults=True)
 
 
 def main(argv: list[str] | None = None) -> int:
