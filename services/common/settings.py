@@ -22,12 +22,16 @@ The API (what `tandem up` builds on):
 - `load(Cls, argv, table, prog=...) -> Cls`: the service's config; a bad flag, variable, key or
   value exits 2 with `prog: error: ...` naming it (`--lr 2: ...`, `environment variable
   TANDEM_TRAINER_LR=2: ...`, `FILE: [trainer] lr = 2: ...`).
-- `resolve(Cls, argv, table, prog=...) -> (Cls, origins)`: the same without exiting
-  (`ConfigError`); `origins` maps each leaf to "default", "file", "env" or "flag".
+- `resolve(Cls, argv, table, prog=...) -> (Cls, origins)`: the same, raising `ConfigError`
+  (argparse still exits 2 for an unknown flag or choice); `origins` maps each leaf to
+  "default", "file", "env" or "flag".
 - `parser(Cls, prog, description)`: the argparse parser (its `--help`; `--config FILE`).
 - `to_toml(config, table)`: the resolved config as a TOML table (every leaf, flat keys), which
   `load(Cls, ["--config", path], table)` reads back to an equal config.
-- `leaves(Cls)`: each leaf's path of section names (`{"lr": ("optimizer", "lr"), ...}`).
+- `leaves(Cls)`: each leaf's path of section names (`{"lr": ("optimizer", "lr"), ...}`);
+  `flat(config)`: each leaf's value by its name.
+- `Count`, `Positive`, `Seconds`, `PositiveSeconds`, `Rate`: the ranges most fields share;
+  `ServeSection`: an HTTP service's host, port, ready file, body cap and shutdown grace.
 
 Knows pydantic, argparse and TOML; nothing of what any setting means.
 """
