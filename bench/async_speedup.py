@@ -131,7 +131,9 @@ def run_up(run_dir: Path, staleness: int, args: argparse.Namespace) -> int:
 
 
 def read_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """metrics.jsonl's rows; a null value (a NaN when written) is read as NaN."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{k: math.nan if v is None else v for k, v in row.items()} for row in rows]
 
 
 def mean(values: list[float]) -> float:

@@ -31,6 +31,7 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     if not path.exists():
         raise SystemExit(f"{path} not found: pass the --run-dir of a `tandem up` run")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [{k: math.nan if v is None else v for k, v in r.items()} for r in rows]  # null: NaN
     trainer = sorted((r for r in rows if "train/loss" in r), key=lambda r: r["step"])
     router = [r for r in rows if "rollout/samples_per_s" in r]
     return trainer, router

@@ -2,7 +2,7 @@
 
 For any run: `--redis-url URL --run-id ID` (services started by hand or by a scheduler), or a
 `tandem up` run folder. One line per record (time, source, step, then the values), or
-`--json` lines as in `metrics.jsonl`; `--follow` waits for new records until Ctrl-C.
+`--json` lines as in `metrics.jsonl` (strict JSON: a NaN value is null); `--follow` waits for new records until Ctrl-C.
 `--keys PATTERN` (fnmatch, repeatable) keeps only the matching values. Exit codes: 0 = records
 printed, 1 = the stream is empty or Redis does not answer, 2 = the flags name no run.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import json
 import sys
 import time
 
@@ -19,6 +18,7 @@ import redis
 
 from proto import MetricsRecord, decode
 from services.sample_buffer.keys import BufferKeys
+from tandem.progress import json_row
 from tandem.run_redis import RunNotFoundError, add_run_args, known_runs, open_run
 
 
@@ -42,8 +42,8 @@ def format_record(record: MetricsRecord, keys: list[str], as_json: bool) -> str:
         for k, v in record.values.items()
         if not keys or any(fnmatch.fnmatch(k, p) for p in keys)
     }
-    if as_json:
-        return json.dumps(
+    if as_json:  # (strict JSON: a NaN is null, as in metrics.jsonl)
+        return json_row(
             {"source": record.source, "step": record.step, "time": record.time, **values}
         )
     stamp = time.strftime("%H:%M:%S", time.localtime(record.time))

@@ -19,6 +19,29 @@ NO_SIGNAL_STEPS = 20  # steps in a row without a group that tells responses apar
 # token's more (so the warning names dtype among the causes); a temperature or weights the
 # trainer does not see give 0.1-1 (0.498 at temperature 0.7 on the toy task).
 LOGPROB_DIFF_WARN = 0.1
+# metrics.png's panels: title, then (source, metric key, label) of each curve in it.
+PANELS = [
+    (
+        "reward (mean)",
+        [("trainer", "train/reward_mean", "trained"), ("router", "rollout/reward_mean", "rollout")],
+    ),
+    ("held-out greedy accuracy", [("router", "eval/accuracy", "held-out accuracy")]),
+    ("policy loss", [("trainer", "train/loss", "loss")]),
+    (
+        "trainer/engine log-prob mismatch",
+        [
+            ("trainer", "train/logprob_abs_diff_max", "max abs diff"),
+            ("trainer", "train/mismatch_kl", "KL"),
+        ],
+    ),
+    (
+        "throughput",
+        [
+            ("router", "rollout/samples_per_s", "rollout samples/s"),
+            ("trainer", "train/tokens_per_s", "trained tokens/s"),
+        ],
+    ),
+]
 
 
 def mismatch_warning(diff: float, what: str) -> str:
@@ -38,9 +61,17 @@ def mismatch_warning(diff: float, what: str) -> str:
     )
 
 
+def json_row(row: dict) -> str:
+    """One metrics row as strict JSON: a NaN or infinite value (not JSON) is written null."""
+    finite = {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()
+    }
+    return json.dumps(finite, allow_nan=False)
+
+
 def metrics_rows(run_dir: Path) -> Iterator[dict]:
     """The rows of a run folder's metrics.jsonl so far (a line cut short by a kill is passed
-    over)."""
+    over); a null value (a NaN when written) is read as NaN."""
     path = run_dir / "metrics.jsonl"
     for line in path.read_text().splitlines() if path.is_file() else []:
         try:
@@ -48,7 +79,18 @@ def metrics_rows(run_dir: Path) -> Iterator[dict]:
         except ValueError:
             continue
         if isinstance(row, dict):
-            yield row
+            yield {k: math.nan if v is None else v for k, v in row.items()}
+
+
+def reward_failure_note(failed: float, timed_out: float) -> str:
+    """The console's words for the share of a rollout batch's rewards that failed ("" none)."""
+    if not failed > 0:
+        return ""
+    late = f", {timed_out:.0%} timed out: --rm-timeout-s" if timed_out > 0 else ""
+    return (
+        f" | reward errors {failed:.0%} (the reward raised, returned None/NaN or timed out"
+        f"{late}; those samples are dropped: see logs/router.log)"
+    )
 
 
 def ends_a_line(path: Path) -> bool:
@@ -90,6 +132,8 @@ class RunProgress:
     eval_failed: int = 0  # held-out prompts of the last evaluation that failed
     eval_prompts: int = 0  # held-out prompts of the last evaluation
     mismatch_said: bool = False  # the log-prob mismatch warning was said (once a run)
+    reward_failed: float = 0.0  # of the last rollout batch's rewards, the share that failed
+    reward_timed_out: float = 0.0  # of them, the share that ran past --rm-timeout-s
 
     def __post_init__(self) -> None:
         if self.resumed:  # the totals and the plot are the whole run's
@@ -103,7 +147,7 @@ class RunProgress:
     def add(self, record: MetricsRecord) -> str | None:
         """Record one metrics message; return a console line when a trainer step completed."""
         row = {"source": record.source, "step": record.step, "time": record.time, **record.values}
-        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.write(json_row(row) + "\n")
         self.jsonl.flush()
         self.launch_steps += record.source == "trainer"
         return self.fold(row)
@@ -125,6 +169,8 @@ class RunProgress:
         if "rollout/samples_per_s" in row:
             self.samples_per_s = row["rollout/samples_per_s"]
             self.truncated = row.get("rollout/truncated_fraction", math.nan)
+            self.reward_failed = row.get("rollout/reward_failed_fraction", 0.0)
+            self.reward_timed_out = row.get("rollout/reward_timeout_fraction", 0.0)
         if row["source"] != "trainer":
             return None
         self.step = row["step"]
@@ -181,6 +227,7 @@ class RunProgress:
             f"{rate:>6} samples/s | "
             f"staleness {self.staleness:.2f} | {self.step_time_s:.2f} s/step | "
             f"{int(elapsed // 60)}:{int(elapsed % 60):02d}"
+            + reward_failure_note(self.reward_failed, self.reward_timed_out)
         )
 
     def summary(self) -> dict:
@@ -239,29 +286,39 @@ class RunProgress:
         self.jsonl.close()
 
     def plot(self, path: Path) -> Path:
-        """Reward and held-out accuracy per step, as a PNG."""
+        """One panel per quantity (reward, held-out accuracy, loss, trainer/engine log-prob
+        mismatch, throughput) against the trainer step, as a PNG."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        train = [
-            (r["step"], r["train/reward_mean"]) for r in self.history if "train/reward_mean" in r
-        ]
-        evals = [(r["step"], r["eval/accuracy"]) for r in self.history if "eval/accuracy" in r]
-        fig, ax = plt.subplots(figsize=(7, 4))
-        if train:
-            ax.plot(*zip(*train, strict=True), label="train reward (mean)")
-        if evals:
-            ax.plot(*zip(*evals, strict=True), label="held-out greedy accuracy", marker=".")
-        ax.set_xlabel("trainer step (weight version)")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-        if train or evals:
-            ax.legend(loc="lower right")
-        else:  # (a legend of nothing is a warning on the console)
-            ax.text(0.5, 0.5, "no step ran", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(f"Tandem run {self.run_dir.name}")
+        fig, axes = plt.subplots(len(PANELS), 1, figsize=(7, 2.2 * len(PANELS)), sharex=True)
+        for ax, (title, curves) in zip(axes, PANELS, strict=True):
+            drawn = 0
+            for source, key, label in curves:
+                points = [
+                    (r["step"], r[key])
+                    for r in self.history
+                    if r.get("source") == source
+                    and isinstance(r.get(key), (int, float))
+                    and math.isfinite(r[key])
+                ]
+                if points:
+                    ax.plot(
+                        *zip(*points, strict=True),
+                        label=label,
+                        marker="." if source == "router" else None,
+                    )
+                    drawn += 1
+            ax.set_title(title, fontsize=10, loc="left")
+            ax.grid(alpha=0.3)
+            if drawn > 1:  # (a legend of one curve only hides it; the title names it)
+                ax.legend(fontsize=8, loc="best")
+            elif not drawn:  # (a legend of nothing is a warning on the console)
+                ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        axes[-1].set_xlabel("trainer step (weight version)")
+        fig.suptitle(f"Tandem run {self.run_dir.name}")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

@@ -161,6 +161,7 @@ def test_every_service_serves_prometheus_metrics_that_move_with_the_work(run: Ru
     router = after["router"]
     for series in (
         "tandem_router_buffer_depth",
+        "tandem_router_groups_unacked",
         "tandem_router_requests_in_flight",
         "tandem_router_groups_in_flight",
         "tandem_router_trainer_version",
@@ -192,7 +193,7 @@ def test_every_service_serves_prometheus_metrics_that_move_with_the_work(run: Ru
     assert trainer["tandem_trainer_tokens_trained_total"] > 0
     assert trainer["tandem_trainer_step_seconds_count"] == trainer["tandem_trainer_steps_total"]
     assert 0 <= trainer["tandem_trainer_idle_fraction"] <= 1
-    for gauge in ("loss", "reward_mean", "tokens_per_s", "last_step_seconds"):
+    for gauge in ("loss", "reward_mean", "tokens_per_second", "last_step_seconds"):
         assert math.isfinite(trainer[f"tandem_trainer_{gauge}"]), gauge
 
     broker = after["broker"]

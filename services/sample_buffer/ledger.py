@@ -263,7 +263,9 @@ class Ledger:
                 self.dropped_groups.get(reason, 0),
                 self.dropped_samples.get(reason, 0),
             )
-            rows.append((f"  {reason}", groups, f"groups ({samples} samples)"))
+            # (samples dropped alone, from groups put and trained, count in samples only)
+            note = f"groups dropped whole; {samples} samples dropped in all (alone or with them)"
+            rows.append((f"  {reason}", groups, note))
             if detail := self.last_detail.get(reason):
                 rows.append(("", "", f"  the last: {detail[:DETAIL_CHARS]}"))
         if self.violations:

@@ -18,13 +18,17 @@ from services.sample_buffer.timeline import Timeline
 from services.trainer.config import TrainerConfig
 from services.trainer.rollout import Rollout
 
-# Last-step values exposed as gauges: metric key -> (Prometheus name, help).
+# Last-step values exposed as gauges: metric key -> (Prometheus name, help). Prometheus names
+# spell units out (`_seconds`, `_per_second`): promtool's lint refuses abbreviations (`_s`).
 STEP_GAUGES = {
     "train/loss": ("loss", "Policy loss of the last step."),
     "train/reward_mean": ("reward_mean", "Mean reward of the last step's samples."),
     "train/grad_norm": ("grad_norm", "Gradient norm of the last step (before clipping)."),
     "train/staleness_mean": ("staleness_mean", "Mean version lag of the last step's samples."),
-    "train/tokens_per_s": ("tokens_per_s", "Tokens trained per second in the last step."),
+    "train/tokens_per_s": (
+        "tokens_per_second",
+        "Tokens trained per second in the last step (train/tokens_per_s).",
+    ),
     "train/step_time_s": ("last_step_seconds", "Wall time of the last step (update + publish)."),
 }
 

@@ -478,8 +478,11 @@ class RolloutLoop:
                 outcome = RewardError(f"reward {outcome.reward}", DropReason.REWARD_NONFINITE)
             if isinstance(outcome, RewardError):
                 failed.append((k, outcome))
+                self.stats.reward_timed_out += outcome.timed_out
             else:
                 samples.append(outcome)
+        self.stats.rewards += len(outcomes)  # (the console says the share that failed)
+        self.stats.reward_failed += len(failed)
         if not samples:
             error = failed[0][1]
             detail = f"all {len(outcomes)} samples: {error}"

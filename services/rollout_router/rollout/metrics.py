@@ -21,6 +21,7 @@ from services.common.metrics import CONTENT_TYPE, Gauge, Metrics, gauge, labels
 from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.rollout.report import LoopSnapshot
 from services.sample_buffer import AsyncSampleBuffer
+from services.sample_buffer.keys import backlog
 from services.sample_buffer.timeline import Timeline
 
 router = APIRouter()
@@ -101,8 +102,13 @@ async def redis_gauges(buffer: AsyncSampleBuffer) -> tuple[list[Gauge], list[Gau
     engines = await buffer.get_version("engines")
     counters = await buffer.counters()
     depth = await buffer.depth()
-    gauges = [
-        gauge("buffer_depth", "Groups in the buffer not yet trained (acked).", depth),
+    gauges = [  # (buffer_depth means what GET /rollout/status and the dashboard mean by it)
+        gauge(
+            "buffer_depth",
+            "Groups put and not yet consumed by the trainer (what --max-buffer-depth bounds).",
+            backlog(counters),
+        ),
+        gauge("groups_unacked", "Groups in the buffer stream not yet acked (trained).", depth),
         gauge("trainer_version", "Weight version the trainer last published.", trainer),
         gauge("engines_version", "Weight version every engine in rotation has loaded.", engines),
         gauge(

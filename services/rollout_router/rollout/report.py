@@ -146,6 +146,9 @@ class BatchStats:
     reward_sum: float = 0.0
     length_sum: int = 0
     cut: int = 0  # samples that ended at the length bound (finish "length")
+    rewards: int = 0  # samples scored (of groups put or dropped)
+    reward_failed: int = 0  # of them, whose reward failed (raised, None, NaN, timed out)
+    reward_timed_out: int = 0  # of those, past --rm-timeout-s
     min_version: int | None = None
     started: float = field(default_factory=time.monotonic)
 
@@ -165,7 +168,9 @@ class BatchStats:
         """Publish the batch's `rollout/*` metrics; its samples per second.
         `rollout/batch` is the index of the run's batch just completed (groups put // B - 1);
         `rollout/groups_dropped` the groups dropped by the router since the last report;
-        `drops/{reason}/groups|samples` and `ledger/*` the run's totals so far."""
+        `rollout/reward_failed_fraction` (and `_timeout_fraction`) the share of the samples
+        scored since the last report whose reward failed (timed out), `rollout/reward_failures`
+        their count; `drops/{reason}/groups|samples` and `ledger/*` the run's totals so far."""
         elapsed = max(time.monotonic() - self.started, 1e-9)
         samples_per_s = self.samples / elapsed
         ledger = await buffer.ledger()
@@ -180,6 +185,9 @@ class BatchStats:
             "rollout/groups_dropped": float(self.finished - self.kept),
             "rollout/batch_time_s": elapsed,
             "rollout/engines_version": float(engines),
+            "rollout/reward_failures": float(self.reward_failed),
+            "rollout/reward_failed_fraction": self.reward_failed / max(self.rewards, 1),
+            "rollout/reward_timeout_fraction": self.reward_timed_out / max(self.rewards, 1),
             **ledger_metrics(ledger),
         }
         step = self.min_version if self.min_version is not None else 0

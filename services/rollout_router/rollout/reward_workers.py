@@ -36,6 +36,10 @@ class RewardCallError(RuntimeError):
     The text completes "reward function NAME ..."."""
 
 
+class RewardTimeoutError(RewardCallError):
+    """A call that overran --rm-timeout-s (counted apart: the console gives its share)."""
+
+
 def _serve(path: str, conn: Connection) -> None:
     """A worker's life: load the function, say ready (and whether it is `async`) or why not,
     then answer each call with ("ok", value) or ("raised", text) until the router closes the
@@ -158,7 +162,7 @@ class RewardWorkers:
                 status, value = await worker.receive()
         except TimeoutError:
             worker.kill()
-            raise RewardCallError(
+            raise RewardTimeoutError(
                 f"did not return within {self.timeout_s:g}s (--rm-timeout-s): its worker "
                 "process was killed and is replaced"
             ) from None
@@ -225,7 +229,7 @@ class RewardWorkers:
             raise
         if status != "ready":
             worker.kill()
-            raise RewardCallError(f"could not start in a worker process: {detail}")
+            raise RewardTimeoutError(f"could not start in a worker process: {detail}")
         worker.ready, worker.is_async = True, bool(detail)
 
     async def _give_back(self, worker: Worker) -> None:

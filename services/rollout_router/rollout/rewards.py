@@ -29,7 +29,11 @@ import aiohttp
 from proto import DropReason
 from services.rollout_router.rollout.calls import InFlight
 from services.rollout_router.rollout.custom_reward import load_function, split_path
-from services.rollout_router.rollout.reward_workers import RewardCallError, RewardWorkers
+from services.rollout_router.rollout.reward_workers import (
+    RewardCallError,
+    RewardTimeoutError,
+    RewardWorkers,
+)
 from services.rollout_router.rollout.toy_task import reverse_digits_reward
 
 log = logging.getLogger("tandem.router.rewards")
@@ -41,9 +45,11 @@ class RewardError(RuntimeError):
     """A reward could not be computed; `reason` is its drop counter (`reward_error`,
     `reward_nonfinite`)."""
 
-    def __init__(self, detail: str, reason: DropReason = DropReason.REWARD_ERROR) -> None:
+    def __init__(
+        self, detail: str, reason: DropReason = DropReason.REWARD_ERROR, timed_out: bool = False
+    ) -> None:
         super().__init__(detail)
-        self.reason = reason
+        self.reason, self.timed_out = reason, timed_out  # timed_out: past --rm-timeout-s
 
 
 def as_reward(value: Any, source: str) -> float:
@@ -171,7 +177,9 @@ class Reward:
             self._note(exc)
             raise
         except RewardCallError as exc:  # (its text completes the source's name)
-            error = RewardError(f"{self.source} {exc}")
+            error = RewardError(
+                f"{self.source} {exc}", timed_out=isinstance(exc, RewardTimeoutError)
+            )
             self._note(error)
             raise error from None
         except Exception as exc:  # a user's function: anything it raises fails this sample only
@@ -199,7 +207,7 @@ class Reward:
             async with asyncio.timeout(self.timeout_s):
                 return await value
         except TimeoutError:
-            raise RewardCallError(
+            raise RewardTimeoutError(
                 f"did not return within {self.timeout_s:g}s (--rm-timeout-s)"
             ) from None
 
@@ -243,7 +251,7 @@ class Reward:
     async def _remote(self, prompt: Any, text: str, label: str, finish_reason: str) -> float:
         assert self.session is not None, "a remote Reward needs the router's HTTP session"
         body = {"prompt": prompt, "response": text, "label": label, "finish_reason": finish_reason}
-        last = ""
+        last, timed_out = "", False
         for attempt in range(self.retries + 1):
             try:
                 timeout = aiohttp.ClientTimeout(total=self.timeout_s)
@@ -253,8 +261,10 @@ class Reward:
                     last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
             except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
+                timed_out = isinstance(exc, TimeoutError)
             await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
-        raise RewardError(f"reward service {self.url} failed {self.retries + 1} times: {last}")
+        failed = f"reward service {self.url} failed {self.retries + 1} times: {last}"
+        raise RewardError(failed + (" (--rm-timeout-s)" if timed_out else ""), timed_out=timed_out)
 
 
 async def make_reward(
