@@ -80,6 +80,8 @@ def test_a_rendezvous_nobody_hosts_ends_within_the_timeout_and_blocks_nothing(
     reply = post(engine + "/init_weights_update_group", body, timeout=60)
     assert reply.status_code == 504, reply.text
     assert "rendezvous" in reply.json()["message"]
+    # the bound it waited is named: 0.75 of --update-timeout-s 3 (it said 3, the wrong number)
+    assert "waited 2.25s: 0.75 of --update-timeout-s 3" in reply.json()["message"], reply.text
     # the weight thread is free again: the next weight command is served, not queued
     started = time.monotonic()
     body = {"model_path": str(toy_model_dir), "weight_version": "7"}

@@ -279,7 +279,7 @@ class WeightUpdater:
             except UpdateError:
                 raise
             except TimeoutError as exc:  # nobody hosts the rendezvous: bounded, then 504
-                raise UpdateError(f"{exc} (--update-timeout-s {self.timeout_s:g})", 504) from exc
+                raise UpdateError(f"{exc} ({self._join_bound(body)})", 504) from exc
             except (RuntimeError, ValueError, OSError) as exc:  # e.g. a store that refused us
                 raise UpdateError(f"could not join the weight update group: {exc}", 400) from exc
 
@@ -289,6 +289,13 @@ class WeightUpdater:
                 raise UpdateError("no weight update group to destroy", 400)
             group, self._group = self._group, None
             await self._in_thread(lambda: leave_group(group), "leaving the group")
+
+    def _join_bound(self, body: sg.InitWeightsUpdateGroupReqInput) -> str:
+        """What bounded the join just timed out, as the 504 says it."""
+        waited = f"waited {self._timeout.total_seconds():g}s"
+        if body.timeout_s and body.timeout_s < self.group_timeout.total_seconds():
+            return f"{waited}: the request's timeout_s"
+        return f"{waited}: {COLLECTIVE_SHARE:g} of --update-timeout-s {self.timeout_s:g}"
 
     def _join(self, body: sg.InitWeightsUpdateGroupReqInput, backend: str) -> None:
         if self._group is not None:
