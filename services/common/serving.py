@@ -21,6 +21,7 @@ server is accepting connections, the bound address is written to `ready_file` (J
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import logging
@@ -171,6 +172,40 @@ def write_ready_file(path: str | Path, **info: Any) -> None:
     tmp.replace(path)
 
 
+class StoppingReply:
+    """ASGI wrapper: a request still running when --graceful-shutdown-s ran out (uvicorn cancels
+    it) is answered 503 with the reason, where uvicorn's own answer was a plain-text 500."""
+
+    def __init__(self, app: Any, server: uvicorn.Server, graceful_shutdown_s: float) -> None:
+        self.app, self.server, self.graceful_shutdown_s = app, server, graceful_shutdown_s
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if started or not self.server.should_exit:  # (not the shutdown's cancel)
+                raise
+            detail = (
+                "the service is stopping (SIGTERM) and this request was still running after "
+                f"--graceful-shutdown-s {self.graceful_shutdown_s:g}; send it again to a "
+                "running service"
+            )
+            body = json.dumps({"detail": detail}).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            headers.append((b"content-length", str(len(body)).encode()))
+            await send({"type": "http.response.start", "status": 503, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+
 def serve(
     app: Any,
     host: str,
@@ -204,6 +239,7 @@ def serve(
         timeout_graceful_shutdown=max(1, round(graceful_shutdown_s)),
     )
     server = uvicorn.Server(config)
+    config.app = StoppingReply(config.app, server, max(1, round(graceful_shutdown_s)))
     if on_shutdown is not None:
         original_shutdown = server.shutdown
 
