@@ -42,7 +42,12 @@ class MetricSinks:
             )
             say(f"W&B run {self.wandb.url or 'offline, in ' + self.wandb.dir}")
         except Exception as exc:  # wandb raises its own types (login, network): report all
-            say(f"W&B failed to start ({exc!r}): W&B off")
+            say(
+                f"W&B failed to start ({exc!r}): W&B off for this run (metrics.jsonl and "
+                "tensorboard/ have every record). `wandb login` (or WANDB_API_KEY) logs in; "
+                "WANDB_MODE=offline keeps the W&B run in RUN_DIR/wandb/ without a login "
+                "(`wandb sync` uploads it later)"
+            )
 
     def add(self, record: MetricsRecord) -> None:
         self.tensorboard.add_scalars(record.step, record.values, record.time)

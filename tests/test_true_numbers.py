@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +25,8 @@ from services.trainer.observe import TrainerObserver
 from tandem.metrics_cli import format_record
 from tandem.progress import RunProgress, metrics_rows
 from tests.helpers import router_args, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def strict(line: str) -> dict:
@@ -196,3 +201,38 @@ def test_a_reward_that_fails_on_60_percent_of_calls_is_said_with_its_share_each_
     quiet.add(MetricsRecord(source="router", step=0, values=values, time=time.time()))
     assert "reward errors" not in (quiet.add(trainer_record(1)) or "")
     quiet.close()
+
+
+SINK = """
+import sys, time
+from pathlib import Path
+from proto import MetricsRecord
+from tandem.sinks import MetricSinks
+sinks = MetricSinks(Path(sys.argv[1]), "tandem-test", {})
+sinks.add(MetricsRecord(source="trainer", step=1, values={"train/loss": 1.0}, time=time.time()))
+sinks.close()
+"""
+
+
+def test_wandb_without_a_login_says_how_to_log_in_or_run_offline(tmp_path) -> None:
+    pytest.importorskip("wandb")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    out = subprocess.run(
+        [sys.executable, "-c", SINK, str(tmp_path)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "W&B failed to start" in out.stdout, out.stdout + out.stderr
+    assert "WANDB_MODE=offline" in out.stdout and "`wandb login`" in out.stdout
+
+
+def test_the_faq_says_tandem_up_lets_engines_and_trainer_share_a_gpu() -> None:
+    """As the code does (tandem up --engine-gpus 0 --trainer-gpus 0, said at start)."""
+    faq = (ROOT / "docs" / "faq.md").read_text()
+    assert "refuses a GPU" not in faq
+    assert "--engine-gpus 0\n--trainer-gpus 0" in faq or "--engine-gpus 0 --trainer-gpus 0" in faq
