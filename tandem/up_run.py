@@ -146,7 +146,7 @@ class UpRun:
             with self.writing("metrics.jsonl"):
                 progress.close()
             self.finish(progress, engine_versions, time.monotonic() - started)
-        return 130 if self.interrupted else code
+        return 130 if self.interrupted else 1 if self.outcome == "ledger_unbalanced" else code
 
     # --- start-up -----------------------------------------------------------------------------
 
@@ -500,6 +500,12 @@ class UpRun:
         self.ledger = ledger.as_dict()
         verdict = "balanced" if ledger.balanced else f"UNBALANCED by {ledger.difference}"
         say(f"ledger: {ledger.sentence()} ({verdict}); see ledger.json or `tandem ledger`")
+        if not ledger.balanced and self.outcome in ("max_steps", "reached_accuracy"):
+            self.outcome = "ledger_unbalanced"  # (exit 1: a run that lost or doubled work)
+            say(
+                "FAILED: the ledger does not balance: groups were lost or counted twice (a Redis "
+                "that evicted or lost keys?); the run's outcome is ledger_unbalanced"
+            )
         (self.run_dir / "ledger.json").write_text(json.dumps(self.ledger, indent=1) + "\n")
 
     def finish(self, progress: RunProgress, engine_versions: list[str], wall_s: float) -> None:

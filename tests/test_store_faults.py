@@ -6,6 +6,7 @@ and the run ending `max_steps` with groups trained twice."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -136,3 +137,18 @@ def test_at_its_memory_limit_the_watchdog_names_the_store_not_a_service(
     (redis_line,) = [line for line in lines if line.startswith("  redis:")]
     assert "refuses writes" in redis_line and "raise maxmemory" in redis_line, lines
     assert "Redis is the cause" in next(line for line in lines if line.startswith("  broker:"))
+
+
+def test_an_unbalanced_ledger_fails_a_run_that_reached_max_steps(
+    buffer: SampleBuffer, tmp_path: Path
+) -> None:
+    from tandem.up_run import UpRun
+
+    run = UpRun.__new__(UpRun)  # (only what write_ledger reads: the outcome and the folder)
+    run.run_dir, run.outcome = tmp_path, "max_steps"
+    run.write_ledger(buffer)  # nothing generated: balanced
+    assert run.outcome == "max_steps"
+    buffer.incr_counter("groups_generated", 3)  # an evicting Redis lost where they went
+    run.write_ledger(buffer)
+    assert run.outcome == "ledger_unbalanced"
+    assert json.loads((tmp_path / "ledger.json").read_text())["balanced"] is False
