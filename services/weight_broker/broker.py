@@ -50,9 +50,9 @@ from services.weight_broker.nccl_transport import NcclTransport
 from services.weight_broker.transports import DiskTransport, Outcome, WeightTransport, ZmqTransport
 from services.weight_sync.wire import secret_from_env
 
-UNSIGNED = (
-    "TANDEM_WEIGHT_SECRET is not set: the weight intake takes unsigned versions from any local "
-    "process; set the same secret for trainer, broker and engines (tandem up sets one)"
+UNSIGNED = "TANDEM_WEIGHT_SECRET is not set: the weight intake takes unsigned versions from any "
+UNSIGNED += (
+    "local process; set the same secret for trainer, broker and engines (tandem up sets one)"
 )
 RESEND_AFTER_S = 4.0  # an announced version still missing after this is asked for again
 log = logging.getLogger("tandem.broker")
@@ -95,13 +95,10 @@ class WeightBroker:
         }
         self.buffer = SampleBuffer(config.buffer_config()) if config.run.redis_url else None
         self.lease = Membership(self.buffer, "broker", log.warning) if self.buffer else None
-        self.counters = {
-            "buckets_rejected": 0,
-            "frames_rejected": 0,  # fetch requests and control messages that were not
-            "versions_received": 0,
-            "syncs_failed": 0,
-            "versions_refused": 0,  # complete, but not the trainer's (see `_unpublished`)
-        }
+        # frames_rejected: fetch requests and control messages that were not; versions_refused:
+        # complete, but not the trainer's (see `_unpublished`)
+        names = "buckets_rejected frames_rejected versions_received syncs_failed versions_refused"
+        self.counters = dict.fromkeys(names.split(), 0)
         self.latest = -1  # the newest version the trainer handed us
         self.transport = make_transport(config, self.counters)
         self._unpublished_engines = False  # version:engines not written yet (the Redis loop)
@@ -171,12 +168,8 @@ class WeightBroker:
             await self.transport.refuse(version, why)
             return
         self.latest = version
-        now = time.monotonic()
-        due = [
-            e
-            for e in self.engines.values()
-            if e.version < version and not e.syncing and now >= e.retry_at
-        ]
+        now, engines = time.monotonic(), self.engines.values()
+        due = [e for e in engines if e.version < version and not e.syncing and now >= e.retry_at]
         if not self.transport.keeps_versions:
             await self._sync_engines(session, due, version)
             return
@@ -229,17 +222,14 @@ class WeightBroker:
         retry after the transport's backoff."""
         engine.last_error = outcome.error
         if outcome.error:
-            engine.in_rotation = False
-            engine.failures += 1
+            engine.in_rotation, engine.failures = False, engine.failures + 1
             engine.retry_at = time.monotonic() + self.transport.retry_backoff_s
             self.counters["syncs_failed"] += 1
             log.error("engine %s out of rotation: %s", engine.url, outcome.error)
             return
-        engine.version = version
-        engine.in_rotation = True
+        engine.version, engine.in_rotation, engine.last_sync_at = version, True, time.time()
         engine.last_sync_s = outcome.elapsed_s
         engine.last_bytes_per_s = outcome.nbytes / outcome.elapsed_s if outcome.elapsed_s else 0.0
-        engine.last_sync_at = time.time()
         if self.on_sync is not None:
             self.on_sync(engine)
         log.info("engine %s on version %d in %.3fs", engine.url, version, outcome.elapsed_s)
