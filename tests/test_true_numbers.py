@@ -236,3 +236,21 @@ def test_the_faq_says_tandem_up_lets_engines_and_trainer_share_a_gpu() -> None:
     faq = (ROOT / "docs" / "faq.md").read_text()
     assert "refuses a GPU" not in faq
     assert "--engine-gpus 0\n--trainer-gpus 0" in faq or "--engine-gpus 0 --trainer-gpus 0" in faq
+
+
+def test_a_router_says_once_at_start_which_characters_its_tokenizer_turns_into_unk(
+    buffer, toy_model_dir, start_service, engines, tmp_path
+) -> None:
+    """The toy tokenizer knows digits, '>' and '=': arithmetic prompts lost their '+' to
+    <unk> without a word. The router's start-up notes (its log, tandem up's console) name the
+    dataset, the rows and the characters."""
+    rows = [{"prompt": "12+34=", "label": "46"}, {"prompt": "12>", "label": "21"}]
+    rows.append({"prompt": "5+6-1=", "label": "10"})
+    data = tmp_path / "sums.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    args = router_args(buffer, toy_model_dir, [engines().url], "--rm-type", "exact_match")
+    router = start_service("router", [*args, "--prompt-data", str(data), "--no-rollout"])
+    [note] = router.info["task_notes"]
+    assert note.startswith(f"2 of 3 prompts of {data} hold text the model's tokenizer does not")
+    assert "(the first: row 1; unknown: '+' (2x), '-' (1x))" in note and "'<unk>'" in note
+    assert router.log().count("hold text the model's tokenizer does not know") == 1

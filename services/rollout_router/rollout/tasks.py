@@ -20,6 +20,7 @@ import logging
 import random
 import time
 from array import array
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,7 +276,8 @@ def tokenized(
     tokenizer: Any, rows: list[Row], path: str, chat: bool, flag: str, context_len: int
 ) -> tuple[list[Item], tuple[str, ...]]:
     """The rows as items, without those whose prompt fills `context_len` (with a note)."""
-    items, too_long = [], []
+    items, too_long, unknown = [], [], []
+    unk = getattr(tokenizer, "unk_token_id", None)  # (None: a byte-level tokenizer knows all)
     started = said = time.monotonic()
     for k, (number, prompt, label) in enumerate(rows):
         if k % 1000 == 0 and time.monotonic() - said >= PROGRESS_S:
@@ -291,10 +293,13 @@ def tokenized(
             item = Item(text, label, encode_prompt(tokenizer, prompt, chat), messages)
         except MessageError as exc:
             raise ValueError(f"{path}: row {number}: {exc}") from None
+        if unk is not None and unk in item.input_ids:
+            unknown.append((number, prompt))
         if context_len and len(item.input_ids) >= context_len:
             too_long.append((number, len(item.input_ids)))
         else:
             items.append(item)
+    notes = (unknown_note(tokenizer, unknown, len(rows), path),) if unknown else ()
     if too_long:
         number, length = too_long[0]
         what = (
@@ -303,11 +308,43 @@ def tokenized(
         )
         if not items:
             raise ValueError(f"{flag} {path}: every row has {what}")
-        return items, (
+        left_out = (
             f"{len(too_long)} of {len(rows)} rows of {path} have {what}: left out (shorten "
-            "them, or train a model with a longer context)",
+            "them, or train a model with a longer context)"
         )
-    return items, ()
+        return items, (*notes, left_out)
+    return items, notes
+
+
+def unknown_pieces(tokenizer: Any, prompt: Any) -> list[str]:
+    """The pieces of `prompt`'s text (a chat prompt's contents) that `tokenizer` turns into its
+    unknown token; [] where it cannot say (a tokenizer without offsets)."""
+    texts = [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt]
+    pieces = []
+    for text in (t for t in texts if isinstance(t, str)):
+        try:
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except (NotImplementedError, TypeError, ValueError):
+            return []
+        spans = zip(enc["input_ids"], enc["offset_mapping"], strict=True)
+        pieces += [text[a:b] for t, (a, b) in spans if t == tokenizer.unk_token_id]
+    return pieces
+
+
+def unknown_note(tokenizer: Any, rows: list[tuple[int, Any]], total: int, path: str) -> str:
+    """The console's note on `rows` (number, prompt) whose prompts hold tokens `tokenizer`
+    does not know: each became its unknown token, so the model never sees what was there."""
+    counts = Counter(
+        piece for _n, prompt in rows[:1000] for piece in unknown_pieces(tokenizer, prompt)
+    )
+    what = ", ".join(f"{piece!r} ({n}x)" for piece, n in counts.most_common(10)) or "not told"
+    return (
+        f"{len(rows)} of {total} prompts of {path} hold text the model's tokenizer does not "
+        f"know (the first: row {rows[0][0]}; unknown: {what}): each such piece became "
+        f"{tokenizer.unk_token!r}, so the model trains on those prompts without it (the toy "
+        "model knows only digits, '>' and '='): use a --model whose tokenizer knows them, or "
+        "rewrite those prompts"
+    )
 
 
 def toy_reverse_digits(tokenizer: Any, seed: int) -> Task:
