@@ -3,7 +3,6 @@ real subcommand, and the README links every page under docs/."""
 
 from __future__ import annotations
 
-import argparse
 import re
 from pathlib import Path
 
@@ -77,16 +76,15 @@ def test_the_readme_links_every_page_under_docs():
 def test_every_no_flag_the_docs_name_turns_off_a_setting_that_is_on_by_default():
     """A page saying "turn that off with --no-X" where X is off already sends the reader after
     nothing (train-your-model.md said so of --dynamic-sampling, off unless given)."""
-    from tandem.up_config import PARSERS
+    from services.common.settings import flat
+    from tandem.up_tree import SERVICES
 
     on_by_tandem_up = {"--no-bf16"}  # (tandem up gives a --model's trainer on a GPU --bf16)
     defaults = {
-        flag: action.default
-        for make in PARSERS.values()
-        for action in make()._actions
-        if isinstance(action, argparse.BooleanOptionalAction)
-        for flag in action.option_strings
-        if flag.startswith("--no-")
+        f"--no-{leaf.replace('_', '-')}": value
+        for config in SERVICES.values()
+        for leaf, value in flat(config()).items()
+        if isinstance(value, bool)
     }
     named = {flag for page in DOCS for flag in re.findall(r"--no-[a-z0-9-]+", page.read_text())}
     assert "--no-rollout" in named & defaults.keys()  # (the check sees the flags it is about)
