@@ -21,21 +21,16 @@ import uuid
 import redis
 from redis.exceptions import ResponseError
 
+NEEDS = "its maxmemory-policy is noeviction and its persistence what this run needs"
+
 
 def store_problems(client: redis.Redis) -> tuple[str, list[str]]:
     """(a refusal naming the Redis setting to change, '' when none; warnings to say)."""
+    config, warnings = {}, []
     try:
-        config = {
-            **client.config_get("maxmemory*"),
-            **client.config_get("appendonly"),
-            **client.config_get("save"),
-        }
+        config = client.config_get()  # (every setting: one call, on any Redis version)
     except ResponseError as exc:
-        config = {}
-        unread = f"cannot read the Redis settings ({exc}): make sure its maxmemory-policy is "
-        warnings = [unread + "noeviction and its persistence what this run needs"]
-    else:
-        warnings = []
+        warnings.append(f"cannot read the Redis settings ({exc}): make sure {NEEDS}")
     policy, limit = config.get("maxmemory-policy", "noeviction"), config.get("maxmemory", "0")
     if limit != "0" and policy != "noeviction":
         return (
