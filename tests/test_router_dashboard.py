@@ -54,7 +54,13 @@ def play_trainer(buffer: SampleBuffer, stop: threading.Event) -> None:
                 "train/staleness_max": float(max(ages)),
                 "train/samples": float(len(samples)),
                 "train/step_time_s": 0.05,
-                "train/loss": float("nan"),  # a NaN must not break the metrics route
+                # a NaN must not break the metrics route (nor the loss chart)
+                "train/loss": float("nan") if step == 1 else 1.0 / step,
+                "train/grad_norm": 2.0 / step,
+                "train/entropy": 1.0 + 1.0 / step,
+                "train/approx_kl": 0.01 * step,
+                "train/logprob_abs_diff_max": float("nan") if step % 2 else 1e-3,
+                "train/mismatch_kl": 1e-4,
             },
         )
         stop.wait(0.1)
@@ -113,7 +119,9 @@ def run_the_dashboard(
         browser.open(url + "/")
         worker = wait_until(lambda: browser.evaluate(JS_WORKER), "the worker row", 20)
         assert worker == "0", "the engine serves version 0 (--model)"
-        for chart in ("reward", "throughput", "staleness"):
+        for chart in ("reward", "throughput", "staleness", "loss", "grad_norm", "entropy"):
+            wait_until(lambda c=chart: browser.evaluate(JS_POINTS.format(c)) >= 2, chart, 20)
+        for chart in ("kl", "mismatch"):  # (the trainer's health, beside the rollout's)
             wait_until(lambda c=chart: browser.evaluate(JS_POINTS.format(c)) >= 2, chart, 20)
         # The start-up evaluation runs beside the rollouts, once the engine is admitted.
         wait_until(
@@ -168,6 +176,12 @@ def run_the_dashboard(
         )
         browser.evaluate("document.getElementById('resume').click()")
         wait_until(lambda: browser.evaluate(JS_STATE) != "paused", "resumed on the page", 20)
+        # the pause and the resume are marked on the trainer's curves (control/* records)
+        marks = (
+            "[...document.querySelectorAll('#chart-loss line[data-mark]')].map(m => m.dataset.mark)"
+        )
+        wait_until(lambda: browser.evaluate(marks) == ["pause", "resume"], "the marks", 20)
+        browser.screenshot(tmp_path / "dashboard-marks.png")
         assert browser.evaluate("document.getElementById('banner').textContent") == ""
         check_routes(url)
     finally:

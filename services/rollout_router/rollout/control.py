@@ -4,6 +4,8 @@ Knows: the rollout loop's asyncio tasks (groups, evaluations, status reports) an
 rebuild the prompt set when the dataset changes. Pause stops new groups (those in flight finish
 and are put); stop cancels the tasks at once, and every group still in flight is recorded as a
 drop with reason `cancelled`. Start after stop goes on with the next prompt of the cursor.
+A pause, resume, stop or configuration change asked for is published as a `control/*` metrics
+record (`mark`), which the dashboard marks on its trainer curves.
 
 The status reporter writes the loop's `ServiceStatus` to Redis every `STATUS_INTERVAL_S` and on
 each state change (it waits for whichever comes first); a rollout or evaluation task that ended
@@ -34,6 +36,7 @@ log = logging.getLogger("tandem.router.control")
 
 STATUS_INTERVAL_S = 2.0
 STATUS_TTL_S = 30.0
+MARK_TIMEOUT_S = 2.0  # a control event's metrics record (the dashboard's mark), at most
 
 
 def greedy_note(sampling: SamplingConfig, n: int) -> str:
@@ -187,11 +190,14 @@ class RolloutController:
         self.loop.resume()
         self.task = asyncio.create_task(self.loop.run(), name="rollout")
 
-    async def stop(self, waiting_for: str = "") -> None:
-        """Stop the loop; `waiting_for` its status says (what starts it again)."""
+    async def stop(self, waiting_for: str = "", mark: bool = False) -> None:
+        """Stop the loop; `waiting_for` its status says (what starts it again); `mark`: a
+        stop asked for, marked on the dashboard's curves (not the router's own at its end)."""
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
+        if mark:
+            await self.mark("stop")
         self.loop.set_state("stopped", waiting_for)
         # (the loop said "stopped" without it at its cancel: the same state is no change, and
         # Redis kept that status, which the watchdog read as a stall, until the next refresh)
@@ -206,11 +212,25 @@ class RolloutController:
         await asyncio.to_thread(self.loop.observe.close)  # writes its last timeline spans
         self.loop.reward.close()
 
-    def pause(self) -> None:
+    async def pause(self) -> None:
         self.loop.pause()
+        await self.mark("pause")
 
-    def resume(self) -> None:
+    async def resume(self) -> None:
         self.loop.resume()
+        await self.mark("resume")
+
+    async def mark(self, event: str) -> None:
+        """Publish `control/EVENT` (1.0) as a router metrics record at the trainer's version,
+        where the dashboard marks it on its trainer curves (pause, resume, stop, patch).
+        Bounded: a Redis that does not answer in MARK_TIMEOUT_S loses the mark (logged)."""
+        buffer = self.loop.buffer
+        try:
+            async with asyncio.timeout(MARK_TIMEOUT_S):
+                version = max(await buffer.get_version("trainer"), 0)
+                await buffer.publish_metrics("router", version, {f"control/{event}": 1.0})
+        except (RedisError, TimeoutError) as exc:
+            log.warning("the %s mark for the dashboard was not written: %r", event, exc)
 
     async def patch(self, body: BaseModel) -> dict[str, Any]:
         """Apply a `RolloutPatch` (its type holds no run term and no unknown field) to the
@@ -245,6 +265,7 @@ class RolloutController:
                 raise ConfigPatchError(problem)
         self.loop.task, self.data = task, data
         self.loop.apply(rollout, sampling)
+        await self.mark("patch")
         if note := greedy_note(sampling, live.run.n_samples_per_prompt):
             log.warning("PATCH /rollout/config: %s", note)
         return self.config()

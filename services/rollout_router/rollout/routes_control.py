@@ -60,21 +60,23 @@ async def rollout_start(request: Request) -> dict[str, Any]:
 @router.post("/rollout/pause", tags=["rollout"], dependencies=WRITE)
 async def rollout_pause(request: Request) -> dict[str, Any]:
     """Start no more groups; those in flight finish and are put."""
-    control_of(request).pause()
+    await control_of(request).pause()
     return {"paused": True}
 
 
 @router.post("/rollout/resume", tags=["rollout"], dependencies=WRITE)
 async def rollout_resume(request: Request) -> dict[str, Any]:
     """Resume a paused loop."""
-    control_of(request).resume()
+    await control_of(request).resume()
     return {"paused": False}
 
 
 @router.post("/rollout/stop", tags=["rollout"], dependencies=WRITE)
 async def rollout_stop(request: Request) -> dict[str, Any]:
     """Stop now; groups in flight are recorded as drops (`cancelled`)."""
-    await control_of(request).stop("POST /rollout/start (rollout was stopped on request)")
+    await control_of(request).stop(
+        "POST /rollout/start (rollout was stopped on request)", mark=True
+    )
     return {"running": False}
 
 

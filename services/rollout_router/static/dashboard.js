@@ -1,6 +1,7 @@
 // Tandem dashboard: polls the router's read-only JSON routes every POLL_MS and redraws.
 // GET /workers, GET /rollout/status, GET /rollout/metrics?after=ID (new records only),
 // GET /rollout/samples. Pause and resume POST /rollout/pause|resume with the pasted token.
+// The trainer charts mark the router's control/* records (pause, resume, stop, PATCH).
 // Every text shown is set with textContent: sample text is model output, never HTML.
 "use strict";
 
@@ -35,16 +36,40 @@ const CHARTS = {
       ["max", "trainer", (v) => v["train/staleness_max"]],
     ],
   },
+  // The trainer's health, one chart a quantity (their scales differ by orders of magnitude);
+  // `marks`: the pauses, resumes, stops and config PATCHes asked of the router, as lines.
+  loss: { marks: true, series: [["policy loss", "trainer", (v) => v["train/loss"]]] },
+  grad_norm: { marks: true, yMin: 0, series: [["grad norm", "trainer", (v) => v["train/grad_norm"]]] },
+  entropy: { marks: true, yMin: 0, series: [["entropy", "trainer", (v) => v["train/entropy"]]] },
+  kl: {
+    marks: true,
+    series: [
+      ["approx KL (policy vs old)", "trainer", (v) => v["train/approx_kl"]],
+      ["KL to the reference", "trainer", (v) => v["train/kl_ref"]],
+    ],
+  },
+  mismatch: {
+    marks: true, yMin: 0,
+    series: [
+      ["log-prob max abs diff", "trainer", (v) => v["train/logprob_abs_diff_max"]],
+      ["mismatch KL", "trainer", (v) => v["train/mismatch_kl"]],
+    ],
+  },
 };
+const MARKS = ["pause", "resume", "stop", "patch"]; // control/<event> records of the router
+const MARK_COLOR = { pause: "#b54708", resume: "#12805c", stop: "#c4320a", patch: "#8e44ad" };
 
 // The metric names the charts read: the metrics route sends only these.
 const KEYS = [
   "rollout/reward_mean", "train/reward_mean", "eval/accuracy", "rollout/samples_per_s",
   "train/samples", "train/step_time_s", "train/staleness_mean", "train/staleness_max",
+  "train/loss", "train/grad_norm", "train/entropy", "train/approx_kl", "train/kl_ref",
+  "train/logprob_abs_diff_max", "train/mismatch_kl", ...MARKS.map((m) => `control/${m}`),
 ].join(",");
 
 const points = {}; // chart name -> one [[t, y], ...] per series
 for (const name of Object.keys(CHARTS)) points[name] = CHARTS[name].series.map(() => []);
+const marks = []; // [[t, event], ...]: the control events, drawn on the charts with `marks`
 let lastId = "0";
 let t0 = null;
 
@@ -60,7 +85,8 @@ function el(tag, text, cls) {
 function fmt(x, digits = 3) {
   if (x === null || x === undefined) return "–";
   if (typeof x !== "number") return String(x);
-  return Number.isInteger(x) ? String(x) : x.toFixed(digits);
+  if (Number.isInteger(x)) return String(x);
+  return Math.abs(x) < 10 ** -digits ? x.toExponential(1) : x.toFixed(digits); // (1e-4 is not 0.000)
 }
 
 async function getJson(path) {
@@ -126,6 +152,7 @@ function showStatus(s) {
 function addRecords(records) {
   for (const r of records) {
     if (t0 === null) t0 = r.time;
+    for (const m of MARKS) if (r.values[`control/${m}`] !== undefined) marks.push([r.time - t0, m]);
     for (const [name, chart] of Object.entries(CHARTS)) {
       chart.series.forEach(([, source, value], k) => {
         if (r.source !== source) return;
@@ -154,7 +181,8 @@ function drawChart(name) {
   box.dataset.points = String(Math.max(0, ...lines.map((l) => l.length)));
   const W = 420, H = 170, L = 44, R = 8, T = 8, B = 22;
   const root = svg("svg", { class: "chart", viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none" });
-  const xMax = Math.max(1, ...all.map((p) => p[0]));
+  const shown = chart.marks ? marks : [];
+  const xMax = Math.max(1, ...all.map((p) => p[0]), ...shown.map((m) => m[0]));
   let yMin = chart.yMin ?? Math.min(...all.map((p) => p[1]));
   let yMax = chart.yMax ?? Math.max(...all.map((p) => p[1]));
   if (!all.length) { yMin = chart.yMin ?? 0; yMax = chart.yMax ?? 1; }
@@ -171,6 +199,13 @@ function drawChart(name) {
   root.append(svg("text", { x: L, y: H - 6, "font-size": 10, fill: "#667085" }, "0 s"));
   root.append(svg("text", { x: W - R, y: H - 6, "text-anchor": "end", "font-size": 10, fill: "#667085" },
     `${xMax.toFixed(0)} s since the first record`));
+  for (const [x, event] of shown) { // a dashed line and the event's name at its time
+    root.append(svg("line", { x1: X(x), x2: X(x), y1: T, y2: H - B, stroke: MARK_COLOR[event],
+      "stroke-dasharray": "3,3", "vector-effect": "non-scaling-stroke", "data-mark": event }));
+    const right = X(x) > W - 60; // (a name at the right edge goes to the line's left)
+    root.append(svg("text", { x: X(x) + (right ? -2 : 2), y: T + 10, "font-size": 9,
+      "text-anchor": right ? "end" : "start", fill: MARK_COLOR[event] }, event));
+  }
   lines.forEach((line, k) => {
     if (!line.length) return;
     const color = COLORS[k % COLORS.length];
