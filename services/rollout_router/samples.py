@@ -104,6 +104,15 @@ class Partial:
         self.routed_experts = other.routed_experts or self.routed_experts
         self.temperature = other.temperature
 
+    def extend_unsampled(self, ids: list[int], text: str = "") -> None:
+        """Append tokens the model did not sample (an observation, the messages between two
+        turns): log-prob 0 and the last token's weight version; the loss mask leaves them out."""
+        last = self.token_versions[-1] if self.token_versions else -1
+        self.ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.token_versions += [last] * len(ids)
+        self.text += text
+
     @classmethod
     def of(cls, out: dict[str, Any], temperature: float = 1.0) -> Partial:
         """The partial of one engine output of a request at `temperature`."""
@@ -158,17 +167,9 @@ def generate_body(
             **({"stop": s.rollout_stop} if s.rollout_stop else {}),
         }
 
+    body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": params(seed)}
+    if n > 1:
+        body["input_ids"] = [list(input_ids) for _ in range(n)]
+        body["sampling_params"] = [params(sampling_seed(seed, k)) for k in range(n)]
     replay = {"return_routed_experts": True} if s.return_routed_experts else {}
-    if n == 1:
-        return {
-            "input_ids": input_ids,
-            "sampling_params": params(seed),
-            "return_logprob": True,
-            **replay,
-        }
-    return {
-        "input_ids": [list(input_ids) for _ in range(n)],
-        "sampling_params": [params(sampling_seed(seed, k)) for k in range(n)],
-        "return_logprob": True,
-        **replay,
-    }
+    return {**body, "return_logprob": True, **replay}

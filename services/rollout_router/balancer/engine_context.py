@@ -45,6 +45,17 @@ def none_admitted(pool: WorkerPool) -> str:
     return f"an admitted engine (none is healthy: see GET /workers{refused})"
 
 
+async def reported_context(pool: WorkerPool, url: str) -> int:
+    """The engine's `context_length` from `/server_info` (0 when it does not answer it)."""
+    try:
+        info = await pool.get_json(url, "/server_info", pool.config.health_timeout_s)
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        log.warning("%s: GET /server_info failed (%s): its context is not known", url, exc)
+        return 0
+    value = info.get("context_length")
+    return value if isinstance(value, int) and value > 0 else 0
+
+
 class ContextGate:
     """The admission check of engines by context length; `length()` is the bound in use."""
 
@@ -52,19 +63,9 @@ class ContextGate:
         self.pool, self.length = pool, length
         self.contexts: dict[str, int] = {}  # engine URL -> its reported context (0: unknown)
 
-    async def reported(self, url: str) -> int:
-        """The engine's `context_length` from `/server_info` (0 when it does not answer it)."""
-        try:
-            info = await self.pool.get_json(url, "/server_info", self.pool.config.health_timeout_s)
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            log.warning("%s: GET /server_info failed (%s): its context is not checked", url, exc)
-            return 0
-        value = info.get("context_length")
-        return value if isinstance(value, int) and value > 0 else 0
-
     async def __call__(self, url: str) -> str:
         """Why the engine at `url` must get no traffic ("" when it may)."""
-        self.contexts[url] = await self.reported(url)
+        self.contexts[url] = await reported_context(self.pool, url)
         return context_problem(url, self.contexts[url], self.length())
 
     async def refuse_short(self) -> None:

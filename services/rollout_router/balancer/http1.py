@@ -92,27 +92,14 @@ class Http1Pool:
         self.timeout_s = timeout_s
         self.max_idle = max_idle_per_host
         self.idle: dict[str, deque[_Connection]] = {}
-        self._addresses: dict[str, tuple[str, int, bytes]] = {}
-
-    def _address(self, base_url: str) -> tuple[str, int, bytes]:
-        address = self._addresses.get(base_url)
-        if address is None:
-            parts = urlsplit(base_url)
-            host, port = parts.hostname or "127.0.0.1", parts.port or 80
-            address = self._addresses[base_url] = (host, port, f"{host}:{port}".encode())
-        return address
 
     async def post(self, base_url: str, path: str, body: bytes) -> tuple[int, bytes]:
-        host, port, host_header = self._address(base_url)
+        parts = urlsplit(base_url)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 80
         head = (
-            b"POST "
-            + path.encode()
-            + b" HTTP/1.1\r\nHost: "
-            + host_header
-            + b"\r\nContent-Type: application/json\r\nContent-Length: "
-            + str(len(body)).encode()
-            + b"\r\n\r\n"
-        )
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
         idle = self.idle.setdefault(base_url, deque())
         while idle:  # a reused connection may have been closed by the server meanwhile
             conn = idle.pop()

@@ -115,12 +115,8 @@ def session_samples(session: Session, reward: float) -> list[Sample]:
         ):
             start = prompt + current.ids + start  # (the whole context: the sample's prompt)
         elif current is not None and turn.extends:
-            between = start
-            last = current.token_versions[-1] if current.token_versions else -1
-            current.ids += between
-            current.logprobs += [0.0] * len(between)
-            current.token_versions += [last] * len(between)
-            mask += [0] * len(between)
+            current.extend_unsampled(start)  # (the messages between the turns)
+            mask += [0] * len(start)
             current.extend_partial(partial)
             mask += [1] * len(partial.ids)
             continue

@@ -14,6 +14,7 @@ What the router holds of them, and how turns merge into samples: session_store.p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -22,8 +23,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
-import orjson
 from redis.exceptions import RedisError
 
 from proto import DropReason, DropRecord
@@ -31,7 +30,8 @@ from proto.contract import SampleLimits
 from proto.packed import PackedGroup, pack_sample
 from services.common.chat_messages import MessageError, joined_text
 from services.rollout_router.backpressure import BufferBound
-from services.rollout_router.balancer.worker import EngineRequestError, NoWorkerError
+from services.rollout_router.balancer.engine_context import reported_context
+from services.rollout_router.balancer.worker import NoWorkerError
 from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.config import SessionConfig
 from services.rollout_router.gateway.chat_input import (
@@ -182,9 +182,9 @@ class AgentSessions:
             self.store.record(session_id, input_ids, partial)
         finally:
             if new and session_id not in self.store.sessions:  # (no turn of it was recorded)
-                await self.forget(session_id)
+                await self.note_open(None, session_id)
         if reopened:  # its reward (or expiry) closed it meanwhile: this turn opened a new one
-            await self.remember(session_id)
+            await self.note_open({session_id: 0})
         self.first_messages.setdefault(session_id, json.dumps(messages))
         texts = None
         if body.get("logprobs"):
@@ -245,12 +245,7 @@ class AgentSessions:
     ) -> tuple[Partial, list[list[tuple[float, str]]] | None]:
         """The turn's response from an engine (its worker picked by the session), and with
         `top_logprobs_num` each token's alternatives (log-prob, text)."""
-        status, data, worker = await self.pool.post("/generate", orjson.dumps(payload), session_id)
-        if status != 200:
-            raise EngineRequestError(
-                f"{worker.url}/generate: HTTP {status} {data[:500]!r}", status, data
-            )
-        out = as_list(orjson.loads(data))[0]
+        out = as_list((await self.pool.post_json("/generate", payload, session_id))[0])[0]
         partial = Partial.of(out, payload["sampling_params"]["temperature"])
         steps = out.get("meta_info", {}).get("output_top_logprobs")
         if not payload.get("top_logprobs_num") or not isinstance(steps, list):
@@ -259,21 +254,15 @@ class AgentSessions:
         tops = [[(lp, t if t is not None else decode([i])) for lp, i, t in s] for s in steps]
         return partial, tops
 
-    async def forget(self, *names: str) -> None:
-        """Take sessions or groups (`group:NAME`) off the open list in Redis: a failure is
-        logged (the next router after a kill would record them dropped although they ended)."""
+    async def note_open(self, held: dict[str, int] | None = None, *gone: str) -> None:
+        """List sessions as open in Redis (`held`: a session a turn reopened, as a first turn's
+        is) or take sessions and groups (`group:NAME`) off the list: a failure is logged (a
+        router killed then would leave them unrecorded, or record them dropped although they
+        ended)."""
         try:
-            await self.buffer.note_open(gone=names)
+            await self.buffer.note_open(held, gone=gone)
         except RedisError as exc:
-            log.warning("agent sessions %s ended but are still listed open: %r", names, exc)
-
-    async def remember(self, session_id: str) -> None:
-        """List a session its turn reopened as open in Redis, as a first turn's is: a failure is
-        logged (the turn is recorded; a router killed then would leave it unrecorded)."""
-        try:
-            await self.buffer.note_open({session_id: 0})
-        except RedisError as exc:
-            log.warning("agent session %s is open but not listed open: %r", session_id, exc)
+            log.warning("agent sessions %s not listed as they are: %r", held or gone, exc)
 
     async def trainer_room(self, session_id: str, input_ids: list[int]) -> int | None:
         """The most tokens a turn on `input_ids` may generate for its sample to be one the
@@ -313,13 +302,9 @@ class AgentSessions:
     async def context_length(self, session_id: str) -> int | None:
         """The engines' context length (`/server_info`, else the model's config), once."""
         if self._context_length is None:
-            try:
-                worker = self.pool.pick(set(), session_id)
-                info = await self.pool.get_json(worker.url, "/server_info", 5.0)
-                value = info.get("context_length")
-                self._context_length = value if isinstance(value, int) and value > 0 else 0
-            except (NoWorkerError, TimeoutError, aiohttp.ClientError, ValueError):
-                pass  # asked again next turn
+            with contextlib.suppress(NoWorkerError):  # (then the model's config says it)
+                url = self.pool.pick(set(), session_id).url
+                self._context_length = await reported_context(self.pool, url)
             if not self._context_length:
                 self._context_length = model_context_length(self.tokenizer) or 0
         return self._context_length or None
@@ -357,7 +342,7 @@ class AgentSessions:
                     reopen()
                     raise
                 self.store.closed_by_reward(session_id, f"reward {reward:g}, {closed.group_id}")
-                await self.forget(session_id, *([f"group:{group}"] if group else []))
+                await self.note_open(None, session_id, *([f"group:{group}"] if group else []))
                 count = len(closed.samples)
                 return {
                     "status": "put",
