@@ -179,8 +179,10 @@ class WeightBroker:
     async def _sync_engines(
         self, session: aiohttp.ClientSession, due: list[EngineState], version: int
     ) -> None:
-        """Sync `due` to `version` and mark each outcome (an engine removed meanwhile is not)."""
-        if not due:
+        """Sync `due` to `version` and mark each outcome (an engine removed meanwhile is not).
+        NCCL is asked even with none due: its offer is answered (`abort`), or the trainer that
+        offered it waits for a command until its timeout."""
+        if not due and self.transport.keeps_versions:
             return
         for engine in due:
             engine.syncing, engine.target = True, version
