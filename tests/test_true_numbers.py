@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from proto import MetricsRecord, Sample, SampleGroup
@@ -93,6 +94,17 @@ def test_the_trainers_prometheus_names_pass_promtools_lint() -> None:
     text = TrainerObserver(TrainerConfig(model="m"), None).render()
     assert "tandem_trainer_tokens_per_second" in text
     assert promlint(text) == []
+
+
+def test_the_routers_and_the_engines_prometheus_names_pass_promtools_lint(
+    buffer, toy_model_dir, start_service
+) -> None:
+    engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
+    router = start_service("router", router_args(buffer, toy_model_dir, [engine.url]))
+    wait_until(lambda: buffer.depth() >= 1, "a group put (every router series is there)", 60)
+    for service in (router, engine):
+        text = httpx.get(service.url + "/metrics", timeout=30).text
+        assert "# TYPE" in text and promlint(text) == [], service.url
 
 
 def group(group_id: str) -> SampleGroup:
