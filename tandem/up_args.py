@@ -282,7 +282,7 @@ def trainer_start(tree: UpTree, trainer: Any, run_dir: Path, buffer: Any) -> tup
     (exit 2) for what the trainer would refuse once its model is built (`check_start`: a
     damaged checkpoint, a --ckpt-step back without --new-lineage), found before the engines
     start (minutes for a real model) and not after."""
-    from services.trainer.__main__ import check_start
+    from services.trainer.config import check_start
     from tandem.sinks import say
     from tandem.supervisor import ChildFailedError
 

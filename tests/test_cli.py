@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import os
 import subprocess
 import sys
@@ -32,45 +31,6 @@ def test_every_subcommand_explains_itself(command: str) -> None:
     # each flag states its default once, and only a default there is
     flags = " ".join(result.stdout.split()).split(" --")
     assert not [f for f in flags if "(default: )" in f or f.count("(default:") > 1]
-
-
-def tandem_imports() -> dict[str, set[str]]:
-    """Each module of tandem/ and the modules it imports (at any depth of its code)."""
-    out = {}
-    for path in sorted((ROOT / "tandem").glob("*.py")):
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module)
-            elif isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-        out[f"tandem.{path.stem}"] = found
-    return out
-
-
-def test_tandem_has_no_import_circle_and_imports_of_the_services_only_their_config() -> None:
-    """The launcher composes the services' own config classes and calls their `check()`; it
-    does not repeat their start-up checks by importing their internals. The one exception: the
-    trainer's lineage check before the engines start (it asks the run's Redis)."""
-    imports = tandem_imports()
-    shared = ("services.common", "services.sample_buffer", "services.weight_sync")
-    foreign = {
-        f"{name} imports {module}"
-        for name, modules in imports.items()
-        for module in modules
-        if module.startswith("services.")
-        and not module.startswith(shared)
-        and not module.endswith(".config")
-    }
-    assert foreign == {"tandem.up_args imports services.trainer.__main__"}
-    graph = {name: {m for m in modules if m in imports} for name, modules in imports.items()}
-
-    def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        return any(
-            n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph[start]
-        )
-
-    assert [name for name in graph if reaches(name, name, set())] == []
 
 
 def test_an_unknown_subcommand_fails_and_lists_the_real_ones() -> None:

@@ -14,9 +14,9 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from services.sample_buffer import SampleBuffer
-from services.trainer.checkpoint import TRACKER, SaveError, resolve_iteration, saving
-from services.trainer.config import TrainerConfig
-from services.trainer.lineage import lineage_start
+from services.trainer.checkpoint import SaveError, saving
+from services.trainer.ckpt_folder import TRACKER, resolve_iteration
+from services.trainer.config import TrainerConfig, lineage_start
 from tests.test_trainer_process import bind_pull, receive_version, run_trainer, sample_groups
 
 

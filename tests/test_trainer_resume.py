@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.checkpoint import TRACKER
+from services.trainer.ckpt_folder import TRACKER
 from tests.test_trainer_checkpoint import trainer_args
 from tests.test_trainer_process import bind_pull, receive_version, run_trainer, sample_groups
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from proto import MetricsRecord
 from services.rollout_router.rollout import evaluation
-from services.trainer.lineage import TRACKER
+from services.trainer.ckpt_folder import TRACKER
 from tandem.progress import RunProgress, metrics_rows
 from tandem.up_args import resume_plan
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from services.common.serving import ServiceError, run_service
 from services.common.settings import load
-from services.trainer.config import TrainerConfig, check
+from services.trainer.config import TrainerConfig, check, check_start
 
 PROG = "tandem trainer"
 
@@ -32,7 +32,7 @@ Multi-process: torchrun --nproc-per-node N -m services.trainer ... (TP x DP = N)
 
 
 def check_lineage(cfg: TrainerConfig) -> None:
-    """Refuse a start without checkpoint on a run that already trained (see `lineage.py`), or
+    """Refuse a start without checkpoint on a run that already trained (`config.lineage_start`), or
     while another trainer holds the run (`lease.py`), before importing torch."""
     from services.sample_buffer import BufferConfig, SampleBuffer
     from services.trainer.lease import trainer_membership
@@ -41,23 +41,6 @@ def check_lineage(cfg: TrainerConfig) -> None:
     buffer.wait_ready(timeout_s=10.0)
     trainer_membership(buffer).wait_free()  # a second trainer: named as such, not as a lineage
     check_start(cfg, buffer)
-
-
-def check_start(cfg: TrainerConfig, buffer: Any) -> int:
-    """What this start would refuse once its model is built: a lineage refusal (`lineage.py`),
-    the checkpoint it resumes from cut short (`checkpoint.check_files`). tandem up runs it
-    before the engines start (they take minutes to load a real model). Returns the version a
-    new lineage starts at (0: none, or on from the checkpoint)."""
-    from services.trainer.lineage import finds_checkpoint, lineage_start
-
-    resumed = finds_checkpoint(cfg)
-    version = lineage_start(cfg, buffer, resumed)
-    if resumed:
-        from services.trainer.checkpoint import check_files, resolve_iteration
-
-        ckpt = cfg.checkpoint
-        check_files(resolve_iteration(ckpt.load or ckpt.save, ckpt.ckpt_step))
-    return version
 
 
 def main(argv: list[str] | None = None) -> int:

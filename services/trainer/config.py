@@ -5,13 +5,15 @@ fields; `check` the start-up checks that read files (the model, the checkpoint f
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field
 
 from proto.run_terms import RunContract, RunTerms
 from services.common.settings import Count, Positive, PositiveSeconds, Rate, Seconds, Section
-from services.sample_buffer import redis_url_problem
+from services.sample_buffer import SampleBuffer, redis_url_problem
+from services.trainer.ckpt_folder import TRACKER, check_files, resolve_iteration, saved_iteration
 
 NonNegative = Annotated[float, Field(ge=0)]
 Above0 = Annotated[float, Field(gt=0)]
@@ -300,8 +302,6 @@ def check(config: TrainerConfig) -> list[str]:
     one the trainer supports (and fits --max-tokens-per-gpu's window), --ref-load's vocabulary
     is the model's, --save and --save-hf's folder are writable, --load holds the asked
     iteration. (Imports stay inside: `tandem up` imports this module.)"""
-    from pathlib import Path
-
     from services.common.paths import unwritable
 
     ckpt, problems = config.checkpoint, []
@@ -312,8 +312,6 @@ def check(config: TrainerConfig) -> list[str]:
     try:
         problems += [problem] if (problem := model_problem(config)) else []
         if ckpt.load:  # a bad --load is named before Redis is asked anything
-            from services.trainer.checkpoint import resolve_iteration  # (imports torch)
-
             resolve_iteration(ckpt.load, ckpt.ckpt_step)
     except (ValueError, OSError) as exc:
         problems.append(str(exc))
@@ -341,3 +339,69 @@ def model_problem(config: TrainerConfig) -> str:
     check_sliding_window(hf_cfg, path, context, "--max-tokens-per-gpu (dynamic batch size)")
     ref = config.loss.ref_load
     return vocabulary_problem(config.run.model, ref, "--ref-load") if ref else ""
+
+
+def finds_checkpoint(cfg: TrainerConfig) -> bool:
+    """Whether this start resumes from a checkpoint (as `checkpoint.find_resume` decides)."""
+    return bool(cfg.checkpoint.load) or bool(
+        cfg.checkpoint.save
+        and cfg.checkpoint.resume
+        and (Path(cfg.checkpoint.save) / TRACKER).is_file()
+    )
+
+
+def rollback(cfg: TrainerConfig) -> tuple[int, int] | None:
+    """(K, L) when this start resumes from checkpoint K (--ckpt-step) of a folder whose newest
+    is L > K: the groups steps K+1..L trained were acknowledged at L's save and are gone, so the
+    run cannot replay them; None otherwise."""
+    root = cfg.checkpoint.load or (cfg.checkpoint.save if cfg.checkpoint.resume else "")
+    newest = saved_iteration(root) if root else None
+    if cfg.checkpoint.ckpt_step < 0 or newest is None or newest <= cfg.checkpoint.ckpt_step:
+        return None
+    return cfg.checkpoint.ckpt_step, newest
+
+
+def lineage_start(cfg: TrainerConfig, buffer: SampleBuffer, resumed: bool) -> int:
+    """The version this start begins at: 0 (a fresh run, or a resume that goes on where its
+    checkpoint left off), or with --new-lineage the published one + 1. Raises ValueError for a
+    start without checkpoint on a trained run, and for a resume of a trained run from a
+    checkpoint older than its folder's newest (`rollback`), unless --new-lineage. (A new run
+    may start from any checkpoint: nothing of it was acknowledged yet.)"""
+    published = buffer.get_version("trainer", 0)
+    trained = int(buffer.redis.hlen(buffer.trained_key))
+    if resumed and (published > 0 or trained) and (back := rollback(cfg)):  # (on this run)
+        if not cfg.checkpoint.new_lineage:
+            raise ValueError(
+                f"--ckpt-step {back[0]} goes back past this run's newest checkpoint (iteration "
+                f"{back[1]} in {cfg.checkpoint.load or cfg.checkpoint.save}): the groups of the steps after "
+                f"{back[0]} were acknowledged at that save and are gone, so the run cannot "
+                f"train them again. Pass --new-lineage as well to go on from iteration "
+                f"{back[0]}'s weights as a new lineage (versions after {max(published, back[1])}"
+                "; groups made by the newer weights are dead-lettered), or leave --ckpt-step "
+                "out to resume from the newest"
+            )
+        return max(published, back[1]) + 1
+    if resumed or (published <= 0 and not trained):
+        return 0
+    if not cfg.checkpoint.new_lineage:
+        raise ValueError(
+            f"run {cfg.run.run_id!r} in Redis ({cfg.run.redis_url}) already has trainer version "
+            f"{published} and {trained} trained steps, but no checkpoint was found (--save "
+            f"{cfg.checkpoint.save or '(none)'}, --load {cfg.checkpoint.load or '(none)'}): point --save/--load at "
+            "this run's checkpoint folder to resume, or use a new --run-id (or an empty Redis), "
+            "or pass --new-lineage to start over from --model in this run"
+        )
+    return published + 1
+
+
+def check_start(cfg: TrainerConfig, buffer: SampleBuffer) -> int:
+    """What this start would refuse once its model is built: a lineage refusal (`lineage_start`),
+    the checkpoint it resumes from cut short (`checkpoint.check_files`). tandem up runs it
+    before the engines start (they take minutes to load a real model). Returns the version a
+    new lineage starts at (0: none, or on from the checkpoint)."""
+    resumed = finds_checkpoint(cfg)
+    version = lineage_start(cfg, buffer, resumed)
+    if resumed:
+        ckpt = cfg.checkpoint
+        check_files(resolve_iteration(ckpt.load or ckpt.save, ckpt.ckpt_step))
+    return version

@@ -125,7 +125,7 @@ def hf_to_megatron(hf_dir: str, save: str, vocab_divisible_by: int = 128) -> Pat
     from megatron.core import dist_checkpointing
 
     from services.trainer import hf_convert
-    from services.trainer.checkpoint import TRACKER, iteration_dir
+    from services.trainer.ckpt_folder import TRACKER, iteration_dir
     from services.trainer.policy import init_distributed
 
     started = time.monotonic()
@@ -187,7 +187,7 @@ def megatron_to_hf(load: str, out: str, ckpt_step: int = -1, hf_dir: str = "") -
     from torch.distributed.checkpoint.api import CheckpointException
 
     from services.trainer import hf_convert
-    from services.trainer.checkpoint import check_files, damaged, resolve_iteration
+    from services.trainer.ckpt_folder import check_files, damaged, resolve_iteration
     from services.trainer.policy import init_distributed
 
     started = time.monotonic()
@@ -299,7 +299,7 @@ def output_problem(args: argparse.Namespace) -> str:
     holds a checkpoint already (its tracker would name the converted weights instead of a
     run's newest step), an --out that exists (it would be replaced, whatever it held: a folder
     of other files, the source model itself)."""
-    from services.trainer.lineage import TRACKER
+    from services.trainer.ckpt_folder import TRACKER
 
     if args.direction == "hf-to-megatron":
         save = Path(args.save)

@@ -1,92 +1,15 @@
-"""Which lineage of weights a trainer start continues: refuse to mix two silently.
-
-A run's Redis remembers its trainer's published version and the groups each version trained.
-A start that finds no checkpoint trains from --model, version 0: on a run that already has
-trained versions it would feed on the samples the old weights made and publish versions the
-broker already holds as old, and the run would stall without a word. `lineage_start` refuses
-that start (ValueError: exit 2, naming the fix) unless --new-lineage: then the new lineage's
-versions begin after the published one (its first, --model's weights, is sent at start so the
-engines take it), and groups stamped with an older version are dead-lettered as foreign.
-Knows nothing of torch, so the CLI refuses before loading it.
-"""
+"""What a trainer start does to the run's lineage of weights in Redis: `begin_lineage` for
+--new-lineage (its versions begin after the published one; groups stamped with an older version
+are dead-lettered as foreign) and `rewind_ledger` for a resume from a checkpoint. Whether a
+start may continue at all (a start without checkpoint on a trained run is refused unless
+--new-lineage) is `config.lineage_start`, a start-up check `tandem up` runs before the engines.
+Knows nothing of torch."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from services.sample_buffer import SampleBuffer, recovery
-from services.trainer.config import TrainerConfig
-
-TRACKER = "latest_checkpointed_iteration.txt"  # names a --save folder's newest checkpoint
-
-
-def saved_iteration(root: str | Path) -> int | None:
-    """The iteration a --save folder's tracker names (None: no tracker there); ValueError when
-    the tracker holds no number."""
-    tracker = Path(root) / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text(errors="replace").strip()
-    if not text.isdigit():
-        raise ValueError(
-            f"{tracker} holds {text[:40]!r}, not an iteration number: not a checkpoint folder "
-            "written by --save, or a damaged one (pass --ckpt-step N to pick iter_000000N/)"
-        )
-    return int(text)
-
-
-def finds_checkpoint(cfg: TrainerConfig) -> bool:
-    """Whether this start resumes from a checkpoint (as `checkpoint.find_resume` decides)."""
-    return bool(cfg.checkpoint.load) or bool(
-        cfg.checkpoint.save
-        and cfg.checkpoint.resume
-        and (Path(cfg.checkpoint.save) / TRACKER).is_file()
-    )
-
-
-def rollback(cfg: TrainerConfig) -> tuple[int, int] | None:
-    """(K, L) when this start resumes from checkpoint K (--ckpt-step) of a folder whose newest
-    is L > K: the groups steps K+1..L trained were acknowledged at L's save and are gone, so the
-    run cannot replay them; None otherwise."""
-    root = cfg.checkpoint.load or (cfg.checkpoint.save if cfg.checkpoint.resume else "")
-    newest = saved_iteration(root) if root else None
-    if cfg.checkpoint.ckpt_step < 0 or newest is None or newest <= cfg.checkpoint.ckpt_step:
-        return None
-    return cfg.checkpoint.ckpt_step, newest
-
-
-def lineage_start(cfg: TrainerConfig, buffer: SampleBuffer, resumed: bool) -> int:
-    """The version this start begins at: 0 (a fresh run, or a resume that goes on where its
-    checkpoint left off), or with --new-lineage the published one + 1. Raises ValueError for a
-    start without checkpoint on a trained run, and for a resume of a trained run from a
-    checkpoint older than its folder's newest (`rollback`), unless --new-lineage. (A new run
-    may start from any checkpoint: nothing of it was acknowledged yet.)"""
-    published = buffer.get_version("trainer", 0)
-    trained = int(buffer.redis.hlen(buffer.trained_key))
-    if resumed and (published > 0 or trained) and (back := rollback(cfg)):  # (on this run)
-        if not cfg.checkpoint.new_lineage:
-            raise ValueError(
-                f"--ckpt-step {back[0]} goes back past this run's newest checkpoint (iteration "
-                f"{back[1]} in {cfg.checkpoint.load or cfg.checkpoint.save}): the groups of the steps after "
-                f"{back[0]} were acknowledged at that save and are gone, so the run cannot "
-                f"train them again. Pass --new-lineage as well to go on from iteration "
-                f"{back[0]}'s weights as a new lineage (versions after {max(published, back[1])}"
-                "; groups made by the newer weights are dead-lettered), or leave --ckpt-step "
-                "out to resume from the newest"
-            )
-        return max(published, back[1]) + 1
-    if resumed or (published <= 0 and not trained):
-        return 0
-    if not cfg.checkpoint.new_lineage:
-        raise ValueError(
-            f"run {cfg.run.run_id!r} in Redis ({cfg.run.redis_url}) already has trainer version "
-            f"{published} and {trained} trained steps, but no checkpoint was found (--save "
-            f"{cfg.checkpoint.save or '(none)'}, --load {cfg.checkpoint.load or '(none)'}): point --save/--load at "
-            "this run's checkpoint folder to resume, or use a new --run-id (or an empty Redis), "
-            "or pass --new-lineage to start over from --model in this run"
-        )
-    return published + 1
 
 
 def begin_lineage(buffer: SampleBuffer, version: int, weights: str = "--model") -> None:

@@ -41,10 +41,10 @@ from services.sample_buffer import BufferConfig, SampleBuffer
 from services.sample_buffer.membership import Membership
 from services.trainer import batching, checkpoint, losses, routing_replay
 from services.trainer.batching import MicroBatch, TrainSample
-from services.trainer.config import TrainerConfig
+from services.trainer.config import TrainerConfig, lineage_start
 from services.trainer.intake import limits_of
 from services.trainer.lease import end_on_lost, trainer_membership
-from services.trainer.lineage import begin_lineage, lineage_start, rewind_ledger
+from services.trainer.lineage import begin_lineage, rewind_ledger
 from services.trainer.observe import TrainerObserver
 from services.trainer.policy import Policy, init_distributed
 from services.trainer.redis_wait import patient_client
