@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from services.rollout_router.config import RewardConfig
 from services.rollout_router.rollout.rewards import Reward, RewardError, make_reward
 from tests.helpers import wait_until
 
@@ -44,9 +45,16 @@ def score(text, label, stopped):
 '''
 
 
-def made(*args: Any, **kwargs: Any) -> Reward:
-    """`make_reward` from a blocking test (its first worker, if any, started)."""
-    return asyncio.run(make_reward(*args, **kwargs))
+def made(path: str, timeout_s: float, workers: int, max_errors_in_a_row: int = 0) -> Reward:
+    """`make_reward` of a --custom-rm-path function from a blocking test (its first worker, if
+    any, started)."""
+    config = RewardConfig(
+        custom_rm_path=path,
+        rm_timeout_s=timeout_s,
+        rm_workers=workers,
+        rm_max_errors_in_a_row=max_errors_in_a_row,
+    )
+    return asyncio.run(make_reward(config, None))
 
 
 @pytest.fixture
@@ -66,7 +74,7 @@ async def max_gap_while(work: asyncio.Future, tick_s: float = 0.01) -> float:
 
 
 def test_each_failing_call_fails_its_own_sample_and_the_event_loop_runs_on(reward_file) -> None:
-    reward = made("", reward_file, "", 2.0, 0, None, workers=2)
+    reward = made(reward_file, 2.0, workers=2)
     texts = ["ok", "hang", "die", "boom", "nan", "four"]
 
     async def run() -> tuple[list[float | RewardError], float, list[float | RewardError]]:
@@ -111,7 +119,7 @@ def test_each_failing_call_fails_its_own_sample_and_the_event_loop_runs_on(rewar
 def test_inline_functions_and_async_ones_keep_to_the_event_loop(reward_file) -> None:
     """--rm-workers 0 runs the function in the router's own process (no worker); an async
     function is bounded by the timeout there."""
-    inline = made("", reward_file, "", 2.0, 0, None, workers=0)
+    inline = made(reward_file, 2.0, workers=0)
     assert inline.workers is None
     assert asyncio.run(inline.score("p", "pid", "l", "stop")) == os.getpid()
 
@@ -132,7 +140,7 @@ def test_a_stop_signal_to_the_routers_process_group_leaves_a_call_in_flight_to_f
     (a closed terminal sends SIGHUP): a call in flight still gets its value, and the router
     stops its workers itself. (The call was lost as reward_error, 'ended its worker process
     (exit code -15)', a moment before the router's stop cancelled it.)"""
-    reward = made("", reward_file, "", 10.0, 0, None, workers=1)
+    reward = made(reward_file, 10.0, workers=1)
 
     async def run() -> float:
         worker = int(await reward.score("p", "pid", "l", "stop"))
@@ -153,7 +161,9 @@ def test_workers_die_with_the_router_even_while_the_function_hangs(reward_file, 
     script = (
         "import asyncio, sys\n"
         "from services.rollout_router.rollout.rewards import make_reward\n"
-        f"reward = asyncio.run(make_reward('', {reward_file!r}, '', 3600.0, 0, None, workers=1))\n"
+        "from services.rollout_router.config import RewardConfig\n"
+        f"config = RewardConfig(custom_rm_path={reward_file!r}, rm_timeout_s=3600.0, rm_workers=1)\n"
+        "reward = asyncio.run(make_reward(config, None))\n"
         "async def main():\n"
         "    print(await reward.score('p', 'pid', 'l', 'stop'), flush=True)\n"
         "    await reward.score('p', 'hang', 'l', 'stop')\n"
@@ -196,7 +206,7 @@ def test_the_number_of_workers_defaults_to_the_cores_up_to_8() -> None:
 def test_a_terminals_ctrl_c_is_left_to_the_router(reward_file) -> None:
     """Ctrl-C reaches a terminal's whole process group: a worker ignores it (no traceback, no
     lost call); the router decides when its workers stop."""
-    reward = made("", reward_file, "", 10.0, 0, None, workers=1)
+    reward = made(reward_file, 10.0, workers=1)
 
     async def run() -> tuple[float, float]:
         first = await reward.score("p", "pid", "l", "stop")
@@ -216,7 +226,7 @@ def test_a_function_that_fails_on_every_sample_is_broken_after_the_bound_and_a_r
 ) -> None:
     """--rm-max-errors-in-a-row: failures in a row, of any kind, make the function `broken`
     (the rollout loop then stops with that sentence); one reward between them starts anew."""
-    reward = made("", reward_file, "", 2.0, 0, None, workers=0, max_errors_in_a_row=3)
+    reward = made(reward_file, 2.0, workers=0, max_errors_in_a_row=3)
 
     async def run(texts: list[str]) -> list[str]:
         await reward.score_all("p", [(t, "stop") for t in texts], "l")
@@ -231,7 +241,7 @@ def test_a_function_that_fails_on_every_sample_is_broken_after_the_bound_and_a_r
         '--rm-max-errors-in-a-row (tandem up --router-args "--rm-max-errors-in-a-row N"; 0 = '
         "never stop)"
     )
-    never = made("", reward_file, "", 2.0, 0, None, workers=0, max_errors_in_a_row=0)
+    never = made(reward_file, 2.0, workers=0, max_errors_in_a_row=0)
     asyncio.run(never.score_all("p", [("boom", "stop")] * 20, "l"))
     assert never.in_a_row == 20 and never.broken() == ""
 
@@ -247,13 +257,13 @@ def test_a_worker_may_take_as_long_as_rm_timeout_s_to_load_a_slow_module(
         "def score(text, label, stopped):\n    return 2.0\n"
     )
     path = f"{tmp_path / 'slow.py'}:score"
-    patient = made("", path, "", 4.0, 0, None, workers=1)
+    patient = made(path, 4.0, workers=1)
     try:
         assert asyncio.run(patient.score("p", "t", "l", "stop")) == 2.0
     finally:
         patient.close()
     with pytest.raises(ValueError) as error:  # the router's start fails
-        made("", path, "", 1.0, 0, None, workers=1)
+        made(path, 1.0, workers=1)
     assert str(error.value) == (
         f"--custom-rm-path '{path}': could not start in a worker process: not ready within 1s "
         "(loading the function's module: raise --rm-timeout-s, which bounds a worker's start "
@@ -290,7 +300,7 @@ def test_the_router_leaves_the_function_to_its_workers_and_a_bad_one_fails_its_s
     imported = tmp_path / "imported"
     monkeypatch.setenv("IMPORTED_BY", str(imported))
     path = f"{tmp_path / 'who.py'}"
-    reward = made("", f"{path}:score", "", 10.0, 0, None, workers=2)
+    reward = made(f"{path}:score", 10.0, workers=2)
     try:
         assert reward.fn is None and asyncio.run(reward.score("p", "t", "l", "stop")) == 1.0
         pids = imported.read_text().split()
@@ -298,11 +308,11 @@ def test_the_router_leaves_the_function_to_its_workers_and_a_bad_one_fails_its_s
     finally:
         reward.close()
     imported.unlink()
-    coroutine = made("", f"{path}:ascore", "", 10.0, 0, None, workers=2)
+    coroutine = made(f"{path}:ascore", 10.0, workers=2)
     assert coroutine.workers is None and asyncio.run(coroutine.score("p", "t", "l", "x")) == 2.0
     assert str(os.getpid()) in imported.read_text().split()
     with pytest.raises(ValueError) as error:
-        made("", f"{path}:one", "", 10.0, 0, None, workers=2)
+        made(f"{path}:one", 10.0, workers=2)
     assert str(error.value).startswith(
         f"could not start in a worker process: --custom-rm-path '{path}:one': one(text) cannot "
         "be called as one(response_text, label, stopped)"

@@ -134,17 +134,7 @@ async def build_control(
         log.warning("%s", note)
     if not config.sampling.rollout_max_response_len:
         config.sampling.rollout_max_response_len = default_response_len(config, task, context)
-    r = config.reward
-    reward = await make_reward(
-        r.rm_type,
-        r.custom_rm_path,
-        r.rm_url,
-        r.rm_timeout_s,
-        r.rm_retries,
-        pool.session,
-        r.reward_workers(),
-        r.rm_max_errors_in_a_row,
-    )
+    reward = await make_reward(config.reward, pool.session)
     episodes = None
     if config.env.env_url:
         assert pool.session is not None

@@ -75,7 +75,7 @@ def openai_response(
     `top_logprobs` (`[]` each when not asked); with `parse` (the request listed
     tools) the tool calls read from its text as `tool_calls` (finish `tool_calls`), the text
     before them as the content."""
-    finish = {"stop": "stop", "length": "length"}.get(partial.finish, partial.finish)
+    finish = partial.finish
     message: dict[str, Any] = {"role": "assistant", "content": partial.text}
     calls = parse(partial.text)[0] if parse is not None else []
     if calls:

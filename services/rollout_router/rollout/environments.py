@@ -54,18 +54,16 @@ class EnvClient:
         self.calls = InFlight(f"calls to {self.url}", f"--env-call-timeout-s {timeout_s:g}")
 
     async def call(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
-        with self.calls.one():
-            return await self._call(route, body)
-
-    async def _call(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            async with self.session.post(self.url + route, json=body, timeout=self.timeout) as r:
-                if r.status != 200:  # (what it says, its first 300 bytes: it was left out)
-                    said = (await r.content.read(300)).decode(errors="replace")
-                    raise EnvError(
-                        DropReason.ENV_ERROR, f"{self.url}{route}: HTTP {r.status} {said}".strip()
-                    )
-                data = await r.json(content_type=None)
+            with self.calls.one():
+                async with self.session.post(
+                    self.url + route, json=body, timeout=self.timeout
+                ) as r:
+                    if r.status != 200:  # (what it says, its first 300 bytes: it was left out)
+                        said = (await r.content.read(300)).decode(errors="replace")
+                        detail = f"{self.url}{route}: HTTP {r.status} {said}".strip()
+                        raise EnvError(DropReason.ENV_ERROR, detail)
+                    data = await r.json(content_type=None)
         except TimeoutError as exc:
             raise EnvError(DropReason.ENV_TIMEOUT, f"{self.url}{route}: no answer in time") from exc
         except (aiohttp.ClientError, ValueError) as exc:
@@ -187,11 +185,7 @@ class EpisodeRunner:
                 break  # it fills the context: the episode ends as a full one does (trained)
             obs_ids = self.tokenizer(obs, add_special_tokens=False)["input_ids"]
             kept = len(trajectory.ids), len(trajectory.text)
-            last_version = trajectory.token_versions[-1] if trajectory.token_versions else -1
-            trajectory.ids += obs_ids
-            trajectory.logprobs += [0.0] * len(obs_ids)
-            trajectory.token_versions += [last_version] * len(obs_ids)
-            trajectory.text += obs
+            trajectory.extend_unsampled(obs_ids, obs)
             mask += [0] * len(obs_ids)
         trajectory.finish = "stop" if done else "length"
         sample = trajectory.to_sample(prompt_ids, reward)

@@ -155,11 +155,9 @@ class Generation:
         max_new = self.live.sampling.rollout_max_response_len
         while partial.finish == "abort" and partial.continues < self.live.rollout.max_continues:
             partial.continues += 1
-            seed = sampling_seed(seed, partial.continues)
-            if (
-                not self.live.rollout.partial_rollout
-            ):  # start over; the aborted tokens are discarded
-                t = partial.temperature
+            seed, t = sampling_seed(seed, partial.continues), partial.temperature
+            # start over: the aborted tokens are discarded
+            if not self.live.rollout.partial_rollout:
                 payload = self.payload(prompt_ids, 1, max_new, False, seed, temperature=t)
                 out = await self.generate(payload, session_id)
                 partial = dataclasses.replace(Partial.of(out[0], t), continues=partial.continues)
@@ -168,7 +166,6 @@ class Generation:
             if left <= 0:
                 partial.finish = "length"
                 break
-            t = partial.temperature
             payload = self.payload(prompt_ids + partial.ids, 1, left, False, seed, temperature=t)
             partial.extend((await self.generate(payload, session_id))[0])
         return partial

@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 
 from proto import DropReason
+from services.rollout_router.config import RewardConfig
 from services.rollout_router.rollout.calls import InFlight
 from services.rollout_router.rollout.custom_reward import load_function, split_path
 from services.rollout_router.rollout.reward_workers import (
@@ -136,8 +137,6 @@ class Reward:
         max_errors_in_a_row: int = 0,
         name: str = "",
     ) -> None:
-        if sum((fn is not None, bool(url), workers is not None)) != 1:
-            raise ValueError("a Reward needs exactly one of a function, workers or a URL")
         self.fn, self.url, self.timeout_s, self.retries = fn, url, timeout_s, retries
         self.session, self.workers = session, workers
         self.failures: Counter[str] = Counter()
@@ -157,22 +156,19 @@ class Reward:
 
     async def score(self, prompt: Any, text: str, label: str, finish_reason: str) -> float:
         """The reward, or RewardError (also for an exception of the function: its text)."""
-        with self.calls.one():
-            return await self._score(prompt, text, label, finish_reason)
-
-    async def _score(self, prompt: Any, text: str, label: str, finish_reason: str) -> float:
         try:
-            if self.url:
-                reward = await self._remote(prompt, text, label, finish_reason)
-            elif self.workers is not None:
-                value = await self.workers.call(text, label, finish_reason == "stop")
-                reward = as_reward(value, self.source)
-            else:
-                assert self.fn is not None
-                value = self.fn(text, label, finish_reason == "stop")
-                if inspect.isawaitable(value):
-                    value = await self._bounded(value)
-                reward = as_reward(value, self.source)
+            with self.calls.one():
+                if self.url:
+                    reward = await self._remote(prompt, text, label, finish_reason)
+                elif self.workers is not None:
+                    value = await self.workers.call(text, label, finish_reason == "stop")
+                    reward = as_reward(value, self.source)
+                else:
+                    assert self.fn is not None
+                    value = self.fn(text, label, finish_reason == "stop")
+                    if inspect.isawaitable(value):
+                        value = await self._bounded(value)
+                    reward = as_reward(value, self.source)
         except RewardError as exc:
             self._note(exc)
             raise
@@ -267,51 +263,43 @@ class Reward:
         raise RewardError(failed + (" (--rm-timeout-s)" if timed_out else ""), timed_out=timed_out)
 
 
-async def make_reward(
-    rm_type: str,
-    custom_rm_path: str,
-    rm_url: str,
-    timeout_s: float,
-    retries: int,
-    session: aiohttp.ClientSession | None,
-    workers: int = 0,
-    max_errors_in_a_row: int = 0,
-) -> Reward:
+async def make_reward(config: RewardConfig, session: aiohttp.ClientSession | None) -> Reward:
     """The reward the flags ask for (one of `--rm-url`, `--custom-rm-path`, `--rm-type`); a
-    plain (not async) `--custom-rm-path` function runs in `workers` processes (0: inline) and
-    is `broken` after `max_errors_in_a_row` failures in a row (0: never). With workers, the
-    first one loads the function before the router serves (a bad path, or a function that
-    cannot be called so, fails the start) and the router never imports it (a verifier that
-    loads a model, starts threads or sets up logging at import does so in its workers only);
-    an `async` one is imported by the router and runs in its loop."""
-    if rm_url:
-        return Reward(url=rm_url, timeout_s=timeout_s, retries=retries, session=session)
-    if custom_rm_path:
+    plain (not async) `--custom-rm-path` function runs in `--rm-workers` processes (0: inline)
+    and is `broken` after `--rm-max-errors-in-a-row` failures in a row (0: never). With
+    workers, the first one loads the function before the router serves (a bad path, or a
+    function that cannot be called so, fails the start) and the router never imports it (a
+    verifier that loads a model, starts threads or sets up logging at import does so in its
+    workers only); an `async` one is imported by the router and runs in its loop."""
+    path, timeout_s, workers = config.custom_rm_path, config.rm_timeout_s, config.reward_workers()
+    limit = config.rm_max_errors_in_a_row
+    if config.rm_url:
+        return Reward(
+            url=config.rm_url, timeout_s=timeout_s, retries=config.rm_retries, session=session
+        )
+    if path:
         if workers:
-            pool = RewardWorkers(custom_rm_path, workers, timeout_s)
+            pool = RewardWorkers(path, workers, timeout_s)
             try:
                 is_async = await pool.start()
             except RewardCallError as exc:  # its text names the path when the import failed
                 said = str(exc)
-                named = "--custom-rm-path" in said
-                message = said if named else f"--custom-rm-path {custom_rm_path!r}: {said}"
-                raise ValueError(message) from None
+                raise ValueError(
+                    said if "--custom-rm-path" in said else f"--custom-rm-path {path!r}: {said}"
+                ) from None
             if not is_async:
                 log.info(
                     "reward function %s runs in up to %d worker processes (--rm-workers), each "
                     "call bounded by --rm-timeout-s %gs",
-                    custom_rm_path,
+                    path,
                     workers,
                     timeout_s,
                 )
-                limit, name = max_errors_in_a_row, split_path(custom_rm_path)[1]
+                name = split_path(path)[1]
                 return Reward(
                     timeout_s=timeout_s, workers=pool, max_errors_in_a_row=limit, name=name
                 )
             pool.close()
-        fn = load_function(custom_rm_path)  # a bad path fails the start
-        return Reward(fn, timeout_s=timeout_s, max_errors_in_a_row=max_errors_in_a_row)
-    rm_type = rm_type or "reverse_digits"  # the toy task's (a dataset's run chooses one)
-    if rm_type not in BUILTIN:
-        raise ValueError(f"--rm-type {rm_type!r}: choose one of {', '.join(BUILTIN)}")
-    return Reward(BUILTIN[rm_type])
+        fn = load_function(path)  # a bad path fails the start
+        return Reward(fn, timeout_s=timeout_s, max_errors_in_a_row=limit)
+    return Reward(BUILTIN[config.rm_type or "reverse_digits"])  # (the toy task's by default)
