@@ -241,41 +241,52 @@ def serve(
     server = uvicorn.Server(config)
     config.app = StoppingReply(config.app, server, max(1, round(graceful_shutdown_s)))
     if on_shutdown is not None:
-        original_shutdown = server.shutdown
-
-        async def shutdown(sockets: list[socket.socket] | None = None) -> None:
-            on_shutdown()
-            await original_shutdown(sockets=sockets)
-
-        server.shutdown = shutdown  # type: ignore[method-assign]
-    url_host = f"[{host}]" if ":" in host else host
-
+        _before_shutdown(server, on_shutdown)
     if ready_file:
-        original_startup = server.startup
-
-        async def startup(sockets: list[socket.socket] | None = None) -> None:
-            await original_startup(sockets=sockets)
-            if server.started:
-                resolved = {k: v() if callable(v) else v for k, v in (extra or {}).items()}
-                write_ready_file(
-                    ready_file,
-                    url=f"http://{url_host}:{bound_port}",
-                    host=host,
-                    port=bound_port,
-                    **resolved,
-                )
-
-        server.startup = startup  # type: ignore[method-assign]
-    before = {}
-    if threading.current_thread() is threading.main_thread():  # (a closed terminal: SIGTERM's
-        # graceful stop, where SIGHUP's default ended the service mid-request)
-        signal.signal(signal.SIGHUP, lambda *_: server.handle_exit(signal.SIGTERM, None))
-        # uvicorn stops gracefully on SIGTERM and SIGINT, then raises the signal again to the
-        # handler installed before it: no-op ones make that stop exit 0 (the engine and the
-        # broker died of the SIGTERM, and a Ctrl-C ended every service with a traceback)
-        before = {stop: signal.signal(stop, lambda *_: None) for stop in STOP_SIGNALS}
+        _after_startup(server, ready_file, host, bound_port, extra or {})
+    before = _stop_signals(server)
     try:
         server.run(sockets=[sock])
     finally:  # (one more signal ends a stop that hangs)
         for stop, handler in before.items():
             signal.signal(stop, handler)
+
+
+def _before_shutdown(server: uvicorn.Server, on_shutdown: Callable[[], None]) -> None:
+    """`on_shutdown` runs when SIGTERM arrives, before uvicorn's graceful stop."""
+    original_shutdown = server.shutdown
+
+    async def shutdown(sockets: list[socket.socket] | None = None) -> None:
+        on_shutdown()
+        await original_shutdown(sockets=sockets)
+
+    server.shutdown = shutdown  # type: ignore[method-assign]
+
+
+def _after_startup(
+    server: uvicorn.Server, ready_file: str, host: str, port: int, extra: dict[str, Any]
+) -> None:
+    """The ready file is written once the app has started (its lifespan ran)."""
+    original_startup = server.startup
+    url_host = f"[{host}]" if ":" in host else host
+
+    async def startup(sockets: list[socket.socket] | None = None) -> None:
+        await original_startup(sockets=sockets)
+        if server.started:
+            resolved = {k: v() if callable(v) else v for k, v in extra.items()}
+            url = f"http://{url_host}:{port}"
+            write_ready_file(ready_file, url=url, host=host, port=port, **resolved)
+
+    server.startup = startup  # type: ignore[method-assign]
+
+
+def _stop_signals(server: uvicorn.Server) -> dict[int, Any]:
+    """SIGHUP taken as SIGTERM (a closed terminal: SIGTERM's graceful stop, where SIGHUP's
+    default ended the service mid-request); the handlers installed before, to put back. uvicorn
+    stops gracefully on SIGTERM and SIGINT, then raises the signal again to the handler
+    installed before it: no-op ones make that stop exit 0 (the engine and the broker died of
+    the SIGTERM, and a Ctrl-C ended every service with a traceback)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    signal.signal(signal.SIGHUP, lambda *_: server.handle_exit(signal.SIGTERM, None))
+    return {stop: signal.signal(stop, lambda *_: None) for stop in STOP_SIGNALS}

@@ -173,26 +173,7 @@ class WeightUpdater:
             self.scheduler.abort(None, "Abort due to weight update")
 
         def apply() -> str:
-            started = time.monotonic()
-            if plan is not None:
-                count = self.runner.apply_load(plan)
-                adopted = False
-            else:
-                adopted = lease is not None and self.runner.can_adopt(tensors)
-                count = self.runner.load_weights(tensors, adopt=adopted or adopt)
-            self.scheduler.clear_caches()  # nothing may be served from the old weights' keys
-            previous, self._lease = self._lease, (lease if adopted else None)
-            if previous is not None:
-                previous.release()
-            if version is not None:
-                self.scheduler.weight_version = str(version)
-            log.info(
-                "weights: %d tensors loaded in %.3fs, now version %s",
-                count,
-                time.monotonic() - started,
-                self.scheduler.weight_version,
-            )
-            return self.scheduler.weight_version
+            return self._load(tensors, version, lease, adopt, plan)
 
         future = self.scheduler.run_exclusive(apply, drain=True)
         try:
@@ -207,6 +188,37 @@ class WeightUpdater:
                     504,
                 ) from exc
             return await asyncio.wrap_future(future)  # already copying: a short wait
+
+    def _load(
+        self,
+        tensors: NamedTensors,
+        version: str | None,
+        lease: Any,
+        adopt: bool,
+        plan: LoadPlan | None,
+    ) -> str:
+        """On the scheduler's thread, drained: the weights copied in (or adopted), the caches
+        cleared, the version set; the lease of the slot they now live in kept."""
+        started = time.monotonic()
+        if plan is not None:
+            count = self.runner.apply_load(plan)
+            adopted = False
+        else:
+            adopted = lease is not None and self.runner.can_adopt(tensors)
+            count = self.runner.load_weights(tensors, adopt=adopted or adopt)
+        self.scheduler.clear_caches()  # nothing may be served from the old weights' keys
+        previous, self._lease = self._lease, (lease if adopted else None)
+        if previous is not None:
+            previous.release()
+        if version is not None:
+            self.scheduler.weight_version = str(version)
+        log.info(
+            "weights: %d tensors loaded in %.3fs, now version %s",
+            count,
+            time.monotonic() - started,
+            self.scheduler.weight_version,
+        )
+        return self.scheduler.weight_version
 
     # ---- the three sources --------------------------------------------------------------------
 

@@ -85,32 +85,7 @@ class Trainer:
         start_version = 0
         self.lease: Membership | None = None
         if self.is_main:
-            # Start-up checks fail fast on this client; the loop's waits out a lost connection.
-            plain = SampleBuffer(BufferConfig(redis_url=cfg.run.redis_url, run_id=cfg.run.run_id))
-            plain.wait_ready(timeout_s=10.0)
-            member = self.lease = trainer_membership(plain)  # one per run: before any write
-            member.join(lambda _holder: end_on_lost(member), cfg.run_contract())
-            start_version = lineage_start(cfg, plain, resume_root is not None)
-            if start_version and resume_root:  # back to an older checkpoint: the run as of
-                checkpoint.rewind_to_newest(plain, resume_root, cfg.run.run_id)  # the newest first
-            if start_version:
-                weights = f"iteration {cfg.checkpoint.ckpt_step}" if resume_root else "--model"
-                begin_lineage(plain, start_version, weights)
-            self.status = StatusReporter(plain)
-            self.status.update("loading the model", model=cfg.run.model)
-            client = patient_client(
-                cfg.run.redis_url,
-                cfg.batch.redis_timeout_s,
-                cfg.batch.read_block_ms,
-                lambda: self.stop_requested,
-            )
-            self.buffer = SampleBuffer(plain.config, client)
-            self.lease.fence(self.buffer)
-            limits = limits_of(
-                cfg.run.model, cfg.batch.max_tokens_per_gpu, cfg.batch.max_response_len
-            )
-            self.intake = Intake(cfg, self.buffer, limits, self._report)
-            self.intake.lineage_floor = start_version
+            start_version = self._join_run(resume_root)
         self.observe = TrainerObserver(cfg, self.buffer)  # /metrics, timeline, step lines
         self.policy = Policy(cfg, cfg.run.model)
         self.policy.on_phase = self.observe.mark
@@ -147,6 +122,36 @@ class Trainer:
             )
         if self.buffer is not None:
             self.buffer.set_version("trainer", self.version)
+
+    def _join_run(self, resume_root: Path | None) -> int:
+        """Rank 0: the run's lease and contract, the lineage this start continues (the version
+        it starts at), the status, the patient buffer and the intake."""
+        cfg = self.cfg
+        # Start-up checks fail fast on this client; the loop's waits out a lost connection.
+        plain = SampleBuffer(BufferConfig(redis_url=cfg.run.redis_url, run_id=cfg.run.run_id))
+        plain.wait_ready(timeout_s=10.0)
+        member = self.lease = trainer_membership(plain)  # one per run: before any write
+        member.join(lambda _holder: end_on_lost(member), cfg.run_contract())
+        start_version = lineage_start(cfg, plain, resume_root is not None)
+        if start_version and resume_root:  # back to an older checkpoint: the run as of
+            checkpoint.rewind_to_newest(plain, resume_root, cfg.run.run_id)  # the newest first
+        if start_version:
+            weights = f"iteration {cfg.checkpoint.ckpt_step}" if resume_root else "--model"
+            begin_lineage(plain, start_version, weights)
+        self.status = StatusReporter(plain)
+        self.status.update("loading the model", model=cfg.run.model)
+        client = patient_client(
+            cfg.run.redis_url,
+            cfg.batch.redis_timeout_s,
+            cfg.batch.read_block_ms,
+            lambda: self.stop_requested,
+        )
+        self.buffer = SampleBuffer(plain.config, client)
+        self.lease.fence(self.buffer)
+        limits = limits_of(cfg.run.model, cfg.batch.max_tokens_per_gpu, cfg.batch.max_response_len)
+        self.intake = Intake(cfg, self.buffer, limits, self._report)
+        self.intake.lineage_floor = start_version
+        return start_version
 
     def _resume(self, root: Path, found_by: str, new_lineage: int) -> None:
         """From the checkpoint under `root`; with `new_lineage` (a version: --new-lineage from
