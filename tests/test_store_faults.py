@@ -152,3 +152,42 @@ def test_an_unbalanced_ledger_fails_a_run_that_reached_max_steps(
     run.write_ledger(buffer)
     assert run.outcome == "ledger_unbalanced"
     assert json.loads((tmp_path / "ledger.json").read_text())["balanced"] is False
+
+
+def trainer_step(run_dir: Path) -> int:
+    """The newest step in the run's metrics.jsonl (0 before the first)."""
+    path, step = run_dir / "metrics.jsonl", 0
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:  # (a line being written)
+            continue
+        step = max(step, row["step"]) if row.get("source") == "trainer" else step
+    return step
+
+
+@pytest.mark.slow
+def test_tandem_up_on_an_external_redis_restarted_empty_ends_with_exit_1_naming_the_loss(
+    redis_alone: RedisServer, tmp_path: Path
+) -> None:
+    """Before, nothing noticed: every service wrote its keys again, the run ended max_steps
+    with exit 0, groups trained twice and the prompt order restarted at draw 0."""
+    run_dir = tmp_path / "run"
+    flags = ["--redis-url", redis_alone.url, "--max-steps", "200", "--stop-accuracy", "0"]
+    cmd = [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir), *flags]
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    restarted = None
+    try:
+        wait_until(lambda: trainer_step(run_dir) >= 5 or up.poll() is not None, "step 5", 600)
+        assert up.poll() is None, up.communicate()[0]
+        restarted = restart_empty(redis_alone)
+        said = up.communicate(timeout=300)[0]
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.communicate()
+        if restarted is not None:
+            restarted.stop()
+    assert up.returncode == 1, said
+    assert "lost this run's state" in said and "tandem up --resume" in said
+    assert trainer_step(run_dir) < 200
