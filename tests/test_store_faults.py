@@ -191,3 +191,19 @@ def test_tandem_up_on_an_external_redis_restarted_empty_ends_with_exit_1_naming_
     assert up.returncode == 1, said
     assert "lost this run's state" in said and "tandem up --resume" in said
     assert trainer_step(run_dir) < 200
+
+
+@pytest.mark.slow
+def test_tandem_up_on_an_external_redis_that_evicts_keys_exits_2_naming_the_setting(
+    redis_alone: RedisServer, tmp_path: Path
+) -> None:
+    client = SampleBuffer(BufferConfig(redis_alone.url, "x")).redis
+    client.config_set("maxmemory", str(256 << 20))
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    flags = ["--redis-url", redis_alone.url, "--max-steps", "5", "--stop-accuracy", "0"]
+    cmd = [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(tmp_path / "run"), *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said
+    assert "maxmemory-policy allkeys-lru" in said and "noeviction" in said
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or trainer_step(tmp_path / "run") == 0
