@@ -125,6 +125,7 @@ def build_images() -> dict[str, float]:
             f"{script.name} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
         )
     took["stand_ins_s"] = time.monotonic() - start
+    say(f"base images ready in {took['stand_ins_s']:.0f} s")
     start = time.monotonic()
     done = subprocess.run(
         ["docker", "build", "-t", PROJECT_IMAGE, str(ROOT)],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import socket
 import subprocess
@@ -28,9 +29,17 @@ RUN_ID = "ct"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port on 127.0.0.1 below the kernel's ephemeral range (32768 and up), which the
+    machine's own outgoing connections and port-0 servers draw from: a port picked there can
+    be taken again before the stack binds it."""
+    while True:
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 class Stack:
