@@ -23,8 +23,8 @@ from redis.exceptions import RedisError
 
 from services.sample_buffer import BufferConfig, SampleBuffer
 from services.sample_buffer.server import RedisServer
-from tandem.launcher import UpConfig
-from tandem.up_services import service_args
+from tandem.up_services import run_values, service_args
+from tandem.up_tree import child_file, compose, wired
 from tests.conftest import ServiceProcess
 
 PHASE_S = 120.0
@@ -43,8 +43,10 @@ class Run:
     def __init__(self, root: Path, model: Path) -> None:
         self.root = root
         self.redis = RedisServer(port=free_port(), data_dir=root / "redis").start()
-        config = UpConfig(max_steps=10_000, save_interval=2).settled()
-        self.args = service_args(config, "tour", model, self.redis.url, root)
+        tree = compose(["--max-steps", "10000", "--save-interval", "2"])
+        run = run_values(tree, "tour", model, self.redis.url, root)
+        configs, _ = wired(tree, run)  # each service's file, as tandem up writes it
+        self.args = service_args({n: child_file(configs, n, root) for n in configs}, run)
         engine_port, broker_port, intake = free_port(), free_port(), free_port()
         engine_url = f"http://127.0.0.1:{engine_port}"
         broker_url = f"http://127.0.0.1:{broker_port}"
