@@ -254,7 +254,9 @@ def test_a_redis_outage_pauses_rollout_counts_the_lost_groups_and_rollout_resume
 ):
     from services.sample_buffer import BufferConfig, RedisServer
 
-    first = RedisServer(log_dir=tmp_path / "r1").start()
+    # A server with its append-only file, restarted on it: the run's state survives the outage
+    # (one restarted empty is a lost store, which stops the run: tests/test_store_faults.py).
+    first = RedisServer(log_dir=tmp_path / "r1", data_dir=tmp_path / "data").start()
     port = first.port
     buffer = SampleBuffer(BufferConfig(redis_url=first.url, run_id="outage"))
     urls = [engines("--delay-ms", "300").url]
@@ -263,6 +265,7 @@ def test_a_redis_outage_pauses_rollout_counts_the_lost_groups_and_rollout_resume
         router_args(buffer, toy_model_dir, urls, "--max-staleness", "1000", "--eval-interval", "0"),
     )
     wait_until(lambda: buffer.depth() >= 4, "groups before the outage")
+    put_before = buffer.counters().get("groups_put", 0)
     first.stop()
     status = wait_until(
         lambda: (
@@ -271,9 +274,15 @@ def test_a_redis_outage_pauses_rollout_counts_the_lost_groups_and_rollout_resume
         "the loop to notice",
     )
     assert status["buffer_depth"] is None and "Error" in status["error"]
-    second = RedisServer(port=port, log_dir=tmp_path / "r2").start()  # empty, same address
+    second = RedisServer(port=port, log_dir=tmp_path / "r2", data_dir=tmp_path / "data").start()
     try:
-        wait_until(lambda: buffer.depth() >= 4, "groups after Redis is back")
+        wait_until(
+            lambda: (
+                buffer.counters().get("groups_put", 0) >= put_before + 4
+                and buffer.drop_counts().get("redis_unavailable", 0) > 0
+            ),
+            "new groups, and the interrupted ones counted, after Redis is back",
+        )
         lost = buffer.drop_counts().get("redis_unavailable", 0)
         assert 0 < lost <= 4, "the interrupted batch's missing groups"
         assert get_json(router.url + "/rollout/status")["state"] != "failed"
