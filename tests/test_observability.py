@@ -407,7 +407,7 @@ def test_a_refused_start_or_resume_leaves_no_tensorboard_file_or_wandb_run_of_no
     assert "the model's context is 64 positions" in new.stdout
     assert (run / "up_config.json").is_file() and not (run / "tensorboard").exists()
     # a resume refused by the trainer's check of the checkpoint it would go on from
-    (run / "checkpoints").mkdir()
+    (run / "checkpoints").mkdir(exist_ok=True)  # (the refused start checked it writable)
     (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("1")
     resumed = up("--resume", str(run), "--rollout-max-response-len", "0")
     assert resumed.returncode == 2, resumed.stdout[-3000:] + resumed.stderr[-3000:]
