@@ -66,8 +66,9 @@ class UpConfig(Section):
     exits 1 (0 = never: --max-steps is the goal; -1 = 0.9 for the toy model, 0 with a
     --model)."""
     time_limit_s: ByModel = -1.0
-    """Wall-clock limit of the run in seconds (0 = none; -1 = 900 for the toy model, none with
-    a --model: a run that makes no progress still ends after --stall-fail-s)."""
+    """Limit in seconds on training, counted from the moment every service is up to the stop
+    it asks for (start-up and the stop are not counted; 0 = none; -1 = 900 for the toy model,
+    none with a --model: a run that makes no progress still ends after --stall-fail-s)."""
     startup_timeout_s: ByModel = -1.0
     """Longest any service may take to start (-1 or 0 = 180 s for the toy model, 900 s with a
     --model: an engine loads its weights and may compile)."""
