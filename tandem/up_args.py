@@ -153,7 +153,7 @@ def resumed(tree: UpTree) -> tuple[UpTree, list[str]]:
         f"--resume: {name.replace('_', '-')} is part of the run contract of {run_dir} "
         f"({saved.get(name)!r}); it cannot change on resume (start a new run instead)"
         for name in AGREED
-        if name != "model" and name in saved and tree.value("up", name) != saved[name]
+        if name not in ("model", "seed") and name in saved and tree.value("up", name) != saved[name]
     ]
     if "seed" in saved and tree.up.run.seed != saved["seed"]:
         problems.append(

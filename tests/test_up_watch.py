@@ -163,6 +163,7 @@ def test_resume_keeps_the_saved_configuration_and_refuses_a_new_contract(
     assert launcher.main(["--resume", str(moved), "--seed", "8", "--run-dir", str(run)]) == 2
     err = capsys.readouterr().err
     assert "--seed orders the run's prompts (7 so far)" in err
+    assert "seed is part of the run contract" not in err  # (said once, not twice)
     assert f"--resume {moved} is the run folder: leave out --run-dir" in err
     run = moved.rename(run)
     # a run that trained past --save-interval whose checkpoints are gone: refused, not a
