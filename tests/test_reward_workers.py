@@ -238,8 +238,7 @@ def test_a_function_that_fails_on_every_sample_is_broken_after_the_bound_and_a_r
         "reward function score failed on 3 samples in a row (--rm-max-errors-in-a-row 3), the "
         "last: reward function score returned nan; fix the function (--custom-rm-path; a wrong "
         "or unparsable answer should score 0, not fail), or raise the router's "
-        '--rm-max-errors-in-a-row (tandem up --router-args "--rm-max-errors-in-a-row N"; 0 = '
-        "never stop)"
+        "--rm-max-errors-in-a-row N (0 = never stop; tandem up takes it as it is)"
     )
     never = made(reward_file, 2.0, workers=0, max_errors_in_a_row=0)
     asyncio.run(never.score_all("p", [("boom", "stop")] * 20, "l"))

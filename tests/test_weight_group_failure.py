@@ -371,9 +371,9 @@ def run_with_a_fault(
         "KILL_MARKER": str(marker),
     }
     argv = ["up", "--model", str(model), "--run-dir", str(run), "--engine-device", "cuda"]
-    argv += ["--engine-gpus", *engine_gpus, "--trainer-gpus", "0", "--trainer-args", "--bf16"]
-    argv += ["--engine-args", "--dtype bfloat16", "--weight-transport", "nccl"]
-    argv += ["--router-args", "--rollout-max-response-len 64", "--rollout-batch-size", "16"]
+    argv += ["--engine-gpus", *engine_gpus, "--trainer-gpus", "0", "--bf16"]
+    argv += ["--dtype", "bfloat16", "--weight-transport", "nccl"]
+    argv += ["--rollout-max-response-len", "64", "--rollout-batch-size", "16"]
     argv += ["--max-steps", str(max_steps), "--stop-accuracy", "0", "--time-limit-s", "300"]
     argv += ["--startup-timeout-s", "180", "--stop-timeout-s", "60", "--engine-restarts", "1"]
     proc = subprocess.run(

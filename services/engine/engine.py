@@ -45,7 +45,7 @@ def kv_budget(kv_cache_gb: float, device: Any) -> float:
     if kv_cache_gb != DEFAULT_KV_CACHE_GB:
         raise RuntimeError(
             f"{said} beside the model's weights: sequences admitted up to it would not fit; "
-            'lower --kv-cache-gb (tandem up: --engine-args "--kv-cache-gb N")'
+            "lower --kv-cache-gb (tandem up takes it as it is)"
         )
     log.warning(
         "%s (the default): the engine keeps %.1f GiB for keys/values", said, free * 0.9 / 2**30

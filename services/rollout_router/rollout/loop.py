@@ -420,7 +420,7 @@ class RolloutLoop:
                 raise RequestsRefusedError(
                     f"the engines refused the requests of {self.refused_in_a_row} groups in a "
                     f"row ({str(exc)[:400]}): a setting every request carries is wrong (a "
-                    "sampling flag: --router-args), not the engines; fix what the engine's "
+                    "sampling flag of the router), not the engines; fix what the engine's "
                     "message names"
                 ) from None
             return

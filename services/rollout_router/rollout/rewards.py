@@ -194,8 +194,8 @@ class Reward:
             f"{self.source} failed on {self.in_a_row} samples in a row "
             f"(--rm-max-errors-in-a-row {self.max_in_a_row}), the last: {self.last_error}; fix "
             "the function (--custom-rm-path; a wrong or unparsable answer should score 0, not "
-            "fail), or raise the router's --rm-max-errors-in-a-row (tandem up --router-args "
-            '"--rm-max-errors-in-a-row N"; 0 = never stop)'
+            "fail), or raise the router's --rm-max-errors-in-a-row N (0 = never stop; tandem up "
+            "takes it as it is)"
         )
 
     async def _bounded(self, value: Awaitable[Any]) -> Any:
