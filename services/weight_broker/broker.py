@@ -181,9 +181,8 @@ class WeightBroker:
     ) -> None:
         """Sync `due` to `version` and mark each outcome (an engine removed meanwhile is not).
         NCCL is asked even with none due: its offer is answered (`abort`), or the trainer that
-        offered it waits for a command until its timeout."""
-        if not due and self.transport.keeps_versions:
-            return
+        offered it waits for a command until its timeout (bucket transports ask for one engine
+        at a time, never none)."""
         for engine in due:
             engine.syncing, engine.target = True, version
         try:
