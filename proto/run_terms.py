@@ -18,7 +18,10 @@ checkpoint under different paths (a container mount, another host) is the same m
 Who states what: router and trainer the batch terms, `max_staleness`, the model and the seed
 (it orders the prompts: a router restarted with another drew some prompts of the epoch twice
 and others never; a router with --no-rollout: the model and the group size); trainer and
-broker `weight_transport`.
+broker `weight_transport`; the router alone `data`, the training prompts the seed orders (their
+count and a digest of them as tokenized, in order: `RunTerms` does not hold it, the router
+states it once its prompts are loaded; a router restarted on other prompts would draw the run's
+next prompts from another list).
 `PATCH /rollout/config` cannot change a run term (its body type has none).
 
 Knows pydantic and msgspec; nothing of services, Redis or files beyond the model's config.json.
@@ -42,6 +45,7 @@ AGREED = (
     "max_staleness",
     "weight_transport",
     "seed",
+    "data",
 )
 
 
@@ -93,7 +97,7 @@ class RunTerms(RunPlace):
             if term == "model":
                 values["model_id"] = model_identity(self.model) if self.model else None
             else:
-                values[term] = getattr(self, term)
+                values[term] = getattr(self, term, None)  # (`data`: the router's own)
         return RunContract(**values)
 
 
@@ -120,7 +124,7 @@ class _Statement(msgspec.Struct, kw_only=True, omit_defaults=True):
         return None if None in batch else batch[0] * batch[1] // batch[2]
 
 
-TEXT_TERMS = ("model", "weight_transport")  # the others are numbers
+TEXT_TERMS = ("model", "weight_transport", "data")  # the others are numbers
 
 
 def _term(name: str) -> str:
@@ -141,7 +145,9 @@ else:
 
 # Term -> the command-line flag that sets it (the same name in every service).
 FLAGS = {_term(n): "--" + n.replace("_", "-") for n in AGREED} | {
-    "weight_transport": "--weight-transport (the broker's --transport)"
+    "weight_transport": "--weight-transport (the broker's --transport)",
+    "data": "--prompt-data (and --task-seed, --eval-heldout-fraction, --input-key, --label-key, "
+    "--apply-chat-template: the prompts as tokenized)",
 }
 
 

@@ -12,9 +12,6 @@ import httpx
 import pytest
 
 from proto import SampleGroup
-from services.rollout_router.rollout.tasks import (
-    data_change_note,
-)
 from services.sample_buffer import SampleBuffer
 from tests.helpers import (
     JsonHandler,
@@ -346,29 +343,3 @@ def test_without_partial_rollout_aborted_samples_restart_on_the_new_weights(
     assert len(samples) == 4
     assert all(set(s.token_versions) == {1} and s.weight_version == 1 for s in samples)
     assert all(s.finish_reason != "abort" for s in samples)
-
-
-def test_a_router_started_on_other_prompts_than_the_runs_says_so(
-    buffer, toy_model_dir, start_service, engines, tmp_path
-):
-    """A resume with another --prompt-data (or the file changed) goes on drawing from the run's
-    cursor in the new prompts' order: the router says so, naming both (the same data: nothing)."""
-    first, other = tmp_path / "first.jsonl", tmp_path / "other.jsonl"
-    first.write_text("\n".join(json.dumps({"prompt": f"{a}2>", "label": f"2{a}"}) for a in "123"))
-    other.write_text(json.dumps({"prompt": "45>", "label": "54"}))
-    args = router_args(buffer, toy_model_dir, [engines().url], "--rm-type", "exact_match")
-    for data, notes in ((first, 0), (first, 0), (other, 1)):
-        router = start_service("router", [*args, "--prompt-data", str(data)])
-        assert len(router.info["task_notes"]) == notes
-        if not notes:
-            wait_until(lambda: buffer.counters().get("prompts_drawn", 0) > 0, "a draw")
-            router.stop()
-    drawn = buffer.counters()["prompts_drawn"]
-    assert router.info["task_notes"][0].startswith(
-        f"the training prompts are not those of the run so far: {other} (1 to train on; the run "
-        f"drew from {first}, 2): prompt draws go on from the run's draw "
-    )
-    assert int(router.info["task_notes"][0].split("draw ")[1].split(" ")[0]) <= drawn
-    same = {"source": str(first), "rows": "3", "digest": "a"}
-    edited = data_change_note(same, {**same, "digest": "b"}, 7)
-    assert edited is not None and f"{first} (3 to train on; changed since, 3)" in edited

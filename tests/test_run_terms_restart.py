@@ -4,6 +4,7 @@ prompt order. Real Valkey server, real router processes, stand-in engines at the
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -28,3 +29,29 @@ def test_a_router_restarted_with_another_seed_on_a_running_run_exits_2_naming_th
     assert "--seed" in line
     # The run's own seed is taken again.
     start_service("router", router_args(buffer, toy_model_dir, urls, "--seed", "7"))
+
+
+def test_a_router_restarted_on_other_prompts_on_a_running_run_exits_2_naming_prompt_data(
+    buffer, toy_model_dir, start_service, engines, tmp_path
+) -> None:
+    """The training prompts are a run term (`data`): the same file again is taken, another one
+    (or the file changed) is refused with exit 2 naming --prompt-data; before, the router went
+    on drawing from the run's cursor in the new prompts' order with a note."""
+    first, other = tmp_path / "first.jsonl", tmp_path / "other.jsonl"
+    first.write_text("\n".join(json.dumps({"prompt": f"{a}2>", "label": f"2{a}"}) for a in "123"))
+    other.write_text(json.dumps({"prompt": "45>", "label": "54"}))
+    args = router_args(buffer, toy_model_dir, [engines().url], "--rm-type", "exact_match")
+    for _ in range(2):  # (the same prompts twice: taken)
+        router = start_service("router", [*args, "--prompt-data", str(first)])
+        wait_until(lambda: buffer.counters().get("prompts_drawn", 0) > 0, "a draw")
+        router.stop()
+    again = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", *args, "--prompt-data", str(other)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 2, again.stdout + again.stderr
+    line = again.stderr.strip().splitlines()[-1]
+    assert "data is '2 prompts, sha256 " in line and "set by the router" in line, line
+    assert "started with '1 prompts, sha256 " in line and "--prompt-data" in line, line

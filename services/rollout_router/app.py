@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from proto.contract import RunContract
 from proto.models import read_config
 from services.common.tokenizers import load_tokenizer
 from services.common.validation import answer_invalid_bodies
@@ -50,8 +51,7 @@ from services.rollout_router.rollout.tasks import (
     DATASET_RESPONSE_LEN,
     TOY_RESPONSE_LEN,
     Task,
-    data_change_note,
-    data_record,
+    data_term,
     dataset_task,
     toy_reverse_digits,
 )
@@ -122,10 +122,8 @@ async def build_control(
     context = int(read_config(config.run.model)[0].get("max_position_embeddings", 0))
     make_task = functools.partial(build_task, context_len=context)
     task = await asyncio.to_thread(make_task, config.data, tokenizer)
-    now = data_record(task, config.data.prompt_data or "the built-in toy task")
-    before = await buffer.swap_data(now)
-    changed = data_change_note(before, now, (await buffer.counters()).get("prompts_drawn", 0))
-    task.notes += (changed,) if changed else ()
+    # (a router restarted on other prompts than the run's: ContractMismatchError, exit 2)
+    await buffer.agree_contract(RunContract(data=data_term(task)), "router")
     if problem := filter_problem(config.sampling):  # (exit 2, as a bad flag)
         raise ValueError(problem)
     if greedy := greedy_note(config.sampling, config.run.n_samples_per_prompt):

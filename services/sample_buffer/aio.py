@@ -225,16 +225,6 @@ class AsyncSampleBuffer(BufferKeys):
     async def contract(self) -> RunContract:
         return keys.contract_of(await io(self.redis.hgetall(self.contract_key)))
 
-    async def swap_data(self, data: dict[str, str]) -> dict[str, str]:
-        """Record `data` as what the run draws its prompts from; returns what it was before
-        (empty for a new run), in one transaction."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hgetall(self.data_key)
-        pipe.delete(self.data_key)
-        pipe.hset(self.data_key, mapping=data)
-        before, *_ = await io(pipe.execute())
-        return {k.decode(): v.decode() for k, v in before.items()}
-
     async def sample_limits(self) -> SampleLimits | None:
         """The longest sample the run's trainer takes; None before a trainer has started."""
         raw = await io(self.redis.get(self.limits_key))

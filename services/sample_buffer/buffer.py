@@ -29,8 +29,6 @@ Keys (all under `tandem:{run_id}:`):
               older checkpoint replaces its entry, so the hash describes the lineage of the
               newest weights: no id may appear twice in it. A resumed trainer removes the
               versions above its own (`rewind_trainer`).
-- `data`      hash: what the router draws prompts from (`source`, `rows`, `digest`), so that a
-              router started on other data says so.
 - `limits`    JSON `proto.contract.SampleLimits`: the longest sample the trainer takes (set
               at its start), which the router's `PATCH /rollout/config` is held to.
 - `dead_letter`  stream of entries the trainer would not train (capped at `dead_letter_len`):

@@ -50,7 +50,6 @@ class BufferKeys:
         self.metrics_steps_key = prefix + "metrics_steps"
         self.trainer_drops_key = prefix + "trainer_drops"
         self.entry_groups_key = prefix + "entry_groups"
-        self.data_key = prefix + "data"
         self.limits_key = prefix + "limits"
         self.probe_key = prefix + "write_probe"  # a write that says Redis takes writes again
         self.mark_key = prefix + "store_mark"  # gone or replaced: the store lost the run

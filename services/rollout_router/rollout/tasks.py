@@ -436,29 +436,13 @@ def label_notes(path: str, rows: int, unlabeled: list[int], label_key: str) -> t
     return ()
 
 
-def data_record(task: Task, source: str) -> dict[str, str]:
-    """What the run draws prompts from: `source`, the training rows' count and a digest of
-    their prompts as drawn (input ids, in order) and labels (a changed file, tokenizer or chat
-    template changes it)."""
+def data_term(task: Task) -> str:
+    """The run contract's `data` (proto/run_terms.py): the training rows' count and a digest of
+    their prompts as drawn (input ids, in order) and labels (a changed file, tokenizer, chat
+    template or held-out split changes it; the file's path does not)."""
     digest = hashlib.sha256()
     for item in task.train:
         digest.update(len(item.input_ids).to_bytes(4, "little"))
         digest.update(array("i", item.input_ids).tobytes())
         digest.update(item.label.encode() + b"\0")
-    return {"source": source, "rows": str(len(task.train)), "digest": digest.hexdigest()}
-
-
-def data_change_note(before: dict[str, str], now: dict[str, str], drawn: int) -> str | None:
-    """The note for a router started on other prompts than the run drew from so far (None:
-    the same, or a new run)."""
-    if not before or before.get("digest") == now["digest"]:
-        return None
-    was = before.get("source", "?")
-    was = "changed since" if was == now["source"] else f"the run drew from {was}"
-    return (
-        f"the training prompts are not those of the run so far: {now['source']} "
-        f"({now['rows']} to train on; {was}, {before.get('rows', '?')}): prompt draws go on "
-        f"from the run's draw {drawn} in the new prompts' order, and held-out accuracy from "
-        "here on is not comparable with the earlier steps' (give the earlier --prompt-data "
-        "to go on with those prompts)"
-    )
+    return f"{len(task.train)} prompts, sha256 {digest.hexdigest()[:16]}"
