@@ -51,9 +51,7 @@ up() {  # $1 = name, $2 = max staleness
     # shellcheck disable=SC2086
     python3 -m tandem.cli up --model "$(model)" --run-dir "/tmp/$1" \
         --engine-device cuda $PLACEMENT \
-        --weight-transport nccl --engine-args "--dtype bfloat16" \
-        --trainer-args "$TRAINER_ARGS" \
-        --router-args "--rollout-max-response-len 256" \
+        --weight-transport nccl --dtype bfloat16 $TRAINER_ARGS --rollout-max-response-len 256 \
         --rollout-batch-size 16 --n-samples-per-prompt 8 --max-staleness "$2" --lr "${LR:-1e-5}" \
         --max-steps "${STEPS:-8}" --stop-accuracy 0 --time-limit-s "${LIMIT_S:-120}" --startup-timeout-s 150 2>&1 | tail -8
     python3 bench/run_report.py --trainer-gpus "$TRAINER_GPUS" "/tmp/$1" > "$OUT/$1-report.txt"
@@ -133,8 +131,8 @@ sync)  # a hang dumps the bench's Python stacks (SIGABRT + faulthandler); logs g
 convert)  # engine and trainer share GPU 0 (ZMQ transport); the trainer saves bf16 weights
     rm -rf /tmp/gpu-convert /tmp/gpu-convert-hf
     timeout 300 python3 -m tandem.cli up --model "$(model)" --run-dir /tmp/gpu-convert \
-        --engine-gpus 0 --trainer-gpus 0 --engine-args "--dtype bfloat16 --kv-cache-gb 8" \
-        --trainer-args "--bf16" --router-args "--rollout-max-response-len 32" \
+        --engine-gpus 0 --trainer-gpus 0 --dtype bfloat16 --kv-cache-gb 8 --bf16 \
+        --rollout-max-response-len 32 \
         --rollout-batch-size 8 --n-samples-per-prompt 4 --max-steps 3 --save-interval 3 \
         --stop-accuracy 0 --lr 1e-5 2>&1 | tail -6 | tee "$OUT/convert.txt"
     timed=""; [ -x /usr/bin/time ] && timed="/usr/bin/time -v"  # (peak RSS, where it is there)
