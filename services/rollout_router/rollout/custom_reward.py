@@ -1,10 +1,11 @@
-"""A `--custom-rm-path` reward function: where it is (`split_path`, `import_problem`, looked up
-without running it) and loading it (`load_function`). Used by the router's rewards (rewards.py)
+"""A `--custom-rm-path` reward function: where it is and whether it compiles and takes the
+reward's parameters (`split_path`, `import_problem`, read without running it) and loading it (`load_function`). Used by the router's rewards (rewards.py)
 and by the worker processes that call it (reward_workers.py); knows nothing of either.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
@@ -23,26 +24,78 @@ def split_path(path: str) -> tuple[str, str]:
 
 
 def import_problem(path: str) -> str:
-    """Why `load_function` could not import PATH ("" when it may), looked up as it looks
-    without running any of it: the file of `file.py:fn`, or the top-level package or module of
-    `pkg.mod:fn` in the current directory, on PYTHONPATH or installed (the rest of a dotted path
-    is the import's to find)."""
-    module_name, _ = split_path(path)
+    """Why `load_function` could not load PATH ("" when it may), read as it reads without
+    running any of it: the file of `file.py:fn`, or the module of `pkg.mod:fn` in the current
+    directory, on PYTHONPATH or installed (no package's `__init__` is run to find it); then that
+    file's source compiled (a syntax error, by file and line) and a plain `def fn` of it checked
+    to take (response_text, label, stopped). What only running it tells (its imports, a
+    decorated or assigned `fn`) is the import's to find at the router's start."""
+    module_name, name = split_path(path)
     if not module_name:
         return f"--custom-rm-path {path}: give the module and the function (module:fn, file.py:fn)"
     if module_name.endswith(".py"):
-        found = Path(module_name).is_file()
-        return "" if found else f"--custom-rm-path {path}: no file {module_name}"
+        if not Path(module_name).is_file():
+            return f"--custom-rm-path {path}: no file {module_name}"
+        return source_problem(path, Path(module_name), name)
     top = module_name.split(".")[0]
     try:
-        if PathFinder.find_spec(top, [os.getcwd()]) or importlib.util.find_spec(top):
-            return ""
+        if not (PathFinder.find_spec(top, [os.getcwd()]) or importlib.util.find_spec(top)):
+            return (
+                f"--custom-rm-path {path}: no module {top} in the current folder "
+                f"({os.getcwd()}) or on PYTHONPATH: run tandem up from the folder that holds it "
+                "(a resume too), put that folder on PYTHONPATH, or give the file "
+                "(--custom-rm-path path/to/file.py:fn)"
+            )
+        file = module_file(module_name)
     except (ImportError, ValueError):  # a finder that fails: the import itself will say
         return ""
+    return source_problem(path, file, name) if file else ""
+
+
+def module_file(name: str) -> Path | None:
+    """The source file of module NAME as the import finds it (the current directory first),
+    found without running any package's `__init__`; None when it is no plain .py file."""
+    spec, places = None, [os.getcwd(), *sys.path]
+    for part in name.split("."):
+        spec = PathFinder.find_spec(part, places)
+        if spec is None:
+            return None
+        places = list(spec.submodule_search_locations or [])
+    origin = spec.origin if spec else None
+    return Path(origin) if origin and origin.endswith(".py") else None
+
+
+def source_problem(path: str, file: Path, name: str) -> str:
+    """A syntax error of `file` (by file and line), or its top-level undecorated `def NAME` not
+    callable as NAME(response_text, label, stopped); "" when neither (compiled, never run)."""
+    try:
+        tree = ast.parse(file.read_bytes(), str(file))
+        compile(tree, str(file), "exec")  # (what the parser lets by: `return` outside a def)
+    except SyntaxError as exc:
+        return (
+            f"--custom-rm-path {path}: {exc.filename}:{exc.lineno}: syntax error: {exc.msg}; "
+            "fix the file"
+        )
+    except OSError as exc:
+        return f"--custom-rm-path {path}: cannot read {file} ({exc.strerror})"
+    except ValueError:  # (null bytes): the import will say
+        return ""
+    defs = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name
+    ]
+    if not defs or defs[-1].decorator_list:  # (a decorator may change what it takes)
+        return ""
+    fn, args = defs[-1], defs[-1].args
+    positional = [*args.posonlyargs, *args.args]
+    takes_three = len(positional) >= 3 or args.vararg is not None
+    if takes_three and len(positional) - len(args.defaults) <= 3 and None not in args.kw_defaults:
+        return ""
     return (
-        f"--custom-rm-path {path}: no module {top} in the current folder ({os.getcwd()}) or "
-        "on PYTHONPATH: run tandem up from the folder that holds it (a resume too), put that "
-        "folder on PYTHONPATH, or give the file (--custom-rm-path path/to/file.py:fn)"
+        f"--custom-rm-path {path}: {name}({ast.unparse(args)}) ({file}:{fn.lineno}) cannot be "
+        f"called as {name}(response_text, label, stopped); give it those three parameters "
+        "(docs/train-your-model.md)"
     )
 
 
