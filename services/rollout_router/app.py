@@ -175,6 +175,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             gate = ContextGate(pool, lambda: loop.sampling.rollout_max_response_len)
             await gate.refuse_short()  # (the response bound is known now: build_control)
             control.context_gate = gate
+            await control.replay()  # (the run's PATCHes: a resume or a restart keeps them)
             control.keep_lease(lease)
             app.state.sessions = AgentSessions(
                 config.sessions,

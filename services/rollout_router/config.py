@@ -346,6 +346,37 @@ else:
     )
 
 
+def patches_key(run_id: str) -> str:
+    """The run's Redis list of accepted `PATCH /rollout/config` changes, oldest first, each a
+    JSON record {time, version (the trainer's), fields, over}: `over` holds the values the
+    accepting router was started with for those fields. The run's one record of them: a router
+    started on the run re-applies them (`patches_in_force`); `tandem up` copies it to
+    RUN_DIR/patches.jsonl. In Redis, not a file, because a router may run apart from any run
+    folder, and the run's Redis is what a restarted router and a resume find again."""
+    return f"tandem:{run_id}:patches"
+
+
+def patches_in_force(
+    records: list[dict[str, Any]], configured: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
+    """What a router started with the live settings `configured` re-applies of the run's PATCH
+    `records`: (the fields to set, {field: (patched, configured)} for those its start
+    overrides). A field's last PATCH holds while a start gives the value that PATCH changed;
+    a start given another one (a flag of `tandem up --resume`, a changed file) wins over it."""
+    latest: dict[str, Any] = {}
+    over: dict[str, Any] = {}
+    for record in records:
+        latest |= record["fields"]
+        over |= {key: record["over"].get(key) for key in record["fields"]}
+    apply, overridden = {}, {}
+    for key, value in latest.items():
+        if configured.get(key) != over[key]:
+            overridden[key] = (value, configured.get(key))
+        elif value != configured.get(key):
+            apply[key] = value
+    return apply, overridden
+
+
 def reward_problem(prompt_data: str, scored: bool) -> str:
     """Why a dataset's run has no reward (`scored`: a reward flag or an environment is set):
     the default verifier is the toy task's (it scores the first two characters of a reversed

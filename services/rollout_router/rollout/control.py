@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import time
 from typing import Any
 
 from pydantic import BaseModel
@@ -25,12 +27,20 @@ from redis.exceptions import RedisError
 from proto.contract import SampleLimits
 from services.common.long_wait import LongWait
 from services.rollout_router.balancer.engine_context import ContextGate
-from services.rollout_router.config import DataConfig, SamplingConfig, reward_problem
+from services.rollout_router.config import (
+    DataConfig,
+    RolloutPatch,
+    SamplingConfig,
+    patches_in_force,
+    patches_key,
+    reward_problem,
+)
 from services.rollout_router.lease import LeaseError, RouterLease
 from services.rollout_router.rollout.evaluation import run_evaluations
 from services.rollout_router.rollout.loop import RolloutLoop
 from services.rollout_router.rollout.report import service_status
 from services.rollout_router.rollout.report import status as loop_status
+from services.sample_buffer.aio import io
 
 log = logging.getLogger("tandem.router.control")
 
@@ -72,6 +82,10 @@ def filter_problem(sampling: SamplingConfig) -> str:
 
 class ConfigPatchError(ValueError):
     """A PATCH names an unknown or frozen field, has a wrong type, or fails validation."""
+
+
+class PatchRecordError(RuntimeError):
+    """A valid PATCH the run's Redis did not record in MARK_TIMEOUT_S: not applied either."""
 
 
 def patched(section: BaseModel, changes: dict[str, Any]) -> Any:
@@ -130,6 +144,7 @@ class RolloutController:
         self.lease_task: asyncio.Task | None = None
         self.long_wait = LongWait(log.warning, quiet=("rollouts off",))  # (--no-rollout)
         self.context_gate: ContextGate | None = None  # the engines' contexts (app.py sets it)
+        self.configured = self.config()  # this start's settings, before the run's PATCHes
 
     @property
     def running(self) -> bool:
@@ -232,9 +247,10 @@ class RolloutController:
         except (RedisError, TimeoutError) as exc:
             log.warning("the %s mark for the dashboard was not written: %r", event, exc)
 
-    async def patch(self, body: BaseModel) -> dict[str, Any]:
+    async def patch(self, body: BaseModel, record: bool = True) -> dict[str, Any]:
         """Apply a `RolloutPatch` (its type holds no run term and no unknown field) to the
-        sampling, rollout and data settings; all or nothing."""
+        sampling, rollout and data settings; all or nothing. `record`: first append it to the
+        run's PATCH record (`patches_key`), which a router started on the run re-applies."""
         changes = body.model_dump(exclude_none=True)
         live = self.loop.live
         rollout, sampling = patched(live.rollout, changes), patched(live.sampling, changes)
@@ -263,12 +279,60 @@ class RolloutController:
                 raise ConfigPatchError(problem)
             if self.context_gate and (problem := self.context_gate.patch_problem(length)):
                 raise ConfigPatchError(problem)
+        if record:
+            await self.record(changes)
         self.loop.task, self.data = task, data
         self.loop.apply(rollout, sampling)
-        await self.mark("patch")
+        if record:
+            await self.mark("patch")
         if note := greedy_note(sampling, live.run.n_samples_per_prompt):
             log.warning("PATCH /rollout/config: %s", note)
         return self.config()
+
+    async def record(self, fields: dict[str, Any], by: str = "PATCH") -> None:
+        """Append `fields` to the run's PATCH record (`patches_key`): by a PATCH, or by a
+        start whose configuration overrides earlier PATCHes. PatchRecordError when Redis does
+        not take it in MARK_TIMEOUT_S."""
+        buffer = self.loop.buffer
+        over = {key: self.configured.get(key) for key in fields}
+        try:
+            async with asyncio.timeout(MARK_TIMEOUT_S):
+                version = max(await buffer.get_version("trainer"), 0)
+                entry = {"time": time.time(), "version": version, "fields": fields, "over": over}
+                entry |= {"by": by} if by != "PATCH" else {}
+                await io(buffer.redis.rpush(patches_key(buffer.config.run_id), json.dumps(entry)))
+        except (RedisError, TimeoutError) as exc:
+            raise PatchRecordError(
+                f"the run's Redis did not record it ({exc!r}): try again"
+            ) from exc
+        log.info("%s of /rollout/config at version %d, recorded: %s", by, version, fields)
+
+    async def replay(self) -> None:
+        """At the router's start: re-apply the run's recorded PATCHes (`patches_in_force`), as
+        a `tandem up --resume` or a router restarted on a running run must; a field this start
+        gives another value wins over its PATCH, said and recorded. Each said in the log; a
+        PATCH that is refused now (the trainer's limits changed) is said and not applied."""
+        buffer = self.loop.buffer
+        key = patches_key(buffer.config.run_id)
+        records = [json.loads(raw) for raw in await io(buffer.redis.lrange(key, 0, -1))]
+        apply, overridden = patches_in_force(records, self.configured)
+        for field, (was, given) in overridden.items():
+            log.warning(
+                "%s = %s from this start's configuration wins over the run's PATCH to %s",
+                field,
+                json.dumps(given),
+                json.dumps(was),
+            )
+        if overridden:
+            await self.record({k: given for k, (_, given) in overridden.items()}, by="start")
+        if not apply:
+            return
+        try:
+            await self.patch(RolloutPatch(**apply), record=False)
+        except (ConfigPatchError, ValueError) as exc:
+            log.warning("the run's PATCHes %s are refused now, not re-applied: %s", apply, exc)
+            return
+        log.warning("re-applied the run's PATCHes of /rollout/config: %s", json.dumps(apply))
 
     def config(self) -> dict[str, Any]:
         return {**self.loop.live.as_dict(), **self.data.model_dump()}

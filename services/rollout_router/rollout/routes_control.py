@@ -14,6 +14,7 @@ from services.common.auth import WRITE
 from services.rollout_router.config import RolloutPatch
 from services.rollout_router.rollout.control import (
     ConfigPatchError,
+    PatchRecordError,
     RolloutController,
 )
 
@@ -96,8 +97,13 @@ async def patch_rollout_config(request: Request, changes: RolloutPatch) -> dict[
     the trainer relies on and which is fixed for the run (restart the run with the flag
     instead). A response length or dataset whose samples would be longer than the run's
     trainer takes (the limits it stated at its start), or a response length an admitted
-    engine's context cannot hold with a prompt, is answered 422, naming what fits."""
+    engine's context cannot hold with a prompt, is answered 422, naming what fits. Each
+    accepted change is first recorded in the run's Redis (503 when it cannot be, and not
+    applied): a router started on the run re-applies it, and `tandem up` copies the record to
+    RUN_DIR/patches.jsonl."""
     try:
         return await control_of(request).patch(changes)
     except ConfigPatchError as exc:
         raise HTTPException(422, str(exc)) from exc
+    except PatchRecordError as exc:
+        raise HTTPException(503, str(exc)) from exc
