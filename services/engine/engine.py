@@ -206,8 +206,7 @@ class Engine:
     # ---- control ------------------------------------------------------------------------------
 
     async def pause(self, mode: str) -> None:
-        if mode not in ("abort", "retract", "in_place"):
-            raise RequestError(f"mode must be abort, retract or in_place, got {mode!r}")
+        """`mode`: abort, retract or in_place (the route's body type allows no other)."""
         await asyncio.wrap_future(self.scheduler.pause(mode))
 
     def resume(self) -> None:
@@ -251,13 +250,12 @@ class Engine:
         )
         return True
 
-    def weights_by_name(self, name: Any, truncate_size: Any) -> list:
-        """The first `truncate_size` rows of parameter `name` (SGLang's /get_weights_by_name)."""
+    def weights_by_name(self, name: str, truncate_size: int) -> list:
+        """The first `truncate_size` rows of parameter `name` (SGLang's /get_weights_by_name;
+        the route's body type holds `truncate_size` >= 1)."""
         params = self.runner.model.state_dict()
         if name not in params:
             raise RequestError(f"name {name!r} is not a parameter of the model")
-        if not isinstance(truncate_size, int) or truncate_size < 1:
-            raise RequestError("truncate_size must be a positive integer")
         return params[name][:truncate_size].float().cpu().tolist()
 
     # ---- info ---------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ the scheduler's numbers are read when scraped (its lock is held only to count).
 
 from __future__ import annotations
 
-from services.common.metrics import Gauge, Metrics, gauge
+from services.common.metrics import Metrics, gauge
 from services.engine.scheduler import Scheduler
 
 
@@ -30,17 +30,12 @@ class EngineMetrics:
             version = float(scheduler.weight_version)
         except ValueError:  # a weight version need not be a number (SGLang allows any string)
             version = -1.0
-        totals: list[Gauge] = [
-            (
-                "generated_tokens",
-                "Tokens generated (sampled) by this engine.",
-                {(): float(stats["generated_tokens"])},
-            ),
-            (
-                "forward_passes",
-                "Model forward passes (prefill and decode).",
-                {(): float(stats["forward_passes"])},
-            ),
+        totals = [
+            gauge(name, text, stats[name])
+            for name, text in (
+                ("generated_tokens", "Tokens generated (sampled) by this engine."),
+                ("forward_passes", "Model forward passes (prefill and decode)."),
+            )
         ]
         gauges = [
             gauge("running_sequences", "Sequences in the running batch.", load["num_running_reqs"]),

@@ -106,6 +106,22 @@ class KVCache:
         )
 
 
+# A prefill's next-token logits, cache and prompt-token logprobs (see `ModelRunner.prefill`)
+Prefilled = tuple[torch.Tensor, KVCache, list[list[float | None] | None]]
+
+
+def merge_prefilled(
+    parts: Sequence[Prefilled], order: list[int], device: torch.device
+) -> Prefilled:
+    """Prefill results of parts of a batch as one, rows back in input order (`order`: the
+    input index of each row of the parts, concatenated)."""
+    back = sorted(range(len(order)), key=order.__getitem__)
+    index = torch.tensor(back, device=device)
+    scores = [s for p in parts for s in p[2]]
+    logits = torch.cat([p[0] for p in parts]).index_select(0, index)
+    return logits, KVCache.concat([p[1] for p in parts]).select(index), [scores[i] for i in back]
+
+
 def _pad_capacity(t: torch.Tensor, capacity: int) -> torch.Tensor:
     if t.shape[2] >= capacity:
         return t
@@ -274,7 +290,7 @@ class ModelRunner:
 
     def prefill_all(
         self, prompts: Sequence[Sequence[int]], score: Sequence[Score | None] | None = None
-    ) -> tuple[torch.Tensor, KVCache, list[list[float | None] | None]]:
+    ) -> Prefilled:
         """`prefill` in input order, with each long prompt run alone: a padded batch needs an
         explicit mask, whose attention scores grow with the square of the longest prompt."""
         score = list(score or [None] * len(prompts))
@@ -284,21 +300,12 @@ class ModelRunner:
         short = [i for i, p in enumerate(prompts) if len(p) <= PREFILL_ALONE_TOKENS]
         batches = ([short] if short else []) + [[i] for i in long]
         parts = [self.prefill([prompts[i] for i in b], [score[i] for i in b]) for b in batches]
-        order = [i for batch in batches for i in batch]
-        back = sorted(range(len(order)), key=order.__getitem__)
-        index = torch.tensor(back, device=self.device)
-        logits = torch.cat([p[0] for p in parts]).index_select(0, index)
-        scores = [s for p in parts for s in p[2]]
-        return (
-            logits,
-            KVCache.concat([p[1] for p in parts]).select(index),
-            [scores[i] for i in back],
-        )
+        return merge_prefilled(parts, [i for batch in batches for i in batch], self.device)
 
     @torch.inference_mode()
     def prefill(
         self, prompts: Sequence[Sequence[int]], score: Sequence[Score | None] | None = None
-    ) -> tuple[torch.Tensor, KVCache, list[list[float | None] | None]]:
+    ) -> Prefilled:
         """Run whole prompts; return the next-token logits `[rows, vocab]` (fp32), their cache
         and, for rows with a `score` (start, temperature), the logprob of each prompt token from
         `start` on under `log_softmax(logits / temperature)` (None for the first token)."""

@@ -14,9 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.engine.model_runner import KVCache, ModelRunner, Score
-
-Prefilled = tuple[torch.Tensor, KVCache, list[list[float | None] | None]]
+from services.engine.model_runner import KVCache, ModelRunner, Prefilled, Score, merge_prefilled
 
 
 class PromptCache:
@@ -68,23 +66,13 @@ class PromptCache:
             result = runner.prefill_all(prompts, score)
             self._store(result, keys, misses, cacheable)
             return result, [False] * len(keys)
-        parts_logits = [hits[i][0] for i in hits]
-        parts_cache = [hits[i][1] for i in hits]
-        scores: list[list[float | None] | None] = [None] * len(hits)
+        parts: list[Prefilled] = [(logits, cache, [None]) for logits, cache in hits.values()]
         if misses:
             fresh = runner.prefill_all([prompts[i] for i in misses], [score[i] for i in misses])
             self._store(fresh, keys, misses, cacheable)
-            parts_logits.insert(0, fresh[0])
-            parts_cache.insert(0, fresh[1])
-            scores = fresh[2] + scores
-        order = misses + list(hits)
-        back = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=runner.device)
-        logits = torch.cat(parts_logits).index_select(0, back)
-        cache = KVCache.concat(parts_cache).select(back)
-        by_row = dict(zip(order, scores, strict=True))
-        return (logits, cache, [by_row[i] for i in range(len(keys))]), [
-            i in hits for i in range(len(keys))
-        ]
+            parts.insert(0, fresh)
+        merged = merge_prefilled(parts, misses + list(hits), runner.device)
+        return merged, [i in hits for i in range(len(keys))]
 
     def _store(
         self,

@@ -327,11 +327,7 @@ class Scheduler:
             for seq in waiting:
                 if matches(seq) is not None and not seq.output_ids and seq is seq.job.sequences[0]:
                     self._queued_jobs -= 1
-        for seq in waiting:
-            message = matches(seq)
-            if message is not None:
-                self._finish(seq, abort_reason(message))
-        for seq in self._running:
+        for seq in [*waiting, *self._running]:
             message = matches(seq)
             if message is not None:
                 self._finish(seq, abort_reason(message))
