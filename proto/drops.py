@@ -45,3 +45,4 @@ class DeadLetterReason(StrEnum):
     BAD_TEMPERATURE = "bad_temperature"  # a sample's temperature not a finite number > 0
     FUTURE_VERSION = "future_version"  # stamped with a version the trainer has not published
     FOREIGN_LINEAGE = "foreign_lineage"  # produced by another run's or lineage's weights
+    FOREIGN_ENTRY = "foreign_entry"  # written to the stream outside the router's (no ledger PUT)

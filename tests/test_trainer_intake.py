@@ -47,7 +47,7 @@ def bad_entries(good: SampleGroup) -> dict[str, tuple[R, dict[bytes, bytes]]]:
 
     raw = msgspec.msgpack.decode(encode(good))
     no_id = {k: v for k, v in raw.items() if k != "group_id"}
-    return {
+    entries = {
         "garbage": (R.UNDECODABLE, {b"d": b"\x00\xffnot msgpack at all"}),
         "wrong_fields": (R.UNDECODABLE, {b"payload": encode(good)}),
         "schema_2": (
@@ -81,6 +81,8 @@ def bad_entries(good: SampleGroup) -> dict[str, tuple[R, dict[bytes, bytes]]]:
             variant(lambda s: setattr(s, "weight_version", good.weight_version - 1)),
         ),
     }
+    # (each as the router's path writes an entry: with the ledger PUT's count `n`)
+    return {name: (reason, {**fields, b"n": b"1"}) for name, (reason, fields) in entries.items()}
 
 
 def test_each_bad_entry_is_rejected_with_its_reason_and_a_good_group_passes() -> None:
@@ -421,7 +423,8 @@ def test_a_torn_packed_array_is_dead_lettered_as_undecodable_not_a_crash(
     torn = msgspec.structs.replace(packed.samples[0], response=packed.samples[0].response[:-1])
     bad = msgspec.structs.replace(packed, samples=[torn, packed.samples[1]])
     buffer.redis.xadd(
-        buffer.samples_key, {"d": encode_entry([bad, pack(group(0, [1.0], gid="ok"))])}
+        buffer.samples_key,
+        {"d": encode_entry([bad, pack(group(0, [1.0], gid="ok"))]), "n": b"2"},
     )
     rollout = intake_of(buffer, 1).read_rollout(0, lambda: False)
     assert rollout is not None and [g.group_id for g in rollout.groups] == ["ok"]

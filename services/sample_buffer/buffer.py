@@ -2,8 +2,10 @@
 
 Keys (all under `tandem:{run_id}:`):
 - `samples`   stream of entries of one or more groups (`d`: `proto.packed`, the groups of
-              one PUT; a `SampleGroup` is read too), consumer group `trainer`; `entry_groups`
-              hash entry id -> its number of groups when more than one (`depth`). The router
+              one PUT; a `SampleGroup` is read too; `n`: their count, the mark of the
+              ledger's PUT or REPUT: an entry without it is foreign), consumer group
+              `trainer`; `entry_groups` hash entry id -> its number of groups when more than
+              one (`depth`). The router
               XADDs; the trainer XREADGROUPs, and once every group of an entry is trained
               (or dropped) XACKs and XDELs it (the ACK script). The router waits while the
               backlog (`groups_put - groups_consumed`, keys.py) is at `--max-buffer-depth`
@@ -316,7 +318,9 @@ class SampleBuffer(BufferKeys):
                 self.dead_letter_key, fields, maxlen=self.config.dead_letter_len, approximate=True
             )
             self.record_drop(drop, client=pipe)
-        pipe.hincrby(self.counters_key, "groups_dead_lettered", len(letters))
+        # (the trainer's: a foreign entry's letter was never put, nor counted consumed)
+        consumed = sum(drop.source in ledger.CONSUMERS for _letter, drop in letters)
+        pipe.hincrby(self.counters_key, "groups_dead_lettered", consumed)
         if keep:
             script_keys = [self.samples_key, self.entry_groups_key]
             args = [encode_entry(keep), len(keep)]

@@ -109,9 +109,11 @@ return p
 # KEYS: samples, counters, in_flight, entry_groups. ARGV: e (entries), e payloads, e group
 # counts, then every group id as one msgpack array (a batch of groups, one script call: the
 # router's group commit; one argument, not one a group: each costs the client ~1 µs).
-# Each entry holds several groups (proto/packed.py); `entry_groups` notes the count of an entry
-# of more than one (the buffer's depth, `ACK`). Returns the entries' stream ids, in order,
-# then the backlog after the put (groups_put - groups_consumed: the router's room, read
+# Each entry holds several groups (proto/packed.py) and their count as field `n`, the mark of an
+# entry this ledger wrote (one without it was written outside the router's path: the trainer
+# drops it as foreign, and never counts it consumed, since no PUT counted it put);
+# `entry_groups` notes the count of an entry of more than one (the buffer's depth, `ACK`).
+# Returns the entries' stream ids, in order, then the backlog after the put (groups_put - groups_consumed: the router's room, read
 # without a round trip of its own).
 # The counts are written once per batch, after its XADDs (a group id written twice in a batch
 # ends one flight and counts the other generated, as one call per group would). Only a script's
@@ -123,7 +125,7 @@ PUT = (
 local e = tonumber(ARGV[1])
 local ids = {}
 for i = 1, e do
-  ids[i] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[1 + i])
+  ids[i] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[1 + i], 'n', ARGV[1 + e + i])
   if ARGV[1 + e + i] ~= '1' then redis.call('HSET', KEYS[4], ids[i], ARGV[1 + e + i]) end
 end
 local names = cmsgpack.unpack(ARGV[2 + 2 * e])
@@ -142,7 +144,7 @@ return ids
 # KEYS: samples, entry_groups. ARGV: payload, its number of groups. An entry of groups already
 # put and counted (the good neighbours of a dead-lettered group), written again; its id.
 REPUT = """
-local id = redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
+local id = redis.call('XADD', KEYS[1], '*', 'd', ARGV[1], 'n', ARGV[2])
 if ARGV[2] ~= '1' then redis.call('HSET', KEYS[2], id, ARGV[2]) end
 return id
 """

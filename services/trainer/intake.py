@@ -66,6 +66,22 @@ class Rejected:
     group_id: str = ""
     samples: int = 0
     weight_version: int = -1
+    count: int = 1  # groups (those of a foreign entry that decoded)
+
+
+def foreign(groups: list[tuple[str, Group]] | Rejected) -> Rejected:
+    """Why an entry no ledger PUT wrote (no field `n`) is not trained, whatever it holds: the
+    run never counted it put (the router's demand gate would count it consumed), nor drew
+    its prompts."""
+    decoded = [] if isinstance(groups, Rejected) else [group for _, group in groups]
+    return Rejected(
+        DeadLetterReason.FOREIGN_ENTRY,
+        f"written to the samples stream outside the router's path (no field 'n' of the ledger's "
+        f"PUT); {len(decoded)} groups decoded"
+        + (f" ({groups.reason}: {groups.detail[:200]})" if isinstance(groups, Rejected) else ""),
+        samples=sum(len(group.samples) for group in decoded),
+        count=max(len(decoded), 1),
+    )
 
 
 def decode_groups(entry_id: str, fields: dict[bytes, bytes]) -> list[tuple[str, Group]] | Rejected:

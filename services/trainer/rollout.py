@@ -39,7 +39,14 @@ from services.sample_buffer.buffer import DeadLetter, Entry
 from services.sample_buffer.read_ahead import ReadAhead
 from services.trainer import batching
 from services.trainer.config import TrainerConfig
-from services.trainer.intake import Group, Limits, Rejected, check_groups, decode_groups
+from services.trainer.intake import (
+    Group,
+    Limits,
+    Rejected,
+    check_groups,
+    decode_groups,
+    foreign,
+)
 
 log = logging.getLogger("tandem.trainer")
 # Entries taken in the one read that drains the pending list at start-up; the stream holds at
@@ -56,7 +63,9 @@ WAIT_REPORT_S = 0.25
 # good ones resets nothing but itself. Versions from the buffer's past (another lineage, a
 # version this trainer has not published) do not count: a backlog of them drains by itself.
 DEAD_LETTERS_IN_A_ROW = 256
-PAST = (DeadLetterReason.FOREIGN_LINEAGE, DeadLetterReason.FUTURE_VERSION)
+# Entries written outside the router's path are not this trainer's to fit either.
+FOREIGN = DeadLetterReason.FOREIGN_ENTRY
+PAST = (DeadLetterReason.FOREIGN_LINEAGE, DeadLetterReason.FUTURE_VERSION, FOREIGN)
 
 
 class DeadLettersError(RuntimeError):
@@ -128,6 +137,9 @@ class Intake:
         """The groups of an entry fit to train, not trained yet; the rest dead-lettered (the
         good ones then come back as a new entry) or, trained by the loaded checkpoint, held."""
         groups = decode_groups(entry_id, fields)
+        if b"n" not in fields:  # written outside the router's path: no PUT counted it put
+            self._dead_letter(entry_id, [(entry_id, fields, foreign(groups))], [], version)
+            return []
         if isinstance(groups, Rejected):
             self._dead_letter(entry_id, [(entry_id, fields, groups)], [], version)
             return []
@@ -228,8 +240,11 @@ class Intake:
         letters = []
         for key, fields, why in bad:
             drop = DropRecord(
-                source="trainer",
+                # A foreign entry's groups were never put: counted generated as they are
+                # dropped (a drop not of a consumer, ledger.py), never consumed.
+                source="stream" if why.reason == FOREIGN else "trainer",
                 reason=DropReason.DEAD_LETTERED,
+                count=why.count,
                 samples=why.samples,
                 group_id=why.group_id,
                 weight_version=why.weight_version,
@@ -237,7 +252,7 @@ class Intake:
             )
             letters.append((DeadLetter(key, why.reason, why.detail, fields), drop))
         self.buffer.dead_letter_groups(entry_id, letters, keep)
-        self.count_consumed(len(bad))
+        self.count_consumed(sum(why.reason != FOREIGN for _key, _fields, why in bad))
         unfit = [why for _key, _fields, why in bad if why.reason not in PAST]
         if unfit:
             self.letters_in_a_row += len(unfit)
