@@ -14,8 +14,9 @@ Contract: `join` states the role's terms once the lease is held (`SampleBuffer.a
 ContractMismatchError naming the flag; the lease is given up then).
 Store: `join` checks what the run needs of Redis (`store_check`: an evicting Redis is refused,
 one without persistence said) and reads the run's mark; the renewing thread checks the mark
-before each renewal and, finding it gone or replaced (Redis restarted empty), calls `on_lost`
-with `lost()` naming what was lost (the trainer then ends, exit 1).
+before each renewal and, finding it gone or replaced (Redis restarted empty) or a counter that
+only grows below what it read at the renewal before (`store_check.MONOTONE`: the store rolled
+back), calls `on_lost` with `lost()` naming what was lost (the trainer then ends, exit 1).
 Status stays the buffer's (`set_status`): a service reports it from its own loop.
 """
 
@@ -39,7 +40,13 @@ from services.sample_buffer.keys import (
     lease_owner_name,
     lease_waiting,
 )
-from services.sample_buffer.store_check import claim_mark, store_lost, store_problems
+from services.sample_buffer.store_check import (
+    MONOTONE,
+    claim_mark,
+    store_lost,
+    store_problems,
+    went_back,
+)
 
 
 class Membership:
@@ -54,6 +61,7 @@ class Membership:
         self.renewer: threading.Thread | None = None
         self.lost_to = ""  # the process that took the lease over (set by the renewing thread)
         self.mark, self.store_lost = b"", ""  # the run's mark; why the store lost the run
+        self.seen: dict[str, int] = {}  # the `MONOTONE` counters as last read
 
     def join(
         self, on_lost: Callable[[str], None], contract: RunContract | None = None
@@ -125,8 +133,8 @@ class Membership:
     def _renew(self, on_lost: Callable[[str], None]) -> None:
         while not self.stopped.wait(LEASE_RENEW_S):
             try:
-                if self.mark and self.buffer.redis.get(self.buffer.mark_key) != self.mark:
-                    self.store_lost = store_lost(self.buffer.config.redis_url, self.buffer.mark_key)
+                if self.mark and (lost := self.check_store()):
+                    self.store_lost = lost
                     holder = "(none: the store lost the run)"
                 else:
                     holder = self.renew()
@@ -137,6 +145,20 @@ class Membership:
                 if not self.stopped.is_set():
                     on_lost(holder)
                 return
+
+    def check_store(self) -> str:
+        """Why the store lost the run: its mark gone or replaced, or a `MONOTONE` counter below
+        what this member read last time ('' when neither). One round trip; RedisError passes."""
+        pipe = self.buffer.redis.pipeline(transaction=True)
+        pipe.get(self.buffer.mark_key)
+        pipe.hmget(self.buffer.counters_key, MONOTONE)
+        mark, values = pipe.execute()
+        now = {name: int(value or 0) for name, value in zip(MONOTONE, values, strict=True)}
+        url, key = self.buffer.config.redis_url, self.buffer.mark_key
+        if mark != self.mark:
+            return store_lost(url, key)
+        back, self.seen = went_back(self.seen, now), now
+        return store_lost(url, key, back) if back else ""
 
     def release(self) -> str:
         """Stop renewing and give the lease up (when held); what went wrong ('' when nothing
