@@ -1,7 +1,10 @@
 """`tandem config`: the configuration, resolved or documented.
 
-`tandem config show [--config FILE] [tandem up flags]` prints what `tandem up` with the same
-arguments would run with, every table, as TOML (nothing starts). `tandem config reference`
+`tandem config show [--origin] [--config FILE] [tandem up flags]` prints what `tandem up` with
+the same arguments would run with, every table, as TOML (nothing starts): a value that stands
+for another (`-1`: the model's default) is shown as the one the run uses, the given one in a
+comment; `--origin` says in a comment where each value comes from (default, tandem up's
+default, the file's table and key, an environment variable, a flag). `tandem config reference`
 prints docs/configuration.md, generated from the commands' flags (their config dataclasses):
 `tandem config reference > docs/configuration.md`; a test fails when the file is stale.
 """
@@ -11,11 +14,14 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.settings import parser, toml_value
 
-USAGE = """usage: tandem config show [--config FILE] [tandem up flags]
+if TYPE_CHECKING:
+    from tandem.up_tree import UpTree
+
+USAGE = """usage: tandem config show [--origin] [--config FILE] [tandem up flags]
        tandem config reference   (the Markdown of docs/configuration.md)"""
 
 
@@ -36,18 +42,85 @@ def main(argv: list[str]) -> int:
     from tandem.up_services import run_values
     from tandem.up_tree import render
 
+    origin = "--origin" in argv[1:]
     with contextlib.redirect_stdout(sys.stderr):  # (a resume's notes: stdout is the TOML)
-        tree, problems = parse(argv[1:], prog="tandem config show")
+        tree, problems = parse([a for a in argv[1:] if a != "--origin"], "tandem config show")
     if tree is not None and not problems:
         model = Path(tree.up.run.model or "RUN_DIR/model")
         redis = tree.up.run.redis_url or "redis://STARTED-BY-TANDEM-UP"
         text = render(tree, run_values(tree, "up-RUN", model, redis, Path("RUN_DIR")))
+        text = annotated(text, tree, origin)
     for problem in problems:
         print(f"tandem config show: {problem}", file=sys.stderr)
     if problems:
         return 2
     print(text, end="")
     return 0
+
+
+def annotated(text: str, tree: UpTree, origin: bool) -> str:
+    """`render`'s text as `config show` prints it: each value that stands for another shown as
+    the one the run uses (the given one in a comment) and, with `origin`, where each set value
+    came from."""
+    used, out, section = resolved(tree), [], ""
+    for line in text.splitlines():
+        key, equals, _ = line.partition(" = ")
+        if line.startswith("["):
+            section = line.strip("[]")
+        if not equals or line.startswith("#"):
+            out.append(line)
+            continue
+        notes = []
+        if (section, key) in used:
+            value, why = used[section, key]
+            line, notes = f"{key} = {toml_value(value)}", [why]
+        if origin:
+            notes.append(origin_of(tree, section, key))
+        out.append(line + (f"  # {'; '.join(notes)}" if notes else ""))
+    return "\n".join(out) + "\n"
+
+
+def resolved(tree: UpTree) -> dict[tuple[str, str], tuple[Any, str]]:
+    """(section, key) -> (the value the run uses, why) for each value given as a stand-in."""
+    from tandem.up_launch import MODEL_DEFAULTS
+
+    up, router, trainer = tree.up, tree.router, tree.trainer
+    whose = "a --model's" if up.run.model else "the toy model's"
+    out: dict[tuple[str, str], tuple[Any, str]] = {
+        ("up", name): (up.by_model(name), f"given {getattr(up, name):g}: {whose} default")
+        for name in MODEL_DEFAULTS
+        if name != "lr" and up.unset(name)
+    }
+    if router.rollout.max_buffer_depth < 0:
+        out["router", "max_buffer_depth"] = (router.buffer_depth_bound(), "given -1: 4 batches")
+    if router.reward.rm_workers < 0:
+        cores = "given -1: one per CPU core here, up to 8"
+        out["router", "rm_workers"] = (router.reward.reward_workers(), cores)
+    optimizer, steps = trainer.optimizer, trainer.batch.max_steps
+    if not optimizer.lr_decay_iters and steps:
+        out["trainer", "lr_decay_iters"] = (steps, "given 0: max_steps")
+    if not optimizer.critic_lr:
+        out["trainer", "critic_lr"] = (optimizer.lr, "given 0: lr")
+    return out
+
+
+def origin_of(tree: UpTree, section: str, key: str) -> str:
+    """Where a value of `section` came from, as `config show --origin` says it."""
+    from tandem.up_tree import UP_DEFAULTS
+
+    where = tree.origins.get(section, {}).get(key, "default")
+    named = key.replace("_", "-")
+    if where == "file":
+        return f"from {tree.config} [{section}] {key}"
+    if where == "env":
+        return f"from TANDEM_{section.upper()}_{key.upper()}"
+    if where == "flag":
+        return f"from --{named}" if section == "up" else f"from --{section}.{named} (or --{named})"
+    ups = {
+        *UP_DEFAULTS.get(section, {}),
+        *{"trainer": ["lr"], "engine": ["device"]}.get(section, []),
+    }
+    return "tandem up's default" if key in ups else "default"
 
 
 INTRO = """\
@@ -90,7 +163,9 @@ the trainer: `max_steps = 300`, `save_interval = 10`, `keep_last_checkpoints = 2
 `RUN_DIR/<service>.toml`.
 
 `tandem config show [--config FILE] [flags]` prints the resolved configuration (nothing
-starts). Every `tandem up` run folder gets it as `config.toml`, and each service reads its table
+starts): a value that stands for another (`-1`: the model's default) as the one the run uses,
+with the given one in a comment; `--origin` adds where each value comes from (default, tandem
+up's default, the file's table and key, an environment variable, a flag). Every `tandem up` run folder gets it as `config.toml`, and each service reads its table
 from there; `tandem up --config RUN_DIR/config.toml` repeats the run (in a new folder). Keys
 written as comments there are set by `tandem up` itself.
 
