@@ -132,9 +132,7 @@ def read_live(buffer: SampleBuffer) -> Ledger:
             break
         time.sleep(LIVE_READ_GAP_S)
         ledger = buffer.ledger()
-    return with_details(
-        ledger, buffer.drop_log(DETAIL_RECORDS)
-    )  # (the drop log once, for the reading shown)
+    return with_details(ledger, buffer.drop_log(DETAIL_RECORDS))  # (once, for the reading shown)
 
 
 if __name__ == "__main__":

@@ -75,12 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             key = BufferKeys(run_id).metrics_key
             try:
                 seen = print_records(client, key, args)
-            except KeyboardInterrupt:
-                return 0
-            except BrokenPipeError:  # the reader has what it wanted (`tandem metrics | head`)
-                from tandem.cli import stdout_gone
-
-                stdout_gone()
+            except KeyboardInterrupt:  # (a reader that left, `| head`: tandem/cli.py's to end)
                 return 0
             if not seen:
                 runs = ", ".join(known_runs(client, "metrics")) or "none"

@@ -62,8 +62,8 @@ def write_toy_model(
             cached.parent.mkdir(parents=True, exist_ok=True)
             made = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".making-"))
         except OSError:  # no cache to keep it in: made where it goes, each time
-            return _make(out, **shape)
-        _make(made, **shape)
+            return _make(out, shape)
+        _make(made, shape)
         try:
             made.rename(cached)  # (whole or not at all; another process may have made it first)
         except OSError:
@@ -90,15 +90,7 @@ def cache_key(shape: dict[str, int]) -> str:
     return f"seed{shape['seed']}-{hashlib.sha256(text).hexdigest()[:16]}"
 
 
-def _make(
-    out: Path,
-    seed: int,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    intermediate_size: int,
-) -> Path:
+def _make(out: Path, shape: dict[str, int]) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, logging
 
@@ -106,11 +98,11 @@ def _make(
     tokenizer = build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(VOCAB),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=shape["num_layers"],
+        num_attention_heads=shape["num_heads"],
+        num_key_value_heads=shape["num_kv_heads"],
         max_position_embeddings=64,
         rms_norm_eps=1e-5,
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
@@ -120,7 +112,7 @@ def _make(
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
-    torch.manual_seed(seed)
+    torch.manual_seed(shape["seed"])
     model = LlamaForCausalLM(config)
     logging.disable_progress_bar()  # (a bar for a 400 KB file, on `tandem up`'s console)
     model.save_pretrained(out, safe_serialization=True)

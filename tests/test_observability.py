@@ -26,8 +26,9 @@ import pytest
 from services.sample_buffer import SampleBuffer
 from services.sample_buffer.timeline import Timeline, chrome_trace, read_spans
 from tandem import metrics_cli, timeline_cli
-from tandem.tensorboard import EventWriter, crc32c, read_scalars
+from tandem.tensorboard import EventWriter, crc32c
 from tests.helpers import wait_until
+from tests.tensorboard_events import read_scalars
 
 # One sample line of the text format: name, optional {labels}, value (no timestamps here).
 NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"

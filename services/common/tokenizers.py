@@ -10,21 +10,18 @@ from typing import Any
 FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tekken.json")
 
 
-def missing(folder: str | Path, flag: str) -> str:
-    """What to do about a folder whose tokenizer files are not there."""
+def tokenizer_problem(folder: str | Path, flag: str = "--model") -> str:
+    """What to do about folder `folder` when it holds none of the tokenizer files, else ""
+    (also when it is no folder: the caller says that)."""
+    path = Path(folder)
+    if not path.is_dir() or any((path / name).is_file() for name in FILES):
+        return ""
+    if next(path.glob("*.tiktoken"), None):
+        return ""
     return (
         f"{flag} {folder} has no tokenizer files (one of {', '.join(FILES)}): its prompts "
         "would encode to no tokens; copy them from the model's repository into the folder"
     )
-
-
-def tokenizer_problem(folder: str | Path, flag: str = "--model") -> str:
-    """`missing` when folder `folder` holds none of the tokenizer files, else "" (also when
-    it is no folder: the caller says that)."""
-    path = Path(folder)
-    if not path.is_dir() or any((path / name).is_file() for name in FILES):
-        return ""
-    return "" if next(path.glob("*.tiktoken"), None) else missing(folder, flag)
 
 
 def load_tokenizer(folder: str | Path, flag: str = "--model") -> Any:
