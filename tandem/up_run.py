@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from proto import MetricsRecord
 from services.common.engine_info import versions_or_why
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
+from tandem.patches import PatchCopy
 from tandem.progress import RunProgress
 from tandem.run_dir import (
     WRITE_ERRORS,
@@ -308,6 +309,8 @@ class UpRun:
             buffer, self.health_urls, config.stall_warn_s, stall_fail_s, say, self.max_steps
         )
         restarts = self.restarts(watchdog)
+        self.patches = PatchCopy(self.run_dir, buffer.redis, buffer.config.run_id, say)
+        self.patches.update()  # (what a resumed router re-applied of them)
         redis_lost_at = 0.0  # when Redis stopped answering (0: it answers)
         while True:
             asked = time.monotonic()
@@ -411,6 +414,8 @@ class UpRun:
         sinks.add(record)
         if line := progress.add(record):
             print(line, flush=True)
+        if "control/patch" in record.values:  # (the router recorded a PATCH: copied, said)
+            self.patches.update()
         return bool(line)
 
     def drain_metrics(

@@ -10,11 +10,17 @@ for a PATCHed field wins over the PATCH, and says that. Real router processes, r
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
+import pytest
 
 from services.rollout_router.config import patches_in_force, patches_key
+from tests.helpers import wait_until
 from tests.test_router_control import TOKEN, router_args
+from tests.test_up_temperature import router_of, trainer_steps
 
 
 def test_a_router_restarted_on_the_run_re_applies_its_patches_and_a_flag_given_then_wins(
@@ -45,7 +51,12 @@ def test_a_router_restarted_on_the_run_re_applies_its_patches_and_a_flag_given_t
     assert said in flagged.log()
     flagged.stop()
     records = [json.loads(r) for r in buffer.redis.lrange(patches_key(buffer.config.run_id), 0, -1)]
-    assert records[-1]["by"] == "start" and records[-1]["fields"] == {"rollout_temperature": 0.9}
+    assert [(r.get("by"), r["fields"]) for r in records] == [
+        (None, change),
+        ("re-applied", change),
+        ("start", {"rollout_temperature": 0.9}),
+        ("re-applied", {"rollout_max_response_len": 2}),
+    ]
 
 
 def test_a_patch_holds_until_a_start_gives_its_field_another_value() -> None:
@@ -60,3 +71,42 @@ def test_a_patch_holds_until_a_start_gives_its_field_another_value() -> None:
     )
     start = {"fields": {"rollout_temperature": 0.9}, "over": {"rollout_temperature": 0.9}}
     assert patches_in_force([patch, start], {"rollout_temperature": 0.9}) == ({}, {})
+
+
+@pytest.mark.e2e
+def test_tandem_up_says_each_patch_copies_it_to_the_run_folder_and_a_resume_re_applies_it(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    flags = ["--max-steps", "6", "--stop-accuracy", "0", "--seed", "5"]
+    cmd = [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir), *flags]
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: len(trainer_steps(run_dir)) >= 2, "2 trainer steps", 300)
+        url, token = router_of(run_dir)
+        change = {"rollout_temperature": 0.8}
+        patched = httpx.patch(url + "/rollout/config", json=change, headers=token, timeout=30)
+        assert patched.status_code == 200, patched.text
+        out, _ = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, out
+    assert "PATCH /rollout/config at step " in out and "rollout_temperature = 0.8" in out, out
+    copied = [json.loads(line) for line in (run_dir / "patches.jsonl").read_text().splitlines()]
+    assert [r["fields"] for r in copied] == [change]
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "up", "--resume", str(run_dir), "--max-steps", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    said = "the router re-applied the run's PATCHes /rollout/config at step"
+    assert said in resumed.stdout and "rollout_temperature = 0.8" in resumed.stdout
+    copied = [json.loads(line) for line in (run_dir / "patches.jsonl").read_text().splitlines()]
+    assert [(r.get("by"), r["fields"]) for r in copied] == [
+        (None, change),
+        ("re-applied", change),
+    ]

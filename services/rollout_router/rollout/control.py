@@ -283,16 +283,15 @@ class RolloutController:
             await self.record(changes)
         self.loop.task, self.data = task, data
         self.loop.apply(rollout, sampling)
-        if record:
-            await self.mark("patch")
         if note := greedy_note(sampling, live.run.n_samples_per_prompt):
             log.warning("PATCH /rollout/config: %s", note)
         return self.config()
 
     async def record(self, fields: dict[str, Any], by: str = "PATCH") -> None:
-        """Append `fields` to the run's PATCH record (`patches_key`): by a PATCH, or by a
-        start whose configuration overrides earlier PATCHes. PatchRecordError when Redis does
-        not take it in MARK_TIMEOUT_S."""
+        """Append `fields` to the run's PATCH record (`patches_key`) and mark it on the
+        dashboard: by a PATCH, by a start whose configuration overrides earlier PATCHes
+        ("start"), or by a start that re-applied them ("re-applied"). PatchRecordError when
+        Redis does not take it in MARK_TIMEOUT_S."""
         buffer = self.loop.buffer
         over = {key: self.configured.get(key) for key in fields}
         try:
@@ -306,6 +305,7 @@ class RolloutController:
                 f"the run's Redis did not record it ({exc!r}): try again"
             ) from exc
         log.info("%s of /rollout/config at version %d, recorded: %s", by, version, fields)
+        await self.mark("patch")
 
     async def replay(self) -> None:
         """At the router's start: re-apply the run's recorded PATCHes (`patches_in_force`), as
@@ -333,6 +333,7 @@ class RolloutController:
             log.warning("the run's PATCHes %s are refused now, not re-applied: %s", apply, exc)
             return
         log.warning("re-applied the run's PATCHes of /rollout/config: %s", json.dumps(apply))
+        await self.record(apply, by="re-applied")
 
     def config(self) -> dict[str, Any]:
         return {**self.loop.live.as_dict(), **self.data.model_dump()}
