@@ -22,6 +22,7 @@ from pathlib import Path
 import redis
 
 from services.sample_buffer import RedisServer, redis_url_problem
+from services.sample_buffer.password import PASSWORD_ENV, password_option, password_refusal
 from tandem.supervisor import die_with_parent
 
 REDIS_FILE = "redis.json"  # {"url", "run_id", "own"}, written by `tandem up`
@@ -64,7 +65,7 @@ def no_answer(url: str, wait_s: float = 0.0) -> str:
     """Why no Redis answers a ping at `url` ("" when one does): "not running (connection
     refused)", said at once (no server there to wait for), or "not answering (the error)" once
     `wait_s` has passed (a server that is busy or loading its data is asked again until then)."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2)
+    client = client_of(url, socket_connect_timeout=1, socket_timeout=2)
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -73,20 +74,39 @@ def no_answer(url: str, wait_s: float = 0.0) -> str:
         except redis.RedisError as exc:
             if isinstance(exc.__cause__, ConnectionRefusedError):
                 return "not running (connection refused)"
+            if isinstance(exc, redis.AuthenticationError):  # (said at once: waiting won't help)
+                return f"refusing this client ({exc}; set {PASSWORD_ENV} to its password)"
             if time.monotonic() >= deadline:
                 return f"not answering ({exc})"
         time.sleep(0.5)
 
 
+def client_of(url: str, **options: float) -> redis.Redis:
+    """A client of the Redis at `url` that sends TANDEM_REDIS_PASSWORD when it is set."""
+    return redis.Redis.from_url(url, **options, **password_option())
+
+
 @contextlib.contextmanager
 def open_run(args: argparse.Namespace) -> Iterator[tuple[redis.Redis, str, str]]:
-    """(client, run id, where) of the run named by the flags; raises RunNotFoundError."""
+    """(client, run id, where) of the run named by the flags; raises RunNotFoundError, also
+    for a Redis that refuses the password (naming TANDEM_REDIS_PASSWORD)."""
+    where = args.redis_url
+    try:
+        with _open_run(args) as found:
+            where = found[2]
+            yield found
+    except redis.AuthenticationError as exc:
+        raise RunNotFoundError(str(password_refusal(where, exc))) from None
+
+
+@contextlib.contextmanager
+def _open_run(args: argparse.Namespace) -> Iterator[tuple[redis.Redis, str, str]]:
     if args.redis_url and (problem := redis_url_problem(args.redis_url)):
         raise RunNotFoundError(problem)  # (it was redis-py's ValueError traceback)
     if not args.run_dir:
         if not (args.redis_url and args.run_id):
             raise RunNotFoundError("name a run: RUN_DIR, or --redis-url URL and --run-id ID")
-        yield redis.Redis.from_url(args.redis_url), args.run_id, args.redis_url
+        yield client_of(args.redis_url), args.run_id, args.redis_url
         return
     run_dir = Path(args.run_dir)
     info_path = run_dir / REDIS_FILE
@@ -99,12 +119,12 @@ def open_run(args: argparse.Namespace) -> Iterator[tuple[redis.Redis, str, str]]
     run_id = args.run_id or info["run_id"]
     url = args.redis_url or info["url"]
     if not no_answer(url) or not info.get("own") or args.redis_url:
-        yield redis.Redis.from_url(url), run_id, url
+        yield client_of(url), run_id, url
         return
     if not (run_dir / "redis").is_dir():
         raise RunNotFoundError(f"{run_dir}: its Redis at {url} is gone and no redis/ data is left")
     with saved_redis(run_dir, run_dir / "logs" / "read") as server:
-        yield redis.Redis.from_url(server.url), run_id, f"{run_dir}/redis (saved data)"
+        yield client_of(server.url), run_id, f"{run_dir}/redis (saved data)"
 
 
 def known_runs(client: redis.Redis, suffix: str) -> list[str]:

@@ -30,6 +30,7 @@ from services.sample_buffer import keys, ledger, recovery
 from services.sample_buffer.buffer import BufferConfig
 from services.sample_buffer.keys import BufferKeys
 from services.sample_buffer.ledger import Ledger
+from services.sample_buffer.password import password_refusal
 
 T = TypeVar("T")
 
@@ -89,6 +90,8 @@ class AsyncSampleBuffer(BufferKeys):
                 await io(self.redis.ping())
                 return
             except RedisConnectionError as exc:
+                if refused := password_refusal(self.config.redis_url, exc):
+                    raise refused from None
                 last = exc
                 await asyncio.sleep(0.1)
         raise ConnectionError(

@@ -63,6 +63,7 @@ from proto.packed import PackedGroup, encode_entry, groups_of, unpack
 from services.sample_buffer import keys, ledger, recovery
 from services.sample_buffer.keys import CONSUMER_GROUP, BufferKeys
 from services.sample_buffer.ledger import Ledger
+from services.sample_buffer.password import password_option, password_refusal
 from services.sample_buffer.refusals import refusal
 
 
@@ -92,11 +93,13 @@ class BufferConfig:
         if not self.redis_call_timeout_s > 0:
             raise ValueError(f"--redis-call-timeout-s must be > 0, got {self.redis_call_timeout_s}")
 
-    def client_options(self) -> dict[str, float]:
-        """redis-py's socket timeouts (blocking reads must ask for less)."""
+    def client_options(self) -> dict[str, float | str]:
+        """redis-py's socket timeouts (blocking reads must ask for less) and the password
+        (TANDEM_REDIS_PASSWORD, password.py)."""
         return {
             "socket_timeout": self.redis_call_timeout_s,
             "socket_connect_timeout": self.redis_call_timeout_s,
+            **password_option(),
         }
 
 
@@ -155,6 +158,8 @@ class SampleBuffer(BufferKeys):
                 self.redis.ping()
                 return
             except redis.ConnectionError as exc:
+                if refused := password_refusal(self.config.redis_url, exc):
+                    raise refused from None
                 last = exc
                 time.sleep(0.1)
         raise ConnectionError(

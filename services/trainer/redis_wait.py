@@ -3,11 +3,12 @@
 Every command (pipelines included) that fails with a connection error or a timeout is retried
 until it succeeds or `timeout_s` have passed since the first failure, and so is one that a Redis
 refusing writes answers (MISCONF: its disk full; OOM, READONLY: sample_buffer/refusals.py, whose
-hint the messages give; a refused command did not run); the wait is logged once
-when it starts and once when Redis answers again. After the bound, `RedisUnavailableError`
-names the URL and the flag. A command Redis ran whose reply was lost is run again: the stream
-commands the trainer retries (XREADGROUP, XACK, XDEL, SET) are idempotent or harmless twice; a
-counter increment (HINCRBY) cut off that way may count once more.
+hint the messages give; a refused command did not run); the wait is logged once when it starts
+and once when Redis answers again. After the bound, `RedisUnavailableError` names the URL and
+the flag. A Redis refusing the password (TANDEM_REDIS_PASSWORD) is not waited out:
+RedisPasswordError names the variable at once. A command Redis ran whose reply was lost is run
+again: the stream commands the trainer retries (XREADGROUP, XACK, XDEL, SET) are idempotent or
+harmless twice; a counter increment (HINCRBY) cut off that way may count once more.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from services.sample_buffer.password import password_option, password_refusal
 from services.sample_buffer.refusals import refusal
 
 log = logging.getLogger("tandem.trainer")
@@ -53,6 +55,8 @@ class PatientRetry(Retry):
                 result = do()
             except Exception as error:
                 hint = refusal(error)  # (a Redis refusing writes: waited out the same way)
+                if refused := password_refusal(self.url, error):
+                    raise refused from None  # (a wrong password does not heal with time)
                 lost = isinstance(error, self._supported_errors)
                 if hint is None and not (lost and (not is_retryable or is_retryable(error))):
                     if not lost:  # an answer, if an error (a server back without its data)
@@ -117,4 +121,5 @@ def patient_client(
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         socket_connect_timeout=5.0,
         socket_timeout=read_block_ms / 1000 + 30.0,
+        **password_option(),
     )

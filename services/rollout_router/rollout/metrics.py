@@ -22,6 +22,7 @@ from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.rollout.report import LoopSnapshot
 from services.sample_buffer import AsyncSampleBuffer
 from services.sample_buffer.keys import backlog
+from services.sample_buffer.password import password_option
 from services.sample_buffer.timeline import Timeline
 
 router = APIRouter()
@@ -44,7 +45,11 @@ class LoopObserver:
         )
         # The timeline's background writer is a thread: it has a blocking client of its own.
         self.timeline = (
-            Timeline(redis.Redis.from_url(buffer.config.redis_url), buffer.config.run_id, "router")
+            Timeline(
+                redis.Redis.from_url(buffer.config.redis_url, **password_option()),
+                buffer.config.run_id,
+                "router",
+            )
             if buffer is not None
             else None
         )
