@@ -17,7 +17,13 @@ from pathlib import Path
 from services.common.settings import ConfigError, parser
 from services.sample_buffer import redis_url_problem
 from tandem.hub import hub_model
-from tandem.up_args import absolute_paths, resume_argv, resumed, taken_problem
+from tandem.up_args import (
+    absolute_paths,
+    found_checkpoint_problem,
+    resume_argv,
+    resumed,
+    taken_problem,
+)
 from tandem.up_config import cross_problems, service_problems
 from tandem.up_launch import DESCRIPTION, EPILOG, UpConfig
 from tandem.up_services import trainer_on_gpu
@@ -129,9 +135,10 @@ def validate(tree: UpTree, model_named: bool = False) -> list[str]:
         problems.append("--stop-accuracy must be within [0, 1] (or -1: the model's default)")
     if tree.given("up", "run_id"):
         problems.append("--run-id is set by tandem up per run (RUN_DIR/redis.json): leave it out")
-    if not up.resume and up.run_dir:
-        save = tree.value("trainer", "save")
-        problems += filter(None, [taken_problem(Path(up.run_dir), save, not up.run.redis_url)])
+    if not up.resume:
+        save, own_redis = tree.value("trainer", "save"), not up.run.redis_url
+        taken = taken_problem(Path(up.run_dir), save, own_redis) if up.run_dir else ""
+        problems += filter(None, [taken, found_checkpoint_problem(tree)])
     if up.run.redis_url and (
         problem := redis_url_problem(up.run.redis_url, "--redis-url/REDIS_URL")
     ):

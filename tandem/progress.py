@@ -129,6 +129,7 @@ class RunProgress:
     updates_skipped: int = 0  # steps whose update was skipped (non-finite): none trained
     history: list[dict] = field(default_factory=list)
     launch_steps: int = 0  # trainer steps recorded by this launch (a new lineage skips one)
+    launch_samples: int = 0  # samples trained by the steps recorded by this launch
     eval_failed: int = 0  # held-out prompts of the last evaluation that failed
     eval_prompts: int = 0  # held-out prompts of the last evaluation
     mismatch_said: bool = False  # the log-prob mismatch warning was said (once a run)
@@ -150,7 +151,10 @@ class RunProgress:
         self.jsonl.write(json_row(row) + "\n")
         self.jsonl.flush()
         self.launch_steps += record.source == "trainer"
-        return self.fold(row)
+        before = self.samples_trained
+        line = self.fold(row)
+        self.launch_samples += self.samples_trained - before
+        return line
 
     def fold(self, row: dict) -> str | None:
         """One row of metrics.jsonl into the totals; the console line of a trainer step."""
@@ -241,6 +245,7 @@ class RunProgress:
             "accuracy_best": self.best_accuracy,
             "accuracy_version": self.accuracy_version,
             "samples_trained": self.samples_trained,
+            "samples_trained_this_launch": self.launch_samples,
             "updates_skipped": self.updates_skipped,
             "logprob_abs_diff_max_step0": self.logprob_diff_step0,
             "logprob_abs_diff_max_same_version": self.logprob_diff_max,
@@ -256,17 +261,18 @@ class RunProgress:
             acc = "not measured ("
             if self.eval_failed:
                 acc += f"every one of the {self.eval_failed} held-out prompts failed; "
-        launch = ""
-        if self.resumed:  # (the steps trained again are in metrics.jsonl once)
-            again = f", {self.replayed} of them again" if self.replayed else ""
-            launch = f" ({self.launch_steps + self.replayed} in this launch{again})"
+        again = f", {self.replayed} of them again" if self.replayed else ""
         skipped = ""
         if self.updates_skipped:
             skipped = f" ({self.updates_skipped} updates skipped, their samples not trained)"
+        run = f"; the run: at iteration {self.step}"  # (a resume's, or a --load's checkpoint's)
+        if self.resumed:  # (the steps trained again are in metrics.jsonl once)
+            run += f", {self.samples_trained} samples trained"
         out = [
-            f"{outcome}: {self.step} steps{launch} in {wall_s / 60:.1f} min, held-out accuracy "
-            f"{acc}{eval_task}), {self.samples_trained} samples trained{skipped}, engines on "
-            f"versions {', '.join(versions) or '?'}"
+            f"{outcome}: this launch: {self.launch_steps + self.replayed} steps{again}, "
+            f"{self.launch_samples} samples trained{skipped}, in {wall_s / 60:.1f} min{run}, "
+            f"held-out accuracy {acc}{eval_task}), engines on versions "
+            f"{', '.join(versions) or '?'}"
         ]
         if not math.isnan(self.logprob_diff_step0):
             out.append(

@@ -215,6 +215,45 @@ def checkpoint_problems(tree: UpTree, run_dir: Path) -> list[str]:
     return problems
 
 
+def optimizer_used(tree: UpTree, run_dir: Path) -> list[str]:
+    """The trainer's optimizer settings made those the run uses when it starts from a
+    checkpoint (--load, or the one --save holds: a resume), so that the run folder records
+    them: the checkpoint's (`SAVED_OPTIMIZER`), but those given (a flag, a variable, a config
+    file, a resume's config.toml; all with --override-opt-param-scheduler) replace them, with
+    --override-opt-param-scheduler set. Returns what to say of it (nothing when unchanged)."""
+    from services.trainer.ckpt_folder import SAVED_OPTIMIZER, resolve_iteration, saved_optimizer
+
+    ckpt, asked = tree.trainer.checkpoint, flat(tree.trainer)
+    save = Path(ckpt.save or run_dir / "checkpoints")  # (the run's own: given per run)
+    root = ckpt.load or (str(save) if ckpt.resume and (save / TRACKER).is_file() else "")
+    try:
+        saved = saved_optimizer(resolve_iteration(root, ckpt.ckpt_step)) if root else {}
+    except (OSError, ValueError):  # (the trainer's check names a missing or damaged one)
+        return []
+    given = {
+        k for k in SAVED_OPTIMIZER if ckpt.override_opt_param_scheduler or tree.given("trainer", k)
+    }
+    used = {k: asked[k] if k in given else v for k, v in saved.items() if k in SAVED_OPTIMIZER}
+    changed = [k for k in used if used[k] != saved[k]]
+    kept = [k for k in used if k not in given and used[k] != asked[k]]
+    override = bool(changed) or ckpt.override_opt_param_scheduler
+    tree.services["trainer"] = rebuild(
+        SERVICES["trainer"], asked | used | {"override_opt_param_scheduler": override}
+    )
+    origin = {"flag": "--{}", "env": "its environment variable", "file": "the config file"}
+    lines = [
+        f"the checkpoint's {k} {saved[k]} -> {used[k]} (from "
+        f"{origin.get(tree.origins['trainer'][k], '--{}').format(k.replace('_', '-'))})"
+        for k in changed
+    ]
+    if kept:
+        what = ", ".join(f"{k} {used[k]} (not {asked[k]})" for k in kept)
+        lines.append(
+            f"the checkpoint's {what} kept: a start from a checkpoint keeps its optimizer settings unless given"
+        )
+    return lines
+
+
 def reach_launch_dir(rm_path: str, launch_dir: str) -> str:
     """For a resume from another folder: when the module of a module-form `rm_path` is not
     found from here but is in `launch_dir`, put that folder first on PYTHONPATH (the router and
@@ -336,8 +375,8 @@ def taken_problem(run_dir: Path, save: str, own_redis: bool) -> str:
             f"{resume_command(run_dir)}, or give another --run-dir (a new run there would "
             "write over its model and mix with its Redis data and checkpoints)"
         )
-    checkpoints, redis = Path(save or run_dir / "checkpoints"), run_dir / "redis"
-    step = steps_saved(checkpoints)
+    checkpoints, redis = run_dir / "checkpoints", run_dir / "redis"
+    step = 0 if save else steps_saved(checkpoints)  # (--save's own: `found_checkpoint_problem`)
     left = [f"{checkpoints} (step {step})"] if step else []
     left += [str(redis)] if own_redis and redis.is_dir() and any(redis.iterdir()) else []
     if not left:
@@ -347,6 +386,33 @@ def taken_problem(run_dir: Path, save: str, own_redis: bool) -> str:
         f"{' and '.join(left)}; a new run would go on from them (the trainer from the checkpoint, "
         "not --model; Redis with the old run's samples): move or delete them, or give another "
         "--run-dir"
+    )
+
+
+def found_checkpoint_problem(tree: UpTree) -> str:
+    """Why a new run cannot start from the checkpoint its trainer would find ("" when it can):
+    --save holding one (another run's: a new run's id is new), which the trainer would go on
+    from instead of --model; a --load whose iteration --max-steps (the run's last) does not
+    pass, so nothing would train."""
+    ckpt, max_steps = tree.trainer.checkpoint, tree.value("trainer", "max_steps")
+    if tree.up.resume:
+        return ""
+    if ckpt.load:
+        step = ckpt.ckpt_step if ckpt.ckpt_step >= 0 else steps_saved(Path(ckpt.load))
+        if not step or max_steps > step:
+            return ""
+        return (
+            f"--max-steps {max_steps} is the run's last iteration, and the checkpoint of --load "
+            f"{ckpt.load} is at iteration {step}: nothing would train; give --max-steps "
+            f"{step + max_steps} to train {max_steps} steps from it"
+        )
+    if not ckpt.save or not ckpt.resume or not (step := steps_saved(Path(ckpt.save))):
+        return ""
+    return (
+        f"--save {ckpt.save} holds another run's checkpoint (iteration {step}): a new run would "
+        "go on from it, not from --model. Continue that run with tandem up --resume RUN_DIR, "
+        f"start a new one from its weights with --load {ckpt.save} instead of --save, or give "
+        "--save an empty folder"
     )
 
 

@@ -51,12 +51,13 @@ def test_a_resumed_run_counts_the_whole_run_and_says_how_much_was_this_launch(
     step(resumed, 4, 0.9)
     summary = resumed.summary()
     assert (summary["steps"], summary["steps_this_launch"]) == (4, 1)
-    assert summary["samples_trained"] == 4 * 512
+    assert (summary["samples_trained"], summary["samples_trained_this_launch"]) == (4 * 512, 512)
     assert (summary["accuracy_first"], summary["accuracy_last"]) == (0.1, 0.9)
     assert len(resumed.history) == 8, "the plot shows the whole run"
     assert [r["step"] for r in metrics_rows(tmp_path)] == [1, 1, 2, 2, 3, 3, 4, 4], "none lost"
     assert resumed.sentences("done", 60.0, "task", ["4"])[0].startswith(
-        "done: 4 steps (1 in this launch) in 1.0 min, held-out accuracy 0.10 -> 0.90"
+        "done: this launch: 1 steps, 512 samples trained, in 1.0 min; the run: at iteration 4, "
+        "2048 samples trained, held-out accuracy 0.10 -> 0.90"
     )
     resumed.close()
     # Its checkpoint was of step 1: steps 2 and 3 were trained again before step 4.
@@ -69,7 +70,8 @@ def test_a_resumed_run_counts_the_whole_run_and_says_how_much_was_this_launch(
     assert note.startswith("resuming from the step-1 checkpoint in ") and "steps 2-4 are" in note
     again = RunProgress(tmp_path, resumed=True, replayed=2)
     assert (again.step, again.summary()["steps_this_launch"]) == (4, 2)
-    assert "4 steps (2 in this launch, 2 of them again)" in again.sentences("x", 6, "t", [])[0]
+    said = again.sentences("x", 6, "t", [])[0]
+    assert "this launch: 2 steps, 2 of them again, 0 samples" in said and "iteration 4," in said
     again.close()
     (checkpoints / TRACKER).write_text("4")
     assert resume_plan(checkpoints, tmp_path, every, one_time, published=4) == (False, 0, "")
@@ -81,7 +83,8 @@ def test_a_resumed_run_counts_the_whole_run_and_says_how_much_was_this_launch(
     step(lineage, 6, 0.2)
     step(lineage, 7, 0.3)
     assert (lineage.step, lineage.summary()["steps_this_launch"]) == (7, 2)
-    assert "7 steps (2 in this launch)" in lineage.sentences("x", 6, "t", [])[0]
+    said = lineage.sentences("x", 6, "t", [])[0]
+    assert "this launch: 2 steps, 1024 samples trained" in said and "iteration 7," in said
     lineage.close()
     assert resume_plan(checkpoints, tmp_path, every, one_time, published=0) == (False, 0, "")
     fresh = RunProgress(tmp_path)  # a new run in that folder: only its own records count
@@ -115,8 +118,8 @@ def test_an_evaluation_whose_every_prompt_failed_reports_no_accuracy(tmp_path: P
     line = progress.add(MetricsRecord(source="trainer", step=1, values={}, time=0.0))
     assert line is not None and "held-out acc - (all 20 failed) |" in line
     assert progress.sentences("unhealthy", 60.0, "task", [])[0].startswith(
-        "unhealthy: 1 steps in 1.0 min, held-out accuracy not measured (every one of the 20 "
-        "held-out prompts failed; task), 0 samples trained"
+        "unhealthy: this launch: 1 steps, 0 samples trained, in 1.0 min; the run: at iteration "
+        "1, held-out accuracy not measured (every one of the 20 held-out prompts failed; task)"
     )
     # an evaluation cut short: its failed prompts count as not solved, and the line says so
     partial: dict[str, float] = {"eval/num_prompts": 4.0, "eval/failed": 16.0}
@@ -231,3 +234,23 @@ def test_a_trainer_engine_log_prob_mismatch_past_the_threshold_is_said_once_with
         assert line is not None and "\n" not in line
     assert not any("warning" in s for s in quiet.sentences("max_steps", 1.0, "task", ["2"]))
     quiet.close()
+
+
+def test_a_launch_from_another_runs_checkpoint_counts_its_own_steps_not_the_iteration(
+    tmp_path: Path,
+) -> None:
+    """A new run given --load of a checkpoint at iteration 40 trains 41..45: the old summary
+    said '45 steps'; it says what this launch trained, and where the run's iteration is."""
+    progress = RunProgress(tmp_path)
+    for n in range(41, 46):
+        values = {"train/samples": 64.0}
+        progress.add(MetricsRecord(source="trainer", step=n, values=values, time=0.0))
+    progress.close()
+    summary = progress.summary()
+    assert (summary["steps"], summary["steps_this_launch"]) == (45, 5)
+    assert summary["samples_trained_this_launch"] == 5 * 64
+    said = progress.sentences("max_steps", 60.0, "task", ["45"])[0]
+    assert said.startswith(
+        "max_steps: this launch: 5 steps, 320 samples trained, in 1.0 min; the run: at "
+        "iteration 45, held-out accuracy"
+    ), said

@@ -90,7 +90,7 @@ def test_a_short_run_changes_the_engines_weights_and_raises_the_reward(tmp_path:
     assert max(r["step"] for r in rows if "eval/accuracy" in r) >= 25
     assert (run_dir / "metrics.png").stat().st_size > 10_000
     assert "step   30 |" in result.stdout
-    assert "training (no accuracy goal, 30 steps)" in result.stdout
+    assert "training (no accuracy goal; stop at iteration 30, --max-steps)" in result.stdout
     assert "held-out accuracy scores reverse_digits: 20 held-out digit pairs" in result.stdout
     assert "[engine]" in (run_dir / "config.toml").read_text()  # what every service ran with
     # The shared-memory weight slots do not outlive the run.

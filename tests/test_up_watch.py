@@ -314,7 +314,17 @@ def test_settings_a_service_would_refuse_are_refused_before_anything_starts(
         ("--run-dir", "left"): "--run-dir left holds what an earlier run left, without its "
         "up_config.json: left/checkpoints (step 400) and left/redis; a new run would go on from "
         "them (the trainer from the checkpoint, not --model;",
-        ("--run-dir", "spare", "--save", "left/checkpoints"): "left/checkpoints (step 400); a",
+        # (without --run-dir too: a new run went on from another run's checkpoint silently)
+        ("--run-dir", "spare", "--save", "left/checkpoints"): "left/checkpoints holds another "
+        "run's checkpoint (iteration 400): a new run would go on from it, not from --model. "
+        "Continue that run with tandem up --resume RUN_DIR, start a new one from its weights "
+        "with --load",
+        ("--save", "left/checkpoints"): "left/checkpoints holds another run's checkpoint",
+        # (a --load launch at or below its checkpoint's iteration trained nothing, exit 0)
+        ("--load", "left/checkpoints", "--max-steps", "400"): "--max-steps 400 is the run's "
+        "last iteration, and the checkpoint of --load",
+        ("--load", "left/checkpoints", "--max-steps", "30"): "is at iteration 400: nothing "
+        "would train; give --max-steps 430 to train 30 steps from it",
         # two rewards: the router took --rm-url over the other without a word
         ("--rm-type", "boxed", "--rm-url=http://127.0.0.1:9/score"): (
             "router: give one reward, not --rm-type boxed and --rm-url http://127.0.0.1:9/score"

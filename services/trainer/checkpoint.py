@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from services.sample_buffer import SampleBuffer
 from services.trainer.ckpt_folder import (
+    SAVED_OPTIMIZER,
     TRACKER,
     damaged,
     iteration_dir,
@@ -68,8 +69,6 @@ from services.trainer.ckpt_folder import (
 from services.trainer.config import TrainerConfig
 from services.trainer.lineage import rewind_ledger
 
-# Flags of the learning-rate schedule; a resume compares them with the checkpoint's.
-SCHEDULER_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters")
 log = logging.getLogger("tandem.trainer")
 NEARLY_FULL = 256 << 20  # free bytes under which a failed save is taken for a full disk
 
@@ -178,6 +177,9 @@ class Checkpointer:
         self.policy = policy
         self.critic = critic  # a value-head Policy (PPO with GAE), saved beside the policy
         self.last_saved = -1
+        # What the optimizer runs with, which each save records: a resume without
+        # --override-opt-param-scheduler keeps its checkpoint's values, not the flags'.
+        self.optimizer_used = {k: getattr(cfg.optimizer, k) for k in SAVED_OPTIMIZER}
 
     @property
     def enabled(self) -> bool:
@@ -233,7 +235,7 @@ class Checkpointer:
             run_id=self.cfg.run.run_id,
             groups_consumed=groups_consumed,
             groups_dead_lettered=groups_dead_lettered,
-            scheduler_config={k: getattr(self.cfg.optimizer, k) for k in SCHEDULER_FLAGS},
+            scheduler_config=self.optimizer_used,
             padded_vocab_size=self.policy.model.vocab_size,
             expert_model_parallel_size=self.cfg.model.expert_model_parallel_size,
             has_optimizer=True,
@@ -316,26 +318,31 @@ class Checkpointer:
         )
 
     def _load_scheduler(self, scheduler: Any, state: dict, common: dict[str, Any]) -> None:
-        """The checkpoint's schedule, or with --override-opt-param-scheduler the flags'; a flag
-        that differs from the checkpoint's value without it is a warning, never silent."""
-        override = self.cfg.checkpoint.override_opt_param_scheduler
+        """The checkpoint's optimizer settings (SAVED_OPTIMIZER), or with
+        --override-opt-param-scheduler the flags'; a flag that differs from the checkpoint's
+        value without it is a warning, never silent (tandem up sets it, saying so)."""
+        override, optimizer = self.cfg.checkpoint.override_opt_param_scheduler, self.cfg.optimizer
         scheduler.override_opt_param_scheduler = override
         scheduler.use_checkpoint_opt_param_scheduler = not override
         saved = common.get("scheduler_config") or {}
         differ = [
-            f"--{k.replace('_', '-')} {getattr(self.cfg.optimizer, k)} (checkpoint: {saved[k]})"
-            for k in SCHEDULER_FLAGS
-            if k in saved and saved[k] != getattr(self.cfg.optimizer, k)
+            f"--{k.replace('_', '-')} {getattr(optimizer, k)} (checkpoint: {saved[k]})"
+            for k in SAVED_OPTIMIZER
+            if k in saved and saved[k] != getattr(optimizer, k)
         ]
+        if not override:
+            self.optimizer_used |= {k: v for k, v in saved.items() if k in SAVED_OPTIMIZER}
         if differ and not override and dist.get_rank() == 0:
             print(
-                f"[trainer] WARNING: {', '.join(differ)} ignored: the checkpoint's learning-rate "
-                "schedule wins on resume; pass --override-opt-param-scheduler to use the flags",
+                f"[trainer] WARNING: {', '.join(differ)} ignored: the checkpoint's optimizer "
+                "settings win on resume; pass --override-opt-param-scheduler to use the flags",
                 flush=True,
             )
-        if override:  # the loaded optimizer's groups carry the checkpoint's peak and floor too
+        if override:  # the loaded optimizer's groups carry the checkpoint's values too
             for group in scheduler.optimizer.param_groups:
                 group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
+                group["betas"] = (optimizer.adam_beta1, optimizer.adam_beta2)
+                group["eps"] = optimizer.adam_eps
         scheduler.load_state_dict(state)
 
 

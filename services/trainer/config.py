@@ -180,8 +180,9 @@ class CheckpointSection(Section):
     starts from --model even so (refused when that checkpoint belongs to another --run-id: its
     tracker would be overwritten)."""
     override_opt_param_scheduler: bool = False
-    """On resume, --lr, --min-lr, --lr-decay-style, --lr-warmup-iters and --lr-decay-iters
-    replace the checkpoint's schedule (without it the checkpoint's values win)."""
+    """On resume, --lr, --min-lr, --lr-decay-style, --lr-warmup-iters, --lr-decay-iters,
+    --weight-decay, --adam-beta1, --adam-beta2 and --adam-eps replace the checkpoint's (without
+    it the checkpoint's values win; tandem up sets it when one of them is given)."""
     keep_last_checkpoints: Count = 0
     """Keep only the newest K iter_* directories under --save (0 = keep all)."""
     save_hf: str = ""
