@@ -57,7 +57,7 @@ from typing import Any
 import msgspec
 import redis
 
-from proto import DropRecord, MetricsRecord, SampleGroup
+from proto import DropRecord, MetricsRecord, SampleGroup, decode
 from proto.contract import RunContract, SampleLimits, ServiceStatus
 from proto.packed import PackedGroup, encode_entry, groups_of, unpack
 from services.sample_buffer import keys, ledger, recovery
@@ -501,6 +501,23 @@ class SampleBuffer(BufferKeys):
     def last_metrics_id(self) -> str:
         """Id of the newest metrics record ("0" when there is none)."""
         return keys.newest_id(self.redis.xrevrange(self.metrics_key, count=1))
+
+    def metrics_id_of(self, written: dict[str, Any] | None) -> str:
+        """Where a reader whose files hold the records up to `written` (the newest as a row:
+        its `source`, `step` and `time`; None: none) reads on: that record's id, found newest
+        first, so records it failed to write (`tandem up` on a full disk) are read again on a
+        resume; "0" when none was written; the stream's newest when `written` was trimmed."""
+        if written is None:
+            return "0"
+        newest = (written.get("source"), written.get("step"), written.get("time"))
+        end = "+"
+        while entries := self.redis.xrevrange(self.metrics_key, max=end, count=1000):
+            for raw_id, fields in entries:
+                record = decode(fields[b"d"], MetricsRecord)
+                if (record.source, record.step, record.time) == newest:
+                    return keys.entry_id(raw_id)
+            end = "(" + keys.entry_id(entries[-1][0])
+        return self.last_metrics_id()
 
     def read_metrics(
         self, after_id: str = "0", block_ms: int | None = None, count: int | None = None
