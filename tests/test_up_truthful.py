@@ -62,7 +62,8 @@ def test_optimizer_settings_given_beside_a_checkpoint_are_used_said_and_recorded
     trainer = tomllib.loads((run / "config.toml").read_text())["trainer"]
     assert (trainer["lr"], trainer["adam_beta2"]) == (5e-4, 0.99)
     assert trainer["override_opt_param_scheduler"] is True
-    common = torch.load(run / "checkpoints" / "iter_0000005" / "common.pt", map_location="cpu")
+    iteration = run / "checkpoints" / "iter_0000005"
+    common = torch.load(iteration / "common.pt", map_location="cpu", weights_only=True)
     group = common["optimizer"]["param_groups"][0]
     assert (group["lr"], group["betas"]) == (5e-4, (0.9, 0.99)), group
     assert (common["scheduler_config"]["lr"], common["scheduler_config"]["adam_beta2"]) == (

@@ -30,7 +30,7 @@ def saved_optimizer(path: Path) -> dict[str, object]:
     """SAVED_OPTIMIZER's values checkpoint `path` recorded (an older one's: fewer, or none)."""
     import torch
 
-    common = torch.load(path / "common.pt", map_location="cpu")
+    common = torch.load(path / "common.pt", map_location="cpu", weights_only=True)
     return dict(common.get("scheduler_config") or {})
 
 
