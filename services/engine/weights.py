@@ -152,6 +152,7 @@ class WeightUpdater:
         lease: Any = None,
         adopt: bool = False,
         plan: LoadPlan | None = None,
+        live: ReceiveSet | None = None,
     ) -> str:
         """Check, then copy in while the scheduler is drained; returns the new version.
         `abort_all` ends running requests (partial output) instead of waiting for them.
@@ -163,7 +164,8 @@ class WeightUpdater:
         With `adopt` (tensors in memory of their own, e.g. received by broadcast), each tensor
         matching its parameter's device and dtype becomes its storage; the others are copied.
         A `plan` (from `ModelRunner.plan_load`, made while the data arrived) means `tensors`
-        were checked already and the apply only carries it out."""
+        were checked already and the apply only carries it out. `live`: the receive set
+        `tensors` lie in, kept as the model's storage (None: memory of their own)."""
         if plan is None:
             try:
                 self.runner.check_weights((n, t.shape) for n, t in tensors)
@@ -173,7 +175,7 @@ class WeightUpdater:
             self.scheduler.abort(None, "Abort due to weight update")
 
         def apply() -> str:
-            return self._load(tensors, version, lease, adopt, plan)
+            return self._load(tensors, version, lease, adopt, plan, live)
 
         future = self.scheduler.run_exclusive(apply, drain=True)
         try:
@@ -196,9 +198,11 @@ class WeightUpdater:
         lease: Any,
         adopt: bool,
         plan: LoadPlan | None,
+        live: ReceiveSet | None,
     ) -> str:
         """On the scheduler's thread, drained: the weights copied in (or adopted), the caches
-        cleared, the version set; the lease of the slot they now live in kept."""
+        cleared, the version set; the lease of the slot they now live in kept, and the receive
+        set they are views of (`live`)."""
         started = time.monotonic()
         if plan is not None:
             count = self.runner.apply_load(plan)
@@ -208,6 +212,7 @@ class WeightUpdater:
             count = self.runner.load_weights(tensors, adopt=adopted or adopt)
         self.scheduler.clear_caches()  # nothing may be served from the old weights' keys
         previous, self._lease = self._lease, (lease if adopted else None)
+        self._live = live
         if previous is not None:
             previous.release()
         if version is not None:
@@ -254,9 +259,7 @@ class WeightUpdater:
                 raise UpdateError(
                     f"weight broker at {endpoint} sent nothing within {wait_s:g}s ({which})", 504
                 ) from exc
-            applied = await self._apply(tensors, version, abort_all, lease=tensors.lease)
-            self._live = None  # no receive set is the model's storage any more
-            return applied
+            return await self._apply(tensors, version, abort_all, lease=tensors.lease)
 
     async def from_disk(self, model_path: str, version: str | None, abort_all: bool = False) -> str:
         """Reload every tensor found in an HF directory's safetensors (or .bin) files."""
@@ -268,9 +271,7 @@ class WeightUpdater:
                 )
             except (OSError, ValueError, RuntimeError) as exc:
                 raise UpdateError(f"could not load weights from {model_path}: {exc}", 400) from exc
-            applied = await self._apply(tensors, version, abort_all)
-            self._live = None
-            return applied
+            return await self._apply(tensors, version, abort_all)
 
     async def init_group(self, body: sg.InitWeightsUpdateGroupReqInput) -> None:
         """Join the trainer's weight-update group (blocks until every rank joined)."""
@@ -352,11 +353,9 @@ class WeightUpdater:
                 raise UpdateError(f"weights refused, model unchanged: {prepared.problem}", 400)
             version = sg.version_str(body.weight_version)
             self._check_forward(version)
-            applied = await self._apply(
-                tensors, version, body.abort_all_requests, adopt=True, plan=plan
+            return await self._apply(
+                tensors, version, body.abort_all_requests, adopt=True, plan=plan, live=received
             )
-            self._live = received  # the model's storage now (None: memory of its own)
-            return applied
 
     def _prepared_layout(self, body: sg.UpdateWeightsFromDistributedReqInput) -> PreparedLayout:
         """The request's layout, parsed and checked against the model; from the cache when
