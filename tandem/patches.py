@@ -17,6 +17,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from services.rollout_router.config import patches_key
+from services.sample_buffer import SampleBuffer
 
 FILE = "patches.jsonl"
 
@@ -24,11 +25,14 @@ FILE = "patches.jsonl"
 class PatchCopy:
     """RUN_DIR/patches.jsonl kept as the run's PATCH record; `update` says what is new."""
 
-    def __init__(self, run_dir: Path, redis: Any, run_id: str, say: Callable[[str], None]):
+    def __init__(self, run_dir: Path, buffer: SampleBuffer, say: Callable[[str], None]):
+        """Made at the start of the run's watch: copies and says at once what is new since the
+        launch before (what a resumed router re-applied)."""
         self.path, self.say = run_dir / FILE, say
-        self.redis, self.key = redis, patches_key(run_id)
+        self.redis, self.key = buffer.redis, patches_key(buffer.config.run_id)
         # (what an earlier launch of the run copied it has said)
         self.said = len(self.path.read_text().splitlines()) if self.path.exists() else 0
+        self.update()
 
     def update(self) -> None:
         """Copy the record to the file and say each record not said yet (nothing while Redis

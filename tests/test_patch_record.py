@@ -110,3 +110,15 @@ def test_tandem_up_says_each_patch_copies_it_to_the_run_folder_and_a_resume_re_a
         (None, change),
         ("re-applied", change),
     ]
+    # A resume that gives the PATCHed field a value of its own: that value wins, and is said.
+    hotter = ["--max-steps", "10", "--rollout-temperature", "0.9"]
+    flagged = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "up", "--resume", str(run_dir), *hotter],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert flagged.returncode == 0, flagged.stdout + flagged.stderr
+    said = "with rollout_temperature = 0.9 (this launch's configuration): it wins over the run's"
+    assert said in flagged.stdout, flagged.stdout
+    assert "the router re-applied" not in flagged.stdout
