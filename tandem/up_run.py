@@ -16,7 +16,7 @@ from proto import MetricsRecord
 from services.common.engine_info import versions_or_why
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from tandem.patches import PatchCopy
-from tandem.progress import RunProgress
+from tandem.progress import RunProgress, metrics_rows
 from tandem.run_dir import (
     WRITE_ERRORS,
     DiskWatch,
@@ -36,6 +36,7 @@ from tandem.supervisor import ChildFailedError, StartInterruptedError, Superviso
 from tandem.up_args import (
     RUN_CONFIG,
     lost_history,
+    optimizer_used,
     save_config,
     steps_saved,
     stopped_early,
@@ -57,6 +58,13 @@ from tandem.watchdog import Watchdog
 
 # What stopping a run waits for (tandem up says it when Ctrl-C comes, and when it is slow).
 STOPPING = " (the router first; the trainer saves its last checkpoint, within --stop-timeout-s)"
+
+# Outcomes a resume would only repeat, and what to do instead (every other one goes on with one).
+NO_RESUME = {
+    "config_error": "fix the setting named above and start the run again (a resume repeats it)",
+    "ledger_unbalanced": "its ledger does not balance (groups lost or counted twice): a resume "
+    "would go on from it; start a new run on a Redis that keeps its keys",
+}
 
 
 class RedisUnreachableError(RuntimeError):
@@ -100,16 +108,17 @@ class UpRun:
         try:
             buffer, urls = self.start_services()
             goal = self.config.by_model("stop_accuracy")
-            why = f"stop at held-out accuracy >= {goal}, at most" if goal else "no accuracy goal,"
+            why = f"stop at held-out accuracy >= {goal} or" if goal else "no accuracy goal; stop"
             say(
                 f"all services up in {time.monotonic() - started:.1f}s; training "
-                f"({why} {self.max_steps} steps)"
+                f"({why} at iteration {self.max_steps}, --max-steps)"
             )
             progress = RunProgress(self.run_dir, bool(self.config.resume), replayed=self.replayed)
             code = self.monitor(buffer, progress, sinks)
             engine_versions = versions_or_why(urls)  # proof the weights moved
         except ChildFailedError as exc:  # at start-up (a service that refused its configuration: 2)
-            self.outcome, code, engine_versions = "child_failed", 2 if exc.code == 2 else 1, []
+            self.outcome = "config_error" if exc.code == 2 else "child_failed"
+            code, engine_versions = 2 if exc.code == 2 else 1, []
             say(f"FAILED: {self.own_redis_gone() or exc}")
         except StartInterruptedError as exc:
             say(f"{exc}: stopping every service")
@@ -153,6 +162,8 @@ class UpRun:
 
     def start_services(self) -> tuple[SampleBuffer, list[str]]:
         config, tree = self.config, self.tree
+        for line in optimizer_used(tree, self.run_dir):  # (before the run folder records them)
+            say(line)
         buffer, redis_url = self.start_redis()
         model = Path(config.run.model) if config.run.model else self.write_model()
         save_config(self.run_dir, tree, str(model))
@@ -302,8 +313,11 @@ class UpRun:
         config = self.config
         limit_s = config.by_model("time_limit_s")
         deadline = time.monotonic() + limit_s if limit_s else math.inf
-        # A resumed run's stream holds the earlier records (metrics.jsonl has them already).
-        self.last_metrics_id = buffer.last_metrics_id() if config.resume else "0"
+        # A resumed run's stream holds the earlier records: read on after the newest one
+        # metrics.jsonl holds (not the stream's end: a record whose write failed, on a full
+        # disk, is written now).
+        rows = list(metrics_rows(self.run_dir)) if config.resume else []
+        self.last_metrics_id = buffer.metrics_id_of(rows[-1] if rows else None)
         stall_fail_s, goal = config.by_model("stall_fail_s"), config.by_model("stop_accuracy")
         watchdog = Watchdog(
             buffer, self.health_urls, config.stall_warn_s, stall_fail_s, say, self.max_steps
@@ -471,17 +485,20 @@ class UpRun:
                 return 1
             reached = self.config.by_model("stop_accuracy") == 0
             self.outcome = "max_steps" if reached else "max_steps_without_accuracy"
-            say(f"trainer finished {self.max_steps} steps")
+            say(f"the trainer reached --max-steps {self.max_steps} (the run's iteration)")
             return 0 if reached else 1
-        self.outcome = "child_failed"
+        # (a service exits 2 only on its configuration: the docs' exit code for that)
+        refused = child.proc.returncode == 2
+        self.outcome = "config_error" if refused else "child_failed"
         if gone := self.own_redis_gone():
             say(f"FAILED: {gone}")
             return 1
+        how = "refused its configuration (exit 2)" if refused else child.how_it_ended()
         say(
-            f"FAILED: {child.name} {child.how_it_ended()} "
+            f"FAILED: {child.name} {how} "
             f"(log: {child.log_path}):\n{child.exit_reason()}{self.disk.note()}"
         )
-        return 1
+        return 2 if refused else 1
 
     def remove_weight_slots(self) -> None:
         """A killed trainer cannot remove its shared-memory weight slots: do it for it."""
@@ -544,6 +561,5 @@ class UpRun:
         names = "config.toml metrics.jsonl summary.json ledger.json metrics.png tensorboard/ "
         names += "timeline.json logs/ checkpoints/ redis/"
         there = ", ".join(n for n in names.split() if (self.run_dir / n).exists())
-        say(
-            f"run folder: {self.run_dir} ({there}); continue it with {resume_command(self.run_dir)}"
-        )
+        then = NO_RESUME.get(self.outcome, f"continue it with {resume_command(self.run_dir)}")
+        say(f"run folder: {self.run_dir} ({there}); {then}")
