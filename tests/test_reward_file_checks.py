@@ -76,8 +76,9 @@ def test_reward_functions_that_take_the_three_parameters_pass_the_check_unrun(
         "def a(text, label, stopped, *, scale=1.0):\n    return 1.0\n\n"
         "async def b(*args):\n    return 1.0\n\n"
         "def c(text, label, stopped=True, extra=None):\n    return 1.0\n\n"
-        "def d(text, label, stopped, *, scale):\n    return 1.0\n"
+        "def d(text, label, stopped, *, scale):\n    return 1.0\n\n"
+        "def e(text):\n    return 1.0\n\ne = lambda text, label, stopped: 1.0\n"  # (rebound)
     )
-    for fn in ("a", "b", "c"):
+    for fn in ("a", "b", "c", "e"):
         assert import_problem(f"pkg.rw:{fn}") == "", fn
     assert "d(text, label, stopped, *, scale)" in import_problem("pkg.rw:d")

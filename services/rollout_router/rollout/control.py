@@ -329,7 +329,7 @@ class RolloutController:
             return
         try:
             await self.patch(RolloutPatch(**apply), record=False)
-        except (ConfigPatchError, ValueError) as exc:
+        except ValueError as exc:  # (ConfigPatchError, or a recorded value the body refuses)
             log.warning("the run's PATCHes %s are refused now, not re-applied: %s", apply, exc)
             return
         log.warning("re-applied the run's PATCHes of /rollout/config: %s", json.dumps(apply))

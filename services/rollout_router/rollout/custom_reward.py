@@ -80,14 +80,10 @@ def source_problem(path: str, file: Path, name: str) -> str:
         return f"--custom-rm-path {path}: cannot read {file} ({exc.strerror})"
     except ValueError:  # (null bytes): the import will say
         return ""
-    defs = [
-        node
-        for node in tree.body
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name
-    ]
-    if not defs or defs[-1].decorator_list:  # (a decorator may change what it takes)
-        return ""
-    fn, args = defs[-1], defs[-1].args
+    fn = ([None] + [node for node in tree.body if binds(node, name)])[-1]  # (the last binding)
+    if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) or fn.decorator_list:
+        return ""  # (assigned, imported or decorated: what it takes is known by running it)
+    args = fn.args
     positional = [*args.posonlyargs, *args.args]
     takes_three = len(positional) >= 3 or args.vararg is not None
     if takes_three and len(positional) - len(args.defaults) <= 3 and None not in args.kw_defaults:
@@ -96,6 +92,17 @@ def source_problem(path: str, file: Path, name: str) -> str:
         f"--custom-rm-path {path}: {name}({ast.unparse(args)}) ({file}:{fn.lineno}) cannot be "
         f"called as {name}(response_text, label, stopped); give it those three parameters "
         "(docs/train-your-model.md)"
+    )
+
+
+def binds(node: ast.stmt, name: str) -> bool:
+    """Whether a top-level statement binds `name` (a def, a class, an assignment, an import)."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return node.name == name
+    return any(
+        (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id == name)
+        or (isinstance(n, ast.alias) and (n.asname or n.name) == name)
+        for n in ast.walk(node)
     )
 
 
