@@ -28,6 +28,7 @@ from typing import Any
 
 from proto.run_terms import AGREED
 from services.common.settings import ConfigError, flat, leaves, toml_value
+from services.trainer.config import TRACKER, saved_iteration
 from tandem.run_dir import resume_command
 from tandem.up_launch import MODEL_DEFAULTS, UpConfig
 from tandem.up_tree import RENDERED, SERVICES, UpTree, rebuild
@@ -35,7 +36,6 @@ from tandem.up_tree import RENDERED, SERVICES, UpTree, rebuild
 CONFIG_FILE = "up_config.json"
 RUN_CONFIG = "config.toml"
 LAUNCH_DIR = "launch_dir"  # up_config.json's key beside the fields: where the run first started
-TRACKER = "latest_checkpointed_iteration.txt"  # megatron's: names a --save folder's newest
 # Service settings that name a file or folder, read from the folder a service starts in: saved
 # absolute, so that a resume or a repeat of config.toml from another folder finds them.
 PATH_KEYS = {"prompt_data", "eval_prompt_data", "load", "ref_load", "tokenizer", "save"}
@@ -221,7 +221,7 @@ def optimizer_used(tree: UpTree, run_dir: Path) -> list[str]:
     them: the checkpoint's (`SAVED_OPTIMIZER`), but those given (a flag, a variable, a config
     file, a resume's config.toml; all with --override-opt-param-scheduler) replace them, with
     --override-opt-param-scheduler set. Returns what to say of it (nothing when unchanged)."""
-    from services.trainer.ckpt_folder import SAVED_OPTIMIZER, resolve_iteration, saved_optimizer
+    from services.trainer.config import SAVED_OPTIMIZER, resolve_iteration, saved_optimizer
 
     ckpt, asked = tree.trainer.checkpoint, flat(tree.trainer)
     save = Path(ckpt.save or run_dir / "checkpoints")  # (the run's own: given per run)
@@ -230,27 +230,23 @@ def optimizer_used(tree: UpTree, run_dir: Path) -> list[str]:
         saved = saved_optimizer(resolve_iteration(root, ckpt.ckpt_step)) if root else {}
     except (OSError, ValueError):  # (the trainer's check names a missing or damaged one)
         return []
-    given = {
-        k for k in SAVED_OPTIMIZER if ckpt.override_opt_param_scheduler or tree.given("trainer", k)
+    everything = ckpt.override_opt_param_scheduler  # (given: every flag wins, as asked)
+    used = {
+        k: asked[k] if everything or tree.given("trainer", k) else v
+        for k, v in saved.items()
+        if k in SAVED_OPTIMIZER
     }
-    used = {k: asked[k] if k in given else v for k, v in saved.items() if k in SAVED_OPTIMIZER}
     changed = [k for k in used if used[k] != saved[k]]
-    kept = [k for k in used if k not in given and used[k] != asked[k]]
-    override = bool(changed) or ckpt.override_opt_param_scheduler
-    tree.services["trainer"] = rebuild(
-        SERVICES["trainer"], asked | used | {"override_opt_param_scheduler": override}
-    )
+    override = {"override_opt_param_scheduler": bool(changed) or everything}
+    tree.services["trainer"] = rebuild(SERVICES["trainer"], asked | used | override)
     origin = {"flag": "--{}", "env": "its environment variable", "file": "the config file"}
     lines = [
         f"the checkpoint's {k} {saved[k]} -> {used[k]} (from "
         f"{origin.get(tree.origins['trainer'][k], '--{}').format(k.replace('_', '-'))})"
         for k in changed
     ]
-    if kept:
-        what = ", ".join(f"{k} {used[k]} (not {asked[k]})" for k in kept)
-        lines.append(
-            f"the checkpoint's {what} kept: a start from a checkpoint keeps its optimizer settings unless given"
-        )
+    if kept := ", ".join(f"{k} {used[k]} (not {asked[k]})" for k in used if used[k] != asked[k]):
+        lines.append(f"the checkpoint's {kept} kept (given, a setting would replace it)")
     return lines
 
 
@@ -281,10 +277,9 @@ def steps_saved(checkpoints: Path) -> int:
     """The step of the newest checkpoint in a --save folder (0 when none, or a tracker the
     trainer will name as broken itself)."""
     try:
-        text = (checkpoints / TRACKER).read_text(errors="replace").strip()
-    except OSError:
+        return saved_iteration(checkpoints) or 0
+    except (OSError, ValueError):
         return 0
-    return int(text) if text.isdigit() else 0
 
 
 def resume_plan(

@@ -59,14 +59,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from services.sample_buffer import SampleBuffer
 from services.trainer.ckpt_folder import (
-    SAVED_OPTIMIZER,
     TRACKER,
     damaged,
     iteration_dir,
     resolve_iteration,
     root_cause,
 )
-from services.trainer.config import TrainerConfig
+from services.trainer.config import SAVED_OPTIMIZER, TrainerConfig
 from services.trainer.lineage import rewind_ledger
 
 log = logging.getLogger("tandem.trainer")

@@ -76,6 +76,30 @@ class OptimizerSection(Section):
     """Critic learning rate for --advantage-estimator gae, 0 to 1 (0 = --lr)."""
 
 
+# The optimizer settings a checkpoint holds (its scheduler's state: the learning-rate schedule
+# and weight decay; its optimizer's parameter groups: AdamW's betas and epsilon), which a start
+# from it keeps unless --override-opt-param-scheduler; saved by name as `scheduler_config`.
+SAVED_OPTIMIZER = (
+    "lr",
+    "min_lr",
+    "lr_decay_style",
+    "lr_warmup_iters",
+    "lr_decay_iters",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+)
+
+
+def saved_optimizer(path: Path) -> dict[str, object]:
+    """SAVED_OPTIMIZER's values checkpoint `path` recorded (an older one's: fewer, or none)."""
+    import torch
+
+    common = torch.load(path / "common.pt", map_location="cpu", weights_only=True)
+    return dict(common.get("scheduler_config") or {})
+
+
 class LossSection(Section):
     """Advantages and the policy (and critic) loss."""
 
