@@ -57,6 +57,8 @@ def said(record: dict[str, Any]) -> str:
             f"the router started {at} with {fields} (this launch's configuration): it wins "
             f"over the run's PATCH of the same field ({FILE})"
         )
+    if by.startswith("refused"):
+        return f"the router did not re-apply the run's PATCHes {at}: {fields}: {by[9:]}"
     if by == "re-applied":
         return f"the router re-applied the run's PATCHes /rollout/config {at}: {fields} ({FILE})"
     return f"PATCH /rollout/config {at}: {fields} (in {FILE}; a resume re-applies it)"

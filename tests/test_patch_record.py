@@ -17,7 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from proto.contract import SampleLimits
 from services.rollout_router.config import patches_in_force, patches_key
+from tandem.patches import said
 from tests.helpers import wait_until
 from tests.test_router_control import TOKEN, router_args
 from tests.test_up_temperature import router_of, trainer_steps
@@ -57,6 +59,31 @@ def test_a_router_restarted_on_the_run_re_applies_its_patches_and_a_flag_given_t
         ("start", {"rollout_temperature": 0.9}),
         ("re-applied", {"rollout_max_response_len": 2}),
     ]
+
+
+def test_a_patch_a_restarted_router_may_no_longer_apply_is_said_recorded_and_left_out(
+    buffer, toy_model_dir, start_service, engines
+) -> None:
+    urls = [engines().url]
+    first = start_service("router", router_args(buffer, toy_model_dir, urls))
+    change = {"rollout_max_response_len": 12}
+    assert httpx.patch(first.url + "/rollout/config", json=change, headers=TOKEN).is_success
+    first.stop()
+    buffer.set_limits(SampleLimits(max_tokens=64, max_response_len=8))  # a trainer since then
+    again = start_service("router_again", router_args(buffer, toy_model_dir, urls))
+    assert httpx.get(again.url + "/rollout/config").json()["rollout_max_response_len"] == 4
+    assert "are refused now, not re-applied: rollout_max_response_len 12" in again.log()
+    records = [json.loads(r) for r in buffer.redis.lrange(patches_key(buffer.config.run_id), 0, -1)]
+    assert records[-1]["by"].startswith("refused: rollout_max_response_len 12: the trainer takes")
+    assert records[-1]["fields"] == change
+    assert said(records[-1]).startswith(
+        "the router did not re-apply the run's PATCHes at step 0: rollout_max_response_len = 12: "
+    )
+    # the trainer's limits allow it again: the next start re-applies it
+    buffer.set_limits(SampleLimits(max_tokens=64, max_response_len=16))
+    again.stop()
+    third = start_service("router_third", router_args(buffer, toy_model_dir, urls))
+    assert httpx.get(third.url + "/rollout/config").json()["rollout_max_response_len"] == 12
 
 
 def test_a_patch_holds_until_a_start_gives_its_field_another_value() -> None:

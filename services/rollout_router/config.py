@@ -366,6 +366,8 @@ def patches_in_force(
     latest: dict[str, Any] = {}
     over: dict[str, Any] = {}
     for record in records:
+        if record.get("by", "").startswith("refused"):  # (a start could not re-apply them)
+            continue
         latest |= record["fields"]
         over |= {key: record["over"].get(key) for key in record["fields"]}
     apply, overridden = {}, {}

@@ -290,8 +290,9 @@ class RolloutController:
     async def record(self, fields: dict[str, Any], by: str = "PATCH") -> None:
         """Append `fields` to the run's PATCH record (`patches_key`) and mark it on the
         dashboard: by a PATCH, by a start whose configuration overrides earlier PATCHes
-        ("start"), or by a start that re-applied them ("re-applied"). PatchRecordError when
-        Redis does not take it in MARK_TIMEOUT_S."""
+        ("start"), by a start that re-applied them ("re-applied") or refused to ("refused: WHY",
+        which `patches_in_force` passes by). PatchRecordError when Redis does not take it in
+        MARK_TIMEOUT_S."""
         buffer = self.loop.buffer
         over = {key: self.configured.get(key) for key in fields}
         try:
@@ -331,6 +332,7 @@ class RolloutController:
             await self.patch(RolloutPatch(**apply), record=False)
         except ValueError as exc:  # (ConfigPatchError, or a recorded value the body refuses)
             log.warning("the run's PATCHes %s are refused now, not re-applied: %s", apply, exc)
+            await self.record(apply, by=f"refused: {exc}")  # (said by tandem up too)
             return
         log.warning("re-applied the run's PATCHes of /rollout/config: %s", json.dumps(apply))
         await self.record(apply, by="re-applied")
