@@ -5,7 +5,11 @@ writing a version runs at memcpy speed; fresh tmpfs pages cost ~10x more). Versi
 slot no reader holds: take an exclusive `flock` on it, set the stamp to -1, copy the tensors in,
 set the stamp to N, unlock. Two slots suffice while engines keep up; when engines hold both
 (engines two versions behind, e.g. a version lost with a killed broker, or engines at two
-different versions) for `grow_after_s`, a slot is added, up to `max_count`.
+different versions) for `grow_after_s`, a slot is added, up to `max_count`. Such a slot is held
+by an engine that has not moved on for a whole version (stopped, hung, left behind by the
+broker, or never told of the newest): it frees when that engine takes a newer version, which
+may be never, so the writer waits only GROW_AFTER_S for it: a longer wait stalls the trainer
+and saves no memory when the engine does not move (the slot is added after it all the same).
 
 Reader (engine): `read_slot` takes a shared `flock`, checks that the stamp equals the version it
 was told about (else the slot already holds a newer version: `LookupError`), and maps the file
@@ -40,6 +44,10 @@ FILE_PREFIX = "tandem-weights-"  # then the writer's pid: see remove_stale_slots
 HEADER_BYTES = 64  # the stamp (int64 version) lives here; tensors start after it
 ALIGN = 64
 WRITING = -1
+# How long every reusable slot may stay held before one is added (`max_count` bounds them): an
+# engine one sync away from the next version lets its slot go within it (a sync over shared
+# memory adopts the slot's pages: milliseconds, plus the drain of running requests).
+GROW_AFTER_S = 1.0
 log = logging.getLogger("tandem.weight_sync.shm")
 
 
@@ -81,7 +89,7 @@ class ShmSlots:
     shm_dir: str
     count: int = 2
     max_count: int = 4
-    grow_after_s: float = 10.0
+    grow_after_s: float = GROW_AFTER_S
     timeout_s: float = 120.0
     prefix: str = field(default_factory=lambda: f"{FILE_PREFIX}{os.getpid()}-{time.time_ns()}")
     _slots: list[_Slot] = field(default_factory=list)
@@ -147,7 +155,7 @@ class ShmSlots:
             waited = time.monotonic() - start
             if waited > self.grow_after_s and len(self._slots) < self.max_count:
                 log.warning(
-                    "engines hold every free weight slot for %.0fs (engines two or more versions "
+                    "engines hold every free weight slot for %.1fs (engines two or more versions "
                     "behind): adding slot %d in %s",
                     waited,
                     len(self._slots),
