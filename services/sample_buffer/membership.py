@@ -15,7 +15,7 @@ ContractMismatchError naming the flag; the lease is given up then).
 Store: `join` checks what the run needs of Redis (`store_check`: an evicting Redis is refused,
 one without persistence said) and reads the run's mark; the renewing thread checks the mark
 before each renewal and, finding it gone or replaced (Redis restarted empty) or a counter that
-only grows below what it read at the renewal before (`store_check.MONOTONE`: the store rolled
+only grows below what it read at the renewal before (`MONOTONE`: the store rolled
 back), calls `on_lost` with `lost()` naming what was lost (the trainer then ends, exit 1).
 Status stays the buffer's (`set_status`): a service reports it from its own loop.
 """
@@ -40,13 +40,18 @@ from services.sample_buffer.keys import (
     lease_owner_name,
     lease_waiting,
 )
-from services.sample_buffer.store_check import (
-    MONOTONE,
-    claim_mark,
-    store_lost,
-    store_problems,
-    went_back,
-)
+from services.sample_buffer.store_check import claim_mark, store_lost, store_problems
+
+# Counters that only grow while a run lives (a trainer's resume rewinds the consumed and trained
+# counts and its version, never these): the prompt cursor, the groups started and put.
+MONOTONE = ("prompts_drawn", "groups_generated", "groups_put")
+
+
+def went_back(seen: dict[str, int], now: dict[str, int]) -> str:
+    """The `MONOTONE` counters below what a member read before, said ('' when none is)."""
+    back = ", ".join(f"{n} {seen[n]} -> {now[n]}" for n in seen if now[n] < seen[n])
+    why = "an older snapshot restored, a failover to a replica behind it, or the counters edited"
+    return f"its counters went back ({back}: {why})" if back else ""
 
 
 class Membership:

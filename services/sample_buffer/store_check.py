@@ -12,7 +12,7 @@ Mark (`BufferKeys.mark_key`): written once per run (SET NX) by the first member 
 back by each. A member that finds it gone or another one (Redis restarted empty, flushed, or
 evicted it) stops the run: what the store counted (samples, ledger, prompt order, trained
 groups) went with it, and a run that went on would train groups twice. So does a member that
-finds a counter of `MONOTONE` below what it read before (a store rolled back with its mark: an
+finds a counter that only grows below what it read before (a store rolled back with its mark: an
 older snapshot restored, a failover to a replica behind it, the counters edited).
 """
 
@@ -24,9 +24,6 @@ import redis
 from redis.exceptions import ResponseError
 
 NEEDS = "its maxmemory-policy is noeviction and its persistence what this run needs"
-# Counters that only grow while a run lives (a trainer's resume rewinds the consumed and trained
-# counts and its version, never these): the prompt cursor, the groups started and put.
-MONOTONE = ("prompts_drawn", "groups_generated", "groups_put")
 
 
 def store_problems(client: redis.Redis) -> tuple[str, list[str]]:
@@ -73,19 +70,9 @@ def claim_mark(client: redis.Redis, key: str) -> bytes:
     return client.get(key) or b""
 
 
-def went_back(seen: dict[str, int], now: dict[str, int]) -> str:
-    """The `MONOTONE` counters below what a member read before, said ('' when none is)."""
-    back = [f"{name} {seen[name]} -> {now[name]}" for name in seen if now[name] < seen[name]]
-    return (
-        f"its counters went back ({', '.join(back)}: an older snapshot restored, a failover to "
-        "a replica behind it, or the counters edited)"
-        if back
-        else ""
-    )
-
-
 def store_lost(url: str, key: str, why: str = "") -> str:
-    """Why a member stops when the run's mark is gone or changed (or `why`, `went_back`)."""
+    """Why a member stops when the run's mark is gone or changed (or `why`: its counters went
+    back, membership.py)."""
     keep = "appendonly yes on that Redis keeps a restart from losing it"
     if not why:
         why = f"{key} is gone or replaced: Redis restarted without persistence, or its keys were "

@@ -39,14 +39,7 @@ from services.sample_buffer.buffer import DeadLetter, Entry
 from services.sample_buffer.read_ahead import ReadAhead
 from services.trainer import batching
 from services.trainer.config import TrainerConfig
-from services.trainer.intake import (
-    Group,
-    Limits,
-    Rejected,
-    check_groups,
-    decode_groups,
-    foreign,
-)
+from services.trainer.intake import Group, Limits, Rejected, check_groups, decode_groups, foreign
 
 log = logging.getLogger("tandem.trainer")
 # Entries taken in the one read that drains the pending list at start-up; the stream holds at
