@@ -55,8 +55,7 @@ def health_problem(url: str) -> tuple[str, bool]:
             body = json.loads(body).get("error") or body
         return f"HTTP {exc.code}: {body}", False
     except urllib.error.URLError as exc:
-        silent = isinstance(exc.reason, TimeoutError)
-        return f"no answer ({exc.reason})", silent
+        return f"no answer ({exc.reason})", isinstance(exc.reason, TimeoutError)
     except (OSError, TimeoutError) as exc:
         return f"no answer ({exc})", isinstance(exc, TimeoutError)
 

@@ -211,7 +211,6 @@ def serve(
     host: str,
     port: int,
     ready_file: str | None = None,
-    flag: str = "--port",
     extra: dict[str, Any] | None = None,
     max_request_bytes: int = 0,
     graceful_shutdown_s: float = 10.0,
@@ -229,7 +228,7 @@ def serve(
     `on_shutdown` runs first, when SIGTERM arrives (the engine ends its queued requests there,
     each answered with an abort finish reason instead of a dropped connection). `sock`: one
     `bind_socket` bound already (`run_service` binds before start-up)."""
-    sock = sock or bind_socket(host, port, flag)
+    sock = sock or bind_socket(host, port)
     bound_port = sock.getsockname()[1]
     config = uvicorn.Config(
         BodyLimitMiddleware(app, max_request_bytes),
