@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import pickle
 import shutil
 import sys
 import tempfile
@@ -228,8 +229,8 @@ def optimizer_used(tree: UpTree, run_dir: Path) -> list[str]:
     root = ckpt.load or (str(save) if ckpt.resume and (save / TRACKER).is_file() else "")
     try:
         saved = saved_optimizer(resolve_iteration(root, ckpt.ckpt_step)) if root else {}
-    except (OSError, ValueError):  # (the trainer's check names a missing or damaged one)
-        return []
+    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError):
+        return []  # (a missing or damaged one: the trainer's check names it)
     everything = ckpt.override_opt_param_scheduler  # (given: every flag wins, as asked)
     used = {
         k: asked[k] if everything or tree.given("trainer", k) else v

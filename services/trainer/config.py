@@ -76,7 +76,7 @@ class OptimizerSection(Section):
     """Critic learning rate for --advantage-estimator gae, 0 to 1 (0 = --lr)."""
 
 
-# The optimizer settings a checkpoint holds (its scheduler's state: the learning-rate schedule
+# The optimizer settings a checkpoint holds (its schedulers' state: the learning-rates' schedule
 # and weight decay; its optimizer's parameter groups: AdamW's betas and epsilon), which a start
 # from it keeps unless --override-opt-param-scheduler; saved by name as `scheduler_config`.
 SAVED_OPTIMIZER = (
@@ -89,6 +89,7 @@ SAVED_OPTIMIZER = (
     "adam_beta1",
     "adam_beta2",
     "adam_eps",
+    "critic_lr",
 )
 
 
@@ -205,8 +206,9 @@ class CheckpointSection(Section):
     tracker would be overwritten)."""
     override_opt_param_scheduler: bool = False
     """On resume, --lr, --min-lr, --lr-decay-style, --lr-warmup-iters, --lr-decay-iters,
-    --weight-decay, --adam-beta1, --adam-beta2 and --adam-eps replace the checkpoint's (without
-    it the checkpoint's values win; tandem up sets it when one of them is given)."""
+    --weight-decay, --adam-beta1, --adam-beta2, --adam-eps and --critic-lr replace the
+    checkpoint's (without it the checkpoint's values win; tandem up sets it when one of them is
+    given)."""
     keep_last_checkpoints: Count = 0
     """Keep only the newest K iter_* directories under --save (0 = keep all)."""
     save_hf: str = ""
