@@ -13,7 +13,7 @@ the trainer's device); an offer that fails its HMAC check is answered `abort`. T
      `GET /get_server_info` (`tp_size`; whether it takes `bucket_sizes` and `layout_id`), sends
      the trainer `init` (`proto.NcclCommand`) and each engine `InitWeightsUpdateGroupReqInput`
      (rank_offset = 1 + the TP ranks before it; world = 1 + all TP ranks). Else each member
-     must answer `GET /get_model_info` within 5 s: one that died since the group formed would
+     must answer `GET /model_info` within 5 s: one that died since the group formed would
      hold the others in the broadcast for the group's timeout.
   2. Pause: `PauseGenerationReqInput` (`--pause-mode`, unless none), except to an engine that
      takes a whole version per request in mode abort: it generates on the old weights until
@@ -24,6 +24,9 @@ the trainer's device); an offer that fails its HMAC check is answered `abort`. T
      `bucket_sizes`; once it took a layout, only its `layout_id`, in full again after a 409)
      or one per bucket, each sent when the previous one answered (SGLang).
   4. Resume: `ContinueGenerationReqInput` to the engines paused in 2; `done` to the trainer.
+Each engine's outcome is its own: once the trainer acked, an engine that answered took the
+version (`done` to the trainer); one with no answer 5 s (plus the broadcast's time) after the
+ack, stopped or slow, is left behind, out of rotation, until it is registered again.
 A failure or timeout takes the failing engine out of rotation; the version is tried once more
 in a fresh group without it, else the trainer gets `abort` (engines keep their version) and the
 next version forms a fresh group. No step waits longer than the broker's `--sync-timeout-s`.

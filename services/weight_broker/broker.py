@@ -7,8 +7,10 @@ is in docs/architecture.md, "Weight sync"; tests/test_broker_*.py check each poi
 Loop: `run` asks the transport (transports.py) for the version to sync to, has it sync the
 engines not on it, not syncing and whose retry is due, and marks each outcome as it ends
 (bucket transports: one task per engine, so an engine stopped mid-sync is left behind until
-`--sync-timeout-s` while the others take each later version; NCCL: all together). A sync
-that ends and `add_engine` set the loop's `wake` so neither waits for the next poll. The transport's socket loops and the
+`--sync-timeout-s` while the others take each later version; NCCL: one broadcast per version
+to the engines due, each recorded as it answers, one stopped or slow left behind within
+`MEMBER_CHECK_S` plus the broadcast's time: nccl_transport.py). A sync that ends and
+`add_engine` set the loop's `wake` so neither waits for the next poll. The transport's socket loops and the
 Redis loop run beside it: if one of them fails, `run` raises and `/health` says so.
 
 Redis is only touched off the event loop (`asyncio.to_thread`, each call bounded by
@@ -157,8 +159,8 @@ class WeightBroker:
     async def _sync_once(self, session: aiohttp.ClientSession, syncs: asyncio.TaskGroup) -> None:
         """Bring the engines not on the newest version, and not syncing, to it. Bucket
         transports sync each engine on its own task, recorded as it ends: a stopped or slow
-        engine holds back no other engine and no later version. NCCL syncs them together (one
-        weight group per version)."""
+        engine holds back no other engine and no later version. NCCL brings the engines due
+        together (one broadcast), each outcome its own."""
         version = await self.transport.next_version(self._wake)
         if version < 0:
             return
@@ -269,13 +271,16 @@ class WeightBroker:
 
     def add_engine(self, url: str, version: int = -1, restarted: bool = False) -> EngineState:
         """Register an engine at the version it serves (-1: unknown); the loop brings it to the
-        newest. A restarted engine holds nothing the transport knew of it."""
+        newest, and until then it is out of rotation (the gate follows the engines that serve
+        the newest; one resumed after a stop must not pull it back). A restarted engine holds
+        nothing the transport knew of it."""
         url = url.rstrip("/")
         engine = self.engines.setdefault(url, EngineState(url))
         if restarted or 0 <= version < engine.version:
             self.transport.forget(url)
             log.warning("engine %s restarted: serves version %d", url, version)
-        engine.version, engine.in_rotation, engine.retry_at = version, True, 0.0
+        engine.version, engine.retry_at = version, 0.0
+        engine.in_rotation = version >= self.latest
         self.publish_version()
         self._wake.set()
         return engine
@@ -303,8 +308,8 @@ class WeightBroker:
             waiting = f"engines on weight version {latest}: {engines}"
             state = "syncing"
             now = time.monotonic()
-            if not self.transport.keeps_versions and any(  # (NCCL: a restarted engine)
-                e.in_rotation and not e.syncing and now >= e.retry_at for e in behind
+            if not self.transport.keeps_versions and any(  # (NCCL: an engine registered again)
+                not e.syncing and now >= e.retry_at for e in behind
             ):
                 waiting += "; the trainer is asked to send it again (this broker keeps no copy)"
                 self._ask_resend(latest)

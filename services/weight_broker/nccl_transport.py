@@ -7,6 +7,7 @@ transfer, continue; what a failure does).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -29,7 +30,7 @@ from services.weight_sync.wire import AuthenticationError, check_offer, secret_f
 log = logging.getLogger("tandem.broker.nccl")
 # Tries per version: the first, plus one with a fresh group if an engine failed during it.
 MAX_ATTEMPTS = 2
-MEMBER_CHECK_S = 5.0  # how long a group member has to answer before a broadcast
+MEMBER_CHECK_S = 5.0  # how long a live engine may take to answer a check, a resume, a broadcast
 Session = aiohttp.ClientSession
 UpdateBody = sg.UpdateWeightsFromDistributedReqInput
 
@@ -48,6 +49,7 @@ class NcclTransport:
         self.load_format = config.sync.nccl_load_format  # flattened_bucket | per_tensor
         self.timeout_s = config.sync.sync_timeout_s
         self.group_timeout_s = self.timeout_s / 2  # the trainer's collectives (and engines')
+        self.quick = min(MEMBER_CHECK_S, self.timeout_s)  # bound of a call any live engine answers
         self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(config.endpoints.intake_endpoint)
@@ -117,7 +119,7 @@ class NcclTransport:
             if not (engines := [u for u in urls if u not in self._failed]):
                 break
             try:
-                await self._attempt(session, identity, offer, engines, attempt)
+                engines = await self._attempt(session, identity, offer, engines, attempt)
                 log.info("version %d on %d engines", version, len(engines))
                 break
             except Exception as exc:  # whatever broke, later versions are still coordinated
@@ -134,13 +136,16 @@ class NcclTransport:
             await self._command(identity, "abort", version, message=error)
         elapsed_s = time.monotonic() - start
         nbytes = sum(tensors_nbytes(b) for b in offer.buckets)
-        # An engine that answered an error when another hung keeps its version, unblamed.
+        # Each engine's outcome as it took the version or failed; one that answered an error
+        # when another hung keeps its version, unblamed.
         outcomes = {url: Outcome(error) for url, error in self._failed.items()}
         return outcomes | {url: Outcome("", elapsed_s, nbytes) for url in engines}
 
     async def _attempt(
         self, session: Session, identity: bytes, offer: NcclOffer, engines: list[str], attempt: int
-    ) -> None:
+    ) -> list[str]:
+        """Steps 1-4 for `engines`; the engines that took the version (RuntimeError if none).
+        The next version forms a fresh group unless every member took this one."""
         paused: list[str] = []
         marks = [time.monotonic()]
         try:
@@ -155,16 +160,22 @@ class NcclTransport:
                 calls = [post(session, f"{e}/pause_generation", pause) for e in paused]
                 await self._gather(calls, paused)
             marks.append(time.monotonic())
-            await self._transfer(session, identity, offer, engines, attempt)
+            took = await self._transfer(session, identity, offer, engines, attempt)
             marks.append(time.monotonic())
         finally:  # engines that failed are out of rotation; resume the others
             resume = sg.ContinueGenerationReqInput()
             calls = [post(session, f"{e}/continue_generation", resume) for e in paused]
-            await asyncio.gather(*calls, return_exceptions=True)
+            with contextlib.suppress(TimeoutError):  # (one stopped: its next sync resumes it)
+                await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), self.quick)
         marks.append(time.monotonic())
         steps = zip(("group", "pause", "transfer", "continue"), marks, marks[1:], strict=False)
         phases = ", ".join(f"{name} {1e3 * (b - a):.1f} ms" for name, a, b in steps)
         log.info("version %d phases: %s", offer.version, phases)
+        if took != engines:
+            self.members = []
+        if not took:
+            raise RuntimeError("no engine took it: " + "; ".join(self._failed.values()))
+        return took
 
     # --- steps ----------------------------------------------------------------------------------
 
@@ -199,7 +210,13 @@ class NcclTransport:
 
     async def _transfer(
         self, session: Session, identity: bytes, offer: NcclOffer, engines: list[str], attempt: int
-    ) -> None:
+    ) -> list[str]:
+        """The engines that took the version. Each answer is the engine's own: once the
+        trainer acked its broadcast, an engine that answered took the version whatever the
+        others do. One with no answer `MEMBER_CHECK_S` after the ack (plus the broadcast's own
+        time when it succeeded), stopped or slow, is left behind: no longer waited for, out of
+        rotation (the router registers it again once it answers). RuntimeError when the
+        broadcast failed: the retry forms a group of the engines not blamed."""
         buckets = [b for b in offer.buckets if b] or [[]]
 
         @functools.cache  # built at most once per version, for the engines that take it
@@ -209,12 +226,14 @@ class NcclTransport:
             return self._update_body(offer, [m for b in buckets for m in b], bucket_sizes=sizes)
 
         calls = [
-            self._post_version(session, e, offer, whole)
-            if self._whole_version.get(e)
-            else self._post_chain(session, e, offer, buckets)
+            asyncio.ensure_future(
+                self._post_version(session, e, offer, whole)
+                if self._whole_version.get(e)
+                else self._post_chain(session, e, offer, buckets)
+            )
             for e in engines
         ]
-        engine_calls = asyncio.ensure_future(self._gather(calls, engines))
+        started = time.monotonic()
         await self._command(
             identity, "broadcast", offer.version, attempt=attempt, load_format=self.load_format
         )
@@ -223,9 +242,18 @@ class NcclTransport:
             ack_error = "" if ack.ok else f"trainer failed to broadcast: {ack.error}"
         except TimeoutError:
             ack_error = f"no ack from the trainer within {self.timeout_s:.0f}s"
-        await engine_calls  # raises (naming the engines) if any engine failed
+        # A failed broadcast fails every live member at once; a good one may take a live engine
+        # about as long again to apply.
+        grace = min(self.quick + (0.0 if ack_error else time.monotonic() - started), self.timeout_s)
+        _done, late = await asyncio.wait(calls, timeout=grace)
+        for call in late:
+            call.cancel()
+        left = f"left behind: no answer within {grace:.1f}s of the broadcast (stopped or slow)"
+        results = [TimeoutError(left) if c in late else c.exception() for c in calls]
+        self._blame(engines, results, whole_group=bool(ack_error))
         if ack_error:
             raise RuntimeError(ack_error)
+        return [e for e, r in zip(engines, results, strict=True) if r is None]
 
     def _init_body(
         self, offer: NcclOffer, engine: str, rank_offset: int, world_size: int
@@ -331,40 +359,49 @@ class NcclTransport:
         """Run one call per engine; engines whose call failed are taken out of rotation and
         a RuntimeError names them. Returns the results in engine order."""
         results = await asyncio.gather(*calls, return_exceptions=True)
+        if failed := self._blame(engines, results, whole_group=True):
+            raise RuntimeError("; ".join(f"{e}: {r!r}" for e, r in failed))
+        return results
+
+    def _blame(
+        self, engines: list[str], results: Sequence[Any], whole_group: bool
+    ) -> list[tuple[str, BaseException]]:
+        """The engines whose call failed, each put in `_failed` unless `whole_group` (a step
+        of the group failed for every member) and it answered: a collective breaks for every
+        member when one hangs or dies, and the others answer an error ("broadcast failed,
+        weights unchanged"); they stay in rotation for the retry with a fresh group."""
         failed = [
             (e, r) for e, r in zip(engines, results, strict=True) if isinstance(r, BaseException)
         ]
-        # A collective breaks for every member when one hangs or dies: the others answer an
-        # error ("broadcast failed, weights unchanged"). Blame only the engines that did not
-        # answer; those that did stay in rotation for the retry with a fresh group.
         silent = [(e, r) for e, r in failed if not isinstance(r, EngineAnswerError)]
-        for engine, error in silent or failed:
+        for engine, error in silent if whole_group and silent else failed:
             self._failed[engine] = f"NCCL update failed: {error!r}"
-        if failed:
-            raise RuntimeError("; ".join(f"{e}: {r!r}" for e, r in failed))
-        return results
+        return failed
 
     async def _check_members(self, session: Session, engines: list[str]) -> None:
         """Every member of the group answers before a broadcast it must join: one that died
         since the group formed (and was not yet reported restarted) would hold the others in
         the collective until its timeout. One that does not answer is out of rotation, and the
         retry forms a group without it (seen on 4 H200s: an engine killed between versions)."""
-        timeout = aiohttp.ClientTimeout(total=min(MEMBER_CHECK_S, self.timeout_s))
+        timeout = aiohttp.ClientTimeout(total=self.quick)
 
         async def answers(engine: str) -> None:
             try:
-                async with session.get(f"{engine}/get_model_info", timeout=timeout) as resp:
+                async with session.get(f"{engine}/model_info", timeout=timeout) as resp:
                     resp.raise_for_status()
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise ConnectionError(
-                    f"did not answer GET /get_model_info before the broadcast "
-                    f"(within {timeout.total:g}s): {exc!r}"
+                    f"did not answer GET /model_info before the broadcast "
+                    f"(within {self.quick:g}s): {exc!r}"
                 ) from exc
 
         await self._gather([answers(e) for e in engines], engines)
 
     async def _server_info(self, session: Session, engine: str) -> dict[str, Any]:
-        async with session.get(f"{engine}/get_server_info") as resp:
+        """Bounded as a member check is: an engine stopped since it registered must not hold
+        the group's formation for the sync timeout."""
+        timeout = aiohttp.ClientTimeout(total=self.quick)
+        async with session.get(f"{engine}/get_server_info", timeout=timeout) as resp:
             resp.raise_for_status()
             return await resp.json(content_type=None)
 
