@@ -32,14 +32,19 @@ RUN apt-get update \
 RUN pip install "torch==${TORCH_VERSION}"
 
 WORKDIR /opt/tandem
-COPY pyproject.toml README.md ./
+# The dependencies exactly as pyproject.toml lists them (read from it: no second list here), in
+# a layer that only a change of pyproject.toml rebuilds: a code change reinstalls the project
+# alone, in seconds, not its ~1 GB of dependencies. The check fails the build when
+# pyproject.toml pins another torch than TORCH_VERSION.
+COPY pyproject.toml ./
+RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt \
+    && python -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '${TORCH_VERSION}' else f'torch {v} installed, Dockerfile says ${TORCH_VERSION}: make them equal')"
+COPY README.md ./
 COPY proto proto
 COPY services services
 COPY tandem tandem
-# The project and its dependencies exactly as pyproject.toml lists them (no second list here).
-# The check fails the build when pyproject.toml pins another torch than TORCH_VERSION.
-RUN pip install . \
-    && python -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '${TORCH_VERSION}' else f'torch {v} installed, Dockerfile says ${TORCH_VERSION}: make them equal')"
+RUN pip install --no-deps .
 
 # A non-root user. /weights (the broker's disk transport), /checkpoints and /models are created
 # here so that a fresh named volume mounted there belongs to this user.

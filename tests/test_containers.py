@@ -13,18 +13,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from tests.containers.docker_host import (
+    PHASES,
     Dockerd,
     HostNotReadyError,
     build_images,
     install_tools,
+    phase,
+    phases_said,
     say,
 )
 from tests.containers.stack import Stack
@@ -41,7 +46,8 @@ def docker() -> Iterator[dict[str, float]]:
     daemon = Dockerd()
     try:
         install_tools()
-        daemon.start()
+        with phase("dockerd start"):
+            daemon.start()
         took = build_images()
     except HostNotReadyError as exc:
         daemon.stop()
@@ -51,14 +57,16 @@ def docker() -> Iterator[dict[str, float]]:
     try:
         yield took
     finally:
-        daemon.stop()
-        say(f"container test took {time.monotonic() - started:.0f} s")
+        with phase("dockerd stop"):
+            daemon.stop()
+        say(phases_said(time.monotonic() - started))
 
 
 @contextlib.contextmanager
 def running(name: str, **settings: str) -> Iterator[Stack]:
     """A stack of its own compose project, removed after (its logs shown when the test fails)."""
     stack = Stack(name, **settings)
+    start = time.monotonic()
     try:
         yield stack
     except BaseException:
@@ -68,6 +76,8 @@ def running(name: str, **settings: str) -> Iterator[Stack]:
         raise
     finally:
         left = stack.remove()
+        PHASES[f"stack {name} (up to removed)"] = time.monotonic() - start
+        say(f"stack {name}: {PHASES[f'stack {name} (up to removed)']:.0f} s")
         assert not left, f"left behind: {left}"
 
 
@@ -91,6 +101,7 @@ def test_the_cpu_stack_trains_the_toy_task_to_its_goal_with_one_command(
         out = stack.compose("up", "--exit-code-from", "trainer", timeout_s=GOAL_S)
         say(f"goal run: trainer exited 0 after {time.monotonic() - start:.0f} s of `up`")
         assert "stopping the trainer" in out and ">= STOP_ACCURACY 0.9" in out, out[-4000:]
+        assert stack.password not in out, "a service printed the Redis password"
         stack.compose("up", "-d", "valkey", timeout_s=120)
         best = max(r.get("eval/accuracy", 0.0) for r in stack.metrics())
         say(f"goal run: best held-out accuracy {best:.2f}")
@@ -111,10 +122,11 @@ def test_the_cpu_stack_trains_the_toy_task_to_its_goal_with_one_command(
 
 
 @pytest.fixture(scope="class")
-def engine_stack(docker: dict[str, float]) -> Iterator[Stack]:
-    """One stack for the exposure checks (first) and the engine's crash (after): no goal, a
-    high step bound, so the run goes on until the test stops it."""
-    with running("engine", STOP_ACCURACY="0", MAX_STEPS="300") as stack:
+def fault_stack(docker: dict[str, float]) -> Iterator[Stack]:
+    """One stack for the exposure checks, then an engine's crash, a trainer's crash and `down`/
+    `up`, in that order: checkpoints every 5 steps, no goal, a high step bound, so the run goes
+    on until the last test stops it."""
+    with running("faults", STOP_ACCURACY="0", MAX_STEPS="300", SAVE_INTERVAL="5") as stack:
         stack.compose("up", "-d", timeout_s=START_S)
         yield stack
 
@@ -129,14 +141,59 @@ def refused(url: str, method: str = "POST", body: bytes = b"{}") -> int:
         return int(exc.code)
 
 
-class TestTheRunningCpuStack:
-    """Exposure, then an engine's crash, in one stack (removed before the next class starts)."""
+def valkey_asks_for_its_password(stack: Stack) -> None:
+    """Through Valkey's published port: no password or a wrong one is refused, the stack's is
+    taken; `tandem ledger` and a broker given a wrong one say so naming TANDEM_REDIS_PASSWORD,
+    printing no password; no service has printed the stack's."""
+    wrong = secrets.token_hex(16)
+    for password in ("", wrong):
+        with pytest.raises(redis.AuthenticationError):
+            stack.redis(password).ping()
+    assert stack.redis().ping()
+    ledger = stack.tandem("ledger", password="")
+    said = ledger.stdout + ledger.stderr
+    assert ledger.returncode == 2 and "TANDEM_REDIS_PASSWORD" in said, said[-3000:]
+    assert "Traceback" not in said and stack.password not in said
+    broker = stack.compose(
+        "run",
+        "--rm",
+        "--no-deps",
+        "-e",
+        f"TANDEM_REDIS_PASSWORD={wrong}",
+        "broker",
+        timeout_s=120,
+        check=False,
+    )
+    assert "TANDEM_REDIS_PASSWORD is set to another password" in broker, broker[-3000:]
+    assert wrong not in broker and stack.password not in broker
+    logs = stack.compose("logs", "--no-color", timeout_s=120, check=False)
+    assert stack.password not in logs, "a service printed the Redis password"
+
+
+def readmissions(stack: Stack) -> list[int]:
+    """Weight versions at which the router admitted engine-0 again (from its log)."""
+    mark = "re-admitted http://engine-0:30000 at weight version "
+    return [
+        int(line.split(mark)[1].split()[0])
+        for line in stack.logs("router").splitlines()
+        if mark in line
+    ]
+
+
+def resumed_from(stack: Stack) -> list[int]:
+    """The iterations the trainer's containers resumed from (its log)."""
+    log = stack.logs("trainer").splitlines()
+    return [int(line.split()[-2]) for line in log if "resumed from iteration" in line]
+
+
+class TestOneRunThroughItsFaults:
+    """Exposure, an engine's crash, a trainer's crash, then down and up, in one run (its
+    ledger balanced after each); a clean stop ends it."""
 
     def test_ports_are_published_on_loopback_and_services_refuse_requests_without_the_secrets(
-        self,
-        engine_stack: Stack,
+        self, fault_stack: Stack
     ) -> None:
-        stack = engine_stack
+        stack = fault_stack
         for service in ("valkey", "engine-0", "engine-1", "broker", "router"):
             bindings = stack.inspect(service)["HostConfig"]["PortBindings"] or {}
             hosts = {b["HostIp"] for spec in bindings.values() for b in spec}
@@ -161,13 +218,13 @@ class TestTheRunningCpuStack:
             check=False,
         )
         assert "TANDEM_WEIGHT_SECRET" in blank, blank[-3000:]
+        valkey_asks_for_its_password(stack)
 
     def test_an_engine_killed_mid_run_comes_back_at_the_current_version(
-        self, engine_stack: Stack
+        self, fault_stack: Stack
     ) -> None:
-        """The restarted engine is admitted again and a few versions more are trained; then a
-        clean stop ends the run (exit 0)."""
-        stack = engine_stack
+        """The restarted engine is admitted again and a few versions more are trained."""
+        stack = fault_stack
         at_kill = stack.wait_for("trainer at version 3", stack.at_version(3), START_S) - 1
         restarts = stack.kill_9("engine-0")
         stack.wait_for("engine-0 restarted", stack.restarted("engine-0", restarts), 120)
@@ -181,44 +238,11 @@ class TestTheRunningCpuStack:
         )
         assert readmitted[0] >= at_kill
         stack.wait_for("3 versions more", stack.at_version(at_readmission + 3), START_S)
-        stack.compose("stop", "--timeout", "120", "trainer", timeout_s=300)
-        assert stack.wait_exit("trainer", 60) == 0
         stack.ledger()
         no_group_trained_twice(stack)
 
-
-def readmissions(stack: Stack) -> list[int]:
-    """Weight versions at which the router admitted engine-0 again (from its log)."""
-    mark = "re-admitted http://engine-0:30000 at weight version "
-    return [
-        int(line.split(mark)[1].split()[0])
-        for line in stack.logs("router").splitlines()
-        if mark in line
-    ]
-
-
-@pytest.fixture(scope="class")
-def resume_stack(docker: dict[str, float]) -> Iterator[Stack]:
-    """One stack for the trainer's crash (first) and `down`/`up` (after): checkpoints every 5
-    steps, no goal, a high step bound, so the run goes on until the test stops it."""
-    with running("resume", STOP_ACCURACY="0", MAX_STEPS="300", SAVE_INTERVAL="5") as stack:
-        stack.compose("up", "-d", timeout_s=START_S)
-        yield stack
-
-
-def resumed_from(stack: Stack) -> list[int]:
-    """The iterations the trainer's containers resumed from (its log)."""
-    log = stack.logs("trainer").splitlines()
-    return [int(line.split()[-2]) for line in log if "resumed from iteration" in line]
-
-
-class TestAResumedRun:
-    """A trainer's crash, then down and up, in one run."""
-
-    def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint(
-        self, resume_stack: Stack
-    ) -> None:
-        stack = resume_stack
+    def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint(self, fault_stack: Stack) -> None:
+        stack = fault_stack
         stack.wait_for("trainer at version 7", stack.at_version(7), START_S)
         restarts = stack.kill_9("trainer")
         at_kill = stack.version()  # (the trainer is gone: its version stays)
@@ -230,10 +254,11 @@ class TestAResumedRun:
         stack.ledger()
         no_group_trained_twice(stack)
 
-    def test_down_and_up_again_continues_the_run(self, resume_stack: Stack) -> None:
+    def test_down_and_up_again_continues_the_run(self, fault_stack: Stack) -> None:
         """`down` (volumes kept) stops the trainer cleanly: it checkpoints the version it stopped
-        at, and `up` goes on from there, with the prompt cursor where it was."""
-        stack = resume_stack
+        at, and `up` goes on from there, with the prompt cursor where it was; a clean stop then
+        ends the run (exit 0)."""
+        stack = fault_stack
         stack.compose("down", "--timeout", "120", timeout_s=300)
         stack.compose("up", "-d", "valkey", timeout_s=120)  # (the run's state, read at rest)
         version = stack.wait_for("Valkey answers again", stack.at_version(1), 120) - 1

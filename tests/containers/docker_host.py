@@ -8,12 +8,16 @@ Tandem's services: tests/containers/stack.py drives a stack.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,6 +26,8 @@ TOOLS = ("docker", "dockerd", "docker-compose", "debootstrap")
 PYTHON_IMAGE, VALKEY_IMAGE = "python:3.11-slim-bookworm", "valkey/valkey:8.1"
 PROJECT_IMAGE = "tandem-rl:0.1.0"
 DOCKERD_READY_S, DOCKERD_STOP_S = 60.0, 30.0
+# Seconds per phase of the container test, in the order they ran (printed at its end).
+PHASES: dict[str, float] = {}
 
 
 class HostNotReadyError(Exception):
@@ -30,6 +36,23 @@ class HostNotReadyError(Exception):
 
 def say(text: str) -> None:
     print(f"[containers] {text}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Time what runs inside as the phase `name` (added to PHASES, and said)."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        PHASES[name] = PHASES.get(name, 0.0) + time.monotonic() - start
+        say(f"{name}: {PHASES[name]:.0f} s")
+
+
+def phases_said(total_s: float) -> str:
+    """PHASES as one line per phase, and the total."""
+    rows = [f"  {name:<34} {took:6.0f} s" for name, took in PHASES.items()]
+    return "\n".join(["phases of the container test:", *rows, f"  {'total':<34} {total_s:6.0f} s"])
 
 
 def install_tools() -> None:
@@ -41,11 +64,15 @@ def install_tools() -> None:
         raise HostNotReadyError(f"{', '.join(missing)} missing, and no root apt-get to install")
     say(f"installing {' '.join(PACKAGES)} with apt-get (missing: {', '.join(missing)})")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+    for name, cmd in (
+        ("apt-get update", ["apt-get", "update", "-qq"]),
+        (
+            "apt-get install (Docker, Compose)",
+            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+        ),
     ):
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        with phase(name):
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode:
             raise HostNotReadyError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
 
@@ -118,6 +145,9 @@ def build_images() -> dict[str, float]:
         timeout=900,
     )
     for line in (done.stdout + done.stderr).splitlines():
+        if line.startswith("stand-ins: took "):  # "stand-ins: took N s: PHASE"
+            seconds, name = line.removeprefix("stand-ins: took ").split(" s: ", 1)
+            PHASES[name] = float(seconds)
         if line.startswith("stand-ins:"):
             say(line)
     if done.returncode:
@@ -127,17 +157,8 @@ def build_images() -> dict[str, float]:
     took["stand_ins_s"] = time.monotonic() - start
     say(f"base images ready in {took['stand_ins_s']:.0f} s")
     start = time.monotonic()
-    done = subprocess.run(
-        ["docker", "build", "-t", PROJECT_IMAGE, str(ROOT)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    if done.returncode:
-        raise AssertionError(
-            f"docker build of the Dockerfile failed:\n{done.stdout[-4000:]}{done.stderr[-3000:]}"
-        )
-    took["project_image_s"] = time.monotonic() - start
+    build_project_image()
+    took["project_image_s"] = PHASES["project image build"] = time.monotonic() - start
     size = subprocess.run(
         ["docker", "image", "inspect", "-f", "{{.Size}}", PROJECT_IMAGE],
         capture_output=True,
@@ -146,3 +167,34 @@ def build_images() -> dict[str, float]:
     ).stdout.strip()
     say(f"built {PROJECT_IMAGE} in {took['project_image_s']:.0f} s ({int(size or 0) / 1e9:.2f} GB)")
     return took
+
+
+def build_project_image(timeout_s: float = 1200.0) -> None:
+    """`docker build` of the project's Dockerfile (layer cache on). Its steps that took 2 s or
+    more are phases of their own ("image step ..."), timed from the legacy builder's
+    "Step N/M : ..." lines as they come."""
+    env = {**os.environ, "DOCKER_BUILDKIT": "0"}  # (BuildKit prints no "Step" lines)
+    cmd = ["docker", "build", "-t", PROJECT_IMAGE, str(ROOT)]
+    lines, steps = [], []
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    ) as build:
+        timer = threading.Timer(timeout_s, build.kill)
+        timer.start()
+        try:
+            for line in build.stdout or []:
+                lines.append(line)
+                if line.startswith("Step "):
+                    steps.append((line.split(" : ", 1)[-1].strip(), time.monotonic()))
+        finally:
+            timer.cancel()
+        code = build.wait()
+    steps.append(("", time.monotonic()))
+    for (step, began), (_next, ended) in itertools.pairwise(steps):
+        if ended - began >= 2.0:
+            PHASES[f"image step {step[:40]}"] = ended - began
+    if code:
+        raise AssertionError(
+            f"docker build of the Dockerfile exited {code} (killed after {timeout_s:.0f} s if "
+            f"-9):\n{''.join(lines)[-6000:]}"
+        )

@@ -50,6 +50,7 @@ class Stack:
             "COMPOSE_PROJECT_NAME": self.project,
             "TANDEM_API_TOKEN": secrets.token_hex(16),
             "TANDEM_WEIGHT_SECRET": secrets.token_hex(16),
+            "TANDEM_REDIS_PASSWORD": secrets.token_hex(16),
             "TANDEM_RUN_ID": RUN_ID,
             **{port: str(free_port()) for port in PORTS},
             **settings,
@@ -102,8 +103,35 @@ class Stack:
         say(f"kill -9 {service} (host pid {pid})")
         return restarts
 
-    def redis(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port("VALKEY_PORT"), socket_timeout=10)
+    @property
+    def password(self) -> str:
+        return self.env["TANDEM_REDIS_PASSWORD"]
+
+    def redis(self, password: str | None = None) -> redis.Redis:
+        """A client of the stack's Valkey through its published port (with its password unless
+        another is given; "" sends none)."""
+        return redis.Redis(
+            host="127.0.0.1",
+            port=self.port("VALKEY_PORT"),
+            password=self.password if password is None else (password or None),
+            socket_timeout=10,
+        )
+
+    def tandem(self, *args: str, password: str | None = None) -> subprocess.CompletedProcess[str]:
+        """`tandem ARGS` on the host against the stack's Valkey (its URL carries no password:
+        TANDEM_REDIS_PASSWORD, the stack's unless another is given, "" none)."""
+        url = f"redis://127.0.0.1:{self.port('VALKEY_PORT')}/0"
+        env = {k: v for k, v in os.environ.items() if k != "TANDEM_REDIS_PASSWORD"}
+        if (given := self.password if password is None else password) != "":
+            env["TANDEM_REDIS_PASSWORD"] = given
+        return subprocess.run(
+            [sys.executable, "-m", "tandem.cli", *args, "--redis-url", url, "--run-id", RUN_ID],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=env,
+        )
 
     def version(self) -> int:
         raw = self.redis().get(f"tandem:{RUN_ID}:version:trainer")
@@ -153,14 +181,7 @@ class Stack:
 
     def ledger(self) -> str:
         """`tandem ledger` of the run, read from its Valkey; fails unless balanced."""
-        url = f"redis://127.0.0.1:{self.port('VALKEY_PORT')}/0"
-        done = subprocess.run(
-            [sys.executable, "-m", "tandem.cli", "ledger", "--redis-url", url, "--run-id", RUN_ID],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=ROOT,
-        )
+        done = self.tandem("ledger")
         say(f"ledger of {self.project}:\n{done.stdout}")
         assert done.returncode == 0, (
             f"ledger not balanced ({done.returncode}):\n{done.stdout}{done.stderr}"
@@ -169,24 +190,7 @@ class Stack:
 
     def metrics(self) -> list[dict[str, Any]]:
         """The run's metrics records (`tandem metrics --json`), read from its Valkey."""
-        url = f"redis://127.0.0.1:{self.port('VALKEY_PORT')}/0"
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tandem.cli",
-                "metrics",
-                "--json",
-                "--redis-url",
-                url,
-                "--run-id",
-                RUN_ID,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=ROOT,
-        )
+        done = self.tandem("metrics", "--json")
         assert done.returncode == 0, done.stderr
         return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 

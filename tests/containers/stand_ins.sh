@@ -18,6 +18,8 @@ base=localhost/tandem-debian:bookworm
 work=$(mktemp -d /tmp/tandem-stand-ins.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
+# "stand-ins: took N s: PHASE", read by docker_host.py into the test's phase timings.
+took() { echo "stand-ins: took $((SECONDS - $1)) s: $2"; }
 have() { docker image inspect "$1" >/dev/null 2>&1; }
 pullable() { timeout 60 docker pull -q "$1" >/dev/null 2>&1; }
 
@@ -33,8 +35,11 @@ make_base() {
     have "$base" && return 0
     local rootfs=$work/rootfs
     echo "stand-ins: building $base with debootstrap from $(mirror) (~1 min)"
+    local start=$SECONDS
     debootstrap --variant=minbase --include=ca-certificates bookworm "$rootfs" "$(mirror)" \
         >"$work/debootstrap.log" 2>&1 || { tail -20 "$work/debootstrap.log"; exit 1; }
+    took $start "debootstrap (Debian base)"
+    start=$SECONDS
     # The machine's own CA certificates: the registries and mirrors it reaches may sit behind a
     # proxy that signs with them.
     cp /usr/local/share/ca-certificates/*.crt "$rootfs/usr/local/share/ca-certificates/" \
@@ -46,6 +51,7 @@ make_base() {
     grep -lE 'cloud.google|nodesource' "$rootfs"/etc/apt/sources.list.d/* 2>/dev/null \
         | xargs -r rm -f
     tar -C "$rootfs" -c . | docker import - "$base" >/dev/null
+    took $start "docker import of the base"
 }
 
 make_python() {
@@ -53,6 +59,7 @@ make_python() {
     pullable "$python_image" && { echo "stand-ins: pulled $python_image"; return 0; }
     make_base
     echo "stand-ins: no registry answers; building $python_image from Debian's python3"
+    local start=$SECONDS
     local ctx=$work/python
     mkdir -p "$ctx/wheels"
     cp /opt/wheels/torch-*.whl "$ctx/wheels/" 2>/dev/null || true
@@ -67,21 +74,34 @@ ENV PIP_FIND_LINKS=/opt/wheels PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
 CMD ["python3"]
 DOCKERFILE
     docker build -q -t "$python_image" "$ctx" >/dev/null
+    took $start "python stand-in build"
 }
 
 make_valkey() {
-    have "$valkey_image" && return 0
+    # Kept: a real image, or our stand-in of this recipe. An older stand-in (it ran Valkey
+    # without VALKEY_EXTRA_FLAGS, so without its password) is built again.
+    local recipe=2 ours='["/usr/local/bin/entrypoint.sh"]' made
+    made=$(docker image inspect "$valkey_image" \
+        -f '{{json .Config.Entrypoint}}|{{index .Config.Labels "tandem.stand-in"}}' 2>/dev/null || true)
+    case $made in
+        "") ;;
+        "$ours|$recipe") return 0 ;;
+        "$ours|"*) echo "stand-ins: $valkey_image is an older stand-in: building it again" ;;
+        *) return 0 ;;
+    esac
     pullable "$valkey_image" && { echo "stand-ins: pulled $valkey_image"; return 0; }
     make_base
     echo "stand-ins: no registry answers; building $valkey_image from $valkey_server"
+    local start=$SECONDS
     local ctx=$work/valkey
     mkdir -p "$ctx"
     cp "$valkey_server" "$ctx/valkey-server"
     # As the real image's entrypoint: a server started without a config file runs without
-    # protected mode, so the other containers of its network reach it.
+    # protected mode, so the other containers of its network reach it, and VALKEY_EXTRA_FLAGS
+    # (the stacks' --requirepass) is appended to the command.
     printf '%s\n' '#!/bin/sh' \
         'if [ "$1" = valkey-server ]; then set -- "$@" --protected-mode no; fi' \
-        'exec "$@"' >"$ctx/entrypoint.sh"
+        'exec "$@" $VALKEY_EXTRA_FLAGS' >"$ctx/entrypoint.sh"
     chmod +x "$ctx/entrypoint.sh"
     cat >"$ctx/Dockerfile" <<DOCKERFILE
 FROM $base
@@ -91,10 +111,12 @@ RUN apt-get update && apt-get install -y --no-install-recommends redis-tools \
 COPY valkey-server /usr/local/bin/valkey-server
 COPY entrypoint.sh /usr/local/bin/entrypoint.sh
 WORKDIR /data
+LABEL tandem.stand-in=$recipe
 ENTRYPOINT ["/usr/local/bin/entrypoint.sh"]
 CMD ["valkey-server"]
 DOCKERFILE
     docker build -q -t "$valkey_image" "$ctx" >/dev/null
+    took $start "valkey stand-in build"
 }
 
 make_python
