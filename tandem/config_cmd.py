@@ -81,7 +81,8 @@ def annotated(text: str, tree: UpTree, origin: bool) -> str:
 
 
 def resolved(tree: UpTree) -> dict[tuple[str, str], tuple[Any, str]]:
-    """(section, key) -> (the value the run uses, why) for each value given as a stand-in."""
+    """(section, key) -> (the value the run uses, why) for each value given as a stand-in; one
+    only a service's start knows is shown as given, saying what it stands for."""
     from tandem.up_launch import MODEL_DEFAULTS
 
     up, router, trainer = tree.up, tree.router, tree.trainer
@@ -96,6 +97,11 @@ def resolved(tree: UpTree) -> dict[tuple[str, str], tuple[Any, str]]:
     if router.reward.rm_workers < 0:
         cores = "given -1: one per CPU core here, up to 8"
         out["router", "rm_workers"] = (router.reward.reward_workers(), cores)
+    if not router.sampling.rollout_max_response_len:  # (the task's: known once it is loaded)
+        task = "4 for the toy task, 1024 for a dataset or an environment, cut at the context"
+        out["router", "rollout_max_response_len"] = (0, f"the router's start sets it: {task}")
+    if not tree.value("engine", "context_length"):
+        out["engine", "context_length"] = (0, "the model's max_position_embeddings")
     optimizer, steps = trainer.optimizer, trainer.batch.max_steps
     if not optimizer.lr_decay_iters and steps:
         out["trainer", "lr_decay_iters"] = (steps, "given 0: max_steps")

@@ -38,9 +38,11 @@ def test_config_show_prints_the_values_the_run_uses_with_the_stand_in_given_in_a
         "lr_decay_iters = 300  # given 0: max_steps",
         "critic_lr = 0.001  # given 0: lr",
         "lr = 0.001",
+        "context_length = 0  # the model's max_position_embeddings",
     ):
         assert line in text.splitlines(), line
     assert "stop_accuracy = -1.0" not in text and "max_buffer_depth = -1" not in text
+    assert "rollout_max_response_len = 0  # the router's start sets it: 4 for the toy task" in text
     # every other value is the one the run folder's config.toml records
     shown, recorded = tomllib.loads(text), tomllib.loads(render(compose([]), {}))
     changed = {
