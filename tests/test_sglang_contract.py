@@ -56,7 +56,7 @@ def test_the_stand_in_refuses_routes_and_fields_the_pinned_sglang_lacks(engines)
 
 def test_weight_version_is_read_from_model_info_on_sglang_0_5_23(engines) -> None:  # type: ignore[no-untyped-def]
     url = engines("--weight-version", "7").url
-    assert weight_version(url) == "7"
+    assert weight_version(url) == 7
 
 
 def test_the_router_learns_a_sglang_engines_version_without_a_sync(  # type: ignore[no-untyped-def]
@@ -90,7 +90,7 @@ def test_weight_version_falls_back_to_get_weight_version_on_older_servers() -> N
             pass
 
     with serving(OldServer) as url:
-        assert weight_version(url) == "5"
+        assert weight_version(url) == 5
     with pytest.raises(VersionUnavailableError, match=r"engine http://127\.0\.0\.1"):
         weight_version(url, timeout_s=1)  # (no longer served)
 
@@ -126,7 +126,7 @@ async def test_broker_weight_update_bodies_are_accepted(
     async with aiohttp.ClientSession() as session:
         disk = DiskTransport(str(tmp_path / "versions"), str(toy_model_dir))
         await disk.update(session, url, 3)  # raises unless 200 and success
-    assert weight_version(url) == "3"
+    assert weight_version(url) == 3
     offer = NcclOffer(
         version=4,
         buckets=[[TensorMeta("model.embed_tokens.weight", "bfloat16", [8, 4])]],
