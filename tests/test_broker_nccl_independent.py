@@ -2,7 +2,8 @@
 reference engines joining its weight groups and a trainer-side `NcclWeightSender`. One engine
 stopped with SIGSTOP (a hung GPU or host), either between versions or in the middle of a
 transfer, is left behind and out of rotation; the other takes every later version, each
-recorded per engine as it takes it; once resumed and registered again (as the router does when
+recorded per engine as it takes it, and the gate (`version:engines` in a real Valkey) follows
+the engine that serves; once resumed and registered again (as the router does when
 it answers), the stopped one is kept out of the gate until it is brought to the newest version.
 
 The time the running engine waited for each version while the other was stopped is printed
@@ -22,6 +23,7 @@ from typing import ClassVar
 import httpx
 import pytest
 
+from services.sample_buffer import SampleBuffer
 from services.weight_sync.nccl_sender import NcclWeightSender
 from tests.helpers import JsonHandler, serving, wait_until
 from tests.test_broker_nccl import engine_logprobs, perturbed_weights, teacher_forced
@@ -82,7 +84,7 @@ def send_and_time(sender: NcclWeightSender, version: int, model_dir) -> tuple[fl
 
 @pytest.mark.parametrize("when", ["between versions", "mid-transfer", "before answering"])
 def test_a_stopped_engine_is_left_behind_while_the_other_takes_each_version_and_comes_back(
-    start_service, toy_model_dir, when: str
+    start_service, toy_model_dir, buffer: SampleBuffer, when: str
 ) -> None:
     running = start_service("running", engine_args(toy_model_dir))
     victim = start_service("victim", engine_args(toy_model_dir))
@@ -102,6 +104,7 @@ def test_a_stopped_engine_is_left_behind_while_the_other_takes_each_version_and_
         # The victim is the last rank: gloo's root sends to each engine itself.
         victim_url = victim.url if when == "between versions" else proxy_url
         flags = ["--transport", "nccl", "--sync-timeout-s", SYNC_TIMEOUT_S]
+        flags += ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
         broker = start_service(
             "broker", ["broker", "--port", "0", *flags, "--engine-urls", running.url, victim_url]
         )
@@ -124,6 +127,10 @@ def test_a_stopped_engine_is_left_behind_while_the_other_takes_each_version_and_
                 assert state[running.url]["version"] == version
                 assert state[running.url]["in_rotation"] is True
                 assert state[victim_url]["in_rotation"] is False
+                # The gate (`version:engines`) follows the engine that serves.
+                wait_until(
+                    lambda v=version: buffer.get_version("engines") == v, f"gate at {version}"
+                )
             print(f"\n[{when}] the running engine waited for each version (s): {waited}")
             left = broker_state(broker)[victim_url]
             if when == "between versions":
@@ -149,6 +156,7 @@ def test_a_stopped_engine_is_left_behind_while_the_other_takes_each_version_and_
         httpx.post(f"{broker.url}/engines", json=body, timeout=10).raise_for_status()
         back = broker_state(broker)[victim_url]
         assert (back["version"], back["in_rotation"]) == (reported, False)
+        assert buffer.get_version("engines") == 4, "the resumed engine pulled the gate back"
         _, model = send_and_time(sender, 5, toy_model_dir)
         for engine in (running, victim):
             served, tokens, logprobs = engine_logprobs(engine.url)
@@ -157,4 +165,5 @@ def test_a_stopped_engine_is_left_behind_while_the_other_takes_each_version_and_
             assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < 1e-4
         state = broker_state(broker)
         assert [(e["version"], e["in_rotation"]) for e in state.values()] == [(5, True)] * 2
+        wait_until(lambda: buffer.get_version("engines") == 5, "gate at 5")
         sender.close()
