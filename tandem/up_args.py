@@ -404,11 +404,13 @@ def found_checkpoint_problem(tree: UpTree) -> str:
         )
     if not ckpt.save or not ckpt.resume or not (step := steps_saved(Path(ckpt.save))):
         return ""
+    run_dir = Path(ckpt.save).parent  # (the run's folder, where tandem up saved it)
+    resume = resume_command(run_dir if (run_dir / CONFIG_FILE).is_file() else "RUN_DIR")
     return (
         f"--save {ckpt.save} holds another run's checkpoint (iteration {step}): a new run would "
-        "go on from it, not from --model. Continue that run with tandem up --resume RUN_DIR, "
-        f"start a new one from its weights with --load {ckpt.save} instead of --save, or give "
-        "--save an empty folder"
+        f"go on from it, not from --model. Continue that run with {resume}, start a new one "
+        f"from its weights with --load {ckpt.save} instead of --save, or give --save an empty "
+        "folder"
     )
 
 

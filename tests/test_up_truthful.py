@@ -16,13 +16,14 @@ import torch
 pytestmark = pytest.mark.e2e
 
 
-def up(run_dir: Path | None, *flags: str) -> subprocess.CompletedProcess:
+def up(run_dir: Path | None, *flags: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     where = ["--run-dir", str(run_dir)] if run_dir else []
     return subprocess.run(
         [sys.executable, "-m", "tandem.cli", "up", *where, *flags],
         capture_output=True,
         text=True,
         timeout=600,
+        cwd=cwd,  # (a run without --run-dir makes its folder under runs/ there)
     )
 
 
@@ -51,6 +52,15 @@ def test_optimizer_settings_given_beside_a_checkpoint_are_used_said_and_recorded
     first = up(run, "--max-steps", "3", "--stop-accuracy", "0")
     assert first.returncode == 0, said(first)
     assert "continue it with tandem up --resume" in last_line(first)  # (a resume helps)
+    # A new run given its checkpoints as --save went on from them (no --run-dir: nothing said).
+    refused = up(None, "--save", str(run / "checkpoints"), "--max-steps", "3", cwd=tmp_path)
+    assert refused.returncode == 2, said(refused)
+    assert (
+        f"checkpoint (iteration 3): a new run would go on from it, not from --model. Continue "
+        f"that run with tandem up --resume {run}, start a new one from its weights with --load"
+        in (refused.stderr)
+    )
+    assert not (tmp_path / "runs").exists(), "nothing started"
 
     resumed = up(
         None, "--resume", str(run), "--lr", "5e-4", "--adam-beta2", "0.99", "--max-steps", "5"
