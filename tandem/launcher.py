@@ -17,13 +17,7 @@ from pathlib import Path
 from services.common.settings import ConfigError, parser
 from services.sample_buffer import redis_url_problem
 from tandem.hub import hub_model
-from tandem.up_args import (
-    absolute_paths,
-    found_checkpoint_problem,
-    resume_argv,
-    resumed,
-    taken_problem,
-)
+from tandem.up_args import absolute_paths, checkpoint_refusal, resume_argv, resumed, taken_problem
 from tandem.up_config import cross_problems, service_problems
 from tandem.up_launch import DESCRIPTION, EPILOG, UpConfig
 from tandem.up_services import trainer_on_gpu
@@ -138,7 +132,7 @@ def validate(tree: UpTree, model_named: bool = False) -> list[str]:
     if not up.resume:
         save, own_redis = tree.value("trainer", "save"), not up.run.redis_url
         taken = taken_problem(Path(up.run_dir), save, own_redis) if up.run_dir else ""
-        problems += filter(None, [taken, found_checkpoint_problem(tree)])
+        problems += filter(None, [taken, checkpoint_refusal(tree)])
     if up.run.redis_url and (
         problem := redis_url_problem(up.run.redis_url, "--redis-url/REDIS_URL")
     ):

@@ -372,7 +372,7 @@ def taken_problem(run_dir: Path, save: str, own_redis: bool) -> str:
             "write over its model and mix with its Redis data and checkpoints)"
         )
     checkpoints, redis = run_dir / "checkpoints", run_dir / "redis"
-    step = 0 if save else steps_saved(checkpoints)  # (--save's own: `found_checkpoint_problem`)
+    step = 0 if save else steps_saved(checkpoints)  # (--save's own: `checkpoint_refusal`)
     left = [f"{checkpoints} (step {step})"] if step else []
     left += [str(redis)] if own_redis and redis.is_dir() and any(redis.iterdir()) else []
     if not left:
@@ -385,14 +385,12 @@ def taken_problem(run_dir: Path, save: str, own_redis: bool) -> str:
     )
 
 
-def found_checkpoint_problem(tree: UpTree) -> str:
-    """Why a new run cannot start from the checkpoint its trainer would find ("" when it can):
+def checkpoint_refusal(tree: UpTree) -> str:
+    """Why a new run (not a resume) cannot start from the checkpoint its trainer would find ("" when it can):
     --save holding one (another run's: a new run's id is new), which the trainer would go on
     from instead of --model; a --load whose iteration --max-steps (the run's last) does not
     pass, so nothing would train."""
     ckpt, max_steps = tree.trainer.checkpoint, tree.value("trainer", "max_steps")
-    if tree.up.resume:
-        return ""
     if ckpt.load:
         step = ckpt.ckpt_step if ckpt.ckpt_step >= 0 else steps_saved(Path(ckpt.load))
         if not step or max_steps > step:
