@@ -246,8 +246,9 @@ def optimizer_used(tree: UpTree, run_dir: Path) -> list[str]:
         f"{origin.get(tree.origins['trainer'][k], '--{}').format(k.replace('_', '-'))})"
         for k in changed
     ]
-    if kept := ", ".join(f"{k} {used[k]} (not {asked[k]})" for k in used if used[k] != asked[k]):
-        lines.append(f"the checkpoint's {kept} kept (given, a setting would replace it)")
+    kept = [f"{k} {used[k]} (not the default {asked[k]})" for k in used if used[k] != asked[k]]
+    if kept:
+        lines.append(f"from the checkpoint: {', '.join(kept)}; a setting given replaces its value")
     return lines
 
 

@@ -90,8 +90,8 @@ def test_optimizer_settings_given_beside_a_checkpoint_are_used_said_and_recorded
         loaded_dir, "--load", str(run / "checkpoints"), "--max-steps", "7", "--stop-accuracy", "0"
     )
     assert loaded.returncode == 0, said(loaded)
-    kept = "lr 0.0005 (not 0.001), adam_beta2 0.99 (not 0.999) kept (given, a setting would"
-    assert f"[up] the checkpoint's {kept} replace it)" in loaded.stdout
+    kept = "lr 0.0005 (not the default 0.001), adam_beta2 0.99 (not the default 0.999)"
+    assert f"[up] from the checkpoint: {kept}; a setting given replaces its value" in loaded.stdout
     assert set(trainer_lrs(loaded_dir).items()) == {(6, 5e-4), (7, 5e-4)}
     assert tomllib.loads((loaded_dir / "config.toml").read_text())["trainer"]["lr"] == 5e-4
     summary = json.loads((loaded_dir / "summary.json").read_text())
