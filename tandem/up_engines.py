@@ -17,7 +17,8 @@ answered by the new one instead of waiting out its timeout.
 Under NCCL its process groups with the trainer and engines end with it: never restarted.
 `tandem up` restarts each kind up to `--engine-restarts` / `--router-restarts` /
 `--broker-restarts` times in a run; past that, or when one does not come back within
-`--startup-timeout-s`, the run ends naming it.
+`--startup-timeout-s`, the run ends naming it; one that exited 2 (its configuration refused, as
+a dataset row read late) is not restarted: the run ends with exit 2.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Restarts:
         """Start `child` again if it is an engine, the router or the broker and restarts are
         left (saying so); False when the run must end on its exit."""
         kind = next((k for k in self.limits if child.name.startswith(k)), "")
+        if child.proc.returncode == 2:  # (its configuration refused: a restart would repeat it)
+            return False
         if not kind or self.used[kind] >= self.limits[kind]:
             if kind and self.limits[kind]:
                 self.say(

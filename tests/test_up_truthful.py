@@ -5,6 +5,9 @@ after start-up, and whether `--resume` would help. The real CLI, every service a
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 import tomllib
@@ -12,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -123,3 +128,42 @@ def test_a_run_its_time_limit_ends_suggests_resume(tmp_path: Path) -> None:
     assert run.returncode == 1, said(run)
     assert "time limit of 1s reached (--time-limit-s)" in run.stdout
     assert f"continue it with tandem up --resume {tmp_path / 'run'}" in last_line(run)
+
+
+def test_a_router_restarted_into_a_configuration_error_ends_the_run_with_exit_2_at_once(
+    tmp_path: Path,
+) -> None:
+    """A service that exits 2 mid-run refused its configuration (a port taken, a dataset row
+    read late): a restart repeats it. The old code started the router again up to
+    --router-restarts times, then exited 1 (`child_failed`)."""
+    run_dir = tmp_path / "run"
+    flags = ["--stop-accuracy", "0", "--max-steps", "100000", "--time-limit-s", "300"]
+    cmd = [sys.executable, "-m", "tandem.cli", "up", "--run-dir", str(run_dir), *flags]
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    taken, metrics = socket.socket(), run_dir / "metrics.jsonl"
+    try:
+        wait_until(lambda: trainer_lrs(run_dir) if metrics.exists() else {}, "a step", 300)
+        ready = json.loads((run_dir / "logs" / "router.ready.json").read_text())
+        os.kill(ready["pid"], signal.SIGKILL)
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        wait_until(lambda: bound(taken, ready["port"]), "the router's port taken", 10)
+        taken.listen()
+        out, _ = run.communicate(timeout=300)
+    finally:
+        taken.close()
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 2, out[-3000:]
+    assert "starting it again on port" in out and "restart 1 of 3" in out
+    assert "restart 2 of 3" not in out, out[-3000:]
+    assert "[up] FAILED: router refused its configuration (exit 2)" in out, out[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["outcome"] == "config_error"
+
+
+def bound(sock: socket.socket, port: int) -> bool:
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:  # (the killed router's socket, until the kernel closes it)
+        return False
+    return True
