@@ -110,16 +110,17 @@ class Dockerd:
         say(f"started dockerd (pid {self.proc.pid}, log {self.log})")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(DOCKERD_STOP_S)
-        except subprocess.TimeoutExpired:
-            say(f"dockerd did not stop in {DOCKERD_STOP_S:.0f} s: killing it")
-            self.proc.kill()
-            self.proc.wait(10)
-        say("stopped dockerd")
+        """Stop the dockerd started here (if any) and remove its log folder."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(DOCKERD_STOP_S)
+            except subprocess.TimeoutExpired:
+                say(f"dockerd did not stop in {DOCKERD_STOP_S:.0f} s: killing it")
+                self.proc.kill()
+                self.proc.wait(10)
+            say("stopped dockerd")
+        shutil.rmtree(self.log.parent, ignore_errors=True)
 
 
 def valkey_server_binary() -> str:
