@@ -141,7 +141,7 @@ async def test_broker_weight_update_bodies_are_accepted(
         assert ("load_format" in body) == (load_format == "flattened_bucket")
     # SGLang gets its own fields; an engine advertising weight_update_group_timeout (ours),
     # also the trainer's group timeout
-    me.group_timeout_s, me._group_timeouts = 30.0, {"http://ours": True}
+    me.group_timeout_s, me._takes = 30.0, {"http://ours": {"group_timeout"}}
     init = as_json(NcclCoordinator._init_body(me, offer, "http://sglang", 1, 2))
     assert sglang_surface.check_body("InitWeightsUpdateGroupReqInput", init) is None
     assert "timeout_s" not in init

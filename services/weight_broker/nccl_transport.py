@@ -60,9 +60,9 @@ class NcclTransport:
         self._generation = itertools.count()
         self._offer: tuple[bytes, NcclOffer] | None = None  # the trainer's, not yet answered
         self._failed: dict[str, str] = {}  # engine URL -> why it failed this version
-        self._whole_version: dict[str, bool] = {}  # engine URL -> it takes bucket_sizes
-        self._layout_ids: dict[str, bool] = {}  # engine URL -> it takes layout_id
-        self._group_timeouts: dict[str, bool] = {}  # engine URL -> it takes the group's timeout
+        # engine URL -> what of Tandem's extensions it takes (its server info's
+        # `weight_update_<name>: true`): bucket_sizes, layout_id, group_timeout
+        self._takes: dict[str, set[str]] = {}
         self._known_layout: dict[str, str] = {}  # engine URL -> the layout_id it last took
 
     def stop(self) -> None:
@@ -152,7 +152,10 @@ class NcclTransport:
             if engines != self.members:
                 await self._form_group(session, identity, offer, engines, attempt)
             else:
-                await self._check_members(session, engines)
+                checks = [
+                    self._get(session, e, "/model_info", "before the broadcast") for e in engines
+                ]
+                await self._gather(checks, engines)
             marks.append(time.monotonic())
             if self.pause_mode != "none":  # all resumed below, also when one pause failed
                 paused = [e for e in engines if not self._applies_with_abort(e)]
@@ -183,13 +186,12 @@ class NcclTransport:
         self, session: Session, identity: bytes, offer: NcclOffer, engines: list[str], attempt: int
     ) -> None:
         # Read at every new group: a restarted engine may be another build or configuration.
-        infos = [self._server_info(session, e) for e in engines]
+        infos = [self._get(session, e, "/get_server_info", "for a new group") for e in engines]
         tp_sizes = []
         for engine, info in zip(engines, await self._gather(infos, engines), strict=True):
             tp_sizes.append(int(info.get("tp_size", 1)))
-            self._whole_version[engine] = info.get("weight_update_bucket_sizes") is True
-            self._layout_ids[engine] = info.get("weight_update_layout_id") is True
-            self._group_timeouts[engine] = info.get("weight_update_group_timeout") is True
+            takes = (k for k, v in info.items() if k.startswith("weight_update_") and v is True)
+            self._takes[engine] = {k.removeprefix("weight_update_") for k in takes}
             self._known_layout.pop(engine, None)
         world = 1 + sum(tp_sizes)
         self.group_name = f"tandem_weights_{next(self._generation)}"
@@ -228,7 +230,7 @@ class NcclTransport:
         calls = [
             asyncio.ensure_future(
                 self._post_version(session, e, offer, whole)
-                if self._whole_version.get(e)
+                if "bucket_sizes" in self._takes.get(e, ())
                 else self._post_chain(session, e, offer, buckets)
             )
             for e in engines
@@ -261,7 +263,7 @@ class NcclTransport:
         """An engine that takes it gets the trainer's group timeout: when a member dies mid-
         broadcast, the others give up with the trainer and answer an error before this broker's
         request timeout, so they are not blamed (with their own, longer one, they were)."""
-        timeout = self.group_timeout_s if self._group_timeouts.get(engine) else None
+        timeout = self.group_timeout_s if "group_timeout" in self._takes.get(engine, ()) else None
         return sg.InitWeightsUpdateGroupReqInput(
             master_address=offer.master_address,
             master_port=offer.master_port,
@@ -291,7 +293,7 @@ class NcclTransport:
 
     def _applies_with_abort(self, engine: str) -> bool:
         """Whether this engine's version update replaces the pause (step 2 of the sequence)."""
-        return self.pause_mode == "abort" and bool(self._whole_version.get(engine))
+        return self.pause_mode == "abort" and "bucket_sizes" in self._takes.get(engine, ())
 
     async def _post_version(
         self, session: Session, engine: str, offer: NcclOffer, whole: Callable[[], UpdateBody]
@@ -302,7 +304,7 @@ class NcclTransport:
         collective), the full request."""
         extra = {"abort_all_requests": True} if self._applies_with_abort(engine) else {}
         path, layout_id = "/update_weights_from_distributed", offer.layout_id
-        if not (layout_id and self._layout_ids.get(engine)):
+        if not (layout_id and "layout_id" in self._takes.get(engine, ())):
             await post(session, engine + path, whole().model_copy(update=extra))
             return
         if self._known_layout.get(engine) == layout_id:
@@ -378,32 +380,21 @@ class NcclTransport:
             self._failed[engine] = f"NCCL update failed: {error!r}"
         return failed
 
-    async def _check_members(self, session: Session, engines: list[str]) -> None:
-        """Every member of the group answers before a broadcast it must join: one that died
-        since the group formed (and was not yet reported restarted) would hold the others in
-        the collective until its timeout. One that does not answer is out of rotation, and the
-        retry forms a group without it (seen on 4 H200s: an engine killed between versions)."""
-        timeout = aiohttp.ClientTimeout(total=self.quick)
-
-        async def answers(engine: str) -> None:
-            try:
-                async with session.get(f"{engine}/model_info", timeout=timeout) as resp:
-                    resp.raise_for_status()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                raise ConnectionError(
-                    f"did not answer GET /model_info before the broadcast "
-                    f"(within {self.quick:g}s): {exc!r}"
-                ) from exc
-
-        await self._gather([answers(e) for e in engines], engines)
-
-    async def _server_info(self, session: Session, engine: str) -> dict[str, Any]:
-        """Bounded as a member check is: an engine stopped since it registered must not hold
-        the group's formation for the sync timeout."""
-        timeout = aiohttp.ClientTimeout(total=self.quick)
-        async with session.get(f"{engine}/get_server_info", timeout=timeout) as resp:
-            resp.raise_for_status()
-            return await resp.json(content_type=None)
+    async def _get(self, session: Session, engine: str, path: str, when: str) -> Any:
+        """`GET path`'s JSON within `quick`, ConnectionError naming `when` otherwise: an engine
+        stopped or dead since it registered must not hold a step for the sync timeout. Before a
+        broadcast every member is asked `/model_info`: one that died since the group formed
+        would hold the others in the collective until its timeout; it is out of rotation, and
+        the retry forms a group without it (seen on 4 H200s: an engine killed between
+        versions)."""
+        try:
+            async with session.get(engine + path, timeout=aiohttp.ClientTimeout(self.quick)) as r:
+                r.raise_for_status()
+                return await r.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise ConnectionError(
+                f"did not answer GET {path} {when} (within {self.quick:g}s): {exc!r}"
+            ) from exc
 
     async def _command(self, identity: bytes, action: str, version: int, **fields: Any) -> None:
         command = NcclCommand(action=action, version=version, **fields)
