@@ -160,3 +160,14 @@ def test_a_broker_with_the_password_joins_the_run_and_never_prints_it(
     broker.stop()
     assert any(b"lease" in key for key in held), held
     assert PASSWORD not in broker.log()
+
+
+def test_a_redis_without_a_password_takes_a_client_that_sends_one(
+    redis_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The variable left set (a stack's) does not lock Tandem out of a Redis that asks for no
+    password, such as the private one `tandem up` starts."""
+    use_password(monkeypatch, PASSWORD)
+    buffer = SampleBuffer(BufferConfig(redis_url=redis_server.url, run_id=RUN_ID))
+    buffer.wait_ready(5.0)
+    assert buffer.redis.ping() and no_answer(redis_server.url) == ""
