@@ -54,3 +54,34 @@ def test_a_store_rolled_back_to_an_older_snapshot_stops_the_trainer_with_exit_1_
     assert "lost this run's state (its counters went back (prompts_drawn 50 -> 10" in said, said
     assert "groups_put" not in said.split("went back")[1].split(":")[0]  # (it did not)
     assert "tandem up --resume" in said
+
+
+WATCHING_TRAINER = TRAINER_MEMBER.replace(
+    'print("joined"', 'member.watch("groups_consumed", "groups_trained")\nprint("joined"'
+)
+
+
+def test_a_trainers_trained_count_gone_back_stops_it_with_exit_1_naming_the_counter(
+    tmp_path: Path,
+) -> None:
+    """The counts only the trainer moves (once its resume rewound them: `Trainer` watches them
+    then) are checked too, though the run-wide ones stand still (no router running)."""
+    with RedisServer(log_dir=tmp_path / "log") as server:
+        buffer = SampleBuffer(BufferConfig(server.url, "edited"))
+        buffer.incr_counter("groups_trained", 40)
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", WATCHING_TRAINER, server.url, "edited"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            assert trainer.stdout is not None
+            wait_until(lambda: trainer.stdout.readline().strip() == "joined", "the join")
+            time.sleep(3 * LEASE_RENEW_S)  # (the member reads the counters at each renewal)
+            buffer.set_counter("groups_trained", 10)
+            said = trainer.communicate(timeout=60)[0]
+        finally:
+            trainer.kill()
+    assert trainer.returncode == 1, said
+    assert "its counters went back (groups_trained 40 -> 10" in said, said

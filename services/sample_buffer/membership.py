@@ -15,8 +15,8 @@ ContractMismatchError naming the flag; the lease is given up then).
 Store: `join` checks what the run needs of Redis (`store_check`: an evicting Redis is refused,
 one without persistence said) and reads the run's mark; the renewing thread checks the mark
 before each renewal and, finding it gone or replaced (Redis restarted empty) or a counter that
-only grows below what it read at the renewal before (`MONOTONE`: the store rolled
-back), calls `on_lost` with `lost()` naming what was lost (the trainer then ends, exit 1).
+only grows below what it read at the renewal before (`MONOTONE`, and those the member `watch`es:
+the store rolled back), calls `on_lost` with `lost()` naming what was lost (the trainer then ends, exit 1).
 Status stays the buffer's (`set_status`): a service reports it from its own loop.
 """
 
@@ -48,7 +48,7 @@ MONOTONE = ("prompts_drawn", "groups_generated", "groups_put")
 
 
 def went_back(seen: dict[str, int], now: dict[str, int]) -> str:
-    """The `MONOTONE` counters below what a member read before, said ('' when none is)."""
+    """The counters below what a member read before, said ('' when none is)."""
     back = ", ".join(f"{n} {seen[n]} -> {now[n]}" for n in seen if now[n] < seen[n])
     why = "an older snapshot restored, a failover to a replica behind it, or the counters edited"
     return f"its counters went back ({back}: {why})" if back else ""
@@ -66,7 +66,8 @@ class Membership:
         self.renewer: threading.Thread | None = None
         self.lost_to = ""  # the process that took the lease over (set by the renewing thread)
         self.mark, self.store_lost = b"", ""  # the run's mark; why the store lost the run
-        self.seen: dict[str, int] = {}  # the `MONOTONE` counters as last read
+        self.seen: dict[str, int] = {}  # the `watched` counters as last read
+        self.watched = MONOTONE  # (a tuple: the renewing thread reads it as it stands)
 
     def join(
         self, on_lost: Callable[[str], None], contract: RunContract | None = None
@@ -151,14 +152,19 @@ class Membership:
                     on_lost(holder)
                 return
 
+    def watch(self, *counters: str) -> None:
+        """Check `counters` at each renewal too from now on: counters only this member moves
+        (the trainer's consumed and trained counts, once its resume has rewound them)."""
+        self.watched = (*self.watched, *counters)
+
     def check_store(self) -> str:
-        """Why the store lost the run: its mark gone or replaced, or a `MONOTONE` counter below
+        """Why the store lost the run: its mark gone or replaced, or a `watched` counter below
         what this member read last time ('' when neither). One round trip; RedisError passes."""
-        pipe = self.buffer.redis.pipeline(transaction=True)
+        pipe, watched = self.buffer.redis.pipeline(transaction=True), self.watched
         pipe.get(self.buffer.mark_key)
-        pipe.hmget(self.buffer.counters_key, MONOTONE)
+        pipe.hmget(self.buffer.counters_key, watched)
         mark, values = pipe.execute()
-        now = {name: int(value or 0) for name, value in zip(MONOTONE, values, strict=True)}
+        now = {name: int(value or 0) for name, value in zip(watched, values, strict=True)}
         url, key = self.buffer.config.redis_url, self.buffer.mark_key
         if mark != self.mark:
             return store_lost(url, key)

@@ -122,6 +122,8 @@ class Trainer:
             )
         if self.buffer is not None:
             self.buffer.set_version("trainer", self.version)
+        if self.lease is not None:  # (rewound by a resume above; only this trainer moves them)
+            self.lease.watch("groups_consumed", "groups_trained")
 
     def _join_run(self, resume_root: Path | None) -> int:
         """Rank 0: the run's lease and contract, the lineage this start continues (the version
