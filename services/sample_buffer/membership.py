@@ -67,7 +67,7 @@ class Membership:
         self.lost_to = ""  # the process that took the lease over (set by the renewing thread)
         self.mark, self.store_lost = b"", ""  # the run's mark; why the store lost the run
         self.seen: dict[str, int] = {}  # the `watched` counters as last read
-        self.watched = MONOTONE  # (a tuple: the renewing thread reads it as it stands)
+        self.watched: tuple[str, ...] = MONOTONE  # (the renewing thread reads it as it stands)
 
     def join(
         self, on_lost: Callable[[str], None], contract: RunContract | None = None
