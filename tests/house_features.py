@@ -13,33 +13,12 @@ STYLE.md item 14: a folder over its budget names the features that cost it; this
 measured, for the folders in test_house.OVER_BUDGET_TODAY."""
 
 import ast
-import io
 import sys
-import tokenize
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_house import BUDGETS, ROOT, _string_statement, code_lines, folder_lines
-
-
-def code_line_set(source: str) -> set[int]:
-    """test_house.code_lines, returning the line numbers (checked equal in `measure`)."""
-    docs: set[int] = set()
-    for node in ast.walk(ast.parse(source)):
-        body = getattr(node, "body", [])
-        for stmt in body if isinstance(body, list) else []:
-            if _string_statement(stmt):
-                docs.update(range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1))
-    lines: set[int] = set()
-    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type not in skip and tok.type != tokenize.ENDMARKER:
-            lines.update(range(tok.start[0], tok.end[0] + 1))
-    out = lines - docs
-    assert len(out) == code_lines(source)
-    return out
-
+from test_house import BUDGETS, ROOT, code_line_set, folder_lines
 
 C, OPT = "core", "opt"
 MAP: dict[str, list[tuple[str, str, list[str]]]] = {

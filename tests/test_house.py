@@ -56,6 +56,10 @@ def _string_statement(node: ast.stmt) -> bool:
 
 
 def code_lines(source: str) -> int:
+    return len(code_line_set(source))
+
+
+def code_line_set(source: str) -> set[int]:
     """Lines holding a token that is neither a comment nor part of a docstring: a module's,
     class's or function's, or an attribute's (a bare string statement under a field)."""
     docs: set[int] = set()
@@ -69,7 +73,7 @@ def code_lines(source: str) -> int:
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type not in skip and tok.type != tokenize.ENDMARKER:
             lines.update(range(tok.start[0], tok.end[0] + 1))
-    return len(lines - docs)
+    return lines - docs
 
 
 def imports(path: Path, known: set[str]) -> set[str]:
