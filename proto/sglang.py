@@ -37,11 +37,17 @@ join the next group (services/weight_sync/process_group.py).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WithJsonSchema, model_validator
 
-Version = str | int  # SGLang sends strings; integers are accepted and read as their string
+# A weight version is a string in SGLang's JSON and an int inside Tandem: "3" (or 3) is read
+# as 3, a string that is not an integer is refused naming the field, and 3 is written as "3".
+Version = Annotated[
+    int,
+    PlainSerializer(str, return_type=str, when_used="json"),
+    WithJsonSchema({"type": "string", "pattern": "^-?[0-9]+$"}),
+]
 
 
 class _Req(BaseModel):
@@ -238,7 +244,3 @@ class UpdateWeightsFromZmqReqInput(_Req):
     timeout_s: float | None = Field(default=None, gt=0)
     flush_cache: bool = True
     abort_all_requests: bool = False
-
-
-def version_str(value: Version | None) -> str | None:
-    return None if value is None else str(value)

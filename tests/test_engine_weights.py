@@ -398,3 +398,20 @@ def test_weights_received_in_read_only_frames_print_no_warning() -> None:
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_weight_versions_are_integers_that_only_go_forward_negative_ones_too(
+    start_service, toy_model_dir: Path
+) -> None:
+    engine = start_service("engine", ["engine", "--model", str(toy_model_dir), "--port", "0"])
+
+    def load(version: object) -> httpx.Response:
+        body = {"model_path": str(toy_model_dir), "weight_version": version}
+        return httpx.post(f"{engine.url}/update_weights_from_disk", json=body, timeout=60)
+
+    assert load("2").json()["weight_version"] == "2"
+    assert load("-1").status_code == 409, "below the version served, though not all digits"
+    refused = load("v3")
+    assert refused.status_code == 400 and "weight_version" in refused.json()["message"]
+    assert httpx.get(f"{engine.url}/get_weight_version").json() == {"weight_version": "2"}
+    assert "tandem_engine_weight_version 2" in httpx.get(f"{engine.url}/metrics").text

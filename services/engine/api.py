@@ -267,7 +267,7 @@ def sequence_json(seq: Sequence, inp: GenerateInput, tokenizer: Any, done: bool 
         "cached_tokens": seq.cached_tokens,
         "reasoning_tokens": 0,
         "num_retractions": seq.retractions,
-        "weight_version": seq.weight_version,
+        "weight_version": str(seq.weight_version),
         "e2e_latency": time.monotonic() - seq.job.created_s,
     }
     if inp.return_logprob:

@@ -54,7 +54,7 @@ class BatchSection(Section):
 class WeightsSection(Section):
     """Weight updates."""
 
-    weight_version: str = "0"
+    weight_version: int = 0
     """weight version reported until the first weight update"""
     # (-3 was taken: every weight update then timed out)
     update_timeout_s: PositiveSeconds = 120.0

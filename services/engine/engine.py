@@ -122,7 +122,7 @@ class Engine:
         self.scheduler.stop()
 
     @property
-    def weight_version(self) -> str:
+    def weight_version(self) -> int:
         return self.scheduler.weight_version
 
     # ---- generation ---------------------------------------------------------------------------
@@ -266,7 +266,7 @@ class Engine:
             "tokenizer_path": self.config.served.tokenizer or self.config.served.model,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": self.weight_version,
+            "weight_version": str(self.weight_version),
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": getattr(self.runner.config, "model_type", None),
@@ -285,7 +285,7 @@ class Engine:
             "max_total_num_tokens": self.max_total_tokens,
             "tp_size": 1,
             "dp_size": 1,
-            "weight_version": self.weight_version,
+            "weight_version": str(self.weight_version),
             "version": "tandem-reference-engine",
             # Tandem's extension of /update_weights_from_distributed (see engine/weights.py)
             "weight_update_bucket_sizes": self.config.weights.whole_version_updates,

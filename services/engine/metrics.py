@@ -26,10 +26,6 @@ class EngineMetrics:
     def render(self, scheduler: Scheduler) -> str:
         """The text of `GET /metrics`, the scheduler's numbers read now."""
         load, stats = scheduler.load(), scheduler.stats
-        try:
-            version = float(scheduler.weight_version)
-        except ValueError:  # a weight version need not be a number (SGLang allows any string)
-            version = -1.0
         totals = [
             gauge(name, text, stats[name])
             for name, text in (
@@ -48,6 +44,6 @@ class EngineMetrics:
                 load["num_tokens"],
             ),
             gauge("paused", "1 while generation is paused.", load["paused"]),
-            gauge("weight_version", "Weight version served (-1: not a number).", version),
+            gauge("weight_version", "Weight version served.", scheduler.weight_version),
         ]
         return self.metrics.render(gauges, totals)

@@ -58,7 +58,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
-    weight_version: str = ""
+    weight_version: int = 0
     top_logprobs_num: int = 0
     retractions: int = 0
     input_logprob_start: int | None = None  # score prompt tokens from here (logprob_start_len)
@@ -107,7 +107,7 @@ class Scheduler:
         max_prefill_tokens: int,
         max_queued_requests: int,
         context_length: int,
-        weight_version: str,
+        weight_version: int,
         max_total_tokens: int = 0,
         prompt_cache_tokens: int = 0,
     ) -> None:

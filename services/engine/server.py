@@ -137,7 +137,7 @@ def _add_info_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.get("/get_weight_version")
     async def weight_version() -> Response:
-        return json_response({"weight_version": engine.weight_version})
+        return json_response({"weight_version": str(engine.weight_version)})
 
     @app.get("/get_load")
     async def load() -> Response:
@@ -186,21 +186,20 @@ def _add_control_routes(app: FastAPI, engine: Engine) -> None:
 
 
 def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
-    def ok(version: str, what: str) -> Response:
-        return json_response({"success": True, "message": what, "weight_version": version})
+    def ok(version: int, what: str) -> Response:
+        return json_response({"success": True, "message": what, "weight_version": str(version)})
 
     @app.post("/update_weights_from_zmq", dependencies=WRITE, responses=UPDATE_ANSWERS)
     async def update_from_zmq(body: sg.UpdateWeightsFromZmqReqInput) -> Response:
-        version = str(body.weight_version)
         new = await engine.weights.from_zmq(
-            body.endpoint, version, body.timeout_s, body.abort_all_requests
+            body.endpoint, body.weight_version, body.timeout_s, body.abort_all_requests
         )
         return ok(new, f"Updated weights to version {new} from {body.endpoint}.")
 
     @app.post("/update_weights_from_disk", dependencies=WRITE, responses=UPDATE_ANSWERS)
     async def update_from_disk(body: sg.UpdateWeightFromDiskReqInput) -> Response:
         new = await engine.weights.from_disk(
-            body.model_path, sg.version_str(body.weight_version), body.abort_all_requests
+            body.model_path, body.weight_version, body.abort_all_requests
         )
         return ok(new, f"Loaded weights from {body.model_path}.")
 
@@ -218,7 +217,7 @@ def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
     async def update_weight_version(body: sg.UpdateWeightVersionReqInput) -> Response:
         if body.abort_all_requests:
             engine.abort(None)
-        engine.scheduler.weight_version = str(body.new_version)
+        engine.scheduler.weight_version = body.new_version
         return ok(engine.weight_version, "Weight version updated.")
 
     @app.get("/get_weights_by_name", operation_id="get_weights_by_name_get")

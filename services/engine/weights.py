@@ -130,14 +130,11 @@ class WeightUpdater:
             )
         return future.result()
 
-    def _check_forward(self, version: str | None) -> None:
+    def _check_forward(self, version: int | None) -> None:
         """409 for a version below the one served: versions only go forward. An engine restarted
-        from its load weights serves version 0 and takes any; labels that are not integers
-        (SGLang allows any string) are not compared."""
+        from its load weights serves version 0 and takes any."""
         served = self.scheduler.weight_version
-        if version is None or not (served.isdigit() and str(version).isdigit()):
-            return
-        if int(version) < int(served):
+        if version is not None and version < served:
             raise UpdateError(
                 f"weight_version {version} is older than version {served} this engine serves; "
                 "weights unchanged (versions only go forward)",
@@ -147,13 +144,13 @@ class WeightUpdater:
     async def _apply(
         self,
         tensors: NamedTensors,
-        version: str | None,
+        version: int | None,
         abort_all: bool,
         lease: Any = None,
         adopt: bool = False,
         plan: LoadPlan | None = None,
         live: ReceiveSet | None = None,
-    ) -> str:
+    ) -> int:
         """Check, then copy in while the scheduler is drained; returns the new version.
         `abort_all` ends running requests (partial output) instead of waiting for them.
 
@@ -174,7 +171,7 @@ class WeightUpdater:
         if abort_all:
             self.scheduler.abort(None, "Abort due to weight update")
 
-        def apply() -> str:
+        def apply() -> int:
             return self._load(tensors, version, lease, adopt, plan, live)
 
         future = self.scheduler.run_exclusive(apply, drain=True)
@@ -194,12 +191,12 @@ class WeightUpdater:
     def _load(
         self,
         tensors: NamedTensors,
-        version: str | None,
+        version: int | None,
         lease: Any,
         adopt: bool,
         plan: LoadPlan | None,
         live: ReceiveSet | None,
-    ) -> str:
+    ) -> int:
         """On the scheduler's thread, drained: the weights copied in (or adopted), the caches
         cleared, the version set; the lease of the slot they now live in kept, and the receive
         set they are views of (`live`)."""
@@ -216,7 +213,7 @@ class WeightUpdater:
         if previous is not None:
             previous.release()
         if version is not None:
-            self.scheduler.weight_version = str(version)
+            self.scheduler.weight_version = version
         log.info(
             "weights: %d tensors loaded in %.3fs, now version %s",
             count,
@@ -228,18 +225,14 @@ class WeightUpdater:
     # ---- the three sources --------------------------------------------------------------------
 
     async def from_zmq(
-        self, endpoint: str, version: str, timeout_s: float | None = None, abort_all: bool = False
-    ) -> str:
+        self, endpoint: str, version: int, timeout_s: float | None = None, abort_all: bool = False
+    ) -> int:
         """Fetch `version` from the weight broker at `endpoint` and apply it."""
         import zmq
 
         from services.weight_sync.wire import AuthenticationError, secret_from_env
         from services.weight_sync.zmq_transport import BrokerGoneError, fetch_weights
 
-        try:
-            number = int(version)
-        except ValueError as exc:
-            raise UpdateError(f"weight_version {version!r} is not an integer", 400) from exc
         if timeout_s is not None and timeout_s < self.timeout_s:
             wait_s, which = timeout_s, "the request's timeout_s"
         else:
@@ -248,7 +241,7 @@ class WeightUpdater:
             self._check_forward(version)
             try:
                 tensors = await self._in_thread(
-                    lambda: fetch_weights(endpoint, number, secret_from_env(), wait_s),
+                    lambda: fetch_weights(endpoint, version, secret_from_env(), wait_s),
                     f"fetching weights from {endpoint}",
                 )
             except (LookupError, AuthenticationError, ValueError, zmq.ZMQError) as exc:
@@ -261,7 +254,7 @@ class WeightUpdater:
                 ) from exc
             return await self._apply(tensors, version, abort_all, lease=tensors.lease)
 
-    async def from_disk(self, model_path: str, version: str | None, abort_all: bool = False) -> str:
+    async def from_disk(self, model_path: str, version: int | None, abort_all: bool = False) -> int:
         """Reload every tensor found in an HF directory's safetensors (or .bin) files."""
         async with self._lock:
             self._check_forward(version)
@@ -322,7 +315,7 @@ class WeightUpdater:
         )
         self._group_name = name
 
-    async def from_distributed(self, body: sg.UpdateWeightsFromDistributedReqInput) -> str:
+    async def from_distributed(self, body: sg.UpdateWeightsFromDistributedReqInput) -> int:
         """Receive a version by broadcast from rank 0 (per tensor, or flat buckets; see the
         module docstring), then apply it all at once."""
         prepared = self._prepared_layout(body)
@@ -351,10 +344,14 @@ class WeightUpdater:
                 raise UpdateError(f"broadcast failed, weights unchanged: {exc}", 500) from exc
             if prepared.problem:  # refused only now: leaving the collective early hangs it
                 raise UpdateError(f"weights refused, model unchanged: {prepared.problem}", 400)
-            version = sg.version_str(body.weight_version)
-            self._check_forward(version)
+            self._check_forward(body.weight_version)
             return await self._apply(
-                tensors, version, body.abort_all_requests, adopt=True, plan=plan, live=received
+                tensors,
+                body.weight_version,
+                body.abort_all_requests,
+                adopt=True,
+                plan=plan,
+                live=received,
             )
 
     def _prepared_layout(self, body: sg.UpdateWeightsFromDistributedReqInput) -> PreparedLayout:
