@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common.settings import parser, toml_value
+from services.common.settings import flat, parser, toml_value
 
 if TYPE_CHECKING:
     from tandem.up_tree import UpTree
@@ -213,7 +213,7 @@ def reference() -> str:
     classes: dict[str, type[Any]] = {"up": UpConfig, **SERVICES}
     for name, cls in classes.items():
         out.append(f"\n## [{name}]\n\n{SECTIONS_TEXT[name]}\n")
-        defaults = cls()
+        defaults = flat(cls())
         for group in parser(cls, f"tandem {name}")._action_groups:
             actions = [a for a in group._group_actions if a.dest not in ("help", "config")]
             if not actions:
@@ -222,15 +222,9 @@ def reference() -> str:
                 out.append(f"\n### {group.title}\n")
             out.append("\n| key | flag | default | meaning |\n| --- | --- | --- | --- |")
             for action in actions:
-                out.append(_row(action, _default(defaults, action.dest)))
+                out.append(_row(action, defaults[action.dest]))
             out.append("")
     return "\n".join(out).rstrip() + "\n"
-
-
-def _default(config: object, key: str) -> object:
-    from services.common.settings import flat
-
-    return flat(config)[key]  # type: ignore[arg-type]
 
 
 def _row(action: object, default: object) -> str:

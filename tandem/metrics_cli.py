@@ -19,7 +19,7 @@ import redis
 from proto import MetricsRecord, decode
 from services.sample_buffer.keys import BufferKeys
 from tandem.progress import json_row
-from tandem.run_redis import RunNotFoundError, add_run_args, known_runs, open_run
+from tandem.run_redis import add_run_args, nothing_there, read_run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,28 +70,19 @@ def print_records(client: redis.Redis, key: str, args: argparse.Namespace) -> in
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        with open_run(args) as (client, run_id, where):
-            key = BufferKeys(run_id).metrics_key
-            try:
-                seen = print_records(client, key, args)
-            except KeyboardInterrupt:  # (a reader that left, `| head`: tandem/cli.py's to end)
+
+    def read(client: redis.Redis, run_id: str, where: str) -> int:
+        key = BufferKeys(run_id).metrics_key
+        try:
+            if print_records(client, key, args):
                 return 0
-            if not seen:
-                runs = ", ".join(known_runs(client, "metrics")) or "none"
-                print(
-                    f"tandem metrics: no records in {key} at {where} (runs with metrics there: "
-                    f"{runs}); check --run-id",
-                    file=sys.stderr,
-                )
-                return 1
-    except RunNotFoundError as exc:
-        print(f"tandem metrics: {exc}", file=sys.stderr)
-        return 2
-    except redis.RedisError as exc:
-        print(f"tandem metrics: Redis did not answer ({exc}); check --redis-url", file=sys.stderr)
-        return 1
-    return 0
+        except KeyboardInterrupt:  # (a reader that left, `| head`: tandem/cli.py's to end)
+            return 0
+        return nothing_there(
+            "metrics", client, f"records in {key} at {where}", "metrics", "metrics"
+        )
+
+    return read_run("metrics", args, read)
 
 
 if __name__ == "__main__":

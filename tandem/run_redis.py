@@ -15,8 +15,9 @@ import argparse
 import contextlib
 import json
 import secrets
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import redis
@@ -131,3 +132,27 @@ def known_runs(client: redis.Redis, suffix: str) -> list[str]:
     """Run ids that have a `tandem:{id}:{suffix}` key (to name them when the one asked is empty)."""
     keys = client.scan_iter(match=f"tandem:*:{suffix}", count=1000)
     return sorted(k.decode()[len("tandem:") : -len(suffix) - 1] for k in keys)
+
+
+def read_run(command: str, args: argparse.Namespace, read: Callable[..., int]) -> int:
+    """`read(client, run_id, where)` on the run the flags name, and its exit code; 2 when they
+    name no run, 1 when its Redis does not answer (each said on stderr)."""
+    try:
+        with open_run(args) as found:
+            return read(*found)
+    except RunNotFoundError as exc:
+        print(f"tandem {command}: {exc}", file=sys.stderr)
+        return 2
+    except redis.RedisError as exc:
+        print(f"tandem {command}: Redis did not answer ({exc}); check --redis-url", file=sys.stderr)
+        return 1
+
+
+def nothing_there(command: str, client: redis.Redis, what: str, suffix: str, holding: str) -> int:
+    """Exit code 1, saying that the run holds no `what` and which runs there have some."""
+    runs = ", ".join(known_runs(client, suffix)) or "none"
+    print(
+        f"tandem {command}: no {what} (runs with {holding} there: {runs}); check --run-id",
+        file=sys.stderr,
+    )
+    return 1

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import sys
 
 import redis
 
 from services.sample_buffer.timeline import chrome_trace, read_spans
-from tandem.run_redis import RunNotFoundError, add_run_args, known_runs, open_run
+from tandem.run_redis import add_run_args, nothing_there, read_run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,36 +32,28 @@ def main(argv: list[str] | None = None) -> int:
         "-o", "--output", default="timeline.json", help="File to write (- for standard output)."
     )
     args = parser.parse_args(argv)
-    try:
-        with open_run(args) as (client, run_id, where):
-            spans = read_spans(client, run_id)
-            if not spans:
-                runs = ", ".join(known_runs(client, "timeline")) or "none"
-                print(
-                    f"tandem timeline: no spans for run {run_id!r} at {where} (runs with a "
-                    f"timeline there: {runs}); check --run-id",
-                    file=sys.stderr,
-                )
-                return 1
-    except RunNotFoundError as exc:
-        print(f"tandem timeline: {exc}", file=sys.stderr)
-        return 2
-    except redis.RedisError as exc:
-        print(f"tandem timeline: Redis did not answer ({exc}); check --redis-url", file=sys.stderr)
-        return 1
+    return read_run("timeline", args, functools.partial(write, output=args.output))
+
+
+def write(client: redis.Redis, run_id: str, where: str, output: str) -> int:
+    """The run's spans into `output` (- for standard output); its exit code."""
+    spans = read_spans(client, run_id)
+    if not spans:
+        what = f"spans for run {run_id!r} at {where}"
+        return nothing_there("timeline", client, what, "timeline", "a timeline")
     by_source = collections.Counter(s["source"] for s in spans)
     counts = ", ".join(f"{n} {source}" for source, n in sorted(by_source.items()))
-    if args.output == "-":  # (it wrote a file named '-')
+    if output == "-":  # (it wrote a file named '-')
         json.dump(chrome_trace(spans), sys.stdout)
         print(f"\n{len(spans)} spans ({counts})", file=sys.stderr)
         return 0
     try:
-        with open(args.output, "w") as out:
+        with open(output, "w") as out:
             json.dump(chrome_trace(spans), out)
     except OSError as exc:
-        print(f"tandem timeline: cannot write --output {args.output}: {exc}", file=sys.stderr)
+        print(f"tandem timeline: cannot write --output {output}: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output}: {len(spans)} spans ({counts})")
+    print(f"wrote {output}: {len(spans)} spans ({counts})")
     return 0
 
 

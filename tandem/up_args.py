@@ -15,6 +15,7 @@ configuration tree (its `--*-args` strings) is refused, naming why.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import pickle
@@ -32,11 +33,12 @@ from services.common.settings import ConfigError, flat, leaves, toml_value
 from services.trainer.config import TRACKER, saved_iteration
 from tandem.run_dir import resume_command
 from tandem.up_launch import MODEL_DEFAULTS, UpConfig
-from tandem.up_tree import RENDERED, SERVICES, UpTree, rebuild
+from tandem.up_tree import RENDERED, SERVICES, UpTree
 
 CONFIG_FILE = "up_config.json"
 RUN_CONFIG = "config.toml"
 LAUNCH_DIR = "launch_dir"  # up_config.json's key beside the fields: where the run first started
+PROMPTS = "prompts"  # and this one: the training prompts' file and the sha256 of its bytes
 # Service settings that name a file or folder, read from the folder a service starts in: saved
 # absolute, so that a resume or a repeat of config.toml from another folder finds them.
 PATH_KEYS = {"prompt_data", "eval_prompt_data", "load", "ref_load", "tokenizer", "save"}
@@ -121,7 +123,7 @@ def absolute_paths(tree: UpTree, model: str) -> UpTree:
         module, colon, fn = str(values.get("custom_rm_path", "")).rpartition(":")
         if module.endswith(".py"):
             values["custom_rm_path"] = f"{absolute_path(module)}{colon}{fn}"
-        services[name] = rebuild(type(config), values)
+        services[name] = type(config)(**values)
     return UpTree(up, services, tree.origins, tree.config)
 
 
@@ -141,7 +143,42 @@ def save_config(run_dir: Path, tree: UpTree, model: str) -> None:
     saved |= {k: tree.up.by_model(k) for k in MODEL_DEFAULTS.keys() & saved.keys()}
     saved |= {"resume": "", LAUNCH_DIR: launch_dir or os.getcwd()}
     saved["run_dir"] = str(run_dir.absolute())  # (a resume finds a moved folder)
+    saved[PROMPTS] = prompts_file(str(tree.value("router", "prompt_data")))
     path.write_text(json.dumps(saved, indent=2))
+
+
+def prompts_file(path: str) -> dict[str, str]:
+    """`path` and the sha256 of its bytes (both "" for the built-in task's prompts)."""
+    if not path:
+        return {"file": "", "sha256": ""}
+    with open(path, "rb") as data:
+        return {"file": path, "sha256": hashlib.file_digest(data, "sha256").hexdigest()}
+
+
+def prompts_changed(saved: dict, tree: UpTree, run_dir: Path) -> str:
+    """Why the resume's training prompts are not the run's ("" when they are, or the run
+    folder recorded none). They are a run term (`data`: their count and digest as tokenized,
+    stated by the router once it has loaded them, minutes in with a real model): other prompts
+    would draw the run's next ones from another list. Here, before anything starts, the file's
+    bytes are compared (the same file moved is the same prompts)."""
+    try:
+        now = prompts_file(str(tree.value("router", "prompt_data")))
+    except OSError:
+        return ""  # (not there or unreadable: the router's check says so)
+    was = saved.get(PROMPTS, now)
+    if now["sha256"] == was["sha256"]:
+        return ""
+
+    def named(prompts: dict[str, str]) -> str:
+        if not prompts["file"]:
+            return "the built-in task's prompts"
+        return f"{prompts['file']} (sha256 of the file {prompts['sha256'][:16]})"
+
+    return (
+        f"--resume: --prompt-data is part of the run contract of {run_dir}: the run trains on "
+        f"{named(was)}, this resume was given {named(now)}; other prompts would draw the run's "
+        "next ones from another list: resume with the run's file as it was, or start a new run"
+    )
 
 
 def resumed(tree: UpTree) -> tuple[UpTree, list[str]]:
@@ -156,6 +193,8 @@ def resumed(tree: UpTree) -> tuple[UpTree, list[str]]:
         for name in AGREED
         if name not in ("model", "seed") and name in saved and tree.value("up", name) != saved[name]
     ]
+    if problem := prompts_changed(saved, tree, run_dir):
+        problems.append(problem)
     if "seed" in saved and tree.up.run.seed != saved["seed"]:
         problems.append(
             f"--resume: --seed orders the run's prompts ({saved['seed']} so far): another "
@@ -177,7 +216,7 @@ def resumed(tree: UpTree) -> tuple[UpTree, list[str]]:
     up = tree.up.model_copy(update={"run": run, "run_dir": str(run_dir)})
     tree = UpTree(up, tree.services, tree.origins, tree.config)
     if tree.origins["trainer"]["save"] != "flag" and (save := moved(saved, run_dir, "save")):
-        tree.services["trainer"] = rebuild(SERVICES["trainer"], flat(tree.trainer) | {"save": save})
+        tree.services["trainer"] = SERVICES["trainer"](**(flat(tree.trainer) | {"save": save}))
     router_rm = str(tree.value("router", "custom_rm_path"))
     if router_rm and (found := reach_launch_dir(router_rm, saved.get(LAUNCH_DIR) or "")):
         print(f"[up] {found}", flush=True)
@@ -239,7 +278,7 @@ def optimizer_used(tree: UpTree, run_dir: Path) -> list[str]:
     }
     changed = [k for k in used if used[k] != saved[k]]
     override = {"override_opt_param_scheduler": bool(changed) or everything}
-    tree.services["trainer"] = rebuild(SERVICES["trainer"], asked | used | override)
+    tree.services["trainer"] = SERVICES["trainer"](**(asked | used | override))
     origin = {"flag": "--{}", "env": "its environment variable", "file": "the config file"}
     lines = [
         f"the checkpoint's {k} {saved[k]} -> {used[k]} (from "
@@ -330,7 +369,7 @@ def trainer_start(tree: UpTree, trainer: Any, run_dir: Path, buffer: Any) -> tup
         plan = resume_plan(checkpoints, run_dir, every, one_time, buffer.get_version("trainer", 0))
         new_lineage, replayed, note = plan
         if new_lineage:
-            trainer = rebuild(type(trainer), flat(trainer) | {"new_lineage": True})
+            trainer = type(trainer)(**(flat(trainer) | {"new_lineage": True}))
         if note:
             say(note)
     try:

@@ -20,8 +20,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from services.common.settings import (
     ConfigError,
     Origin,
@@ -95,14 +93,6 @@ class UpTree:
     @property
     def trainer(self) -> Any:
         return self.services["trainer"]
-
-    @property
-    def engine(self) -> Any:
-        return self.services["engine"]
-
-    @property
-    def broker(self) -> Any:
-        return self.services["broker"]
 
     def value(self, section: str, key: str) -> Any:
         """A setting of a section by its key (`tree.value("trainer", "lr")`)."""
@@ -200,7 +190,7 @@ def compose(argv: list[str], prog: str = "tandem up") -> UpTree:
     config = next((w.split("=", 1)[1] for w in words if w.startswith("--config=")), config)
     tree = UpTree(up.settled(), services, origins, config)
     for name in SERVICES:
-        tree.services[name] = rebuild(type(services[name]), filled(tree, name))
+        tree.services[name] = type(services[name])(**filled(tree, name))
     return tree
 
 
@@ -252,18 +242,6 @@ def said(tree: UpTree, section: str, key: str, value: Any) -> str:
     }.get(origin, f"[{section}] {key} = {value!r} (tandem up's default)")
 
 
-def rebuild(cls: type[BaseModel], values: dict[str, Any]) -> Any:
-    """A config of `cls` from every leaf's value by its name (a leaf and a section may share a
-    name: the trainer's run term `model` and its `model` section)."""
-    nested: dict[str, Any] = {}
-    for key, path in leaves(cls).items():
-        into = nested
-        for name in path[:-1]:
-            into = into.setdefault(name, {})
-        into[path[-1]] = values[key]
-    return cls(**nested)
-
-
 def wired(tree: UpTree, run: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, str]]]:
     """Each service's config as a run's child gets it (its file, RUN_DIR/<service>.toml): the
     per-run values of `run` (by key: the run id, Redis, the model used, ...) set where the
@@ -279,7 +257,7 @@ def wired(tree: UpTree, run: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
         notes[name] |= {
             k: "one launch's choice, not recorded: give it again" for k in ONE_TIME & values.keys()
         }
-        configs[name] = rebuild(type(config), values | per_run)
+        configs[name] = type(config)(**(values | per_run))
     return configs, notes
 
 
@@ -297,7 +275,7 @@ def render(tree: UpTree, run: dict[str, Any]) -> str:
             if k.endswith("token") and v
         }
         if secrets:
-            config = rebuild(type(config), flat(config) | dict.fromkeys(secrets, ""))
+            config = type(config)(**(flat(config) | dict.fromkeys(secrets, "")))
         text += "\n" + to_toml(config, name, notes[name] | secrets)
     header = (
         f"{RENDERED}: the configuration of this run, every service.\n"
@@ -305,15 +283,6 @@ def render(tree: UpTree, run: dict[str, Any]) -> str:
         "# Commented keys are set by tandem up itself; change them in [up].\n\n"
     )
     return header + text
-
-
-def rendered(path: str) -> bool:
-    """`path` is a configuration tandem up wrote (a run's config.toml)."""
-    try:
-        with open(path, encoding="utf-8") as text:
-            return text.readline().startswith(RENDERED)
-    except (OSError, UnicodeDecodeError):
-        return False
 
 
 def child_file(configs: dict[str, Any], name: str, run_dir: Path) -> Path:

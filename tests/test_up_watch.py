@@ -269,9 +269,40 @@ def test_a_new_run_saves_absolute_paths_so_it_resumes_from_any_folder(
     # a resume's own flags are made absolute too (its up_config.json is saved again)
     started[2].lock.close()
     (elsewhere / "more.jsonl").write_text('{"prompt": "2", "label": "2"}\n')
-    flags = ["--prompt-data", "more.jsonl", "--label-key", "label"]
+    flags = ["--eval-prompt-data", "more.jsonl", "--label-key", "label"]
     assert launcher.main(["--resume", str(run), *flags]) == 0
-    assert started[3].tree.value("router", "prompt_data") == str(elsewhere / "more.jsonl")
+    assert started[3].tree.value("router", "eval_prompt_data") == str(elsewhere / "more.jsonl")
+
+
+def test_a_resume_on_other_prompts_is_refused_before_anything_starts_naming_both(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """The training prompts are a run term: a resume given another --prompt-data (or the
+    run's file changed since) was refused only by the router, after the engines had loaded."""
+    monkeypatch.chdir(tmp_path)
+    first, other = tmp_path / "train.jsonl", tmp_path / "other.jsonl"
+    first.write_text('{"prompt": "1", "label": "1"}\n')
+    other.write_text('{"prompt": "2", "label": "2"}\n')
+    started = []
+    monkeypatch.setattr("tandem.up_run.UpRun.run", lambda self: started.append(self) or 0)
+    flags = ["--prompt-data", str(first), "--rm-type", "exact_match", "--run-dir", "run"]
+    assert launcher.main(flags) == 0
+    run = started[0].run_dir
+    save_config(run, started[0].tree, "")  # as start_services does
+    (run / "config.toml").write_text(render(started[0].tree, {}))
+    started[0].lock.close()
+    assert launcher.main(["--resume", str(run), "--prompt-data", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: --prompt-data is part of the run contract of {run}" in err
+    assert f"the run trains on {first} (sha256 of the file " in err
+    assert f"this resume was given {other} (sha256 of the file " in err
+    assert not started[1:], "nothing started"
+    shutil.copy(first, tmp_path / "moved.jsonl")  # the same prompts in another file: taken
+    assert launcher.main(["--resume", str(run), "--prompt-data", "moved.jsonl"]) == 0
+    started[1].lock.close()
+    first.write_text('{"prompt": "3", "label": "3"}\n')  # the run's file changed since
+    assert launcher.main(["--resume", str(run)]) == 2
+    assert "--prompt-data is part of the run contract" in capsys.readouterr().err
 
 
 def test_a_data_file_that_is_not_there_is_refused_before_anything_starts(
