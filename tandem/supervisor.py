@@ -76,6 +76,11 @@ class Child:
             data = data[data.index(b"\n") + 1 :]
         return data.decode(errors="replace")
 
+    def last_line(self, chars: int = 3000) -> str:
+        """The log's last line that is not blank ("" when there is none)."""
+        lines = [line.strip() for line in self.log_tail(chars).splitlines() if line.strip()]
+        return lines[-1] if lines else ""
+
     def how_it_ended(self) -> str:
         """'exited with code N', or 'was killed by SIGNAL' (SIGKILL: out of memory?)."""
         code = self.proc.returncode
@@ -90,11 +95,8 @@ class Child:
         """Why the child exited: its own one-line error when it ended on one (every service
         ends a failure it understands with `tandem NAME: what to fix`), else its log's tail
         (a traceback before that line is in the log, not on the console)."""
-        tail = self.log_tail()
-        lines = [line for line in tail.splitlines() if line.strip()]
-        if lines and re.match(r"tandem [\w-]+: ", lines[-1]):
-            return lines[-1]
-        return tail
+        last = self.last_line()
+        return last if re.match(r"tandem [\w-]+: ", last) else self.log_tail()
 
 
 class StartInterruptedError(RuntimeError):
@@ -200,11 +202,11 @@ class Supervisor:
             while not child.ready_file.exists():
                 if self.note is not None and time.monotonic() - noted >= self.note_every_s:
                     noted = time.monotonic()
-                    last = next(reversed(child.log_tail(500).strip().splitlines()), "(empty)")
+                    last = child.last_line(500) or "(empty)"
                     self.note(
                         f"{child.name} is still starting ({noted - started:.0f} s of "
                         f"{timeout_s:.0f}, --startup-timeout-s); its log's last line: "
-                        f"{last.strip()[-200:]}"
+                        f"{last[-200:]}"
                     )
                 if self.interrupted:
                     raise StartInterruptedError(f"interrupted while {child.name} was starting")

@@ -128,8 +128,7 @@ def ended(child: Child) -> str:
     """How `child` ended, with its log's last line when it exited on its own."""
     if child.proc.returncode < 0:
         return child.how_it_ended()
-    lines = [line for line in child.log_tail(2000).splitlines() if line.strip()]
-    return f"{child.how_it_ended()}: {lines[-1].strip()[-300:] if lines else '(empty log)'}"
+    return f"{child.how_it_ended()}: {child.last_line(2000)[-300:] or '(empty log)'}"
 
 
 def wait_engines_synced(

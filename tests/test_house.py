@@ -28,7 +28,7 @@ BUDGETS = {
 # its budget (STYLE.md: a folder that needs more says which feature costs it). Lower a figure
 # when a cut lands; drop the entry when the folder meets its budget.
 OVER_BUDGET_TODAY = {
-    "tandem": 3176,
+    "tandem": 3175,
     "services/common": 994,
     "services/rollout_router": 5356,
     "services/trainer": 4172,
