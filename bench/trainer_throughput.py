@@ -78,6 +78,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="both",
         help="MoE: which experts to time (both: SequentialMLP, then grouped GEMMs)",
     )
+    p.add_argument(
+        "--dispatcher",
+        choices=["trainer", "megatron"],
+        default="trainer",
+        help="MoE: the trainer's token dispatch (no host syncs where it applies: "
+        "services/trainer/expert_dispatch.py) or megatron's own dispatcher, for comparison",
+    )
     add_layer_args(p)
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--num-samples", type=int, default=128, help="samples per step")
@@ -220,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     init_distributed(tp_size=1, seed=args.seed)
+    if args.dispatcher == "megatron":
+        from services.trainer import expert_dispatch
+
+        expert_dispatch.applies = lambda _config: False  # every MoE layer keeps megatron's
     if args.layer_only:
         return layer_only(args)
     if args.curve:
@@ -486,6 +497,7 @@ def bench_model(args, label, policy, cfg, samples, active, peak, sync) -> dict: 
             print(f"[{label}] {name}_mfu: {tflops / peak:.3f} (of {peak:.0f} TFLOP/s matmul peak)")
     if args.profile and label != "moe_sequential":  # (its step is the slow known one)
         profile(policy, cfg, samples, args.profile, sync)
+        host_syncs(policy, cfg, samples, sync)
     if len(results) < 2:
         name = args.modes[0]
         print(f"[{label}] {name}_tokens_per_s: {results[name]['tokens_per_s']:.0f}")
@@ -543,11 +555,47 @@ def profile(policy, cfg, samples, top: int, sync) -> None:  # type: ignore[no-un
             continue
         kind = kernel_kind(e.key.lower())
         kinds[kind] = kinds.get(kind, 0.0) + getattr(e, attr)
-    print(f"profile: {total / 1e3:.1f} ms of kernels in one packed step")
+    wall = max((e.time_range.end for e in prof.events()), default=0) - min(
+        (e.time_range.start for e in prof.events()), default=0
+    )
+    print(f"profile: {total / 1e3:.1f} ms of kernels in one packed step of {wall / 1e3:.1f} ms")
     for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<20} {us / 1e3:9.1f} ms {100 * us / max(total, 1):5.1f}%")
     for e in [e for e in rows if not e.key.startswith(("aten::", "cuda"))][:top]:
         print(f"  {getattr(e, attr) / 1e3:9.2f} ms x{e.count:<5d} {e.key[:110]}")
+
+
+def host_syncs(policy, cfg, samples, sync) -> None:  # type: ignore[no-untyped-def]
+    """One packed step under CUDA's sync debug mode: where the host waits for the device (each
+    wait lets the GPU run dry while the host catches up), counted by the calling line."""
+    import traceback
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    sites: dict[str, int] = {}
+
+    def seen(*_args, **_kwargs) -> None:  # type: ignore[no-untyped-def]
+        ours = ("/services/", "/megatron/", "/bench/")  # not torch's or the warnings module's
+        frames = [f for f in traceback.extract_stack() if any(p in f.filename for p in ours)]
+        site = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[::-1][:3])
+        sites[site] = sites.get(site, 0) + 1
+
+    sync()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            one_step(policy, cfg, samples, True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync()
+    print(f"host syncs in one packed step: {sum(sites.values())}")
+    for site, n in sorted(sites.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  x{n:<5d} {site}")
 
 
 KINDS = (  # (kind, words of its kernels' names): the first that matches names a kernel's kind

@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from services.trainer import batching
 from services.trainer.config import TrainerConfig
+from services.trainer.expert_dispatch import SortedDispatcher
 from services.trainer.grouped_experts import GroupedExperts, expert_views
 from services.trainer.policy import Policy
 from tests.test_trainer_hf_convert import megatron_world  # noqa: F401 - fixture
@@ -117,6 +119,12 @@ def test_grouped_experts_give_sequential_experts_log_probs_gradients_and_adam_st
     grouped, sequential = policy(moe_dir, True), policy(moe_dir, False)
     assert any(isinstance(m, GroupedExperts) for m in grouped.model.modules())
     assert not any(isinstance(m, GroupedExperts) for m in sequential.model.modules())
+    # the grouped model dispatches with SortedDispatcher, the sequential one with megatron's
+    kinds = [
+        {type(m.token_dispatcher) for m in p.model.modules() if isinstance(m, MoELayer)}
+        for p in (grouped, sequential)
+    ]
+    assert kinds[0] == {SortedDispatcher} and SortedDispatcher not in kinds[1]
     assert grouped.replays and len(grouped.replays) == len(sequential.replays)
     mbs = micro_batches(grouped, seed=0)
     assert len(mbs) > 1

@@ -38,6 +38,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 
+from services.trainer.expert_dispatch import DispatchingMoELayer
+
 FLAG = "--no-moe-grouped-experts"  # the way back to megatron's SequentialMLP
 
 
@@ -184,7 +186,9 @@ def _drop_extra_state(module: torch.nn.Module, incompatible: Any) -> None:
 
 
 def experts_spec(layer_spec: Any) -> Any:
-    """`layer_spec` (megatron's local GPT layer spec with an MoE MLP) with these experts."""
+    """`layer_spec` (megatron's local GPT layer spec with an MoE MLP) with these experts, and
+    the MoE layer that dispatches to them without host syncs where it can (`expert_dispatch`)."""
+    layer_spec.submodules.mlp.module = DispatchingMoELayer
     layer_spec.submodules.mlp.submodules.experts.module = GroupedExperts
     layer_spec.submodules.mlp.submodules.experts.submodules = None
     return layer_spec
