@@ -60,3 +60,30 @@ def test_a_slot_held_by_a_stopped_engine_costs_the_trainer_one_short_wait_not_te
         os.kill(stopped.pid, signal.SIGKILL)
         stopped.wait()
         slots.close()
+
+
+def test_a_writer_called_after_the_grow_bound_adds_the_slot_without_waiting_again(
+    tmp_path,
+) -> None:
+    """The bound counts from the newest version's write: a trainer whose step outlasted it (it
+    waited for the groups a stopped engine held) adds the slot at once, so the stop costs it
+    one bound, not the groups' wait and the bound after it."""
+    grow_after_s = 5.0
+    slots = ShmSlots(str(tmp_path), grow_after_s=grow_after_s)
+    try:
+        _views, stopped = read_slot(slots.write(1, [("w", torch.full((4,), 1.0))]))
+        _views, serving = read_slot(slots.write(2, [("w", torch.full((4,), 2.0))]))
+        time.sleep(grow_after_s + 0.2)  # the step after version 2, longer than the bound
+        done: list[str] = []
+        writer = threading.Thread(
+            target=lambda: done.append(slots.write(3, [("w", torch.full((4,), 3.0))]).shm_path)
+        )
+        writer.start()
+        writer.join(timeout=grow_after_s / 2)  # (a bound: it waited the whole 5 s again)
+        assert done, "version 3 waited for the slot after the bound had passed"
+        assert done[0].endswith("-slot2")
+        stopped.release()
+        serving.release()
+    finally:
+        writer.join()
+        slots.close()

@@ -81,18 +81,10 @@ def build_task(data: DataConfig, tokenizer: Any, context_len: int = 0) -> Task:
     model's `context_len` positions)."""
     if not data.prompt_data:
         return toy_reverse_digits(tokenizer, data.task_seed)
-    return dataset_task(
-        tokenizer,
-        data.prompt_data,
-        data.eval_prompt_data,
-        data.input_key,
-        data.label_key,
-        data.apply_chat_template,
-        data.eval_heldout_fraction,
-        data.task_seed,
-        context_len,
-        data.eval_max_prompts,
-    )
+    paths, keys = (data.prompt_data, data.eval_prompt_data), (data.input_key, data.label_key)
+    held_out = (data.eval_heldout_fraction, data.task_seed)
+    chat, most = data.apply_chat_template, data.eval_max_prompts
+    return dataset_task(tokenizer, *paths, *keys, chat, *held_out, context_len, most)
 
 
 def default_response_len(config: RouterConfig, task: Task, context: int) -> int:
@@ -139,17 +131,8 @@ async def build_control(
         client = EnvClient(config.env.env_url, pool.session, config.env.env_call_timeout_s)
         chat = config.data.apply_chat_template
         episodes = EpisodeRunner(config.env, client, tokenizer, chat, context)
-    loop = RolloutLoop(
-        config.run,
-        config.rollout,
-        config.sampling,
-        pool,
-        buffer,
-        task,
-        reward,
-        stop_ids(tokenizer, config.sampling),
-        episodes,
-    )
+    stops, settings = stop_ids(tokenizer, config.sampling), (config.rollout, config.sampling)
+    loop = RolloutLoop(config.run, *settings, pool, buffer, task, reward, stops, episodes)
     loop.gen.context_len = context
     return RolloutController(loop, config.data, tokenizer, make_task, config.scored())
 

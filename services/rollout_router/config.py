@@ -48,6 +48,10 @@ class WorkerPoolConfig(Section):
     """Timeout of one health check."""
     health_failures: Annotated[int, Field(ge=1)] = 3
     """Consecutive failed checks that evict an engine from the rotation."""
+    stall_timeout_s: Seconds = 1.0
+    """An engine holding requests that answers neither them nor GET /model_info for this long
+    (stopped or hung) is taken out at once and its requests are sent to another engine, if one
+    serves; 0: only --health-failures evicts."""
     broker_url: str = ""
     """Weight broker base URL: an engine added at run time (or found restarted) is registered
     there to be brought to the current weights before it gets traffic."""

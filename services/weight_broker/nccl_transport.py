@@ -285,7 +285,7 @@ class NcclTransport:
             extra["shapes"] = [m.shape for m in tensors]
         return sg.UpdateWeightsFromDistributedReqInput(
             group_name=self.group_name,
-            weight_version=str(offer.version),
+            weight_version=offer.version,
             flush_cache=flush,
             load_format=flat,
             **extra,

@@ -170,7 +170,7 @@ class ZmqTransport:
     async def update(self, session: aiohttp.ClientSession, url: str, version: int) -> None:
         """Bring one engine to `version`; `EngineAnswerError` with its message if refused."""
         body = sg.UpdateWeightsFromZmqReqInput(
-            endpoint=self.serve_endpoint, weight_version=str(version), flush_cache=True
+            endpoint=self.serve_endpoint, weight_version=version, flush_cache=True
         )
         await post(session, f"{url}/update_weights_from_zmq", body)
 
@@ -262,5 +262,5 @@ class DiskTransport(ZmqTransport):
 
     async def update(self, session: aiohttp.ClientSession, url: str, version: int) -> None:
         path = str(self.version_dir(version))
-        body = sg.UpdateWeightFromDiskReqInput(model_path=path, weight_version=str(version))
+        body = sg.UpdateWeightFromDiskReqInput(model_path=path, weight_version=version)
         await post(session, f"{url}/update_weights_from_disk", body)

@@ -5,11 +5,15 @@ writing a version runs at memcpy speed; fresh tmpfs pages cost ~10x more). Versi
 slot no reader holds: take an exclusive `flock` on it, set the stamp to -1, copy the tensors in,
 set the stamp to N, unlock. Two slots suffice while engines keep up; when engines hold both
 (engines two versions behind, e.g. a version lost with a killed broker, or engines at two
-different versions) for `grow_after_s`, a slot is added, up to `max_count`. Such a slot is held
+different versions) `grow_after_s` after the newest version was written (the time an engine
+had to move on to it), a slot is added, up to `max_count`. Such a slot is held
 by an engine that has not moved on for a whole version (stopped, hung, left behind by the
 broker, or never told of the newest): it frees when that engine takes a newer version, which
 may be never, so the writer waits only GROW_AFTER_S for it: a longer wait stalls the trainer
 and saves no memory when the engine does not move (the slot is added after it all the same).
+The bound counts from the newest version's write, not from this one's call: a trainer that
+took longer than it for its step (e.g. waiting for the groups a stopped engine held) finds the
+holder already past its chance and adds the slot at once, so one stop costs one bound.
 
 Reader (engine): `read_slot` takes a shared `flock`, checks that the stamp equals the version it
 was told about (else the slot already holds a newer version: `LookupError`), and maps the file
@@ -94,6 +98,7 @@ class ShmSlots:
     prefix: str = field(default_factory=lambda: f"{FILE_PREFIX}{os.getpid()}-{time.time_ns()}")
     _slots: list[_Slot] = field(default_factory=list)
     _last: int = -1
+    _last_at: float = math.inf  # monotonic time the newest version was written (inf: none)
 
     def write(
         self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
@@ -112,7 +117,7 @@ class ShmSlots:
         except OSError:
             fcntl.flock(self._slots[index].fd, fcntl.LOCK_UN)
             raise
-        self._last = index
+        self._last, self._last_at = index, time.monotonic()
         assert slot.mapping is not None
         try:
             slot.mapping[:8] = struct.pack("<q", WRITING)
@@ -138,13 +143,15 @@ class ShmSlots:
 
     def _take_free_slot(self) -> int:
         """Index of a slot now locked for writing: one no reader holds, never the newest
-        version's (its sync may be on the way). While readers hold all the others for
-        `grow_after_s`, a slot is added (up to `max_count`); a writer waits `timeout_s` in all."""
+        version's (its sync may be on the way). While readers hold all the others
+        `grow_after_s` after the newest version was written, a slot is added (up to
+        `max_count`); a writer waits `timeout_s` in all."""
         if not self._slots:  # files in RAM must not outlive the writer, even on an early exit
             atexit.register(self.close, linger_s=15.0)
         while len(self._slots) < self.count:
             self._add_slot()
-        start = time.monotonic()
+        called = time.monotonic()
+        start = min(self._last_at, called)  # (the newest version's write, once there is one)
         while True:
             for index in (i for i in range(len(self._slots)) if i != self._last):
                 try:
@@ -155,14 +162,14 @@ class ShmSlots:
             waited = time.monotonic() - start
             if waited > self.grow_after_s and len(self._slots) < self.max_count:
                 log.warning(
-                    "engines hold every free weight slot for %.1fs (engines two or more versions "
-                    "behind): adding slot %d in %s",
+                    "engines hold every free weight slot %.1f s after the newest version was "
+                    "written (engines two or more versions behind): adding slot %d in %s",
                     waited,
                     len(self._slots),
                     self.shm_dir,
                 )
                 self._add_slot()
-            elif waited > self.timeout_s:
+            elif time.monotonic() - called > self.timeout_s:
                 raise SlotBusyError(
                     f"all {len(self._slots)} weight slots in {self.shm_dir} stayed locked by "
                     f"engines for {self.timeout_s:.0f}s"

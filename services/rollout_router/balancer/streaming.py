@@ -96,8 +96,7 @@ async def attempt(
 ) -> tuple[Response | None, str]:
     """(the answer, "") or (None, why it should be retried elsewhere)."""
     assert pool.session is not None, "WorkerPool.start() was not called"
-    worker.outstanding += 1
-    worker.requests += 1
+    worker.hold()
     resp: aiohttp.ClientResponse | None = None
     relayed = False  # once True, the relay owns the response and the worker's slot
     try:

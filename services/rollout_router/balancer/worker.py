@@ -50,10 +50,22 @@ class Worker:
     behind_since: float = 0.0  # monotonic time it first served an older version than the pool's
     waiting: set[asyncio.Task[Any]] = field(default_factory=set)  # tasks awaiting its answer
     quiet_since: float = 0.0  # monotonic: its last answer, or the request that ended its idling
+    heard_at: float = 0.0  # monotonic: its last answer of any kind (a request, a probe)
+
+    def hold(self) -> None:
+        """One more request sent to it; from idle, its silence starts now."""
+        if not self.outstanding:
+            self.quiet_since = time.monotonic()
+        self.outstanding += 1
+        self.requests += 1
 
     def silent_s(self) -> float:
         """Seconds it has held requests without answering any (0 when it holds none)."""
         return time.monotonic() - self.quiet_since if self.outstanding else 0.0
+
+    def unanswered_s(self) -> float:
+        """Seconds it has held requests and answered nothing, neither them nor a probe."""
+        return time.monotonic() - max(self.quiet_since, self.heard_at) if self.outstanding else 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -7,9 +7,13 @@ Concurrency: one aiohttp session (one connection pool) for every request to ever
 and closed by `start()`/`close()` inside the serving event loop; forwarded POSTs go through the
 leaner `Http1Pool` instead unless `--hot-path-client aiohttp` (see http1.py for why). The health loop
 (`run_health_checks`) polls `GET /model_info` of every worker every `health_interval_s`;
-`health_failures` consecutive failures evict a worker from the rotation. A request that fails
-with a connection error or a 5xx is retried on another admitted worker, at most `max_retries`
-times.
+`health_failures` consecutive failures evict a worker from the rotation. Beside it, the stall
+watch (`_watch_stalls`) takes out within `stall_timeout_s` a worker that holds requests and
+answers nothing, neither them nor a quick probe (a stopped process or host), while another
+serves: its waiting requests are cancelled there (the connection closed, so the engine drops
+them) and asked of another worker, so a stopped engine costs its requests one bound, not the
+health checks' count (~9 s). A request that fails with a connection error or a 5xx is retried
+on another admitted worker, at most `max_retries` times.
 
 Weight versions (the handshake with the weight broker): a worker gets traffic only while it
 serves at least the version the pool has reached (`target_version`, the highest any admitted
@@ -28,6 +32,7 @@ way: its samples would only be dropped as stale.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -169,13 +174,9 @@ class WorkerPool:
         worker.broker_asked_at = time.monotonic()
         url = self.config.broker_url.rstrip("/") + "/engines"
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        body = {"url": worker.url, "weight_version": max(worker.weight_version, -1)}
+        body["restarted"], headers = restarted, bearer_headers()
         try:
-            body = {
-                "url": worker.url,
-                "weight_version": max(worker.weight_version, -1),
-                "restarted": restarted,
-            }
-            headers = bearer_headers()
             async with self.session.post(url, json=body, headers=headers, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
@@ -234,12 +235,8 @@ class WorkerPool:
             if (now := time.monotonic()) >= said + WAIT_NOTE_S:
                 said = now
                 log.warning(
-                    "waiting for engine %s to answer GET /model_info (%s), %.0f s of %.0f s "
-                    "(--engine-wait-timeout-s)",
-                    url,
-                    last,
-                    now - start,
-                    wait_s,
+                    f"waiting for engine {url} to answer GET /model_info ({last}), "
+                    f"{now - start:.0f} s of {wait_s:.0f} s (--engine-wait-timeout-s)"
                 )
             if now + delay > deadline:
                 raise EngineStartupError(
@@ -290,15 +287,12 @@ class WorkerPool:
         task = asyncio.current_task()
         assert task is not None
         for attempt, worker in enumerate(self.attempts(tried, session_id)):
-            if not worker.outstanding:
-                worker.quiet_since = time.monotonic()
-            worker.outstanding += 1
-            worker.requests += 1
+            worker.hold()
             worker.waiting.add(task)
             lost = taken_out = False  # lost: no connection, counts toward evicting the worker
             try:
                 status, data = await self._send(worker.url, path, body)
-                worker.quiet_since = time.monotonic()
+                worker.quiet_since = worker.heard_at = time.monotonic()
                 if status < 500:
                     return status, data, worker
                 last = f"{worker.url}{path}: HTTP {status} {data[:200]!r}"
@@ -318,9 +312,9 @@ class WorkerPool:
             if lost:  # (after leaving `waiting`: an eviction now must not cancel this request)
                 self._mark_failed(worker, last)
             worker.errors += 1
-            if not taken_out:
+            if not taken_out:  # (a take-out says once how many requests it sends elsewhere)
                 worker.last_error = last
-            log.warning("attempt %d failed: %s", attempt + 1, last)
+                log.warning("attempt %d failed: %s", attempt + 1, last)
         raise EngineRequestError(f"{path} failed after {len(tried)} engine(s); last: {last}")
 
     def attempts(self, tried: set[str], session_id: str | None = None) -> Iterator[Worker]:
@@ -357,13 +351,12 @@ class WorkerPool:
         assert self.session is not None
 
         async def one(worker: Worker) -> tuple[str, Any]:
+            headers = {"Content-Type": "application/json", **bearer_headers()}
+            session = self.session
+            assert session is not None
+            request = session.request(method, worker.url + path, data=body or None, headers=headers)
             try:
-                async with self.session.request(  # type: ignore[union-attr]
-                    method,
-                    worker.url + path,
-                    data=body or None,
-                    headers={"Content-Type": "application/json", **bearer_headers()},
-                ) as resp:
+                async with request as resp:
                     return worker.url, {"status": resp.status, "body": (await resp.text())[:2000]}
             except (TimeoutError, aiohttp.ClientError) as exc:
                 return worker.url, {"status": 0, "error": f"{type(exc).__name__}: {exc}"}
@@ -381,8 +374,11 @@ class WorkerPool:
             self._take_out(worker)
 
     @staticmethod
-    def _take_out(worker: Worker) -> None:
-        """Out of the rotation; the requests waiting on it are asked of another worker."""
+    def _take_out(worker: Worker, why: str = "") -> None:
+        """Out of the rotation (`why` said); the requests waiting on it are asked of another."""
+        if why:
+            worker.last_error = why
+            log.warning("took %s out: %s", worker.url, why)
         worker.healthy, worker.behind_since = False, 0.0
         for task in list(worker.waiting):
             task.cancel(TAKEN_OUT)
@@ -401,27 +397,21 @@ class WorkerPool:
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 self._mark_failed(worker, f"health check: {type(exc).__name__}: {exc}")
                 return
-            worker.failures = 0
+            worker.failures, worker.heard_at = 0, time.monotonic()
             worker.model_info = worker.model_info or info
             reported = parse_version(info.get("weight_version"))
             restarted = reported < worker.weight_version
             if restarted:  # from its load weights (the version it had was served: reached)
                 self.version_reached = max(self.version_reached, worker.weight_version)
-                self._take_out(worker)
-                worker.last_error = (
-                    f"restarted: serves weight version {reported}, had {worker.weight_version}"
-                )
-                log.warning("took %s out: %s", worker.url, worker.last_error)
+                had = worker.weight_version
+                self._take_out(worker, f"restarted: serves weight version {reported}, had {had}")
             worker.weight_version = reported
             if worker.healthy:
                 self.version_reached = max(self.version_reached, reported)
                 if not self._lags(worker, target):
                     return
-                self._take_out(worker)
-                worker.last_error = (
-                    f"{self._behind(worker, target)}, for {self.config.broker_retry_s:g} s"
-                )
-                log.warning("took %s out: %s", worker.url, worker.last_error)
+                lag = f"{self._behind(worker, target)}, for {self.config.broker_retry_s:g} s"
+                self._take_out(worker, lag)
             if worker.refused and not await self._vetted_again(worker):
                 return
             if reported >= max(target, self.version_reached):
@@ -457,6 +447,43 @@ class WorkerPool:
         return time.monotonic() - worker.behind_since >= self.config.broker_retry_s
 
     async def run_health_checks(self) -> None:
+        """The health rounds and, with `--stall-timeout-s`, the watch for stalled workers."""
+        async with asyncio.TaskGroup() as tasks:
+            if self.config.stall_timeout_s:
+                tasks.create_task(self._watch_stalls(tasks))
+            while True:
+                await asyncio.sleep(self.config.health_interval_s)
+                await self.check_once()
+
+    # --- stalls --------------------------------------------------------------------------------
+
+    async def _watch_stalls(self, tasks: asyncio.TaskGroup) -> None:
+        """Every quarter of `--stall-timeout-s`: an admitted worker that holds requests and has
+        answered nothing (neither them nor a probe) for a quarter of it is probed (GET
+        /model_info); one silent for all of it while another worker answered meanwhile is
+        stalled (a stopped process or host): taken out at once, its waiting requests asked of
+        the others. A live engine answers the probe while it generates, however long its
+        requests take; a router too busy to read answers hears no worker, so takes none out."""
+        bound, probing = self.config.stall_timeout_s, set[str]()  # (a probe in flight each)
         while True:
-            await asyncio.sleep(self.config.health_interval_s)
-            await self.check_once()
+            await asyncio.sleep(bound / 4)
+            for worker in self.admitted():
+                silent, others = (
+                    worker.unanswered_s(),
+                    [w for w in self.admitted() if w is not worker],
+                )
+                if silent >= bound and any(w.heard_at > time.monotonic() - silent for w in others):
+                    n, flag = worker.outstanding, f"--stall-timeout-s {bound:g}"
+                    why = f"stalled: answered none of its {n} requests nor GET /model_info for"
+                    self._take_out(worker, f"{why} {silent:.1f} s ({flag}: stopped or hung)")
+                elif silent >= bound / 4 and worker.worker_id not in probing:
+                    probing.add(worker.worker_id)
+                    tasks.create_task(self._probe(worker, probing))
+
+    async def _probe(self, worker: Worker, probing: set[str]) -> None:
+        """GET /model_info within the stall bound; an answer is heard (a failure is not: the
+        watch counts the silence, the health checks say why)."""
+        with contextlib.suppress(TimeoutError, aiohttp.ClientError, ValueError):
+            await self.get_json(worker.url, "/model_info", self.config.stall_timeout_s)
+            worker.heard_at = time.monotonic()
+        probing.discard(worker.worker_id)

@@ -318,11 +318,9 @@ class RolloutController:
         records = [json.loads(raw) for raw in await io(buffer.redis.lrange(key, 0, -1))]
         apply, overridden = patches_in_force(records, self.configured)
         for field, (was, given) in overridden.items():
+            ours, patched = json.dumps(given), json.dumps(was)
             log.warning(
-                "%s = %s from this start's configuration wins over the run's PATCH to %s",
-                field,
-                json.dumps(given),
-                json.dumps(was),
+                f"{field} = {ours} from this start's configuration wins over the run's PATCH to {patched}"
             )
         if overridden:
             await self.record({k: given for k, (_, given) in overridden.items()}, by="start")

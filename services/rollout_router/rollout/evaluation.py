@@ -146,8 +146,6 @@ async def _publish(
         log.info("eval at version %d: %s", version, values)
     else:
         log.warning(
-            "eval at version %d: every one of the %d held-out prompts failed (the reasons are "
-            "in this log): no accuracy measured",
-            version,
-            failed,
+            f"eval at version {version}: every one of the {failed} held-out prompts failed (the "
+            "reasons are in this log): no accuracy measured"
         )

@@ -110,9 +110,8 @@ class Drops:
             log.warning("dropping %s %s: %s (%s)", what, group_id, reason, detail[:300])
             if count == LOGGED_ONE_BY_ONE:
                 log.warning(
-                    "later %s drops are logged as counts (every one is in the run's drop log "
-                    "and ledger: tandem ledger)",
-                    reason,
+                    f"later {reason} drops are logged as counts (every one is in the run's drop "
+                    "log and ledger: tandem ledger)"
                 )
         elif math.log10(count).is_integer():
             log.warning("%d drops of %s so far (the last: %s)", count, reason, detail[:300])

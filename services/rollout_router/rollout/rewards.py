@@ -289,11 +289,8 @@ async def make_reward(config: RewardConfig, session: aiohttp.ClientSession | Non
                 ) from None
             if not is_async:
                 log.info(
-                    "reward function %s runs in up to %d worker processes (--rm-workers), each "
-                    "call bounded by --rm-timeout-s %gs",
-                    path,
-                    workers,
-                    timeout_s,
+                    f"reward function {path} runs in up to {workers} worker processes "
+                    f"(--rm-workers), each call bounded by --rm-timeout-s {timeout_s:g}s"
                 )
                 name = split_path(path)[1]
                 return Reward(
