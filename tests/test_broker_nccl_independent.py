@@ -23,6 +23,7 @@ from typing import ClassVar
 import httpx
 import pytest
 
+from proto import NcclAck, decode, encode
 from services.sample_buffer import SampleBuffer
 from services.weight_sync.nccl_sender import NcclWeightSender
 from tests.helpers import JsonHandler, serving, wait_until
@@ -166,4 +167,58 @@ def test_a_stopped_engine_is_left_behind_while_the_other_takes_each_version_and_
         state = broker_state(broker)
         assert [(e["version"], e["in_rotation"]) for e in state.values()] == [(5, True)] * 2
         wait_until(lambda: buffer.get_version("engines") == 5, "gate at 5")
+        sender.close()
+
+
+class FirstAckFails:
+    """A trainer's control socket whose first broadcast ack says the broadcast failed after
+    its data went out (a trainer whose step after the collectives raised, or whose ack lost a
+    member it no longer needed); every frame is passed on, each ack recorded."""
+
+    def __init__(self, socket) -> None:  # type: ignore[no-untyped-def]
+        self.socket, self.acks = socket, []
+
+    def send(self, data: bytes) -> None:
+        try:
+            ack = decode(data, NcclAck)
+        except ValueError:  # the version's offer
+            self.socket.send(data)
+            return
+        if not self.acks:
+            ack.ok, ack.error = False, "the trainer's step after the broadcast raised"
+        self.acks.append((ack.version, ack.attempt, ack.ok))
+        self.socket.send(encode(ack))
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.socket, name)
+
+
+def test_engines_that_answered_a_failed_broadcast_are_counted_on_its_version_not_sent_it_again(
+    start_service, toy_model_dir, buffer: SampleBuffer
+) -> None:
+    engines = [start_service(f"engine{i}", engine_args(toy_model_dir)) for i in range(2)]
+    urls = [e.url for e in engines]
+    flags = ["--transport", "nccl", "--sync-timeout-s", SYNC_TIMEOUT_S, "--engine-urls", *urls]
+    flags += ["--redis-url", buffer.config.redis_url, "--run-id", buffer.config.run_id]
+    broker = start_service("broker", ["broker", "--port", "0", *flags])
+    sender = NcclWeightSender(broker.info["intake_endpoint"], bucket_bytes=16 * 1024, timeout_s=60)
+    sender._socket = control = FirstAckFails(sender._socket)
+    try:
+        _, model = send_and_time(sender, 1, toy_model_dir)
+        # Both answered the update: they have version 1 (served, exact), and no retry re-sent it.
+        assert control.acks == [(1, 0, False)], control.acks
+        for engine in engines:
+            served, tokens, logprobs = engine_logprobs(engine.url)
+            assert served == "1"
+            expected = teacher_forced(model, tokens)  # type: ignore[arg-type]
+            assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < 1e-4
+        state = broker_state(broker)
+        assert [(e["version"], e["in_rotation"]) for e in state.values()] == [(1, True)] * 2
+        wait_until(lambda: buffer.get_version("engines") == 1, "gate at 1")
+        # The trainer left its failed group: the next version forms a fresh one, taken by both.
+        _, model = send_and_time(sender, 2, toy_model_dir)
+        assert control.acks[1:] == [(2, 0, True)], control.acks
+        state = broker_state(broker)
+        assert [(e["version"], e["in_rotation"]) for e in state.values()] == [(2, True)] * 2
+    finally:
         sender.close()

@@ -60,6 +60,7 @@ class NcclTransport:
         self._generation = itertools.count()
         self._offer: tuple[bytes, NcclOffer] | None = None  # the trainer's, not yet answered
         self._failed: dict[str, str] = {}  # engine URL -> why it failed this version
+        self._took: list[str] = []  # engines that confirmed this version (not sent it again)
         # engine URL -> what of Tandem's extensions it takes (its server info's
         # `weight_update_<name>: true`): bucket_sizes, layout_id, group_timeout
         self._takes: dict[str, set[str]] = {}
@@ -112,24 +113,23 @@ class NcclTransport:
         `done` or `abort` whatever happens, so it never waits past its timeout."""
         assert self._offer is not None and self._offer[1].version == version
         (identity, offer), self._offer = self._offer, None
-        self._failed, start = {}, time.monotonic()
+        self._failed, self._took, start = {}, [], time.monotonic()
         error = "no engine to bring to it (all serve it already, or none is in rotation)"
-        engines: list[str] = []
         for attempt in range(MAX_ATTEMPTS):
-            if not (engines := [u for u in urls if u not in self._failed]):
+            if not (engines := [u for u in urls if u not in self._failed and u not in self._took]):
                 break
             try:
-                engines = await self._attempt(session, identity, offer, engines, attempt)
-                log.info("version %d on %d engines", version, len(engines))
+                self._took += await self._attempt(session, identity, offer, engines, attempt)
                 break
             except Exception as exc:  # whatever broke, later versions are still coordinated
-                error, engines = str(exc) or repr(exc), []
+                error = str(exc) or repr(exc)
                 unexpected = not isinstance(exc, RuntimeError | TimeoutError)
                 log.error(
                     "version %d attempt %d failed: %s", version, attempt, error, exc_info=unexpected
                 )
                 self.members = []  # a fresh group, without engines that failed
-        if engines:
+        if engines := self._took:
+            log.info("version %d on %d engines", version, len(engines))
             await self._command(identity, "done", version)
         else:  # the trainer leaves its group on `abort`: the next version forms one
             self.members = []
@@ -195,14 +195,9 @@ class NcclTransport:
             self._known_layout.pop(engine, None)
         world = 1 + sum(tp_sizes)
         self.group_name = f"tandem_weights_{next(self._generation)}"
-        group = {"world_size": world, "group_name": self.group_name}
+        group = {"world_size": world, "group_name": self.group_name, "attempt": attempt}
         await self._command(
-            identity,
-            "init",
-            offer.version,
-            attempt=attempt,
-            timeout_s=self.group_timeout_s,
-            **group,
+            identity, "init", offer.version, timeout_s=self.group_timeout_s, **group
         )
         offsets = zip(engines, itertools.accumulate([1, *tp_sizes]), strict=False)
         path = "/init_weights_update_group"
@@ -218,7 +213,8 @@ class NcclTransport:
         others do. One with no answer `MEMBER_CHECK_S` after the ack (plus the broadcast's own
         time when it succeeded), stopped or slow, is left behind: no longer waited for, out of
         rotation (the router registers it again once it answers). RuntimeError when the
-        broadcast failed: the retry forms a group of the engines not blamed."""
+        broadcast failed: an engine that answered all the same has the version (`_took`: not
+        sent it again); the retry forms a group of the others not blamed."""
         buckets = [b for b in offer.buckets if b] or [[]]
 
         @functools.cache  # built at most once per version, for the engines that take it
@@ -253,9 +249,11 @@ class NcclTransport:
         left = f"left behind: no answer within {grace:.1f}s of the broadcast (stopped or slow)"
         results = [TimeoutError(left) if c in late else c.exception() for c in calls]
         self._blame(engines, results, whole_group=bool(ack_error))
-        if ack_error:
-            raise RuntimeError(ack_error)
-        return [e for e, r in zip(engines, results, strict=True) if r is None]
+        took = [e for e, r in zip(engines, results, strict=True) if r is None]
+        if ack_error:  # one that answered has the version all the same: not sent it again
+            self._took += took
+            raise RuntimeError(ack_error + (f" (taken by {', '.join(took)})" if took else ""))
+        return took
 
     def _init_body(
         self, offer: NcclOffer, engine: str, rank_offset: int, world_size: int
