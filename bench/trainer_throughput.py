@@ -577,7 +577,9 @@ def host_syncs(policy, cfg, samples, sync) -> None:  # type: ignore[no-untyped-d
         return
     sites: dict[str, int] = {}
 
-    def seen(*_args, **_kwargs) -> None:  # type: ignore[no-untyped-def]
+    def seen(message, *_args, **_kwargs) -> None:  # type: ignore[no-untyped-def]
+        if "synchroniz" not in str(message):  # (megatron's deprecation warnings, say)
+            return
         ours = ("/services/", "/megatron/", "/bench/")  # not torch's or the warnings module's
         frames = [f for f in traceback.extract_stack() if any(p in f.filename for p in ours)]
         site = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[::-1][:3])

@@ -10,7 +10,7 @@ response tokens with `loss_mask` 1 carry loss.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -204,6 +204,26 @@ class MicroBatch:
     def num_tokens(self) -> int:
         """Real (non-padding) input tokens."""
         return int((self.seq_ids >= 0).sum())
+
+    def to(self, device: str) -> MicroBatch:
+        """A copy whose tensors are on `device`, copied without waiting for it: a copy from
+        the host that waits (`.to(device)`) lets the GPU's queue run dry in mid-step."""
+        moved = {
+            name: value.to(device, non_blocking=True)
+            for name, value in vars(self).items()
+            if isinstance(value, torch.Tensor)
+        }
+        params = self.packed_seq_params
+        if params is not None:
+            cu = params.cu_seqlens_q.to(device, non_blocking=True)
+            params = PackedSeqParams(
+                qkv_format=params.qkv_format,
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=params.max_seqlen_q,
+                max_seqlen_kv=params.max_seqlen_kv,
+            )
+        return replace(self, packed_seq_params=params, **moved)
 
 
 _INTS = ("input_ids", "position_ids", "targets", "seq_ids")

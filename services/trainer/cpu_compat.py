@@ -38,8 +38,10 @@ to W&B) is not imported.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -107,6 +109,27 @@ def fused_kernels_enabled() -> bool:
     `jit_fuser` functions): on CUDA, unless `TANDEM_COMPILE=0`. CPU runs stay eager (no
     compiler needed, quick to start)."""
     return torch.cuda.is_available() and os.environ.get("TANDEM_COMPILE", "1") != "0"
+
+
+def fused(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` compiled into fused kernels for CUDA tensors when `fused_kernels_enabled()`
+    (compiled at the first such call, any length: `dynamic=True`); eager otherwise, and for
+    good if this machine cannot compile (said once in the log)."""
+    compiled: list[Any] = []
+
+    def call(first: torch.Tensor, *rest: Any) -> torch.Tensor:
+        if not first.is_cuda or not fused_kernels_enabled() or compiled == [None]:
+            return fn(first, *rest)
+        if not compiled:
+            compiled.append(torch.compile(fn, dynamic=True))
+        try:
+            return compiled[0](first, *rest)
+        except Exception as exc:  # no working compiler here: stay correct, only slower
+            logging.getLogger(__name__).warning("fused %s unavailable (%s)", fn.__name__, exc)
+            compiled[0] = None
+            return fn(first, *rest)
+
+    return call
 
 
 def import_megatron() -> None:

@@ -10,7 +10,7 @@ At expert- and tensor-parallel size 1 with dropless top-k routing every token ha
 experts, so every size is known on the host: k x tokens rows. `SortedDispatcher` orders the rows
 as megatron's `permute` does (expert by expert, tokens in order) with one stable sort on the
 device, keeps the tokens per expert on the device (`GroupedExperts` takes them there), and sums
-a token's k rows by gathering them next to each other: no atomics, one rounding to bf16.
+a token's k rows in one gather-and-sum kernel: no atomics, one rounding to bf16.
 `DispatchingMoELayer` (megatron's `MoELayer`) builds it in place of megatron's dispatcher where
 it applies; elsewhere megatron's own dispatcher runs.
 
@@ -23,16 +23,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from services.trainer.cpu_compat import fused
 
-def _sum_rows(rows: torch.Tensor, by_token: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Each token's k rows (`by_token`, token by token) summed: `embedding_bag` gathers and
-    sums in one pass (accumulating in fp32), without writing the gathered rows out first."""
-    return F.embedding_bag(by_token.view(num_tokens, -1), rows, mode="sum")
+
+def _gather_sum(rows: torch.Tensor, by_token: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    return rows.index_select(0, by_token).view(num_tokens, -1, rows.shape[-1]).sum(1)
+
+
+# Each token's k rows (`by_token`, token by token) summed; on CUDA one compiled kernel gathers
+# and sums (fp32 accumulation) without writing the gathered rows out first.
+_sum_rows = fused(_gather_sum)
 
 
 class _Spread(torch.autograd.Function):

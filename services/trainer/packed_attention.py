@@ -36,7 +36,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from services.trainer.cpu_compat import fused_kernels_enabled
+from services.trainer.cpu_compat import fused
 
 log = logging.getLogger(__name__)
 
@@ -163,22 +163,8 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((t1 * cos - t2 * sin, t2 * cos + t1 * sin), dim=-1)
 
 
-_compiled_rotate: Any = None
+_rotate_fused = fused(_rotate)
 _positions_cache: dict[str, Any] = {}
-
-
-def _rotate_fused(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    global _compiled_rotate
-    if not t.is_cuda or not fused_kernels_enabled() or _compiled_rotate is False:
-        return _rotate(t, cos, sin)
-    if _compiled_rotate is None:
-        _compiled_rotate = torch.compile(_rotate, dynamic=True)
-    try:
-        return _compiled_rotate(t, cos, sin)
-    except Exception as exc:  # no working compiler here: stay correct, only slower
-        log.warning("fused RoPE unavailable (%s); using the eager version", exc)
-        _compiled_rotate = False
-        return _rotate(t, cos, sin)
 
 
 def _token_cos_sin(

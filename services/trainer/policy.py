@@ -25,7 +25,6 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -188,24 +187,14 @@ class Policy:
     # --- passes -------------------------------------------------------------------------------
 
     def _forward(self, model: Any, mb: MicroBatch) -> torch.Tensor:
-        params = mb.packed_seq_params
-        if torch.cuda.is_available() and params is not None:
-            cu = params.cu_seqlens_q.cuda()
-            params = PackedSeqParams(
-                qkv_format="thd",
-                cu_seqlens_q=cu,
-                cu_seqlens_kv=cu,
-                max_seqlen_q=params.max_seqlen_q,
-                max_seqlen_kv=params.max_seqlen_kv,
-            )
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        """`mb` on the model's device (`_run` moves every micro-batch there first)."""
         if self.replays:
             routing_replay.apply(self.replays, mb.routed_experts)
         return model(
-            input_ids=mb.input_ids.to(dev),
-            position_ids=mb.position_ids.to(dev),
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
             attention_mask=None,
-            packed_seq_params=params,
+            packed_seq_params=mb.packed_seq_params,
         )
 
     def _run(
@@ -225,7 +214,7 @@ class Policy:
                     return loss_fn(mb, output[..., 0].float(), None)
                 logp, entropy = token_logprobs(
                     output,
-                    mb.targets.to(output.device),
+                    mb.targets,
                     self.arch.vocab_size,
                     with_entropy,
                     entropy_grad,
@@ -236,9 +225,10 @@ class Policy:
             return logits, loss_func
 
         max_len = max(int(mb.input_ids.shape[1]) for mb in micro_batches)
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
         return get_forward_backward_func()(
             forward_step_func=step,
-            data_iterator=iter(micro_batches),
+            data_iterator=iter([mb.to(dev) for mb in micro_batches]),
             model=self.chunks,
             num_microbatches=len(micro_batches),
             seq_length=max_len,
@@ -256,7 +246,10 @@ class Policy:
             out = {"logp": logp.detach()}
             if ent is not None:
                 out["entropy"] = ent.detach()
-            return torch.zeros(()), torch.ones((), dtype=torch.int), out
+            # (on the device: megatron keeps the first loss scale it sees for the MoE aux loss
+            # and copies each later one into it, a host sync per micro-batch were it on the host)
+            zero = torch.zeros((), device=logp.device)
+            return zero, torch.ones((), dtype=torch.int, device=logp.device), out
 
         return self._run(micro_batches, collect, forward_only=True, with_entropy=with_entropy)
 

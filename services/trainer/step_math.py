@@ -116,7 +116,7 @@ def mismatch_stats_one(
     dev = proximal.device
     mask = mb.loss_mask.to(dev).flatten() > 0
     seq = mb.seq_ids.clamp(min=0).to(dev).flatten()
-    same = torch.tensor([v == version for v in sample_versions], device=dev)[seq]
+    same = torch.tensor([v == version for v in sample_versions]).to(dev, non_blocking=True)[seq]
     diff = proximal.flatten() - mb.behaviour_logp.to(dev).flatten()
     stats.peak("lp_diff", torch.where(mask & same, diff.abs(), -math.inf).max())
     # KL(engine || trainer) from engine samples, k3 estimator: exp(r) - 1 - r, r = log pt/pe.
