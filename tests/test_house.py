@@ -31,7 +31,7 @@ OVER_BUDGET_TODAY = {
     "tandem": 3175,
     "services/common": 994,
     "services/rollout_router": 5356,
-    "services/trainer": 4269,
+    "services/trainer": 4247,
     "services/weight_broker": 1068,
     "services/sample_buffer": 1458,
 }

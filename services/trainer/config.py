@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from proto.run_terms import RunContract, RunTerms
+from proto.run_terms import RunTerms
 from services.common.settings import Count, Positive, PositiveSeconds, Rate, Seconds, Section
 from services.sample_buffer import SampleBuffer, redis_url_problem
 from services.trainer.ckpt_folder import TRACKER, check_files, resolve_iteration, saved_iteration
@@ -79,18 +79,7 @@ class OptimizerSection(Section):
 # The optimizer settings a checkpoint holds (its schedulers' state: the learning-rates' schedule
 # and weight decay; its optimizer's parameter groups: AdamW's betas and epsilon), which a start
 # from it keeps unless --override-opt-param-scheduler; saved by name as `scheduler_config`.
-SAVED_OPTIMIZER = (
-    "lr",
-    "min_lr",
-    "lr_decay_style",
-    "lr_warmup_iters",
-    "lr_decay_iters",
-    "weight_decay",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_eps",
-    "critic_lr",
-)
+SAVED_OPTIMIZER = tuple(name for name in OptimizerSection.model_fields if name != "clip_grad")
 
 
 def saved_optimizer(path: Path) -> dict[str, object]:
@@ -313,10 +302,6 @@ class TrainerConfig(Section):
         if not self.batch.use_dynamic_batch_size and (gbs // dp_size) % micro:
             return f"per-rank batch {gbs // dp_size} samples does not divide by --micro-batch-size {micro}"
         return ""
-
-    def run_contract(self) -> RunContract:
-        """The run's terms as this trainer states them (see proto/run_terms.py)."""
-        return self.run.contract()
 
     @property
     def global_batch_size(self) -> int:

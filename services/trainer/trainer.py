@@ -95,13 +95,8 @@ class Trainer:
             from services.trainer.critic import Critic
 
             self.critic = Critic(cfg, cfg.run.model)
-        self.loss_cfg = losses.PolicyLossConfig(
-            **{
-                k: v
-                for k, v in cfg.loss.model_dump().items()
-                if k in losses.PolicyLossConfig.__dataclass_fields__
-            }
-        )
+        loss_fields = set(losses.PolicyLossConfig.__dataclass_fields__)
+        self.loss_cfg = losses.PolicyLossConfig(**cfg.loss.model_dump(include=loss_fields))
         self.version = broadcast_int(start_version)
         self.skipped_updates = 0
         self.resent = 0  # the last version re-sent on the broker's request
@@ -133,7 +128,7 @@ class Trainer:
         plain = SampleBuffer(BufferConfig(redis_url=cfg.run.redis_url, run_id=cfg.run.run_id))
         plain.wait_ready(timeout_s=10.0)
         member = self.lease = trainer_membership(plain)  # one per run: before any write
-        member.join(lambda _holder: end_on_lost(member), cfg.run_contract())
+        member.join(lambda _holder: end_on_lost(member), cfg.run.contract())
         start_version = lineage_start(cfg, plain, resume_root is not None)
         if start_version and resume_root:  # back to an older checkpoint: the run as of
             checkpoint.rewind_to_newest(plain, resume_root, cfg.run.run_id)  # the newest first
@@ -304,12 +299,8 @@ class Trainer:
     def split_steps(self, samples: list[TrainSample], rollout: Rollout) -> list[list[TrainSample]]:
         """`num_steps_per_rollout` consecutive chunks of the rollout's samples."""
         n = self.cfg.run.num_steps_per_rollout
-        size = math.ceil(len(samples) / n) if samples else 0
-        return [
-            samples[i * size : (i + 1) * size]
-            for i in range(n)
-            if samples[i * size : (i + 1) * size]
-        ]
+        size = math.ceil(len(samples) / n) or 1
+        return [samples[i : i + size] for i in range(0, len(samples), size)]
 
     # --- train --------------------------------------------------------------------------------
 
