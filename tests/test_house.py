@@ -29,7 +29,7 @@ BUDGETS = {
 # when a cut lands; drop the entry when the folder meets its budget.
 OVER_BUDGET_TODAY = {
     "tandem": 3175,
-    "services/common": 994,
+    "services/common": 978,
     "services/rollout_router": 5356,
     "services/trainer": 4247,
     "services/weight_broker": 1068,

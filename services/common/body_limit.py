@@ -16,7 +16,7 @@ import contextlib
 import time
 from typing import Any
 
-import orjson
+from starlette.responses import JSONResponse
 
 Scope = dict[str, Any]
 Receive = Any
@@ -25,21 +25,10 @@ DRAIN_BYTES = 64 << 20  # of a chunked body past the cap, read and dropped befor
 DRAIN_S = 5.0
 
 
-async def _too_large(send: Send, limit: int, flag: str) -> None:
+def _too_large(limit: int, flag: str) -> JSONResponse:
     message = f"request body over {limit} bytes; raise the service's {flag} to accept it"
-    body = orjson.dumps({"error": {"message": message, "code": 413}, "detail": message})
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    body = {"error": {"message": message, "code": 413}, "detail": message}
+    return JSONResponse(body, 413, headers={"connection": "close"})
 
 
 async def _drain(receive: Receive, more: bool) -> None:
@@ -67,7 +56,7 @@ class BodyLimitMiddleware:
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            await _too_large(send, self.limit, self.flag)
+            await _too_large(self.limit, self.flag)(scope, receive, send)
             return
         if length is not None:
             await self.app(scope, receive, send)
@@ -83,7 +72,7 @@ class BodyLimitMiddleware:
             more = message.get("more_body", False)
             if seen > self.limit:
                 await _drain(receive, more)
-                await _too_large(send, self.limit, self.flag)
+                await _too_large(self.limit, self.flag)(scope, receive, send)
                 return
         replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 

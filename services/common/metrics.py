@@ -9,6 +9,7 @@ from a daemon thread for a process without an HTTP server of its own (the traine
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from collections.abc import Callable, Iterable
@@ -58,11 +59,7 @@ class Histogram:
     def observe(self, value: float) -> None:
         with self._lock:
             self.sum += value
-            for i, bound in enumerate(self.bounds):
-                if value <= bound:
-                    self.counts[i] += 1
-                    return
-            self.counts[-1] += 1
+            self.counts[bisect.bisect_left(self.bounds, value)] += 1
 
     def lines(self, name: str) -> list[str]:
         with self._lock:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import uvicorn
+from starlette.responses import JSONResponse
 
 from services.common.body_limit import BodyLimitMiddleware
 
@@ -199,11 +200,8 @@ class StoppingReply:
                 f"--graceful-shutdown-s {self.graceful_shutdown_s:g}; send it again to a "
                 "running service"
             )
-            body = json.dumps({"detail": detail}).encode()
-            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-            headers.append((b"content-length", str(len(body)).encode()))
-            await send({"type": "http.response.start", "status": 503, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
+            answer = JSONResponse({"detail": detail}, 503, headers={"connection": "close"})
+            await answer(scope, receive, send)
 
 
 def serve(
