@@ -51,6 +51,7 @@ class Worker:
     waiting: set[asyncio.Task[Any]] = field(default_factory=set)  # tasks awaiting its answer
     quiet_since: float = 0.0  # monotonic: its last answer, or the request that ended its idling
     heard_at: float = 0.0  # monotonic: its last answer of any kind (a request, a probe)
+    answer_s: float = 0.0  # its slowest recent answer to GET /model_info (decaying)
 
     def hold(self) -> None:
         """One more request sent to it; from idle, its silence starts now."""
@@ -58,6 +59,11 @@ class Worker:
             self.quiet_since = time.monotonic()
         self.outstanding += 1
         self.requests += 1
+
+    def heard(self, asked_at: float) -> None:
+        """It answered a GET /model_info sent at `asked_at` (monotonic)."""
+        self.heard_at = time.monotonic()
+        self.answer_s = max(self.heard_at - asked_at, 0.8 * self.answer_s)
 
     def silent_s(self) -> float:
         """Seconds it has held requests without answering any (0 when it holds none)."""

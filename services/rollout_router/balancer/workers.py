@@ -59,6 +59,9 @@ log = logging.getLogger("tandem.router.workers")
 # The cancel message a request's task gets when its worker is taken out while it waits.
 TAKEN_OUT = "tandem: worker taken out of the rotation"
 WAIT_NOTE_S = 30.0  # how often a start-up wait for an engine says it still waits
+# A worker is stalled after this many times its slowest recent answer to GET /model_info, if
+# longer than --stall-timeout-s (under load /model_info took up to 0.3 s on a 2-core host).
+STALL_MARGIN = 4.0
 
 
 class WorkerPool:
@@ -393,11 +396,13 @@ class WorkerPool:
 
         async def check(worker: Worker) -> None:
             try:
+                asked = time.monotonic()
                 info = await self.get_json(worker.url, "/model_info", self.config.health_timeout_s)
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 self._mark_failed(worker, f"health check: {type(exc).__name__}: {exc}")
                 return
-            worker.failures, worker.heard_at = 0, time.monotonic()
+            worker.failures = 0
+            worker.heard(asked)
             worker.model_info = worker.model_info or info
             reported = parse_version(info.get("weight_version"))
             restarted = reported < worker.weight_version
@@ -460,30 +465,31 @@ class WorkerPool:
     async def _watch_stalls(self, tasks: asyncio.TaskGroup) -> None:
         """Every quarter of `--stall-timeout-s`: an admitted worker that holds requests and has
         answered nothing (neither them nor a probe) for a quarter of it is probed (GET
-        /model_info); one silent for all of it while another worker answered meanwhile is
-        stalled (a stopped process or host): taken out at once, its waiting requests asked of
-        the others. A live engine answers the probe while it generates, however long its
-        requests take; a router too busy to read answers hears no worker, so takes none out."""
-        bound, probing = self.config.stall_timeout_s, set[str]()  # (a probe in flight each)
+        /model_info); one silent for all of its bound (`--stall-timeout-s`, or STALL_MARGIN
+        times its slowest recent answer to a probe if longer: a loaded host stretches it) while
+        another worker answered meanwhile is stalled (a stopped process or host): taken out at
+        once, its waiting requests asked of the others. A live engine answers the probe while it
+        generates, however long its requests take; a router too busy to read answers hears no
+        worker, so takes none out."""
+        floor, probing = self.config.stall_timeout_s, set[str]()  # (a probe in flight each)
         while True:
-            await asyncio.sleep(bound / 4)
+            await asyncio.sleep(floor / 4)
             for worker in self.admitted():
-                silent, others = (
-                    worker.unanswered_s(),
-                    [w for w in self.admitted() if w is not worker],
-                )
+                silent, bound = worker.unanswered_s(), max(floor, STALL_MARGIN * worker.answer_s)
+                others = [w for w in self.admitted() if w is not worker]
                 if silent >= bound and any(w.heard_at > time.monotonic() - silent for w in others):
-                    n, flag = worker.outstanding, f"--stall-timeout-s {bound:g}"
+                    n, flag = worker.outstanding, f"--stall-timeout-s {floor:g}"
                     why = f"stalled: answered none of its {n} requests nor GET /model_info for"
                     self._take_out(worker, f"{why} {silent:.1f} s ({flag}: stopped or hung)")
-                elif silent >= bound / 4 and worker.worker_id not in probing:
+                elif silent >= floor / 4 and worker.worker_id not in probing:
                     probing.add(worker.worker_id)
-                    tasks.create_task(self._probe(worker, probing))
+                    tasks.create_task(self._probe(worker, probing, bound))
 
-    async def _probe(self, worker: Worker, probing: set[str]) -> None:
-        """GET /model_info within the stall bound; an answer is heard (a failure is not: the
+    async def _probe(self, worker: Worker, probing: set[str], timeout_s: float) -> None:
+        """GET /model_info within `timeout_s`; an answer is heard (a failure is not: the
         watch counts the silence, the health checks say why)."""
         with contextlib.suppress(TimeoutError, aiohttp.ClientError, ValueError):
-            await self.get_json(worker.url, "/model_info", self.config.stall_timeout_s)
-            worker.heard_at = time.monotonic()
+            asked = time.monotonic()
+            await self.get_json(worker.url, "/model_info", timeout_s)
+            worker.heard(asked)
         probing.discard(worker.worker_id)
