@@ -19,10 +19,10 @@ import redis
 from proto import SampleGroup, encode
 from proto.drops import DeadLetterReason as R
 from proto.drops import DropReason
-from proto.packed import pack
+from proto.packed import Group, pack
 from services.sample_buffer import BufferConfig, RedisServer, SampleBuffer
 from services.sample_buffer.refusals import refusal
-from services.trainer.intake import Limits, Rejected, check_entry, check_group, check_groups
+from services.trainer.intake import Limits, Rejected, check_group, check_groups, decode_groups
 from services.trainer.redis_wait import RedisUnavailableError, patient_client
 from tests.test_trainer_batching import group
 from tests.test_trainer_process import run_trainer, sample_groups
@@ -83,6 +83,16 @@ def bad_entries(good: SampleGroup) -> dict[str, tuple[R, dict[bytes, bytes]]]:
     }
     # (each as the router's path writes an entry: with the ledger PUT's count `n`)
     return {name: (reason, {**fields, b"n": b"1"}) for name, (reason, fields) in entries.items()}
+
+
+def check_entry(
+    fields: dict[bytes, bytes], limits: Limits, version: int, lineage_floor: int = 0
+) -> Group | Rejected:
+    """The first group of an entry, checked (`check_group`), or why the entry is rejected."""
+    groups = decode_groups("", fields)
+    if isinstance(groups, Rejected):
+        return groups
+    return check_group(groups[0][1], limits, version, lineage_floor)
 
 
 def test_each_bad_entry_is_rejected_with_its_reason_and_a_good_group_passes() -> None:

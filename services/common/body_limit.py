@@ -74,9 +74,15 @@ class BodyLimitMiddleware:
                 await _drain(receive, more)
                 await _too_large(self.limit, self.flag)(scope, receive, send)
                 return
-        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        await self.app(scope, replaying(b"".join(chunks), receive), send)
 
-        async def replayed() -> dict[str, Any]:
-            return replay.pop() if replay else await receive()
 
-        await self.app(scope, replayed, send)
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """`receive` for an app behind a layer that read the request's `body` whole: it gets the
+    body first, then what the client sends next (a disconnect)."""
+    replay = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> dict[str, Any]:
+        return replay.pop() if replay else await receive()
+
+    return replayed

@@ -22,6 +22,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 
+from services.common.body_limit import replaying
+
 WITH_BODY = {"POST", "PUT", "PATCH"}
 
 
@@ -54,16 +56,7 @@ class StrictJSON:
             answer = orjson.dumps({"detail": message + " is no character"})
             await Response(answer, 400, media_type="application/json")(scope, receive, send)
             return
-        given = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal given
-            if given:
-                return await receive()
-            given = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
 
 
 def lone_surrogate(body: bytes) -> bool:

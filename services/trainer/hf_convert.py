@@ -23,7 +23,6 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
-from proto.models import SUPPORTED_MODEL_TYPES
 from services.trainer.grouped_experts import expert_views
 from services.trainer.hf_arch import (
     HfArch,
@@ -35,7 +34,6 @@ from services.trainer.hf_arch import (
 from services.trainer.hf_files import HfState
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES",
     "HfArch",
     "arch_from_config",
     "build_gpt_model",
@@ -83,10 +81,9 @@ def _split_qkv(
     ng, hn = arch.num_kv_heads, arch.head_dim
     per = arch.num_heads // ng
     tail = qkv.shape[1:]
-    views = torch.split(qkv.reshape(ng, (per + 2) * hn, *tail), [per * hn, hn, hn], dim=1)
+    q, k, v = torch.split(qkv.reshape(ng, (per + 2) * hn, *tail), [per * hn, hn, hn], dim=1)
     if grouped:
-        return views[0], views[1], views[2]
-    q, k, v = views
+        return q, k, v
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
@@ -160,13 +157,9 @@ def megatron_full_to_hf(
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         att, sa = h + "self_attn.", m + "self_attention."
         yield h + "input_layernorm.weight", full[m + "input_layernorm.weight"]
-        q, k, v = _split_qkv(arch, full[sa + "linear_qkv.weight"], grouped_qkv)
-        yield from ((att + f"{n}_proj.weight", t) for n, t in zip("qkv", (q, k, v), strict=True))
-        if arch.qkv_bias:
-            qb, kb, vb = _split_qkv(arch, full[sa + "linear_qkv.bias"], grouped_qkv)
-            yield from (
-                (att + f"{n}_proj.bias", t) for n, t in zip("qkv", (qb, kb, vb), strict=True)
-            )
+        for kind in ("weight", "bias") if arch.qkv_bias else ("weight",):
+            qkv = _split_qkv(arch, full[sa + f"linear_qkv.{kind}"], grouped_qkv)
+            yield from ((att + f"{n}_proj.{kind}", t) for n, t in zip("qkv", qkv, strict=True))
         if arch.qk_norm:
             yield att + "q_norm.weight", full[sa + "q_layernorm.weight"]
             yield att + "k_norm.weight", full[sa + "k_layernorm.weight"]
@@ -273,12 +266,11 @@ def _copy_vocab_rows(
     """This TP rank's rows of a vocabulary matrix (padded beyond `vocab` with zeros): read
     straight into the parameter from an `HfState` (no copy of a matrix that may be a tenth of
     the model), else copied from `hf[name]`."""
-    first = rank * param.shape[0]
+    first, wanted = rank * param.shape[0], (vocab, *param.shape[1:])
     rows = max(0, min(param.shape[0], vocab - first))
     if isinstance(hf, HfState) and name not in hf.held and name in hf.entries:
-        shape = hf.entries[name].shape
-        if tuple(shape) != (vocab, *param.shape[1:]):
-            raise RuntimeError(f"{name}: {list(shape)}, wanted {[vocab, *param.shape[1:]]}")
+        if tuple(shape := hf.entries[name].shape) != wanted:
+            raise RuntimeError(f"{name}: {list(shape)}, wanted {list(wanted)}")
         # (a GPU parameter: through the copy below; file reads land in host memory only)
         if param.dtype == hf.entries[name].dtype and param.device.type == "cpu":
             if rows:  # (a last TP rank may hold padding only)
@@ -286,8 +278,8 @@ def _copy_vocab_rows(
             param[rows:].zero_()
             return
     source = hf[name]
-    if tuple(source.shape) != (vocab, *param.shape[1:]):
-        raise RuntimeError(f"{name}: {list(source.shape)}, wanted {[vocab, *param.shape[1:]]}")
+    if tuple(source.shape) != wanted:
+        raise RuntimeError(f"{name}: {list(source.shape)}, wanted {list(wanted)}")
     param[:rows].copy_(source[first : first + rows])
     param[rows:].zero_()
 
@@ -343,10 +335,9 @@ class _DeviceExport:
             elif view.is_contiguous() and dtype in (None, view.dtype):
                 self.named.append((name, view))
             else:
+                shape = tuple(view.shape)
                 if proj in ("q_proj", "k_proj", "v_proj"):
                     shape = (view.shape[0] * view.shape[1], *view.shape[2:])  # HF rows
-                else:
-                    shape = tuple(view.shape)
                 buffer = torch.empty(shape, dtype=dtype or view.dtype, device=view.device)
                 self.copies.append((buffer.view(view.shape), view))
                 self.named.append((name, buffer))

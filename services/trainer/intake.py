@@ -97,16 +97,6 @@ def decode_groups(entry_id: str, fields: dict[bytes, bytes]) -> list[tuple[str, 
     return groups or Rejected(DeadLetterReason.MISSING_FIELD, "an entry of no group")
 
 
-def check_entry(
-    fields: dict[bytes, bytes], limits: Limits, version: int, lineage_floor: int = 0
-) -> Group | Rejected:
-    """The first group of an entry, checked (`check_group`), or why the entry is rejected."""
-    groups = decode_groups("", fields)
-    if isinstance(groups, Rejected):
-        return groups
-    return check_group(groups[0][1], limits, version, lineage_floor)
-
-
 def _schema(seen: object) -> Rejected:
     return Rejected(
         DeadLetterReason.SCHEMA_VERSION,
