@@ -10,6 +10,16 @@ import torch
 from services.trainer import losses
 
 
+def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Reward-to-go over one sample's response tokens."""
+    out = torch.empty_like(token_rewards)
+    running = token_rewards.new_zeros(())
+    for t in range(token_rewards.numel() - 1, -1, -1):
+        running = token_rewards[t] + gamma * running
+        out[t] = running
+    return out
+
+
 def test_grpo_advantage_is_reward_minus_group_mean_over_std() -> None:
     r = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
     adv = losses.grpo_advantages(r, normalize_std=True, eps=0.0)
@@ -36,7 +46,7 @@ def test_gae_with_lambda_one_and_zero_values_is_the_discounted_return() -> None:
     rewards = torch.tensor([0.0, 0.0, 1.0])
     adv, ret = losses.gae(rewards, torch.zeros(3), gamma=0.5, lambd=1.0)
     assert torch.allclose(adv, torch.tensor([0.25, 0.5, 1.0]))
-    assert torch.allclose(losses.discounted_returns(rewards, 0.5), ret)
+    assert torch.allclose(discounted_returns(rewards, 0.5), ret)
 
 
 def test_gae_subtracts_the_critic_value() -> None:

@@ -42,16 +42,6 @@ def reinforce_pp_advantages(
     return [(c - mean) / (std + eps) for c in centered]
 
 
-def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Reward-to-go over one sample's response tokens."""
-    out = torch.empty_like(token_rewards)
-    running = token_rewards.new_zeros(())
-    for t in range(token_rewards.numel() - 1, -1, -1):
-        running = token_rewards[t] + gamma * running
-        out[t] = running
-    return out
-
-
 def gae(
     token_rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
