@@ -31,7 +31,7 @@ OVER_BUDGET_TODAY = {
     "tandem": 3175,
     "services/common": 974,
     "services/rollout_router": 5356,
-    "services/trainer": 4224,
+    "services/trainer": 4218,
     "services/weight_broker": 1068,
     "services/sample_buffer": 1458,
 }

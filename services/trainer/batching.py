@@ -285,8 +285,7 @@ def make_micro_batches(
         bins = pack_first_fit([s.input_len for s in samples], max_tokens)
     else:
         too_long = [s.input_len for s in samples if s.input_len > max_tokens]
-        if too_long:
-            pack_first_fit(too_long, max_tokens)  # raises the same actionable error
+        pack_first_fit(too_long, max_tokens)  # (raises the same actionable error for any)
         bins = [
             list(range(i, min(i + micro_batch_size, len(samples))))
             for i in range(0, len(samples), micro_batch_size)

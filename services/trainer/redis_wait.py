@@ -89,15 +89,10 @@ class PatientRetry(Retry):
                 "waiting for it (what was not checkpointed stays in Redis, unacknowledged)"
             ) from error
         if waited_s >= self.timeout_s:
-            if hint:
-                raise RedisUnavailableError(
-                    f"Redis at {self.url} refused writes for {self.timeout_s:.0f}s "
-                    f"(--redis-timeout-s; last error: {error}): {hint}"
-                ) from error
+            ended = "refused writes" if hint else "did not answer"
             raise RedisUnavailableError(
-                f"Redis at {self.url} did not answer for {self.timeout_s:.0f}s "
-                f"(--redis-timeout-s; last error: {error}): is the server running? "
-                "(--redis-url)"
+                f"Redis at {self.url} {ended} for {self.timeout_s:.0f}s (--redis-timeout-s; last "
+                f"error: {error}): {hint or 'is the server running? (--redis-url)'}"
             ) from error
 
     def _back(self, failures: int, since: float) -> None:
