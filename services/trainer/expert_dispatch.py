@@ -31,11 +31,16 @@ from services.trainer.cpu_compat import fused
 
 
 def _gather_sum(rows: torch.Tensor, by_token: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    return rows.index_select(0, by_token).view(num_tokens, -1, rows.shape[-1]).sum(1)
+    """Each token's k rows (`by_token`, token by token) summed in fp32, rounded once. Written
+    as k gathers added up: compiled (CUDA), one elementwise kernel of k indirect loads per
+    output element, reading each row once; a gather-then-reduce compiles to a slower kernel."""
+    index = by_token.view(num_tokens, -1)
+    total = rows.index_select(0, index[:, 0]).float()
+    for j in range(1, index.shape[1]):
+        total = total + rows.index_select(0, index[:, j])
+    return total.to(rows.dtype)
 
 
-# Each token's k rows (`by_token`, token by token) summed; on CUDA one compiled kernel gathers
-# and sums (fp32 accumulation) without writing the gathered rows out first.
 _sum_rows = fused(_gather_sum)
 
 
