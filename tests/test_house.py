@@ -30,9 +30,9 @@ BUDGETS = {
 OVER_BUDGET_TODAY = {
     "tandem": 3175,
     "services/common": 974,
-    "services/rollout_router": 5356,
-    "services/trainer": 4218,
-    "services/weight_broker": 1068,
+    "services/rollout_router": 5355,
+    "services/trainer": 4222,
+    "services/weight_broker": 1065,
     "services/sample_buffer": 1458,
 }
 LONGEST_FUNCTION = 60  # lines, from `def` to its last line
