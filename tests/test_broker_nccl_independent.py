@@ -76,6 +76,14 @@ def broker_state(broker) -> dict[str, dict]:  # type: ignore[no-untyped-def]
     return {e["url"]: e for e in httpx.get(f"{broker.url}/state", timeout=10).json()["engines"]}
 
 
+def assert_serves(url: str, version: int, model) -> None:  # type: ignore[no-untyped-def]
+    """The engine at `url` serves `version`, its log-probs those of `model`'s weights."""
+    served, tokens, logprobs = engine_logprobs(url)
+    assert served == str(version)
+    expected = teacher_forced(model, tokens)  # type: ignore[arg-type]
+    assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < 1e-4
+
+
 def send_and_time(sender: NcclWeightSender, version: int, model_dir) -> tuple[float, object]:  # type: ignore[no-untyped-def]
     tensors, model = perturbed_weights(model_dir, seed=version)
     started = time.monotonic()
@@ -120,10 +128,7 @@ def test_a_stopped_engine_is_left_behind_while_the_other_takes_each_version_and_
             waited = {}
             for version in (2, 3, 4):
                 waited[version], model = send_and_time(sender, version, toy_model_dir)
-                served, tokens, logprobs = engine_logprobs(running.url)
-                assert served == str(version)
-                expected = teacher_forced(model, tokens)  # type: ignore[arg-type]
-                assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < 1e-4
+                assert_serves(running.url, version, model)
                 state = broker_state(broker)
                 assert state[running.url]["version"] == version
                 assert state[running.url]["in_rotation"] is True
@@ -160,10 +165,7 @@ def test_a_stopped_engine_is_left_behind_while_the_other_takes_each_version_and_
         assert buffer.get_version("engines") == 4, "the resumed engine pulled the gate back"
         _, model = send_and_time(sender, 5, toy_model_dir)
         for engine in (running, victim):
-            served, tokens, logprobs = engine_logprobs(engine.url)
-            assert served == "5"
-            expected = teacher_forced(model, tokens)  # type: ignore[arg-type]
-            assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < 1e-4
+            assert_serves(engine.url, 5, model)
         state = broker_state(broker)
         assert [(e["version"], e["in_rotation"]) for e in state.values()] == [(5, True)] * 2
         wait_until(lambda: buffer.get_version("engines") == 5, "gate at 5")
@@ -208,10 +210,7 @@ def test_engines_that_answered_a_failed_broadcast_are_counted_on_its_version_not
         # Both answered the update: they have version 1 (served, exact), and no retry re-sent it.
         assert control.acks == [(1, 0, False)], control.acks
         for engine in engines:
-            served, tokens, logprobs = engine_logprobs(engine.url)
-            assert served == "1"
-            expected = teacher_forced(model, tokens)  # type: ignore[arg-type]
-            assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < 1e-4
+            assert_serves(engine.url, 1, model)
         state = broker_state(broker)
         assert [(e["version"], e["in_rotation"]) for e in state.values()] == [(1, True)] * 2
         wait_until(lambda: buffer.get_version("engines") == 1, "gate at 1")

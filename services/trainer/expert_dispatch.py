@@ -82,9 +82,8 @@ class _Combine(torch.autograd.Function):
 class SortedDispatcher(MoETokenDispatcher):
     """megatron's dispatcher interface for one rank holding every expert (see the module)."""
 
-    def __init__(self, num_local_experts: int, config: Any, pg_collection: Any = None) -> None:
+    def __init__(self, config: Any, pg_collection: Any) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
-        self.num_experts = num_local_experts
         self.topk = config.moe_router_topk
 
     def dispatch_preprocess(
@@ -144,6 +143,4 @@ class DispatchingMoELayer(MoELayer):
         super().__init__(config, submodules, **kwargs)
         if applies(config):
             groups = kwargs.get("pg_collection") or get_default_pg_collection()
-            self.token_dispatcher = SortedDispatcher(
-                self.num_local_experts, config, pg_collection=groups
-            )
+            self.token_dispatcher = SortedDispatcher(config, pg_collection=groups)
