@@ -132,7 +132,7 @@ def applies(config: Any) -> bool:
         and config.moe_expert_capacity_factor is None
         and not config.moe_pad_expert_input_to_capacity
         and not config.moe_shared_expert_overlap
-        and not getattr(config, "moe_router_padding_for_quantization", False)
+        and not config.moe_router_padding_for_quantization
     )
 
 
