@@ -354,6 +354,10 @@ class UpRun:
                 self.outcome = "interrupted"
                 say(f"interrupted: stopping every service{STOPPING}; Ctrl-C again kills them now")
                 return 130
+            if problem := restarts.check():  # (before an exit: a service up again says so)
+                self.outcome = "child_failed"
+                say(f"FAILED: {problem}")
+                return 1
             child = self.supervisor.exited()
             if child is not None and not restarts.restart(child):
                 done = child.name == "trainer" and child.proc.returncode == 0
@@ -361,10 +365,6 @@ class UpRun:
                 if done:
                     wait_engines_synced(buffer, say)
                 return code
-            if problem := restarts.check():
-                self.outcome = "child_failed"
-                say(f"FAILED: {problem}")
-                return 1
             if time.monotonic() > deadline:
                 self.outcome = "time_limit"
                 say(f"time limit of {limit_s:.0f}s reached (--time-limit-s)")
