@@ -125,8 +125,6 @@ def validate(tree: UpTree, model_named: bool = False) -> list[str]:
         problems.append(f"--model {model}: no such folder (a Hugging Face model's)")
     elif model and not (Path(model) / "config.json").exists():
         problems.append(f"--model {model}: no config.json there (expected a HF directory)")
-    if 0 > up.stop_accuracy != -1:
-        problems.append("--stop-accuracy must be within [0, 1] (or -1: the model's default)")
     if tree.given("up", "run_id"):
         problems.append("--run-id is set by tandem up per run (RUN_DIR/redis.json): leave it out")
     if not up.resume:

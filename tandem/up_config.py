@@ -60,8 +60,6 @@ def cross_problems(tree: UpTree) -> list[str]:
     router, trainer = flat(tree.router), flat(tree.trainer)
     goal = unmeasured_goal(tree.up.by_model("stop_accuracy"), router)
     goal = goal or world_problem(tree.up.trainer_procs, trainer)
-    if tree.value("trainer", "max_steps") < 1:
-        goal = goal or "--max-steps must be at least 1 (tandem up's run ends there)"
     problem = greedy_groups(router, trainer) or goal
     return [problem] if problem else []
 

@@ -11,7 +11,7 @@ from typing import Annotated
 from pydantic import Field
 
 from proto.run_terms import RunTerms
-from services.common.settings import Count, Positive, PositiveSeconds, Section
+from services.common.settings import Count, Positive, PositiveSeconds, Section, unless
 
 DESCRIPTION = """`tandem up`: the whole asynchronous RL loop on one machine, every service its own process.
 
@@ -61,7 +61,7 @@ class UpConfig(Section):
     the saved ones (the run terms cannot change)."""
     num_engines: Count = 0
     """Reference engines to start (0 = one per --engine-gpus entry, else 2)."""
-    stop_accuracy: Annotated[float, Field(ge=-1, le=1)] = -1.0
+    stop_accuracy: Annotated[float, Field(ge=-1, le=1), unless(-1, "model's default", 0)] = -1.0
     """Stop once held-out greedy accuracy reaches this; a run that ends at --max-steps below it
     exits 1 (0 = never: --max-steps is the goal; -1 = 0.9 for the toy model, 0 with a
     --model)."""

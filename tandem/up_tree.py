@@ -20,11 +20,14 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from pydantic import PositiveInt, TypeAdapter, ValidationError
+
 from services.common.settings import (
     ConfigError,
     Origin,
     flat,
     leaves,
+    refusal,
     resolve,
     suggestion,
     to_toml,
@@ -50,26 +53,26 @@ ALIASES = {
 # A run term a service names otherwise: the broker's --transport is [up]'s weight_transport.
 TERM_NAMES = {"broker": {"transport": "weight_transport"}}
 # What tandem up gives a service per run (addresses, files, the run's Redis): not a table's.
-PER_RUN = set(
-    [
-        "run_id",
-        "redis_url",
-        "host",
-        "port",
-        "ready_file",
-        "engine_urls",
-        "broker_url",
-        "weights_endpoint",
-        "weights_shm_dir",
-        "metrics_port",
-        "save_hf",
-    ]
-)
+PER_RUN = {
+    "run_id",
+    "redis_url",
+    "host",
+    "port",
+    "ready_file",
+    "engine_urls",
+    "broker_url",
+    "weights_endpoint",
+    "weights_shm_dir",
+    "metrics_port",
+    "save_hf",
+}
 # tandem up's defaults for a service's settings it was not given (the services' own are for a
 # cluster's launcher: a trainer that runs until stopped, saves nothing).
 UP_DEFAULTS: dict[str, dict[str, Any]] = {
     "trainer": {"max_steps": 300, "save_interval": 10, "keep_last_checkpoints": 2}
 }
+# tandem up's narrower ranges of a service's settings, and why (the trainer's 0: until stopped).
+UP_RANGES = {"trainer": {"max_steps": (TypeAdapter(PositiveInt), "tandem up's run ends there")}}
 # Trainer settings that pick where one launch starts from: a resume that read them again would
 # start there again (--ckpt-step N: back to iteration N each time).
 ONE_TIME = {"ckpt_step", "new_lineage"}
@@ -219,6 +222,11 @@ def filled(tree: UpTree, name: str) -> dict[str, Any]:
     if name == "engine":
         defaults["device"] = "cuda" if tree.up.engine_gpus else "cpu"
     values |= {key: value for key, value in defaults.items() if origins[key] == "default"}
+    for key, (kind, why) in UP_RANGES.get(name, {}).items():
+        try:
+            kind.validate_python(value := values[key])
+        except ValidationError as exc:
+            raise ConfigError(f"{said(tree, name, key, value)}: {refusal(exc)} ({why})") from None
     return values
 
 
@@ -231,9 +239,7 @@ def terms(name: str, values: dict[str, Any]) -> dict[str, str]:
 def said(tree: UpTree, section: str, key: str, value: Any) -> str:
     """How a value of a section was given (its flag, variable or file key), for a refusal."""
     origin = tree.origins[section].get(key, "default")
-    named = (
-        f"--{key.replace('_', '-')}" if section == "up" else f"--{section}.{key.replace('_', '-')}"
-    )
+    named = "--" + (key if section == "up" else f"{section}.{key}").replace("_", "-")
     shown = " ".join(map(str, value)) if isinstance(value, list) else value
     return {
         "flag": f"{named} {shown}",

@@ -80,7 +80,11 @@ def test_defaults_that_depend_on_the_model_are_the_toys_or_a_pretrained_ones(
     assert given.up.by_model("stop_accuracy") == 0.7
     assert launcher.parse(["--stop-accuracy", "0"])[0].up.by_model("stop_accuracy") == 0
     assert launcher.parse(["--stop-accuracy", "-0.5"])[1] == [
-        "--stop-accuracy must be within [0, 1] (or -1: the model's default)"
+        "--stop-accuracy -0.5: must be at least 0, or -1 (model's default)"
+    ]
+    # the trainer's --max-steps 0 runs until stopped; tandem up's run ends at --max-steps
+    assert launcher.parse(["--max-steps", "0"])[1] == [
+        "--trainer.max-steps 0: must be more than 0 (tandem up's run ends there)"
     ]
     # a --model run that finished --max-steps with no target did what was asked: exit 0; the
     # toy model's run that ends there below its 0.9 exits 1

@@ -133,7 +133,9 @@ def test_patching_the_config_validates_and_changes_later_requests(
         ({"rollout_temperature": "hot"}, '"rollout_temperature"], "msg": "Input should be a valid'),
         ({"rollout_top_p": 0}, '"rollout_top_p"], "msg": "Input should be greater than 0"'),
         # an engine answers 400 to each request with it (SGLang's rule): refused here
-        ({"rollout_top_k": 0}, "--rollout-top-k must be -1 (all) or >= 1, got 0"),
+        ({"rollout_top_k": 0}, '"rollout_top_k"], "msg": "must be at least 1, or -1 (all)"'),
+        # 0, the task's length, is resolved at the start: a live length is at least 1
+        ({"rollout_max_response_len": 0}, '"rollout_max_response_len"], "msg": "Input should be'),
         # the trainer scores the whole distribution: a filtered one would not be the engines'
         ({"rollout_top_p": 0.9}, "--rollout-top-p 0.9: rollouts are trained on"),
         ({"rollout_top_k": 20}, "--rollout-top-k 20: rollouts are trained on"),
@@ -160,6 +162,7 @@ def test_patching_the_config_validates_and_changes_later_requests(
     body = httpx.get(router.url + "/openapi.json").json()["components"]["schemas"]["RolloutPatch"]
     assert "rollout_temperature" in body["properties"] and body["additionalProperties"] is False
     assert "rollout_batch_size" not in body["properties"]
+    assert body["properties"]["rollout_max_response_len"]["anyOf"][0]["minimum"] == 1
     assert httpx.get(url).json()["rollout_max_response_len"] == 4, (
         "a rejected patch changes nothing"
     )

@@ -54,6 +54,9 @@ def test_a_section_default_of_a_service_stays_when_a_neighbouring_key_is_given()
         ([], {}, 'seed = "3"', '[trainer] seed = "3": a string: write it without quotes'),
         ([], {}, "max_step = 3", "[trainer] unknown key 'max_step' (did you mean 'max_steps'?)"),
         ([], {"TANDEM_TRAINER_LRR": "1"}, "", "environment variable TANDEM_TRAINER_LRR: tandem"),
+        # a range with a gap (`unless`): dual clip needs c > 1; 0 is off
+        (["--eps-clip-c", "1"], {}, "", "--eps-clip-c 1: must be more than 1, or 0 (off)"),
+        ([], {}, "eps_clip_c = 0.5", "[trainer] eps_clip_c = 0.5: must be more than 1, or 0 (off)"),
     ],
 )
 def test_a_refused_value_is_named_as_it_was_given(
@@ -90,6 +93,15 @@ def test_every_setting_has_one_name_in_the_tree_and_help_from_its_docstring() ->
         for leaf in leaves(cls):
             assert f"--{leaf.replace('_', '-')}" in help_text, (table, leaf)
     assert "Peak learning rate (AdamW), 0 to 1." in parser(TrainerConfig, "t").format_help()
+
+
+def test_a_top_k_of_0_is_refused_naming_the_flag_and_what_it_may_be() -> None:
+    """SGLang answers 400 to each request with top_k 0: refused at the start."""
+    with pytest.raises(ConfigError, match=r"--rollout-top-k 0: must be at least 1, or -1 \(all\)"):
+        resolve(RouterConfig, ["--rollout-top-k", "0"], "router")
+    assert (
+        resolve(RouterConfig, ["--rollout-top-k", "20"], "router")[0].sampling.rollout_top_k == 20
+    )
 
 
 def test_a_service_exits_2_naming_the_flag_of_a_bad_value() -> None:

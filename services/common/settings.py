@@ -30,7 +30,8 @@ The API (what `tandem up` builds on):
   `load(Cls, ["--config", path], table)` reads back to an equal config.
 - `leaves(Cls)`: each leaf's path of section names (`{"lr": ("optimizer", "lr"), ...}`);
   `flat(config)`: each leaf's value by its name.
-- `Count`, `Positive`, `Seconds`, `PositiveSeconds`, `Rate`: the ranges most fields share;
+- `Count`, `Positive`, `Seconds`, `PositiveSeconds`: the ranges most fields share;
+  `unless(...)`: a range with a gap (-1 for all, else at least 1);
   `ServeSection`: an HTTP service's host, port, ready file, body cap and shutdown grace.
 
 Knows pydantic, argparse and TOML; nothing of what any setting means.
@@ -48,7 +49,8 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 TABLES = ("up", "router", "trainer", "broker", "engine")
 NOT_SETTINGS = ("TANDEM_ROUTER_TOKEN",)  # variables of that form that are no setting
@@ -281,31 +283,24 @@ def resolve(
         origins |= dict.fromkeys(layer, origin)
     try:
         return cls(**values), origins
-    except ValidationError as exc:
-        raise ConfigError(_said(exc, values, origins, path, table, prefix)) from None
+    except ValidationError as exc:  # (the first error, named as the user gave the value)
+        error = exc.errors()[0]
+        leaf = next((str(p) for p in reversed(error["loc"]) if str(p) in origins), "")
+        value = values.get(leaf, error.get("input"))
+        shown = " ".join(map(str, value)) if isinstance(value, list) else value
+        where = {
+            "flag": f"--{leaf.replace('_', '-')} {shown}",
+            "env": f"environment variable {prefix}{leaf.upper()}={shown}",
+            "file": f"{path}: [{table}] {leaf} = {toml_value(value)}",
+        }.get(origins.get(leaf, "default"), f"--{leaf.replace('_', '-')} {shown}")
+        raise ConfigError(f"{where}: {refusal(exc)}") from None
 
 
-def _said(
-    exc: ValidationError,
-    values: dict[str, Any],
-    origins: dict[str, Origin],
-    path: str,
-    table: str,
-    prefix: str,
-) -> str:
-    """The first validation error, named as the user gave the value."""
+def refusal(exc: ValidationError) -> str:
+    """How the first error of a refused value is said ("must be at least 1")."""
     error = exc.errors()[0]
-    leaf = next((str(p) for p in reversed(error["loc"]) if str(p) in origins), "")
-    value = values.get(leaf, error.get("input"))
-    shown = " ".join(map(str, value)) if isinstance(value, list) else value
-    where = {
-        "flag": f"--{leaf.replace('_', '-')} {shown}",
-        "env": f"environment variable {prefix}{leaf.upper()}={shown}",
-        "file": f"{path}: [{table}] {leaf} = {toml_value(value)}",
-    }.get(origins.get(leaf, "default"), f"--{leaf.replace('_', '-')} {shown}")
-    said = SAID.get(error["type"], error["msg"])
     ctx = {k: f"{v:g}" if isinstance(v, float) else v for k, v in error.get("ctx", {}).items()}
-    return f"{where}: {said.format(**ctx)}"
+    return SAID.get(error["type"], error["msg"]).format(**ctx)
 
 
 def load(
@@ -350,7 +345,20 @@ Count = Annotated[int, Field(ge=0)]
 Positive = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(ge=0)]
 PositiveSeconds = Annotated[float, Field(gt=0)]
-Rate = Annotated[float, Field(ge=0, le=1)]  # a learning rate (RL post-training: ~1e-6 to 1e-4)
+
+
+def unless(special: float, meaning: str, lowest: float, above: bool = False) -> AfterValidator:
+    """A field's rule where its range has a gap: at least `lowest` (`above`: more than it), or
+    `special`, a value that means `meaning` (`Annotated[int, Field(ge=-1), unless(-1, "all",
+    1)]`: -1 for all, else at least 1; its `Field` bounds state the rest)."""
+    said = f"must be {'more than' if above else 'at least'} {lowest:g}, or {special:g} ({meaning})"
+
+    def check(value: float) -> float:
+        if value != special and (value < lowest or (above and value == lowest)):
+            raise PydanticCustomError("unless", said)
+        return value
+
+    return AfterValidator(check)
 
 
 class ServeSection(Section):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from proto.run_terms import RunContract, RunTerms
-from services.common.settings import Count, PositiveSeconds, Seconds, Section, ServeSection
+from services.common.settings import Count, PositiveSeconds, Seconds, Section, ServeSection, unless
 from services.rollout_router.config_checks import DEFAULT_DEPTH_BATCHES, check_buffer_depth
 from services.sample_buffer import BufferConfig
 
@@ -100,8 +100,8 @@ class SamplingConfig(Section):
     """Sampling temperature of rollouts."""
     rollout_top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     """top_p of rollouts."""
-    rollout_top_k: Annotated[int, Field(ge=-1)] = -1
-    """top_k of rollouts (-1 = all)."""
+    rollout_top_k: Annotated[int, Field(ge=-1), unless(-1, "all", 1)] = -1
+    """top_k of rollouts (-1 = all; not 0: SGLang's rule)."""
     return_routed_experts: bool = False
     """MoE models: ask engines for the experts each layer chose (SGLang's return_routed_experts;
     SGLang needs --enable-return-routed-experts) and carry them in each sample, for the
@@ -110,10 +110,6 @@ class SamplingConfig(Section):
     """Stop strings of rollouts (a matched one ends the response text)."""
     rollout_stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """Stop token ids of rollouts (the tokenizer's EOS is always added)."""
-
-    def validate(self) -> None:  # type: ignore[override]  # (pydantic's is a deprecated classmethod)
-        if self.rollout_top_k == 0:  # (SGLang's own rule)
-            raise ValueError("--rollout-top-k must be -1 (all) or >= 1, got 0")
 
 
 class DataConfig(Section):
@@ -264,7 +260,6 @@ class RouterConfig(Section):
         """ValueError naming the flag to change, for what spans fields (files: `check`)."""
         if self.rollout.rollout and not self.run.model:
             raise ValueError("--model is required for rollouts (or pass --no-rollout)")
-        self.sampling.validate()
         reward = self.reward
         ways = ("rm_type", "custom_rm_path", "rm_url")  # (one was taken over the others)
         given = [
@@ -325,11 +320,13 @@ LIVE_SECTIONS: dict[str, type[Section]] = {
     "data": DataConfig,
 }
 FROZEN = {"rollout", "version_poll_s", "max_buffer_depth", "apply_chat_template_kwargs"}
+# Their types where a live value's range is narrower: 0, the task's length, is resolved at start.
+LIVE_TYPES: dict[str, Any] = {"rollout_max_response_len": Annotated[int, Field(ge=1)]}
 
 
-def _optional(info: Any) -> Any:
+def _optional(name: str, info: Any) -> Any:
     kind = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
-    return (kind | None, Field(None, description=info.description))
+    return (LIVE_TYPES.get(name, kind) | None, Field(None, description=info.description))
 
 
 if TYPE_CHECKING:
@@ -342,7 +339,7 @@ else:
         " the fields of those sections that may change while the router runs, each optional; the"
         " run's terms are none of them (restart the run to change one).",
         **{
-            name: _optional(info)
+            name: _optional(name, info)
             for section in LIVE_SECTIONS.values()
             for name, info in section.model_fields.items()
             if name not in FROZEN

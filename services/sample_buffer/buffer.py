@@ -90,8 +90,6 @@ class BufferConfig:
         # ("": the broker's, which publishes nowhere then)
         if self.redis_url and (problem := redis_url_problem(self.redis_url)):
             raise ValueError(problem)
-        if not self.redis_call_timeout_s > 0:
-            raise ValueError(f"--redis-call-timeout-s must be > 0, got {self.redis_call_timeout_s}")
 
     def client_options(self) -> dict[str, float | str]:
         """redis-py's socket timeouts (blocking reads must ask for less) and the password

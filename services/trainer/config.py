@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from proto.run_terms import RunTerms
-from services.common.settings import Count, Positive, PositiveSeconds, Rate, Seconds, Section
+from services.common.settings import Count, Positive, PositiveSeconds, Seconds, Section, unless
 from services.sample_buffer import SampleBuffer, redis_url_problem
 from services.trainer.ckpt_folder import TRACKER, check_files, resolve_iteration, saved_iteration
 
@@ -54,7 +54,7 @@ class OptimizerSection(Section):
     lr: Annotated[float, Field(gt=0, le=1)] = 1e-6
     """Peak learning rate (AdamW), 0 to 1. The default suits a pretrained model; `tandem up`
     passes 1e-3 for its toy model, whose rate would wreck a pretrained one in a few steps."""
-    min_lr: Rate = 0.0
+    min_lr: Fraction = 0.0
     """Learning rate at the end of the decay, 0 to 1."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """Schedule after warm-up."""
@@ -72,7 +72,7 @@ class OptimizerSection(Section):
     """AdamW epsilon."""
     clip_grad: NonNegative = 1.0
     """Gradient clipping by global norm (0 = off)."""
-    critic_lr: Rate = 0.0
+    critic_lr: Fraction = 0.0
     """Critic learning rate for --advantage-estimator gae, 0 to 1 (0 = --lr)."""
 
 
@@ -106,8 +106,8 @@ class LossSection(Section):
     """PPO clip: ratio lower bound is 1 - eps_clip."""
     eps_clip_high: Above0 = 0.2
     """PPO clip-higher: ratio upper bound is 1 + eps_clip_high."""
-    eps_clip_c: NonNegative = 0.0
-    """Dual-clip constant c (> 1 enables dual clip for negative advantages)."""
+    eps_clip_c: Annotated[float, Field(ge=0), unless(0, "off", 1, above=True)] = 0.0
+    """Dual-clip constant c (> 1 enables dual clip for negative advantages; 0 = off)."""
     policy_loss_type: Literal["ppo", "gspo"] = "ppo"
     """ppo = token-level ratios; gspo = sequence-level (geometric mean) ratios."""
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
@@ -280,8 +280,6 @@ class TrainerConfig(Section):
                 "--expert-model-parallel-size > 1 needs --use-dynamic-batch-size, "
                 "--tensor-model-parallel-size 1 and no critic (--advantage-estimator gae)"
             )
-        if loss.eps_clip_c and loss.eps_clip_c <= 1.0:
-            raise ValueError("--eps-clip-c must be > 1 (or 0 to disable dual clip)")
 
     def _batch_problem(self, dp_size: int) -> str:
         """Why the batch terms do not divide into steps, ranks and micro-batches ("" if they do)."""

@@ -255,12 +255,6 @@ class RolloutController:
         live = self.loop.live
         rollout, sampling = patched(live.rollout, changes), patched(live.sampling, changes)
         data = patched(self.data, changes)
-        if sampling.rollout_max_response_len < 1:
-            raise ConfigPatchError("rollout_max_response_len must be >= 1")
-        try:
-            sampling.validate()
-        except ValueError as exc:
-            raise ConfigPatchError(str(exc)) from exc
         if problem := filter_problem(sampling):
             raise ConfigPatchError(problem)
         task = self.loop.task
