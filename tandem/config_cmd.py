@@ -196,7 +196,9 @@ kv_cache_gb = 8.0
 """
 
 SECTIONS_TEXT = {
-    "up": "`tandem up`: the whole loop on one machine.",
+    "up": "`tandem up`: the whole loop on one machine. It starts its own Redis unless given one "
+    "(`redis_url`, or the variable REDIS_URL); `model` also takes a hub id (ORG/NAME) the Hugging "
+    "Face cache holds; without one, the toy model made from `seed`.",
     "router": "`tandem router`: rollout router.",
     "trainer": "`tandem trainer`: megatron-core RL trainer.",
     "broker": "`tandem broker`: weight broker.",

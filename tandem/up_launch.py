@@ -36,23 +36,13 @@ MODEL_DEFAULTS: dict[str, tuple[float, float, str]] = {
 ByModel = Annotated[float, Field(ge=-1)]  # -1: the model's default (MODEL_DEFAULTS)
 
 
-class UpRunTerms(RunTerms):
-    """The run terms as `tandem up` takes them: its own Redis and the toy model by default."""
-
-    redis_url: str = ""
-    """Use the Redis at this URL instead of starting one (env REDIS_URL)."""
-    model: str = ""
-    """HF model directory, or a hub id (ORG/NAME) the Hugging Face cache holds (hf download
-    ORG/NAME); default: the toy model from --seed (cached: ~/.cache/tandem)."""
-    seed: int = 0
-    """Seed for the model init, data and sampling."""
-
-
 class UpConfig(Section):
     """What `tandem up` runs besides the services' own settings. Defaults train the built-in
     toy task to >= 90% in minutes."""
 
-    run: UpRunTerms = UpRunTerms()
+    # (tandem up starts its own Redis unless given one: --redis-url or REDIS_URL; --model's
+    # default is the toy model made from --seed)
+    run: RunTerms = RunTerms(redis_url="", seed=0)
     run_dir: str = ""
     """Run folder (default: runs/<time>-seed<S>)."""
     resume: str = ""

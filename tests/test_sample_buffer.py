@@ -11,6 +11,7 @@ import pytest
 from proto import DropReason, DropRecord, Sample, SampleGroup
 from proto.contract import ContractMismatchError, RunContract, ServiceStatus
 from proto.packed import decode_entry, encode_entry, entry_of, pack, unpack
+from proto.run_terms import RunPlace
 from services.sample_buffer import BufferConfig, SampleBuffer
 
 
@@ -80,6 +81,17 @@ def test_versions_and_metrics_round_trip(buffer: SampleBuffer) -> None:
     assert records[-1][1].values == {"train/loss": 0.25}
     assert records[-1][1].step == 3
     assert buffer.read_metrics(after_id=records[-1][0]) == []
+
+
+def test_the_buffer_config_is_the_run_place_and_its_typed_limits() -> None:
+    """Where the buffer lives is the run's `RunPlace` (declared once, in proto), also given as
+    `BufferConfig(redis_url, run_id)`; its limits are range-checked by their types."""
+    config = BufferConfig("redis://h:1/0", "r", metrics_len=5)
+    assert isinstance(config, RunPlace)
+    assert (config.redis_url, config.run_id, config.metrics_len) == ("redis://h:1/0", "r", 5)
+    assert BufferConfig().run_id == RunPlace().run_id
+    with pytest.raises(ValueError, match="redis_call_timeout_s"):
+        BufferConfig(redis_call_timeout_s=0)
 
 
 def test_an_unreachable_server_is_named_in_the_error() -> None:

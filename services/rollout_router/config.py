@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from proto.run_terms import RunContract, RunTerms
 from services.common.settings import Count, PositiveSeconds, Seconds, Section, ServeSection, unless
 from services.rollout_router.config_checks import DEFAULT_DEPTH_BATCHES, check_buffer_depth
-from services.sample_buffer import BufferConfig
+from services.sample_buffer import BufferConfig, BufferLimits
 
 ToolCallParser = Literal["hermes", "none"]  # gateway/tool_calls.py's PARSERS
 
@@ -220,22 +220,6 @@ class SessionConfig(Section):
     The trained tokens are the generated ones either way."""
 
 
-class BufferSection(Section):
-    """How long the run's Redis logs get and how long a Redis call may take (where the buffer
-    lives is the run's: --redis-url, --run-id)."""
-
-    drop_log_len: Count = 10_000
-    """Drop records kept."""
-    metrics_len: Count = 100_000
-    """Metrics records kept."""
-    dead_letter_len: Count = 10_000
-    """Dead-letter entries kept."""
-    redis_call_timeout_s: PositiveSeconds = 10.0
-    """Seconds a Redis call may take: a server that stops answering (a paused or partitioned
-    host) fails the call then, and the service waits for Redis as for one that is down, saying
-    so."""
-
-
 class RouterConfig(Section):
     """Configuration of `tandem router`."""
 
@@ -247,7 +231,7 @@ class RouterConfig(Section):
     reward: RewardConfig = RewardConfig()
     env: EnvConfig = EnvConfig()
     sessions: SessionConfig = SessionConfig()
-    buffer: BufferSection = BufferSection()
+    buffer: BufferLimits = BufferLimits()
     # long agent conversations, batched prompts
     serve: ServeSection = ServeSection(port=30000, max_request_bytes=16 << 20)
     api_token: str = ""

@@ -3,6 +3,7 @@
 from services.sample_buffer.aio import AsyncSampleBuffer
 from services.sample_buffer.buffer import (
     BufferConfig,
+    BufferLimits,
     SampleBuffer,
     redis_url_problem,
 )
@@ -12,6 +13,7 @@ from services.sample_buffer.server import RedisServer, find_server_binary
 __all__ = [
     "AsyncSampleBuffer",
     "BufferConfig",
+    "BufferLimits",
     "ReadAhead",
     "RedisServer",
     "SampleBuffer",

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -60,6 +60,8 @@ import redis
 from proto import DropRecord, MetricsRecord, SampleGroup, decode
 from proto.contract import RunContract, SampleLimits, ServiceStatus
 from proto.packed import PackedGroup, encode_entry, groups_of, unpack
+from proto.run_terms import RunPlace
+from services.common.settings import Count, PositiveSeconds, Section
 from services.sample_buffer import keys, ledger, recovery
 from services.sample_buffer.keys import CONSUMER_GROUP, BufferKeys
 from services.sample_buffer.ledger import Ledger
@@ -67,26 +69,33 @@ from services.sample_buffer.password import password_option, password_refusal
 from services.sample_buffer.refusals import refusal
 
 
-@dataclass
-class BufferConfig:
-    """Where the buffer lives and how long its logs get (producers pass their own bound)."""
+class BufferLimits(Section):
+    """How long the run's Redis logs get and how long a Redis call may take (a service's
+    `buffer` section; where the buffer lives is the run's: --redis-url, --run-id)."""
 
-    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis URL."})
-    run_id: str = field(default="default", metadata={"help": "Key prefix: one run per id."})
     # Logs are for humans; exact counts live in the `drops` hash.
-    drop_log_len: int = field(default=10_000, metadata={"help": "Drop records kept."})
-    metrics_len: int = field(default=100_000, metadata={"help": "Metrics records kept."})
-    dead_letter_len: int = field(default=10_000, metadata={"help": "Dead-letter entries kept."})
-    redis_call_timeout_s: float = field(
-        default=10.0,
-        metadata={
-            "help": "Seconds a Redis call may take: a server that stops answering (a paused or "
-            "partitioned host) fails the call then, and the service waits for Redis as for "
-            "one that is down, saying so."
-        },
-    )
+    drop_log_len: Count = 10_000
+    """Drop records kept."""
+    metrics_len: Count = 100_000
+    """Metrics records kept."""
+    dead_letter_len: Count = 10_000
+    """Dead-letter entries kept."""
+    redis_call_timeout_s: PositiveSeconds = 10.0
+    """Seconds a Redis call may take: a server that stops answering (a paused or partitioned
+    host) fails the call then, and the service waits for Redis as for one that is down, saying
+    so."""
 
-    def validate(self) -> None:
+
+class BufferConfig(BufferLimits, RunPlace):
+    """Where the buffer lives, the run's `RunPlace` (also given as `BufferConfig(redis_url,
+    run_id)`), and its limits (producers pass their own bound)."""
+
+    def __init__(self, *place: str, **fields: Any) -> None:
+        super().__init__(
+            **dict[str, Any](zip(("redis_url", "run_id"), place, strict=False)), **fields
+        )
+
+    def validate(self) -> None:  # type: ignore[override]  # (pydantic's is a deprecated classmethod)
         # ("": the broker's, which publishes nowhere then)
         if self.redis_url and (problem := redis_url_problem(self.redis_url)):
             raise ValueError(problem)
