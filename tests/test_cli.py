@@ -306,3 +306,30 @@ def test_a_reader_that_leaves_early_ends_each_printing_command_quietly_with_its_
     buffer.record_trained(1, ["g"])
     done = into_a_closed_pipe("ledger", *where)
     assert done.returncode == 0 and not done.stderr, done.stderr
+
+
+def test_a_service_process_leaves_as_pythons_exit_would_its_threads_joined_and_atexit_run(
+    tmp_path: Path,
+) -> None:
+    """A service's process skips the interpreter's module teardown at exit (`leave`), but not
+    what Python's exit does before it: a thread still working is waited for, the atexit
+    handlers run (logging's flush among them), the exit code is the service's."""
+    done = tmp_path / "done"
+    script = (
+        "import atexit, threading, time\n"
+        "from tandem.cli import leave\n"
+        "def work():\n"
+        "    time.sleep(0.5)\n"
+        f"    open({str(done)!r}, 'w').write('joined')\n"
+        "threading.Thread(target=work).start()\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "print('buffered, not flushed', end='')\n"
+        "leave(3)\n"
+        "print('after leave')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert result.returncode == 3, result.stderr
+    assert result.stdout == "buffered, not flushedatexit ran\n"
+    assert done.read_text() == "joined"
