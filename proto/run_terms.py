@@ -8,9 +8,10 @@ child's config. The broker embeds `RunPlace`, its first two fields (run id and R
 it states only how weights arrive, from its own --transport. Ranges are in the field types.
 
 The agreed terms (`AGREED`) are also checked in Redis while the run lives: the first service that
-starts writes each term it states (`SampleBuffer.agree_contract`, hash `tandem:{run_id}:contract`,
-one field per term, JSON values), and every other checks its own against them. A service states
-only the terms it knows (`RunTerms.contract(*terms)`; the rest stay None, "not mine to say");
+starts writes each term it states (its run membership, `Membership.agree`, through
+`SampleBuffer.agree_contract`: hash `tandem:{run_id}:contract`, one field per term, JSON values),
+and every other checks its own against them. A service states only the terms it knows
+(`RunTerms.contract(*terms)`; the rest stay None, "not mine to say");
 a term another service stated differently is a `ContractMismatchError` naming both values, who set
 the first one, and the flag to change. `RunContract`, that statement, is made from `AGREED`
 (not declared again): the model is stated as `model_id`, `model_identity(--model)`, so the same

@@ -112,10 +112,10 @@ async def test_what_the_router_writes_the_trainer_reads_and_the_ledger_counts(
     assert await aio.start_group() == 2 and (await aio.ledger()).in_flight == 1
     buffer.set_version("trainer", 5)
     assert await aio.get_version("trainer") == 5 and await aio.get_version("engines") == -1
-    run = await aio.agree_contract(RunContract(rollout_batch_size=4), "router")
-    assert run.rollout_batch_size == 4 == buffer.contract().rollout_batch_size
-    await aio.set_status(ServiceStatus(role="router", state="generating"))
-    assert buffer.statuses()["router"].state == "generating"
+    run = buffer.agree_contract(RunContract(rollout_batch_size=4), "router")  # (membership.py)
+    assert run.rollout_batch_size == 4 and await aio.contract() == run
+    buffer.set_status(ServiceStatus(role="router", state="generating"))
+    assert (await aio.statuses())["router"].state == "generating"
     await aio.publish_metrics("router", 2, {"rollout/batch": 0.0})
     assert buffer.read_metrics()[-1][1].values == {"rollout/batch": 0.0}
     assert await aio.last_metrics_id() == buffer.last_metrics_id()

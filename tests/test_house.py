@@ -1,7 +1,9 @@
 """The house rules that keep the source one a newcomer can read, checked by test, not by habit
 (../STYLE items 14, 15, 18): the launcher imports only the services' `config` modules, no two
-files import each other in a circle, each folder stays within its budget of code lines, and no
-function runs past ~60 lines. `python tests/test_house.py` prints the figures."""
+files import each other in a circle, each folder stays within its budget of code lines, no
+function runs past ~60 lines, and only the run membership (issue 47: `Membership`) writes a
+service's status or states its terms of the run contract. `python tests/test_house.py` prints
+the figures."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ OVER_BUDGET_TODAY = {
     "services/sample_buffer": 1458,
 }
 LONGEST_FUNCTION = 60  # lines, from `def` to its last line
+MEMBERSHIP = "services/sample_buffer/membership.py"
 
 
 def sources() -> list[Path]:
@@ -166,6 +169,17 @@ def long_functions() -> list[str]:
     return out
 
 
+def users_of(*methods: str) -> dict[str, set[str]]:
+    """The source files that name each of `methods` as an attribute: a call, or the method
+    handed on (`asyncio.to_thread(buffer.set_status, ...)`); a definition is no use."""
+    found: dict[str, set[str]] = {method: set() for method in methods}
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in found:
+                found[node.attr].add(str(path.relative_to(ROOT)))
+    return found
+
+
 def test_the_launcher_imports_only_the_services_config_modules_and_the_shared_libraries() -> None:
     graph = import_graph()
     launcher = {name: deps for name, deps in graph.items() if name.startswith("tandem")}
@@ -212,6 +226,12 @@ def test_a_folder_allowed_over_its_budget_is_still_over_it() -> None:
     met = [f for f, allowed in OVER_BUDGET_TODAY.items() if lines[f] <= BUDGETS[f]]
     assert met == []  # (its entry goes: the budget holds it from now on)
     assert all(allowed > BUDGETS[f] for f, allowed in OVER_BUDGET_TODAY.items())
+
+
+def test_only_the_run_membership_writes_a_status_or_states_terms_of_the_run_contract() -> None:
+    # (the walk must find the membership's own calls: an empty set fails too)
+    users = users_of("set_status", "agree_contract")
+    assert users == {"set_status": {MEMBERSHIP}, "agree_contract": {MEMBERSHIP}}
 
 
 def test_no_function_is_longer_than_sixty_lines() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 
 from proto.contract import RunContract, SampleLimits
+from services.trainer.lease import trainer_membership
 from tests.helpers import wait_until
 from tests.test_trainer_process import common_args, run_trainer, sample_groups
 
@@ -126,7 +127,7 @@ def test_status_says_what_the_trainer_waits_for_and_groups_consumed_counts_train
 def test_the_status_stays_fresh_while_the_loop_is_blocked_in_one_long_call(buffer) -> None:
     from services.trainer.status import StatusReporter
 
-    reporter = StatusReporter(buffer, interval_s=0.2)
+    reporter = StatusReporter(trainer_membership(buffer), interval_s=0.2)
     try:
         reporter.update("publishing", "the weight broker to take version 1", version=1)
         first = buffer.statuses()["trainer"]
@@ -150,7 +151,7 @@ def test_a_status_that_cannot_be_written_is_said_once_until_it_is_written_again(
     not written" every 2 s; once a streak now, and when it is written again."""
     from services.trainer.status import StatusReporter
 
-    reporter = StatusReporter(buffer, interval_s=0.1)
+    reporter = StatusReporter(trainer_membership(buffer), interval_s=0.1)
     try:
         with caplog.at_level("WARNING", logger="tandem.trainer"):
             buffer.redis.config_set("maxmemory", 1)
@@ -174,7 +175,7 @@ def test_a_long_wait_is_said_on_the_console_with_what_it_waits_for_now(
     from services.trainer.status import StatusReporter
 
     monkeypatch.setattr(long_wait, "SAY_EVERY_S", 0.6)
-    reporter = StatusReporter(buffer, interval_s=0.1)
+    reporter = StatusReporter(trainer_membership(buffer), interval_s=0.1)
     try:
         reporter.update("waiting for samples", "sample groups: 0 of 4 for step 1")
         time.sleep(0.4)
@@ -210,7 +211,8 @@ def test_a_closing_trainer_reports_stopping_until_its_teardown_ends(buffer) -> N
             pass
 
     trainer = Trainer.__new__(Trainer)
-    trainer.status, trainer.observe = StatusReporter(buffer, interval_s=0.2), Observe()
+    trainer.status = StatusReporter(trainer_membership(buffer), interval_s=0.2)
+    trainer.observe = Observe()
     trainer.sender, trainer.stop_requested, trainer.version = Sender(), False, 3
     trainer.lease = None
     trainer.close()

@@ -23,6 +23,7 @@ from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.config import RouterConfig, WorkerPoolConfig, depth_bound
 from services.rollout_router.config_checks import check_buffer_depth
 from services.sample_buffer import SampleBuffer
+from services.sample_buffer.membership import Membership
 
 DESCRIPTION = (
     """\
@@ -93,7 +94,7 @@ def start(config: RouterConfig) -> Any:
     # finds them answering at once.
     buffer = SampleBuffer(config.buffer_config())
     buffer.wait_ready(30.0)
-    run = buffer.agree_contract(config.contract(), "router")
+    run = Membership(buffer, "router", print).agree(config.contract())  # (no lease yet)
     # The trainer's batch (with --no-rollout the router states none of its own): a ValueError
     # (exit 2) when --max-buffer-depth cannot hold one rollout batch.
     batch = run.rollout_batch_size or 0

@@ -105,9 +105,10 @@ def default_response_len(config: RouterConfig, task: Task, context: int) -> int:
 
 
 async def build_control(
-    config: RouterConfig, pool: WorkerPool, buffer: AsyncSampleBuffer
+    config: RouterConfig, pool: WorkerPool, buffer: AsyncSampleBuffer, lease: RouterLease
 ) -> RolloutController:
-    """Tokenizer, task and reward, loaded once; the rollout loop and its controller."""
+    """Tokenizer, task and reward, loaded once (the prompts' term of the run contract agreed
+    through `lease`'s run membership); the rollout loop and its controller."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.run.model)
     if template := config.data.template_kwargs():
         tokenizer = TemplateKwargs(tokenizer, template)
@@ -115,7 +116,7 @@ async def build_control(
     make_task = functools.partial(build_task, context_len=context)
     task = await asyncio.to_thread(make_task, config.data, tokenizer)
     # (a router restarted on other prompts than the run's: ContractMismatchError, exit 2)
-    await buffer.agree_contract(RunContract(data=data_term(task)), "router")
+    await asyncio.to_thread(lease.member.agree, RunContract(data=data_term(task)))
     if problem := filter_problem(config.sampling):  # (exit 2, as a bad flag)
         raise ValueError(problem)
     if greedy := greedy_note(config.sampling, config.run.n_samples_per_prompt):
@@ -153,13 +154,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if config.run.model:  # (it writes the run's samples: one router per run)
             await lease.take()
             await buffer.recover_open("router")  # (a killed router's agent sessions)
-            control = app.state.control = await build_control(config, pool, buffer)
+            control = app.state.control = await build_control(config, pool, buffer, lease)
             loop = control.loop  # (a PATCH replaces loop.sampling)
             gate = ContextGate(pool, lambda: loop.sampling.rollout_max_response_len)
             await gate.refuse_short()  # (the response bound is known now: build_control)
             control.context_gate = gate
             await control.replay()  # (the run's PATCHes: a resume or a restart keeps them)
-            control.keep_lease(lease)
             app.state.sessions = AgentSessions(
                 config.sessions,
                 pool,
@@ -170,7 +170,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             )
             if note := depth_note(config):
                 log.info("%s", note)
-            control.start_evaluations()
+            control.start_tasks(lease)
             if config.rollout.rollout:
                 control.start()
             else:  # what the watchdog shows while a trainer waits for samples

@@ -13,7 +13,9 @@ the expiry on a loaded machine, so another router found the lease free and both 
 that finds another one holding it (it was stopped, or cut off from Redis, for longer than the
 expiry, and another took over) stops its rollouts and fails its `/health` (`keep` raises), and
 Redis refuses its writes meanwhile (`ledger.FENCE`). A router that stops gives the lease up
-(`release`).
+(`release`). The same run membership (`member`) states the prompts' term of the run contract once
+they are loaded (`app.build_control`) and writes the router's status (`control.report_status`);
+its other terms are agreed before it serves, by a membership not joined yet (`__main__.start`).
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ The same keys, writes and decoding as `SampleBuffer` (keys.py), as coroutines, s
 router's event loop never blocks on Redis nor hands a call to a thread. It has what the router
 does with the buffer: start groups, put groups (several in one script call), record drops
 and give prompts back, recover what a killed router left in flight, read the ledger, counters
-and the backlog, versions, status, the run contract, and metrics. Every write the ledger
+and the backlog, versions, statuses, the run contract, and metrics. Every write the ledger
 counts runs its Lua script (ledger.py), registered on this client as on the blocking one. The
-trainer's consumer side (read, ack, trained lineage) stays in the blocking `SampleBuffer`.
+trainer's consumer side (read, ack, trained lineage) stays in the blocking `SampleBuffer`, and
+so do the run membership's lease, contract terms and status writes (membership.py: the router
+hands those to a thread).
 Nothing here waits for room: the router's depth bound (rollout_router/backpressure.py) decides
 when a group may be put.
 """
@@ -218,13 +220,6 @@ class AsyncSampleBuffer(BufferKeys):
 
     # --- run contract, status ------------------------------------------------------------------
 
-    async def agree_contract(self, mine: RunContract, who: str) -> RunContract:
-        """As `SampleBuffer.agree_contract`."""
-        pipe = self.redis.pipeline(transaction=True)
-        self.queue_contract(pipe, mine, who)
-        await io(pipe.execute())
-        return keys.check_contract(mine, await io(self.redis.hgetall(self.contract_key)), who)
-
     async def contract(self) -> RunContract:
         return keys.contract_of(await io(self.redis.hgetall(self.contract_key)))
 
@@ -235,10 +230,6 @@ class AsyncSampleBuffer(BufferKeys):
 
     async def _scan(self, pattern: str) -> list[bytes]:
         return [name async for name in self.redis.scan_iter(pattern)]
-
-    async def set_status(self, status: ServiceStatus, ttl_s: float = 30.0) -> None:
-        key, value, ttl_ms = self.status_write(status, ttl_s)
-        await io(self.redis.set(key, value, px=ttl_ms))
 
     async def statuses(self) -> dict[str, ServiceStatus]:
         names = sorted(await io(self._scan(self.status_prefix + "*")))

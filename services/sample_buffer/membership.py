@@ -1,5 +1,6 @@
 """A service's membership of a run in one role (trainer, router, broker): the role's lease, the
-fence on its ledger writes and its terms of the run contract, held by one object.
+fence on its ledger writes, its terms of the run contract and its status writes, held by one
+object.
 
 Lease (`keys.LEASE_*`): `join` takes it (`wait_free` only waits until nobody holds it): a lease
 left by a process killed just now expires within `LEASE_TTL_S`, so a start waits at most
@@ -10,14 +11,19 @@ began, and another router took the run) and calls `on_lost(holder)` once another
 it; `release` gives it up when the service stops.
 Fence: `fence(keys)` makes the ledger scripts run through `keys` (START, PUT, DROP, STEP) refuse
 their writes once another process holds the lease (`ledger.FENCE`); `join` fences its own buffer.
-Contract: `join` states the role's terms once the lease is held (`SampleBuffer.agree_contract`:
-ContractMismatchError naming the flag; the lease is given up then).
+Contract: `join` states the role's terms once the lease is held (`agree`, through
+`SampleBuffer.agree_contract`: ContractMismatchError naming the flag; the lease is given up
+then); `agree` states a term known only later (the router's prompts, once loaded) or, before
+`join`, the terms a start checks before anything is loaded (the router's, before it serves).
 Store: `join` checks what the run needs of Redis (`store_check`: an evicting Redis is refused,
 one without persistence said) and reads the run's mark; the renewing thread checks the mark
 before each renewal and, finding it gone or replaced (Redis restarted empty) or a counter that
 only grows below what it read at the renewal before (`MONOTONE`, and those the member `watch`es:
 the store rolled back), calls `on_lost` with `lost()` naming what was lost (the trainer then ends, exit 1).
-Status stays the buffer's (`set_status`): a service reports it from its own loop.
+Status: `report` writes the role's `ServiceStatus` (`SampleBuffer.set_status`, key
+`status:<its role>`, gone after its TTL unless reported again); what it says, and when, is the
+service's own loop's. It is written whether or not the lease is held (as a service's last word).
+No service writes a status or states contract terms but through here (tests/test_house.py).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from proto.contract import RunContract
+from proto.contract import RunContract, ServiceStatus
 from services.sample_buffer.buffer import SampleBuffer
 from services.sample_buffer.keys import (
     LEASE_RENEW_S,
@@ -87,10 +93,21 @@ class Membership:
         if contract is None:
             return None
         try:
-            return self.buffer.agree_contract(contract, self.role)
+            return self.agree(contract)
         except ValueError:
             self.release()
             raise
+
+    def agree(self, contract: RunContract) -> RunContract:
+        """State this role's terms `contract` (those the run has not yet are set) and check them
+        against the run's: its whole contract as it stands; ContractMismatchError naming the
+        flag. RedisError passes."""
+        return self.buffer.agree_contract(contract, self.role)
+
+    def report(self, status: ServiceStatus, ttl_s: float) -> None:
+        """Write this role's `status`, gone after `ttl_s` unless reported again. RedisError
+        passes (a status is the service's to retry)."""
+        self.buffer.set_status(status, ttl_s)
 
     def fence(self, keys: BufferKeys) -> None:
         """Make the ledger writes through `keys` refused once another process holds the lease."""

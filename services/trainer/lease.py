@@ -10,7 +10,8 @@ there, renewed by a thread (a step of minutes does not hold it up). A trainer th
 one holding it (it was stopped, or cut off from Redis, for longer than the expiry, and another
 started) ends at once, exit 1, without a save: the other one trains this run now, and Redis
 refuses this one's steps and drops meanwhile (`ledger.FENCE`). A trainer that stops gives the
-lease up.
+lease up. The same membership agrees the trainer's terms of the run contract as it joins and
+writes its status (`status.StatusReporter`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 read loop each time a blocking read wakes, at least every `read_block_ms`); it writes at once when
 the state or the wait changed, otherwise at most every `interval_s`. A daemon thread rewrites the
 current status every `interval_s` too, so the record stays fresh while the loop is blocked in one
-long call (a weight transfer, a checkpoint save). Rank 0 only: the other ranks hold no buffer.
+long call (a weight transfer, a checkpoint save). Each write goes through the trainer's run
+membership (`Membership.report`). Rank 0 only: the other ranks hold no buffer.
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ import redis
 
 from proto.contract import ServiceStatus
 from services.common.long_wait import LongWait
-from services.sample_buffer import SampleBuffer
+from services.sample_buffer.membership import Membership
 
 log = logging.getLogger("tandem.trainer")
 
 
 class StatusReporter:
-    """Writes `ServiceStatus(role="trainer")` with `SampleBuffer.set_status`."""
+    """Writes `ServiceStatus(role="trainer")` through `member` (`Membership.report`)."""
 
-    def __init__(self, buffer: SampleBuffer, interval_s: float = 2.0) -> None:
-        self.buffer = buffer
+    def __init__(self, member: Membership, interval_s: float = 2.0) -> None:
+        self.member = member
         self.interval_s = interval_s
         self.ttl_s = max(30.0, 10 * interval_s)  # several missed refreshes before it expires
         self.status = ServiceStatus(role="trainer", state="starting", pid=os.getpid())
@@ -59,7 +60,7 @@ class StatusReporter:
     def _write(self) -> None:
         self.status.updated_at = time.time()
         try:
-            self.buffer.set_status(self.status, ttl_s=self.ttl_s)
+            self.member.report(self.status, self.ttl_s)
         except redis.RedisError as exc:  # a status is best effort; the next refresh retries
             if not self.failing:  # (once a streak: it was said every 2 s of a Redis outage)
                 log.warning(

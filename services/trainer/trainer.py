@@ -135,7 +135,7 @@ class Trainer:
         if start_version:
             weights = f"iteration {cfg.checkpoint.ckpt_step}" if resume_root else "--model"
             begin_lineage(plain, start_version, weights)
-        self.status = StatusReporter(plain)
+        self.status = StatusReporter(member)
         self.status.update("loading the model", model=cfg.run.model)
         client = patient_client(
             cfg.run.redis_url,

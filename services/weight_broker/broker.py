@@ -15,15 +15,15 @@ Redis loop run beside it: if one of them fails, `run` raises and `/health` says 
 
 Redis is only touched off the event loop (`asyncio.to_thread`, each call bounded by
 `--redis-call-timeout-s`): the Redis loop publishes `version:engines` as soon as it changes,
-reads the trainer's announced version and writes the status; a Redis that stops answering
-delays those, never the syncs, the sockets or `/health`.
+reads the trainer's announced version and writes the status (`Membership.report`); a Redis that
+stops answering delays those, never the syncs, the sockets or `/health`.
 
 One broker per run (with Redis): a second one (a service scaled to two, a rolling update, one
 started by hand) wrote its own `version:engines` and status over the first's, so the broker holds
-the run's broker lease (`sample_buffer.membership`, with the broker's term of the run contract):
-taken before it serves (`__main__.start`; another one's start is refused, exit 2, naming it),
-renewed beside the loops; a broker that finds another holding it (it was stopped, or cut off from
-Redis, past the expiry) stops its loop, `/health` 503.
+its run membership (`sample_buffer.membership`: the run's broker lease, the broker's term of the
+run contract, its status writes): the lease is taken before it serves (`__main__.start`; another
+one's start is refused, exit 2, naming it), renewed beside the loops; a broker that finds another
+holding it (it was stopped, or cut off from Redis, past the expiry) stops its loop, `/health` 503.
 """
 
 from __future__ import annotations
@@ -351,9 +351,9 @@ class WeightBroker:
         """Everything the broker writes to Redis, off the event loop: `version:engines` when
         it changes (and, after a failed write, again at each tick), and every `interval_s` the
         trainer's announced version and `status()` (for `tandem up`'s progress watchdog)."""
-        if self.buffer is None:
+        if self.buffer is None or self.lease is None:
             return
-        buffer = self.buffer
+        buffer, lease = self.buffer, self.lease
         since, last, next_status = time.time(), "", 0.0
         while True:
             with contextlib.suppress(TimeoutError):
@@ -372,7 +372,7 @@ class WeightBroker:
             self.long_wait.check(status.state, status.waiting_for, since)
             status.since, status.pid = since, os.getpid()
             with contextlib.suppress(RedisError):
-                await asyncio.to_thread(buffer.set_status, status, 4 * interval_s)
+                await asyncio.to_thread(lease.report, status, 4 * interval_s)
                 if self._resend >= 0:
                     await asyncio.to_thread(buffer.set_version, "resend", self._resend)
                     self._resend = -1

@@ -7,9 +7,10 @@ drop with reason `cancelled`. Start after stop goes on with the next prompt of t
 A pause, resume, stop or configuration change asked for is published as a `control/*` metrics
 record (`mark`), which the dashboard marks on its trainer curves.
 
-The status reporter writes the loop's `ServiceStatus` to Redis every `STATUS_INTERVAL_S` and on
-each state change (it waits for whichever comes first); a rollout or evaluation task that ended
-with an exception makes it `failed` with the error, and `GET /health` answers 503.
+The status reporter writes the loop's `ServiceStatus` to Redis, through the router's run
+membership (`Membership.report`), every `STATUS_INTERVAL_S` and on each state change (it waits
+for whichever comes first); a rollout or evaluation task that ended with an exception makes it
+`failed` with the error, and `GET /health` answers 503.
 """
 
 from __future__ import annotations
@@ -150,15 +151,12 @@ class RolloutController:
     def running(self) -> bool:
         return self.task is not None and not self.task.done()
 
-    def start_evaluations(self) -> None:
-        """Evaluations and status reports run whether or not rollouts do (agents may be the
-        only producers)."""
+    def start_tasks(self, lease: RouterLease) -> None:
+        """Evaluations, status reports (through `lease`'s run membership) and the watch on
+        `lease` run whether or not rollouts do (agents may be the only producers); once another
+        router holds the lease, rollouts stop and `failure` says so."""
         self.eval_task = asyncio.create_task(run_evaluations(self.loop), name="eval")
-        self.status_task = asyncio.create_task(self.report_status(), name="status")
-
-    def keep_lease(self, lease: RouterLease) -> None:
-        """Renew the run's router lease; once another router holds it, rollouts stop and
-        `failure` says so."""
+        self.status_task = asyncio.create_task(self.report_status(lease), name="status")
         self.lease_task = asyncio.create_task(self._keep(lease), name="lease")
 
     async def _keep(self, lease: RouterLease) -> None:
@@ -176,8 +174,9 @@ class RolloutController:
                 return f"{task.get_name()} task failed: {type(exc).__name__}: {exc}"
         return ""
 
-    async def report_status(self) -> None:
-        """Write the status record every STATUS_INTERVAL_S and on each state change."""
+    async def report_status(self, lease: RouterLease) -> None:
+        """Write the status record every STATUS_INTERVAL_S and on each state change, through
+        the run membership (`Membership.report`, in a thread)."""
         buffer = self.loop.buffer
         while True:
             with contextlib.suppress(TimeoutError):  # not wait_for: see RolloutLoop.run
@@ -188,7 +187,7 @@ class RolloutController:
             status = await service_status(look, buffer, self.loop.pool, self.failure())
             self.long_wait.check(status.state, status.waiting_for, status.since)
             try:
-                await buffer.set_status(status, STATUS_TTL_S)
+                await asyncio.to_thread(lease.member.report, status, STATUS_TTL_S)
             except RedisError as exc:  # the rollout loop reports the outage; retried next time
                 log.debug("status not written: %s", exc)
 
