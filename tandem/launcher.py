@@ -155,7 +155,3 @@ def validate(tree: UpTree, model_named: bool = False) -> list[str]:
             "--weight-transport zmq"
         )
     return problems
-
-
-if __name__ == "__main__":
-    sys.exit(main())

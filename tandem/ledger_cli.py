@@ -133,7 +133,3 @@ def read_live(buffer: SampleBuffer) -> Ledger:
         time.sleep(LIVE_READ_GAP_S)
         ledger = buffer.ledger()
     return with_details(ledger, buffer.drop_log(DETAIL_RECORDS))  # (once, for the reading shown)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

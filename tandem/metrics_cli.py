@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import sys
 import time
 
 import redis
@@ -83,7 +82,3 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     return read_run("metrics", args, read)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

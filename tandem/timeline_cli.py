@@ -55,7 +55,3 @@ def write(client: redis.Redis, run_id: str, where: str, output: str) -> int:
         return 2
     print(f"wrote {output}: {len(spans)} spans ({counts})")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,7 +29,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,12 +30,12 @@ BUDGETS = {
 # its budget (STYLE.md: a folder that needs more says which feature costs it). Lower a figure
 # when a cut lands; drop the entry when the folder meets its budget.
 OVER_BUDGET_TODAY = {
-    "tandem": 3175,
+    "tandem": 3174,
     "services/common": 974,
-    "services/rollout_router": 5355,
-    "services/trainer": 4222,
+    "services/rollout_router": 5340,
+    "services/trainer": 4217,
     "services/weight_broker": 1065,
-    "services/sample_buffer": 1458,
+    "services/sample_buffer": 1451,
 }
 LONGEST_FUNCTION = 60  # lines, from `def` to its last line
 MEMBERSHIP = "services/sample_buffer/membership.py"
