@@ -157,8 +157,8 @@ class Watchdog:
             if self.progressing():  # a step is on its way, or none is asked for
                 self.last_step_at = now
         stalled = now - self.last_step_at
-        if stalled < self.stall_warn_s:
-            return ""
+        if stalled < min(self.stall_warn_s, self.stall_fail_s):  # (a fail bound under the
+            return ""  # warning's ends the run at its own bound, not at the warning's)
         if self.max_steps and self.last_step >= self.max_steps:  # it saves and closes
             what = f"the trainer has not ended {stalled:.0f} s after its last step (saving, closing"
         else:

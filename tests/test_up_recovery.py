@@ -303,7 +303,9 @@ def test_a_full_disk_stops_the_run_naming_it_and_after_freeing_space_resume_goes
     try:
         run_dir = disk / "run"
         flags = ["--stop-accuracy", "0", "--max-steps", "6", "--num-engines", "1"]
-        full = up(run_dir, *flags, "--save-interval", "2", timeout_s=300)
+        # (a Redis that refuses writes waits for room, up to --stall-fail-s: 600 s by default)
+        stall = ("--stall-warn-s", "10", "--stall-fail-s", "30")
+        full = up(run_dir, *flags, "--save-interval", "2", *stall, timeout_s=300)
         print(full.stdout[-3000:])
         assert full.returncode == 1, full.stdout[-3000:] + full.stderr[-3000:]
         assert "Traceback" not in full.stderr, full.stderr[-3000:]

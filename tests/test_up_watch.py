@@ -464,6 +464,12 @@ def test_the_watchdog_prints_what_each_service_waits_for_then_ends_a_stalled_run
     assert [line for line in said if headline.match(line)], said
     time.sleep(0.4)
     assert headline.match(ending.check()) and "--stall-fail-s" in ending.check()
+    # --stall-fail-s under --stall-warn-s: the run ends at its own bound (it waited for the
+    # warning's, 60 s by default, whatever --stall-fail-s said)
+    early = Watchdog(buffer, {}, stall_warn_s=60, stall_fail_s=0.3, say=said.append)
+    time.sleep(0.4)
+    problem = early.check()
+    assert problem.startswith("no progress for 0 s") and "--stall-fail-s" in problem, problem
 
 
 def test_a_stall_report_names_a_redis_that_refuses_writes_and_what_to_change(
