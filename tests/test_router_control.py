@@ -111,9 +111,12 @@ def test_stopping_mid_batch_counts_the_groups_in_flight_as_cancelled(
     # Their prompts were given back: the next start draws them again, not new ones.
     assert buffer.counters()["prompts_drawn"] == 4
     httpx.post(router.url + "/rollout/start", headers=TOKEN)
-    wait_until(lambda: status(router)["in_flight"] >= 4, "the same 4 prompts in flight again")
+    # (the status's in-flight count can still be the stopped batch's: wait for the draws too)
+    wait_until(
+        lambda: buffer.redis.zcard(buffer.redraw_key) == 0 and status(router)["in_flight"] >= 4,
+        "the 4 given-back prompts drawn and in flight again",
+    )
     assert buffer.counters()["prompts_drawn"] == 4
-    assert buffer.redis.zcard(buffer.redraw_key) == 0
 
 
 def detail(resp: httpx.Response) -> str:
