@@ -81,7 +81,7 @@ def test_fields_that_would_draw_a_trained_turn_off_the_policy_are_refused_naming
         ({"tools": TOOLS, "tool_choice": "required"}, "forcing a tool call constrains"),
         ({"tools": [{"name": "calculator"}]}, "tools must be a list of"),
         ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs must be an object"),
-        ({"top_k": 0}, "top_k must be -1 (all) or an integer >= 1"),
+        ({"top_k": 0}, "top_k 0: a session turn is trained on, and top_k draws its tokens"),
         ({"top_k": 5}, "top_k 5: a session turn is trained on, and top_k draws its tokens"),
         ({"top_p": 0.9}, "top_p 0.9: a session turn is trained on, and top_p draws its tokens"),
         ({"lora_path": "adapter"}, 'lora_path "adapter": a session turn is trained on'),

@@ -223,20 +223,17 @@ def sampling_params(body: dict[str, Any], stop_token_ids: list[int]) -> dict[str
     if not isinstance(asked, list) or not all(type(t) is int and t >= 0 for t in asked):
         raise TurnError("stop_token_ids must be a list of token ids (integers >= 0)")
     seed = _int(body, "seed", 0)
-    top_k = body.get("top_k", -1)
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or (top_k < 1 and top_k != -1):
-        raise TurnError(f"top_k must be -1 (all) or an integer >= 1, got {str(top_k)[:50]!r}")
     top_p = _number(body, "top_p", 1.0, 1e-9, 1.0)
-    for name, value, whole in (("top_p", top_p, 1.0), ("top_k", top_k, -1)):
+    for name, value, whole in (("top_p", top_p, 1.0), ("top_k", body.get("top_k", -1), -1)):
         if value != whole:  # (the temperature the trainer applies: each sample records it)
             raise TurnError(
-                f"{name} {value}: a session turn is trained on, and {name} draws its tokens "
-                f"from part of the model's distribution ({OFF_POLICY}); leave it out"
+                f"{name} {str(value)[:50]}: a session turn is trained on, and {name} draws its "
+                f"tokens from part of the model's distribution ({OFF_POLICY}); leave it out"
             )
     return {
         "temperature": _number(body, "temperature", 1.0, 0.0, 100.0),
         "top_p": top_p,
-        "top_k": top_k,
+        "top_k": -1,
         "n": 1,
         "stop_token_ids": stop_token_ids + [t for t in asked if t not in stop_token_ids],
         # (SGLang's, for the answer's text only: the trained tokens are the same; they were
