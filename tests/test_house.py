@@ -32,7 +32,7 @@ BUDGETS = {
 OVER_BUDGET_TODAY = {
     "tandem": 3174,
     "services/common": 974,
-    "services/rollout_router": 5340,
+    "services/rollout_router": 5337,
     "services/trainer": 4217,
     "services/weight_broker": 1065,
     "services/sample_buffer": 1451,
