@@ -104,7 +104,8 @@ def test_stopping_mid_batch_counts_the_groups_in_flight_as_cancelled(
         "router", router_args(buffer, toy_model_dir, [engines("--delay-ms", "60000").url])
     )
     httpx.post(router.url + "/rollout/start", headers=TOKEN)
-    wait_until(lambda: status(router)["in_flight"] >= 4, "batch 0 in flight")
+    # the 4 groups drawn (in flight in Redis), not 4 requests (an evaluation's count there too)
+    wait_until(lambda: buffer.counters().get("prompts_drawn") == 4, "batch 0 in flight")
     httpx.post(router.url + "/rollout/stop", headers=TOKEN)
     assert buffer.drop_counts() == {"cancelled": 4}
     assert buffer.depth() == 0

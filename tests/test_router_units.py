@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from services.rollout_router.balancer.engine_context import ContextGate
 from services.rollout_router.balancer.worker import Worker, rendezvous, worker_id_for
 from services.rollout_router.balancer.workers import WorkerPool
 from services.rollout_router.config import WorkerPoolConfig
@@ -411,3 +412,24 @@ def test_a_long_wait_is_said_once_a_minute_with_what_it_waits_for_now() -> None:
     wait.said_at -= SAY_EVERY_S  # a minute later, the same wait is said again
     wait.check("waiting_for_buffer", "room: the trainer to consume", long_ago - SAY_EVERY_S)
     assert len(said) == 2 and "for 12" in said[1], said
+
+
+def test_a_refused_engine_whose_server_info_does_not_answer_stays_refused() -> None:
+    """Each health round vets a refused engine again; under load its `/server_info` can time
+    out. The context it said before holds (the old code took "not known" for "fits" and
+    admitted an engine of context 4 under a response bound of 4: CI, 2026-12-08)."""
+    answers: list[object] = [{"context_length": 4}, TimeoutError("slow"), {"context_length": 64}]
+
+    class Pool:
+        config = WorkerPoolConfig()
+
+        async def get_json(self, url: str, path: str, timeout: float) -> object:
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    gate = ContextGate(Pool(), lambda: 4)  # type: ignore[arg-type]
+    assert "has a context length of 4 tokens" in asyncio.run(gate("http://e"))
+    assert "has a context length of 4 tokens" in asyncio.run(gate("http://e"))
+    assert asyncio.run(gate("http://e")) == "", "restarted with a larger context: admitted"

@@ -64,8 +64,10 @@ class ContextGate:
         self.contexts: dict[str, int] = {}  # engine URL -> its reported context (0: unknown)
 
     async def __call__(self, url: str) -> str:
-        """Why the engine at `url` must get no traffic ("" when it may)."""
-        self.contexts[url] = await reported_context(self.pool, url)
+        """Why the engine at `url` must get no traffic ("" when it may). One that does not say
+        now keeps the context it last said: a refused engine whose `/server_info` times out
+        under load stays refused."""
+        self.contexts[url] = await reported_context(self.pool, url) or self.contexts.get(url, 0)
         return context_problem(url, self.contexts[url], self.length())
 
     async def refuse_short(self) -> None:
