@@ -122,7 +122,7 @@ moe)  # 16 layers, hidden 2048, 32 experts top-8 of width 1024: 3.5B total, 1.1B
         --max-tokens-per-gpu 8192 --curve 6 --lr 1e-4 2>&1 | grep -v -i warn | tail -7 \
         | tee "$OUT/moe_curve.txt"
     timeout 150 python3 bench/moe_logprob_mismatch.py --device cuda 2>&1 | grep -v -i warn \
-        | grep -E "log-prob|_diff" | tee "$OUT/moe_mismatch.txt"
+        | grep -E "log-prob|_diff|differ" | tee "$OUT/moe_mismatch.txt"
     ;;
 sync)  # a hang dumps the bench's Python stacks (SIGABRT + faulthandler); logs go to $OUT
     engines="1"
